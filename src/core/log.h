@@ -1,0 +1,9 @@
+// Logging: spdlog's default logger, with one format for the whole program.
+#pragma once
+
+#include <spdlog/spdlog.h>
+
+namespace moetrain {
+// Sets the format ("[time] level message") and the level ("info", "debug", ...).
+void init_logging(const std::string& level = "info");
+}  // namespace moetrain

@@ -1,0 +1,262 @@
+#include "core/tensor.h"
+
+#include <fmt/ranges.h>
+
+#include <cstring>
+
+#include "core/allocator.h"
+
+namespace moetrain {
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::F32: return 4;
+    case DType::F64: return 8;
+    case DType::BF16: return 2;
+    case DType::I32: return 4;
+    case DType::I64: return 8;
+  }
+  return 0;
+}
+
+std::string_view dtype_name(DType t) {
+  switch (t) {
+    case DType::F32: return "f32";
+    case DType::F64: return "f64";
+    case DType::BF16: return "bf16";
+    case DType::I32: return "i32";
+    case DType::I64: return "i64";
+  }
+  return "?";
+}
+
+bool parse_dtype(std::string_view name, DType* out) {
+  struct Entry { std::string_view a, b; DType t; };
+  static const Entry kEntries[] = {{"f32", "float32", DType::F32}, {"f64", "float64", DType::F64},
+                                   {"bf16", "bfloat16", DType::BF16}, {"i32", "int32", DType::I32},
+                                   {"i64", "int64", DType::I64}};
+  for (const auto& e : kEntries) {
+    if (name == e.a || name == e.b) {
+      *out = e.t;
+      return true;
+    }
+  }
+  return false;
+}
+
+std::string shape_str(const Shape& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
+
+int64_t shape_numel(const Shape& s) {
+  int64_t n = 1;
+  for (int64_t d : s) {
+    MT_CHECK(d >= 0, "negative dimension in shape {}", shape_str(s));
+    n *= d;
+  }
+  return n;
+}
+
+// Owns one host block. CUDA storage arrives with the CUDA backend.
+class Storage {
+ public:
+  Storage(size_t bytes, Device device) : bytes_(bytes), device_(device) {
+    MT_CHECK(device.is_cpu(), "device {} is not available in this build", device.str());
+    ptr_ = host_alloc(bytes);
+  }
+  ~Storage() { host_free(ptr_, bytes_); }
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+  void* ptr() const { return ptr_; }
+  Device device() const { return device_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_;
+  Device device_;
+};
+
+Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
+  Tensor t;
+  t.numel_ = shape_numel(shape);
+  t.shape_ = shape;
+  t.dtype_ = dtype;
+  t.storage_ = std::make_shared<Storage>(t.nbytes(), device);
+  return t;
+}
+
+Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device) {
+  Tensor t = empty(shape, dtype, device);
+  t.zero_();
+  return t;
+}
+
+Tensor Tensor::full(const Shape& shape, double value, DType dtype, Device device) {
+  Tensor t = empty(shape, dtype, device);
+  t.fill_(value);
+  return t;
+}
+
+template <typename T>
+Tensor Tensor::from_vector(const std::vector<T>& values, const Shape& shape) {
+  Tensor t = empty(shape, dtype_of<T>());
+  MT_CHECK(static_cast<int64_t>(values.size()) == t.numel(), "from_vector: {} values for shape {}",
+           values.size(), shape_str(shape));
+  std::memcpy(t.raw(), values.data(), t.nbytes());
+  return t;
+}
+template Tensor Tensor::from_vector(const std::vector<float>&, const Shape&);
+template Tensor Tensor::from_vector(const std::vector<double>&, const Shape&);
+template Tensor Tensor::from_vector(const std::vector<int32_t>&, const Shape&);
+template Tensor Tensor::from_vector(const std::vector<int64_t>&, const Shape&);
+
+int64_t Tensor::size(int d) const {
+  int n = ndim();
+  if (d < 0) d += n;
+  MT_CHECK(d >= 0 && d < n, "dimension {} out of range for tensor {}", d, str());
+  return shape_[d];
+}
+
+Device Tensor::device() const { return storage_ ? storage_->device() : Device::cpu(); }
+
+std::string Tensor::str() const {
+  if (!defined()) return "undefined";
+  return fmt::format("{}{} {}", dtype_name(dtype_), shape_str(shape_), device().str());
+}
+
+void* Tensor::raw() const {
+  MT_CHECK(defined(), "access to an undefined tensor");
+  return static_cast<char*>(storage_->ptr()) + offset_ * static_cast<int64_t>(dtype_size(dtype_));
+}
+
+Tensor Tensor::slice(int64_t begin, int64_t end) const {
+  MT_CHECK(ndim() >= 1 && 0 <= begin && begin <= end && end <= shape_[0],
+           "slice [{}, {}) out of range for tensor {}", begin, end, str());
+  Tensor t = *this;
+  int64_t row = numel_ / std::max<int64_t>(shape_[0], 1);
+  t.shape_[0] = end - begin;
+  t.numel_ = row * (end - begin);
+  t.offset_ = offset_ + begin * row;
+  return t;
+}
+
+Tensor Tensor::select(int64_t i) const {
+  Tensor t = slice(i, i + 1);
+  t.shape_.erase(t.shape_.begin());
+  return t;
+}
+
+Tensor Tensor::view(const Shape& shape) const {
+  MT_CHECK(shape_numel(shape) == numel_, "cannot view tensor {} as shape {}", str(), shape_str(shape));
+  Tensor t = *this;
+  t.shape_ = shape;
+  return t;
+}
+
+Tensor Tensor::clone() const {
+  Tensor t = empty(shape_, dtype_, device());
+  std::memcpy(t.raw(), raw(), nbytes());
+  return t;
+}
+
+Tensor Tensor::to(DType dtype) const {
+  Tensor t = empty(shape_, dtype, device());
+  t.copy_from(*this);
+  return t;
+}
+
+namespace {
+template <typename D, typename S>
+void convert(D* dst, const S* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if constexpr (std::is_same_v<D, bf16>) {
+      dst[i] = bf16(static_cast<float>(src[i]));
+    } else if constexpr (std::is_same_v<S, bf16>) {
+      dst[i] = static_cast<D>(static_cast<float>(src[i]));
+    } else {
+      dst[i] = static_cast<D>(src[i]);
+    }
+  }
+}
+
+template <typename F>
+void dispatch_dtype(DType t, F&& f) {
+  switch (t) {
+    case DType::F32: f(float{}); break;
+    case DType::F64: f(double{}); break;
+    case DType::BF16: f(bf16{}); break;
+    case DType::I32: f(int32_t{}); break;
+    case DType::I64: f(int64_t{}); break;
+  }
+}
+}  // namespace
+
+void Tensor::copy_from(const Tensor& src) {
+  MT_CHECK(src.numel() == numel_, "copy_from: source {} does not match destination {}", src.str(), str());
+  MT_CHECK(device().is_cpu() && src.device().is_cpu(), "copy_from: only host tensors here");
+  if (src.dtype() == dtype_) {
+    std::memmove(raw(), src.raw(), nbytes());
+    return;
+  }
+  dispatch_dtype(dtype_, [&](auto d) {
+    using D = decltype(d);
+    dispatch_dtype(src.dtype(), [&](auto s) {
+      using S = decltype(s);
+      convert(static_cast<D*>(raw()), static_cast<const S*>(src.raw()), numel_);
+    });
+  });
+}
+
+void Tensor::zero_() { std::memset(raw(), 0, nbytes()); }
+
+void Tensor::fill_(double value) {
+  dispatch_dtype(dtype_, [&](auto d) {
+    using D = decltype(d);
+    D v;
+    if constexpr (std::is_same_v<D, bf16>) v = bf16(static_cast<float>(value));
+    else v = static_cast<D>(value);
+    D* p = static_cast<D*>(raw());
+    for (int64_t i = 0; i < numel_; ++i) p[i] = v;
+  });
+}
+
+double Tensor::item(int64_t i) const {
+  MT_CHECK(i >= 0 && i < numel_, "item {} out of range for tensor {}", i, str());
+  double out = 0;
+  dispatch_dtype(dtype_, [&](auto d) {
+    using D = decltype(d);
+    const D* p = static_cast<const D*>(raw());
+    if constexpr (std::is_same_v<D, bf16>) out = static_cast<float>(p[i]);
+    else out = static_cast<double>(p[i]);
+  });
+  return out;
+}
+
+std::vector<double> Tensor::to_double_vector() const {
+  std::vector<double> v(numel_);
+  Tensor t = Tensor::empty(shape_, DType::F64);
+  t.copy_from(*this);
+  std::memcpy(v.data(), t.raw(), t.nbytes());
+  return v;
+}
+
+template <typename T>
+std::vector<T> Tensor::to_vector() const {
+  const T* p = data<T>();
+  return std::vector<T>(p, p + numel_);
+}
+template std::vector<float> Tensor::to_vector() const;
+template std::vector<double> Tensor::to_vector() const;
+template std::vector<int32_t> Tensor::to_vector() const;
+template std::vector<int64_t> Tensor::to_vector() const;
+
+void check_shape(const Tensor& t, const Shape& shape, const char* name) {
+  MT_CHECK(t.defined(), "tensor {} is undefined, expected shape {}", name, shape_str(shape));
+  MT_CHECK(t.shape() == shape, "tensor {} has shape {}, expected {}", name, shape_str(t.shape()),
+           shape_str(shape));
+}
+
+void check_dtype(const Tensor& t, DType dtype, const char* name) {
+  MT_CHECK(t.dtype() == dtype, "tensor {} has dtype {}, expected {}", name, dtype_name(t.dtype()),
+           dtype_name(dtype));
+}
+
+}  // namespace moetrain

@@ -1,0 +1,86 @@
+// Tensor: a contiguous, typed, shaped view into reference-counted storage.
+//
+// Views share storage and only ever cut along dim 0 (slice/select) or reshape (view), so
+// every tensor stays contiguous and raw pointers can go straight to BLAS or a kernel.
+// Copies are explicit (clone, copy_from, to).
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/device.h"
+#include "core/dtype.h"
+#include "core/error.h"
+
+namespace moetrain {
+
+using Shape = std::vector<int64_t>;
+std::string shape_str(const Shape& s);
+int64_t shape_numel(const Shape& s);
+
+class Storage;
+
+class Tensor {
+ public:
+  Tensor() = default;  // undefined: defined() is false
+
+  static Tensor empty(const Shape& shape, DType dtype, Device device = Device::cpu());
+  static Tensor zeros(const Shape& shape, DType dtype, Device device = Device::cpu());
+  static Tensor full(const Shape& shape, double value, DType dtype, Device device = Device::cpu());
+  // A CPU tensor holding a copy of `values`.
+  template <typename T>
+  static Tensor from_vector(const std::vector<T>& values, const Shape& shape);
+
+  bool defined() const { return storage_ != nullptr; }
+  const Shape& shape() const { return shape_; }
+  int ndim() const { return static_cast<int>(shape_.size()); }
+  int64_t size(int d) const;  // negative d counts from the end
+  int64_t numel() const { return numel_; }
+  DType dtype() const { return dtype_; }
+  Device device() const;
+  size_t nbytes() const { return static_cast<size_t>(numel_) * dtype_size(dtype_); }
+  std::string str() const;  // "f32[4, 8] cpu"
+
+  void* raw() const;
+  // Typed pointer; throws when T does not match dtype().
+  template <typename T>
+  T* data() const {
+    MT_CHECK(dtype_ == dtype_of<T>(), "tensor of dtype {} read as {}", dtype_name(dtype_),
+             dtype_name(dtype_of<T>()));
+    return static_cast<T*>(raw());
+  }
+
+  // Views sharing storage.
+  Tensor slice(int64_t begin, int64_t end) const;  // rows [begin, end) of dim 0
+  Tensor select(int64_t i) const;                  // row i of dim 0, one dim fewer
+  Tensor view(const Shape& shape) const;           // same elements, new shape
+
+  // Element-wise copies and fills.
+  Tensor clone() const;
+  Tensor to(DType dtype) const;       // converted copy (a plain copy when equal)
+  void copy_from(const Tensor& src);  // same shape; converts dtype
+  void zero_();
+  void fill_(double value);
+
+  // Element i as double, for tests and small host-side reads (CPU only).
+  double item(int64_t i = 0) const;
+  std::vector<double> to_double_vector() const;
+  template <typename T>
+  std::vector<T> to_vector() const;
+
+ private:
+  std::shared_ptr<Storage> storage_;
+  int64_t offset_ = 0;  // in elements
+  Shape shape_;
+  int64_t numel_ = 0;
+  DType dtype_ = DType::F32;
+};
+
+// Checks that `t` has exactly this shape, naming it in the error.
+void check_shape(const Tensor& t, const Shape& shape, const char* name);
+void check_dtype(const Tensor& t, DType dtype, const char* name);
+
+}  // namespace moetrain

@@ -1,0 +1,50 @@
+// Qwen3MoeConfig: the model's shape, with Hugging Face config.json key names so that an
+// HF config can be read as it is (`config_json = "path/config.json"` in [model]).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/config.h"
+
+namespace moetrain {
+
+struct Qwen3MoeConfig {
+  std::string model_type = "qwen3_moe";
+  int64_t vocab_size = 257;  // the byte tokenizer: 256 bytes + end-of-text
+  int64_t hidden_size = 128;
+  int64_t intermediate_size = 256;      // dense MLP layers (mlp_only_layers, sparse step)
+  int64_t moe_intermediate_size = 128;  // each expert's FFN width
+  int64_t num_hidden_layers = 4;
+  int64_t num_attention_heads = 4;
+  int64_t num_key_value_heads = 2;
+  int64_t head_dim = 32;
+  int64_t num_experts = 8;
+  int64_t num_experts_per_tok = 2;
+  bool norm_topk_prob = true;
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;
+  double rope_theta = 10000.0;
+  double rms_norm_eps = 1e-6;
+  bool tie_word_embeddings = false;
+  double initializer_range = 0.02;
+  int64_t max_position_embeddings = 4096;
+  double router_aux_loss_coef = 0.001;
+  double router_z_loss_coef = 0.0;  // moetrain extra: ST-MoE z-loss, off by default
+  std::string config_json;          // optional HF config.json whose keys are read first
+
+  void describe(ConfigFields& f);
+  // Cross-field checks (heads divide, experts_per_tok <= experts, ...). Throws naming the key.
+  void validate(const std::string& origin) const;
+  // Reads an HF config.json: known keys set, keys that change the architecture in ways
+  // moetrain does not support (attention_bias = true, hidden_act other than silu,
+  // rope_scaling, use_sliding_window = true) are errors; other HF keys are ignored.
+  void load_hf_json(const std::string& path);
+
+  // Whether layer `i` has a routed MoE MLP (HF: not in mlp_only_layers, num_experts > 0,
+  // and (i + 1) % decoder_sparse_step == 0).
+  bool is_moe_layer(int64_t i) const;
+};
+
+}  // namespace moetrain

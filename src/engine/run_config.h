@@ -1,0 +1,84 @@
+// RunConfig: everything one training run is told, one TOML file with sections
+// [model] [parallel] [training] [optimizer] [data] [metrics], each a *Config that can
+// describe its keys (see config.h). Any key can be overridden on the command line as
+// --section.key=value. [checkpoint] and [fault_tolerance] arrive with their subsystems;
+// until then they are rejected as unknown sections.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "engine/config.h"
+#include "engine/models/qwen3_moe_config.h"
+
+namespace moetrain {
+
+struct ParallelConfig {
+  int64_t pp = 1, cp = 1, ep = 1;
+  int64_t dp = -1;  // -1: inferred as world / (pp * cp * ep)
+  void describe(ConfigFields& f);
+};
+
+struct TrainingConfig {
+  int64_t steps = 600;
+  int64_t micro_batch_size = 8;     // sequences per micro-batch
+  int64_t seq_len = 128;            // tokens per sequence
+  int64_t grad_accum_steps = 1;     // micro-batches per optimizer step
+  int64_t seed = 1234;
+  std::string device = "cpu";       // "cpu" (CUDA arrives with the CUDA backend)
+  double grad_clip = 1.0;           // global grad-norm clip; 0 disables
+  int64_t eval_every = 100;         // validation loss every N steps (and at step 0 and the end)
+  int64_t eval_batches = 8;         // micro-batches per validation
+  int64_t sample_tokens = 200;      // tokens sampled at the end of the run; 0 disables
+  std::string sample_prompt = "The ";
+  double sample_temperature = 0.8;
+  int64_t threads = 0;              // CPU threads; 0 = all cores
+  void describe(ConfigFields& f);
+};
+
+struct OptimizerConfig {
+  std::string name = "adamw";
+  double lr = 3e-3;
+  double min_lr = 3e-4;             // floor of the decay
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  double weight_decay = 0.1;
+  std::string schedule = "cosine";  // "cosine" | "wsd" | "constant"
+  int64_t warmup_steps = 30;
+  double decay_fraction = 0.2;      // wsd: last fraction of steps that decays to min_lr
+  void describe(ConfigFields& f);
+};
+
+struct DataConfig {
+  std::string kind = "text";         // plain text files, byte-level tokens
+  std::string tokenizer = "byte";
+  // Files or folders of text. Folders are read recursively, skipping fortune's binary
+  // index files (*.dat) and links.
+  std::vector<std::string> paths = {"/usr/share/games/fortunes"};
+  double val_fraction = 0.05;        // share of documents held out for validation
+  void describe(ConfigFields& f);
+};
+
+struct MetricsConfig {
+  std::string dir = "runs/default";  // metrics.jsonl and the run's printed config go here
+  int64_t log_every = 10;            // human log line every N steps
+  bool progress = true;              // progress bar on a terminal
+  void describe(ConfigFields& f);
+};
+
+struct RunConfig {
+  Qwen3MoeConfig model;
+  ParallelConfig parallel;
+  TrainingConfig training;
+  OptimizerConfig optimizer;
+  DataConfig data;
+  MetricsConfig metrics;
+
+  // Loads `path` (TOML), then applies overrides of the form "section.key=value" (the
+  // leading "--" already stripped), then validates everything, cross-section checks
+  // included. Errors name the file (or "command line"), section and key.
+  static RunConfig load(const std::string& path, const std::vector<std::string>& overrides);
+  // The full config as TOML, every key with its value.
+  std::string to_toml();
+};
+
+}  // namespace moetrain

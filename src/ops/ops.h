@@ -1,0 +1,194 @@
+// The numeric operators of moetrain, forward and backward, on Tensors.
+//
+// Each op runs where its inputs live: CPU tensors go to the reference in ops/cpu/, CUDA
+// tensors (later) to ops/cuda/. On the CPU, floating tensors are f32 (training) or f64
+// (gradient checks) and all floating inputs of one call share that dtype; index tensors
+// are i32 and per-expert counts i64.
+//
+// Layout: activations are token-major, [T, features] with T = batch * seq. Linear weights
+// follow Hugging Face: [out_features, in_features]. Weight gradients ACCUMULATE (+=) into
+// the tensor given, so micro-batches and deferred weight-grad steps add up without copies.
+// Backward is split in two where a layer has weights: *_backward_input (dgrad) and
+// *_backward_weight (wgrad), which a pipeline schedule may run later.
+#pragma once
+
+#include <cstdint>
+
+#include "core/tensor.h"
+
+namespace moetrain::ops {
+
+// ---- embedding: y[t] = W[ids[t]] ------------------------------------------------------
+// ids i32 [T], weight [V, H] -> [T, H]. An id outside [0, V) is an error naming it.
+Tensor embedding_forward(const Tensor& ids, const Tensor& weight);
+// dweight[ids[t]] += dy[t]
+void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight);
+
+// ---- linear: y = x W^T ----------------------------------------------------------------
+// x [T, in], w [out, in] -> [T, out]
+Tensor linear_forward(const Tensor& x, const Tensor& w);
+// dx = dy W            dy [T, out] -> [T, in]
+Tensor linear_backward_input(const Tensor& dy, const Tensor& w);
+// dw += dy^T x
+void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw);
+
+// ---- RMSNorm over the last D = w.numel() elements -------------------------------------
+// x is read as [R, D] rows (so [T, heads*hd] with w [hd] is Qwen3's per-head q/k norm).
+// y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps), saved as [R] in x's dtype.
+struct RmsNormOut {
+  Tensor y;
+  Tensor rstd;
+};
+RmsNormOut rmsnorm_forward(const Tensor& x, const Tensor& w, double eps);
+// dx = rstd * (w*dy - x * rstd^2 * mean(w*dy*x))
+Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd);
+// dw += sum_rows dy * x * rstd
+void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dw);
+
+// ---- RoPE, rotate-half convention (HF Llama/Qwen) -------------------------------------
+// x [T, heads * head_dim]; positions i32 [T]. For pair (i, i + head_dim/2) of each head,
+// angle = pos * theta^(-2i/head_dim): (a, b) -> (a cos - b sin, b cos + a sin).
+Tensor rope_forward(const Tensor& x, const Tensor& positions, int64_t head_dim, double theta);
+// The inverse rotation applied to dy (the map is orthogonal).
+Tensor rope_backward(const Tensor& dy, const Tensor& positions, int64_t head_dim, double theta);
+
+// ---- causal grouped-query attention ---------------------------------------------------
+// q [B*S, Hq*D], k and v [B*S, Hkv*D], token-major; query head h reads kv head
+// h / (Hq/Hkv). Query s attends to keys j <= s of the same sequence and, when
+// segment_ids (i32 [B*S]) is defined, of the same segment (packed documents).
+struct AttentionShape {
+  int64_t batch = 0, seq = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
+  double scale = 0;  // softmax scale, usually 1/sqrt(head_dim)
+};
+struct AttentionOut {
+  Tensor out;  // [B*S, Hq*D]
+  Tensor lse;  // [B, Hq, S] log-sum-exp of each score row, saved for backward
+};
+AttentionOut attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_ids,
+                               const AttentionShape& shape);
+struct AttentionGrads {
+  Tensor dq, dk, dv;
+};
+// P = exp(scale*QK^T - lse); dV = P^T dO; dP = dO V^T; dS = P * (dP - rowsum(dO*O));
+// dQ = scale * dS K; dK = scale * dS^T Q (summed over the query heads sharing a kv head).
+AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const Tensor& segment_ids, const Tensor& out, const Tensor& lse,
+                                  const AttentionShape& shape);
+
+// ---- router: softmax -> top-k -> optional renormalisation -----------------------------
+// logits [T, E] -> probs [T, E] = softmax(logits); topk_idx i32 [T, K] (descending prob,
+// ties to the lower expert id); topk_weight [T, K] = probs at topk_idx, divided by their
+// sum when norm_topk_prob.
+struct RouterOut {
+  Tensor probs, topk_idx, topk_weight;
+};
+RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob);
+// dlogits from d(topk_weight) [T, K] and, if defined, an extra d(probs) [T, E] (from the
+// load-balancing loss); both flow through the softmax.
+Tensor router_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const RouterOut& fwd,
+                       bool norm_topk_prob);
+
+// ---- token permutation by expert ------------------------------------------------------
+// The T*K (token, slot) pairs sorted stably by expert: rows of expert 0 first, and within
+// an expert in (t, k) order.
+struct Permutation {
+  Tensor expert_counts;  // i64 [E]
+  Tensor source_token;   // i32 [T*K]: the token feeding permuted row r
+  Tensor slot_row;       // i32 [T*K]: for pair t*K+k, its row in permuted order
+  int64_t num_tokens = 0;
+  int64_t top_k = 0;
+};
+Permutation permutation_by_expert(const Tensor& topk_idx, int64_t num_experts);
+// x [T, H] -> [T*K, H], row r = x[source_token[r]]
+Tensor permute_forward(const Tensor& x, const Permutation& p);
+// [T*K, H] -> dx [T, H], dx[t] = sum of the rows that copied token t
+Tensor permute_backward(const Tensor& dxp, const Permutation& p);
+// expert-ordered [T*K, H] -> (t, k)-ordered [T*K, H]; row t*K+k = yp[slot_row[t*K+k]]
+Tensor unpermute_forward(const Tensor& yp, const Permutation& p);
+// the inverse gather, (t, k)-ordered gradients -> expert order
+Tensor unpermute_backward(const Tensor& dy, const Permutation& p);
+
+// ---- weighted combine: y[t] = residual[t] + sum_k w[t,k] * e[t*K + k] -----------------
+// expert_out [T*K, H] in (t, k) order, weight [T, K], residual [T, H] or undefined.
+Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Tensor& residual);
+struct CombineGrads {
+  Tensor dexpert_out;  // [T*K, H] = w[t,k] * dy[t]
+  Tensor dweight;      // [T, K]   = <dy[t], e[t*K+k]>
+};
+// d(residual) is dy itself.
+CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& weight);
+
+// ---- grouped expert SwiGLU ------------------------------------------------------------
+// x [N, H] holds counts[e] consecutive rows per expert e (counts i64 [E], sum N).
+// For expert e: g = x W_gate[e]^T, u = x W_up[e]^T, a = silu(g) * u, y = a W_down[e]^T.
+// w_gate, w_up [E, I, H]; w_down [E, H, I]. A dense MLP is E = 1.
+struct SwigluOut {
+  Tensor y;         // [N, H]
+  Tensor gate, up;  // [N, I] pre-activations, saved for backward
+};
+SwigluOut grouped_swiglu_forward(const Tensor& x, const Tensor& counts, const Tensor& w_gate,
+                                 const Tensor& w_up, const Tensor& w_down);
+struct SwigluInputGrads {
+  Tensor dx;          // [N, H]
+  Tensor dgate, dup;  // [N, I], kept for the weight gradients
+};
+SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& counts, const Tensor& gate,
+                                               const Tensor& up, const Tensor& w_gate, const Tensor& w_up,
+                                               const Tensor& w_down);
+// dW_down[e] += dy_e^T a_e; dW_gate[e] += dgate_e^T x_e; dW_up[e] += dup_e^T x_e
+void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate,
+                                    const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate,
+                                    Tensor& dw_up, Tensor& dw_down);
+
+// ---- cross-entropy with ignore index -100 ---------------------------------------------
+// logits [T, V], targets i32 [T]. loss_sum [1] = sum over targets != -100 of
+// lse(logits[t]) - logits[t, target]; lse [T] saved. A target outside [0, V) other than
+// -100 is an error naming it.
+struct CrossEntropyOut {
+  Tensor loss_sum;
+  Tensor lse;
+};
+constexpr int32_t kIgnoreIndex = -100;
+CrossEntropyOut cross_entropy_forward(const Tensor& logits, const Tensor& targets);
+// dlogits = scale * (softmax(logits) - onehot(target)); zero rows where ignored.
+Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, double scale);
+
+// ---- MoE auxiliary losses -------------------------------------------------------------
+// Hugging Face Qwen3-MoE load balancing over R router rows (all routed layers of a
+// forward, concatenated): loss = coef * E * sum_e (n_e / R) * (P_e / R), with n_e the
+// number of top-k selections of expert e and P_e the sum of probs[:, e].
+// Adds this layer's n_e and P_e into selections [E] and prob_sum [E] (dtype of probs).
+void load_balance_accumulate(const Tensor& probs, const Tensor& topk_idx, Tensor& selections, Tensor& prob_sum);
+// The gradient w.r.t. each row of probs is the same vector coef * E * n_e / R^2: returns
+// dprobs [rows, E] filled with it.
+Tensor load_balance_backward(const Tensor& selections, int64_t rows, int64_t total_rows, double coef);
+// Router z-loss (ST-MoE): sum over rows of lse(logits[r])^2, as loss_sum [1], plus lse [R].
+struct ZLossOut {
+  Tensor loss_sum;
+  Tensor lse;
+};
+ZLossOut router_z_loss_forward(const Tensor& logits);
+// dlogits = scale * 2 * lse[r] * softmax(logits[r]) (probs = softmax(logits) given).
+Tensor router_z_loss_backward(const Tensor& probs, const Tensor& lse, double scale);
+
+// ---- AdamW (decoupled weight decay), FP32 master weights and moments ------------------
+// In place on param, m, v (same shape, f32 or f64), given grad:
+//   m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+//   param -= lr * (m / (1-b1^step) / (sqrt(v / (1-b2^step)) + eps) + wd * param)
+struct AdamWStep {
+  double lr = 0, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0;
+  int64_t step = 1;  // 1-based, for bias correction
+};
+void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWStep& s);
+
+// ---- small reductions and element-wise helpers ----------------------------------------
+// sum of squares of all elements, in double
+double sum_squares(const Tensor& x);
+// x *= alpha
+void scale_(Tensor& x, double alpha);
+// y += x (same shape and dtype)
+void add_(Tensor& y, const Tensor& x);
+// true when every element is finite
+bool all_finite(const Tensor& x);
+
+}  // namespace moetrain::ops
