@@ -1,0 +1,134 @@
+// Token permutation by expert: the T*K (token, slot) pairs sorted stably by expert id.
+//
+// permutation_by_expert: a counting sort of topk_idx [T, K]. counts[e] = #pairs routed to
+//   e; offsets = exclusive prefix sum; pairs visited in (t, k) order take the next row of
+//   their expert, so slot_row[t*K+k] = r and source_token[r] = t.
+// permute:   xp[r] = x[source_token[r]]            backward: dx[t] = sum_k dxp[slot_row[t*K+k]]
+//   (the backward gathers the K rows of each token in k order: deterministic, no atomics)
+// unpermute: y[t*K+k] = yp[slot_row[t*K+k]]        backward: dyp[slot_row[i]] = dy[i]
+//   (slot_row is a bijection, so this scatter writes each row exactly once)
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "ops/cpu/common.h"
+#include "ops/cpu/cpu_ops.h"
+
+namespace moetrain::ops::cpu {
+namespace {
+
+// Checks that `p` is a complete permutation and `t` is [T*K, H] (or [T, H] when
+// per_token); returns H.
+int64_t check_rows(const Permutation& p, const Tensor& t, bool per_token, const char* op, const char* name) {
+  const int64_t NK = p.num_tokens * p.top_k;
+  MT_CHECK(p.source_token.defined() && p.slot_row.defined() && p.source_token.numel() == NK &&
+               p.slot_row.numel() == NK,
+           "{}: permutation is incomplete: source_token {} and slot_row {} must hold T*K = {} rows", op,
+           p.source_token.str(), p.slot_row.str(), NK);
+  const int64_t rows = per_token ? p.num_tokens : NK;
+  MT_CHECK(t.defined() && t.ndim() == 2 && t.size(0) == rows, "{}: {} must be [{}, H], got {}", op, name, rows,
+           t.str());
+  return t.size(1);
+}
+
+// dst[i] = src[index[i]] for rows of H elements (any element type).
+void gather_rows(const Tensor& src, const int32_t* index, int64_t n, Tensor& dst) {
+  const int64_t row_bytes = src.size(1) * static_cast<int64_t>(dtype_size(src.dtype()));
+  const char* s = static_cast<const char*>(src.raw());
+  char* d = static_cast<char*>(dst.raw());
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) std::memcpy(d + i * row_bytes, s + index[i] * row_bytes, row_bytes);
+}
+
+}  // namespace
+
+Permutation permutation_by_expert(const Tensor& topk_idx, int64_t num_experts) {
+  MT_CHECK(topk_idx.defined() && topk_idx.ndim() == 2, "permutation_by_expert: topk_idx must be [T, K], got {}",
+           topk_idx.str());
+  check_dtype(topk_idx, DType::I32, "permutation_by_expert topk_idx");
+  MT_CHECK(num_experts >= 1, "permutation_by_expert: num_experts = {} must be positive", num_experts);
+  Permutation p;
+  p.num_tokens = topk_idx.size(0);
+  p.top_k = topk_idx.size(1);
+  const int64_t NK = p.num_tokens * p.top_k;
+  MT_CHECK(NK <= INT32_MAX, "permutation_by_expert: T*K = {} rows exceed the i32 row index range", NK);
+  const int32_t* idx = topk_idx.data<int32_t>();
+  p.expert_counts = Tensor::zeros({num_experts}, DType::I64);
+  int64_t* counts = p.expert_counts.data<int64_t>();
+  for (int64_t i = 0; i < NK; ++i) {
+    MT_CHECK(idx[i] >= 0 && idx[i] < num_experts,
+             "permutation_by_expert: topk_idx[{}, {}] = {} is not an expert id in [0, {})", i / p.top_k,
+             i % p.top_k, idx[i], num_experts);
+    ++counts[idx[i]];
+  }
+  std::vector<int64_t> next(static_cast<size_t>(num_experts));
+  int64_t off = 0;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    next[e] = off;
+    off += counts[e];
+  }
+  p.source_token = Tensor::empty({NK}, DType::I32);
+  p.slot_row = Tensor::empty({NK}, DType::I32);
+  int32_t* src = p.source_token.data<int32_t>();
+  int32_t* slot = p.slot_row.data<int32_t>();
+  for (int64_t i = 0; i < NK; ++i) {
+    const int64_t r = next[idx[i]]++;
+    slot[i] = static_cast<int32_t>(r);
+    src[r] = static_cast<int32_t>(i / p.top_k);
+  }
+  return p;
+}
+
+Tensor permute_forward(const Tensor& x, const Permutation& p) {
+  const int64_t H = check_rows(p, x, /*per_token=*/true, "permute_forward", "x");
+  Tensor xp = Tensor::empty({p.num_tokens * p.top_k, H}, x.dtype());
+  gather_rows(x, p.source_token.data<int32_t>(), p.num_tokens * p.top_k, xp);
+  return xp;
+}
+
+Tensor permute_backward(const Tensor& dxp, const Permutation& p) {
+  const int64_t H = check_rows(p, dxp, /*per_token=*/false, "permute_backward", "dxp");
+  const int64_t T = p.num_tokens, K = p.top_k;
+  Tensor dx = Tensor::empty({T, H}, dxp.dtype());
+  dispatch_float(dxp.dtype(), "permute_backward", [&](auto tag) {
+    using F = decltype(tag);
+    const F* g = dxp.data<F>();
+    const int32_t* slot = p.slot_row.data<int32_t>();
+    F* out = dx.data<F>();
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      F* o = out + t * H;
+      for (int64_t h = 0; h < H; ++h) o[h] = F(0);
+      for (int64_t k = 0; k < K; ++k) {
+        const F* row = g + static_cast<int64_t>(slot[t * K + k]) * H;
+        for (int64_t h = 0; h < H; ++h) o[h] += row[h];
+      }
+    }
+  });
+  return dx;
+}
+
+Tensor unpermute_forward(const Tensor& yp, const Permutation& p) {
+  const int64_t H = check_rows(p, yp, /*per_token=*/false, "unpermute_forward", "yp");
+  Tensor y = Tensor::empty({p.num_tokens * p.top_k, H}, yp.dtype());
+  gather_rows(yp, p.slot_row.data<int32_t>(), p.num_tokens * p.top_k, y);
+  return y;
+}
+
+Tensor unpermute_backward(const Tensor& dy, const Permutation& p) {
+  const int64_t H = check_rows(p, dy, /*per_token=*/false, "unpermute_backward", "dy");
+  const int64_t NK = p.num_tokens * p.top_k;
+  // The gather by the inverse of slot_row: row r of expert order is pair
+  // (source_token[r], k) with slot_row of that pair equal to r. Scatter through slot_row
+  // is the same map and touches each row once.
+  Tensor dyp = Tensor::empty({NK, H}, dy.dtype());
+  const int64_t row_bytes = H * static_cast<int64_t>(dtype_size(dy.dtype()));
+  const int32_t* slot = p.slot_row.data<int32_t>();
+  const char* s = static_cast<const char*>(dy.raw());
+  char* d = static_cast<char*>(dyp.raw());
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < NK; ++i) std::memcpy(d + slot[i] * row_bytes, s + i * row_bytes, row_bytes);
+  return dyp;
+}
+
+}  // namespace moetrain::ops::cpu

@@ -1,0 +1,105 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "core/allocator.h"
+#include "core/rng.h"
+#include "core/tensor.h"
+
+namespace moetrain {
+namespace {
+
+TEST(Tensor, ShapesViewsAndSlices) {
+  Tensor t = Tensor::zeros({4, 3}, DType::F32);
+  EXPECT_EQ(t.numel(), 12);
+  EXPECT_EQ(t.nbytes(), 48u);
+  EXPECT_EQ(t.size(-1), 3);
+  float* p = t.data<float>();
+  for (int i = 0; i < 12; ++i) p[i] = static_cast<float>(i);
+  Tensor rows = t.slice(1, 3);
+  EXPECT_EQ(rows.shape(), (Shape{2, 3}));
+  EXPECT_EQ(rows.item(0), 3.0);
+  Tensor row = t.select(2);
+  EXPECT_EQ(row.shape(), (Shape{3}));
+  EXPECT_EQ(row.item(2), 8.0);
+  row.fill_(-1);  // a view writes through to its storage
+  EXPECT_EQ(t.item(7), -1.0);
+  EXPECT_EQ(t.view({2, 6}).item(11), 11.0);
+  EXPECT_THROW(t.view({5}), Error);
+  EXPECT_THROW(t.slice(2, 5), Error);
+  EXPECT_THROW(t.data<double>(), Error);
+  EXPECT_THROW(t.size(2), Error);
+}
+
+TEST(Tensor, CopiesConvertDtypes) {
+  Tensor a = Tensor::from_vector<double>({1.5, -2.25, 3.0e-3, 65504.0}, {4});
+  Tensor f = a.to(DType::F32);
+  EXPECT_EQ(f.item(1), -2.25);
+  Tensor b = a.to(DType::BF16);
+  EXPECT_EQ(b.item(0), 1.5);
+  EXPECT_NEAR(b.item(2), 3.0e-3, 3.0e-3 / 128);  // 8 significant bits
+  Tensor i = a.to(DType::I64);
+  EXPECT_EQ(i.item(1), -2.0);
+  Tensor c = a.clone();
+  c.fill_(0);
+  EXPECT_EQ(a.item(0), 1.5);  // clone owns its bytes
+}
+
+TEST(Tensor, Bf16RoundsToNearestEven) {
+  // 1 + 2^-8 lies halfway between bf16 1.0 and 1 + 2^-7: ties go to the even mantissa (1.0).
+  EXPECT_EQ(static_cast<float>(bf16(1.0f + 1.0f / 256)), 1.0f);
+  EXPECT_EQ(static_cast<float>(bf16(1.0f + 3.0f / 256)), 1.0f + 4.0f / 256);
+  EXPECT_TRUE(std::isnan(static_cast<float>(bf16(std::nanf("")))));
+}
+
+TEST(Tensor, ErrorsNameTheTensor) {
+  Tensor t = Tensor::zeros({2, 3}, DType::F32);
+  try {
+    check_shape(t, {3, 2}, "model.norm.weight");
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.norm.weight"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("[3, 2]"), std::string::npos);
+  }
+  EXPECT_THROW(Tensor::empty({2}, DType::F32, Device::cuda(0)), Error);
+}
+
+TEST(Rng, CounterBasedStreamsAreSliceable) {
+  const uint64_t key = stream_key(1234, "model.layers.0.self_attn.q_proj.weight");
+  EXPECT_NE(key, stream_key(1234, "model.layers.1.self_attn.q_proj.weight"));
+  EXPECT_NE(key, stream_key(1235, "model.layers.0.self_attn.q_proj.weight"));
+  Tensor whole = Tensor::empty({6, 4}, DType::F64);
+  fill_normal(whole, key, 0.02);
+  Tensor shard = Tensor::empty({2, 4}, DType::F64);
+  fill_normal(shard, key, 0.02, /*first_element=*/8);
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(shard.item(i), whole.item(8 + i));
+}
+
+TEST(Rng, NormalMoments) {
+  const int n = 200000;
+  double s = 0, s2 = 0;
+  for (int i = 0; i < n; ++i) {
+    double x = normal_at(99, i);
+    s += x;
+    s2 += x * x;
+  }
+  EXPECT_NEAR(s / n, 0.0, 0.01);
+  EXPECT_NEAR(s2 / n, 1.0, 0.01);
+  Rng a(5), b(5);
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(a.next_u64(), b.next_u64());
+  for (int i = 0; i < 1000; ++i) EXPECT_LT(a.below(7), 7u);
+}
+
+TEST(Allocator, TracksPeak) {
+  reset_host_peak();
+  const int64_t before = host_memory_stats().live_bytes;
+  {
+    Tensor big = Tensor::empty({1 << 20}, DType::F32);
+    EXPECT_GE(host_memory_stats().live_bytes, before + (4 << 20));
+  }
+  EXPECT_EQ(host_memory_stats().live_bytes, before);
+  EXPECT_GE(host_memory_stats().peak_bytes, before + (4 << 20));
+}
+
+}  // namespace
+}  // namespace moetrain

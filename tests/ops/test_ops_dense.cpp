@@ -1,0 +1,564 @@
+// Tests of the dense CPU ops: embedding, linear, RMSNorm, RoPE, attention, cross-entropy.
+//
+// For each op: a float64 central-finite-difference check of every differentiable input
+// (loss = sum(R * output) for a fixed random R, so the analytic gradient is the backward
+// with dy = R), a forward check against an independent naive computation, f32 vs f64
+// agreement, bad-input errors, and (where work is split over threads) bitwise equality
+// between 1 and 2 OpenMP threads. Each gradient check prints
+// `GRADCHECK <op> <input> <rel_err>`.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "ops/ops.h"
+#include "test_util.h"
+
+namespace {
+
+namespace ops = moetrain::ops;
+using moetrain::DType;
+using moetrain::Error;
+using moetrain::Rng;
+using moetrain::Shape;
+using moetrain::Tensor;
+using moetrain::testing::dot;
+using moetrain::testing::gradcheck;
+using moetrain::testing::random_ints;
+using moetrain::testing::random_tensor;
+using moetrain::testing::rel_error;
+
+constexpr double kGradTol = 1e-6;
+constexpr uint64_t kSeeds[] = {11, 22, 33};
+
+void check_grad(const std::string& op, const char* input, Tensor& x, const Tensor& analytic,
+                const std::function<double()>& loss) {
+  const double err = gradcheck(x, analytic, loss);
+  std::printf("GRADCHECK %s %s %.3e\n", op.c_str(), input, err);
+  std::fflush(stdout);
+  EXPECT_LT(err, kGradTol) << op << " d" << input;
+}
+
+// A dimension in [lo, hi] drawn from rng.
+int64_t dim(Rng& rng, int64_t lo, int64_t hi) { return lo + static_cast<int64_t>(rng.below(hi - lo + 1)); }
+
+// Runs f with 1 and then 2 OpenMP threads and returns both results.
+template <typename F>
+auto with_threads(F f) {
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  auto a = f();
+  omp_set_num_threads(2);
+  auto b = f();
+  omp_set_num_threads(saved);
+  return std::make_pair(a, b);
+}
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  return a.shape() == b.shape() && a.dtype() == b.dtype() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
+}
+
+// Expects `f` to throw moetrain::Error whose message contains every string in `parts`.
+void expect_error(const std::function<void()>& f, std::vector<std::string> parts = {}) {
+  try {
+    f();
+    ADD_FAILURE() << "expected moetrain::Error";
+  } catch (const Error& e) {
+    for (const auto& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
+  }
+}
+
+Tensor f32(const Tensor& t) { return t.to(DType::F32); }
+
+// ---- embedding ----------------------------------------------------------------------
+
+TEST(DenseEmbedding, GradCheck) {
+  for (uint64_t seed : kSeeds) {
+    Rng rng(seed);
+    const int64_t V = dim(rng, 2, 7), H = dim(rng, 1, 6), T = dim(rng, 1, 12);
+    Tensor ids = random_ints({T}, 0, static_cast<int32_t>(V), seed + 1);
+    Tensor w = random_tensor({V, H}, DType::F64, seed + 2);
+    Tensor r = random_tensor({T, H}, DType::F64, seed + 3);
+    Tensor dw = Tensor::zeros({V, H}, DType::F64);
+    ops::embedding_backward_weight(ids, r, dw);
+    check_grad(fmt::format("embedding[T={},V={},H={}]", T, V, H), "weight", w, dw, [&] { return dot(r, ops::embedding_forward(ids, w)); });
+  }
+}
+
+TEST(DenseEmbedding, ForwardNaiveAndF32) {
+  const int64_t V = 9, H = 5, T = 13;
+  Tensor ids = random_ints({T}, 0, V, 5);
+  Tensor w = random_tensor({V, H}, DType::F64, 6);
+  Tensor y = ops::embedding_forward(ids, w);
+  ASSERT_EQ(y.shape(), (Shape{T, H}));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) EXPECT_EQ(y.item(t * H + h), w.item(ids.data<int32_t>()[t] * H + h));
+  EXPECT_TRUE(bitwise_equal(ops::embedding_forward(ids, f32(w)), f32(y)));
+}
+
+TEST(DenseEmbedding, BackwardAccumulatesDeterministically) {
+  const int64_t V = 50, H = 300, T = 4000;
+  Tensor ids = random_ints({T}, 0, V, 7);
+  Tensor dy = random_tensor({T, H}, DType::F32, 8);
+  Tensor init = random_tensor({V, H}, DType::F32, 9);
+  auto [a, b] = with_threads([&] {
+    Tensor dw = init.clone();
+    ops::embedding_backward_weight(ids, dy, dw);
+    return dw;
+  });
+  EXPECT_TRUE(bitwise_equal(a, b));
+  // dw = init + scatter-add of dy, checked in double.
+  std::vector<double> ref = init.to_double_vector(), g = dy.to_double_vector();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) ref[ids.data<int32_t>()[t] * H + h] += g[t * H + h];
+  EXPECT_LT(rel_error(a, Tensor::from_vector(ref, {V, H})), 1e-6);
+}
+
+TEST(DenseEmbedding, Errors) {
+  Tensor w = random_tensor({4, 3}, DType::F32, 1);
+  Tensor bad = Tensor::from_vector(std::vector<int32_t>{0, 4, 1}, {3});
+  expect_error([&] { ops::embedding_forward(bad, w); }, {"4", "position 1", "[0, 4)"});
+  Tensor neg = Tensor::from_vector(std::vector<int32_t>{-1}, {1});
+  expect_error([&] { ops::embedding_forward(neg, w); }, {"-1"});
+  Tensor ids = Tensor::from_vector(std::vector<int32_t>{0, 3}, {2});
+  expect_error([&] { ops::embedding_forward(ids.to(DType::I64), w); });
+  expect_error([&] { ops::embedding_forward(ids, w.view({12})); });
+  Tensor dw = Tensor::zeros({4, 3}, DType::F32);
+  expect_error([&] { ops::embedding_backward_weight(ids, random_tensor({2, 4}, DType::F32, 2), dw); }, {"dy"});
+  expect_error([&] { ops::embedding_backward_weight(bad, random_tensor({3, 3}, DType::F32, 2), dw); }, {"4"});
+  expect_error([&] { ops::embedding_backward_weight(ids, random_tensor({2, 3}, DType::F64, 2), dw); });
+}
+
+// ---- linear -------------------------------------------------------------------------
+
+TEST(DenseLinear, GradCheck) {
+  for (uint64_t seed : kSeeds) {
+    Rng rng(seed);
+    const int64_t T = dim(rng, 1, 7), in = dim(rng, 1, 8), out = dim(rng, 1, 8);
+    Tensor x = random_tensor({T, in}, DType::F64, seed + 1);
+    Tensor w = random_tensor({out, in}, DType::F64, seed + 2);
+    Tensor r = random_tensor({T, out}, DType::F64, seed + 3);
+    auto loss = [&] { return dot(r, ops::linear_forward(x, w)); };
+    Tensor dx = ops::linear_backward_input(r, w);
+    Tensor dw = Tensor::zeros({out, in}, DType::F64);
+    ops::linear_backward_weight(r, x, dw);
+    const std::string op = fmt::format("linear[T={},in={},out={}]", T, in, out);
+    check_grad(op, "x", x, dx, loss);
+    check_grad(op, "w", w, dw, loss);
+  }
+}
+
+TEST(DenseLinear, ForwardNaiveAndF32) {
+  const int64_t T = 17, in = 33, out = 9;
+  Tensor x = random_tensor({T, in}, DType::F64, 1), w = random_tensor({out, in}, DType::F64, 2);
+  Tensor y = ops::linear_forward(x, w);
+  std::vector<double> ref(T * out, 0.0);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t o = 0; o < out; ++o)
+      for (int64_t i = 0; i < in; ++i) ref[t * out + o] += x.item(t * in + i) * w.item(o * in + i);
+  EXPECT_LT(rel_error(y, Tensor::from_vector(ref, {T, out})), 1e-14);
+  EXPECT_LT(rel_error(ops::linear_forward(f32(x), f32(w)), y), 1e-6);
+  // The backward GEMMs in f32 against f64 too.
+  Tensor dy = random_tensor({T, out}, DType::F64, 3);
+  EXPECT_LT(rel_error(ops::linear_backward_input(f32(dy), f32(w)), ops::linear_backward_input(dy, w)), 1e-6);
+}
+
+TEST(DenseLinear, WeightGradAccumulates) {
+  Tensor x = random_tensor({5, 4}, DType::F64, 1), dy = random_tensor({5, 3}, DType::F64, 2);
+  Tensor once = Tensor::zeros({3, 4}, DType::F64);
+  ops::linear_backward_weight(dy, x, once);
+  Tensor acc = random_tensor({3, 4}, DType::F64, 3);
+  std::vector<double> expect = acc.to_double_vector(), g = once.to_double_vector();
+  for (size_t i = 0; i < expect.size(); ++i) expect[i] += g[i];
+  ops::linear_backward_weight(dy, x, acc);
+  EXPECT_LT(rel_error(acc, Tensor::from_vector(expect, {3, 4})), 1e-15);
+  // No tokens: y is empty and dw is left unchanged.
+  Tensor x0 = Tensor::zeros({0, 4}, DType::F64), dy0 = Tensor::zeros({0, 3}, DType::F64);
+  EXPECT_EQ(ops::linear_forward(x0, once).shape(), (Shape{0, 3}));
+  Tensor before = acc.clone();
+  ops::linear_backward_weight(dy0, x0, acc);
+  EXPECT_TRUE(bitwise_equal(acc, before));
+}
+
+TEST(DenseLinear, Errors) {
+  Tensor x = random_tensor({4, 3}, DType::F32, 1), w = random_tensor({5, 3}, DType::F32, 2);
+  expect_error([&] { ops::linear_forward(x, random_tensor({5, 4}, DType::F32, 3)); }, {"w", "[5, 3]"});
+  expect_error([&] { ops::linear_forward(x.view({12}), w); }, {"x"});
+  expect_error([&] { ops::linear_forward(x, w.to(DType::F64)); }, {"f32", "f64"});
+  expect_error([&] { ops::linear_backward_input(random_tensor({4, 4}, DType::F32, 3), w); }, {"dy"});
+  Tensor dw = Tensor::zeros({5, 4}, DType::F32);
+  expect_error([&] { ops::linear_backward_weight(random_tensor({4, 5}, DType::F32, 3), x, dw); }, {"dw"});
+  expect_error([&] { ops::linear_forward(x.to(DType::I32), w.to(DType::I32)); }, {"i32"});
+}
+
+// ---- RMSNorm ------------------------------------------------------------------------
+
+TEST(DenseRmsNorm, GradCheck) {
+  const double eps = 1e-6;
+  for (uint64_t seed : kSeeds) {
+    Rng rng(seed);
+    // x [T, heads * D] with w [D]: heads = 1 is the plain norm, heads > 1 Qwen3's q/k norm.
+    // D >= 2: with D = 1 the map is y ~ sign(x) w, whose true dx (~eps/|x|^3) is below the
+    // finite-difference rounding noise, so a relative error would measure only noise.
+    const int64_t T = dim(rng, 1, 5), heads = dim(rng, 1, 3), D = dim(rng, 2, 8);
+    Tensor x = random_tensor({T, heads * D}, DType::F64, seed + 1);
+    Tensor w = random_tensor({D}, DType::F64, seed + 2);
+    Tensor r = random_tensor({T, heads * D}, DType::F64, seed + 3);
+    auto loss = [&] { return dot(r, ops::rmsnorm_forward(x, w, eps).y); };
+    auto fwd = ops::rmsnorm_forward(x, w, eps);
+    Tensor dx = ops::rmsnorm_backward_input(r, x, w, fwd.rstd);
+    Tensor dw = Tensor::zeros({D}, DType::F64);
+    ops::rmsnorm_backward_weight(r, x, fwd.rstd, dw);
+    const std::string op = fmt::format("rmsnorm[R={},D={}]", T * heads, D);
+    check_grad(op, "x", x, dx, loss);
+    check_grad(op, "w", w, dw, loss);
+  }
+}
+
+TEST(DenseRmsNorm, ForwardNaiveAndF32) {
+  const int64_t T = 6, heads = 2, D = 16;
+  const double eps = 1e-5;
+  Tensor x = random_tensor({T, heads * D}, DType::F64, 1), w = random_tensor({D}, DType::F64, 2);
+  auto fwd = ops::rmsnorm_forward(x, w, eps);
+  ASSERT_EQ(fwd.y.shape(), x.shape());
+  ASSERT_EQ(fwd.rstd.shape(), (Shape{T * heads}));
+  std::vector<double> y(T * heads * D), rstd(T * heads);
+  for (int64_t r = 0; r < T * heads; ++r) {
+    double ms = 0;
+    for (int64_t i = 0; i < D; ++i) ms += x.item(r * D + i) * x.item(r * D + i) / D;
+    rstd[r] = 1 / std::sqrt(ms + eps);
+    for (int64_t i = 0; i < D; ++i) y[r * D + i] = x.item(r * D + i) * rstd[r] * w.item(i);
+  }
+  EXPECT_LT(rel_error(fwd.y, Tensor::from_vector(y, x.shape())), 1e-14);
+  EXPECT_LT(rel_error(fwd.rstd, Tensor::from_vector(rstd, {T * heads})), 1e-14);
+  auto f = ops::rmsnorm_forward(f32(x), f32(w), eps);
+  EXPECT_LT(rel_error(f.y, fwd.y), 1e-6);
+  EXPECT_LT(rel_error(f.rstd, fwd.rstd), 1e-6);
+}
+
+TEST(DenseRmsNorm, WeightGradDeterministicAndAccumulates) {
+  const int64_t R = 20000, D = 24;  // many row blocks
+  Tensor x = random_tensor({R, D}, DType::F32, 1), w = random_tensor({D}, DType::F32, 2);
+  Tensor dy = random_tensor({R, D}, DType::F32, 3), init = random_tensor({D}, DType::F32, 4);
+  auto fwd = ops::rmsnorm_forward(x, w, 1e-6);
+  auto [a, b] = with_threads([&] {
+    Tensor dw = init.clone();
+    ops::rmsnorm_backward_weight(dy, x, fwd.rstd, dw);
+    return dw;
+  });
+  EXPECT_TRUE(bitwise_equal(a, b));
+  std::vector<double> ref = init.to_double_vector();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < D; ++i) ref[i] += dy.item(r * D + i) * x.item(r * D + i) * fwd.rstd.item(r);
+  EXPECT_LT(rel_error(a, Tensor::from_vector(ref, {D})), 1e-6);
+}
+
+TEST(DenseRmsNorm, Errors) {
+  Tensor x = random_tensor({4, 6}, DType::F32, 1), w = random_tensor({4}, DType::F32, 2);
+  expect_error([&] { ops::rmsnorm_forward(x, w, 1e-6); }, {"x", "4"});  // 6 is not a multiple of 4
+  Tensor w3 = random_tensor({3}, DType::F32, 2);
+  auto fwd = ops::rmsnorm_forward(x, w3, 1e-6);
+  expect_error([&] { ops::rmsnorm_backward_input(random_tensor({4, 3}, DType::F32, 3), x, w3, fwd.rstd); },
+               {"dy"});
+  expect_error([&] { ops::rmsnorm_backward_input(x, x, w3, random_tensor({4}, DType::F32, 3)); }, {"rstd"});
+  Tensor dw = Tensor::zeros({3}, DType::F64);
+  expect_error([&] { ops::rmsnorm_backward_weight(x, x, fwd.rstd, dw); }, {"f64", "f32"});
+}
+
+// ---- RoPE ---------------------------------------------------------------------------
+
+// HF's formulation, written independently: y = x * [cos, cos] + rotate_half(x) * [sin, sin]
+// with rotate_half(x) = [-x2, x1] and inv_freq_i = 1 / theta^(2i / hd).
+Tensor rope_naive(const Tensor& x, const Tensor& pos, int64_t hd, double theta) {
+  const int64_t T = x.size(0), W = x.size(1);
+  std::vector<double> y(T * W);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t c = 0; c < W; ++c) {
+      const int64_t base = c / hd * hd, e = c % hd, i = e % (hd / 2);
+      const double ang = pos.item(t) / std::pow(theta, 2.0 * i / hd);
+      const double rot = e < hd / 2 ? -x.item(t * W + base + e + hd / 2) : x.item(t * W + base + e - hd / 2);
+      y[t * W + c] = x.item(t * W + c) * std::cos(ang) + rot * std::sin(ang);
+    }
+  }
+  return Tensor::from_vector(y, x.shape());
+}
+
+TEST(DenseRope, GradCheck) {
+  for (uint64_t seed : kSeeds) {
+    Rng rng(seed);
+    const int64_t T = dim(rng, 1, 6), heads = dim(rng, 1, 3), hd = 2 * dim(rng, 1, 4);
+    const double theta = seed == 11 ? 10000.0 : 1e6;
+    Tensor x = random_tensor({T, heads * hd}, DType::F64, seed + 1);
+    Tensor pos = random_ints({T}, 0, 4096, seed + 2);
+    Tensor r = random_tensor({T, heads * hd}, DType::F64, seed + 3);
+    Tensor dx = ops::rope_backward(r, pos, hd, theta);
+    check_grad(fmt::format("rope[T={},heads={},hd={},theta={:g}]", T, heads, hd, theta), "x", x, dx, [&] { return dot(r, ops::rope_forward(x, pos, hd, theta)); });
+  }
+}
+
+TEST(DenseRope, ForwardNaiveInverseAndF32) {
+  const int64_t T = 9, heads = 3, hd = 8;
+  Tensor x = random_tensor({T, heads * hd}, DType::F64, 1);
+  Tensor pos = random_ints({T}, 0, 40000, 2);
+  pos.data<int32_t>()[0] = 0;
+  Tensor y = ops::rope_forward(x, pos, hd, 1e6);
+  EXPECT_LT(rel_error(y, rope_naive(x, pos, hd, 1e6)), 1e-13);
+  EXPECT_LT(rel_error(y.slice(0, 1), x.slice(0, 1)), 1e-16);  // position 0 is the identity
+  EXPECT_LT(rel_error(ops::rope_backward(y, pos, hd, 1e6), x), 1e-14);
+  EXPECT_LT(rel_error(ops::rope_forward(f32(x), pos, hd, 1e6), y), 1e-6);
+}
+
+TEST(DenseRope, Errors) {
+  Tensor x = random_tensor({4, 12}, DType::F32, 1), pos = random_ints({4}, 0, 10, 2);
+  expect_error([&] { ops::rope_forward(x, pos, 5, 1e4); }, {"head_dim"});
+  expect_error([&] { ops::rope_forward(x, pos, 8, 1e4); }, {"head_dim", "8"});
+  expect_error([&] { ops::rope_forward(x, random_ints({3}, 0, 10, 2), 4, 1e4); }, {"positions"});
+  expect_error([&] { ops::rope_backward(x, pos.to(DType::I64), 4, 1e4); }, {"positions"});
+}
+
+// ---- attention ----------------------------------------------------------------------
+
+// Packed-document segment ids: each sequence cut at random points into nondecreasing ids.
+Tensor random_segments(int64_t B, int64_t S, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<int32_t> seg(B * S);
+  for (int64_t b = 0; b < B; ++b) {
+    int32_t id = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      if (s > 0 && rng.below(3) == 0) ++id;
+      seg[b * S + s] = id;
+    }
+  }
+  return Tensor::from_vector(seg, {B * S});
+}
+
+// Explicit softmax(scale QK^T + mask) V with a full score matrix per (b, h).
+std::pair<Tensor, Tensor> attention_naive(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seg,
+                                          const ops::AttentionShape& a) {
+  const int64_t B = a.batch, S = a.seq, Hq = a.q_heads, Hkv = a.kv_heads, D = a.head_dim;
+  std::vector<double> out(B * S * Hq * D), lse(B * Hq * S);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < Hq; ++h) {
+      const int64_t g = h * Hkv / Hq;
+      std::vector<double> score(S * S, -std::numeric_limits<double>::infinity());
+      for (int64_t i = 0; i < S; ++i) {
+        for (int64_t j = 0; j < S; ++j) {
+          const bool visible = j <= i && (!seg.defined() || seg.item(b * S + i) == seg.item(b * S + j));
+          if (!visible) continue;
+          double s = 0;
+          for (int64_t d = 0; d < D; ++d)
+            s += q.item((b * S + i) * Hq * D + h * D + d) * k.item((b * S + j) * Hkv * D + g * D + d);
+          score[i * S + j] = a.scale * s;
+        }
+        double mx = -std::numeric_limits<double>::infinity(), z = 0;
+        for (int64_t j = 0; j < S; ++j) mx = std::max(mx, score[i * S + j]);
+        for (int64_t j = 0; j < S; ++j) z += std::exp(score[i * S + j] - mx);
+        lse[(b * Hq + h) * S + i] = mx + std::log(z);
+        for (int64_t d = 0; d < D; ++d) {
+          double o = 0;
+          for (int64_t j = 0; j < S; ++j)
+            o += std::exp(score[i * S + j] - mx) / z * v.item((b * S + j) * Hkv * D + g * D + d);
+          out[(b * S + i) * Hq * D + h * D + d] = o;
+        }
+      }
+    }
+  }
+  return {Tensor::from_vector(out, q.shape()), Tensor::from_vector(lse, {B, Hq, S})};
+}
+
+struct AttnCase {
+  ops::AttentionShape shape;
+  Tensor q, k, v, seg;
+};
+
+// Random GQA case (q_heads = group * kv_heads), batch >= 2, segments optional.
+AttnCase attn_case(uint64_t seed, int64_t group, bool segments, DType dt = DType::F64) {
+  Rng rng(seed);
+  AttnCase c;
+  auto& a = c.shape;
+  a.batch = dim(rng, 2, 3);
+  a.seq = dim(rng, 3, 6);
+  a.kv_heads = dim(rng, 1, 2);
+  a.q_heads = group * a.kv_heads;
+  a.head_dim = dim(rng, 2, 4);
+  a.scale = 1 / std::sqrt(double(a.head_dim));
+  const int64_t T = a.batch * a.seq;
+  c.q = random_tensor({T, a.q_heads * a.head_dim}, dt, seed + 1);
+  c.k = random_tensor({T, a.kv_heads * a.head_dim}, dt, seed + 2);
+  c.v = random_tensor({T, a.kv_heads * a.head_dim}, dt, seed + 3);
+  if (segments) c.seg = random_segments(a.batch, a.seq, seed + 4);
+  return c;
+}
+
+TEST(DenseAttention, GradCheck) {
+  for (bool segments : {false, true}) {
+    for (uint64_t seed : kSeeds) {
+      AttnCase c = attn_case(seed, 2, segments);
+      const auto& a = c.shape;
+      const std::string op = fmt::format("{}[B={},S={},Hq={},Hkv={},D={}]", segments ? "attention_gqa_seg" : "attention_gqa",
+                                         a.batch, a.seq, a.q_heads, a.kv_heads, a.head_dim);
+      Tensor r = random_tensor(c.q.shape(), DType::F64, seed + 5);
+      auto fwd = ops::attention_forward(c.q, c.k, c.v, c.seg, c.shape);
+      auto g = ops::attention_backward(r, c.q, c.k, c.v, c.seg, fwd.out, fwd.lse, c.shape);
+      auto loss = [&] { return dot(r, ops::attention_forward(c.q, c.k, c.v, c.seg, c.shape).out); };
+      check_grad(op, "q", c.q, g.dq, loss);
+      check_grad(op, "k", c.k, g.dk, loss);
+      check_grad(op, "v", c.v, g.dv, loss);
+    }
+  }
+}
+
+TEST(DenseAttention, ForwardNaive) {
+  for (int64_t group : {1, 2, 3}) {  // MHA, GQA, and MQA when kv_heads = 1
+    for (bool segments : {false, true}) {
+      AttnCase c = attn_case(100 + group, group, segments);
+      auto fwd = ops::attention_forward(c.q, c.k, c.v, c.seg, c.shape);
+      auto [out, lse] = attention_naive(c.q, c.k, c.v, c.seg, c.shape);
+      EXPECT_LT(rel_error(fwd.out, out), 1e-13) << "group " << group << " segments " << segments;
+      EXPECT_LT(rel_error(fwd.lse, lse), 1e-13) << "group " << group << " segments " << segments;
+    }
+  }
+}
+
+// Two packed documents give the same result as each document run on its own.
+TEST(DenseAttention, SegmentsMatchSeparateSequences) {
+  ops::AttentionShape a{.batch = 1, .seq = 7, .q_heads = 4, .kv_heads = 2, .head_dim = 4, .scale = 0.5};
+  const int64_t split = 3;
+  Tensor q = random_tensor({7, 16}, DType::F64, 1), k = random_tensor({7, 8}, DType::F64, 2);
+  Tensor v = random_tensor({7, 8}, DType::F64, 3);
+  Tensor seg = Tensor::from_vector(std::vector<int32_t>{5, 5, 5, 9, 9, 9, 9}, {7});
+  auto packed = ops::attention_forward(q, k, v, seg, a);
+  for (auto [b0, b1] : {std::pair<int64_t, int64_t>{0, split}, {split, 7}}) {
+    ops::AttentionShape one = a;
+    one.seq = b1 - b0;
+    auto alone = ops::attention_forward(q.slice(b0, b1), k.slice(b0, b1), v.slice(b0, b1), Tensor(), one);
+    EXPECT_LT(rel_error(packed.out.slice(b0, b1), alone.out), 1e-15);
+  }
+}
+
+TEST(DenseAttention, F32MatchesF64AndIsDeterministic) {
+  AttnCase c = attn_case(7, 2, true);
+  c.shape.seq = 64;  // larger than the gradcheck shapes
+  c.shape.batch = 3;
+  const int64_t T = c.shape.batch * c.shape.seq;
+  c.q = random_tensor({T, c.shape.q_heads * c.shape.head_dim}, DType::F64, 1);
+  c.k = random_tensor({T, c.shape.kv_heads * c.shape.head_dim}, DType::F64, 2);
+  c.v = random_tensor({T, c.shape.kv_heads * c.shape.head_dim}, DType::F64, 3);
+  c.seg = random_segments(c.shape.batch, c.shape.seq, 4);
+  Tensor dout = random_tensor(c.q.shape(), DType::F64, 5);
+  auto f64 = ops::attention_forward(c.q, c.k, c.v, c.seg, c.shape);
+  auto g64 = ops::attention_backward(dout, c.q, c.k, c.v, c.seg, f64.out, f64.lse, c.shape);
+  Tensor q = f32(c.q), k = f32(c.k), v = f32(c.v), d = f32(dout);
+  auto f = ops::attention_forward(q, k, v, c.seg, c.shape);
+  EXPECT_LT(rel_error(f.out, f64.out), 1e-6);
+  EXPECT_LT(rel_error(f.lse, f64.lse), 1e-6);
+  auto [a, b] = with_threads([&] { return ops::attention_backward(d, q, k, v, c.seg, f.out, f.lse, c.shape); });
+  EXPECT_TRUE(bitwise_equal(a.dq, b.dq) && bitwise_equal(a.dk, b.dk) && bitwise_equal(a.dv, b.dv));
+  EXPECT_LT(rel_error(a.dq, g64.dq), 1e-5);
+  EXPECT_LT(rel_error(a.dk, g64.dk), 1e-5);
+  EXPECT_LT(rel_error(a.dv, g64.dv), 1e-5);
+}
+
+TEST(DenseAttention, Errors) {
+  AttnCase c = attn_case(3, 2, true, DType::F32);
+  auto a = c.shape;
+  auto fwd = ops::attention_forward(c.q, c.k, c.v, c.seg, a);
+  auto bad = a;
+  bad.q_heads = a.kv_heads * 2 + 1;
+  expect_error([&] { ops::attention_forward(c.q, c.k, c.v, c.seg, bad); }, {"q_heads"});
+  bad = a;
+  bad.scale = 0;
+  expect_error([&] { ops::attention_forward(c.q, c.k, c.v, c.seg, bad); }, {"scale"});
+  expect_error([&] { ops::attention_forward(c.q, c.q, c.v, c.seg, a); }, {"tensor k"});
+  expect_error([&] { ops::attention_forward(c.q, c.k, c.v, c.seg.slice(0, 1), a); }, {"segment_ids"});
+  expect_error([&] { ops::attention_forward(c.q, c.k, c.v.to(DType::F64), c.seg, a); }, {"f32", "f64"});
+  expect_error([&] { ops::attention_backward(c.q, c.q, c.k, c.v, c.seg, fwd.out, fwd.out, a); }, {"lse"});
+  expect_error([&] { ops::attention_backward(c.k, c.q, c.k, c.v, c.seg, fwd.out, fwd.lse, a); }, {"dout"});
+}
+
+// ---- cross-entropy ------------------------------------------------------------------
+
+// Targets in [0, V) with about a quarter set to the ignore index.
+Tensor random_targets(int64_t T, int64_t V, uint64_t seed) {
+  Tensor t = random_ints({T}, 0, static_cast<int32_t>(V), seed);
+  Rng rng(seed + 100);
+  for (int64_t i = 0; i < T; ++i)
+    if (rng.below(4) == 0) t.data<int32_t>()[i] = ops::kIgnoreIndex;
+  return t;
+}
+
+TEST(DenseCrossEntropy, GradCheck) {
+  for (uint64_t seed : kSeeds) {
+    Rng rng(seed);
+    const int64_t T = dim(rng, 2, 8), V = dim(rng, 2, 9);
+    Tensor logits = random_tensor({T, V}, DType::F64, seed + 1, 2.0);
+    Tensor targets = random_targets(T, V, seed + 2);
+    const double r = 0.5 + rng.uniform();  // loss = r * loss_sum
+    auto fwd = ops::cross_entropy_forward(logits, targets);
+    Tensor dlogits = ops::cross_entropy_backward(logits, targets, fwd.lse, r);
+    check_grad(fmt::format("cross_entropy[T={},V={}]", T, V), "logits", logits, dlogits,
+               [&] { return r * ops::cross_entropy_forward(logits, targets).loss_sum.item(); });
+  }
+}
+
+TEST(DenseCrossEntropy, ForwardNaiveAndF32) {
+  const int64_t T = 11, V = 37;
+  Tensor logits = random_tensor({T, V}, DType::F64, 1, 3.0);
+  Tensor targets = random_targets(T, V, 2);
+  auto fwd = ops::cross_entropy_forward(logits, targets);
+  ASSERT_EQ(fwd.loss_sum.shape(), (Shape{1}));
+  ASSERT_EQ(fwd.lse.shape(), (Shape{T}));
+  double loss = 0;
+  std::vector<double> lse(T);
+  for (int64_t t = 0; t < T; ++t) {
+    double z = 0;
+    for (int64_t i = 0; i < V; ++i) z += std::exp(logits.item(t * V + i));
+    lse[t] = std::log(z);
+    const int32_t y = static_cast<int32_t>(targets.item(t));
+    if (y != ops::kIgnoreIndex) loss += -std::log(std::exp(logits.item(t * V + y)) / z);
+  }
+  EXPECT_NEAR(fwd.loss_sum.item(), loss, 1e-12 * std::abs(loss));
+  EXPECT_LT(rel_error(fwd.lse, Tensor::from_vector(lse, {T})), 1e-14);
+  auto f = ops::cross_entropy_forward(f32(logits), targets);
+  EXPECT_EQ(f.loss_sum.dtype(), DType::F32);
+  EXPECT_NEAR(f.loss_sum.item(), loss, 1e-6 * std::abs(loss));
+  EXPECT_LT(rel_error(f.lse, fwd.lse), 1e-6);
+  // Ignored rows get a zero gradient; other rows sum to zero.
+  Tensor d = ops::cross_entropy_backward(f32(logits), targets, f.lse, 1.0);
+  for (int64_t t = 0; t < T; ++t) {
+    double s = 0, abs_sum = 0;
+    for (int64_t i = 0; i < V; ++i) s += d.item(t * V + i), abs_sum += std::abs(d.item(t * V + i));
+    if (targets.item(t) == ops::kIgnoreIndex) EXPECT_EQ(abs_sum, 0.0);
+    else EXPECT_NEAR(s, 0.0, 1e-6);
+  }
+}
+
+TEST(DenseCrossEntropy, LargeLogitsStayFinite) {
+  Tensor logits = Tensor::from_vector(std::vector<float>{1000.f, 0.f, -1000.f, 3000.f, 3000.f, 2990.f}, {2, 3});
+  Tensor targets = Tensor::from_vector(std::vector<int32_t>{1, 0}, {2});
+  auto fwd = ops::cross_entropy_forward(logits, targets);
+  EXPECT_NEAR(fwd.loss_sum.item(), 1000.0 + std::log(2.0 + std::exp(-10.0)), 1e-3);
+  Tensor d = ops::cross_entropy_backward(logits, targets, fwd.lse, 1.0);
+  for (double x : d.to_double_vector()) EXPECT_TRUE(std::isfinite(x));
+}
+
+TEST(DenseCrossEntropy, Errors) {
+  Tensor logits = random_tensor({3, 5}, DType::F32, 1);
+  Tensor bad = Tensor::from_vector(std::vector<int32_t>{0, -100, 5}, {3});
+  expect_error([&] { ops::cross_entropy_forward(logits, bad); }, {"target 5", "position 2"});
+  Tensor neg = Tensor::from_vector(std::vector<int32_t>{0, -1, 2}, {3});
+  expect_error([&] { ops::cross_entropy_forward(logits, neg); }, {"-1", "position 1"});
+  Tensor ok = Tensor::from_vector(std::vector<int32_t>{0, 1, 2}, {3});
+  expect_error([&] { ops::cross_entropy_forward(logits, ok.slice(0, 2)); }, {"targets"});
+  expect_error([&] { ops::cross_entropy_backward(logits, bad, Tensor::zeros({3}, DType::F32), 1.0); }, {"5"});
+  expect_error([&] { ops::cross_entropy_backward(logits, ok, Tensor::zeros({2}, DType::F32), 1.0); }, {"lse"});
+}
+
+}  // namespace

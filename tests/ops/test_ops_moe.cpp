@@ -1,0 +1,606 @@
+// Tests of the MoE ops (router, permutation, combine, grouped SwiGLU, auxiliary losses),
+// AdamW and the element-wise helpers: float64 finite-difference gradient checks of every
+// differentiable input, forward checks against naive loops, and bad-input errors.
+// Each gradient check prints "GRADCHECK <op> <input> <rel_err>".
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "ops/ops.h"
+#include "test_util.h"
+
+namespace moetrain {
+namespace {
+
+using testing::dot;
+using testing::gradcheck;
+using testing::random_tensor;
+using ops::AdamWStep;
+using ops::CombineGrads;
+using ops::Permutation;
+using ops::RouterOut;
+using ops::SwigluInputGrads;
+using ops::SwigluOut;
+using ops::ZLossOut;
+
+constexpr double kTol = 1e-6;
+
+void report(const std::string& op, const std::string& input, double err) {
+  std::printf("GRADCHECK %s %s %.3e\n", op.c_str(), input.c_str(), err);
+  std::fflush(stdout);
+  EXPECT_LT(err, kTol) << op << " " << input;
+}
+
+// Runs f and expects a moetrain::Error whose message contains `needle`.
+template <typename F>
+void expect_error(F&& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected moetrain::Error containing '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "message: " << e.what();
+  }
+}
+
+// Router logits whose sorted values are at least 0.2 apart in every row (a random
+// permutation of 0, 0.4, 0.8, ... plus uniform noise in [-0.1, 0.1]), so a finite-difference
+// step of 1e-6 cannot change the top-k selection.
+Tensor gapped_logits(int64_t T, int64_t E, uint64_t seed) {
+  Tensor t = Tensor::empty({T, E}, DType::F64);
+  double* p = t.data<double>();
+  Rng rng(mix64(seed));
+  std::vector<int> perm(static_cast<size_t>(E));
+  for (int64_t r = 0; r < T; ++r) {
+    for (int64_t e = 0; e < E; ++e) perm[e] = static_cast<int>(e);
+    for (int64_t e = E - 1; e > 0; --e) std::swap(perm[e], perm[rng.below(static_cast<uint64_t>(e + 1))]);
+    for (int64_t e = 0; e < E; ++e) p[r * E + e] = 0.4 * perm[e] - 1.0 + 0.2 * (rng.uniform() - 0.5);
+  }
+  return t;
+}
+
+std::string shape_tag(const std::string& op, const std::vector<std::pair<const char*, int64_t>>& dims) {
+  std::string s = op + "[";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i) s += ',';
+    s += dims[i].first;
+    s += '=';
+    s += std::to_string(dims[i].second);
+  }
+  return s + "]";
+}
+
+Tensor counts_tensor(const std::vector<int64_t>& c) { return Tensor::from_vector(c, {static_cast<int64_t>(c.size())}); }
+
+// ---------------------------------------------------------------------------------------
+// Router
+
+struct RouterShape {
+  int64_t T, E, K;
+};
+const RouterShape kRouterShapes[] = {{5, 6, 2}, {9, 8, 3}};
+
+TEST(OpsMoe, RouterForwardMatchesNaive) {
+  for (auto [T, E, K] : kRouterShapes) {
+    Tensor logits = random_tensor({T, E}, DType::F64, 11 + T);
+    for (bool norm : {false, true}) {
+      RouterOut f = ops::router_forward(logits, K, norm);
+      ASSERT_EQ(f.probs.shape(), (Shape{T, E}));
+      ASSERT_EQ(f.topk_idx.shape(), (Shape{T, K}));
+      ASSERT_EQ(f.topk_idx.dtype(), DType::I32);
+      ASSERT_EQ(f.topk_weight.dtype(), DType::F64);
+      auto l = logits.to_double_vector();
+      for (int64_t t = 0; t < T; ++t) {
+        double z = 0;
+        for (int64_t e = 0; e < E; ++e) z += std::exp(l[t * E + e]);
+        std::vector<std::pair<double, int>> pe;
+        for (int64_t e = 0; e < E; ++e) {
+          double p = std::exp(l[t * E + e]) / z;
+          EXPECT_NEAR(f.probs.item(t * E + e), p, 1e-15);
+          pe.push_back({-p, static_cast<int>(e)});
+        }
+        std::sort(pe.begin(), pe.end());
+        double s = 0;
+        for (int64_t k = 0; k < K; ++k) s += -pe[k].first;
+        for (int64_t k = 0; k < K; ++k) {
+          EXPECT_EQ(f.topk_idx.item(t * K + k), pe[k].second);
+          EXPECT_NEAR(f.topk_weight.item(t * K + k), -pe[k].first / (norm ? s : 1.0), 1e-15);
+        }
+      }
+    }
+  }
+}
+
+TEST(OpsMoe, RouterTiesGoToLowerExpert) {
+  Tensor logits = Tensor::from_vector<float>({0, 0, 0, 0, 1, 2, 1, 2}, {2, 4});
+  RouterOut f = ops::router_forward(logits, 3, true);
+  EXPECT_EQ(f.topk_idx.to_vector<int32_t>(), (std::vector<int32_t>{0, 1, 2, 1, 3, 0}));
+  EXPECT_EQ(f.probs.dtype(), DType::F32);
+  EXPECT_NEAR(f.topk_weight.item(0), 1.0 / 3, 1e-7);
+}
+
+TEST(OpsMoe, RouterGradcheck) {
+  for (auto [T, E, K] : kRouterShapes) {
+    const std::string tag = shape_tag("", {{"T", T}, {"E", E}, {"K", K}});
+    Tensor logits = gapped_logits(T, E, 100 + T);
+    Tensor r_w = random_tensor({T, K}, DType::F64, 200 + T);
+    Tensor r_p = random_tensor({T, E}, DType::F64, 300 + T);
+    Tensor zero_w = Tensor::zeros({T, K}, DType::F64);
+    for (bool norm : {false, true}) {
+      RouterOut f = ops::router_forward(logits, K, norm);
+      // d topk_weight only
+      Tensor g = ops::router_backward(r_w, Tensor(), f, norm);
+      double err = gradcheck(logits, g, [&] { return dot(r_w, ops::router_forward(logits, K, norm).topk_weight); });
+      report(std::string(norm ? "router_topk_norm" : "router_topk_nonorm") + tag, "logits", err);
+      // extra dprobs only (the load-balancing path)
+      g = ops::router_backward(zero_w, r_p, f, norm);
+      err = gradcheck(logits, g, [&] { return dot(r_p, ops::router_forward(logits, K, norm).probs); });
+      report(std::string(norm ? "router_dprobs_norm" : "router_dprobs_nonorm") + tag, "logits", err);
+      // both at once
+      g = ops::router_backward(r_w, r_p, f, norm);
+      err = gradcheck(logits, g, [&] {
+        RouterOut o = ops::router_forward(logits, K, norm);
+        return dot(r_w, o.topk_weight) + dot(r_p, o.probs);
+      });
+      report(std::string(norm ? "router_both_norm" : "router_both_nonorm") + tag, "logits", err);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Permutation
+
+struct PermShape {
+  int64_t T, E, K, H;
+};
+const PermShape kPermShapes[] = {{7, 5, 2, 3}, {12, 8, 3, 4}};
+
+TEST(OpsMoe, PermutationCountsAndOrder) {
+  for (auto [T, E, K, H] : kPermShapes) {
+    Tensor idx = ops::router_forward(random_tensor({T, E}, DType::F32, 5 + T), K, false).topk_idx;
+    Permutation p = ops::permutation_by_expert(idx, E);
+    EXPECT_EQ(p.num_tokens, T);
+    EXPECT_EQ(p.top_k, K);
+    auto iv = idx.to_vector<int32_t>();
+    // Naive: list the (t, k) pairs expert by expert.
+    std::vector<int64_t> counts(E, 0);
+    std::vector<int32_t> src, slot(T * K);
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t i = 0; i < T * K; ++i) {
+        if (iv[i] == e) {
+          slot[i] = static_cast<int32_t>(src.size());
+          src.push_back(static_cast<int32_t>(i / K));
+          ++counts[e];
+        }
+      }
+    }
+    EXPECT_EQ(p.expert_counts.to_vector<int64_t>(), counts);
+    EXPECT_EQ(p.source_token.to_vector<int32_t>(), src);
+    EXPECT_EQ(p.slot_row.to_vector<int32_t>(), slot);
+
+    // Round trip: unpermute(permute(x)) is x with each row repeated K times.
+    Tensor x = random_tensor({T, H}, DType::F32, 7 + T);
+    Tensor y = ops::unpermute_forward(ops::permute_forward(x, p), p);
+    ASSERT_EQ(y.shape(), (Shape{T * K, H}));
+    auto xv = x.to_vector<float>(), yv = y.to_vector<float>();
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t h = 0; h < H; ++h) EXPECT_EQ(yv[(t * K + k) * H + h], xv[t * H + h]);
+    // Summing the K copies back gives K * x.
+    Tensor dx = ops::permute_backward(ops::permute_forward(x, p), p);
+    for (int64_t i = 0; i < T * H; ++i) EXPECT_FLOAT_EQ(dx.item(i), K * xv[i]);
+    // unpermute_backward inverts unpermute_forward.
+    Tensor yp = random_tensor({T * K, H}, DType::F64, 9);
+    EXPECT_EQ(ops::unpermute_backward(ops::unpermute_forward(yp, p), p).to_vector<double>(), yp.to_vector<double>());
+  }
+}
+
+TEST(OpsMoe, PermuteGradcheck) {
+  for (auto [T, E, K, H] : kPermShapes) {
+    const std::string tag = shape_tag("", {{"T", T}, {"E", E}, {"K", K}, {"H", H}});
+    Tensor idx = ops::router_forward(random_tensor({T, E}, DType::F64, 40 + T), K, false).topk_idx;
+    Permutation p = ops::permutation_by_expert(idx, E);
+    Tensor x = random_tensor({T, H}, DType::F64, 41 + T);
+    Tensor r = random_tensor({T * K, H}, DType::F64, 42 + T);
+    double err = gradcheck(x, ops::permute_backward(r, p), [&] { return dot(r, ops::permute_forward(x, p)); });
+    report("permute" + tag, "x", err);
+    Tensor yp = random_tensor({T * K, H}, DType::F64, 43 + T);
+    err = gradcheck(yp, ops::unpermute_backward(r, p), [&] { return dot(r, ops::unpermute_forward(yp, p)); });
+    report("unpermute" + tag, "yp", err);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Combine
+
+TEST(OpsMoe, CombineForwardMatchesNaive) {
+  const int64_t T = 4, K = 3, H = 5;
+  Tensor e = random_tensor({T * K, H}, DType::F64, 1), w = random_tensor({T, K}, DType::F64, 2);
+  Tensor res = random_tensor({T, H}, DType::F64, 3);
+  Tensor y = ops::combine_forward(e, w, res), y0 = ops::combine_forward(e, w, Tensor());
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < H; ++h) {
+      double s = 0;
+      for (int64_t k = 0; k < K; ++k) s += w.item(t * K + k) * e.item((t * K + k) * H + h);
+      EXPECT_NEAR(y0.item(t * H + h), s, 1e-14);
+      EXPECT_NEAR(y.item(t * H + h), s + res.item(t * H + h), 1e-14);
+    }
+  }
+}
+
+TEST(OpsMoe, CombineGradcheck) {
+  const std::vector<std::array<int64_t, 3>> shapes = {{4, 2, 5}, {7, 3, 6}};
+  for (auto [T, K, H] : shapes) {
+    const std::string tag = shape_tag("combine", {{"T", T}, {"K", K}, {"H", H}});
+    Tensor e = random_tensor({T * K, H}, DType::F64, 50 + T), w = random_tensor({T, K}, DType::F64, 51 + T);
+    Tensor res = random_tensor({T, H}, DType::F64, 52 + T), r = random_tensor({T, H}, DType::F64, 53 + T);
+    CombineGrads g = ops::combine_backward(r, e, w);
+    auto loss = [&] { return dot(r, ops::combine_forward(e, w, res)); };
+    report(tag, "expert_out", gradcheck(e, g.dexpert_out, loss));
+    report(tag, "weight", gradcheck(w, g.dweight, loss));
+    report(tag, "residual", gradcheck(res, r, loss));  // d residual = dy
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Grouped SwiGLU
+
+struct SwigluCase {
+  std::vector<int64_t> counts;
+  int64_t H, I;
+};
+const SwigluCase kSwigluCases[] = {{{3, 0, 4}, 5, 6}, {{1, 5, 0, 2}, 4, 3}, {{0, 6}, 3, 7}};
+
+double silu(double g) { return g / (1 + std::exp(-g)); }
+
+TEST(OpsMoe, SwigluForwardMatchesNaive) {
+  for (const auto& c : kSwigluCases) {
+    const int64_t E = static_cast<int64_t>(c.counts.size()), H = c.H, I = c.I;
+    int64_t N = 0;
+    for (int64_t n : c.counts) N += n;
+    Tensor x = random_tensor({N, H}, DType::F64, 60), wg = random_tensor({E, I, H}, DType::F64, 61, 0.5);
+    Tensor wu = random_tensor({E, I, H}, DType::F64, 62, 0.5), wd = random_tensor({E, H, I}, DType::F64, 63, 0.5);
+    Tensor counts = counts_tensor(c.counts);
+    SwigluOut o = ops::grouped_swiglu_forward(x, counts, wg, wu, wd);
+    int64_t row = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t n = 0; n < c.counts[e]; ++n, ++row) {
+        std::vector<double> a(I);
+        for (int64_t i = 0; i < I; ++i) {
+          double g = 0, u = 0;
+          for (int64_t h = 0; h < H; ++h) {
+            g += x.item(row * H + h) * wg.item((e * I + i) * H + h);
+            u += x.item(row * H + h) * wu.item((e * I + i) * H + h);
+          }
+          EXPECT_NEAR(o.gate.item(row * I + i), g, 1e-13);
+          EXPECT_NEAR(o.up.item(row * I + i), u, 1e-13);
+          a[i] = silu(g) * u;
+        }
+        for (int64_t h = 0; h < H; ++h) {
+          double y = 0;
+          for (int64_t i = 0; i < I; ++i) y += a[i] * wd.item((e * H + h) * I + i);
+          EXPECT_NEAR(o.y.item(row * H + h), y, 1e-13);
+        }
+      }
+    }
+    // f32 agrees with f64 to f32 precision.
+    SwigluOut o32 = ops::grouped_swiglu_forward(x.to(DType::F32), counts, wg.to(DType::F32), wu.to(DType::F32),
+                                                wd.to(DType::F32));
+    EXPECT_LT(testing::rel_error(o32.y, o.y), 1e-5);
+  }
+}
+
+TEST(OpsMoe, SwigluGradcheck) {
+  for (const auto& c : kSwigluCases) {
+    const int64_t E = static_cast<int64_t>(c.counts.size()), H = c.H, I = c.I;
+    int64_t N = 0;
+    for (int64_t n : c.counts) N += n;
+    const std::string tag = shape_tag("grouped_swiglu", {{"N", N}, {"E", E}, {"H", H}, {"I", I}});
+    Tensor x = random_tensor({N, H}, DType::F64, 70 + N), wg = random_tensor({E, I, H}, DType::F64, 71 + N, 0.5);
+    Tensor wu = random_tensor({E, I, H}, DType::F64, 72 + N, 0.5), wd = random_tensor({E, H, I}, DType::F64, 73 + N, 0.5);
+    Tensor r = random_tensor({N, H}, DType::F64, 74 + N);
+    Tensor counts = counts_tensor(c.counts);
+    SwigluOut o = ops::grouped_swiglu_forward(x, counts, wg, wu, wd);
+    SwigluInputGrads gi = ops::grouped_swiglu_backward_input(r, counts, o.gate, o.up, wg, wu, wd);
+    Tensor dwg = Tensor::zeros(wg.shape(), DType::F64), dwu = Tensor::zeros(wu.shape(), DType::F64);
+    Tensor dwd = Tensor::zeros(wd.shape(), DType::F64);
+    ops::grouped_swiglu_backward_weight(r, x, counts, o.gate, o.up, gi.dgate, gi.dup, dwg, dwu, dwd);
+    auto loss = [&] { return dot(r, ops::grouped_swiglu_forward(x, counts, wg, wu, wd).y); };
+    report(tag, "x", gradcheck(x, gi.dx, loss));
+    report(tag, "w_gate", gradcheck(wg, dwg, loss));
+    report(tag, "w_up", gradcheck(wu, dwu, loss));
+    report(tag, "w_down", gradcheck(wd, dwd, loss));
+    // The gradient of an expert with no rows is exactly zero.
+    for (int64_t e = 0; e < E; ++e) {
+      if (c.counts[e] != 0) continue;
+      for (int64_t i = 0; i < I * H; ++i) {
+        EXPECT_EQ(dwg.item(e * I * H + i), 0.0);
+        EXPECT_EQ(dwd.item(e * I * H + i), 0.0);
+      }
+    }
+  }
+}
+
+TEST(OpsMoe, SwigluWeightGradsAccumulate) {
+  const std::vector<int64_t> cv = {2, 3};
+  Tensor counts = counts_tensor(cv);
+  Tensor x = random_tensor({5, 4}, DType::F32, 1), wg = random_tensor({2, 3, 4}, DType::F32, 2);
+  Tensor wu = random_tensor({2, 3, 4}, DType::F32, 3), wd = random_tensor({2, 4, 3}, DType::F32, 4);
+  Tensor dy = random_tensor({5, 4}, DType::F32, 5);
+  SwigluOut o = ops::grouped_swiglu_forward(x, counts, wg, wu, wd);
+  SwigluInputGrads gi = ops::grouped_swiglu_backward_input(dy, counts, o.gate, o.up, wg, wu, wd);
+  Tensor dwg = Tensor::zeros(wg.shape(), DType::F32), dwu = Tensor::zeros(wu.shape(), DType::F32);
+  Tensor dwd = Tensor::zeros(wd.shape(), DType::F32);
+  ops::grouped_swiglu_backward_weight(dy, x, counts, o.gate, o.up, gi.dgate, gi.dup, dwg, dwu, dwd);
+  Tensor once_g = dwg.clone(), once_u = dwu.clone(), once_d = dwd.clone();
+  ops::grouped_swiglu_backward_weight(dy, x, counts, o.gate, o.up, gi.dgate, gi.dup, dwg, dwu, dwd);
+  for (int64_t i = 0; i < dwg.numel(); ++i) {
+    EXPECT_FLOAT_EQ(dwg.item(i), 2 * once_g.item(i));
+    EXPECT_FLOAT_EQ(dwu.item(i), 2 * once_u.item(i));
+    EXPECT_FLOAT_EQ(dwd.item(i), 2 * once_d.item(i));
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Load balancing (HF Qwen3-MoE) over two layers, and the z-loss
+
+struct LbCase {
+  std::vector<int64_t> rows;  // per layer
+  int64_t E, K;
+  bool norm;
+};
+const LbCase kLbCases[] = {{{6, 4}, 8, 2, true}, {{5, 5}, 6, 3, false}};
+constexpr double kLbCoef = 0.7;
+
+// The scalar loss as the engine forms it: accumulate n_e and P_e over the layers.
+double lb_loss(std::vector<Tensor>& logits, int64_t K, bool norm) {
+  const int64_t E = logits[0].size(1);
+  Tensor sel = Tensor::zeros({E}, DType::F64), ps = Tensor::zeros({E}, DType::F64);
+  int64_t R = 0;
+  for (Tensor& l : logits) {
+    RouterOut f = ops::router_forward(l, K, norm);
+    ops::load_balance_accumulate(f.probs, f.topk_idx, sel, ps);
+    R += l.size(0);
+  }
+  return kLbCoef * E * dot(sel, ps) / (static_cast<double>(R) * R);
+}
+
+// transformers' load_balancing_loss_func, step by step on the concatenated logits.
+double lb_loss_hf(const std::vector<Tensor>& logits, int64_t K) {
+  const int64_t E = logits[0].size(1);
+  std::vector<std::vector<double>> rows;
+  for (const Tensor& l : logits) {
+    auto v = l.to_double_vector();
+    for (int64_t r = 0; r < l.size(0); ++r) rows.emplace_back(v.begin() + r * E, v.begin() + (r + 1) * E);
+  }
+  const double R = static_cast<double>(rows.size());
+  std::vector<std::vector<double>> tokens_per_expert(K, std::vector<double>(E, 0));  // mean of the mask
+  std::vector<double> router_prob_per_expert(E, 0);
+  for (auto& l : rows) {
+    double z = 0;
+    for (double x : l) z += std::exp(x);
+    std::vector<std::pair<double, int>> pe;
+    for (int64_t e = 0; e < E; ++e) {
+      router_prob_per_expert[e] += std::exp(l[e]) / z / R;
+      pe.push_back({-l[e], static_cast<int>(e)});
+    }
+    std::sort(pe.begin(), pe.end());
+    for (int64_t k = 0; k < K; ++k) tokens_per_expert[k][pe[k].second] += 1.0 / R;
+  }
+  double s = 0;
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t e = 0; e < E; ++e) s += tokens_per_expert[k][e] * router_prob_per_expert[e];
+  return kLbCoef * s * E;
+}
+
+TEST(OpsMoe, LoadBalanceLossMatchesHfAndGradcheck) {
+  for (const auto& c : kLbCases) {
+    std::vector<Tensor> logits;
+    int64_t R = 0;
+    for (size_t i = 0; i < c.rows.size(); ++i) {
+      logits.push_back(gapped_logits(c.rows[i], c.E, 80 + 7 * i + c.E));
+      R += c.rows[i];
+    }
+    const double loss = lb_loss(logits, c.K, c.norm);
+    EXPECT_NEAR(loss, lb_loss_hf(logits, c.K), 1e-14);
+    EXPECT_GT(loss, 0.0);
+
+    // Forward all layers, then each layer's gradient from the accumulated selections.
+    Tensor sel = Tensor::zeros({c.E}, DType::F64), ps = Tensor::zeros({c.E}, DType::F64);
+    std::vector<RouterOut> fwd;
+    for (Tensor& l : logits) {
+      fwd.push_back(ops::router_forward(l, c.K, c.norm));
+      ops::load_balance_accumulate(fwd.back().probs, fwd.back().topk_idx, sel, ps);
+    }
+    double nsel = 0;
+    for (double s : sel.to_vector<double>()) nsel += s;
+    EXPECT_EQ(nsel, static_cast<double>(R * c.K));
+    for (size_t i = 0; i < logits.size(); ++i) {
+      const int64_t T = c.rows[i];
+      Tensor dprobs = ops::load_balance_backward(sel, T, R, kLbCoef);
+      ASSERT_EQ(dprobs.shape(), (Shape{T, c.E}));
+      Tensor dlogits = ops::router_backward(Tensor::zeros({T, c.K}, DType::F64), dprobs, fwd[i], c.norm);
+      const double err = gradcheck(logits[i], dlogits, [&] { return lb_loss(logits, c.K, c.norm); });
+      report(shape_tag("load_balance", {{"R", R}, {"E", c.E}, {"K", c.K}, {"norm", c.norm}}),
+             "logits_layer" + std::to_string(i), err);
+    }
+  }
+}
+
+TEST(OpsMoe, RouterZLossForwardAndGradcheck) {
+  for (auto [T, E, K] : kRouterShapes) {
+    Tensor logits = random_tensor({T, E}, DType::F64, 90 + T, 2.0);
+    ZLossOut z = ops::router_z_loss_forward(logits);
+    ASSERT_EQ(z.lse.shape(), (Shape{T}));
+    ASSERT_EQ(z.loss_sum.shape(), (Shape{1}));
+    double naive = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      double s = 0;
+      for (int64_t e = 0; e < E; ++e) s += std::exp(logits.item(t * E + e));
+      EXPECT_NEAR(z.lse.item(t), std::log(s), 1e-14);
+      naive += std::log(s) * std::log(s);
+    }
+    EXPECT_NEAR(z.loss_sum.item(), naive, 1e-12);
+    const double scale = 0.3 / T;
+    Tensor probs = ops::router_forward(logits, 1, false).probs;
+    Tensor g = ops::router_z_loss_backward(probs, z.lse, scale);
+    const double err = gradcheck(logits, g, [&] { return scale * ops::router_z_loss_forward(logits).loss_sum.item(); });
+    report(shape_tag("router_z_loss", {{"R", T}, {"E", E}}), "logits", err);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// AdamW and element-wise helpers
+
+template <typename F>
+void adamw_three_steps(double tol) {
+  const std::vector<double> p0 = {0.5, -1.25, 2.0, 0.0}, m0 = {0, 0, 0, 0}, v0 = {0, 0, 0, 0};
+  const std::vector<std::vector<double>> grads = {{0.1, -0.2, 0.3, 1.5}, {-0.05, 0.4, 0.3, -2.0}, {0.2, 0.0, -0.1, 0.5}};
+  AdamWStep s;
+  s.lr = 1e-2;
+  s.beta1 = 0.9;
+  s.beta2 = 0.95;
+  s.eps = 1e-8;
+  s.weight_decay = 0.1;
+  auto to_f = [](const std::vector<double>& v) { return Tensor::from_vector(std::vector<F>(v.begin(), v.end()), {4}); };
+  Tensor p = to_f(p0), m = to_f(m0), v = to_f(v0);
+  std::vector<double> hp = p0, hm = m0, hv = v0;
+  for (int step = 1; step <= 3; ++step) {
+    s.step = step;
+    Tensor g = to_f(grads[step - 1]);
+    ops::adamw_update(p, g, m, v, s);
+    for (int i = 0; i < 4; ++i) {
+      const double gi = grads[step - 1][i];
+      hm[i] = 0.9 * hm[i] + 0.1 * gi;
+      hv[i] = 0.95 * hv[i] + 0.05 * gi * gi;
+      const double mhat = hm[i] / (1 - std::pow(0.9, step)), vhat = hv[i] / (1 - std::pow(0.95, step));
+      hp[i] = hp[i] - 1e-2 * (mhat / (std::sqrt(vhat) + 1e-8) + 0.1 * hp[i]);
+      EXPECT_NEAR(m.item(i), hm[i], tol) << "step " << step << " elem " << i;
+      EXPECT_NEAR(v.item(i), hv[i], tol) << "step " << step << " elem " << i;
+      EXPECT_NEAR(p.item(i), hp[i], tol) << "step " << step << " elem " << i;
+    }
+    if (step == 1) {
+      // First step: m_hat = g, v_hat = g^2, so the update is lr * (sign(g) + wd * p).
+      EXPECT_NEAR(p.item(0), 0.5 - 1e-2 * (1 + 0.1 * 0.5), 1e-6);
+      EXPECT_NEAR(p.item(1), -1.25 - 1e-2 * (-1 + 0.1 * -1.25), 1e-6);
+    }
+  }
+}
+
+TEST(OpsMoe, AdamWThreeStepsMatchHandComputation) {
+  adamw_three_steps<double>(1e-15);
+  adamw_three_steps<float>(1e-6);
+}
+
+TEST(OpsMoe, ElementwiseHelpers) {
+  Tensor x = Tensor::from_vector<float>({1, -2, 3, 0.5f}, {2, 2});
+  EXPECT_DOUBLE_EQ(ops::sum_squares(x), 1 + 4 + 9 + 0.25);
+  ops::scale_(x, 2.0);
+  EXPECT_EQ(x.to_vector<float>(), (std::vector<float>{2, -4, 6, 1}));
+  ops::add_(x, Tensor::from_vector<float>({1, 1, 1, 1}, {2, 2}));
+  EXPECT_EQ(x.to_vector<float>(), (std::vector<float>{3, -3, 7, 2}));
+  EXPECT_TRUE(ops::all_finite(x));
+  Tensor big = random_tensor({100001}, DType::F64, 3);
+  EXPECT_TRUE(ops::all_finite(big));
+  big.data<double>()[77777] = NAN;
+  EXPECT_FALSE(ops::all_finite(big));
+  big.data<double>()[77777] = -INFINITY;
+  EXPECT_FALSE(ops::all_finite(big));
+  big.data<double>()[77777] = 0;
+  double naive = 0;
+  for (double d : big.to_vector<double>()) naive += d * d;
+  EXPECT_NEAR(ops::sum_squares(big), naive, 1e-9 * naive);
+}
+
+TEST(OpsMoe, DeterministicAcrossThreadCounts) {
+  Tensor big = random_tensor({300007}, DType::F32, 4);
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const double s1 = ops::sum_squares(big);
+  const int64_t T = 257, E = 16, K = 4, H = 33;
+  Tensor logits = random_tensor({T, E}, DType::F32, 5);
+  RouterOut f1 = ops::router_forward(logits, K, true);
+  Permutation p1 = ops::permutation_by_expert(f1.topk_idx, E);
+  Tensor dxp = random_tensor({T * K, H}, DType::F32, 6);
+  Tensor dx1 = ops::permute_backward(dxp, p1);
+  omp_set_num_threads(std::max(2, saved));
+  const double s2 = ops::sum_squares(big);
+  RouterOut f2 = ops::router_forward(logits, K, true);
+  Tensor dx2 = ops::permute_backward(dxp, ops::permutation_by_expert(f2.topk_idx, E));
+  omp_set_num_threads(saved);
+  EXPECT_EQ(std::memcmp(&s1, &s2, sizeof(double)), 0);
+  EXPECT_EQ(f1.topk_idx.to_vector<int32_t>(), f2.topk_idx.to_vector<int32_t>());
+  EXPECT_EQ(f1.topk_weight.to_vector<float>(), f2.topk_weight.to_vector<float>());
+  EXPECT_EQ(dx1.to_vector<float>(), dx2.to_vector<float>());
+}
+
+// ---------------------------------------------------------------------------------------
+// Bad input
+
+TEST(OpsMoe, BadInputThrows) {
+  Tensor logits = random_tensor({4, 5}, DType::F32, 1);
+  expect_error([&] { ops::router_forward(logits, 6, false); }, "top_k = 6");
+  expect_error([&] { ops::router_forward(logits, 0, false); }, "top_k = 0");
+  expect_error([&] { ops::router_forward(random_tensor({20}, DType::F32, 1), 2, false); }, "logits");
+  expect_error([&] { ops::router_forward(Tensor::zeros({4, 5}, DType::I32), 2, false); }, "f32 or f64");
+  RouterOut f = ops::router_forward(logits, 2, true);
+  expect_error([&] { ops::router_backward(Tensor::zeros({4, 3}, DType::F32), Tensor(), f, true); }, "dtopk_weight");
+  expect_error([&] { ops::router_backward(Tensor::zeros({4, 2}, DType::F64), Tensor(), f, true); }, "mixed dtypes");
+  expect_error([&] { ops::router_backward(Tensor::zeros({4, 2}, DType::F32), Tensor::zeros({4, 4}, DType::F32), f, true); },
+               "dprobs");
+
+  Tensor idx = Tensor::from_vector<int32_t>({0, 1, 2, 7}, {2, 2});
+  expect_error([&] { ops::permutation_by_expert(idx, 4); }, "topk_idx[1, 1] = 7");
+  expect_error([&] { ops::permutation_by_expert(Tensor::from_vector<int32_t>({0, -1}, {1, 2}), 4); }, "= -1");
+  expect_error([&] { ops::permutation_by_expert(Tensor::from_vector<int64_t>({0, 1}, {1, 2}), 4); }, "i32");
+  Permutation p = ops::permutation_by_expert(Tensor::from_vector<int32_t>({0, 1, 2, 3}, {2, 2}), 4);
+  expect_error([&] { ops::permute_forward(Tensor::zeros({3, 4}, DType::F32), p); }, "x must be [2, H]");
+  expect_error([&] { ops::permute_backward(Tensor::zeros({3, 4}, DType::F32), p); }, "dxp");
+  expect_error([&] { ops::unpermute_forward(Tensor::zeros({2, 4}, DType::F32), p); }, "yp");
+
+  Tensor e = Tensor::zeros({6, 4}, DType::F32);
+  expect_error([&] { ops::combine_forward(e, Tensor::zeros({2, 2}, DType::F32), Tensor()); }, "expert_out");
+  expect_error([&] { ops::combine_forward(e, Tensor::zeros({3, 2}, DType::F32), Tensor::zeros({3, 5}, DType::F32)); },
+               "residual");
+  expect_error([&] { ops::combine_forward(e, Tensor::zeros({3, 2}, DType::F64), Tensor()); }, "mixed dtypes");
+  expect_error([&] { ops::combine_backward(Tensor::zeros({2, 4}, DType::F32), e, Tensor::zeros({3, 2}, DType::F32)); },
+               "dy");
+
+  Tensor x = Tensor::zeros({5, 4}, DType::F32), wg = Tensor::zeros({2, 3, 4}, DType::F32);
+  Tensor wu = wg.clone(), wd = Tensor::zeros({2, 4, 3}, DType::F32);
+  expect_error([&] { ops::grouped_swiglu_forward(x, counts_tensor({2, 4}), wg, wu, wd); }, "sum to 6");
+  expect_error([&] { ops::grouped_swiglu_forward(x, counts_tensor({6, -1}), wg, wu, wd); }, "counts[1] = -1");
+  expect_error([&] { ops::grouped_swiglu_forward(x, Tensor::from_vector<int32_t>({2, 3}, {2}), wg, wu, wd); },
+               "counts");
+  expect_error([&] { ops::grouped_swiglu_forward(x, counts_tensor({2, 3, 0}), wg, wu, wd); }, "counts");
+  expect_error([&] { ops::grouped_swiglu_forward(x, counts_tensor({2, 3}), wg, wu, Tensor::zeros({2, 3, 4}, DType::F32)); },
+               "w_down");
+  expect_error([&] { ops::grouped_swiglu_forward(x, counts_tensor({2, 3}), wg, wu.to(DType::F64), wd); }, "mixed dtypes");
+
+  Tensor probs = f.probs;
+  Tensor sel = Tensor::zeros({5}, DType::F64), ps = Tensor::zeros({5}, DType::F32);
+  expect_error([&] { ops::load_balance_accumulate(probs, f.topk_idx, sel, ps); }, "mixed dtypes");
+  Tensor sel32 = Tensor::zeros({4}, DType::F32);
+  expect_error([&] { ops::load_balance_accumulate(probs, f.topk_idx, sel32, ps); }, "selections");
+  expect_error([&] { ops::load_balance_backward(ps, 4, 0, 0.01); }, "total_rows");
+  expect_error([&] { ops::router_z_loss_backward(probs, Tensor::zeros({3}, DType::F32), 1.0); }, "lse");
+
+  Tensor param = Tensor::zeros({4}, DType::F32), m = param.clone(), v = param.clone();
+  AdamWStep s;
+  s.lr = 1e-3;
+  expect_error([&] { ops::adamw_update(param, Tensor::zeros({5}, DType::F32), m, v, s); }, "grad");
+  expect_error([&] { ops::adamw_update(param, param.to(DType::F64), m, v, s); }, "mixed dtypes");
+  s.step = 0;
+  expect_error([&] { ops::adamw_update(param, param.clone(), m, v, s); }, "step = 0");
+  expect_error([&] { ops::add_(param, Tensor::zeros({2, 2}, DType::F32)); }, "add_");
+  expect_error([&] { ops::sum_squares(Tensor::zeros({2}, DType::I32)); }, "sum_squares");
+}
+
+}  // namespace
+}  // namespace moetrain
