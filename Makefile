@@ -18,7 +18,8 @@ $(BUILD)/build.ninja:
 build: deps $(BUILD)/build.ninja
 	cmake --build $(BUILD) -j $(JOBS)
 
-train: build
+train: deps $(BUILD)/build.ninja
+	cmake --build $(BUILD) -j $(JOBS) --target moetrain
 	$(BUILD)/moetrain train --config $(CONFIG)
 
 test: build

@@ -1,1 +1,71 @@
-int main() { return 0; }
+// The moetrain command. Thin: parse the command line, load the config, call the engine.
+//
+//   moetrain train --config configs/tiny.toml [--section.key=value ...] [--print-config]
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "engine/run_config.h"
+#include "engine/trainer.h"
+
+namespace {
+
+// "--training.steps=100" -> "training.steps=100". Anything else is not an override.
+std::vector<std::string> overrides_from(const std::vector<std::string>& extras) {
+  std::vector<std::string> out;
+  for (const std::string& a : extras) {
+    if (a.rfind("--", 0) != 0 || a.find('=') == std::string::npos || a.find('.') == std::string::npos) {
+      MT_THROW("command line: '{}' is not an option; overrides look like --section.key=value", a);
+    }
+    out.push_back(a.substr(2));
+  }
+  return out;
+}
+
+int run_train(const std::string& config_path, const std::vector<std::string>& extras, bool print_only) {
+  moetrain::RunConfig cfg = moetrain::RunConfig::load(config_path, overrides_from(extras));
+  if (print_only) {
+    std::fputs(cfg.to_toml().c_str(), stdout);
+    return 0;
+  }
+  moetrain::TrainSummary s = moetrain::train(cfg);
+  spdlog::info("done: {} steps in {:.1f} s | val loss {:.4f} -> {:.4f} ({:+.1f}%) | {:.0f} tokens/s", s.steps,
+               s.seconds, s.first_val_loss, s.last_val_loss,
+               100.0 * (s.last_val_loss - s.first_val_loss) / s.first_val_loss, s.tokens_per_s);
+  if (!s.sample.empty()) std::printf("\n--- sample ---\n%s\n--------------\n", s.sample.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  moetrain::init_logging();
+  CLI::App app{"moetrain: train Mixture-of-Experts language models"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("moetrain ") + MOETRAIN_VERSION);
+
+  std::string config_path;
+  bool print_config = false;
+  CLI::App* train = app.add_subcommand("train", "train a model from a TOML run config");
+  train->add_option("-c,--config", config_path, "run config (TOML)")->required();
+  train->add_flag("--print-config", print_config, "print the resolved config and exit");
+  train->allow_extras();
+  train->footer("Any config key can be overridden: --section.key=value (e.g. --training.steps=100).");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (train->parsed()) return run_train(config_path, train->remaining(), print_config);
+  } catch (const std::exception& e) {  // moetrain::Error and anything from the libraries
+    std::fprintf(stderr, "moetrain: error: %s\n", e.what());
+    return 2;
+  }
+  return 0;
+}

@@ -1,0 +1,373 @@
+#include "engine/models/qwen3_moe.h"
+
+#include <cmath>
+
+#include <fmt/format.h>
+
+namespace moetrain {
+
+// ---- decoder layer ---------------------------------------------------------------------
+
+Qwen3MoeDecoderLayer::Qwen3MoeDecoderLayer(const Qwen3MoeConfig& cfg, int64_t layer_id, DType dtype, Device device)
+    : cfg_(cfg), id_(layer_id), moe_(cfg.is_moe_layer(layer_id)) {
+  const int64_t H = cfg.hidden_size, hd = cfg.head_dim;
+  const int64_t qd = cfg.num_attention_heads * hd, kvd = cfg.num_key_value_heads * hd;
+  const int64_t E = moe_ ? cfg.num_experts : 1;
+  inter_ = moe_ ? cfg.moe_intermediate_size : cfg.intermediate_size;
+  auto make = [&](Tensor& w, Tensor& g, const Shape& shape) {
+    w = Tensor::empty(shape, dtype, device);
+    g = Tensor::zeros(shape, dtype, device);
+  };
+  make(ln1_w_, g_ln1_w_, {H});
+  make(ln2_w_, g_ln2_w_, {H});
+  make(wq_, g_wq_, {qd, H});
+  make(wk_, g_wk_, {kvd, H});
+  make(wv_, g_wv_, {kvd, H});
+  make(wo_, g_wo_, {H, qd});
+  make(q_norm_w_, g_q_norm_w_, {hd});
+  make(k_norm_w_, g_k_norm_w_, {hd});
+  if (moe_) make(gate_w_, g_gate_w_, {E, H});
+  make(w_gate_, g_w_gate_, {E, inter_, H});
+  make(w_up_, g_w_up_, {E, inter_, H});
+  make(w_down_, g_w_down_, {E, H, inter_});
+}
+
+void Qwen3MoeDecoderLayer::collect_parameters(ParameterList& out) {
+  const std::string p = fmt::format("model.layers.{}.", id_);
+  const double std = cfg_.initializer_range;
+  auto add = [&](const std::string& name, const Tensor& w, const Tensor& g, bool is_norm) {
+    out.push_back({p + name, w, g, !is_norm, is_norm ? 0.0 : std});
+  };
+  add("input_layernorm.weight", ln1_w_, g_ln1_w_, true);
+  add("self_attn.q_proj.weight", wq_, g_wq_, false);
+  add("self_attn.k_proj.weight", wk_, g_wk_, false);
+  add("self_attn.v_proj.weight", wv_, g_wv_, false);
+  add("self_attn.o_proj.weight", wo_, g_wo_, false);
+  add("self_attn.q_norm.weight", q_norm_w_, g_q_norm_w_, true);
+  add("self_attn.k_norm.weight", k_norm_w_, g_k_norm_w_, true);
+  add("post_attention_layernorm.weight", ln2_w_, g_ln2_w_, true);
+  if (moe_) {
+    add("mlp.gate.weight", gate_w_, g_gate_w_, false);
+    for (int64_t e = 0; e < w_gate_.size(0); ++e) {
+      const std::string ep = fmt::format("mlp.experts.{}.", e);
+      add(ep + "gate_proj.weight", w_gate_.select(e), g_w_gate_.select(e), false);
+      add(ep + "up_proj.weight", w_up_.select(e), g_w_up_.select(e), false);
+      add(ep + "down_proj.weight", w_down_.select(e), g_w_down_.select(e), false);
+    }
+  } else {
+    add("mlp.gate_proj.weight", w_gate_.select(0), g_w_gate_.select(0), false);
+    add("mlp.up_proj.weight", w_up_.select(0), g_w_up_.select(0), false);
+    add("mlp.down_proj.weight", w_down_.select(0), g_w_down_.select(0), false);
+  }
+}
+
+ops::AttentionShape Qwen3MoeDecoderLayer::attn_shape(const BatchShape& b) const {
+  return {b.batch, b.seq, cfg_.num_attention_heads, cfg_.num_key_value_heads, cfg_.head_dim,
+          1.0 / std::sqrt(static_cast<double>(cfg_.head_dim))};
+}
+
+// Stage 1. h = x + Wo·attn(rope(qnorm(Wq·n1)), rope(knorm(Wk·n1)), Wv·n1) with n1 = rms(x);
+// the MLP input is rms(h), and the router picks top-k experts from softmax(Wg·rms(h)).
+void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions, const BatchShape& b,
+                                        Qwen3MoeLayerState& s) const {
+  const double eps = cfg_.rms_norm_eps;
+  s.x = x;
+  s.ln1 = ops::rmsnorm_forward(x, ln1_w_, eps);
+  s.q_raw = ops::linear_forward(s.ln1.y, wq_);
+  s.k_raw = ops::linear_forward(s.ln1.y, wk_);
+  s.v = ops::linear_forward(s.ln1.y, wv_);
+  s.q_norm = ops::rmsnorm_forward(s.q_raw, q_norm_w_, eps);
+  s.k_norm = ops::rmsnorm_forward(s.k_raw, k_norm_w_, eps);
+  s.q = ops::rope_forward(s.q_norm.y, positions, cfg_.head_dim, cfg_.rope_theta);
+  s.k = ops::rope_forward(s.k_norm.y, positions, cfg_.head_dim, cfg_.rope_theta);
+  s.attn = ops::attention_forward(s.q, s.k, s.v, Tensor(), attn_shape(b));
+  s.h = ops::linear_forward(s.attn.out, wo_);
+  ops::add_(s.h, x);
+  s.ln2 = ops::rmsnorm_forward(s.h, ln2_w_, eps);
+  if (moe_) {
+    s.router_logits = ops::linear_forward(s.ln2.y, gate_w_);
+    s.route = ops::router_forward(s.router_logits, cfg_.num_experts_per_tok, cfg_.norm_topk_prob);
+  }
+}
+
+// Stage 3. Per expert e over its rows: W_down[e] (silu(W_gate[e] x) * W_up[e] x).
+void Qwen3MoeDecoderLayer::mlp_forward(Qwen3MoeLayerState& s) const {
+  s.mlp = ops::grouped_swiglu_forward(s.expert_in.rows, s.expert_in.counts, w_gate_, w_up_, w_down_);
+}
+
+// Stage 5. y = h + sum_k w[t,k] * expert_out[t,k] (dense: y = h + mlp).
+Tensor Qwen3MoeDecoderLayer::aggregate_forward(Qwen3MoeLayerState& s) const {
+  if (moe_) return ops::combine_forward(s.expert_out, s.route.topk_weight, s.h);
+  Tensor y = s.expert_out.clone();
+  ops::add_(y, s.h);
+  return y;
+}
+
+Qwen3MoeDecoderLayer::AggregateGrads Qwen3MoeDecoderLayer::aggregate_backward(const Tensor& dy,
+                                                                              Qwen3MoeLayerState& s) const {
+  if (!moe_) return {dy, Tensor()};
+  ops::CombineGrads g = ops::combine_backward(dy, s.expert_out, s.route.topk_weight);
+  return {g.dexpert_out, g.dweight};
+}
+
+Tensor Qwen3MoeDecoderLayer::mlp_backward_input(const Tensor& d_rows_out, Qwen3MoeLayerState& s) const {
+  s.d_mlp_out = d_rows_out;
+  s.d_mlp = ops::grouped_swiglu_backward_input(d_rows_out, s.expert_in.counts, s.mlp.gate, s.mlp.up, w_gate_,
+                                               w_up_, w_down_);
+  return s.d_mlp.dx;
+}
+
+// Backward of stage 1, in reverse: router -> ln2 (+ residual) -> o_proj -> attention ->
+// RoPE -> q/k norms -> q/k/v projections -> ln1 (+ residual).
+Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, const Tensor& d_mlp_in,
+                                                 const Tensor& d_topk_weight, const Tensor& d_probs_extra,
+                                                 const Tensor& d_logits_extra, const Tensor& positions,
+                                                 const BatchShape& b, Qwen3MoeLayerState& s) const {
+  s.d_ln2_out = d_mlp_in.clone();
+  if (moe_) {
+    s.d_router_logits = ops::router_backward(d_topk_weight, d_probs_extra, s.route, cfg_.norm_topk_prob);
+    if (d_logits_extra.defined()) ops::add_(s.d_router_logits, d_logits_extra);
+    ops::add_(s.d_ln2_out, ops::linear_backward_input(s.d_router_logits, gate_w_));
+  }
+  s.d_h = ops::rmsnorm_backward_input(s.d_ln2_out, s.h, ln2_w_, s.ln2.rstd);
+  ops::add_(s.d_h, dy_residual);
+  Tensor d_attn = ops::linear_backward_input(s.d_h, wo_);
+  ops::AttentionGrads g =
+      ops::attention_backward(d_attn, s.q, s.k, s.v, Tensor(), s.attn.out, s.attn.lse, attn_shape(b));
+  s.d_q_normed = ops::rope_backward(g.dq, positions, cfg_.head_dim, cfg_.rope_theta);
+  s.d_k_normed = ops::rope_backward(g.dk, positions, cfg_.head_dim, cfg_.rope_theta);
+  s.d_q_raw = ops::rmsnorm_backward_input(s.d_q_normed, s.q_raw, q_norm_w_, s.q_norm.rstd);
+  s.d_k_raw = ops::rmsnorm_backward_input(s.d_k_normed, s.k_raw, k_norm_w_, s.k_norm.rstd);
+  s.d_v = g.dv;
+  s.d_ln1_out = ops::linear_backward_input(s.d_q_raw, wq_);
+  ops::add_(s.d_ln1_out, ops::linear_backward_input(s.d_k_raw, wk_));
+  ops::add_(s.d_ln1_out, ops::linear_backward_input(s.d_v, wv_));
+  Tensor dx = ops::rmsnorm_backward_input(s.d_ln1_out, s.x, ln1_w_, s.ln1.rstd);
+  ops::add_(dx, s.d_h);
+  return dx;
+}
+
+void Qwen3MoeDecoderLayer::backward_weight(Qwen3MoeLayerState& s) {
+  if (moe_) ops::linear_backward_weight(s.d_router_logits, s.ln2.y, g_gate_w_);
+  ops::grouped_swiglu_backward_weight(s.d_mlp_out, s.expert_in.rows, s.expert_in.counts, s.mlp.gate, s.mlp.up,
+                                      s.d_mlp.dgate, s.d_mlp.dup, g_w_gate_, g_w_up_, g_w_down_);
+  ops::rmsnorm_backward_weight(s.d_ln2_out, s.h, s.ln2.rstd, g_ln2_w_);
+  ops::linear_backward_weight(s.d_h, s.attn.out, g_wo_);
+  ops::linear_backward_weight(s.d_q_raw, s.ln1.y, g_wq_);
+  ops::linear_backward_weight(s.d_k_raw, s.ln1.y, g_wk_);
+  ops::linear_backward_weight(s.d_v, s.ln1.y, g_wv_);
+  ops::rmsnorm_backward_weight(s.d_q_normed, s.q_raw, s.q_norm.rstd, g_q_norm_w_);
+  ops::rmsnorm_backward_weight(s.d_k_normed, s.k_raw, s.k_norm.rstd, g_k_norm_w_);
+  ops::rmsnorm_backward_weight(s.d_ln1_out, s.x, s.ln1.rstd, g_ln1_w_);
+}
+
+Tensor Qwen3MoeDecoderLayer::reference_forward(const Tensor& x, const Tensor& positions, const BatchShape& b) const {
+  Qwen3MoeLayerState s;
+  attn_forward(x, positions, b, s);
+  const int64_t T = b.tokens();
+  Tensor y = s.h.clone();
+  auto expert = [&](const Tensor& row, int64_t e) {  // row [1, H] -> [1, H]
+    Tensor g = ops::linear_forward(row, w_gate_.select(e));
+    Tensor u = ops::linear_forward(row, w_up_.select(e));
+    std::vector<double> gv = g.to_double_vector(), uv = u.to_double_vector(), a(gv.size());
+    for (size_t i = 0; i < gv.size(); ++i) a[i] = gv[i] / (1.0 + std::exp(-gv[i])) * uv[i];
+    Tensor at = Tensor::from_vector(a, {1, inter_}).to(x.dtype());
+    return ops::linear_forward(at, w_down_.select(e));
+  };
+  for (int64_t t = 0; t < T; ++t) {
+    Tensor row = s.ln2.y.slice(t, t + 1);
+    Tensor yt = y.slice(t, t + 1);
+    if (!moe_) {
+      ops::add_(yt, expert(row, 0));
+      continue;
+    }
+    const int64_t K = cfg_.num_experts_per_tok;
+    for (int64_t k = 0; k < K; ++k) {
+      int64_t e = static_cast<int64_t>(s.route.topk_idx.item(t * K + k));
+      Tensor out = expert(row, e);
+      ops::scale_(out, s.route.topk_weight.item(t * K + k));
+      ops::add_(yt, out);
+    }
+  }
+  return y;
+}
+
+// ---- model -------------------------------------------------------------------------------
+
+struct Qwen3MoeModel::ForwardState {
+  std::vector<Qwen3MoeLayerState> layers;
+  Tensor final_in;
+  ops::RmsNormOut final_norm;
+  Tensor logits;
+  Tensor ce_lse;           // cross-entropy log-sum-exp per token
+  Tensor selections;       // load balancing: top-k picks per expert, summed over MoE layers
+  int64_t moe_rows = 0;    // router rows over all MoE layers (R)
+};
+
+Qwen3MoeModel::Qwen3MoeModel(Qwen3MoeConfig cfg, DType dtype, Device device)
+    : cfg_(std::move(cfg)), dtype_(dtype), device_(device) {
+  cfg_.validate("model");
+  const int64_t V = cfg_.vocab_size, H = cfg_.hidden_size;
+  const double std = cfg_.initializer_range;
+  embed_ = Tensor::empty({V, H}, dtype, device);
+  g_embed_ = Tensor::zeros({V, H}, dtype, device);
+  params_.push_back({"model.embed_tokens.weight", embed_, g_embed_, true, std});
+  for (int64_t i = 0; i < cfg_.num_hidden_layers; ++i) {
+    layers_.push_back(std::make_unique<Qwen3MoeDecoderLayer>(cfg_, i, dtype, device));
+    layers_.back()->collect_parameters(params_);
+  }
+  final_norm_w_ = Tensor::empty({H}, dtype, device);
+  g_final_norm_w_ = Tensor::zeros({H}, dtype, device);
+  params_.push_back({"model.norm.weight", final_norm_w_, g_final_norm_w_, false, 0.0});
+  if (cfg_.tie_word_embeddings) {
+    lm_head_ = embed_;
+    g_lm_head_ = g_embed_;
+  } else {
+    lm_head_ = Tensor::empty({V, H}, dtype, device);
+    g_lm_head_ = Tensor::zeros({V, H}, dtype, device);
+    params_.push_back({"lm_head.weight", lm_head_, g_lm_head_, true, std});
+  }
+}
+
+Tensor Qwen3MoeModel::run_forward(const Tensor& ids, const Tensor& positions, const BatchShape& b,
+                                  ExpertDispatcher& d, ForwardState& st) const {
+  st.layers.assign(layers_.size(), {});
+  Tensor x = ops::embedding_forward(ids, embed_);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Qwen3MoeDecoderLayer& layer = *layers_[i];
+    Qwen3MoeLayerState& s = st.layers[i];
+    layer.attn_forward(x, positions, b, s);  // 1: attn
+    if (layer.is_moe()) {
+      s.expert_in = d.dispatch(s.ln2.y, s.route.topk_idx, cfg_.num_experts, s.dispatch);  // 2: dispatch
+    } else {
+      s.expert_in = {s.ln2.y, Tensor::full({1}, static_cast<double>(b.tokens()), DType::I64, device_)};
+    }
+    layer.mlp_forward(s);                                                          // 3: mlp
+    s.expert_out = layer.is_moe() ? d.combine(s.mlp.y, s.dispatch) : s.mlp.y;     // 4: combine
+    x = layer.aggregate_forward(s);                                                // 5: aggregate
+  }
+  st.final_in = x;
+  st.final_norm = ops::rmsnorm_forward(x, final_norm_w_, cfg_.rms_norm_eps);
+  st.logits = ops::linear_forward(st.final_norm.y, lm_head_);
+  return st.logits;
+}
+
+Tensor Qwen3MoeModel::forward_logits(const Tensor& ids, const Tensor& positions, const BatchShape& b,
+                                     ExpertDispatcher& dispatcher) {
+  ForwardState st;
+  return run_forward(ids, positions, b, dispatcher, st);
+}
+
+Tensor Qwen3MoeModel::reference_forward(const Tensor& ids, const Tensor& positions, const BatchShape& b) const {
+  Tensor x = ops::embedding_forward(ids, embed_);
+  for (const auto& layer : layers_) x = layer->reference_forward(x, positions, b);
+  Tensor n = ops::rmsnorm_forward(x, final_norm_w_, cfg_.rms_norm_eps).y;
+  return ops::linear_forward(n, lm_head_);
+}
+
+// Cross-entropy plus the router losses over the rows of all MoE layers (HF concatenates
+// every layer's gate logits before computing the load-balancing loss, so n_e and P_e are
+// totals over layers and R = moe_layers * T).
+MicroBatchLoss Qwen3MoeModel::losses(const Batch& batch, ForwardState& st) const {
+  MicroBatchLoss out;
+  ops::CrossEntropyOut ce = ops::cross_entropy_forward(st.logits, batch.targets);
+  out.ce_sum = ce.loss_sum.item();
+  out.targets = batch.num_targets;
+  const int64_t E = cfg_.num_experts;
+  Tensor selections = Tensor::zeros({E}, dtype_, device_), prob_sum = Tensor::zeros({E}, dtype_, device_);
+  int64_t rows = 0;
+  double z_sum = 0;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (!layers_[i]->is_moe()) continue;
+    Qwen3MoeLayerState& s = st.layers[i];
+    ops::load_balance_accumulate(s.route.probs, s.route.topk_idx, selections, prob_sum);
+    rows += s.route.probs.size(0);
+    if (cfg_.router_z_loss_coef > 0) {
+      s.z = ops::router_z_loss_forward(s.router_logits);
+      z_sum += s.z.loss_sum.item();
+    }
+    std::vector<int64_t> counts(E);
+    for (int64_t e = 0; e < E; ++e) counts[e] = static_cast<int64_t>(s.expert_in.counts.item(e));
+    out.expert_counts.push_back(std::move(counts));
+  }
+  if (rows > 0) {
+    double dotp = 0;
+    for (int64_t e = 0; e < E; ++e) dotp += selections.item(e) * prob_sum.item(e);
+    out.aux_loss = cfg_.router_aux_loss_coef * static_cast<double>(E) * dotp / (static_cast<double>(rows) * rows);
+    out.z_loss = cfg_.router_z_loss_coef * z_sum / static_cast<double>(rows);
+  }
+  st.ce_lse = ce.lse;
+  st.selections = selections;
+  st.moe_rows = rows;
+  return out;
+}
+
+MicroBatchLoss Qwen3MoeModel::forward_loss(const Batch& batch, ExpertDispatcher& dispatcher) {
+  ForwardState st;
+  BatchShape b{batch.batch, batch.seq};
+  run_forward(batch.inputs, batch.positions, b, dispatcher, st);
+  return losses(batch, st);
+}
+
+MicroBatchLoss Qwen3MoeModel::forward_backward(const Batch& batch, ExpertDispatcher& d, double ce_scale,
+                                               double aux_scale) {
+  ForwardState st;
+  BatchShape b{batch.batch, batch.seq};
+  run_forward(batch.inputs, batch.positions, b, d, st);
+  MicroBatchLoss out = losses(batch, st);
+
+  // Head: logits = norm(x) W^T, then cross-entropy.
+  Tensor dlogits = ops::cross_entropy_backward(st.logits, batch.targets, st.ce_lse, ce_scale);
+  st.logits = Tensor();
+  ops::linear_backward_weight(dlogits, st.final_norm.y, g_lm_head_);
+  Tensor d_norm = ops::linear_backward_input(dlogits, lm_head_);
+  ops::rmsnorm_backward_weight(d_norm, st.final_in, st.final_norm.rstd, g_final_norm_w_);
+  Tensor dx = ops::rmsnorm_backward_input(d_norm, st.final_in, final_norm_w_, st.final_norm.rstd);
+
+  const int64_t T = b.tokens();
+  for (size_t li = layers_.size(); li-- > 0;) {
+    Qwen3MoeDecoderLayer& layer = *layers_[li];
+    Qwen3MoeLayerState& s = st.layers[li];
+    auto ag = layer.aggregate_backward(dx, s);                                                 // 5
+    Tensor d_rows = layer.is_moe() ? d.combine_backward(ag.d_expert_out, s.dispatch) : ag.d_expert_out;  // 4
+    Tensor d_in_rows = layer.mlp_backward_input(d_rows, s);                                    // 3
+    Tensor d_mlp_in = layer.is_moe() ? d.dispatch_backward(d_in_rows, s.dispatch) : d_in_rows;  // 2
+    Tensor d_probs, d_logits_z;
+    if (layer.is_moe()) {
+      if (cfg_.router_aux_loss_coef > 0) {
+        d_probs = ops::load_balance_backward(st.selections, T, st.moe_rows, cfg_.router_aux_loss_coef * aux_scale);
+      }
+      if (cfg_.router_z_loss_coef > 0) {
+        d_logits_z = ops::router_z_loss_backward(s.route.probs, s.z.lse,
+                                                 cfg_.router_z_loss_coef * aux_scale / static_cast<double>(st.moe_rows));
+      }
+    }
+    dx = layer.attn_backward_input(dx, d_mlp_in, ag.d_topk_weight, d_probs, d_logits_z, batch.positions, b, s);  // 1
+    layer.backward_weight(s);
+    s = Qwen3MoeLayerState();
+  }
+  ops::embedding_backward_weight(batch.inputs, dx, g_embed_);
+  return out;
+}
+
+int64_t Qwen3MoeModel::active_matmul_params() const {
+  const int64_t H = cfg_.hidden_size, hd = cfg_.head_dim;
+  const int64_t attn = H * hd * (2 * cfg_.num_attention_heads + 2 * cfg_.num_key_value_heads);
+  int64_t n = cfg_.vocab_size * H;  // lm_head (the embedding lookup is no matmul)
+  for (const auto& layer : layers_) {
+    n += attn;
+    if (layer->is_moe()) {
+      n += H * cfg_.num_experts + cfg_.num_experts_per_tok * 3 * H * cfg_.moe_intermediate_size;
+    } else {
+      n += 3 * H * cfg_.intermediate_size;
+    }
+  }
+  return n;
+}
+
+double Qwen3MoeModel::flops_per_token(int64_t seq) const {
+  return 6.0 * static_cast<double>(active_matmul_params()) +
+         12.0 * static_cast<double>(cfg_.num_hidden_layers * cfg_.num_attention_heads * cfg_.head_dim * seq);
+}
+
+}  // namespace moetrain

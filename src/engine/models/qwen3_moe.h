@@ -1,0 +1,156 @@
+// Qwen3-MoE: the decoder-only MoE model of Hugging Face's Qwen3MoeForCausalLM, with its
+// forward and backward written out by hand.
+//
+// Per layer: x -> RMSNorm -> attention (q/k per-head RMSNorm, RoPE, causal GQA) -> + x
+//   -> RMSNorm -> router (softmax, top-k) -> experts (SwiGLU) -> weighted sum -> + residual.
+// A layer is cut into the five stages of DESIGN.md §3; this file implements stages 1
+// (attn), 3 (mlp) and 5 (aggregate); an ExpertDispatcher supplies 2 and 4. Backward
+// mirrors them, split into backward_input (dgrad, needed at once by the layer below) and
+// backward_weight (wgrad, deferrable).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "engine/data/loader.h"
+#include "engine/models/qwen3_moe_config.h"
+#include "engine/parallel/expert_dispatch.h"
+#include "engine/parameters.h"
+#include "ops/ops.h"
+
+namespace moetrain {
+
+// What one decoder layer saves in forward and, during backward_input, the output
+// gradients its deferred weight-gradient step needs.
+struct Qwen3MoeLayerState {
+  // forward, stage 1
+  Tensor x;                        // layer input [T, H]
+  ops::RmsNormOut ln1;             // input_layernorm
+  Tensor q_raw, k_raw, v;          // projections, [T, heads * hd]
+  ops::RmsNormOut q_norm, k_norm;  // per-head norms (before RoPE)
+  Tensor q, k;                     // after RoPE
+  ops::AttentionOut attn;
+  Tensor h;                        // x + o_proj(attention): the residual stream after attention
+  ops::RmsNormOut ln2;             // post_attention_layernorm: the MLP input
+  Tensor router_logits;
+  ops::RouterOut route;
+  ops::ZLossOut z;                 // router z-loss terms (when its coefficient is set)
+  // stage 2-4
+  DispatchState dispatch;
+  DispatchOut expert_in;           // rows grouped by expert (dense layer: ln2.y, one group)
+  ops::SwigluOut mlp;
+  Tensor expert_out;               // [T*K, H] (t, k) order; dense layer: [T, H]
+  // backward_input results kept for backward_weight
+  Tensor d_mlp_out;                // d mlp.y
+  ops::SwigluInputGrads d_mlp;
+  Tensor d_router_logits, d_ln2_out, d_h, d_q_raw, d_k_raw, d_v, d_q_normed, d_k_normed, d_ln1_out;
+};
+
+// Shapes of the current micro-batch that every stage needs.
+struct BatchShape {
+  int64_t batch = 0, seq = 0;
+  int64_t tokens() const { return batch * seq; }
+};
+
+class Qwen3MoeDecoderLayer {
+ public:
+  Qwen3MoeDecoderLayer(const Qwen3MoeConfig& cfg, int64_t layer_id, DType dtype, Device device);
+
+  int64_t layer_id() const { return id_; }
+  bool is_moe() const { return moe_; }
+  // This layer's parameters under canonical names (experts as per-expert views).
+  void collect_parameters(ParameterList& out);
+
+  // Stage 1: fills s.h (residual stream) and s.ln2.y (MLP input) and, for an MoE layer,
+  // s.route (top-k experts and weights).
+  void attn_forward(const Tensor& x, const Tensor& positions, const BatchShape& b, Qwen3MoeLayerState& s) const;
+  // Stage 3: SwiGLU over s.expert_in (grouped by expert), into s.mlp.
+  void mlp_forward(Qwen3MoeLayerState& s) const;
+  // Stage 5: returns the layer output h + sum_k w_k * expert_k (or h + mlp for dense).
+  Tensor aggregate_forward(Qwen3MoeLayerState& s) const;
+
+  // Backward of stage 5: d expert_out (into s) and d topk_weight; returns d h.
+  struct AggregateGrads {
+    Tensor d_expert_out;  // [T*K, H] (t, k) order, or [T, H] for dense
+    Tensor d_topk_weight; // [T, K] (undefined for dense)
+  };
+  AggregateGrads aggregate_backward(const Tensor& dy, Qwen3MoeLayerState& s) const;
+  // Backward of stage 3: d rows -> d expert_in rows.
+  Tensor mlp_backward_input(const Tensor& d_rows_out, Qwen3MoeLayerState& s) const;
+  // Backward of stage 1: given d h (residual + aggregate), d mlp_in (from dispatch backward),
+  // d topk_weight and the router's extra d probs (aux losses, may be undefined), returns d x.
+  Tensor attn_backward_input(const Tensor& dy_residual, const Tensor& d_mlp_in, const Tensor& d_topk_weight,
+                             const Tensor& d_probs_extra, const Tensor& d_logits_extra, const Tensor& positions,
+                             const BatchShape& b, Qwen3MoeLayerState& s) const;
+  // Every weight gradient of the layer, from what backward_input saved.
+  void backward_weight(Qwen3MoeLayerState& s);
+
+  // The plain path used to validate every layout: no dispatcher, each token's experts
+  // evaluated directly. Returns the layer output.
+  Tensor reference_forward(const Tensor& x, const Tensor& positions, const BatchShape& b) const;
+
+ private:
+  Qwen3MoeConfig cfg_;
+  int64_t id_;
+  bool moe_;
+  int64_t inter_;  // FFN width of this layer's MLP
+  ops::AttentionShape attn_shape(const BatchShape& b) const;
+  // weights (HF names in collect_parameters) and their gradients
+  Tensor ln1_w_, ln2_w_, wq_, wk_, wv_, wo_, q_norm_w_, k_norm_w_, gate_w_;
+  Tensor w_gate_, w_up_, w_down_;  // [E, I, H], [E, I, H], [E, H, I]; E = 1 for dense
+  Tensor g_ln1_w_, g_ln2_w_, g_wq_, g_wk_, g_wv_, g_wo_, g_q_norm_w_, g_k_norm_w_, g_gate_w_;
+  Tensor g_w_gate_, g_w_up_, g_w_down_;
+};
+
+// Loss terms of one micro-batch, as sums the trainer normalises.
+struct MicroBatchLoss {
+  double ce_sum = 0;      // sum of token cross-entropies
+  int64_t targets = 0;    // tokens with a target
+  double aux_loss = 0;    // load-balancing loss (already times its coefficient)
+  double z_loss = 0;      // router z-loss (already times its coefficient)
+  std::vector<std::vector<int64_t>> expert_counts;  // per MoE layer, tokens routed to each expert
+};
+
+class Qwen3MoeModel {
+ public:
+  Qwen3MoeModel(Qwen3MoeConfig cfg, DType dtype, Device device = Device::cpu());
+
+  const Qwen3MoeConfig& config() const { return cfg_; }
+  DType dtype() const { return dtype_; }
+  ParameterList& parameters() { return params_; }
+  // Draws every parameter from the stream keyed by (seed, canonical name).
+  void init_weights(uint64_t seed) { init_parameters(params_, seed); }
+
+  // Forward and backward of one micro-batch. Gradients ACCUMULATE into the parameters'
+  // grads. The cross-entropy sum is scaled by ce_scale (1 / targets of the whole step) and
+  // the auxiliary losses by aux_scale (1 / micro-batches), so accumulated micro-batches
+  // give the gradient of the step's mean loss.
+  MicroBatchLoss forward_backward(const Batch& batch, ExpertDispatcher& dispatcher, double ce_scale,
+                                  double aux_scale);
+  // Forward only: loss terms without touching gradients.
+  MicroBatchLoss forward_loss(const Batch& batch, ExpertDispatcher& dispatcher);
+  // Logits [T, V] for ids/positions, through the staged path.
+  Tensor forward_logits(const Tensor& ids, const Tensor& positions, const BatchShape& b, ExpertDispatcher& dispatcher);
+  // Logits through each layer's reference_forward (no dispatcher, no saved state).
+  Tensor reference_forward(const Tensor& ids, const Tensor& positions, const BatchShape& b) const;
+
+  // Training FLOPs per token: 6 * active matmul parameters + 12 * layers * heads * head_dim * seq.
+  double flops_per_token(int64_t seq) const;
+  int64_t active_matmul_params() const;
+
+ private:
+  struct ForwardState;
+  Tensor run_forward(const Tensor& ids, const Tensor& positions, const BatchShape& b, ExpertDispatcher& d,
+                     ForwardState& st) const;
+  MicroBatchLoss losses(const Batch& batch, ForwardState& st) const;
+
+  Qwen3MoeConfig cfg_;
+  DType dtype_;
+  Device device_;
+  Tensor embed_, final_norm_w_, lm_head_;  // lm_head_ aliases embed_ when tied
+  Tensor g_embed_, g_final_norm_w_, g_lm_head_;
+  std::vector<std::unique_ptr<Qwen3MoeDecoderLayer>> layers_;
+  ParameterList params_;
+};
+
+}  // namespace moetrain

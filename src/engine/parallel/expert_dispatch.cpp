@@ -1,0 +1,23 @@
+#include "engine/parallel/expert_dispatch.h"
+
+namespace moetrain {
+
+DispatchOut LocalDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx, int64_t num_experts,
+                                      DispatchState& st) {
+  st.perm = ops::permutation_by_expert(topk_idx, num_experts);
+  return {ops::permute_forward(x, st.perm), st.perm.expert_counts};
+}
+
+Tensor LocalDispatcher::combine(const Tensor& expert_rows, DispatchState& st) {
+  return ops::unpermute_forward(expert_rows, st.perm);
+}
+
+Tensor LocalDispatcher::combine_backward(const Tensor& dout, DispatchState& st) {
+  return ops::unpermute_backward(dout, st.perm);
+}
+
+Tensor LocalDispatcher::dispatch_backward(const Tensor& drows, DispatchState& st) {
+  return ops::permute_backward(drows, st.perm);
+}
+
+}  // namespace moetrain

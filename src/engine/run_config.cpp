@@ -1,0 +1,287 @@
+#include "engine/run_config.h"
+
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <map>
+#include <toml++/toml.h>
+
+#include "core/error.h"
+
+namespace moetrain {
+namespace {
+
+ConfigFields::Check must_be_one_for_now(const int64_t* v) {
+  return [v]() -> std::optional<std::string> {
+    if (*v == 1) return std::nullopt;
+    return fmt::format("must be 1, got {}: multi-rank parallelism is not in this build yet", *v);
+  };
+}
+
+// lo <= v < hi
+ConfigFields::Check in_half_open(const double* v, double lo, double hi) {
+  return [v, lo, hi]() -> std::optional<std::string> {
+    if (*v >= lo && *v < hi) return std::nullopt;
+    return fmt::format("must be in [{}, {}), got {}", lo, hi, *v);
+  };
+}
+
+}  // namespace
+
+void ParallelConfig::describe(ConfigFields& f) {
+  f.add("pp", &pp, "pipeline-parallel stages", must_be_one_for_now(&pp));
+  f.add("cp", &cp, "context-parallel ranks (ring attention)", must_be_one_for_now(&cp));
+  f.add("ep", &ep, "expert-parallel ranks", must_be_one_for_now(&ep));
+  f.add("dp", &dp, "data-parallel replicas; -1 = world / (pp * cp * ep)", [this]() -> std::optional<std::string> {
+    if (dp == -1 || dp == 1) return std::nullopt;
+    return fmt::format("must be -1 (inferred) or 1, got {}: multi-rank parallelism is not in this build yet", dp);
+  });
+}
+
+void TrainingConfig::describe(ConfigFields& f) {
+  f.add("steps", &steps, "optimizer steps to train", positive(&steps));
+  f.add("micro_batch_size", &micro_batch_size, "sequences per micro-batch", positive(&micro_batch_size));
+  f.add("seq_len", &seq_len, "tokens per sequence", positive(&seq_len));
+  f.add("grad_accum_steps", &grad_accum_steps, "micro-batches per optimizer step", positive(&grad_accum_steps));
+  f.add("seed", &seed, "seed of initialisation, data order and sampling", non_negative(&seed));
+  f.add("device", &device, "where to train: cpu (cuda arrives with the CUDA backend)", one_of(&device, {"cpu"}));
+  f.add("grad_clip", &grad_clip, "clip the global gradient norm to this; 0 disables", non_negative(&grad_clip));
+  f.add("eval_every", &eval_every, "validation loss every N steps (and at step 0 and the end)",
+        positive(&eval_every));
+  f.add("eval_batches", &eval_batches, "micro-batches per validation", positive(&eval_batches));
+  f.add("sample_tokens", &sample_tokens, "tokens sampled at the end of the run; 0 disables",
+        non_negative(&sample_tokens));
+  f.add("sample_prompt", &sample_prompt, "text the end-of-run sample starts from");
+  f.add("sample_temperature", &sample_temperature, "softmax temperature of the sample",
+        positive(&sample_temperature));
+  f.add("threads", &threads, "CPU threads; 0 = all cores", non_negative(&threads));
+}
+
+void OptimizerConfig::describe(ConfigFields& f) {
+  f.add("name", &name, "optimizer: adamw", one_of(&name, {"adamw"}));
+  f.add("lr", &lr, "peak learning rate", positive(&lr));
+  f.add("min_lr", &min_lr, "learning rate at the end of the decay", non_negative(&min_lr));
+  f.add("beta1", &beta1, "AdamW first-moment decay", in_half_open(&beta1, 0, 1));
+  f.add("beta2", &beta2, "AdamW second-moment decay", in_half_open(&beta2, 0, 1));
+  f.add("eps", &eps, "AdamW denominator epsilon", positive(&eps));
+  f.add("weight_decay", &weight_decay, "decoupled weight decay (matrices only)", non_negative(&weight_decay));
+  f.add("schedule", &schedule, "learning-rate schedule: cosine, wsd (warmup-stable-decay) or constant",
+        one_of(&schedule, {"cosine", "wsd", "constant"}));
+  f.add("warmup_steps", &warmup_steps, "linear warmup from 0 to lr over this many steps", non_negative(&warmup_steps));
+  f.add("decay_fraction", &decay_fraction, "wsd: last fraction of the steps that decays to min_lr",
+        in_range(&decay_fraction, 0, 1));
+}
+
+void DataConfig::describe(ConfigFields& f) {
+  f.add("kind", &kind, "data format: text (plain text files, fortune '%' separators)", one_of(&kind, {"text"}));
+  f.add("tokenizer", &tokenizer, "tokenizer: byte (256 bytes + end-of-text)", one_of(&tokenizer, {"byte"}));
+  f.add("paths", &paths, "files or folders of text (folders read recursively)", [this]() -> std::optional<std::string> {
+    if (paths.empty()) return "must name at least one file or folder";
+    for (const auto& p : paths) {
+      if (p.empty()) return "must not hold an empty path";
+    }
+    return std::nullopt;
+  });
+  f.add("val_fraction", &val_fraction, "share of documents held out for validation",
+        [this]() -> std::optional<std::string> {
+          if (val_fraction > 0 && val_fraction < 1) return std::nullopt;
+          return fmt::format("must be in (0, 1), got {}", val_fraction);
+        });
+}
+
+void MetricsConfig::describe(ConfigFields& f) {
+  f.add("dir", &dir, "folder for metrics.jsonl and the run's printed config", [this]() -> std::optional<std::string> {
+    if (dir.empty()) return "must not be empty";
+    return std::nullopt;
+  });
+  f.add("log_every", &log_every, "human log line every N steps", positive(&log_every));
+  f.add("progress", &progress, "progress bar on a terminal");
+}
+
+namespace {
+
+// The sections of a RunConfig, in file order, each with its fields.
+struct Sections {
+  std::vector<ConfigFields> list;
+  explicit Sections(RunConfig& c) {
+    list.emplace_back("model");
+    c.model.describe(list.back());
+    list.emplace_back("parallel");
+    c.parallel.describe(list.back());
+    list.emplace_back("training");
+    c.training.describe(list.back());
+    list.emplace_back("optimizer");
+    c.optimizer.describe(list.back());
+    list.emplace_back("data");
+    c.data.describe(list.back());
+    list.emplace_back("metrics");
+    c.metrics.describe(list.back());
+  }
+  ConfigFields* find(const std::string& name) {
+    for (auto& s : list) {
+      if (s.section() == name) return &s;
+    }
+    return nullptr;
+  }
+  std::vector<std::string> names() const {
+    std::vector<std::string> n;
+    for (const auto& s : list) n.push_back(s.section());
+    return n;
+  }
+};
+
+std::string unknown_section_hint(const std::string& name, const std::vector<std::string>& known) {
+  if (auto m = closest_match(name, known)) return fmt::format(" (did you mean '{}'?)", *m);
+  return fmt::format(" (known sections: {})", fmt::join(known, ", "));
+}
+
+struct Override {
+  std::string text;  // as given, for errors
+  std::string section, key, value;
+  std::string origin() const { return fmt::format("command line override '{}'", text); }
+};
+
+Override parse_override(std::string text) {
+  if (text.rfind("--", 0) == 0) text = text.substr(2);
+  Override o;
+  o.text = text;
+  const size_t eq = text.find('=');
+  const size_t dot = text.find('.');
+  if (eq == std::string::npos || dot == std::string::npos || dot > eq || dot == 0 || dot + 1 == eq) {
+    MT_THROW("command line: override '{}' is not of the form section.key=value (e.g. training.steps=100)", text);
+  }
+  o.section = text.substr(0, dot);
+  o.key = text.substr(dot + 1, eq - dot - 1);
+  o.value = text.substr(eq + 1);
+  return o;
+}
+
+// `p` as an absolute path, a relative one taken from `base` (a folder; empty: the working
+// folder), so that the printed config still points at the same file from anywhere.
+std::string absolute_from(const std::filesystem::path& base, const std::string& p) {
+  if (p.empty()) return p;
+  std::filesystem::path path(p);
+  if (path.is_relative() && !base.empty()) path = base / path;
+  return std::filesystem::absolute(path).lexically_normal().string();
+}
+
+}  // namespace
+
+RunConfig RunConfig::load(const std::string& path, const std::vector<std::string>& overrides) {
+  std::error_code ec;
+  MT_CHECK(std::filesystem::exists(path, ec), "config file '{}' does not exist", path);
+  MT_CHECK(!std::filesystem::is_directory(path, ec), "config file '{}' is a folder, not a TOML file", path);
+
+  toml::table root;
+  try {
+    root = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    MT_THROW("{}:{}:{}: TOML parse error: {}", path, e.source().begin.line, e.source().begin.column, e.description());
+  }
+
+  RunConfig cfg;
+  Sections sections(cfg);
+  const std::vector<std::string> known = sections.names();
+
+  // Every top-level entry must be one of our section tables.
+  for (auto&& [k, node] : root) {
+    const std::string name(k.str());
+    const std::string at = fmt::format("{}:{}", path, k.source().begin.line);
+    if (sections.find(name) == nullptr) {
+      MT_THROW("{}: unknown section [{}]{}", at, name, unknown_section_hint(name, known));
+    }
+    MT_CHECK(node.is_table(), "{}: [{}] must be a section (a table), got a {} value", at, name,
+             node.is_array() ? "list" : "plain");
+  }
+
+  std::vector<Override> parsed;
+  for (const auto& text : overrides) {
+    Override o = parse_override(text);
+    ConfigFields* s = sections.find(o.section);
+    if (s == nullptr) {
+      MT_THROW("{}: unknown section [{}]{}", o.origin(), o.section, unknown_section_hint(o.section, known));
+    }
+    parsed.push_back(std::move(o));
+  }
+
+  // [model] may point at an HF config.json: read it first, so that the other [model] keys
+  // (and overrides) win over it.
+  std::string json_path;
+  if (const toml::table* model = root["model"].as_table()) {
+    Qwen3MoeConfig probe;
+    ConfigFields f("model");
+    probe.describe(f);
+    f.load(*model, path);
+    json_path = absolute_from(std::filesystem::path(path).parent_path(), probe.config_json);
+  }
+  for (const auto& o : parsed) {
+    if (o.section == "model" && o.key == "config_json") {
+      Qwen3MoeConfig probe;
+      ConfigFields f("model");
+      probe.describe(f);
+      f.set_from_string(o.key, o.value, o.origin());
+      json_path = absolute_from({}, probe.config_json);  // command line: from the working folder
+    }
+  }
+  if (!json_path.empty()) cfg.model.load_hf_json(json_path);
+
+  for (auto& s : sections.list) {
+    if (const toml::table* t = root[s.section()].as_table()) s.load(*t, path);
+  }
+  cfg.model.config_json = json_path;
+
+  // Validation errors name the line of the key in the file, or the command line when the
+  // key was overridden there.
+  std::map<std::string, std::string> origin_of;
+  for (auto&& [sk, snode] : root) {
+    for (auto&& [k, node] : *snode.as_table()) {
+      const auto& b = node.source().begin;
+      origin_of[fmt::format("{}.{}", sk.str(), k.str())] = fmt::format("{}:{}:{}", path, b.line, b.column);
+    }
+  }
+  for (const auto& o : parsed) {
+    sections.find(o.section)->set_from_string(o.key, o.value, o.origin());
+    origin_of[o.section + "." + o.key] = o.origin();
+  }
+
+  for (const auto& s : sections.list) {
+    for (const auto& f : s.fields()) {
+      if (!f.check) continue;
+      if (auto err = f.check()) {
+        auto it = origin_of.find(s.section() + "." + f.key);
+        MT_THROW("{}: [{}].{} {}", it == origin_of.end() ? path : it->second, s.section(), f.key, *err);
+      }
+    }
+  }
+  cfg.model.validate(path);
+
+  // Cross-section checks.
+  const auto& t = cfg.training;
+  const auto& o = cfg.optimizer;
+  MT_CHECK(o.warmup_steps <= t.steps, "{}: [optimizer].warmup_steps ({}) must be <= [training].steps ({})", path,
+           o.warmup_steps, t.steps);
+  MT_CHECK(o.min_lr <= o.lr, "{}: [optimizer].min_lr ({}) must be <= [optimizer].lr ({})", path, o.min_lr, o.lr);
+  MT_CHECK(t.seq_len <= cfg.model.max_position_embeddings,
+           "{}: [training].seq_len ({}) must be <= [model].max_position_embeddings ({})", path, t.seq_len,
+           cfg.model.max_position_embeddings);
+  if (cfg.data.tokenizer == "byte") {
+    MT_CHECK(cfg.model.vocab_size >= 257,
+             "{}: [model].vocab_size ({}) is too small for the byte tokenizer, which needs 257 (256 bytes + "
+             "end-of-text)",
+             path, cfg.model.vocab_size);
+  }
+  return cfg;
+}
+
+std::string RunConfig::to_toml() {
+  Sections sections(*this);
+  std::string out;
+  for (const auto& s : sections.list) {
+    if (!out.empty()) out += "\n";
+    out += fmt::format("[{}]\n", s.section());
+    out += s.to_toml();
+  }
+  return out;
+}
+
+}  // namespace moetrain

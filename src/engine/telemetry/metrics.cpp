@@ -1,0 +1,69 @@
+#include "engine/telemetry/metrics.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+
+namespace moetrain {
+
+MetricsWriter::MetricsWriter(const std::string& dir, bool append) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  MT_CHECK(!ec, "metrics: cannot create folder '{}': {}", dir, ec.message());
+  path_ = (std::filesystem::path(dir) / "metrics.jsonl").string();
+  out_.open(path_, append ? std::ios::app : std::ios::trunc);
+  MT_CHECK(out_.is_open(), "metrics: cannot open '{}' for writing", path_);
+}
+
+std::string metrics_json(const StepMetrics& m) {
+  nlohmann::json j;
+  j["step"] = m.step;
+  j["loss"] = m.loss;
+  j["aux_loss"] = m.aux_loss;
+  j["lr"] = m.lr;
+  j["grad_norm"] = m.grad_norm;
+  j["tokens_per_s"] = m.tokens_per_s;
+  j["tflops"] = m.tflops;
+  j["step_time_s"] = m.step_time_s;
+  j["expert_load_max_over_mean"] = m.expert_load_max_over_mean;
+  j["peak_memory_bytes"] = m.peak_memory_bytes;
+  j["tokens"] = m.tokens;
+  j["val_loss"] = m.val_loss ? nlohmann::json(*m.val_loss) : nlohmann::json(nullptr);
+  return j.dump();  // non-finite numbers become null
+}
+
+void MetricsWriter::write(const StepMetrics& m) {
+  out_ << metrics_json(m) << '\n';
+  out_.flush();
+  MT_CHECK(out_.good(), "metrics: write to '{}' failed (disk full?)", path_);
+}
+
+std::string thousands(int64_t v) {
+  std::string digits = std::to_string(v < 0 ? -static_cast<uint64_t>(v) : static_cast<uint64_t>(v));
+  std::string out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return v < 0 ? "-" + out : out;
+}
+
+std::string human_line(const StepMetrics& m, int64_t total_steps) {
+  std::string s = fmt::format("step {}/{} | loss {:.4f}", m.step, total_steps, m.loss);
+  if (m.val_loss) s += fmt::format(" | val {:.4f}", *m.val_loss);
+  s += fmt::format(" | lr {:.2e} | gnorm {:.2f} | {} tok/s | {:.3f} TFLOP/s", m.lr, m.grad_norm,
+                   thousands(static_cast<int64_t>(std::llround(std::isfinite(m.tokens_per_s) ? m.tokens_per_s : 0))),
+                   m.tflops);
+  if (m.expert_load_max_over_mean > 0) s += fmt::format(" | load max/mean {:.2f}", m.expert_load_max_over_mean);
+  if (m.peak_memory_bytes > 0) {
+    const double mb = static_cast<double>(m.peak_memory_bytes) / 1e6;
+    s += mb < 10000 ? fmt::format(" | mem {:.0f} MB", mb) : fmt::format(" | mem {:.1f} GB", mb / 1e3);
+  }
+  return s;
+}
+
+}  // namespace moetrain

@@ -1,0 +1,49 @@
+// Per-step training metrics: one JSON object per line in <dir>/metrics.jsonl (for plots
+// and tools), and a short human-readable line for the log.
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <optional>
+#include <string>
+
+namespace moetrain {
+
+struct StepMetrics {
+  int64_t step = 0;
+  double loss = 0, aux_loss = 0;
+  double lr = 0, grad_norm = 0;
+  double tokens_per_s = 0, tflops = 0, step_time_s = 0;  // tflops: achieved TFLOP/s
+  double expert_load_max_over_mean = 0;                  // busiest expert's tokens / mean
+  int64_t peak_memory_bytes = 0;
+  int64_t tokens = 0;  // tokens trained on so far
+  std::optional<double> val_loss;  // written as null when absent
+};
+
+// Appends StepMetrics to <dir>/metrics.jsonl, one line each, flushed at once so that a
+// crash loses nothing already written.
+class MetricsWriter {
+ public:
+  // Creates `dir` if needed. append = false starts the file afresh (a new run); true keeps
+  // the lines already there (a resumed run). Throws naming the path if it cannot be opened.
+  explicit MetricsWriter(const std::string& dir, bool append = false);
+
+  void write(const StepMetrics& m);
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::ofstream out_;
+};
+
+// The JSON text of one line (no newline).
+std::string metrics_json(const StepMetrics& m);
+
+// "step 40/600 | loss 2.8312 | lr 3.00e-03 | gnorm 0.91 | 2,345 tok/s | 0.012 TFLOP/s |
+//  load max/mean 1.42 | mem 210 MB", with "| val 2.9012" when val_loss is set.
+std::string human_line(const StepMetrics& m, int64_t total_steps);
+
+// 1234567 -> "1,234,567".
+std::string thousands(int64_t v);
+
+}  // namespace moetrain

@@ -1,0 +1,209 @@
+#include "engine/trainer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "core/allocator.h"
+#include "core/log.h"
+#include "core/rng.h"
+#include "engine/data/byte_tokenizer.h"
+#include "engine/data/loader.h"
+#include "engine/data/text_corpus.h"
+#include "engine/models/qwen3_moe.h"
+#include "engine/optim/adamw.h"
+#include "engine/optim/lr_schedule.h"
+#include "engine/parallel/expert_dispatch.h"
+#include "engine/telemetry/metrics.h"
+#include "engine/telemetry/progress.h"
+#include "ops/threads.h"
+
+namespace moetrain {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// Mean cross-entropy over the validation set's first eval_batches micro-batches.
+double validation_loss(Qwen3MoeModel& model, ExpertDispatcher& d, BatchLoader& val, int64_t batches) {
+  val.reset();
+  double sum = 0;
+  int64_t n = 0;
+  for (int64_t i = 0; i < batches; ++i) {
+    MicroBatchLoss l = model.forward_loss(val.next(), d);
+    sum += l.ce_sum;
+    n += l.targets;
+  }
+  return sum / static_cast<double>(std::max<int64_t>(n, 1));
+}
+
+// Worst MoE layer's (most loaded expert / mean load), summed over the step's micro-batches.
+double expert_imbalance(const std::vector<std::vector<int64_t>>& counts) {
+  double worst = 0;
+  for (const auto& layer : counts) {
+    if (layer.empty()) continue;
+    int64_t total = 0, most = 0;
+    for (int64_t c : layer) {
+      total += c;
+      most = std::max(most, c);
+    }
+    if (total > 0) worst = std::max(worst, static_cast<double>(most) * layer.size() / static_cast<double>(total));
+  }
+  return worst;
+}
+
+// Samples `n` tokens after `prompt` at `temperature`, each from the logits of the last
+// position over a window of at most seq_len tokens.
+std::string sample_text(Qwen3MoeModel& model, ExpertDispatcher& d, const ByteTokenizer& tok, const std::string& prompt,
+                        int64_t n, int64_t seq_len, double temperature, uint64_t seed) {
+  std::vector<int32_t> ids = tok.encode(prompt);
+  if (ids.empty()) ids.push_back(tok.eos_id());
+  Rng rng(seed);
+  const int64_t V = model.config().vocab_size;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t S = std::min<int64_t>(static_cast<int64_t>(ids.size()), seq_len);
+    std::vector<int32_t> window(ids.end() - S, ids.end()), pos(S);
+    for (int64_t j = 0; j < S; ++j) pos[j] = static_cast<int32_t>(j);
+    Tensor logits = model.forward_logits(Tensor::from_vector(window, {S}), Tensor::from_vector(pos, {S}), {1, S}, d);
+    std::vector<double> p(V);
+    double mx = -1e300;
+    for (int64_t v = 0; v < V; ++v) mx = std::max(mx, p[v] = logits.item((S - 1) * V + v) / temperature);
+    double z = 0;
+    for (auto& x : p) z += (x = std::exp(x - mx));
+    double u = rng.uniform() * z;
+    int32_t pick = static_cast<int32_t>(V - 1);
+    for (int64_t v = 0; v < V; ++v) {
+      if ((u -= p[v]) <= 0) {
+        pick = static_cast<int32_t>(v);
+        break;
+      }
+    }
+    ids.push_back(pick);
+  }
+  return tok.decode(ids);
+}
+
+}  // namespace
+
+TrainSummary train(const RunConfig& cfg_in) {
+  RunConfig cfg = cfg_in;
+  const auto run_start = Clock::now();
+  const TrainingConfig& tc = cfg.training;
+  ops::set_cpu_threads(static_cast<int>(tc.threads));
+
+  // Data.
+  ByteTokenizer tok;
+  MT_CHECK(cfg.model.vocab_size >= tok.vocab_size(), "[model].vocab_size = {} is smaller than the {} tokenizer's {}",
+           cfg.model.vocab_size, cfg.data.tokenizer, tok.vocab_size());
+  Corpus corpus = load_text_corpus(cfg.data, tok, tc.seq_len + 1);
+  const uint64_t seed = static_cast<uint64_t>(tc.seed);
+  BatchLoader train_loader(std::move(corpus.train), tc.micro_batch_size, tc.seq_len, stream_key(seed, "data.train"),
+                           BatchLoader::Mode::Random);
+  BatchLoader val_loader(std::move(corpus.val), tc.micro_batch_size, tc.seq_len, stream_key(seed, "data.val"),
+                         BatchLoader::Mode::Sequential);
+  spdlog::info("data: {} train documents ({} tokens), {} validation documents ({} tokens)", corpus.train_documents,
+               train_loader.num_tokens(), corpus.val_documents, val_loader.num_tokens());
+
+  // Model, dispatcher, optimizer.
+  Qwen3MoeModel model(cfg.model, DType::F32);
+  model.init_weights(seed);
+  LocalDispatcher dispatcher;
+  ParameterList& params = model.parameters();
+  const OptimizerConfig& oc = cfg.optimizer;
+  AdamW opt(params, {oc.beta1, oc.beta2, oc.eps, oc.weight_decay});
+  LrSchedule schedule{oc.schedule, oc.lr, oc.min_lr, oc.warmup_steps, tc.steps, oc.decay_fraction};
+  const int64_t tokens_per_step = tc.micro_batch_size * tc.seq_len * tc.grad_accum_steps;
+  const double flops_per_token = model.flops_per_token(tc.seq_len);
+  spdlog::info("model: qwen3_moe, {} layers, {} experts (top-{}), {:.2f}M parameters ({:.2f}M active in matmuls)",
+               cfg.model.num_hidden_layers, cfg.model.num_experts, cfg.model.num_experts_per_tok,
+               count_elements(params) / 1e6, model.active_matmul_params() / 1e6);
+  spdlog::info("training: {} steps x {} tokens, {} CPU threads", tc.steps, tokens_per_step, ops::cpu_threads());
+
+  // Metrics.
+  std::filesystem::create_directories(cfg.metrics.dir);
+  {
+    std::ofstream f(std::filesystem::path(cfg.metrics.dir) / "config.toml");
+    f << cfg.to_toml();
+  }
+  MetricsWriter metrics(cfg.metrics.dir);
+  spdlog::info("metrics: {}/metrics.jsonl", cfg.metrics.dir);
+
+  TrainSummary summary;
+  summary.parameters = count_elements(params);
+  summary.first_val_loss = validation_loss(model, dispatcher, val_loader, tc.eval_batches);
+  summary.last_val_loss = summary.first_val_loss;
+  spdlog::info("step 0 | val loss {:.4f}", summary.first_val_loss);
+
+  ProgressBar progress(tc.steps, cfg.metrics.progress);
+  double train_seconds = 0;
+  for (int64_t step = 0; step < tc.steps; ++step) {
+    const auto t0 = Clock::now();
+    zero_grads(params);
+    std::vector<Batch> batches;
+    int64_t targets = 0;
+    for (int64_t m = 0; m < tc.grad_accum_steps; ++m) {
+      batches.push_back(train_loader.next());
+      targets += batches.back().num_targets;
+    }
+    MT_CHECK(targets > 0, "step {}: no token in the batch has a target", step + 1);
+    double ce = 0, aux = 0, z = 0;
+    std::vector<std::vector<int64_t>> counts;
+    for (const Batch& b : batches) {
+      MicroBatchLoss l = model.forward_backward(b, dispatcher, 1.0 / static_cast<double>(targets),
+                                                1.0 / static_cast<double>(batches.size()));
+      ce += l.ce_sum;
+      aux += l.aux_loss / static_cast<double>(batches.size());
+      z += l.z_loss / static_cast<double>(batches.size());
+      if (counts.empty()) counts.assign(l.expert_counts.size(), std::vector<int64_t>(cfg.model.num_experts, 0));
+      for (size_t i = 0; i < l.expert_counts.size(); ++i) {
+        for (size_t e = 0; e < l.expert_counts[i].size(); ++e) counts[i][e] += l.expert_counts[i][e];
+      }
+    }
+    const double loss = ce / static_cast<double>(targets);
+    MT_CHECK(std::isfinite(loss), "training loss is not finite ({}) at step {}", loss, step + 1);
+    const double grad_norm = clip_grad_norm(params, tc.grad_clip);
+    const double lr = schedule.at(step);
+    opt.step(params, lr);
+    const double dt = seconds_since(t0);
+    train_seconds += dt;
+
+    StepMetrics m;
+    m.step = step + 1;
+    m.loss = loss;
+    m.aux_loss = aux + z;
+    m.lr = lr;
+    m.grad_norm = grad_norm;
+    m.step_time_s = dt;
+    m.tokens = tokens_per_step * (step + 1);
+    m.tokens_per_s = static_cast<double>(tokens_per_step) / dt;
+    m.tflops = flops_per_token * m.tokens_per_s / 1e12;
+    m.expert_load_max_over_mean = expert_imbalance(counts);
+    m.peak_memory_bytes = host_memory_stats().peak_bytes;
+    const bool last = step + 1 == tc.steps;
+    if (last || (tc.eval_every > 0 && (step + 1) % tc.eval_every == 0)) {
+      m.val_loss = validation_loss(model, dispatcher, val_loader, tc.eval_batches);
+      summary.last_val_loss = *m.val_loss;
+    }
+    metrics.write(m);
+    if (step == 0) summary.first_train_loss = loss;
+    summary.last_train_loss = loss;
+    if (m.val_loss || (step + 1) % cfg.metrics.log_every == 0 || step == 0) {
+      progress.clear();
+      spdlog::info("{}", human_line(m, tc.steps));
+    }
+    progress.update(step + 1, fmt::format("loss {:.3f}", loss));
+  }
+  progress.finish();
+  summary.steps = tc.steps;
+  summary.tokens_per_s = static_cast<double>(tokens_per_step * tc.steps) / std::max(train_seconds, 1e-9);
+  if (tc.sample_tokens > 0) {
+    summary.sample = sample_text(model, dispatcher, tok, tc.sample_prompt, tc.sample_tokens, tc.seq_len,
+                                 tc.sample_temperature, stream_key(seed, "sample"));
+  }
+  summary.seconds = seconds_since(run_start);
+  return summary;
+}
+
+}  // namespace moetrain

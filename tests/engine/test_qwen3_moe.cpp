@@ -1,0 +1,195 @@
+// Whole-model checks of Qwen3-MoE: float64 gradients against finite differences, the
+// staged (dispatch/combine) forward against reference_forward, layout-independent
+// initialisation, and gradient accumulation over micro-batches.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+
+#include "engine/models/qwen3_moe.h"
+#include "test_util.h"
+
+namespace moetrain {
+namespace {
+
+Qwen3MoeConfig tiny_config() {
+  Qwen3MoeConfig c;
+  c.vocab_size = 19;
+  c.hidden_size = 8;
+  c.intermediate_size = 12;
+  c.moe_intermediate_size = 6;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 4;
+  c.num_experts = 4;
+  c.num_experts_per_tok = 2;
+  c.initializer_range = 0.5;  // large weights: routing and attention far from uniform
+  c.router_aux_loss_coef = 0.1;
+  c.router_z_loss_coef = 0.01;
+  return c;
+}
+
+Batch random_batch(int64_t batch, int64_t seq, int32_t vocab, uint64_t seed, bool ignore_some = false) {
+  Batch b;
+  b.batch = batch;
+  b.seq = seq;
+  b.inputs = testing::random_ints({batch * seq}, 0, vocab, seed);
+  b.targets = testing::random_ints({batch * seq}, 0, vocab, seed + 1);
+  std::vector<int32_t> pos(batch * seq);
+  for (int64_t i = 0; i < batch * seq; ++i) pos[i] = static_cast<int32_t>(i % seq);
+  b.positions = Tensor::from_vector(pos, {batch * seq});
+  b.num_targets = batch * seq;
+  if (ignore_some) {
+    b.targets.data<int32_t>()[1] = ops::kIgnoreIndex;
+    b.num_targets -= 1;
+  }
+  return b;
+}
+
+double total_loss(Qwen3MoeModel& m, const Batch& b, ExpertDispatcher& d) {
+  MicroBatchLoss l = m.forward_loss(b, d);
+  return l.ce_sum / static_cast<double>(l.targets) + l.aux_loss + l.z_loss;
+}
+
+// Finite differences on a few elements of every parameter (all of them for small ones).
+void check_model_gradients(const Qwen3MoeConfig& cfg, const char* label) {
+  Qwen3MoeModel model(cfg, DType::F64);
+  model.init_weights(7);
+  LocalDispatcher d;
+  Batch b = random_batch(2, 5, static_cast<int32_t>(cfg.vocab_size), 11, true);
+  zero_grads(model.parameters());
+  model.forward_backward(b, d, 1.0 / static_cast<double>(b.num_targets), 1.0);
+
+  const double h = 1e-6;
+  double worst = 0;
+  std::string worst_name;
+  for (Parameter& p : model.parameters()) {
+    double* w = p.value.data<double>();
+    const double* g = p.grad.data<double>();
+    const int64_t n = p.value.numel();
+    const int64_t picks = std::min<int64_t>(n, 6);
+    double num2 = 0, den2 = 0;
+    for (int64_t j = 0; j < picks; ++j) {
+      const int64_t i = j * n / picks;
+      const double saved = w[i];
+      w[i] = saved + h;
+      const double up = total_loss(model, b, d);
+      w[i] = saved - h;
+      const double down = total_loss(model, b, d);
+      w[i] = saved;
+      const double numeric = (up - down) / (2 * h);
+      num2 += (numeric - g[i]) * (numeric - g[i]);
+      den2 += numeric * numeric;
+    }
+    // Relative to the gradient scale of the whole parameter, so tiny entries do not blow up.
+    const double scale = std::sqrt(std::max(den2, testing::dot(p.grad, p.grad) * picks / n));
+    const double err = std::sqrt(num2) / std::max(scale, 1e-12);
+    if (err > worst) {
+      worst = err;
+      worst_name = p.name;
+    }
+    EXPECT_LT(err, 1e-5) << p.name;
+  }
+  std::printf("GRADCHECK model(%s) worst=%s %.3e\n", label, worst_name.c_str(), worst);
+}
+
+TEST(Qwen3Moe, WholeModelGradientMatchesFiniteDifferences) { check_model_gradients(tiny_config(), "moe"); }
+
+TEST(Qwen3Moe, GradientsWithDenseLayerAndTiedEmbeddings) {
+  Qwen3MoeConfig c = tiny_config();
+  c.num_hidden_layers = 3;
+  c.mlp_only_layers = {1};
+  c.tie_word_embeddings = true;
+  c.norm_topk_prob = false;
+  check_model_gradients(c, "dense+tied");
+}
+
+TEST(Qwen3Moe, StagedForwardEqualsReferenceForward) {
+  Qwen3MoeConfig c = tiny_config();
+  c.decoder_sparse_step = 2;  // layer 0 dense, layer 1 MoE
+  Qwen3MoeModel model(c, DType::F64);
+  model.init_weights(3);
+  LocalDispatcher d;
+  Batch b = random_batch(2, 6, static_cast<int32_t>(c.vocab_size), 5);
+  BatchShape s{b.batch, b.seq};
+  Tensor staged = model.forward_logits(b.inputs, b.positions, s, d);
+  Tensor ref = model.reference_forward(b.inputs, b.positions, s);
+  EXPECT_LT(testing::rel_error(staged, ref), 1e-12);
+}
+
+TEST(Qwen3Moe, CanonicalNamesAndLayoutIndependentInit) {
+  Qwen3MoeConfig c = tiny_config();
+  Qwen3MoeModel a(c, DType::F32), b(c, DType::F32);
+  a.init_weights(42);
+  b.init_weights(42);
+  ASSERT_EQ(a.parameters().size(), b.parameters().size());
+  bool saw_expert = false;
+  for (size_t i = 0; i < a.parameters().size(); ++i) {
+    const Parameter& p = a.parameters()[i];
+    EXPECT_EQ(testing::rel_error(p.value, b.parameters()[i].value), 0.0) << p.name;
+    if (p.name == "model.layers.1.mlp.experts.3.down_proj.weight") {
+      saw_expert = true;
+      EXPECT_EQ(p.value.shape(), (Shape{c.hidden_size, c.moe_intermediate_size}));
+    }
+  }
+  EXPECT_TRUE(saw_expert);
+  EXPECT_EQ(a.parameters().front().name, "model.embed_tokens.weight");
+  EXPECT_EQ(a.parameters().back().name, "lm_head.weight");
+  // An expert's values depend on its name only: a model with more layers draws the same
+  // numbers for the layers both have.
+  Qwen3MoeConfig deeper = c;
+  deeper.num_hidden_layers = 3;
+  Qwen3MoeModel big(deeper, DType::F32);
+  big.init_weights(42);
+  for (const Parameter& p : a.parameters()) {
+    for (const Parameter& q : big.parameters()) {
+      if (q.name == p.name) EXPECT_EQ(testing::rel_error(p.value, q.value), 0.0) << p.name;
+    }
+  }
+  // Norm gains start at one; different seeds give different matrices.
+  Qwen3MoeModel other(c, DType::F32);
+  other.init_weights(43);
+  EXPECT_GT(testing::rel_error(other.parameters()[0].value, a.parameters()[0].value), 0.1);
+}
+
+TEST(Qwen3Moe, GradientAccumulationEqualsOneLargeBatch) {
+  Qwen3MoeConfig c = tiny_config();
+  c.router_aux_loss_coef = 0;  // a per-micro-batch statistic: not additive
+  c.router_z_loss_coef = 0;
+  Qwen3MoeModel model(c, DType::F64);
+  model.init_weights(9);
+  LocalDispatcher d;
+  Batch whole = random_batch(4, 5, static_cast<int32_t>(c.vocab_size), 21);
+  zero_grads(model.parameters());
+  model.forward_backward(whole, d, 1.0 / 20.0, 1.0);
+  std::vector<Tensor> expected;
+  for (auto& p : model.parameters()) expected.push_back(p.grad.clone());
+
+  zero_grads(model.parameters());
+  for (int half = 0; half < 2; ++half) {
+    Batch b;
+    b.batch = 2;
+    b.seq = 5;
+    b.inputs = whole.inputs.slice(half * 10, half * 10 + 10).clone();
+    b.targets = whole.targets.slice(half * 10, half * 10 + 10).clone();
+    b.positions = whole.positions.slice(half * 10, half * 10 + 10).clone();
+    b.num_targets = 10;
+    model.forward_backward(b, d, 1.0 / 20.0, 0.5);
+  }
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_LT(testing::rel_error(model.parameters()[i].grad, expected[i]), 1e-12) << model.parameters()[i].name;
+  }
+}
+
+TEST(Qwen3Moe, FlopsPerTokenCountsActiveParameters) {
+  Qwen3MoeConfig c = tiny_config();
+  Qwen3MoeModel m(c, DType::F32);
+  const int64_t attn = 8 * 4 * (2 * 4 + 2 * 2);
+  const int64_t moe = 8 * 4 + 2 * 3 * 8 * 6;
+  EXPECT_EQ(m.active_matmul_params(), 19 * 8 + 2 * (attn + moe));
+  EXPECT_DOUBLE_EQ(m.flops_per_token(10), 6.0 * m.active_matmul_params() + 12.0 * 2 * 4 * 4 * 10);
+}
+
+}  // namespace
+}  // namespace moetrain
