@@ -20,8 +20,8 @@ struct ParallelConfig {
 };
 
 struct TrainingConfig {
-  int64_t steps = 600;
-  int64_t micro_batch_size = 8;     // sequences per micro-batch
+  int64_t steps = 1000;
+  int64_t micro_batch_size = 16;    // sequences per micro-batch
   int64_t seq_len = 128;            // tokens per sequence
   int64_t grad_accum_steps = 1;     // micro-batches per optimizer step
   int64_t seed = 1234;
@@ -43,7 +43,7 @@ struct OptimizerConfig {
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double weight_decay = 0.1;
   std::string schedule = "cosine";  // "cosine" | "wsd" | "constant"
-  int64_t warmup_steps = 30;
+  int64_t warmup_steps = 50;
   double decay_fraction = 0.2;      // wsd: last fraction of steps that decays to min_lr
   void describe(ConfigFields& f);
 };

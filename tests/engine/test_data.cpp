@@ -142,7 +142,7 @@ TEST(TextCorpus, Errors) {
   DataConfig cfg;
   std::string missing = dir.str() + "/missing";
   cfg.paths = {missing};
-  EXPECT_EQ(error_of([&] { load_text_corpus(cfg, tok); }), "data.paths: '" + missing + "' does not exist");
+  EXPECT_EQ(error_of([&] { load_text_corpus(cfg, tok); }), "[data].paths: '" + missing + "' does not exist");
 
   cfg.paths = {dir.file("empty", "%\n\n%\n")};
   EXPECT_NE(error_of([&] { load_text_corpus(cfg, tok); }).find("hold no documents"), std::string::npos);

@@ -144,7 +144,9 @@ TEST(Qwen3Moe, CanonicalNamesAndLayoutIndependentInit) {
   big.init_weights(42);
   for (const Parameter& p : a.parameters()) {
     for (const Parameter& q : big.parameters()) {
-      if (q.name == p.name) EXPECT_EQ(testing::rel_error(p.value, q.value), 0.0) << p.name;
+      if (q.name == p.name) {
+        EXPECT_EQ(testing::rel_error(p.value, q.value), 0.0) << p.name;
+      }
     }
   }
   // Norm gains start at one; different seeds give different matrices.

@@ -19,7 +19,7 @@ void collect_folder(const fs::path& dir, std::vector<fs::path>& files) {
   std::vector<fs::directory_entry> entries;
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) entries.push_back(*it);
-  MT_CHECK(!ec, "data.paths: cannot list folder '{}': {}", dir.string(), ec.message());
+  MT_CHECK(!ec, "[data].paths: cannot list folder '{}': {}", dir.string(), ec.message());
   std::sort(entries.begin(), entries.end(),
             [](const fs::directory_entry& a, const fs::directory_entry& b) { return a.path() < b.path(); });
   for (const auto& e : entries) {
@@ -36,10 +36,10 @@ void collect_folder(const fs::path& dir, std::vector<fs::path>& files) {
 
 std::string read_file(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
-  MT_CHECK(in.good(), "data.paths: cannot read '{}'", path.string());
+  MT_CHECK(in.good(), "[data].paths: cannot read '{}'", path.string());
   std::ostringstream ss;
   ss << in.rdbuf();
-  MT_CHECK(!in.bad(), "data.paths: error while reading '{}'", path.string());
+  MT_CHECK(!in.bad(), "[data].paths: error while reading '{}'", path.string());
   return std::move(ss).str();
 }
 
@@ -80,11 +80,11 @@ Corpus load_text_corpus(const DataConfig& config, const ByteTokenizer& tokenizer
   for (const auto& p : config.paths) {
     std::error_code ec;
     fs::file_status st = fs::status(p, ec);  // follows a link named explicitly
-    MT_CHECK(fs::exists(st), "data.paths: '{}' does not exist", p);
+    MT_CHECK(fs::exists(st), "[data].paths: '{}' does not exist", p);
     if (fs::is_directory(st)) {
       const size_t before = files.size();
       collect_folder(p, files);
-      MT_CHECK(files.size() > before, "data.paths: folder '{}' holds no text files", p);
+      MT_CHECK(files.size() > before, "[data].paths: folder '{}' holds no text files", p);
     } else {
       files.emplace_back(p);
     }
