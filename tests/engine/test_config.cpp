@@ -191,7 +191,7 @@ TEST(RunConfig, DefaultsValidate) {
   // The defaults of every section pass validation as they are.
   TempDir dir;
   RunConfig cfg = RunConfig::load(dir.file("empty.toml", ""), {});
-  EXPECT_EQ(cfg.training.steps, 600);
+  EXPECT_EQ(cfg.training.steps, TrainingConfig{}.steps);
   EXPECT_EQ(cfg.optimizer.schedule, "cosine");
   EXPECT_EQ(cfg.model.model_type, "qwen3_moe");
 }
