@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "engine/bench.h"
 #include "engine/run_config.h"
 #include "engine/trainer.h"
 
@@ -40,6 +41,14 @@ int run_train(const std::string& config_path, const std::vector<std::string>& ex
   return 0;
 }
 
+int run_bench(const std::string& config_path, const std::vector<std::string>& extras,
+              const moetrain::BenchOptions& opt) {
+  moetrain::RunConfig cfg = moetrain::RunConfig::load(config_path, overrides_from(extras));
+  moetrain::BenchReport r = moetrain::run_bench(cfg, opt);
+  std::fputs(moetrain::format_bench(r).c_str(), stdout);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -56,6 +65,16 @@ int main(int argc, char** argv) {
   train->allow_extras();
   train->footer("Any config key can be overridden: --section.key=value (e.g. --training.steps=100).");
 
+  std::string bench_config;
+  moetrain::BenchOptions bench_opt;
+  CLI::App* bench = app.add_subcommand("bench", "time training steps on synthetic tokens: tokens/s, TFLOP/s, MFU, stages");
+  bench->add_option("-c,--config", bench_config, "run config (TOML)")->required();
+  bench->add_option("--warmup", bench_opt.warmup_steps, "untimed steps first")->capture_default_str();
+  bench->add_option("--steps", bench_opt.steps, "timed steps (the median is reported)")->capture_default_str();
+  bench->add_option("--peak-tflops", bench_opt.peak_tflops, "peak for MFU (H100 SXM dense bf16: 989)")
+      ->capture_default_str();
+  bench->allow_extras();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -63,6 +82,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (train->parsed()) return run_train(config_path, train->remaining(), print_config);
+    if (bench->parsed()) return run_bench(bench_config, bench->remaining(), bench_opt);
   } catch (const std::exception& e) {  // moetrain::Error and anything from the libraries
     std::fprintf(stderr, "moetrain: error: %s\n", e.what());
     return 2;

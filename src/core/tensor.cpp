@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/allocator.h"
+#include "core/cuda_runtime.h"
 
 namespace moetrain {
 
@@ -55,14 +56,29 @@ int64_t shape_numel(const Shape& s) {
   return n;
 }
 
-// Owns one host block. CUDA storage arrives with the CUDA backend.
+// Owns one block: host memory, or device memory from the stream-ordered pool (freed on the
+// stream that is current when the last reference goes, which orders the free after the
+// work already queued there).
 class Storage {
  public:
   Storage(size_t bytes, Device device) : bytes_(bytes), device_(device) {
-    MT_CHECK(device.is_cpu(), "device {} is not available in this build", device.str());
-    ptr_ = host_alloc(bytes);
+    if (device.is_cpu()) {
+      ptr_ = host_alloc(bytes);
+    } else {
+      MT_CHECK(cuda::available(), "cannot allocate on {}: {}", device.str(), cuda::unavailable_reason());
+      ptr_ = cuda::device_alloc(bytes, cuda::current_stream());
+    }
   }
-  ~Storage() { host_free(ptr_, bytes_); }
+  ~Storage() {
+    if (device_.is_cpu()) {
+      host_free(ptr_, bytes_);
+    } else {
+      try {
+        cuda::device_free(ptr_, bytes_, cuda::current_stream());
+      } catch (...) {  // a destructor must not throw; the pool reclaims at exit
+      }
+    }
+  }
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
   void* ptr() const { return ptr_; }
@@ -153,7 +169,13 @@ Tensor Tensor::view(const Shape& shape) const {
 
 Tensor Tensor::clone() const {
   Tensor t = empty(shape_, dtype_, device());
-  std::memcpy(t.raw(), raw(), nbytes());
+  t.copy_from(*this);
+  return t;
+}
+
+Tensor Tensor::to(Device device) const {
+  Tensor t = empty(shape_, dtype_, device);
+  t.copy_from(*this);
   return t;
 }
 
@@ -191,7 +213,19 @@ void dispatch_dtype(DType t, F&& f) {
 
 void Tensor::copy_from(const Tensor& src) {
   MT_CHECK(src.numel() == numel_, "copy_from: source {} does not match destination {}", src.str(), str());
-  MT_CHECK(device().is_cpu() && src.device().is_cpu(), "copy_from: only host tensors here");
+  const bool here = device().is_cpu(), there = src.device().is_cpu();
+  if (!here || !there) {
+    if (src.dtype() != dtype_) {  // convert on the host
+      Tensor h = Tensor::empty(shape_, dtype_);
+      h.copy_from(there ? src : src.to(Device::cpu()));
+      copy_from(h);
+      return;
+    }
+    if (here) cuda::copy_device_to_host(raw(), src.raw(), nbytes());
+    else if (there) cuda::copy_host_to_device(raw(), src.raw(), nbytes());
+    else cuda::copy_device_to_device(raw(), src.raw(), nbytes());
+    return;
+  }
   if (src.dtype() == dtype_) {
     std::memmove(raw(), src.raw(), nbytes());
     return;
@@ -205,9 +239,18 @@ void Tensor::copy_from(const Tensor& src) {
   });
 }
 
-void Tensor::zero_() { std::memset(raw(), 0, nbytes()); }
+void Tensor::zero_() {
+  if (device().is_cpu()) std::memset(raw(), 0, nbytes());
+  else cuda::memset_device(raw(), 0, nbytes());
+}
 
 void Tensor::fill_(double value) {
+  if (!device().is_cpu()) {  // rare (initialisation): fill on the host, copy over
+    Tensor h = Tensor::empty(shape_, dtype_);
+    h.fill_(value);
+    copy_from(h);
+    return;
+  }
   dispatch_dtype(dtype_, [&](auto d) {
     using D = decltype(d);
     D v;
@@ -220,6 +263,7 @@ void Tensor::fill_(double value) {
 
 double Tensor::item(int64_t i) const {
   MT_CHECK(i >= 0 && i < numel_, "item {} out of range for tensor {}", i, str());
+  if (!device().is_cpu()) return view({numel_}).slice(i, i + 1).to(Device::cpu()).item(0);
   double out = 0;
   dispatch_dtype(dtype_, [&](auto d) {
     using D = decltype(d);
@@ -231,6 +275,7 @@ double Tensor::item(int64_t i) const {
 }
 
 std::vector<double> Tensor::to_double_vector() const {
+  if (!device().is_cpu()) return to(Device::cpu()).to_double_vector();
   std::vector<double> v(numel_);
   Tensor t = Tensor::empty(shape_, DType::F64);
   t.copy_from(*this);
@@ -240,6 +285,7 @@ std::vector<double> Tensor::to_double_vector() const {
 
 template <typename T>
 std::vector<T> Tensor::to_vector() const {
+  if (!device().is_cpu()) return to(Device::cpu()).to_vector<T>();
   const T* p = data<T>();
   return std::vector<T>(p, p + numel_);
 }

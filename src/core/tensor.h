@@ -61,11 +61,15 @@ class Tensor {
   // Element-wise copies and fills.
   Tensor clone() const;
   Tensor to(DType dtype) const;       // converted copy (a plain copy when equal)
-  void copy_from(const Tensor& src);  // same shape; converts dtype
+  Tensor to(Device device) const;     // copy on another device (same dtype)
+  // Same element count; converts dtype; copies across devices (a dtype conversion with a
+  // device on either side goes through the host).
+  void copy_from(const Tensor& src);
   void zero_();
   void fill_(double value);
 
-  // Element i as double, for tests and small host-side reads (CPU only).
+  // Element i as double, for tests and small host-side reads (a device tensor is copied
+  // to the host first).
   double item(int64_t i = 0) const;
   std::vector<double> to_double_vector() const;
   template <typename T>

@@ -44,7 +44,8 @@ void TrainingConfig::describe(ConfigFields& f) {
   f.add("seq_len", &seq_len, "tokens per sequence", positive(&seq_len));
   f.add("grad_accum_steps", &grad_accum_steps, "micro-batches per optimizer step", positive(&grad_accum_steps));
   f.add("seed", &seed, "seed of initialisation, data order and sampling", non_negative(&seed));
-  f.add("device", &device, "where to train: cpu (cuda arrives with the CUDA backend)", one_of(&device, {"cpu"}));
+  f.add("device", &device, "where to train: cpu (f32) or cuda (bf16 compute, f32 masters, GPU 0)",
+        one_of(&device, {"cpu", "cuda"}));
   f.add("grad_clip", &grad_clip, "clip the global gradient norm to this; 0 disables", non_negative(&grad_clip));
   f.add("eval_every", &eval_every, "validation loss every N steps (and at step 0 and the end)",
         positive(&eval_every));

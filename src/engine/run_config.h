@@ -25,7 +25,7 @@ struct TrainingConfig {
   int64_t seq_len = 128;            // tokens per sequence
   int64_t grad_accum_steps = 1;     // micro-batches per optimizer step
   int64_t seed = 1234;
-  std::string device = "cpu";       // "cpu" (CUDA arrives with the CUDA backend)
+  std::string device = "cpu";       // "cpu" (f32) or "cuda" (bf16 compute, f32 masters)
   double grad_clip = 1.0;           // global grad-norm clip; 0 disables
   int64_t eval_every = 100;         // validation loss every N steps (and at step 0 and the end)
   int64_t eval_batches = 8;         // micro-batches per validation

@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "core/allocator.h"
+#include "core/cuda_runtime.h"
 #include "core/log.h"
 #include "core/rng.h"
 #include "engine/data/byte_tokenizer.h"
@@ -18,6 +19,7 @@
 #include "engine/parallel/expert_dispatch.h"
 #include "engine/telemetry/metrics.h"
 #include "engine/telemetry/progress.h"
+#include "engine/telemetry/stage_timer.h"
 #include "ops/threads.h"
 
 namespace moetrain {
@@ -27,37 +29,31 @@ using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 // Mean cross-entropy over the validation set's first eval_batches micro-batches.
-double validation_loss(Qwen3MoeModel& model, ExpertDispatcher& d, BatchLoader& val, int64_t batches) {
+// The batch with its tensors on `device`.
+Batch on_device(Batch b, Device device) {
+  if (device.is_cpu()) return b;
+  b.inputs = b.inputs.to(device);
+  b.targets = b.targets.to(device);
+  b.positions = b.positions.to(device);
+  return b;
+}
+
+double validation_loss(Qwen3MoeModel& model, ExpertDispatcher& d, BatchLoader& val, int64_t batches, Device device) {
   val.reset();
   double sum = 0;
   int64_t n = 0;
   for (int64_t i = 0; i < batches; ++i) {
-    MicroBatchLoss l = model.forward_loss(val.next(), d);
+    MicroBatchLoss l = model.forward_loss(on_device(val.next(), device), d);
     sum += l.ce_sum;
     n += l.targets;
   }
   return sum / static_cast<double>(std::max<int64_t>(n, 1));
 }
 
-// Worst MoE layer's (most loaded expert / mean load), summed over the step's micro-batches.
-double expert_imbalance(const std::vector<std::vector<int64_t>>& counts) {
-  double worst = 0;
-  for (const auto& layer : counts) {
-    if (layer.empty()) continue;
-    int64_t total = 0, most = 0;
-    for (int64_t c : layer) {
-      total += c;
-      most = std::max(most, c);
-    }
-    if (total > 0) worst = std::max(worst, static_cast<double>(most) * layer.size() / static_cast<double>(total));
-  }
-  return worst;
-}
-
 // Samples `n` tokens after `prompt` at `temperature`, each from the logits of the last
 // position over a window of at most seq_len tokens.
 std::string sample_text(Qwen3MoeModel& model, ExpertDispatcher& d, const ByteTokenizer& tok, const std::string& prompt,
-                        int64_t n, int64_t seq_len, double temperature, uint64_t seed) {
+                        int64_t n, int64_t seq_len, double temperature, uint64_t seed, Device device) {
   std::vector<int32_t> ids = tok.encode(prompt);
   if (ids.empty()) ids.push_back(tok.eos_id());
   Rng rng(seed);
@@ -66,10 +62,11 @@ std::string sample_text(Qwen3MoeModel& model, ExpertDispatcher& d, const ByteTok
     const int64_t S = std::min<int64_t>(static_cast<int64_t>(ids.size()), seq_len);
     std::vector<int32_t> window(ids.end() - S, ids.end()), pos(S);
     for (int64_t j = 0; j < S; ++j) pos[j] = static_cast<int32_t>(j);
-    Tensor logits = model.forward_logits(Tensor::from_vector(window, {S}), Tensor::from_vector(pos, {S}), {1, S}, d);
-    std::vector<double> p(V);
+    Tensor logits = model.forward_logits(Tensor::from_vector(window, {S}).to(device),
+                                         Tensor::from_vector(pos, {S}).to(device), {1, S}, d);
+    std::vector<double> p = logits.slice(S - 1, S).to_double_vector();
     double mx = -1e300;
-    for (int64_t v = 0; v < V; ++v) mx = std::max(mx, p[v] = logits.item((S - 1) * V + v) / temperature);
+    for (auto& x : p) mx = std::max(mx, x /= temperature);
     double z = 0;
     for (auto& x : p) z += (x = std::exp(x - mx));
     double u = rng.uniform() * z;
@@ -86,6 +83,48 @@ std::string sample_text(Qwen3MoeModel& model, ExpertDispatcher& d, const ByteTok
 }
 
 }  // namespace
+
+double expert_imbalance(const std::vector<std::vector<int64_t>>& counts) {
+  double worst = 0;
+  for (const auto& layer : counts) {
+    int64_t total = 0, most = 0;
+    for (int64_t c : layer) {
+      total += c;
+      most = std::max(most, c);
+    }
+    if (total > 0) worst = std::max(worst, static_cast<double>(most) * layer.size() / static_cast<double>(total));
+  }
+  return worst;
+}
+
+StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, AdamW& opt, const std::vector<Batch>& batches,
+                      double lr, double grad_clip) {
+  ParameterList& params = model.parameters();
+  zero_grads(params);
+  int64_t targets = 0;
+  for (const Batch& b : batches) targets += b.num_targets;
+  MT_CHECK(targets > 0, "no token of the step's batches has a target");
+  StepResult r;
+  double ce = 0;
+  const double n = static_cast<double>(batches.size());
+  for (const Batch& b : batches) {
+    MicroBatchLoss l = model.forward_backward(b, dispatcher, 1.0 / static_cast<double>(targets), 1.0 / n);
+    ce += l.ce_sum;
+    r.aux_loss += (l.aux_loss + l.z_loss) / n;
+    if (r.expert_counts.empty()) r.expert_counts = l.expert_counts;
+    else {
+      for (size_t i = 0; i < l.expert_counts.size(); ++i) {
+        for (size_t e = 0; e < l.expert_counts[i].size(); ++e) r.expert_counts[i][e] += l.expert_counts[i][e];
+      }
+    }
+  }
+  r.loss = ce / static_cast<double>(targets);
+  StageScope t(Stage::kOptimizer);
+  MT_CHECK(std::isfinite(r.loss), "training loss is not finite ({})", r.loss);
+  r.grad_norm = clip_grad_norm(params, grad_clip);
+  opt.step(params, lr);
+  return r;
+}
 
 TrainSummary train(const RunConfig& cfg_in) {
   RunConfig cfg = cfg_in;
@@ -106,8 +145,13 @@ TrainSummary train(const RunConfig& cfg_in) {
   spdlog::info("data: {} train documents ({} tokens), {} validation documents ({} tokens)", corpus.train_documents,
                train_loader.num_tokens(), corpus.val_documents, val_loader.num_tokens());
 
-  // Model, dispatcher, optimizer.
-  Qwen3MoeModel model(cfg.model, DType::F32);
+  // Model, dispatcher, optimizer. On the GPU: bf16 weights and activations, f32 masters,
+  // gradients and optimizer state.
+  const bool gpu = tc.device == "cuda";
+  MT_CHECK(!gpu || cuda::available(), "[training].device = \"cuda\" but no GPU is usable: {}",
+           cuda::unavailable_reason());
+  const Device device = gpu ? Device::cuda(0) : Device::cpu();
+  Qwen3MoeModel model(cfg.model, gpu ? DType::BF16 : DType::F32, device);
   model.init_weights(seed);
   LocalDispatcher dispatcher;
   ParameterList& params = model.parameters();
@@ -119,7 +163,8 @@ TrainSummary train(const RunConfig& cfg_in) {
   spdlog::info("model: qwen3_moe, {} layers, {} experts (top-{}), {:.2f}M parameters ({:.2f}M active in matmuls)",
                cfg.model.num_hidden_layers, cfg.model.num_experts, cfg.model.num_experts_per_tok,
                count_elements(params) / 1e6, model.active_matmul_params() / 1e6);
-  spdlog::info("training: {} steps x {} tokens, {} CPU threads", tc.steps, tokens_per_step, ops::cpu_threads());
+  spdlog::info("training: {} steps x {} tokens on {}", tc.steps, tokens_per_step,
+               gpu ? cuda::device_name(0) + " (bf16)" : fmt::format("the CPU, {} threads (f32)", ops::cpu_threads()));
 
   // Metrics.
   std::filesystem::create_directories(cfg.metrics.dir);
@@ -132,7 +177,7 @@ TrainSummary train(const RunConfig& cfg_in) {
 
   TrainSummary summary;
   summary.parameters = count_elements(params);
-  summary.first_val_loss = validation_loss(model, dispatcher, val_loader, tc.eval_batches);
+  summary.first_val_loss = validation_loss(model, dispatcher, val_loader, tc.eval_batches, device);
   summary.last_val_loss = summary.first_val_loss;
   spdlog::info("step 0 | val loss {:.4f}", summary.first_val_loss);
 
@@ -140,50 +185,34 @@ TrainSummary train(const RunConfig& cfg_in) {
   double train_seconds = 0;
   for (int64_t step = 0; step < tc.steps; ++step) {
     const auto t0 = Clock::now();
-    zero_grads(params);
     std::vector<Batch> batches;
-    int64_t targets = 0;
-    for (int64_t m = 0; m < tc.grad_accum_steps; ++m) {
-      batches.push_back(train_loader.next());
-      targets += batches.back().num_targets;
-    }
-    MT_CHECK(targets > 0, "step {}: no token in the batch has a target", step + 1);
-    double ce = 0, aux = 0, z = 0;
-    std::vector<std::vector<int64_t>> counts;
-    for (const Batch& b : batches) {
-      MicroBatchLoss l = model.forward_backward(b, dispatcher, 1.0 / static_cast<double>(targets),
-                                                1.0 / static_cast<double>(batches.size()));
-      ce += l.ce_sum;
-      aux += l.aux_loss / static_cast<double>(batches.size());
-      z += l.z_loss / static_cast<double>(batches.size());
-      if (counts.empty()) counts.assign(l.expert_counts.size(), std::vector<int64_t>(cfg.model.num_experts, 0));
-      for (size_t i = 0; i < l.expert_counts.size(); ++i) {
-        for (size_t e = 0; e < l.expert_counts[i].size(); ++e) counts[i][e] += l.expert_counts[i][e];
-      }
-    }
-    const double loss = ce / static_cast<double>(targets);
-    MT_CHECK(std::isfinite(loss), "training loss is not finite ({}) at step {}", loss, step + 1);
-    const double grad_norm = clip_grad_norm(params, tc.grad_clip);
+    for (int64_t m = 0; m < tc.grad_accum_steps; ++m) batches.push_back(on_device(train_loader.next(), device));
     const double lr = schedule.at(step);
-    opt.step(params, lr);
+    StepResult r;
+    try {
+      r = train_step(model, dispatcher, opt, batches, lr, tc.grad_clip);
+    } catch (const Error& e) {
+      MT_THROW("step {}: {}", step + 1, e.what());
+    }
+    const double loss = r.loss;
     const double dt = seconds_since(t0);
     train_seconds += dt;
 
     StepMetrics m;
     m.step = step + 1;
     m.loss = loss;
-    m.aux_loss = aux + z;
+    m.aux_loss = r.aux_loss;
     m.lr = lr;
-    m.grad_norm = grad_norm;
+    m.grad_norm = r.grad_norm;
     m.step_time_s = dt;
     m.tokens = tokens_per_step * (step + 1);
     m.tokens_per_s = static_cast<double>(tokens_per_step) / dt;
     m.tflops = flops_per_token * m.tokens_per_s / 1e12;
-    m.expert_load_max_over_mean = expert_imbalance(counts);
-    m.peak_memory_bytes = host_memory_stats().peak_bytes;
+    m.expert_load_max_over_mean = expert_imbalance(r.expert_counts);
+    m.peak_memory_bytes = gpu ? cuda::device_memory_stats().peak_bytes : host_memory_stats().peak_bytes;
     const bool last = step + 1 == tc.steps;
     if (last || (tc.eval_every > 0 && (step + 1) % tc.eval_every == 0)) {
-      m.val_loss = validation_loss(model, dispatcher, val_loader, tc.eval_batches);
+      m.val_loss = validation_loss(model, dispatcher, val_loader, tc.eval_batches, device);
       summary.last_val_loss = *m.val_loss;
     }
     metrics.write(m);
@@ -200,7 +229,7 @@ TrainSummary train(const RunConfig& cfg_in) {
   summary.tokens_per_s = static_cast<double>(tokens_per_step * tc.steps) / std::max(train_seconds, 1e-9);
   if (tc.sample_tokens > 0) {
     summary.sample = sample_text(model, dispatcher, tok, tc.sample_prompt, tc.sample_tokens, tc.seq_len,
-                                 tc.sample_temperature, stream_key(seed, "sample"));
+                                 tc.sample_temperature, stream_key(seed, "sample"), device);
   }
   summary.seconds = seconds_since(run_start);
   return summary;

@@ -4,7 +4,11 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
+#include "engine/data/loader.h"
+#include "engine/models/qwen3_moe.h"
+#include "engine/optim/adamw.h"
 #include "engine/run_config.h"
 
 namespace moetrain {
@@ -20,5 +24,19 @@ struct TrainSummary {
 };
 
 TrainSummary train(const RunConfig& cfg);
+
+// One optimizer step: gradients of the mean loss over `batches` (micro-batches,
+// accumulated), global-norm clipping, AdamW at `lr`.
+struct StepResult {
+  double loss = 0;       // mean cross-entropy over the step's targets
+  double aux_loss = 0;   // router losses (load balancing + z), mean over micro-batches
+  double grad_norm = 0;  // before clipping
+  std::vector<std::vector<int64_t>> expert_counts;  // [MoE layer][expert], summed over micro-batches
+};
+StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, AdamW& opt, const std::vector<Batch>& batches,
+                      double lr, double grad_clip);
+
+// The busiest expert's load over the mean load, for the worst MoE layer (0 without MoE).
+double expert_imbalance(const std::vector<std::vector<int64_t>>& counts);
 
 }  // namespace moetrain

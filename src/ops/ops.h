@@ -1,9 +1,15 @@
 // The numeric operators of moetrain, forward and backward, on Tensors.
 //
 // Each op runs where its inputs live: CPU tensors go to the reference in ops/cpu/, CUDA
-// tensors (later) to ops/cuda/. On the CPU, floating tensors are f32 (training) or f64
-// (gradient checks) and all floating inputs of one call share that dtype; index tensors
-// are i32 and per-expert counts i64.
+// tensors to ops/cuda/. On the CPU, floating tensors are f32 (training) or f64 (gradient
+// checks) and all floating inputs of one call share that dtype; index tensors are i32 and
+// per-expert counts i64.
+//
+// On CUDA (mixed precision): activations, their gradients and weights are bf16, with f32
+// accumulation inside every kernel; saved statistics (rmsnorm rstd, attention and
+// cross-entropy lse), router probabilities and top-k weights, loss sums and load-balancing
+// tallies are f32; weight gradients (dw, accumulated +=) are f32; AdamW state is f32. No
+// op waits for the host: counts stay on the device.
 //
 // Layout: activations are token-major, [T, features] with T = batch * seq. Linear weights
 // follow Hugging Face: [out_features, in_features]. Weight gradients ACCUMULATE (+=) into
@@ -190,5 +196,7 @@ void scale_(Tensor& x, double alpha);
 void add_(Tensor& y, const Tensor& x);
 // true when every element is finite
 bool all_finite(const Tensor& x);
+// dst = src converted to dst's dtype (same shape and device), e.g. f32 master -> bf16 weight
+void cast_into(Tensor& dst, const Tensor& src);
 
 }  // namespace moetrain::ops

@@ -314,7 +314,7 @@ TEST(RunConfig, SectionChecks) {
   EXPECT_NE(err({"optimizer.beta2=1"}).find("[optimizer].beta2 must be in [0, 1), got 1"), std::string::npos);
   EXPECT_NE(err({"optimizer.min_lr=-1"}).find("[optimizer].min_lr must be >= 0"), std::string::npos);
   EXPECT_NE(err({"optimizer.schedule=cosin"}).find("did you mean 'cosine'"), std::string::npos);
-  EXPECT_NE(err({"training.device=cuda"}).find("[training].device must be one of cpu"), std::string::npos);
+  EXPECT_NE(err({"training.device=gpu"}).find("[training].device must be one of cpu, cuda"), std::string::npos);
   EXPECT_NE(err({"data.val_fraction=0"}).find("[data].val_fraction must be in (0, 1), got 0"), std::string::npos);
   EXPECT_NE(err({"data.tokenizer=bpe"}).find("[data].tokenizer must be one of byte"), std::string::npos);
   EXPECT_NE(err({"training.steps=0"}).find("[training].steps must be > 0, got 0"), std::string::npos);

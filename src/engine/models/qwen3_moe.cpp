@@ -4,6 +4,8 @@
 
 #include <fmt/format.h>
 
+#include "engine/telemetry/stage_timer.h"
+
 namespace moetrain {
 
 // ---- decoder layer ---------------------------------------------------------------------
@@ -16,7 +18,7 @@ Qwen3MoeDecoderLayer::Qwen3MoeDecoderLayer(const Qwen3MoeConfig& cfg, int64_t la
   inter_ = moe_ ? cfg.moe_intermediate_size : cfg.intermediate_size;
   auto make = [&](Tensor& w, Tensor& g, const Shape& shape) {
     w = Tensor::empty(shape, dtype, device);
-    g = Tensor::zeros(shape, dtype, device);
+    g = Tensor::zeros(shape, grad_dtype_for(dtype), device);
   };
   make(ln1_w_, g_ln1_w_, {H});
   make(ln2_w_, g_ln2_w_, {H});
@@ -72,19 +74,35 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
                                         Qwen3MoeLayerState& s) const {
   const double eps = cfg_.rms_norm_eps;
   s.x = x;
-  s.ln1 = ops::rmsnorm_forward(x, ln1_w_, eps);
-  s.q_raw = ops::linear_forward(s.ln1.y, wq_);
-  s.k_raw = ops::linear_forward(s.ln1.y, wk_);
-  s.v = ops::linear_forward(s.ln1.y, wv_);
-  s.q_norm = ops::rmsnorm_forward(s.q_raw, q_norm_w_, eps);
-  s.k_norm = ops::rmsnorm_forward(s.k_raw, k_norm_w_, eps);
-  s.q = ops::rope_forward(s.q_norm.y, positions, cfg_.head_dim, cfg_.rope_theta);
-  s.k = ops::rope_forward(s.k_norm.y, positions, cfg_.head_dim, cfg_.rope_theta);
-  s.attn = ops::attention_forward(s.q, s.k, s.v, Tensor(), attn_shape(b));
-  s.h = ops::linear_forward(s.attn.out, wo_);
-  ops::add_(s.h, x);
-  s.ln2 = ops::rmsnorm_forward(s.h, ln2_w_, eps);
+  {
+    StageScope t(Stage::kNorms);
+    s.ln1 = ops::rmsnorm_forward(x, ln1_w_, eps);
+  }
+  {
+    StageScope t(Stage::kAttention);
+    s.q_raw = ops::linear_forward(s.ln1.y, wq_);
+    s.k_raw = ops::linear_forward(s.ln1.y, wk_);
+    s.v = ops::linear_forward(s.ln1.y, wv_);
+  }
+  {
+    StageScope t(Stage::kNorms);
+    s.q_norm = ops::rmsnorm_forward(s.q_raw, q_norm_w_, eps);
+    s.k_norm = ops::rmsnorm_forward(s.k_raw, k_norm_w_, eps);
+  }
+  {
+    StageScope t(Stage::kAttention);
+    s.q = ops::rope_forward(s.q_norm.y, positions, cfg_.head_dim, cfg_.rope_theta);
+    s.k = ops::rope_forward(s.k_norm.y, positions, cfg_.head_dim, cfg_.rope_theta);
+    s.attn = ops::attention_forward(s.q, s.k, s.v, Tensor(), attn_shape(b));
+    s.h = ops::linear_forward(s.attn.out, wo_);
+    ops::add_(s.h, x);
+  }
+  {
+    StageScope t(Stage::kNorms);
+    s.ln2 = ops::rmsnorm_forward(s.h, ln2_w_, eps);
+  }
   if (moe_) {
+    StageScope t(Stage::kRouterPermute);
     s.router_logits = ops::linear_forward(s.ln2.y, gate_w_);
     s.route = ops::router_forward(s.router_logits, cfg_.num_experts_per_tok, cfg_.norm_topk_prob);
   }
@@ -92,11 +110,13 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
 
 // Stage 3. Per expert e over its rows: W_down[e] (silu(W_gate[e] x) * W_up[e] x).
 void Qwen3MoeDecoderLayer::mlp_forward(Qwen3MoeLayerState& s) const {
+  StageScope t(Stage::kExpertGemm);
   s.mlp = ops::grouped_swiglu_forward(s.expert_in.rows, s.expert_in.counts, w_gate_, w_up_, w_down_);
 }
 
 // Stage 5. y = h + sum_k w[t,k] * expert_out[t,k] (dense: y = h + mlp).
 Tensor Qwen3MoeDecoderLayer::aggregate_forward(Qwen3MoeLayerState& s) const {
+  StageScope t(Stage::kCombine);
   if (moe_) return ops::combine_forward(s.expert_out, s.route.topk_weight, s.h);
   Tensor y = s.expert_out.clone();
   ops::add_(y, s.h);
@@ -105,12 +125,14 @@ Tensor Qwen3MoeDecoderLayer::aggregate_forward(Qwen3MoeLayerState& s) const {
 
 Qwen3MoeDecoderLayer::AggregateGrads Qwen3MoeDecoderLayer::aggregate_backward(const Tensor& dy,
                                                                               Qwen3MoeLayerState& s) const {
+  StageScope t(Stage::kCombine);
   if (!moe_) return {dy, Tensor()};
   ops::CombineGrads g = ops::combine_backward(dy, s.expert_out, s.route.topk_weight);
   return {g.dexpert_out, g.dweight};
 }
 
 Tensor Qwen3MoeDecoderLayer::mlp_backward_input(const Tensor& d_rows_out, Qwen3MoeLayerState& s) const {
+  StageScope t(Stage::kExpertGemm);
   s.d_mlp_out = d_rows_out;
   s.d_mlp = ops::grouped_swiglu_backward_input(d_rows_out, s.expert_in.counts, s.mlp.gate, s.mlp.up, w_gate_,
                                                w_up_, w_down_);
@@ -125,37 +147,61 @@ Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, cons
                                                  const BatchShape& b, Qwen3MoeLayerState& s) const {
   s.d_ln2_out = d_mlp_in.clone();
   if (moe_) {
+    StageScope t(Stage::kRouterPermute);
     s.d_router_logits = ops::router_backward(d_topk_weight, d_probs_extra, s.route, cfg_.norm_topk_prob);
     if (d_logits_extra.defined()) ops::add_(s.d_router_logits, d_logits_extra);
     ops::add_(s.d_ln2_out, ops::linear_backward_input(s.d_router_logits, gate_w_));
   }
-  s.d_h = ops::rmsnorm_backward_input(s.d_ln2_out, s.h, ln2_w_, s.ln2.rstd);
-  ops::add_(s.d_h, dy_residual);
-  Tensor d_attn = ops::linear_backward_input(s.d_h, wo_);
-  ops::AttentionGrads g =
-      ops::attention_backward(d_attn, s.q, s.k, s.v, Tensor(), s.attn.out, s.attn.lse, attn_shape(b));
-  s.d_q_normed = ops::rope_backward(g.dq, positions, cfg_.head_dim, cfg_.rope_theta);
-  s.d_k_normed = ops::rope_backward(g.dk, positions, cfg_.head_dim, cfg_.rope_theta);
-  s.d_q_raw = ops::rmsnorm_backward_input(s.d_q_normed, s.q_raw, q_norm_w_, s.q_norm.rstd);
-  s.d_k_raw = ops::rmsnorm_backward_input(s.d_k_normed, s.k_raw, k_norm_w_, s.k_norm.rstd);
-  s.d_v = g.dv;
-  s.d_ln1_out = ops::linear_backward_input(s.d_q_raw, wq_);
-  ops::add_(s.d_ln1_out, ops::linear_backward_input(s.d_k_raw, wk_));
-  ops::add_(s.d_ln1_out, ops::linear_backward_input(s.d_v, wv_));
+  {
+    StageScope t(Stage::kNorms);
+    s.d_h = ops::rmsnorm_backward_input(s.d_ln2_out, s.h, ln2_w_, s.ln2.rstd);
+    ops::add_(s.d_h, dy_residual);
+  }
+  {
+    StageScope t(Stage::kAttention);
+    Tensor d_attn = ops::linear_backward_input(s.d_h, wo_);
+    ops::AttentionGrads g =
+        ops::attention_backward(d_attn, s.q, s.k, s.v, Tensor(), s.attn.out, s.attn.lse, attn_shape(b));
+    s.d_q_normed = ops::rope_backward(g.dq, positions, cfg_.head_dim, cfg_.rope_theta);
+    s.d_k_normed = ops::rope_backward(g.dk, positions, cfg_.head_dim, cfg_.rope_theta);
+    s.d_v = g.dv;
+  }
+  {
+    StageScope t(Stage::kNorms);
+    s.d_q_raw = ops::rmsnorm_backward_input(s.d_q_normed, s.q_raw, q_norm_w_, s.q_norm.rstd);
+    s.d_k_raw = ops::rmsnorm_backward_input(s.d_k_normed, s.k_raw, k_norm_w_, s.k_norm.rstd);
+  }
+  {
+    StageScope t(Stage::kAttention);
+    s.d_ln1_out = ops::linear_backward_input(s.d_q_raw, wq_);
+    ops::add_(s.d_ln1_out, ops::linear_backward_input(s.d_k_raw, wk_));
+    ops::add_(s.d_ln1_out, ops::linear_backward_input(s.d_v, wv_));
+  }
+  StageScope t(Stage::kNorms);
   Tensor dx = ops::rmsnorm_backward_input(s.d_ln1_out, s.x, ln1_w_, s.ln1.rstd);
   ops::add_(dx, s.d_h);
   return dx;
 }
 
 void Qwen3MoeDecoderLayer::backward_weight(Qwen3MoeLayerState& s) {
-  if (moe_) ops::linear_backward_weight(s.d_router_logits, s.ln2.y, g_gate_w_);
-  ops::grouped_swiglu_backward_weight(s.d_mlp_out, s.expert_in.rows, s.expert_in.counts, s.mlp.gate, s.mlp.up,
-                                      s.d_mlp.dgate, s.d_mlp.dup, g_w_gate_, g_w_up_, g_w_down_);
+  if (moe_) {
+    StageScope t(Stage::kRouterPermute);
+    ops::linear_backward_weight(s.d_router_logits, s.ln2.y, g_gate_w_);
+  }
+  {
+    StageScope t(Stage::kExpertGemm);
+    ops::grouped_swiglu_backward_weight(s.d_mlp_out, s.expert_in.rows, s.expert_in.counts, s.mlp.gate, s.mlp.up,
+                                        s.d_mlp.dgate, s.d_mlp.dup, g_w_gate_, g_w_up_, g_w_down_);
+  }
+  {
+    StageScope t(Stage::kAttention);
+    ops::linear_backward_weight(s.d_h, s.attn.out, g_wo_);
+    ops::linear_backward_weight(s.d_q_raw, s.ln1.y, g_wq_);
+    ops::linear_backward_weight(s.d_k_raw, s.ln1.y, g_wk_);
+    ops::linear_backward_weight(s.d_v, s.ln1.y, g_wv_);
+  }
+  StageScope t(Stage::kNorms);
   ops::rmsnorm_backward_weight(s.d_ln2_out, s.h, s.ln2.rstd, g_ln2_w_);
-  ops::linear_backward_weight(s.d_h, s.attn.out, g_wo_);
-  ops::linear_backward_weight(s.d_q_raw, s.ln1.y, g_wq_);
-  ops::linear_backward_weight(s.d_k_raw, s.ln1.y, g_wk_);
-  ops::linear_backward_weight(s.d_v, s.ln1.y, g_wv_);
   ops::rmsnorm_backward_weight(s.d_q_normed, s.q_raw, s.q_norm.rstd, g_q_norm_w_);
   ops::rmsnorm_backward_weight(s.d_k_normed, s.k_raw, s.k_norm.rstd, g_k_norm_w_);
   ops::rmsnorm_backward_weight(s.d_ln1_out, s.x, s.ln1.rstd, g_ln1_w_);
@@ -209,24 +255,26 @@ Qwen3MoeModel::Qwen3MoeModel(Qwen3MoeConfig cfg, DType dtype, Device device)
   cfg_.validate("model");
   const int64_t V = cfg_.vocab_size, H = cfg_.hidden_size;
   const double std = cfg_.initializer_range;
+  const DType gdt = grad_dtype_for(dtype);
   embed_ = Tensor::empty({V, H}, dtype, device);
-  g_embed_ = Tensor::zeros({V, H}, dtype, device);
+  g_embed_ = Tensor::zeros({V, H}, gdt, device);
   params_.push_back({"model.embed_tokens.weight", embed_, g_embed_, true, std});
   for (int64_t i = 0; i < cfg_.num_hidden_layers; ++i) {
     layers_.push_back(std::make_unique<Qwen3MoeDecoderLayer>(cfg_, i, dtype, device));
     layers_.back()->collect_parameters(params_);
   }
   final_norm_w_ = Tensor::empty({H}, dtype, device);
-  g_final_norm_w_ = Tensor::zeros({H}, dtype, device);
+  g_final_norm_w_ = Tensor::zeros({H}, gdt, device);
   params_.push_back({"model.norm.weight", final_norm_w_, g_final_norm_w_, false, 0.0});
   if (cfg_.tie_word_embeddings) {
     lm_head_ = embed_;
     g_lm_head_ = g_embed_;
   } else {
     lm_head_ = Tensor::empty({V, H}, dtype, device);
-    g_lm_head_ = Tensor::zeros({V, H}, dtype, device);
+    g_lm_head_ = Tensor::zeros({V, H}, gdt, device);
     params_.push_back({"lm_head.weight", lm_head_, g_lm_head_, true, std});
   }
+  attach_masters(params_);
 }
 
 Tensor Qwen3MoeModel::run_forward(const Tensor& ids, const Tensor& positions, const BatchShape& b,
@@ -247,7 +295,11 @@ Tensor Qwen3MoeModel::run_forward(const Tensor& ids, const Tensor& positions, co
     x = layer.aggregate_forward(s);                                                // 5: aggregate
   }
   st.final_in = x;
-  st.final_norm = ops::rmsnorm_forward(x, final_norm_w_, cfg_.rms_norm_eps);
+  {
+    StageScope t(Stage::kNorms);
+    st.final_norm = ops::rmsnorm_forward(x, final_norm_w_, cfg_.rms_norm_eps);
+  }
+  StageScope t(Stage::kLoss);
   st.logits = ops::linear_forward(st.final_norm.y, lm_head_);
   return st.logits;
 }
@@ -269,12 +321,14 @@ Tensor Qwen3MoeModel::reference_forward(const Tensor& ids, const Tensor& positio
 // every layer's gate logits before computing the load-balancing loss, so n_e and P_e are
 // totals over layers and R = moe_layers * T).
 MicroBatchLoss Qwen3MoeModel::losses(const Batch& batch, ForwardState& st) const {
+  StageScope t(Stage::kLoss);
   MicroBatchLoss out;
   ops::CrossEntropyOut ce = ops::cross_entropy_forward(st.logits, batch.targets);
   out.ce_sum = ce.loss_sum.item();
   out.targets = batch.num_targets;
   const int64_t E = cfg_.num_experts;
-  Tensor selections = Tensor::zeros({E}, dtype_, device_), prob_sum = Tensor::zeros({E}, dtype_, device_);
+  const DType stat = grad_dtype_for(dtype_);  // router statistics are f32 on the GPU
+  Tensor selections = Tensor::zeros({E}, stat, device_), prob_sum = Tensor::zeros({E}, stat, device_);
   int64_t rows = 0;
   double z_sum = 0;
   for (size_t i = 0; i < layers_.size(); ++i) {
@@ -286,13 +340,12 @@ MicroBatchLoss Qwen3MoeModel::losses(const Batch& batch, ForwardState& st) const
       s.z = ops::router_z_loss_forward(s.router_logits);
       z_sum += s.z.loss_sum.item();
     }
-    std::vector<int64_t> counts(E);
-    for (int64_t e = 0; e < E; ++e) counts[e] = static_cast<int64_t>(s.expert_in.counts.item(e));
-    out.expert_counts.push_back(std::move(counts));
+    out.expert_counts.push_back(s.expert_in.counts.to_vector<int64_t>());
   }
   if (rows > 0) {
     double dotp = 0;
-    for (int64_t e = 0; e < E; ++e) dotp += selections.item(e) * prob_sum.item(e);
+    const std::vector<double> n = selections.to_double_vector(), p = prob_sum.to_double_vector();
+    for (int64_t e = 0; e < E; ++e) dotp += n[e] * p[e];
     out.aux_loss = cfg_.router_aux_loss_coef * static_cast<double>(E) * dotp / (static_cast<double>(rows) * rows);
     out.z_loss = cfg_.router_z_loss_coef * z_sum / static_cast<double>(rows);
   }
@@ -317,12 +370,19 @@ MicroBatchLoss Qwen3MoeModel::forward_backward(const Batch& batch, ExpertDispatc
   MicroBatchLoss out = losses(batch, st);
 
   // Head: logits = norm(x) W^T, then cross-entropy.
-  Tensor dlogits = ops::cross_entropy_backward(st.logits, batch.targets, st.ce_lse, ce_scale);
-  st.logits = Tensor();
-  ops::linear_backward_weight(dlogits, st.final_norm.y, g_lm_head_);
-  Tensor d_norm = ops::linear_backward_input(dlogits, lm_head_);
-  ops::rmsnorm_backward_weight(d_norm, st.final_in, st.final_norm.rstd, g_final_norm_w_);
-  Tensor dx = ops::rmsnorm_backward_input(d_norm, st.final_in, final_norm_w_, st.final_norm.rstd);
+  Tensor d_norm, dx;
+  {
+    StageScope t(Stage::kLoss);
+    Tensor dlogits = ops::cross_entropy_backward(st.logits, batch.targets, st.ce_lse, ce_scale);
+    st.logits = Tensor();
+    ops::linear_backward_weight(dlogits, st.final_norm.y, g_lm_head_);
+    d_norm = ops::linear_backward_input(dlogits, lm_head_);
+  }
+  {
+    StageScope t(Stage::kNorms);
+    ops::rmsnorm_backward_weight(d_norm, st.final_in, st.final_norm.rstd, g_final_norm_w_);
+    dx = ops::rmsnorm_backward_input(d_norm, st.final_in, final_norm_w_, st.final_norm.rstd);
+  }
 
   const int64_t T = b.tokens();
   for (size_t li = layers_.size(); li-- > 0;) {
@@ -334,6 +394,7 @@ MicroBatchLoss Qwen3MoeModel::forward_backward(const Batch& batch, ExpertDispatc
     Tensor d_mlp_in = layer.is_moe() ? d.dispatch_backward(d_in_rows, s.dispatch) : d_in_rows;  // 2
     Tensor d_probs, d_logits_z;
     if (layer.is_moe()) {
+      StageScope t(Stage::kRouterPermute);
       if (cfg_.router_aux_loss_coef > 0) {
         d_probs = ops::load_balance_backward(st.selections, T, st.moe_rows, cfg_.router_aux_loss_coef * aux_scale);
       }

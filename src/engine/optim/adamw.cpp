@@ -7,9 +7,10 @@
 namespace moetrain {
 
 AdamW::AdamW(const ParameterList& params, AdamWConfig cfg) : cfg_(cfg) {
-  for (const auto& p : params) {
-    m_.push_back(Tensor::zeros(p.value.shape(), p.value.dtype(), p.value.device()));
-    v_.push_back(Tensor::zeros(p.value.shape(), p.value.dtype(), p.value.device()));
+  for (auto p : params) {
+    const Tensor& w = p.master_or_value();
+    m_.push_back(Tensor::zeros(w.shape(), w.dtype(), w.device()));
+    v_.push_back(Tensor::zeros(w.shape(), w.dtype(), w.device()));
   }
 }
 
@@ -18,7 +19,8 @@ void AdamW::step(ParameterList& params, double lr) {
   ++step_;
   for (size_t i = 0; i < params.size(); ++i) {
     ops::AdamWStep s{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, params[i].weight_decay ? cfg_.weight_decay : 0.0, step_};
-    ops::adamw_update(params[i].value, params[i].grad, m_[i], v_[i], s);
+    ops::adamw_update(params[i].master_or_value(), params[i].grad, m_[i], v_[i], s);
+    if (params[i].master.defined()) ops::cast_into(params[i].value, params[i].master);
   }
 }
 

@@ -41,5 +41,6 @@ double sum_squares(const Tensor& x);
 void scale_(Tensor& x, double alpha);
 void add_(Tensor& y, const Tensor& x);
 bool all_finite(const Tensor& x);
+void cast_into(Tensor& dst, const Tensor& src);
 
 }  // namespace moetrain::ops::cpu

@@ -1,0 +1,66 @@
+// The CUDA runtime as core sees it: checked calls, the current stream, device memory from
+// CUDA's stream-ordered allocator (cudaMallocAsync pools), and copies. In a build without
+// CUDA every function here exists and available() is false; the others throw saying so.
+//
+// Streams are passed as opaque handles so that code including this header needs no CUDA
+// headers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace moetrain::cuda {
+
+using Stream = void*;  // cudaStream_t; nullptr is the legacy default stream
+
+// True when this build has CUDA and a device answers. Never throws.
+bool available();
+// Why available() is false (no CUDA in this build, no device, driver error), for skip messages.
+std::string unavailable_reason();
+int device_count();
+std::string device_name(int device = 0);
+
+// The stream ops launch on, per host thread (starts as a stream created for the thread).
+Stream current_stream();
+void set_current_stream(Stream s);
+Stream create_stream();  // non-blocking
+void destroy_stream(Stream s);
+void stream_synchronize(Stream s);
+void device_synchronize();
+
+// Device memory on `stream` through the device's default memory pool. The pool keeps freed
+// blocks for reuse (release threshold raised to unlimited), so steady-state steps do not
+// call the driver.
+void* device_alloc(size_t bytes, Stream stream);
+void device_free(void* p, size_t bytes, Stream stream);
+// When on, every new allocation is filled with 0xFF bytes (NaN as bf16/f32/f64) so a test
+// sees any element a kernel failed to write.
+void set_poison_allocations(bool on);
+
+// Copies on the current stream; the device-to-host one waits for the copy to finish.
+void copy_host_to_device(void* dst, const void* src, size_t bytes);
+void copy_device_to_host(void* dst, const void* src, size_t bytes);
+void copy_device_to_device(void* dst, const void* src, size_t bytes);
+void memset_device(void* dst, int value, size_t bytes);
+
+// Timing events (cudaEvent_t as an opaque handle).
+using Event = void*;
+Event create_event();
+void destroy_event(Event e);
+void record_event(Event e, Stream s);
+// Milliseconds between two recorded events; waits for `end` to complete.
+float elapsed_ms(Event start, Event end);
+
+struct DeviceMemoryStats {
+  int64_t live_bytes = 0, peak_bytes = 0;  // tensors live on the device, and their peak
+};
+DeviceMemoryStats device_memory_stats();
+void reset_device_peak();
+
+// Throws moetrain::Error naming `what` when `status` (a cudaError_t) is not success.
+void check(int status, const char* what, const char* file, int line);
+
+}  // namespace moetrain::cuda
+
+#define MT_CUDA_CHECK(call) ::moetrain::cuda::check(static_cast<int>(call), #call, __FILE__, __LINE__)

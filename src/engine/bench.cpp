@@ -1,0 +1,123 @@
+#include "engine/bench.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include <fmt/format.h>
+
+#include "core/allocator.h"
+#include "core/cuda_runtime.h"
+#include "core/log.h"
+#include "core/rng.h"
+#include "engine/trainer.h"
+
+namespace moetrain {
+namespace {
+
+// Uniform random tokens; targets are the next token of the same random stream.
+Batch synthetic_batch(int64_t batch, int64_t seq, int64_t vocab, Rng& rng, Device device) {
+  std::vector<int32_t> ids(batch * seq + 1), pos(batch * seq);
+  for (auto& t : ids) t = static_cast<int32_t>(rng.below(static_cast<uint64_t>(vocab)));
+  for (int64_t i = 0; i < batch * seq; ++i) pos[i] = static_cast<int32_t>(i % seq);
+  Batch b;
+  b.batch = batch;
+  b.seq = seq;
+  b.inputs = Tensor::from_vector(std::vector<int32_t>(ids.begin(), ids.end() - 1), {batch * seq}).to(device);
+  b.targets = Tensor::from_vector(std::vector<int32_t>(ids.begin() + 1, ids.end()), {batch * seq}).to(device);
+  b.positions = Tensor::from_vector(pos, {batch * seq}).to(device);
+  b.num_targets = batch * seq;
+  return b;
+}
+
+void wait_for(Device d) {
+  if (!d.is_cpu()) cuda::device_synchronize();
+}
+
+}  // namespace
+
+BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
+  const TrainingConfig& tc = cfg.training;
+  const bool gpu = tc.device == "cuda";
+  MT_CHECK(!gpu || cuda::available(), "[training].device = \"cuda\" but no GPU is usable: {}", cuda::unavailable_reason());
+  const Device device = gpu ? Device::cuda(0) : Device::cpu();
+  Qwen3MoeModel model(cfg.model, gpu ? DType::BF16 : DType::F32, device);
+  model.init_weights(static_cast<uint64_t>(tc.seed));
+  LocalDispatcher dispatcher;
+  const OptimizerConfig& oc = cfg.optimizer;
+  AdamW adam(model.parameters(), {oc.beta1, oc.beta2, oc.eps, oc.weight_decay});
+  Rng rng(stream_key(static_cast<uint64_t>(tc.seed), "bench"));
+
+  BenchReport r;
+  r.device = gpu ? cuda::device_name(0) : "cpu";
+  r.parameters = count_elements(model.parameters());
+  r.active_matmul_params = model.active_matmul_params();
+  r.tokens_per_step = tc.micro_batch_size * tc.seq_len * tc.grad_accum_steps;
+  r.flops_per_token = model.flops_per_token(tc.seq_len);
+  r.peak_tflops = opt.peak_tflops;
+
+  auto batches = [&] {
+    std::vector<Batch> bs;
+    for (int64_t m = 0; m < tc.grad_accum_steps; ++m) {
+      bs.push_back(synthetic_batch(tc.micro_batch_size, tc.seq_len, cfg.model.vocab_size, rng, device));
+    }
+    return bs;
+  };
+  for (int64_t i = 0; i < opt.warmup_steps; ++i) {
+    train_step(model, dispatcher, adam, batches(), oc.lr, tc.grad_clip);
+    spdlog::info("bench: warm-up step {}/{}", i + 1, opt.warmup_steps);
+  }
+  wait_for(device);
+
+  // Timed steps: wall time per step (the loss read at the end of each step synchronises),
+  // then one extra pass with the stage timer on, since its events would perturb the timing.
+  std::vector<double> ms;
+  for (int64_t i = 0; i < opt.steps; ++i) {
+    auto bs = batches();
+    wait_for(device);
+    const auto t0 = std::chrono::steady_clock::now();
+    train_step(model, dispatcher, adam, bs, oc.lr, tc.grad_clip);
+    wait_for(device);
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    spdlog::info("bench: step {}/{} {:.1f} ms", i + 1, opt.steps, ms.back());
+  }
+  std::sort(ms.begin(), ms.end());
+  r.step_ms = ms[ms.size() / 2];
+  r.tokens_per_s = static_cast<double>(r.tokens_per_step) / (r.step_ms / 1e3);
+  r.tflops = r.tokens_per_s * r.flops_per_token / 1e12;
+  r.mfu = r.tflops / opt.peak_tflops;
+  r.peak_memory_bytes = gpu ? cuda::device_memory_stats().peak_bytes : host_memory_stats().peak_bytes;
+
+  StageTimer timer(device);
+  StageTimer::activate(&timer);
+  const int64_t staged = std::max<int64_t>(1, std::min<int64_t>(opt.steps, 3));
+  for (int64_t i = 0; i < staged; ++i) train_step(model, dispatcher, adam, batches(), oc.lr, tc.grad_clip);
+  auto totals = timer.totals_ms();
+  StageTimer::activate(nullptr);
+  for (int s = 0; s < kNumStages; ++s) r.stage_ms[s] = totals[s] / static_cast<double>(staged);
+  return r;
+}
+
+std::string format_bench(const BenchReport& r) {
+  std::string out;
+  out += fmt::format("device            {}\n", r.device);
+  out += fmt::format("parameters        {:.1f} M ({:.1f} M active in matmuls)\n", r.parameters / 1e6,
+                     r.active_matmul_params / 1e6);
+  out += fmt::format("tokens/step       {}\n", r.tokens_per_step);
+  out += fmt::format("FLOPs/token       {:.3f} GFLOP (6 x active + attention)\n", r.flops_per_token / 1e9);
+  out += fmt::format("step time         {:.1f} ms (median)\n", r.step_ms);
+  out += fmt::format("tokens/s          {:.0f}\n", r.tokens_per_s);
+  out += fmt::format("TFLOP/s           {:.1f}\n", r.tflops);
+  out += fmt::format("MFU               {:.1f}% of {:.0f} TFLOP/s\n", 100 * r.mfu, r.peak_tflops);
+  out += fmt::format("peak memory       {:.2f} GiB\n", r.peak_memory_bytes / 1073741824.0);
+  double total = 0;
+  for (double v : r.stage_ms) total += v;
+  out += "stage             ms/step   share\n";
+  for (int s = 0; s < kNumStages; ++s) {
+    out += fmt::format("  {:<15} {:>8.2f}  {:>5.1f}%\n", stage_name(static_cast<Stage>(s)), r.stage_ms[s],
+                       total > 0 ? 100 * r.stage_ms[s] / total : 0.0);
+  }
+  out += fmt::format("  {:<15} {:>8.2f}  (with stage events)\n", "total", total);
+  return out;
+}
+
+}  // namespace moetrain

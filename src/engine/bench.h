@@ -1,0 +1,35 @@
+// `moetrain bench`: times full training steps (forward, backward, optimizer) of the
+// config's model on synthetic tokens, and reports tokens/s, TFLOP/s, MFU, peak memory and
+// the time per stage. A benchmark, not a test: it asserts nothing.
+#pragma once
+
+#include <array>
+#include <string>
+
+#include "engine/run_config.h"
+#include "engine/telemetry/stage_timer.h"
+
+namespace moetrain {
+
+struct BenchOptions {
+  int64_t warmup_steps = 2;
+  int64_t steps = 5;
+  double peak_tflops = 989.0;  // H100 SXM dense bf16
+};
+
+struct BenchReport {
+  std::string device;
+  int64_t parameters = 0, active_matmul_params = 0;
+  int64_t tokens_per_step = 0;
+  double flops_per_token = 0;
+  double step_ms = 0;  // median of the timed steps
+  double tokens_per_s = 0, tflops = 0, mfu = 0;
+  int64_t peak_memory_bytes = 0;
+  std::array<double, kNumStages> stage_ms{};  // per step, mean over the timed steps
+  double peak_tflops = 0;
+};
+
+BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt);
+std::string format_bench(const BenchReport& r);
+
+}  // namespace moetrain

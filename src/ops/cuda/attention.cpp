@@ -1,0 +1,118 @@
+// attention_forward / attention_backward on CUDA: argument checks, output allocation and
+// the launches of the fused kernels in attention.cu (bf16 q/k/v/out and gradients, f32 lse;
+// head_dim 32, 64 or 128).
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+#include "ops/cuda/attention_launch.h"
+#include "ops/cuda/common.h"
+#include "ops/cuda/cuda_ops.h"
+
+namespace moetrain::ops::cuda {
+namespace {
+
+const __nv_bfloat16* bf16_ptr(const Tensor& t) { return static_cast<const __nv_bfloat16*>(t.raw()); }
+__nv_bfloat16* bf16_ptr(Tensor& t) { return static_cast<__nv_bfloat16*>(t.raw()); }
+
+void check_aligned(const char* op, const Tensor& t, const char* name) {
+  MT_CHECK(reinterpret_cast<uintptr_t>(t.raw()) % 16 == 0,
+           "{}: tensor {} ({}) must be 16-byte aligned for the CUDA attention kernels", op, name, t.str());
+}
+
+// A CUDA bf16 tensor of exactly `shape` on `device`, named in every error.
+void check_bf16(const char* op, const Tensor& t, const Shape& shape, Device device, const char* name) {
+  MT_CHECK(t.defined(), "{}: tensor {} is undefined", op, name);
+  check_shape(t, shape, name);
+  check_dtype(t, DType::BF16, name);
+  MT_CHECK(t.device() == device, "{}: tensor {} is on {}, expected {} (where q lives)", op, name, t.device().str(),
+           device.str());
+  check_aligned(op, t, name);
+}
+
+AttentionDims check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seg,
+                         const AttentionShape& a) {
+  MT_CHECK(a.batch >= 0 && a.seq >= 0 && a.q_heads > 0 && a.kv_heads > 0 && a.head_dim > 0,
+           "{}: bad shape batch={} seq={} q_heads={} kv_heads={} head_dim={}", op, a.batch, a.seq, a.q_heads,
+           a.kv_heads, a.head_dim);
+  MT_CHECK(a.q_heads % a.kv_heads == 0, "{}: q_heads {} is not a multiple of kv_heads {}", op, a.q_heads,
+           a.kv_heads);
+  MT_CHECK(a.head_dim == 32 || a.head_dim == 64 || a.head_dim == 128,
+           "{}: head_dim {} is not supported by the CUDA attention kernels (32, 64 or 128)", op, a.head_dim);
+  MT_CHECK(a.scale > 0 && std::isfinite(a.scale), "{}: softmax scale must be positive, got {}", op, a.scale);
+  // Grid limits (y = heads, z = batch) and 32-bit positions inside a sequence.
+  MT_CHECK(a.batch <= 65535 && a.q_heads <= 65535, "{}: batch {} or q_heads {} over the CUDA grid limit 65535", op,
+           a.batch, a.q_heads);
+  MT_CHECK(a.seq <= (INT_MAX / 2), "{}: seq {} too long for the CUDA attention kernels", op, a.seq);
+  MT_CHECK(q.defined(), "{}: tensor q is undefined", op);
+  MT_CHECK(!q.device().is_cpu(), "{}: tensor q is on the CPU, expected CUDA", op);
+  const Device dev = q.device();
+  const int64_t T = a.batch * a.seq;
+  check_bf16(op, q, {T, a.q_heads * a.head_dim}, dev, "q");
+  check_bf16(op, k, {T, a.kv_heads * a.head_dim}, dev, "k");
+  check_bf16(op, v, {T, a.kv_heads * a.head_dim}, dev, "v");
+  if (seg.defined()) {
+    check_shape(seg, {T}, "segment_ids");
+    check_dtype(seg, DType::I32, "segment_ids");
+    MT_CHECK(seg.device() == dev, "{}: tensor segment_ids is on {}, expected {} (where q lives)", op,
+             seg.device().str(), dev.str());
+  }
+  AttentionDims d;
+  d.batch = static_cast<int>(a.batch);
+  d.seq = static_cast<int>(a.seq);
+  d.q_heads = static_cast<int>(a.q_heads);
+  d.kv_heads = static_cast<int>(a.kv_heads);
+  d.head_dim = static_cast<int>(a.head_dim);
+  d.scale = static_cast<float>(a.scale);
+  return d;
+}
+
+const int32_t* seg_ptr(const Tensor& seg) { return seg.defined() ? seg.data<int32_t>() : nullptr; }
+
+}  // namespace
+
+AttentionOut attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_ids,
+                               const AttentionShape& shape) {
+  const char* op = "attention_forward";
+  const AttentionDims d = check_args(op, q, k, v, segment_ids, shape);
+  AttentionOut o{Tensor::empty(q.shape(), DType::BF16, q.device()),
+                 Tensor::empty({shape.batch, shape.q_heads, shape.seq}, DType::F32, q.device())};
+  if (q.numel() == 0) return o;
+  launch_attention_forward(bf16_ptr(q), bf16_ptr(k), bf16_ptr(v), seg_ptr(segment_ids), bf16_ptr(o.out),
+                           o.lse.data<float>(), d, stream());
+  check_launch("attention_fwd_kernel");
+  return o;
+}
+
+AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const Tensor& segment_ids, const Tensor& out, const Tensor& lse,
+                                  const AttentionShape& shape) {
+  const char* op = "attention_backward";
+  const AttentionDims d = check_args(op, q, k, v, segment_ids, shape);
+  check_bf16(op, dout, q.shape(), q.device(), "dout");
+  check_bf16(op, out, q.shape(), q.device(), "out");
+  check_shape(lse, {shape.batch, shape.q_heads, shape.seq}, "lse");
+  check_dtype(lse, DType::F32, "lse");
+  MT_CHECK(lse.device() == q.device(), "{}: tensor lse is on {}, expected {} (where q lives)", op,
+           lse.device().str(), q.device().str());
+  AttentionGrads g{Tensor::empty(q.shape(), DType::BF16, q.device()), Tensor::empty(k.shape(), DType::BF16, q.device()),
+                   Tensor::empty(v.shape(), DType::BF16, q.device())};
+  if (q.numel() == 0) return g;
+  // Workspaces, freed on return (stream-ordered, so they stay valid for the kernels queued
+  // here): delta = rowsum(dout * out), f32, laid out like lse; and, when the dK/dV pass
+  // splits each kv group's query heads over several blocks, their f32 partial sums.
+  Tensor delta = Tensor::empty(lse.shape(), DType::F32, q.device());
+  int num_sms = 0;
+  MT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, q.device().index));
+  const int splits = attention_dkdv_splits(d, num_sms);
+  Tensor partial;
+  if (splits > 1) partial = Tensor::empty({2 * splits * k.numel()}, DType::F32, q.device());
+  launch_attention_backward(bf16_ptr(dout), bf16_ptr(q), bf16_ptr(k), bf16_ptr(v), seg_ptr(segment_ids),
+                            bf16_ptr(out), lse.data<float>(), delta.data<float>(),
+                            splits > 1 ? partial.data<float>() : nullptr, splits, bf16_ptr(g.dq), bf16_ptr(g.dk),
+                            bf16_ptr(g.dv), d, stream());
+  check_launch("attention_bwd kernels (delta, dkdv, dkdv_reduce, dq)");
+  return g;
+}
+
+}  // namespace moetrain::ops::cuda

@@ -1,0 +1,41 @@
+// Launchers of the fused attention kernels (see attention.cpp for the checks and
+// attention.cu for the kernels). Pointers are device pointers, token-major as ops.h says:
+// q/out/dout/dq [B*S, Hq*D], k/v/dk/dv [B*S, Hkv*D], lse/delta f32 [B, Hq, S], seg i32
+// [B*S] or null. head_dim must be 32, 64 or 128; q, k, v, out, dout, dq, dk, dv 16-byte
+// aligned (the host wrapper checks both).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace moetrain::ops::cuda {
+
+struct AttentionDims {
+  int batch = 0, seq = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
+  float scale = 0;  // softmax scale, > 0
+};
+
+// out = softmax(scale * q k^T, causal, segments) v; lse = log-sum-exp of each score row.
+void launch_attention_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                              const int32_t* seg, __nv_bfloat16* out, float* lse, const AttentionDims& d,
+                              cudaStream_t s);
+
+// How many blocks share the query heads of one (batch, kv head, key tile) in the dK/dV
+// pass: a power of two dividing Hq/Hkv, raised until the pass has about 4 blocks per
+// multiprocessor (B=1, S=2048, Hkv=4 has only 128 key-tile blocks otherwise). With
+// splits > 1 the backward needs a workspace of 2 * splits * B*S * Hkv*D floats.
+int attention_dkdv_splits(const AttentionDims& d, int num_sms);
+
+// Kernels in order on s: delta = rowsum(dout * out) (f32 workspace [B, Hq, S]); dk/dv (one
+// block per (batch, kv head, key tile, split)); with splits > 1 the sum of the f32 partials
+// in dkdv_partial, in split order; dq (one block per (batch, query head, query tile)).
+// No atomics: every output element is written once by one thread, in a fixed order.
+void launch_attention_backward(const __nv_bfloat16* dout, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                               const __nv_bfloat16* v, const int32_t* seg, const __nv_bfloat16* out,
+                               const float* lse, float* delta, float* dkdv_partial, int split_count,
+                               __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttentionDims& d,
+                               cudaStream_t s);
+
+}  // namespace moetrain::ops::cuda

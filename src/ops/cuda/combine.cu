@@ -1,0 +1,123 @@
+// Weighted combine kernels: one warp per token, 8-wide vector accesses when H % 8 == 0
+// (scalar otherwise), f32 accumulation in k order; dweight's row dot product is reduced
+// with a fixed warp butterfly, so results are deterministic.
+#include "ops/cuda/combine_launch.h"
+#include "ops/cuda/kernels.cuh"
+#include "ops/cuda/moe_device.cuh"
+
+namespace moetrain::ops::cuda {
+namespace {
+
+using namespace moe;
+
+constexpr int kWarps = 4;
+
+template <typename T, bool kVec8>
+__global__ void __launch_bounds__(kWarps * 32)
+    combine_forward_kernel(const T* __restrict__ eo, const float* __restrict__ weight, const T* __restrict__ residual,
+                           int64_t T_, int K, int64_t H, T* __restrict__ y) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (t >= T_) return;
+  const float* w = weight + t * K;
+  const T* rows = eo + t * K * H;
+  T* out = y + t * H;
+  if constexpr (kVec8) {
+    for (int64_t h = static_cast<int64_t>(lane) * 8; h < H; h += 32 * 8) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      if (residual) load8(residual + t * H + h, acc);
+      for (int k = 0; k < K; ++k) {
+        const float wk = w[k];
+        float v[8];
+        load8(rows + k * H + h, v);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[q] += wk * v[q];
+      }
+      store8(out + h, acc);
+    }
+  } else {
+    for (int64_t h = lane; h < H; h += 32) {
+      float acc = residual ? to_float(residual[t * H + h]) : 0.f;
+      for (int k = 0; k < K; ++k) acc += w[k] * to_float(rows[k * H + h]);
+      out[h] = from_float<T>(acc);
+    }
+  }
+}
+
+template <typename T, bool kVec8>
+__global__ void __launch_bounds__(kWarps * 32)
+    combine_backward_kernel(const T* __restrict__ dy, const T* __restrict__ eo, const float* __restrict__ weight,
+                            int64_t T_, int K, int64_t H, T* __restrict__ deo, float* __restrict__ dweight) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (t >= T_) return;
+  const T* d = dy + t * H;
+  for (int k = 0; k < K; ++k) {
+    const int64_t r = t * K + k;
+    const float wk = weight[r];
+    const T* e = eo + r * H;
+    T* de = deo + r * H;
+    float acc = 0.f;
+    if constexpr (kVec8) {
+      for (int64_t h = static_cast<int64_t>(lane) * 8; h < H; h += 32 * 8) {
+        float dv[8], ev[8], o[8];
+        load8(d + h, dv);
+        load8(e + h, ev);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          o[q] = wk * dv[q];
+          acc += dv[q] * ev[q];
+        }
+        store8(de + h, o);
+      }
+    } else {
+      for (int64_t h = lane; h < H; h += 32) {
+        const float dv = to_float(d[h]);
+        de[h] = from_float<T>(wk * dv);
+        acc += dv * to_float(e[h]);
+      }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) dweight[r] = acc;
+  }
+}
+
+bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+void launch_combine_forward(const void* expert_out, const float* weight, const void* residual, int64_t T, int K,
+                            int64_t H, void* y, bool is_bf16, cudaStream_t stream) {
+  if (T == 0 || H == 0) return;
+  const unsigned blocks = static_cast<unsigned>((T + kWarps - 1) / kWarps);
+  const bool vec = H % 8 == 0 && is_aligned16(expert_out) && is_aligned16(y) && (!residual || is_aligned16(residual));
+  auto go = [&](auto tag) {
+    using E = decltype(tag);
+    auto eo = static_cast<const E*>(expert_out);
+    auto res = static_cast<const E*>(residual);
+    auto out = static_cast<E*>(y);
+    if (vec) combine_forward_kernel<E, true><<<blocks, kWarps * 32, 0, stream>>>(eo, weight, res, T, K, H, out);
+    else combine_forward_kernel<E, false><<<blocks, kWarps * 32, 0, stream>>>(eo, weight, res, T, K, H, out);
+  };
+  if (is_bf16) go(__nv_bfloat16{});
+  else go(float{});
+}
+
+void launch_combine_backward(const void* dy, const void* expert_out, const float* weight, int64_t T, int K, int64_t H,
+                             void* dexpert_out, float* dweight, bool is_bf16, cudaStream_t stream) {
+  if (T == 0 || K == 0) return;
+  const unsigned blocks = static_cast<unsigned>((T + kWarps - 1) / kWarps);
+  const bool vec = H % 8 == 0 && is_aligned16(dy) && is_aligned16(expert_out) && is_aligned16(dexpert_out);
+  auto go = [&](auto tag) {
+    using E = decltype(tag);
+    auto d = static_cast<const E*>(dy);
+    auto eo = static_cast<const E*>(expert_out);
+    auto de = static_cast<E*>(dexpert_out);
+    if (vec) combine_backward_kernel<E, true><<<blocks, kWarps * 32, 0, stream>>>(d, eo, weight, T, K, H, de, dweight);
+    else combine_backward_kernel<E, false><<<blocks, kWarps * 32, 0, stream>>>(d, eo, weight, T, K, H, de, dweight);
+  };
+  if (is_bf16) go(__nv_bfloat16{});
+  else go(float{});
+}
+
+}  // namespace moetrain::ops::cuda

@@ -1,0 +1,19 @@
+// Launchers of the weighted-combine kernels (combine.cu); the host wrapper is combine.cpp.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moetrain::ops::cuda {
+
+// y [T, H] = residual [T, H] (nullptr: 0) + sum_k weight[t, k] * expert_out[t*K + k];
+// expert_out, residual and y bf16 (is_bf16) or f32; weight f32 [T, K].
+void launch_combine_forward(const void* expert_out, const float* weight, const void* residual, int64_t T, int K,
+                            int64_t H, void* y, bool is_bf16, cudaStream_t stream);
+// dexpert_out[t*K + k] = weight[t, k] * dy[t]; dweight[t, k] = <dy[t], expert_out[t*K + k]>
+// (f32, summed in a fixed order).
+void launch_combine_backward(const void* dy, const void* expert_out, const float* weight, int64_t T, int K, int64_t H,
+                             void* dexpert_out, float* dweight, bool is_bf16, cudaStream_t stream);
+
+}  // namespace moetrain::ops::cuda

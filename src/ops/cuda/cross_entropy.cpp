@@ -1,0 +1,52 @@
+// CUDA softmax cross-entropy with ignore index -100 (cross_entropy.cu has the kernels).
+// logits bf16 [T, V]; targets i32 [T]; lse f32 [T]; loss_sum f32 [1] (written, not
+// accumulated, like the CPU reference); dlogits bf16.
+//
+// A target outside [0, V) other than -100 is an error on the CPU; here a check would wait
+// for the device, so instead the row's loss is NaN (so loss_sum is NaN) and its dlogits
+// row is NaN: the trainer's non-finite check stops on it.
+#include "ops/cuda/common.h"
+#include "ops/cuda/cross_entropy_launch.h"
+#include "ops/cuda/cuda_ops.h"
+
+namespace moetrain::ops::cuda {
+namespace {
+
+void check_args(const Tensor& logits, const Tensor& targets, const char* op) {
+  check_cuda_tensors(op, {&logits, &targets});
+  MT_CHECK(logits.defined() && logits.ndim() == 2, "{}: logits must be [T, V], got {}", op, logits.str());
+  check_dtype(logits, DType::BF16, "logits");
+  const int64_t T = logits.size(0), V = logits.size(1);
+  MT_CHECK(V > 0 || T == 0, "{}: logits {} have an empty vocabulary", op, logits.str());
+  check_shape(targets, {T}, "targets");
+  check_dtype(targets, DType::I32, "targets");
+}
+
+}  // namespace
+
+CrossEntropyOut cross_entropy_forward(const Tensor& logits, const Tensor& targets) {
+  check_args(logits, targets, "cross_entropy_forward");
+  const int64_t T = logits.size(0), V = logits.size(1);
+  CrossEntropyOut o{Tensor::empty({1}, DType::F32, logits.device()), Tensor::empty({T}, DType::F32, logits.device())};
+  Tensor row_loss = Tensor::empty({T}, DType::F32, logits.device());
+  launch_cross_entropy_forward(static_cast<const __nv_bfloat16*>(logits.raw()), targets.data<int32_t>(),
+                               o.lse.data<float>(), row_loss.data<float>(), o.loss_sum.data<float>(), T, V, stream());
+  check_launch("cross_entropy_forward");
+  return o;
+}
+
+Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, double scale) {
+  check_args(logits, targets, "cross_entropy_backward");
+  check_cuda_tensors("cross_entropy_backward", {&lse});
+  const int64_t T = logits.size(0), V = logits.size(1);
+  check_shape(lse, {T}, "lse");
+  check_dtype(lse, DType::F32, "lse");
+  Tensor dlogits = Tensor::empty(logits.shape(), DType::BF16, logits.device());
+  launch_cross_entropy_backward(static_cast<const __nv_bfloat16*>(logits.raw()), targets.data<int32_t>(),
+                                lse.data<float>(), static_cast<__nv_bfloat16*>(dlogits.raw()), T, V,
+                                static_cast<float>(scale), stream());
+  check_launch("cross_entropy_backward");
+  return dlogits;
+}
+
+}  // namespace moetrain::ops::cuda

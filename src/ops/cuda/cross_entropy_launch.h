@@ -1,0 +1,22 @@
+// Launchers of the cross-entropy kernels (cross_entropy.cu): logits bf16 [T, V],
+// targets i32 [T] (-100 = ignored), lse f32 [T], loss_sum f32 [1], dlogits bf16 [T, V].
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace moetrain::ops::cuda {
+
+// lse[t] = log sum_v exp(logits[t, v]); row_loss[t] = lse[t] - logits[t, target[t]]
+// (0 where ignored, NaN for a target outside [0, V) that is not -100); then
+// loss_sum[0] = sum_t row_loss[t] in a fixed order. row_loss is caller scratch [T].
+void launch_cross_entropy_forward(const __nv_bfloat16* logits, const int32_t* targets, float* lse,
+                                  float* row_loss, float* loss_sum, int64_t T, int64_t V, cudaStream_t s);
+// dlogits[t, v] = scale * (exp(logits[t, v] - lse[t]) - [v == target[t]]); zero rows where
+// ignored, NaN rows for an invalid target.
+void launch_cross_entropy_backward(const __nv_bfloat16* logits, const int32_t* targets, const float* lse,
+                                   __nv_bfloat16* dlogits, int64_t T, int64_t V, float scale, cudaStream_t s);
+
+}  // namespace moetrain::ops::cuda

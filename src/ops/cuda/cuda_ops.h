@@ -1,0 +1,46 @@
+// The CUDA implementations of ops/ops.h (mixed precision as ops.h describes), one file
+// per op family in this folder. Same signatures as ops.h; callers go through ops.h.
+#pragma once
+
+#include "ops/ops.h"
+
+namespace moetrain::ops::cuda {
+
+Tensor embedding_forward(const Tensor& ids, const Tensor& weight);
+void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight);
+Tensor linear_forward(const Tensor& x, const Tensor& w);
+Tensor linear_backward_input(const Tensor& dy, const Tensor& w);
+void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw);
+RmsNormOut rmsnorm_forward(const Tensor& x, const Tensor& w, double eps);
+Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd);
+void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dw);
+Tensor rope_forward(const Tensor& x, const Tensor& positions, int64_t head_dim, double theta);
+Tensor rope_backward(const Tensor& dy, const Tensor& positions, int64_t head_dim, double theta);
+AttentionOut attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_ids, const AttentionShape& shape);
+AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_ids, const Tensor& out, const Tensor& lse, const AttentionShape& shape);
+RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob);
+Tensor router_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const RouterOut& fwd, bool norm_topk_prob);
+Permutation permutation_by_expert(const Tensor& topk_idx, int64_t num_experts);
+Tensor permute_forward(const Tensor& x, const Permutation& p);
+Tensor permute_backward(const Tensor& dxp, const Permutation& p);
+Tensor unpermute_forward(const Tensor& yp, const Permutation& p);
+Tensor unpermute_backward(const Tensor& dy, const Permutation& p);
+Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Tensor& residual);
+CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& weight);
+SwigluOut grouped_swiglu_forward(const Tensor& x, const Tensor& counts, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down);
+SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& counts, const Tensor& gate, const Tensor& up, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down);
+void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate, const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down);
+CrossEntropyOut cross_entropy_forward(const Tensor& logits, const Tensor& targets);
+Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, double scale);
+void load_balance_accumulate(const Tensor& probs, const Tensor& topk_idx, Tensor& selections, Tensor& prob_sum);
+Tensor load_balance_backward(const Tensor& selections, int64_t rows, int64_t total_rows, double coef);
+ZLossOut router_z_loss_forward(const Tensor& logits);
+Tensor router_z_loss_backward(const Tensor& probs, const Tensor& lse, double scale);
+void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWStep& s);
+double sum_squares(const Tensor& x);
+void scale_(Tensor& x, double alpha);
+void add_(Tensor& y, const Tensor& x);
+bool all_finite(const Tensor& x);
+void cast_into(Tensor& dst, const Tensor& src);
+
+}  // namespace moetrain::ops::cuda

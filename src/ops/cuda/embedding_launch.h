@@ -1,0 +1,28 @@
+// Launchers of the embedding kernels (embedding.cu).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace moetrain::ops::cuda {
+
+// y[t] = w[ids[t]] for rows of `row_bytes` bytes (bf16 or f32 rows: elem_bytes 2 or 4).
+// A row whose id lies outside [0, V) is filled with NaN (there is no host check: that
+// would wait for the device), so the loss shows it.
+void launch_embedding_forward(const int32_t* ids, const void* w, void* y, int64_t T, int64_t V, int64_t H,
+                              int elem_bytes, cudaStream_t s);
+
+// Bytes of device scratch launch_embedding_backward needs for T tokens and V rows.
+size_t embedding_backward_workspace_bytes(int64_t T, int64_t V);
+// dw[ids[t]] += dy[t] (dw f32 [V, H]; dy bf16 or f32 [T, H]), deterministic: the tokens
+// are sorted stably by id (CUB radix sort), then one block per distinct id and column
+// chunk adds its tokens' rows in token order. Ids outside [0, V) are skipped. Returns
+// the CUB status.
+cudaError_t launch_embedding_backward(const int32_t* ids, const __nv_bfloat16* dy, float* dw, int64_t T, int64_t V,
+                                      int64_t H, void* workspace, size_t workspace_bytes, cudaStream_t s);
+cudaError_t launch_embedding_backward(const int32_t* ids, const float* dy, float* dw, int64_t T, int64_t V,
+                                      int64_t H, void* workspace, size_t workspace_bytes, cudaStream_t s);
+
+}  // namespace moetrain::ops::cuda

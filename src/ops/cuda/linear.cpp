@@ -1,0 +1,188 @@
+// Linear layer on CUDA through cuBLASLt: bf16 (or f32) operands, f32 accumulation.
+//
+// Row-major tensors seen by column-major cuBLASLt are transposed, so each op is written
+// as the column-major product of the transposes:
+//   forward:         y  = x W^T   ->  y^T [out, T]  = W^T(op T on W's [in, out]) x^T
+//   backward_input:  dx = dy W    ->  dx^T [in, T]  = W^T [in, out] dy^T [out, T]
+//   backward_weight: dW += dy^T x ->  dW^T [in, out] += x^T [in, T] (dy^T)^T [T, out]
+// The weight gradient is f32 and accumulates (beta = 1, C = D = dW).
+//
+// Descriptors and the heuristic's algorithm are cached per host thread (the cuBLASLt
+// handle is per thread too), keyed by shape, dtypes, transposes and pointer alignment.
+#include <cstring>
+#include <memory>
+#include <unordered_map>
+
+#include "ops/cuda/common.h"
+#include "ops/cuda/cuda_ops.h"
+
+namespace moetrain::ops::cuda {
+namespace {
+
+struct PlanKey {
+  int64_t m, n, k, lda, ldb, ldd;
+  int32_t ta, tb, ab_type, cd_type;
+  uint32_t align_a, align_b, align_d;
+  uint32_t pad = 0;  // no uninitialised padding: the key is compared and hashed as bytes
+  bool operator==(const PlanKey& o) const { return std::memcmp(this, &o, sizeof(PlanKey)) == 0; }
+};
+struct PlanKeyHash {
+  size_t operator()(const PlanKey& k) const {
+    const auto* p = reinterpret_cast<const unsigned char*>(&k);
+    uint64_t h = 1469598103934665603ull;  // FNV-1a over the key's bytes
+    for (size_t i = 0; i < sizeof(PlanKey); ++i) h = (h ^ p[i]) * 1099511628211ull;
+    return static_cast<size_t>(h);
+  }
+};
+
+struct Plan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  Plan() = default;
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+  ~Plan() {  // host objects only; statuses ignored in a destructor
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+thread_local std::unordered_map<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> t_plans;
+
+uint32_t alignment_of(const void* p) {
+  const auto u = reinterpret_cast<uintptr_t>(p);
+  uint32_t a = 256;
+  while (a > 1 && (u % a) != 0) a >>= 1;
+  return a;
+}
+
+cudaDataType_t cuda_type(DType t) { return t == DType::BF16 ? CUDA_R_16BF : CUDA_R_32F; }
+
+// Column-major D[m, n] (ldd) = op(A) op(B) + beta D, op(A) [m, k], op(B) [k, n].
+void lt_matmul(const char* opname, bool ta, bool tb, int64_t m, int64_t n, int64_t k, DType ab, const void* A,
+               int64_t lda, const void* B, int64_t ldb, float beta, DType cd, void* D, int64_t ldd) {
+  const PlanKey key{m,
+                    n,
+                    k,
+                    lda,
+                    ldb,
+                    ldd,
+                    ta,
+                    tb,
+                    static_cast<int32_t>(ab),
+                    static_cast<int32_t>(cd),
+                    alignment_of(A),
+                    alignment_of(B),
+                    alignment_of(D)};
+  cublasLtHandle_t handle = cublaslt_handle();
+  size_t ws_bytes = 0;
+  void* ws = cublaslt_workspace(&ws_bytes);
+  auto it = t_plans.find(key);
+  if (it == t_plans.end()) {
+    auto plan = std::make_unique<Plan>();
+    const cudaDataType_t abt = cuda_type(ab), cdt = cuda_type(cd);
+    MT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
+    MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, abt, ta ? k : m, ta ? m : k, lda));
+    MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, abt, tb ? n : k, tb ? k : n, ldb));
+    MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->d, cdt, m, n, ldd));
+    cublasLtMatmulPreference_t pref = nullptr;
+    MT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    const uint64_t ws64 = ws_bytes;
+    cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws64,
+                                                             sizeof(ws64));
+    const uint32_t aligns[3] = {key.align_a, key.align_b, key.align_d};
+    const cublasLtMatmulPreferenceAttributes_t align_attrs[4] = {
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+    for (int i = 0; i < 4 && st == CUBLAS_STATUS_SUCCESS; ++i) {
+      const uint32_t al = aligns[i < 2 ? i : 2];  // C is D
+      st = cublasLtMatmulPreferenceSetAttribute(pref, align_attrs[i], &al, sizeof(al));
+    }
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    if (st == CUBLAS_STATUS_SUCCESS) {
+      st = cublasLtMatmulAlgoGetHeuristic(handle, plan->op, plan->a, plan->b, plan->d, plan->d, pref, 1, &result,
+                                          &found);
+    }
+    cublasLtMatmulPreferenceDestroy(pref);
+    MT_CUBLAS_CHECK(st);
+    MT_CHECK(found > 0,
+             "{}: cuBLASLt has no algorithm for m={} n={} k={} (lda={} ldb={} ldd={}, {} x {} -> {})", opname, m, n,
+             k, lda, ldb, ldd, dtype_name(ab), dtype_name(ab), dtype_name(cd));
+    plan->algo = result.algo;
+    it = t_plans.emplace(key, std::move(plan)).first;
+  }
+  const Plan& p = *it->second;
+  const float alpha = 1.0f;
+  MT_CUBLAS_CHECK(cublasLtMatmul(handle, p.op, &alpha, A, p.a, B, p.b, &beta, D, p.d, D, p.d, &p.algo, ws, ws_bytes,
+                                 stream()));
+}
+
+void check_operand(const Tensor& t, const char* op, const char* name) {
+  MT_CHECK(t.defined() && t.ndim() == 2, "{}: tensor {} must be 2-D, got {}", op, name, t.str());
+  MT_CHECK(t.dtype() == DType::BF16 || t.dtype() == DType::F32, "{}: tensor {} must be bf16 or f32, got {}", op,
+           name, t.str());
+}
+
+}  // namespace
+
+Tensor linear_forward(const Tensor& x, const Tensor& w) {
+  const char* op = "linear_forward";
+  check_operand(x, op, "x");
+  check_operand(w, op, "w");
+  check_cuda_tensors(op, {&x, &w});
+  const int64_t T = x.size(0), in = x.size(1), out = w.size(0);
+  check_shape(w, {out, in}, "linear_forward w");
+  MT_CHECK(w.dtype() == x.dtype(), "{}: w {} and x {} must share a dtype", op, w.str(), x.str());
+  Tensor y = Tensor::empty({T, out}, x.dtype(), x.device());
+  if (T == 0 || out == 0) return y;
+  if (in == 0) {
+    y.zero_();
+    return y;
+  }
+  // y^T [out, T] = op_T(W^T as [in, out]) * x^T [in, T]
+  lt_matmul(op, true, false, out, T, in, x.dtype(), w.raw(), in, x.raw(), in, 0.0f, x.dtype(), y.raw(), out);
+  return y;
+}
+
+Tensor linear_backward_input(const Tensor& dy, const Tensor& w) {
+  const char* op = "linear_backward_input";
+  check_operand(dy, op, "dy");
+  check_operand(w, op, "w");
+  check_cuda_tensors(op, {&dy, &w});
+  const int64_t T = dy.size(0), out = w.size(0), in = w.size(1);
+  check_shape(dy, {T, out}, "linear_backward_input dy");
+  MT_CHECK(w.dtype() == dy.dtype(), "{}: w {} and dy {} must share a dtype", op, w.str(), dy.str());
+  Tensor dx = Tensor::empty({T, in}, dy.dtype(), dy.device());
+  if (T == 0 || in == 0) return dx;
+  if (out == 0) {
+    dx.zero_();
+    return dx;
+  }
+  // dx^T [in, T] = W^T [in, out] * dy^T [out, T]
+  lt_matmul(op, false, false, in, T, out, dy.dtype(), w.raw(), in, dy.raw(), out, 0.0f, dy.dtype(), dx.raw(), in);
+  return dx;
+}
+
+void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw) {
+  const char* op = "linear_backward_weight";
+  check_operand(dy, op, "dy");
+  check_operand(x, op, "x");
+  check_cuda_tensors(op, {&dy, &x, &dw});
+  const int64_t T = x.size(0), in = x.size(1), out = dy.size(1);
+  check_shape(dy, {T, out}, "linear_backward_weight dy");
+  check_shape(dw, {out, in}, "linear_backward_weight dw");
+  MT_CHECK(dy.dtype() == x.dtype(), "{}: dy {} and x {} must share a dtype", op, dy.str(), x.str());
+  check_dtype(dw, DType::F32, "linear_backward_weight dw (f32 weight gradient)");
+  if (T == 0 || in == 0 || out == 0) return;  // nothing to add
+  // dW^T [in, out] += x^T [in, T] * op_T(dy^T as [out, T])
+  lt_matmul(op, false, true, in, out, T, x.dtype(), x.raw(), in, dy.raw(), out, 1.0f, DType::F32, dw.raw(), in);
+}
+
+}  // namespace moetrain::ops::cuda

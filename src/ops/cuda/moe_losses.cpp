@@ -1,0 +1,91 @@
+// CUDA MoE auxiliary losses (moe_losses.cu has the kernels and their determinism notes).
+//
+// load_balance_accumulate: probs f32 [R, E], topk_idx i32 [R, K]; selections and prob_sum
+// f32 [E] (+=). load_balance_backward: selections f32 -> dprobs f32 [rows, E].
+// router_z_loss_forward: logits bf16 or f32 [R, E] -> loss_sum f32 [1], lse f32 [R].
+// router_z_loss_backward: probs f32, lse f32 -> dlogits bf16 [R, E]: on CUDA the router
+// logits are bf16 (a linear's output), and a logit gradient takes its logits' dtype, so
+// that it adds straight into the router's other dlogits (add_ wants equal dtypes).
+//
+// A top-k index outside [0, E) is an error on the CPU; here it turns every selections
+// entry into NaN (a check would wait for the device), which the loss then shows.
+#include "ops/cuda/common.h"
+#include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/moe_losses_launch.h"
+
+namespace moetrain::ops::cuda {
+
+void load_balance_accumulate(const Tensor& probs, const Tensor& topk_idx, Tensor& selections, Tensor& prob_sum) {
+  check_cuda_tensors("load_balance_accumulate", {&probs, &topk_idx, &selections, &prob_sum});
+  MT_CHECK(probs.defined() && probs.ndim() == 2, "load_balance_accumulate: probs must be [R, E], got {}",
+           probs.str());
+  const int64_t R = probs.size(0), E = probs.size(1);
+  MT_CHECK(topk_idx.defined() && topk_idx.ndim() == 2 && topk_idx.size(0) == R,
+           "load_balance_accumulate: topk_idx must be [R = {}, K], got {}", R, topk_idx.str());
+  check_dtype(topk_idx, DType::I32, "load_balance_accumulate topk_idx");
+  check_dtype(probs, DType::F32, "load_balance_accumulate probs");
+  check_shape(selections, {E}, "load_balance_accumulate selections");
+  check_shape(prob_sum, {E}, "load_balance_accumulate prob_sum");
+  check_dtype(selections, DType::F32, "load_balance_accumulate selections");
+  check_dtype(prob_sum, DType::F32, "load_balance_accumulate prob_sum");
+  const int64_t K = topk_idx.size(1);
+  if (E == 0) return;
+  const size_t bytes = load_balance_scratch_bytes(R, E);
+  Tensor scratch = Tensor::empty({static_cast<int64_t>((bytes + 7) / 8)}, DType::I64, probs.device());
+  launch_load_balance_accumulate(probs.data<float>(), topk_idx.data<int32_t>(), selections.data<float>(),
+                                 prob_sum.data<float>(), R, E, K, scratch.raw(), stream());
+  check_launch("load_balance_accumulate");
+}
+
+Tensor load_balance_backward(const Tensor& selections, int64_t rows, int64_t total_rows, double coef) {
+  check_cuda_tensors("load_balance_backward", {&selections});
+  MT_CHECK(selections.defined() && selections.ndim() == 1, "load_balance_backward: selections must be [E], got {}",
+           selections.str());
+  check_dtype(selections, DType::F32, "load_balance_backward selections");
+  MT_CHECK(rows >= 0 && total_rows > 0, "load_balance_backward: rows = {} and total_rows = {} must be >= 0 and > 0",
+           rows, total_rows);
+  const int64_t E = selections.size(0);
+  Tensor dprobs = Tensor::empty({rows, E}, DType::F32, selections.device());
+  launch_load_balance_backward(selections.data<float>(), dprobs.data<float>(), rows, E, total_rows, coef, stream());
+  check_launch("load_balance_backward");
+  return dprobs;
+}
+
+ZLossOut router_z_loss_forward(const Tensor& logits) {
+  check_cuda_tensors("router_z_loss_forward", {&logits});
+  MT_CHECK(logits.defined() && logits.ndim() == 2, "router_z_loss_forward: logits must be [R, E], got {}",
+           logits.str());
+  MT_CHECK(logits.dtype() == DType::BF16 || logits.dtype() == DType::F32,
+           "router_z_loss_forward: logits must be bf16 or f32 on CUDA, got {}", logits.str());
+  const int64_t R = logits.size(0), E = logits.size(1);
+  MT_CHECK(E > 0 || R == 0, "router_z_loss_forward: logits {} have no experts", logits.str());
+  ZLossOut out;
+  out.lse = Tensor::empty({R}, DType::F32, logits.device());
+  out.loss_sum = Tensor::empty({1}, DType::F32, logits.device());
+  Tensor sq = Tensor::empty({R}, DType::F32, logits.device());
+  if (logits.dtype() == DType::F32) {
+    launch_router_z_loss_forward(logits.data<float>(), out.lse.data<float>(), sq.data<float>(),
+                                 out.loss_sum.data<float>(), R, E, stream());
+  } else {
+    launch_router_z_loss_forward(static_cast<const __nv_bfloat16*>(logits.raw()), out.lse.data<float>(),
+                                 sq.data<float>(), out.loss_sum.data<float>(), R, E, stream());
+  }
+  check_launch("router_z_loss_forward");
+  return out;
+}
+
+Tensor router_z_loss_backward(const Tensor& probs, const Tensor& lse, double scale) {
+  check_cuda_tensors("router_z_loss_backward", {&probs, &lse});
+  MT_CHECK(probs.defined() && probs.ndim() == 2, "router_z_loss_backward: probs must be [R, E], got {}", probs.str());
+  check_dtype(probs, DType::F32, "router_z_loss_backward probs");
+  const int64_t R = probs.size(0), E = probs.size(1);
+  check_shape(lse, {R}, "router_z_loss_backward lse");
+  check_dtype(lse, DType::F32, "router_z_loss_backward lse");
+  Tensor d = Tensor::empty({R, E}, DType::BF16, probs.device());
+  launch_router_z_loss_backward(probs.data<float>(), lse.data<float>(), static_cast<__nv_bfloat16*>(d.raw()), R, E,
+                                static_cast<float>(scale), stream());
+  check_launch("router_z_loss_backward");
+  return d;
+}
+
+}  // namespace moetrain::ops::cuda

@@ -1,0 +1,97 @@
+// Token permutation by expert on CUDA: host wrapper of permute.cu. permutation_by_expert
+// leaves the counts on the device (no host synchronisation), so expert ids are not checked
+// here: an id outside [0, E) is skipped by the kernels (not counted, its rows not written).
+#include "ops/cuda/common.h"
+#include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/permute_launch.h"
+
+namespace moetrain::ops::cuda {
+namespace {
+
+// Checks that `p` is a complete permutation on the device and `t` is [T*K, H] (or [T, H]
+// when per_token); returns H.
+int64_t check_rows(const Permutation& p, const Tensor& t, bool per_token, const char* op, const char* name) {
+  const int64_t NK = p.num_tokens * p.top_k;
+  MT_CHECK(p.source_token.defined() && p.slot_row.defined() && p.source_token.numel() == NK &&
+               p.slot_row.numel() == NK,
+           "{}: permutation is incomplete: source_token {} and slot_row {} must hold T*K = {} rows", op,
+           p.source_token.str(), p.slot_row.str(), NK);
+  check_dtype(p.source_token, DType::I32, "permutation source_token");
+  check_dtype(p.slot_row, DType::I32, "permutation slot_row");
+  const int64_t rows = per_token ? p.num_tokens : NK;
+  MT_CHECK(t.defined() && t.ndim() == 2 && t.size(0) == rows, "{}: {} must be [{}, H], got {}", op, name, rows,
+           t.str());
+  check_cuda_tensors(op, {&t, &p.source_token, &p.slot_row});
+  return t.size(1);
+}
+
+}  // namespace
+
+Permutation permutation_by_expert(const Tensor& topk_idx, int64_t num_experts) {
+  const char* op = "permutation_by_expert";
+  MT_CHECK(topk_idx.defined() && topk_idx.ndim() == 2, "{}: topk_idx must be [T, K], got {}", op, topk_idx.str());
+  check_dtype(topk_idx, DType::I32, "permutation_by_expert topk_idx");
+  check_cuda_tensors(op, {&topk_idx});
+  MT_CHECK(num_experts >= 1 && num_experts <= kPermuteMaxExperts,
+           "{}: num_experts = {} must be in [1, {}] on CUDA", op, num_experts, kPermuteMaxExperts);
+  Permutation p;
+  p.num_tokens = topk_idx.size(0);
+  p.top_k = topk_idx.size(1);
+  const int64_t NK = p.num_tokens * p.top_k;
+  MT_CHECK(NK <= INT32_MAX, "{}: T*K = {} rows exceed the i32 row index range", op, NK);
+  const Device dev = topk_idx.device();
+  p.expert_counts = Tensor::empty({num_experts}, DType::I64, dev);
+  p.source_token = Tensor::empty({NK}, DType::I32, dev);
+  p.slot_row = Tensor::empty({NK}, DType::I32, dev);
+  const int E = static_cast<int>(num_experts);
+  Tensor workspace = Tensor::empty({permutation_workspace_words(NK, E)}, DType::I32, dev);
+  launch_permutation(topk_idx.data<int32_t>(), NK, static_cast<int>(p.top_k), E, p.expert_counts.data<int64_t>(),
+                     p.slot_row.data<int32_t>(), p.source_token.data<int32_t>(), workspace.data<int32_t>(), stream());
+  check_launch("permutation_by_expert kernels");
+  return p;  // the workspace is freed in stream order, after the kernels
+}
+
+Tensor permute_forward(const Tensor& x, const Permutation& p) {
+  const int64_t H = check_rows(p, x, /*per_token=*/true, "permute_forward", "x");
+  const int64_t NK = p.num_tokens * p.top_k;
+  Tensor xp = Tensor::empty({NK, H}, x.dtype(), x.device());
+  launch_copy_rows(x.raw(), xp.raw(), p.source_token.data<int32_t>(), NK, p.num_tokens,
+                   H * static_cast<int64_t>(dtype_size(x.dtype())), /*scatter=*/false, stream());
+  check_launch("copy_rows_kernel (permute_forward)");
+  return xp;
+}
+
+Tensor permute_backward(const Tensor& dxp, const Permutation& p) {
+  const int64_t H = check_rows(p, dxp, /*per_token=*/false, "permute_backward", "dxp");
+  MT_CHECK(dxp.dtype() == DType::BF16 || dxp.dtype() == DType::F32, "permute_backward: dxp must be bf16 or f32, got {}",
+           dxp.str());
+  MT_CHECK(p.top_k <= INT32_MAX, "permute_backward: top_k = {} is out of range", p.top_k);
+  Tensor dx = Tensor::empty({p.num_tokens, H}, dxp.dtype(), dxp.device());
+  launch_permute_backward(dxp.raw(), p.slot_row.data<int32_t>(), p.num_tokens, static_cast<int>(p.top_k), H, dx.raw(),
+                          dxp.dtype() == DType::BF16, stream());
+  check_launch("permute_backward_kernel");
+  return dx;
+}
+
+Tensor unpermute_forward(const Tensor& yp, const Permutation& p) {
+  const int64_t H = check_rows(p, yp, /*per_token=*/false, "unpermute_forward", "yp");
+  const int64_t NK = p.num_tokens * p.top_k;
+  Tensor y = Tensor::empty({NK, H}, yp.dtype(), yp.device());
+  launch_copy_rows(yp.raw(), y.raw(), p.slot_row.data<int32_t>(), NK, NK,
+                   H * static_cast<int64_t>(dtype_size(yp.dtype())), /*scatter=*/false, stream());
+  check_launch("copy_rows_kernel (unpermute_forward)");
+  return y;
+}
+
+Tensor unpermute_backward(const Tensor& dy, const Permutation& p) {
+  const int64_t H = check_rows(p, dy, /*per_token=*/false, "unpermute_backward", "dy");
+  const int64_t NK = p.num_tokens * p.top_k;
+  // slot_row is a bijection: the scatter writes each expert-order row exactly once.
+  Tensor dyp = Tensor::empty({NK, H}, dy.dtype(), dy.device());
+  launch_copy_rows(dy.raw(), dyp.raw(), p.slot_row.data<int32_t>(), NK, NK,
+                   H * static_cast<int64_t>(dtype_size(dy.dtype())), /*scatter=*/true, stream());
+  check_launch("copy_rows_kernel (unpermute_backward)");
+  return dyp;
+}
+
+}  // namespace moetrain::ops::cuda

@@ -1,0 +1,71 @@
+// CUDA RMSNorm over the last D = w.numel() elements (rmsnorm.cu has the kernels).
+// x, dy, w, y, dx are bf16; rstd is f32 [R] (a saved statistic: ops.h's CUDA paragraph,
+// which overrides "rstd in x's dtype" of the CPU path); dw is f32, accumulated +=.
+// y = x * rstd * w is formed in f32 and rounded once (Hugging Face rounds x * rstd to bf16
+// before the weight multiply; the CPU reference does not, and neither do we).
+#include "ops/cuda/common.h"
+#include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/rmsnorm_launch.h"
+
+namespace moetrain::ops::cuda {
+namespace {
+
+using bf16_t = __nv_bfloat16;
+
+int64_t row_count(const Tensor& x, const Tensor& w, const char* op, const char* wname) {
+  MT_CHECK(x.defined() && w.defined(), "{}: x and {} must be defined", op, wname);
+  MT_CHECK(w.ndim() == 1 && w.numel() > 0, "{}: {} must be 1-D and non-empty, got {}", op, wname, w.str());
+  const int64_t D = w.numel();
+  MT_CHECK(x.ndim() >= 1 && x.size(-1) % D == 0, "{}: x {} cannot be read as rows of {}'s size {}", op, x.str(),
+           wname, D);
+  return x.numel() / D;
+}
+
+const bf16_t* bf(const Tensor& t) { return static_cast<const bf16_t*>(t.raw()); }
+bf16_t* bf_mut(Tensor& t) { return static_cast<bf16_t*>(t.raw()); }
+
+}  // namespace
+
+RmsNormOut rmsnorm_forward(const Tensor& x, const Tensor& w, double eps) {
+  check_cuda_tensors("rmsnorm_forward", {&x, &w});
+  const int64_t R = row_count(x, w, "rmsnorm_forward", "w"), D = w.numel();
+  check_dtype(x, DType::BF16, "rmsnorm_forward x");
+  check_dtype(w, DType::BF16, "rmsnorm_forward w");
+  RmsNormOut o{Tensor::empty(x.shape(), DType::BF16, x.device()), Tensor::empty({R}, DType::F32, x.device())};
+  launch_rmsnorm_forward(bf(x), bf(w), bf_mut(o.y), o.rstd.data<float>(), R, D, static_cast<float>(eps), stream());
+  check_launch("rmsnorm_forward");
+  return o;
+}
+
+Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd) {
+  check_cuda_tensors("rmsnorm_backward_input", {&dy, &x, &w, &rstd});
+  const int64_t R = row_count(x, w, "rmsnorm_backward_input", "w"), D = w.numel();
+  check_shape(dy, x.shape(), "dy");
+  check_shape(rstd, {R}, "rstd");
+  check_dtype(dy, DType::BF16, "rmsnorm_backward_input dy");
+  check_dtype(x, DType::BF16, "rmsnorm_backward_input x");
+  check_dtype(w, DType::BF16, "rmsnorm_backward_input w");
+  check_dtype(rstd, DType::F32, "rmsnorm_backward_input rstd");
+  Tensor dx = Tensor::empty(x.shape(), DType::BF16, x.device());
+  launch_rmsnorm_backward_input(bf(dy), bf(x), bf(w), rstd.data<float>(), bf_mut(dx), R, D, stream());
+  check_launch("rmsnorm_backward_input");
+  return dx;
+}
+
+void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dw) {
+  check_cuda_tensors("rmsnorm_backward_weight", {&dy, &x, &rstd, &dw});
+  const int64_t R = row_count(x, dw, "rmsnorm_backward_weight", "dw"), D = dw.numel();
+  check_shape(dy, x.shape(), "dy");
+  check_shape(rstd, {R}, "rstd");
+  check_dtype(dy, DType::BF16, "rmsnorm_backward_weight dy");
+  check_dtype(x, DType::BF16, "rmsnorm_backward_weight x");
+  check_dtype(rstd, DType::F32, "rmsnorm_backward_weight rstd");
+  check_dtype(dw, DType::F32, "rmsnorm_backward_weight dw (f32 weight gradient on CUDA)");
+  if (R == 0) return;
+  Tensor scratch = Tensor::empty({rmsnorm_backward_weight_scratch_floats(R, D)}, DType::F32, x.device());
+  launch_rmsnorm_backward_weight(bf(dy), bf(x), rstd.data<float>(), dw.data<float>(), R, D,
+                                 scratch.data<float>(), stream());
+  check_launch("rmsnorm_backward_weight");
+}
+
+}  // namespace moetrain::ops::cuda

@@ -1,0 +1,272 @@
+// RMSNorm kernels, bf16 in and out, f32 inside.
+//
+// forward / backward_input: a row of D elements is handled by kTPR threads (half a warp
+// when D <= 256 (per-head norms), a warp when D <= 1024, four warps when D <= 4096, else
+// eight), 256 / kTPR rows per 256-thread block.
+// The row sum goes through a warp shuffle tree and, across the row's warps, a fixed-order
+// pass over shared memory: deterministic. Rows are read with 16-byte loads when D is a
+// multiple of 8 and the pointers are aligned, else element by element; the second pass
+// over the row re-reads it from L1/L2.
+//
+// backward_weight (dw += sum_r dy*x*rstd), deterministic, no atomics:
+//   pass 1: grid (column tiles, nrb row chunks), block 32 x 8: thread (c, j) owns one
+//           column, or two adjacent ones (bf16x2 loads) when D is even, and adds rows
+//           r0+j, r0+j+8, ... of its chunk in order; the 8 row lanes are added in fixed
+//           order through shared memory: partial[chunk][c] (f32);
+//   pass 2: one thread per column adds the nrb partials in chunk order (double) into dw.
+// nrb depends only on (R, D) (about 2048 blocks in pass 1, chunks of at least 64 rows).
+#include "ops/cuda/rmsnorm_launch.h"
+#include "ops/cuda/vec_io.cuh"
+
+namespace moetrain::ops::cuda {
+namespace {
+
+using bf16 = __nv_bfloat16;
+constexpr int kBlock = 256;
+
+// Sum of v over the kTPR threads of this row (threadIdx.y picks the row); one call a kernel.
+template <int kTPR>
+__device__ __forceinline__ float row_sum(float v) {
+  if constexpr (kTPR <= 32) {  // the row is a whole warp or an aligned part of one
+#pragma unroll
+    for (int o = kTPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+  } else {
+    v = warp_sum(v);
+    constexpr int kRPB = kBlock / kTPR, kWarps = kTPR / 32;
+    __shared__ float part[kRPB][kWarps];
+    if ((threadIdx.x & 31) == 0) part[threadIdx.y][threadIdx.x >> 5] = v;
+    __syncthreads();
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < kWarps; ++k) s += part[threadIdx.y][k];
+    return s;
+  }
+}
+
+template <int kTPR, bool kVec>
+__global__ void __launch_bounds__(kBlock) rmsnorm_forward_kernel(const bf16* __restrict__ x,
+                                                                 const bf16* __restrict__ w, bf16* __restrict__ y,
+                                                                 float* __restrict__ rstd, int64_t R, int64_t D,
+                                                                 float eps) {
+  constexpr int kRPB = kBlock / kTPR;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRPB + threadIdx.y;
+  const bool valid = r < R;
+  const bf16* xr = x + (valid ? r : 0) * D;
+  float ss = 0.f;
+  if (valid) {
+    if constexpr (kVec) {
+      for (int64_t v = threadIdx.x; v < D / 8; v += kTPR) {
+        float f[8];
+        load8(xr + v * 8, f);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) ss += f[k] * f[k];
+      }
+    } else {
+      for (int64_t i = threadIdx.x; i < D; i += kTPR) {
+        const float f = to_float(xr[i]);
+        ss += f * f;
+      }
+    }
+  }
+  ss = row_sum<kTPR>(ss);
+  if (!valid) return;
+  const float rs = 1.f / sqrtf(ss / static_cast<float>(D) + eps);
+  if (threadIdx.x == 0) rstd[r] = rs;
+  bf16* yr = y + r * D;
+  if constexpr (kVec) {
+    for (int64_t v = threadIdx.x; v < D / 8; v += kTPR) {
+      float f[8], g[8];
+      load8(xr + v * 8, f);
+      load8(w + v * 8, g);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) f[k] = f[k] * rs * g[k];
+      store8(yr + v * 8, f);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < D; i += kTPR) yr[i] = __float2bfloat16(to_float(xr[i]) * rs * to_float(w[i]));
+  }
+}
+
+template <int kTPR, bool kVec>
+__global__ void __launch_bounds__(kBlock) rmsnorm_backward_input_kernel(const bf16* __restrict__ dy,
+                                                                        const bf16* __restrict__ x,
+                                                                        const bf16* __restrict__ w,
+                                                                        const float* __restrict__ rstd,
+                                                                        bf16* __restrict__ dx, int64_t R, int64_t D) {
+  constexpr int kRPB = kBlock / kTPR;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRPB + threadIdx.y;
+  const bool valid = r < R;
+  const int64_t off = (valid ? r : 0) * D;
+  const bf16 *xr = x + off, *gr = dy + off;
+  float dot = 0.f;  // sum_i w dy x
+  if (valid) {
+    if constexpr (kVec) {
+      for (int64_t v = threadIdx.x; v < D / 8; v += kTPR) {
+        float a[8], b[8], c[8];
+        load8(xr + v * 8, a);
+        load8(gr + v * 8, b);
+        load8(w + v * 8, c);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) dot += c[k] * b[k] * a[k];
+      }
+    } else {
+      for (int64_t i = threadIdx.x; i < D; i += kTPR) dot += to_float(w[i]) * to_float(gr[i]) * to_float(xr[i]);
+    }
+  }
+  dot = row_sum<kTPR>(dot);
+  if (!valid) return;
+  const float s = rstd[r];
+  const float c = s * s * dot / static_cast<float>(D);
+  bf16* out = dx + off;
+  if constexpr (kVec) {
+    for (int64_t v = threadIdx.x; v < D / 8; v += kTPR) {
+      float a[8], b[8], g[8];
+      load8(xr + v * 8, a);
+      load8(gr + v * 8, b);
+      load8(w + v * 8, g);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) a[k] = s * (g[k] * b[k] - a[k] * c);
+      store8(out + v * 8, a);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < D; i += kTPR)
+      out[i] = __float2bfloat16(s * (to_float(w[i]) * to_float(gr[i]) - to_float(xr[i]) * c));
+  }
+}
+
+template <int kTPR, bool kVec>
+void launch_rows_forward(const bf16* x, const bf16* w, bf16* y, float* rstd, int64_t R, int64_t D, float eps,
+                         cudaStream_t s) {
+  constexpr int kRPB = kBlock / kTPR;
+  const dim3 block(kTPR, kRPB);
+  const auto grid = static_cast<unsigned>((R + kRPB - 1) / kRPB);
+  rmsnorm_forward_kernel<kTPR, kVec><<<grid, block, 0, s>>>(x, w, y, rstd, R, D, eps);
+}
+
+template <int kTPR, bool kVec>
+void launch_rows_backward(const bf16* dy, const bf16* x, const bf16* w, const float* rstd, bf16* dx, int64_t R,
+                          int64_t D, cudaStream_t s) {
+  constexpr int kRPB = kBlock / kTPR;
+  const dim3 block(kTPR, kRPB);
+  const auto grid = static_cast<unsigned>((R + kRPB - 1) / kRPB);
+  rmsnorm_backward_input_kernel<kTPR, kVec><<<grid, block, 0, s>>>(dy, x, w, rstd, dx, R, D);
+}
+
+// Calls f.template operator()<kTPR, kVec>() with the row width picked for D.
+template <typename F>
+void with_row_shape(int64_t D, bool vec, F&& f) {
+  if (D <= 256) {
+    vec ? f.template operator()<16, true>() : f.template operator()<16, false>();
+  } else if (D <= 1024) {
+    vec ? f.template operator()<32, true>() : f.template operator()<32, false>();
+  } else if (D <= 4096) {
+    vec ? f.template operator()<128, true>() : f.template operator()<128, false>();
+  } else {
+    vec ? f.template operator()<256, true>() : f.template operator()<256, false>();
+  }
+}
+
+// ---- weight gradient ----
+constexpr int kColTile = 32, kRowLanes = 8;
+
+struct DwSplit {
+  int64_t chunks, rows_per_chunk;
+};
+DwSplit dw_split(int64_t R, int64_t D) {
+  const int64_t col_tiles = (D + kColTile - 1) / kColTile;
+  int64_t chunks = (2048 + col_tiles - 1) / col_tiles;
+  const int64_t max_chunks = (R + 63) / 64;
+  if (chunks > max_chunks) chunks = max_chunks;
+  if (chunks < 1) chunks = 1;
+  const int64_t rows_per = (R + chunks - 1) / chunks;
+  return {rows_per > 0 ? (R + rows_per - 1) / rows_per : 1, rows_per > 0 ? rows_per : 1};
+}
+
+// kCols = 2: each thread owns two adjacent columns (bf16x2 loads; D even, 4-byte aligned).
+template <int kCols>
+__global__ void __launch_bounds__(kColTile* kRowLanes) rmsnorm_dw_pass1(const bf16* __restrict__ dy,
+                                                                       const bf16* __restrict__ x,
+                                                                       const float* __restrict__ rstd,
+                                                                       float* __restrict__ partial, int64_t R,
+                                                                       int64_t D, int64_t rows_per) {
+  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kColTile + threadIdx.x) * kCols;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * rows_per;
+  const int64_t r1 = r0 + rows_per < R ? r0 + rows_per : R;
+  float acc[kCols];
+#pragma unroll
+  for (int k = 0; k < kCols; ++k) acc[k] = 0.f;
+  if (c < D) {
+#pragma unroll 4
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kRowLanes) {
+      const float s = rstd[r];
+      if constexpr (kCols == 2) {
+        const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dy + r * D + c));
+        const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(x + r * D + c));
+        acc[0] += g.x * v.x * s;
+        acc[1] += g.y * v.y * s;
+      } else {
+        acc[0] += to_float(dy[r * D + c]) * to_float(x[r * D + c]) * s;
+      }
+    }
+  }
+  __shared__ float lanes[kRowLanes][kColTile * kCols + 1];
+#pragma unroll
+  for (int k = 0; k < kCols; ++k) lanes[threadIdx.y][threadIdx.x * kCols + k] = acc[k];
+  __syncthreads();
+  // Row lane 0 of the block finishes the tile's columns, lanes added in fixed order.
+  for (int j = threadIdx.y * kColTile + threadIdx.x; j < kColTile * kCols; j += kColTile * kRowLanes) {
+    const int64_t col = static_cast<int64_t>(blockIdx.x) * kColTile * kCols + j;
+    if (col < D) {
+      float t = 0.f;
+#pragma unroll
+      for (int k = 0; k < kRowLanes; ++k) t += lanes[k][j];
+      partial[blockIdx.y * D + col] = t;
+    }
+  }
+}
+
+__global__ void rmsnorm_dw_pass2(const float* __restrict__ partial, float* __restrict__ dw, int64_t D,
+                                 int64_t chunks) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= D) return;
+  double t = 0.0;
+  for (int64_t b = 0; b < chunks; ++b) t += static_cast<double>(partial[b * D + c]);
+  dw[c] = static_cast<float>(static_cast<double>(dw[c]) + t);
+}
+
+}  // namespace
+
+void launch_rmsnorm_forward(const bf16* x, const bf16* w, bf16* y, float* rstd, int64_t R, int64_t D, float eps,
+                            cudaStream_t s) {
+  if (R == 0) return;
+  const bool vec = D % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(y);
+  with_row_shape(D, vec, [&]<int kTPR, bool kVec>() { launch_rows_forward<kTPR, kVec>(x, w, y, rstd, R, D, eps, s); });
+}
+
+void launch_rmsnorm_backward_input(const bf16* dy, const bf16* x, const bf16* w, const float* rstd, bf16* dx,
+                                   int64_t R, int64_t D, cudaStream_t s) {
+  if (R == 0) return;
+  const bool vec = D % 8 == 0 && aligned16(dy) && aligned16(x) && aligned16(w) && aligned16(dx);
+  with_row_shape(D, vec,
+                 [&]<int kTPR, bool kVec>() { launch_rows_backward<kTPR, kVec>(dy, x, w, rstd, dx, R, D, s); });
+}
+
+int64_t rmsnorm_backward_weight_scratch_floats(int64_t R, int64_t D) { return dw_split(R, D).chunks * D; }
+
+void launch_rmsnorm_backward_weight(const bf16* dy, const bf16* x, const float* rstd, float* dw, int64_t R,
+                                    int64_t D, float* scratch, cudaStream_t s) {
+  if (R == 0 || D == 0) return;
+  const DwSplit sp = dw_split(R, D);
+  const bool pairs = D % 2 == 0 && reinterpret_cast<uintptr_t>(dy) % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 4 == 0;
+  const int64_t tile = kColTile * (pairs ? 2 : 1);
+  const dim3 grid1(static_cast<unsigned>((D + tile - 1) / tile), static_cast<unsigned>(sp.chunks));
+  if (pairs) {
+    rmsnorm_dw_pass1<2><<<grid1, dim3(kColTile, kRowLanes), 0, s>>>(dy, x, rstd, scratch, R, D, sp.rows_per_chunk);
+  } else {
+    rmsnorm_dw_pass1<1><<<grid1, dim3(kColTile, kRowLanes), 0, s>>>(dy, x, rstd, scratch, R, D, sp.rows_per_chunk);
+  }
+  rmsnorm_dw_pass2<<<static_cast<unsigned>((D + 255) / 256), 256, 0, s>>>(scratch, dw, D, sp.chunks);
+}
+
+}  // namespace moetrain::ops::cuda

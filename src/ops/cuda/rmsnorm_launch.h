@@ -1,0 +1,24 @@
+// Launchers of the RMSNorm kernels (rmsnorm.cu). x, dy, w, y and dx are bf16; rstd and
+// dw are f32. Rows are [R, D] with D = w's length (D = hidden, or head_dim for q/k norm).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace moetrain::ops::cuda {
+
+// rstd[r] = 1 / sqrt(mean(x[r]^2) + eps); y = x * rstd * w.
+void launch_rmsnorm_forward(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float* rstd,
+                            int64_t R, int64_t D, float eps, cudaStream_t s);
+// dx = rstd * (w*dy - x * rstd^2 * mean(w*dy*x)).
+void launch_rmsnorm_backward_input(const __nv_bfloat16* dy, const __nv_bfloat16* x, const __nv_bfloat16* w,
+                                   const float* rstd, __nv_bfloat16* dx, int64_t R, int64_t D, cudaStream_t s);
+// Floats of device scratch launch_rmsnorm_backward_weight needs.
+int64_t rmsnorm_backward_weight_scratch_floats(int64_t R, int64_t D);
+// dw += sum_r dy[r] * x[r] * rstd[r], in two deterministic passes.
+void launch_rmsnorm_backward_weight(const __nv_bfloat16* dy, const __nv_bfloat16* x, const float* rstd, float* dw,
+                                    int64_t R, int64_t D, float* scratch, cudaStream_t s);
+
+}  // namespace moetrain::ops::cuda

@@ -1,0 +1,61 @@
+// Router on CUDA: host wrapper (checks, allocation) of the kernels in router.cu.
+// logits bf16 (or f32) -> probs f32, topk_idx i32, topk_weight f32; the backward's dlogits
+// is bf16 (an activation gradient, ops.h's CUDA contract; RouterOut does not record the
+// logits' dtype).
+#include "ops/cuda/common.h"
+#include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/router_launch.h"
+
+namespace moetrain::ops::cuda {
+
+RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob) {
+  const char* op = "router_forward";
+  MT_CHECK(logits.defined() && logits.ndim() == 2, "{}: logits must be [T, E], got {}", op, logits.str());
+  MT_CHECK(logits.dtype() == DType::BF16 || logits.dtype() == DType::F32, "{}: logits must be bf16 or f32, got {}",
+           op, logits.str());
+  check_cuda_tensors(op, {&logits});
+  const int64_t T = logits.size(0), E = logits.size(1);
+  MT_CHECK(k >= 1 && k <= E, "{}: top_k = {} must be in [1, num_experts = {}]", op, k, E);
+  MT_CHECK(E <= kRouterMaxExperts, "{}: logits {} has {} experts; the CUDA router takes at most {}", op,
+           logits.str(), E, kRouterMaxExperts);
+  RouterOut out;
+  out.probs = Tensor::empty({T, E}, DType::F32, logits.device());
+  out.topk_idx = Tensor::empty({T, k}, DType::I32, logits.device());
+  out.topk_weight = Tensor::empty({T, k}, DType::F32, logits.device());
+  launch_router_forward(logits.raw(), logits.dtype() == DType::BF16, T, static_cast<int>(E), static_cast<int>(k),
+                        norm_topk_prob, out.probs.data<float>(), out.topk_idx.data<int32_t>(),
+                        out.topk_weight.data<float>(), stream());
+  check_launch("router_forward_kernel");
+  return out;
+}
+
+Tensor router_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const RouterOut& fwd, bool norm_topk_prob) {
+  const char* op = "router_backward";
+  MT_CHECK(fwd.probs.defined() && fwd.probs.ndim() == 2, "{}: fwd.probs must be [T, E], got {}", op,
+           fwd.probs.str());
+  const int64_t T = fwd.probs.size(0), E = fwd.probs.size(1);
+  MT_CHECK(fwd.topk_idx.defined() && fwd.topk_idx.ndim() == 2 && fwd.topk_idx.size(0) == T,
+           "{}: fwd.topk_idx must be [T = {}, K], got {}", op, T, fwd.topk_idx.str());
+  const int64_t K = fwd.topk_idx.size(1);
+  check_dtype(fwd.probs, DType::F32, "router_backward fwd.probs");
+  check_dtype(fwd.topk_idx, DType::I32, "router_backward fwd.topk_idx");
+  MT_CHECK(dtopk_weight.defined(), "{}: dtopk_weight is undefined", op);
+  check_shape(dtopk_weight, {T, K}, "router_backward dtopk_weight");
+  check_dtype(dtopk_weight, DType::F32, "router_backward dtopk_weight");
+  if (dprobs.defined()) {
+    check_shape(dprobs, {T, E}, "router_backward dprobs");
+    check_dtype(dprobs, DType::F32, "router_backward dprobs");
+  }
+  MT_CHECK(E <= kRouterMaxExperts, "{}: {} experts; the CUDA router takes at most {}", op, E, kRouterMaxExperts);
+  check_cuda_tensors(op, {&dtopk_weight, &dprobs, &fwd.probs, &fwd.topk_idx});
+  // Expert ids are not re-checked here (that would wait for the device): ids outside
+  // [0, E) from a corrupt fwd.topk_idx contribute nothing.
+  Tensor dlogits = Tensor::empty({T, E}, DType::BF16, fwd.probs.device());
+  launch_router_backward(dtopk_weight.data<float>(), dprobs.defined() ? dprobs.data<float>() : nullptr,
+                         fwd.probs.data<float>(), fwd.topk_idx.data<int32_t>(), T, static_cast<int>(E),
+                         static_cast<int>(K), norm_topk_prob, dlogits.raw(), /*out_bf16=*/true, stream());
+  check_launch("router_backward_kernel");
+  return dlogits;
+}
+
+}  // namespace moetrain::ops::cuda

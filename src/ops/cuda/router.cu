@@ -1,0 +1,186 @@
+// Router kernels: one warp per token; lane l holds experts l, l+32, ... in registers
+// (VPT = ceil(E/32) of them, a compile-time count so the arrays stay in registers).
+//
+// Forward: softmax in f32 (max-subtracted), then K rounds of a warp arg-max over the
+// experts not yet taken, ordered by (prob descending, expert id ascending): the CPU's
+// order, ties to the lower id. Lane j%32 writes pick j, and with norm_topk_prob divides
+// its own picks by their sum afterwards.
+// Backward: dp = dprobs (or 0) plus the top-k weight gradients (through the
+// renormalisation's quotient rule when on), then dlogits = p * (dp - <p, dp>).
+#include <climits>
+#include <type_traits>
+
+#include "ops/cuda/kernels.cuh"
+#include "ops/cuda/router_launch.h"
+
+namespace moetrain::ops::cuda {
+namespace {
+
+constexpr int kWarpsPerBlock = 4;
+
+template <int VPT, typename TIn>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    router_forward_kernel(const TIn* __restrict__ logits, int64_t T, int E, int K, bool norm, float* __restrict__ probs,
+                          int32_t* __restrict__ idx, float* __restrict__ weight) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (t >= T) return;
+  const TIn* l = logits + t * E;
+  float v[VPT];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int e = lane + 32 * i;
+    v[i] = e < E ? to_float(l[e]) : -INFINITY;
+    mx = fmaxf(mx, v[i]);
+  }
+  mx = warp_max(mx);
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int e = lane + 32 * i;
+    v[i] = e < E ? expf(v[i] - mx) : 0.f;
+    sum += v[i];
+  }
+  sum = warp_sum(sum);
+  float* p = probs + t * E;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int e = lane + 32 * i;
+    if (e < E) {
+      v[i] = v[i] / sum;
+      p[e] = v[i];
+    } else {
+      v[i] = -1.f;  // below every probability: never picked
+    }
+  }
+  unsigned taken = 0;
+  float s = 0.f;
+  for (int j = 0; j < K; ++j) {
+    float bv = -1.f;  // padding (-1) never wins, every probability (>= 0) does
+    int be = INT_MAX;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {  // ids ascend with i: strict > keeps the lower id on ties
+      if (!((taken >> i) & 1u) && v[i] > bv) {
+        bv = v[i];
+        be = lane + 32 * i;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+      if (ov > bv || (ov == bv && oe < be)) {
+        bv = ov;
+        be = oe;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      if (lane + 32 * i == be) taken |= 1u << i;
+    }
+    if (lane == (j & 31)) {
+      idx[t * K + j] = be;
+      weight[t * K + j] = bv;
+    }
+    s += bv;
+  }
+  if (norm) {
+    for (int j = lane; j < K; j += 32) weight[t * K + j] = weight[t * K + j] / s;  // this lane's own picks
+  }
+}
+
+template <int VPT, typename TOut>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    router_backward_kernel(const float* __restrict__ dweight, const float* __restrict__ dprobs,
+                           const float* __restrict__ probs, const int32_t* __restrict__ idx, int64_t T, int E, int K,
+                           bool norm, TOut* __restrict__ dlogits) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (t >= T) return;
+  const float* pr = probs + t * E;
+  const int32_t* id = idx + t * K;
+  const float* dw = dweight + t * K;
+  float p[VPT], dp[VPT];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int e = lane + 32 * i;
+    p[i] = e < E ? pr[e] : 0.f;
+    dp[i] = (e < E && dprobs) ? dprobs[t * E + e] : 0.f;
+  }
+  float s = 1.f, dot = 0.f;
+  if (norm) {
+    float ss = 0.f, dd = 0.f;
+    for (int j = lane; j < K; j += 32) {
+      const int e = id[j];
+      const float pe = (e >= 0 && e < E) ? pr[e] : 0.f;
+      ss += pe;
+      dd += dw[j] * pe;
+    }
+    s = warp_sum(ss);
+    dot = warp_sum(dd) / s;  // sum_j dw_j * w_j
+  }
+  for (int j = 0; j < K; ++j) {
+    const int e = id[j];
+    const float g = norm ? (dw[j] - dot) / s : dw[j];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) dp[i] += (lane + 32 * i == e) ? g : 0.f;  // a select: dp stays in registers
+  }
+  float pdp = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) pdp += p[i] * dp[i];
+  pdp = warp_sum(pdp);
+  TOut* out = dlogits + t * E;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int e = lane + 32 * i;
+    if (e < E) out[e] = from_float<TOut>(p[i] * (dp[i] - pdp));
+  }
+}
+
+// Calls f(std::integral_constant<int, VPT>) for the smallest VPT with 32 * VPT >= E.
+template <typename F>
+void with_vpt(int E, F&& f) {
+  if (E <= 32) f(std::integral_constant<int, 1>{});
+  else if (E <= 64) f(std::integral_constant<int, 2>{});
+  else if (E <= 128) f(std::integral_constant<int, 4>{});
+  else if (E <= 256) f(std::integral_constant<int, 8>{});
+  else f(std::integral_constant<int, 16>{});
+}
+
+}  // namespace
+
+void launch_router_forward(const void* logits, bool logits_bf16, int64_t T, int E, int K, bool norm_topk_prob,
+                           float* probs, int32_t* idx, float* weight, cudaStream_t stream) {
+  if (T == 0) return;
+  const unsigned blocks = static_cast<unsigned>((T + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  with_vpt(E, [&](auto vpt) {
+    constexpr int V = decltype(vpt)::value;
+    if (logits_bf16) {
+      router_forward_kernel<V, __nv_bfloat16><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
+          static_cast<const __nv_bfloat16*>(logits), T, E, K, norm_topk_prob, probs, idx, weight);
+    } else {
+      router_forward_kernel<V, float><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
+          static_cast<const float*>(logits), T, E, K, norm_topk_prob, probs, idx, weight);
+    }
+  });
+}
+
+void launch_router_backward(const float* dweight, const float* dprobs, const float* probs, const int32_t* idx,
+                            int64_t T, int E, int K, bool norm_topk_prob, void* dlogits, bool out_bf16,
+                            cudaStream_t stream) {
+  if (T == 0) return;
+  const unsigned blocks = static_cast<unsigned>((T + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  with_vpt(E, [&](auto vpt) {
+    constexpr int V = decltype(vpt)::value;
+    if (out_bf16) {
+      router_backward_kernel<V, __nv_bfloat16><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
+          dweight, dprobs, probs, idx, T, E, K, norm_topk_prob, static_cast<__nv_bfloat16*>(dlogits));
+    } else {
+      router_backward_kernel<V, float><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
+          dweight, dprobs, probs, idx, T, E, K, norm_topk_prob, static_cast<float*>(dlogits));
+    }
+  });
+}
+
+}  // namespace moetrain::ops::cuda

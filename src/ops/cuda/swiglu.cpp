@@ -1,0 +1,136 @@
+// Grouped expert SwiGLU on CUDA: host wrapper of the grouped GEMMs in swiglu.cu.
+// Activations and weights bf16, weight gradients f32 (accumulated), counts i64 on the
+// device and never read by the host: sum(counts) = N is the caller's promise (counts are
+// clamped on the device so that bad counts cannot reach memory outside the tensors).
+#include <climits>
+#include <string>
+
+#include "ops/cuda/common.h"
+#include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/swiglu_launch.h"
+
+namespace moetrain::ops::cuda {
+namespace {
+
+struct Dims {
+  int64_t N, H, I, E;
+};
+
+void check_bf16_matrix(const Tensor& t, const char* op, const char* name) {
+  MT_CHECK(t.defined() && t.dtype() == DType::BF16, "{}: {} must be a bf16 tensor, got {}", op, name,
+           t.defined() ? t.str() : std::string("undefined"));
+}
+
+void check_aligned(const Tensor& t, const char* op, const char* name) {
+  MT_CHECK(reinterpret_cast<uintptr_t>(t.raw()) % 16 == 0,
+           "{}: {} ({}) must start on a 16-byte boundary for the grouped GEMM", op, name, t.str());
+}
+
+// Checks the weights (or their gradients, with prefix "dw") against N x H rows and counts.
+Dims check_swiglu(const char* op, int64_t N, int64_t H, const Tensor& counts, const Tensor& w_gate,
+                  const Tensor& w_up, const Tensor& w_down, const char* w, DType wdtype) {
+  MT_CHECK(w_gate.defined() && w_gate.ndim() == 3, "{}: {}_gate must be [E, I, H = {}], got {}", op, w, H,
+           w_gate.str());
+  Dims d{N, H, w_gate.size(1), w_gate.size(0)};
+  const std::string p = fmt::format("{} {}", op, w);
+  check_shape(w_gate, {d.E, d.I, H}, (p + "_gate [E, I, H]").c_str());
+  check_shape(w_up, {d.E, d.I, H}, (p + "_up [E, I, H]").c_str());
+  check_shape(w_down, {d.E, H, d.I}, (p + "_down [E, H, I]").c_str());
+  check_dtype(w_gate, wdtype, (p + "_gate").c_str());
+  check_dtype(w_up, wdtype, (p + "_up").c_str());
+  check_dtype(w_down, wdtype, (p + "_down").c_str());
+  MT_CHECK(counts.defined(), "{}: counts is undefined", op);
+  check_shape(counts, {d.E}, fmt::format("{} counts [E]", op).c_str());
+  check_dtype(counts, DType::I64, fmt::format("{} counts", op).c_str());
+  MT_CHECK(d.E >= 1 && d.E <= kSwigluMaxExperts, "{}: {} experts; the CUDA grouped SwiGLU takes 1 to {}", op, d.E,
+           kSwigluMaxExperts);
+  MT_CHECK(H > 0 && H % 8 == 0 && d.I > 0 && d.I % 8 == 0,
+           "{}: hidden size H = {} and intermediate size I = {} must be positive multiples of 8", op, H, d.I);
+  MT_CHECK(H <= INT_MAX / 2 && d.I <= INT_MAX / 2 && N <= INT_MAX, "{}: N = {}, H = {}, I = {} exceed the int range",
+           op, N, H, d.I);
+  MT_CHECK(swiglu_max_tiles(N, static_cast<int>(d.E)) <= kSwigluMaxGridY,
+           "{}: N = {} rows over {} experts need more than {} row tiles of 128", op, N, d.E, kSwigluMaxGridY);
+  MT_CHECK(!counts.device().is_cpu(), "{}: counts {} is on the CPU; it must be on the CUDA device (it is never read "
+           "by the host)", op, counts.str());
+  check_cuda_tensors(op, {&w_gate, &w_up, &w_down});
+  check_aligned(w_gate, op, (p + "_gate").c_str());
+  check_aligned(w_up, op, (p + "_up").c_str());
+  check_aligned(w_down, op, (p + "_down").c_str());
+  return d;
+}
+
+void check_rows(const Tensor& t, int64_t N, int64_t cols, const char* op, const char* name) {
+  check_bf16_matrix(t, op, name);
+  check_shape(t, {N, cols}, fmt::format("{} {}", op, name).c_str());
+  check_cuda_tensors(op, {&t});
+  check_aligned(t, op, name);
+}
+
+}  // namespace
+
+SwigluOut grouped_swiglu_forward(const Tensor& x, const Tensor& counts, const Tensor& w_gate, const Tensor& w_up,
+                                 const Tensor& w_down) {
+  const char* op = "grouped_swiglu_forward";
+  MT_CHECK(x.defined() && x.ndim() == 2, "{}: x must be [N, H], got {}", op, x.str());
+  const Dims d = check_swiglu(op, x.size(0), x.size(1), counts, w_gate, w_up, w_down, "w", DType::BF16);
+  check_rows(x, d.N, d.H, op, "x");
+  const Device dev = x.device();
+  SwigluOut out;
+  out.y = Tensor::empty({d.N, d.H}, DType::BF16, dev);
+  out.gate = Tensor::empty({d.N, d.I}, DType::BF16, dev);
+  out.up = Tensor::empty({d.N, d.I}, DType::BF16, dev);
+  Tensor act = Tensor::empty({d.N, d.I}, DType::BF16, dev);
+  Tensor ws = Tensor::empty({swiglu_workspace_words(d.N, static_cast<int>(d.E))}, DType::I32, dev);
+  launch_swiglu_forward(x.raw(), counts.data<int64_t>(), w_gate.raw(), w_up.raw(), w_down.raw(), d.N,
+                        static_cast<int>(d.H), static_cast<int>(d.I), static_cast<int>(d.E), out.gate.raw(),
+                        out.up.raw(), act.raw(), out.y.raw(), ws.data<int32_t>(), stream());
+  check_launch("grouped_swiglu_forward kernels");
+  return out;  // act and ws are freed in stream order, after the kernels
+}
+
+SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& counts, const Tensor& gate,
+                                               const Tensor& up, const Tensor& w_gate, const Tensor& w_up,
+                                               const Tensor& w_down) {
+  const char* op = "grouped_swiglu_backward_input";
+  MT_CHECK(dy.defined() && dy.ndim() == 2, "{}: dy must be [N, H], got {}", op, dy.str());
+  const Dims d = check_swiglu(op, dy.size(0), dy.size(1), counts, w_gate, w_up, w_down, "w", DType::BF16);
+  check_rows(dy, d.N, d.H, op, "dy");
+  check_rows(gate, d.N, d.I, op, "gate");
+  check_rows(up, d.N, d.I, op, "up");
+  const Device dev = dy.device();
+  SwigluInputGrads g;
+  g.dx = Tensor::empty({d.N, d.H}, DType::BF16, dev);
+  g.dgate = Tensor::empty({d.N, d.I}, DType::BF16, dev);
+  g.dup = Tensor::empty({d.N, d.I}, DType::BF16, dev);
+  Tensor ws = Tensor::empty({swiglu_workspace_words(d.N, static_cast<int>(d.E))}, DType::I32, dev);
+  launch_swiglu_backward_input(dy.raw(), counts.data<int64_t>(), gate.raw(), up.raw(), w_gate.raw(), w_up.raw(),
+                               w_down.raw(), d.N, static_cast<int>(d.H), static_cast<int>(d.I),
+                               static_cast<int>(d.E), g.dgate.raw(), g.dup.raw(), g.dx.raw(), ws.data<int32_t>(),
+                               stream());
+  check_launch("grouped_swiglu_backward_input kernels");
+  return g;
+}
+
+void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate,
+                                    const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate,
+                                    Tensor& dw_up, Tensor& dw_down) {
+  const char* op = "grouped_swiglu_backward_weight";
+  MT_CHECK(x.defined() && x.ndim() == 2, "{}: x must be [N, H], got {}", op, x.str());
+  const Dims d = check_swiglu(op, x.size(0), x.size(1), counts, dw_gate, dw_up, dw_down, "dw", DType::F32);
+  check_rows(x, d.N, d.H, op, "x");
+  check_rows(dy, d.N, d.H, op, "dy");
+  check_rows(gate, d.N, d.I, op, "gate");
+  check_rows(up, d.N, d.I, op, "up");
+  check_rows(dgate, d.N, d.I, op, "dgate");
+  check_rows(dup, d.N, d.I, op, "dup");
+  const Device dev = x.device();
+  Tensor act = Tensor::empty({d.N, d.I}, DType::BF16, dev);
+  Tensor ws = Tensor::empty({swiglu_workspace_words(d.N, static_cast<int>(d.E))}, DType::I32, dev);
+  launch_swiglu_backward_weight(dy.raw(), x.raw(), counts.data<int64_t>(), gate.raw(), up.raw(), dgate.raw(),
+                                dup.raw(), d.N, static_cast<int>(d.H), static_cast<int>(d.I), static_cast<int>(d.E),
+                                act.raw(), dw_gate.data<float>(), dw_up.data<float>(), dw_down.data<float>(),
+                                ws.data<int32_t>(), stream());
+  check_launch("grouped_swiglu_backward_weight kernels");
+}
+
+}  // namespace moetrain::ops::cuda

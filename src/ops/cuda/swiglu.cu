@@ -1,0 +1,566 @@
+// Grouped expert SwiGLU: grouped GEMMs on the tensor cores (mma.sync m16n8k16, bf16 in,
+// f32 accumulation), one launch per projection for all experts, no host synchronisation.
+//
+// Schedule. A one-block kernel turns counts [E] (device) into row offsets [E+1] and a
+// list of row tiles: expert e owns ceil(c_e / 128) tiles of up to 128 of its rows. The
+// host knows only the bound max_tiles = ceil(N/128) + E, so the row-grouped GEMMs launch
+// grid (column tiles, max_tiles); a block looks up its (expert, first row) and exits when
+// its tile index is past the real count. Weight-gradient GEMMs (the reduction runs over an
+// expert's rows) launch grid (column tiles, row tiles, E [x 2]) and loop over the
+// expert's rows read from the offsets; an expert with no rows leaves its dW untouched.
+// Each output element is owned by one block and reduced in a fixed order: deterministic.
+//
+// Block tile 128 x 128 x 64, 8 warps as 2 (M) x 4 (N), warp tile 64 x 32, a 3-stage
+// cp.async pipeline (96 KB of shared memory, 2 blocks per SM). Operand tiles are stored
+// either K-major ([128 rows][64 k], 128-byte rows) or MN-major ([64 k][128], 256-byte
+// rows), 16-byte chunks XOR-swizzled by (row & 7) so that ldmatrix (.trans for MN-major)
+// reads them without bank conflicts. Rows or columns past the end are zero-filled.
+//
+//   forward    gate|up = x Wg|Wu^T   A = x (K-major)      B = Wg, Wu (K-major)  epilogue: gate, up, act
+//              y = act Wd^T          A = act (K-major)    B = Wd (K-major)
+//   dgrad      da = dy Wd            A = dy (K-major)     B = Wd (MN-major)     epilogue: dgate, dup
+//              dx = [dgate|dup] [Wg;Wu]   (K = 2I, the operands switch source at k = I)
+//   wgrad      dWd += dy^T act       A = dy (MN-major)    B = act (MN-major)    epilogue: f32 +=
+//              dWg|dWu += dgate|dup^T x   (two problems in one launch, grid z = 2E)
+// The gate/up launch puts 64 gate rows and the same 64 up rows of the weights in one B
+// tile, and lays the warps out so that each thread holds g and u of the same elements:
+// silu(g) * u is computed from the f32 accumulators.
+#include <cuda_bf16.h>
+
+#include "ops/cuda/kernels.cuh"
+#include "ops/cuda/moe_device.cuh"
+#include "ops/cuda/swiglu_launch.h"
+
+namespace moetrain::ops::cuda {
+namespace {
+
+using namespace moe;
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kBM = 128, kBN = 128, kBK = 64, kStages = 3, kThreads = 256;
+constexpr int kTileBytes = 128 * 64 * 2;  // one operand tile, either layout
+constexpr int kStageBytes = 2 * kTileBytes;
+constexpr int kSmemBytes = kStages * kStageBytes;  // 96 KB
+constexpr int kScheduleThreads = 1024;
+
+enum Epilogue { kEpiGateUp, kEpiStore, kEpiDSwiglu };
+
+// Byte offset of 16-byte chunk `chunk` of row r in a tile.
+template <bool kKMajor>
+__device__ __forceinline__ uint32_t tile_offset(int r, int chunk) {
+  if constexpr (kKMajor) return r * 128 + ((chunk ^ (r & 7)) << 4);  // [128][64]: 8 chunks a row
+  else return r * 256 + ((chunk ^ (r & 7)) << 4);                    // [64][128]: 16 chunks a row
+}
+
+// One 64-deep stage of the warp's 64 x 32 tile: 4 k16 steps of 4 x 4 MMAs.
+template <bool kAKMajor, bool kBKMajor, bool kGateUp>
+__device__ __forceinline__ void mma_stage(float (&acc)[4][4][4], const char* sA, const char* sB, int lane, int wm,
+                                          int wn) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    uint32_t a[4][4], b[4][2];
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi) {
+      const int m_base = wm * 64 + mi * 16;
+      if constexpr (kAKMajor) {
+        ldmatrix_x4(a[mi], sA + tile_offset<true>(m_base + (lane & 15), kk * 2 + (lane >> 4)));
+      } else {
+        ldmatrix_x4_trans(a[mi], sA + tile_offset<false>(kk * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                                          (m_base >> 3) + ((lane >> 3) & 1)));
+      }
+    }
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      // gate/up: n8 blocks 0,1 are gate rows wn*16.., blocks 2,3 the same rows of up
+      const int n_base = kGateUp ? p * 64 + wn * 16 : wn * 32 + p * 16;
+      uint32_t r[4];
+      if constexpr (kBKMajor) {
+        ldmatrix_x4(r, sB + tile_offset<true>(n_base + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
+      } else {
+        ldmatrix_x4_trans(r, sB + tile_offset<false>(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
+                                                      (n_base >> 3) + (lane >> 4)));
+      }
+      b[2 * p][0] = r[0];
+      b[2 * p][1] = r[1];
+      b[2 * p + 1][0] = r[2];
+      b[2 * p + 1][1] = r[3];
+    }
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+      for (int nb = 0; nb < 4; ++nb) mma_bf16_16816(acc[mi][nb], a[mi], b[nb]);
+    }
+  }
+}
+
+// The multistage main loop: load_a(tile, kt) / load_b(tile, kt) issue the cp.async copies
+// of k-tile kt into a tile of shared memory.
+template <bool kAKMajor, bool kBKMajor, bool kGateUp, typename LoadA, typename LoadB>
+__device__ __forceinline__ void gemm_mainloop(float (&acc)[4][4][4], char* smem, int ktiles, const LoadA& load_a,
+                                              const LoadB& load_b) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = warp & 1, wn = warp >> 1;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < ktiles) {
+      load_a(smem + s * kStageBytes, s);
+      load_b(smem + s * kStageBytes + kTileBytes, s);
+    }
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < ktiles; ++kt) {
+    cp_async_wait<kStages - 2>();  // k-tile kt has landed (for this thread) ...
+    __syncthreads();               // ... for all threads; and stage (kt-1) % kStages is free
+    const int next = kt + kStages - 1;
+    if (next < ktiles) {
+      char* st = smem + (next % kStages) * kStageBytes;
+      load_a(st, next);
+      load_b(st + kTileBytes, next);
+    }
+    cp_async_commit();
+    const char* st = smem + (kt % kStages) * kStageBytes;
+    mma_stage<kAKMajor, kBKMajor, kGateUp>(acc, st, st + kTileBytes, lane, wm, wn);
+  }
+  cp_async_wait<0>();
+}
+
+__device__ __forceinline__ float sigmoidf_(float g) { return 1.f / (1.f + expf(-g)); }
+
+// ---- row-grouped GEMM: out[rows of e, n] = sum_k A[row, k] B_e[k, n] --------------------
+struct RowsArgs {
+  const bf16* a0;  // A [N, K] row-major, k < ksplit read from a0, else from a1 at k - ksplit
+  const bf16* a1;
+  int64_t lda;
+  const bf16* b0;  // per expert: K-major B [n][k] (ldb), or MN-major B [k][n]; b1 as a1
+  const bf16* b1;
+  int64_t ldb, b_stride;  // b_stride: elements between experts
+  int K, ksplit, n_extent;
+  const int* offsets;  // [E + 1]
+  const int* tile_expert;
+  const int* tile_row;
+  bf16* out0;  // [N, n_extent]: store / gate / dgate
+  bf16* out1;  // up / dup
+  bf16* out2;  // act
+  int64_t ldo;
+  const bf16* g;  // dswiglu: gate and up [N, n_extent]
+  const bf16* u;
+};
+
+template <bool kBKMajor, int kEpi>
+__global__ void __launch_bounds__(kThreads, 2) grouped_rows_gemm_kernel(const RowsArgs args) {
+  constexpr bool kGateUp = kEpi == kEpiGateUp;
+  const int e = args.tile_expert[blockIdx.y];
+  if (e < 0) return;
+  const int row0 = args.tile_row[blockIdx.y];
+  const int row_end = args.offsets[e + 1];
+  const int n0 = blockIdx.x * (kGateUp ? 64 : kBN);
+  extern __shared__ __align__(128) char smem[];
+  const int tid = threadIdx.x;
+  const bf16* b0 = args.b0 + e * args.b_stride;
+  const bf16* b1 = args.b1 + e * args.b_stride;
+  const int K = args.K, ksplit = args.ksplit, n_extent = args.n_extent;
+
+  auto load_a = [&](char* tile, int kt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int q = tid + i * kThreads, r = q >> 3, c = q & 7;
+      const int64_t row = row0 + r;
+      const int k = kt * kBK + c * 8;
+      const bool valid = row < row_end && k < K;
+      const bf16* src = args.a0;
+      if (valid) src = k < ksplit ? args.a0 + row * args.lda + k : args.a1 + row * args.lda + (k - ksplit);
+      cp_async_16(tile + tile_offset<true>(r, c), src, valid);
+    }
+  };
+  auto load_b = [&](char* tile, int kt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int q = tid + i * kThreads;
+      if constexpr (kBKMajor) {
+        const int r = q >> 3, c = q & 7;
+        const int k = kt * kBK + c * 8;
+        const int64_t n = kGateUp ? n0 + (r & 63) : n0 + r;
+        const bf16* base = (kGateUp && r >= 64) ? b1 : b0;
+        const bool valid = n < n_extent && k < K;
+        cp_async_16(tile + tile_offset<true>(r, c), valid ? base + n * args.ldb + k : args.b0, valid);
+      } else {
+        const int r = q >> 4, c = q & 15;
+        const int64_t k = static_cast<int64_t>(kt) * kBK + r;
+        const int n = n0 + c * 8;
+        const bool valid = k < K && n < n_extent;
+        const bf16* src = args.b0;
+        if (valid) src = (k < ksplit ? b0 + k * args.ldb : b1 + (k - ksplit) * args.ldb) + n;
+        cp_async_16(tile + tile_offset<false>(r, c), src, valid);
+      }
+    }
+  };
+
+  float acc[4][4][4];
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+    for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[mi][nb][j] = 0.f;
+  gemm_mainloop<true, kBKMajor, kGateUp>(acc, smem, (K + kBK - 1) / kBK, load_a, load_b);
+
+  const int lane = tid & 31, warp = tid >> 5, wm = warp & 1, wn = warp >> 1;
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t row = row0 + wm * 64 + mi * 16 + (lane >> 2) + half * 8;
+      if (row >= row_end) continue;
+      if constexpr (kGateUp) {
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb) {
+          const int col = n0 + wn * 16 + nb * 8 + (lane & 3) * 2;
+          if (col >= n_extent) continue;
+          const float g0 = acc[mi][nb][half * 2], g1 = acc[mi][nb][half * 2 + 1];
+          const float u0 = acc[mi][nb + 2][half * 2], u1 = acc[mi][nb + 2][half * 2 + 1];
+          const int64_t o = row * args.ldo + col;
+          *reinterpret_cast<__nv_bfloat162*>(args.out0 + o) = __floats2bfloat162_rn(g0, g1);
+          *reinterpret_cast<__nv_bfloat162*>(args.out1 + o) = __floats2bfloat162_rn(u0, u1);
+          *reinterpret_cast<__nv_bfloat162*>(args.out2 + o) =
+              __floats2bfloat162_rn(g0 * sigmoidf_(g0) * u0, g1 * sigmoidf_(g1) * u1);
+        }
+      } else {
+        if constexpr (kEpi == kEpiStore) {
+#pragma unroll
+          for (int nb = 0; nb < 4; ++nb) {
+            const int col = n0 + wn * 32 + nb * 8 + (lane & 3) * 2;
+            if (col >= n_extent) continue;
+            *reinterpret_cast<__nv_bfloat162*>(args.out0 + row * args.ldo + col) =
+                __floats2bfloat162_rn(acc[mi][nb][half * 2], acc[mi][nb][half * 2 + 1]);
+          }
+        } else {  // da -> dgate = da * u * silu'(g), dup = da * silu(g)
+          // all loads of g and u first, so that they are in flight together
+          __nv_bfloat162 gb[4], ub[4];
+#pragma unroll
+          for (int nb = 0; nb < 4; ++nb) {
+            const int col = n0 + wn * 32 + nb * 8 + (lane & 3) * 2;
+            const int64_t o = row * args.ldo + col;
+            if (col < n_extent) {
+              gb[nb] = *reinterpret_cast<const __nv_bfloat162*>(args.g + o);
+              ub[nb] = *reinterpret_cast<const __nv_bfloat162*>(args.u + o);
+            }
+          }
+#pragma unroll
+          for (int nb = 0; nb < 4; ++nb) {
+            const int col = n0 + wn * 32 + nb * 8 + (lane & 3) * 2;
+            if (col >= n_extent) continue;
+            const float v0 = acc[mi][nb][half * 2], v1 = acc[mi][nb][half * 2 + 1];
+            const int64_t o = row * args.ldo + col;
+            const float2 g = __bfloat1622float2(gb[nb]), u = __bfloat1622float2(ub[nb]);
+            const float s0 = sigmoidf_(g.x), s1 = sigmoidf_(g.y);
+            *reinterpret_cast<__nv_bfloat162*>(args.out0 + o) = __floats2bfloat162_rn(
+                v0 * u.x * s0 * (1.f + g.x * (1.f - s0)), v1 * u.y * s1 * (1.f + g.y * (1.f - s1)));
+            *reinterpret_cast<__nv_bfloat162*>(args.out1 + o) = __floats2bfloat162_rn(v0 * g.x * s0, v1 * g.y * s1);
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---- weight-gradient GEMM: C_e[m, n] += sum over e's rows r of A[r, m] B[r, n] ----------
+struct WgradArgs {
+  const bf16* a0;  // A [N, M] (problem 0), a1 for problem 1
+  const bf16* a1;
+  int64_t lda;
+  const bf16* b;  // B [N, Nc], shared by the problems
+  int64_t ldb;
+  float* c0;  // C [E, M, Nc] f32, accumulated
+  float* c1;
+  int64_t c_stride;
+  int M, Nc;
+  const int* offsets;  // [E + 1]
+};
+
+template <int kProblems>
+__global__ void __launch_bounds__(kThreads, 2) grouped_wgrad_kernel(const WgradArgs args) {
+  const int e = blockIdx.z / kProblems, prob = blockIdx.z % kProblems;
+  const int r0 = args.offsets[e], r1 = args.offsets[e + 1];
+  if (r1 <= r0) return;
+  const int m0 = blockIdx.y * kBM, n0 = blockIdx.x * kBN;
+  const bf16* A = prob ? args.a1 : args.a0;
+  float* C = (prob ? args.c1 : args.c0) + e * args.c_stride;
+  extern __shared__ __align__(128) char smem[];
+  const int tid = threadIdx.x;
+  const int M = args.M, Nc = args.Nc;
+
+  auto load_a = [&](char* tile, int kt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int q = tid + i * kThreads, r = q >> 4, c = q & 15;
+      const int64_t row = r0 + kt * kBK + r;
+      const int m = m0 + c * 8;
+      const bool valid = row < r1 && m < M;
+      cp_async_16(tile + tile_offset<false>(r, c), valid ? A + row * args.lda + m : A, valid);
+    }
+  };
+  auto load_b = [&](char* tile, int kt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int q = tid + i * kThreads, r = q >> 4, c = q & 15;
+      const int64_t row = r0 + kt * kBK + r;
+      const int n = n0 + c * 8;
+      const bool valid = row < r1 && n < Nc;
+      cp_async_16(tile + tile_offset<false>(r, c), valid ? args.b + row * args.ldb + n : args.b, valid);
+    }
+  };
+
+  float acc[4][4][4];
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+    for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[mi][nb][j] = 0.f;
+  gemm_mainloop<false, false, false>(acc, smem, (r1 - r0 + kBK - 1) / kBK, load_a, load_b);
+
+  const int lane = tid & 31, warp = tid >> 5, wm = warp & 1, wn = warp >> 1;
+  // C += acc, a row of the warp tile at a time: its 4 loads of C go out before any store.
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int m = m0 + wm * 64 + mi * 16 + (lane >> 2) + half * 8;
+      if (m >= M) continue;
+      float* crow = C + static_cast<int64_t>(m) * Nc;
+      float2 c[4];
+#pragma unroll
+      for (int nb = 0; nb < 4; ++nb) {
+        const int n = n0 + wn * 32 + nb * 8 + (lane & 3) * 2;
+        if (n < Nc) c[nb] = *reinterpret_cast<const float2*>(crow + n);
+      }
+#pragma unroll
+      for (int nb = 0; nb < 4; ++nb) {
+        const int n = n0 + wn * 32 + nb * 8 + (lane & 3) * 2;
+        if (n < Nc) {
+          *reinterpret_cast<float2*>(crow + n) =
+              make_float2(c[nb].x + acc[mi][nb][half * 2], c[nb].y + acc[mi][nb][half * 2 + 1]);
+        }
+      }
+    }
+  }
+}
+
+// ---- schedule: counts -> offsets [E+1] and the row-tile list -----------------------------
+// Counts are clamped to [0, N] and the offsets to N, so inconsistent counts cannot send a
+// block outside the N rows (rows past sum(counts) are then left unwritten).
+__global__ void __launch_bounds__(kScheduleThreads)
+    swiglu_schedule_kernel(const int64_t* __restrict__ counts, int E, int N, int max_tiles, int* __restrict__ offsets,
+                           int* __restrict__ tile_expert, int* __restrict__ tile_row) {
+  __shared__ long long s_off[kSwigluMaxExperts + 1];
+  __shared__ int s_tile[kSwigluMaxExperts + 1];
+  __shared__ long long scratch64[33];
+  __shared__ int scratch32[33];
+  const int tid = threadIdx.x;
+  for (int e = tid; e < E; e += blockDim.x) {
+    const long long c = counts[e];
+    s_off[e] = c < 0 ? 0 : (c > N ? N : c);
+  }
+  __syncthreads();
+  const long long total = block_exclusive_scan(s_off, E, scratch64);
+  if (tid == 0) s_off[E] = total;
+  __syncthreads();
+  for (int e = tid; e <= E; e += blockDim.x) {
+    const long long o = s_off[e] < N ? s_off[e] : N;
+    s_off[e] = o;
+    offsets[e] = static_cast<int>(o);
+  }
+  __syncthreads();
+  for (int e = tid; e < E; e += blockDim.x) s_tile[e] = static_cast<int>((s_off[e + 1] - s_off[e] + kBM - 1) / kBM);
+  __syncthreads();
+  const int ntiles = block_exclusive_scan(s_tile, E, scratch32);
+  if (tid == 0) s_tile[E] = ntiles;
+  __syncthreads();
+  for (int t = tid; t < max_tiles; t += blockDim.x) {
+    if (t >= ntiles) {
+      tile_expert[t] = -1;
+      tile_row[t] = 0;
+      continue;
+    }
+    int lo = 0, hi = E;  // s_tile[lo] <= t < s_tile[hi]
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) >> 1;
+      if (s_tile[mid] <= t) lo = mid;
+      else hi = mid;
+    }
+    tile_expert[t] = lo;
+    tile_row[t] = static_cast<int>(s_off[lo]) + (t - s_tile[lo]) * kBM;
+  }
+}
+
+// act = silu(gate) * up, 8 elements a thread (n a multiple of 8).
+__global__ void swiglu_act_kernel(const bf16* __restrict__ g, const bf16* __restrict__ u, bf16* __restrict__ a,
+                                  int64_t n) {
+  const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
+  if (i >= n) return;
+  float gv[8], uv[8], av[8];
+  load8(g + i, gv);
+  load8(u + i, uv);
+#pragma unroll
+  for (int q = 0; q < 8; ++q) av[q] = gv[q] * sigmoidf_(gv[q]) * uv[q];
+  store8(a + i, av);
+}
+
+struct Schedule {
+  int* offsets;
+  int* tile_expert;
+  int* tile_row;
+  int max_tiles;
+};
+
+Schedule make_schedule(const int64_t* counts, int64_t N, int E, int32_t* workspace, bool tiles, cudaStream_t stream) {
+  Schedule s;
+  s.max_tiles = tiles ? static_cast<int>(swiglu_max_tiles(N, E)) : 0;
+  s.offsets = workspace;
+  s.tile_expert = workspace + (E + 1);
+  s.tile_row = s.tile_expert + s.max_tiles;
+  swiglu_schedule_kernel<<<1, kScheduleThreads, 0, stream>>>(counts, E, static_cast<int>(N), s.max_tiles, s.offsets,
+                                                              s.tile_expert, s.tile_row);
+  return s;
+}
+
+template <bool kBKMajor, int kEpi>
+void launch_rows(const RowsArgs& args, int n_tiles, int max_tiles, cudaStream_t stream) {
+  if (n_tiles == 0 || max_tiles == 0) return;
+  auto kernel = grouped_rows_gemm_kernel<kBKMajor, kEpi>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  kernel<<<dim3(n_tiles, max_tiles), kThreads, kSmemBytes, stream>>>(args);
+}
+
+template <int kProblems>
+void launch_wgrad(const WgradArgs& args, int E, cudaStream_t stream) {
+  if (args.M == 0 || args.Nc == 0) return;
+  auto kernel = grouped_wgrad_kernel<kProblems>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  const dim3 grid((args.Nc + kBN - 1) / kBN, (args.M + kBM - 1) / kBM, E * kProblems);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(args);
+}
+
+const bf16* cb(const void* p) { return static_cast<const bf16*>(p); }
+bf16* mb(void* p) { return static_cast<bf16*>(p); }
+
+}  // namespace
+
+int64_t swiglu_max_tiles(int64_t N, int E) { return (N + kBM - 1) / kBM + E; }
+
+int64_t swiglu_workspace_words(int64_t N, int E) { return (E + 1) + 2 * swiglu_max_tiles(N, E); }
+
+void launch_swiglu_forward(const void* x, const int64_t* counts, const void* w_gate, const void* w_up,
+                           const void* w_down, int64_t N, int H, int I, int E, void* gate, void* up, void* act,
+                           void* y, int32_t* workspace, cudaStream_t stream) {
+  if (N == 0) return;
+  const Schedule s = make_schedule(counts, N, E, workspace, true, stream);
+  RowsArgs a{};
+  a.offsets = s.offsets;
+  a.tile_expert = s.tile_expert;
+  a.tile_row = s.tile_row;
+  // gate | up = x [Wg | Wu]^T, act = silu(gate) * up
+  a.a0 = a.a1 = cb(x);
+  a.lda = H;
+  a.b0 = cb(w_gate);
+  a.b1 = cb(w_up);
+  a.ldb = H;
+  a.b_stride = static_cast<int64_t>(I) * H;
+  a.K = a.ksplit = H;
+  a.n_extent = I;
+  a.out0 = mb(gate);
+  a.out1 = mb(up);
+  a.out2 = mb(act);
+  a.ldo = I;
+  launch_rows<true, kEpiGateUp>(a, (I + 63) / 64, s.max_tiles, stream);
+  // y = act Wd^T
+  a.a0 = a.a1 = cb(act);
+  a.lda = I;
+  a.b0 = a.b1 = cb(w_down);
+  a.ldb = I;
+  a.b_stride = static_cast<int64_t>(H) * I;
+  a.K = a.ksplit = I;
+  a.n_extent = H;
+  a.out0 = mb(y);
+  a.out1 = a.out2 = nullptr;
+  a.ldo = H;
+  launch_rows<true, kEpiStore>(a, (H + kBN - 1) / kBN, s.max_tiles, stream);
+}
+
+void launch_swiglu_backward_input(const void* dy, const int64_t* counts, const void* gate, const void* up,
+                                  const void* w_gate, const void* w_up, const void* w_down, int64_t N, int H, int I,
+                                  int E, void* dgate, void* dup, void* dx, int32_t* workspace, cudaStream_t stream) {
+  if (N == 0) return;
+  const Schedule s = make_schedule(counts, N, E, workspace, true, stream);
+  RowsArgs a{};
+  a.offsets = s.offsets;
+  a.tile_expert = s.tile_expert;
+  a.tile_row = s.tile_row;
+  // da = dy Wd (Wd[e] is [H, I]: B[k = h][n = i]), epilogue -> dgate, dup
+  a.a0 = a.a1 = cb(dy);
+  a.lda = H;
+  a.b0 = a.b1 = cb(w_down);
+  a.ldb = I;
+  a.b_stride = static_cast<int64_t>(H) * I;
+  a.K = a.ksplit = H;
+  a.n_extent = I;
+  a.out0 = mb(dgate);
+  a.out1 = mb(dup);
+  a.ldo = I;
+  a.g = cb(gate);
+  a.u = cb(up);
+  launch_rows<false, kEpiDSwiglu>(a, (I + kBN - 1) / kBN, s.max_tiles, stream);
+  // dx = [dgate | dup] [Wg ; Wu]: K = 2I, k < I from (dgate, Wg), k >= I from (dup, Wu)
+  a.a0 = cb(dgate);
+  a.a1 = cb(dup);
+  a.lda = I;
+  a.b0 = cb(w_gate);
+  a.b1 = cb(w_up);
+  a.ldb = H;
+  a.b_stride = static_cast<int64_t>(I) * H;
+  a.K = 2 * I;
+  a.ksplit = I;
+  a.n_extent = H;
+  a.out0 = mb(dx);
+  a.out1 = nullptr;
+  a.ldo = H;
+  a.g = a.u = nullptr;
+  launch_rows<false, kEpiStore>(a, (H + kBN - 1) / kBN, s.max_tiles, stream);
+}
+
+void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t* counts, const void* gate,
+                                   const void* up, const void* dgate, const void* dup, int64_t N, int H, int I,
+                                   int E, void* act, float* dw_gate, float* dw_up, float* dw_down, int32_t* workspace,
+                                   cudaStream_t stream) {
+  if (N == 0) return;  // every expert has 0 rows: nothing to add
+  const Schedule s = make_schedule(counts, N, E, workspace, false, stream);
+  const int64_t n_act = N * I;
+  swiglu_act_kernel<<<static_cast<unsigned>((n_act / 8 + 255) / 256), 256, 0, stream>>>(cb(gate), cb(up), mb(act),
+                                                                                         n_act);
+  WgradArgs w{};
+  w.offsets = s.offsets;
+  // dWd[e] [H, I] += dy_e^T act_e
+  w.a0 = w.a1 = cb(dy);
+  w.lda = H;
+  w.b = cb(act);
+  w.ldb = I;
+  w.c0 = w.c1 = dw_down;
+  w.c_stride = static_cast<int64_t>(H) * I;
+  w.M = H;
+  w.Nc = I;
+  launch_wgrad<1>(w, E, stream);
+  // dWg[e], dWu[e] [I, H] += dgate_e^T x_e, dup_e^T x_e
+  w.a0 = cb(dgate);
+  w.a1 = cb(dup);
+  w.lda = I;
+  w.b = cb(x);
+  w.ldb = H;
+  w.c0 = dw_gate;
+  w.c1 = dw_up;
+  w.c_stride = static_cast<int64_t>(I) * H;
+  w.M = I;
+  w.Nc = H;
+  launch_wgrad<2>(w, E, stream);
+}
+
+}  // namespace moetrain::ops::cuda

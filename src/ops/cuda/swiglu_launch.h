@@ -1,0 +1,37 @@
+// Launchers of the grouped expert SwiGLU (swiglu.cu); the host wrapper is swiglu.cpp.
+// All matrices bf16 except the f32 weight gradients; counts i64 [E] stay on the device.
+// Requirements checked by the wrapper: H and I multiples of 8, 16-byte aligned pointers,
+// E <= kSwigluMaxExperts, N small enough for swiglu_max_tiles to fit a grid dimension.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moetrain::ops::cuda {
+
+constexpr int kSwigluMaxExperts = 2048;
+constexpr int64_t kSwigluMaxGridY = 65535;
+
+// Upper bound of the row tiles of a grouped GEMM over N rows split among E experts.
+int64_t swiglu_max_tiles(int64_t N, int E);
+// Device scratch (4-byte words) that each launcher below needs.
+int64_t swiglu_workspace_words(int64_t N, int E);
+
+// gate = x Wg[e]^T, up = x Wu[e]^T (one launch), act = silu(gate) * up (same epilogue;
+// act is scratch [N, I] that the caller provides), y = act Wd[e]^T.
+void launch_swiglu_forward(const void* x, const int64_t* counts, const void* w_gate, const void* w_up,
+                           const void* w_down, int64_t N, int H, int I, int E, void* gate, void* up, void* act,
+                           void* y, int32_t* workspace, cudaStream_t stream);
+// da = dy Wd[e] with dgate/dup in its epilogue; dx = dgate Wg[e] + dup Wu[e] (one launch).
+void launch_swiglu_backward_input(const void* dy, const int64_t* counts, const void* gate, const void* up,
+                                  const void* w_gate, const void* w_up, const void* w_down, int64_t N, int H, int I,
+                                  int E, void* dgate, void* dup, void* dx, int32_t* workspace, cudaStream_t stream);
+// dWd[e] += dy_e^T act_e (act recomputed from gate, up into the scratch act [N, I]);
+// dWg[e] += dgate_e^T x_e and dWu[e] += dup_e^T x_e (one launch). f32 dW.
+void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t* counts, const void* gate,
+                                   const void* up, const void* dgate, const void* dup, int64_t N, int H, int I,
+                                   int E, void* act, float* dw_gate, float* dw_up, float* dw_down, int32_t* workspace,
+                                   cudaStream_t stream);
+
+}  // namespace moetrain::ops::cuda

@@ -1,0 +1,297 @@
+// CUDA fused attention (src/ops/cuda/attention.cu) against the CPU reference.
+//
+// Inputs are random values representable in bf16, so both backends see the same numbers;
+// the CPU computes in f32 (double inside), the GPU in bf16 with f32 accumulation. Device
+// outputs are NaN-poisoned before the op runs (PoisonScope), so an element a kernel never
+// writes fails the comparison. Each comparison prints "BACKEND <op> <output> <rel_err>".
+//
+// Tolerances: out, dq, dk, dv are stored in bf16 (kBf16Tol, relative L2 error over the
+// tensor). lse is stored in f32, but it is not an f32-exact computation: the scores come
+// from tensor-core products (f32 accumulation in a different order), exp2 runs at ~2 ulp
+// and the GPU folds scale*log2(e) into one f32 constant; each costs ~1e-6 relative, far
+// under 1e-3, while any masking or indexing error moves lse by O(0.1). So lse uses 1e-3.
+//
+// Determinism: the kernels use no atomics; backward (and forward) run twice must agree
+// bit for bit.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "backend_compare.h"
+#include "core/rng.h"
+#include "ops/ops.h"
+
+#if MOETRAIN_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace {
+
+namespace ops = moetrain::ops;
+using moetrain::Device;
+using moetrain::DType;
+using moetrain::Rng;
+using moetrain::Shape;
+using moetrain::Tensor;
+using moetrain::testing::backend_error;
+using moetrain::testing::expect_backend_close;
+using moetrain::testing::kBf16Tol;
+using moetrain::testing::on_gpu;
+using moetrain::testing::PoisonScope;
+using moetrain::testing::random_bf16_values;
+
+constexpr double kLseTol = 1e-3;
+
+enum class Segments { kNone, kDocuments, kInterleaved };
+
+struct AttnCase {
+  int64_t batch, seq, q_heads, kv_heads, head_dim;
+  Segments segments = Segments::kNone;
+};
+
+std::string case_name(const AttnCase& c) {
+  const char* seg = c.segments == Segments::kNone ? "" : c.segments == Segments::kDocuments ? ",seg" : ",seg_interleaved";
+  return "attention[B=" + std::to_string(c.batch) + ",S=" + std::to_string(c.seq) + ",Hq=" +
+         std::to_string(c.q_heads) + ",Hkv=" + std::to_string(c.kv_heads) + ",D=" + std::to_string(c.head_dim) +
+         seg + "]";
+}
+
+// kDocuments: each sequence cut into packed documents of random length 1..80 (ids
+// nondecreasing, crossing tile boundaries). kInterleaved: ids that repeat out of order
+// ((s / 7) % 3), so a query sees scattered keys: the kernels must not assume contiguity.
+Tensor make_segments(const AttnCase& c, uint64_t seed) {
+  std::vector<int32_t> seg(c.batch * c.seq);
+  Rng rng(seed);
+  for (int64_t b = 0; b < c.batch; ++b) {
+    int32_t id = 0;
+    int64_t left = 1 + static_cast<int64_t>(rng.below(80));
+    for (int64_t s = 0; s < c.seq; ++s) {
+      if (c.segments == Segments::kInterleaved) {
+        seg[b * c.seq + s] = static_cast<int32_t>((s / 7) % 3);
+        continue;
+      }
+      if (left-- == 0) {
+        ++id;
+        left = static_cast<int64_t>(rng.below(80));
+      }
+      seg[b * c.seq + s] = id;
+    }
+  }
+  return Tensor::from_vector(seg, {c.batch * c.seq});
+}
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  const auto x = a.to_double_vector(), y = b.to_double_vector();
+  return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(double)) == 0;
+}
+
+void run_case(const AttnCase& c, uint64_t seed) {
+  PoisonScope poison;
+  const std::string name = case_name(c);
+  const int64_t T = c.batch * c.seq;
+  ops::AttentionShape a;
+  a.batch = c.batch;
+  a.seq = c.seq;
+  a.q_heads = c.q_heads;
+  a.kv_heads = c.kv_heads;
+  a.head_dim = c.head_dim;
+  a.scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+
+  const Tensor q = random_bf16_values({T, c.q_heads * c.head_dim}, seed);
+  const Tensor k = random_bf16_values({T, c.kv_heads * c.head_dim}, seed + 1);
+  const Tensor v = random_bf16_values({T, c.kv_heads * c.head_dim}, seed + 2);
+  const Tensor dout = random_bf16_values({T, c.q_heads * c.head_dim}, seed + 3);
+  const Tensor seg = c.segments == Segments::kNone ? Tensor() : make_segments(c, seed + 4);
+
+  const ops::AttentionOut ref = ops::attention_forward(q, k, v, seg, a);
+  const ops::AttentionGrads ref_g = ops::attention_backward(dout, q, k, v, seg, ref.out, ref.lse, a);
+
+  const Tensor gq = on_gpu(q, DType::BF16), gk = on_gpu(k, DType::BF16), gv = on_gpu(v, DType::BF16);
+  const Tensor gdout = on_gpu(dout, DType::BF16);
+  const Tensor gseg = seg.defined() ? seg.to(Device::cuda(0)) : Tensor();
+  const ops::AttentionOut got = ops::attention_forward(gq, gk, gv, gseg, a);
+  ASSERT_EQ(got.out.dtype(), DType::BF16);
+  ASSERT_EQ(got.lse.dtype(), DType::F32);
+  expect_backend_close(got.out, ref.out, kBf16Tol, name, "out");
+  expect_backend_close(got.lse, ref.lse, kLseTol, name, "lse");
+
+  const ops::AttentionGrads g1 = ops::attention_backward(gdout, gq, gk, gv, gseg, got.out, got.lse, a);
+  if (c.seq == 1) {
+    // One key per row: P = 1 and dP - delta = dO.(v - O) = 0, so dq = dk = 0 exactly in
+    // the reference and a relative error is meaningless; the GPU's delta uses the bf16 O,
+    // so it leaves a residue of about |dO||v| * 2^-9.
+    for (const Tensor* t : {&g1.dq, &g1.dk}) {
+      double mx = 0;
+      for (double x : t->to_double_vector()) mx = std::max(mx, std::isfinite(x) ? std::fabs(x) : INFINITY);
+      EXPECT_LT(mx, 5e-2) << name << (t == &g1.dq ? " dq" : " dk");
+    }
+  } else {
+    expect_backend_close(g1.dq, ref_g.dq, kBf16Tol, name, "dq");
+    expect_backend_close(g1.dk, ref_g.dk, kBf16Tol, name, "dk");
+  }
+  expect_backend_close(g1.dv, ref_g.dv, kBf16Tol, name, "dv");
+
+  const ops::AttentionOut got2 = ops::attention_forward(gq, gk, gv, gseg, a);
+  EXPECT_TRUE(bitwise_equal(got2.out, got.out)) << name << " forward out not reproducible";
+  EXPECT_TRUE(bitwise_equal(got2.lse, got.lse)) << name << " forward lse not reproducible";
+  const ops::AttentionGrads g2 = ops::attention_backward(gdout, gq, gk, gv, gseg, got.out, got.lse, a);
+  EXPECT_TRUE(bitwise_equal(g2.dq, g1.dq)) << name << " dq not bitwise reproducible";
+  EXPECT_TRUE(bitwise_equal(g2.dk, g1.dk)) << name << " dk not bitwise reproducible";
+  EXPECT_TRUE(bitwise_equal(g2.dv, g1.dv)) << name << " dv not bitwise reproducible";
+  std::fflush(stdout);
+}
+
+TEST(BackendAttention, MhaD64RaggedBatch) {
+  MT_REQUIRE_GPU();
+  run_case({2, 77, 2, 2, 64}, 101);
+}
+
+TEST(BackendAttention, GqaFourToOneD128) {
+  MT_REQUIRE_GPU();
+  run_case({1, 200, 4, 1, 128}, 202);
+}
+
+TEST(BackendAttention, GqaEightToTwoD64) {
+  MT_REQUIRE_GPU();
+  run_case({2, 130, 8, 2, 64}, 303);
+}
+
+TEST(BackendAttention, MhaD128TileMultiple) {
+  MT_REQUIRE_GPU();
+  run_case({2, 128, 2, 2, 128}, 404);
+}
+
+TEST(BackendAttention, HeadDim32) {
+  MT_REQUIRE_GPU();
+  run_case({2, 100, 4, 2, 32}, 505);
+}
+
+TEST(BackendAttention, TinySequences) {
+  MT_REQUIRE_GPU();
+  run_case({3, 1, 2, 1, 64}, 606);
+  run_case({2, 5, 4, 2, 128}, 607);
+}
+
+TEST(BackendAttention, SegmentsD128) {
+  MT_REQUIRE_GPU();
+  run_case({2, 256, 4, 2, 128, Segments::kDocuments}, 707);
+}
+
+TEST(BackendAttention, SegmentsD64Ragged) {
+  MT_REQUIRE_GPU();
+  run_case({3, 200, 8, 2, 64, Segments::kDocuments}, 808);
+}
+
+TEST(BackendAttention, SegmentsInterleaved) {
+  MT_REQUIRE_GPU();
+  run_case({1, 150, 4, 1, 64, Segments::kInterleaved}, 909);
+  run_case({1, 150, 2, 1, 128, Segments::kInterleaved}, 910);
+}
+
+// Many small sequences: enough key-tile blocks that the dK/dV pass keeps 2 query heads per
+// block (on a 132-SM H100: one block per kv group, then two blocks of 2 heads), so the
+// in-block loop over a kv group's heads runs; the cases above split one head per block.
+TEST(BackendAttention, GqaHeadLoopInBlock) {
+  MT_REQUIRE_GPU();
+  run_case({20, 100, 32, 16, 64}, 1101);
+  run_case({10, 100, 64, 16, 128}, 1102);
+}
+
+TEST(BackendAttention, RealisticShape) {
+  MT_REQUIRE_GPU();
+  run_case({1, 2048, 32, 4, 128}, 1001);
+}
+
+TEST(BackendAttention, RejectsBadArguments) {
+  MT_REQUIRE_GPU();
+  ops::AttentionShape a;
+  a.batch = 1;
+  a.seq = 8;
+  a.q_heads = 2;
+  a.kv_heads = 1;
+  a.head_dim = 96;
+  a.scale = 0.1;
+  const Tensor q = on_gpu(random_bf16_values({8, 2 * 96}, 1), DType::BF16);
+  const Tensor kv = on_gpu(random_bf16_values({8, 96}, 2), DType::BF16);
+  try {
+    ops::attention_forward(q, kv, kv, Tensor(), a);
+    ADD_FAILURE() << "head_dim 96 accepted";
+  } catch (const moetrain::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("head_dim"), std::string::npos) << e.what();
+  }
+  a.head_dim = 64;
+  a.scale = 0;
+  const Tensor q64 = on_gpu(random_bf16_values({8, 2 * 64}, 3), DType::BF16);
+  const Tensor kv64 = on_gpu(random_bf16_values({8, 64}, 4), DType::BF16);
+  EXPECT_THROW(ops::attention_forward(q64, kv64, kv64, Tensor(), a), moetrain::Error);
+  a.scale = 0.125;
+  const Tensor k_f32 = kv64.to(DType::F32);
+  try {
+    ops::attention_forward(q64, k_f32, kv64, Tensor(), a);
+    ADD_FAILURE() << "f32 k accepted";
+  } catch (const moetrain::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor k has dtype"), std::string::npos) << e.what();
+  }
+}
+
+// Not an assertion: forward and backward time and throughput for the target shapes.
+// Causal FLOPs: forward 2 matmuls * 2 * B*Hq*S*S*D / 2; backward 2.5x forward.
+TEST(BackendAttention, TimingRealistic) {
+  MT_REQUIRE_GPU();
+#if MOETRAIN_WITH_CUDA
+  struct Shape5 {
+    int64_t B, S, Hq, Hkv, D;
+  };
+  for (const Shape5 s : {Shape5{1, 2048, 32, 4, 128}, Shape5{4, 2048, 32, 4, 128}, Shape5{1, 8192, 32, 4, 128}}) {
+    ops::AttentionShape a;
+    a.batch = s.B;
+    a.seq = s.S;
+    a.q_heads = s.Hq;
+    a.kv_heads = s.Hkv;
+    a.head_dim = s.D;
+    a.scale = 1.0 / std::sqrt(static_cast<double>(s.D));
+    const int64_t T = s.B * s.S;
+    const Tensor q = on_gpu(random_bf16_values({T, s.Hq * s.D}, 1), DType::BF16);
+    const Tensor k = on_gpu(random_bf16_values({T, s.Hkv * s.D}, 2), DType::BF16);
+    const Tensor v = on_gpu(random_bf16_values({T, s.Hkv * s.D}, 3), DType::BF16);
+    const Tensor dout = on_gpu(random_bf16_values({T, s.Hq * s.D}, 4), DType::BF16);
+    auto stream = static_cast<cudaStream_t>(moetrain::cuda::current_stream());
+    cudaEvent_t e0, e1, e2;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    cudaEventCreate(&e2);
+    ops::AttentionOut o = ops::attention_forward(q, k, v, Tensor(), a);  // warm-up
+    ops::AttentionGrads g = ops::attention_backward(dout, q, k, v, Tensor(), o.out, o.lse, a);
+    constexpr int kIters = 10;
+    cudaEventRecord(e0, stream);
+    for (int i = 0; i < kIters; ++i) o = ops::attention_forward(q, k, v, Tensor(), a);
+    cudaEventRecord(e1, stream);
+    for (int i = 0; i < kIters; ++i) g = ops::attention_backward(dout, q, k, v, Tensor(), o.out, o.lse, a);
+    cudaEventRecord(e2, stream);
+    cudaEventSynchronize(e2);
+    float fwd_ms = 0, bwd_ms = 0;
+    cudaEventElapsedTime(&fwd_ms, e0, e1);
+    cudaEventElapsedTime(&bwd_ms, e1, e2);
+    fwd_ms /= kIters;
+    bwd_ms /= kIters;
+    const double fwd_flops = 2.0 * 2.0 * s.B * s.Hq * static_cast<double>(s.S) * s.S * s.D / 2;
+    const double bwd_flops = 2.5 * fwd_flops;
+    std::printf("ATTN_TIMING B=%lld S=%lld Hq=%lld Hkv=%lld D=%lld causal: fwd %.3f ms %.1f TFLOP/s, bwd %.3f ms %.1f TFLOP/s\n",
+                static_cast<long long>(s.B), static_cast<long long>(s.S), static_cast<long long>(s.Hq),
+                static_cast<long long>(s.Hkv), static_cast<long long>(s.D), fwd_ms, fwd_flops / (fwd_ms * 1e9), bwd_ms,
+                bwd_flops / (bwd_ms * 1e9));
+    std::fflush(stdout);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cudaEventDestroy(e2);
+    EXPECT_TRUE(std::isfinite(g.dq.item(0)));
+  }
+#endif
+}
+
+}  // namespace

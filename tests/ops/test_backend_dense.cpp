@@ -1,0 +1,468 @@
+// CPU-vs-CUDA comparison of the dense and auxiliary ops: embedding, RMSNorm, RoPE,
+// cross-entropy, the element-wise helpers, AdamW, load balancing and the router z-loss.
+//
+// Each case draws fresh inputs rounded to bf16 (random_bf16_values), so both backends see
+// identical values; runs the CPU reference on f32 copies and the CUDA op on device tensors
+// in the contract's mixed precision (ops.h: bf16 activations and weights, f32 statistics,
+// weight gradients, router probabilities and loss sums), with every new device buffer
+// poisoned with NaN; and compares with expect_backend_close (prints "BACKEND op output
+// rel_err"). Accumulating outputs start from the same random values on both sides. The
+// reductions are also run twice and must agree bitwise. Without a GPU every test skips.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "backend_compare.h"
+#include "ops/ops.h"
+#include "test_util.h"
+
+namespace moetrain {
+namespace {
+
+using testing::backend_error;
+using testing::expect_backend_close;
+using testing::kBf16Tol;
+using testing::kF32Tol;
+using testing::on_gpu;
+using testing::PoisonScope;
+using testing::random_bf16_values;
+using testing::random_ints;
+using testing::random_tensor;
+
+const Device kGpu = Device::cuda(0);
+
+std::string tag(const std::string& op, const Shape& s) { return op + shape_str(s); }
+
+// Same dtype, shape and bytes (device tensors are copied to the host first).
+bool same_bits(const Tensor& a, const Tensor& b) {
+  if (a.dtype() != b.dtype() || a.shape() != b.shape()) return false;
+  Tensor ha = a.to(Device::cpu()), hb = b.to(Device::cpu());
+  return std::memcmp(ha.raw(), hb.raw(), ha.nbytes()) == 0;
+}
+
+void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts = {}) {
+  try {
+    f();
+    ADD_FAILURE() << "expected moetrain::Error";
+  } catch (const Error& e) {
+    for (const auto& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
+  }
+}
+
+// A host f32 tensor's values with every element replaced by |x|.
+Tensor abs_of(const Tensor& t) {
+  Tensor o = t.clone();
+  float* p = o.data<float>();
+  for (int64_t i = 0; i < o.numel(); ++i) p[i] = std::fabs(p[i]);
+  return o;
+}
+
+// ---- embedding ----------------------------------------------------------------------
+
+TEST(BackendDense, EmbeddingForward) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  struct Case {
+    int64_t T, V, H;
+  };
+  // H = 45: rows not a multiple of 16 bytes (element copy); the others copy 16-byte units.
+  for (Case c : {Case{37, 101, 45}, Case{5, 7, 8}, Case{512, 8192, 2048}}) {
+    Tensor ids = random_ints({c.T}, 0, static_cast<int32_t>(c.V), c.T + c.V);
+    Tensor w = random_bf16_values({c.V, c.H}, c.H);
+    Tensor ref = ops::embedding_forward(ids, w);
+    Tensor got = ops::embedding_forward(ids.to(kGpu), on_gpu(w, DType::BF16));
+    EXPECT_EQ(got.dtype(), DType::BF16);
+    expect_backend_close(got, ref, kBf16Tol, tag("embedding_forward", {c.T, c.V, c.H}), "y");
+    EXPECT_EQ(backend_error(got, ref), 0.0) << "a row copy is exact";
+    // An f32 weight (master copy) works too and gives f32 rows.
+    Tensor got32 = ops::embedding_forward(ids.to(kGpu), on_gpu(w, DType::F32));
+    EXPECT_EQ(got32.dtype(), DType::F32);
+    EXPECT_EQ(backend_error(got32, ref), 0.0);
+  }
+}
+
+TEST(BackendDense, EmbeddingForwardBadIdGivesNaNRow) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  // No host check on CUDA (it would wait for the device): a bad id's row is NaN.
+  Tensor ids = Tensor::from_vector(std::vector<int32_t>{0, 4, 1, -1}, {4});
+  Tensor w = random_bf16_values({4, 16}, 3);
+  Tensor y = ops::embedding_forward(ids.to(kGpu), on_gpu(w, DType::BF16)).to(DType::F32).to(Device::cpu());
+  const float* p = y.data<float>();
+  for (int64_t h = 0; h < 16; ++h) {
+    EXPECT_EQ(p[h], w.data<float>()[h]);
+    EXPECT_TRUE(std::isnan(p[16 + h]));
+    EXPECT_EQ(p[32 + h], w.data<float>()[16 + h]);
+    EXPECT_TRUE(std::isnan(p[48 + h]));
+  }
+}
+
+TEST(BackendDense, EmbeddingBackwardWeight) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  struct Case {
+    int64_t T, V, H;
+    int32_t id_range;  // ids drawn from [0, id_range): small ranges make long runs
+  };
+  // {1000, 3, 20}: runs of ~333 tokens, longer than the kernel's 128-token staging chunk;
+  // H = 20 and 45 take the one-column path on bf16 (H % 4 != 0 for 45), the others four.
+  for (Case c : {Case{37, 11, 45, 11}, Case{1000, 3, 20, 3}, Case{300, 50, 64, 50}, Case{512, 32768, 2048, 600}}) {
+    Tensor ids = random_ints({c.T}, 0, c.id_range, 100 + c.T);
+    int32_t* id = ids.data<int32_t>();
+    for (int64_t t = 0; t < c.T; t += 3) id[t] = 1;  // one frequent token: a run of T/3
+    Tensor dy = random_bf16_values({c.T, c.H}, 200 + c.T);
+    Tensor init = random_tensor({c.V, c.H}, DType::F32, 300 + c.T);
+    Tensor ref = init.clone();
+    ops::embedding_backward_weight(ids, dy, ref);
+    const std::string op = tag("embedding_backward_weight", {c.T, c.V, c.H});
+    Tensor gids = ids.to(kGpu), gdy = on_gpu(dy, DType::BF16);
+    Tensor a = init.to(kGpu), b = init.to(kGpu);
+    ops::embedding_backward_weight(gids, gdy, a);
+    ops::embedding_backward_weight(gids, gdy, b);
+    expect_backend_close(a, ref, kF32Tol, op, "dweight");
+    EXPECT_TRUE(same_bits(a, b)) << op << ": two runs differ";
+    // f32 dy takes the same path with four-float loads.
+    Tensor c32 = init.to(kGpu);
+    ops::embedding_backward_weight(gids, on_gpu(dy, DType::F32), c32);
+    expect_backend_close(c32, ref, kF32Tol, op + "_f32dy", "dweight");
+  }
+}
+
+// ---- RMSNorm ------------------------------------------------------------------------
+
+struct NormCase {
+  Shape x;    // [T, width]
+  int64_t D;  // w's length: width (hidden) or head_dim (per-head q/k norm)
+};
+// The kernels give a row 16 threads (D <= 256), 32 (D <= 1024), 128 (D <= 4096) or 256,
+// with 16-byte loads when D % 8 == 0 and element loads otherwise; the weight gradient
+// takes column pairs when D is even, single columns when it is odd.
+const NormCase kNormCases[] = {
+    {{7, 45}, 45},          // odd D: element path, 16 threads a row
+    {{13, 24}, 24},         // D a multiple of 8 below the row's thread count
+    {{64, 32 * 128}, 128},  // Qwen3 q-norm: 32 heads of 128, a row per head
+    {{21, 1000}, 1000},     // a warp a row
+    {{6, 3 * 333}, 333},    // a warp a row, odd per-head width
+    {{512, 2048}, 2048},    // hidden 2048: four warps a row
+    {{9, 5000}, 5000},      // wide rows: eight warps a row
+    {{3, 4099}, 4099},      // wide odd rows
+};
+
+TEST(BackendDense, RmsNormForward) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  for (const NormCase& c : kNormCases) {
+    Tensor x = random_bf16_values(c.x, 1 + c.D, 2.0);
+    Tensor w = random_bf16_values({c.D}, 2 + c.D);
+    auto ref = ops::rmsnorm_forward(x, w, 1e-6);
+    auto got = ops::rmsnorm_forward(on_gpu(x, DType::BF16), on_gpu(w, DType::BF16), 1e-6);
+    EXPECT_EQ(got.y.dtype(), DType::BF16);
+    EXPECT_EQ(got.rstd.dtype(), DType::F32);
+    const std::string op = fmt::format("rmsnorm_forward{}_D{}", shape_str(c.x), c.D);
+    expect_backend_close(got.y, ref.y, kBf16Tol, op, "y");
+    expect_backend_close(got.rstd, ref.rstd, kF32Tol, op, "rstd");
+  }
+}
+
+TEST(BackendDense, RmsNormBackwardInput) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  for (const NormCase& c : kNormCases) {
+    Tensor x = random_bf16_values(c.x, 3 + c.D, 2.0);
+    Tensor w = random_bf16_values({c.D}, 4 + c.D);
+    Tensor dy = random_bf16_values(c.x, 5 + c.D);
+    Tensor rstd = ops::rmsnorm_forward(x, w, 1e-6).rstd;  // f32 on both sides
+    Tensor ref = ops::rmsnorm_backward_input(dy, x, w, rstd);
+    Tensor got = ops::rmsnorm_backward_input(on_gpu(dy, DType::BF16), on_gpu(x, DType::BF16),
+                                             on_gpu(w, DType::BF16), on_gpu(rstd, DType::F32));
+    expect_backend_close(got, ref, kBf16Tol, fmt::format("rmsnorm_backward_input{}_D{}", shape_str(c.x), c.D), "dx");
+  }
+}
+
+TEST(BackendDense, RmsNormBackwardWeight) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  for (const NormCase& c : kNormCases) {
+    Tensor x = random_bf16_values(c.x, 6 + c.D, 2.0);
+    Tensor dy = random_bf16_values(c.x, 7 + c.D);
+    Tensor rstd = ops::rmsnorm_forward(x, random_bf16_values({c.D}, 8 + c.D), 1e-6).rstd;
+    Tensor init = random_tensor({c.D}, DType::F32, 9 + c.D);
+    Tensor ref = init.clone();
+    ops::rmsnorm_backward_weight(dy, x, rstd, ref);
+    Tensor gdy = on_gpu(dy, DType::BF16), gx = on_gpu(x, DType::BF16), grstd = on_gpu(rstd, DType::F32);
+    Tensor a = init.to(kGpu), b = init.to(kGpu);
+    ops::rmsnorm_backward_weight(gdy, gx, grstd, a);
+    ops::rmsnorm_backward_weight(gdy, gx, grstd, b);
+    const std::string op = fmt::format("rmsnorm_backward_weight{}_D{}", shape_str(c.x), c.D);
+    expect_backend_close(a, ref, kF32Tol, op, "dw");
+    EXPECT_TRUE(same_bits(a, b)) << op << ": two runs differ";
+  }
+}
+
+// ---- RoPE ---------------------------------------------------------------------------
+
+TEST(BackendDense, Rope) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  struct Case {
+    int64_t T, heads, head_dim;
+    double theta;
+    int32_t max_pos;
+  };
+  // head_dim 6 and 12: half not a multiple of 8 (pair by pair); 64 and 128: 16-byte path.
+  // The CPU reference forms the angles in double, the CUDA op in f32 as Hugging Face does:
+  // at position p the angle's f32 rounding is ~p * 6e-8 rad (5e-4 at 8192), far inside
+  // the bf16 tolerance.
+  for (Case c : {Case{9, 3, 6, 10000.0, 50}, Case{17, 2, 12, 10000.0, 300}, Case{33, 4, 64, 10000.0, 2048},
+                 Case{512, 16, 128, 1000000.0, 8192}}) {
+    const Shape s{c.T, c.heads * c.head_dim};
+    Tensor x = random_bf16_values(s, 10 + c.T);
+    Tensor pos = random_ints({c.T}, 0, c.max_pos, 11 + c.T);
+    Tensor gpos = pos.to(kGpu);
+    const std::string op = "rope" + shape_str({c.T, c.heads, c.head_dim});
+    Tensor ref = ops::rope_forward(x, pos, c.head_dim, c.theta);
+    Tensor got = ops::rope_forward(on_gpu(x, DType::BF16), gpos, c.head_dim, c.theta);
+    expect_backend_close(got, ref, kBf16Tol, op + "_forward", "y");
+    Tensor dy = random_bf16_values(s, 12 + c.T);
+    Tensor dref = ops::rope_backward(dy, pos, c.head_dim, c.theta);
+    Tensor dgot = ops::rope_backward(on_gpu(dy, DType::BF16), gpos, c.head_dim, c.theta);
+    expect_backend_close(dgot, dref, kBf16Tol, op + "_backward", "dx");
+  }
+}
+
+// ---- cross-entropy ------------------------------------------------------------------
+
+TEST(BackendDense, CrossEntropy) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  struct Case {
+    int64_t T, V;
+  };
+  // V = 1001: element path; 32768 and 151936 (Qwen vocabulary): 16-byte path.
+  for (Case c : {Case{7, 1001}, Case{3, 8}, Case{512, 32768}, Case{4, 151936}}) {
+    Tensor logits = random_bf16_values({c.T, c.V}, 20 + c.T, 2.0);
+    Tensor targets = random_ints({c.T}, 0, static_cast<int32_t>(c.V), 21 + c.T);
+    int64_t valid = c.T;
+    for (int64_t t = 1; t < c.T; t += 4) {
+      targets.data<int32_t>()[t] = ops::kIgnoreIndex;
+      --valid;
+    }
+    const std::string op = tag("cross_entropy", {c.T, c.V});
+    auto ref = ops::cross_entropy_forward(logits, targets);
+    Tensor glogits = on_gpu(logits, DType::BF16), gtargets = targets.to(kGpu);
+    auto a = ops::cross_entropy_forward(glogits, gtargets);
+    auto b = ops::cross_entropy_forward(glogits, gtargets);
+    expect_backend_close(a.loss_sum, ref.loss_sum, kF32Tol, op + "_forward", "loss_sum");
+    expect_backend_close(a.lse, ref.lse, kF32Tol, op + "_forward", "lse");
+    EXPECT_TRUE(same_bits(a.loss_sum, b.loss_sum) && same_bits(a.lse, b.lse)) << op << ": two runs differ";
+    const double scale = 1.0 / static_cast<double>(valid);
+    Tensor dref = ops::cross_entropy_backward(logits, targets, ref.lse, scale);
+    Tensor dgot = ops::cross_entropy_backward(glogits, gtargets, on_gpu(ref.lse, DType::F32), scale);
+    EXPECT_EQ(dgot.dtype(), DType::BF16);
+    expect_backend_close(dgot, dref, kBf16Tol, op + "_backward", "dlogits");
+  }
+}
+
+TEST(BackendDense, CrossEntropyBadTargetGivesNaN) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  // No host check on CUDA: a target outside [0, V) (not -100) makes the loss NaN.
+  Tensor logits = random_bf16_values({3, 16}, 5);
+  Tensor targets = Tensor::from_vector(std::vector<int32_t>{2, 16, -100}, {3});
+  auto o = ops::cross_entropy_forward(on_gpu(logits, DType::BF16), targets.to(kGpu));
+  EXPECT_TRUE(std::isnan(o.loss_sum.item(0)));
+  Tensor d = ops::cross_entropy_backward(on_gpu(logits, DType::BF16), targets.to(kGpu), o.lse, 1.0);
+  EXPECT_TRUE(std::isnan(d.item(16)));
+  EXPECT_EQ(d.item(32), 0.0);  // ignored row
+}
+
+// ---- element-wise helpers -----------------------------------------------------------
+
+TEST(BackendDense, SumSquares) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{100003}, int64_t{2048} * 2048 + 5}) {
+    Tensor x = random_bf16_values({n}, 30 + n);
+    const double ref = ops::sum_squares(x);
+    for (DType dt : {DType::F32, DType::BF16}) {
+      Tensor g = on_gpu(x, dt);
+      const double a = ops::sum_squares(g), b = ops::sum_squares(g);
+      // Both sides add exact squares in double; only the order of the additions differs.
+      expect_backend_close(Tensor::from_vector(std::vector<double>{a}, {1}),
+                           Tensor::from_vector(std::vector<double>{ref}, {1}), 1e-12,
+                           fmt::format("sum_squares[{}]_{}", n, dtype_name(dt)), "sum");
+      EXPECT_EQ(std::memcmp(&a, &b, sizeof a), 0) << "two runs differ";
+    }
+  }
+  // Unaligned start (a view one bf16 row in): the element path.
+  Tensor x = random_bf16_values({1001, 3}, 31);
+  Tensor g = on_gpu(x, DType::BF16).slice(1, 1001);
+  EXPECT_NEAR(ops::sum_squares(g), ops::sum_squares(x.slice(1, 1001)), 1e-9 * ops::sum_squares(x));
+  EXPECT_EQ(ops::sum_squares(Tensor::empty({0}, DType::F32, kGpu)), 0.0);
+}
+
+TEST(BackendDense, ScaleAndAdd) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  for (int64_t n : {int64_t{1}, int64_t{13}, int64_t{100003}, int64_t{2048} * 2048}) {
+    Tensor x = random_bf16_values({n}, 40 + n), y = random_bf16_values({n}, 41 + n);
+    Tensor sref = x.clone();
+    ops::scale_(sref, 0.37);
+    Tensor aref = y.clone();
+    ops::add_(aref, x);
+    const std::string sz = fmt::format("[{}]", n);
+    for (DType dt : {DType::F32, DType::BF16}) {
+      const double tol = dt == DType::F32 ? kF32Tol : kBf16Tol;
+      const std::string d(dtype_name(dt));
+      Tensor gs = on_gpu(x, dt);
+      ops::scale_(gs, 0.37);
+      expect_backend_close(gs, sref, tol, "scale_" + sz + "_" + d, "x");
+      Tensor ga = on_gpu(y, dt);
+      ops::add_(ga, on_gpu(x, dt));
+      expect_backend_close(ga, aref, tol, "add_" + sz + "_" + d, "y");
+    }
+  }
+  // Unaligned views take the element path.
+  Tensor x = random_bf16_values({101, 3}, 42), y = random_bf16_values({101, 3}, 43);
+  Tensor aref = y.slice(1, 101).clone();
+  ops::add_(aref, x.slice(1, 101));
+  Tensor gy = on_gpu(y, DType::BF16);
+  Tensor gv = gy.slice(1, 101);
+  ops::add_(gv, on_gpu(x, DType::BF16).slice(1, 101));
+  expect_backend_close(gv, aref, kBf16Tol, "add_unaligned", "y");
+  expect_error([&] { ops::add_(gy, on_gpu(y, DType::F32)); }, {"dtype"});
+}
+
+TEST(BackendDense, AllFinite) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  for (int64_t n : {int64_t{1}, int64_t{9}, int64_t{100003}}) {
+    Tensor x = random_bf16_values({n}, 50 + n);
+    for (DType dt : {DType::F32, DType::BF16}) {
+      EXPECT_TRUE(ops::all_finite(on_gpu(x, dt))) << n;
+      for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                        -std::numeric_limits<float>::infinity()}) {
+        for (int64_t at : {int64_t{0}, n / 2, n - 1}) {
+          Tensor y = x.clone();
+          y.data<float>()[at] = bad;
+          EXPECT_FALSE(ops::all_finite(on_gpu(y, dt))) << "n=" << n << " at " << at << " value " << bad;
+        }
+      }
+    }
+  }
+  EXPECT_TRUE(ops::all_finite(Tensor::empty({0}, DType::BF16, kGpu)));
+}
+
+// ---- AdamW --------------------------------------------------------------------------
+
+TEST(BackendDense, AdamW) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  ops::AdamWStep s;
+  s.lr = 1e-3, s.beta1 = 0.9, s.beta2 = 0.95, s.eps = 1e-8, s.weight_decay = 0.1, s.step = 3;
+  for (int64_t n : {int64_t{7}, int64_t{1000003}}) {
+    Tensor p = random_tensor({n}, DType::F32, 60 + n), g = random_tensor({n}, DType::F32, 61 + n, 0.1);
+    Tensor m = random_tensor({n}, DType::F32, 62 + n, 0.01);
+    Tensor v = abs_of(random_tensor({n}, DType::F32, 63 + n, 1e-3));
+    Tensor gp = p.to(kGpu), gm = m.to(kGpu), gv = v.to(kGpu);
+    ops::adamw_update(p, g, m, v, s);
+    ops::adamw_update(gp, g.to(kGpu), gm, gv, s);
+    const std::string op = fmt::format("adamw[{}]", n);
+    expect_backend_close(gp, p, kF32Tol, op, "param");
+    expect_backend_close(gm, m, kF32Tol, op, "m");
+    expect_backend_close(gv, v, kF32Tol, op, "v");
+  }
+}
+
+// ---- MoE auxiliary losses -----------------------------------------------------------
+
+TEST(BackendDense, LoadBalanceAccumulate) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  struct Case {
+    int64_t R, E, K;
+  };
+  for (Case c : {Case{37, 5, 2}, Case{16, 64, 8}, Case{4096, 128, 8}, Case{1000, 33, 3}}) {
+    auto routed = ops::router_forward(random_bf16_values({c.R, c.E}, 70 + c.R), c.K, false);
+    Tensor sel0 = random_ints({c.E}, 0, 1000, 71 + c.R).to(DType::F32);
+    Tensor ps0 = random_tensor({c.E}, DType::F32, 72 + c.R);
+    Tensor sel = sel0.clone(), ps = ps0.clone();
+    ops::load_balance_accumulate(routed.probs, routed.topk_idx, sel, ps);
+    Tensor gprobs = routed.probs.to(kGpu), gidx = routed.topk_idx.to(kGpu);
+    Tensor s1 = sel0.to(kGpu), p1 = ps0.to(kGpu), s2 = sel0.to(kGpu), p2 = ps0.to(kGpu);
+    ops::load_balance_accumulate(gprobs, gidx, s1, p1);
+    ops::load_balance_accumulate(gprobs, gidx, s2, p2);
+    const std::string op = tag("load_balance_accumulate", {c.R, c.E, c.K});
+    expect_backend_close(s1, sel, kF32Tol, op, "selections");
+    expect_backend_close(p1, ps, kF32Tol, op, "prob_sum");
+    EXPECT_TRUE(same_bits(s1, s2) && same_bits(p1, p2)) << op << ": two runs differ";
+  }
+}
+
+TEST(BackendDense, LoadBalanceBackward) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  for (int64_t E : {int64_t{5}, int64_t{128}}) {
+    Tensor sel = random_ints({E}, 0, 5000, 80 + E).to(DType::F32);
+    Tensor ref = ops::load_balance_backward(sel, 300, 900, 0.01);
+    Tensor got = ops::load_balance_backward(sel.to(kGpu), 300, 900, 0.01);
+    expect_backend_close(got, ref, kF32Tol, fmt::format("load_balance_backward[300, {}]", E), "dprobs");
+  }
+}
+
+TEST(BackendDense, RouterZLoss) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  struct Case {
+    int64_t R, E;
+  };
+  for (Case c : {Case{37, 5}, Case{4096, 128}, Case{100, 60}}) {
+    Tensor logits = random_bf16_values({c.R, c.E}, 90 + c.R, 3.0);
+    auto ref = ops::router_z_loss_forward(logits);
+    for (DType dt : {DType::BF16, DType::F32}) {
+      Tensor g = on_gpu(logits, dt);
+      auto a = ops::router_z_loss_forward(g);
+      auto b = ops::router_z_loss_forward(g);
+      const std::string op = fmt::format("router_z_loss_forward[{}, {}]_{}", c.R, c.E, dtype_name(dt));
+      expect_backend_close(a.loss_sum, ref.loss_sum, kF32Tol, op, "loss_sum");
+      expect_backend_close(a.lse, ref.lse, kF32Tol, op, "lse");
+      EXPECT_TRUE(same_bits(a.loss_sum, b.loss_sum) && same_bits(a.lse, b.lse)) << op << ": two runs differ";
+    }
+    // Backward: f32 probs and lse in, bf16 dlogits out (the router logits' dtype on CUDA).
+    Tensor probs = ops::router_forward(logits, 1, false).probs;
+    const double scale = 1e-3 / static_cast<double>(c.R);
+    Tensor dref = ops::router_z_loss_backward(probs, ref.lse, scale);
+    Tensor dgot = ops::router_z_loss_backward(probs.to(kGpu), ref.lse.to(kGpu), scale);
+    EXPECT_EQ(dgot.dtype(), DType::BF16);
+    expect_backend_close(dgot, dref, kBf16Tol, tag("router_z_loss_backward", {c.R, c.E}), "dlogits");
+  }
+}
+
+// ---- argument checks ----------------------------------------------------------------
+
+TEST(BackendDense, Errors) {
+  MT_REQUIRE_GPU();
+  Tensor x = on_gpu(random_bf16_values({4, 8}, 1), DType::BF16);
+  Tensor w32 = on_gpu(random_bf16_values({8}, 2), DType::F32);
+  expect_error([&] { ops::rmsnorm_forward(x, w32, 1e-6); }, {"w", "bf16"});
+  expect_error([&] { ops::rmsnorm_forward(x, on_gpu(random_bf16_values({3}, 2), DType::BF16), 1e-6); }, {"3"});
+  expect_error([&] { ops::rope_forward(x, random_ints({4}, 0, 4, 3).to(kGpu), 3, 1e4); }, {"head_dim"});
+  expect_error([&] { ops::rope_forward(x, random_ints({5}, 0, 4, 3).to(kGpu), 4, 1e4); }, {"positions"});
+  expect_error([&] { ops::cross_entropy_forward(x, random_ints({3}, 0, 8, 4).to(kGpu)); }, {"targets"});
+  Tensor dw = Tensor::zeros({6, 8}, DType::BF16, kGpu);
+  expect_error([&] { ops::embedding_backward_weight(random_ints({4}, 0, 6, 5).to(kGpu), x, dw); }, {"dweight"});
+  Tensor p = Tensor::zeros({4}, DType::F32, kGpu);
+  expect_error([&] { ops::adamw_update(p, Tensor::zeros({4}, DType::BF16, kGpu), p, p, ops::AdamWStep{}); },
+               {"grad"});
+  // A CPU tensor among CUDA ones is named.
+  expect_error([&] { ops::rmsnorm_forward(x, random_bf16_values({8}, 2), 1e-6); }, {"CPU"});
+}
+
+}  // namespace
+}  // namespace moetrain
