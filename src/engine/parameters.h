@@ -31,12 +31,17 @@ using ParameterList = std::vector<Parameter>;
 
 // The gradient (and master) dtype that goes with a parameter dtype: f32 for bf16.
 DType grad_dtype_for(DType value_dtype);
-// Gives every bf16 parameter an f32 master copy of its current value.
+// Gives every bf16 parameter an f32 master copy of its current value. The masters are
+// views of one flat buffer in parameter order, so the optimizer's whole-list ops see few
+// contiguous runs.
 void attach_masters(ParameterList& params);
+// Zero-filled tensors shaped like `like`, as consecutive views of one flat buffer of dtype
+// on like's device (optimizer moments, masters).
+std::vector<Tensor> flat_views(const std::vector<Tensor>& like, DType dtype);
 
 // Total element count.
 int64_t count_elements(const ParameterList& params);
-// Sets every gradient to zero.
+// Sets every gradient to zero (one memset per contiguous run on the GPU).
 void zero_grads(ParameterList& params);
 // Draws each parameter from the stream keyed by (seed, name): N(0, init_std^2), or ones.
 // The draw goes into the master when there is one, and value is its rounded copy.

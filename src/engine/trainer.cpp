@@ -121,8 +121,9 @@ StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, AdamW&
   r.loss = ce / static_cast<double>(targets);
   StageScope t(Stage::kOptimizer);
   MT_CHECK(std::isfinite(r.loss), "training loss is not finite ({})", r.loss);
-  r.grad_norm = clip_grad_norm(params, grad_clip);
-  opt.step(params, lr);
+  const GradNorm g = global_grad_norm(params, grad_clip);
+  r.grad_norm = g.norm;
+  opt.step(params, lr, g.clip_scale);
   return r;
 }
 

@@ -148,6 +148,41 @@ double sum_squares(const Tensor& x) {
   return MT_ROUTE(x, sum_squares, x);
 }
 
+namespace {
+// A whole-list op runs where its first tensor lives; every tensor must live there too.
+const Tensor& first_of(const std::vector<Tensor>& xs, const char* op) {
+  static const Tensor kNone;
+  for (const Tensor& x : xs) {
+    MT_CHECK(x.defined(), "{}: undefined tensor in the list", op);
+    MT_CHECK(x.device() == xs.front().device(), "{}: tensors on {} and {} in one list", op, xs.front().device().str(),
+             x.device().str());
+  }
+  return xs.empty() ? kNone : xs.front();
+}
+}  // namespace
+
+void adamw_update_all(AdamWTensors& t, const AdamWStep& s) {
+  const size_t n = t.params.size();
+  MT_CHECK(t.grads.size() == n && t.m.size() == n && t.v.size() == n && t.values.size() == n && t.decay.size() == n,
+           "adamw_update_all: list lengths differ (params {}, grads {}, m {}, v {}, values {}, decay {})", n,
+           t.grads.size(), t.m.size(), t.v.size(), t.values.size(), t.decay.size());
+  const Tensor& first = first_of(t.params, "adamw_update_all");
+  for (size_t i = 0; i < n; ++i) {
+    if (t.values[i].defined()) {
+      check_shape(t.values[i], t.params[i].shape(), "adamw_update_all value (the weight refreshed from its master)");
+    }
+  }
+  MT_ROUTE(first, adamw_update_all, t, s);
+}
+
+double sum_squares_all(const std::vector<Tensor>& xs) {
+  return MT_ROUTE(first_of(xs, "sum_squares_all"), sum_squares_all, xs);
+}
+
+void zero_all(const std::vector<Tensor>& xs) {
+  MT_ROUTE(first_of(xs, "zero_all"), zero_all, xs);
+}
+
 void scale_(Tensor& x, double alpha) {
   MT_ROUTE(x, scale_, x, alpha);
 }

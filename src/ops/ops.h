@@ -159,6 +159,19 @@ CrossEntropyOut cross_entropy_forward(const Tensor& logits, const Tensor& target
 // dlogits = scale * (softmax(logits) - onehot(target)); zero rows where ignored.
 Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, double scale);
 
+// ---- output head: linear + cross-entropy, fused over row chunks ------------------------
+// loss_sum [1] = cross-entropy sum of logits = x W^T against targets, computed chunk_rows
+// rows at a time so no more than chunk_rows x V logits exist at once (the whole [T, V]
+// logits, in f32 that is 4.8 GB for 8192 tokens of a 152k vocabulary, never do). When dx
+// is given, the backward runs in the same pass (the loss is final, so its gradient is known
+// per chunk): dx = d(scale * loss_sum)/dx is written [T, H] and, when dw is given, dW is
+// accumulated into dw. chunk_rows <= 0 picks rows so that a chunk holds ~64M logits.
+struct LinearCrossEntropyOut {
+  Tensor loss_sum;  // [1], as cross_entropy_forward's (f32 on the GPU)
+};
+LinearCrossEntropyOut linear_cross_entropy(const Tensor& x, const Tensor& w, const Tensor& targets, double scale,
+                                           Tensor* dx, Tensor* dw, int64_t chunk_rows = 0);
+
 // ---- MoE auxiliary losses -------------------------------------------------------------
 // Hugging Face Qwen3-MoE load balancing over R router rows (all routed layers of a
 // forward, concatenated): loss = coef * E * sum_e (n_e / R) * (P_e / R), with n_e the
@@ -181,11 +194,34 @@ Tensor router_z_loss_backward(const Tensor& probs, const Tensor& lse, double sca
 // In place on param, m, v (same shape, f32 or f64), given grad:
 //   m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
 //   param -= lr * (m / (1-b1^step) / (sqrt(v / (1-b2^step)) + eps) + wd * param)
+// with g = grad_scale * grad (global-norm clipping folded into the update, so the
+// gradients are read once and never rewritten).
 struct AdamWStep {
   double lr = 0, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0;
-  int64_t step = 1;  // 1-based, for bias correction
+  int64_t step = 1;         // 1-based, for bias correction
+  double grad_scale = 1.0;  // multiplies every gradient element first
 };
 void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWStep& s);
+
+// ---- whole parameter lists (the optimizer step) ----------------------------------------
+// One call covers every tensor of a list. On CUDA, tensors that lie back to back in memory
+// in every role (the per-expert views of a stacked expert weight, with moments and masters
+// allocated flat in parameter order) are coalesced into segments, so thousands of
+// parameters cost a few launches; sum_squares_all waits for the stream once.
+//
+// AdamW over the list: params[i] updated from grads[i] as adamw_update with
+// s.weight_decay where decay[i] (else 0); when values[i] is defined (the bf16 weight the
+// model computes with, params[i] being its f32 master) it receives params[i] rounded.
+struct AdamWTensors {
+  std::vector<Tensor> params, grads, m, v;
+  std::vector<Tensor> values;  // per param: a bf16 copy to refresh, or undefined
+  std::vector<bool> decay;
+};
+void adamw_update_all(AdamWTensors& t, const AdamWStep& s);
+// Sum over the list of sum_squares, in double; on CUDA in a fixed order (reproducible).
+double sum_squares_all(const std::vector<Tensor>& xs);
+// Sets every tensor of the list to zero.
+void zero_all(const std::vector<Tensor>& xs);
 
 // ---- small reductions and element-wise helpers ----------------------------------------
 // sum of squares of all elements, in double

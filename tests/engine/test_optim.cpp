@@ -48,21 +48,37 @@ TEST(AdamW, MatchesHandComputationAndDecaysOnlyMatrices) {
   EXPECT_EQ(gains[0].value.item(0), 1.0);
 }
 
-TEST(ClipGradNorm, ScalesToMaxNormAndReportsTheNorm) {
+TEST(GlobalGradNorm, ReportsTheNormAndTheClipFactorWithoutTouchingGradients) {
   ParameterList ps = one_param({0, 0}, {3.0, 4.0}, true);
-  EXPECT_DOUBLE_EQ(clip_grad_norm(ps, 1.0), 5.0);
-  EXPECT_NEAR(std::hypot(ps[0].grad.item(0), ps[0].grad.item(1)), 1.0, 1e-6);
+  ParameterList more = one_param({0}, {12.0}, true);
+  ps.push_back(more[0]);
+  const GradNorm g = global_grad_norm(ps, 1.0);
+  EXPECT_DOUBLE_EQ(g.norm, 13.0);
+  EXPECT_DOUBLE_EQ(g.clip_scale, 1.0 / (13.0 + 1e-6));
+  EXPECT_EQ(ps[0].grad.item(0), 3.0);  // clipping is applied by the optimizer, not here
   ParameterList small = one_param({0}, {0.5}, true);
-  clip_grad_norm(small, 1.0);
-  EXPECT_EQ(small[0].grad.item(0), 0.5);
+  EXPECT_EQ(global_grad_norm(small, 1.0).clip_scale, 1.0);
+  EXPECT_EQ(global_grad_norm(ps, 0.0).clip_scale, 1.0);  // max_norm 0: no clipping
   ParameterList bad = one_param({0, 0}, {1.0, NAN}, true);
   bad[0].name = "model.layers.3.mlp.gate.weight";
   try {
-    clip_grad_norm(bad, 1.0);
+    global_grad_norm(bad, 1.0);
     FAIL();
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("model.layers.3.mlp.gate.weight"), std::string::npos);
   }
+}
+
+TEST(AdamW, ClipScaleEqualsScalingTheGradient) {
+  // Folding the clip factor into the update must equal updating with scaled gradients.
+  ParameterList a = one_param({1.0, -2.0, 0.5}, {0.3, -0.7, 0.2}, true);
+  ParameterList b = one_param({1.0, -2.0, 0.5}, {0.3 * 0.25, -0.7 * 0.25, 0.2 * 0.25}, true);
+  AdamW oa(a, {0.9, 0.99, 1e-8, 0.1}), ob(b, {0.9, 0.99, 1e-8, 0.1});
+  for (int s = 0; s < 3; ++s) {
+    oa.step(a, 0.01, 0.25);
+    ob.step(b, 0.01);
+  }
+  for (int i = 0; i < 3; ++i) EXPECT_NEAR(a[0].value.item(i), b[0].value.item(i), 1e-12);
 }
 
 }  // namespace

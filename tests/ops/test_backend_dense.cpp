@@ -269,6 +269,26 @@ TEST(BackendDense, CrossEntropy) {
   }
 }
 
+TEST(BackendDense, LinearCrossEntropyChunked) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  const int64_t T = 777, H = 256, V = 3001;
+  Tensor x = random_bf16_values({T, H}, 80), w = random_bf16_values({V, H}, 81, 0.2);
+  Tensor targets = random_ints({T}, 0, static_cast<int32_t>(V), 82);
+  for (int64_t t = 0; t < T; t += 7) targets.data<int32_t>()[t] = ops::kIgnoreIndex;
+  Tensor dx_ref, dw_ref = Tensor::zeros({V, H}, DType::F32);
+  auto ref = ops::linear_cross_entropy(x, w, targets, 1.0 / T, &dx_ref, &dw_ref);
+  for (int64_t chunk : {int64_t{100}, int64_t{0}}) {
+    Tensor dx, dw = Tensor::zeros({V, H}, DType::F32, kGpu);
+    auto out = ops::linear_cross_entropy(on_gpu(x, DType::BF16), on_gpu(w, DType::BF16), targets.to(kGpu), 1.0 / T,
+                                         &dx, &dw, chunk);
+    const std::string op = fmt::format("linear_cross_entropy[T={},H={},V={},chunk={}]", T, H, V, chunk);
+    expect_backend_close(out.loss_sum, ref.loss_sum, kBf16Tol, op, "loss_sum");
+    expect_backend_close(dx, dx_ref, kBf16Tol, op, "dx");
+    expect_backend_close(dw, dw_ref, kBf16Tol, op, "dw");
+  }
+}
+
 TEST(BackendDense, CrossEntropyBadTargetGivesNaN) {
   MT_REQUIRE_GPU();
   PoisonScope poison;
@@ -377,6 +397,81 @@ TEST(BackendDense, AdamW) {
     expect_backend_close(gp, p, kF32Tol, op, "param");
     expect_backend_close(gm, m, kF32Tol, op, "m");
     expect_backend_close(gv, v, kF32Tol, op, "v");
+  }
+}
+
+// A parameter list as the optimizer sees it, on the host: many odd sizes, a large tensor,
+// and an expert stack's rows; more tensors than one launch carries.
+ops::AdamWTensors host_list(uint64_t seed) {
+  std::vector<int64_t> sizes;
+  for (int i = 0; i < 90; ++i) sizes.push_back(1 + (i * 7919) % 3001);
+  sizes.push_back(1 << 20);
+  for (int e = 0; e < 16; ++e) sizes.push_back(4096);
+  ops::AdamWTensors t;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const int64_t n = sizes[i];
+    const uint64_t k = seed + 8 * i;
+    t.params.push_back(random_tensor({n}, DType::F32, k));
+    t.grads.push_back(random_tensor({n}, DType::F32, k + 1, 0.1));
+    t.m.push_back(random_tensor({n}, DType::F32, k + 2, 0.01));
+    t.v.push_back(abs_of(random_tensor({n}, DType::F32, k + 3, 1e-3)));
+    t.values.push_back(i % 2 == 0 ? Tensor::empty({n}, DType::F32) : Tensor());  // f32 stand-in on the CPU
+    t.decay.push_back(i % 5 != 0);
+  }
+  return t;
+}
+
+TEST(BackendDense, WholeListAdamWNormAndZero) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  ops::AdamWStep s;
+  s.lr = 1e-3, s.beta1 = 0.9, s.beta2 = 0.95, s.eps = 1e-8, s.weight_decay = 0.1, s.step = 4, s.grad_scale = 0.3;
+  ops::AdamWTensors cpu = host_list(90), gpu;
+  // The GPU list: the same values, laid out flat on the device in every role, so the
+  // stacked rows coalesce; every 13th tensor is a separate allocation, splitting runs.
+  auto flat_on_gpu = [&](const std::vector<Tensor>& host) {
+    int64_t total = 0;
+    for (const Tensor& t : host) total += t.numel();
+    Tensor flat = Tensor::empty({total + 1}, DType::F32, kGpu).slice(1, total + 1);  // unaligned start
+    std::vector<Tensor> out;
+    int64_t at = 0;
+    for (size_t i = 0; i < host.size(); ++i) {
+      Tensor view = i % 13 == 0 ? Tensor::empty(host[i].shape(), DType::F32, kGpu)
+                                : flat.slice(at, at + host[i].numel());
+      view.copy_from(host[i].to(kGpu));
+      out.push_back(view);
+      at += host[i].numel();
+    }
+    return out;
+  };
+  gpu.params = flat_on_gpu(cpu.params);
+  gpu.grads = flat_on_gpu(cpu.grads);
+  gpu.m = flat_on_gpu(cpu.m);
+  gpu.v = flat_on_gpu(cpu.v);
+  gpu.decay = cpu.decay;
+  for (const Tensor& v : cpu.values) gpu.values.push_back(v.defined() ? Tensor::empty(v.shape(), DType::BF16, kGpu) : v);
+
+  const double norm_cpu = ops::sum_squares_all(cpu.grads);
+  const double norm_gpu = ops::sum_squares_all(gpu.grads), again = ops::sum_squares_all(gpu.grads);
+  EXPECT_NEAR(norm_gpu, norm_cpu, 1e-12 * norm_cpu);
+  EXPECT_EQ(std::memcmp(&norm_gpu, &again, sizeof again), 0) << "two runs differ";
+
+  ops::adamw_update_all(cpu, s);
+  for (size_t i = 0; i < cpu.values.size(); ++i) {
+    if (cpu.values[i].defined()) cpu.values[i] = cpu.params[i].to(DType::BF16);
+  }
+  ops::adamw_update_all(gpu, s);
+  for (size_t i = 0; i < cpu.params.size(); ++i) {
+    const std::string op = fmt::format("adamw_update_all[{}: n={}]", i, cpu.params[i].numel());
+    expect_backend_close(gpu.params[i], cpu.params[i], kF32Tol, op, "param");
+    expect_backend_close(gpu.m[i], cpu.m[i], kF32Tol, op, "m");
+    expect_backend_close(gpu.v[i], cpu.v[i], kF32Tol, op, "v");
+    if (cpu.values[i].defined()) expect_backend_close(gpu.values[i], cpu.values[i], kBf16Tol, op, "value");
+    if (::testing::Test::HasFailure()) break;
+  }
+  ops::zero_all(gpu.grads);
+  for (const Tensor& g : gpu.grads) {
+    ASSERT_EQ(ops::sum_squares(g), 0.0) << "zero_all left " << g.str() << " nonzero";
   }
 }
 

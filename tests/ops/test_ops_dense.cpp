@@ -540,6 +540,34 @@ TEST(DenseCrossEntropy, ForwardNaiveAndF32) {
   }
 }
 
+// The fused head: gradients of r * loss_sum w.r.t. x and W against finite differences,
+// for chunkings that split the rows unevenly, and dW accumulating into what is there.
+TEST(DenseLinearCrossEntropy, GradCheckAcrossChunkings) {
+  for (uint64_t seed : kSeeds) {
+    Rng rng(seed);
+    const int64_t T = dim(rng, 3, 9), H = dim(rng, 2, 6), V = dim(rng, 2, 9);
+    Tensor x = random_tensor({T, H}, DType::F64, seed + 1);
+    Tensor w = random_tensor({V, H}, DType::F64, seed + 2);
+    Tensor targets = random_targets(T, V, seed + 3);
+    const double r = 0.5 + rng.uniform();
+    auto loss = [&] { return r * ops::linear_cross_entropy(x, w, targets, 1.0, nullptr, nullptr).loss_sum.item(); };
+    Tensor dx0, dw0 = Tensor::zeros({V, H}, DType::F64);
+    ops::linear_cross_entropy(x, w, targets, r, &dx0, &dw0, T);  // one chunk
+    for (int64_t chunk : {int64_t{1}, int64_t{2}, T - 1}) {
+      Tensor dx, dw = Tensor::full({V, H}, 0.25, DType::F64);
+      auto out = ops::linear_cross_entropy(x, w, targets, r, &dx, &dw, chunk);
+      EXPECT_NEAR(r * out.loss_sum.item(), loss(), 1e-12 * std::abs(loss()));
+      EXPECT_LT(rel_error(dx, dx0), 1e-13) << "chunk " << chunk;
+      ops::add_(dw0, Tensor::full({V, H}, 0.25, DType::F64));
+      EXPECT_LT(rel_error(dw, dw0), 1e-13) << "chunk " << chunk << ": dw must accumulate";
+      ops::add_(dw0, Tensor::full({V, H}, -0.25, DType::F64));
+    }
+    const std::string op = fmt::format("linear_cross_entropy[T={},H={},V={}]", T, H, V);
+    check_grad(op, "x", x, dx0, loss);
+    check_grad(op, "w", w, dw0, loss);
+  }
+}
+
 TEST(DenseCrossEntropy, LargeLogitsStayFinite) {
   Tensor logits = Tensor::from_vector(std::vector<float>{1000.f, 0.f, -1000.f, 3000.f, 3000.f, 2990.f}, {2, 3});
   Tensor targets = Tensor::from_vector(std::vector<int32_t>{1, 0}, {2});

@@ -244,8 +244,6 @@ struct Qwen3MoeModel::ForwardState {
   std::vector<Qwen3MoeLayerState> layers;
   Tensor final_in;
   ops::RmsNormOut final_norm;
-  Tensor logits;
-  Tensor ce_lse;           // cross-entropy log-sum-exp per token
   Tensor selections;       // load balancing: top-k picks per expert, summed over MoE layers
   int64_t moe_rows = 0;    // router rows over all MoE layers (R)
 };
@@ -299,15 +297,15 @@ Tensor Qwen3MoeModel::run_forward(const Tensor& ids, const Tensor& positions, co
     StageScope t(Stage::kNorms);
     st.final_norm = ops::rmsnorm_forward(x, final_norm_w_, cfg_.rms_norm_eps);
   }
-  StageScope t(Stage::kLoss);
-  st.logits = ops::linear_forward(st.final_norm.y, lm_head_);
-  return st.logits;
+  return st.final_norm.y;
 }
 
 Tensor Qwen3MoeModel::forward_logits(const Tensor& ids, const Tensor& positions, const BatchShape& b,
                                      ExpertDispatcher& dispatcher) {
   ForwardState st;
-  return run_forward(ids, positions, b, dispatcher, st);
+  Tensor h = run_forward(ids, positions, b, dispatcher, st);
+  StageScope t(Stage::kLoss);
+  return ops::linear_forward(h, lm_head_);
 }
 
 Tensor Qwen3MoeModel::reference_forward(const Tensor& ids, const Tensor& positions, const BatchShape& b) const {
@@ -317,14 +315,12 @@ Tensor Qwen3MoeModel::reference_forward(const Tensor& ids, const Tensor& positio
   return ops::linear_forward(n, lm_head_);
 }
 
-// Cross-entropy plus the router losses over the rows of all MoE layers (HF concatenates
-// every layer's gate logits before computing the load-balancing loss, so n_e and P_e are
-// totals over layers and R = moe_layers * T).
-MicroBatchLoss Qwen3MoeModel::losses(const Batch& batch, ForwardState& st) const {
+// The router losses over the rows of all MoE layers (HF concatenates every layer's gate
+// logits before computing the load-balancing loss, so n_e and P_e are totals over layers
+// and R = moe_layers * T). The cross-entropy is the head's (linear_cross_entropy).
+MicroBatchLoss Qwen3MoeModel::router_losses(const Batch& batch, ForwardState& st) const {
   StageScope t(Stage::kLoss);
   MicroBatchLoss out;
-  ops::CrossEntropyOut ce = ops::cross_entropy_forward(st.logits, batch.targets);
-  out.ce_sum = ce.loss_sum.item();
   out.targets = batch.num_targets;
   const int64_t E = cfg_.num_experts;
   const DType stat = grad_dtype_for(dtype_);  // router statistics are f32 on the GPU
@@ -349,7 +345,6 @@ MicroBatchLoss Qwen3MoeModel::losses(const Batch& batch, ForwardState& st) const
     out.aux_loss = cfg_.router_aux_loss_coef * static_cast<double>(E) * dotp / (static_cast<double>(rows) * rows);
     out.z_loss = cfg_.router_z_loss_coef * z_sum / static_cast<double>(rows);
   }
-  st.ce_lse = ce.lse;
   st.selections = selections;
   st.moe_rows = rows;
   return out;
@@ -358,25 +353,26 @@ MicroBatchLoss Qwen3MoeModel::losses(const Batch& batch, ForwardState& st) const
 MicroBatchLoss Qwen3MoeModel::forward_loss(const Batch& batch, ExpertDispatcher& dispatcher) {
   ForwardState st;
   BatchShape b{batch.batch, batch.seq};
-  run_forward(batch.inputs, batch.positions, b, dispatcher, st);
-  return losses(batch, st);
+  Tensor h = run_forward(batch.inputs, batch.positions, b, dispatcher, st);
+  MicroBatchLoss out = router_losses(batch, st);
+  StageScope t(Stage::kLoss);
+  out.ce_sum = ops::linear_cross_entropy(h, lm_head_, batch.targets, 1.0, nullptr, nullptr).loss_sum.item();
+  return out;
 }
 
 MicroBatchLoss Qwen3MoeModel::forward_backward(const Batch& batch, ExpertDispatcher& d, double ce_scale,
                                                double aux_scale) {
   ForwardState st;
   BatchShape b{batch.batch, batch.seq};
-  run_forward(batch.inputs, batch.positions, b, d, st);
-  MicroBatchLoss out = losses(batch, st);
+  Tensor h = run_forward(batch.inputs, batch.positions, b, d, st);
+  MicroBatchLoss out = router_losses(batch, st);
 
-  // Head: logits = norm(x) W^T, then cross-entropy.
+  // Head: logits = norm(x) W^T and cross-entropy, forward and backward in one chunked pass.
   Tensor d_norm, dx;
   {
     StageScope t(Stage::kLoss);
-    Tensor dlogits = ops::cross_entropy_backward(st.logits, batch.targets, st.ce_lse, ce_scale);
-    st.logits = Tensor();
-    ops::linear_backward_weight(dlogits, st.final_norm.y, g_lm_head_);
-    d_norm = ops::linear_backward_input(dlogits, lm_head_);
+    ops::LinearCrossEntropyOut head = ops::linear_cross_entropy(h, lm_head_, batch.targets, ce_scale, &d_norm, &g_lm_head_);
+    out.ce_sum = head.loss_sum.item();
   }
   {
     StageScope t(Stage::kNorms);

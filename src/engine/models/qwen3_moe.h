@@ -140,9 +140,11 @@ class Qwen3MoeModel {
 
  private:
   struct ForwardState;
+  // Embedding, decoder layers and final norm; returns the normed hidden states [T, H] (the
+  // head's input).
   Tensor run_forward(const Tensor& ids, const Tensor& positions, const BatchShape& b, ExpertDispatcher& d,
                      ForwardState& st) const;
-  MicroBatchLoss losses(const Batch& batch, ForwardState& st) const;
+  MicroBatchLoss router_losses(const Batch& batch, ForwardState& st) const;
 
   Qwen3MoeConfig cfg_;
   DType dtype_;

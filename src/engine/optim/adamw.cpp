@@ -7,38 +7,41 @@
 namespace moetrain {
 
 AdamW::AdamW(const ParameterList& params, AdamWConfig cfg) : cfg_(cfg) {
-  for (auto p : params) {
-    const Tensor& w = p.master_or_value();
-    m_.push_back(Tensor::zeros(w.shape(), w.dtype(), w.device()));
-    v_.push_back(Tensor::zeros(w.shape(), w.dtype(), w.device()));
-  }
+  std::vector<Tensor> targets;
+  for (auto p : params) targets.push_back(p.master_or_value());
+  if (targets.empty()) return;
+  m_ = flat_views(targets, targets.front().dtype());
+  v_ = flat_views(targets, targets.front().dtype());
 }
 
-void AdamW::step(ParameterList& params, double lr) {
+void AdamW::step(ParameterList& params, double lr, double grad_scale) {
   MT_CHECK(params.size() == m_.size(), "AdamW: built for {} parameters, stepped with {}", m_.size(), params.size());
   ++step_;
-  for (size_t i = 0; i < params.size(); ++i) {
-    ops::AdamWStep s{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, params[i].weight_decay ? cfg_.weight_decay : 0.0, step_};
-    ops::adamw_update(params[i].master_or_value(), params[i].grad, m_[i], v_[i], s);
-    if (params[i].master.defined()) ops::cast_into(params[i].value, params[i].master);
+  ops::AdamWTensors t;
+  for (auto& p : params) {
+    t.params.push_back(p.master_or_value());
+    t.grads.push_back(p.grad);
+    t.values.push_back(p.master.defined() ? p.value : Tensor());
+    t.decay.push_back(p.weight_decay);
   }
+  t.m = m_;
+  t.v = v_;
+  ops::adamw_update_all(t, ops::AdamWStep{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, step_, grad_scale});
 }
 
-double clip_grad_norm(ParameterList& params, double max_norm) {
-  double sq = 0;
-  for (const auto& p : params) sq += ops::sum_squares(p.grad);
-  const double norm = std::sqrt(sq);
-  if (!std::isfinite(norm)) {
+GradNorm global_grad_norm(const ParameterList& params, double max_norm) {
+  std::vector<Tensor> grads;
+  for (const auto& p : params) grads.push_back(p.grad);
+  GradNorm r;
+  r.norm = std::sqrt(ops::sum_squares_all(grads));
+  if (!std::isfinite(r.norm)) {
     for (const auto& p : params) {
       MT_CHECK(ops::all_finite(p.grad), "gradient of {} is not finite (NaN or Inf)", p.name);
     }
-    MT_THROW("global gradient norm is not finite ({})", norm);
+    MT_THROW("global gradient norm is not finite ({})", r.norm);
   }
-  if (max_norm > 0 && norm > max_norm) {
-    const double scale = max_norm / (norm + 1e-6);
-    for (auto& p : params) ops::scale_(p.grad, scale);
-  }
-  return norm;
+  if (max_norm > 0 && r.norm > max_norm) r.clip_scale = max_norm / (r.norm + 1e-6);
+  return r;
 }
 
 }  // namespace moetrain

@@ -1,6 +1,8 @@
-// AdamW over a ParameterList: FP32 (or f64) first and second moments per parameter,
-// decoupled weight decay on matrices only (Parameter::weight_decay), and global
-// gradient-norm clipping.
+// AdamW over a ParameterList: FP32 (or f64) first and second moments per parameter (views
+// of two flat buffers), decoupled weight decay on matrices only (Parameter::weight_decay),
+// and global gradient-norm clipping folded into the update as a gradient scale. On the GPU
+// a step is one whole-list launch (ops::adamw_update_all) that also refreshes the bf16
+// weights from their f32 masters.
 #pragma once
 
 #include <vector>
@@ -16,8 +18,9 @@ struct AdamWConfig {
 class AdamW {
  public:
   AdamW(const ParameterList& params, AdamWConfig cfg);
-  // One update of every parameter with learning rate lr; advances the step count.
-  void step(ParameterList& params, double lr);
+  // One update of every parameter with learning rate lr, each gradient multiplied by
+  // grad_scale first (the clipping factor); advances the step count.
+  void step(ParameterList& params, double lr, double grad_scale = 1.0);
   int64_t steps_taken() const { return step_; }
 
  private:
@@ -26,9 +29,14 @@ class AdamW {
   std::vector<Tensor> m_, v_;
 };
 
-// The global L2 norm of all gradients; when max_norm > 0 and the norm exceeds it, scales
-// every gradient by max_norm / norm. Returns the norm before clipping. A non-finite norm
-// is an error naming the first parameter whose gradient is not finite.
-double clip_grad_norm(ParameterList& params, double max_norm);
+// The global L2 norm of all gradients (one host wait on the GPU) and the factor that clips
+// it: max_norm / (norm + 1e-6) when max_norm > 0 and the norm exceeds it, else 1. The
+// gradients are not modified. A non-finite norm is an error naming the first parameter
+// whose gradient is not finite.
+struct GradNorm {
+  double norm = 0;
+  double clip_scale = 1;
+};
+GradNorm global_grad_norm(const ParameterList& params, double max_norm);
 
 }  // namespace moetrain

@@ -2,7 +2,7 @@
 //   m = b1 m + (1 - b1) g
 //   v = b2 v + (1 - b2) g^2
 //   param -= lr * ( (m / (1 - b1^step)) / (sqrt(v / (1 - b2^step)) + eps) + wd * param )
-// The decay uses the parameter before this step's update. Each element is computed in
+// with g = grad_scale * grad. The decay uses the parameter before this step's update. Each element is computed in
 // double and stored in the tensors' dtype (f32 master weights, or f64 in tests); no
 // reductions, so the result does not depend on the thread count.
 #include <cmath>
@@ -24,7 +24,7 @@ void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const
   const double b1 = s.beta1, b2 = s.beta2;
   const double bc1 = 1.0 - std::pow(b1, static_cast<double>(s.step));
   const double bc2 = 1.0 - std::pow(b2, static_cast<double>(s.step));
-  const double lr = s.lr, eps = s.eps, wd = s.weight_decay;
+  const double lr = s.lr, eps = s.eps, wd = s.weight_decay, gs = s.grad_scale;
   const int64_t n = param.numel();
   dispatch_float(param.dtype(), "adamw_update", [&](auto tag) {
     using F = decltype(tag);
@@ -34,7 +34,7 @@ void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const
     F* V = v.data<F>();
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
-      const double gi = static_cast<double>(g[i]);
+      const double gi = gs * static_cast<double>(g[i]);
       const double mi = b1 * static_cast<double>(M[i]) + (1.0 - b1) * gi;
       const double vi = b2 * static_cast<double>(V[i]) + (1.0 - b2) * gi * gi;
       M[i] = static_cast<F>(mi);
@@ -43,6 +43,15 @@ void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const
       p[i] = static_cast<F>(pi - lr * ((mi / bc1) / (std::sqrt(vi / bc2) + eps) + wd * pi));
     }
   });
+}
+
+void adamw_update_all(AdamWTensors& t, const AdamWStep& s) {
+  for (size_t i = 0; i < t.params.size(); ++i) {
+    AdamWStep si = s;
+    if (!t.decay[i]) si.weight_decay = 0;
+    cpu::adamw_update(t.params[i], t.grads[i], t.m[i], t.v[i], si);
+    if (t.values[i].defined()) cpu::cast_into(t.values[i], t.params[i]);
+  }
 }
 
 }  // namespace moetrain::ops::cpu

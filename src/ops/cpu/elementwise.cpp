@@ -78,4 +78,14 @@ bool all_finite(const Tensor& x) {
   return ok;
 }
 
+double sum_squares_all(const std::vector<Tensor>& xs) {
+  double sq = 0;
+  for (const Tensor& x : xs) sq += cpu::sum_squares(x);
+  return sq;
+}
+
+void zero_all(const std::vector<Tensor>& xs) {
+  for (Tensor x : xs) x.zero_();
+}
+
 }  // namespace moetrain::ops::cpu

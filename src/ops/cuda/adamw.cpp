@@ -5,27 +5,67 @@
 #include "ops/cuda/adamw_launch.h"
 #include "ops/cuda/common.h"
 #include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/tensor_runs.h"
 
 namespace moetrain::ops::cuda {
+namespace {
+
+void check_entry(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const Tensor& value,
+                 const char* op) {
+  MT_CHECK(param.defined(), "{}: param is undefined", op);
+  check_cuda_tensors(op, {&param, &grad, &m, &v, &value});
+  check_shape(grad, param.shape(), "adamw grad");
+  check_shape(m, param.shape(), "adamw m (first moment)");
+  check_shape(v, param.shape(), "adamw v (second moment)");
+  check_dtype(param, DType::F32, "adamw param (f32 master weights on CUDA)");
+  check_dtype(grad, DType::F32, "adamw grad");
+  check_dtype(m, DType::F32, "adamw m (first moment)");
+  check_dtype(v, DType::F32, "adamw v (second moment)");
+  if (value.defined()) check_dtype(value, DType::BF16, "adamw value (the bf16 weight refreshed from its master)");
+}
+
+AdamWArgs args_of(const AdamWStep& s, const char* op) {
+  MT_CHECK(s.step >= 1, "{}: step = {} must be >= 1 (1-based, for bias correction)", op, s.step);
+  MT_CHECK(s.beta1 >= 0 && s.beta1 < 1 && s.beta2 >= 0 && s.beta2 < 1, "{}: betas ({}, {}) must lie in [0, 1)", op,
+           s.beta1, s.beta2);
+  return AdamWArgs{s.lr,
+                   s.beta1,
+                   s.beta2,
+                   1.0 - std::pow(s.beta1, static_cast<double>(s.step)),
+                   1.0 - std::pow(s.beta2, static_cast<double>(s.step)),
+                   s.eps,
+                   s.grad_scale};
+}
+
+__nv_bfloat16* bf16_or_null(const Tensor& t) { return t.defined() ? static_cast<__nv_bfloat16*>(t.raw()) : nullptr; }
+
+}  // namespace
 
 void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWStep& s) {
-  MT_CHECK(param.defined(), "adamw_update: param is undefined");
-  check_cuda_tensors("adamw_update", {&param, &grad, &m, &v});
-  check_shape(grad, param.shape(), "adamw_update grad");
-  check_shape(m, param.shape(), "adamw_update m (first moment)");
-  check_shape(v, param.shape(), "adamw_update v (second moment)");
-  check_dtype(param, DType::F32, "adamw_update param (f32 master weights on CUDA)");
-  check_dtype(grad, DType::F32, "adamw_update grad");
-  check_dtype(m, DType::F32, "adamw_update m (first moment)");
-  check_dtype(v, DType::F32, "adamw_update v (second moment)");
-  MT_CHECK(s.step >= 1, "adamw_update: step = {} must be >= 1 (1-based, for bias correction)", s.step);
-  MT_CHECK(s.beta1 >= 0 && s.beta1 < 1 && s.beta2 >= 0 && s.beta2 < 1,
-           "adamw_update: betas ({}, {}) must lie in [0, 1)", s.beta1, s.beta2);
-  const double bc1 = 1.0 - std::pow(s.beta1, static_cast<double>(s.step));
-  const double bc2 = 1.0 - std::pow(s.beta2, static_cast<double>(s.step));
-  launch_adamw(param.data<float>(), grad.data<float>(), m.data<float>(), v.data<float>(), param.numel(), s.lr,
-               s.beta1, s.beta2, bc1, bc2, s.eps, s.weight_decay, stream());
+  check_entry(param, grad, m, v, Tensor(), "adamw_update");
+  const AdamWArgs a = args_of(s, "adamw_update");
+  const AdamWSegment seg{param.data<float>(), grad.data<float>(), m.data<float>(), v.data<float>(), nullptr,
+                         param.numel(),       s.weight_decay};
+  launch_adamw(&seg, 1, a, stream());
   check_launch("adamw_update");
+}
+
+void adamw_update_all(AdamWTensors& t, const AdamWStep& s) {
+  for (size_t i = 0; i < t.params.size(); ++i) {
+    check_entry(t.params[i], t.grads[i], t.m[i], t.v[i], t.values[i], "adamw_update_all");
+  }
+  const AdamWArgs a = args_of(s, "adamw_update_all");
+  const auto runs = contiguous_runs({&t.params, &t.grads, &t.m, &t.v, &t.values},
+                                    [&](size_t i, size_t j) { return t.decay[i] == t.decay[j]; });
+  std::vector<AdamWSegment> segs;
+  segs.reserve(runs.size());
+  for (const TensorRun& r : runs) {
+    const size_t i = r.first;
+    segs.push_back({t.params[i].data<float>(), t.grads[i].data<float>(), t.m[i].data<float>(), t.v[i].data<float>(),
+                    bf16_or_null(t.values[i]), r.numel, t.decay[i] ? s.weight_decay : 0.0});
+  }
+  launch_adamw(segs.data(), static_cast<int>(segs.size()), a, stream());
+  check_launch("adamw_update_all");
 }
 
 }  // namespace moetrain::ops::cuda

@@ -1,17 +1,33 @@
-// Launcher of the AdamW kernel (adamw.cu).
+// Launcher of the multi-tensor AdamW kernel (adamw.cu).
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
 namespace moetrain::ops::cuda {
 
-// In place on n f32 elements, each computed in double exactly as the CPU reference:
-//   m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
-//   p -= lr * ((m / bc1) / (sqrt(v / bc2) + eps) + wd * p)
-// with bc1 = 1 - b1^step and bc2 = 1 - b2^step computed by the caller.
-void launch_adamw(float* param, const float* grad, float* m, float* v, int64_t n, double lr, double b1, double b2,
-                  double bc1, double bc2, double eps, double wd, cudaStream_t s);
+// n f32 elements that lie back to back in every role: master weights, gradients, moments,
+// and optionally the bf16 weight that receives the updated master rounded.
+struct AdamWSegment {
+  float* param;
+  const float* grad;
+  float* m;
+  float* v;
+  __nv_bfloat16* value;  // may be null
+  int64_t n;
+  double weight_decay;
+};
+
+struct AdamWArgs {
+  double lr, b1, b2, bc1, bc2, eps, grad_scale;  // bc1 = 1 - b1^step, bc2 = 1 - b2^step
+};
+
+// In place, each element computed in double exactly as the CPU reference:
+//   g = grad_scale grad; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+//   p -= lr * ((m / bc1) / (sqrt(v / bc2) + eps) + wd p);  value = bf16(p)
+// All segments in a few launches (segments travel in the kernel's parameters).
+void launch_adamw(const AdamWSegment* segments, int count, const AdamWArgs& args, cudaStream_t s);
 
 }  // namespace moetrain::ops::cuda

@@ -5,6 +5,7 @@
 #include "ops/cuda/common.h"
 #include "ops/cuda/cuda_ops.h"
 #include "ops/cuda/elementwise_launch.h"
+#include "ops/cuda/tensor_runs.h"
 
 namespace moetrain::ops::cuda {
 namespace {
@@ -32,6 +33,32 @@ double sum_squares(const Tensor& x) {
   }
   check_launch("sum_squares");
   return scratch.item(0);  // the device-to-host copy waits for the kernels
+}
+
+double sum_squares_all(const std::vector<Tensor>& xs) {
+  if (xs.empty()) return 0.0;
+  for (const Tensor& x : xs) {
+    check_cuda_tensors("sum_squares_all", {&x});
+    MT_CHECK(x.dtype() == DType::F32, "sum_squares_all: CUDA lists must be f32 (gradients), got {}", x.str());
+  }
+  std::vector<SquaresSegment> segs;
+  for (const TensorRun& r : contiguous_runs({&xs}, [](size_t, size_t) { return true; })) {
+    segs.push_back({xs[r.first].data<float>(), r.numel});
+  }
+  const int count = static_cast<int>(segs.size());
+  Tensor scratch =
+      Tensor::empty({sum_squares_segments_scratch_doubles(segs.data(), count)}, DType::F64, xs.front().device());
+  launch_sum_squares_segments(segs.data(), count, scratch.data<double>(), stream());
+  check_launch("sum_squares_all");
+  return scratch.item(0);  // the one wait of the list
+}
+
+void zero_all(const std::vector<Tensor>& xs) {
+  for (const Tensor& x : xs) check_cuda_tensors("zero_all", {&x});
+  for (const TensorRun& r : contiguous_runs({&xs}, [](size_t, size_t) { return true; })) {
+    const Tensor& x = xs[r.first];
+    moetrain::cuda::memset_device(x.raw(), 0, static_cast<size_t>(r.numel) * dtype_size(x.dtype()));
+  }
 }
 
 void scale_(Tensor& x, double alpha) {

@@ -73,6 +73,47 @@ void sum_squares_impl(const T* x, int64_t n, double* scratch, cudaStream_t s) {
   sum_doubles_pass2<<<1, kThreads, 0, s>>>(scratch + 1, blocks, scratch);
 }
 
+constexpr int64_t kSquaresChunk = 16384;  // elements a block sums into one partial
+constexpr int kMaxSquaresSegments = 200;  // 16 B each: within the 4 KB parameter space
+
+struct SquaresBatch {
+  SquaresSegment seg[kMaxSquaresSegments];
+  int32_t count;
+  int64_t chunks;                 // over this batch
+  int64_t first_partial;          // where this batch's chunk partials go
+};
+
+__host__ __device__ inline int64_t chunks_of(int64_t n) { return (n + kSquaresChunk - 1) / kSquaresChunk; }
+
+// Block per chunk (grid-stride over the batch's chunks, segments in order): thread i adds
+// the squares of elements i, i + 256, ... of the chunk (four at a time when aligned), then
+// the block's fixed tree; the partial goes to its chunk's slot.
+__global__ void __launch_bounds__(kThreads) sum_squares_segments_pass1(const __grid_constant__ SquaresBatch b,
+                                                                       double* __restrict__ partial) {
+  int s = 0;
+  int64_t seg_first = 0;  // first chunk of segment s
+  for (int64_t c = blockIdx.x; c < b.chunks; c += gridDim.x) {
+    while (c >= seg_first + chunks_of(b.seg[s].n)) seg_first += chunks_of(b.seg[s++].n);
+    const float* x = b.seg[s].x;
+    const int64_t begin = (c - seg_first) * kSquaresChunk;
+    const int64_t end = min(b.seg[s].n, begin + kSquaresChunk);
+    double acc = 0.0;
+    if (aligned16(x)) {
+      int64_t i = begin + threadIdx.x * 4;
+      for (; i + 4 <= end; i += kThreads * 4) {
+        const float4 f = *reinterpret_cast<const float4*>(x + i);
+        acc += static_cast<double>(f.x) * f.x + static_cast<double>(f.y) * f.y + static_cast<double>(f.z) * f.z +
+               static_cast<double>(f.w) * f.w;
+      }
+      for (; i < end; ++i) acc += static_cast<double>(x[i]) * x[i];  // < 4 left, one thread
+    } else {
+      for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) acc += static_cast<double>(x[i]) * x[i];
+    }
+    acc = block_sum_double(acc);
+    if (threadIdx.x == 0) partial[b.first_partial + c] = acc;
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads) scale_kernel(T* __restrict__ x, int64_t n, float alpha, bool vec) {
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
@@ -153,6 +194,31 @@ void launch_sum_squares(const float* x, int64_t n, double* scratch, cudaStream_t
 }
 void launch_sum_squares(const __nv_bfloat16* x, int64_t n, double* scratch, cudaStream_t s) {
   sum_squares_impl(x, n, scratch, s);
+}
+
+int64_t sum_squares_segments_scratch_doubles(const SquaresSegment* segments, int count) {
+  int64_t chunks = 0;
+  for (int k = 0; k < count; ++k) chunks += chunks_of(segments[k].n);
+  return 1 + chunks;
+}
+
+void launch_sum_squares_segments(const SquaresSegment* segments, int count, double* scratch, cudaStream_t s) {
+  int64_t done = 0;
+  for (int first = 0; first < count; first += kMaxSquaresSegments) {
+    SquaresBatch b{};
+    b.count = count - first < kMaxSquaresSegments ? count - first : kMaxSquaresSegments;
+    b.first_partial = done;
+    for (int k = 0; k < b.count; ++k) {
+      b.seg[k] = segments[first + k];
+      b.chunks += chunks_of(b.seg[k].n);
+    }
+    if (b.chunks > 0) {
+      const int grid = static_cast<int>(b.chunks < 132 * 8 ? b.chunks : 132 * 8);
+      sum_squares_segments_pass1<<<grid, kThreads, 0, s>>>(b, scratch + 1);
+    }
+    done += b.chunks;
+  }
+  sum_doubles_pass2<<<1, kThreads, 0, s>>>(scratch + 1, static_cast<int>(done), scratch);
 }
 
 void launch_scale(float* x, int64_t n, float alpha, cudaStream_t s) {

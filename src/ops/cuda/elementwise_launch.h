@@ -19,6 +19,16 @@ int64_t sum_squares_scratch_doubles(int64_t n);
 void launch_sum_squares(const float* x, int64_t n, double* scratch, cudaStream_t s);
 void launch_sum_squares(const __nv_bfloat16* x, int64_t n, double* scratch, cudaStream_t s);
 
+// The same over many f32 segments at once (a gradient list): each segment is cut into
+// chunks of a fixed size, each chunk summed by one block, then the chunk partials in
+// order. Scratch: the result in scratch[0], then one double per chunk.
+struct SquaresSegment {
+  const float* x;
+  int64_t n;
+};
+int64_t sum_squares_segments_scratch_doubles(const SquaresSegment* segments, int count);
+void launch_sum_squares_segments(const SquaresSegment* segments, int count, double* scratch, cudaStream_t s);
+
 // x *= alpha (alpha rounded to f32; bf16 elements computed in f32 and rounded back).
 void launch_scale(float* x, int64_t n, float alpha, cudaStream_t s);
 void launch_scale(__nv_bfloat16* x, int64_t n, float alpha, cudaStream_t s);
