@@ -28,12 +28,16 @@ void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dwei
   MT_ROUTE(ids, embedding_backward_weight, ids, dy, dweight);
 }
 
-Tensor linear_forward(const Tensor& x, const Tensor& w) {
-  return MT_ROUTE(x, linear_forward, x, w);
+Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& residual) {
+  return MT_ROUTE(x, linear_forward, x, w, residual);
 }
 
 Tensor linear_backward_input(const Tensor& dy, const Tensor& w) {
   return MT_ROUTE(dy, linear_backward_input, dy, w);
+}
+
+void linear_backward_input_add(const Tensor& dy, const Tensor& w, Tensor& dx) {
+  MT_ROUTE(dy, linear_backward_input_add, dy, w, dx);
 }
 
 void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw) {

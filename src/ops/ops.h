@@ -31,10 +31,13 @@ Tensor embedding_forward(const Tensor& ids, const Tensor& weight);
 void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight);
 
 // ---- linear: y = x W^T ----------------------------------------------------------------
-// x [T, in], w [out, in] -> [T, out]
-Tensor linear_forward(const Tensor& x, const Tensor& w);
+// x [T, in], w [out, in] -> [T, out]. With residual [T, out] given: y = residual + x W^T
+// in the GEMM's epilogue (C = residual, beta = 1), so the residual add costs no pass.
+Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& residual = Tensor());
 // dx = dy W            dy [T, out] -> [T, in]
 Tensor linear_backward_input(const Tensor& dy, const Tensor& w);
+// dx += dy W (beta = 1): sums the input gradients of projections that share an input.
+void linear_backward_input_add(const Tensor& dy, const Tensor& w, Tensor& dx);
 // dw += dy^T x
 void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw);
 

@@ -183,6 +183,15 @@ void check_linear(int64_t T, int64_t in, int64_t out, DType dt, uint64_t seed) {
   ops::linear_backward_weight(dyg, xg, dw);
   // dw is f32: the bf16 products are exact and summed in f32 on both sides.
   expect_backend_close(dw, dw_ref, kF32Tol, name, "dw");
+  // The epilogue forms: y = residual + x W^T, dx += dy W.
+  Tensor res = random_bf16_values({T, out}, seed + 4), dx0 = random_bf16_values({T, in}, seed + 5);
+  Tensor yr_ref = ops::linear_forward(x, w, res);
+  Tensor dxa_ref = dx0.clone();
+  ops::linear_backward_input_add(dy, w, dxa_ref);
+  expect_backend_close(ops::linear_forward(xg, wg, on_gpu(res, dt)), yr_ref, tol, name, "y+residual");
+  Tensor dxa = on_gpu(dx0, dt);
+  ops::linear_backward_input_add(dyg, wg, dxa);
+  expect_backend_close(dxa, dxa_ref, tol, name, "dx+=");
 }
 
 TEST(BackendMoe, LinearRealistic) {

@@ -187,6 +187,22 @@ TEST(DenseLinear, WeightGradAccumulates) {
   EXPECT_TRUE(bitwise_equal(acc, before));
 }
 
+TEST(DenseLinear, ResidualAndInputGradAccumulate) {
+  Tensor x = random_tensor({5, 4}, DType::F64, 11), w = random_tensor({3, 4}, DType::F64, 12);
+  Tensor r = random_tensor({5, 3}, DType::F64, 13), dy = random_tensor({5, 3}, DType::F64, 14);
+  Tensor expect_y = ops::linear_forward(x, w);
+  ops::add_(expect_y, r);
+  EXPECT_LT(rel_error(ops::linear_forward(x, w, r), expect_y), 1e-15);
+  Tensor dx = random_tensor({5, 4}, DType::F64, 15);
+  Tensor expect_dx = dx.clone();
+  ops::add_(expect_dx, ops::linear_backward_input(dy, w));
+  ops::linear_backward_input_add(dy, w, dx);
+  EXPECT_LT(rel_error(dx, expect_dx), 1e-15);
+  expect_error([&] { ops::linear_forward(x, w, r.slice(0, 4)); }, {"residual"});
+  Tensor wrong = Tensor::zeros({5, 3}, DType::F64);
+  expect_error([&] { ops::linear_backward_input_add(dy, w, wrong); }, {"dx"});
+}
+
 TEST(DenseLinear, Errors) {
   Tensor x = random_tensor({4, 3}, DType::F32, 1), w = random_tensor({5, 3}, DType::F32, 2);
   expect_error([&] { ops::linear_forward(x, random_tensor({5, 4}, DType::F32, 3)); }, {"w", "[5, 3]"});

@@ -94,8 +94,7 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
     s.q = ops::rope_forward(s.q_norm.y, positions, cfg_.head_dim, cfg_.rope_theta);
     s.k = ops::rope_forward(s.k_norm.y, positions, cfg_.head_dim, cfg_.rope_theta);
     s.attn = ops::attention_forward(s.q, s.k, s.v, Tensor(), attn_shape(b));
-    s.h = ops::linear_forward(s.attn.out, wo_);
-    ops::add_(s.h, x);
+    s.h = ops::linear_forward(s.attn.out, wo_, x);  // residual added in the GEMM epilogue
   }
   {
     StageScope t(Stage::kNorms);
@@ -150,7 +149,7 @@ Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, cons
     StageScope t(Stage::kRouterPermute);
     s.d_router_logits = ops::router_backward(d_topk_weight, d_probs_extra, s.route, cfg_.norm_topk_prob);
     if (d_logits_extra.defined()) ops::add_(s.d_router_logits, d_logits_extra);
-    ops::add_(s.d_ln2_out, ops::linear_backward_input(s.d_router_logits, gate_w_));
+    ops::linear_backward_input_add(s.d_router_logits, gate_w_, s.d_ln2_out);
   }
   {
     StageScope t(Stage::kNorms);
@@ -174,8 +173,8 @@ Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, cons
   {
     StageScope t(Stage::kAttention);
     s.d_ln1_out = ops::linear_backward_input(s.d_q_raw, wq_);
-    ops::add_(s.d_ln1_out, ops::linear_backward_input(s.d_k_raw, wk_));
-    ops::add_(s.d_ln1_out, ops::linear_backward_input(s.d_v, wv_));
+    ops::linear_backward_input_add(s.d_k_raw, wk_, s.d_ln1_out);
+    ops::linear_backward_input_add(s.d_v, wv_, s.d_ln1_out);
   }
   StageScope t(Stage::kNorms);
   Tensor dx = ops::rmsnorm_backward_input(s.d_ln1_out, s.x, ln1_w_, s.ln1.rstd);

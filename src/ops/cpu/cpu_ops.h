@@ -8,8 +8,9 @@ namespace moetrain::ops::cpu {
 
 Tensor embedding_forward(const Tensor& ids, const Tensor& weight);
 void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight);
-Tensor linear_forward(const Tensor& x, const Tensor& w);
+Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& residual);
 Tensor linear_backward_input(const Tensor& dy, const Tensor& w);
+void linear_backward_input_add(const Tensor& dy, const Tensor& w, Tensor& dx);
 void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw);
 RmsNormOut rmsnorm_forward(const Tensor& x, const Tensor& w, double eps);
 Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd);

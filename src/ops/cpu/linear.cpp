@@ -1,6 +1,6 @@
 // Linear layer without bias, Hugging Face weight layout [out, in].
 //
-// forward:         y  = x W^T        x [T, in], W [out, in] -> y [T, out]
+// forward:         y  = x W^T        x [T, in], W [out, in] -> y [T, out]  (+ residual: beta = 1)
 // backward_input:  dx = dy W         dy [T, out]            -> dx [T, in]
 // backward_weight: dW += dy^T x      (accumulates: beta = 1)
 //
@@ -40,32 +40,47 @@ void check_2d(const Tensor& t, const char* name, const char* op) {
 
 }  // namespace
 
-Tensor linear_forward(const Tensor& x, const Tensor& w) {
+Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& residual) {
   check_2d(x, "x", "linear_forward");
   check_2d(w, "w", "linear_forward");
   const int64_t T = x.size(0), in = x.size(1), out = w.size(0);
   check_shape(w, {out, in}, "w");
-  check_same_dtype("linear_forward", x.dtype(), {&w});
-  Tensor y = Tensor::empty({T, out}, x.dtype());
+  check_same_dtype("linear_forward", x.dtype(), {&w, &residual});
+  if (residual.defined()) check_shape(residual, {T, out}, "linear_forward residual");
+  Tensor y = residual.defined() ? residual.clone() : Tensor::empty({T, out}, x.dtype());
   dispatch_float(x.dtype(), "linear_forward", [&](auto tag) {
     using F = decltype(tag);
-    gemm<F>(false, true, T, out, in, x.data<F>(), in, w.data<F>(), in, F(0), y.data<F>(), out);
+    gemm<F>(false, true, T, out, in, x.data<F>(), in, w.data<F>(), in, F(residual.defined() ? 1 : 0), y.data<F>(),
+            out);
   });
   return y;
+}
+
+// dx (+)= dy W; beta 0 writes, 1 accumulates.
+static void backward_input_into(const Tensor& dy, const Tensor& w, Tensor& dx, double beta, const char* op) {
+  check_2d(dy, "dy", op);
+  check_2d(w, "w", op);
+  const int64_t T = dy.size(0), out = w.size(0), in = w.size(1);
+  check_shape(dy, {T, out}, "dy");
+  check_shape(dx, {T, in}, "dx");
+  check_same_dtype(op, dy.dtype(), {&w, &dx});
+  dispatch_float(dy.dtype(), op, [&](auto tag) {
+    using F = decltype(tag);
+    gemm<F>(false, false, T, in, out, dy.data<F>(), out, w.data<F>(), in, F(beta), dx.data<F>(), in);
+  });
 }
 
 Tensor linear_backward_input(const Tensor& dy, const Tensor& w) {
   check_2d(dy, "dy", "linear_backward_input");
   check_2d(w, "w", "linear_backward_input");
-  const int64_t T = dy.size(0), out = w.size(0), in = w.size(1);
-  check_shape(dy, {T, out}, "dy");
-  check_same_dtype("linear_backward_input", dy.dtype(), {&w});
-  Tensor dx = Tensor::empty({T, in}, dy.dtype());
-  dispatch_float(dy.dtype(), "linear_backward_input", [&](auto tag) {
-    using F = decltype(tag);
-    gemm<F>(false, false, T, in, out, dy.data<F>(), out, w.data<F>(), in, F(0), dx.data<F>(), in);
-  });
+  Tensor dx = Tensor::empty({dy.size(0), w.size(1)}, dy.dtype());
+  backward_input_into(dy, w, dx, 0.0, "linear_backward_input");
   return dx;
+}
+
+void linear_backward_input_add(const Tensor& dy, const Tensor& w, Tensor& dx) {
+  MT_CHECK(dx.defined(), "linear_backward_input_add: dx is undefined");
+  backward_input_into(dy, w, dx, 1.0, "linear_backward_input_add");
 }
 
 void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw) {

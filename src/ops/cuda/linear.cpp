@@ -5,10 +5,13 @@
 //   forward:         y  = x W^T   ->  y^T [out, T]  = W^T(op T on W's [in, out]) x^T
 //   backward_input:  dx = dy W    ->  dx^T [in, T]  = W^T [in, out] dy^T [out, T]
 //   backward_weight: dW += dy^T x ->  dW^T [in, out] += x^T [in, T] (dy^T)^T [T, out]
-// The weight gradient is f32 and accumulates (beta = 1, C = D = dW).
+// The weight gradient is f32 and accumulates (beta = 1, C = D = dW); the forward's
+// residual and backward_input_add use the same epilogue (C = residual or dx, beta = 1), so
+// neither costs a separate element-wise pass.
 //
 // Descriptors and the heuristic's algorithm are cached per host thread (the cuBLASLt
 // handle is per thread too), keyed by shape, dtypes, transposes and pointer alignment.
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <unordered_map>
@@ -22,7 +25,7 @@ namespace {
 struct PlanKey {
   int64_t m, n, k, lda, ldb, ldd;
   int32_t ta, tb, ab_type, cd_type;
-  uint32_t align_a, align_b, align_d;
+  uint32_t align_a, align_b, align_d;  // align_d covers C too (the smaller of the two)
   uint32_t pad = 0;  // no uninitialised padding: the key is compared and hashed as bytes
   bool operator==(const PlanKey& o) const { return std::memcmp(this, &o, sizeof(PlanKey)) == 0; }
 };
@@ -61,9 +64,12 @@ uint32_t alignment_of(const void* p) {
 
 cudaDataType_t cuda_type(DType t) { return t == DType::BF16 ? CUDA_R_16BF : CUDA_R_32F; }
 
-// Column-major D[m, n] (ldd) = op(A) op(B) + beta D, op(A) [m, k], op(B) [k, n].
+// Column-major D[m, n] (ldd) = op(A) op(B) + beta C, op(A) [m, k], op(B) [k, n]; C has
+// D's layout and is D itself when null.
 void lt_matmul(const char* opname, bool ta, bool tb, int64_t m, int64_t n, int64_t k, DType ab, const void* A,
-               int64_t lda, const void* B, int64_t ldb, float beta, DType cd, void* D, int64_t ldd) {
+               int64_t lda, const void* B, int64_t ldb, float beta, DType cd, void* D, int64_t ldd,
+               const void* C = nullptr) {
+  if (C == nullptr) C = D;
   const PlanKey key{m,
                     n,
                     k,
@@ -76,7 +82,7 @@ void lt_matmul(const char* opname, bool ta, bool tb, int64_t m, int64_t n, int64
                     static_cast<int32_t>(cd),
                     alignment_of(A),
                     alignment_of(B),
-                    alignment_of(D)};
+                    std::min(alignment_of(C), alignment_of(D))};
   cublasLtHandle_t handle = cublaslt_handle();
   size_t ws_bytes = 0;
   void* ws = cublaslt_workspace(&ws_bytes);
@@ -120,7 +126,7 @@ void lt_matmul(const char* opname, bool ta, bool tb, int64_t m, int64_t n, int64
   }
   const Plan& p = *it->second;
   const float alpha = 1.0f;
-  MT_CUBLAS_CHECK(cublasLtMatmul(handle, p.op, &alpha, A, p.a, B, p.b, &beta, D, p.d, D, p.d, &p.algo, ws, ws_bytes,
+  MT_CUBLAS_CHECK(cublasLtMatmul(handle, p.op, &alpha, A, p.a, B, p.b, &beta, C, p.d, D, p.d, &p.algo, ws, ws_bytes,
                                  stream()));
 }
 
@@ -132,42 +138,63 @@ void check_operand(const Tensor& t, const char* op, const char* name) {
 
 }  // namespace
 
-Tensor linear_forward(const Tensor& x, const Tensor& w) {
+Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& residual) {
   const char* op = "linear_forward";
   check_operand(x, op, "x");
   check_operand(w, op, "w");
-  check_cuda_tensors(op, {&x, &w});
+  check_cuda_tensors(op, {&x, &w, &residual});
   const int64_t T = x.size(0), in = x.size(1), out = w.size(0);
   check_shape(w, {out, in}, "linear_forward w");
   MT_CHECK(w.dtype() == x.dtype(), "{}: w {} and x {} must share a dtype", op, w.str(), x.str());
+  if (residual.defined()) {
+    check_shape(residual, {T, out}, "linear_forward residual");
+    check_dtype(residual, x.dtype(), "linear_forward residual");
+  }
   Tensor y = Tensor::empty({T, out}, x.dtype(), x.device());
   if (T == 0 || out == 0) return y;
   if (in == 0) {
-    y.zero_();
+    if (residual.defined()) y.copy_from(residual);
+    else y.zero_();
     return y;
   }
-  // y^T [out, T] = op_T(W^T as [in, out]) * x^T [in, T]
-  lt_matmul(op, true, false, out, T, in, x.dtype(), w.raw(), in, x.raw(), in, 0.0f, x.dtype(), y.raw(), out);
+  // y^T [out, T] = op_T(W^T as [in, out]) * x^T [in, T] (+ residual^T)
+  lt_matmul(op, true, false, out, T, in, x.dtype(), w.raw(), in, x.raw(), in, residual.defined() ? 1.0f : 0.0f,
+            x.dtype(), y.raw(), out, residual.defined() ? residual.raw() : nullptr);
   return y;
 }
 
-Tensor linear_backward_input(const Tensor& dy, const Tensor& w) {
-  const char* op = "linear_backward_input";
+namespace {
+// dx (+)= dy W; beta 0 writes, 1 accumulates.
+void backward_input_into(const Tensor& dy, const Tensor& w, Tensor& dx, float beta, const char* op) {
   check_operand(dy, op, "dy");
   check_operand(w, op, "w");
-  check_cuda_tensors(op, {&dy, &w});
+  check_cuda_tensors(op, {&dy, &w, &dx});
   const int64_t T = dy.size(0), out = w.size(0), in = w.size(1);
   check_shape(dy, {T, out}, "linear_backward_input dy");
-  MT_CHECK(w.dtype() == dy.dtype(), "{}: w {} and dy {} must share a dtype", op, w.str(), dy.str());
-  Tensor dx = Tensor::empty({T, in}, dy.dtype(), dy.device());
-  if (T == 0 || in == 0) return dx;
+  check_shape(dx, {T, in}, "linear_backward_input dx");
+  MT_CHECK(w.dtype() == dy.dtype() && dx.dtype() == dy.dtype(), "{}: w {}, dy {} and dx {} must share a dtype", op,
+           w.str(), dy.str(), dx.str());
+  if (T == 0 || in == 0) return;
   if (out == 0) {
-    dx.zero_();
-    return dx;
+    if (beta == 0.0f) dx.zero_();
+    return;
   }
-  // dx^T [in, T] = W^T [in, out] * dy^T [out, T]
-  lt_matmul(op, false, false, in, T, out, dy.dtype(), w.raw(), in, dy.raw(), out, 0.0f, dy.dtype(), dx.raw(), in);
+  // dx^T [in, T] = W^T [in, out] * dy^T [out, T] (+ dx^T)
+  lt_matmul(op, false, false, in, T, out, dy.dtype(), w.raw(), in, dy.raw(), out, beta, dy.dtype(), dx.raw(), in);
+}
+}  // namespace
+
+Tensor linear_backward_input(const Tensor& dy, const Tensor& w) {
+  check_operand(dy, "linear_backward_input", "dy");
+  check_operand(w, "linear_backward_input", "w");
+  Tensor dx = Tensor::empty({dy.size(0), w.size(1)}, dy.dtype(), dy.device());
+  backward_input_into(dy, w, dx, 0.0f, "linear_backward_input");
   return dx;
+}
+
+void linear_backward_input_add(const Tensor& dy, const Tensor& w, Tensor& dx) {
+  MT_CHECK(dx.defined(), "linear_backward_input_add: dx is undefined");
+  backward_input_into(dy, w, dx, 1.0f, "linear_backward_input_add");
 }
 
 void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw) {
