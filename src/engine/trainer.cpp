@@ -100,15 +100,16 @@ double expert_imbalance(const std::vector<std::vector<int64_t>>& counts) {
 StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, AdamW& opt, const std::vector<Batch>& batches,
                       double lr, double grad_clip) {
   ParameterList& params = model.parameters();
-  zero_grads(params);
   int64_t targets = 0;
   for (const Batch& b : batches) targets += b.num_targets;
   MT_CHECK(targets > 0, "no token of the step's batches has a target");
   StepResult r;
   double ce = 0;
   const double n = static_cast<double>(batches.size());
-  for (const Batch& b : batches) {
-    MicroBatchLoss l = model.forward_backward(b, dispatcher, 1.0 / static_cast<double>(targets), 1.0 / n);
+  for (size_t i = 0; i < batches.size(); ++i) {
+    const Batch& b = batches[i];
+    // The first micro-batch writes the gradients, the others add: no zeroing pass.
+    MicroBatchLoss l = model.forward_backward(b, dispatcher, 1.0 / static_cast<double>(targets), 1.0 / n, i > 0);
     ce += l.ce_sum;
     r.aux_loss += (l.aux_loss + l.z_loss) / n;
     if (r.expert_counts.empty()) r.expert_counts = l.expert_counts;

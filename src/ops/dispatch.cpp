@@ -24,7 +24,10 @@ Tensor embedding_forward(const Tensor& ids, const Tensor& weight) {
   return MT_ROUTE(ids, embedding_forward, ids, weight);
 }
 
-void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight) {
+// The embedding and norm gradients are small next to the matrices': overwrite is a zero
+// fill and then the backends' accumulating kernels.
+void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight, bool accumulate) {
+  if (!accumulate) dweight.zero_();
   MT_ROUTE(ids, embedding_backward_weight, ids, dy, dweight);
 }
 
@@ -40,8 +43,8 @@ void linear_backward_input_add(const Tensor& dy, const Tensor& w, Tensor& dx) {
   MT_ROUTE(dy, linear_backward_input_add, dy, w, dx);
 }
 
-void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw) {
-  MT_ROUTE(dy, linear_backward_weight, dy, x, dw);
+void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw, bool accumulate) {
+  MT_ROUTE(dy, linear_backward_weight, dy, x, dw, accumulate);
 }
 
 RmsNormOut rmsnorm_forward(const Tensor& x, const Tensor& w, double eps) {
@@ -52,7 +55,8 @@ Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w
   return MT_ROUTE(dy, rmsnorm_backward_input, dy, x, w, rstd);
 }
 
-void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dw) {
+void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dw, bool accumulate) {
+  if (!accumulate) dw.zero_();
   MT_ROUTE(dy, rmsnorm_backward_weight, dy, x, rstd, dw);
 }
 
@@ -116,8 +120,9 @@ SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& c
   return MT_ROUTE(dy, grouped_swiglu_backward_input, dy, counts, gate, up, w_gate, w_up, w_down);
 }
 
-void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate, const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down) {
-  MT_ROUTE(dy, grouped_swiglu_backward_weight, dy, x, counts, gate, up, dgate, dup, dw_gate, dw_up, dw_down);
+void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate, const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down, bool accumulate) {
+  MT_ROUTE(dy, grouped_swiglu_backward_weight, dy, x, counts, gate, up, dgate, dup, dw_gate, dw_up, dw_down,
+           accumulate);
 }
 
 CrossEntropyOut cross_entropy_forward(const Tensor& logits, const Tensor& targets) {

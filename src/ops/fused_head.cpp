@@ -9,7 +9,7 @@
 namespace moetrain::ops {
 
 LinearCrossEntropyOut linear_cross_entropy(const Tensor& x, const Tensor& w, const Tensor& targets, double scale,
-                                           Tensor* dx, Tensor* dw, int64_t chunk_rows) {
+                                           Tensor* dx, Tensor* dw, int64_t chunk_rows, bool accumulate_dw) {
   MT_CHECK(x.defined() && w.defined() && targets.defined(), "linear_cross_entropy: x, w and targets must be defined");
   MT_CHECK(x.ndim() == 2 && w.ndim() == 2 && x.size(1) == w.size(1),
            "linear_cross_entropy: x {} and w {} must be [T, H] and [V, H]", x.str(), w.str());
@@ -37,7 +37,7 @@ LinearCrossEntropyOut linear_cross_entropy(const Tensor& x, const Tensor& w, con
     logits = Tensor();  // free before the next chunk's logits
     Tensor dxr = dx->slice(r0, r1);
     dxr.copy_from(linear_backward_input(dlogits, w));
-    if (dw) linear_backward_weight(dlogits, xr, *dw);
+    if (dw) linear_backward_weight(dlogits, xr, *dw, accumulate_dw || r0 > 0);
   }
   if (!out.loss_sum.defined()) out.loss_sum = Tensor::zeros({1}, DType::F32, x.device());
   return out;

@@ -28,7 +28,13 @@ namespace moetrain::ops {
 // ids i32 [T], weight [V, H] -> [T, H]. An id outside [0, V) is an error naming it.
 Tensor embedding_forward(const Tensor& ids, const Tensor& weight);
 // dweight[ids[t]] += dy[t]
-void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight);
+//
+// Every weight-gradient op takes `accumulate`: true adds into the gradient (micro-batches
+// after the first), false overwrites it, so a step's first micro-batch needs no zeroed
+// gradients (for the expert weights that saves a 4-byte read and a 4-byte memset per
+// parameter). Overwrite writes every element, including the weights of an expert that got
+// no rows (zeros).
+void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight, bool accumulate = true);
 
 // ---- linear: y = x W^T ----------------------------------------------------------------
 // x [T, in], w [out, in] -> [T, out]. With residual [T, out] given: y = residual + x W^T
@@ -38,8 +44,8 @@ Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& residual =
 Tensor linear_backward_input(const Tensor& dy, const Tensor& w);
 // dx += dy W (beta = 1): sums the input gradients of projections that share an input.
 void linear_backward_input_add(const Tensor& dy, const Tensor& w, Tensor& dx);
-// dw += dy^T x
-void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw);
+// dw += dy^T x  (dw = dy^T x when !accumulate)
+void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw, bool accumulate = true);
 
 // ---- RMSNorm over the last D = w.numel() elements -------------------------------------
 // x is read as [R, D] rows (so [T, heads*hd] with w [hd] is Qwen3's per-head q/k norm).
@@ -52,7 +58,8 @@ RmsNormOut rmsnorm_forward(const Tensor& x, const Tensor& w, double eps);
 // dx = rstd * (w*dy - x * rstd^2 * mean(w*dy*x))
 Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd);
 // dw += sum_rows dy * x * rstd
-void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dw);
+void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dw,
+                             bool accumulate = true);
 
 // ---- RoPE, rotate-half convention (HF Llama/Qwen) -------------------------------------
 // x [T, heads * head_dim]; positions i32 [T]. For pair (i, i + head_dim/2) of each head,
@@ -147,7 +154,7 @@ SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& c
 // dW_down[e] += dy_e^T a_e; dW_gate[e] += dgate_e^T x_e; dW_up[e] += dup_e^T x_e
 void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate,
                                     const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate,
-                                    Tensor& dw_up, Tensor& dw_down);
+                                    Tensor& dw_up, Tensor& dw_down, bool accumulate = true);
 
 // ---- cross-entropy with ignore index -100 ---------------------------------------------
 // logits [T, V], targets i32 [T]. loss_sum [1] = sum over targets != -100 of
@@ -168,12 +175,13 @@ Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const
 // logits, in f32 that is 4.8 GB for 8192 tokens of a 152k vocabulary, never do). When dx
 // is given, the backward runs in the same pass (the loss is final, so its gradient is known
 // per chunk): dx = d(scale * loss_sum)/dx is written [T, H] and, when dw is given, dW is
-// accumulated into dw. chunk_rows <= 0 picks rows so that a chunk holds ~64M logits.
+// accumulated into dw (written when !accumulate_dw). chunk_rows <= 0 picks rows so that a chunk holds ~64M logits.
 struct LinearCrossEntropyOut {
   Tensor loss_sum;  // [1], as cross_entropy_forward's (f32 on the GPU)
 };
 LinearCrossEntropyOut linear_cross_entropy(const Tensor& x, const Tensor& w, const Tensor& targets, double scale,
-                                           Tensor* dx, Tensor* dw, int64_t chunk_rows = 0);
+                                           Tensor* dx, Tensor* dw, int64_t chunk_rows = 0,
+                                           bool accumulate_dw = true);
 
 // ---- MoE auxiliary losses -------------------------------------------------------------
 // Hugging Face Qwen3-MoE load balancing over R router rows (all routed layers of a

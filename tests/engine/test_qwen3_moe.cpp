@@ -184,6 +184,37 @@ TEST(Qwen3Moe, GradientAccumulationEqualsOneLargeBatch) {
   }
 }
 
+// A step's first micro-batch overwrites the gradients instead of adding to zeroed ones:
+// from gradients full of NaN, every one must come out as zero + accumulate gives it
+// (tied and untied heads; the tiny config leaves some experts without tokens).
+TEST(Qwen3Moe, FirstMicroBatchOverwritesGradients) {
+  for (bool tied : {false, true}) {
+    Qwen3MoeConfig c = tiny_config();
+    c.tie_word_embeddings = tied;
+    c.num_experts = 8;  // 20 tokens x top-2 over 8 experts: some expert is likely idle
+    Qwen3MoeModel model(c, DType::F64);
+    model.init_weights(4);
+    LocalDispatcher d;
+    Batch b = random_batch(2, 10, static_cast<int32_t>(c.vocab_size), 31);
+    zero_grads(model.parameters());
+    MicroBatchLoss l = model.forward_backward(b, d, 1.0 / 20.0, 1.0);
+    std::vector<Tensor> expected;
+    for (auto& p : model.parameters()) {
+      expected.push_back(p.grad.clone());
+      p.grad.fill_(NAN);
+    }
+    model.forward_backward(b, d, 1.0 / 20.0, 1.0, /*accumulate_grads=*/false);
+    for (size_t i = 0; i < expected.size(); ++i) {
+      EXPECT_LT(testing::rel_error(model.parameters()[i].grad, expected[i]), 1e-15)
+          << (tied ? "tied: " : "untied: ") << model.parameters()[i].name;
+    }
+    int idle = 0;
+    for (const auto& layer : l.expert_counts)
+      for (int64_t n : layer) idle += n == 0;
+    if (!tied) std::printf("experts without tokens in the overwrite test: %d\n", idle);
+  }
+}
+
 TEST(Qwen3Moe, FlopsPerTokenCountsActiveParameters) {
   Qwen3MoeConfig c = tiny_config();
   Qwen3MoeModel m(c, DType::F32);

@@ -6,9 +6,11 @@
 // whole token's contribution. So the strict check (every gradient within bf16 tolerance)
 // routes every token to every expert (top-k = E), which exercises the same router, permute,
 // grouped-GEMM and combine kernels with a continuous routing; the top-k check then bounds
-// the loss and the share of tokens whose routing changed.
+// the loss and the share of tokens whose routing changed. The GPU step starts from NaN
+// gradients and overwrites them (a step's first micro-batch), the CPU step adds to zeros.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 
 #include "core/cuda_runtime.h"
@@ -66,10 +68,10 @@ StepPair run_both(const Qwen3MoeConfig& c) {
 
   LocalDispatcher d;
   zero_grads(cpu.parameters());
-  zero_grads(gpu.parameters());
+  for (auto& p : gpu.parameters()) p.grad.fill_(NAN);  // the GPU step overwrites (first micro-batch)
   StepPair r;
   r.cpu = cpu.forward_backward(b, d, 1.0 / (B * S), 1.0);
-  r.gpu = gpu.forward_backward(bg, d, 1.0 / (B * S), 1.0);
+  r.gpu = gpu.forward_backward(bg, d, 1.0 / (B * S), 1.0, /*accumulate_grads=*/false);
   std::printf("E=%lld k=%lld: loss cpu %.6f gpu %.6f | aux cpu %.6f gpu %.6f\n",
               static_cast<long long>(c.num_experts), static_cast<long long>(c.num_experts_per_tok),
               r.cpu.ce_sum / (B * S), r.gpu.ce_sum / (B * S), r.cpu.aux_loss, r.gpu.aux_loss);

@@ -182,28 +182,28 @@ Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, cons
   return dx;
 }
 
-void Qwen3MoeDecoderLayer::backward_weight(Qwen3MoeLayerState& s) {
+void Qwen3MoeDecoderLayer::backward_weight(Qwen3MoeLayerState& s, bool accumulate) {
   if (moe_) {
     StageScope t(Stage::kRouterPermute);
-    ops::linear_backward_weight(s.d_router_logits, s.ln2.y, g_gate_w_);
+    ops::linear_backward_weight(s.d_router_logits, s.ln2.y, g_gate_w_, accumulate);
   }
   {
     StageScope t(Stage::kExpertGemm);
     ops::grouped_swiglu_backward_weight(s.d_mlp_out, s.expert_in.rows, s.expert_in.counts, s.mlp.gate, s.mlp.up,
-                                        s.d_mlp.dgate, s.d_mlp.dup, g_w_gate_, g_w_up_, g_w_down_);
+                                        s.d_mlp.dgate, s.d_mlp.dup, g_w_gate_, g_w_up_, g_w_down_, accumulate);
   }
   {
     StageScope t(Stage::kAttention);
-    ops::linear_backward_weight(s.d_h, s.attn.out, g_wo_);
-    ops::linear_backward_weight(s.d_q_raw, s.ln1.y, g_wq_);
-    ops::linear_backward_weight(s.d_k_raw, s.ln1.y, g_wk_);
-    ops::linear_backward_weight(s.d_v, s.ln1.y, g_wv_);
+    ops::linear_backward_weight(s.d_h, s.attn.out, g_wo_, accumulate);
+    ops::linear_backward_weight(s.d_q_raw, s.ln1.y, g_wq_, accumulate);
+    ops::linear_backward_weight(s.d_k_raw, s.ln1.y, g_wk_, accumulate);
+    ops::linear_backward_weight(s.d_v, s.ln1.y, g_wv_, accumulate);
   }
   StageScope t(Stage::kNorms);
-  ops::rmsnorm_backward_weight(s.d_ln2_out, s.h, s.ln2.rstd, g_ln2_w_);
-  ops::rmsnorm_backward_weight(s.d_q_normed, s.q_raw, s.q_norm.rstd, g_q_norm_w_);
-  ops::rmsnorm_backward_weight(s.d_k_normed, s.k_raw, s.k_norm.rstd, g_k_norm_w_);
-  ops::rmsnorm_backward_weight(s.d_ln1_out, s.x, s.ln1.rstd, g_ln1_w_);
+  ops::rmsnorm_backward_weight(s.d_ln2_out, s.h, s.ln2.rstd, g_ln2_w_, accumulate);
+  ops::rmsnorm_backward_weight(s.d_q_normed, s.q_raw, s.q_norm.rstd, g_q_norm_w_, accumulate);
+  ops::rmsnorm_backward_weight(s.d_k_normed, s.k_raw, s.k_norm.rstd, g_k_norm_w_, accumulate);
+  ops::rmsnorm_backward_weight(s.d_ln1_out, s.x, s.ln1.rstd, g_ln1_w_, accumulate);
 }
 
 Tensor Qwen3MoeDecoderLayer::reference_forward(const Tensor& x, const Tensor& positions, const BatchShape& b) const {
@@ -360,7 +360,7 @@ MicroBatchLoss Qwen3MoeModel::forward_loss(const Batch& batch, ExpertDispatcher&
 }
 
 MicroBatchLoss Qwen3MoeModel::forward_backward(const Batch& batch, ExpertDispatcher& d, double ce_scale,
-                                               double aux_scale) {
+                                               double aux_scale, bool accumulate_grads) {
   ForwardState st;
   BatchShape b{batch.batch, batch.seq};
   Tensor h = run_forward(batch.inputs, batch.positions, b, d, st);
@@ -370,12 +370,13 @@ MicroBatchLoss Qwen3MoeModel::forward_backward(const Batch& batch, ExpertDispatc
   Tensor d_norm, dx;
   {
     StageScope t(Stage::kLoss);
-    ops::LinearCrossEntropyOut head = ops::linear_cross_entropy(h, lm_head_, batch.targets, ce_scale, &d_norm, &g_lm_head_);
+    ops::LinearCrossEntropyOut head = ops::linear_cross_entropy(h, lm_head_, batch.targets, ce_scale, &d_norm, &g_lm_head_,
+                                                                /*chunk_rows=*/0, accumulate_grads);
     out.ce_sum = head.loss_sum.item();
   }
   {
     StageScope t(Stage::kNorms);
-    ops::rmsnorm_backward_weight(d_norm, st.final_in, st.final_norm.rstd, g_final_norm_w_);
+    ops::rmsnorm_backward_weight(d_norm, st.final_in, st.final_norm.rstd, g_final_norm_w_, accumulate_grads);
     dx = ops::rmsnorm_backward_input(d_norm, st.final_in, final_norm_w_, st.final_norm.rstd);
   }
 
@@ -399,10 +400,11 @@ MicroBatchLoss Qwen3MoeModel::forward_backward(const Batch& batch, ExpertDispatc
       }
     }
     dx = layer.attn_backward_input(dx, d_mlp_in, ag.d_topk_weight, d_probs, d_logits_z, batch.positions, b, s);  // 1
-    layer.backward_weight(s);
+    layer.backward_weight(s, accumulate_grads);
     s = Qwen3MoeLayerState();
   }
-  ops::embedding_backward_weight(batch.inputs, dx, g_embed_);
+  // Tied: the head has already written (or added to) this gradient.
+  ops::embedding_backward_weight(batch.inputs, dx, g_embed_, accumulate_grads || cfg_.tie_word_embeddings);
   return out;
 }
 

@@ -82,8 +82,9 @@ class Qwen3MoeDecoderLayer {
   Tensor attn_backward_input(const Tensor& dy_residual, const Tensor& d_mlp_in, const Tensor& d_topk_weight,
                              const Tensor& d_probs_extra, const Tensor& d_logits_extra, const Tensor& positions,
                              const BatchShape& b, Qwen3MoeLayerState& s) const;
-  // Every weight gradient of the layer, from what backward_input saved.
-  void backward_weight(Qwen3MoeLayerState& s);
+  // Every weight gradient of the layer, from what backward_input saved; added into the
+  // gradients, or written over them when !accumulate.
+  void backward_weight(Qwen3MoeLayerState& s, bool accumulate = true);
 
   // The plain path used to validate every layout: no dispatcher, each token's experts
   // evaluated directly. Returns the layer output.
@@ -122,11 +123,12 @@ class Qwen3MoeModel {
   void init_weights(uint64_t seed) { init_parameters(params_, seed); }
 
   // Forward and backward of one micro-batch. Gradients ACCUMULATE into the parameters'
-  // grads. The cross-entropy sum is scaled by ce_scale (1 / targets of the whole step) and
-  // the auxiliary losses by aux_scale (1 / micro-batches), so accumulated micro-batches
-  // give the gradient of the step's mean loss.
+  // grads, or, with accumulate_grads false (a step's first micro-batch), overwrite them, so
+  // they need no zeroing first. The cross-entropy sum is scaled by ce_scale (1 / targets of
+  // the whole step) and the auxiliary losses by aux_scale (1 / micro-batches), so
+  // accumulated micro-batches give the gradient of the step's mean loss.
   MicroBatchLoss forward_backward(const Batch& batch, ExpertDispatcher& dispatcher, double ce_scale,
-                                  double aux_scale);
+                                  double aux_scale, bool accumulate_grads = true);
   // Forward only: loss terms without touching gradients.
   MicroBatchLoss forward_loss(const Batch& batch, ExpertDispatcher& dispatcher);
   // Logits [T, V] for ids/positions, through the staged path.

@@ -83,7 +83,7 @@ void linear_backward_input_add(const Tensor& dy, const Tensor& w, Tensor& dx) {
   backward_input_into(dy, w, dx, 1.0, "linear_backward_input_add");
 }
 
-void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw) {
+void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw, bool accumulate) {
   check_2d(dy, "dy", "linear_backward_weight");
   check_2d(x, "x", "linear_backward_weight");
   const int64_t T = x.size(0), in = x.size(1), out = dy.size(1);
@@ -92,7 +92,7 @@ void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw) {
   check_same_dtype("linear_backward_weight", dw.dtype(), {&dy, &x});
   dispatch_float(dw.dtype(), "linear_backward_weight", [&](auto tag) {
     using F = decltype(tag);
-    gemm<F>(true, false, out, in, T, dy.data<F>(), out, x.data<F>(), in, F(1), dw.data<F>(), in);
+    gemm<F>(true, false, out, in, T, dy.data<F>(), out, x.data<F>(), in, F(accumulate ? 1 : 0), dw.data<F>(), in);
   });
 }
 

@@ -155,7 +155,7 @@ SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& c
 
 void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate,
                                     const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate,
-                                    Tensor& dw_up, Tensor& dw_down) {
+                                    Tensor& dw_up, Tensor& dw_down, bool accumulate) {
   MT_CHECK(x.defined() && x.ndim() == 2, "grouped_swiglu_backward_weight: x must be [N, H], got {}", x.str());
   const Dims d = check_swiglu("grouped_swiglu_backward_weight", x.size(0), x.size(1), counts, dw_gate, dw_up, dw_down,
                               "dw");
@@ -168,6 +168,11 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
   check_same_dtype("grouped_swiglu_backward_weight", x.dtype(),
                    {&dy, &gate, &up, &dgate, &dup, &dw_gate, &dw_up, &dw_down});
   Tensor act = Tensor::empty({N, I}, x.dtype());
+  if (!accumulate) {  // an expert without rows still gets its (zero) gradient written
+    dw_gate.zero_();
+    dw_up.zero_();
+    dw_down.zero_();
+  }
   dispatch_float(x.dtype(), "grouped_swiglu_backward_weight", [&](auto tag) {
     using F = decltype(tag);
     const F *DY = dy.data<F>(), *X = x.data<F>(), *DG = dgate.data<F>(), *DU = dup.data<F>();

@@ -197,7 +197,7 @@ void linear_backward_input_add(const Tensor& dy, const Tensor& w, Tensor& dx) {
   backward_input_into(dy, w, dx, 1.0f, "linear_backward_input_add");
 }
 
-void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw) {
+void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw, bool accumulate) {
   const char* op = "linear_backward_weight";
   check_operand(dy, op, "dy");
   check_operand(x, op, "x");
@@ -207,9 +207,14 @@ void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw) {
   check_shape(dw, {out, in}, "linear_backward_weight dw");
   MT_CHECK(dy.dtype() == x.dtype(), "{}: dy {} and x {} must share a dtype", op, dy.str(), x.str());
   check_dtype(dw, DType::F32, "linear_backward_weight dw (f32 weight gradient)");
-  if (T == 0 || in == 0 || out == 0) return;  // nothing to add
-  // dW^T [in, out] += x^T [in, T] * op_T(dy^T as [out, T])
-  lt_matmul(op, false, true, in, out, T, x.dtype(), x.raw(), in, dy.raw(), out, 1.0f, DType::F32, dw.raw(), in);
+  if (in == 0 || out == 0) return;
+  if (T == 0) {  // nothing to add; an overwrite leaves zeros
+    if (!accumulate) dw.zero_();
+    return;
+  }
+  // dW^T [in, out] (+)= x^T [in, T] * op_T(dy^T as [out, T])
+  lt_matmul(op, false, true, in, out, T, x.dtype(), x.raw(), in, dy.raw(), out, accumulate ? 1.0f : 0.0f, DType::F32,
+            dw.raw(), in);
 }
 
 }  // namespace moetrain::ops::cuda

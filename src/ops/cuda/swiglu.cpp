@@ -113,7 +113,7 @@ SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& c
 
 void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate,
                                     const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate,
-                                    Tensor& dw_up, Tensor& dw_down) {
+                                    Tensor& dw_up, Tensor& dw_down, bool accumulate) {
   const char* op = "grouped_swiglu_backward_weight";
   MT_CHECK(x.defined() && x.ndim() == 2, "{}: x must be [N, H], got {}", op, x.str());
   const Dims d = check_swiglu(op, x.size(0), x.size(1), counts, dw_gate, dw_up, dw_down, "dw", DType::F32);
@@ -129,7 +129,7 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
   launch_swiglu_backward_weight(dy.raw(), x.raw(), counts.data<int64_t>(), gate.raw(), up.raw(), dgate.raw(),
                                 dup.raw(), d.N, static_cast<int>(d.H), static_cast<int>(d.I), static_cast<int>(d.E),
                                 act.raw(), dw_gate.data<float>(), dw_up.data<float>(), dw_down.data<float>(),
-                                ws.data<int32_t>(), stream());
+                                accumulate, ws.data<int32_t>(), stream());
   check_launch("grouped_swiglu_backward_weight kernels");
 }
 

@@ -1,5 +1,24 @@
-// Grouped expert SwiGLU: grouped GEMMs on the tensor cores (mma.sync m16n8k16, bf16 in,
-// f32 accumulation), one launch per projection for all experts, no host synchronisation.
+// Grouped expert SwiGLU: grouped GEMMs on the tensor cores (bf16 in, f32 accumulation), one
+// launch per projection for all experts, no host synchronisation. Two implementations of the
+// same tiles and schedule: wgmma + TMA on Hopper (sm_90a, the "Hopper path" below), and
+// mma.sync m16n8k16 + cp.async everywhere else (and with MOETRAIN_SWIGLU_MMA_SYNC=1).
+//
+// Floor and expectation, at the bench model's shape (E = 128, H = 2048, I = 768, N = 65536
+// rows, uneven counts; benchmarks/bench_grouped_swiglu.cpp), on an H100 SXM (989 TFLOP/s
+// dense bf16, 3.35 TB/s):
+//   each of forward, backward_input, backward_weight is 6 N H I = 0.62 TFLOP: 0.63 ms of
+//   tensor-core time. forward / backward_input also read the 1.2 GB of bf16 weights (0.36
+//   ms), under the MMA time. backward_weight reads and writes the f32 dW (2 x 2.4 GB, 1.45
+//   ms): it is memory-bound, floor ~1.5 ms. Floor of the three: ~2.8 ms a layer (~660 TFLOP/s).
+//   mma.sync kernels (before): 2.48 + 2.78 + 4.11 ms = 9.4 ms (~200 TFLOP/s). Expected with
+//   wgmma at 128 x 128 tiles, ~600 TFLOP/s in the row GEMMs: ~1.1 + 1.1 + ~1.8 ms = ~4 ms
+//   a layer (~460 TFLOP/s).
+//   Measured (H100 SXM): 1.63 + 1.77 + 2.84 ms = 6.2 ms (~300 TFLOP/s; 380 / 350 / 217 for
+//   the three ops). Where the rest is: the row GEMMs run at ~55% SM throughput with L2 at
+//   ~80% (Nsight Compute): 128 x 128 tiles reload too much per FLOP; 128 x 256 tiles with a
+//   producer warpgroup (one block per SM) are the next step. backward_weight's main loops
+//   take 1.3 ms alone; its f32 dW add-back is not overlapped with them yet (a persistent
+//   kernel would overlap one tile's reduce with the next tile's loads).
 //
 // Schedule. A one-block kernel turns counts [E] (device) into row offsets [E+1] and a
 // list of row tiles: expert e owns ceil(c_e / 128) tiles of up to 128 of its rows. The
@@ -10,7 +29,7 @@
 // expert's rows read from the offsets; an expert with no rows leaves its dW untouched.
 // Each output element is owned by one block and reduced in a fixed order: deterministic.
 //
-// Block tile 128 x 128 x 64, 8 warps as 2 (M) x 4 (N), warp tile 64 x 32, a 3-stage
+// mma.sync path: block tile 128 x 128 x 64, 8 warps as 2 (M) x 4 (N), warp tile 64 x 32, a 3-stage
 // cp.async pipeline (96 KB of shared memory, 2 blocks per SM). Operand tiles are stored
 // either K-major ([128 rows][64 k], 128-byte rows) or MN-major ([64 k][128], 256-byte
 // rows), 16-byte chunks XOR-swizzled by (row & 7) so that ldmatrix (.trans for MN-major)
@@ -25,7 +44,10 @@
 // The gate/up launch puts 64 gate rows and the same 64 up rows of the weights in one B
 // tile, and lays the warps out so that each thread holds g and u of the same elements:
 // silu(g) * u is computed from the f32 accumulators.
+#include <cuda.h>  // CUtensorMap (types only: the encoder is fetched from the driver at run time)
 #include <cuda_bf16.h>
+
+#include <cstdlib>
 
 #include "ops/cuda/kernels.cuh"
 #include "ops/cuda/moe_device.cuh"
@@ -275,13 +297,14 @@ struct WgradArgs {
   int64_t c_stride;
   int M, Nc;
   const int* offsets;  // [E + 1]
+  int accumulate;      // 0: C = sum (every block writes, an expert without rows writes zeros)
 };
 
 template <int kProblems>
 __global__ void __launch_bounds__(kThreads, 2) grouped_wgrad_kernel(const WgradArgs args) {
   const int e = blockIdx.z / kProblems, prob = blockIdx.z % kProblems;
   const int r0 = args.offsets[e], r1 = args.offsets[e + 1];
-  if (r1 <= r0) return;
+  if (r1 <= r0 && args.accumulate) return;  // nothing to add (an overwrite still stores zeros)
   const int m0 = blockIdx.y * kBM, n0 = blockIdx.x * kBN;
   const bf16* A = prob ? args.a1 : args.a0;
   float* C = (prob ? args.c1 : args.c0) + e * args.c_stride;
@@ -328,11 +351,11 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgrad_kernel(const WgradA
       const int m = m0 + wm * 64 + mi * 16 + (lane >> 2) + half * 8;
       if (m >= M) continue;
       float* crow = C + static_cast<int64_t>(m) * Nc;
-      float2 c[4];
+      float2 c[4] = {};
 #pragma unroll
       for (int nb = 0; nb < 4; ++nb) {
         const int n = n0 + wn * 32 + nb * 8 + (lane & 3) * 2;
-        if (n < Nc) c[nb] = *reinterpret_cast<const float2*>(crow + n);
+        if (n < Nc && args.accumulate) c[nb] = *reinterpret_cast<const float2*>(crow + n);
       }
 #pragma unroll
       for (int nb = 0; nb < 4; ++nb) {
@@ -345,6 +368,368 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgrad_kernel(const WgradA
     }
   }
 }
+
+// ==== Hopper path (sm_90a): TMA loads + wgmma ==============================================
+// Same tiles and schedule as above (128 x 128 x 64, one expert per block, one owner per
+// output element), but the operands are fetched by the tensor copy engine (TMA) into
+// 128-byte-swizzled shared memory, completion signalled on mbarriers, and consumed by
+// warpgroup MMAs (wgmma m64n128k16) straight from shared memory: no ldmatrix, no per-thread
+// address arithmetic in the main loop, and the copies of a 3-stage ring run while the
+// tensor cores work. 2 warpgroups per block, each owning 64 rows of the tile; 2 blocks per
+// SM (96 KB of stages each) so one block's epilogue overlaps the other's main loop.
+//
+// Ragged edges cost nothing in the main loop: TMA zero-fills the parts of a box outside the
+// tensor (rows past N, k past K, columns past the extent). A row tile reads up to 127 rows
+// of the next expert; they only feed output rows that the epilogue does not store. The
+// weight-gradient GEMMs reduce over an expert's rows, so there the rows past the expert's
+// end in its last k-tile are zeroed in shared memory before the MMA, and their f32 tile is
+// added into dW by a TMA reduce-add copy rather than by thread loads and stores.
+namespace hopper {
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MT_SWIGLU_SM90A 1
+#else
+#define MT_SWIGLU_SM90A 0
+#endif
+
+// S (a template parameter below): pipeline stages. 3 = two blocks of 96 KB per SM; 6 stages
+// at one block per SM measured ~12% slower (no overlap of epilogues with main loops).
+constexpr int kThreads = 256;
+constexpr int kTile = 128 * 64 * 2;  // one operand's k-tile: 16 KB, as 128 x 128-byte rows
+[[maybe_unused]] constexpr int kChunk = kTile / 2;  // MN-major operands: two [64 k][64 mn] boxes of 8 KB
+constexpr int kStage = 2 * kTile;
+constexpr int smem_bytes(int stages) { return stages * kStage + 1024 + 2 * stages * 8; }  // + alignment, barriers
+
+struct Maps {
+  CUtensorMap a[2];  // A operand (rows: [N, K]; wgrad: [N, M]), per k source
+  CUtensorMap b[2];  // B operand (weights [E, ., .]; wgrad: [N, Nc]), per k source / gate, up
+  CUtensorMap c[2];  // wgrad: the f32 gradient [E, M, Nc] of each problem (box 32 x 128)
+};
+
+#if MT_SWIGLU_SM90A
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::
+          "r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
+                                            int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+      "[%2];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+// Shared-memory matrix descriptor of a 128-byte-swizzled operand (tiles 1024-byte aligned).
+// sbo: bytes between groups of 8 rows (K-major) or 8 k (MN-major): 1024 here. lbo: MN-major
+// only, bytes between the 64-element column blocks along MN (ignored for K-major).
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accumulator reads or writes across a wgmma fence/wait.
+__device__ __forceinline__ void pin(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// D[64 x 128] += A[64 x 16] B[16 x 128], both from shared memory (descriptors); kTransA /
+// kTransB: the operand is MN-major in shared memory (K-major otherwise).
+template <int kTransA, int kTransB>
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, 1, 1, 1, %66, %67;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "n"(kTransA), "n"(kTransB));
+}
+
+// The main loop shared by both kernels. Thread 0 issues the copies (issue(kt, stage bytes,
+// full barrier)); every thread waits for a stage's copies on full[s], the two warpgroups run
+// their MMAs on it, and each warp arrives on empty[s] once its MMAs of the stage are done,
+// which lets thread 0 refill the stage. `before_mma(kt, stage)` runs after the wait (wgrad
+// masking).
+template <int S, int kTransA, int kTransB, typename Issue, typename BeforeMma>
+__device__ __forceinline__ void mainloop(float (&acc)[64], char* smem, uint64_t* full, uint64_t* empty, int ktiles,
+                                         const Issue& issue, const BeforeMma& before_mma) {
+  const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
+  if (tid == 0) {
+    for (int kt = 0; kt < S - 1 && kt < ktiles; ++kt) issue(kt, smem + kt * kStage, &full[kt]);
+  }
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  for (int kt = 0; kt < ktiles; ++kt) {
+    const int s = kt % S;
+    mbar_wait(&full[s], (kt / S) & 1);
+    char* st = smem + s * kStage;
+    before_mma(kt, st);
+    const uint32_t a = smem_u32(st), b = smem_u32(st + kTile);
+    pin(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      // K-major: this warpgroup's 64 rows start 64 x 128 bytes in, k16 steps are 32 bytes
+      // into the swizzled rows. MN-major: [64 k][64] boxes, k16 steps are 16 rows of 128 bytes.
+      const uint64_t da = kTransA ? sw128_desc(a + wg * kChunk + kk * 2048, kChunk, 1024)
+                                  : sw128_desc(a + wg * 64 * 128 + kk * 32, 16, 1024);
+      const uint64_t db = kTransB ? sw128_desc(b + kk * 2048, kChunk, 1024) : sw128_desc(b + kk * 32, 16, 1024);
+      wgmma_m64n128k16<kTransA, kTransB>(acc, da, db);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();  // the MMAs of k-tile kt - 1 are done: release its stage
+    pin(acc);
+    if (kt > 0 && lane == 0) mbar_arrive(&empty[(kt - 1) % S]);
+    const int next = kt + S - 1;
+    if (tid == 0 && next < ktiles) {
+      const int ns = next % S;
+      mbar_wait(&empty[ns], ((next / S) - 1) & 1);  // k-tile next - S has left it
+      issue(next, smem + ns * kStage, &full[ns]);
+    }
+  }
+  wgmma_wait<0>();
+  pin(acc);
+}
+
+template <int S>
+__device__ __forceinline__ char* setup_smem(char* raw, uint64_t*& full, uint64_t*& empty) {
+  char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+  full = reinterpret_cast<uint64_t*>(smem + S * kStage);
+  empty = full + S;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kThreads / 32);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  return smem;
+}
+#endif  // MT_SWIGLU_SM90A
+
+// Row-grouped GEMM, as grouped_rows_gemm_kernel. Operand maps: a[src] over the rows [N, K_src]
+// (box 64 k x 128 rows); b[src] over the weights [E, n, k] (K-major, box 64 x 128, or for
+// gate/up b[0] = Wg, b[1] = Wu, box 64 x 64 each) or [E, k, n] (MN-major, box 64 n x 64 k).
+// K = nsrc sources of ktiles_src k-tiles each (dx: dgate then dup).
+template <int S, bool kBKMajor, int kEpi>
+__global__ void __launch_bounds__(kThreads, S <= 3 ? 2 : 1)
+    rows_kernel(const __grid_constant__ Maps maps, const RowsArgs args, int ktiles_src, int nsrc) {
+#if MT_SWIGLU_SM90A
+  constexpr bool kGateUp = kEpi == kEpiGateUp;
+  const int e = args.tile_expert[blockIdx.y];
+  if (e < 0) return;
+  const int row0 = args.tile_row[blockIdx.y];
+  const int row_end = args.offsets[e + 1];
+  const int n0 = blockIdx.x * (kGateUp ? 64 : kBN);
+  extern __shared__ char smem_raw[];
+  uint64_t *full, *empty;
+  char* smem = setup_smem<S>(smem_raw, full, empty);
+
+  auto issue = [&](int kt, char* st, uint64_t* bar) {
+    const int src = kt >= ktiles_src ? 1 : 0;
+    const int k0 = (kt - src * ktiles_src) * kBK;
+    char* sb = st + kTile;
+    mbar_arrive_expect_tx(bar, kStage);  // boxes count in full, zero-filled parts included
+    tma_load_2d(st, &maps.a[src], bar, k0, row0);
+    if constexpr (kGateUp) {  // 64 gate rows, then the same 64 rows of up
+      tma_load_3d(sb, &maps.b[0], bar, k0, n0, e);
+      tma_load_3d(sb + kChunk, &maps.b[1], bar, k0, n0, e);
+    } else if constexpr (kBKMajor) {
+      tma_load_3d(sb, &maps.b[src], bar, k0, n0, e);
+    } else {
+      tma_load_3d(sb, &maps.b[src], bar, n0, k0, e);
+      tma_load_3d(sb + kChunk, &maps.b[src], bar, n0 + 64, k0, e);
+    }
+  };
+  float acc[64];
+  mainloop<S, 0, kBKMajor ? 0 : 1>(acc, smem, full, empty, ktiles_src * nsrc, issue, [](int, char*) {});
+
+  // acc[nb * 4 + h * 2 + c]: row 16 * warp + lane / 4 + 8 h of the warpgroup's 64 rows,
+  // column nb * 8 + 2 (lane % 4) + c (the mma.sync accumulator layout, repeated over n).
+  const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, w = (tid >> 5) & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t row = row0 + wg * 64 + w * 16 + (lane >> 2) + h * 8;
+    if (row >= row_end) continue;
+    if constexpr (kGateUp) {
+#pragma unroll
+      for (int nb = 0; nb < 8; ++nb) {  // gate columns nb, up columns nb + 8
+        const int col = n0 + nb * 8 + (lane & 3) * 2;
+        if (col >= args.n_extent) continue;
+        const float g0 = acc[nb * 4 + h * 2], g1 = acc[nb * 4 + h * 2 + 1];
+        const float u0 = acc[(nb + 8) * 4 + h * 2], u1 = acc[(nb + 8) * 4 + h * 2 + 1];
+        const int64_t o = row * args.ldo + col;
+        *reinterpret_cast<__nv_bfloat162*>(args.out0 + o) = __floats2bfloat162_rn(g0, g1);
+        *reinterpret_cast<__nv_bfloat162*>(args.out1 + o) = __floats2bfloat162_rn(u0, u1);
+        *reinterpret_cast<__nv_bfloat162*>(args.out2 + o) =
+            __floats2bfloat162_rn(g0 * sigmoidf_(g0) * u0, g1 * sigmoidf_(g1) * u1);
+      }
+    } else if constexpr (kEpi == kEpiStore) {
+#pragma unroll
+      for (int nb = 0; nb < 16; ++nb) {
+        const int col = n0 + nb * 8 + (lane & 3) * 2;
+        if (col >= args.n_extent) continue;
+        *reinterpret_cast<__nv_bfloat162*>(args.out0 + row * args.ldo + col) =
+            __floats2bfloat162_rn(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
+      }
+    } else {  // da -> dgate = da * u * silu'(g), dup = da * silu(g); 4 columns' loads at a time
+#pragma unroll
+      for (int nq = 0; nq < 16; nq += 4) {
+        __nv_bfloat162 gb[4], ub[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int col = n0 + (nq + j) * 8 + (lane & 3) * 2;
+          if (col < args.n_extent) {
+            gb[j] = *reinterpret_cast<const __nv_bfloat162*>(args.g + row * args.ldo + col);
+            ub[j] = *reinterpret_cast<const __nv_bfloat162*>(args.u + row * args.ldo + col);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int col = n0 + (nq + j) * 8 + (lane & 3) * 2;
+          if (col >= args.n_extent) continue;
+          const float v0 = acc[(nq + j) * 4 + h * 2], v1 = acc[(nq + j) * 4 + h * 2 + 1];
+          const int64_t o = row * args.ldo + col;
+          const float2 g = __bfloat1622float2(gb[j]), u = __bfloat1622float2(ub[j]);
+          const float s0 = sigmoidf_(g.x), s1 = sigmoidf_(g.y);
+          *reinterpret_cast<__nv_bfloat162*>(args.out0 + o) = __floats2bfloat162_rn(
+              v0 * u.x * s0 * (1.f + g.x * (1.f - s0)), v1 * u.y * s1 * (1.f + g.y * (1.f - s1)));
+          *reinterpret_cast<__nv_bfloat162*>(args.out1 + o) = __floats2bfloat162_rn(v0 * g.x * s0, v1 * g.y * s1);
+        }
+      }
+    }
+  }
+#endif
+}
+
+// Weight-gradient GEMM, as grouped_wgrad_kernel: maps.a[prob] over A [N, M], maps.b[0] over
+// B [N, Nc], both box 64 columns x 64 rows (MN-major operands, k = row); maps.c[prob] over
+// the f32 C [E, M, Nc] (box 32 x 128 x 1). args.c0 / c1 are not used: C is reached by map.
+template <int S, int kProblems>
+__global__ void __launch_bounds__(kThreads, S <= 3 ? 2 : 1)
+    wgrad_kernel(const __grid_constant__ Maps maps, const WgradArgs args) {
+#if MT_SWIGLU_SM90A
+  const int e = blockIdx.z / kProblems, prob = blockIdx.z % kProblems;
+  const int r0 = args.offsets[e], r1 = args.offsets[e + 1];
+  if (r1 <= r0 && args.accumulate) return;  // nothing to add (an overwrite still stores zeros)
+  const int m0 = blockIdx.y * kBM, n0 = blockIdx.x * kBN;
+  extern __shared__ char smem_raw[];
+  uint64_t *full, *empty;
+  char* smem = setup_smem<S>(smem_raw, full, empty);
+  const int ktiles = (r1 - r0 + kBK - 1) / kBK;
+  auto issue = [&](int kt, char* st, uint64_t* bar) {
+    const int row = r0 + kt * kBK;
+    mbar_arrive_expect_tx(bar, kStage);
+    tma_load_2d(st, &maps.a[prob], bar, m0, row);
+    tma_load_2d(st + kChunk, &maps.a[prob], bar, m0 + 64, row);
+    tma_load_2d(st + kTile, &maps.b[0], bar, n0, row);
+    tma_load_2d(st + kTile + kChunk, &maps.b[0], bar, n0 + 64, row);
+  };
+  // The last k-tile may run past the expert's rows into the next expert's: zero those rows
+  // of B (whole 128-byte rows, so the swizzle does not matter) before the MMAs read them.
+  auto mask_tail = [&](int kt, char* st) {
+    const int valid = r1 - (r0 + kt * kBK);
+    if (valid >= kBK) return;
+    char* b = st + kTile;
+    for (int i = threadIdx.x; i < 2 * (kBK - valid) * 8; i += kThreads) {
+      const int chunk = i / ((kBK - valid) * 8), rem = i % ((kBK - valid) * 8);
+      *reinterpret_cast<uint4*>(b + chunk * kChunk + (valid + rem / 8) * 128 + (rem % 8) * 16) =
+          make_uint4(0, 0, 0, 0);
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> tensor core reads
+    __syncthreads();
+  };
+  float acc[64];
+  mainloop<S, 1, 1>(acc, smem, full, empty, ktiles, issue, mask_tail);
+
+  // C += acc by the copy engine. The f32 read-modify-write of dW is this kernel's main cost
+  // (2 x 2.4 GB at the bench shape); done by threads (load, add, store: 4.5 ms there) it
+  // waits on DRAM round trips, and vector red.global.add (3.0 ms) issues 8-row x 32-byte
+  // pieces. Here the tile goes to shared memory (free once both warpgroups are past their
+  // MMAs) as four 128-byte-swizzled [128 rows][32 f32] boxes, and one reduce-add copy per
+  // box adds it into C in L2 (2.8 ms). Rows past M and columns past Nc are outside the
+  // map's box and skipped. Each element gets exactly one f32 add per call: deterministic.
+  const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, w = (tid >> 5) & 3;
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = wg * 64 + w * 16 + (lane >> 2) + h * 8;
+#pragma unroll
+    for (int nb = 0; nb < 16; ++nb) {
+      const int c = (nb & 3) * 8 + (lane & 3) * 2;  // column within box nb / 4
+      char* dst = smem + (nb >> 2) * (kBM * 128) + r * 128 + (((c >> 2) ^ (r & 7)) << 4) + (c & 3) * 4;
+      *reinterpret_cast<float2*>(dst) = make_float2(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
+    }
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> copy engine reads
+  __syncthreads();
+  if (tid == 0) {
+    const CUtensorMap* cmap = &maps.c[prob];
+    for (int j = 0; j < 4; ++j) {
+      if (args.accumulate) {
+        asm volatile(
+            "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                reinterpret_cast<uint64_t>(cmap)),
+            "r"(smem_u32(smem + j * (kBM * 128))), "r"(n0 + 32 * j), "r"(m0), "r"(e)
+            : "memory");
+      } else {  // first micro-batch: a plain store, no read of C (and no zeroed gradients needed)
+        asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                         reinterpret_cast<uint64_t>(cmap)),
+                     "r"(smem_u32(smem + j * (kBM * 128))), "r"(n0 + 32 * j), "r"(m0), "r"(e)
+                     : "memory");
+      }
+    }
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // shared memory read before exit
+  }
+#endif
+}
+
+}  // namespace hopper
 
 // ---- schedule: counts -> offsets [E+1] and the row-tile list -----------------------------
 // Counts are clamped to [0, N] and the offsets to N, so inconsistent counts cannot send a
@@ -441,6 +826,87 @@ void launch_wgrad(const WgradArgs& args, int E, cudaStream_t stream) {
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(args);
 }
 
+// ---- Hopper host side: tensor maps and dispatch ------------------------------------------
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// cuTensorMapEncodeTiled from the driver, found at run time (no link against libcuda).
+EncodeTiledFn encode_tiled() {
+  static const EncodeTiledFn fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return static_cast<EncodeTiledFn>(nullptr);
+    }
+    return reinterpret_cast<EncodeTiledFn>(p);
+  }();
+  return fn;
+}
+
+// The Hopper kernels exist as sm_90a code only; other GPUs (and MOETRAIN_SWIGLU_MMA_SYNC=1,
+// to compare the two paths or rule the Hopper one out) take the mma.sync kernels.
+bool use_hopper() {
+  static const bool forced_off = [] {
+    const char* v = std::getenv("MOETRAIN_SWIGLU_MMA_SYNC");
+    return v != nullptr && *v != '\0' && *v != '0';
+  }();
+  if (forced_off || encode_tiled() == nullptr) return false;
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return major == 9 && minor == 0;
+}
+
+// Map of a contiguous bf16 tensor, dims innermost first, 128-byte swizzled boxes (box[0] is
+// 64 elements = 128 bytes), zero fill outside. False when the driver refuses it.
+bool make_map(CUtensorMap* map, const void* base, std::initializer_list<uint64_t> dims,
+              std::initializer_list<uint32_t> box, bool f32 = false) {
+  cuuint64_t gdim[3], gstride[2];
+  cuuint32_t bdim[3], estride[3] = {1, 1, 1};
+  const int rank = static_cast<int>(dims.size());
+  uint64_t stride = f32 ? sizeof(float) : sizeof(bf16);
+  for (int i = 0; i < rank; ++i) {
+    gdim[i] = dims.begin()[i];
+    bdim[i] = box.begin()[i];
+    if (i > 0) gstride[i - 1] = stride;
+    stride *= gdim[i];
+  }
+  return encode_tiled()(map, f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), gdim, gstride, bdim,
+                        estride, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <typename Kernel>
+void prepare_hopper(Kernel kernel, int smem) {
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+}
+
+template <bool kBKMajor, int kEpi>
+void launch_rows_hopper(const hopper::Maps& maps, const RowsArgs& args, int ktiles_src, int nsrc, int n_tiles,
+                        int max_tiles, cudaStream_t stream) {
+  if (n_tiles == 0 || max_tiles == 0) return;
+  auto kernel = hopper::rows_kernel<3, kBKMajor, kEpi>;
+  prepare_hopper(kernel, hopper::smem_bytes(3));
+  kernel<<<dim3(n_tiles, max_tiles), hopper::kThreads, hopper::smem_bytes(3), stream>>>(maps, args, ktiles_src, nsrc);
+}
+
+template <int kProblems>
+void launch_wgrad_hopper(const hopper::Maps& maps, const WgradArgs& args, int E, cudaStream_t stream) {
+  if (args.M == 0 || args.Nc == 0) return;
+  auto kernel = hopper::wgrad_kernel<3, kProblems>;
+  prepare_hopper(kernel, hopper::smem_bytes(3));
+  const dim3 grid((args.Nc + kBN - 1) / kBN, (args.M + kBM - 1) / kBM, E * kProblems);
+  kernel<<<grid, hopper::kThreads, hopper::smem_bytes(3), stream>>>(maps, args);
+}
+
 const bf16* cb(const void* p) { return static_cast<const bf16*>(p); }
 bf16* mb(void* p) { return static_cast<bf16*>(p); }
 
@@ -472,7 +938,17 @@ void launch_swiglu_forward(const void* x, const int64_t* counts, const void* w_g
   a.out1 = mb(up);
   a.out2 = mb(act);
   a.ldo = I;
-  launch_rows<true, kEpiGateUp>(a, (I + 63) / 64, s.max_tiles, stream);
+  const uint64_t n = N, h = H, i = I, e = E;
+  hopper::Maps gu{}, dn{};
+  const bool hop = use_hopper() && make_map(&gu.a[0], x, {h, n}, {64, 128}) &&
+                   make_map(&gu.b[0], w_gate, {h, i, e}, {64, 64, 1}) &&
+                   make_map(&gu.b[1], w_up, {h, i, e}, {64, 64, 1}) && make_map(&dn.a[0], act, {i, n}, {64, 128}) &&
+                   make_map(&dn.b[0], w_down, {i, h, e}, {64, 128, 1});
+  gu.a[1] = gu.a[0];
+  dn.a[1] = dn.a[0];
+  dn.b[1] = dn.b[0];
+  if (hop) launch_rows_hopper<true, kEpiGateUp>(gu, a, (H + kBK - 1) / kBK, 1, (I + 63) / 64, s.max_tiles, stream);
+  else launch_rows<true, kEpiGateUp>(a, (I + 63) / 64, s.max_tiles, stream);
   // y = act Wd^T
   a.a0 = a.a1 = cb(act);
   a.lda = I;
@@ -484,7 +960,8 @@ void launch_swiglu_forward(const void* x, const int64_t* counts, const void* w_g
   a.out0 = mb(y);
   a.out1 = a.out2 = nullptr;
   a.ldo = H;
-  launch_rows<true, kEpiStore>(a, (H + kBN - 1) / kBN, s.max_tiles, stream);
+  if (hop) launch_rows_hopper<true, kEpiStore>(dn, a, (I + kBK - 1) / kBK, 1, (H + kBN - 1) / kBN, s.max_tiles, stream);
+  else launch_rows<true, kEpiStore>(a, (H + kBN - 1) / kBN, s.max_tiles, stream);
 }
 
 void launch_swiglu_backward_input(const void* dy, const int64_t* counts, const void* gate, const void* up,
@@ -509,7 +986,20 @@ void launch_swiglu_backward_input(const void* dy, const int64_t* counts, const v
   a.ldo = I;
   a.g = cb(gate);
   a.u = cb(up);
-  launch_rows<false, kEpiDSwiglu>(a, (I + kBN - 1) / kBN, s.max_tiles, stream);
+  const uint64_t n = N, h = H, i = I, e = E;
+  hopper::Maps da{}, dx_maps{};
+  const bool hop = use_hopper() && make_map(&da.a[0], dy, {h, n}, {64, 128}) &&
+                   make_map(&da.b[0], w_down, {i, h, e}, {64, 64, 1}) &&
+                   make_map(&dx_maps.a[0], dgate, {i, n}, {64, 128}) && make_map(&dx_maps.a[1], dup, {i, n}, {64, 128}) &&
+                   make_map(&dx_maps.b[0], w_gate, {h, i, e}, {64, 64, 1}) &&
+                   make_map(&dx_maps.b[1], w_up, {h, i, e}, {64, 64, 1});
+  da.a[1] = da.a[0];
+  da.b[1] = da.b[0];
+  if (hop) {
+    launch_rows_hopper<false, kEpiDSwiglu>(da, a, (H + kBK - 1) / kBK, 1, (I + kBN - 1) / kBN, s.max_tiles, stream);
+  } else {
+    launch_rows<false, kEpiDSwiglu>(a, (I + kBN - 1) / kBN, s.max_tiles, stream);
+  }
   // dx = [dgate | dup] [Wg ; Wu]: K = 2I, k < I from (dgate, Wg), k >= I from (dup, Wu)
   a.a0 = cb(dgate);
   a.a1 = cb(dup);
@@ -525,20 +1015,33 @@ void launch_swiglu_backward_input(const void* dy, const int64_t* counts, const v
   a.out1 = nullptr;
   a.ldo = H;
   a.g = a.u = nullptr;
-  launch_rows<false, kEpiStore>(a, (H + kBN - 1) / kBN, s.max_tiles, stream);
+  if (hop) {
+    launch_rows_hopper<false, kEpiStore>(dx_maps, a, (I + kBK - 1) / kBK, 2, (H + kBN - 1) / kBN, s.max_tiles, stream);
+  } else {
+    launch_rows<false, kEpiStore>(a, (H + kBN - 1) / kBN, s.max_tiles, stream);
+  }
 }
 
 void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t* counts, const void* gate,
                                    const void* up, const void* dgate, const void* dup, int64_t N, int H, int I,
-                                   int E, void* act, float* dw_gate, float* dw_up, float* dw_down, int32_t* workspace,
-                                   cudaStream_t stream) {
-  if (N == 0) return;  // every expert has 0 rows: nothing to add
+                                   int E, void* act, float* dw_gate, float* dw_up, float* dw_down, bool accumulate,
+                                   int32_t* workspace, cudaStream_t stream) {
+  if (N == 0) {  // every expert has 0 rows: nothing to add, or zeros to write
+    if (!accumulate) {
+      const size_t bytes = static_cast<size_t>(E) * H * I * sizeof(float);
+      cudaMemsetAsync(dw_gate, 0, bytes, stream);
+      cudaMemsetAsync(dw_up, 0, bytes, stream);
+      cudaMemsetAsync(dw_down, 0, bytes, stream);
+    }
+    return;
+  }
   const Schedule s = make_schedule(counts, N, E, workspace, false, stream);
   const int64_t n_act = N * I;
   swiglu_act_kernel<<<static_cast<unsigned>((n_act / 8 + 255) / 256), 256, 0, stream>>>(cb(gate), cb(up), mb(act),
                                                                                          n_act);
   WgradArgs w{};
   w.offsets = s.offsets;
+  w.accumulate = accumulate ? 1 : 0;
   // dWd[e] [H, I] += dy_e^T act_e
   w.a0 = w.a1 = cb(dy);
   w.lda = H;
@@ -548,7 +1051,20 @@ void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t*
   w.c_stride = static_cast<int64_t>(H) * I;
   w.M = H;
   w.Nc = I;
-  launch_wgrad<1>(w, E, stream);
+  const uint64_t n = N, h = H, i = I, e = E;
+  hopper::Maps wd{}, wgu{};
+  const bool hop = use_hopper() && make_map(&wd.a[0], dy, {h, n}, {64, 64}) &&
+                   make_map(&wd.b[0], act, {i, n}, {64, 64}) && make_map(&wgu.a[0], dgate, {i, n}, {64, 64}) &&
+                   make_map(&wgu.a[1], dup, {i, n}, {64, 64}) && make_map(&wgu.b[0], x, {h, n}, {64, 64}) &&
+                   make_map(&wd.c[0], dw_down, {i, h, e}, {32, 128, 1}, true) &&
+                   make_map(&wgu.c[0], dw_gate, {h, i, e}, {32, 128, 1}, true) &&
+                   make_map(&wgu.c[1], dw_up, {h, i, e}, {32, 128, 1}, true);
+  wd.c[1] = wd.c[0];
+  wd.a[1] = wd.a[0];
+  wd.b[1] = wd.b[0];
+  wgu.b[1] = wgu.b[0];
+  if (hop) launch_wgrad_hopper<1>(wd, w, E, stream);
+  else launch_wgrad<1>(w, E, stream);
   // dWg[e], dWu[e] [I, H] += dgate_e^T x_e, dup_e^T x_e
   w.a0 = cb(dgate);
   w.a1 = cb(dup);
@@ -560,7 +1076,8 @@ void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t*
   w.c_stride = static_cast<int64_t>(I) * H;
   w.M = I;
   w.Nc = H;
-  launch_wgrad<2>(w, E, stream);
+  if (hop) launch_wgrad_hopper<2>(wgu, w, E, stream);
+  else launch_wgrad<2>(w, E, stream);
 }
 
 }  // namespace moetrain::ops::cuda

@@ -28,10 +28,11 @@ void launch_swiglu_backward_input(const void* dy, const int64_t* counts, const v
                                   const void* w_gate, const void* w_up, const void* w_down, int64_t N, int H, int I,
                                   int E, void* dgate, void* dup, void* dx, int32_t* workspace, cudaStream_t stream);
 // dWd[e] += dy_e^T act_e (act recomputed from gate, up into the scratch act [N, I]);
-// dWg[e] += dgate_e^T x_e and dWu[e] += dup_e^T x_e (one launch). f32 dW.
+// dWg[e] += dgate_e^T x_e and dWu[e] += dup_e^T x_e (one launch). f32 dW. With
+// accumulate false, = instead of += (an expert without rows gets zeros).
 void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t* counts, const void* gate,
                                    const void* up, const void* dgate, const void* dup, int64_t N, int H, int I,
-                                   int E, void* act, float* dw_gate, float* dw_up, float* dw_down, int32_t* workspace,
-                                   cudaStream_t stream);
+                                   int E, void* act, float* dw_gate, float* dw_up, float* dw_down, bool accumulate,
+                                   int32_t* workspace, cudaStream_t stream);
 
 }  // namespace moetrain::ops::cuda
