@@ -44,6 +44,9 @@ AttentionDims check_args(const char* op, const Tensor& q, const Tensor& k, const
   MT_CHECK(a.batch <= 65535 && a.q_heads <= 65535, "{}: batch {} or q_heads {} over the CUDA grid limit 65535", op,
            a.batch, a.q_heads);
   MT_CHECK(a.seq <= (INT_MAX / 2), "{}: seq {} too long for the CUDA attention kernels", op, a.seq);
+  // One-dimensional grids of (row tile of >= 64, head, batch) blocks.
+  MT_CHECK((a.seq / 64 + 1) * a.q_heads * a.batch <= INT_MAX,
+           "{}: batch {} * q_heads {} * seq {} too large for the CUDA grid", op, a.batch, a.q_heads, a.seq);
   MT_CHECK(q.defined(), "{}: tensor q is undefined", op);
   MT_CHECK(!q.device().is_cpu(), "{}: tensor q is on the CPU, expected CUDA", op);
   const Device dev = q.device();
@@ -99,9 +102,10 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
                    Tensor::empty(v.shape(), DType::BF16, q.device())};
   if (q.numel() == 0) return g;
   // Workspaces, freed on return (stream-ordered, so they stay valid for the kernels queued
-  // here): delta = rowsum(dout * out), f32, laid out like lse; and, when the dK/dV pass
-  // splits each kv group's query heads over several blocks, their f32 partial sums.
-  Tensor delta = Tensor::empty(lse.shape(), DType::F32, q.device());
+  // here): delta = rowsum(dout * out) and lse * log2(e), f32, each laid out like lse; and,
+  // when the dK/dV pass splits each kv group's query heads over several blocks, their f32
+  // partial sums.
+  Tensor delta = Tensor::empty({2, shape.batch, shape.q_heads, shape.seq}, DType::F32, q.device());
   int num_sms = 0;
   MT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, q.device().index));
   const int splits = attention_dkdv_splits(d, num_sms);

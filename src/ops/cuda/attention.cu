@@ -1,29 +1,45 @@
 // Fused causal grouped-query attention on tensor cores (FlashAttention-2 scheme), bf16 in
 // and out, f32 accumulation, with warp-level mma.sync m16n8k16 (bf16) fed by ldmatrix.
 //
-// Notation: S the sequence length, D the head dim (32, 64 or 128), a "tile" 64 rows.
-// Every block has 4 warps; a warp owns 16 rows of its block's 64-row tile, so each mma
-// result row lives in one quad of 4 lanes (lane/4 = row within 8, lane%4 = column pair).
-// Shared-memory tiles are [64][D + 8] bf16: the 16-byte pad puts the 8 row addresses of
-// each ldmatrix 8x8 matrix on distinct banks. Tiles are copied in with cp.async (16-byte
-// chunks; rows past S are zero-filled, so padded keys/values contribute exact zeros).
+// Floor and expectation (H100 SXM, bench shape B=2, S=4096, Hq=32, Hkv=4, D=128, causal;
+// FLOPs as FlashAttention counts them: forward 4*B*Hq*S^2*D/2 = 137 GFLOP, backward 2.5x =
+// 344 GFLOP): at the 989 TFLOP/s dense bf16 peak (wgmma) the floor is 0.14 ms forward and
+// 0.35 ms backward. mma.sync reaches about 2/3 of that peak on Hopper, and a warp that owns
+// 16 rows feeds each 512-byte ldmatrix.x4 into only 2 mma (shared memory then caps it near
+// 500 TFLOP/s); 32 rows per warp feed 4. The backward also repeats 2 of its 5 products in
+// the dQ pass (7/5 of the counted work). Expected with these kernels: forward ~300-380
+// TFLOP/s, backward ~180-250 TFLOP/s (counted FLOPs); more needs wgmma (sm_90a).
+// Measured (bench_ops BM_Attention*): forward 241 -> 293 TFLOP/s, backward 120 -> 159.
+// Nsight Compute on the backward: 8 warps per SM (255 registers), issue-latency bound
+// (short-scoreboard waits on ldmatrix, fixed-latency dependencies), shared-memory pipe ~60%,
+// tensor pipe ~1/3; the dK/dV pass takes ~60% of the backward.
 //
-// Forward (one block per (query tile, query head, batch)): Q fragments stay in registers;
-// key/value tiles 0..diagonal stream through a double buffer (the causal early exit: key
-// tiles right of the diagonal are never loaded). Online softmax in the exp2 domain:
-// x = scale*log2(e)*s, running max m and sum l per row; lse = (m + log2 l) * ln 2.
+// Notation: S the sequence length, D the head dim (32, 64 or 128). A warp owns MT m-tiles
+// of 16 rows, so each mma result row lives in one quad of 4 lanes (lane/4 = row within 8,
+// lane%4 = column pair). Shared-memory tiles are [rows][D + 8] bf16: the 16-byte pad puts
+// the 8 row addresses of each ldmatrix 8x8 matrix on distinct banks. Tiles are copied in
+// with cp.async (16-byte chunks; rows past S are zero-filled, so padded keys/values
+// contribute exact zeros). Blocks are numbered so that the longest ones start first (the
+// causal triangle makes their work uneven), over all heads and batches.
+//
+// Forward (one block per (query tile of BR = WARPS*MT*16 rows, query head, batch)): key/value
+// tiles of BC rows, 0..diagonal, stream through a double buffer (key tiles right of the
+// diagonal are never loaded; a warp whose rows all lie left of a tile skips it). Online
+// softmax in the exp2 domain: x = scale*log2(e)*s, running max m and sum l per row;
+// lse = (m + log2 l) * ln 2.
 //
 // Backward, no atomics, every output element written by exactly one thread in a fixed
 // order (bitwise reproducible):
-//   1. delta[b,h,s] = sum_d dO * O  (one warp per row).
-//   2. dK/dV: one block per (key tile, kv head, batch, split); K and V stay in shared
-//      memory, and the block loops, in a fixed order, over its query heads of the kv group
-//      (all of them, or group/splits) and every query tile at or below the diagonal. Its
-//      warps hold S^T = K Q^T and dP^T = V dO^T for their 16 keys, so P^T and
-//      dS^T = P^T (dP^T - delta) are already A operands for dV += P^T dO and dK += dS^T Q,
-//      accumulated in registers. The query tile is 32 rows for D = 128 (64 spills).
-//   2b. With splits > 1 (too few key-tile blocks to fill the GPU, e.g. B=1, S=2048, Hkv=4),
-//      each split writes f32 partial sums and a small kernel adds them in split order.
+//   1. delta[b,h,s] = sum_d dO * O and lse2 = lse * log2(e) (one warp per row).
+//   2. dK/dV: one block per (key tile of WARPS*16 keys, kv head, batch, split); K and V stay
+//      in shared memory, and the block loops, in a fixed order, over its query heads of the
+//      kv group (all of them, or group/splits) and every query tile at or below the
+//      diagonal; Q, dO, lse2 and delta of the next tile are copied in (cp.async) while the
+//      current one is computed. Its warps hold S^T = K Q^T and dP^T = V dO^T for their 16
+//      keys, so P^T and dS^T = P^T (dP^T - delta) are already A operands for dV += P^T dO
+//      and dK += dS^T Q, accumulated in registers.
+//   2b. With splits > 1 (too few key-tile blocks to fill the GPU), each split writes f32
+//      partial sums and a small kernel adds them in split order.
 //   3. dQ: one block per (query tile, query head, batch), recomputing S and dP from the
 //      saved lse over the key tiles 0..diagonal: dQ += dS K, accumulated in registers.
 // The dQ pass repeats two of the five matrix products (7 instead of 5), the price of a
@@ -43,9 +59,7 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-constexpr int kTile = 64;     // rows of a query or key tile
-constexpr int kThreads = 128;  // 4 warps, 16 tile rows each
-constexpr int kPad = 8;        // bf16 of padding per shared-memory row
+constexpr int kPad = 8;  // bf16 of padding per shared-memory row
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -57,7 +71,8 @@ struct Params {
   const bf16* dout;
   const bf16* out;
   const float* lse;
-  float* delta;
+  float* delta;  // [B, Hq, S] rowsum(dO * O)
+  float* lse2;   // [B, Hq, S] lse * log2(e)
   bf16* o;
   float* lse_out;
   bf16* dq;
@@ -84,7 +99,11 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
                : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+// Waits until at most N of this thread's most recent commit groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 // Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, and register i
 // of lane l receives row l/4, elements 2(l%4), 2(l%4)+1 of matrix i (of its transpose with
@@ -143,37 +162,72 @@ struct LaneOffsets {
         bt(((lane & 7) + (((lane >> 3) & 1) << 3)) * LD + (lane >> 4) * 8) {}
 };
 
+// 4 bytes global -> shared, asynchronously; zero-filled when !valid.
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0)
+               : "memory");
+}
+
+// 2^x on the special-function unit (what exp2f becomes, minus its denormal handling).
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Copies rows [0, valid_rows) of a ROWS x D tile (row r at src + r*stride) into dst
-// [ROWS][D + kPad]; rows from valid_rows on are zero-filled. valid_rows >= 1.
-template <int ROWS, int D>
+// [ROWS][D + kPad] with THREADS threads; rows from valid_rows on are zero-filled.
+// valid_rows >= 1.
+template <int ROWS, int D, int THREADS>
 __device__ __forceinline__ void load_tile(bf16* dst, const bf16* src, int64_t stride, int valid_rows) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  static_assert((ROWS * kChunks) % kThreads == 0, "tile chunks must split evenly over the block");
+  constexpr int kTotal = ROWS * kChunks;
 #pragma unroll
-  for (int it = 0; it < ROWS * kChunks / kThreads; ++it) {
-    const int i = it * kThreads + static_cast<int>(threadIdx.x);
-    const int r = i / kChunks, c = (i % kChunks) * 8;
-    const bool ok = r < valid_rows;
-    const bf16* g = ok ? src + r * stride + c : src;
-    cp_async16(smem_u32(dst + r * (D + kPad) + c), g, ok);
+  for (int it = 0; it < (kTotal + THREADS - 1) / THREADS; ++it) {
+    const int i = it * THREADS + static_cast<int>(threadIdx.x);
+    if (kTotal % THREADS == 0 || i < kTotal) {
+      const int r = i / kChunks, c = (i % kChunks) * 8;
+      const bool ok = r < valid_rows;
+      const bf16* g = ok ? src + r * stride + c : src;
+      cp_async16(smem_u32(dst + r * (D + kPad) + c), g, ok);
+    }
   }
 }
 
+template <int N>
+__device__ __forceinline__ void zero(float (&c)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.f;
+}
+
+// Maps blockIdx.x to (row tile, head, batch) with the tile index slowest and reversed, so
+// the blocks with the most key tiles (the last query tiles) start first on every head.
+struct TileOrder {
+  int tile, h, b;
+  __device__ __forceinline__ TileOrder(int n_tiles, int heads, int batch) {
+    const int hb = heads * batch;
+    tile = n_tiles - 1 - static_cast<int>(blockIdx.x) / hb;
+    const int r = static_cast<int>(blockIdx.x) % hb;
+    h = r % heads;
+    b = r / heads;
+  }
+};
+
 // ---- forward --------------------------------------------------------------------------
 
-template <int D>
-__global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const Params p) {
-  constexpr int LD = D + kPad, TE = kTile * LD;
+// MT m-tiles (16 rows each) per warp, BC keys per tile, WARPS warps, MINB blocks per SM.
+template <int D, int MT, int BC, int WARPS, int MINB, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32, MINB) attention_fwd_kernel(const Params p) {
+  constexpr int THREADS = WARPS * 32, BR = WARPS * MT * 16, LD = D + kPad, TK = BC * LD;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* sQ = reinterpret_cast<bf16*>(smem);
-  bf16* sK = sQ + TE;      // two buffers
-  bf16* sV = sK + 2 * TE;  // two buffers
+  bf16* sK = sQ + BR * LD;     // STAGES buffers
+  bf16* sV = sK + STAGES * TK;  // STAGES buffers
 
   const int S = p.seq;
-  const int n_qt = (S + kTile - 1) / kTile;
-  const int qt = n_qt - 1 - static_cast<int>(blockIdx.x);  // longest rows first
-  const int h = blockIdx.y, b = blockIdx.z, g = h / p.group;
-  const int q0 = qt * kTile;
+  const TileOrder t((S + BR - 1) / BR, p.q_heads, p.batch);
+  const int h = t.h, b = t.b, g = h / p.group;
+  const int q0 = t.tile * BR;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int gr = lane >> 2, tq = lane & 3;
   const LaneOffsets<LD> off(lane);
@@ -184,133 +238,174 @@ __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const Params p)
   const bf16* gv = p.v + tok0 * p.kv_stride + static_cast<int64_t>(g) * D;
   const int32_t* seg = p.seg ? p.seg + tok0 : nullptr;
 
-  const int q_end = min(q0 + kTile, S);
-  const int n_kt = (q_end - 1) / kTile + 1;  // key tiles 0 .. the diagonal
+  const int q_end = min(q0 + BR, S);
+  const int n_kt = (q_end - 1) / BC + 1;  // key tiles 0 .. the diagonal
 
-  load_tile<kTile, D>(sQ, gq, p.q_stride, q_end - q0);
-  load_tile<kTile, D>(sK, gk, p.kv_stride, min(kTile, S));
-  load_tile<kTile, D>(sV, gv, p.kv_stride, min(kTile, S));
-  cp_async_commit();
-  cp_async_wait_all();
+  load_tile<BR, D, THREADS>(sQ, gq, p.q_stride, q_end - q0);
+  // Pipeline: key/value tile kt goes to buffer kt % STAGES in commit group kt (Q with tile 0),
+  // STAGES - 1 tiles ahead of the one being computed.
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (st < n_kt) {
+      load_tile<BC, D, THREADS>(sK + st * TK, gk + st * BC * p.kv_stride, p.kv_stride, min(BC, S - st * BC));
+      load_tile<BC, D, THREADS>(sV + st * TK, gv + st * BC * p.kv_stride, p.kv_stride, min(BC, S - st * BC));
+    }
+    cp_async_commit();  // possibly empty: keeps one group per tile
+  }
+
+  const int row0 = q0 + warp * MT * 16;  // the warp's first row; row (mt, i) = row0 + 16 mt + 8 i + gr
+  int seg_r[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = row0 + mt * 16 + i * 8 + gr;
+      seg_r[mt][i] = (seg && r < S) ? seg[r] : 0;
+    }
+  }
+  const uint32_t q_addr = smem_u32(sQ) + 2 * (warp * MT * 16 * LD + off.a);
+
+  float o[MT][D / 8][4];
+  float m[MT][2], l[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    zero(o[mt]);
+    m[mt][0] = m[mt][1] = -INFINITY;
+    l[mt][0] = l[mt][1] = 0.f;
+  }
+
+  cp_async_wait_group<STAGES - 2>();
   __syncthreads();
 
-  uint32_t qf[D / 16][4];
-  const uint32_t q_addr = smem_u32(sQ) + 2 * (warp * 16 * LD + off.a);
-#pragma unroll
-  for (int kc = 0; kc < D / 16; ++kc) ldsm_x4(qf[kc], q_addr + kc * 32);
-
-  const int r_lo = q0 + warp * 16 + gr, r_hi = r_lo + 8;
-  const int seg_lo = (seg && r_lo < S) ? seg[r_lo] : 0;
-  const int seg_hi = (seg && r_hi < S) ? seg[r_hi] : 0;
-
-  float o[D / 8][4];
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-
   for (int kt = 0; kt < n_kt; ++kt) {
-    const int buf = kt & 1;
-    if (kt + 1 < n_kt) {  // prefetch the next key/value tile into the other buffer
-      const int k1 = (kt + 1) * kTile;
-      load_tile<kTile, D>(sK + (buf ^ 1) * TE, gk + k1 * p.kv_stride, p.kv_stride, min(kTile, S - k1));
-      load_tile<kTile, D>(sV + (buf ^ 1) * TE, gv + k1 * p.kv_stride, p.kv_stride, min(kTile, S - k1));
+    const int buf = kt % STAGES;
+    {  // prefetch tile kt + STAGES - 1 into the buffer freed by iteration kt - 1
+      const int kn = kt + STAGES - 1, k1 = kn * BC, nbuf = kn % STAGES;
+      if (kn < n_kt) {
+        load_tile<BC, D, THREADS>(sK + nbuf * TK, gk + k1 * p.kv_stride, p.kv_stride, min(BC, S - k1));
+        load_tile<BC, D, THREADS>(sV + nbuf * TK, gv + k1 * p.kv_stride, p.kv_stride, min(BC, S - k1));
+      }
       cp_async_commit();
     }
-    const uint32_t k_base = smem_u32(sK + buf * TE), v_base = smem_u32(sV + buf * TE);
+    const int k0 = kt * BC;
+    if (k0 <= row0 + MT * 16 - 1) {  // else every key of the tile is right of the warp's rows
+      const uint32_t k_base = smem_u32(sK + buf * TK), v_base = smem_u32(sV + buf * TK);
 
-    // s = Q K^T for the warp's 16 rows x 64 keys
-    float s[kTile / 8][4];
+      // s = Q K^T for the warp's MT*16 rows x BC keys; each K fragment feeds MT m-tiles
+      float s[MT][BC / 8][4];
 #pragma unroll
-    for (int i = 0; i < kTile / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+      for (int mt = 0; mt < MT; ++mt) zero(s[mt]);
 #pragma unroll
-    for (int kc = 0; kc < D / 16; ++kc) {
+      for (int kc = 0; kc < D / 16; ++kc) {
+        uint32_t qa[MT][4];
 #pragma unroll
-      for (int nb2 = 0; nb2 < kTile / 16; ++nb2) {
-        uint32_t bf[4];
-        ldsm_x4(bf, k_base + 2 * (nb2 * 16 * LD + kc * 16 + off.bn));
-        mma_bf16(s[2 * nb2], qf[kc], bf[0], bf[1]);
-        mma_bf16(s[2 * nb2 + 1], qf[kc], bf[2], bf[3]);
+        for (int mt = 0; mt < MT; ++mt) ldsm_x4(qa[mt], q_addr + 2 * mt * 16 * LD + kc * 32);
+#pragma unroll
+        for (int nb2 = 0; nb2 < BC / 16; ++nb2) {
+          uint32_t bf[4];
+          ldsm_x4(bf, k_base + 2 * (nb2 * 16 * LD + kc * 16 + off.bn));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_bf16(s[mt][2 * nb2], qa[mt], bf[0], bf[1]);
+            mma_bf16(s[mt][2 * nb2 + 1], qa[mt], bf[2], bf[3]);
+          }
+        }
       }
-    }
 
-    const int k0 = kt * kTile;
-    if (seg || k0 + kTile - 1 > q0 + warp * 16 || k0 + kTile > S) {
+      if (seg || k0 + BC - 1 > row0 || k0 + BC > S) {
 #pragma unroll
-      for (int nb = 0; nb < kTile / 8; ++nb) {
+        for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int j = k0 + nb * 8 + 2 * tq + (e & 1);
-          const int r = e < 2 ? r_lo : r_hi;
-          const bool ok = j <= r && j < S && (!seg || seg[j] == (e < 2 ? seg_lo : seg_hi));
-          if (!ok) s[nb][e] = -INFINITY;
+          for (int nb = 0; nb < BC / 8; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int j = k0 + nb * 8 + 2 * tq + (e & 1);
+              const int r = row0 + mt * 16 + (e >> 1) * 8 + gr;
+              const bool ok = j <= r && j < S && (!seg || seg[j] == seg_r[mt][e >> 1]);
+              if (!ok) s[mt][nb][e] = -INFINITY;
+            }
+          }
+        }
+      }
+
+      // online softmax, per m-tile rows gr (i = 0: elements 0, 1) and gr + 8 (i = 1: 2, 3)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          float mx = -INFINITY;
+#pragma unroll
+          for (int nb = 0; nb < BC / 8; ++nb) mx = fmaxf(mx, fmaxf(s[mt][nb][2 * i], s[mt][nb][2 * i + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_new = fmaxf(m[mt][i], mx * p.scale_log2);
+          const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet
+          const float alpha = ex2(m[mt][i] - m_use);
+          m[mt][i] = m_new;
+          float sum = 0.f;
+#pragma unroll
+          for (int nb = 0; nb < BC / 8; ++nb) {
+            s[mt][nb][2 * i] = ex2(fmaf(s[mt][nb][2 * i], p.scale_log2, -m_use));
+            s[mt][nb][2 * i + 1] = ex2(fmaf(s[mt][nb][2 * i + 1], p.scale_log2, -m_use));
+            sum += s[mt][nb][2 * i] + s[mt][nb][2 * i + 1];
+          }
+          l[mt][i] = l[mt][i] * alpha + sum;  // this lane's share of the row sum; the quad adds up at the end
+#pragma unroll
+          for (int db = 0; db < D / 8; ++db) {
+            o[mt][db][2 * i] *= alpha;
+            o[mt][db][2 * i + 1] *= alpha;
+          }
+        }
+      }
+
+      // o += P V; each V fragment feeds MT m-tiles
+#pragma unroll
+      for (int kc = 0; kc < BC / 16; ++kc) {
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) acc_to_a(a[mt], s[mt], kc);
+#pragma unroll
+        for (int db2 = 0; db2 < D / 16; ++db2) {
+          uint32_t bf[4];
+          ldsm_x4_trans(bf, v_base + 2 * (kc * 16 * LD + db2 * 16 + off.bt));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_bf16(o[mt][2 * db2], a[mt], bf[0], bf[1]);
+            mma_bf16(o[mt][2 * db2 + 1], a[mt], bf[2], bf[3]);
+          }
         }
       }
     }
 
-    // online softmax, rows r_lo (i = 0: elements 0, 1) and r_hi (i = 1: elements 2, 3)
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nb = 0; nb < kTile / 8; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * i], s[nb][2 * i + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[i], mx * p.scale_log2);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet
-      const float alpha = exp2f(m[i] - m_use);
-      m[i] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int nb = 0; nb < kTile / 8; ++nb) {
-        s[nb][2 * i] = exp2f(fmaf(s[nb][2 * i], p.scale_log2, -m_use));
-        s[nb][2 * i + 1] = exp2f(fmaf(s[nb][2 * i + 1], p.scale_log2, -m_use));
-        sum += s[nb][2 * i] + s[nb][2 * i + 1];
-      }
-      l[i] = l[i] * alpha + sum;  // this lane's share of the row sum; the quad adds up at the end
-#pragma unroll
-      for (int db = 0; db < D / 8; ++db) {
-        o[db][2 * i] *= alpha;
-        o[db][2 * i + 1] *= alpha;
-      }
-    }
-
-    // o += P V
-#pragma unroll
-    for (int kc = 0; kc < kTile / 16; ++kc) {
-      uint32_t a[4];
-      acc_to_a(a, s, kc);
-#pragma unroll
-      for (int db2 = 0; db2 < D / 16; ++db2) {
-        uint32_t bf[4];
-        ldsm_x4_trans(bf, v_base + 2 * (kc * 16 * LD + db2 * 16 + off.bt));
-        mma_bf16(o[2 * db2], a, bf[0], bf[1]);
-        mma_bf16(o[2 * db2 + 1], a, bf[2], bf[3]);
-      }
-    }
-
-    cp_async_wait_all();  // the next tile has landed ...
-    __syncthreads();      // ... for every thread, and nobody reads this buffer any more
+    cp_async_wait_group<STAGES - 2>();  // the next tile has landed ...
+    __syncthreads();                    // ... for every thread, and nobody reads this buffer any more
   }
 
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    float lt = l[i];
-    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
-    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-    const int r = i ? r_hi : r_lo;
-    if (r < S) {
-      const float inv = 1.f / lt;
-      bf16* go = p.o + (tok0 + r) * p.q_stride + static_cast<int64_t>(h) * D + 2 * tq;
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int db = 0; db < D / 8; ++db) {
-        *reinterpret_cast<uint32_t*>(go + db * 8) = pack_bf16(o[db][2 * i] * inv, o[db][2 * i + 1] * inv);
+    for (int i = 0; i < 2; ++i) {
+      float lt = l[mt][i];
+      lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+      lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+      const int r = row0 + mt * 16 + i * 8 + gr;
+      if (r < S) {
+        const float inv = 1.f / lt;
+        bf16* go = p.o + (tok0 + r) * p.q_stride + static_cast<int64_t>(h) * D + 2 * tq;
+#pragma unroll
+        for (int db = 0; db < D / 8; ++db) {
+          *reinterpret_cast<uint32_t*>(go + db * 8) =
+              pack_bf16(o[mt][db][2 * i] * inv, o[mt][db][2 * i + 1] * inv);
+        }
+        if (tq == 0) {
+          p.lse_out[(static_cast<int64_t>(b) * p.q_heads + h) * S + r] = (m[mt][i] + log2f(lt)) * kLn2;
+        }
       }
-      if (tq == 0) p.lse_out[(static_cast<int64_t>(b) * p.q_heads + h) * S + r] = (m[i] + log2f(lt)) * kLn2;
     }
   }
 }
 
-// ---- backward 1: delta = rowsum(dO * O) ---------------------------------------------------
+// ---- backward 1: delta = rowsum(dO * O), lse2 = lse * log2(e) -----------------------------
 
 constexpr int kDeltaWarps = 8;
 
@@ -334,28 +429,35 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) attention_bwd_delta_kernel(c
   acc = warp_sum(acc);
   if (lane == 0) {
     const int64_t b = t / p.seq, s = t % p.seq;
-    p.delta[(b * p.q_heads + h) * p.seq + s] = acc;
+    const int64_t i = (b * p.q_heads + h) * p.seq + s;
+    p.delta[i] = acc;
+    p.lse2[i] = p.lse[i] * kLog2e;
   }
 }
 
 // ---- backward 2: dK, dV -------------------------------------------------------------------
 
-template <int D, int BQ>
-__global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(const Params p) {
-  constexpr int LD = D + kPad, TK = kTile * LD, TQ = BQ * LD;
+// WARPS warps of 16 keys each (BC = WARPS*16 keys per block), BQ queries per iteration.
+template <int D, int BQ, int WARPS, int MINB, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dkdv_kernel(const Params p) {
+  constexpr int THREADS = WARPS * 32, BC = WARPS * 16, LD = D + kPad, TK = BC * LD, TQ = BQ * LD;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* sK = reinterpret_cast<bf16*>(smem);
   bf16* sV = sK + TK;
-  bf16* sQ = sV + TK;        // two buffers
-  bf16* sdO = sQ + 2 * TQ;   // two buffers
-  float* sLse = reinterpret_cast<float*>(sdO + 2 * TQ);  // two buffers of BQ: lse * log2(e)
-  float* sDel = sLse + 2 * BQ;                           // two buffers of BQ: delta
+  bf16* sQ = sV + TK;             // STAGES buffers
+  bf16* sdO = sQ + STAGES * TQ;   // STAGES buffers
+  float* sLse = reinterpret_cast<float*>(sdO + STAGES * TQ);  // STAGES buffers of BQ: lse * log2(e)
+  float* sDel = sLse + STAGES * BQ;                           // STAGES buffers of BQ: delta
 
   const int S = p.seq;
-  const int kt = blockIdx.x, b = blockIdx.z;  // low kt (most query tiles) first
-  const int g = blockIdx.y / p.splits, part = blockIdx.y % p.splits;
+  // blockIdx.x = (key tile, batch, kv head, split) with the key tile slowest: low key tiles
+  // (the most query tiles) start first.
+  const int per_kt = p.batch * p.kv_heads * p.splits;
+  const int kt = static_cast<int>(blockIdx.x) / per_kt;
+  const int rest = static_cast<int>(blockIdx.x) % per_kt;
+  const int part = rest % p.splits, g = (rest / p.splits) % p.kv_heads, b = rest / (p.splits * p.kv_heads);
   const int heads = p.group / p.splits, h_begin = g * p.group + part * heads;
-  const int k0 = kt * kTile;
+  const int k0 = kt * BC;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gr = lane >> 2, tq = lane & 3;
   const LaneOffsets<LD> off(lane);
@@ -367,114 +469,117 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(const Para
   const int per_head = n_qt - qt_begin;
   const int n_it = heads * per_head;  // (head, query tile) pairs, head-major
 
-  // Starts the copies of iteration it's Q, dO, lse and delta into buffer buf.
+  // Starts the copies of iteration it's Q, dO, lse2 and delta into buffer buf.
   auto issue = [&](int it, int buf) {
     const int h = h_begin + it / per_head;
     const int q0 = (qt_begin + it % per_head) * BQ;
     const int64_t qoff = (tok0 + q0) * p.q_stride + static_cast<int64_t>(h) * D;
-    load_tile<BQ, D>(sQ + buf * TQ, p.q + qoff, p.q_stride, min(BQ, S - q0));
-    load_tile<BQ, D>(sdO + buf * TQ, p.dout + qoff, p.q_stride, min(BQ, S - q0));
-    const int64_t soff = (static_cast<int64_t>(b) * p.q_heads + h) * S;
-    for (int i = tid; i < BQ; i += kThreads) {
-      const bool ok = q0 + i < S;
-      sLse[buf * BQ + i] = ok ? p.lse[soff + q0 + i] * kLog2e : 0.f;
-      sDel[buf * BQ + i] = ok ? p.delta[soff + q0 + i] : 0.f;
+    load_tile<BQ, D, THREADS>(sQ + buf * TQ, p.q + qoff, p.q_stride, min(BQ, S - q0));
+    load_tile<BQ, D, THREADS>(sdO + buf * TQ, p.dout + qoff, p.q_stride, min(BQ, S - q0));
+    const int64_t soff = (static_cast<int64_t>(b) * p.q_heads + h) * S + q0;
+    for (int i = tid; i < 2 * BQ; i += THREADS) {
+      const int c = i % BQ;
+      const bool ok = q0 + c < S;
+      const float* src = i < BQ ? p.lse2 + soff : p.delta + soff;
+      float* dst = (i < BQ ? sLse : sDel) + buf * BQ + c;
+      cp_async4(smem_u32(dst), ok ? src + c : src, ok);
     }
   };
 
   const int64_t kvoff = (tok0 + k0) * p.kv_stride + static_cast<int64_t>(g) * D;
-  load_tile<kTile, D>(sK, p.k + kvoff, p.kv_stride, min(kTile, S - k0));
-  load_tile<kTile, D>(sV, p.v + kvoff, p.kv_stride, min(kTile, S - k0));
-  issue(0, 0);
-  cp_async_commit();
-  cp_async_wait_all();
-  __syncthreads();
+  load_tile<BC, D, THREADS>(sK, p.k + kvoff, p.kv_stride, min(BC, S - k0));
+  load_tile<BC, D, THREADS>(sV, p.v + kvoff, p.kv_stride, min(BC, S - k0));
+  // Pipeline: iteration it's tiles go to buffer it % STAGES in commit group it (K and V
+  // with iteration 0), STAGES - 1 iterations ahead of the one being computed.
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (st < n_it) issue(st, st);
+    cp_async_commit();  // possibly empty: keeps one group per iteration
+  }
 
-  const int j_lo = k0 + warp * 16 + gr, j_hi = j_lo + 8;  // this lane's two keys
+  const int kw = k0 + warp * 16;          // the warp's first key
+  const int j_lo = kw + gr, j_hi = j_lo + 8;  // this lane's two keys
   const int seg_lo = (seg && j_lo < S) ? seg[j_lo] : 0;
   const int seg_hi = (seg && j_hi < S) ? seg[j_hi] : 0;
   const uint32_t k_addr = smem_u32(sK) + 2 * (warp * 16 * LD + off.a);
   const uint32_t v_addr = smem_u32(sV) + 2 * (warp * 16 * LD + off.a);
 
   float dk[D / 8][4], dv[D / 8][4];
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i) {
-    dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = 0.f;
-    dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
-  }
+  zero(dk);
+  zero(dv);
+
+  cp_async_wait_group<STAGES - 2>();
+  __syncthreads();
 
   for (int it = 0; it < n_it; ++it) {
-    const int buf = it & 1;
-    if (it + 1 < n_it) {
-      issue(it + 1, buf ^ 1);
-      cp_async_commit();
-    }
+    const int buf = it % STAGES;
+    if (it + STAGES - 1 < n_it) issue(it + STAGES - 1, (it + STAGES - 1) % STAGES);
+    cp_async_commit();
     const int q0 = (qt_begin + it % per_head) * BQ;
-    const uint32_t q_base = smem_u32(sQ + buf * TQ), do_base = smem_u32(sdO + buf * TQ);
-    const float* lse_t = sLse + buf * BQ;
-    const float* del_t = sDel + buf * BQ;
+    if (kw <= q0 + BQ - 1) {  // else every query of the tile is left of the warp's keys: P = 0
+      const uint32_t q_base = smem_u32(sQ + buf * TQ), do_base = smem_u32(sdO + buf * TQ);
+      const float* lse_t = sLse + buf * BQ;
+      const float* del_t = sDel + buf * BQ;
 
-    // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys x BQ queries
-    float st[BQ / 8][4], dpt[BQ / 8][4];
+      // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys x BQ queries
+      float st[BQ / 8][4], dpt[BQ / 8][4];
+      zero(st);
+      zero(dpt);
 #pragma unroll
-    for (int i = 0; i < BQ / 8; ++i) {
-      st[i][0] = st[i][1] = st[i][2] = st[i][3] = 0.f;
-      dpt[i][0] = dpt[i][1] = dpt[i][2] = dpt[i][3] = 0.f;
-    }
+      for (int kc = 0; kc < D / 16; ++kc) {
+        uint32_t ka[4], va[4];
+        ldsm_x4(ka, k_addr + kc * 32);
+        ldsm_x4(va, v_addr + kc * 32);
 #pragma unroll
-    for (int kc = 0; kc < D / 16; ++kc) {
-      uint32_t ka[4], va[4];
-      ldsm_x4(ka, k_addr + kc * 32);
-      ldsm_x4(va, v_addr + kc * 32);
-#pragma unroll
-      for (int nb2 = 0; nb2 < BQ / 16; ++nb2) {
-        uint32_t bf[4];
-        ldsm_x4(bf, q_base + 2 * (nb2 * 16 * LD + kc * 16 + off.bn));
-        mma_bf16(st[2 * nb2], ka, bf[0], bf[1]);
-        mma_bf16(st[2 * nb2 + 1], ka, bf[2], bf[3]);
-        ldsm_x4(bf, do_base + 2 * (nb2 * 16 * LD + kc * 16 + off.bn));
-        mma_bf16(dpt[2 * nb2], va, bf[0], bf[1]);
-        mma_bf16(dpt[2 * nb2 + 1], va, bf[2], bf[3]);
-      }
-    }
-
-    // P^T = exp(scale s - lse) (0 where masked), dS^T = P^T (dP^T - delta)
-    const bool need_mask = seg || q0 < k0 + kTile - 1 || q0 + BQ > S;
-#pragma unroll
-    for (int nb = 0; nb < BQ / 8; ++nb) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int ci = nb * 8 + 2 * tq + (e & 1);  // query column within the tile
-        bool ok = true;
-        if (need_mask) {
-          const int i = q0 + ci, j = e < 2 ? j_lo : j_hi;
-          ok = i < S && j <= i && (!seg || seg[i] == (e < 2 ? seg_lo : seg_hi));
+        for (int nb2 = 0; nb2 < BQ / 16; ++nb2) {
+          uint32_t bf[4];
+          ldsm_x4(bf, q_base + 2 * (nb2 * 16 * LD + kc * 16 + off.bn));
+          mma_bf16(st[2 * nb2], ka, bf[0], bf[1]);
+          mma_bf16(st[2 * nb2 + 1], ka, bf[2], bf[3]);
+          ldsm_x4(bf, do_base + 2 * (nb2 * 16 * LD + kc * 16 + off.bn));
+          mma_bf16(dpt[2 * nb2], va, bf[0], bf[1]);
+          mma_bf16(dpt[2 * nb2 + 1], va, bf[2], bf[3]);
         }
-        const float pv = ok ? exp2f(fmaf(st[nb][e], p.scale_log2, -lse_t[ci])) : 0.f;
-        st[nb][e] = pv;
-        dpt[nb][e] = pv * (dpt[nb][e] - del_t[ci]);
+      }
+
+      // P^T = exp(scale s - lse) (0 where masked), dS^T = P^T (dP^T - delta)
+      const bool need_mask = seg || q0 < kw + 15 || q0 + BQ > S;
+#pragma unroll
+      for (int nb = 0; nb < BQ / 8; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int ci = nb * 8 + 2 * tq + (e & 1);  // query column within the tile
+          bool ok = true;
+          if (need_mask) {
+            const int i = q0 + ci, j = e < 2 ? j_lo : j_hi;
+            ok = i < S && j <= i && (!seg || seg[i] == (e < 2 ? seg_lo : seg_hi));
+          }
+          const float pv = ok ? ex2(fmaf(st[nb][e], p.scale_log2, -lse_t[ci])) : 0.f;
+          st[nb][e] = pv;
+          dpt[nb][e] = pv * (dpt[nb][e] - del_t[ci]);
+        }
+      }
+
+      // dV += P^T dO, dK += dS^T Q (k = the tile's queries)
+#pragma unroll
+      for (int kc = 0; kc < BQ / 16; ++kc) {
+        uint32_t pa[4], da[4];
+        acc_to_a(pa, st, kc);
+        acc_to_a(da, dpt, kc);
+#pragma unroll
+        for (int db2 = 0; db2 < D / 16; ++db2) {
+          uint32_t bf[4];
+          ldsm_x4_trans(bf, do_base + 2 * (kc * 16 * LD + db2 * 16 + off.bt));
+          mma_bf16(dv[2 * db2], pa, bf[0], bf[1]);
+          mma_bf16(dv[2 * db2 + 1], pa, bf[2], bf[3]);
+          ldsm_x4_trans(bf, q_base + 2 * (kc * 16 * LD + db2 * 16 + off.bt));
+          mma_bf16(dk[2 * db2], da, bf[0], bf[1]);
+          mma_bf16(dk[2 * db2 + 1], da, bf[2], bf[3]);
+        }
       }
     }
 
-    // dV += P^T dO, dK += dS^T Q (k = the tile's queries)
-#pragma unroll
-    for (int kc = 0; kc < BQ / 16; ++kc) {
-      uint32_t pa[4], da[4];
-      acc_to_a(pa, st, kc);
-      acc_to_a(da, dpt, kc);
-#pragma unroll
-      for (int db2 = 0; db2 < D / 16; ++db2) {
-        uint32_t bf[4];
-        ldsm_x4_trans(bf, do_base + 2 * (kc * 16 * LD + db2 * 16 + off.bt));
-        mma_bf16(dv[2 * db2], pa, bf[0], bf[1]);
-        mma_bf16(dv[2 * db2 + 1], pa, bf[2], bf[3]);
-        ldsm_x4_trans(bf, q_base + 2 * (kc * 16 * LD + db2 * 16 + off.bt));
-        mma_bf16(dk[2 * db2], da, bf[0], bf[1]);
-        mma_bf16(dk[2 * db2 + 1], da, bf[2], bf[3]);
-      }
-    }
-
-    cp_async_wait_all();
+    cp_async_wait_group<STAGES - 2>();
     __syncthreads();
   }
 
@@ -525,20 +630,20 @@ __global__ void __launch_bounds__(256) attention_bwd_dkdv_reduce_kernel(const Pa
 
 // ---- backward 3: dQ -----------------------------------------------------------------------
 
-template <int D>
-__global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const Params p) {
-  constexpr int LD = D + kPad, TE = kTile * LD;
+// The forward's tiling: MT m-tiles per warp, BC keys per tile.
+template <int D, int MT, int BC, int WARPS, int MINB, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dq_kernel(const Params p) {
+  constexpr int THREADS = WARPS * 32, BR = WARPS * MT * 16, LD = D + kPad, TK = BC * LD;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* sQ = reinterpret_cast<bf16*>(smem);
-  bf16* sdO = sQ + TE;
-  bf16* sK = sdO + TE;     // two buffers
-  bf16* sV = sK + 2 * TE;  // two buffers
+  bf16* sdO = sQ + BR * LD;
+  bf16* sK = sdO + BR * LD;     // STAGES buffers
+  bf16* sV = sK + STAGES * TK;  // STAGES buffers
 
   const int S = p.seq;
-  const int n_qt = (S + kTile - 1) / kTile;
-  const int qt = n_qt - 1 - static_cast<int>(blockIdx.x);  // longest rows first
-  const int h = blockIdx.y, b = blockIdx.z, g = h / p.group;
-  const int q0 = qt * kTile;
+  const TileOrder t((S + BR - 1) / BR, p.q_heads, p.batch);
+  const int h = t.h, b = t.b, g = h / p.group;
+  const int q0 = t.tile * BR;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int gr = lane >> 2, tq = lane & 3;
   const LaneOffsets<LD> off(lane);
@@ -549,120 +654,155 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const Params
   const bf16* gv = p.v + tok0 * p.kv_stride + static_cast<int64_t>(g) * D;
   const int32_t* seg = p.seg ? p.seg + tok0 : nullptr;
 
-  const int q_end = min(q0 + kTile, S);
-  const int n_kt = (q_end - 1) / kTile + 1;
+  const int q_end = min(q0 + BR, S);
+  const int n_kt = (q_end - 1) / BC + 1;
 
-  load_tile<kTile, D>(sQ, p.q + qoff, p.q_stride, q_end - q0);
-  load_tile<kTile, D>(sdO, p.dout + qoff, p.q_stride, q_end - q0);
-  load_tile<kTile, D>(sK, gk, p.kv_stride, min(kTile, S));
-  load_tile<kTile, D>(sV, gv, p.kv_stride, min(kTile, S));
-  cp_async_commit();
+  load_tile<BR, D, THREADS>(sQ, p.q + qoff, p.q_stride, q_end - q0);
+  load_tile<BR, D, THREADS>(sdO, p.dout + qoff, p.q_stride, q_end - q0);
+  // Pipeline: key/value tile kt goes to buffer kt % STAGES in commit group kt (Q with tile 0),
+  // STAGES - 1 tiles ahead of the one being computed.
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (st < n_kt) {
+      load_tile<BC, D, THREADS>(sK + st * TK, gk + st * BC * p.kv_stride, p.kv_stride, min(BC, S - st * BC));
+      load_tile<BC, D, THREADS>(sV + st * TK, gv + st * BC * p.kv_stride, p.kv_stride, min(BC, S - st * BC));
+    }
+    cp_async_commit();  // possibly empty: keeps one group per tile
+  }
 
-  const int r_lo = q0 + warp * 16 + gr, r_hi = r_lo + 8;
+  const int row0 = q0 + warp * MT * 16;
   const int64_t soff = (static_cast<int64_t>(b) * p.q_heads + h) * S;
-  const float lse2[2] = {r_lo < S ? p.lse[soff + r_lo] * kLog2e : 0.f, r_hi < S ? p.lse[soff + r_hi] * kLog2e : 0.f};
-  const float del[2] = {r_lo < S ? p.delta[soff + r_lo] : 0.f, r_hi < S ? p.delta[soff + r_hi] : 0.f};
-  const int seg_lo = (seg && r_lo < S) ? seg[r_lo] : 0;
-  const int seg_hi = (seg && r_hi < S) ? seg[r_hi] : 0;
-  const uint32_t q_addr = smem_u32(sQ) + 2 * (warp * 16 * LD + off.a);
-  const uint32_t do_addr = smem_u32(sdO) + 2 * (warp * 16 * LD + off.a);
+  float lse2[MT][2], del[MT][2];
+  int seg_r[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = row0 + mt * 16 + i * 8 + gr;
+      lse2[mt][i] = r < S ? p.lse2[soff + r] : 0.f;
+      del[mt][i] = r < S ? p.delta[soff + r] : 0.f;
+      seg_r[mt][i] = (seg && r < S) ? seg[r] : 0;
+    }
+  }
+  const uint32_t q_addr = smem_u32(sQ) + 2 * (warp * MT * 16 * LD + off.a);
+  const uint32_t do_addr = smem_u32(sdO) + 2 * (warp * MT * 16 * LD + off.a);
 
-  cp_async_wait_all();
+  float dq[MT][D / 8][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) zero(dq[mt]);
+
+  cp_async_wait_group<STAGES - 2>();
   __syncthreads();
 
-  float dq[D / 8][4];
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
-
   for (int kt = 0; kt < n_kt; ++kt) {
-    const int buf = kt & 1;
-    if (kt + 1 < n_kt) {
-      const int k1 = (kt + 1) * kTile;
-      load_tile<kTile, D>(sK + (buf ^ 1) * TE, gk + k1 * p.kv_stride, p.kv_stride, min(kTile, S - k1));
-      load_tile<kTile, D>(sV + (buf ^ 1) * TE, gv + k1 * p.kv_stride, p.kv_stride, min(kTile, S - k1));
+    const int buf = kt % STAGES;
+    {  // prefetch tile kt + STAGES - 1 into the buffer freed by iteration kt - 1
+      const int kn = kt + STAGES - 1, k1 = kn * BC, nbuf = kn % STAGES;
+      if (kn < n_kt) {
+        load_tile<BC, D, THREADS>(sK + nbuf * TK, gk + k1 * p.kv_stride, p.kv_stride, min(BC, S - k1));
+        load_tile<BC, D, THREADS>(sV + nbuf * TK, gv + k1 * p.kv_stride, p.kv_stride, min(BC, S - k1));
+      }
       cp_async_commit();
     }
-    const uint32_t k_base = smem_u32(sK + buf * TE), v_base = smem_u32(sV + buf * TE);
+    const int k0 = kt * BC;
+    if (k0 <= row0 + MT * 16 - 1) {
+      const uint32_t k_base = smem_u32(sK + buf * TK), v_base = smem_u32(sV + buf * TK);
 
-    // s = Q K^T, dp = dO V^T for the warp's 16 rows x 64 keys
-    float s[kTile / 8][4], dp[kTile / 8][4];
+      // s = Q K^T, dp = dO V^T for the warp's MT*16 rows x BC keys
+      float s[MT][BC / 8][4], dp[MT][BC / 8][4];
 #pragma unroll
-    for (int i = 0; i < kTile / 8; ++i) {
-      s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-      dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
-    }
-#pragma unroll
-    for (int kc = 0; kc < D / 16; ++kc) {
-      uint32_t qa[4], da[4];
-      ldsm_x4(qa, q_addr + kc * 32);
-      ldsm_x4(da, do_addr + kc * 32);
-#pragma unroll
-      for (int nb2 = 0; nb2 < kTile / 16; ++nb2) {
-        uint32_t bf[4];
-        ldsm_x4(bf, k_base + 2 * (nb2 * 16 * LD + kc * 16 + off.bn));
-        mma_bf16(s[2 * nb2], qa, bf[0], bf[1]);
-        mma_bf16(s[2 * nb2 + 1], qa, bf[2], bf[3]);
-        ldsm_x4(bf, v_base + 2 * (nb2 * 16 * LD + kc * 16 + off.bn));
-        mma_bf16(dp[2 * nb2], da, bf[0], bf[1]);
-        mma_bf16(dp[2 * nb2 + 1], da, bf[2], bf[3]);
+      for (int mt = 0; mt < MT; ++mt) {
+        zero(s[mt]);
+        zero(dp[mt]);
       }
-    }
-
-    // dS = P (dP - delta), P = exp(scale s - lse), 0 where masked (kept in dp)
-    const int k0 = kt * kTile;
-    const bool need_mask = seg || k0 + kTile - 1 > q0 + warp * 16 || k0 + kTile > S;
 #pragma unroll
-    for (int nb = 0; nb < kTile / 8; ++nb) {
+      for (int kc = 0; kc < D / 16; ++kc) {
+        uint32_t qa[MT][4], da[MT][4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = e >> 1;
-        bool ok = true;
-        if (need_mask) {
-          const int j = k0 + nb * 8 + 2 * tq + (e & 1);
-          const int r = i ? r_hi : r_lo;
-          ok = j <= r && j < S && (!seg || seg[j] == (i ? seg_hi : seg_lo));
+        for (int mt = 0; mt < MT; ++mt) {
+          ldsm_x4(qa[mt], q_addr + 2 * mt * 16 * LD + kc * 32);
+          ldsm_x4(da[mt], do_addr + 2 * mt * 16 * LD + kc * 32);
         }
-        const float pv = ok ? exp2f(fmaf(s[nb][e], p.scale_log2, -lse2[i])) : 0.f;
-        dp[nb][e] = pv * (dp[nb][e] - del[i]);
+#pragma unroll
+        for (int nb2 = 0; nb2 < BC / 16; ++nb2) {
+          uint32_t bf[4];
+          ldsm_x4(bf, k_base + 2 * (nb2 * 16 * LD + kc * 16 + off.bn));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_bf16(s[mt][2 * nb2], qa[mt], bf[0], bf[1]);
+            mma_bf16(s[mt][2 * nb2 + 1], qa[mt], bf[2], bf[3]);
+          }
+          ldsm_x4(bf, v_base + 2 * (nb2 * 16 * LD + kc * 16 + off.bn));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_bf16(dp[mt][2 * nb2], da[mt], bf[0], bf[1]);
+            mma_bf16(dp[mt][2 * nb2 + 1], da[mt], bf[2], bf[3]);
+          }
+        }
+      }
+
+      // dS = P (dP - delta), P = exp(scale s - lse), 0 where masked (kept in dp)
+      const bool need_mask = seg || k0 + BC - 1 > row0 || k0 + BC > S;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int nb = 0; nb < BC / 8; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = e >> 1;
+            bool ok = true;
+            if (need_mask) {
+              const int j = k0 + nb * 8 + 2 * tq + (e & 1);
+              const int r = row0 + mt * 16 + i * 8 + gr;
+              ok = j <= r && j < S && (!seg || seg[j] == seg_r[mt][i]);
+            }
+            const float pv = ok ? ex2(fmaf(s[mt][nb][e], p.scale_log2, -lse2[mt][i])) : 0.f;
+            dp[mt][nb][e] = pv * (dp[mt][nb][e] - del[mt][i]);
+          }
+        }
+      }
+
+      // dq += dS K; each K fragment feeds MT m-tiles
+#pragma unroll
+      for (int kc = 0; kc < BC / 16; ++kc) {
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) acc_to_a(a[mt], dp[mt], kc);
+#pragma unroll
+        for (int db2 = 0; db2 < D / 16; ++db2) {
+          uint32_t bf[4];
+          ldsm_x4_trans(bf, k_base + 2 * (kc * 16 * LD + db2 * 16 + off.bt));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_bf16(dq[mt][2 * db2], a[mt], bf[0], bf[1]);
+            mma_bf16(dq[mt][2 * db2 + 1], a[mt], bf[2], bf[3]);
+          }
+        }
       }
     }
 
-    // dq += dS K
-#pragma unroll
-    for (int kc = 0; kc < kTile / 16; ++kc) {
-      uint32_t a[4];
-      acc_to_a(a, dp, kc);
-#pragma unroll
-      for (int db2 = 0; db2 < D / 16; ++db2) {
-        uint32_t bf[4];
-        ldsm_x4_trans(bf, k_base + 2 * (kc * 16 * LD + db2 * 16 + off.bt));
-        mma_bf16(dq[2 * db2], a, bf[0], bf[1]);
-        mma_bf16(dq[2 * db2 + 1], a, bf[2], bf[3]);
-      }
-    }
-
-    cp_async_wait_all();
+    cp_async_wait_group<STAGES - 2>();
     __syncthreads();
   }
 
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = i ? r_hi : r_lo;
-    if (r < S) {
-      bf16* gq = p.dq + (tok0 + r) * p.q_stride + static_cast<int64_t>(h) * D + 2 * tq;
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int db = 0; db < D / 8; ++db) {
-        *reinterpret_cast<uint32_t*>(gq + db * 8) = pack_bf16(dq[db][2 * i] * p.scale, dq[db][2 * i + 1] * p.scale);
+    for (int i = 0; i < 2; ++i) {
+      const int r = row0 + mt * 16 + i * 8 + gr;
+      if (r < S) {
+        bf16* gq = p.dq + (tok0 + r) * p.q_stride + static_cast<int64_t>(h) * D + 2 * tq;
+#pragma unroll
+        for (int db = 0; db < D / 8; ++db) {
+          *reinterpret_cast<uint32_t*>(gq + db * 8) =
+              pack_bf16(dq[mt][db][2 * i] * p.scale, dq[mt][db][2 * i + 1] * p.scale);
+        }
       }
     }
   }
 }
 
 // ---- launchers ------------------------------------------------------------------------
-
-// The dK/dV kernel's query tile per head dim (fewer rows keep D = 128 within registers).
-template <int D>
-constexpr int kDkdvBlockQ = D == 128 ? 32 : 64;
 
 Params make_params(const AttentionDims& d) {
   Params p{};
@@ -682,19 +822,50 @@ Params make_params(const AttentionDims& d) {
 // Launches kernel with `smem` bytes of dynamic shared memory (raising the limit past 48 KB;
 // a failure shows up in the caller's check_launch).
 template <typename Kernel>
-void launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t s, const Params& p) {
+void launch(Kernel kernel, unsigned blocks, int threads, size_t smem, cudaStream_t s, const Params& p) {
   if (smem > 48 * 1024) {
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   }
-  kernel<<<grid, threads, smem, s>>>(p);
+  kernel<<<blocks, threads, smem, s>>>(p);
 }
 
+template <int D, int MT, int BC, int WARPS, int MINB, int STAGES>
+void forward_tiled(const Params& p, cudaStream_t s) {
+  constexpr int BR = WARPS * MT * 16;
+  constexpr size_t smem = (BR + 2 * STAGES * BC) * (D + kPad) * sizeof(bf16);
+  const unsigned blocks = static_cast<unsigned>((p.seq + BR - 1) / BR) * p.q_heads * p.batch;
+  launch(attention_fwd_kernel<D, MT, BC, WARPS, MINB, STAGES>, blocks, WARPS * 32, smem, s, p);
+}
+
+// Tile choices (H100, D = 128, measured): the forward and dQ passes double-buffer; 32 rows
+// per warp with 32-key tiles beat 16 rows per warp with 64-key tiles (294 vs 270 TFLOP/s
+// forward); a third stage or 8-warp blocks gave nothing or lost. The dQ pass keeps 16 rows
+// per warp and 64-key tiles (32 rows per warp did not help it). The dK/dV pass keeps the
+// 64-key, 4-warp blocks (128 keys in 8 warps spill at 255 registers and lost) with a
+// three-stage pipeline; splitting its heads over more blocks (splits 1..8) measured the same.
 template <int D>
 void forward(const Params& p, cudaStream_t s) {
-  constexpr size_t smem = 5 * kTile * (D + kPad) * sizeof(bf16);
-  const dim3 grid((p.seq + kTile - 1) / kTile, p.q_heads, p.batch);
-  launch(attention_fwd_kernel<D>, grid, kThreads, smem, s, p);
+  forward_tiled<D, 2, 32, 4, 2, 2>(p, s);
 }
+
+template <int D, int MT, int BC, int WARPS, int MINB, int STAGES>
+void dq_tiled(const Params& p, cudaStream_t s) {
+  constexpr int BR = WARPS * MT * 16;
+  constexpr size_t smem = (2 * BR + 2 * STAGES * BC) * (D + kPad) * sizeof(bf16);
+  const unsigned blocks = static_cast<unsigned>((p.seq + BR - 1) / BR) * p.q_heads * p.batch;
+  launch(attention_bwd_dq_kernel<D, MT, BC, WARPS, MINB, STAGES>, blocks, WARPS * 32, smem, s, p);
+}
+
+template <int D, int BQ, int WARPS, int MINB, int STAGES>
+void dkdv_tiled(const Params& p, cudaStream_t s) {
+  constexpr int BC = WARPS * 16;
+  constexpr size_t smem =
+      (2 * BC + 2 * STAGES * BQ) * (D + kPad) * sizeof(bf16) + 2 * STAGES * BQ * sizeof(float);
+  const unsigned blocks = static_cast<unsigned>((p.seq + BC - 1) / BC) * p.batch * p.kv_heads * p.splits;
+  launch(attention_bwd_dkdv_kernel<D, BQ, WARPS, MINB, STAGES>, blocks, WARPS * 32, smem, s, p);
+}
+
+constexpr int kDkdvWarps = 4;  // keys per dK/dV block: kDkdvWarps * 16
 
 template <int D>
 void backward(const Params& p, cudaStream_t s) {
@@ -702,28 +873,24 @@ void backward(const Params& p, cudaStream_t s) {
   attention_bwd_delta_kernel<D>
       <<<static_cast<unsigned>((rows + kDeltaWarps - 1) / kDeltaWarps), kDeltaWarps * 32, 0, s>>>(p);
 
-  constexpr int BQ = kDkdvBlockQ<D>;
-  constexpr size_t smem_kv = (2 * kTile + 4 * BQ) * (D + kPad) * sizeof(bf16) + 4 * BQ * sizeof(float);
-  const dim3 grid_kv((p.seq + kTile - 1) / kTile, p.kv_heads * p.splits, p.batch);
-  launch(attention_bwd_dkdv_kernel<D, BQ>, grid_kv, kThreads, smem_kv, s, p);
+  dkdv_tiled<D, 32, kDkdvWarps, 2, 3>(p, s);
   if (p.splits > 1) {
     const int64_t n2 = static_cast<int64_t>(p.batch) * p.seq * p.kv_stride / 2;
     const int64_t blocks = std::min<int64_t>((n2 + 255) / 256, 65536);
     attention_bwd_dkdv_reduce_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(p);
   }
 
-  constexpr size_t smem_q = 6 * kTile * (D + kPad) * sizeof(bf16);
-  const dim3 grid_q((p.seq + kTile - 1) / kTile, p.q_heads, p.batch);
-  launch(attention_bwd_dq_kernel<D>, grid_q, kThreads, smem_q, s, p);
+  dq_tiled<D, 1, 64, 4, 2, 2>(p, s);
 }
 
 }  // namespace
 
 int attention_dkdv_splits(const AttentionDims& d, int num_sms) {
   const int group = d.q_heads / d.kv_heads;
-  const int64_t blocks = static_cast<int64_t>((d.seq + kTile - 1) / kTile) * d.kv_heads * d.batch;
+  constexpr int bc = kDkdvWarps * 16;
+  const int64_t blocks = static_cast<int64_t>((d.seq + bc - 1) / bc) * d.kv_heads * d.batch;
   int splits = 1;
-  while (group % (2 * splits) == 0 && blocks * splits < 4 * static_cast<int64_t>(num_sms)) splits *= 2;
+  while (group % (2 * splits) == 0 && blocks * splits < 3 * static_cast<int64_t>(num_sms)) splits *= 2;
   return splits;
 }
 
@@ -748,7 +915,7 @@ void launch_attention_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, co
 
 void launch_attention_backward(const __nv_bfloat16* dout, const __nv_bfloat16* q, const __nv_bfloat16* k,
                                const __nv_bfloat16* v, const int32_t* seg, const __nv_bfloat16* out,
-                               const float* lse, float* delta, float* dkdv_partial, int split_count,
+                               const float* lse, float* workspace, float* dkdv_partial, int split_count,
                                __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttentionDims& d,
                                cudaStream_t s) {
   if (d.batch == 0 || d.seq == 0) return;
@@ -763,7 +930,8 @@ void launch_attention_backward(const __nv_bfloat16* dout, const __nv_bfloat16* q
   p.seg = seg;
   p.out = out;
   p.lse = lse;
-  p.delta = delta;
+  p.delta = workspace;
+  p.lse2 = workspace + static_cast<int64_t>(d.batch) * d.q_heads * d.seq;
   p.dq = dq;
   p.dk = dk;
   p.dv = dv;

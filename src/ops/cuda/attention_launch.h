@@ -23,18 +23,19 @@ void launch_attention_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, co
                               cudaStream_t s);
 
 // How many blocks share the query heads of one (batch, kv head, key tile) in the dK/dV
-// pass: a power of two dividing Hq/Hkv, raised until the pass has about 4 blocks per
+// pass: a power of two dividing Hq/Hkv, raised until the pass has about 3 blocks per
 // multiprocessor (B=1, S=2048, Hkv=4 has only 128 key-tile blocks otherwise). With
 // splits > 1 the backward needs a workspace of 2 * splits * B*S * Hkv*D floats.
 int attention_dkdv_splits(const AttentionDims& d, int num_sms);
 
-// Kernels in order on s: delta = rowsum(dout * out) (f32 workspace [B, Hq, S]); dk/dv (one
-// block per (batch, kv head, key tile, split)); with splits > 1 the sum of the f32 partials
+// Kernels in order on s: delta = rowsum(dout * out) and lse * log2(e) (f32 workspace of
+// 2 * B*Hq*S: delta [B, Hq, S], then the scaled lse); dk/dv (one block per (batch, kv head,
+// key tile, split)); with splits > 1 the sum of the f32 partials
 // in dkdv_partial, in split order; dq (one block per (batch, query head, query tile)).
 // No atomics: every output element is written once by one thread, in a fixed order.
 void launch_attention_backward(const __nv_bfloat16* dout, const __nv_bfloat16* q, const __nv_bfloat16* k,
                                const __nv_bfloat16* v, const int32_t* seg, const __nv_bfloat16* out,
-                               const float* lse, float* delta, float* dkdv_partial, int split_count,
+                               const float* lse, float* workspace, float* dkdv_partial, int split_count,
                                __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttentionDims& d,
                                cudaStream_t s);
 
