@@ -458,9 +458,9 @@ void check_swiglu(const SwigluCase& c, uint64_t seed) {
   // element the kernels skip (a 0-row expert's included) fails the comparison.
   Tensor ow_ref[3] = {Tensor::full(dwg0.shape(), NAN, DType::F32), Tensor::full(dwu0.shape(), NAN, DType::F32),
                       Tensor::full(dwd0.shape(), NAN, DType::F32)};
-  ops::grouped_swiglu_backward_weight(dy, x, counts, gate, up, dgate, dup, ow_ref[0], ow_ref[1], ow_ref[2], false);
   Tensor ow[3] = {ow_ref[0].to(kGpu), ow_ref[1].to(kGpu), ow_ref[2].to(kGpu)};
   for (const Tensor& t : ow) ASSERT_FALSE(ops::all_finite(t));
+  ops::grouped_swiglu_backward_weight(dy, x, counts, gate, up, dgate, dup, ow_ref[0], ow_ref[1], ow_ref[2], false);
   ops::grouped_swiglu_backward_weight(dyg, xg, cg, gateg, upg, dgateg, dupg, ow[0], ow[1], ow[2], false);
   const char* names[3] = {"dw_gate=", "dw_up=", "dw_down="};
   for (int i = 0; i < 3; ++i) {
