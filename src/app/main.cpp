@@ -1,12 +1,15 @@
 // The moetrain command. Thin: parse the command line, load the config, call the engine.
 //
 //   moetrain train --config configs/tiny.toml [--section.key=value ...] [--print-config]
+//   moetrain convert SRC DST        (HF folder <-> moetrain checkpoint)
+//   moetrain score --model DIR --tokens "[...]"   (logits and loss)
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <string>
 #include <vector>
 
+#include "app/checkpoint_commands.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/bench.h"
@@ -62,6 +65,10 @@ int main(int argc, char** argv) {
   CLI::App* train = app.add_subcommand("train", "train a model from a TOML run config");
   train->add_option("-c,--config", config_path, "run config (TOML)")->required();
   train->add_flag("--print-config", print_config, "print the resolved config and exit");
+  std::string init_from;
+  train->add_option("--init-from", init_from,
+                    "start from these weights (HF folder or moetrain checkpoint; sets [checkpoint].init_from, and "
+                    "[model] from its config.json)");
   train->allow_extras();
   train->footer("Any config key can be overridden: --section.key=value (e.g. --training.steps=100).");
 
@@ -75,13 +82,21 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench->allow_extras();
 
+  // convert and score: src/app/checkpoint_commands.cpp.
+  std::function<int()> run_checkpoint_commands = moetrain::app::add_checkpoint_commands(app);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
   try {
-    if (train->parsed()) return run_train(config_path, train->remaining(), print_config);
+    if (int rc = run_checkpoint_commands(); rc >= 0) return rc;
+    if (train->parsed()) {
+      std::vector<std::string> extras = train->remaining();
+      if (!init_from.empty()) extras.push_back("--checkpoint.init_from=" + init_from);
+      return run_train(config_path, extras, print_config);
+    }
     if (bench->parsed()) return run_bench(bench_config, bench->remaining(), bench_opt);
   } catch (const std::exception& e) {  // moetrain::Error and anything from the libraries
     std::fprintf(stderr, "moetrain: error: %s\n", e.what());

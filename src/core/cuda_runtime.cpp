@@ -140,6 +140,19 @@ void copy_device_to_host(void* dst, const void* src, size_t bytes) {
   MT_CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
+void copy_device_to_host_async(void* dst, const void* src, size_t bytes) {
+  MT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(current_stream())));
+}
+
+void* pinned_alloc(size_t bytes) {
+  void* p = nullptr;
+  MT_CUDA_CHECK(cudaMallocHost(&p, bytes));
+  return p;
+}
+void pinned_free(void* p) {
+  if (p) MT_CUDA_CHECK(cudaFreeHost(p));
+}
+
 void copy_device_to_device(void* dst, const void* src, size_t bytes) {
   MT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(current_stream())));
 }
@@ -187,6 +200,9 @@ void device_free(void*, size_t, Stream) { no_cuda(); }
 void copy_host_to_device(void*, const void*, size_t) { no_cuda(); }
 void copy_device_to_host(void*, const void*, size_t) { no_cuda(); }
 void copy_device_to_device(void*, const void*, size_t) { no_cuda(); }
+void copy_device_to_host_async(void*, const void*, size_t) { no_cuda(); }
+void* pinned_alloc(size_t) { no_cuda(); }
+void pinned_free(void*) { no_cuda(); }
 void memset_device(void*, int, size_t) { no_cuda(); }
 Event create_event() { no_cuda(); }
 void destroy_event(Event) { no_cuda(); }

@@ -42,6 +42,13 @@ void set_poison_allocations(bool on);
 void copy_host_to_device(void* dst, const void* src, size_t bytes);
 void copy_device_to_host(void* dst, const void* src, size_t bytes);
 void copy_device_to_device(void* dst, const void* src, size_t bytes);
+// Enqueues a copy into pinned host memory on the current stream and returns; the caller
+// synchronizes the stream before reading dst.
+void copy_device_to_host_async(void* dst, const void* src, size_t bytes);
+// Page-locked host memory (cudaMallocHost): device-to-host copies into it run at full
+// PCIe speed and can be asynchronous.
+void* pinned_alloc(size_t bytes);
+void pinned_free(void* p);
 void memset_device(void* dst, int value, size_t bytes);
 
 // Timing events (cudaEvent_t as an opaque handle).

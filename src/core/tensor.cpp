@@ -61,8 +61,10 @@ int64_t shape_numel(const Shape& s) {
 // work already queued there).
 class Storage {
  public:
-  Storage(size_t bytes, Device device) : bytes_(bytes), device_(device) {
-    if (device.is_cpu()) {
+  Storage(size_t bytes, Device device, bool pinned = false) : bytes_(bytes), device_(device), pinned_(pinned) {
+    if (pinned_) {
+      ptr_ = cuda::pinned_alloc(std::max<size_t>(bytes, 1));
+    } else if (device.is_cpu()) {
       ptr_ = host_alloc(bytes);
     } else {
       MT_CHECK(cuda::available(), "cannot allocate on {}: {}", device.str(), cuda::unavailable_reason());
@@ -70,7 +72,12 @@ class Storage {
     }
   }
   ~Storage() {
-    if (device_.is_cpu()) {
+    if (pinned_) {
+      try {
+        cuda::pinned_free(ptr_);
+      } catch (...) {
+      }
+    } else if (device_.is_cpu()) {
       host_free(ptr_, bytes_);
     } else {
       try {
@@ -88,7 +95,18 @@ class Storage {
   void* ptr_ = nullptr;
   size_t bytes_;
   Device device_;
+  bool pinned_;
 };
+
+Tensor Tensor::empty_pinned(const Shape& shape, DType dtype) {
+  if (!cuda::available()) return empty(shape, dtype);
+  Tensor t;
+  t.shape_ = shape;
+  t.numel_ = shape_numel(shape);
+  t.dtype_ = dtype;
+  t.storage_ = std::make_shared<Storage>(t.nbytes(), Device::cpu(), /*pinned=*/true);
+  return t;
+}
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
   Tensor t;

@@ -28,6 +28,9 @@ class Tensor {
   Tensor() = default;  // undefined: defined() is false
 
   static Tensor empty(const Shape& shape, DType dtype, Device device = Device::cpu());
+  // A host tensor in page-locked memory when a GPU is usable (fast, asynchronous copies
+  // from the device), else an ordinary host tensor.
+  static Tensor empty_pinned(const Shape& shape, DType dtype);
   static Tensor zeros(const Shape& shape, DType dtype, Device device = Device::cpu());
   static Tensor full(const Shape& shape, double value, DType dtype, Device device = Device::cpu());
   // A CPU tensor holding a copy of `values`.

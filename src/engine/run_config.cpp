@@ -56,6 +56,9 @@ void TrainingConfig::describe(ConfigFields& f) {
   f.add("sample_temperature", &sample_temperature, "softmax temperature of the sample",
         positive(&sample_temperature));
   f.add("threads", &threads, "CPU threads; 0 = all cores", non_negative(&threads));
+  f.add("stop_after_steps", &stop_after_steps,
+        "end this process after this many steps (the schedule still spans steps); 0 = run to the end",
+        non_negative(&stop_after_steps));
 }
 
 void OptimizerConfig::describe(ConfigFields& f) {
@@ -90,6 +93,24 @@ void DataConfig::describe(ConfigFields& f) {
         });
 }
 
+void CheckpointConfig::describe(ConfigFields& f) {
+  f.add("dir", &dir, "folder of the run's checkpoints; empty = <metrics.dir>/checkpoints");
+  f.add("every", &every, "save every N steps; 0 = only the final save", non_negative(&every));
+  f.add("save_final", &save_final, "save after the last step of the process");
+  f.add("keep", &keep, "committed checkpoints kept (the oldest are deleted); 0 keeps all", non_negative(&keep));
+  f.add("async", &async, "write checkpoints in the background after a copy to host memory");
+  f.add("resume", &resume, "auto (the newest checkpoint in dir, if any), never, or a step directory",
+        [this]() -> std::optional<std::string> {
+          if (resume.empty()) return "must be auto, never or a checkpoint directory";
+          return std::nullopt;
+        });
+  f.add("init_from", &init_from, "Hugging Face model folder or moetrain checkpoint to take the weights from");
+}
+
+std::string CheckpointConfig::resolved_dir(const std::string& metrics_dir) const {
+  return dir.empty() ? (std::filesystem::path(metrics_dir) / "checkpoints").string() : dir;
+}
+
 void MetricsConfig::describe(ConfigFields& f) {
   f.add("dir", &dir, "folder for metrics.jsonl and the run's printed config", [this]() -> std::optional<std::string> {
     if (dir.empty()) return "must not be empty";
@@ -115,6 +136,8 @@ struct Sections {
     c.optimizer.describe(list.back());
     list.emplace_back("data");
     c.data.describe(list.back());
+    list.emplace_back("checkpoint");
+    c.checkpoint.describe(list.back());
     list.emplace_back("metrics");
     c.metrics.describe(list.back());
   }
@@ -222,6 +245,20 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
       probe.describe(f);
       f.set_from_string(o.key, o.value, o.origin());
       json_path = absolute_from({}, probe.config_json);  // command line: from the working folder
+    }
+  }
+  // A run initialised from a model folder takes its shape from the folder's config.json
+  // unless [model].config_json names another one.
+  if (json_path.empty()) {
+    std::string init_from;
+    if (const toml::table* ck = root["checkpoint"].as_table()) {
+      if (auto v = (*ck)["init_from"].value<std::string>()) init_from = absolute_from(std::filesystem::path(path).parent_path(), *v);
+    }
+    for (const auto& o : parsed) {
+      if (o.section == "checkpoint" && o.key == "init_from") init_from = absolute_from({}, o.value);
+    }
+    if (!init_from.empty() && std::filesystem::exists(std::filesystem::path(init_from) / "config.json")) {
+      json_path = (std::filesystem::path(init_from) / "config.json").string();
     }
   }
   if (!json_path.empty()) cfg.model.load_hf_json(json_path);

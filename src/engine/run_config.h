@@ -1,8 +1,8 @@
 // RunConfig: everything one training run is told, one TOML file with sections
-// [model] [parallel] [training] [optimizer] [data] [metrics], each a *Config that can
-// describe its keys (see config.h). Any key can be overridden on the command line as
-// --section.key=value. [checkpoint] and [fault_tolerance] arrive with their subsystems;
-// until then they are rejected as unknown sections.
+// [model] [parallel] [training] [optimizer] [data] [checkpoint] [metrics], each a *Config
+// that can describe its keys (see config.h). Any key can be overridden on the command line
+// as --section.key=value. [fault_tolerance] arrives with its subsystem; until then it is
+// rejected as an unknown section.
 #pragma once
 
 #include <string>
@@ -33,6 +33,9 @@ struct TrainingConfig {
   std::string sample_prompt = "The ";
   double sample_temperature = 0.8;
   int64_t threads = 0;              // CPU threads; 0 = all cores
+  // End this process after this many steps of the run (the schedule still spans `steps`);
+  // 0 runs to the end. For job time limits: save, stop, resume in the next job.
+  int64_t stop_after_steps = 0;
   void describe(ConfigFields& f);
 };
 
@@ -58,6 +61,19 @@ struct DataConfig {
   void describe(ConfigFields& f);
 };
 
+struct CheckpointConfig {
+  std::string dir;                  // "" = <metrics.dir>/checkpoints
+  int64_t every = 0;                // save every N steps; 0 = only the final save
+  bool save_final = true;           // save after the run's last step (and at stop_after_steps)
+  int64_t keep = 3;                 // committed checkpoints kept, newest first; 0 keeps all
+  bool async = true;                // write in a background thread after a copy to host
+  std::string resume = "auto";      // "auto" | "never" | path of a step directory
+  std::string init_from;            // HF model folder or moetrain checkpoint: weights only
+  void describe(ConfigFields& f);
+  // The directory checkpoints go to, given the metrics folder.
+  std::string resolved_dir(const std::string& metrics_dir) const;
+};
+
 struct MetricsConfig {
   std::string dir = "runs/default";  // metrics.jsonl and the run's printed config go here
   int64_t log_every = 10;            // human log line every N steps
@@ -71,6 +87,7 @@ struct RunConfig {
   TrainingConfig training;
   OptimizerConfig optimizer;
   DataConfig data;
+  CheckpointConfig checkpoint;
   MetricsConfig metrics;
 
   // Loads `path` (TOML), then applies overrides of the form "section.key=value" (the

@@ -5,11 +5,14 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
 
 #include "core/allocator.h"
 #include "core/cuda_runtime.h"
 #include "core/log.h"
 #include "core/rng.h"
+#include "engine/checkpoint/checkpointer.h"
 #include "engine/data/byte_tokenizer.h"
 #include "engine/data/loader.h"
 #include "engine/data/text_corpus.h"
@@ -168,24 +171,75 @@ TrainSummary train(const RunConfig& cfg_in) {
   spdlog::info("training: {} steps x {} tokens on {}", tc.steps, tokens_per_step,
                gpu ? cuda::device_name(0) + " (bf16)" : fmt::format("the CPU, {} threads (f32)", ops::cpu_threads()));
 
-  // Metrics.
+  // Checkpoints: resume from the newest committed one (or the one named), else take the
+  // weights from init_from, else keep the seeded initialisation.
+  const CheckpointConfig& cc = cfg.checkpoint;
+  const std::string ckpt_dir = cc.resolved_dir(cfg.metrics.dir);
+  const std::string resume_from = resolve_resume(ckpt_dir, cc.resume);
+  int64_t start_step = 0;
+  if (!resume_from.empty()) {
+    CheckpointReader reader(resume_from);
+    const nlohmann::json& st = reader.trainer_state();
+    MT_CHECK(st.contains("step") && st.contains("data") && st.contains("optimizer"),
+             "checkpoint {}: trainer_state.json lacks step, data or optimizer: not a training checkpoint (use "
+             "[checkpoint].init_from for weights only)",
+             resume_from);
+    load_model_weights(reader, params);
+    load_optimizer_state(reader, params, opt);
+    start_step = st["step"].get<int64_t>();
+    opt.set_steps_taken(st["optimizer"]["steps_taken"].get<int64_t>());
+    train_loader.set_position(st["data"]["train_position"].get<uint64_t>());
+    MT_CHECK(start_step <= tc.steps, "checkpoint {} is at step {}, beyond [training].steps = {}", resume_from,
+             start_step, tc.steps);
+    for (const auto& [s, path] : Checkpointer::committed(ckpt_dir)) {
+      MT_CHECK(s <= start_step,
+               "resuming from step {} ({}) would later collide with the committed {}: move it away or resume from it",
+               start_step, resume_from, path);
+    }
+    spdlog::info("checkpoint: resumed from {} (step {})", resume_from, start_step);
+  } else if (!cc.init_from.empty()) {
+    CheckpointReader reader(cc.init_from);
+    load_model_weights(reader, params);
+    spdlog::info("checkpoint: weights from {}{}", cc.init_from, reader.is_hf() ? " (Hugging Face folder)" : "");
+  }
+  const int64_t end_step =
+      tc.stop_after_steps > 0 ? std::min(tc.steps, start_step + tc.stop_after_steps) : tc.steps;
+  std::unique_ptr<Checkpointer> checkpointer;
+  if (cc.every > 0 || cc.save_final) checkpointer = std::make_unique<Checkpointer>(ckpt_dir, cc.keep, cc.async);
+  auto trainer_state = [&](int64_t step) {
+    nlohmann::json st;
+    st["step"] = step;
+    st["tokens"] = tokens_per_step * step;
+    st["optimizer"] = {{"name", oc.name}, {"steps_taken", opt.steps_taken()}};
+    st["data"] = {{"train_position", train_loader.position()}, {"tokenizer", cfg.data.tokenizer}};
+    st["seed"] = tc.seed;
+    st["device"] = tc.device;
+    st["model_dtype"] = std::string(dtype_name(params.front().value.dtype()));
+    st["world_size"] = 1;
+    st["moetrain_version"] = MOETRAIN_VERSION;
+    st["config"] = cfg.to_toml();
+    st["hf_config"] = nlohmann::json::parse(cfg.model.to_hf_json());
+    return st;
+  };
+
+  // Metrics: a resumed run appends to the file it started.
   std::filesystem::create_directories(cfg.metrics.dir);
   {
     std::ofstream f(std::filesystem::path(cfg.metrics.dir) / "config.toml");
     f << cfg.to_toml();
   }
-  MetricsWriter metrics(cfg.metrics.dir);
+  MetricsWriter metrics(cfg.metrics.dir, /*append=*/start_step > 0);
   spdlog::info("metrics: {}/metrics.jsonl", cfg.metrics.dir);
 
   TrainSummary summary;
   summary.parameters = count_elements(params);
   summary.first_val_loss = validation_loss(model, dispatcher, val_loader, tc.eval_batches, device);
   summary.last_val_loss = summary.first_val_loss;
-  spdlog::info("step 0 | val loss {:.4f}", summary.first_val_loss);
+  spdlog::info("step {} | val loss {:.4f}", start_step, summary.first_val_loss);
 
-  ProgressBar progress(tc.steps, cfg.metrics.progress);
+  ProgressBar progress(end_step - start_step, cfg.metrics.progress);
   double train_seconds = 0;
-  for (int64_t step = 0; step < tc.steps; ++step) {
+  for (int64_t step = start_step; step < end_step; ++step) {
     const auto t0 = Clock::now();
     std::vector<Batch> batches;
     for (int64_t m = 0; m < tc.grad_accum_steps; ++m) batches.push_back(on_device(train_loader.next(), device));
@@ -217,18 +271,25 @@ TrainSummary train(const RunConfig& cfg_in) {
       m.val_loss = validation_loss(model, dispatcher, val_loader, tc.eval_batches, device);
       summary.last_val_loss = *m.val_loss;
     }
+    if (checkpointer && ((cc.every > 0 && (step + 1) % cc.every == 0) || (cc.save_final && step + 1 == end_step))) {
+      const SaveStats st = checkpointer->save(step + 1, checkpoint_items(params, &opt), trainer_state(step + 1));
+      m.checkpoint_stall_s = st.stall_s;
+      spdlog::debug("checkpoint: step {} snapshot of {:.1f} MB, training waited {:.3f} s", step + 1, st.bytes / 1e6,
+                    st.stall_s);
+    }
     metrics.write(m);
-    if (step == 0) summary.first_train_loss = loss;
+    if (step == start_step) summary.first_train_loss = loss;
     summary.last_train_loss = loss;
-    if (m.val_loss || (step + 1) % cfg.metrics.log_every == 0 || step == 0) {
+    if (m.val_loss || m.checkpoint_stall_s || (step + 1) % cfg.metrics.log_every == 0 || step == start_step) {
       progress.clear();
       spdlog::info("{}", human_line(m, tc.steps));
     }
     progress.update(step + 1, fmt::format("loss {:.3f}", loss));
   }
   progress.finish();
-  summary.steps = tc.steps;
-  summary.tokens_per_s = static_cast<double>(tokens_per_step * tc.steps) / std::max(train_seconds, 1e-9);
+  if (checkpointer) checkpointer->wait();  // the run ends with its last save committed
+  summary.steps = end_step - start_step;
+  summary.tokens_per_s = static_cast<double>(tokens_per_step * summary.steps) / std::max(train_seconds, 1e-9);
   if (tc.sample_tokens > 0) {
     summary.sample = sample_text(model, dispatcher, tok, tc.sample_prompt, tc.sample_tokens, tc.seq_len,
                                  tc.sample_temperature, stream_key(seed, "sample"), device);

@@ -5,9 +5,14 @@
 #include <array>
 #include <cstdio>
 #include <filesystem>
+#include <cstring>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
+
+#include "engine/checkpoint/checkpoint_format.h"
+#include "engine/checkpoint/checkpointer.h"
 
 namespace {
 
@@ -118,6 +123,85 @@ TEST_F(CliTest, ShortRunTrainsAndIsBitwiseRepeatable) {
   std::string la = losses(dir_ / "a" / "metrics.jsonl");
   EXPECT_FALSE(la.empty());
   EXPECT_EQ(la, losses(dir_ / "b" / "metrics.jsonl"));
+}
+
+// "loss" and "grad_norm" of each metrics line, by step (the last line of a step wins: a
+// resumed run may repeat steps that ran after the last checkpoint).
+std::map<int, std::string> step_losses(const fs::path& p) {
+  std::ifstream f(p);
+  std::string line;
+  std::map<int, std::string> out;
+  while (std::getline(f, line)) {
+    const auto s = line.find("\"step\":");
+    const int step = std::stoi(line.substr(s + 7));
+    auto field = [&](const std::string& key) {
+      const auto i = line.find("\"" + key + "\":");
+      return line.substr(i, line.find(',', i) - i);
+    };
+    out[step] = field("loss") + ";" + field("grad_norm");
+  }
+  return out;
+}
+
+// Every tensor (model and optimizer) of two checkpoints, byte for byte.
+void expect_same_checkpoint(const std::string& a, const std::string& b) {
+  moetrain::CheckpointReader ra(a), rb(b);
+  ASSERT_EQ(ra.names(), rb.names());
+  ASSERT_FALSE(ra.names().empty());
+  for (const std::string& n : ra.names()) {
+    moetrain::Tensor ta = ra.read_whole(n), tb = rb.read_whole(n);
+    ASSERT_EQ(ta.nbytes(), tb.nbytes()) << n;
+    EXPECT_EQ(std::memcmp(ta.raw(), tb.raw(), ta.nbytes()), 0) << n;
+  }
+  EXPECT_EQ(ra.trainer_state()["step"], rb.trainer_state()["step"]);
+  EXPECT_EQ(ra.trainer_state()["data"], rb.trainer_state()["data"]);
+  EXPECT_EQ(ra.trainer_state()["optimizer"], rb.trainer_state()["optimizer"]);
+}
+
+TEST_F(CliTest, ResumeAfterARestartIsBitwiseEqualToARunStraightThrough) {
+  const std::string ck = " --checkpoint.save_final=true --checkpoint.every=2 --checkpoint.keep=0";
+  Result straight = run(small_run("straight", ck));
+  ASSERT_EQ(straight.status, 0) << straight.output;
+  // The same run cut in two processes: 3 steps, exit, then resume (auto) to the end.
+  Result first = run(small_run("split", ck + " --training.stop_after_steps=3"));
+  ASSERT_EQ(first.status, 0) << first.output;
+  EXPECT_TRUE(fs::exists(dir_ / "split" / "checkpoints" / "step-00000003")) << first.output;
+  EXPECT_FALSE(fs::exists(dir_ / "split" / "checkpoints" / "step-00000004"));
+  Result second = run(small_run("split", ck));
+  ASSERT_EQ(second.status, 0) << second.output;
+  EXPECT_NE(second.output.find("resumed from"), std::string::npos) << second.output;
+  const auto a = step_losses(dir_ / "straight" / "metrics.jsonl");
+  const auto b = step_losses(dir_ / "split" / "metrics.jsonl");
+  ASSERT_EQ(a.size(), 6u);
+  EXPECT_EQ(a, b);
+  expect_same_checkpoint((dir_ / "straight" / "checkpoints" / "step-00000006").string(),
+                         (dir_ / "split" / "checkpoints" / "step-00000006").string());
+  // A third start finds the run complete and trains nothing more.
+  Result third = run(small_run("split", ck));
+  ASSERT_EQ(third.status, 0) << third.output;
+  EXPECT_NE(third.output.find("done: 0 steps"), std::string::npos) << third.output;
+}
+
+TEST_F(CliTest, ConvertExportsAndInitFromStartsFromTheWeights) {
+  Result r = run(small_run("base", "--checkpoint.save_final=true"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string ck = (dir_ / "base" / "checkpoints").string(), hf = (dir_ / "hf").string();
+  r = run("convert " + ck + " " + hf + " --dtype bf16");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(fs::exists(dir_ / "hf" / "model.safetensors"));
+  EXPECT_TRUE(fs::exists(dir_ / "hf" / "config.json"));
+  expect_one_line_error(run("convert " + ck + " " + hf), "already exists");
+  expect_one_line_error(run("convert " + (dir_ / "none").string() + " " + (dir_ / "x").string()),
+                        "is not a moetrain checkpoint");
+  // Fine-tuning from the exported folder: the model shape comes from its config.json.
+  r = run(small_run("ft", "--init-from " + hf + " --training.steps=2"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("weights from " + hf + " (Hugging Face folder)"), std::string::npos) << r.output;
+  // and scoring it: one JSON line with the loss.
+  r = run("score --model " + hf + " --tokens '[72, 101, 108, 108, 111]'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("\"targets\":4"), std::string::npos) << r.output;
+  expect_one_line_error(run("score --model " + hf + " --tokens '[1, 9999]'"), "token id 9999 is outside");
 }
 
 }  // namespace

@@ -267,8 +267,8 @@ TEST(RunConfig, UnknownSection) {
   TempDir dir;
   std::string e = error_of([&] { RunConfig::load(dir.file("a.toml", "[trainig]\nsteps = 1\n"), {}); });
   EXPECT_NE(e.find("unknown section [trainig] (did you mean 'training'?)"), std::string::npos) << e;
-  e = error_of([&] { RunConfig::load(dir.file("b.toml", "[checkpoint]\nevery = 1\n"), {}); });
-  EXPECT_NE(e.find("unknown section [checkpoint] (known sections: model, parallel"), std::string::npos) << e;
+  e = error_of([&] { RunConfig::load(dir.file("b.toml", "[fault_tolerance]\nreplicas = 1\n"), {}); });
+  EXPECT_NE(e.find("unknown section [fault_tolerance] (known sections: model, parallel"), std::string::npos) << e;
   e = error_of([&] { RunConfig::load(dir.file("c.toml", "steps = 5\n"), {}); });
   EXPECT_NE(e.find("unknown section [steps]"), std::string::npos) << e;
   e = error_of([&] { RunConfig::load(dir.file("d.toml", "training = 5\n"), {}); });

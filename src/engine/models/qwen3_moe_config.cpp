@@ -77,6 +77,41 @@ const char* json_type_name(const nlohmann::json& j) {
 
 }  // namespace
 
+std::string Qwen3MoeConfig::to_hf_json() const {
+  nlohmann::ordered_json j;
+  j["architectures"] = {"Qwen3MoeForCausalLM"};
+  j["model_type"] = model_type;
+  j["vocab_size"] = vocab_size;
+  j["hidden_size"] = hidden_size;
+  j["intermediate_size"] = intermediate_size;
+  j["moe_intermediate_size"] = moe_intermediate_size;
+  j["num_hidden_layers"] = num_hidden_layers;
+  j["num_attention_heads"] = num_attention_heads;
+  j["num_key_value_heads"] = num_key_value_heads;
+  j["head_dim"] = head_dim;
+  j["num_experts"] = num_experts;
+  j["num_experts_per_tok"] = num_experts_per_tok;
+  j["norm_topk_prob"] = norm_topk_prob;
+  j["decoder_sparse_step"] = decoder_sparse_step;
+  j["mlp_only_layers"] = mlp_only_layers;
+  j["rope_theta"] = rope_theta;
+  j["rope_scaling"] = nullptr;
+  j["rms_norm_eps"] = rms_norm_eps;
+  j["tie_word_embeddings"] = tie_word_embeddings;
+  j["initializer_range"] = initializer_range;
+  j["max_position_embeddings"] = max_position_embeddings;
+  j["router_aux_loss_coef"] = router_aux_loss_coef;
+  j["output_router_logits"] = false;
+  j["hidden_act"] = "silu";
+  j["attention_bias"] = false;
+  j["attention_dropout"] = 0.0;
+  j["use_sliding_window"] = false;
+  j["sliding_window"] = nullptr;
+  j["use_cache"] = true;
+  j["torch_dtype"] = "bfloat16";
+  return j.dump(2) + "\n";
+}
+
 void Qwen3MoeConfig::load_hf_json(const std::string& path) {
   std::ifstream in(path);
   MT_CHECK(in.good(), "HF config '{}' cannot be opened (does it exist?)", path);

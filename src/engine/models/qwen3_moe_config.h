@@ -41,6 +41,10 @@ struct Qwen3MoeConfig {
   // moetrain does not support (attention_bias = true, hidden_act other than silu,
   // rope_scaling, use_sliding_window = true) are errors; other HF keys are ignored.
   void load_hf_json(const std::string& path);
+  // The HF config.json text of this shape (Qwen3MoeForCausalLM, every key above but
+  // config_json and moetrain's router_z_loss_coef, plus the fixed ones transformers needs:
+  // hidden_act silu, no attention bias, no sliding window).
+  std::string to_hf_json() const;
 
   // Whether layer `i` has a routed MoE MLP (HF: not in mlp_only_layers, num_experts > 0,
   // and (i + 1) % decoder_sparse_step == 0).

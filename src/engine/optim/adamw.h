@@ -22,6 +22,10 @@ class AdamW {
   // grad_scale first (the clipping factor); advances the step count.
   void step(ParameterList& params, double lr, double grad_scale = 1.0);
   int64_t steps_taken() const { return step_; }
+  // The moments, one per parameter in list order (views; checkpoints read and write them).
+  const std::vector<Tensor>& exp_avg() const { return m_; }
+  const std::vector<Tensor>& exp_avg_sq() const { return v_; }
+  void set_steps_taken(int64_t steps) { step_ = steps; }
 
  private:
   AdamWConfig cfg_;

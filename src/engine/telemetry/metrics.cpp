@@ -33,6 +33,7 @@ std::string metrics_json(const StepMetrics& m) {
   j["peak_memory_bytes"] = m.peak_memory_bytes;
   j["tokens"] = m.tokens;
   j["val_loss"] = m.val_loss ? nlohmann::json(*m.val_loss) : nlohmann::json(nullptr);
+  if (m.checkpoint_stall_s) j["checkpoint_stall_s"] = *m.checkpoint_stall_s;
   return j.dump();  // non-finite numbers become null
 }
 

@@ -18,6 +18,7 @@ struct StepMetrics {
   int64_t peak_memory_bytes = 0;
   int64_t tokens = 0;  // tokens trained on so far
   std::optional<double> val_loss;  // written as null when absent
+  std::optional<double> checkpoint_stall_s;  // only on steps that saved: the step's wait for the save
 };
 
 // Appends StepMetrics to <dir>/metrics.jsonl, one line each, flushed at once so that a

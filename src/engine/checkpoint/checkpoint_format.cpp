@@ -1,0 +1,380 @@
+#include "engine/checkpoint/checkpoint_format.h"
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include <unistd.h>
+
+namespace moetrain {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr int kFormatVersion = 1;
+
+std::string rank_file(const char* kind, int rank, const char* ext) { return fmt::format("{}-r{:05d}.{}", kind, rank, ext); }
+
+nlohmann::json read_json(const fs::path& path) {
+  std::ifstream f(path);
+  MT_CHECK(f.is_open(), "{}: cannot open", path.string());
+  try {
+    return nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception& e) {
+    MT_THROW("{}: not valid JSON: {}", path.string(), e.what());
+  }
+}
+
+// Writes `text` to `path` and fsyncs it.
+void write_text_synced(const fs::path& path, const std::string& text) {
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  MT_CHECK(f, "{}: cannot create", path.string());
+  const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size() && std::fflush(f) == 0 &&
+                  ::fsync(fileno(f)) == 0;
+  std::fclose(f);
+  MT_CHECK(ok, "{}: write failed", path.string());
+}
+
+Shape full_start(const Shape& start, size_t ndim) { return start.empty() ? Shape(ndim, 0) : start; }
+
+int64_t volume(const Shape& s) { return shape_numel(s); }
+
+// Whether boxes [a, a+as) and [b, b+bs) share an element.
+bool boxes_overlap(const Shape& a, const Shape& as, const Shape& b, const Shape& bs) {
+  for (size_t d = 0; d < a.size(); ++d) {
+    if (std::max(a[d], b[d]) >= std::min(a[d] + as[d], b[d] + bs[d])) return false;
+  }
+  return true;
+}
+
+// Copies the intersection of a source box (bytes laid out row-major in src, placed at
+// s_start with shape s_shape) and a destination box (dst at d_start, d_shape). Returns the
+// number of elements copied.
+int64_t copy_intersection(const uint8_t* src, const Shape& s_start, const Shape& s_shape, uint8_t* dst,
+                          const Shape& d_start, const Shape& d_shape, size_t elem) {
+  const size_t nd = s_shape.size();
+  if (nd == 0) {
+    std::memcpy(dst, src, elem);
+    return 1;
+  }
+  Shape lo(nd), hi(nd);
+  for (size_t d = 0; d < nd; ++d) {
+    lo[d] = std::max(s_start[d], d_start[d]);
+    hi[d] = std::min(s_start[d] + s_shape[d], d_start[d] + d_shape[d]);
+    if (lo[d] >= hi[d]) return 0;
+  }
+  std::vector<int64_t> s_stride(nd, 1), d_stride(nd, 1);
+  for (size_t d = nd - 1; d-- > 0;) {
+    s_stride[d] = s_stride[d + 1] * s_shape[d + 1];
+    d_stride[d] = d_stride[d + 1] * d_shape[d + 1];
+  }
+  const int64_t run = hi[nd - 1] - lo[nd - 1];
+  Shape idx = lo;
+  int64_t copied = 0;
+  while (true) {
+    int64_t so = 0, doff = 0;
+    for (size_t d = 0; d < nd; ++d) {
+      so += (idx[d] - s_start[d]) * s_stride[d];
+      doff += (idx[d] - d_start[d]) * d_stride[d];
+    }
+    std::memcpy(dst + doff * elem, src + so * elem, static_cast<size_t>(run) * elem);
+    copied += run;
+    // Advance the outer dims (all but the last) like an odometer.
+    size_t d = nd - 1;
+    while (d-- > 0) {
+      if (++idx[d] < hi[d]) break;
+      idx[d] = lo[d];
+    }
+    if (d == static_cast<size_t>(-1)) break;
+  }
+  return copied;
+}
+
+// Checks that the slices of tensor `name` tile its global shape.
+void check_tiling(const std::string& where, const std::string& name, const CheckpointReader::TensorInfo& t) {
+  int64_t covered = 0;
+  for (size_t i = 0; i < t.slices.size(); ++i) {
+    const auto& s = t.slices[i];
+    MT_CHECK(s.start.size() == t.shape.size() && s.shape.size() == t.shape.size(),
+             "{}: tensor '{}': slice in {} has rank {} for a tensor of rank {}", where, name, s.file, s.shape.size(),
+             t.shape.size());
+    for (size_t d = 0; d < t.shape.size(); ++d) {
+      MT_CHECK(s.start[d] >= 0 && s.shape[d] >= 0 && s.start[d] + s.shape[d] <= t.shape[d],
+               "{}: tensor '{}': slice in {} (start {}, shape {}) lies outside the tensor's shape {}", where, name,
+               s.file, shape_str(s.start), shape_str(s.shape), shape_str(t.shape));
+    }
+    for (size_t j = 0; j < i; ++j) {
+      MT_CHECK(!boxes_overlap(s.start, s.shape, t.slices[j].start, t.slices[j].shape) || volume(s.shape) == 0,
+               "{}: tensor '{}': slices in {} and {} overlap", where, name, s.file, t.slices[j].file);
+    }
+    covered += volume(s.shape);
+  }
+  MT_CHECK(covered == volume(t.shape), "{}: tensor '{}': slices cover {} of its {} elements (a rank's part is missing)",
+           where, name, covered, volume(t.shape));
+}
+
+}  // namespace
+
+TensorSlice whole_slice(std::string name, Tensor host_data) {
+  TensorSlice s;
+  s.name = std::move(name);
+  s.global_shape = host_data.shape();
+  s.data = std::move(host_data);
+  return s;
+}
+
+TensorSlice whole_slice(std::string name, DType dtype, Shape shape, const void* bytes) {
+  TensorSlice s;
+  s.name = std::move(name);
+  s.global_shape = shape;
+  s.dtype = dtype;
+  s.shape = std::move(shape);
+  s.bytes = bytes;
+  return s;
+}
+
+void write_rank_files(const std::string& dir, int rank, const std::vector<TensorSlice>& model,
+                      const std::vector<TensorSlice>& optimizer) {
+  nlohmann::json manifest = {{"rank", rank}, {"files", nlohmann::json::object()}, {"slices", nlohmann::json::array()}};
+  auto write_kind = [&](const char* kind, const std::vector<TensorSlice>& slices) {
+    if (slices.empty()) return;
+    const std::string file = rank_file(kind, rank, "safetensors");
+    SafetensorsWriter w;
+    for (const TensorSlice& s : slices) {
+      const Shape start = full_start(s.start, s.global_shape.size());
+      MT_CHECK(s.slice_shape().size() == s.global_shape.size(),
+               "checkpoint: slice of '{}' has shape {} for a global shape {}", s.name, shape_str(s.slice_shape()),
+               shape_str(s.global_shape));
+      MT_CHECK(!s.data.defined() || s.data.device().is_cpu(), "checkpoint: slice of '{}' must be on the host", s.name);
+      w.add(s.name, s.slice_dtype(), s.slice_shape(), s.slice_bytes());
+      manifest["slices"].push_back({{"name", s.name},
+                                    {"kind", kind},
+                                    {"file", file},
+                                    {"dtype", safetensors_dtype_name(s.slice_dtype())},
+                                    {"global_shape", s.global_shape},
+                                    {"start", start},
+                                    {"shape", s.slice_shape()}});
+    }
+    w.set_metadata({{"format", "pt"}, {"moetrain_kind", kind}});
+    const SafetensorsWriter::Written out = w.write((fs::path(dir) / file).string());
+    manifest["files"][file] = {{"bytes", out.bytes}, {"xxh3_64", hex64(out.xxh3)}};
+  };
+  write_kind("model", model);
+  write_kind("optimizer", optimizer);
+  write_text_synced(fs::path(dir) / rank_file("manifest", rank, "json"), manifest.dump(1));
+}
+
+void write_index(const std::string& dir, int world, const nlohmann::json& trainer_state) {
+  nlohmann::ordered_json index;
+  nlohmann::json files = nlohmann::json::object();
+  std::map<std::string, CheckpointReader::TensorInfo> tensors;
+  std::map<std::string, std::string> kinds;
+  uint64_t total = 0;
+  for (int r = 0; r < world; ++r) {
+    const fs::path mpath = fs::path(dir) / rank_file("manifest", r, "json");
+    MT_CHECK(fs::exists(mpath), "checkpoint {}: rank {} wrote no manifest ({})", dir, r, mpath.string());
+    const nlohmann::json m = read_json(mpath);
+    for (auto it = m["files"].begin(); it != m["files"].end(); ++it) {
+      files[it.key()] = it.value();
+      total += it.value()["bytes"].get<uint64_t>();
+    }
+    for (const auto& s : m["slices"]) {
+      const std::string name = s["name"];
+      auto& t = tensors[name];
+      DType dt;
+      MT_CHECK(parse_safetensors_dtype(s["dtype"], &dt), "{}: bad dtype for '{}'", mpath.string(), name);
+      const Shape gshape = s["global_shape"].get<Shape>();
+      if (t.slices.empty()) {
+        t.dtype = dt;
+        t.shape = gshape;
+        kinds[name] = s["kind"];
+      } else {
+        MT_CHECK(t.dtype == dt && t.shape == gshape,
+                 "checkpoint {}: ranks disagree on tensor '{}': {} {} vs {} {}", dir, name, dtype_name(t.dtype),
+                 shape_str(t.shape), dtype_name(dt), shape_str(gshape));
+      }
+      t.slices.push_back({s["file"], s["start"].get<Shape>(), s["shape"].get<Shape>()});
+    }
+  }
+  nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
+  nlohmann::ordered_json tj = nlohmann::ordered_json::object();
+  for (auto& [name, t] : tensors) {
+    check_tiling("checkpoint " + dir, name, t);
+    nlohmann::json slices = nlohmann::json::array();
+    std::vector<std::string> where;
+    for (const auto& s : t.slices) {
+      slices.push_back({{"file", s.file}, {"start", s.start}, {"shape", s.shape}});
+      if (std::find(where.begin(), where.end(), s.file) == where.end()) where.push_back(s.file);
+    }
+    if (kinds[name] == "model") {
+      if (where.size() == 1) weight_map[name] = where[0];
+      else weight_map[name] = where;
+    }
+    tj[name] = {{"kind", kinds[name]}, {"dtype", safetensors_dtype_name(t.dtype)}, {"shape", t.shape}, {"slices", slices}};
+  }
+  index["metadata"] = {{"format", "moetrain-checkpoint"},
+                       {"format_version", kFormatVersion},
+                       {"moetrain_version", MOETRAIN_VERSION},
+                       {"world_size", world},
+                       {"total_size", total}};
+  index["weight_map"] = weight_map;
+  index["tensors"] = tj;
+  index["files"] = files;
+  write_text_synced(fs::path(dir) / "trainer_state.json", trainer_state.dump(1));
+  // The model's HF config.json beside the weights: `--init-from` and `convert` read it.
+  if (trainer_state.contains("hf_config")) {
+    write_text_synced(fs::path(dir) / "config.json", trainer_state["hf_config"].dump(2) + "\n");
+  }
+  write_text_synced(fs::path(dir) / "index.json", index.dump(1));
+}
+
+// ---- reading ----
+
+bool is_checkpoint_dir(const std::string& dir) { return fs::exists(fs::path(dir) / "index.json"); }
+
+bool is_hf_model_dir(const std::string& dir) {
+  return fs::exists(fs::path(dir) / "model.safetensors") || fs::exists(fs::path(dir) / "model.safetensors.index.json");
+}
+
+CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir) {
+  MT_CHECK(fs::is_directory(dir), "checkpoint '{}' does not exist or is not a directory", dir);
+  trainer_state_ = nlohmann::json::object();
+  const fs::path idx = fs::path(dir) / "index.json";
+  if (fs::exists(idx)) {
+    const nlohmann::json index = read_json(idx);
+    MT_CHECK(index.contains("metadata") && index["metadata"].value("format", "") == "moetrain-checkpoint",
+             "{}: not a moetrain checkpoint index (metadata.format must be \"moetrain-checkpoint\")", idx.string());
+    const int version = index["metadata"].value("format_version", 0);
+    MT_CHECK(version == kFormatVersion, "{}: format_version {} is not one this moetrain reads ({})", idx.string(),
+             version, kFormatVersion);
+    for (auto it = index["files"].begin(); it != index["files"].end(); ++it) {
+      file_bytes_[it.key()] = it.value()["bytes"].get<uint64_t>();
+      file_xxh3_[it.key()] = it.value()["xxh3_64"].get<std::string>();
+    }
+    for (auto it = index["tensors"].begin(); it != index["tensors"].end(); ++it) {
+      TensorInfo t;
+      t.kind = it.value().value("kind", "model");
+      const std::string dts = it.value()["dtype"];
+      MT_CHECK(parse_safetensors_dtype(dts, &t.dtype), "{}: tensor '{}' has unknown dtype {}", idx.string(), it.key(),
+               dts);
+      t.shape = it.value()["shape"].get<Shape>();
+      for (const auto& s : it.value()["slices"]) {
+        const std::string file = s["file"];
+        MT_CHECK(file_bytes_.count(file), "{}: tensor '{}' lives in {}, which the index does not list", idx.string(),
+                 it.key(), file);
+        t.slices.push_back({file, s["start"].get<Shape>(), s["shape"].get<Shape>()});
+      }
+      check_tiling(idx.string(), it.key(), t);
+      tensors_[it.key()] = std::move(t);
+    }
+    const fs::path ts = fs::path(dir) / "trainer_state.json";
+    if (fs::exists(ts)) trainer_state_ = read_json(ts);
+  } else {
+    hf_ = true;
+    std::vector<std::string> files;
+    const fs::path hf_index = fs::path(dir) / "model.safetensors.index.json";
+    if (fs::exists(hf_index)) {
+      const nlohmann::json index = read_json(hf_index);
+      MT_CHECK(index.contains("weight_map") && index["weight_map"].is_object(), "{}: no weight_map object",
+               hf_index.string());
+      for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) {
+        MT_CHECK(it.value().is_string(), "{}: weight_map[{}] must be a file name", hf_index.string(), it.key());
+        const std::string f = it.value();
+        if (std::find(files.begin(), files.end(), f) == files.end()) files.push_back(f);
+      }
+    } else {
+      MT_CHECK(fs::exists(fs::path(dir) / "model.safetensors"),
+               "'{}' is neither a moetrain checkpoint (index.json) nor a Hugging Face model folder "
+               "(model.safetensors or model.safetensors.index.json)",
+               dir);
+      files.push_back("model.safetensors");
+    }
+    // HF folders carry no checksums: the headers are parsed and validated as each file opens.
+    for (const std::string& f : files) {
+      const SafetensorsFile& sf = open_file(f);
+      for (const auto& e : sf.entries()) {
+        MT_CHECK(!tensors_.count(e.name), "{}: tensor '{}' appears in two files", dir, e.name);
+        TensorInfo t;
+        t.dtype = e.dtype;
+        t.shape = e.shape;
+        t.slices.push_back({f, Shape(e.shape.size(), 0), e.shape});
+        tensors_[e.name] = std::move(t);
+      }
+    }
+  }
+  for (const auto& [f, bytes] : file_bytes_) {
+    const fs::path p = fs::path(dir) / f;
+    MT_CHECK(fs::exists(p), "checkpoint {}: file {} is missing", dir, f);
+    const uint64_t actual = fs::file_size(p);
+    MT_CHECK(actual == bytes, "checkpoint {}: file {} has {} bytes, the index says {} (truncated or replaced)", dir, f,
+             actual, bytes);
+  }
+}
+
+CheckpointReader::~CheckpointReader() = default;
+
+const CheckpointReader::TensorInfo& CheckpointReader::info(const std::string& name) const {
+  auto it = tensors_.find(name);
+  MT_CHECK(it != tensors_.end(), "checkpoint {}: no tensor '{}'", dir_, name);
+  return it->second;
+}
+
+std::vector<std::string> CheckpointReader::names() const {
+  std::vector<std::string> out;
+  for (const auto& [n, t] : tensors_) out.push_back(n);
+  return out;
+}
+
+const SafetensorsFile& CheckpointReader::open_file(const std::string& file) {
+  auto it = open_.find(file);
+  if (it != open_.end()) return *it->second;
+  auto sf = std::make_unique<SafetensorsFile>((fs::path(dir_) / file).string());
+  auto sum = file_xxh3_.find(file);
+  if (sum != file_xxh3_.end()) {
+    const std::string actual = hex64(sf->checksum());
+    MT_CHECK(actual == sum->second, "checkpoint {}: file {} is corrupt: XXH3 {} but the index recorded {}", dir_, file,
+             actual, sum->second);
+  }
+  return *(open_[file] = std::move(sf));
+}
+
+void CheckpointReader::read(const std::string& name, Tensor& dst, const Shape& start_in) {
+  const TensorInfo& t = info(name);
+  const Shape start = full_start(start_in, t.shape.size());
+  MT_CHECK(dst.ndim() == static_cast<int>(t.shape.size()) && start.size() == t.shape.size(),
+           "checkpoint {}: tensor '{}' has shape {}, expected one of rank {} (shape {})", dir_, name,
+           shape_str(t.shape), dst.ndim(), shape_str(dst.shape()));
+  for (size_t d = 0; d < t.shape.size(); ++d) {
+    MT_CHECK(start[d] >= 0 && start[d] + dst.shape()[d] <= t.shape[d],
+             "checkpoint {}: tensor '{}' has shape {}, expected {}{}", dir_, name, shape_str(t.shape),
+             shape_str(dst.shape()), start_in.empty() ? "" : fmt::format(" at offset {}", shape_str(start)));
+  }
+  if (start_in.empty() || std::all_of(start.begin(), start.end(), [](int64_t v) { return v == 0; })) {
+    MT_CHECK(dst.shape() == t.shape || !start_in.empty(), "checkpoint {}: tensor '{}' has shape {}, expected {}", dir_,
+             name, shape_str(t.shape), shape_str(dst.shape()));
+  }
+  Tensor host = Tensor::empty(dst.shape(), t.dtype);
+  const size_t elem = dtype_size(t.dtype);
+  int64_t copied = 0;
+  for (const auto& s : t.slices) {
+    const SafetensorsFile& f = open_file(s.file);
+    const SafetensorsEntry* e = f.find(name);
+    MT_CHECK(e && e->shape == s.shape && e->dtype == t.dtype,
+             "checkpoint {}: file {} lacks tensor '{}' as the index describes it ({} {})", dir_, s.file, name,
+             dtype_name(t.dtype), shape_str(s.shape));
+    copied += copy_intersection(static_cast<const uint8_t*>(f.data(*e)), s.start, s.shape,
+                                static_cast<uint8_t*>(host.raw()), start, dst.shape(), elem);
+  }
+  MT_CHECK(copied == dst.numel(), "checkpoint {}: tensor '{}': only {} of {} requested elements found", dir_, name,
+           copied, dst.numel());
+  dst.copy_from(host);
+}
+
+Tensor CheckpointReader::read_whole(const std::string& name) {
+  const TensorInfo& t = info(name);
+  Tensor out = Tensor::empty(t.shape, t.dtype);
+  read(name, out);
+  return out;
+}
+
+}  // namespace moetrain

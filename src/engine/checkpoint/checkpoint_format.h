@@ -1,0 +1,110 @@
+// The moetrain checkpoint directory: what is in it and how to read any part of it back.
+//
+//   step-0000100/
+//     model-r00000.safetensors       model tensors (canonical HF names) owned by rank 0
+//     optimizer-r00000.safetensors   "<name>.master" (f32), "<name>.exp_avg", "<name>.exp_avg_sq"
+//     manifest-r00000.json           what rank 0 wrote: its files (bytes, XXH3) and slices
+//     index.json                     all ranks merged (below)
+//     trainer_state.json             step, data position, optimizer step, config, version
+//     config.json                    the model's HF config (from trainer_state's "hf_config")
+//
+// index.json keeps the keys of HF's model.safetensors.index.json ("metadata", "weight_map":
+// model tensor -> file, a list of files when sliced) and adds "tensors" (each tensor's dtype,
+// global shape and slices: file, start offset per dim, shape) and "files" (bytes, XXH3-64).
+// A rank writes only the slices it owns; a reader asks for any box of any tensor and gets it
+// assembled from whichever slices overlap it, so a checkpoint written under one layout loads
+// under any other.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "engine/checkpoint/safetensors.h"
+
+namespace moetrain {
+
+// One box of a global tensor, held by the rank that writes it: a host tensor, or bytes that
+// outlive the write (a tensor inside a mapped file: conversion copies nothing).
+struct TensorSlice {
+  std::string name;
+  Shape global_shape;
+  Shape start;  // per dim; empty means all zeros
+  Tensor data;  // host tensor, shape = the box's shape (or undefined, then:)
+  const void* bytes = nullptr;
+  DType dtype = DType::F32;
+  Shape shape;
+
+  DType slice_dtype() const { return data.defined() ? data.dtype() : dtype; }
+  const Shape& slice_shape() const { return data.defined() ? data.shape() : shape; }
+  const void* slice_bytes() const { return data.defined() ? data.raw() : bytes; }
+};
+
+// A tensor that is whole on this rank.
+TensorSlice whole_slice(std::string name, Tensor host_data);
+TensorSlice whole_slice(std::string name, DType dtype, Shape shape, const void* bytes);
+
+// Writes rank `rank`'s files into `dir` (which must exist): model and optimizer safetensors
+// (fsynced) and its manifest.
+void write_rank_files(const std::string& dir, int rank, const std::vector<TensorSlice>& model,
+                      const std::vector<TensorSlice>& optimizer);
+
+// Merges the manifests of ranks 0..world-1 into dir/index.json and writes
+// dir/trainer_state.json. Checks that the slices of every tensor tile its global shape
+// exactly (no gap, no overlap) and that all ranks agree on dtype and global shape.
+void write_index(const std::string& dir, int world, const nlohmann::json& trainer_state);
+
+// Reads tensors out of a committed moetrain checkpoint directory or a Hugging Face model
+// folder (model.safetensors, or shards listed by model.safetensors.index.json). Opening
+// checks that every file exists with the size the index records; a file's XXH3 checksum is
+// verified the first time a tensor is read from it. Every error names the file and tensor.
+class CheckpointReader {
+ public:
+  explicit CheckpointReader(const std::string& dir);
+  ~CheckpointReader();
+
+  struct TensorInfo {
+    std::string kind = "model";  // "model" or "optimizer"
+    DType dtype = DType::F32;
+    Shape shape;  // global
+    struct Slice {
+      std::string file;
+      Shape start, shape;
+    };
+    std::vector<Slice> slices;
+  };
+
+  const std::string& dir() const { return dir_; }
+  bool is_hf() const { return hf_; }
+  bool has(const std::string& name) const { return tensors_.count(name) > 0; }
+  const TensorInfo& info(const std::string& name) const;
+  std::vector<std::string> names() const;
+  // trainer_state.json (an empty object for an HF folder).
+  const nlohmann::json& trainer_state() const { return trainer_state_; }
+
+  // Fills `dst` (host or device, any float dtype: converted from the stored one) with the
+  // box of tensor `name` that starts at `start` (all zeros when empty) and has dst's shape.
+  void read(const std::string& name, Tensor& dst, const Shape& start = {});
+  // The whole tensor as stored (host, stored dtype).
+  Tensor read_whole(const std::string& name);
+
+ private:
+  const SafetensorsFile& open_file(const std::string& file);
+
+  std::string dir_;
+  bool hf_ = false;
+  std::map<std::string, TensorInfo> tensors_;
+  std::map<std::string, uint64_t> file_bytes_;
+  std::map<std::string, std::string> file_xxh3_;  // empty for HF folders (no checksums there)
+  std::map<std::string, std::unique_ptr<SafetensorsFile>> open_;
+  nlohmann::json trainer_state_;
+};
+
+// Throws naming the directory when `dir` is not a moetrain checkpoint or HF model folder.
+bool is_checkpoint_dir(const std::string& dir);
+bool is_hf_model_dir(const std::string& dir);
+
+}  // namespace moetrain

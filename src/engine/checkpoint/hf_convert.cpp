@@ -1,0 +1,197 @@
+#include "engine/checkpoint/hf_convert.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <regex>
+
+#include "core/log.h"
+#include "engine/checkpoint/checkpoint_format.h"
+#include "engine/models/qwen3_moe_config.h"
+
+namespace moetrain {
+namespace fs = std::filesystem;
+namespace {
+
+nlohmann::json read_json_file(const fs::path& p) {
+  std::ifstream f(p);
+  MT_CHECK(f.is_open(), "{}: cannot open", p.string());
+  try {
+    return nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception& e) {
+    MT_THROW("{}: not valid JSON: {}", p.string(), e.what());
+  }
+}
+
+void refuse_existing(const std::string& out_dir) {
+  MT_CHECK(!fs::exists(out_dir), "'{}' already exists: conversion writes a new folder and never overwrites", out_dir);
+}
+
+// Writes into `<out>.tmp-convert`, then renames to `out`: a failed conversion leaves no
+// half-written folder under the name a user would load.
+template <typename Fn>
+void write_then_rename(const std::string& out_dir, Fn&& write) {
+  refuse_existing(out_dir);
+  const fs::path tmp = fs::path(out_dir).string() + ".tmp-convert";
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  try {
+    write(tmp);
+  } catch (...) {
+    fs::remove_all(tmp);
+    throw;
+  }
+  fs::rename(tmp, out_dir);
+}
+
+}  // namespace
+
+std::string resolve_step_dir(const std::string& dir) {
+  if (is_checkpoint_dir(dir)) return dir;
+  const fs::path latest = fs::path(dir) / "latest";
+  if (fs::exists(latest)) {
+    std::ifstream f(latest);
+    std::string name;
+    std::getline(f, name);
+    const fs::path step = fs::path(dir) / name;
+    MT_CHECK(!name.empty() && is_checkpoint_dir(step.string()), "{}: names '{}', which is not a committed checkpoint",
+             latest.string(), name);
+    return step.string();
+  }
+  MT_THROW("'{}' is not a moetrain checkpoint (no index.json, no latest pointer)", dir);
+}
+
+void import_hf(const std::string& hf_dir, const std::string& out_dir) {
+  const fs::path config_path = fs::path(hf_dir) / "config.json";
+  MT_CHECK(fs::exists(config_path), "'{}' has no config.json: not a Hugging Face model folder", hf_dir);
+  Qwen3MoeConfig shape;
+  shape.load_hf_json(config_path.string());  // refuses architectures moetrain cannot train
+  const nlohmann::json hf_config = read_json_file(config_path);
+
+  std::vector<std::string> files;
+  const fs::path index_path = fs::path(hf_dir) / "model.safetensors.index.json";
+  if (fs::exists(index_path)) {
+    const nlohmann::json index = read_json_file(index_path);
+    MT_CHECK(index.contains("weight_map") && index["weight_map"].is_object(), "{}: no weight_map object",
+             index_path.string());
+    for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) {
+      const std::string f = it.value().get<std::string>();
+      if (std::find(files.begin(), files.end(), f) == files.end()) files.push_back(f);
+    }
+  } else {
+    MT_CHECK(fs::exists(fs::path(hf_dir) / "model.safetensors"),
+             "'{}' has neither model.safetensors nor model.safetensors.index.json", hf_dir);
+    files.push_back("model.safetensors");
+  }
+
+  std::vector<std::unique_ptr<SafetensorsFile>> open;
+  std::vector<TensorSlice> slices;
+  const std::regex fused(R"((model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(\.weight)?)");
+  for (const std::string& f : files) {
+    open.push_back(std::make_unique<SafetensorsFile>((fs::path(hf_dir) / f).string()));
+    const SafetensorsFile& sf = *open.back();
+    for (const SafetensorsEntry& e : sf.entries()) {
+      const auto* bytes = static_cast<const uint8_t*>(sf.data(e));
+      std::smatch m;
+      if (!std::regex_match(e.name, m, fused)) {
+        slices.push_back(whole_slice(e.name, e.dtype, e.shape, bytes));
+        continue;
+      }
+      // Fused experts: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+      MT_CHECK(e.shape.size() == 3, "{}: fused expert tensor '{}' has shape {}, expected 3 dims", sf.path(), e.name,
+               shape_str(e.shape));
+      const int64_t E = e.shape[0];
+      const size_t per_expert = static_cast<size_t>(e.shape[1] * e.shape[2]) * dtype_size(e.dtype);
+      for (int64_t x = 0; x < E; ++x) {
+        const std::string base = fmt::format("{}.{}", m[1].str(), x);
+        const uint8_t* p = bytes + per_expert * static_cast<size_t>(x);
+        if (m[2] == "down_proj") {
+          slices.push_back(whole_slice(base + ".down_proj.weight", e.dtype, {e.shape[1], e.shape[2]}, p));
+        } else {
+          MT_CHECK(e.shape[1] % 2 == 0, "{}: '{}' has an odd row count {} (gate and up halves expected)", sf.path(),
+                   e.name, e.shape[1]);
+          const int64_t I = e.shape[1] / 2;
+          slices.push_back(whole_slice(base + ".gate_proj.weight", e.dtype, {I, e.shape[2]}, p));
+          slices.push_back(whole_slice(base + ".up_proj.weight", e.dtype, {I, e.shape[2]}, p + per_expert / 2));
+        }
+      }
+    }
+  }
+  nlohmann::json state;
+  state["step"] = 0;
+  state["source"] = fs::absolute(hf_dir).string();
+  state["moetrain_version"] = MOETRAIN_VERSION;
+  state["hf_config"] = hf_config;
+  write_then_rename(out_dir, [&](const fs::path& tmp) {
+    write_rank_files(tmp.string(), 0, slices, {});
+    write_index(tmp.string(), 1, state);
+  });
+  spdlog::info("convert: {} tensors from {} into {}", slices.size(), hf_dir, out_dir);
+}
+
+void export_hf(const std::string& ckpt_in, const std::string& out_dir, const HfExportOptions& opt) {
+  const std::string ckpt = resolve_step_dir(ckpt_in);
+  CheckpointReader reader(ckpt);
+  nlohmann::json config;
+  if (fs::exists(fs::path(ckpt) / "config.json")) {
+    config = read_json_file(fs::path(ckpt) / "config.json");
+  } else {
+    MT_CHECK(reader.trainer_state().contains("hf_config"),
+             "checkpoint {} has neither config.json nor hf_config in trainer_state.json", ckpt);
+    config = reader.trainer_state()["hf_config"];
+  }
+  // Plan the shards: tensors in name order, a new file when the next would overflow.
+  std::vector<std::vector<std::string>> shards(1);
+  std::vector<uint64_t> shard_bytes(1, 0);
+  uint64_t total = 0;
+  for (const std::string& name : reader.names()) {
+    const auto& info = reader.info(name);
+    if (info.kind != "model") continue;
+    const uint64_t bytes = static_cast<uint64_t>(shape_numel(info.shape)) * dtype_size(opt.dtype.value_or(info.dtype));
+    if (!shards.back().empty() && shard_bytes.back() + bytes > opt.max_shard_bytes) {
+      shards.emplace_back();
+      shard_bytes.push_back(0);
+    }
+    shards.back().push_back(name);
+    shard_bytes.back() += bytes;
+    total += bytes;
+  }
+  MT_CHECK(!shards.front().empty(), "checkpoint {} holds no model tensors", ckpt);
+  if (opt.dtype) {
+    config["torch_dtype"] = *opt.dtype == DType::BF16 ? "bfloat16" : *opt.dtype == DType::F32 ? "float32" : "float64";
+  }
+  write_then_rename(out_dir, [&](const fs::path& tmp) {
+    nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
+    const size_t n = shards.size();
+    for (size_t i = 0; i < n; ++i) {
+      const std::string file =
+          n == 1 ? "model.safetensors" : fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, n);
+      std::vector<Tensor> held;  // alive until the shard is written
+      SafetensorsWriter w;
+      for (const std::string& name : shards[i]) {
+        Tensor t = reader.read_whole(name);
+        if (opt.dtype && t.dtype() != *opt.dtype) t = t.to(*opt.dtype);
+        w.add(name, t);
+        held.push_back(std::move(t));
+        weight_map[name] = file;
+      }
+      w.set_metadata({{"format", "pt"}});
+      w.write((tmp / file).string());
+    }
+    if (n > 1) {
+      nlohmann::ordered_json index;
+      index["metadata"] = {{"total_size", total}};
+      index["weight_map"] = weight_map;
+      std::ofstream(tmp / "model.safetensors.index.json") << index.dump(2) << "\n";
+    }
+    std::ofstream(tmp / "config.json") << config.dump(2) << "\n";
+  });
+  size_t count = 0;
+  for (const auto& s : shards) count += s.size();
+  spdlog::info("convert: {} model tensors ({:.1f} MB, {} file{}) from {} into {}", count, total / 1e6,
+               shards.size(), shards.size() == 1 ? "" : "s", ckpt, out_dir);
+}
+
+}  // namespace moetrain

@@ -1,0 +1,507 @@
+// Checkpoints: the safetensors reader/writer and its validation, sharded writes read back
+// under another layout, the commit protocol under crashes, corruption detection, and the
+// Hugging Face conversion round trip.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "engine/checkpoint/checkpoint_format.h"
+#include "engine/checkpoint/checkpointer.h"
+#include "engine/checkpoint/hf_convert.h"
+#include "engine/checkpoint/safetensors.h"
+#include "engine/models/qwen3_moe.h"
+#include "test_files.h"
+#include "test_util.h"
+
+namespace moetrain {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::error_message;
+using testing::random_tensor;
+using testing::ScratchDir;
+
+bool bytes_equal(const Tensor& a, const Tensor& b) {
+  return a.dtype() == b.dtype() && a.shape() == b.shape() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
+}
+
+bool has(const std::string& text, const std::string& needle) { return text.find(needle) != std::string::npos; }
+
+// ---- safetensors ----
+
+TEST(Safetensors, RoundTripEveryDtypeAndShape) {
+  ScratchDir dir;
+  Tensor a = random_tensor({3, 4}, DType::F32, 1), b = random_tensor({5}, DType::F64, 2);
+  Tensor c = random_tensor({2, 3, 2}, DType::BF16, 3);
+  Tensor d = Tensor::empty({0, 7}, DType::I32);                      // no elements
+  Tensor e = Tensor::from_vector(std::vector<int64_t>{-42}, {});     // 0-d
+  SafetensorsWriter w;
+  w.add("a", a);
+  w.add("layer.b", b);
+  w.add("c", c);
+  w.add("d", d);
+  w.add("e", e);
+  w.set_metadata({{"format", "pt"}, {"who", "test"}});
+  const auto written = w.write(dir / "x.safetensors");
+
+  SafetensorsFile f(dir / "x.safetensors");
+  EXPECT_EQ(f.file_size(), written.bytes);
+  EXPECT_EQ(f.checksum(), written.xxh3);
+  EXPECT_EQ(f.metadata().at("who"), "test");
+  ASSERT_EQ(f.entries().size(), 5u);
+  EXPECT_TRUE(bytes_equal(f.read("a"), a));
+  EXPECT_TRUE(bytes_equal(f.read("layer.b"), b));
+  EXPECT_TRUE(bytes_equal(f.read("c"), c));
+  EXPECT_EQ(f.read("d").shape(), (Shape{0, 7}));
+  EXPECT_EQ(f.read("e").to_vector<int64_t>(), std::vector<int64_t>{-42});
+  EXPECT_EQ(f.find("nope"), nullptr);
+  // The header is padded so the data starts 8-byte aligned.
+  std::ifstream in(dir / "x.safetensors", std::ios::binary);
+  uint64_t n = 0;
+  in.read(reinterpret_cast<char*>(&n), 8);
+  EXPECT_EQ((8 + n) % 8, 0u);
+}
+
+// A file with this header text and `data_bytes` zero bytes after it.
+std::string raw_file(const ScratchDir& dir, const std::string& name, const std::string& header, size_t data_bytes,
+                     int64_t claimed_header = -1) {
+  std::string out(8, '\0');
+  const uint64_t n = claimed_header >= 0 ? static_cast<uint64_t>(claimed_header) : header.size();
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>(n >> (8 * i));
+  out += header;
+  out.append(data_bytes, '\0');
+  return dir.file(name, out);
+}
+
+TEST(Safetensors, EveryHeaderFieldIsValidated) {
+  ScratchDir dir;
+  auto error_for = [&](const std::string& path) { return error_message([&] { SafetensorsFile f(path); }); };
+  std::string p = dir.file("short.safetensors", "abc");
+  EXPECT_TRUE(has(error_for(p), "short.safetensors") && has(error_for(p), "shorter than the 8-byte")) << error_for(p);
+  p = raw_file(dir, "huge.safetensors", "{}", 0, 1 << 20);
+  EXPECT_TRUE(has(error_for(p), "huge.safetensors: header size 1048576 is impossible")) << error_for(p);
+  p = raw_file(dir, "json.safetensors", "{\"a\": ", 0);
+  EXPECT_TRUE(has(error_for(p), "json.safetensors: header is not valid JSON")) << error_for(p);
+  p = raw_file(dir, "dtype.safetensors", R"({"w": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}})", 4);
+  EXPECT_TRUE(has(error_for(p), "tensor 'w' has dtype \"F16\", expected one of")) << error_for(p);
+  p = raw_file(dir, "count.safetensors", R"({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}})", 12);
+  EXPECT_TRUE(has(error_for(p), "tensor 'w': 12 bytes for shape [2, 2] of F32, expected 16")) << error_for(p);
+  p = raw_file(dir, "trunc.safetensors", R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})", 9);
+  EXPECT_TRUE(has(error_for(p), "tensor 'w': data_offsets [0, 16] fall outside the 9 data bytes")) << error_for(p);
+  p = raw_file(dir, "gap.safetensors",
+               R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                   "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}})",
+               12);
+  EXPECT_TRUE(has(error_for(p), "tensor 'b' starts at byte 8 of the data, expected 4")) << error_for(p);
+  p = raw_file(dir, "overlap.safetensors",
+               R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                   "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})",
+               8);
+  EXPECT_TRUE(has(error_for(p), "overlap or gap")) << error_for(p);
+  p = raw_file(dir, "tail.safetensors", R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})", 6);
+  EXPECT_TRUE(has(error_for(p), "cover 4 of the 6 data bytes")) << error_for(p);
+  p = raw_file(dir, "shape.safetensors", R"({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}})", 4);
+  EXPECT_TRUE(has(error_for(p), "tensor 'a': shape [-1] must hold non-negative integers")) << error_for(p);
+  p = raw_file(dir, "meta.safetensors", R"({"__metadata__": {"k": 1}})", 0);
+  EXPECT_TRUE(has(error_for(p), "__metadata__.k must be a string")) << error_for(p);
+}
+
+// ---- sharded checkpoints ----
+
+// Tensor `full` cut into boxes: rows [r0, r1) x cols [c0, c1) for each given box.
+TensorSlice box_of(const std::string& name, const Tensor& full, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+  const int64_t C = full.size(1);
+  Tensor part = Tensor::empty({r1 - r0, c1 - c0}, full.dtype());
+  const size_t e = dtype_size(full.dtype());
+  for (int64_t r = r0; r < r1; ++r) {
+    std::memcpy(static_cast<uint8_t*>(part.raw()) + (r - r0) * (c1 - c0) * e,
+                static_cast<const uint8_t*>(full.raw()) + (r * C + c0) * e, (c1 - c0) * e);
+  }
+  TensorSlice s;
+  s.name = name;
+  s.global_shape = full.shape();
+  s.start = {r0, c0};
+  s.data = part;
+  return s;
+}
+
+struct ShardedFixture {
+  Tensor a = random_tensor({10, 6}, DType::F32, 11);   // rows over 4 ranks, unevenly
+  Tensor b = random_tensor({4, 8}, DType::BF16, 12);   // 2 x 2 blocks over 4 ranks
+  Tensor c = random_tensor({7}, DType::F32, 13);       // whole, on rank 0
+  Tensor m = random_tensor({10, 6}, DType::F32, 14);   // an optimizer moment, rows
+  const int64_t rows[5] = {0, 3, 6, 8, 10};
+
+  void write(const std::string& dir, int ranks_written = 4) const {
+    for (int r = 0; r < ranks_written; ++r) {
+      std::vector<TensorSlice> model = {box_of("a", a, rows[r], rows[r + 1], 0, 6),
+                                        box_of("b", b, (r / 2) * 2, (r / 2) * 2 + 2, (r % 2) * 4, (r % 2) * 4 + 4)};
+      if (r == 0) model.push_back(whole_slice("c", c));
+      write_rank_files(dir, r, model, {box_of("a.exp_avg", m, rows[r], rows[r + 1], 0, 6)});
+    }
+  }
+};
+
+TEST(Checkpoint, ShardsWrittenByFourRanksLoadWholeAndUnderAnotherLayout) {
+  ScratchDir dir;
+  ShardedFixture fx;
+  fx.write(dir.path().string());
+  write_index(dir.path().string(), 4, {{"step", 3}});
+
+  CheckpointReader r(dir.path().string());
+  EXPECT_FALSE(r.is_hf());
+  EXPECT_EQ(r.trainer_state()["step"], 3);
+  EXPECT_TRUE(bytes_equal(r.read_whole("a"), fx.a));
+  EXPECT_TRUE(bytes_equal(r.read_whole("b"), fx.b));
+  EXPECT_TRUE(bytes_equal(r.read_whole("c"), fx.c));
+  EXPECT_TRUE(bytes_equal(r.read_whole("a.exp_avg"), fx.m));
+  EXPECT_EQ(r.info("a").kind, "model");
+  EXPECT_EQ(r.info("a.exp_avg").kind, "optimizer");
+  // Three readers of a 3-way row split (another layout): each box spans two writers' slices.
+  for (int64_t r0 : {0, 4, 7}) {
+    const int64_t r1 = r0 == 7 ? 10 : r0 + 4;
+    Tensor part = Tensor::empty({r1 - r0, 6}, DType::F32);
+    r.read("a", part, {r0, 0});
+    EXPECT_TRUE(bytes_equal(part, box_of("a", fx.a, r0, r1, 0, 6).data)) << "rows " << r0;
+  }
+  // A column box of the block-split tensor, converted from bf16 to f32 on the way.
+  Tensor col = Tensor::empty({4, 3}, DType::F32);
+  r.read("b", col, {0, 3});
+  EXPECT_TRUE(bytes_equal(col, box_of("b", fx.b, 0, 4, 3, 6).data.to(DType::F32)));
+  // Wrong shapes are refused, naming the tensor.
+  Tensor wrong = Tensor::empty({10, 5}, DType::F32);
+  EXPECT_TRUE(has(error_message([&] { r.read("a", wrong); }), "tensor 'a' has shape [10, 6], expected [10, 5]"));
+  Tensor outside = Tensor::empty({4, 6}, DType::F32);
+  EXPECT_TRUE(has(error_message([&] { r.read("a", outside, {8, 0}); }), "tensor 'a' has shape [10, 6]"));
+  EXPECT_TRUE(has(error_message([&] { r.read_whole("zz"); }), "no tensor 'zz'"));
+}
+
+TEST(Checkpoint, IndexRefusesAMissingRankOrOverlappingSlices) {
+  ScratchDir dir;
+  ShardedFixture fx;
+  fx.write(dir.path().string(), 3);
+  EXPECT_TRUE(has(error_message([&] { write_index(dir.path().string(), 4, {}); }), "rank 3 wrote no manifest"));
+  // Rank 3 claims rows rank 2 already holds: overlap. Then a tensor with rows missing.
+  write_rank_files(dir.path().string(), 3, {box_of("a", fx.a, 7, 10, 0, 6)}, {});
+  EXPECT_TRUE(has(error_message([&] { write_index(dir.path().string(), 4, {}); }), "tensor 'a': slices in"));
+  write_rank_files(dir.path().string(), 3, {box_of("a", fx.a, 9, 10, 0, 6)}, {});
+  const std::string e = error_message([&] { write_index(dir.path().string(), 4, {}); });
+  EXPECT_TRUE(has(e, "tensor 'a': slices cover 54 of its 60 elements")) << e;
+}
+
+// ---- the committing writer ----
+
+// A small "model": a few parameters and an optimizer over them.
+struct TinyState {
+  ParameterList params;
+  std::unique_ptr<AdamW> opt;
+  explicit TinyState(uint64_t seed) {
+    const std::pair<const char*, Shape> spec[] = {{"model.embed_tokens.weight", {16, 8}},
+                                                  {"model.norm.weight", {8}},
+                                                  {"lm_head.weight", {16, 8}}};
+    for (const auto& [name, shape] : spec) {
+      Parameter p;
+      p.name = name;
+      p.value = random_tensor(shape, DType::F32, seed++);
+      p.grad = random_tensor(shape, DType::F32, seed++);
+      params.push_back(p);
+    }
+    opt = std::make_unique<AdamW>(params, AdamWConfig{});
+    opt->step(params, 1e-2);
+  }
+  // Changes every tensor: the next save must not see the old bytes.
+  void advance() { opt->step(params, 1e-2); }
+};
+
+void expect_state_equal(CheckpointReader& r, TinyState& s) {
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    EXPECT_TRUE(bytes_equal(r.read_whole(s.params[i].name), s.params[i].value)) << s.params[i].name;
+    EXPECT_TRUE(bytes_equal(r.read_whole(s.params[i].name + ".exp_avg"), s.opt->exp_avg()[i]));
+    EXPECT_TRUE(bytes_equal(r.read_whole(s.params[i].name + ".exp_avg_sq"), s.opt->exp_avg_sq()[i]));
+  }
+}
+
+TEST(Checkpointer, CommitsKeepsTheLastKAndSnapshotsAtSaveTime) {
+  for (bool async : {false, true}) {
+    ScratchDir dir;
+    TinyState s(1);
+    std::vector<std::unique_ptr<TinyState>> expected;
+    {
+      Checkpointer ck(dir.path().string(), /*keep=*/2, async);
+      for (int64_t step = 1; step <= 4; ++step) {
+        ck.save(step, checkpoint_items(s.params, s.opt.get()), {{"step", step}});
+        // What step `step` must hold: a copy taken now; then training moves on at once.
+        auto copy = std::make_unique<TinyState>(1);
+        for (size_t i = 0; i < s.params.size(); ++i) {
+          copy->params[i].value = s.params[i].value.clone();
+          Tensor m = copy->opt->exp_avg()[i], v = copy->opt->exp_avg_sq()[i];
+          m.copy_from(s.opt->exp_avg()[i]);
+          v.copy_from(s.opt->exp_avg_sq()[i]);
+        }
+        expected.push_back(std::move(copy));
+        s.advance();
+      }
+      ck.wait();
+    }
+    auto all = Checkpointer::committed(dir.path().string());
+    ASSERT_EQ(all.size(), 2u) << "async " << async;
+    EXPECT_EQ(all[0].first, 3);
+    EXPECT_EQ(all[1].first, 4);
+    std::ifstream latest(dir.path() / "latest");
+    std::string name;
+    latest >> name;
+    EXPECT_EQ(name, "step-00000004");
+    for (int i = 0; i < 2; ++i) {
+      CheckpointReader r(all[i].second);
+      EXPECT_EQ(r.trainer_state()["step"], all[i].first);
+      expect_state_equal(r, *expected[all[i].first - 1]);
+    }
+  }
+}
+
+TEST(Checkpointer, ACrashAtAnyPointLeavesTheLastCommittedCheckpointLoadable) {
+  for (const char* point : {"files", "index", "rename", "latest"}) {
+    ScratchDir dir;
+    TinyState s(7);
+    {
+      Checkpointer ck(dir.path().string(), 3, /*async=*/false);
+      ck.save(1, checkpoint_items(s.params, s.opt.get()), {{"step", 1}});
+    }
+    s.advance();
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {  // the child dies inside the commit of step 2
+      ::setenv("MOETRAIN_CHECKPOINT_CRASH", (std::string(point) + "@2").c_str(), 1);
+      Checkpointer ck(dir.path().string(), 3, /*async=*/false);
+      ck.save(2, checkpoint_items(s.params, s.opt.get()), {{"step", 2}});
+      std::_Exit(0);  // not reached
+    }
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    ASSERT_TRUE(WIFEXITED(status));
+    EXPECT_EQ(WEXITSTATUS(status), 86) << point;
+    const std::string from = resolve_resume(dir.path().string(), "auto");
+    const bool committed = std::string(point) == "rename" || std::string(point) == "latest";
+    EXPECT_TRUE(has(from, committed ? "step-00000002" : "step-00000001")) << point << ": " << from;
+    CheckpointReader r(from);
+    if (committed) {
+      expect_state_equal(r, s);
+    } else {
+      TinyState fresh(7);  // step 1 is the state after the first optimizer step
+      expect_state_equal(r, fresh);
+    }
+    // No half-written directory survives the resume.
+    for (const auto& e : fs::directory_iterator(dir.path())) {
+      EXPECT_NE(e.path().filename().string().rfind(".tmp-", 0), 0u) << e.path();
+    }
+  }
+}
+
+TEST(Checkpointer, CorruptTruncatedAndMismatchedCheckpointsAreRefused) {
+  ScratchDir dir;
+  TinyState s(3);
+  {
+    Checkpointer ck(dir.path().string(), 0, false);
+    ck.save(5, checkpoint_items(s.params, s.opt.get()), {{"step", 5}});
+  }
+  const fs::path step = dir.path() / "step-00000005";
+  const fs::path model = step / "model-r00000.safetensors";
+  // A flipped byte in the data: found by the checksum, naming the file.
+  {
+    std::fstream f(model, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(fs::file_size(model) - 5));
+    char c;
+    f.read(&c, 1);
+    f.seekp(static_cast<std::streamoff>(fs::file_size(model) - 5));
+    c ^= 0x20;
+    f.write(&c, 1);
+  }
+  {
+    CheckpointReader r(step.string());
+    const std::string e = error_message([&] { r.read_whole("lm_head.weight"); });
+    EXPECT_TRUE(has(e, "file model-r00000.safetensors is corrupt: XXH3")) << e;
+  }
+  // A truncated file: refused on open, naming the file and both sizes.
+  fs::resize_file(model, fs::file_size(model) - 100);
+  const std::string e = error_message([&] { CheckpointReader r(step.string()); });
+  EXPECT_TRUE(has(e, "file model-r00000.safetensors has") && has(e, "the index says")) << e;
+  // A model of another shape: the tensor and both shapes are named.
+  ScratchDir dir2;
+  TinyState t(4);
+  {
+    Checkpointer ck(dir2.path().string(), 0, false);
+    ck.save(1, checkpoint_items(t.params, t.opt.get()), {{"step", 1}});
+  }
+  CheckpointReader r(Checkpointer::committed(dir2.path().string()).back().second);
+  ParameterList other = t.params;
+  other[0].value = Tensor::zeros({32, 8}, DType::F32);
+  const std::string m = error_message([&] { load_model_weights(r, other); });
+  EXPECT_TRUE(has(m, "tensor 'model.embed_tokens.weight' has shape [16, 8], expected [32, 8]")) << m;
+  other = t.params;
+  other.push_back(other[1]);
+  other.back().name = "model.extra.weight";
+  EXPECT_TRUE(has(error_message([&] { load_model_weights(r, other); }), "no tensor 'model.extra.weight'"));
+}
+
+TEST(Checkpointer, ResumeNeverRefusesAFolderWithCheckpoints) {
+  ScratchDir dir;
+  EXPECT_EQ(resolve_resume(dir.path().string(), "never"), "");
+  EXPECT_EQ(resolve_resume(dir.path().string(), "auto"), "");
+  TinyState s(2);
+  {
+    Checkpointer ck(dir.path().string(), 0, false);
+    ck.save(9, checkpoint_items(s.params, s.opt.get()), {{"step", 9}});
+  }
+  EXPECT_TRUE(has(error_message([&] { resolve_resume(dir.path().string(), "never"); }), "already holds committed"));
+  EXPECT_TRUE(has(resolve_resume(dir.path().string(), "auto"), "step-00000009"));
+  EXPECT_TRUE(has(error_message([&] { resolve_resume(dir.path().string(), dir / "nope"); }),
+                  "is not a committed checkpoint directory"));
+  // A committed step is never overwritten.
+  Checkpointer ck(dir.path().string(), 0, false);
+  EXPECT_TRUE(has(error_message([&] { ck.save(9, checkpoint_items(s.params, s.opt.get()), {}); }),
+                  "already exists: a committed checkpoint is never overwritten"));
+}
+
+// ---- Hugging Face conversion ----
+
+Qwen3MoeConfig tiny_hf_config(bool tied) {
+  Qwen3MoeConfig c;
+  c.vocab_size = 96;
+  c.hidden_size = 32;
+  c.intermediate_size = 48;
+  c.moe_intermediate_size = 16;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 8;
+  c.num_experts = 4;
+  c.num_experts_per_tok = 2;
+  c.mlp_only_layers = {0};
+  c.tie_word_embeddings = tied;
+  return c;
+}
+
+// An HF-style folder holding every parameter of `cfg` as random bf16, in two shards with an
+// index (or fused experts in one file), with config.json. Returns the tensors by name.
+std::map<std::string, Tensor> write_hf_folder(const std::string& dir, const Qwen3MoeConfig& cfg, bool fused) {
+  fs::create_directories(dir);
+  std::ofstream(fs::path(dir) / "config.json") << cfg.to_hf_json();
+  Qwen3MoeModel model(cfg, DType::F32);
+  std::map<std::string, Tensor> tensors;
+  uint64_t seed = 100;
+  for (const Parameter& p : model.parameters()) tensors[p.name] = random_tensor(p.value.shape(), DType::BF16, seed++);
+  std::vector<std::string> names;
+  for (const auto& [n, t] : tensors) names.push_back(n);
+  if (fused) {
+    const int64_t E = cfg.num_experts, I = cfg.moe_intermediate_size, H = cfg.hidden_size;
+    SafetensorsWriter w;
+    std::vector<Tensor> held;
+    for (const auto& [n, t] : tensors) {
+      if (n.find(".experts.") == std::string::npos) w.add(n, t);
+    }
+    Tensor gate_up = Tensor::empty({E, 2 * I, H}, DType::BF16), down = Tensor::empty({E, H, I}, DType::BF16);
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string b = fmt::format("model.layers.1.mlp.experts.{}.", e);
+      gate_up.select(e).slice(0, I).copy_from(tensors[b + "gate_proj.weight"]);
+      gate_up.select(e).slice(I, 2 * I).copy_from(tensors[b + "up_proj.weight"]);
+      down.select(e).copy_from(tensors[b + "down_proj.weight"]);
+    }
+    w.add("model.layers.1.mlp.experts.gate_up_proj", gate_up);
+    w.add("model.layers.1.mlp.experts.down_proj", down);
+    w.write((fs::path(dir) / "model.safetensors").string());
+    return tensors;
+  }
+  nlohmann::json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", nlohmann::json::object()}};
+  for (int part = 0; part < 2; ++part) {
+    const std::string file = fmt::format("model-{:05d}-of-00002.safetensors", part + 1);
+    SafetensorsWriter w;
+    for (size_t i = part * names.size() / 2; i < (part + 1) * names.size() / 2; ++i) {
+      w.add(names[i], tensors[names[i]]);
+      index["weight_map"][names[i]] = file;
+    }
+    w.write((fs::path(dir) / file).string());
+  }
+  std::ofstream(fs::path(dir) / "model.safetensors.index.json") << index.dump(2);
+  return tensors;
+}
+
+std::map<std::string, Tensor> read_hf_folder(const std::string& dir) {
+  CheckpointReader r(dir);
+  EXPECT_TRUE(r.is_hf());
+  std::map<std::string, Tensor> out;
+  for (const auto& n : r.names()) out[n] = r.read_whole(n);
+  return out;
+}
+
+TEST(HfConvert, RoundTripIsBitwiseAndTheModelLoadsEitherForm) {
+  for (bool tied : {false, true}) {
+    ScratchDir dir;
+    const Qwen3MoeConfig cfg = tiny_hf_config(tied);
+    const auto original = write_hf_folder(dir / "hf", cfg, /*fused=*/false);
+    import_hf(dir / "hf", dir / "mt");
+    HfExportOptions opt;
+    opt.max_shard_bytes = 20000;  // several shards
+    export_hf(dir / "mt", dir / "back", opt);
+    const auto back = read_hf_folder(dir / "back");
+    ASSERT_EQ(back.size(), original.size());
+    for (const auto& [name, t] : original) {
+      ASSERT_TRUE(back.count(name)) << name;
+      EXPECT_TRUE(bytes_equal(back.at(name), t)) << name;
+    }
+    EXPECT_TRUE(fs::exists(dir.path() / "back" / "model.safetensors.index.json"));
+    const auto cfg_in = nlohmann::json::parse(std::ifstream(dir.path() / "hf" / "config.json"));
+    const auto cfg_out = nlohmann::json::parse(std::ifstream(dir.path() / "back" / "config.json"));
+    EXPECT_EQ(cfg_in, cfg_out);
+    // The same weights load into a model from the HF folder and from the checkpoint.
+    for (const char* src : {"hf", "mt", "back"}) {
+      Qwen3MoeModel m(cfg, DType::F32);
+      CheckpointReader r(dir / src);
+      load_model_weights(r, m.parameters());
+      for (const Parameter& p : m.parameters()) {
+        EXPECT_TRUE(bytes_equal(p.value, original.at(p.name).to(DType::F32))) << src << " " << p.name;
+      }
+    }
+    // Never over an existing folder.
+    EXPECT_TRUE(has(error_message([&] { import_hf(dir / "hf", dir / "mt"); }), "already exists"));
+    EXPECT_TRUE(has(error_message([&] { export_hf(dir / "mt", dir / "back", {}); }), "already exists"));
+  }
+}
+
+TEST(HfConvert, FusedExpertTensorsAreSplitPerExpert) {
+  ScratchDir dir;
+  const Qwen3MoeConfig cfg = tiny_hf_config(false);
+  const auto original = write_hf_folder(dir / "hf", cfg, /*fused=*/true);
+  import_hf(dir / "hf", dir / "mt");
+  HfExportOptions opt;
+  opt.dtype = DType::F32;
+  export_hf(dir / "mt", dir / "back", opt);
+  const auto back = read_hf_folder(dir / "back");
+  ASSERT_EQ(back.size(), original.size());
+  for (const auto& [name, t] : original) EXPECT_TRUE(bytes_equal(back.at(name), t.to(DType::F32))) << name;
+  const auto cfg_out = nlohmann::json::parse(std::ifstream(dir.path() / "back" / "config.json"));
+  EXPECT_EQ(cfg_out["torch_dtype"], "float32");
+}
+
+TEST(HfConvert, AFolderLackingATensorNamesIt) {
+  ScratchDir dir;
+  Qwen3MoeConfig cfg = tiny_hf_config(false);
+  write_hf_folder(dir / "hf", cfg, false);
+  cfg.num_hidden_layers = 3;  // the model wants a layer the folder does not have
+  Qwen3MoeModel m(cfg, DType::F32);
+  CheckpointReader r(dir / "hf");
+  const std::string e = error_message([&] { load_model_weights(r, m.parameters()); });
+  EXPECT_TRUE(has(e, "no tensor 'model.layers.2.")) << e;
+  EXPECT_TRUE(has(error_message([&] { CheckpointReader bad(dir / "nothing"); }), "does not exist"));
+  fs::create_directories(dir.path() / "empty");
+  EXPECT_TRUE(has(error_message([&] { CheckpointReader bad(dir / "empty"); }),
+                  "neither a moetrain checkpoint (index.json) nor a Hugging Face model folder"));
+}
+
+}  // namespace
+}  // namespace moetrain
