@@ -1,8 +1,10 @@
 // The moetrain command. Thin: parse the command line, load the config, call the engine.
 //
 //   moetrain train --config configs/tiny.toml [--section.key=value ...] [--print-config]
+//   moetrain launch -n N -- train --config configs/tiny.toml   (N local ranks)
 //   moetrain convert SRC DST        (HF folder <-> moetrain checkpoint)
 //   moetrain score --model DIR --tokens "[...]"   (logits and loss)
+//   moetrain tokenize --tokenizer TOKENIZER --out DIR INPUTS...
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -10,9 +12,12 @@
 #include <vector>
 
 #include "app/checkpoint_commands.h"
+#include "app/launch.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/bench.h"
+#include "engine/data/tokenize.h"
+#include "engine/data/tokenizer_factory.h"
 #include "engine/run_config.h"
 #include "engine/trainer.h"
 
@@ -52,6 +57,25 @@ int run_bench(const std::string& config_path, const std::vector<std::string>& ex
   return 0;
 }
 
+// moetrain tokenize: corpus -> token shards; or, with --encode-text / --decode-ids, one
+// file's ids as JSON (or ids back to text), for comparing with other implementations.
+int run_tokenize(moetrain::TokenizeOptions opt, const std::string& spec, const std::string& eos,
+                 const std::string& encode_text, const std::string& decode_ids) {
+  std::unique_ptr<moetrain::Tokenizer> tok = moetrain::make_tokenizer(spec, eos, "--tokenizer");
+  if (!encode_text.empty()) {
+    std::fputs(moetrain::encode_file_to_json(*tok, encode_text).c_str(), stdout);
+    return 0;
+  }
+  if (!decode_ids.empty()) {
+    const std::string text = moetrain::decode_json_file(*tok, decode_ids);
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    return 0;
+  }
+  opt.tokenizer_name = spec;
+  spdlog::info("{}", moetrain::format_tokenize_summary(moetrain::tokenize_corpus(*tok, opt)));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -82,6 +106,25 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench->allow_extras();
 
+  moetrain::TokenizeOptions tok_opt;
+  std::string tok_spec, tok_eos, tok_encode, tok_decode;
+  bool tok_no_progress = false;
+  CLI::App* tokenize = app.add_subcommand("tokenize", "text / JSONL files or folders -> token shards");
+  tokenize->add_option("inputs", tok_opt.inputs, "text or JSONL (*.jsonl) files, or folders of them");
+  tokenize->add_option("--tokenizer", tok_spec, "\"byte\", a tokenizer.json, or a folder holding one")->required();
+  tokenize->add_option("-o,--out", tok_opt.out_dir, "output folder: shard-NNNNN.bin and index.json");
+  tokenize->add_option("--eos", tok_eos, "end-of-text token after each document (default <|endoftext|>)");
+  tokenize->add_option("--shard-tokens", tok_opt.shard_tokens, "tokens per shard")->capture_default_str();
+  tokenize->add_option("--threads", tok_opt.threads, "worker threads (0: one per core)")->capture_default_str();
+  tokenize->add_option("--text-field", tok_opt.text_field, "JSONL key of the text")->capture_default_str();
+  tokenize->add_flag("--lines", tok_opt.lines, "plain text: a document per line, not per file");
+  tokenize->add_flag("--overwrite", tok_opt.overwrite, "replace the shards already in --out");
+  tokenize->add_flag("--no-progress", tok_no_progress, "no progress bar");
+  tokenize->add_option("--encode-text", tok_encode, "print the ids of FILE's text as a JSON array, and exit");
+  tokenize->add_option("--decode-ids", tok_decode, "print the text of FILE's JSON array of ids, and exit");
+
+  // launch (N local workers) and the hidden comm-selftest: src/app/launch.cpp.
+  std::function<int()> run_launch_commands = moetrain::app::add_launch_commands(app);
   // convert and score: src/app/checkpoint_commands.cpp.
   std::function<int()> run_checkpoint_commands = moetrain::app::add_checkpoint_commands(app);
 
@@ -91,6 +134,7 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   try {
+    if (int rc = run_launch_commands(); rc >= 0) return rc;
     if (int rc = run_checkpoint_commands(); rc >= 0) return rc;
     if (train->parsed()) {
       std::vector<std::string> extras = train->remaining();
@@ -98,6 +142,10 @@ int main(int argc, char** argv) {
       return run_train(config_path, extras, print_config);
     }
     if (bench->parsed()) return run_bench(bench_config, bench->remaining(), bench_opt);
+    if (tokenize->parsed()) {
+      tok_opt.progress = !tok_no_progress;
+      return run_tokenize(tok_opt, tok_spec, tok_eos, tok_encode, tok_decode);
+    }
   } catch (const std::exception& e) {  // moetrain::Error and anything from the libraries
     std::fprintf(stderr, "moetrain: error: %s\n", e.what());
     return 2;

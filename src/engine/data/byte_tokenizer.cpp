@@ -1,6 +1,7 @@
 #include "engine/data/byte_tokenizer.h"
 
 #include "core/error.h"
+#include "core/rng.h"
 
 namespace moetrain {
 
@@ -25,5 +26,13 @@ std::string ByteTokenizer::decode(std::span<const int32_t> ids) const {
   }
   return out;
 }
+
+std::optional<int32_t> ByteTokenizer::token_to_id(std::string_view token) const {
+  if (token.size() == 1) return static_cast<unsigned char>(token[0]);
+  if (token == "<|endoftext|>") return kEos;
+  return std::nullopt;
+}
+
+uint64_t ByteTokenizer::fingerprint() const { return hash_string("moetrain byte tokenizer, 257 ids"); }
 
 }  // namespace moetrain

@@ -74,7 +74,7 @@ void split_documents(std::string_view text, Emit&& emit) {
 
 }  // namespace
 
-Corpus load_text_corpus(const DataConfig& config, const ByteTokenizer& tokenizer, int64_t min_split_tokens) {
+Corpus load_text_corpus(const DataConfig& config, const Tokenizer& tokenizer, int64_t min_split_tokens) {
   MT_CHECK(!config.paths.empty(), "data.paths is empty: name at least one file or folder of text");
   std::vector<fs::path> files;
   for (const auto& p : config.paths) {

@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "engine/data/byte_tokenizer.h"
+#include "engine/data/tokenizer.h"
 #include "engine/run_config.h"
 
 namespace moetrain {
@@ -26,6 +26,6 @@ struct Corpus {
 // Throws naming the path for a missing or unreadable path, and when there are no documents
 // or either split holds fewer than `min_split_tokens` tokens (pass training.seq_len + 1, the
 // tokens one sequence needs).
-Corpus load_text_corpus(const DataConfig& config, const ByteTokenizer& tokenizer, int64_t min_split_tokens = 2);
+Corpus load_text_corpus(const DataConfig& config, const Tokenizer& tokenizer, int64_t min_split_tokens = 2);
 
 }  // namespace moetrain

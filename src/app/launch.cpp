@@ -1,0 +1,142 @@
+#include "app/launch.h"
+
+#include <CLI/CLI.hpp>
+
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/gloo_communicator.h"
+#include "comm/launch_env.h"
+#include "comm/launcher.h"
+#include "comm/nccl_communicator.h"
+#include "comm/store.h"
+#include "core/error.h"
+#include "core/log.h"
+
+namespace moetrain::app {
+namespace {
+
+struct LaunchArgs {
+  int nproc = 0;
+  std::string store_dir;
+  double grace_s = 10;
+  int master_port = 0;
+  std::string command;  // the worker's subcommand; its arguments come in remaining()
+};
+
+struct SelftestArgs {
+  std::string backend = "gloo";
+  int fail_rank = -1;
+};
+
+int run_launch(const LaunchArgs& a, const std::vector<std::string>& worker_args) {
+  MT_CHECK(!worker_args.empty(), "launch: no worker command: moetrain launch -n N -- train --config X ...");
+  LaunchSpec spec;
+  spec.nproc = a.nproc;
+  spec.argv = {std::filesystem::read_symlink("/proc/self/exe").string()};
+  spec.argv.insert(spec.argv.end(), worker_args.begin(), worker_args.end());
+  spec.store_parent = a.store_dir;
+  spec.master_port = a.master_port;
+  spec.grace = std::chrono::milliseconds(static_cast<int64_t>(a.grace_s * 1000));
+  LaunchResult r = launch_workers(spec);
+  if (r.exit_code != 0) {
+    std::fprintf(stderr, "moetrain: error: launch: %s\n", r.message.c_str());
+  }
+  return r.exit_code;
+}
+
+// Every collective once, on values whose result is known, then a barrier.
+int run_selftest(const SelftestArgs& a) {
+  MT_CHECK(a.backend == "gloo" || a.backend == "nccl", "comm-selftest: --backend '{}' is not gloo or nccl",
+           a.backend);
+  LaunchEnv env = LaunchEnv::from_environment();
+  CommOptions opt = default_comm_options(env);
+  auto store = Store::open(default_store_spec(env), env.rank, opt.timeout)->prefixed("selftest");
+  auto start = std::chrono::steady_clock::now();
+  const bool nccl = a.backend == "nccl";
+  std::unique_ptr<Communicator> world = nccl ? connect_nccl(store, env.rank, env.world_size, env.local_rank, opt)
+                                             : GlooCommunicator::connect(store, env.rank, env.world_size, opt);
+  if (env.rank == a.fail_rank) {
+    spdlog::error("comm-selftest: rank {} fails on purpose (--fail-rank)", env.rank);
+    return 3;
+  }
+  const Device dev = nccl ? Device::cuda(env.local_rank) : Device::cpu();
+  const int P = world->size(), r = world->rank();
+  auto check = [&](const Tensor& t, const std::vector<double>& want, const char* what) {
+    MT_CHECK(t.to(Device::cpu()).to_double_vector() == want, "comm-selftest: {} gave a wrong result on rank {}", what,
+             r);
+  };
+  Tensor sum = Tensor::full({1 << 20}, r + 1, DType::F32, dev);
+  world->all_reduce(sum);
+  Tensor first = sum.slice(0, 1);
+  check(first, {P * (P + 1) / 2.0}, "all_reduce");
+  Tensor mx = Tensor::full({3}, r, DType::I64, dev);
+  world->all_reduce(mx, ReduceOp::Max);
+  check(mx, {P - 1.0, P - 1.0, P - 1.0}, "all_reduce max");
+  Tensor gathered = Tensor::empty({P}, DType::I32, dev);
+  world->all_gather(Tensor::full({1}, r, DType::I32, dev), gathered);
+  std::vector<double> ranks(P);
+  for (int p = 0; p < P; ++p) ranks[p] = p;
+  check(gathered, ranks, "all_gather");
+  // Peer p gets p rows from every rank, each holding the sender's rank.
+  std::vector<int64_t> send(P), recv(P, r);
+  std::vector<double> rows, want;
+  for (int p = 0; p < P; ++p) {
+    send[p] = p;
+    rows.insert(rows.end(), p, r);
+    want.insert(want.end(), r, p);
+  }
+  Tensor out = Tensor::empty({static_cast<int64_t>(want.size())}, DType::F64, dev);
+  world->all_to_all_v(Tensor::from_vector<double>(rows, {static_cast<int64_t>(rows.size())}).to(dev), send, out,
+                      recv);
+  check(out, want, "all_to_all_v");
+  world->barrier();
+  world->synchronize();
+  double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  std::printf("comm-selftest: rank %d of %d ok (%s, %s, %.0f ms)\n", r, P, a.backend.c_str(),
+              store->description().c_str(), ms);
+  return 0;
+}
+
+}  // namespace
+
+std::function<int()> add_launch_commands(CLI::App& app) {
+  auto la = std::make_shared<LaunchArgs>();
+  CLI::App* launch = app.add_subcommand("launch", "run N workers of a moetrain command on this machine");
+  launch->add_option("-n,--nproc", la->nproc, "number of workers (ranks)")->required()->check(CLI::PositiveNumber);
+  launch->add_option("--store-dir", la->store_dir, "where the fresh rendezvous directory is made (default: the temp dir)");
+  launch->add_option("--grace", la->grace_s, "seconds between SIGTERM and SIGKILL when stopping workers")
+      ->capture_default_str();
+  launch->add_option("--master-port", la->master_port, "MASTER_PORT for the workers (default: a free port)");
+  // Everything after the first word of the worker command (or after "--") is the worker's.
+  launch->add_option("command", la->command, "the moetrain subcommand each worker runs, then its arguments");
+  launch->prefix_command();
+  launch->footer("Example: moetrain launch -n 4 -- train --config configs/tiny.toml\n"
+                 "Each worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and "
+                 "MOETRAIN_STORE; when one fails, the others are stopped.");
+
+  auto sa = std::make_shared<SelftestArgs>();
+  CLI::App* selftest = app.add_subcommand("comm-selftest", "check rendezvous and collectives across the ranks");
+  selftest->group("");  // hidden: a diagnostic, and the launcher tests' worker
+  selftest->add_option("--backend", sa->backend, "gloo (CPU) or nccl (GPU local_rank)")->capture_default_str();
+  selftest->add_option("--fail-rank", sa->fail_rank, "this rank exits with status 3 after rendezvous");
+
+  return [launch, selftest, la, sa]() -> int {
+    if (launch->parsed()) {
+      // CLI11 keeps a "--" before the command among the remaining arguments: not the worker's.
+      std::vector<std::string> rest = launch->remaining();
+      if (!rest.empty() && rest.front() == "--") rest.erase(rest.begin());
+      std::vector<std::string> worker;
+      if (!la->command.empty()) worker.push_back(la->command);
+      worker.insert(worker.end(), rest.begin(), rest.end());
+      return run_launch(*la, worker);
+    }
+    if (selftest->parsed()) return run_selftest(*sa);
+    return -1;
+  };
+}
+
+}  // namespace moetrain::app

@@ -1,0 +1,18 @@
+// The `moetrain launch` subcommand (N local workers of this binary, fail-fast) and the
+// hidden `moetrain comm-selftest` (rendezvous from the launcher's variables, then a few
+// checked collectives: a quick test of a machine's or cluster's setup).
+#pragma once
+
+#include <functional>
+
+namespace CLI {
+class App;
+}
+
+namespace moetrain::app {
+
+// Adds both subcommands to `app`. The returned function, called after parsing, runs the one
+// that was given and returns its exit status, or -1 when neither was.
+std::function<int()> add_launch_commands(CLI::App& app);
+
+}  // namespace moetrain::app

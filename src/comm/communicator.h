@@ -1,0 +1,116 @@
+// Communicator: the collectives and point-to-point transfers one group of ranks runs
+// together, on moetrain Tensors. Backends: Gloo (CPU tensors, TCP) and NCCL (CUDA
+// tensors, ops enqueued on a stream).
+//
+// Every rank of the group calls the same collectives in the same order. Tensors are
+// contiguous; "rows" are dim-0 slices. A failure (a peer that died, did not join, or
+// answers nothing within the timeout) is a moetrain::Error naming the op, the group, the
+// rank and where known the peer; nothing hangs past CommOptions::timeout.
+//
+// Streams: Gloo ops finish before they return and ignore the stream. NCCL ops are
+// enqueued on `stream` (nullptr: the communicator's default stream, see
+// NcclCommunicator) and return at once; synchronize() waits for them, up to the timeout.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/cuda_runtime.h"
+#include "core/tensor.h"
+
+namespace moetrain {
+
+enum class ReduceOp { Sum, Max };
+std::string_view reduce_op_name(ReduceOp op);
+
+struct CommOptions {
+  // Longest wait for a peer: rendezvous, one collective, one send/recv, a synchronize.
+  std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+  // NCCL only: when an op fails or times out in the background watchdog, abort the process
+  // (after logging why) so the launcher stops the job, instead of leaving the error for the
+  // next call on this communicator to throw.
+  bool abort_process_on_error = true;
+  // Gloo only: the network interface (e.g. "eth0") or the local address its TCP transport
+  // listens on. Empty: chosen by the caller (see default_comm_options).
+  std::string gloo_iface;
+  std::string gloo_host;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  // "world", "world/ep", ...: names the group in errors and logs.
+  const std::string& name() const { return name_; }
+  virtual std::string_view backend() const = 0;
+
+  // In place: every rank ends with the element-wise reduction over all ranks of `t`.
+  virtual void all_reduce(Tensor& t, ReduceOp op = ReduceOp::Sum, cuda::Stream stream = nullptr) = 0;
+  // `in` is size() equal chunks; rank r gets in `out` the reduction over ranks of chunk r.
+  // in.numel() == size() * out.numel().
+  virtual void reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op = ReduceOp::Sum,
+                              cuda::Stream stream = nullptr) = 0;
+  // `out` is the ranks' `in` back to back, in rank order. out.numel() == size() * in.numel().
+  virtual void all_gather(const Tensor& in, Tensor& out, cuda::Stream stream = nullptr) = 0;
+  // `in` holds send_rows[p] rows for peer p, back to back in peer order; `out` receives
+  // recv_rows[p] rows from each peer p, in peer order. Counts may be zero; send_rows[p] on
+  // this rank must equal recv_rows[this rank] on peer p (the caller exchanges counts first,
+  // e.g. with an all_to_all_v of one i64 per peer).
+  virtual void all_to_all_v(const Tensor& in, const std::vector<int64_t>& send_rows, Tensor& out,
+                            const std::vector<int64_t>& recv_rows, cuda::Stream stream = nullptr) = 0;
+  // In place: every rank ends with `root`'s `t`.
+  virtual void broadcast(Tensor& t, int root, cuda::Stream stream = nullptr) = 0;
+  // Point to point; the peer posts the matching recv/send with the same byte count.
+  virtual void send(const Tensor& t, int peer, cuda::Stream stream = nullptr) = 0;
+  virtual void recv(Tensor& t, int peer, cuda::Stream stream = nullptr) = 0;
+  // Returns when every rank has entered it (NCCL: and the ops before it have finished).
+  virtual void barrier() = 0;
+  // Waits for the ops enqueued on `stream` (nullptr: the default stream) to finish, up to
+  // the timeout. A no-op for Gloo.
+  virtual void synchronize(cuda::Stream stream = nullptr) = 0;
+
+  // A sub-communicator: ranks that pass the same color form a group, ordered by key (then
+  // by rank here). Collective over this communicator: every rank calls it, in the same
+  // order. color < 0: this rank joins no group and gets nullptr. `name` is appended to
+  // this communicator's name ("world" + "ep" -> "world/ep").
+  virtual std::unique_ptr<Communicator> split(int color, int key, const std::string& name) = 0;
+
+  const CommOptions& options() const { return options_; }
+
+ protected:
+  Communicator(int rank, int size, std::string name, CommOptions options)
+      : rank_(rank), size_(size), name_(std::move(name)), options_(std::move(options)) {}
+
+  // "all_reduce on world (rank 2 of 4)": the start of every error message.
+  std::string where(std::string_view op) const;
+  // Argument checks shared by the backends; they throw naming the op and the tensor.
+  void check_same_layout(std::string_view op, const Tensor& a, const Tensor& b) const;
+  void check_chunks(std::string_view op, const Tensor& big, const Tensor& small, const char* big_name,
+                    const char* small_name) const;
+  // Returns the elements per row (product of dims 1..) after checking counts and shapes.
+  int64_t check_all_to_all_v(const Tensor& in, const std::vector<int64_t>& send_rows, const Tensor& out,
+                             const std::vector<int64_t>& recv_rows) const;
+  void check_peer(std::string_view op, int peer) const;
+
+ private:
+  int rank_, size_;
+  std::string name_;
+  CommOptions options_;
+};
+
+// Default options: timeout from MOETRAIN_COMM_TIMEOUT (seconds) when set, else 300 s.
+// Gloo's address: MOETRAIN_GLOO_IFACE (or GLOO_SOCKET_IFNAME) names an interface;
+// MOETRAIN_GLOO_HOST an address; else 127.0.0.1 when every rank runs on this machine, else
+// the local address of the route to `master_addr`.
+struct LaunchEnv;
+CommOptions default_comm_options(const LaunchEnv& env);
+
+}  // namespace moetrain

@@ -1,0 +1,49 @@
+// launch_workers: runs N workers of one command on this machine (`moetrain launch -n N`),
+// the single-node part of what torchrun does, and brings the job down fast when one fails.
+//
+// Each worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+// and MOETRAIN_STORE (a fresh store directory made for this launch and removed after it),
+// stdin from /dev/null, and its own process group. Their output comes back line by line.
+// SIGINT/SIGTERM to the launcher go to every worker (a second one: SIGKILL). When a worker
+// exits non-zero or is killed, the others get SIGTERM, then SIGKILL after the grace period;
+// the result names the first worker that failed and how. Workers die with the launcher
+// (PR_SET_PDEATHSIG), so none outlives a killed launcher.
+//
+// One launch at a time per process (it owns SIGINT/SIGTERM while it runs).
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace moetrain {
+
+struct LaunchSpec {
+  int nproc = 1;
+  std::vector<std::string> argv;  // the worker command; argv[0] is looked up in PATH
+  std::vector<std::pair<std::string, std::string>> env;  // more variables for the workers
+  std::string store_parent;       // where the fresh store directory goes; empty: the temp dir
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;            // 0: a free port
+  std::chrono::milliseconds grace{std::chrono::seconds(10)};  // SIGTERM -> SIGKILL
+  // Each complete line a worker writes (without its newline); stream 1 = stdout, 2 = stderr.
+  // Default: the line, prefixed "[rank R] ", on this process's stdout or stderr.
+  std::function<void(int rank, int stream, const std::string& line)> on_line;
+};
+
+struct LaunchResult {
+  // 0 when every worker exited 0; else the first failure's exit status (128 + signal for a
+  // worker killed by a signal, or for a launcher stopped by one).
+  int exit_code = 0;
+  int failed_rank = -1;  // the first worker that failed; -1 when none did
+  std::string message;   // "rank 1 (pid 4242) was killed by signal 9 (SIGKILL)", or empty
+};
+
+LaunchResult launch_workers(const LaunchSpec& spec);
+
+// A TCP port on 127.0.0.1 that was free a moment ago.
+int free_tcp_port();
+
+}  // namespace moetrain

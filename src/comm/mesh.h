@@ -1,0 +1,66 @@
+// Mesh: the ranks of a job laid out on four axes, outer to inner PP, DP, CP, EP:
+//   rank = ((pp * DP + dp) * CP + cp) * EP + ep
+// CP and EP are innermost so their frequent collectives (ring K/V, MoE all-to-all) stay
+// among neighbouring ranks, i.e. inside a node. DP is inferred as world / (pp * cp * ep)
+// when not given. A layout that does not fit the world size is an Error naming the numbers.
+//
+// MeshComms holds one sub-communicator per axis plus the two combined groups FSDP shards
+// over: dp x cp (expert weights) and dp x cp x ep (every other weight).
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+
+namespace moetrain {
+
+enum class MeshAxis { PP, DP, CP, EP };
+
+struct MeshCoord {
+  int pp = 0, dp = 0, cp = 0, ep = 0;
+  bool operator==(const MeshCoord&) const = default;
+};
+
+class Mesh {
+ public:
+  // dp = -1: inferred. Every size must be >= 1 and pp * dp * cp * ep == world.
+  Mesh(int64_t world, int64_t pp, int64_t dp, int64_t cp, int64_t ep);
+
+  int world_size() const { return world_; }
+  int size(MeshAxis a) const { return sizes_[static_cast<int>(a)]; }
+  int pp() const { return size(MeshAxis::PP); }
+  int dp() const { return size(MeshAxis::DP); }
+  int cp() const { return size(MeshAxis::CP); }
+  int ep() const { return size(MeshAxis::EP); }
+
+  MeshCoord coord(int rank) const;
+  int rank_of(const MeshCoord& c) const;
+  // The ranks that share every coordinate of `rank` except those on `axes`, ascending
+  // (which is also their order inside the group: outer axis major).
+  std::vector<int> group(int rank, std::initializer_list<MeshAxis> axes) const;
+  // Which group of that family `rank` is in: the smallest rank of its group (a split color).
+  int group_color(int rank, std::initializer_list<MeshAxis> axes) const;
+
+  std::string str() const;  // "pp 2 x dp 2 x cp 1 x ep 2 (8 ranks)"
+
+ private:
+  int world_;
+  int sizes_[4];
+};
+
+struct MeshComms {
+  Mesh mesh;
+  std::shared_ptr<Communicator> world, pp, dp, cp, ep;
+  std::shared_ptr<Communicator> dp_cp;     // expert weights shard over it
+  std::shared_ptr<Communicator> dp_cp_ep;  // every other weight shards over it
+
+  // Splits `world` along the mesh; collective over world. Each sub-communicator's rank is
+  // this rank's index in Mesh::group.
+  static MeshComms build(std::shared_ptr<Communicator> world, const Mesh& mesh);
+};
+
+}  // namespace moetrain
