@@ -178,6 +178,7 @@ TrainSummary train(const RunConfig& cfg_in) {
   const std::string resume_from = resolve_resume(ckpt_dir, cc.resume);
   int64_t start_step = 0;
   if (!resume_from.empty()) {
+    const auto load_start = Clock::now();
     CheckpointReader reader(resume_from);
     const nlohmann::json& st = reader.trainer_state();
     MT_CHECK(st.contains("step") && st.contains("data") && st.contains("optimizer"),
@@ -196,7 +197,10 @@ TrainSummary train(const RunConfig& cfg_in) {
                "resuming from step {} ({}) would later collide with the committed {}: move it away or resume from it",
                start_step, resume_from, path);
     }
-    spdlog::info("checkpoint: resumed from {} (step {})", resume_from, start_step);
+    const double load_s = seconds_since(load_start);
+    const double mb = static_cast<double>(reader.total_bytes()) / 1e6;
+    spdlog::info("checkpoint: resumed from {} (step {}; {:.1f} MB read and verified in {:.2f} s, {:.0f} MB/s)",
+                 resume_from, start_step, mb, load_s, mb / std::max(load_s, 1e-9));
   } else if (!cc.init_from.empty()) {
     CheckpointReader reader(cc.init_from);
     load_model_weights(reader, params);
@@ -205,7 +209,15 @@ TrainSummary train(const RunConfig& cfg_in) {
   const int64_t end_step =
       tc.stop_after_steps > 0 ? std::min(tc.steps, start_step + tc.stop_after_steps) : tc.steps;
   std::unique_ptr<Checkpointer> checkpointer;
-  if (cc.every > 0 || cc.save_final) checkpointer = std::make_unique<Checkpointer>(ckpt_dir, cc.keep, cc.async);
+  if (cc.every > 0 || cc.save_final) {
+    const auto t0 = Clock::now();
+    checkpointer = std::make_unique<Checkpointer>(ckpt_dir, cc.keep, cc.async);
+    checkpointer->prepare(checkpoint_items(params, &opt));
+    const std::string when = cc.every > 0 ? fmt::format("every {} steps{}", cc.every, cc.save_final ? " and at the end" : "")
+                                          : std::string("at the end");
+    spdlog::info("checkpoint: saving to {} ({}), host snapshot buffers ready in {:.2f} s", ckpt_dir, when,
+                 seconds_since(t0));
+  }
   auto trainer_state = [&](int64_t step) {
     nlohmann::json st;
     st["step"] = step;

@@ -325,6 +325,13 @@ std::vector<std::string> CheckpointReader::names() const {
   return out;
 }
 
+uint64_t CheckpointReader::total_bytes() const {
+  uint64_t n = 0;
+  for (const auto& [f, b] : file_bytes_) n += b;
+  for (const auto& [f, sf] : open_) n += file_bytes_.count(f) ? 0 : sf->file_size();
+  return n;
+}
+
 const SafetensorsFile& CheckpointReader::open_file(const std::string& file) {
   auto it = open_.find(file);
   if (it != open_.end()) return *it->second;

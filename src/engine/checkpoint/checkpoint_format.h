@@ -82,6 +82,8 @@ class CheckpointReader {
   bool has(const std::string& name) const { return tensors_.count(name) > 0; }
   const TensorInfo& info(const std::string& name) const;
   std::vector<std::string> names() const;
+  // Bytes of all the checkpoint's tensor files.
+  uint64_t total_bytes() const;
   // trainer_state.json (an empty object for an HF folder).
   const nlohmann::json& trainer_state() const { return trainer_state_; }
 

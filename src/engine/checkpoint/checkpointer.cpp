@@ -144,10 +144,8 @@ void Checkpointer::wait() {
   }
 }
 
-SaveStats Checkpointer::save(int64_t step, const CheckpointItems& items, const nlohmann::json& trainer_state) {
-  const auto t0 = Clock::now();
+void Checkpointer::prepare(const CheckpointItems& items) {
   wait();  // the snapshot buffers are the previous save's until it is written
-  // (Re)allocate host buffers when the set of tensors changed.
   auto fit = [](std::vector<TensorSlice>& host, const std::vector<std::pair<std::string, Tensor>>& live) {
     bool same = host.size() == live.size();
     for (size_t i = 0; same && i < live.size(); ++i) {
@@ -160,6 +158,11 @@ SaveStats Checkpointer::save(int64_t step, const CheckpointItems& items, const n
   };
   fit(host_.model, items.model);
   fit(host_.optimizer, items.optimizer);
+}
+
+SaveStats Checkpointer::save(int64_t step, const CheckpointItems& items, const nlohmann::json& trainer_state) {
+  const auto t0 = Clock::now();
+  prepare(items);  // waits for the previous save; allocates only when the tensors changed
   uint64_t bytes = 0;
   bool any_device = false;
   auto copy = [&](std::vector<TensorSlice>& host, const std::vector<std::pair<std::string, Tensor>>& live) {

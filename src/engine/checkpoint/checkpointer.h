@@ -54,6 +54,10 @@ class Checkpointer {
   Checkpointer(const Checkpointer&) = delete;
   Checkpointer& operator=(const Checkpointer&) = delete;
 
+  // Allocates the host snapshot buffers for `items` now (pinned memory is slow to allocate:
+  // about as slow as the copy itself), so the first save stalls training no longer than
+  // the others. save() does it when the items changed since.
+  void prepare(const CheckpointItems& items);
   // Snapshots `items` and commits them as step-N with `trainer_state` beside them.
   SaveStats save(int64_t step, const CheckpointItems& items, const nlohmann::json& trainer_state);
   // Blocks until the last save is committed; rethrows its error.
