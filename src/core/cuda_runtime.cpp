@@ -176,6 +176,14 @@ float elapsed_ms(Event start, Event end) {
   MT_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start), static_cast<cudaEvent_t>(end)));
   return ms;
 }
+Event create_sync_event() {
+  cudaEvent_t e;
+  MT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  return e;
+}
+void stream_wait_event(Stream s, Event e) {
+  MT_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(s), static_cast<cudaEvent_t>(e), 0));
+}
 
 #else  // a build without CUDA
 
@@ -208,6 +216,8 @@ Event create_event() { no_cuda(); }
 void destroy_event(Event) { no_cuda(); }
 void record_event(Event, Stream) { no_cuda(); }
 float elapsed_ms(Event, Event) { no_cuda(); }
+Event create_sync_event() { no_cuda(); }
+void stream_wait_event(Stream, Event) { no_cuda(); }
 
 #endif
 

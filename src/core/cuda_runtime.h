@@ -58,6 +58,24 @@ void destroy_event(Event e);
 void record_event(Event e, Stream s);
 // Milliseconds between two recorded events; waits for `end` to complete.
 float elapsed_ms(Event start, Event end);
+// An event for ordering streams only (no timing: cheaper to record and wait on).
+Event create_sync_event();
+// Work enqueued on `s` after this call waits until `e` (as last recorded) has completed;
+// the host does not wait.
+void stream_wait_event(Stream s, Event e);
+
+// Makes `s` the calling thread's current stream for a scope, so the ops, copies and
+// allocations inside it go to `s`; restores the previous one at exit.
+class CurrentStreamScope {
+ public:
+  explicit CurrentStreamScope(Stream s) : previous_(current_stream()) { set_current_stream(s); }
+  ~CurrentStreamScope() { set_current_stream(previous_); }
+  CurrentStreamScope(const CurrentStreamScope&) = delete;
+  CurrentStreamScope& operator=(const CurrentStreamScope&) = delete;
+
+ private:
+  Stream previous_;
+};
 
 struct DeviceMemoryStats {
   int64_t live_bytes = 0, peak_bytes = 0;  // tensors live on the device, and their peak

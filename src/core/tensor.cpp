@@ -62,16 +62,36 @@ int64_t shape_numel(const Shape& s) {
 class Storage {
  public:
   Storage(size_t bytes, Device device, bool pinned = false) : bytes_(bytes), device_(device), pinned_(pinned) {
+    allocate();
+  }
+  ~Storage() { free(); }
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+  void* ptr() const { return ptr_; }
+  Device device() const { return device_; }
+  bool resident() const { return ptr_ != nullptr || bytes_ == 0; }
+  void release() {
+    MT_CHECK(!pinned_, "pinned host memory cannot be released while its tensors live");
+    free();
+    ptr_ = nullptr;
+  }
+  void restore() {
+    if (ptr_ == nullptr) allocate();
+  }
+
+ private:
+  void allocate() {
     if (pinned_) {
-      ptr_ = cuda::pinned_alloc(std::max<size_t>(bytes, 1));
-    } else if (device.is_cpu()) {
-      ptr_ = host_alloc(bytes);
+      ptr_ = cuda::pinned_alloc(std::max<size_t>(bytes_, 1));
+    } else if (device_.is_cpu()) {
+      ptr_ = host_alloc(bytes_);
     } else {
-      MT_CHECK(cuda::available(), "cannot allocate on {}: {}", device.str(), cuda::unavailable_reason());
-      ptr_ = cuda::device_alloc(bytes, cuda::current_stream());
+      MT_CHECK(cuda::available(), "cannot allocate on {}: {}", device_.str(), cuda::unavailable_reason());
+      ptr_ = cuda::device_alloc(bytes_, cuda::current_stream());
     }
   }
-  ~Storage() {
+  void free() {
+    if (ptr_ == nullptr) return;
     if (pinned_) {
       try {
         cuda::pinned_free(ptr_);
@@ -86,12 +106,7 @@ class Storage {
       }
     }
   }
-  Storage(const Storage&) = delete;
-  Storage& operator=(const Storage&) = delete;
-  void* ptr() const { return ptr_; }
-  Device device() const { return device_; }
 
- private:
   void* ptr_ = nullptr;
   size_t bytes_;
   Device device_;
@@ -149,6 +164,18 @@ int64_t Tensor::size(int d) const {
   return shape_[d];
 }
 
+void Tensor::release_memory() const {
+  MT_CHECK(defined(), "release of an undefined tensor");
+  storage_->release();
+}
+
+void Tensor::restore_memory() const {
+  MT_CHECK(defined(), "restore of an undefined tensor");
+  storage_->restore();
+}
+
+bool Tensor::memory_resident() const { return defined() && storage_->resident(); }
+
 Device Tensor::device() const { return storage_ ? storage_->device() : Device::cpu(); }
 
 std::string Tensor::str() const {
@@ -158,6 +185,8 @@ std::string Tensor::str() const {
 
 void* Tensor::raw() const {
   MT_CHECK(defined(), "access to an undefined tensor");
+  MT_CHECK(storage_->resident(), "access to a tensor whose memory is released ({}: a sharded weight that was not "
+           "gathered)", str());
   return static_cast<char*>(storage_->ptr()) + offset_ * static_cast<int64_t>(dtype_size(dtype_));
 }
 

@@ -71,6 +71,13 @@ class Tensor {
   void zero_();
   void fill_(double value);
 
+  // Frees the memory of this tensor's storage (every view of it) while keeping the tensors,
+  // and allocates it again (contents undefined): how sharded data parallelism drops whole
+  // weights between uses. Touching the data of a released tensor is an Error.
+  void release_memory() const;
+  void restore_memory() const;
+  bool memory_resident() const;
+
   // Element i as double, for tests and small host-side reads (a device tensor is copied
   // to the host first).
   double item(int64_t i = 0) const;

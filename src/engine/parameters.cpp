@@ -1,5 +1,7 @@
 #include "engine/parameters.h"
 
+#include <algorithm>
+
 #include "core/rng.h"
 #include "ops/ops.h"
 
@@ -31,6 +33,60 @@ std::vector<Tensor> flat_views(const std::vector<Tensor>& like, DType dtype) {
     at += t.numel();
   }
   return views;
+}
+
+void BucketBuilder::add(Tensor* value, Tensor* grad, Shape shape) {
+  slots_.emplace_back(value, grad);
+  shapes_.push_back(std::move(shape));
+}
+
+ParamBucket BucketBuilder::build(DType dtype, Device device, int64_t pad) {
+  MT_CHECK(pad >= 1, "bucket {}: pad must be >= 1, got {}", name_, pad);
+  ParamBucket b;
+  b.name = name_;
+  b.experts = experts_;
+  // Every weight starts on a 64-element boundary (128 bytes of bf16): GEMM and TMA
+  // descriptors want aligned bases, whatever the shapes before it.
+  constexpr int64_t kAlign = 64;
+  std::vector<int64_t> offsets;
+  for (const Shape& s : shapes_) {
+    b.used = (b.used + kAlign - 1) / kAlign * kAlign;
+    offsets.push_back(b.used);
+    b.used += shape_numel(s);
+  }
+  const int64_t total = std::max<int64_t>((b.used + pad - 1) / pad * pad, pad);
+  b.values = Tensor::empty({total}, dtype, device);
+  b.grads = Tensor::zeros({total}, grad_dtype_for(dtype), device);
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const int64_t at = offsets[i], n = shape_numel(shapes_[i]);
+    *slots_[i].first = b.values.slice(at, at + n).view(shapes_[i]);
+    *slots_[i].second = b.grads.slice(at, at + n).view(shapes_[i]);
+  }
+  return b;
+}
+
+void index_buckets(std::vector<ParamBucket>& buckets, const ParameterList& params) {
+  for (auto& b : buckets) b.members.clear();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto* v = static_cast<const char*>(params[i].value.raw());
+    int found = 0;
+    for (auto& b : buckets) {
+      const auto* base = static_cast<const char*>(b.values.raw());
+      const size_t es = dtype_size(b.values.dtype());
+      if (v >= base && v < base + b.values.nbytes()) {
+        const int64_t offset = static_cast<int64_t>((v - base) / es);
+        MT_CHECK(offset + params[i].value.numel() <= b.used, "parameter {} overruns bucket {}", params[i].name,
+                 b.name);
+        b.members.push_back({i, offset});
+        ++found;
+      }
+    }
+    MT_CHECK(found == 1, "parameter {} lies in {} parameter buckets, expected exactly one", params[i].name, found);
+  }
+  for (auto& b : buckets) {
+    std::sort(b.members.begin(), b.members.end(),
+              [](const ParamBucket::Member& x, const ParamBucket::Member& y) { return x.offset < y.offset; });
+  }
 }
 
 DType grad_dtype_for(DType value_dtype) { return value_dtype == DType::BF16 ? DType::F32 : value_dtype; }

@@ -25,9 +25,51 @@ struct Parameter {
   Tensor& master_or_value() { return master.defined() ? master : value; }
 };
 
-
-
 using ParameterList = std::vector<Parameter>;
+
+// The parameters of one part of a model (the embedding and head, one decoder layer's
+// attention and router, one layer's experts) lie back to back in one flat value buffer and
+// one flat gradient buffer. Sharded data parallelism reduces, updates and gathers a bucket
+// as one tensor; `experts` buckets shard over fewer ranks (see engine/parallel/fsdp.h).
+struct ParamBucket {
+  std::string name;   // "model.layers.3.experts", for errors and logs
+  bool experts = false;
+  int64_t layer = -1;    // decoder layer it belongs to; -1: the embedding, final norm and head
+  Tensor values, grads;  // 1-D; numel padded to a multiple of the pad given to build()
+  int64_t used = 0;      // up to the end of the last parameter (the rest is padding)
+  struct Member {
+    size_t param;    // index into the model's ParameterList
+    int64_t offset;  // where that parameter's elements start in values/grads
+  };
+  std::vector<Member> members;  // ascending offset; filled by index_buckets
+};
+
+// A piece of a parameter that one rank of a sharded optimizer owns: elements [begin, end)
+// of the row-major flattened params[param].
+struct ShardSegment {
+  size_t param;
+  int64_t begin, end;
+};
+
+// Collects the weights of one bucket, then allocates them at once.
+class BucketBuilder {
+ public:
+  BucketBuilder(std::string name, bool experts) : name_(std::move(name)), experts_(experts) {}
+  // Reserves a weight of `shape`: build() makes *value and *grad views of the flat buffers.
+  void add(Tensor* value, Tensor* grad, Shape shape);
+  // Values uninitialised, gradients zero, both padded to a multiple of `pad` elements.
+  ParamBucket build(DType dtype, Device device, int64_t pad = 1);
+
+ private:
+  std::string name_;
+  bool experts_;
+  std::vector<std::pair<Tensor*, Tensor*>> slots_;
+  std::vector<Shape> shapes_;
+};
+
+// Fills each bucket's members from where the parameters' values live. Throws naming the
+// parameter when one lies in no bucket or in two.
+void index_buckets(std::vector<ParamBucket>& buckets, const ParameterList& params);
 
 // The gradient (and master) dtype that goes with a parameter dtype: f32 for bf16.
 DType grad_dtype_for(DType value_dtype);

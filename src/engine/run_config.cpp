@@ -11,10 +11,10 @@
 namespace moetrain {
 namespace {
 
-ConfigFields::Check must_be_one_for_now(const int64_t* v) {
-  return [v]() -> std::optional<std::string> {
+ConfigFields::Check must_be_one_for_now(const int64_t* v, const char* what) {
+  return [v, what]() -> std::optional<std::string> {
     if (*v == 1) return std::nullopt;
-    return fmt::format("must be 1, got {}: multi-rank parallelism is not in this build yet", *v);
+    return fmt::format("must be 1, got {}: {} is not in this build yet", *v, what);
   };
 }
 
@@ -29,13 +29,17 @@ ConfigFields::Check in_half_open(const double* v, double lo, double hi) {
 }  // namespace
 
 void ParallelConfig::describe(ConfigFields& f) {
-  f.add("pp", &pp, "pipeline-parallel stages", must_be_one_for_now(&pp));
-  f.add("cp", &cp, "context-parallel ranks (ring attention)", must_be_one_for_now(&cp));
-  f.add("ep", &ep, "expert-parallel ranks", must_be_one_for_now(&ep));
-  f.add("dp", &dp, "data-parallel replicas; -1 = world / (pp * cp * ep)", [this]() -> std::optional<std::string> {
-    if (dp == -1 || dp == 1) return std::nullopt;
-    return fmt::format("must be -1 (inferred) or 1, got {}: multi-rank parallelism is not in this build yet", dp);
-  });
+  f.add("pp", &pp, "pipeline-parallel stages", must_be_one_for_now(&pp, "pipeline parallelism"));
+  f.add("cp", &cp, "context-parallel ranks (ring attention)", must_be_one_for_now(&cp, "context parallelism"));
+  f.add("ep", &ep, "expert-parallel ranks (experts split evenly over them)", positive(&ep));
+  f.add("dp", &dp, "data-parallel ranks, sharded (ZeRO); -1 = world / (pp * cp * ep)",
+        [this]() -> std::optional<std::string> {
+          if (dp == -1 || dp >= 1) return std::nullopt;
+          return fmt::format("must be -1 (inferred) or >= 1, got {}", dp);
+        });
+  f.add("shard_weights", &shard_weights,
+        "many ranks: shard the weights too and gather each layer's when used (ZeRO-3); false keeps them whole "
+        "(ZeRO-2: gradients and optimizer state sharded)");
 }
 
 void TrainingConfig::describe(ConfigFields& f) {
@@ -77,20 +81,43 @@ void OptimizerConfig::describe(ConfigFields& f) {
 }
 
 void DataConfig::describe(ConfigFields& f) {
-  f.add("kind", &kind, "data format: text (plain text files, fortune '%' separators)", one_of(&kind, {"text"}));
-  f.add("tokenizer", &tokenizer, "tokenizer: byte (256 bytes + end-of-text)", one_of(&tokenizer, {"byte"}));
-  f.add("paths", &paths, "files or folders of text (folders read recursively)", [this]() -> std::optional<std::string> {
-    if (paths.empty()) return "must name at least one file or folder";
-    for (const auto& p : paths) {
-      if (p.empty()) return "must not hold an empty path";
-    }
-    return std::nullopt;
-  });
-  f.add("val_fraction", &val_fraction, "share of documents held out for validation",
+  f.add("kind", &kind,
+        "data format: text (plain text files, fortune '%' separators), shards (token shards of moetrain tokenize) "
+        "or sft (chat JSONL, loss on the assistant tokens)",
+        [this, known = one_of(&kind, {"text", "shards", "sft"})]() -> std::optional<std::string> {
+          if (auto err = known()) return err;
+          if (kind == "sft" && tokenizer == "byte") {
+            return "= \"sft\" needs a tokenizer with the chat template's special tokens (<|im_start|>, <|im_end|>); "
+                   "[data].tokenizer = \"byte\" has none: name a chat model's tokenizer.json";
+          }
+          return std::nullopt;
+        });
+  f.add("tokenizer", &tokenizer, "tokenizer: byte (256 bytes + end-of-text), a tokenizer.json, or a folder holding one",
+        [this]() -> std::optional<std::string> {
+          if (tokenizer.empty()) return "must be \"byte\" or the path of a tokenizer.json (or of its folder)";
+          return std::nullopt;
+        });
+  f.add("paths", &paths,
+        "text: files or folders of text (folders read recursively); shards: folders of token shards; sft: JSONL "
+        "files or folders of them",
+        [this]() -> std::optional<std::string> {
+          if (paths.empty()) return "must name at least one file or folder";
+          for (const auto& p : paths) {
+            if (p.empty()) return "must not hold an empty path";
+          }
+          return std::nullopt;
+        });
+  f.add("val_fraction", &val_fraction,
+        "share held out for validation: of the documents (text) or conversations (sft), or the stream's last tokens "
+        "(shards)",
         [this]() -> std::optional<std::string> {
           if (val_fraction > 0 && val_fraction < 1) return std::nullopt;
           return fmt::format("must be in (0, 1), got {}", val_fraction);
         });
+  f.add("chat_template", &chat_template, "sft: how a conversation is rendered: chatml (<|im_start|>role ... <|im_end|>)",
+        one_of(&chat_template, {"chatml"}));
+  f.add("packing", &packing,
+        "sft: pack several conversations into each sequence (attention kept within each); false: one per sequence");
 }
 
 void CheckpointConfig::describe(ConfigFields& f) {
@@ -298,6 +325,9 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
   const auto& o = cfg.optimizer;
   MT_CHECK(o.warmup_steps <= t.steps, "{}: [optimizer].warmup_steps ({}) must be <= [training].steps ({})", path,
            o.warmup_steps, t.steps);
+  MT_CHECK(cfg.model.num_experts == 0 || cfg.model.num_experts % cfg.parallel.ep == 0,
+           "{}: [model].num_experts ({}) must be a multiple of [parallel].ep ({}): experts are split evenly", path,
+           cfg.model.num_experts, cfg.parallel.ep);
   MT_CHECK(o.min_lr <= o.lr, "{}: [optimizer].min_lr ({}) must be <= [optimizer].lr ({})", path, o.min_lr, o.lr);
   MT_CHECK(t.seq_len <= cfg.model.max_position_embeddings,
            "{}: [training].seq_len ({}) must be <= [model].max_position_embeddings ({})", path, t.seq_len,

@@ -16,6 +16,9 @@ namespace moetrain {
 struct ParallelConfig {
   int64_t pp = 1, cp = 1, ep = 1;
   int64_t dp = -1;  // -1: inferred as world / (pp * cp * ep)
+  // Data-parallel sharding (ZeRO): gradients and optimizer state are always sharded over
+  // the data ranks; with shard_weights the weights too, gathered per layer when used (ZeRO-3).
+  bool shard_weights = true;
   void describe(ConfigFields& f);
 };
 
@@ -52,12 +55,18 @@ struct OptimizerConfig {
 };
 
 struct DataConfig {
-  std::string kind = "text";         // plain text files, byte-level tokens
-  std::string tokenizer = "byte";
-  // Files or folders of text. Folders are read recursively, skipping fortune's binary
-  // index files (*.dat) and links.
+  // "text": plain text files, tokenized at start; "shards": token shards of `moetrain
+  // tokenize`, streamed; "sft": chat JSONL, loss on the assistant tokens (data_context.h).
+  std::string kind = "text";
+  std::string tokenizer = "byte";    // "byte", a tokenizer.json, or a folder holding one
+  // text: files or folders of text (folders recursively, skipping fortune's *.dat index
+  // files and links); shards: folders of shards; sft: JSONL files or folders of them.
   std::vector<std::string> paths = {"/usr/share/games/fortunes"};
-  double val_fraction = 0.05;        // share of documents held out for validation
+  // Share held out for validation: of the documents (text) or conversations (sft), by a
+  // hash of their text; of the stream's last tokens (shards).
+  double val_fraction = 0.05;
+  std::string chat_template = "chatml";  // sft: how conversations are rendered
+  bool packing = true;                   // sft: several conversations per sequence
   void describe(ConfigFields& f);
 };
 

@@ -13,13 +13,14 @@
 #include "core/log.h"
 #include "core/rng.h"
 #include "engine/checkpoint/checkpointer.h"
-#include "engine/data/byte_tokenizer.h"
+#include "engine/data/data_context.h"
 #include "engine/data/loader.h"
-#include "engine/data/text_corpus.h"
 #include "engine/models/qwen3_moe.h"
 #include "engine/optim/adamw.h"
 #include "engine/optim/lr_schedule.h"
 #include "engine/parallel/expert_dispatch.h"
+#include "engine/parallel/fsdp.h"
+#include "engine/parallel/parallel_context.h"
 #include "engine/telemetry/metrics.h"
 #include "engine/telemetry/progress.h"
 #include "engine/telemetry/stage_timer.h"
@@ -31,36 +32,40 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-// Mean cross-entropy over the validation set's first eval_batches micro-batches.
 // The batch with its tensors on `device`.
 Batch on_device(Batch b, Device device) {
   if (device.is_cpu()) return b;
   b.inputs = b.inputs.to(device);
   b.targets = b.targets.to(device);
   b.positions = b.positions.to(device);
+  if (b.segment_ids.defined()) b.segment_ids = b.segment_ids.to(device);
   return b;
 }
 
-double validation_loss(Qwen3MoeModel& model, ExpertDispatcher& d, BatchLoader& val, int64_t batches, Device device) {
+// Mean cross-entropy over the validation set's first eval_batches micro-batches, summed
+// over the data ranks (`group`, or one process).
+double validation_loss(Qwen3MoeModel& model, ExpertDispatcher& d, DataLoader& val, int64_t batches, Device device,
+                       Communicator* group = nullptr) {
   val.reset();
-  double sum = 0;
-  int64_t n = 0;
+  std::vector<double> sums{0, 0};  // cross-entropy, targets
   for (int64_t i = 0; i < batches; ++i) {
     MicroBatchLoss l = model.forward_loss(on_device(val.next(), device), d);
-    sum += l.ce_sum;
-    n += l.targets;
+    sums[0] += l.ce_sum;
+    sums[1] += static_cast<double>(l.targets);
   }
-  return sum / static_cast<double>(std::max<int64_t>(n, 1));
+  if (group != nullptr) all_reduce_doubles(*group, sums, device);
+  return sums[0] / std::max(sums[1], 1.0);
 }
 
 // Samples `n` tokens after `prompt` at `temperature`, each from the logits of the last
 // position over a window of at most seq_len tokens.
-std::string sample_text(Qwen3MoeModel& model, ExpertDispatcher& d, const ByteTokenizer& tok, const std::string& prompt,
+std::string sample_text(Qwen3MoeModel& model, ExpertDispatcher& d, const Tokenizer& tok, const std::string& prompt,
                         int64_t n, int64_t seq_len, double temperature, uint64_t seed, Device device) {
   std::vector<int32_t> ids = tok.encode(prompt);
   if (ids.empty()) ids.push_back(tok.eos_id());
   Rng rng(seed);
-  const int64_t V = model.config().vocab_size;
+  // Only ids the tokenizer has (a model's embedding is often padded beyond its vocabulary).
+  const int64_t V = std::min<int64_t>(model.config().vocab_size, tok.vocab_size());
   for (int64_t i = 0; i < n; ++i) {
     const int64_t S = std::min<int64_t>(static_cast<int64_t>(ids.size()), seq_len);
     std::vector<int32_t> window(ids.end() - S, ids.end()), pos(S);
@@ -68,6 +73,7 @@ std::string sample_text(Qwen3MoeModel& model, ExpertDispatcher& d, const ByteTok
     Tensor logits = model.forward_logits(Tensor::from_vector(window, {S}).to(device),
                                          Tensor::from_vector(pos, {S}).to(device), {1, S}, d);
     std::vector<double> p = logits.slice(S - 1, S).to_double_vector();
+    p.resize(static_cast<size_t>(V));
     double mx = -1e300;
     for (auto& x : p) mx = std::max(mx, x /= temperature);
     double z = 0;
@@ -82,7 +88,23 @@ std::string sample_text(Qwen3MoeModel& model, ExpertDispatcher& d, const ByteTok
     }
     ids.push_back(pick);
   }
-  return tok.decode(ids);
+  // Token by token, so that an unused id (a gap in a vocabulary) prints as U+FFFD rather
+  // than failing the run at its end.
+  std::string text;
+  for (const int32_t id : ids) {
+    try {
+      text += tok.decode(std::span<const int32_t>(&id, 1));
+    } catch (const Error&) {
+      text += "\xEF\xBF\xBD";
+    }
+  }
+  return text;
+}
+
+// Experts all local (one process, or ep = 1), or spread over the expert-parallel group.
+std::unique_ptr<ExpertDispatcher> make_dispatcher(const ParallelContext& par) {
+  if (par.ep == 1) return std::make_unique<LocalDispatcher>();
+  return std::make_unique<AllToAllDispatcher>(*par.comms->ep);
 }
 
 }  // namespace
@@ -100,29 +122,47 @@ double expert_imbalance(const std::vector<std::vector<int64_t>>& counts) {
   return worst;
 }
 
+namespace {
+
+// Forward and backward of a step's micro-batches, the gradients accumulated in the model.
+// `targets`: of the whole step over all data ranks (the loss is their mean). Returns the
+// cross-entropy sum in r.loss, the load-balancing loss (already global) and this rank's
+// z-loss share in r.aux_loss / z.
+StepResult accumulate_micro_batches(Qwen3MoeModel& model, ExpertDispatcher& dispatcher,
+                                    const std::vector<Batch>& batches, double targets, double& z,
+                                    FsdpContext* fsdp = nullptr) {
+  StepResult r;
+  const double n = static_cast<double>(batches.size());
+  for (size_t i = 0; i < batches.size(); ++i) {
+    // The first micro-batch writes the gradients, the others add: no zeroing pass.
+    if (fsdp) fsdp->begin_micro_batch(i == 0);
+    const bool accumulate = fsdp ? fsdp->model_accumulates(i) : i > 0;
+    MicroBatchLoss l = model.forward_backward(batches[i], dispatcher, 1.0 / targets, 1.0 / n, accumulate);
+    r.loss += l.ce_sum;
+    r.aux_loss += l.aux_loss / n;
+    z += l.z_loss / n;
+    if (r.expert_counts.empty()) r.expert_counts = l.expert_counts;
+    else {
+      for (size_t k = 0; k < l.expert_counts.size(); ++k) {
+        for (size_t e = 0; e < l.expert_counts[k].size(); ++e) r.expert_counts[k][e] += l.expert_counts[k][e];
+      }
+    }
+  }
+  return r;
+}
+
+}  // namespace
+
 StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, AdamW& opt, const std::vector<Batch>& batches,
                       double lr, double grad_clip) {
   ParameterList& params = model.parameters();
   int64_t targets = 0;
   for (const Batch& b : batches) targets += b.num_targets;
   MT_CHECK(targets > 0, "no token of the step's batches has a target");
-  StepResult r;
-  double ce = 0;
-  const double n = static_cast<double>(batches.size());
-  for (size_t i = 0; i < batches.size(); ++i) {
-    const Batch& b = batches[i];
-    // The first micro-batch writes the gradients, the others add: no zeroing pass.
-    MicroBatchLoss l = model.forward_backward(b, dispatcher, 1.0 / static_cast<double>(targets), 1.0 / n, i > 0);
-    ce += l.ce_sum;
-    r.aux_loss += (l.aux_loss + l.z_loss) / n;
-    if (r.expert_counts.empty()) r.expert_counts = l.expert_counts;
-    else {
-      for (size_t i = 0; i < l.expert_counts.size(); ++i) {
-        for (size_t e = 0; e < l.expert_counts[i].size(); ++e) r.expert_counts[i][e] += l.expert_counts[i][e];
-      }
-    }
-  }
-  r.loss = ce / static_cast<double>(targets);
+  double z = 0;
+  StepResult r = accumulate_micro_batches(model, dispatcher, batches, static_cast<double>(targets), z);
+  r.loss /= static_cast<double>(targets);
+  r.aux_loss += z;
   StageScope t(Stage::kOptimizer);
   MT_CHECK(std::isfinite(r.loss), "training loss is not finite ({})", r.loss);
   const GradNorm g = global_grad_norm(params, grad_clip);
@@ -131,51 +171,111 @@ StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, AdamW&
   return r;
 }
 
+StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, FsdpContext& fsdp, Communicator& data_group,
+                      const std::vector<Batch>& batches, double lr, double grad_clip) {
+  const Device device = model.parameters().front().grad.device();
+  std::vector<double> targets{0};
+  for (const Batch& b : batches) targets[0] += static_cast<double>(b.num_targets);
+  all_reduce_doubles(data_group, targets, device);
+  MT_CHECK(targets[0] > 0, "no token of the step's batches has a target on any rank");
+  double z = 0;
+  StepResult r = accumulate_micro_batches(model, dispatcher, batches, targets[0], z, &fsdp);
+  // Every expert's count at its global index, so the sum over ranks is the global count.
+  const int64_t E = model.config().num_experts, first = model.placement().ep_rank * E / model.placement().ep_size;
+  std::vector<double> sums{r.loss, z};
+  for (const auto& layer : r.expert_counts) {
+    std::vector<double> global(static_cast<size_t>(E), 0.0);
+    for (size_t e = 0; e < layer.size(); ++e) global[first + e] = static_cast<double>(layer[e]);
+    sums.insert(sums.end(), global.begin(), global.end());
+  }
+  all_reduce_doubles(data_group, sums, device);
+  for (size_t k = 0; k < r.expert_counts.size(); ++k) {
+    r.expert_counts[k].assign(static_cast<size_t>(E), 0);
+    for (int64_t e = 0; e < E; ++e) r.expert_counts[k][e] = std::llround(sums[2 + k * E + e]);
+  }
+  r.loss = sums[0] / targets[0];
+  r.aux_loss += sums[1];
+  StageScope t(Stage::kOptimizer);
+  MT_CHECK(std::isfinite(r.loss), "training loss is not finite ({})", r.loss);
+  fsdp.reduce_scatter_grads();
+  const GradNorm g = fsdp.grad_norm(grad_clip);
+  r.grad_norm = g.norm;
+  fsdp.step(lr, g.clip_scale);
+  return r;
+}
+
 TrainSummary train(const RunConfig& cfg_in) {
   RunConfig cfg = cfg_in;
   const auto run_start = Clock::now();
   const TrainingConfig& tc = cfg.training;
   ops::set_cpu_threads(static_cast<int>(tc.threads));
+  // Ranks: rank 0 speaks for the job (logs, metrics, progress); the others only warn.
+  ParallelContext par = ParallelContext::build(cfg);
+  if (par.rank != 0) spdlog::set_level(spdlog::level::warn);
 
-  // Data.
-  ByteTokenizer tok;
-  MT_CHECK(cfg.model.vocab_size >= tok.vocab_size(), "[model].vocab_size = {} is smaller than the {} tokenizer's {}",
-           cfg.model.vocab_size, cfg.data.tokenizer, tok.vocab_size());
-  Corpus corpus = load_text_corpus(cfg.data, tok, tc.seq_len + 1);
+  // Data: tokenizer and loaders of [data].kind (data/data_context.h); each data rank gets
+  // its rows of the same global micro-batches.
+  DataContext data = make_data_context(cfg, par.data_rank, par.data_world);
+  const Tokenizer& tok = *data.tokenizer;
+  DataLoader& train_loader = *data.train;
+  DataLoader& val_loader = *data.val;
   const uint64_t seed = static_cast<uint64_t>(tc.seed);
-  BatchLoader train_loader(std::move(corpus.train), tc.micro_batch_size, tc.seq_len, stream_key(seed, "data.train"),
-                           BatchLoader::Mode::Random);
-  BatchLoader val_loader(std::move(corpus.val), tc.micro_batch_size, tc.seq_len, stream_key(seed, "data.val"),
-                         BatchLoader::Mode::Sequential);
-  spdlog::info("data: {} train documents ({} tokens), {} validation documents ({} tokens)", corpus.train_documents,
-               train_loader.num_tokens(), corpus.val_documents, val_loader.num_tokens());
+  spdlog::info("data: {}", data.summary);
 
   // Model, dispatcher, optimizer. On the GPU: bf16 weights and activations, f32 masters,
-  // gradients and optimizer state.
+  // gradients and optimizer state. Many ranks: this rank's experts, and the optimizer state
+  // sharded over the ranks (FsdpContext).
   const bool gpu = tc.device == "cuda";
-  MT_CHECK(!gpu || cuda::available(), "[training].device = \"cuda\" but no GPU is usable: {}",
-           cuda::unavailable_reason());
-  const Device device = gpu ? Device::cuda(0) : Device::cpu();
-  Qwen3MoeModel model(cfg.model, gpu ? DType::BF16 : DType::F32, device);
+  const Device device = par.device;
+  const int64_t shard_ranks = par.comms ? par.comms->dp_cp_ep->size() : 1;
+  Qwen3MoeModel model(cfg.model, gpu ? DType::BF16 : DType::F32, device, {par.ep, par.ep_rank, shard_ranks});
   model.init_weights(seed);
-  LocalDispatcher dispatcher;
+  std::unique_ptr<ExpertDispatcher> dispatcher_ptr = make_dispatcher(par);
+  ExpertDispatcher& dispatcher = *dispatcher_ptr;
   ParameterList& params = model.parameters();
   const OptimizerConfig& oc = cfg.optimizer;
-  AdamW opt(params, {oc.beta1, oc.beta2, oc.eps, oc.weight_decay});
+  const AdamWConfig adamw{oc.beta1, oc.beta2, oc.eps, oc.weight_decay};
+  std::unique_ptr<FsdpContext> fsdp;
+  std::unique_ptr<AdamW> single_opt;
+  if (par.distributed()) {
+    model.set_data_group(par.data_group());
+    fsdp = std::make_unique<FsdpContext>(model, *par.comms->dp_cp_ep, *par.comms->dp_cp, *par.comms->world, adamw,
+                                         cfg.parallel.shard_weights);
+  } else {
+    single_opt = std::make_unique<AdamW>(params, adamw);
+  }
+  AdamW& opt = fsdp ? fsdp->optimizer() : *single_opt;
   LrSchedule schedule{oc.schedule, oc.lr, oc.min_lr, oc.warmup_steps, tc.steps, oc.decay_fraction};
-  const int64_t tokens_per_step = tc.micro_batch_size * tc.seq_len * tc.grad_accum_steps;
+  const int64_t tokens_per_step = tc.micro_batch_size * par.data_world * tc.seq_len * tc.grad_accum_steps;
   const double flops_per_token = model.flops_per_token(tc.seq_len);
-  spdlog::info("model: qwen3_moe, {} layers, {} experts (top-{}), {:.2f}M parameters ({:.2f}M active in matmuls)",
+  spdlog::info("model: qwen3_moe, {} layers, {} experts (top-{}), {:.2f}M parameters{} ({:.2f}M active in matmuls)",
                cfg.model.num_hidden_layers, cfg.model.num_experts, cfg.model.num_experts_per_tok,
-               count_elements(params) / 1e6, model.active_matmul_params() / 1e6);
-  spdlog::info("training: {} steps x {} tokens on {}", tc.steps, tokens_per_step,
-               gpu ? cuda::device_name(0) + " (bf16)" : fmt::format("the CPU, {} threads (f32)", ops::cpu_threads()));
+               count_elements(params) / 1e6, par.ep > 1 ? " on this rank" : "", model.active_matmul_params() / 1e6);
+  spdlog::info("training: {} steps x {} tokens on {}{}", tc.steps, tokens_per_step,
+               gpu ? cuda::device_name(device.index) + " (bf16)"
+                   : fmt::format("the CPU, {} threads (f32)", ops::cpu_threads()),
+               par.distributed() ? fmt::format(", {} ranks", par.world) : "");
 
   // Checkpoints: resume from the newest committed one (or the one named), else take the
   // weights from init_from, else keep the seeded initialisation.
   const CheckpointConfig& cc = cfg.checkpoint;
   const std::string ckpt_dir = cc.resolved_dir(cfg.metrics.dir);
-  const std::string resume_from = resolve_resume(ckpt_dir, cc.resume);
+  const std::string resume_from = resolve_resume(ckpt_dir, cc.resume, par.rank == 0);
+  if (par.comms) par.comms->world->barrier();  // rank 0 removed stale partial saves before anyone saves
+  // Many ranks load and save only their shards of the weights and optimizer state.
+  auto load_state = [&](CheckpointReader& reader, bool optimizer_too) {
+    if (fsdp) {
+      load_sharded_state(reader, params, fsdp->shard_params(), fsdp->segments(), optimizer_too ? &opt : nullptr);
+      fsdp->gather_values();
+    } else {
+      load_model_weights(reader, params);
+      if (optimizer_too) load_optimizer_state(reader, params, opt);
+    }
+  };
+  auto checkpoint_state = [&] {
+    return fsdp ? sharded_checkpoint_items(params, fsdp->shard_params(), fsdp->segments(), opt)
+                : checkpoint_items(params, &opt);
+  };
   int64_t start_step = 0;
   if (!resume_from.empty()) {
     const auto load_start = Clock::now();
@@ -185,11 +285,10 @@ TrainSummary train(const RunConfig& cfg_in) {
              "checkpoint {}: trainer_state.json lacks step, data or optimizer: not a training checkpoint (use "
              "[checkpoint].init_from for weights only)",
              resume_from);
-    load_model_weights(reader, params);
-    load_optimizer_state(reader, params, opt);
+    load_state(reader, true);
     start_step = st["step"].get<int64_t>();
     opt.set_steps_taken(st["optimizer"]["steps_taken"].get<int64_t>());
-    train_loader.set_position(st["data"]["train_position"].get<uint64_t>());
+    train_loader.set_position(st["data"]["train_position"]);
     MT_CHECK(start_step <= tc.steps, "checkpoint {} is at step {}, beyond [training].steps = {}", resume_from,
              start_step, tc.steps);
     for (const auto& [s, path] : Checkpointer::committed(ckpt_dir)) {
@@ -203,7 +302,7 @@ TrainSummary train(const RunConfig& cfg_in) {
                  resume_from, start_step, mb, load_s, mb / std::max(load_s, 1e-9));
   } else if (!cc.init_from.empty()) {
     CheckpointReader reader(cc.init_from);
-    load_model_weights(reader, params);
+    load_state(reader, false);
     spdlog::info("checkpoint: weights from {}{}", cc.init_from, reader.is_hf() ? " (Hugging Face folder)" : "");
   }
   const int64_t end_step =
@@ -211,8 +310,8 @@ TrainSummary train(const RunConfig& cfg_in) {
   std::unique_ptr<Checkpointer> checkpointer;
   if (cc.every > 0 || cc.save_final) {
     const auto t0 = Clock::now();
-    checkpointer = std::make_unique<Checkpointer>(ckpt_dir, cc.keep, cc.async);
-    checkpointer->prepare(checkpoint_items(params, &opt));
+    checkpointer = std::make_unique<Checkpointer>(ckpt_dir, cc.keep, cc.async, par.rank, par.world);
+    checkpointer->prepare(checkpoint_state());
     const std::string when = cc.every > 0 ? fmt::format("every {} steps{}", cc.every, cc.save_final ? " and at the end" : "")
                                           : std::string("at the end");
     spdlog::info("checkpoint: saving to {} ({}), host snapshot buffers ready in {:.2f} s", ckpt_dir, when,
@@ -223,42 +322,52 @@ TrainSummary train(const RunConfig& cfg_in) {
     st["step"] = step;
     st["tokens"] = tokens_per_step * step;
     st["optimizer"] = {{"name", oc.name}, {"steps_taken", opt.steps_taken()}};
-    st["data"] = {{"train_position", train_loader.position()}, {"tokenizer", cfg.data.tokenizer}};
+    st["data"] = {
+        {"train_position", train_loader.position()}, {"kind", cfg.data.kind}, {"tokenizer", cfg.data.tokenizer}};
     st["seed"] = tc.seed;
     st["device"] = tc.device;
     st["model_dtype"] = std::string(dtype_name(params.front().value.dtype()));
-    st["world_size"] = 1;
+    st["world_size"] = par.world;
+    st["parallel"] = {{"pp", cfg.parallel.pp}, {"dp", par.world / (cfg.parallel.pp * cfg.parallel.cp * par.ep)},
+                      {"cp", cfg.parallel.cp}, {"ep", par.ep}};
     st["moetrain_version"] = MOETRAIN_VERSION;
     st["config"] = cfg.to_toml();
     st["hf_config"] = nlohmann::json::parse(cfg.model.to_hf_json());
     return st;
   };
 
-  // Metrics: a resumed run appends to the file it started.
-  std::filesystem::create_directories(cfg.metrics.dir);
-  {
+  // Metrics (rank 0): a resumed run appends to the file it started.
+  std::unique_ptr<MetricsWriter> metrics;
+  if (par.rank == 0) {
+    std::filesystem::create_directories(cfg.metrics.dir);
     std::ofstream f(std::filesystem::path(cfg.metrics.dir) / "config.toml");
     f << cfg.to_toml();
+    metrics = std::make_unique<MetricsWriter>(cfg.metrics.dir, /*append=*/start_step > 0);
+    spdlog::info("metrics: {}/metrics.jsonl", cfg.metrics.dir);
   }
-  MetricsWriter metrics(cfg.metrics.dir, /*append=*/start_step > 0);
-  spdlog::info("metrics: {}/metrics.jsonl", cfg.metrics.dir);
+  auto validate = [&] {
+    return validation_loss(model, dispatcher, val_loader, tc.eval_batches, device, par.data_group());
+  };
 
   TrainSummary summary;
   summary.parameters = count_elements(params);
-  summary.first_val_loss = validation_loss(model, dispatcher, val_loader, tc.eval_batches, device);
+  summary.first_val_loss = validate();
   summary.last_val_loss = summary.first_val_loss;
   spdlog::info("step {} | val loss {:.4f}", start_step, summary.first_val_loss);
 
-  ProgressBar progress(end_step - start_step, cfg.metrics.progress);
+  ProgressBar progress(end_step - start_step, cfg.metrics.progress && par.rank == 0);
   double train_seconds = 0;
   for (int64_t step = start_step; step < end_step; ++step) {
     const auto t0 = Clock::now();
     std::vector<Batch> batches;
-    for (int64_t m = 0; m < tc.grad_accum_steps; ++m) batches.push_back(on_device(train_loader.next(), device));
+    for (int64_t m = 0; m < tc.grad_accum_steps; ++m) {
+      batches.push_back(on_device(train_loader.next(), device));
+    }
     const double lr = schedule.at(step);
     StepResult r;
     try {
-      r = train_step(model, dispatcher, opt, batches, lr, tc.grad_clip);
+      r = fsdp ? train_step(model, dispatcher, *fsdp, *par.data_group(), batches, lr, tc.grad_clip)
+               : train_step(model, dispatcher, opt, batches, lr, tc.grad_clip);
     } catch (const Error& e) {
       MT_THROW("step {}: {}", step + 1, e.what());
     }
@@ -280,16 +389,16 @@ TrainSummary train(const RunConfig& cfg_in) {
     m.peak_memory_bytes = gpu ? cuda::device_memory_stats().peak_bytes : host_memory_stats().peak_bytes;
     const bool last = step + 1 == tc.steps;
     if (last || (tc.eval_every > 0 && (step + 1) % tc.eval_every == 0)) {
-      m.val_loss = validation_loss(model, dispatcher, val_loader, tc.eval_batches, device);
+      m.val_loss = validate();
       summary.last_val_loss = *m.val_loss;
     }
     if (checkpointer && ((cc.every > 0 && (step + 1) % cc.every == 0) || (cc.save_final && step + 1 == end_step))) {
-      const SaveStats st = checkpointer->save(step + 1, checkpoint_items(params, &opt), trainer_state(step + 1));
+      const SaveStats st = checkpointer->save(step + 1, checkpoint_state(), trainer_state(step + 1));
       m.checkpoint_stall_s = st.stall_s;
       spdlog::debug("checkpoint: step {} snapshot of {:.1f} MB, training waited {:.3f} s", step + 1, st.bytes / 1e6,
                     st.stall_s);
     }
-    metrics.write(m);
+    if (metrics) metrics->write(m);
     if (step == start_step) summary.first_train_loss = loss;
     summary.last_train_loss = loss;
     if (m.val_loss || m.checkpoint_stall_s || (step + 1) % cfg.metrics.log_every == 0 || step == start_step) {
@@ -305,6 +414,7 @@ TrainSummary train(const RunConfig& cfg_in) {
   if (tc.sample_tokens > 0) {
     summary.sample = sample_text(model, dispatcher, tok, tc.sample_prompt, tc.sample_tokens, tc.seq_len,
                                  tc.sample_temperature, stream_key(seed, "sample"), device);
+    if (par.rank != 0) summary.sample.clear();  // every rank samples (experts are spread), one prints
   }
   summary.seconds = seconds_since(run_start);
   return summary;

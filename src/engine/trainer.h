@@ -35,6 +35,11 @@ struct StepResult {
 };
 StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, AdamW& opt, const std::vector<Batch>& batches,
                       double lr, double grad_clip);
+// The same step on one of many ranks: `batches` are this rank's share; losses and token
+// counts are summed over `data_group`, gradients reduced and the optimizer stepped by fsdp.
+class FsdpContext;
+StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, FsdpContext& fsdp, Communicator& data_group,
+                      const std::vector<Batch>& batches, double lr, double grad_clip);
 
 // The busiest expert's load over the mean load, for the worst MoE layer (0 without MoE).
 double expert_imbalance(const std::vector<std::vector<int64_t>>& counts);

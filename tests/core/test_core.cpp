@@ -67,6 +67,27 @@ TEST(Tensor, ErrorsNameTheTensor) {
   }
 }
 
+TEST(Tensor, ReleasedMemoryIsGivenBackAndViewsSurviveIt) {
+  const int64_t before = host_memory_stats().live_bytes;
+  Tensor t = Tensor::zeros({256, 4}, DType::F32);
+  Tensor view = t.slice(10, 20);
+  EXPECT_EQ(host_memory_stats().live_bytes, before + 4096);
+  view.release_memory();  // the whole storage goes, whichever view asks
+  EXPECT_FALSE(t.memory_resident());
+  EXPECT_EQ(host_memory_stats().live_bytes, before);
+  try {
+    t.item(0);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("released"), std::string::npos) << e.what();
+  }
+  t.restore_memory();
+  EXPECT_TRUE(view.memory_resident());
+  t.fill_(2.0);
+  EXPECT_EQ(view.item(3), 2.0);  // the view sees the new memory
+  EXPECT_EQ(host_memory_stats().live_bytes, before + 4096);
+}
+
 TEST(Rng, CounterBasedStreamsAreSliceable) {
   const uint64_t key = stream_key(1234, "model.layers.0.self_attn.q_proj.weight");
   EXPECT_NE(key, stream_key(1234, "model.layers.1.self_attn.q_proj.weight"));

@@ -309,14 +309,24 @@ TEST(RunConfig, SectionChecks) {
   TempDir dir;
   std::string path = dir.file("run.toml", "");
   auto err = [&](std::vector<std::string> o) { return error_of([&] { RunConfig::load(path, o); }); };
-  EXPECT_NE(err({"parallel.ep=2"}).find("multi-rank parallelism is not in this build yet"), std::string::npos);
-  EXPECT_NE(err({"parallel.dp=4"}).find("[parallel].dp must be -1 (inferred) or 1"), std::string::npos);
+  EXPECT_NE(err({"parallel.cp=2"}).find("[parallel].cp must be 1, got 2: context parallelism is not in this build yet"),
+            std::string::npos);
+  EXPECT_NE(err({"parallel.dp=0"}).find("[parallel].dp must be -1 (inferred) or >= 1, got 0"), std::string::npos);
+  EXPECT_NE(err({"parallel.ep=0"}).find("[parallel].ep must be"), std::string::npos);
   EXPECT_NE(err({"optimizer.beta2=1"}).find("[optimizer].beta2 must be in [0, 1), got 1"), std::string::npos);
   EXPECT_NE(err({"optimizer.min_lr=-1"}).find("[optimizer].min_lr must be >= 0"), std::string::npos);
   EXPECT_NE(err({"optimizer.schedule=cosin"}).find("did you mean 'cosine'"), std::string::npos);
   EXPECT_NE(err({"training.device=gpu"}).find("[training].device must be one of cpu, cuda"), std::string::npos);
   EXPECT_NE(err({"data.val_fraction=0"}).find("[data].val_fraction must be in (0, 1), got 0"), std::string::npos);
-  EXPECT_NE(err({"data.tokenizer=bpe"}).find("[data].tokenizer must be one of byte"), std::string::npos);
+  EXPECT_NE(err({"data.tokenizer="}).find("[data].tokenizer must be \"byte\" or the path of a tokenizer.json"),
+            std::string::npos);
+  EXPECT_NE(err({"data.kind=shard"}).find("[data].kind must be one of text, shards, sft, got 'shard' (did you mean"),
+            std::string::npos);
+  EXPECT_NE(err({"data.kind=sft"}).find("[data].kind = \"sft\" needs a tokenizer with the chat template's special "
+                                        "tokens"),
+            std::string::npos);
+  EXPECT_NE(err({"data.chat_template=llama3"}).find("[data].chat_template must be one of chatml"), std::string::npos);
+  EXPECT_NE(err({"data.packing=maybe"}).find("[data].packing"), std::string::npos);
   EXPECT_NE(err({"training.steps=0"}).find("[training].steps must be > 0, got 0"), std::string::npos);
   EXPECT_NE(err({"training.steps=10", "optimizer.warmup_steps=20"})
                 .find("[optimizer].warmup_steps (20) must be <= [training].steps (10)"),

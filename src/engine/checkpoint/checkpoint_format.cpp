@@ -13,7 +13,6 @@ namespace {
 
 constexpr int kFormatVersion = 1;
 
-std::string rank_file(const char* kind, int rank, const char* ext) { return fmt::format("{}-r{:05d}.{}", kind, rank, ext); }
 
 nlohmann::json read_json(const fs::path& path) {
   std::ifstream f(path);
@@ -103,17 +102,34 @@ void check_tiling(const std::string& where, const std::string& name, const Check
                "{}: tensor '{}': slice in {} (start {}, shape {}) lies outside the tensor's shape {}", where, name,
                s.file, shape_str(s.start), shape_str(s.shape), shape_str(t.shape));
     }
-    for (size_t j = 0; j < i; ++j) {
-      MT_CHECK(!boxes_overlap(s.start, s.shape, t.slices[j].start, t.slices[j].shape) || volume(s.shape) == 0,
-               "{}: tensor '{}': slices in {} and {} overlap", where, name, s.file, t.slices[j].file);
-    }
     covered += volume(s.shape);
+  }
+  // No two slices overlap. Sorted by their first row, a slice can only meet those that start
+  // before its last row ends: with many ranks' flat pieces (a few rows each) that is a few.
+  std::vector<size_t> order;
+  for (size_t i = 0; i < t.slices.size(); ++i) {
+    if (volume(t.slices[i].shape) > 0) order.push_back(i);
+  }
+  auto row0 = [&](size_t i) { return t.shape.empty() ? int64_t{0} : t.slices[i].start[0]; };
+  auto rows = [&](size_t i) { return t.shape.empty() ? int64_t{1} : t.slices[i].shape[0]; };
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return row0(a) < row0(b); });
+  for (size_t a = 0; a < order.size(); ++a) {
+    const auto& s = t.slices[order[a]];
+    for (size_t b = a + 1; b < order.size() && row0(order[b]) < row0(order[a]) + rows(order[a]); ++b) {
+      const auto& o = t.slices[order[b]];
+      MT_CHECK(!boxes_overlap(s.start, s.shape, o.start, o.shape), "{}: tensor '{}': slices in {} and {} overlap",
+               where, name, o.file, s.file);
+    }
   }
   MT_CHECK(covered == volume(t.shape), "{}: tensor '{}': slices cover {} of its {} elements (a rank's part is missing)",
            where, name, covered, volume(t.shape));
 }
 
 }  // namespace
+
+std::string rank_file_name(const char* kind, int rank, const char* ext) {
+  return fmt::format("{}-r{:05d}.{}", kind, rank, ext);
+}
 
 TensorSlice whole_slice(std::string name, Tensor host_data) {
   TensorSlice s;
@@ -138,22 +154,38 @@ void write_rank_files(const std::string& dir, int rank, const std::vector<Tensor
   nlohmann::json manifest = {{"rank", rank}, {"files", nlohmann::json::object()}, {"slices", nlohmann::json::array()}};
   auto write_kind = [&](const char* kind, const std::vector<TensorSlice>& slices) {
     if (slices.empty()) return;
-    const std::string file = rank_file(kind, rank, "safetensors");
+    const std::string file = rank_file_name(kind, rank, "safetensors");
     SafetensorsWriter w;
     for (const TensorSlice& s : slices) {
-      const Shape start = full_start(s.start, s.global_shape.size());
-      MT_CHECK(s.slice_shape().size() == s.global_shape.size(),
-               "checkpoint: slice of '{}' has shape {} for a global shape {}", s.name, shape_str(s.slice_shape()),
-               shape_str(s.global_shape));
       MT_CHECK(!s.data.defined() || s.data.device().is_cpu(), "checkpoint: slice of '{}' must be on the host", s.name);
       w.add(s.name, s.slice_dtype(), s.slice_shape(), s.slice_bytes());
-      manifest["slices"].push_back({{"name", s.name},
-                                    {"kind", kind},
-                                    {"file", file},
-                                    {"dtype", safetensors_dtype_name(s.slice_dtype())},
-                                    {"global_shape", s.global_shape},
-                                    {"start", start},
-                                    {"shape", s.slice_shape()}});
+      auto record = [&](const Shape& start, const Shape& shape, int64_t offset) {
+        nlohmann::json j = {{"name", s.name},
+                            {"kind", kind},
+                            {"file", file},
+                            {"dtype", safetensors_dtype_name(s.slice_dtype())},
+                            {"global_shape", s.global_shape},
+                            {"start", start},
+                            {"shape", shape}};
+        if (offset >= 0) j["offset"] = offset;
+        manifest["slices"].push_back(j);
+      };
+      if (s.flat_begin >= 0) {
+        const int64_t n = volume(s.slice_shape());
+        MT_CHECK(s.slice_shape().size() == 1 && s.flat_begin + n <= volume(s.global_shape),
+                 "checkpoint: flat slice of '{}' ({} at element {}) does not fit its global shape {}", s.name,
+                 shape_str(s.slice_shape()), s.flat_begin, shape_str(s.global_shape));
+        int64_t offset = 0;
+        for (const auto& [start, shape] : element_range_boxes(s.global_shape, s.flat_begin, s.flat_begin + n)) {
+          record(start, shape, offset);
+          offset += volume(shape);
+        }
+      } else {
+        MT_CHECK(s.slice_shape().size() == s.global_shape.size(),
+                 "checkpoint: slice of '{}' has shape {} for a global shape {}", s.name, shape_str(s.slice_shape()),
+                 shape_str(s.global_shape));
+        record(full_start(s.start, s.global_shape.size()), s.slice_shape(), -1);
+      }
     }
     w.set_metadata({{"format", "pt"}, {"moetrain_kind", kind}});
     const SafetensorsWriter::Written out = w.write((fs::path(dir) / file).string());
@@ -161,7 +193,44 @@ void write_rank_files(const std::string& dir, int rank, const std::vector<Tensor
   };
   write_kind("model", model);
   write_kind("optimizer", optimizer);
-  write_text_synced(fs::path(dir) / rank_file("manifest", rank, "json"), manifest.dump(1));
+  const fs::path manifest_path = fs::path(dir) / rank_file_name("manifest", rank, "json");
+  const fs::path part = manifest_path.string() + ".part";
+  write_text_synced(part, manifest.dump(1));
+  fs::rename(part, manifest_path);
+}
+
+std::vector<std::pair<Shape, Shape>> element_range_boxes(const Shape& shape, int64_t begin, int64_t end) {
+  std::vector<std::pair<Shape, Shape>> out;
+  const int nd = static_cast<int>(shape.size());
+  MT_CHECK(begin >= 0 && begin <= end && end <= volume(shape), "element range [{}, {}) outside a tensor of shape {}",
+           begin, end, shape_str(shape));
+  if (nd == 0) {
+    if (end > begin) out.push_back({Shape{}, Shape{}});
+    return out;
+  }
+  // stride[d]: elements in one step of dim d.
+  std::vector<int64_t> stride(nd, 1);
+  for (int d = nd - 2; d >= 0; --d) stride[d] = stride[d + 1] * shape[d + 1];
+  int64_t at = begin;
+  while (at < end) {
+    // The largest block starting at `at`: along the innermost dim d where `at` is not
+    // aligned, or the outermost dim whose whole sub-blocks fit.
+    int d = nd - 1;
+    while (d > 0 && at % stride[d - 1] == 0 && at + stride[d - 1] <= end) --d;
+    // Dims inside d are whole; dim d runs from at's index to as far as fits (and the row's end).
+    const int64_t idx = (at / stride[d]) % shape[d];
+    const int64_t count = std::min((end - at) / stride[d], shape[d] - idx);
+    Shape start(nd), box(nd);
+    int64_t rem = at;
+    for (int k = 0; k < nd; ++k) {
+      start[k] = rem / stride[k];
+      rem %= stride[k];
+      box[k] = k < d ? 1 : (k == d ? count : shape[k]);
+    }
+    out.push_back({start, box});
+    at += count * stride[d];
+  }
+  return out;
 }
 
 void write_index(const std::string& dir, int world, const nlohmann::json& trainer_state) {
@@ -171,12 +240,18 @@ void write_index(const std::string& dir, int world, const nlohmann::json& traine
   std::map<std::string, std::string> kinds;
   uint64_t total = 0;
   for (int r = 0; r < world; ++r) {
-    const fs::path mpath = fs::path(dir) / rank_file("manifest", r, "json");
+    const fs::path mpath = fs::path(dir) / rank_file_name("manifest", r, "json");
     MT_CHECK(fs::exists(mpath), "checkpoint {}: rank {} wrote no manifest ({})", dir, r, mpath.string());
     const nlohmann::json m = read_json(mpath);
     for (auto it = m["files"].begin(); it != m["files"].end(); ++it) {
+      // The rank wrote (and fsynced) its files before its manifest: they must be all there.
+      const fs::path fpath = fs::path(dir) / it.key();
+      const uint64_t bytes = it.value()["bytes"].get<uint64_t>();
+      MT_CHECK(fs::exists(fpath), "checkpoint {}: rank {}'s manifest lists {}, which does not exist", dir, r, it.key());
+      MT_CHECK(fs::file_size(fpath) == bytes, "checkpoint {}: rank {}'s file {} has {} bytes, its manifest says {}",
+               dir, r, it.key(), fs::file_size(fpath), bytes);
       files[it.key()] = it.value();
-      total += it.value()["bytes"].get<uint64_t>();
+      total += bytes;
     }
     for (const auto& s : m["slices"]) {
       const std::string name = s["name"];
@@ -193,7 +268,7 @@ void write_index(const std::string& dir, int world, const nlohmann::json& traine
                  "checkpoint {}: ranks disagree on tensor '{}': {} {} vs {} {}", dir, name, dtype_name(t.dtype),
                  shape_str(t.shape), dtype_name(dt), shape_str(gshape));
       }
-      t.slices.push_back({s["file"], s["start"].get<Shape>(), s["shape"].get<Shape>()});
+      t.slices.push_back({s["file"], s["start"].get<Shape>(), s["shape"].get<Shape>(), s.value("offset", int64_t{0})});
     }
   }
   nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
@@ -203,7 +278,9 @@ void write_index(const std::string& dir, int world, const nlohmann::json& traine
     nlohmann::json slices = nlohmann::json::array();
     std::vector<std::string> where;
     for (const auto& s : t.slices) {
-      slices.push_back({{"file", s.file}, {"start", s.start}, {"shape", s.shape}});
+      nlohmann::json j = {{"file", s.file}, {"start", s.start}, {"shape", s.shape}};
+      if (s.offset > 0) j["offset"] = s.offset;
+      slices.push_back(j);
       if (std::find(where.begin(), where.end(), s.file) == where.end()) where.push_back(s.file);
     }
     if (kinds[name] == "model") {
@@ -262,7 +339,7 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir) {
         const std::string file = s["file"];
         MT_CHECK(file_bytes_.count(file), "{}: tensor '{}' lives in {}, which the index does not list", idx.string(),
                  it.key(), file);
-        t.slices.push_back({file, s["start"].get<Shape>(), s["shape"].get<Shape>()});
+        t.slices.push_back({file, s["start"].get<Shape>(), s["shape"].get<Shape>(), s.value("offset", int64_t{0})});
       }
       check_tiling(idx.string(), it.key(), t);
       tensors_[it.key()] = std::move(t);
@@ -366,10 +443,13 @@ void CheckpointReader::read(const std::string& name, Tensor& dst, const Shape& s
   for (const auto& s : t.slices) {
     const SafetensorsFile& f = open_file(s.file);
     const SafetensorsEntry* e = f.find(name);
-    MT_CHECK(e && e->shape == s.shape && e->dtype == t.dtype,
-             "checkpoint {}: file {} lacks tensor '{}' as the index describes it ({} {})", dir_, s.file, name,
-             dtype_name(t.dtype), shape_str(s.shape));
-    copied += copy_intersection(static_cast<const uint8_t*>(f.data(*e)), s.start, s.shape,
+    // A box is the whole entry, or (a flat piece) `offset` elements into a 1-D entry.
+    const bool fits = e && e->dtype == t.dtype &&
+                      ((e->shape == s.shape && s.offset == 0) ||
+                       (e->shape.size() == 1 && s.offset >= 0 && s.offset + volume(s.shape) <= e->shape[0]));
+    MT_CHECK(fits, "checkpoint {}: file {} lacks tensor '{}' as the index describes it ({} {} at element {})", dir_,
+             s.file, name, dtype_name(t.dtype), shape_str(s.shape), s.offset);
+    copied += copy_intersection(static_cast<const uint8_t*>(f.data(*e)) + s.offset * elem, s.start, s.shape,
                                 static_cast<uint8_t*>(host.raw()), start, dst.shape(), elem);
   }
   MT_CHECK(copied == dst.numel(), "checkpoint {}: tensor '{}': only {} of {} requested elements found", dir_, name,

@@ -33,6 +33,10 @@ struct TensorSlice {
   std::string name;
   Shape global_shape;
   Shape start;  // per dim; empty means all zeros
+  // When >= 0: the slice is not a box but the elements [flat_begin, flat_begin + numel) of
+  // the row-major flattened tensor (a sharded optimizer's piece), held 1-D; start is unused.
+  // It is stored as one 1-D entry and indexed as the boxes element_range_boxes gives.
+  int64_t flat_begin = -1;
   Tensor data;  // host tensor, shape = the box's shape (or undefined, then:)
   const void* bytes = nullptr;
   DType dtype = DType::F32;
@@ -43,12 +47,21 @@ struct TensorSlice {
   const void* slice_bytes() const { return data.defined() ? data.raw() : bytes; }
 };
 
+// The fewest boxes (start, shape) that tile elements [begin, end) of a row-major tensor of
+// `shape`, in memory order; each is contiguous in memory.
+std::vector<std::pair<Shape, Shape>> element_range_boxes(const Shape& shape, int64_t begin, int64_t end);
+
 // A tensor that is whole on this rank.
 TensorSlice whole_slice(std::string name, Tensor host_data);
 TensorSlice whole_slice(std::string name, DType dtype, Shape shape, const void* bytes);
 
+// The name of one of a rank's files: rank_file_name("manifest", 3, "json") is
+// "manifest-r00003.json"; kinds "model" and "optimizer" with "safetensors".
+std::string rank_file_name(const char* kind, int rank, const char* ext);
+
 // Writes rank `rank`'s files into `dir` (which must exist): model and optimizer safetensors
-// (fsynced) and its manifest.
+// (fsynced), then its manifest, atomically (written aside, then renamed): a manifest that
+// exists is complete, which is how the committing rank knows this rank is done.
 void write_rank_files(const std::string& dir, int rank, const std::vector<TensorSlice>& model,
                       const std::vector<TensorSlice>& optimizer);
 
@@ -73,6 +86,7 @@ class CheckpointReader {
     struct Slice {
       std::string file;
       Shape start, shape;
+      int64_t offset = 0;  // elements into the file's entry where this box begins
     };
     std::vector<Slice> slices;
   };

@@ -12,6 +12,7 @@
 
 #include "core/cuda_runtime.h"
 #include "core/log.h"
+#include <fmt/ranges.h>
 
 namespace moetrain {
 namespace fs = std::filesystem;
@@ -68,6 +69,114 @@ CheckpointItems checkpoint_items(ParameterList& params, AdamW* opt) {
   return items;
 }
 
+CheckpointItems sharded_checkpoint_items(const ParameterList& params, ParameterList& shard_params,
+                                         const std::vector<ShardSegment>& segments, AdamW& opt) {
+  MT_CHECK(segments.size() == shard_params.size(), "sharded checkpoint: {} segments for {} shard parameters",
+           segments.size(), shard_params.size());
+  CheckpointItems items;
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const Parameter& p = shard_params[i];
+    const Shape& shape = params[segments[i].param].value.shape();
+    const int64_t b = segments[i].begin;
+    MT_CHECK(p.value.numel() == segments[i].end - b,
+             "sharded checkpoint: '{}' holds {} elements for the range [{}, {})", p.name, p.value.numel(), b,
+             segments[i].end);
+    items.model.push_back({p.name, p.value, shape, b});
+    if (p.master.defined()) items.optimizer.push_back({p.name + ".master", p.master, shape, b});
+    items.optimizer.push_back({p.name + ".exp_avg", opt.exp_avg()[i], shape, b});
+    items.optimizer.push_back({p.name + ".exp_avg_sq", opt.exp_avg_sq()[i], shape, b});
+  }
+  return items;
+}
+
+namespace {
+
+// Checks that an item is one of the three kinds CheckpointItem describes and fits its tensor.
+void check_item(const CheckpointItem& it) {
+  MT_CHECK(it.data.defined(), "checkpoint item '{}' has no tensor", it.name);
+  if (it.flat_begin >= 0) {
+    MT_CHECK(it.start.empty(), "checkpoint item '{}': a piece (flat_begin {}) has no box start", it.name,
+             it.flat_begin);
+    MT_CHECK(it.flat_begin + it.data.numel() <= shape_numel(it.global_shape),
+             "checkpoint item '{}': elements [{}, {}) lie outside its global shape {}", it.name, it.flat_begin,
+             it.flat_begin + it.data.numel(), shape_str(it.global_shape));
+  } else if (!it.start.empty()) {
+    const Shape& g = it.global_shape;
+    bool fits = g.size() == it.start.size() && static_cast<int>(g.size()) == it.data.ndim();
+    for (size_t d = 0; fits && d < g.size(); ++d) {
+      fits = it.start[d] >= 0 && it.start[d] + it.data.shape()[d] <= g[d];
+    }
+    MT_CHECK(fits, "checkpoint item '{}': a box of shape {} at {} does not fit its global shape {}", it.name,
+             shape_str(it.data.shape()), shape_str(it.start), shape_str(g));
+  } else {
+    MT_CHECK(it.global_shape.empty() || it.global_shape == it.data.shape(),
+             "checkpoint item '{}' of shape {} has global shape {} but neither a box start nor an element range",
+             it.name, shape_str(it.data.shape()), shape_str(it.global_shape));
+  }
+}
+
+void check_has(CheckpointReader& reader, const std::string& name, const Tensor& dst, const Shape& shape) {
+  MT_CHECK(reader.has(name), "checkpoint {}: no tensor '{}' (the model needs {} {})", reader.dir(), name,
+           dtype_name(dst.dtype()), shape_str(shape));
+  MT_CHECK(reader.info(name).shape == shape, "checkpoint {}: tensor '{}' has shape {}, expected {}", reader.dir(), name,
+           shape_str(reader.info(name).shape), shape_str(shape));
+}
+
+// Reads elements [begin, begin + dst.numel()) of tensor `name` (of `shape`) into dst (any
+// shape: its elements in order), box by box, each into a view of dst.
+void read_piece(CheckpointReader& reader, const std::string& name, const Shape& shape, int64_t begin, Tensor& dst) {
+  check_has(reader, name, dst, shape);
+  const Tensor flat = dst.view({dst.numel()});
+  int64_t at = 0;
+  for (const auto& [start, box] : element_range_boxes(shape, begin, begin + dst.numel())) {
+    const int64_t n = shape_numel(box);
+    Tensor view = flat.slice(at, at + n).view(box);
+    reader.read(name, view, start);
+    at += n;
+  }
+}
+
+}  // namespace
+
+void load_slices(CheckpointReader& reader, const std::vector<CheckpointItem>& items) {
+  for (const CheckpointItem& it : items) {
+    check_item(it);
+    Tensor dst = it.data;
+    if (it.flat_begin >= 0) {
+      read_piece(reader, it.name, it.global_shape, it.flat_begin, dst);
+    } else if (!it.start.empty()) {
+      check_has(reader, it.name, dst, it.global_shape);
+      reader.read(it.name, dst, it.start);
+    } else {
+      MT_CHECK(reader.has(it.name), "checkpoint {}: no tensor '{}' (the model needs {} {})", reader.dir(), it.name,
+               dtype_name(dst.dtype()), shape_str(dst.shape()));
+      reader.read(it.name, dst);
+    }
+  }
+}
+
+void load_sharded_state(CheckpointReader& reader, const ParameterList& params, ParameterList& shard_params,
+                        const std::vector<ShardSegment>& segments, AdamW* opt) {
+  for (size_t i = 0; i < segments.size(); ++i) {
+    Parameter& p = shard_params[i];
+    const Shape& shape = params[segments[i].param].value.shape();
+    const int64_t b = segments[i].begin;
+    MT_CHECK(p.name != "lm_head.weight" || reader.has(p.name),
+             "checkpoint {}: no tensor 'lm_head.weight' (set tie_word_embeddings = true for a model whose head is "
+             "its embedding)", reader.dir());
+    if (p.master.defined()) {
+      read_piece(reader, reader.has(p.name + ".master") ? p.name + ".master" : p.name, shape, b, p.master);
+      p.value.copy_from(p.master);
+    } else {
+      read_piece(reader, p.name, shape, b, p.value);
+    }
+    if (opt == nullptr) continue;
+    Tensor m = opt->exp_avg()[i], v = opt->exp_avg_sq()[i];
+    read_piece(reader, p.name + ".exp_avg", shape, b, m);
+    read_piece(reader, p.name + ".exp_avg_sq", shape, b, v);
+  }
+}
+
 void load_model_weights(CheckpointReader& reader, ParameterList& params) {
   bool tied_head_missing = false;
   for (Parameter& p : params) {
@@ -115,7 +224,9 @@ std::vector<std::pair<int64_t, std::string>> Checkpointer::committed(const std::
   return out;
 }
 
-Checkpointer::Checkpointer(std::string dir, int64_t keep, bool async) : dir_(std::move(dir)), keep_(keep), async_(async) {
+Checkpointer::Checkpointer(std::string dir, int64_t keep, bool async, int rank, int world,
+                           std::chrono::seconds commit_timeout)
+    : dir_(std::move(dir)), keep_(keep), async_(async), rank_(rank), world_(world), commit_timeout_(commit_timeout) {
   fs::create_directories(dir_);
   if (async_) thread_ = std::thread([this] { worker(); });
 }
@@ -146,15 +257,35 @@ void Checkpointer::wait() {
 
 void Checkpointer::prepare(const CheckpointItems& items) {
   wait();  // the snapshot buffers are the previous save's until it is written
-  auto fit = [](std::vector<TensorSlice>& host, const std::vector<std::pair<std::string, Tensor>>& live) {
+  // The snapshot of an item: a host tensor of its elements (1-D for a piece) and its place.
+  auto host_shape = [](const CheckpointItem& it) {
+    return it.flat_begin >= 0 ? Shape{it.data.numel()} : it.data.shape();
+  };
+  auto global = [](const CheckpointItem& it) {
+    return it.global_shape.empty() && it.flat_begin < 0 ? it.data.shape() : it.global_shape;
+  };
+  auto fit = [&](std::vector<TensorSlice>& host, const std::vector<CheckpointItem>& live) {
+    for (const CheckpointItem& it : live) check_item(it);
     bool same = host.size() == live.size();
     for (size_t i = 0; same && i < live.size(); ++i) {
-      same = host[i].name == live[i].first && host[i].data.shape() == live[i].second.shape() &&
-             host[i].data.dtype() == live[i].second.dtype();
+      const CheckpointItem& it = live[i];
+      same = host[i].name == it.name && host[i].data.shape() == host_shape(it) &&
+             host[i].data.dtype() == it.data.dtype() && host[i].flat_begin == it.flat_begin &&
+             host[i].global_shape == global(it) && host[i].start == it.start;
     }
     if (same) return;
     host.clear();
-    for (const auto& [name, t] : live) host.push_back(whole_slice(name, Tensor::empty_pinned(t.shape(), t.dtype())));
+    for (const CheckpointItem& it : live) {
+      Tensor buf = Tensor::empty_pinned(host_shape(it), it.data.dtype());
+      // Touch every page now, or the first save pays the page faults (pinned memory is
+      // resident already).
+      if (!cuda::available() && buf.nbytes() > 0) std::memset(buf.raw(), 0, buf.nbytes());
+      TensorSlice s = whole_slice(it.name, buf);
+      s.global_shape = global(it);
+      s.start = it.start;
+      s.flat_begin = it.flat_begin;
+      host.push_back(std::move(s));
+    }
   };
   fit(host_.model, items.model);
   fit(host_.optimizer, items.optimizer);
@@ -165,9 +296,9 @@ SaveStats Checkpointer::save(int64_t step, const CheckpointItems& items, const n
   prepare(items);  // waits for the previous save; allocates only when the tensors changed
   uint64_t bytes = 0;
   bool any_device = false;
-  auto copy = [&](std::vector<TensorSlice>& host, const std::vector<std::pair<std::string, Tensor>>& live) {
+  auto copy = [&](std::vector<TensorSlice>& host, const std::vector<CheckpointItem>& live) {
     for (size_t i = 0; i < live.size(); ++i) {
-      const Tensor& src = live[i].second;
+      const Tensor& src = live[i].data;
       bytes += src.nbytes();
       if (src.nbytes() == 0) continue;
       if (src.device().is_cpu()) {
@@ -225,11 +356,30 @@ void Checkpointer::commit(int64_t step, const Host& host, const nlohmann::json& 
   MT_CHECK(!fs::exists(final_dir), "checkpoint {} already exists: a committed checkpoint is never overwritten",
            final_dir.string());
   const fs::path tmp = root / (".tmp-" + step_dir_name(step));
-  fs::remove_all(tmp);
+  if (world_ == 1) fs::remove_all(tmp);  // many ranks share it: stale ones go at start (resolve_resume)
   fs::create_directories(tmp);
-  write_rank_files(tmp.string(), 0, host.model, host.optimizer);
+  write_rank_files(tmp.string(), rank_, host.model, host.optimizer);
   crash_point("files", step);
-  write_index(tmp.string(), 1, state);
+  if (rank_ != 0) return;  // rank 0 commits
+  // Every rank's manifest is written last and atomically: once all exist, all files are complete.
+  for (const auto deadline = Clock::now() + commit_timeout_;;) {
+    std::vector<int> missing;
+    for (int r = 0; r < world_; ++r) {
+      if (!fs::exists(tmp / rank_file_name("manifest", r, "json"))) missing.push_back(r);
+    }
+    if (missing.empty()) break;
+    if (Clock::now() >= deadline) {
+      std::vector<std::string> named;
+      for (size_t i = 0; i < missing.size() && i < 16; ++i) {
+        named.push_back(fmt::format("rank {} ({})", missing[i], rank_file_name("manifest", missing[i], "json")));
+      }
+      if (missing.size() > named.size()) named.push_back(fmt::format("and {} more", missing.size() - named.size()));
+      MT_THROW("checkpoint step {} is not committed: after {} s, {} of {} ranks have written no manifest into {}: {}",
+               step, commit_timeout_.count(), missing.size(), world_, tmp.string(), fmt::join(named, ", "));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  write_index(tmp.string(), world_, state);
   fsync_dir(tmp);
   crash_point("index", step);
   fs::rename(tmp, final_dir);
@@ -262,8 +412,8 @@ void Checkpointer::commit(int64_t step, const Host& host, const nlohmann::json& 
                bytes / 1e6, s, bytes / 1e6 / std::max(s, 1e-9));
 }
 
-std::string resolve_resume(const std::string& dir, const std::string& resume) {
-  if (fs::is_directory(dir)) {
+std::string resolve_resume(const std::string& dir, const std::string& resume, bool remove_stale) {
+  if (remove_stale && fs::is_directory(dir)) {
     for (const auto& e : fs::directory_iterator(dir)) {
       const std::string n = e.path().filename().string();
       if (n.rfind(".tmp-", 0) == 0) {

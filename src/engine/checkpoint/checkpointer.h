@@ -8,8 +8,15 @@
 // every earlier committed checkpoint intact and loadable; a half-written `.tmp-*` directory
 // is never read and is removed by the next run. The next save waits only if the previous
 // one is still being written.
+//
+// Many ranks (docs/checkpoints.md): every rank snapshots and writes its own files into
+// `<dir>/.tmp-step-N` (its manifest last, atomically); rank 0's writer then waits, by
+// watching the directory, until all `world` manifests are there, merges them into the
+// index and commits. Nothing here talks to other ranks through a communicator, so a save
+// in flight never meets the training step's collectives.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -26,12 +33,40 @@
 
 namespace moetrain {
 
-// The live tensors a training run checkpoints, by name: model values under their canonical
-// names; f32 masters, Adam moments as "<name>.master", "<name>.exp_avg", "<name>.exp_avg_sq".
+// One live tensor a run checkpoints (or loads), by name, on the host or the device. `data`
+// holds the elements this rank owns, and is either
+//  - the whole tensor (global_shape empty, flat_begin < 0, start empty): {name, data};
+//  - a piece of a sharded optimizer: the elements [flat_begin, flat_begin + data.numel()) of
+//    the row-major flattened tensor of global_shape (data of any shape, usually 1-D);
+//    written as the fewest boxes (element_range_boxes) and read back from them;
+//  - a box: data's shape placed at `start` in the tensor of global_shape (flat_begin < 0).
+// Each element of a tensor must be written by exactly one rank (write_index checks it).
+struct CheckpointItem {
+  std::string name;
+  Tensor data;
+  Shape global_shape;       // empty: data is the whole tensor
+  int64_t flat_begin = -1;  // >= 0 for a piece
+  Shape start;              // a box's first index per dim (global_shape given, flat_begin < 0)
+};
+// Model values under their canonical names; f32 masters and Adam moments as
+// "<name>.master", "<name>.exp_avg", "<name>.exp_avg_sq".
 struct CheckpointItems {
-  std::vector<std::pair<std::string, Tensor>> model, optimizer;
+  std::vector<CheckpointItem> model, optimizer;
 };
 CheckpointItems checkpoint_items(ParameterList& params, AdamW* opt);
+// The pieces one rank of a sharded optimizer owns: shard_params[i] holds elements
+// [segments[i].begin, .end) of params[segments[i].param]; opt steps shard_params.
+CheckpointItems sharded_checkpoint_items(const ParameterList& params, ParameterList& shard_params,
+                                         const std::vector<ShardSegment>& segments, AdamW& opt);
+// Fills every item's data with its part of the checkpoint's tensor of that name, whatever
+// layout wrote it (a piece is read as its boxes; any float dtype and device, converted).
+// An error names the tensor when the checkpoint lacks it or holds it in another shape.
+void load_slices(CheckpointReader& reader, const std::vector<CheckpointItem>& items);
+// Fills the shard parameters (master, else value; the value is rounded from the master)
+// and, given opt, their moments from a checkpoint, whatever layout wrote it. A master comes
+// from "<name>.master" when the checkpoint has it, else from the model tensor.
+void load_sharded_state(CheckpointReader& reader, const ParameterList& params, ParameterList& shard_params,
+                        const std::vector<ShardSegment>& segments, AdamW* opt);
 
 // Loads model weights by canonical name from a moetrain checkpoint or an HF folder, cast to
 // each parameter's dtype (a parameter with a master gets the master from "<name>.master"
@@ -47,9 +82,17 @@ struct SaveStats {
   uint64_t bytes = 0;
 };
 
+// Many ranks: each writes its own files into the step's temporary directory; rank 0 waits
+// (in its writer thread, polling the directory, up to commit_timeout) until every rank's
+// manifest is there, then writes the index and commits. The other ranks never commit or
+// prune; their next save may start (into another .tmp-step-M) while rank 0 still commits.
+// A rank that never writes fails rank 0's commit after commit_timeout with an error naming
+// its rank and manifest (thrown by rank 0's next save or wait); earlier committed steps stay.
+// Every rank must save the same steps; `trainer_state` is written by rank 0 only.
 class Checkpointer {
  public:
-  Checkpointer(std::string dir, int64_t keep, bool async);
+  Checkpointer(std::string dir, int64_t keep, bool async, int rank = 0, int world = 1,
+               std::chrono::seconds commit_timeout = std::chrono::seconds(600));
   ~Checkpointer();  // waits for a save in flight (an error is logged, not thrown)
   Checkpointer(const Checkpointer&) = delete;
   Checkpointer& operator=(const Checkpointer&) = delete;
@@ -60,7 +103,8 @@ class Checkpointer {
   void prepare(const CheckpointItems& items);
   // Snapshots `items` and commits them as step-N with `trainer_state` beside them.
   SaveStats save(int64_t step, const CheckpointItems& items, const nlohmann::json& trainer_state);
-  // Blocks until the last save is committed; rethrows its error.
+  // Blocks until the last save is done and rethrows its error: on rank 0 until it is
+  // committed, on the others until this rank's files are written (the commit is rank 0's).
   void wait();
   const std::string& dir() const { return dir_; }
 
@@ -79,6 +123,8 @@ class Checkpointer {
   std::string dir_;
   int64_t keep_;
   bool async_;
+  int rank_, world_;
+  std::chrono::seconds commit_timeout_;
   Host host_;  // reused across saves while the shapes stay the same
 
   std::mutex mu_;
@@ -93,7 +139,10 @@ class Checkpointer {
 // Which checkpoint a run starts from, given [checkpoint].resume: "auto" (the newest
 // committed step in dir, or none), "never" (none; an error when dir already holds committed
 // checkpoints, which a fresh run would otherwise overwrite or interleave with), or a path to
-// a step directory. Returns "" for a fresh start. Removes stale .tmp-* directories.
-std::string resolve_resume(const std::string& dir, const std::string& resume);
+// a step directory. Returns "" for a fresh start. Removes stale .tmp-* directories when
+// remove_stale. Many ranks: every rank calls it (they all get the same answer: committed
+// directories are complete), only rank 0 with remove_stale = true, and the caller puts a
+// barrier after it, so that no rank starts a save while rank 0 still removes .tmp-* ones.
+std::string resolve_resume(const std::string& dir, const std::string& resume, bool remove_stale = true);
 
 }  // namespace moetrain

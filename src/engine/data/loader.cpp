@@ -3,12 +3,43 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "ops/ops.h"
 
 namespace moetrain {
 
-BatchLoader::BatchLoader(std::vector<int32_t> tokens, int64_t micro_batch, int64_t seq_len, uint64_t seed, Mode mode)
-    : tokens_(std::move(tokens)), micro_batch_(micro_batch), seq_len_(seq_len), mode_(mode), rng_(mix64(seed)) {
-  MT_CHECK(micro_batch > 0, "BatchLoader: micro_batch must be > 0, got {}", micro_batch);
+Batch Batch::allocate(int64_t batch, int64_t seq, bool with_segments) {
+  Batch b;
+  b.batch = batch;
+  b.seq = seq;
+  b.inputs = Tensor::empty({batch * seq}, DType::I32);
+  b.targets = Tensor::empty({batch * seq}, DType::I32);
+  b.positions = Tensor::empty({batch * seq}, DType::I32);
+  if (with_segments) b.segment_ids = Tensor::empty({batch * seq}, DType::I32);
+  return b;
+}
+
+void Batch::count_targets() {
+  const int32_t* tg = targets.data<int32_t>();
+  num_targets = 0;
+  for (int64_t i = 0; i < targets.numel(); ++i) num_targets += tg[i] != ops::kIgnoreIndex;
+}
+
+void check_data_rank(const char* who, int64_t micro_batch, int data_rank, int data_world) {
+  MT_CHECK(micro_batch > 0, "{}: micro_batch must be > 0, got {}", who, micro_batch);
+  MT_CHECK(data_world >= 1 && data_rank >= 0 && data_rank < data_world,
+           "{}: data rank {} is not in [0, data_world = {})", who, data_rank, data_world);
+}
+
+BatchLoader::BatchLoader(std::vector<int32_t> tokens, int64_t micro_batch, int64_t seq_len, uint64_t seed, Mode mode,
+                         int data_rank, int data_world)
+    : tokens_(std::move(tokens)),
+      micro_batch_(micro_batch),
+      seq_len_(seq_len),
+      mode_(mode),
+      rank_(data_rank),
+      world_(data_world),
+      rng_(mix64(seed)) {
+  check_data_rank("BatchLoader", micro_batch, data_rank, data_world);
   MT_CHECK(seq_len > 0, "BatchLoader: seq_len must be > 0, got {}", seq_len);
   const int64_t n = static_cast<int64_t>(tokens_.size());
   MT_CHECK(n >= seq_len + 1, "BatchLoader: the token stream has {} tokens, fewer than seq_len + 1 = {}", n,
@@ -18,18 +49,16 @@ BatchLoader::BatchLoader(std::vector<int32_t> tokens, int64_t micro_batch, int64
 
 Batch BatchLoader::next() {
   const int64_t B = micro_batch_, S = seq_len_;
-  Batch b;
-  b.batch = B;
-  b.seq = S;
+  Batch b = Batch::allocate(B, S, false);
   b.num_targets = B * S;
-  b.inputs = Tensor::empty({B * S}, DType::I32);
-  b.targets = Tensor::empty({B * S}, DType::I32);
-  b.positions = Tensor::empty({B * S}, DType::I32);
   int32_t* in = b.inputs.data<int32_t>();
   int32_t* tg = b.targets.data<int32_t>();
   int32_t* pos = b.positions.data<int32_t>();
   const uint64_t max_start = tokens_.size() - static_cast<uint64_t>(S);  // start + S + 1 <= n
-  for (int64_t i = 0; i < B; ++i) {
+  // Every rank draws the starts of the whole global batch (so the generator advances alike
+  // everywhere) and copies only its own rows.
+  const int64_t first = static_cast<int64_t>(rank_) * B;
+  for (int64_t g = 0; g < B * world_; ++g) {
     uint64_t start;
     if (mode_ == Mode::Random) {
       start = rng_.below(max_start);
@@ -37,6 +66,8 @@ Batch BatchLoader::next() {
       if (window_ >= static_cast<uint64_t>(num_windows_)) window_ = 0;
       start = window_++ * static_cast<uint64_t>(S);
     }
+    if (g < first || g >= first + B) continue;
+    const int64_t i = g - first;
     std::memcpy(in + i * S, tokens_.data() + start, S * sizeof(int32_t));
     std::memcpy(tg + i * S, tokens_.data() + start + 1, S * sizeof(int32_t));
     for (int64_t t = 0; t < S; ++t) pos[i * S + t] = static_cast<int32_t>(t);
@@ -44,7 +75,7 @@ Batch BatchLoader::next() {
   return b;
 }
 
-uint64_t BatchLoader::position() const { return mode_ == Mode::Random ? rng_.counter() : window_; }
+uint64_t BatchLoader::position_u64() const { return mode_ == Mode::Random ? rng_.counter() : window_; }
 
 void BatchLoader::set_position(uint64_t position) {
   if (mode_ == Mode::Random) {
@@ -52,6 +83,14 @@ void BatchLoader::set_position(uint64_t position) {
   } else {
     window_ = position % static_cast<uint64_t>(num_windows_);
   }
+}
+
+void BatchLoader::set_position(const nlohmann::json& position) {
+  MT_CHECK(position.is_number_unsigned() || (position.is_number_integer() && position.get<int64_t>() >= 0),
+           "data position {} is not a position of the text loader (a non-negative integer); was [data].kind "
+           "changed since the checkpoint?",
+           position.dump());
+  set_position(position.get<uint64_t>());
 }
 
 }  // namespace moetrain

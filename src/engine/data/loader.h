@@ -1,16 +1,30 @@
-// BatchLoader: cuts micro-batches of next-token-prediction examples out of one token stream.
+// Batches of next-token-prediction examples, and the loaders that make them.
 //
-// Each batch holds `micro_batch` sequences of `seq_len` tokens: inputs[t] = tokens[s + t],
-// targets[t] = tokens[s + t + 1], positions[t] = t (0..seq_len-1 per sequence), where s is
-// the sequence's start offset.
-//   Mode::Random      each start is drawn uniformly from moetrain::Rng (training); the
-//                     state is the generator's counter, so position()/set_position() let a
-//                     checkpoint resume the exact same batches.
-//   Mode::Sequential  non-overlapping windows from the start of the stream, wrapping around
-//                     (validation); reset() starts over, position() is the next window.
+// Batch: `batch` sequences of `seq` tokens, sequence-major. inputs[t] predicts targets[t];
+// a target of -100 (ops::kIgnoreIndex) is not trained. segment_ids, when defined, confines
+// attention to tokens of the same segment (one packed document each); undefined means plain
+// causal attention over the whole sequence.
+//
+// DataLoader: the interface the trainer draws micro-batches from. Every loader follows the
+// data-parallel contract: built with (data_rank, data_world), each next() deterministically
+// forms the GLOBAL micro-batch of micro_batch * data_world sequences, the same on every
+// rank, and returns rows [data_rank * micro_batch, (data_rank + 1) * micro_batch) of it. So
+// data_world ranks of micro_batch see exactly what one process of micro_batch * data_world
+// sees, and position() (a JSON number or small object) is the same on every rank: a
+// checkpoint stores it once and any layout resumes from it.
+//
+// BatchLoader: the loader of one in-memory token stream (the "text" data kind):
+//   Mode::Random      each sequence starts at an offset drawn from moetrain::Rng
+//                     (training); the position is the generator's counter.
+//   Mode::Sequential  non-overlapping windows from the start of the stream, wrapping
+//                     around (validation); reset() starts over, the position is the next
+//                     window.
+// inputs[t] = tokens[s + t], targets[t] = tokens[s + t + 1], positions[t] = t.
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
 #include <vector>
 
 #include "core/rng.h"
@@ -20,24 +34,46 @@ namespace moetrain {
 
 struct Batch {
   Tensor inputs, targets, positions;  // i32 [batch * seq], sequence-major
+  Tensor segment_ids;                 // i32 [batch * seq], or undefined: plain causal
   int64_t batch = 0, seq = 0;
-  int64_t num_targets = 0;  // targets that count in the loss (all of them, for now)
+  int64_t num_targets = 0;  // targets that count in the loss (!= -100)
+
+  // Empty tensors of batch x seq; the caller fills them.
+  static Batch allocate(int64_t batch, int64_t seq, bool with_segments);
+  // Sets num_targets from the targets.
+  void count_targets();
 };
 
-class BatchLoader {
+class DataLoader {
+ public:
+  virtual ~DataLoader() = default;
+  // This rank's rows of the next global micro-batch.
+  virtual Batch next() = 0;
+  // Back to the start (validation walks the same batches each time).
+  virtual void reset() = 0;
+  // Where the next global micro-batch starts: the same on every rank; set_position() of a
+  // loader built on the same data continues with exactly the sequences that would have
+  // come next. Throws naming the position when it does not fit the data.
+  virtual nlohmann::json position() const = 0;
+  virtual void set_position(const nlohmann::json& position) = 0;
+};
+
+class BatchLoader final : public DataLoader {
  public:
   enum class Mode { Random, Sequential };
 
   // Keeps its own copy of `tokens` (pass an rvalue to move it in). Throws when the stream
   // is shorter than seq_len + 1 tokens.
-  BatchLoader(std::vector<int32_t> tokens, int64_t micro_batch, int64_t seq_len, uint64_t seed, Mode mode);
+  BatchLoader(std::vector<int32_t> tokens, int64_t micro_batch, int64_t seq_len, uint64_t seed, Mode mode,
+              int data_rank = 0, int data_world = 1);
 
-  Batch next();
-
+  Batch next() override;
+  void reset() override { set_position(uint64_t{0}); }
   // Random: the generator counter; Sequential: the index of the next window.
-  uint64_t position() const;
+  nlohmann::json position() const override { return position_u64(); }
+  void set_position(const nlohmann::json& position) override;
+  uint64_t position_u64() const;
   void set_position(uint64_t position);
-  void reset() { set_position(0); }
 
   // Sequential: how many distinct windows the stream holds before wrapping.
   int64_t num_windows() const { return num_windows_; }
@@ -47,9 +83,13 @@ class BatchLoader {
   std::vector<int32_t> tokens_;
   int64_t micro_batch_, seq_len_;
   Mode mode_;
+  int rank_, world_;
   Rng rng_;
   int64_t num_windows_;
   uint64_t window_ = 0;  // Sequential cursor
 };
+
+// Checks (rank, world) and the micro-batch size, naming `who` in the error.
+void check_data_rank(const char* who, int64_t micro_batch, int data_rank, int data_world);
 
 }  // namespace moetrain

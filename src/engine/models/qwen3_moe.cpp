@@ -10,28 +10,39 @@ namespace moetrain {
 
 // ---- decoder layer ---------------------------------------------------------------------
 
-Qwen3MoeDecoderLayer::Qwen3MoeDecoderLayer(const Qwen3MoeConfig& cfg, int64_t layer_id, DType dtype, Device device)
+Qwen3MoeDecoderLayer::Qwen3MoeDecoderLayer(const Qwen3MoeConfig& cfg, int64_t layer_id, DType dtype, Device device,
+                                           const ModelPlacement& placement)
     : cfg_(cfg), id_(layer_id), moe_(cfg.is_moe_layer(layer_id)) {
   const int64_t H = cfg.hidden_size, hd = cfg.head_dim;
   const int64_t qd = cfg.num_attention_heads * hd, kvd = cfg.num_key_value_heads * hd;
-  const int64_t E = moe_ ? cfg.num_experts : 1;
+  int64_t E = 1;
+  if (moe_) {
+    MT_CHECK(cfg.num_experts % placement.ep_size == 0,
+             "[model].num_experts = {} cannot be split evenly over [parallel].ep = {} expert-parallel ranks",
+             cfg.num_experts, placement.ep_size);
+    E = cfg.num_experts / placement.ep_size;
+    first_expert_ = placement.ep_rank * E;
+  }
   inter_ = moe_ ? cfg.moe_intermediate_size : cfg.intermediate_size;
-  auto make = [&](Tensor& w, Tensor& g, const Shape& shape) {
-    w = Tensor::empty(shape, dtype, device);
-    g = Tensor::zeros(shape, grad_dtype_for(dtype), device);
-  };
-  make(ln1_w_, g_ln1_w_, {H});
-  make(ln2_w_, g_ln2_w_, {H});
-  make(wq_, g_wq_, {qd, H});
-  make(wk_, g_wk_, {kvd, H});
-  make(wv_, g_wv_, {kvd, H});
-  make(wo_, g_wo_, {H, qd});
-  make(q_norm_w_, g_q_norm_w_, {hd});
-  make(k_norm_w_, g_k_norm_w_, {hd});
-  if (moe_) make(gate_w_, g_gate_w_, {E, H});
-  make(w_gate_, g_w_gate_, {E, inter_, H});
-  make(w_up_, g_w_up_, {E, inter_, H});
-  make(w_down_, g_w_down_, {E, H, inter_});
+  // Attention and router weights are replicated over expert-parallel ranks, experts are
+  // not: they go into separate buckets (a dense MLP stays with the attention).
+  const std::string name = fmt::format("model.layers.{}", layer_id);
+  BucketBuilder dense(name, false), experts(name + ".experts", true);
+  dense.add(&ln1_w_, &g_ln1_w_, {H});
+  dense.add(&wq_, &g_wq_, {qd, H});
+  dense.add(&wk_, &g_wk_, {kvd, H});
+  dense.add(&wv_, &g_wv_, {kvd, H});
+  dense.add(&wo_, &g_wo_, {H, qd});
+  dense.add(&q_norm_w_, &g_q_norm_w_, {hd});
+  dense.add(&k_norm_w_, &g_k_norm_w_, {hd});
+  dense.add(&ln2_w_, &g_ln2_w_, {H});
+  if (moe_) dense.add(&gate_w_, &g_gate_w_, {cfg.num_experts, H});
+  BucketBuilder& mlp = moe_ ? experts : dense;
+  mlp.add(&w_gate_, &g_w_gate_, {E, inter_, H});
+  mlp.add(&w_up_, &g_w_up_, {E, inter_, H});
+  mlp.add(&w_down_, &g_w_down_, {E, H, inter_});
+  buckets_.push_back(dense.build(dtype, device, placement.bucket_pad));
+  if (moe_) buckets_.push_back(experts.build(dtype, device, placement.bucket_pad));
 }
 
 void Qwen3MoeDecoderLayer::collect_parameters(ParameterList& out) {
@@ -51,7 +62,7 @@ void Qwen3MoeDecoderLayer::collect_parameters(ParameterList& out) {
   if (moe_) {
     add("mlp.gate.weight", gate_w_, g_gate_w_, false);
     for (int64_t e = 0; e < w_gate_.size(0); ++e) {
-      const std::string ep = fmt::format("mlp.experts.{}.", e);
+      const std::string ep = fmt::format("mlp.experts.{}.", first_expert_ + e);
       add(ep + "gate_proj.weight", w_gate_.select(e), g_w_gate_.select(e), false);
       add(ep + "up_proj.weight", w_up_.select(e), g_w_up_.select(e), false);
       add(ep + "down_proj.weight", w_down_.select(e), g_w_down_.select(e), false);
@@ -93,7 +104,7 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
     StageScope t(Stage::kAttention);
     s.q = ops::rope_forward(s.q_norm.y, positions, cfg_.head_dim, cfg_.rope_theta);
     s.k = ops::rope_forward(s.k_norm.y, positions, cfg_.head_dim, cfg_.rope_theta);
-    s.attn = ops::attention_forward(s.q, s.k, s.v, Tensor(), attn_shape(b));
+    s.attn = ops::attention_forward(s.q, s.k, s.v, b.segment_ids, attn_shape(b));
     s.h = ops::linear_forward(s.attn.out, wo_, x);  // residual added in the GEMM epilogue
   }
   {
@@ -160,7 +171,7 @@ Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, cons
     StageScope t(Stage::kAttention);
     Tensor d_attn = ops::linear_backward_input(s.d_h, wo_);
     ops::AttentionGrads g =
-        ops::attention_backward(d_attn, s.q, s.k, s.v, Tensor(), s.attn.out, s.attn.lse, attn_shape(b));
+        ops::attention_backward(d_attn, s.q, s.k, s.v, b.segment_ids, s.attn.out, s.attn.lse, attn_shape(b));
     s.d_q_normed = ops::rope_backward(g.dq, positions, cfg_.head_dim, cfg_.rope_theta);
     s.d_k_normed = ops::rope_backward(g.dk, positions, cfg_.head_dim, cfg_.rope_theta);
     s.d_v = g.dv;
@@ -207,6 +218,9 @@ void Qwen3MoeDecoderLayer::backward_weight(Qwen3MoeLayerState& s, bool accumulat
 }
 
 Tensor Qwen3MoeDecoderLayer::reference_forward(const Tensor& x, const Tensor& positions, const BatchShape& b) const {
+  MT_CHECK(!moe_ || local_experts() == cfg_.num_experts,
+           "reference_forward needs every expert of layer {} in this process (expert parallelism holds {} of {})",
+           id_, local_experts(), cfg_.num_experts);
   Qwen3MoeLayerState s;
   attn_forward(x, positions, b, s);
   const int64_t T = b.tokens();
@@ -247,40 +261,49 @@ struct Qwen3MoeModel::ForwardState {
   int64_t moe_rows = 0;    // router rows over all MoE layers (R)
 };
 
-Qwen3MoeModel::Qwen3MoeModel(Qwen3MoeConfig cfg, DType dtype, Device device)
-    : cfg_(std::move(cfg)), dtype_(dtype), device_(device) {
+Qwen3MoeModel::Qwen3MoeModel(Qwen3MoeConfig cfg, DType dtype, Device device, ModelPlacement placement)
+    : cfg_(std::move(cfg)), dtype_(dtype), device_(device), placement_(placement) {
   cfg_.validate("model");
+  MT_CHECK(placement_.ep_size >= 1 && placement_.ep_rank >= 0 && placement_.ep_rank < placement_.ep_size,
+           "expert-parallel rank {} of {} is not a valid placement", placement_.ep_rank, placement_.ep_size);
   const int64_t V = cfg_.vocab_size, H = cfg_.hidden_size;
   const double std = cfg_.initializer_range;
-  const DType gdt = grad_dtype_for(dtype);
-  embed_ = Tensor::empty({V, H}, dtype, device);
-  g_embed_ = Tensor::zeros({V, H}, gdt, device);
+  // The embedding, final norm and head share one bucket; each layer brings its own.
+  BucketBuilder outer("model.embed_norm_head", false);
+  outer.add(&embed_, &g_embed_, {V, H});
+  outer.add(&final_norm_w_, &g_final_norm_w_, {H});
+  if (!cfg_.tie_word_embeddings) outer.add(&lm_head_, &g_lm_head_, {V, H});
+  buckets_.push_back(outer.build(dtype, device, placement_.bucket_pad));
   params_.push_back({"model.embed_tokens.weight", embed_, g_embed_, true, std});
   for (int64_t i = 0; i < cfg_.num_hidden_layers; ++i) {
-    layers_.push_back(std::make_unique<Qwen3MoeDecoderLayer>(cfg_, i, dtype, device));
+    layers_.push_back(std::make_unique<Qwen3MoeDecoderLayer>(cfg_, i, dtype, device, placement_));
     layers_.back()->collect_parameters(params_);
+    for (ParamBucket& b : layers_.back()->buckets()) {
+      b.layer = i;
+      buckets_.push_back(std::move(b));
+    }
+    layers_.back()->buckets().clear();
   }
-  final_norm_w_ = Tensor::empty({H}, dtype, device);
-  g_final_norm_w_ = Tensor::zeros({H}, gdt, device);
   params_.push_back({"model.norm.weight", final_norm_w_, g_final_norm_w_, false, 0.0});
   if (cfg_.tie_word_embeddings) {
     lm_head_ = embed_;
     g_lm_head_ = g_embed_;
   } else {
-    lm_head_ = Tensor::empty({V, H}, dtype, device);
-    g_lm_head_ = Tensor::zeros({V, H}, gdt, device);
     params_.push_back({"lm_head.weight", lm_head_, g_lm_head_, true, std});
   }
+  index_buckets(buckets_, params_);
   attach_masters(params_);
 }
 
 Tensor Qwen3MoeModel::run_forward(const Tensor& ids, const Tensor& positions, const BatchShape& b,
-                                  ExpertDispatcher& d, ForwardState& st) const {
+                                  ExpertDispatcher& d, ForwardState& st, bool backward_follows) const {
   st.layers.assign(layers_.size(), {});
+  if (hooks_) hooks_->before_forward(-1);
   Tensor x = ops::embedding_forward(ids, embed_);
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Qwen3MoeDecoderLayer& layer = *layers_[i];
     Qwen3MoeLayerState& s = st.layers[i];
+    if (hooks_) hooks_->before_forward(static_cast<int64_t>(i));
     layer.attn_forward(x, positions, b, s);  // 1: attn
     if (layer.is_moe()) {
       s.expert_in = d.dispatch(s.ln2.y, s.route.topk_idx, cfg_.num_experts, s.dispatch);  // 2: dispatch
@@ -290,6 +313,7 @@ Tensor Qwen3MoeModel::run_forward(const Tensor& ids, const Tensor& positions, co
     layer.mlp_forward(s);                                                          // 3: mlp
     s.expert_out = layer.is_moe() ? d.combine(s.mlp.y, s.dispatch) : s.mlp.y;     // 4: combine
     x = layer.aggregate_forward(s);                                                // 5: aggregate
+    if (hooks_) hooks_->after_forward(static_cast<int64_t>(i), backward_follows && i + 1 == layers_.size());
   }
   st.final_in = x;
   {
@@ -302,9 +326,11 @@ Tensor Qwen3MoeModel::run_forward(const Tensor& ids, const Tensor& positions, co
 Tensor Qwen3MoeModel::forward_logits(const Tensor& ids, const Tensor& positions, const BatchShape& b,
                                      ExpertDispatcher& dispatcher) {
   ForwardState st;
-  Tensor h = run_forward(ids, positions, b, dispatcher, st);
+  Tensor h = run_forward(ids, positions, b, dispatcher, st, false);
   StageScope t(Stage::kLoss);
-  return ops::linear_forward(h, lm_head_);
+  Tensor logits = ops::linear_forward(h, lm_head_);
+  if (hooks_) hooks_->after_forward(-1, false);
+  return logits;
 }
 
 Tensor Qwen3MoeModel::reference_forward(const Tensor& ids, const Tensor& positions, const BatchShape& b) const {
@@ -337,6 +363,15 @@ MicroBatchLoss Qwen3MoeModel::router_losses(const Batch& batch, ForwardState& st
     }
     out.expert_counts.push_back(s.expert_in.counts.to_vector<int64_t>());
   }
+  if (data_group_ != nullptr) {
+    // The load-balancing loss is a product of batch means: every rank needs the global ones.
+    data_group_->all_reduce(selections);
+    data_group_->all_reduce(prob_sum);
+    Tensor r = Tensor::full({1}, static_cast<double>(rows), DType::F64);
+    if (!device_.is_cpu() && data_group_->backend() != "gloo") r = r.to(device_);
+    data_group_->all_reduce(r);
+    rows = static_cast<int64_t>(std::llround(r.item()));
+  }
   if (rows > 0) {
     double dotp = 0;
     const std::vector<double> n = selections.to_double_vector(), p = prob_sum.to_double_vector();
@@ -351,22 +386,24 @@ MicroBatchLoss Qwen3MoeModel::router_losses(const Batch& batch, ForwardState& st
 
 MicroBatchLoss Qwen3MoeModel::forward_loss(const Batch& batch, ExpertDispatcher& dispatcher) {
   ForwardState st;
-  BatchShape b{batch.batch, batch.seq};
-  Tensor h = run_forward(batch.inputs, batch.positions, b, dispatcher, st);
+  BatchShape b{batch.batch, batch.seq, batch.segment_ids};
+  Tensor h = run_forward(batch.inputs, batch.positions, b, dispatcher, st, false);
   MicroBatchLoss out = router_losses(batch, st);
   StageScope t(Stage::kLoss);
   out.ce_sum = ops::linear_cross_entropy(h, lm_head_, batch.targets, 1.0, nullptr, nullptr).loss_sum.item();
+  if (hooks_) hooks_->after_forward(-1, false);
   return out;
 }
 
 MicroBatchLoss Qwen3MoeModel::forward_backward(const Batch& batch, ExpertDispatcher& d, double ce_scale,
                                                double aux_scale, bool accumulate_grads) {
   ForwardState st;
-  BatchShape b{batch.batch, batch.seq};
-  Tensor h = run_forward(batch.inputs, batch.positions, b, d, st);
+  BatchShape b{batch.batch, batch.seq, batch.segment_ids};
+  Tensor h = run_forward(batch.inputs, batch.positions, b, d, st, true);
   MicroBatchLoss out = router_losses(batch, st);
 
   // Head: logits = norm(x) W^T and cross-entropy, forward and backward in one chunked pass.
+  if (hooks_) hooks_->before_backward(-1);
   Tensor d_norm, dx;
   {
     StageScope t(Stage::kLoss);
@@ -384,6 +421,7 @@ MicroBatchLoss Qwen3MoeModel::forward_backward(const Batch& batch, ExpertDispatc
   for (size_t li = layers_.size(); li-- > 0;) {
     Qwen3MoeDecoderLayer& layer = *layers_[li];
     Qwen3MoeLayerState& s = st.layers[li];
+    if (hooks_) hooks_->before_backward(static_cast<int64_t>(li));
     auto ag = layer.aggregate_backward(dx, s);                                                 // 5
     Tensor d_rows = layer.is_moe() ? d.combine_backward(ag.d_expert_out, s.dispatch) : ag.d_expert_out;  // 4
     Tensor d_in_rows = layer.mlp_backward_input(d_rows, s);                                    // 3
@@ -402,9 +440,11 @@ MicroBatchLoss Qwen3MoeModel::forward_backward(const Batch& batch, ExpertDispatc
     dx = layer.attn_backward_input(dx, d_mlp_in, ag.d_topk_weight, d_probs, d_logits_z, batch.positions, b, s);  // 1
     layer.backward_weight(s, accumulate_grads);
     s = Qwen3MoeLayerState();
+    if (hooks_) hooks_->after_backward(static_cast<int64_t>(li));
   }
   // Tied: the head has already written (or added to) this gradient.
   ops::embedding_backward_weight(batch.inputs, dx, g_embed_, accumulate_grads || cfg_.tie_word_embeddings);
+  if (hooks_) hooks_->after_backward(-1);
   return out;
 }
 

@@ -12,6 +12,7 @@
 #include <memory>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "engine/data/loader.h"
 #include "engine/models/qwen3_moe_config.h"
 #include "engine/parallel/expert_dispatch.h"
@@ -49,15 +50,47 @@ struct Qwen3MoeLayerState {
 // Shapes of the current micro-batch that every stage needs.
 struct BatchShape {
   int64_t batch = 0, seq = 0;
+  Tensor segment_ids;  // i32 [batch * seq]: attention within each packed document; undefined: causal
   int64_t tokens() const { return batch * seq; }
+};
+
+// What part of the model this process holds and how its weights are laid out.
+struct ModelPlacement {
+  // Expert parallelism: this rank holds experts [ep_rank * E/ep_size, (ep_rank+1) * E/ep_size)
+  // of every MoE layer, under their global ids (names stay HF names).
+  int64_t ep_size = 1, ep_rank = 0;
+  // Each parameter bucket is padded to a multiple of this many elements, so the sharded
+  // optimizer can cut it into equal shards (the size of the largest sharding group).
+  int64_t bucket_pad = 1;
+};
+
+// Told by the model when weights are about to be used and when their gradients are final,
+// so a sharded-weight scheme (FsdpContext) can gather weights just in time, drop them after
+// use, and reduce gradients as soon as a layer's exist. `layer` -1 is the embedding, final
+// norm and head (used at both ends of a pass).
+class WeightHooks {
+ public:
+  virtual ~WeightHooks() = default;
+  virtual void before_forward(int64_t layer) = 0;
+  // backward_follows: the layer's weights are needed again soon (the last layer of a training pass).
+  virtual void after_forward(int64_t layer, bool backward_follows) = 0;
+  virtual void before_backward(int64_t layer) = 0;
+  virtual void after_backward(int64_t layer) = 0;
 };
 
 class Qwen3MoeDecoderLayer {
  public:
-  Qwen3MoeDecoderLayer(const Qwen3MoeConfig& cfg, int64_t layer_id, DType dtype, Device device);
+  Qwen3MoeDecoderLayer(const Qwen3MoeConfig& cfg, int64_t layer_id, DType dtype, Device device,
+                       const ModelPlacement& placement = {});
 
   int64_t layer_id() const { return id_; }
   bool is_moe() const { return moe_; }
+  // Global id of this rank's first expert, and how many it holds (1 for a dense MLP).
+  int64_t first_expert() const { return first_expert_; }
+  int64_t local_experts() const { return w_gate_.size(0); }
+  // The layer's flat weight buffers (attention + router (+ dense MLP), and the experts),
+  // until the model takes them over.
+  std::vector<ParamBucket>& buckets() { return buckets_; }
   // This layer's parameters under canonical names (experts as per-expert views).
   void collect_parameters(ParameterList& out);
 
@@ -95,6 +128,8 @@ class Qwen3MoeDecoderLayer {
   int64_t id_;
   bool moe_;
   int64_t inter_;  // FFN width of this layer's MLP
+  int64_t first_expert_ = 0;
+  std::vector<ParamBucket> buckets_;
   ops::AttentionShape attn_shape(const BatchShape& b) const;
   // weights (HF names in collect_parameters) and their gradients
   Tensor ln1_w_, ln2_w_, wq_, wk_, wv_, wo_, q_norm_w_, k_norm_w_, gate_w_;
@@ -114,11 +149,20 @@ struct MicroBatchLoss {
 
 class Qwen3MoeModel {
  public:
-  Qwen3MoeModel(Qwen3MoeConfig cfg, DType dtype, Device device = Device::cpu());
+  Qwen3MoeModel(Qwen3MoeConfig cfg, DType dtype, Device device = Device::cpu(), ModelPlacement placement = {});
 
   const Qwen3MoeConfig& config() const { return cfg_; }
+  const ModelPlacement& placement() const { return placement_; }
   DType dtype() const { return dtype_; }
   ParameterList& parameters() { return params_; }
+  // Every parameter lies in exactly one bucket (members indexed into parameters()).
+  std::vector<ParamBucket>& buckets() { return buckets_; }
+  // Data parallelism: the group over which the ranks hold different tokens of one global
+  // batch. The load-balancing loss needs the batch's global expert statistics, so they are
+  // summed over it (nullptr: one process).
+  void set_data_group(Communicator* group) { data_group_ = group; }
+  // nullptr: every weight is always whole (one process, or weights replicated).
+  void set_weight_hooks(WeightHooks* hooks) { hooks_ = hooks; }
   // Draws every parameter from the stream keyed by (seed, canonical name).
   void init_weights(uint64_t seed) { init_parameters(params_, seed); }
 
@@ -145,12 +189,16 @@ class Qwen3MoeModel {
   // Embedding, decoder layers and final norm; returns the normed hidden states [T, H] (the
   // head's input).
   Tensor run_forward(const Tensor& ids, const Tensor& positions, const BatchShape& b, ExpertDispatcher& d,
-                     ForwardState& st) const;
+                     ForwardState& st, bool backward_follows) const;
   MicroBatchLoss router_losses(const Batch& batch, ForwardState& st) const;
 
   Qwen3MoeConfig cfg_;
   DType dtype_;
   Device device_;
+  ModelPlacement placement_;
+  Communicator* data_group_ = nullptr;
+  WeightHooks* hooks_ = nullptr;
+  std::vector<ParamBucket> buckets_;
   Tensor embed_, final_norm_w_, lm_head_;  // lm_head_ aliases embed_ when tied
   Tensor g_embed_, g_final_norm_w_, g_lm_head_;
   std::vector<std::unique_ptr<Qwen3MoeDecoderLayer>> layers_;

@@ -27,3 +27,277 @@ Tensor LocalDispatcher::dispatch_backward(const Tensor& drows, DispatchState& st
 }
 
 }  // namespace moetrain
+
+// ---- expert parallelism ----------------------------------------------------------------
+
+namespace moetrain {
+namespace {
+
+int64_t sum(const std::vector<int64_t>& v, size_t begin, size_t end) {
+  int64_t s = 0;
+  for (size_t i = begin; i < end; ++i) s += v[i];
+  return s;
+}
+int64_t sum(const std::vector<int64_t>& v) { return sum(v, 0, v.size()); }
+
+// A host tensor moved to `device` (no copy when that is the host).
+Tensor on(const Device& device, Tensor host) { return device.is_cpu() ? host : host.to(device); }
+
+void destroy_event_quietly(void* e) {
+  try {
+    cuda::destroy_event(e);
+  } catch (...) {  // a destructor must not throw
+  }
+}
+
+// In deferred mode the caller's stream may free or reuse what the communication stream
+// still reads or writes until wait(): the state keeps those tensors alive.
+void keep(std::vector<Tensor>& v, const Tensor& t) { v.push_back(t); }
+void keep(std::vector<Tensor>& v, const DispatchOut& o) {
+  v.push_back(o.rows);
+  v.push_back(o.counts);
+}
+
+}  // namespace
+
+AllToAllDispatcher::AllToAllDispatcher(Communicator& ep, AllToAllOptions options)
+    : ep_(ep), opt_(std::move(options)), nccl_(ep.backend() == "nccl") {}
+
+AllToAllDispatcher::~AllToAllDispatcher() {
+  if (ready_event_) destroy_event_quietly(ready_event_);
+  if (done_event_) destroy_event_quietly(done_event_);
+}
+
+int64_t AllToAllDispatcher::num_local_experts(int64_t num_experts) const {
+  MT_CHECK(num_experts > 0 && num_experts % ep_.size() == 0,
+           "expert parallelism on {}: {} experts do not split evenly over {} EP ranks", ep_.name(), num_experts,
+           ep_.size());
+  return num_experts / ep_.size();
+}
+
+std::string AllToAllDispatcher::where(const DispatchState& st) const {
+  if (st.layer >= 0) return fmt::format("expert dispatch of layer {} on {}", st.layer, ep_.name());
+  return fmt::format("expert dispatch on {}", ep_.name());
+}
+
+template <typename F>
+auto AllToAllDispatcher::on_comm_stream(const Device& device, DispatchState& st, std::initializer_list<Tensor> inputs,
+                                        F&& body) {
+  if (device.is_cpu() || opt_.comm_stream == nullptr) return body();
+  const cuda::Stream compute = cuda::current_stream(), comm = opt_.comm_stream;
+  if (!ready_event_) ready_event_ = cuda::create_sync_event();
+  cuda::record_event(ready_event_, compute);  // the inputs are ready here
+  cuda::stream_wait_event(comm, ready_event_);
+  auto out = [&] {
+    // Allocations and copies inside go to the communication stream, and the temporaries
+    // are freed there, after their last use.
+    cuda::CurrentStreamScope scope(comm);
+    return body();
+  }();
+  void* done;
+  if (opt_.defer_wait) {
+    if (!st.ready) st.ready = std::shared_ptr<void>(cuda::create_sync_event(), destroy_event_quietly);
+    done = st.ready.get();
+    for (const Tensor& t : inputs) keep(st.in_flight, t);
+    keep(st.in_flight, out);
+  } else {
+    if (!done_event_) done_event_ = cuda::create_sync_event();
+    done = done_event_;
+  }
+  cuda::record_event(done, comm);
+  // From here the compute stream may use the results and free the inputs (stream order).
+  if (!opt_.defer_wait) cuda::stream_wait_event(compute, done);
+  return out;
+}
+
+void AllToAllDispatcher::wait(DispatchState& st) {
+  if (st.ready) cuda::stream_wait_event(cuda::current_stream(), st.ready.get());
+  st.in_flight.clear();  // freed on the current stream, after the wait
+}
+
+void AllToAllDispatcher::all_to_all(const Tensor& in, const std::vector<int64_t>& send, Tensor& out,
+                                    const std::vector<int64_t>& recv) {
+  if (in.device().is_cpu() || nccl_) {
+    // NCCL: on the current stream (the communication stream inside on_comm_stream), never
+    // the communicator's own default, which is not ordered after the kernels made `in`.
+    ep_.all_to_all_v(in, send, out, recv, in.device().is_cpu() ? nullptr : cuda::current_stream());
+    return;
+  }
+  // Gloo moves host tensors only: stage device rows through the host.
+  Tensor host_out = Tensor::empty(out.shape(), out.dtype());
+  ep_.all_to_all_v(in.to(Device::cpu()), send, host_out, recv);
+  out.copy_from(host_out);
+}
+
+Tensor AllToAllDispatcher::exchange(const Tensor& rows, const std::vector<int64_t>& send,
+                                    const std::vector<int64_t>& recv) {
+  Tensor out = Tensor::empty({sum(recv), rows.size(1)}, rows.dtype(), rows.device());
+  all_to_all(rows, send, out, recv);
+  return out;
+}
+
+void AllToAllDispatcher::check_conservation_over_group(const DispatchState& st, const Device& device,
+                                                       int64_t pairs) {
+  // Every rank publishes [rows to each peer, rows expected from each peer, its (token,
+  // slot) copies]; every rank then checks the whole matrix, so all of them stop together
+  // instead of some entering a row exchange that others left.
+  const int P = ep_.size();
+  const int64_t W = 2 * P + 1;
+  std::vector<int64_t> mine(st.send_rows);
+  mine.insert(mine.end(), st.recv_rows.begin(), st.recv_rows.end());
+  mine.push_back(pairs);
+  const Device comm_device = nccl_ ? device : Device::cpu();
+  Tensor in = on(comm_device, Tensor::from_vector(mine, {W}));
+  Tensor all = Tensor::empty({P * W}, DType::I64, comm_device);
+  ep_.all_gather(in, all, comm_device.is_cpu() ? nullptr : cuda::current_stream());
+  const std::vector<int64_t> a = all.to_vector<int64_t>();  // host sync (CUDA)
+  int64_t sent = 0, expected = 0;
+  for (int q = 0; q < P; ++q) {
+    sent += sum(a, q * W, q * W + P);
+    expected += sum(a, q * W + P, q * W + 2 * P);
+  }
+  for (int q = 0; q < P; ++q) {
+    const int64_t q_sends = sum(a, q * W, q * W + P), q_pairs = a[q * W + 2 * P];
+    MT_CHECK(q_sends == q_pairs,
+             "{}: token conservation violated: rank {} routed {} (token, expert) copies but sends {} rows (an "
+             "expert id out of range?); in all {} rows sent, {} expected",
+             where(st), q, q_pairs, q_sends, sent, expected);
+    for (int p = 0; p < P; ++p) {
+      const int64_t s = a[q * W + p], r = a[p * W + P + q];
+      MT_CHECK(s == r,
+               "{}: token conservation violated: rank {} sends {} rows to rank {}, which expects {} from it; in "
+               "all {} rows sent, {} expected",
+               where(st), q, s, p, r, sent, expected);
+    }
+  }
+}
+
+DispatchOut AllToAllDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx, int64_t num_experts,
+                                         DispatchState& st) {
+  StageScope timer(Stage::kRouterPermute);
+  const int P = ep_.size();
+  const int64_t E = num_experts, El = num_local_experts(E);
+  MT_CHECK(x.defined() && x.ndim() == 2 && topk_idx.defined() && topk_idx.ndim() == 2 &&
+               topk_idx.size(0) == x.size(0) && topk_idx.device() == x.device(),
+           "{}: x must be [T, H] and topk_idx [T, K] on one device, got {} and {}", where(st), x.str(), topk_idx.str());
+  const Device dev = x.device();
+  const int64_t pairs = topk_idx.numel();
+  return on_comm_stream(dev, st, {x, topk_idx}, [&] {
+    st.perm = ops::permutation_by_expert(topk_idx, E);  // grouped by global expert: peer p's experts are one block
+    // The counts this rank sends (E, peer-major) and those it receives ([peer][local expert])
+    // share one buffer, so one copy brings both to the host.
+    const Device comm_device = nccl_ ? dev : Device::cpu();
+    Tensor counts = Tensor::empty({2 * E, 1}, DType::I64, comm_device);
+    Tensor sent = counts.slice(0, E), received = counts.slice(E, 2 * E);
+    sent.copy_from(st.perm.expert_counts);
+    const std::vector<int64_t> per_peer(P, El);
+    all_to_all(sent, per_peer, received, per_peer);
+    Tensor rows = ops::permute_forward(x, st.perm);  // enqueued before the sync below
+    // The dispatch's one necessary host sync: the row exchange is sized by these counts.
+    const std::vector<int64_t> c = counts.to_vector<int64_t>();
+    std::vector<int64_t> got(c.begin() + E, c.end());
+    if (opt_.tamper_received_counts) opt_.tamper_received_counts(got);
+    st.send_rows.assign(P, 0);
+    st.recv_rows.assign(P, 0);
+    for (int p = 0; p < P; ++p) {
+      st.send_rows[p] = sum(c, p * El, (p + 1) * El);
+      st.recv_rows[p] = sum(got, p * El, (p + 1) * El);
+    }
+    if (opt_.check_conservation) {
+      check_conservation_over_group(st, dev, pairs);
+    } else {
+      // Still free to check here; a failure stops only this rank, and its peers then time
+      // out in their next collective.
+      MT_CHECK(sum(st.send_rows) == pairs,
+               "{}: token conservation violated: rank {} routed {} (token, expert) copies but sends {} rows (an "
+               "expert id out of range?)",
+               where(st), ep_.rank(), pairs, sum(st.send_rows));
+    }
+    const int64_t N = sum(st.recv_rows);
+    MT_CHECK(N <= INT32_MAX, "{}: rank {} would receive {} rows, beyond the i32 row index range", where(st),
+             ep_.rank(), N);
+
+    // Rows arrive peer-major (peer 0's blocks for local experts 0..El-1, then peer 1's,
+    // ...); grouped order is expert-major. Block (p, e) starts at `arrive` in the first and
+    // at next[e] in the second.
+    std::vector<int64_t> local_counts(El, 0), next(El, 0);
+    for (int p = 0; p < P; ++p)
+      for (int64_t e = 0; e < El; ++e) local_counts[e] += got[p * El + e];
+    for (int64_t e = 1; e < El; ++e) next[e] = next[e - 1] + local_counts[e - 1];
+    std::vector<int32_t> index;  // [source_token (N) | slot_row (N)] when not the identity
+    st.regroup_identity = true;
+    for (int pass = 0; pass < 2; ++pass) {
+      std::vector<int64_t> at(next);
+      int64_t arrive = 0;
+      for (int p = 0; p < P; ++p) {
+        for (int64_t e = 0; e < El; ++e) {
+          const int64_t n = got[p * El + e];
+          if (pass == 0 && n > 0 && at[e] != arrive) st.regroup_identity = false;
+          if (pass == 1) {
+            for (int64_t i = 0; i < n; ++i) {
+              index[at[e] + i] = static_cast<int32_t>(arrive + i);
+              index[N + arrive + i] = static_cast<int32_t>(at[e] + i);
+            }
+          }
+          at[e] += n;
+          arrive += n;
+        }
+      }
+      if (st.regroup_identity) break;
+      if (pass == 0) index.resize(2 * N);
+    }
+    // Uploads before the row exchange is enqueued, so their syncs wait for nothing.
+    Tensor expert_counts = on(dev, Tensor::from_vector(local_counts, {El}));
+    st.regroup = {};
+    if (!st.regroup_identity) {
+      Tensor idx = on(dev, Tensor::from_vector(index, {2 * N}));
+      st.regroup.expert_counts = expert_counts;
+      st.regroup.source_token = idx.slice(0, N);
+      st.regroup.slot_row = idx.slice(N, 2 * N);
+      st.regroup.num_tokens = N;
+      st.regroup.top_k = 1;
+    }
+    Tensor arrived = exchange(rows, st.send_rows, st.recv_rows);
+    Tensor grouped = st.regroup_identity ? arrived : ops::permute_forward(arrived, st.regroup);  // device gather
+    return DispatchOut{grouped, expert_counts};
+  });
+}
+
+void AllToAllDispatcher::check_dispatched(const DispatchState& st, const Tensor& t, int64_t rows,
+                                          const char* what) const {
+  MT_CHECK(static_cast<int>(st.send_rows.size()) == ep_.size(), "{}: {} before dispatch", where(st), what);
+  MT_CHECK(t.defined() && t.ndim() == 2 && t.size(0) == rows, "{}: {} takes [{}, H] rows, got {}", where(st), what,
+           rows, t.str());
+}
+
+Tensor AllToAllDispatcher::combine(const Tensor& expert_rows, DispatchState& st) {
+  StageScope timer(Stage::kCombine);
+  check_dispatched(st, expert_rows, sum(st.recv_rows), "combine");
+  return on_comm_stream(expert_rows.device(), st, {expert_rows}, [&] {
+    Tensor arrived = st.regroup_identity ? expert_rows : ops::unpermute_forward(expert_rows, st.regroup);
+    Tensor mine = exchange(arrived, st.recv_rows, st.send_rows);  // grouped by global expert
+    return ops::unpermute_forward(mine, st.perm);
+  });
+}
+
+Tensor AllToAllDispatcher::combine_backward(const Tensor& dout, DispatchState& st) {
+  StageScope timer(Stage::kCombine);
+  check_dispatched(st, dout, st.perm.num_tokens * st.perm.top_k, "combine_backward");
+  return on_comm_stream(dout.device(), st, {dout}, [&] {
+    Tensor mine = ops::unpermute_backward(dout, st.perm);  // grouped by global expert
+    Tensor arrived = exchange(mine, st.send_rows, st.recv_rows);
+    return st.regroup_identity ? arrived : ops::permute_forward(arrived, st.regroup);
+  });
+}
+
+Tensor AllToAllDispatcher::dispatch_backward(const Tensor& drows, DispatchState& st) {
+  StageScope timer(Stage::kRouterPermute);
+  check_dispatched(st, drows, sum(st.recv_rows), "dispatch_backward");
+  return on_comm_stream(drows.device(), st, {drows}, [&] {
+    Tensor arrived = st.regroup_identity ? drows : ops::unpermute_forward(drows, st.regroup);
+    Tensor mine = exchange(arrived, st.recv_rows, st.send_rows);
+    return ops::permute_backward(mine, st.perm);  // sums each token's K copies, in k order
+  });
+}
+
+}  // namespace moetrain

@@ -4,16 +4,36 @@
 // by expert; combine brings the expert outputs back in (token, slot) order. The engine
 // owns these stages so a schedule can run them on a communication stream while another
 // micro-batch computes. With one process they are local permutations (LocalDispatcher);
-// the all-to-all version arrives with expert parallelism.
+// with expert parallelism, all-to-alls over the EP group (AllToAllDispatcher).
 #pragma once
 
+#include <functional>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
 #include "ops/ops.h"
 
 namespace moetrain {
 
 // What a dispatch remembers for its combine and for both backwards.
 struct DispatchState {
-  ops::Permutation perm;
+  ops::Permutation perm;  // this rank's (token, slot) copies -> rows grouped by global expert
+  int64_t layer = -1;     // set by the caller to name the layer in errors; -1: unnamed
+
+  // Expert parallelism (AllToAllDispatcher).
+  std::vector<int64_t> send_rows, recv_rows;  // rows to / from each EP peer
+  // Arrival order (peer-major) <-> local-expert-major order: grouped row r is arrived row
+  // regroup.source_token[r]; arrived row i is grouped row regroup.slot_row[i] (top_k 1).
+  // Unused when the two orders coincide (one local expert, one peer sending).
+  ops::Permutation regroup;
+  bool regroup_identity = true;
+  // CUDA, communication stream, deferred waits: the event after this state's last exchange
+  // and the caller's tensors the communication stream may still read (see wait()).
+  std::shared_ptr<void> ready;
+  std::vector<Tensor> in_flight;
 };
 
 struct DispatchOut {
@@ -33,6 +53,9 @@ class ExpertDispatcher {
   virtual Tensor combine_backward(const Tensor& dout, DispatchState& st) = 0;
   // Gradient of dispatch: d rows [N, H] -> dx [T, H].
   virtual Tensor dispatch_backward(const Tensor& drows, DispatchState& st) = 0;
+  // Makes the caller's current stream wait for the last call on `st` to finish. Needed only
+  // with a dispatcher that defers waits (AllToAllOptions::defer_wait); a no-op otherwise.
+  virtual void wait(DispatchState& st) {}
 };
 
 // One process: every expert is local; dispatch and combine are permutations.
@@ -43,6 +66,85 @@ class LocalDispatcher final : public ExpertDispatcher {
   Tensor combine(const Tensor& expert_rows, DispatchState& st) override;
   Tensor combine_backward(const Tensor& dout, DispatchState& st) override;
   Tensor dispatch_backward(const Tensor& drows, DispatchState& st) override;
+};
+
+struct AllToAllOptions {
+  // At every dispatch, check over the EP group that each rank expects from each peer
+  // exactly the rows that peer sends it and that every (token, slot) copy is sent: one
+  // all_gather of 2 ep + 1 counts per rank (on CUDA one more host sync). Off: only the
+  // local check that the counts add up to T*K remains.
+  bool check_conservation = true;
+  // CUDA: the stream the dispatcher's work runs on, so that it can overlap compute. Each call
+  // makes it wait for the caller's current (compute) stream, runs there, and then makes
+  // the compute stream wait for it. nullptr: everything on the current stream. Ignored for
+  // CPU tensors (Gloo collectives finish before they return). Not owned: it must outlive
+  // the dispatcher's work.
+  cuda::Stream comm_stream = nullptr;
+  // With comm_stream: calls return without making the compute stream wait; the caller
+  // calls wait(st) before it uses a call's result, so compute enqueued in between (another
+  // micro-batch's) overlaps the exchange. Until then `st` keeps the call's inputs and
+  // results alive (the compute stream must not reuse their memory): wait before dropping it.
+  bool defer_wait = false;
+  // Tests: edits the row counts received in the count exchange ([peer][local expert])
+  // before they are checked, to provoke a conservation violation.
+  std::function<void(std::vector<int64_t>& received_counts)> tamper_received_counts;
+};
+
+// Expert parallelism over the EP group `ep` (size P, rank r; E experts, E divisible by P):
+// rank r holds global experts [r E/P, (r+1) E/P).
+//
+// dispatch: sorts this rank's (token, slot) copies by global expert (the copies for peer
+// p's experts are then one contiguous block), exchanges the per-(peer, local expert) row
+// counts with one all-to-all of E/P i64 per peer (the host must know them to size the row
+// exchange: the one host synchronisation a dispatch needs; combine and the backwards
+// need none), sends the rows with one all-to-all-v, and regroups what arrives
+// (peer-major) into local-expert-major order with one device gather.
+//
+// Order contract: the rows of local expert e are those of every source rank in rank
+// order, each source's in its (t, k) order. That is exactly the order LocalDispatcher
+// gives expert r E/P + e for the batch made of all EP ranks' tokens concatenated in rank
+// order, so an EP layer sees the same rows, in the same order, as one process would.
+//
+// combine is the inverse route, ending in this rank's (t, k) order; combine_backward routes
+// gradients as dispatch does and dispatch_backward as combine, then sums each token's K
+// copies (in k order, as LocalDispatcher does). Every rank of `ep` calls the same methods
+// in the same order (they are collectives).
+class AllToAllDispatcher final : public ExpertDispatcher {
+ public:
+  explicit AllToAllDispatcher(Communicator& ep, AllToAllOptions options = {});
+  ~AllToAllDispatcher() override;
+  AllToAllDispatcher(const AllToAllDispatcher&) = delete;
+  AllToAllDispatcher& operator=(const AllToAllDispatcher&) = delete;
+
+  // E / P; an Error naming both numbers when P does not divide E.
+  int64_t num_local_experts(int64_t num_experts) const override;
+  // The first global expert this rank holds: rank * num_local_experts.
+  int64_t first_local_expert(int64_t num_experts) const { return ep_.rank() * num_local_experts(num_experts); }
+  DispatchOut dispatch(const Tensor& x, const Tensor& topk_idx, int64_t num_experts, DispatchState& st) override;
+  Tensor combine(const Tensor& expert_rows, DispatchState& st) override;
+  Tensor combine_backward(const Tensor& dout, DispatchState& st) override;
+  Tensor dispatch_backward(const Tensor& drows, DispatchState& st) override;
+  void wait(DispatchState& st) override;
+
+ private:
+  // Runs `body` where the dispatcher's work goes (see AllToAllOptions::comm_stream).
+  template <typename F>
+  auto on_comm_stream(const Device& device, DispatchState& st, std::initializer_list<Tensor> inputs, F&& body);
+  // The all-to-all-v of `in` (send[p] rows for peer p, back to back) into `out`.
+  void all_to_all(const Tensor& in, const std::vector<int64_t>& send, Tensor& out, const std::vector<int64_t>& recv);
+  // rows -> a new tensor with what the peers send back.
+  Tensor exchange(const Tensor& rows, const std::vector<int64_t>& send, const std::vector<int64_t>& recv);
+  // The group-wide token conservation check (AllToAllOptions::check_conservation).
+  void check_conservation_over_group(const DispatchState& st, const Device& device, int64_t pairs);
+  // That `st` holds a dispatch and `t` has `rows` rows.
+  void check_dispatched(const DispatchState& st, const Tensor& t, int64_t rows, const char* what) const;
+  std::string where(const DispatchState& st) const;
+
+  Communicator& ep_;
+  AllToAllOptions opt_;
+  bool nccl_;  // the backend moves device tensors
+  void* ready_event_ = nullptr;  // cuda::Event, created on first use
+  void* done_event_ = nullptr;
 };
 
 }  // namespace moetrain

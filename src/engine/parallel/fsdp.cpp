@@ -1,0 +1,179 @@
+#include "engine/parallel/fsdp.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "engine/telemetry/stage_timer.h"
+#include "ops/ops.h"
+
+namespace moetrain {
+
+void all_reduce_doubles(Communicator& group, std::vector<double>& values, Device device) {
+  if (values.empty() || group.size() == 1) return;
+  Tensor t = Tensor::from_vector(values, {static_cast<int64_t>(values.size())});
+  if (group.backend() != "gloo" && !device.is_cpu()) t = t.to(device);
+  group.all_reduce(t);
+  values = t.to_double_vector();
+}
+
+FsdpContext::FsdpContext(Qwen3MoeModel& model, Communicator& dense_group, Communicator& expert_group,
+                         Communicator& world, AdamWConfig adamw, bool shard_weights)
+    : model_(model), world_(world), shard_weights_(shard_weights), opt_(ParameterList{}, adamw) {
+  ParameterList& params = model.parameters();
+  std::vector<Tensor> full_masters;  // kept alive until the shards have their copies
+  shards_.reserve(model.buckets().size());
+  for (ParamBucket& b : model.buckets()) {
+    Communicator& g = b.experts ? expert_group : dense_group;
+    const int64_t n = g.size();
+    MT_CHECK(b.values.numel() % n == 0, "bucket {} holds {} elements, not a multiple of its group {}'s {} ranks",
+             b.name, b.values.numel(), g.name(), n);
+    Shard sh{&b, &g, b.values.numel() / n, Tensor(), Tensor(), Tensor()};
+    const int64_t lo = sh.lo(), hi = lo + sh.size;
+    // A group of one reduces nothing: without shard_weights its shard is the bucket's own
+    // gradient; with them the bucket's gradient is one micro-batch's and the shard sums them.
+    sh.grad = n == 1 && !shard_weights ? b.grads : Tensor::zeros({sh.size}, b.grads.dtype(), b.grads.device());
+    sh.value = shard_weights ? b.values.slice(lo, hi).clone() : b.values.slice(lo, hi);
+    if (shard_weights || n > 1) sh.scratch = Tensor::zeros({sh.size}, b.grads.dtype(), b.grads.device());
+    for (const ParamBucket::Member& m : b.members) {
+      const Parameter& p = params[m.param];
+      const int64_t begin = std::max(lo, m.offset), end = std::min(hi, m.offset + p.value.numel());
+      if (begin >= end) continue;
+      segments_.push_back({m.param, begin - m.offset, end - m.offset});
+      Parameter s;
+      s.name = p.name;
+      s.value = sh.value.slice(begin - lo, end - lo);
+      s.grad = sh.grad.slice(begin - lo, end - lo);
+      s.weight_decay = p.weight_decay;
+      s.init_std = p.init_std;
+      if (p.master.defined()) {
+        full_masters.push_back(p.master);
+        s.master = p.master.view({p.master.numel()}).slice(begin - m.offset, end - m.offset);
+      }
+      shard_params_.push_back(std::move(s));
+    }
+    shards_.push_back(sh);
+  }
+  // The masters of the shards, flat in segment order (the optimizer's whole-list ops
+  // coalesce runs that lie back to back), copied from the model's full masters, which the
+  // model then drops: only the shards keep f32 weights.
+  std::vector<Tensor> sources;
+  for (const Parameter& s : shard_params_) {
+    if (s.master.defined()) sources.push_back(s.master);
+  }
+  std::vector<Tensor> own = flat_views(sources, DType::F32);
+  size_t i = 0;
+  for (Parameter& s : shard_params_) {
+    if (!s.master.defined()) continue;
+    own[i].copy_from(s.master);
+    s.master = own[i++];
+  }
+  for (Parameter& p : params) p.master = Tensor();
+  opt_ = AdamW(shard_params_, adamw);
+  if (shard_weights_) {
+    for (Shard& sh : shards_) release(sh);
+    model.set_weight_hooks(this);
+  }
+}
+
+FsdpContext::~FsdpContext() {
+  if (shard_weights_) model_.set_weight_hooks(nullptr);
+}
+
+std::vector<FsdpContext::Shard*> FsdpContext::unit(int64_t layer) {
+  std::vector<Shard*> out;
+  for (Shard& sh : shards_) {
+    if (sh.bucket->layer == layer) out.push_back(&sh);
+  }
+  return out;
+}
+
+// Whole weights from the shards (the bucket's padding gathers too: it is never read).
+void FsdpContext::gather(Shard& sh) {
+  if (sh.bucket->values.memory_resident()) return;
+  sh.bucket->values.restore_memory();
+  if (sh.group->size() == 1) {
+    sh.bucket->values.copy_from(sh.value);
+  } else {
+    sh.group->all_gather(sh.value, sh.bucket->values);
+  }
+}
+
+void FsdpContext::release(Shard& sh) {
+  sh.bucket->values.release_memory();
+  sh.bucket->grads.release_memory();
+}
+
+void FsdpContext::before_forward(int64_t layer) {
+  StageScope t(Stage::kOther);
+  for (Shard* sh : unit(layer)) gather(*sh);
+}
+
+void FsdpContext::after_forward(int64_t layer, bool backward_follows) {
+  if (backward_follows) return;
+  for (Shard* sh : unit(layer)) sh->bucket->values.release_memory();
+}
+
+void FsdpContext::before_backward(int64_t layer) {
+  StageScope t(Stage::kOther);
+  for (Shard* sh : unit(layer)) {
+    gather(*sh);
+    sh->bucket->grads.restore_memory();  // the model writes every gradient (accumulate off)
+  }
+}
+
+void FsdpContext::after_backward(int64_t layer) {
+  StageScope t(Stage::kOther);
+  for (Shard* sh : unit(layer)) {
+    Tensor& into = first_micro_batch_ ? sh->grad : sh->scratch;
+    if (sh->group->size() == 1) {
+      into.copy_from(sh->bucket->grads);
+    } else {
+      sh->group->reduce_scatter(sh->bucket->grads, into);
+    }
+    if (!first_micro_batch_) ops::add_(sh->grad, sh->scratch);
+    release(*sh);
+  }
+}
+
+void FsdpContext::reduce_scatter_grads() {
+  if (shard_weights_) return;  // each layer's were reduced right after its backward
+  for (Shard& sh : shards_) {
+    if (sh.group->size() == 1) continue;
+    sh.group->reduce_scatter(sh.bucket->grads, sh.grad);
+  }
+}
+
+GradNorm FsdpContext::grad_norm(double max_norm) {
+  std::vector<Tensor> grads;
+  for (const Parameter& s : shard_params_) grads.push_back(s.grad);
+  std::vector<double> sq{grads.empty() ? 0.0 : ops::sum_squares_all(grads)};
+  all_reduce_doubles(world_, sq, shards_.front().grad.device());
+  GradNorm r;
+  r.norm = std::sqrt(sq[0]);
+  if (!std::isfinite(r.norm)) {
+    for (const Parameter& s : shard_params_) {
+      MT_CHECK(ops::all_finite(s.grad), "gradient of {} is not finite (NaN or Inf) on rank {}", s.name,
+               world_.rank());
+    }
+    MT_THROW("global gradient norm is not finite ({}): another rank holds the bad gradient", r.norm);
+  }
+  if (max_norm > 0 && r.norm > max_norm) r.clip_scale = max_norm / (r.norm + 1e-6);
+  return r;
+}
+
+void FsdpContext::step(double lr, double grad_scale) {
+  opt_.step(shard_params_, lr, grad_scale);
+  gather_values();
+}
+
+void FsdpContext::gather_values() {
+  if (shard_weights_) return;  // the shards are the weights; layers gather them on use
+  for (Shard& sh : shards_) {
+    if (sh.group->size() == 1) continue;
+    // The shard is part of the output buffer: gather from a copy.
+    Tensor mine = sh.value.clone();
+    sh.group->all_gather(mine, sh.bucket->values);
+  }
+}
+
+}  // namespace moetrain

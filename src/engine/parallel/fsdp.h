@@ -1,0 +1,96 @@
+// Sharded data parallelism (ZeRO): the optimizer state, the f32 masters and the reduced
+// gradients of a model are cut into shards, one per rank of each bucket's sharding group,
+// so each rank updates and stores only 1/n of them.
+//
+// A model's parameters lie in flat buckets (ParamBucket). Each bucket is padded to a
+// multiple of its group's size n and rank r of the group owns the element range
+// [r*S, (r+1)*S), S = numel/n. Expert buckets shard over dp x cp (the ranks that hold the
+// same experts); every other bucket over dp x cp x ep. One step:
+//   reduce_scatter_grads()  each bucket's gradient summed over its group (f32), this
+//                           rank's shard kept;
+//   grad_norm()             the global norm: shard sums of squares summed over the world
+//                           (every element is owned by exactly one rank);
+//   step()                  AdamW on the shards (masters and moments exist only there), the
+//                           updated weight shards all-gathered back into the whole buckets.
+// With shard_weights (ZeRO stage 3, the default) the whole weights exist only while a layer
+// runs: the model's WeightHooks gather a layer's buckets before its forward and backward
+// and drop them after; each layer's gradients are reduce-scattered (and accumulated over
+// micro-batches into the shard) right after its backward, and dropped too. Without it
+// (ZeRO stage 2) weights and gradients stay whole: less communication, more memory.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "engine/models/qwen3_moe.h"
+#include "engine/optim/adamw.h"
+
+namespace moetrain {
+
+class FsdpContext final : public WeightHooks {
+ public:
+  // `dense_group` shards non-expert buckets, `expert_group` expert buckets, `world` sums the
+  // gradient norm. The model's f32 masters (if any) are moved into the shards and dropped
+  // from the model, so construct this after the model's weights are initialised. With
+  // shard_weights the model's whole weights are released here and gathered on use.
+  FsdpContext(Qwen3MoeModel& model, Communicator& dense_group, Communicator& expert_group, Communicator& world,
+              AdamWConfig adamw, bool shard_weights);
+  ~FsdpContext() override;
+
+  // Before each micro-batch's forward_backward: the first one writes the gradient shards,
+  // the others add to them.
+  void begin_micro_batch(bool first) { first_micro_batch_ = first; }
+  // The model's accumulate_grads for micro-batch i: whole gradients live across
+  // micro-batches only without shard_weights.
+  bool model_accumulates(size_t micro_batch) const { return !shard_weights_ && micro_batch > 0; }
+
+  // After the last micro-batch (without shard_weights; with it the layers did it already).
+  void reduce_scatter_grads();
+  GradNorm grad_norm(double max_norm);
+  void step(double lr, double grad_scale);
+
+  // This rank's pieces of parameters: an element range of model.parameters()[param].
+  const std::vector<ShardSegment>& segments() const { return segments_; }
+  // One Parameter per segment (same order): value a 1-D view into the model's bucket, grad
+  // a view of the reduced gradient shard, master (bf16 models) a view of the master shard.
+  ParameterList& shard_params() { return shard_params_; }
+  AdamW& optimizer() { return opt_; }
+  // After the shards' values were loaded (a checkpoint): the whole weights made consistent.
+  void gather_values();
+
+  // WeightHooks (shard_weights only).
+  void before_forward(int64_t layer) override;
+  void after_forward(int64_t layer, bool backward_follows) override;
+  void before_backward(int64_t layer) override;
+  void after_backward(int64_t layer) override;
+
+ private:
+  struct Shard {
+    ParamBucket* bucket;
+    Communicator* group;
+    int64_t size;   // S
+    Tensor grad;    // [S], this rank's reduced gradient
+    Tensor value;   // [S], this rank's weights (shard_weights), else a view of the bucket
+    Tensor scratch; // [S], one micro-batch's reduced gradient before it is added
+    int64_t lo() const { return group->rank() * size; }
+  };
+  std::vector<Shard*> unit(int64_t layer);
+  void gather(Shard& sh);
+  void release(Shard& sh);
+
+  Qwen3MoeModel& model_;
+  Communicator& world_;
+  bool shard_weights_;
+  bool first_micro_batch_ = true;
+  std::vector<Shard> shards_;
+  std::vector<ShardSegment> segments_;
+  ParameterList shard_params_;
+  AdamW opt_;
+};
+
+// Sums a few doubles over `group` (on the device its backend needs), in place.
+void all_reduce_doubles(Communicator& group, std::vector<double>& values, Device device);
+
+}  // namespace moetrain

@@ -1,0 +1,34 @@
+// ParallelContext: this process's place in a multi-rank job, and the communicators of its
+// mesh. Built from the launcher's environment (torchrun, SLURM, OpenMPI, moetrain launch)
+// and [parallel]; one process without a launcher is a world of one, with no communicator.
+#pragma once
+
+#include <memory>
+
+#include "comm/launch_env.h"
+#include "comm/mesh.h"
+#include "core/device.h"
+#include "engine/run_config.h"
+
+namespace moetrain {
+
+struct ParallelContext {
+  LaunchEnv env;
+  std::unique_ptr<MeshComms> comms;  // null for a world of one
+  Device device = Device::cpu();     // this rank's device: the CPU, or GPU local_rank
+  int rank = 0, world = 1;
+  // Ranks that see different tokens of one global batch (dp x ep here: no pp, no cp yet).
+  int data_rank = 0, data_world = 1;
+  int ep_rank = 0, ep = 1;
+
+  bool distributed() const { return world > 1; }
+  // The group over which the ranks hold different data: summed losses and token counts.
+  Communicator* data_group() const { return comms ? comms->dp_cp_ep.get() : nullptr; }
+
+  // Reads the environment, checks [parallel] against the world size (an error names the
+  // numbers), connects the world (NCCL for [training].device = "cuda", else Gloo) and
+  // splits it along the mesh.
+  static ParallelContext build(const RunConfig& cfg);
+};
+
+}  // namespace moetrain

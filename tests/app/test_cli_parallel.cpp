@@ -1,0 +1,155 @@
+// Every parallel layout against one process: `moetrain launch -n N -- train` under dp2,
+// ep2, ep2 x dp2 and ep4 (Gloo, CPU) gives the losses, gradient norms and final weights of
+// the single-process run with N times the micro-batch, within 1e-5 relative; a checkpoint
+// written under ep2 x dp2 resumes under ep4 and under one process.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "engine/checkpoint/checkpoint_format.h"
+#include "engine/checkpoint/checkpointer.h"
+#include "test_files.h"
+
+namespace moetrain {
+namespace {
+
+struct Result {
+  int status;
+  std::string output;
+};
+
+Result run(const std::string& args) {
+  std::string cmd = std::string(MOETRAIN_BINARY) + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  int status = pclose(p);
+  return {WEXITSTATUS(status), out};
+}
+
+std::vector<nlohmann::json> metrics(const std::string& dir) {
+  std::vector<nlohmann::json> out;
+  std::ifstream f(dir + "/metrics.jsonl");
+  for (std::string line; std::getline(f, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); }
+
+class ParallelCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string text;
+    for (int i = 0; i < 300; ++i) {
+      text += "Pack my box with " + std::to_string(i * 7 % 13) + " dozen liquor jugs, number " + std::to_string(i) +
+              ".\n%\n";
+    }
+    dir_.file("corpus.txt", text);
+  }
+
+  // A 3-step run of the tiny model: 4 sequences per micro-batch over all data ranks, two
+  // micro-batches per step, z-loss on so every loss term is exercised. Adam's eps is 1e-6:
+  // with 1e-8, an element whose gradient is ~1e-9 (a sum of larger terms that cancel) moves
+  // by g / eps * lr, so the few-ulp differences of another summation order (ranks add their
+  // gradients in rank order, one process adds them inside one GEMM) move a handful of
+  // weights by ~1e-5 and whole tensors by up to ~4e-5 relative; eps = 1e-6 keeps that
+  // amplification out of the comparison (measured: 9e-7 worst under ep4).
+  std::string train_args(const std::string& name, int data_ranks, const std::string& extra = "") {
+    return "train --config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml --data.paths=" +
+           (dir_ / "corpus.txt") +
+           " --training.steps=3 --training.seq_len=32 --training.grad_accum_steps=2"
+           " --training.micro_batch_size=" + std::to_string(4 / data_ranks) +
+           " --training.eval_every=3 --training.eval_batches=2 --training.sample_tokens=8 --training.threads=1"
+           " --optimizer.warmup_steps=1 --optimizer.eps=1e-6 --model.router_z_loss_coef=0.001 --metrics.progress=false"
+           " --data.val_fraction=0.2 --checkpoint.keep=0 --checkpoint.save_final=true --metrics.dir=" +
+           (dir_ / name) + " " + extra;
+  }
+  Result launch(int ranks, const std::string& args) {
+    return ranks == 1 ? run(args) : run("launch -n " + std::to_string(ranks) + " -- " + args);
+  }
+
+  // Losses, gradient norms and validation losses of two runs, and every weight of their
+  // last checkpoints, within `tol` relative.
+  void expect_same_run(const std::string& a, const std::string& b, double tol = 1e-5) {
+    const auto ma = metrics(dir_ / a), mb = metrics(dir_ / b);
+    ASSERT_EQ(ma.size(), 3u);
+    ASSERT_EQ(mb.size(), ma.size());
+    for (size_t i = 0; i < ma.size(); ++i) {
+      for (const char* k : {"loss", "aux_loss", "grad_norm"}) {
+        EXPECT_LT(rel(mb[i][k].get<double>(), ma[i][k].get<double>()), tol) << k << " at step " << i + 1;
+      }
+    }
+    EXPECT_LT(rel(mb.back()["val_loss"].get<double>(), ma.back()["val_loss"].get<double>()), tol);
+    CheckpointReader ra(Checkpointer::committed(dir_ / (a + "/checkpoints")).back().second);
+    CheckpointReader rb(Checkpointer::committed(dir_ / (b + "/checkpoints")).back().second);
+    int compared = 0;
+    for (const std::string& name : ra.names()) {
+      if (ra.info(name).kind != "model") continue;
+      ASSERT_TRUE(rb.has(name)) << name;
+      const std::vector<double> x = ra.read_whole(name).to_double_vector(), y = rb.read_whole(name).to_double_vector();
+      ASSERT_EQ(x.size(), y.size()) << name;
+      double diff = 0, norm = 0;
+      for (size_t i = 0; i < x.size(); ++i) {
+        diff += (x[i] - y[i]) * (x[i] - y[i]);
+        norm += x[i] * x[i];
+      }
+      EXPECT_LT(std::sqrt(diff / std::max(norm, 1e-30)), tol) << name;
+      ++compared;
+    }
+    EXPECT_GT(compared, 50);
+  }
+
+  testing::ScratchDir dir_;
+};
+
+TEST_F(ParallelCli, EveryLayoutMatchesOneProcess) {
+  Result one = launch(1, train_args("one", 1));
+  ASSERT_EQ(one.status, 0) << one.output;
+  struct Layout {
+    const char* name;
+    int ranks, data_ranks;
+    const char* flags;
+  };
+  for (const Layout& l : {Layout{"dp2", 2, 2, "--parallel.dp=2"}, Layout{"ep2", 2, 2, "--parallel.ep=2"},
+                          Layout{"ep2dp2", 4, 4, "--parallel.ep=2 --parallel.dp=2"},
+                          Layout{"ep4", 4, 4, "--parallel.ep=4"}}) {
+    SCOPED_TRACE(l.name);
+    Result r = launch(l.ranks, train_args(l.name, l.data_ranks, l.flags));
+    ASSERT_EQ(r.status, 0) << r.output;
+    expect_same_run("one", l.name);
+  }
+}
+
+TEST_F(ParallelCli, CheckpointOfEp2Dp2ResumesUnderEp4AndOneProcess) {
+  Result one = launch(1, train_args("one", 1));
+  ASSERT_EQ(one.status, 0) << one.output;
+  // Two steps under ep2 x dp2, saved; the third under another layout from that checkpoint.
+  for (const auto& [name, ranks, flags] :
+       std::vector<std::tuple<std::string, int, std::string>>{{"to_ep4", 4, "--parallel.ep=4"}, {"to_one", 1, ""}}) {
+    SCOPED_TRACE(name);
+    Result first = launch(4, train_args(name, 4, "--parallel.ep=2 --parallel.dp=2 --training.stop_after_steps=2"));
+    ASSERT_EQ(first.status, 0) << first.output;
+    Result second = launch(ranks, train_args(name, ranks == 1 ? 1 : 4, flags));
+    ASSERT_EQ(second.status, 0) << second.output;
+    EXPECT_NE(second.output.find("resumed from"), std::string::npos) << second.output;
+    expect_same_run("one", name);
+  }
+}
+
+TEST_F(ParallelCli, ALayoutThatDoesNotFitTheWorldIsNamed) {
+  Result r = launch(2, train_args("bad", 2, "--parallel.ep=4"));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("[parallel] does not fit"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("pp * cp * ep = 1 * 1 * 4"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace moetrain

@@ -1,0 +1,315 @@
+// AllToAllDispatcher (expert parallelism) against LocalDispatcher on the concatenated batch.
+//
+// EP ranks run as threads of this process, each with its own Gloo communicator. Each rank
+// routes its own tokens; the reference is one LocalDispatcher over every rank's tokens
+// concatenated in rank order. By the dispatcher's order contract, rank r's grouped rows
+// are exactly the reference's rows for experts [r E/P, (r+1) E/P), bitwise, and so are the
+// gradients (the same copies, the same sums in the same order).
+//
+// The routings include an expert that gets no token, a rank that sends no row to the
+// last rank, a rank with no token at all, and one local expert per rank (where arrival
+// order is already expert-major and the regroup is skipped). With two GPUs the same runs
+// go over NCCL with a communication stream (immediate and deferred waits).
+#include <gtest/gtest.h>
+
+#include <latch>
+#include <set>
+#include <thread>
+
+#include "comm/comm_test_util.h"
+#include "comm/nccl_communicator.h"
+#include "core/cuda_runtime.h"
+#include "engine/parallel/expert_dispatch.h"
+#include "test_util.h"
+
+namespace moetrain {
+namespace {
+
+using testing::run_ranks;
+
+void expect_contains(const std::string& text, const std::string& part, const std::string& what = "") {
+  EXPECT_NE(text.find(part), std::string::npos) << what << ": \"" << text << "\" lacks \"" << part << "\"";
+}
+
+struct Case {
+  int ep;
+  int64_t experts, top_k, hidden;
+  std::vector<int64_t> tokens;  // per rank
+};
+
+// One layer's inputs on every rank, and the single-process results they must reproduce.
+struct Layer {
+  int64_t E = 0, K = 0, H = 0;
+  std::vector<Tensor> x, topk, dout;  // per rank
+  std::vector<int64_t> token_offset;  // first token of each rank in the concatenation
+  Tensor all_x, all_topk;
+  Tensor ref_rows, ref_counts;   // LocalDispatcher::dispatch on the concatenation
+  Tensor ref_combined;           // combine of f(ref_rows), f(row of expert e) = row * (1 + e)
+  Tensor all_dout, ref_drows;    // combine_backward of the concatenated dout
+  Tensor all_drows, ref_dx;      // dispatch_backward of random row gradients
+  std::vector<int64_t> expert_offset;  // first reference row of each expert
+};
+
+Tensor concat(const std::vector<Tensor>& parts, int64_t cols, DType dtype) {
+  int64_t rows = 0;
+  for (const Tensor& p : parts) rows += p.size(0);
+  Tensor out = Tensor::empty({rows, cols}, dtype);
+  int64_t at = 0;
+  for (const Tensor& p : parts) {
+    if (p.size(0) > 0) out.slice(at, at + p.size(0)).copy_from(p);
+    at += p.size(0);
+  }
+  return out;
+}
+
+// Rows of `rows` (grouped by expert, `counts` per expert) times (1 + expert id + first).
+Tensor times_expert(const Tensor& rows, const std::vector<int64_t>& counts, int64_t first) {
+  Tensor out = rows.clone();
+  float* p = out.data<float>();
+  const int64_t H = rows.size(1);
+  int64_t r = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    for (int64_t i = 0; i < counts[e]; ++i, ++r) {
+      for (int64_t h = 0; h < H; ++h) p[r * H + h] *= static_cast<float>(1 + first + static_cast<int64_t>(e));
+    }
+  }
+  return out;
+}
+
+// Random top-k routing (distinct experts per token) that never picks `zero_expert`, and
+// on rank 0 never the last rank's experts, so rank 0 sends that peer nothing.
+Layer make_layer(const Case& c, uint64_t seed) {
+  Layer L;
+  L.E = c.experts;
+  L.K = c.top_k;
+  L.H = c.hidden;
+  const int64_t El = c.experts / c.ep, zero_expert = c.experts / 2 + 1;
+  int64_t offset = 0;
+  for (int r = 0; r < c.ep; ++r) {
+    const int64_t T = c.tokens[r];
+    std::vector<int32_t> allowed;
+    for (int64_t e = 0; e < c.experts; ++e) {
+      if (e == zero_expert || (r == 0 && c.ep > 1 && e >= (c.ep - 1) * El)) continue;
+      allowed.push_back(static_cast<int32_t>(e));
+    }
+    EXPECT_GE(static_cast<int64_t>(allowed.size()), c.top_k);
+    Rng rng(mix64(seed * 131 + r));
+    std::vector<int32_t> idx;
+    for (int64_t t = 0; t < T; ++t) {
+      std::set<int32_t> picked;
+      while (static_cast<int64_t>(picked.size()) < c.top_k) {
+        const int32_t e = allowed[rng.below(allowed.size())];
+        if (picked.insert(e).second) idx.push_back(e);  // in draw order, not sorted
+      }
+    }
+    L.topk.push_back(Tensor::from_vector(idx, {T, c.top_k}));
+    L.x.push_back(testing::random_tensor({T, c.hidden}, DType::F32, seed * 1000 + r));
+    L.dout.push_back(testing::random_tensor({T * c.top_k, c.hidden}, DType::F32, seed * 2000 + r));
+    L.token_offset.push_back(offset);
+    offset += T;
+  }
+  L.all_x = concat(L.x, c.hidden, DType::F32);
+  L.all_topk = concat(L.topk, c.top_k, DType::I32);
+  L.all_dout = concat(L.dout, c.hidden, DType::F32);
+
+  LocalDispatcher local;
+  DispatchState st;
+  DispatchOut out = local.dispatch(L.all_x, L.all_topk, c.experts, st);
+  L.ref_rows = out.rows;
+  L.ref_counts = out.counts;
+  const std::vector<int64_t> counts = out.counts.to_vector<int64_t>();
+  EXPECT_EQ(counts[zero_expert], 0);
+  L.expert_offset.assign(c.experts + 1, 0);
+  for (int64_t e = 0; e < c.experts; ++e) L.expert_offset[e + 1] = L.expert_offset[e] + counts[e];
+  L.ref_combined = local.combine(times_expert(out.rows, counts, 0), st);
+  L.ref_drows = local.combine_backward(L.all_dout, st);
+  L.all_drows = testing::random_tensor(out.rows.shape(), DType::F32, seed * 3000);
+  L.ref_dx = local.dispatch_backward(L.all_drows, st);
+  return L;
+}
+
+// Bitwise equality of two f32 tensors (both hold copies or identically ordered sums).
+void expect_same(const Tensor& got, const Tensor& want, const std::string& what) {
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  const std::vector<float> a = got.to_vector<float>(), b = want.to_vector<float>();
+  int64_t bad = 0;
+  for (size_t i = 0; i < a.size(); ++i) bad += a[i] != b[i];
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << a.size() << " elements differ";
+}
+
+// One rank's dispatch / combine / backwards of `L`, checked against the reference.
+// `device`: where the rank's tensors live (the reference is on the host).
+struct RankRun {
+  const Layer& L;
+  int rank, ep;
+  Device device;
+  DispatchState st;
+  DispatchOut out;
+
+  int64_t El() const { return L.E / ep; }
+  int64_t first_row() const { return L.expert_offset[rank * El()]; }
+  int64_t end_row() const { return L.expert_offset[(rank + 1) * El()]; }
+
+  void dispatch(ExpertDispatcher& d) {
+    out = d.dispatch(L.x[rank].to(device), L.topk[rank].to(device), L.E, st);
+    d.wait(st);
+  }
+  void check_dispatch() {
+    const std::string where = "rank " + std::to_string(rank) + " of " + std::to_string(ep);
+    expect_same(out.rows.to(Device::cpu()), L.ref_rows.slice(first_row(), end_row()), where + " rows");
+    const std::vector<int64_t> all = L.ref_counts.to_vector<int64_t>();
+    EXPECT_EQ(out.counts.to_vector<int64_t>(),
+              std::vector<int64_t>(all.begin() + rank * El(), all.begin() + (rank + 1) * El()))
+        << where << " counts";
+  }
+  void combine_and_backward(ExpertDispatcher& d) {
+    const std::string where = "rank " + std::to_string(rank) + " of " + std::to_string(ep);
+    const int64_t T = L.x[rank].size(0), t0 = L.token_offset[rank];
+    const std::vector<int64_t> counts = out.counts.to_vector<int64_t>();
+    Tensor y = times_expert(out.rows.to(Device::cpu()), counts, rank * El()).to(device);
+    Tensor combined = d.combine(y, st);
+    d.wait(st);
+    expect_same(combined.to(Device::cpu()), L.ref_combined.slice(t0 * L.K, (t0 + T) * L.K), where + " combine");
+    Tensor drows = d.combine_backward(L.dout[rank].to(device), st);
+    d.wait(st);
+    expect_same(drows.to(Device::cpu()), L.ref_drows.slice(first_row(), end_row()), where + " combine_backward");
+    Tensor dx = d.dispatch_backward(L.all_drows.slice(first_row(), end_row()).to(device), st);
+    d.wait(st);
+    expect_same(dx.to(Device::cpu()), L.ref_dx.slice(t0, t0 + T), where + " dispatch_backward");
+  }
+};
+
+// Two layers per rank, interleaved as a forward then a backward pass would run them, so
+// one dispatcher serves several states at once.
+void run_case(const Case& c, AllToAllOptions options = {}) {
+  const Layer L0 = make_layer(c, 1), L1 = make_layer(c, 2);
+  run_ranks(c.ep, [&](Communicator& comm) {
+    AllToAllDispatcher d(comm, options);
+    EXPECT_EQ(d.num_local_experts(c.experts), c.experts / c.ep);
+    EXPECT_EQ(d.first_local_expert(c.experts), comm.rank() * (c.experts / c.ep));
+    RankRun a{L0, comm.rank(), c.ep, Device::cpu()}, b{L1, comm.rank(), c.ep, Device::cpu()};
+    a.dispatch(d);
+    b.dispatch(d);
+    a.check_dispatch();
+    b.check_dispatch();
+    b.combine_and_backward(d);
+    a.combine_and_backward(d);
+  });
+}
+
+TEST(ExpertParallel, TwoRanksMatchOneProcess) { run_case({2, 8, 2, 16, {37, 23}}); }
+
+TEST(ExpertParallel, FourRanksMatchOneProcessWithAnEmptyRank) { run_case({4, 8, 2, 12, {19, 0, 31, 8}}); }
+
+TEST(ExpertParallel, FourRanksManyExpertsPerRank) { run_case({4, 16, 4, 8, {40, 33, 1, 26}}); }
+
+TEST(ExpertParallel, OneRankIsTheLocalPermutation) { run_case({1, 4, 2, 8, {21}}); }
+
+TEST(ExpertParallel, OneLocalExpertPerRankNeedsNoRegroup) { run_case({4, 4, 2, 8, {9, 14, 6, 11}}); }
+
+TEST(ExpertParallel, CheckOffAndStreamOptionsAreHarmlessOnTheCpu) {
+  AllToAllOptions o;
+  o.check_conservation = false;
+  o.defer_wait = true;  // no stream on the CPU: wait() is a no-op
+  run_case({2, 8, 2, 16, {12, 17}}, o);
+}
+
+TEST(ExpertParallel, ExpertsMustSplitEvenly) {
+  run_ranks(4, [](Communicator& comm) {
+    AllToAllDispatcher d(comm);
+    try {
+      d.num_local_experts(6);
+      ADD_FAILURE() << "6 experts over 4 ranks accepted";
+    } catch (const Error& e) {
+      expect_contains(e.what(), "6 experts do not split evenly over 4 EP ranks");
+    }
+  });
+}
+
+TEST(ExpertParallel, ConservationViolationStopsEveryRankNamingTheNumbers) {
+  const Case c{2, 8, 2, 8, {10, 12}};
+  const Layer L = make_layer(c, 3);
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](Communicator& comm) {
+    AllToAllOptions o;
+    // Rank 1 miscounts what rank 0 sends its first expert.
+    if (comm.rank() == 1) o.tamper_received_counts = [](std::vector<int64_t>& got) { got[0] += 1; };
+    AllToAllDispatcher d(comm, o);
+    DispatchState st;
+    st.layer = 7;
+    try {
+      d.dispatch(L.x[comm.rank()], L.topk[comm.rank()], c.experts, st);
+    } catch (const Error& e) {
+      errors[comm.rank()] = e.what();
+    }
+  });
+  // Rank 0 sends rank 1 nothing (it avoids the last rank's experts); rank 1 now expects 1.
+  for (int r = 0; r < 2; ++r) {
+    const std::string who = "rank " + std::to_string(r);
+    expect_contains(errors[r],
+                    "expert dispatch of layer 7 on world: token conservation violated: rank 0 sends 0 rows to rank 1, "
+                    "which expects 1 from it",
+                    who);
+    expect_contains(errors[r], fmt::format("in all {} rows sent, {} expected", (10 + 12) * 2, (10 + 12) * 2 + 1), who);
+  }
+}
+
+// ---- NCCL, two GPUs ---------------------------------------------------------------------
+
+bool two_gpus() { return nccl_built() && cuda::available() && cuda::device_count() >= 2; }
+
+void run_case_nccl(const Case& c, bool defer, DType dtype) {
+  const Layer L0 = make_layer(c, 4), L1 = make_layer(c, 5);
+  auto store = Store::open("memory", 0, std::chrono::seconds(60));
+  std::vector<std::string> errors(2);
+  std::latch done(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      std::unique_ptr<Communicator> comm;
+      cuda::Stream stream = nullptr;
+      try {
+        comm = connect_nccl(store, r, 2, r, testing::test_options(std::chrono::seconds(60)));
+        stream = cuda::create_stream();
+        AllToAllOptions o;
+        o.comm_stream = stream;
+        o.defer_wait = defer;
+        AllToAllDispatcher d(*comm, o);
+        RankRun a{L0, r, 2, Device::cuda(r)}, b{L1, r, 2, Device::cuda(r)};
+        a.dispatch(d);
+        b.dispatch(d);
+        a.check_dispatch();
+        b.check_dispatch();
+        b.combine_and_backward(d);
+        a.combine_and_backward(d);
+        // bf16 rows: the copies are exact, so the rows equal the f32 reference rounded.
+        DispatchState st;
+        DispatchOut out = d.dispatch(L0.x[r].to(dtype).to(Device::cuda(r)), L0.topk[r].to(Device::cuda(r)), c.experts, st);
+        d.wait(st);
+        expect_same(out.rows.to(Device::cpu()).to(DType::F32),
+                    L0.ref_rows.slice(a.first_row(), a.end_row()).to(dtype).to(DType::F32), "bf16 rows");
+        comm->synchronize(stream);
+        cuda::device_synchronize();
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+      done.arrive_and_wait();
+      if (stream) cuda::destroy_stream(stream);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+TEST(ExpertParallelNccl, TwoGpusOnACommStreamMatchOneProcess) {
+  if (!two_gpus()) GTEST_SKIP() << "needs NCCL and 2 GPUs";
+  run_case_nccl({2, 8, 2, 64, {300, 257}}, /*defer=*/false, DType::BF16);
+}
+
+TEST(ExpertParallelNccl, DeferredWaitsMatchOneProcess) {
+  if (!two_gpus()) GTEST_SKIP() << "needs NCCL and 2 GPUs";
+  run_case_nccl({2, 16, 4, 64, {129, 0}}, /*defer=*/true, DType::BF16);
+}
+
+}  // namespace
+}  // namespace moetrain
