@@ -25,6 +25,16 @@
 namespace moetrain {
 
 enum class ReduceOp { Sum, Max };
+
+// A point-to-point transfer started by Communicator::isend / irecv. wait() returns when it
+// is done (Gloo: the bytes left / arrived; NCCL: enqueued on its stream, ordered like
+// send/recv), throwing an Error naming the op and peer on failure or timeout. Destroying an
+// unwaited request waits for it (errors are then only logged).
+class P2pRequest {
+ public:
+  virtual ~P2pRequest() = default;
+  virtual void wait() = 0;
+};
 std::string_view reduce_op_name(ReduceOp op);
 
 struct CommOptions {
@@ -71,6 +81,13 @@ class Communicator {
   // Point to point; the peer posts the matching recv/send with the same byte count.
   virtual void send(const Tensor& t, int peer, cuda::Stream stream = nullptr) = 0;
   virtual void recv(Tensor& t, int peer, cuda::Stream stream = nullptr) = 0;
+  // Non-blocking point to point, for schedules where both sides have messages in flight
+  // (pipeline activations one way, gradients the other). `tag` tells messages between the
+  // same two ranks apart: Gloo matches a recv with the send of the same tag in any order;
+  // NCCL ignores it and matches in the order posted, so callers post matching pairs in the
+  // same order on both sides. The tensor must stay alive until wait().
+  virtual std::unique_ptr<P2pRequest> isend(const Tensor& t, int peer, uint32_t tag, cuda::Stream stream = nullptr);
+  virtual std::unique_ptr<P2pRequest> irecv(Tensor& t, int peer, uint32_t tag, cuda::Stream stream = nullptr);
   // Returns when every rank has entered it (NCCL: and the ops before it have finished).
   virtual void barrier() = 0;
   // Waits for the ops enqueued on `stream` (nullptr: the default stream) to finish, up to

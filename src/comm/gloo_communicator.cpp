@@ -20,8 +20,10 @@
 namespace moetrain {
 namespace {
 
-// Slot prefix of point-to-point messages: above the ones gloo's collectives use (1-8).
+// Slot prefixes of point-to-point messages: above the ones gloo's collectives use (1-8).
+// Blocking send/recv use slot 0 of the first; isend/irecv put their tag in the second.
 constexpr uint8_t kP2pSlotPrefix = 0x20;
+constexpr uint8_t kTaggedP2pSlotPrefix = 0x21;
 
 // A buffer gloo can point at when a tensor holds no bytes.
 char g_empty_byte;
@@ -269,6 +271,58 @@ void GlooCommunicator::point_to_point(std::string_view op, const Tensor& t, int 
       buf->waitRecv(options().timeout);
     }
   });
+}
+
+class GlooCommunicator::Request final : public P2pRequest {
+ public:
+  Request(GlooCommunicator& comm, std::string_view op, int peer, uint32_t tag, Tensor t, bool sending)
+      : comm_(comm), op_(op), peer_(peer), tag_(tag), tensor_(std::move(t)), sending_(sending) {
+    if (tensor_.nbytes() == 0) return;
+    comm_.guarded(op_, peer_, [&] {
+      buf_ = comm_.state_->context->createUnboundBuffer(tensor_.raw(), tensor_.nbytes());
+      const gloo::Slot slot = gloo::Slot::build(kTaggedP2pSlotPrefix, tag_);
+      if (sending_) buf_->send(peer_, slot);
+      else buf_->recv(peer_, slot);
+    });
+  }
+  ~Request() override {
+    try {
+      wait();
+    } catch (const std::exception& e) {
+      spdlog::error("{}", e.what());
+    }
+  }
+  void wait() override {
+    if (!buf_) return;
+    auto buf = std::move(buf_);
+    comm_.guarded(fmt::format("{} (tag {})", op_, tag_), peer_, [&] {
+      if (sending_) buf->waitSend(comm_.options().timeout);
+      else buf->waitRecv(comm_.options().timeout);
+    });
+  }
+
+ private:
+  GlooCommunicator& comm_;
+  std::string op_;
+  int peer_;
+  uint32_t tag_;
+  Tensor tensor_;  // keeps the bytes alive while gloo reads or writes them
+  bool sending_;
+  std::unique_ptr<gloo::transport::UnboundBuffer> buf_;
+};
+
+std::unique_ptr<P2pRequest> GlooCommunicator::isend(const Tensor& t, int peer, uint32_t tag, cuda::Stream) {
+  check_cpu("isend", t, "tensor");
+  check_peer("isend", peer);
+  MT_CHECK(peer != rank(), "{}: the peer is this rank itself", where("isend"));
+  return std::make_unique<Request>(*this, "isend", peer, tag, t, true);
+}
+
+std::unique_ptr<P2pRequest> GlooCommunicator::irecv(Tensor& t, int peer, uint32_t tag, cuda::Stream) {
+  check_cpu("irecv", t, "tensor");
+  check_peer("irecv", peer);
+  MT_CHECK(peer != rank(), "{}: the peer is this rank itself", where("irecv"));
+  return std::make_unique<Request>(*this, "irecv", peer, tag, t, false);
 }
 
 void GlooCommunicator::barrier() {

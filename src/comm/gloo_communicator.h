@@ -37,11 +37,14 @@ class GlooCommunicator final : public Communicator {
   void broadcast(Tensor& t, int root, cuda::Stream stream = nullptr) override;
   void send(const Tensor& t, int peer, cuda::Stream stream = nullptr) override;
   void recv(Tensor& t, int peer, cuda::Stream stream = nullptr) override;
+  std::unique_ptr<P2pRequest> isend(const Tensor& t, int peer, uint32_t tag, cuda::Stream stream = nullptr) override;
+  std::unique_ptr<P2pRequest> irecv(Tensor& t, int peer, uint32_t tag, cuda::Stream stream = nullptr) override;
   void barrier() override;
   void synchronize(cuda::Stream) override {}
   std::unique_ptr<Communicator> split(int color, int key, const std::string& name) override;
 
   struct State;  // gloo's context and device, the store, counters (gloo_communicator.cpp)
+  class Request;  // an isend / irecv in flight
 
  private:
   GlooCommunicator(int rank, int size, std::string name, CommOptions options, std::unique_ptr<State> state);

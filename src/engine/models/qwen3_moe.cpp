@@ -1,5 +1,6 @@
 #include "engine/models/qwen3_moe.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include <fmt/format.h>
@@ -253,29 +254,57 @@ Tensor Qwen3MoeDecoderLayer::reference_forward(const Tensor& x, const Tensor& po
 
 // ---- model -------------------------------------------------------------------------------
 
-struct Qwen3MoeModel::ForwardState {
-  std::vector<Qwen3MoeLayerState> layers;
-  Tensor final_in;
-  ops::RmsNormOut final_norm;
-  Tensor selections;       // load balancing: top-k picks per expert, summed over MoE layers
-  int64_t moe_rows = 0;    // router rows over all MoE layers (R)
-};
+Tensor RouterTotals::pack() const {
+  std::vector<double> v = selections.to_double_vector(), p = prob_sum.to_double_vector();
+  v.insert(v.end(), p.begin(), p.end());
+  v.push_back(static_cast<double>(rows));
+  v.push_back(z_sum);
+  return Tensor::from_vector(v, {static_cast<int64_t>(v.size())});
+}
+
+RouterTotals RouterTotals::unpack(const Tensor& packed, int64_t E, DType stat, Device device) {
+  MT_CHECK(packed.numel() == 2 * E + 2, "router totals message holds {} values, expected 2 * {} experts + 2",
+           packed.numel(), E);
+  const Tensor host = packed.device().is_cpu() ? packed.to(DType::F64) : packed.to(Device::cpu()).to(DType::F64);
+  RouterTotals t;
+  t.selections = host.slice(0, E).clone().to(stat).to(device);
+  t.prob_sum = host.slice(E, 2 * E).clone().to(stat).to(device);
+  t.rows = static_cast<int64_t>(std::llround(host.item(2 * E)));
+  t.z_sum = host.item(2 * E + 1);
+  return t;
+}
 
 Qwen3MoeModel::Qwen3MoeModel(Qwen3MoeConfig cfg, DType dtype, Device device, ModelPlacement placement)
-    : cfg_(std::move(cfg)), dtype_(dtype), device_(device), placement_(placement) {
+    : cfg_(std::move(cfg)), dtype_(dtype), device_(device), placement_(std::move(placement)) {
   cfg_.validate("model");
   MT_CHECK(placement_.ep_size >= 1 && placement_.ep_rank >= 0 && placement_.ep_rank < placement_.ep_size,
            "expert-parallel rank {} of {} is not a valid placement", placement_.ep_rank, placement_.ep_size);
+  std::vector<int64_t>& ids = placement_.layers;
+  if (ids.empty()) {
+    for (int64_t i = 0; i < cfg_.num_hidden_layers; ++i) ids.push_back(i);
+  }
+  for (size_t i = 0; i < ids.size(); ++i) {
+    MT_CHECK(ids[i] >= 0 && ids[i] < cfg_.num_hidden_layers && (i == 0 || ids[i] > ids[i - 1]),
+             "placement: layer ids must ascend within [0, num_hidden_layers = {}), got {} at position {}",
+             cfg_.num_hidden_layers, ids[i], i);
+  }
+  const bool embed = placement_.embed, head = placement_.head;
+  MT_CHECK(!cfg_.tie_word_embeddings || embed == head,
+           "[model].tie_word_embeddings needs the embedding and the head on one rank, but this pipeline rank holds "
+           "only the {}: use the dualpipev schedule (its V puts both on rank 0) or untied embeddings",
+           embed ? "embedding" : "head");
   const int64_t V = cfg_.vocab_size, H = cfg_.hidden_size;
   const double std = cfg_.initializer_range;
   // The embedding, final norm and head share one bucket; each layer brings its own.
-  BucketBuilder outer("model.embed_norm_head", false);
-  outer.add(&embed_, &g_embed_, {V, H});
-  outer.add(&final_norm_w_, &g_final_norm_w_, {H});
-  if (!cfg_.tie_word_embeddings) outer.add(&lm_head_, &g_lm_head_, {V, H});
-  buckets_.push_back(outer.build(dtype, device, placement_.bucket_pad));
-  params_.push_back({"model.embed_tokens.weight", embed_, g_embed_, true, std});
-  for (int64_t i = 0; i < cfg_.num_hidden_layers; ++i) {
+  if (embed || head) {
+    BucketBuilder outer("model.embed_norm_head", false);
+    if (embed) outer.add(&embed_, &g_embed_, {V, H});
+    if (head) outer.add(&final_norm_w_, &g_final_norm_w_, {H});
+    if (head && !cfg_.tie_word_embeddings) outer.add(&lm_head_, &g_lm_head_, {V, H});
+    buckets_.push_back(outer.build(dtype, device, placement_.bucket_pad));
+  }
+  if (embed) params_.push_back({"model.embed_tokens.weight", embed_, g_embed_, true, std});
+  for (const int64_t i : ids) {
     layers_.push_back(std::make_unique<Qwen3MoeDecoderLayer>(cfg_, i, dtype, device, placement_));
     layers_.back()->collect_parameters(params_);
     for (ParamBucket& b : layers_.back()->buckets()) {
@@ -284,27 +313,57 @@ Qwen3MoeModel::Qwen3MoeModel(Qwen3MoeConfig cfg, DType dtype, Device device, Mod
     }
     layers_.back()->buckets().clear();
   }
-  params_.push_back({"model.norm.weight", final_norm_w_, g_final_norm_w_, false, 0.0});
-  if (cfg_.tie_word_embeddings) {
+  if (head) params_.push_back({"model.norm.weight", final_norm_w_, g_final_norm_w_, false, 0.0});
+  if (head && cfg_.tie_word_embeddings) {
     lm_head_ = embed_;
     g_lm_head_ = g_embed_;
-  } else {
+  } else if (head) {
     params_.push_back({"lm_head.weight", lm_head_, g_lm_head_, true, std});
   }
   index_buckets(buckets_, params_);
   attach_masters(params_);
 }
 
-Tensor Qwen3MoeModel::run_forward(const Tensor& ids, const Tensor& positions, const BatchShape& b,
-                                  ExpertDispatcher& d, ForwardState& st, bool backward_follows) const {
-  st.layers.assign(layers_.size(), {});
-  if (hooks_) hooks_->before_forward(-1);
-  Tensor x = ops::embedding_forward(ids, embed_);
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    const Qwen3MoeDecoderLayer& layer = *layers_[i];
-    Qwen3MoeLayerState& s = st.layers[i];
-    if (hooks_) hooks_->before_forward(static_cast<int64_t>(i));
-    layer.attn_forward(x, positions, b, s);  // 1: attn
+size_t Qwen3MoeModel::local_layer(int64_t id) const {
+  const std::vector<int64_t>& ids = placement_.layers;
+  auto it = std::lower_bound(ids.begin(), ids.end(), id);
+  MT_CHECK(it != ids.end() && *it == id, "decoder layer {} is not held by this rank (it holds {} layers)", id,
+           ids.size());
+  return static_cast<size_t>(it - ids.begin());
+}
+
+ChunkSpec Qwen3MoeModel::whole() const {
+  const std::vector<int64_t>& ids = placement_.layers;
+  ChunkSpec c{ids.empty() ? 0 : ids.front(), ids.empty() ? 0 : ids.back() + 1, placement_.embed, placement_.head};
+  MT_CHECK(c.last_layer - c.first_layer == static_cast<int64_t>(ids.size()),
+           "this rank's layers are not one contiguous chunk: run them chunk by chunk");
+  return c;
+}
+
+RouterTotals Qwen3MoeModel::new_totals() const {
+  const DType stat = grad_dtype_for(dtype_);  // router statistics are f32 on the GPU
+  const int64_t E = cfg_.num_experts;
+  return {Tensor::zeros({E}, stat, device_), Tensor::zeros({E}, stat, device_), 0, 0.0};
+}
+
+Tensor Qwen3MoeModel::forward_chunk(const ChunkSpec& c, const Batch& batch, const Tensor& x_in, ExpertDispatcher& d,
+                                    ChunkActivations& a, RouterTotals& totals, const ChunkPass& pass,
+                                    MicroBatchLoss* loss) {
+  const BatchShape b{batch.batch, batch.seq, batch.segment_ids};
+  const int64_t n = c.last_layer - c.first_layer;
+  a.layers.assign(static_cast<size_t>(n), {});
+  Tensor x = x_in;
+  if (c.embed) {
+    MT_CHECK(placement_.embed, "an embed chunk on a rank without the embedding");
+    if (hooks_) hooks_->before_forward(-1);
+    x = ops::embedding_forward(batch.inputs, embed_);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t id = c.first_layer + j;
+    const Qwen3MoeDecoderLayer& layer = *layers_[local_layer(id)];
+    Qwen3MoeLayerState& s = a.layers[j];
+    if (hooks_) hooks_->before_forward(id);
+    layer.attn_forward(x, batch.positions, b, s);  // 1: attn
     if (layer.is_moe()) {
       s.expert_in = d.dispatch(s.ln2.y, s.route.topk_idx, cfg_.num_experts, s.dispatch);  // 2: dispatch
     } else {
@@ -313,20 +372,131 @@ Tensor Qwen3MoeModel::run_forward(const Tensor& ids, const Tensor& positions, co
     layer.mlp_forward(s);                                                          // 3: mlp
     s.expert_out = layer.is_moe() ? d.combine(s.mlp.y, s.dispatch) : s.mlp.y;     // 4: combine
     x = layer.aggregate_forward(s);                                                // 5: aggregate
-    if (hooks_) hooks_->after_forward(static_cast<int64_t>(i), backward_follows && i + 1 == layers_.size());
+    if (layer.is_moe()) {  // this layer's share of the router totals (see RouterTotals)
+      StageScope t(Stage::kLoss);
+      ops::load_balance_accumulate(s.route.probs, s.route.topk_idx, totals.selections, totals.prob_sum);
+      totals.rows += s.route.probs.size(0);
+      if (cfg_.router_z_loss_coef > 0) {
+        s.z = ops::router_z_loss_forward(s.router_logits);
+        totals.z_sum += s.z.loss_sum.item();
+      }
+      a.expert_counts.push_back(s.expert_in.counts.to_vector<int64_t>());
+    }
+    if (hooks_) hooks_->after_forward(id, pass.training && c.head && j + 1 == n);
   }
-  st.final_in = x;
+  if (!c.head) return x;
+
+  MT_CHECK(placement_.head && loss != nullptr, "a head chunk needs the head and somewhere to put the loss");
+  MicroBatchLoss& out = *loss;
+  a.final_in = x;
   {
     StageScope t(Stage::kNorms);
-    st.final_norm = ops::rmsnorm_forward(x, final_norm_w_, cfg_.rms_norm_eps);
+    a.final_norm = ops::rmsnorm_forward(x, final_norm_w_, cfg_.rms_norm_eps);
   }
-  return st.final_norm.y;
+  out.targets = batch.num_targets;
+  router_losses(totals, out);
+  a.totals = totals;
+  const Tensor& h = a.final_norm.y;
+  if (!pass.training) {
+    StageScope t(Stage::kLoss);
+    out.ce_sum = ops::linear_cross_entropy(h, lm_head_, batch.targets, 1.0, nullptr, nullptr).loss_sum.item();
+    if (hooks_) hooks_->after_forward(-1, false);
+    return Tensor();
+  }
+  // Head: logits = norm(x) W^T and cross-entropy, forward and backward in one chunked pass,
+  // so the head's gradients are made here and the chunk's backward starts from a.d_out.
+  if (hooks_) hooks_->before_backward(-1);
+  Tensor d_norm;
+  {
+    StageScope t(Stage::kLoss);
+    ops::LinearCrossEntropyOut head = ops::linear_cross_entropy(h, lm_head_, batch.targets, pass.ce_scale, &d_norm,
+                                                                &g_lm_head_, /*chunk_rows=*/0, pass.head_accumulate);
+    out.ce_sum = head.loss_sum.item();
+  }
+  {
+    StageScope t(Stage::kNorms);
+    ops::rmsnorm_backward_weight(d_norm, a.final_in, a.final_norm.rstd, g_final_norm_w_, pass.head_accumulate);
+    a.d_out = ops::rmsnorm_backward_input(d_norm, a.final_in, final_norm_w_, a.final_norm.rstd);
+  }
+  return Tensor();
+}
+
+Tensor Qwen3MoeModel::backward_chunk(const ChunkSpec& c, const Batch& batch, const Tensor& dy, ExpertDispatcher& d,
+                                     ChunkActivations& a, double aux_scale, bool weights_now, bool accumulate) {
+  const BatchShape b{batch.batch, batch.seq, batch.segment_ids};
+  const int64_t T = b.tokens(), n = c.last_layer - c.first_layer;
+  Tensor dx = c.head ? a.d_out : dy;
+  MT_CHECK(dx.defined(), "backward of layers [{}, {}): no output gradient", c.first_layer, c.last_layer);
+  a.d_out = Tensor();
+  for (int64_t j = n; j-- > 0;) {
+    const int64_t id = c.first_layer + j;
+    Qwen3MoeDecoderLayer& layer = *layers_[local_layer(id)];
+    Qwen3MoeLayerState& s = a.layers[j];
+    if (hooks_) hooks_->before_backward(id);
+    auto ag = layer.aggregate_backward(dx, s);                                                 // 5
+    Tensor d_rows = layer.is_moe() ? d.combine_backward(ag.d_expert_out, s.dispatch) : ag.d_expert_out;  // 4
+    Tensor d_in_rows = layer.mlp_backward_input(d_rows, s);                                    // 3
+    Tensor d_mlp_in = layer.is_moe() ? d.dispatch_backward(d_in_rows, s.dispatch) : d_in_rows;  // 2
+    Tensor d_probs, d_logits_z;
+    if (layer.is_moe()) {
+      StageScope t(Stage::kRouterPermute);
+      if (cfg_.router_aux_loss_coef > 0) {
+        d_probs = ops::load_balance_backward(a.totals.selections, T, a.totals.rows,
+                                             cfg_.router_aux_loss_coef * aux_scale);
+      }
+      if (cfg_.router_z_loss_coef > 0) {
+        d_logits_z = ops::router_z_loss_backward(
+            s.route.probs, s.z.lse, cfg_.router_z_loss_coef * aux_scale / static_cast<double>(a.totals.rows));
+      }
+    }
+    dx = layer.attn_backward_input(dx, d_mlp_in, ag.d_topk_weight, d_probs, d_logits_z, batch.positions, b, s);  // 1
+    if (weights_now) {
+      layer.backward_weight(s, accumulate);
+      s = Qwen3MoeLayerState();
+      if (hooks_) hooks_->after_backward(id);
+    }
+  }
+  if (!c.embed) return dx;
+  a.d_embed_out = dx;
+  if (weights_now) {
+    backward_chunk_weight(ChunkSpec{c.first_layer, c.first_layer, true, false}, batch, a, accumulate);
+    if (hooks_) hooks_->after_backward(-1);
+  }
+  return Tensor();
+}
+
+void Qwen3MoeModel::backward_chunk_weight(const ChunkSpec& c, const Batch& batch, ChunkActivations& a,
+                                          bool accumulate) {
+  for (int64_t j = c.last_layer - c.first_layer; j-- > 0;) {
+    layers_[local_layer(c.first_layer + j)]->backward_weight(a.layers[j], accumulate);
+    a.layers[j] = Qwen3MoeLayerState();
+  }
+  if (c.embed) {
+    // Tied: the head has already written (or added to) this gradient.
+    ops::embedding_backward_weight(batch.inputs, a.d_embed_out, g_embed_, accumulate || cfg_.tie_word_embeddings);
+    a.d_embed_out = Tensor();
+  }
 }
 
 Tensor Qwen3MoeModel::forward_logits(const Tensor& ids, const Tensor& positions, const BatchShape& b,
                                      ExpertDispatcher& dispatcher) {
-  ForwardState st;
-  Tensor h = run_forward(ids, positions, b, dispatcher, st, false);
+  Batch batch;
+  batch.inputs = ids;
+  batch.positions = positions;
+  batch.segment_ids = b.segment_ids;
+  batch.batch = b.batch;
+  batch.seq = b.seq;
+  ChunkSpec c = whole();
+  c.head = false;
+  ChunkActivations a;
+  RouterTotals totals = new_totals();
+  Tensor x = forward_chunk(c, batch, Tensor(), dispatcher, a, totals, ChunkPass{false}, nullptr);
+  a = ChunkActivations();
+  Tensor h;
+  {
+    StageScope t(Stage::kNorms);
+    h = ops::rmsnorm_forward(x, final_norm_w_, cfg_.rms_norm_eps).y;
+  }
   StageScope t(Stage::kLoss);
   Tensor logits = ops::linear_forward(h, lm_head_);
   if (hooks_) hooks_->after_forward(-1, false);
@@ -343,108 +513,46 @@ Tensor Qwen3MoeModel::reference_forward(const Tensor& ids, const Tensor& positio
 // The router losses over the rows of all MoE layers (HF concatenates every layer's gate
 // logits before computing the load-balancing loss, so n_e and P_e are totals over layers
 // and R = moe_layers * T). The cross-entropy is the head's (linear_cross_entropy).
-MicroBatchLoss Qwen3MoeModel::router_losses(const Batch& batch, ForwardState& st) const {
+void Qwen3MoeModel::router_losses(RouterTotals& totals, MicroBatchLoss& out) const {
   StageScope t(Stage::kLoss);
-  MicroBatchLoss out;
-  out.targets = batch.num_targets;
   const int64_t E = cfg_.num_experts;
-  const DType stat = grad_dtype_for(dtype_);  // router statistics are f32 on the GPU
-  Tensor selections = Tensor::zeros({E}, stat, device_), prob_sum = Tensor::zeros({E}, stat, device_);
-  int64_t rows = 0;
-  double z_sum = 0;
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    if (!layers_[i]->is_moe()) continue;
-    Qwen3MoeLayerState& s = st.layers[i];
-    ops::load_balance_accumulate(s.route.probs, s.route.topk_idx, selections, prob_sum);
-    rows += s.route.probs.size(0);
-    if (cfg_.router_z_loss_coef > 0) {
-      s.z = ops::router_z_loss_forward(s.router_logits);
-      z_sum += s.z.loss_sum.item();
-    }
-    out.expert_counts.push_back(s.expert_in.counts.to_vector<int64_t>());
-  }
   if (data_group_ != nullptr) {
     // The load-balancing loss is a product of batch means: every rank needs the global ones.
-    data_group_->all_reduce(selections);
-    data_group_->all_reduce(prob_sum);
-    Tensor r = Tensor::full({1}, static_cast<double>(rows), DType::F64);
+    data_group_->all_reduce(totals.selections);
+    data_group_->all_reduce(totals.prob_sum);
+    Tensor r = Tensor::full({1}, static_cast<double>(totals.rows), DType::F64);
     if (!device_.is_cpu() && data_group_->backend() != "gloo") r = r.to(device_);
     data_group_->all_reduce(r);
-    rows = static_cast<int64_t>(std::llround(r.item()));
+    totals.rows = static_cast<int64_t>(std::llround(r.item()));
   }
-  if (rows > 0) {
+  if (totals.rows > 0) {
     double dotp = 0;
-    const std::vector<double> n = selections.to_double_vector(), p = prob_sum.to_double_vector();
+    const std::vector<double> n = totals.selections.to_double_vector(), p = totals.prob_sum.to_double_vector();
     for (int64_t e = 0; e < E; ++e) dotp += n[e] * p[e];
-    out.aux_loss = cfg_.router_aux_loss_coef * static_cast<double>(E) * dotp / (static_cast<double>(rows) * rows);
-    out.z_loss = cfg_.router_z_loss_coef * z_sum / static_cast<double>(rows);
+    const double R = static_cast<double>(totals.rows);
+    out.aux_loss = cfg_.router_aux_loss_coef * static_cast<double>(E) * dotp / (R * R);
+    out.z_loss = cfg_.router_z_loss_coef * totals.z_sum / R;
   }
-  st.selections = selections;
-  st.moe_rows = rows;
-  return out;
 }
 
 MicroBatchLoss Qwen3MoeModel::forward_loss(const Batch& batch, ExpertDispatcher& dispatcher) {
-  ForwardState st;
-  BatchShape b{batch.batch, batch.seq, batch.segment_ids};
-  Tensor h = run_forward(batch.inputs, batch.positions, b, dispatcher, st, false);
-  MicroBatchLoss out = router_losses(batch, st);
-  StageScope t(Stage::kLoss);
-  out.ce_sum = ops::linear_cross_entropy(h, lm_head_, batch.targets, 1.0, nullptr, nullptr).loss_sum.item();
-  if (hooks_) hooks_->after_forward(-1, false);
+  ChunkActivations a;
+  RouterTotals totals = new_totals();
+  MicroBatchLoss out;
+  forward_chunk(whole(), batch, Tensor(), dispatcher, a, totals, ChunkPass{false}, &out);
+  out.expert_counts = std::move(a.expert_counts);
   return out;
 }
 
 MicroBatchLoss Qwen3MoeModel::forward_backward(const Batch& batch, ExpertDispatcher& d, double ce_scale,
                                                double aux_scale, bool accumulate_grads) {
-  ForwardState st;
-  BatchShape b{batch.batch, batch.seq, batch.segment_ids};
-  Tensor h = run_forward(batch.inputs, batch.positions, b, d, st, true);
-  MicroBatchLoss out = router_losses(batch, st);
-
-  // Head: logits = norm(x) W^T and cross-entropy, forward and backward in one chunked pass.
-  if (hooks_) hooks_->before_backward(-1);
-  Tensor d_norm, dx;
-  {
-    StageScope t(Stage::kLoss);
-    ops::LinearCrossEntropyOut head = ops::linear_cross_entropy(h, lm_head_, batch.targets, ce_scale, &d_norm, &g_lm_head_,
-                                                                /*chunk_rows=*/0, accumulate_grads);
-    out.ce_sum = head.loss_sum.item();
-  }
-  {
-    StageScope t(Stage::kNorms);
-    ops::rmsnorm_backward_weight(d_norm, st.final_in, st.final_norm.rstd, g_final_norm_w_, accumulate_grads);
-    dx = ops::rmsnorm_backward_input(d_norm, st.final_in, final_norm_w_, st.final_norm.rstd);
-  }
-
-  const int64_t T = b.tokens();
-  for (size_t li = layers_.size(); li-- > 0;) {
-    Qwen3MoeDecoderLayer& layer = *layers_[li];
-    Qwen3MoeLayerState& s = st.layers[li];
-    if (hooks_) hooks_->before_backward(static_cast<int64_t>(li));
-    auto ag = layer.aggregate_backward(dx, s);                                                 // 5
-    Tensor d_rows = layer.is_moe() ? d.combine_backward(ag.d_expert_out, s.dispatch) : ag.d_expert_out;  // 4
-    Tensor d_in_rows = layer.mlp_backward_input(d_rows, s);                                    // 3
-    Tensor d_mlp_in = layer.is_moe() ? d.dispatch_backward(d_in_rows, s.dispatch) : d_in_rows;  // 2
-    Tensor d_probs, d_logits_z;
-    if (layer.is_moe()) {
-      StageScope t(Stage::kRouterPermute);
-      if (cfg_.router_aux_loss_coef > 0) {
-        d_probs = ops::load_balance_backward(st.selections, T, st.moe_rows, cfg_.router_aux_loss_coef * aux_scale);
-      }
-      if (cfg_.router_z_loss_coef > 0) {
-        d_logits_z = ops::router_z_loss_backward(s.route.probs, s.z.lse,
-                                                 cfg_.router_z_loss_coef * aux_scale / static_cast<double>(st.moe_rows));
-      }
-    }
-    dx = layer.attn_backward_input(dx, d_mlp_in, ag.d_topk_weight, d_probs, d_logits_z, batch.positions, b, s);  // 1
-    layer.backward_weight(s, accumulate_grads);
-    s = Qwen3MoeLayerState();
-    if (hooks_) hooks_->after_backward(static_cast<int64_t>(li));
-  }
-  // Tied: the head has already written (or added to) this gradient.
-  ops::embedding_backward_weight(batch.inputs, dx, g_embed_, accumulate_grads || cfg_.tie_word_embeddings);
-  if (hooks_) hooks_->after_backward(-1);
+  const ChunkSpec c = whole();
+  ChunkActivations a;
+  RouterTotals totals = new_totals();
+  MicroBatchLoss out;
+  forward_chunk(c, batch, Tensor(), d, a, totals, ChunkPass{true, ce_scale, aux_scale, accumulate_grads}, &out);
+  backward_chunk(c, batch, Tensor(), d, a, aux_scale, /*weights_now=*/true, accumulate_grads);
+  out.expert_counts = std::move(a.expert_counts);
   return out;
 }
 
@@ -452,9 +560,9 @@ int64_t Qwen3MoeModel::active_matmul_params() const {
   const int64_t H = cfg_.hidden_size, hd = cfg_.head_dim;
   const int64_t attn = H * hd * (2 * cfg_.num_attention_heads + 2 * cfg_.num_key_value_heads);
   int64_t n = cfg_.vocab_size * H;  // lm_head (the embedding lookup is no matmul)
-  for (const auto& layer : layers_) {
+  for (int64_t i = 0; i < cfg_.num_hidden_layers; ++i) {
     n += attn;
-    if (layer->is_moe()) {
+    if (cfg_.is_moe_layer(i)) {
       n += H * cfg_.num_experts + cfg_.num_experts_per_tok * 3 * H * cfg_.moe_intermediate_size;
     } else {
       n += 3 * H * cfg_.intermediate_size;

@@ -62,6 +62,50 @@ struct ModelPlacement {
   // Each parameter bucket is padded to a multiple of this many elements, so the sharded
   // optimizer can cut it into equal shards (the size of the largest sharding group).
   int64_t bucket_pad = 1;
+  // Pipeline parallelism: the decoder layers this rank holds (global ids, ascending; empty:
+  // all), and whether it holds the embedding (first chunk) and the final norm + head (last).
+  std::vector<int64_t> layers;
+  bool embed = true, head = true;
+};
+
+// A pipeline chunk: decoder layers [first_layer, last_layer) (global ids), after the
+// embedding when `embed`, followed by the final norm, head and loss when `head`.
+struct ChunkSpec {
+  int64_t first_layer = 0, last_layer = 0;
+  bool embed = false, head = false;
+};
+
+// Router statistics a micro-batch carries from chunk to chunk. HF's load-balancing loss is
+// E * sum_e (n_e / R)(P_e / R) over the rows of EVERY MoE layer, which does not split into
+// per-layer terms: each chunk adds its layers' picks n_e, probability sums P_e and rows R,
+// and the head turns the totals (summed over the data ranks too) into the loss. The
+// backward of every MoE layer needs the final n_e and R, so they travel back with the
+// gradients. pack()/unpack() give the f64 [2E + 2] message pipeline ranks exchange.
+struct RouterTotals {
+  Tensor selections, prob_sum;  // [E], the router statistic dtype, on the model's device
+  int64_t rows = 0;
+  double z_sum = 0;             // sum over rows of logsumexp(logits)^2 (router z-loss)
+  Tensor pack() const;          // f64 [2E + 2] on the CPU
+  static RouterTotals unpack(const Tensor& packed, int64_t num_experts, DType stat, Device device);
+};
+
+// What one micro-batch's pass through a chunk keeps for its backward.
+struct ChunkActivations {
+  std::vector<Qwen3MoeLayerState> layers;  // the chunk's decoder layers, in order
+  Tensor final_in;                         // head: the final norm's input, its output, and
+  ops::RmsNormOut final_norm;              //   the loss gradient at the chunk output,
+  Tensor d_out;                            //   computed with the loss in the forward
+  Tensor d_embed_out;                      // embed: gradient at the embedding output (for W)
+  RouterTotals totals;                     // the micro-batch's final totals (for backward)
+  std::vector<std::vector<int64_t>> expert_counts;  // per MoE layer of the chunk
+};
+
+// How a chunk's forward runs.
+struct ChunkPass {
+  bool training = true;          // keep state for backward; the head computes its gradient
+  double ce_scale = 1.0;         // head: d loss / d (sum of token cross-entropies)
+  double aux_scale = 1.0;        // scale of the router losses (1 / micro-batches)
+  bool head_accumulate = false;  // head: add to the head's weight gradients (else write)
 };
 
 // Told by the model when weights are about to be used and when their gradients are final,
@@ -154,6 +198,7 @@ class Qwen3MoeModel {
   const Qwen3MoeConfig& config() const { return cfg_; }
   const ModelPlacement& placement() const { return placement_; }
   DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
   ParameterList& parameters() { return params_; }
   // Every parameter lies in exactly one bucket (members indexed into parameters()).
   std::vector<ParamBucket>& buckets() { return buckets_; }
@@ -180,17 +225,37 @@ class Qwen3MoeModel {
   // Logits through each layer's reference_forward (no dispatcher, no saved state).
   Tensor reference_forward(const Tensor& ids, const Tensor& positions, const BatchShape& b) const;
 
-  // Training FLOPs per token: 6 * active matmul parameters + 12 * layers * heads * head_dim * seq.
+  // ---- pipeline pieces: a chunk's F, B (input gradient) and W (weight gradient) ----
+  // The chunk of everything this rank holds.
+  ChunkSpec whole() const;
+  // Empty totals to start a micro-batch's first chunk with.
+  RouterTotals new_totals() const;
+  // F. `x`: the chunk input [T, H] (ignored by an embed chunk, which reads batch.inputs).
+  // Adds the chunk's router statistics to `totals`. Returns the chunk output; a head chunk
+  // instead fills *loss (its router losses use the totals summed over the data group) and,
+  // when training, a.d_out and the head's weight gradients, and returns an undefined tensor.
+  Tensor forward_chunk(const ChunkSpec& c, const Batch& batch, const Tensor& x, ExpertDispatcher& d,
+                       ChunkActivations& a, RouterTotals& totals, const ChunkPass& pass, MicroBatchLoss* loss);
+  // B: the gradient at the chunk input from `dy`, the gradient at its output (a head chunk
+  // starts from a.d_out); a.totals must hold the micro-batch's final totals. With
+  // `weights_now`, each layer's weight gradients follow its input gradient at once (written
+  // or added per `accumulate`) and its state is dropped; otherwise backward_chunk_weight does
+  // them later. An embed chunk returns an undefined tensor.
+  Tensor backward_chunk(const ChunkSpec& c, const Batch& batch, const Tensor& dy, ExpertDispatcher& d,
+                        ChunkActivations& a, double aux_scale, bool weights_now, bool accumulate);
+  // W: every weight gradient of the chunk from what its B kept.
+  void backward_chunk_weight(const ChunkSpec& c, const Batch& batch, ChunkActivations& a, bool accumulate);
+
+  // Training FLOPs per token: 6 * active matmul parameters + 12 * layers * heads * head_dim * seq
+  // (of the whole model, whatever part this rank holds).
   double flops_per_token(int64_t seq) const;
   int64_t active_matmul_params() const;
 
  private:
-  struct ForwardState;
-  // Embedding, decoder layers and final norm; returns the normed hidden states [T, H] (the
-  // head's input).
-  Tensor run_forward(const Tensor& ids, const Tensor& positions, const BatchShape& b, ExpertDispatcher& d,
-                     ForwardState& st, bool backward_follows) const;
-  MicroBatchLoss router_losses(const Batch& batch, ForwardState& st) const;
+  // The local index of global layer `id` (an Error when this rank does not hold it).
+  size_t local_layer(int64_t id) const;
+  // The head's router losses from the micro-batch's totals (summed over the data group).
+  void router_losses(RouterTotals& totals, MicroBatchLoss& out) const;
 
   Qwen3MoeConfig cfg_;
   DType dtype_;
@@ -201,7 +266,7 @@ class Qwen3MoeModel {
   std::vector<ParamBucket> buckets_;
   Tensor embed_, final_norm_w_, lm_head_;  // lm_head_ aliases embed_ when tied
   Tensor g_embed_, g_final_norm_w_, g_lm_head_;
-  std::vector<std::unique_ptr<Qwen3MoeDecoderLayer>> layers_;
+  std::vector<std::unique_ptr<Qwen3MoeDecoderLayer>> layers_;  // the layers held, ascending id
   ParameterList params_;
 };
 
