@@ -3,10 +3,22 @@
 
 #include <functional>
 
+#include "core/error.h"
 #include "core/rng.h"
 #include "core/tensor.h"
 
 namespace moetrain::testing {
+
+// The message of the moetrain::Error that f() throws; "" when it throws none.
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const moetrain::Error& e) {
+    return e.what();
+  }
+  return "";
+}
 
 // N(0, scale^2) entries drawn from the stream keyed by `seed`.
 inline Tensor random_tensor(const Shape& shape, DType dtype, uint64_t seed, double scale = 1.0) {

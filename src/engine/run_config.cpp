@@ -29,7 +29,10 @@ ConfigFields::Check in_half_open(const double* v, double lo, double hi) {
 }  // namespace
 
 void ParallelConfig::describe(ConfigFields& f) {
-  f.add("pp", &pp, "pipeline-parallel stages", must_be_one_for_now(&pp, "pipeline parallelism"));
+  f.add("pp", &pp, "pipeline-parallel stages", positive(&pp));
+  f.add("schedule", &schedule,
+        "pipeline schedule (pp > 1): dualpipev (2 * pp chunks in a V, needs grad_accum_steps >= 2 * pp) or 1f1b",
+        one_of(&schedule, {"dualpipev", "1f1b"}));
   f.add("cp", &cp, "context-parallel ranks (ring attention)", must_be_one_for_now(&cp, "context parallelism"));
   f.add("ep", &ep, "expert-parallel ranks (experts split evenly over them)", positive(&ep));
   f.add("dp", &dp, "data-parallel ranks, sharded (ZeRO); -1 = world / (pp * cp * ep)",

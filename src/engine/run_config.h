@@ -16,6 +16,7 @@ namespace moetrain {
 struct ParallelConfig {
   int64_t pp = 1, cp = 1, ep = 1;
   int64_t dp = -1;  // -1: inferred as world / (pp * cp * ep)
+  std::string schedule = "dualpipev";  // pipeline schedule when pp > 1: "dualpipev" or "1f1b"
   // Data-parallel sharding (ZeRO): gradients and optimizer state are always sharded over
   // the data ranks; with shard_weights the weights too, gathered per layer when used (ZeRO-3).
   bool shard_weights = true;

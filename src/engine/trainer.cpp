@@ -21,6 +21,8 @@
 #include "engine/parallel/expert_dispatch.h"
 #include "engine/parallel/fsdp.h"
 #include "engine/parallel/parallel_context.h"
+#include "engine/pipeline/executor.h"
+#include "engine/pipeline/schedule.h"
 #include "engine/telemetry/metrics.h"
 #include "engine/telemetry/progress.h"
 #include "engine/telemetry/stage_timer.h"
@@ -204,6 +206,77 @@ StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, FsdpCo
   return r;
 }
 
+namespace {
+
+// Sums over `group` a few doubles and takes the max of the last one (in place).
+void sum_then_max(Communicator& group, std::vector<double>& sums, double& max_value, Device device) {
+  all_reduce_doubles(group, sums, device);
+  Tensor m = Tensor::full({1}, max_value, DType::F64);
+  if (group.backend() != "gloo" && !device.is_cpu()) m = m.to(device);
+  group.all_reduce(m, ReduceOp::Max);
+  max_value = m.item();
+}
+
+// Validation through the pipeline: the head ranks hold the cross-entropy and the targets.
+double pipeline_validation_loss(PipelineExecutor& ex, const PipelineSchedule& forward, DataLoader& val,
+                                Communicator& world, Device device) {
+  val.reset();
+  std::vector<Batch> batches;
+  for (int m = 0; m < forward.micro_batches; ++m) batches.push_back(on_device(val.next(), device));
+  const PipelineExecutor::Result r = ex.forward(forward, batches);
+  std::vector<double> sums{0, 0};
+  if (r.has_head) {
+    sums[0] = r.ce_sum;
+    for (const Batch& b : batches) sums[1] += static_cast<double>(b.num_targets);
+  }
+  all_reduce_doubles(world, sums, device);
+  return sums[0] / std::max(sums[1], 1.0);
+}
+
+}  // namespace
+
+StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, const Qwen3MoeModel& model,
+                      FsdpContext& fsdp, Communicator& data_group, Communicator& world,
+                      const std::vector<Batch>& batches, double lr, double grad_clip) {
+  const Device device = model.device();
+  std::vector<double> targets{0};
+  for (const Batch& b : batches) targets[0] += static_cast<double>(b.num_targets);
+  all_reduce_doubles(data_group, targets, device);
+  MT_CHECK(targets[0] > 0, "no token of the step's batches has a target on any rank");
+  const double n = static_cast<double>(batches.size());
+  PipelineExecutor::Result pr = ex.train(schedule, batches, 1.0 / targets[0], 1.0 / n);
+  // Only the ranks holding the head have losses; each data rank's head rank adds its share
+  // (the load-balancing loss is already global on each, so each adds 1 / data ranks of it).
+  StepResult r;
+  std::vector<double> sums{pr.ce_sum, pr.z_loss / n, pr.aux_loss / n / static_cast<double>(data_group.size())};
+  // Expert loads: this stage's layers, summed over the data ranks at global expert ids; the
+  // imbalance of the worst layer anywhere is the max over the world.
+  const int64_t E = model.config().num_experts, first = model.placement().ep_rank * E / model.placement().ep_size;
+  std::vector<double> counts;
+  for (const auto& layer : pr.expert_counts) {
+    std::vector<double> global(static_cast<size_t>(E), 0.0);
+    for (size_t e = 0; e < layer.size(); ++e) global[first + e] = static_cast<double>(layer[e]);
+    counts.insert(counts.end(), global.begin(), global.end());
+  }
+  all_reduce_doubles(data_group, counts, device);
+  for (size_t k = 0; k < pr.expert_counts.size(); ++k) {
+    r.expert_counts.emplace_back(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) r.expert_counts[k][e] = std::llround(counts[k * E + e]);
+  }
+  double imbalance = expert_imbalance(r.expert_counts);
+  sum_then_max(world, sums, imbalance, device);
+  r.expert_imbalance = imbalance;
+  r.loss = sums[0] / targets[0];
+  r.aux_loss = sums[1] + sums[2];
+  StageScope t(Stage::kOptimizer);
+  MT_CHECK(std::isfinite(r.loss), "training loss is not finite ({})", r.loss);
+  fsdp.reduce_scatter_grads();
+  const GradNorm g = fsdp.grad_norm(grad_clip);
+  r.grad_norm = g.norm;
+  fsdp.step(lr, g.clip_scale);
+  return r;
+}
+
 TrainSummary train(const RunConfig& cfg_in) {
   RunConfig cfg = cfg_in;
   const auto run_start = Clock::now();
@@ -228,7 +301,35 @@ TrainSummary train(const RunConfig& cfg_in) {
   const bool gpu = tc.device == "cuda";
   const Device device = par.device;
   const int64_t shard_ranks = par.comms ? par.comms->dp_cp_ep->size() : 1;
-  Qwen3MoeModel model(cfg.model, gpu ? DType::BF16 : DType::F32, device, {par.ep, par.ep_rank, shard_ranks});
+  ModelPlacement placement{par.ep, par.ep_rank, shard_ranks};
+  // Pipeline: the schedule of a training step and of a validation pass, the model cut into
+  // its chunks, and this rank's share of them (pipeline/executor.h).
+  std::unique_ptr<PipelineSchedule> pipe_train, pipe_val;
+  std::vector<ChunkSpec> chunks;
+  if (par.pp > 1) {
+    const bool v = cfg.parallel.schedule == "dualpipev";
+    try {
+      pipe_train = std::make_unique<PipelineSchedule>(v ? make_dualpipev(par.pp, static_cast<int>(tc.grad_accum_steps))
+                                                        : make_1f1b(par.pp, static_cast<int>(tc.grad_accum_steps)));
+      validate(*pipe_train);
+    } catch (const Error& e) {
+      MT_THROW("[parallel].schedule = \"{}\" with pp = {} and [training].grad_accum_steps = {} micro-batches: {}",
+               cfg.parallel.schedule, par.pp, tc.grad_accum_steps, e.what());
+    }
+    pipe_val = std::make_unique<PipelineSchedule>(make_forward_only(par.pp, static_cast<int>(tc.eval_batches), v));
+    chunks = partition_layers(cfg.model.num_hidden_layers, pipe_train->num_chunks);
+    placement = pipeline_placement(chunks, *pipe_train, par.pp_rank, placement);
+    std::string layout;
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      layout += fmt::format("{}{}:[{},{}){}", c ? " " : "", c, chunks[c].first_layer, chunks[c].last_layer,
+                            chunks[c].embed ? "+embed" : chunks[c].head ? "+head" : "");
+    }
+    const ScheduleTimes t = simulate(*pipe_train, 1.0, 1.0, 1.0);
+    spdlog::info("pipeline: {} over {} ranks, {} micro-batches per step; chunks (layers) {}; bubble {:.1f}% at equal "
+                 "F/B/W times",
+                 pipe_train->name, par.pp, tc.grad_accum_steps, layout, 100.0 * t.bubble_fraction);
+  }
+  Qwen3MoeModel model(cfg.model, gpu ? DType::BF16 : DType::F32, device, placement);
   model.init_weights(seed);
   std::unique_ptr<ExpertDispatcher> dispatcher_ptr = make_dispatcher(par);
   ExpertDispatcher& dispatcher = *dispatcher_ptr;
@@ -237,10 +338,19 @@ TrainSummary train(const RunConfig& cfg_in) {
   const AdamWConfig adamw{oc.beta1, oc.beta2, oc.eps, oc.weight_decay};
   std::unique_ptr<FsdpContext> fsdp;
   std::unique_ptr<AdamW> single_opt;
+  std::unique_ptr<PipelineExecutor> pipeline;
   if (par.distributed()) {
     model.set_data_group(par.data_group());
+    // Under a pipeline many micro-batches are in flight at once, so weights stay whole
+    // (ZeRO-2): gathering them per micro-batch and chunk would multiply the traffic.
+    const bool shard_weights = cfg.parallel.shard_weights && par.pp == 1;
+    if (cfg.parallel.shard_weights && !shard_weights) {
+      spdlog::info("parallel: weights kept whole under pipeline parallelism (ZeRO-2: gradients and optimizer "
+                   "state sharded)");
+    }
     fsdp = std::make_unique<FsdpContext>(model, *par.comms->dp_cp_ep, *par.comms->dp_cp, *par.comms->world, adamw,
-                                         cfg.parallel.shard_weights);
+                                         shard_weights);
+    if (par.pp > 1) pipeline = std::make_unique<PipelineExecutor>(model, dispatcher, par.pp_group(), chunks);
   } else {
     single_opt = std::make_unique<AdamW>(params, adamw);
   }
@@ -329,7 +439,7 @@ TrainSummary train(const RunConfig& cfg_in) {
     st["model_dtype"] = std::string(dtype_name(params.front().value.dtype()));
     st["world_size"] = par.world;
     st["parallel"] = {{"pp", cfg.parallel.pp}, {"dp", par.world / (cfg.parallel.pp * cfg.parallel.cp * par.ep)},
-                      {"cp", cfg.parallel.cp}, {"ep", par.ep}};
+                      {"cp", cfg.parallel.cp}, {"ep", par.ep}, {"schedule", cfg.parallel.schedule}};
     st["moetrain_version"] = MOETRAIN_VERSION;
     st["config"] = cfg.to_toml();
     st["hf_config"] = nlohmann::json::parse(cfg.model.to_hf_json());
@@ -346,6 +456,7 @@ TrainSummary train(const RunConfig& cfg_in) {
     spdlog::info("metrics: {}/metrics.jsonl", cfg.metrics.dir);
   }
   auto validate = [&] {
+    if (pipeline) return pipeline_validation_loss(*pipeline, *pipe_val, val_loader, *par.comms->world, device);
     return validation_loss(model, dispatcher, val_loader, tc.eval_batches, device, par.data_group());
   };
 
@@ -366,8 +477,10 @@ TrainSummary train(const RunConfig& cfg_in) {
     const double lr = schedule.at(step);
     StepResult r;
     try {
-      r = fsdp ? train_step(model, dispatcher, *fsdp, *par.data_group(), batches, lr, tc.grad_clip)
-               : train_step(model, dispatcher, opt, batches, lr, tc.grad_clip);
+      r = pipeline ? train_step(*pipeline, *pipe_train, model, *fsdp, *par.data_group(), *par.comms->world, batches,
+                                lr, tc.grad_clip)
+          : fsdp   ? train_step(model, dispatcher, *fsdp, *par.data_group(), batches, lr, tc.grad_clip)
+                   : train_step(model, dispatcher, opt, batches, lr, tc.grad_clip);
     } catch (const Error& e) {
       MT_THROW("step {}: {}", step + 1, e.what());
     }
@@ -385,7 +498,7 @@ TrainSummary train(const RunConfig& cfg_in) {
     m.tokens = tokens_per_step * (step + 1);
     m.tokens_per_s = static_cast<double>(tokens_per_step) / dt;
     m.tflops = flops_per_token * m.tokens_per_s / 1e12;
-    m.expert_load_max_over_mean = expert_imbalance(r.expert_counts);
+    m.expert_load_max_over_mean = r.expert_imbalance >= 0 ? r.expert_imbalance : expert_imbalance(r.expert_counts);
     m.peak_memory_bytes = gpu ? cuda::device_memory_stats().peak_bytes : host_memory_stats().peak_bytes;
     const bool last = step + 1 == tc.steps;
     if (last || (tc.eval_every > 0 && (step + 1) % tc.eval_every == 0)) {
@@ -411,7 +524,10 @@ TrainSummary train(const RunConfig& cfg_in) {
   if (checkpointer) checkpointer->wait();  // the run ends with its last save committed
   summary.steps = end_step - start_step;
   summary.tokens_per_s = static_cast<double>(tokens_per_step * summary.steps) / std::max(train_seconds, 1e-9);
-  if (tc.sample_tokens > 0) {
+  if (tc.sample_tokens > 0 && pipeline) {
+    spdlog::info("sample: skipped (token-by-token sampling runs the whole model in one process; under pipeline "
+                 "parallelism convert the checkpoint and sample from it)");
+  } else if (tc.sample_tokens > 0) {
     summary.sample = sample_text(model, dispatcher, tok, tc.sample_prompt, tc.sample_tokens, tc.seq_len,
                                  tc.sample_temperature, stream_key(seed, "sample"), device);
     if (par.rank != 0) summary.sample.clear();  // every rank samples (experts are spread), one prints

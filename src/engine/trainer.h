@@ -32,6 +32,7 @@ struct StepResult {
   double aux_loss = 0;   // router losses (load balancing + z), mean over micro-batches
   double grad_norm = 0;  // before clipping
   std::vector<std::vector<int64_t>> expert_counts;  // [MoE layer][expert], summed over micro-batches
+  double expert_imbalance = -1;  // set when computed over ranks (pipeline); else from expert_counts
 };
 StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, AdamW& opt, const std::vector<Batch>& batches,
                       double lr, double grad_clip);
@@ -39,6 +40,14 @@ StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, AdamW&
 // counts are summed over `data_group`, gradients reduced and the optimizer stepped by fsdp.
 class FsdpContext;
 StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, FsdpContext& fsdp, Communicator& data_group,
+                      const std::vector<Batch>& batches, double lr, double grad_clip);
+
+// The same step through a pipeline schedule (pipeline/executor.h): `world` gathers the loss
+// from the ranks holding the head and the expert-load imbalance from every stage.
+class PipelineExecutor;
+struct PipelineSchedule;
+StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, const Qwen3MoeModel& model,
+                      FsdpContext& fsdp, Communicator& data_group, Communicator& world,
                       const std::vector<Batch>& batches, double lr, double grad_clip);
 
 // The busiest expert's load over the mean load, for the worst MoE layer (0 without MoE).

@@ -1,7 +1,9 @@
 // Every parallel layout against one process: `moetrain launch -n N -- train` under dp2,
 // ep2, ep2 x dp2 and ep4 (Gloo, CPU) gives the losses, gradient norms and final weights of
 // the single-process run with N times the micro-batch, within 1e-5 relative; a checkpoint
-// written under ep2 x dp2 resumes under ep4 and under one process.
+// written under ep2 x dp2 resumes under ep4 and under one process. The same for pipeline
+// parallelism: pp2 and pp4 under 1F1B and DualPipeV, pp2 x ep2, tied embeddings in the V,
+// and a checkpoint of pp2 x ep2 resumed under pp4 and one process.
 #include <gtest/gtest.h>
 
 #include <array>
@@ -149,6 +151,69 @@ TEST_F(ParallelCli, ALayoutThatDoesNotFitTheWorldIsNamed) {
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("[parallel] does not fit"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("pp * cp * ep = 1 * 1 * 4"), std::string::npos) << r.output;
+}
+
+// Pipelines: 8 layers (DualPipeV over 4 ranks has 8 chunks), 8 micro-batches per step
+// (DualPipeV needs at least 2 pp).
+const char* kPipe = "--model.num_hidden_layers=8 --training.grad_accum_steps=8 --training.sample_tokens=0";
+
+TEST_F(ParallelCli, EveryPipelineScheduleMatchesOneProcess) {
+  Result one = launch(1, train_args("one", 1, kPipe));
+  ASSERT_EQ(one.status, 0) << one.output;
+  struct Layout {
+    const char* name;
+    int ranks, data_ranks;
+    const char* flags;
+  };
+  for (const Layout& l : {Layout{"pp2_1f1b", 2, 1, "--parallel.pp=2 --parallel.schedule=1f1b"},
+                          Layout{"pp2_dualpipev", 2, 1, "--parallel.pp=2 --parallel.schedule=dualpipev"},
+                          Layout{"pp4_1f1b", 4, 1, "--parallel.pp=4 --parallel.schedule=1f1b"},
+                          Layout{"pp4_dualpipev", 4, 1, "--parallel.pp=4 --parallel.schedule=dualpipev"},
+                          Layout{"pp2_ep2", 4, 2, "--parallel.pp=2 --parallel.ep=2"}}) {
+    SCOPED_TRACE(l.name);
+    Result r = launch(l.ranks, train_args(l.name, l.data_ranks, std::string(kPipe) + " " + l.flags));
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find("pipeline: "), std::string::npos) << r.output;
+    expect_same_run("one", l.name);
+  }
+}
+
+TEST_F(ParallelCli, CheckpointOfPp2Ep2ResumesUnderPp4AndOneProcess) {
+  Result one = launch(1, train_args("one", 1, kPipe));
+  ASSERT_EQ(one.status, 0) << one.output;
+  for (const auto& [name, ranks, flags] : std::vector<std::tuple<std::string, int, std::string>>{
+           {"to_pp4", 4, "--parallel.pp=4 --parallel.schedule=1f1b"}, {"to_one", 1, ""}}) {
+    SCOPED_TRACE(name);
+    Result first = launch(4, train_args(name, 2, std::string(kPipe) + " --parallel.pp=2 --parallel.ep=2 "
+                                                                      "--training.stop_after_steps=2"));
+    ASSERT_EQ(first.status, 0) << first.output;
+    Result second = launch(ranks, train_args(name, 1, std::string(kPipe) + " " + flags));
+    ASSERT_EQ(second.status, 0) << second.output;
+    EXPECT_NE(second.output.find("resumed from"), std::string::npos) << second.output;
+    expect_same_run("one", name);
+  }
+}
+
+TEST_F(ParallelCli, TiedEmbeddingsLiveOnRankZeroOfTheV) {
+  const std::string tied = std::string(kPipe) + " --model.tie_word_embeddings=true";
+  Result one = launch(1, train_args("one", 1, tied));
+  ASSERT_EQ(one.status, 0) << one.output;
+  Result v = launch(2, train_args("v", 1, tied + " --parallel.pp=2 --parallel.schedule=dualpipev"));
+  ASSERT_EQ(v.status, 0) << v.output;
+  expect_same_run("one", "v");
+  // 1F1B puts the embedding on the first rank and the head on the last: refused, named.
+  Result r = launch(2, train_args("bad", 1, tied + " --parallel.pp=2 --parallel.schedule=1f1b"));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("tie_word_embeddings needs the embedding and the head on one rank"), std::string::npos)
+      << r.output;
+}
+
+TEST_F(ParallelCli, TooFewMicroBatchesForDualPipeVIsNamed) {
+  Result r = launch(2, train_args("few", 1, "--parallel.pp=2 --parallel.schedule=dualpipev"));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("[parallel].schedule = \"dualpipev\" with pp = 2 and [training].grad_accum_steps = 2"),
+            std::string::npos)
+      << r.output;
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "test_util.h"
 
 class ScratchDirTest : public ::testing::Test {
  protected:
@@ -33,12 +34,7 @@ class ScratchDirTest : public ::testing::Test {
   // The message of the moetrain::Error that f() throws; "" when it throws none.
   template <typename F>
   static std::string error_of(F&& f) {
-    try {
-      f();
-    } catch (const moetrain::Error& e) {
-      return e.what();
-    }
-    return "";
+    return moetrain::testing::error_of(std::forward<F>(f));
   }
 
   std::filesystem::path dir_;

@@ -1,6 +1,8 @@
 // Tests of the declarative config (config.h), the run config (run_config.h) and the
 // Qwen3-MoE model config (HF config.json loading, validation, is_moe_layer).
 #include <gtest/gtest.h>
+
+#include "test_util.h"
 #include <unistd.h>
 
 #include <filesystem>
@@ -39,16 +41,7 @@ class TempDir {
   fs::path path_;
 };
 
-// The message of the moetrain::Error `f` throws ("" if none).
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using moetrain::testing::error_of;
 
 const char* kRunToml = R"(
 [model]

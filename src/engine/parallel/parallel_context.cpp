@@ -28,6 +28,8 @@ ParallelContext ParallelContext::build(const RunConfig& cfg) {
   }
   p.ep = mesh.ep();
   p.ep_rank = mesh.coord(p.rank).ep;
+  p.pp = mesh.pp();
+  p.pp_rank = mesh.coord(p.rank).pp;
   if (p.world == 1) return p;
 
   CommOptions opt = default_comm_options(p.env);

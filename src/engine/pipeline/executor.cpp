@@ -1,0 +1,228 @@
+#include "engine/pipeline/executor.h"
+
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+
+namespace moetrain {
+
+std::vector<ChunkSpec> partition_layers(int64_t num_layers, int num_chunks) {
+  MT_CHECK(num_chunks >= 1 && num_layers >= num_chunks,
+           "pipeline: {} decoder layers cannot fill {} chunks (each needs at least one layer); lower [parallel].pp, "
+           "or use schedule = \"1f1b\" (pp chunks rather than DualPipeV's 2 * pp)",
+           num_layers, num_chunks);
+  const int C = num_chunks;
+  std::vector<int64_t> n(static_cast<size_t>(C), 1);
+  auto cost = [&](int i) { return n[i] + (i == C - 1 ? 1 : 0); };  // the head weighs one layer
+  const double middle = (C - 1) / 2.0;
+  for (int64_t left = num_layers - C; left > 0; --left) {
+    int pick = 0;
+    for (int i = 1; i < C; ++i) {
+      // The cheapest chunk; on a tie the one with fewer layers, then the one nearer the middle.
+      if (cost(i) != cost(pick)) {
+        if (cost(i) < cost(pick)) pick = i;
+      } else if (n[i] != n[pick]) {
+        if (n[i] < n[pick]) pick = i;
+      } else if (std::abs(i - middle) < std::abs(pick - middle)) {
+        pick = i;
+      }
+    }
+    ++n[pick];
+  }
+  std::vector<ChunkSpec> chunks;
+  int64_t first = 0;
+  for (int i = 0; i < C; ++i) {
+    chunks.push_back({first, first + n[i], i == 0, i == C - 1});
+    first += n[i];
+  }
+  return chunks;
+}
+
+ModelPlacement pipeline_placement(const std::vector<ChunkSpec>& chunks, const PipelineSchedule& schedule, int rank,
+                                  ModelPlacement base) {
+  MT_CHECK(static_cast<int>(chunks.size()) == schedule.num_chunks, "pipeline: {} chunks for a schedule of {}",
+           chunks.size(), schedule.num_chunks);
+  base.layers.clear();
+  base.embed = base.head = false;
+  for (const int c : schedule.chunks_of_rank(rank)) {  // ascending chunks: ascending layer ids
+    const ChunkSpec& s = chunks[c];
+    for (int64_t l = s.first_layer; l < s.last_layer; ++l) base.layers.push_back(l);
+    base.embed = base.embed || s.embed;
+    base.head = base.head || s.head;
+  }
+  return base;
+}
+
+namespace {
+
+// Message tags: what (2 bits), the destination chunk (11 bits), the micro-batch (19 bits).
+enum : uint32_t { kActivation = 0, kActivationTotals = 1, kGradient = 2, kGradientTotals = 3 };
+uint32_t tag(uint32_t what, int chunk, int mb) {
+  MT_CHECK(chunk >= 0 && chunk < (1 << 11) && mb >= 0 && mb < (1 << 19),
+           "pipeline: chunk {} / micro-batch {} out of the message tag's range", chunk, mb);
+  return (what << 30) | (static_cast<uint32_t>(chunk) << 19) | static_cast<uint32_t>(mb);
+}
+
+std::string op_name(const PipeOp& op) {
+  const char* k = op.kind == PipeOpKind::F ? "F" : op.kind == PipeOpKind::B ? "B" : op.kind == PipeOpKind::W ? "W" : "F";
+  std::string s = fmt::format("{}{}.{}", k, op.chunk, op.mb);
+  if (op.kind == PipeOpKind::FB) s += fmt::format("+B{}.{}", op.chunk2, op.mb2);
+  return s;
+}
+
+}  // namespace
+
+PipelineExecutor::PipelineExecutor(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, Communicator* pp_group,
+                                   std::vector<ChunkSpec> chunks)
+    : model_(model), dispatcher_(dispatcher), pp_(pp_group), chunks_(std::move(chunks)) {
+  rank_ = pp_ ? pp_->rank() : 0;
+}
+
+Tensor PipelineExecutor::for_comm(const Tensor& t) const {
+  if (pp_->backend() == "gloo" && !t.device().is_cpu()) return t.to(Device::cpu());
+  if (pp_->backend() != "gloo" && t.device() != model_.device()) return t.to(model_.device());
+  return t;
+}
+
+PipelineExecutor::Handoff PipelineExecutor::take(std::map<Key, Handoff>& local, Key key, bool backward,
+                                                 const Batch& batch) {
+  if (auto it = local.find(key); it != local.end()) {
+    Handoff h = std::move(it->second);
+    local.erase(it);
+    return h;
+  }
+  const int from = rank_of(backward ? key.first + 1 : key.first - 1);
+  MT_CHECK(pp_ != nullptr && from != rank_, "no {} was handed over for chunk {} micro-batch {}",
+           backward ? "output gradient" : "input", key.first, key.second);
+  const bool on_host = pp_->backend() == "gloo";
+  const Device where = on_host ? Device::cpu() : model_.device();
+  const int64_t E = model_.config().num_experts;
+  Tensor hidden = Tensor::empty({batch.batch * batch.seq, model_.config().hidden_size}, model_.dtype(), where);
+  Tensor packed = Tensor::empty({2 * E + 2}, DType::F64, where);
+  auto rh = pp_->irecv(hidden, from, tag(backward ? kGradient : kActivation, key.first, key.second));
+  auto rt = pp_->irecv(packed, from, tag(backward ? kGradientTotals : kActivationTotals, key.first, key.second));
+  rh->wait();
+  rt->wait();
+  Handoff h;
+  h.hidden = where == model_.device() ? hidden : hidden.to(model_.device());
+  h.totals = RouterTotals::unpack(packed, E, model_.new_totals().selections.dtype(), model_.device());
+  return h;
+}
+
+void PipelineExecutor::give(std::map<Key, Handoff>& local, Key key, bool backward, Handoff h) {
+  const int to = rank_of(key.first);
+  if (to == rank_) {
+    local[key] = std::move(h);
+    return;
+  }
+  MT_CHECK(h.hidden.dtype() == model_.dtype(), "chunk {} {} is {}, expected the model's {}", key.first,
+           backward ? "gradient" : "activation", dtype_name(h.hidden.dtype()), dtype_name(model_.dtype()));
+  sends_.push_back(pp_->isend(for_comm(h.hidden), to, tag(backward ? kGradient : kActivation, key.first, key.second)));
+  sends_.push_back(
+      pp_->isend(for_comm(h.totals.pack()), to, tag(backward ? kGradientTotals : kActivationTotals, key.first, key.second)));
+}
+
+void PipelineExecutor::forward_step(int chunk, int mb, const Batch& batch, ChunkPass pass, Result& r) {
+  const ChunkSpec& spec = chunks_[chunk];
+  Handoff in;
+  if (spec.embed) in.totals = model_.new_totals();
+  else in = take(inputs_, {chunk, mb}, false, batch);
+  ChunkActivations& a = acts_[{chunk, mb}];
+  MicroBatchLoss loss;
+  pass.head_accumulate = head_written_;
+  Tensor out = model_.forward_chunk(spec, batch, in.hidden, dispatcher_, a, in.totals, pass, spec.head ? &loss : nullptr);
+  auto& counts = counts_[chunk];
+  if (counts.empty()) counts = std::move(a.expert_counts);
+  else {
+    for (size_t k = 0; k < counts.size(); ++k) {
+      for (size_t e = 0; e < counts[k].size(); ++e) counts[k][e] += a.expert_counts[k][e];
+    }
+  }
+  a.expert_counts.clear();
+  if (!pass.training) acts_.erase({chunk, mb});  // nothing to go back through
+  if (spec.head) {
+    r.has_head = true;
+    r.ce_sum += loss.ce_sum;
+    r.aux_loss += loss.aux_loss;
+    r.z_loss += loss.z_loss;
+    head_written_ = pass.training;
+    return;
+  }
+  give(inputs_, {chunk + 1, mb}, false, {out, in.totals});
+}
+
+void PipelineExecutor::input_grad_step(int chunk, int mb, const Batch& batch, double aux_scale) {
+  const ChunkSpec& spec = chunks_[chunk];
+  auto it = acts_.find({chunk, mb});
+  MT_CHECK(it != acts_.end(), "B before F for chunk {} micro-batch {}", chunk, mb);
+  ChunkActivations& a = it->second;
+  Tensor dy;
+  if (!spec.head) {
+    Handoff g = take(grads_, {chunk, mb}, true, batch);
+    dy = g.hidden;
+    a.totals = g.totals;  // the final totals, from the head
+  }
+  Tensor dx = model_.backward_chunk(spec, batch, dy, dispatcher_, a, aux_scale, /*weights_now=*/false, false);
+  if (!spec.embed) give(grads_, {chunk - 1, mb}, true, {dx, a.totals});
+}
+
+void PipelineExecutor::weight_step(int chunk, int mb, const Batch& batch) {
+  auto it = acts_.find({chunk, mb});
+  MT_CHECK(it != acts_.end(), "W before F for chunk {} micro-batch {}", chunk, mb);
+  model_.backward_chunk_weight(chunks_[chunk], batch, it->second, weights_written_[chunk]);
+  weights_written_[chunk] = true;
+  acts_.erase(it);
+}
+
+PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const std::vector<Batch>& batches,
+                                               const ChunkPass& pass) {
+  MT_CHECK(s.num_chunks == static_cast<int>(chunks_.size()), "pipeline: schedule {} has {} chunks, the model {}",
+           s.name, s.num_chunks, chunks_.size());
+  MT_CHECK(s.micro_batches == static_cast<int>(batches.size()), "pipeline: schedule {} runs {} micro-batches, got {}",
+           s.name, s.micro_batches, batches.size());
+  MT_CHECK(s.pp == (pp_ ? pp_->size() : 1), "pipeline: schedule {} is for {} ranks, the pipeline group has {}", s.name,
+           s.pp, pp_ ? pp_->size() : 1);
+  schedule_ = &s;
+  weights_written_.assign(chunks_.size(), false);
+  head_written_ = false;
+  counts_.clear();
+  Result r;
+  for (const PipeOp& op : s.ops[rank_]) {
+    try {
+      switch (op.kind) {
+        case PipeOpKind::F: forward_step(op.chunk, op.mb, batches[op.mb], pass, r); break;
+        case PipeOpKind::B: input_grad_step(op.chunk, op.mb, batches[op.mb], pass.aux_scale); break;
+        case PipeOpKind::W: weight_step(op.chunk, op.mb, batches[op.mb]); break;
+        case PipeOpKind::FB:
+          forward_step(op.chunk, op.mb, batches[op.mb], pass, r);
+          input_grad_step(op.chunk2, op.mb2, batches[op.mb2], pass.aux_scale);
+          break;
+      }
+    } catch (const Error& e) {
+      MT_THROW("pipeline rank {} of {}, step {} of schedule {}: {}", rank_, s.pp, op_name(op), s.name, e.what());
+    }
+  }
+  for (auto& q : sends_) q->wait();
+  sends_.clear();
+  MT_CHECK(acts_.empty() && inputs_.empty() && grads_.empty(),
+           "pipeline rank {}: schedule {} left {} activations and {} hand-overs unused", rank_, s.name, acts_.size(),
+           inputs_.size() + grads_.size());
+  for (auto& [chunk, counts] : counts_) {
+    for (auto& layer : counts) r.expert_counts.push_back(std::move(layer));
+  }
+  schedule_ = nullptr;
+  return r;
+}
+
+PipelineExecutor::Result PipelineExecutor::train(const PipelineSchedule& s, const std::vector<Batch>& batches,
+                                                 double ce_scale, double aux_scale) {
+  return run(s, batches, ChunkPass{true, ce_scale, aux_scale, false});
+}
+
+PipelineExecutor::Result PipelineExecutor::forward(const PipelineSchedule& s, const std::vector<Batch>& batches) {
+  return run(s, batches, ChunkPass{false});
+}
+
+}  // namespace moetrain

@@ -1,0 +1,97 @@
+// Pipeline parallelism: cutting the model into chunks, placing them on pipeline ranks, and
+// running a PipelineSchedule (schedule.h) over one rank's chunks.
+//
+// The executor walks this rank's list of F / B / W / FB steps. A chunk's input comes from
+// the previous chunk, on this rank (handed over in memory) or on another (received); its
+// output goes to the next chunk the same way. Activations travel forward and gradients
+// back, each with the micro-batch's router totals (RouterTotals: HF's load-balancing loss
+// needs every MoE layer's statistics, so they ride along with the hidden states and come
+// back with the gradients). Sends are non-blocking and awaited at the end of the step; a
+// receive is awaited when its step runs. So any order that validate() accepts runs without
+// deadlock: that check simulates exactly these rules.
+//
+// Gradients: the first W of a chunk in a step writes its weight gradients, later ones add
+// (no zeroing pass); the head writes in its first F and adds after.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "engine/models/qwen3_moe.h"
+#include "engine/pipeline/schedule.h"
+
+namespace moetrain {
+
+// The model cut into `num_chunks` chunks of consecutive decoder layers. Every chunk gets at
+// least one layer (an Error names the numbers when there are fewer layers than chunks); the
+// head counts as one more layer of the last chunk (its GEMM is about one MoE layer's work
+// for Qwen3-30B-A3B), the embedding lookup as nothing; the layers left over go to the middle
+// chunks first. So the edge chunks get fewer decoder layers.
+std::vector<ChunkSpec> partition_layers(int64_t num_layers, int num_chunks);
+
+// What pipeline rank `rank` of `schedule` holds: its chunks' layers, and the embedding /
+// head when it holds the first / last chunk. Expert placement and padding are left as given.
+ModelPlacement pipeline_placement(const std::vector<ChunkSpec>& chunks, const PipelineSchedule& schedule, int rank,
+                                  ModelPlacement base);
+
+class PipelineExecutor {
+ public:
+  // `pp_group`: the pipeline group (rank r of it is pipeline rank r); nullptr for pp = 1.
+  PipelineExecutor(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, Communicator* pp_group,
+                   std::vector<ChunkSpec> chunks);
+
+  // Loss terms of the head chunks this rank ran (zero on ranks without the head).
+  struct Result {
+    bool has_head = false;
+    double ce_sum = 0;     // sum of token cross-entropies over the micro-batches
+    double aux_loss = 0;   // load-balancing loss, summed over micro-batches (times coef)
+    double z_loss = 0;     // this data rank's z-loss share, summed over micro-batches
+    // Per MoE layer this rank holds (ascending id), tokens routed to each local expert,
+    // summed over the micro-batches.
+    std::vector<std::vector<int64_t>> expert_counts;
+  };
+
+  // One optimizer step's forward and backward: `batches[m]` is micro-batch m. The head
+  // scales the cross-entropy by ce_scale (1 / targets of the step) and the router losses by
+  // aux_scale (1 / micro-batches).
+  Result train(const PipelineSchedule& schedule, const std::vector<Batch>& batches, double ce_scale,
+               double aux_scale);
+  // Forward only (validation): `schedule` from make_forward_only.
+  Result forward(const PipelineSchedule& schedule, const std::vector<Batch>& batches);
+
+ private:
+  using Key = std::pair<int, int>;  // (chunk, micro-batch)
+  struct Handoff {                  // a chunk's input (forward) or output gradient (backward)
+    Tensor hidden;
+    RouterTotals totals;
+  };
+  Result run(const PipelineSchedule& s, const std::vector<Batch>& batches, const ChunkPass& pass);
+  void forward_step(int chunk, int mb, const Batch& batch, ChunkPass pass, Result& r);
+  void input_grad_step(int chunk, int mb, const Batch& batch, double aux_scale);
+  void weight_step(int chunk, int mb, const Batch& batch);
+  // The forward input / backward output gradient of (chunk, mb): from this rank's own
+  // hand-over, or received from `peer`.
+  Handoff take(std::map<Key, Handoff>& local, Key key, bool backward, const Batch& batch);
+  void give(std::map<Key, Handoff>& local, Key key, bool backward, Handoff h);
+  int rank_of(int chunk) const { return schedule_->rank_of_chunk(chunk); }
+  Tensor for_comm(const Tensor& t) const;  // where the pipeline group's backend reads tensors
+
+  Qwen3MoeModel& model_;
+  ExpertDispatcher& dispatcher_;
+  Communicator* pp_;
+  std::vector<ChunkSpec> chunks_;
+  const PipelineSchedule* schedule_ = nullptr;
+  int rank_ = 0;
+  std::map<Key, ChunkActivations> acts_;
+  std::map<Key, Handoff> inputs_, grads_;
+  std::vector<std::unique_ptr<P2pRequest>> sends_;
+  std::vector<bool> weights_written_;  // per chunk: a W of this step already wrote its grads
+  bool head_written_ = false;
+  std::map<int, std::vector<std::vector<int64_t>>> counts_;  // per chunk, summed over mbs
+};
+
+}  // namespace moetrain

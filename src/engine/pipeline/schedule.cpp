@@ -1,0 +1,404 @@
+// Pipeline schedules: the 1F1B and DualPipeV orders, their validator and the bubble
+// simulator. See schedule.h for the rules and docs/pipeline.md for the notation.
+#include "engine/pipeline/schedule.h"
+
+#include <algorithm>
+#include <deque>
+
+#include "core/error.h"
+
+namespace moetrain {
+
+namespace {
+
+PipeOp make_op(PipeOpKind kind, int chunk, int mb) { return PipeOp{kind, chunk, mb, -1, -1}; }
+
+std::string prefix(const PipelineSchedule& s) {
+  return fmt::format("pipeline schedule '{}' (pp={}, micro_batches={})", s.name, s.pp, s.micro_batches);
+}
+
+char kind_letter(PipeOpKind k) { return k == PipeOpKind::F ? 'F' : k == PipeOpKind::B ? 'B' : 'W'; }
+
+// An event is one half-step: F, B or W of one (chunk, mb). An FB op is two events.
+struct Event {
+  PipeOpKind kind;
+  int chunk, mb;
+};
+
+std::string to_string(const Event& e) { return fmt::format("{}{}.{}", kind_letter(e.kind), e.chunk, e.mb); }
+
+// The events an op performs: one, or two for an FB (its F half first).
+int events_of(const PipeOp& op, Event out[2]) {
+  if (op.kind != PipeOpKind::FB) {
+    out[0] = {op.kind, op.chunk, op.mb};
+    return 1;
+  }
+  out[0] = {PipeOpKind::F, op.chunk, op.mb};
+  out[1] = {PipeOpKind::B, op.chunk2, op.mb2};
+  return 2;
+}
+
+// Structure: sizes, ranges, placement, and exactly one F (B, W) per (chunk, mb). Runs before
+// the dependency walk, which indexes by (chunk, mb) and trusts these.
+void check_structure(const PipelineSchedule& s) {
+  const std::string pre = prefix(s);
+  MT_CHECK(s.pp >= 1 && s.micro_batches >= 1, "{}: pp and micro_batches must be >= 1", pre);
+  const int want_chunks = s.v_shape ? 2 * s.pp : s.pp;
+  MT_CHECK(s.num_chunks == want_chunks, "{}: num_chunks is {}, expected {} ({})", pre, s.num_chunks,
+           want_chunks, s.v_shape ? "2*pp in a V" : "pp");
+  MT_CHECK(static_cast<int>(s.ops.size()) == s.pp, "{}: has op lists for {} ranks, expected {}", pre,
+           s.ops.size(), s.pp);
+  const int M = s.micro_batches;
+  // count[kind][chunk*M + mb]: how many times that F, B or W appears.
+  std::vector<int> count[3];
+  for (auto& c : count) c.assign(static_cast<size_t>(s.num_chunks) * M, 0);
+  for (int r = 0; r < s.pp; ++r) {
+    for (size_t i = 0; i < s.ops[r].size(); ++i) {
+      const PipeOp& op = s.ops[r][i];
+      const std::string at = fmt::format("{}: rank {} op {} ({})", pre, r, i, to_string(op));
+      Event ev[2];
+      const int n = events_of(op, ev);
+      for (int e = 0; e < n; ++e) {
+        MT_CHECK(ev[e].chunk >= 0 && ev[e].chunk < s.num_chunks, "{}: chunk {} out of range [0, {})", at,
+                 ev[e].chunk, s.num_chunks);
+        MT_CHECK(ev[e].mb >= 0 && ev[e].mb < M, "{}: micro-batch {} out of range [0, {})", at, ev[e].mb, M);
+        MT_CHECK(s.rank_of_chunk(ev[e].chunk) == r, "{}: chunk {} is held by rank {}, not rank {}", at,
+                 ev[e].chunk, s.rank_of_chunk(ev[e].chunk), r);
+        MT_CHECK(!s.forward_only() || ev[e].kind == PipeOpKind::F,
+                 "{}: a forward-only schedule has no B or W ops", at);
+        int& c = count[static_cast<int>(ev[e].kind)][static_cast<size_t>(ev[e].chunk) * M + ev[e].mb];
+        MT_CHECK(++c == 1, "{}: repeats {} (each (chunk, mb) runs its F, B and W exactly once)", at,
+                 to_string(ev[e]));
+      }
+    }
+  }
+  const int kinds = s.forward_only() ? 1 : 3;
+  for (int k = 0; k < kinds; ++k) {
+    for (int c = 0; c < s.num_chunks; ++c) {
+      for (int m = 0; m < M; ++m) {
+        const Event e{static_cast<PipeOpKind>(k), c, m};
+        MT_CHECK(count[k][static_cast<size_t>(c) * M + m] == 1,
+                 "{}: rank {} lacks {} (each (chunk, mb) runs its F{} exactly once)", pre, s.rank_of_chunk(c),
+                 to_string(e), s.forward_only() ? "" : ", B and W");
+      }
+    }
+  }
+}
+
+// Walks the ranks' lists as the hardware would: each rank in order, an op starting when the
+// rank is free and every event it needs has finished. Returns the makespan and each rank's
+// busy time; throws on a deadlock, naming each blocked rank's next op and what it waits for.
+struct Walk {
+  double makespan = 0;
+  std::vector<double> busy;
+};
+
+Walk walk(const PipelineSchedule& s, double f, double b, double w, bool w_in_pairs) {
+  const int M = s.micro_batches;
+  const int last_chunk = s.num_chunks - 1;
+  std::vector<double> end[3];  // < 0: not done yet
+  for (auto& e : end) e.assign(static_cast<size_t>(s.num_chunks) * M, -1.0);
+  auto finish = [&](const Event& e) -> double& {
+    return end[static_cast<int>(e.kind)][static_cast<size_t>(e.chunk) * M + e.mb];
+  };
+  // What an event needs (at most two events). An FB's halves are marked done together when
+  // it ends, so an FB whose B half needs its own F half (F3.1+B3.1) never starts: a deadlock.
+  auto needs = [&](const Event& e, Event out[2]) -> int {
+    switch (e.kind) {
+      case PipeOpKind::F:
+        if (e.chunk == 0) return 0;
+        out[0] = {PipeOpKind::F, e.chunk - 1, e.mb};
+        return 1;
+      case PipeOpKind::B:
+        out[0] = {PipeOpKind::F, e.chunk, e.mb};
+        if (e.chunk == last_chunk) return 1;
+        out[1] = {PipeOpKind::B, e.chunk + 1, e.mb};
+        return 2;
+      default:
+        out[0] = {PipeOpKind::B, e.chunk, e.mb};
+        return 1;
+    }
+  };
+  auto cost = [&](PipeOpKind k) {
+    return k == PipeOpKind::F ? f : k == PipeOpKind::B ? b : k == PipeOpKind::W ? w : f + b;
+  };
+
+  std::vector<size_t> next(s.pp, 0);
+  std::vector<double> free_at(s.pp, 0.0);
+  Walk out;
+  out.busy.assign(s.pp, 0.0);
+  // Each pass runs every op that can run; ranks wait on each other, so repeat until a pass
+  // runs nothing. Start times depend only on finish times, not on the order of passes.
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (int r = 0; r < s.pp; ++r) {
+      while (next[r] < s.ops[r].size()) {
+        const PipeOp& op = s.ops[r][next[r]];
+        Event ev[2], dep[2];
+        const int n = events_of(op, ev);
+        double start = free_at[r];
+        bool ready = true;
+        for (int e = 0; e < n && ready; ++e) {
+          const int nd = needs(ev[e], dep);
+          for (int d = 0; d < nd && ready; ++d) {
+            const double t = finish(dep[d]);
+            ready = t >= 0;
+            start = std::max(start, t);
+          }
+        }
+        if (!ready) break;
+        const double t = start + cost(op.kind);
+        for (int e = 0; e < n; ++e) finish(ev[e]) = t;
+        // w_in_pairs: the W right after its FB belongs to the pair, whose outputs leave only
+        // now. The W runs at once (its B is done), before another rank reads these times.
+        if (w_in_pairs && op.kind == PipeOpKind::W && next[r] > 0) {
+          const PipeOp& prev = s.ops[r][next[r] - 1];
+          if (prev.kind == PipeOpKind::FB && prev.chunk2 == op.chunk && prev.mb2 == op.mb) {
+            finish({PipeOpKind::F, prev.chunk, prev.mb}) = t;
+            finish({PipeOpKind::B, prev.chunk2, prev.mb2}) = t;
+          }
+        }
+        free_at[r] = t;
+        out.busy[r] += cost(op.kind);
+        out.makespan = std::max(out.makespan, t);
+        ++next[r];
+        moved = true;
+      }
+    }
+  }
+
+  std::string blocked;
+  for (int r = 0; r < s.pp; ++r) {
+    if (next[r] == s.ops[r].size()) continue;
+    const PipeOp& op = s.ops[r][next[r]];
+    Event ev[2], dep[2];
+    std::string missing;
+    const int n = events_of(op, ev);
+    for (int e = 0; e < n; ++e) {
+      const int nd = needs(ev[e], dep);
+      for (int d = 0; d < nd; ++d) {
+        if (finish(dep[d]) < 0) missing += (missing.empty() ? "" : ", ") + to_string(dep[d]);
+      }
+    }
+    blocked += fmt::format("{}rank {} blocked at op {} ({}) waiting for {}", blocked.empty() ? "" : "; ", r,
+                           next[r], to_string(op), missing);
+  }
+  MT_CHECK(blocked.empty(), "{}: deadlock (a rank's op needs a step that runs after it): {}", prefix(s),
+           blocked);
+  return out;
+}
+
+ScheduleTimes run_times(const PipelineSchedule& s, double f, double b, double w, bool w_in_pairs) {
+  check_structure(s);
+  const Walk wk = walk(s, f, b, w, w_in_pairs);
+  ScheduleTimes t;
+  t.makespan = wk.makespan;
+  for (double busy : wk.busy) {
+    t.work += busy;
+    t.idle.push_back(wk.makespan - busy);
+  }
+  const double total = s.pp * wk.makespan;
+  t.bubble_fraction = total > 0 ? (total - t.work) / total : 0;
+  return t;
+}
+
+}  // namespace
+
+std::string to_string(const PipeOp& op) {
+  if (op.kind == PipeOpKind::FB) return fmt::format("F{}.{}+B{}.{}", op.chunk, op.mb, op.chunk2, op.mb2);
+  return fmt::format("{}{}.{}", kind_letter(op.kind), op.chunk, op.mb);
+}
+
+int PipelineSchedule::rank_of_chunk(int chunk) const {
+  if (!v_shape) return chunk;
+  return chunk < pp ? chunk : 2 * pp - 1 - chunk;
+}
+
+std::vector<int> PipelineSchedule::chunks_of_rank(int rank) const {
+  if (!v_shape) return {rank};
+  return {rank, 2 * pp - 1 - rank};
+}
+
+std::string PipelineSchedule::describe(int rank) const {
+  std::string out;
+  for (const PipeOp& op : ops.at(rank)) {
+    if (!out.empty()) out += ' ';
+    out += to_string(op);
+  }
+  return out;
+}
+
+PipelineSchedule make_1f1b(int pp, int micro_batches) {
+  MT_CHECK(pp >= 1 && micro_batches >= 1, "1f1b schedule: pp ({}) and micro_batches ({}) must be >= 1", pp,
+           micro_batches);
+  PipelineSchedule s{"1f1b", pp, micro_batches, pp, false, {}};
+  s.ops.resize(pp);
+  for (int r = 0; r < pp; ++r) {
+    auto& ops = s.ops[r];
+    // Rank r's first B can come only after the micro-batch has gone down the pp - r - 1
+    // ranks below it and back, so it runs that many forwards ahead; no more, which bounds the
+    // activations it holds to pp - r micro-batches.
+    const int warmup = std::min(pp - r - 1, micro_batches);
+    int fwd = 0, bwd = 0;
+    auto backward = [&] {
+      ops.push_back(make_op(PipeOpKind::B, r, bwd));
+      ops.push_back(make_op(PipeOpKind::W, r, bwd++));
+    };
+    while (fwd < warmup) ops.push_back(make_op(PipeOpKind::F, r, fwd++));
+    while (fwd < micro_batches) {
+      ops.push_back(make_op(PipeOpKind::F, r, fwd++));
+      backward();
+    }
+    while (bwd < micro_batches) backward();
+  }
+  return s;
+}
+
+namespace {
+
+// One DualPipeV rank's order, built the way the published schedule counts: per phase
+// (0: chunk r, going down; 1: chunk 2pp-1-r, coming back up) the next micro-batch to run
+// forward and backward, FIFO, plus the queue of deferred Ws. Each call appends ops.
+struct VRankBuilder {
+  std::vector<PipeOp>& out;
+  int chunk[2];
+  int fwd[2] = {0, 0}, bwd[2] = {0, 0};
+  std::deque<PipeOp> deferred_w;
+
+  void F(int phase) { out.push_back(make_op(PipeOpKind::F, chunk[phase], fwd[phase]++)); }
+  // A backward: B now and its W at once, or (zero bubble) W queued for a later weight().
+  void B(int phase, bool zero_bubble) {
+    const int mb = bwd[phase]++;
+    out.push_back(make_op(PipeOpKind::B, chunk[phase], mb));
+    const PipeOp w = make_op(PipeOpKind::W, chunk[phase], mb);
+    if (zero_bubble) {
+      deferred_w.push_back(w);
+    } else {
+      out.push_back(w);
+    }
+  }
+  void weight() {
+    out.push_back(deferred_w.front());
+    deferred_w.pop_front();
+  }
+  // Forward of phase f overlapped with a whole backward of phase b (the pair is not split
+  // into B and deferred W in the published schedule): FB then W.
+  void FB(int f, int b) {
+    const int mb = bwd[b]++;
+    out.push_back(PipeOp{PipeOpKind::FB, chunk[f], fwd[f]++, chunk[b], mb});
+    out.push_back(make_op(PipeOpKind::W, chunk[b], mb));
+  }
+};
+
+}  // namespace
+
+PipelineSchedule make_dualpipev(int pp, int micro_batches) {
+  MT_CHECK(pp >= 1, "dualpipev schedule: pp must be >= 1, got {}", pp);
+  MT_CHECK(micro_batches >= 2 * pp,
+           "dualpipev schedule: needs micro_batches >= 2*pp = {} (each of the pp = {} ranks holds two "
+           "chunks), got micro_batches = {}",
+           2 * pp, pp, micro_batches);
+  const int P = pp, M = micro_batches;
+  PipelineSchedule s{"dualpipev", P, M, 2 * P, true, {}};
+  s.ops.resize(P);
+  // The eight steps of DeepSeek's DualPipeV (dualpipe/dualpipev.py). Phase 0 is the chunk
+  // on the way down, phase 1 the one on the way back up; `below` = ranks after r.
+  for (int r = 0; r < P; ++r) {
+    VRankBuilder v{s.ops[r], {r, 2 * P - 1 - r}};
+    const int below = P - r - 1;
+    // 1. nF0: fill the way down; the ranks further from the turn start earlier.
+    for (int i = 0; i < 2 * below; ++i) v.F(0);
+    // 2. nF0F1: the first micro-batches come back up; alternate both chunks' forwards.
+    for (int i = 0; i < r + 1; ++i) {
+      v.F(0);
+      v.F(1);
+    }
+    // 3. nB1W1F1: the first backwards arrive on the way-up chunk; W right after B (the
+    //    published code defers it through the zero-bubble queue and pops it at once).
+    for (int i = 0; i < below; ++i) {
+      v.B(1, true);
+      v.weight();
+      v.F(1);
+    }
+    // 4. nF0B1F1B0, the steady state: pairs of one micro-batch's forward with another's
+    //    backward. The last rank's first pair is run unpaired (F0, then B1 and its W), as
+    //    published: the rank above is waiting for that first gradient, which then leaves
+    //    after B1 instead of at the end of a pair.
+    for (int i = 0; i < M - 2 * P + r + 1; ++i) {
+      if (i == 0 && r == P - 1) {
+        v.F(0);
+        v.B(1, false);
+      } else {
+        v.FB(0, 1);
+      }
+      v.FB(1, 0);
+    }
+    // 5. nB1F1B0: no phase-0 forwards left; drain the way-up forwards.
+    for (int i = 0; i < below; ++i) {
+      v.B(1, false);
+      v.FB(1, 0);
+    }
+    // 6. nB1B0: backwards only. From the middle on, Ws are deferred (zero bubble) to fill
+    //    the gaps of steps 7 and 8; odd ranks switch before the B1, even ones after it.
+    bool zero_bubble = false;
+    for (int i = 0; i < r + 1; ++i) {
+      if (i == (r + 1) / 2 && r % 2 == 1) zero_bubble = true;
+      v.B(1, zero_bubble);
+      if (i == (r + 1) / 2 && r % 2 == 0) zero_bubble = true;
+      v.B(0, zero_bubble);
+    }
+    // 7. nWB0: a deferred W while the next way-down gradient arrives, then that B0 (deferred).
+    for (int i = 0; i < below; ++i) {
+      v.weight();
+      v.B(0, true);
+    }
+    // 8. nW: the remaining deferred Ws.
+    while (!v.deferred_w.empty()) v.weight();
+    MT_CHECK(v.fwd[0] == M && v.fwd[1] == M && v.bwd[0] == M && v.bwd[1] == M,
+             "dualpipev schedule (pp={}, micro_batches={}): rank {} built {} and {} forwards, {} and {} "
+             "backwards, expected {} each",
+             P, M, r, v.fwd[0], v.fwd[1], v.bwd[0], v.bwd[1], M);
+  }
+  return s;
+}
+
+PipelineSchedule make_forward_only(int pp, int micro_batches, bool v_shape) {
+  MT_CHECK(pp >= 1 && micro_batches >= 1, "forward schedule: pp ({}) and micro_batches ({}) must be >= 1", pp,
+           micro_batches);
+  PipelineSchedule s{"forward", pp, micro_batches, v_shape ? 2 * pp : pp, v_shape, {}};
+  s.ops.resize(pp);
+  for (int r = 0; r < pp; ++r) {
+    auto& ops = s.ops[r];
+    if (!v_shape) {
+      for (int m = 0; m < micro_batches; ++m) ops.push_back(make_op(PipeOpKind::F, r, m));
+      continue;
+    }
+    // V: micro-batch m reaches the way-up chunk 2pp-1-r 2(pp-r)-1 steps after the way-down
+    // chunk r, so rank r runs that many way-down forwards first, then alternates: the
+    // pipeline stays full, as in DualPipeV's steps 1 and 2.
+    const int up = 2 * pp - 1 - r;
+    int down_mb = 0, up_mb = 0;
+    for (; down_mb < std::min(micro_batches, 2 * (pp - r) - 1); ++down_mb)
+      ops.push_back(make_op(PipeOpKind::F, r, down_mb));
+    while (up_mb < micro_batches) {
+      ops.push_back(make_op(PipeOpKind::F, up, up_mb++));
+      if (down_mb < micro_batches) ops.push_back(make_op(PipeOpKind::F, r, down_mb++));
+    }
+  }
+  return s;
+}
+
+void validate(const PipelineSchedule& s) {
+  check_structure(s);
+  walk(s, 1, 1, 1, false);
+}
+
+ScheduleTimes simulate(const PipelineSchedule& s, double f, double b, double w) {
+  return run_times(s, f, b, w, false);
+}
+
+ScheduleTimes simulate_w_in_pairs(const PipelineSchedule& s, double f, double b, double w) {
+  return run_times(s, f, b, w, true);
+}
+
+}  // namespace moetrain

@@ -1,0 +1,86 @@
+// Pipeline-parallel schedules as data: for each pipeline rank, the ordered list of forward,
+// input-gradient and weight-gradient steps of (model chunk, micro-batch) it runs in one
+// optimizer step. The executor walks these lists; nothing here touches tensors.
+//
+// Two training schedules (1F1B, DualPipeV) and a forward-only one, a validator that checks
+// a schedule covers every step exactly once on the right rank and cannot deadlock, and a
+// unit-cost simulator that measures the pipeline bubble. docs/pipeline.md has the notation
+// and the measured bubbles.
+#pragma once
+#include <string>
+#include <vector>
+namespace moetrain {
+
+// F: forward of (chunk, micro-batch). B: input gradient (dgrad) of (chunk, mb). W: weight
+// gradient (wgrad) of (chunk, mb), deferrable after its B. FB: the F of (chunk, mb) run
+// overlapped with the B of (chunk2, mb2) (DualPipeV's paired steps: one micro-batch's
+// compute hides the other's all-to-all).
+enum class PipeOpKind { F, B, W, FB };
+struct PipeOp {
+  PipeOpKind kind = PipeOpKind::F;
+  int chunk = -1, mb = -1;    // F, B, W; for FB the forward half
+  int chunk2 = -1, mb2 = -1;  // FB only: the backward half
+};
+
+struct PipelineSchedule {
+  std::string name;        // "1f1b", "dualpipev", "forward"
+  int pp = 1;              // ranks (stages)
+  int micro_batches = 1;   // per optimizer step
+  int num_chunks = 1;      // model chunks: pp for 1f1b, 2*pp for dualpipev
+  bool v_shape = false;    // dualpipev placement: rank r holds chunks r and 2*pp-1-r
+  std::vector<std::vector<PipeOp>> ops;  // per rank, in execution order
+
+  int rank_of_chunk(int chunk) const;          // 1f1b: chunk; V: chunk < pp ? chunk : 2*pp-1-chunk
+  std::vector<int> chunks_of_rank(int rank) const;  // ascending chunk ids
+  // One rank's order in a compact readable form, e.g. "F0.0 F0.1 F1.0 B1.0 W1.0 ..." where
+  // "F<chunk>.<mb>", and an FB as "F<c>.<m>+B<c2>.<m2>".
+  std::string describe(int rank) const;
+  // Forward-only (name "forward"): exactly one F per (chunk, mb) and no B or W.
+  bool forward_only() const { return name == "forward"; }
+};
+
+// One op as describe() writes it: "F3.1", "W0.2", "F1.4+B2.0".
+std::string to_string(const PipeOp& op);
+
+// 1F1B (PipeDream-flush / Megatron non-interleaved): pp chunks, rank r holds chunk r;
+// warm-up of min(pp - r - 1, M) forwards, then alternate one F one B, then the remaining Bs.
+// Every B is followed at once by its W. Any micro_batches >= 1.
+PipelineSchedule make_1f1b(int pp, int micro_batches);
+// DualPipeV (DeepSeek's "cut-in-half" DualPipe): 2*pp chunks in a V (rank r holds chunks r
+// and 2*pp-1-r; micro-batches go down ranks 0..pp-1 through chunks 0..pp-1, turn on rank pp-1,
+// and come back up through chunks pp..2pp-1 to rank 0, which holds the first chunk
+// (embedding) and the last (head)). Overlapped FB pairs in the steady state, zero-bubble
+// style deferred W where the published schedule defers them. Requires micro_batches >= 2*pp
+// (an Error naming both numbers otherwise). pp == 1 must work too (2 chunks on one rank).
+// An FB's backward half is a whole backward: its W follows the FB at once.
+PipelineSchedule make_dualpipev(int pp, int micro_batches);
+// Forward only (validation): every rank runs F of its chunks for every micro-batch, in an
+// order that respects dependencies (no B or W).
+PipelineSchedule make_forward_only(int pp, int micro_batches, bool v_shape);
+
+// Throws moetrain::Error (see src/core/error.h, MT_CHECK / MT_THROW) naming the rank, the op
+// and the broken rule when: an op is on a rank that does not hold its chunk; a (chunk, mb)
+// lacks or repeats its F, B or W (forward-only schedules: exactly one F, no B/W); the ranks'
+// orders cannot all be executed (simulate: each rank runs its list in order, an op may start
+// only when its dependencies are done: F(c,m) needs F(c-1,m); B(c,m) needs F(c,m) and
+// B(c+1,m) (for the last chunk only F(c,m)); W(c,m) needs B(c,m); an FB needs both halves'
+// dependencies; a deadlock is an error naming each blocked rank's next op).
+void validate(const PipelineSchedule& s);
+
+// Unit-cost simulation: each rank runs its ops in order, an op starts when the rank is free and
+// its dependencies (above) are done; communication is free. FB costs f + b (serially on the
+// rank; the overlap hides communication, not compute). Returns the makespan, and the bubble:
+// idle rank-time over total rank-time, (pp * makespan - work) / (pp * makespan).
+// Validates the schedule first (same errors as validate()).
+struct ScheduleTimes {
+  double makespan = 0, work = 0, bubble_fraction = 0;
+  std::vector<double> idle;  // per rank: makespan - its busy time
+};
+ScheduleTimes simulate(const PipelineSchedule& s, double f, double b, double w);
+// As simulate(), but an FB timed as the published DualPipe code runs it: the pair computes
+// its backward half's W inside it (one autograd call), so the W that follows an FB in these
+// lists belongs to the pair and neither half's output leaves before that W is done. With
+// f = b = w this gives the DualPipe paper's bubble (docs/pipeline.md).
+ScheduleTimes simulate_w_in_pairs(const PipelineSchedule& s, double f, double b, double w);
+
+}  // namespace moetrain

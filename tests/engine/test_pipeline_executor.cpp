@@ -1,0 +1,157 @@
+// The pipeline executor in one process: running a schedule's F / B / W steps chunk by chunk
+// (pp = 1: DualPipeV's two chunks, or one 1F1B chunk) gives, in float64, the losses and
+// every gradient of the whole-model forward_backward over the same micro-batches; and the
+// layer partition gives edge chunks fewer layers.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "engine/pipeline/executor.h"
+#include "test_util.h"
+
+namespace moetrain {
+namespace {
+
+Qwen3MoeConfig config(bool tied) {
+  Qwen3MoeConfig c;
+  c.vocab_size = 23;
+  c.hidden_size = 8;
+  c.intermediate_size = 12;
+  c.moe_intermediate_size = 6;
+  c.num_hidden_layers = 5;
+  c.mlp_only_layers = {1};  // a dense layer inside a chunk
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 4;
+  c.num_experts = 4;
+  c.num_experts_per_tok = 2;
+  c.initializer_range = 0.5;
+  c.router_aux_loss_coef = 0.1;
+  c.router_z_loss_coef = 0.01;
+  c.tie_word_embeddings = tied;
+  return c;
+}
+
+Batch batch_of(int64_t rows, int64_t seq, int32_t vocab, uint64_t seed) {
+  Batch b;
+  b.batch = rows;
+  b.seq = seq;
+  b.inputs = testing::random_ints({rows * seq}, 0, vocab, seed);
+  b.targets = testing::random_ints({rows * seq}, 0, vocab, seed + 1);
+  b.targets.data<int32_t>()[2] = ops::kIgnoreIndex;
+  std::vector<int32_t> pos(rows * seq);
+  for (int64_t i = 0; i < rows * seq; ++i) pos[i] = static_cast<int32_t>(i % seq);
+  b.positions = Tensor::from_vector(pos, {rows * seq});
+  b.count_targets();
+  return b;
+}
+
+void expect_schedule_matches_whole_model(const PipelineSchedule& s, bool tied) {
+  SCOPED_TRACE(s.name + (tied ? " tied" : " untied"));
+  const Qwen3MoeConfig c = config(tied);
+  std::vector<Batch> batches;
+  int64_t targets = 0;
+  for (int m = 0; m < s.micro_batches; ++m) {
+    batches.push_back(batch_of(2, 6, static_cast<int32_t>(c.vocab_size), 100 + 7 * m));
+    targets += batches.back().num_targets;
+  }
+  const double n = static_cast<double>(batches.size());
+  LocalDispatcher d;
+
+  Qwen3MoeModel whole(c, DType::F64);
+  whole.init_weights(3);
+  double ce = 0, aux = 0;
+  for (size_t m = 0; m < batches.size(); ++m) {
+    MicroBatchLoss l = whole.forward_backward(batches[m], d, 1.0 / targets, 1.0 / n, m > 0);
+    ce += l.ce_sum;
+    aux += l.aux_loss;
+  }
+
+  const std::vector<ChunkSpec> chunks = partition_layers(c.num_hidden_layers, s.num_chunks);
+  Qwen3MoeModel piped(c, DType::F64, Device::cpu(), pipeline_placement(chunks, s, 0, {}));
+  piped.init_weights(3);
+  for (Parameter& p : piped.parameters()) p.grad.fill_(NAN);  // every gradient must be written
+  PipelineExecutor ex(piped, d, nullptr, chunks);
+  const PipelineExecutor::Result r = ex.train(s, batches, 1.0 / targets, 1.0 / n);
+  EXPECT_TRUE(r.has_head);
+  EXPECT_NEAR(r.ce_sum, ce, 1e-12 * ce);
+  EXPECT_NEAR(r.aux_loss, aux, 1e-12 * aux);
+  EXPECT_EQ(r.expert_counts.size(), 4u);  // MoE layers 0, 2, 3, 4
+
+  ASSERT_EQ(piped.parameters().size(), whole.parameters().size());
+  for (size_t i = 0; i < whole.parameters().size(); ++i) {
+    const Parameter& p = piped.parameters()[i];
+    EXPECT_EQ(p.name, whole.parameters()[i].name);
+    EXPECT_LT(testing::rel_error(p.grad, whole.parameters()[i].grad), 1e-12) << p.name;
+  }
+
+  // Forward only: the same cross-entropy without touching gradients.
+  const PipelineSchedule fwd = make_forward_only(s.pp, s.micro_batches, s.v_shape);
+  const PipelineExecutor::Result v = ex.forward(fwd, batches);
+  double ce_eval = 0;
+  for (const Batch& b : batches) ce_eval += whole.forward_loss(b, d).ce_sum;
+  EXPECT_NEAR(v.ce_sum, ce_eval, 1e-12 * ce_eval);
+}
+
+TEST(PipelineExecutor, DualPipeVOnOneRankMatchesTheWholeModel) {
+  for (bool tied : {false, true}) {
+    expect_schedule_matches_whole_model(make_dualpipev(1, 2), tied);
+    expect_schedule_matches_whole_model(make_dualpipev(1, 5), tied);
+  }
+}
+
+TEST(PipelineExecutor, OneFOneBOnOneRankMatchesTheWholeModel) {
+  expect_schedule_matches_whole_model(make_1f1b(1, 3), false);
+}
+
+TEST(PipelineExecutor, EdgeChunksGetFewerLayers) {
+  // 49 layers in DualPipeV's 8 chunks of pp = 4: the leftover layer goes to a middle chunk.
+  std::vector<ChunkSpec> p = partition_layers(49, 8);
+  ASSERT_EQ(p.size(), 8u);
+  EXPECT_TRUE(p.front().embed);
+  EXPECT_TRUE(p.back().head);
+  int64_t next = 0, most = 0;
+  for (const ChunkSpec& c : p) {
+    EXPECT_EQ(c.first_layer, next);
+    next = c.last_layer;
+    most = std::max(most, c.last_layer - c.first_layer);
+  }
+  EXPECT_EQ(next, 49);
+  EXPECT_LT(p.back().last_layer - p.back().first_layer, most);
+  // Costs are layers, + 1 for the head; ties go to the chunk with fewer layers, then to the
+  // middle: so both edges get fewer.
+  auto sizes = [](const std::vector<ChunkSpec>& q) {
+    std::vector<int64_t> n;
+    for (const ChunkSpec& c : q) n.push_back(c.last_layer - c.first_layer);
+    return n;
+  };
+  EXPECT_EQ(sizes(partition_layers(10, 4)), (std::vector<int64_t>{2, 3, 3, 2}));
+  EXPECT_EQ(sizes(partition_layers(9, 4)), (std::vector<int64_t>{2, 3, 2, 2}));
+  EXPECT_EQ(sizes(partition_layers(48, 8)), (std::vector<int64_t>{6, 6, 6, 6, 6, 6, 6, 6}));  // costs 6 .. 7 either way
+  EXPECT_EQ(sizes(partition_layers(4, 2)), (std::vector<int64_t>{2, 2}));
+  const std::string e = testing::error_of([] { partition_layers(3, 4); });
+  EXPECT_NE(e.find("3 decoder layers cannot fill 4 chunks"), std::string::npos) << e;
+}
+
+TEST(PipelineExecutor, PlacementFollowsTheV) {
+  const PipelineSchedule s = make_dualpipev(2, 4);
+  const std::vector<ChunkSpec> chunks = partition_layers(8, 4);
+  const ModelPlacement r0 = pipeline_placement(chunks, s, 0, {});
+  const ModelPlacement r1 = pipeline_placement(chunks, s, 1, {});
+  EXPECT_TRUE(r0.embed && r0.head);  // rank 0 holds the first and the last chunk
+  EXPECT_FALSE(r1.embed || r1.head);
+  std::vector<int64_t> all = r0.layers;
+  all.insert(all.end(), r1.layers.begin(), r1.layers.end());
+  std::sort(all.begin(), all.end());
+  EXPECT_EQ(all, (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6, 7}));
+  const std::string e = testing::error_of([] {
+    Qwen3MoeConfig c = config(true);
+    ModelPlacement p;
+    p.head = false;
+    Qwen3MoeModel m(c, DType::F32, Device::cpu(), p);
+  });
+  EXPECT_NE(e.find("tie_word_embeddings needs the embedding and the head on one rank"), std::string::npos) << e;
+}
+
+}  // namespace
+}  // namespace moetrain
