@@ -346,56 +346,154 @@ RouterTotals Qwen3MoeModel::new_totals() const {
   return {Tensor::zeros({E}, stat, device_), Tensor::zeros({E}, stat, device_), 0, 0.0};
 }
 
-Tensor Qwen3MoeModel::forward_chunk(const ChunkSpec& c, const Batch& batch, const Tensor& x_in, ExpertDispatcher& d,
-                                    ChunkActivations& a, RouterTotals& totals, const ChunkPass& pass,
-                                    MicroBatchLoss* loss) {
-  const BatchShape b{batch.batch, batch.seq, batch.segment_ids};
-  const int64_t n = c.last_layer - c.first_layer;
-  a.layers.assign(static_cast<size_t>(n), {});
-  Tensor x = x_in;
+// A chunk pass cut at the expert exchanges: each call of forward_piece / backward_piece runs
+// the compute between two exchanges and starts the next one (with a dispatcher that defers
+// its waits, the exchange is still in flight when the call returns).
+struct Qwen3MoeModel::ForwardCursor {
+  const ChunkSpec& c;
+  const Batch& batch;
+  BatchShape b;
+  ChunkActivations& a;
+  RouterTotals& totals;
+  bool training;
+  Tensor x;        // the hidden state between layers
+  int64_t j = 0;   // the layer (within the chunk) being run
+  int piece = 0;   // 0: attn + dispatch, 1: mlp + combine, 2: aggregate
+};
+
+struct Qwen3MoeModel::BackwardCursor {
+  const ChunkSpec& c;
+  const Batch& batch;
+  BatchShape b;
+  ChunkActivations& a;
+  double aux_scale;
+  bool weights_now, accumulate;
+  Tensor dx;       // the gradient between layers
+  int64_t j;       // the layer (within the chunk) being run, counting down
+  int piece = 0;   // 0: aggregate + combine backward, 1: mlp + dispatch backward, 2: attn
+  Tensor d_rows, d_mlp_in, d_topk_weight;
+};
+
+bool Qwen3MoeModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) const {
+  const int64_t n = f.c.last_layer - f.c.first_layer;
+  if (f.j == n) return false;
+  const int64_t id = f.c.first_layer + f.j;
+  const Qwen3MoeDecoderLayer& layer = *layers_[local_layer(id)];
+  Qwen3MoeLayerState& s = f.a.layers[f.j];
+  switch (f.piece) {
+    case 0:
+      if (hooks_) hooks_->before_forward(id);
+      layer.attn_forward(f.x, f.batch.positions, f.b, s);  // 1: attn
+      if (layer.is_moe()) {
+        s.expert_in = d.dispatch(s.ln2.y, s.route.topk_idx, cfg_.num_experts, s.dispatch);  // 2: dispatch
+      } else {
+        s.expert_in = {s.ln2.y, Tensor::full({1}, static_cast<double>(f.b.tokens()), DType::I64, device_)};
+      }
+      break;
+    case 1:
+      if (layer.is_moe()) d.wait(s.dispatch);
+      layer.mlp_forward(s);                                                    // 3: mlp
+      s.expert_out = layer.is_moe() ? d.combine(s.mlp.y, s.dispatch) : s.mlp.y;  // 4: combine
+      break;
+    case 2:
+      if (layer.is_moe()) d.wait(s.dispatch);
+      f.x = layer.aggregate_forward(s);  // 5: aggregate
+      if (layer.is_moe()) {  // this layer's share of the router totals (see RouterTotals)
+        StageScope t(Stage::kLoss);
+        ops::load_balance_accumulate(s.route.probs, s.route.topk_idx, f.totals.selections, f.totals.prob_sum);
+        f.totals.rows += s.route.probs.size(0);
+        if (cfg_.router_z_loss_coef > 0) {
+          s.z = ops::router_z_loss_forward(s.router_logits);
+          f.totals.z_sum += s.z.loss_sum.item();
+        }
+        f.a.expert_counts.push_back(s.expert_in.counts.to_vector<int64_t>());
+      }
+      if (hooks_) hooks_->after_forward(id, f.training && f.c.head && f.j + 1 == n);
+      ++f.j;
+      break;
+  }
+  f.piece = (f.piece + 1) % 3;
+  return true;
+}
+
+bool Qwen3MoeModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
+  if (g.j < 0) return false;
+  const int64_t id = g.c.first_layer + g.j;
+  Qwen3MoeDecoderLayer& layer = *layers_[local_layer(id)];
+  Qwen3MoeLayerState& s = g.a.layers[g.j];
+  switch (g.piece) {
+    case 0: {
+      if (hooks_) hooks_->before_backward(id);
+      auto ag = layer.aggregate_backward(g.dx, s);  // 5
+      g.d_topk_weight = ag.d_topk_weight;
+      g.d_rows = layer.is_moe() ? d.combine_backward(ag.d_expert_out, s.dispatch) : ag.d_expert_out;  // 4
+      break;
+    }
+    case 1: {
+      if (layer.is_moe()) d.wait(s.dispatch);
+      Tensor d_in_rows = layer.mlp_backward_input(g.d_rows, s);                                  // 3
+      g.d_mlp_in = layer.is_moe() ? d.dispatch_backward(d_in_rows, s.dispatch) : d_in_rows;  // 2
+      g.d_rows = Tensor();
+      break;
+    }
+    case 2: {
+      if (layer.is_moe()) d.wait(s.dispatch);
+      const int64_t T = g.b.tokens();
+      Tensor d_probs, d_logits_z;
+      if (layer.is_moe()) {
+        StageScope t(Stage::kRouterPermute);
+        if (cfg_.router_aux_loss_coef > 0) {
+          d_probs = ops::load_balance_backward(g.a.totals.selections, T, g.a.totals.rows,
+                                               cfg_.router_aux_loss_coef * g.aux_scale);
+        }
+        if (cfg_.router_z_loss_coef > 0) {
+          d_logits_z = ops::router_z_loss_backward(
+              s.route.probs, s.z.lse, cfg_.router_z_loss_coef * g.aux_scale / static_cast<double>(g.a.totals.rows));
+        }
+      }
+      g.dx = layer.attn_backward_input(g.dx, g.d_mlp_in, g.d_topk_weight, d_probs, d_logits_z, g.batch.positions, g.b,
+                                       s);  // 1
+      g.d_mlp_in = g.d_topk_weight = Tensor();
+      if (g.weights_now) {
+        layer.backward_weight(s, g.accumulate);
+        s = Qwen3MoeLayerState();
+        if (hooks_) hooks_->after_backward(id);
+      }
+      --g.j;
+      break;
+    }
+  }
+  g.piece = (g.piece + 1) % 3;
+  return true;
+}
+
+Qwen3MoeModel::ForwardCursor Qwen3MoeModel::begin_forward(const ChunkSpec& c, const Batch& batch, const Tensor& x,
+                                                          ChunkActivations& a, RouterTotals& totals,
+                                                          bool training) {
+  a.layers.assign(static_cast<size_t>(c.last_layer - c.first_layer), {});
+  ForwardCursor f{c, batch, BatchShape{batch.batch, batch.seq, batch.segment_ids}, a, totals, training, x};
   if (c.embed) {
     MT_CHECK(placement_.embed, "an embed chunk on a rank without the embedding");
     if (hooks_) hooks_->before_forward(-1);
-    x = ops::embedding_forward(batch.inputs, embed_);
+    f.x = ops::embedding_forward(batch.inputs, embed_);
   }
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t id = c.first_layer + j;
-    const Qwen3MoeDecoderLayer& layer = *layers_[local_layer(id)];
-    Qwen3MoeLayerState& s = a.layers[j];
-    if (hooks_) hooks_->before_forward(id);
-    layer.attn_forward(x, batch.positions, b, s);  // 1: attn
-    if (layer.is_moe()) {
-      s.expert_in = d.dispatch(s.ln2.y, s.route.topk_idx, cfg_.num_experts, s.dispatch);  // 2: dispatch
-    } else {
-      s.expert_in = {s.ln2.y, Tensor::full({1}, static_cast<double>(b.tokens()), DType::I64, device_)};
-    }
-    layer.mlp_forward(s);                                                          // 3: mlp
-    s.expert_out = layer.is_moe() ? d.combine(s.mlp.y, s.dispatch) : s.mlp.y;     // 4: combine
-    x = layer.aggregate_forward(s);                                                // 5: aggregate
-    if (layer.is_moe()) {  // this layer's share of the router totals (see RouterTotals)
-      StageScope t(Stage::kLoss);
-      ops::load_balance_accumulate(s.route.probs, s.route.topk_idx, totals.selections, totals.prob_sum);
-      totals.rows += s.route.probs.size(0);
-      if (cfg_.router_z_loss_coef > 0) {
-        s.z = ops::router_z_loss_forward(s.router_logits);
-        totals.z_sum += s.z.loss_sum.item();
-      }
-      a.expert_counts.push_back(s.expert_in.counts.to_vector<int64_t>());
-    }
-    if (hooks_) hooks_->after_forward(id, pass.training && c.head && j + 1 == n);
-  }
-  if (!c.head) return x;
+  return f;
+}
 
+Tensor Qwen3MoeModel::end_forward(ForwardCursor& f, const ChunkPass& pass, MicroBatchLoss* loss) {
+  if (!f.c.head) return f.x;
   MT_CHECK(placement_.head && loss != nullptr, "a head chunk needs the head and somewhere to put the loss");
+  ChunkActivations& a = f.a;
+  const Batch& batch = f.batch;
   MicroBatchLoss& out = *loss;
-  a.final_in = x;
+  a.final_in = f.x;
   {
     StageScope t(Stage::kNorms);
-    a.final_norm = ops::rmsnorm_forward(x, final_norm_w_, cfg_.rms_norm_eps);
+    a.final_norm = ops::rmsnorm_forward(f.x, final_norm_w_, cfg_.rms_norm_eps);
   }
   out.targets = batch.num_targets;
-  router_losses(totals, out);
-  a.totals = totals;
+  router_losses(f.totals, out);
+  a.totals = f.totals;
   const Tensor& h = a.final_norm.y;
   if (!pass.training) {
     StageScope t(Stage::kLoss);
@@ -421,48 +519,57 @@ Tensor Qwen3MoeModel::forward_chunk(const ChunkSpec& c, const Batch& batch, cons
   return Tensor();
 }
 
-Tensor Qwen3MoeModel::backward_chunk(const ChunkSpec& c, const Batch& batch, const Tensor& dy, ExpertDispatcher& d,
-                                     ChunkActivations& a, double aux_scale, bool weights_now, bool accumulate) {
-  const BatchShape b{batch.batch, batch.seq, batch.segment_ids};
-  const int64_t T = b.tokens(), n = c.last_layer - c.first_layer;
-  Tensor dx = c.head ? a.d_out : dy;
-  MT_CHECK(dx.defined(), "backward of layers [{}, {}): no output gradient", c.first_layer, c.last_layer);
+Qwen3MoeModel::BackwardCursor Qwen3MoeModel::begin_backward(const ChunkSpec& c, const Batch& batch, const Tensor& dy,
+                                                            ChunkActivations& a, double aux_scale, bool weights_now,
+                                                            bool accumulate) {
+  BackwardCursor g{c, batch, BatchShape{batch.batch, batch.seq, batch.segment_ids}, a, aux_scale, weights_now,
+                   accumulate, c.head ? a.d_out : dy, c.last_layer - c.first_layer - 1};
+  MT_CHECK(g.dx.defined(), "backward of layers [{}, {}): no output gradient", c.first_layer, c.last_layer);
   a.d_out = Tensor();
-  for (int64_t j = n; j-- > 0;) {
-    const int64_t id = c.first_layer + j;
-    Qwen3MoeDecoderLayer& layer = *layers_[local_layer(id)];
-    Qwen3MoeLayerState& s = a.layers[j];
-    if (hooks_) hooks_->before_backward(id);
-    auto ag = layer.aggregate_backward(dx, s);                                                 // 5
-    Tensor d_rows = layer.is_moe() ? d.combine_backward(ag.d_expert_out, s.dispatch) : ag.d_expert_out;  // 4
-    Tensor d_in_rows = layer.mlp_backward_input(d_rows, s);                                    // 3
-    Tensor d_mlp_in = layer.is_moe() ? d.dispatch_backward(d_in_rows, s.dispatch) : d_in_rows;  // 2
-    Tensor d_probs, d_logits_z;
-    if (layer.is_moe()) {
-      StageScope t(Stage::kRouterPermute);
-      if (cfg_.router_aux_loss_coef > 0) {
-        d_probs = ops::load_balance_backward(a.totals.selections, T, a.totals.rows,
-                                             cfg_.router_aux_loss_coef * aux_scale);
-      }
-      if (cfg_.router_z_loss_coef > 0) {
-        d_logits_z = ops::router_z_loss_backward(
-            s.route.probs, s.z.lse, cfg_.router_z_loss_coef * aux_scale / static_cast<double>(a.totals.rows));
-      }
-    }
-    dx = layer.attn_backward_input(dx, d_mlp_in, ag.d_topk_weight, d_probs, d_logits_z, batch.positions, b, s);  // 1
-    if (weights_now) {
-      layer.backward_weight(s, accumulate);
-      s = Qwen3MoeLayerState();
-      if (hooks_) hooks_->after_backward(id);
-    }
-  }
-  if (!c.embed) return dx;
-  a.d_embed_out = dx;
-  if (weights_now) {
-    backward_chunk_weight(ChunkSpec{c.first_layer, c.first_layer, true, false}, batch, a, accumulate);
+  return g;
+}
+
+Tensor Qwen3MoeModel::end_backward(BackwardCursor& g) {
+  if (!g.c.embed) return g.dx;
+  g.a.d_embed_out = g.dx;
+  if (g.weights_now) {
+    backward_chunk_weight(ChunkSpec{g.c.first_layer, g.c.first_layer, true, false}, g.batch, g.a, g.accumulate);
     if (hooks_) hooks_->after_backward(-1);
   }
   return Tensor();
+}
+
+Tensor Qwen3MoeModel::forward_chunk(const ChunkSpec& c, const Batch& batch, const Tensor& x, ExpertDispatcher& d,
+                                    ChunkActivations& a, RouterTotals& totals, const ChunkPass& pass,
+                                    MicroBatchLoss* loss) {
+  ForwardCursor f = begin_forward(c, batch, x, a, totals, pass.training);
+  while (forward_piece(f, d)) {
+  }
+  return end_forward(f, pass, loss);
+}
+
+Tensor Qwen3MoeModel::backward_chunk(const ChunkSpec& c, const Batch& batch, const Tensor& dy, ExpertDispatcher& d,
+                                     ChunkActivations& a, double aux_scale, bool weights_now, bool accumulate) {
+  BackwardCursor g = begin_backward(c, batch, dy, a, aux_scale, weights_now, accumulate);
+  while (backward_piece(g, d)) {
+  }
+  return end_backward(g);
+}
+
+std::pair<Tensor, Tensor> Qwen3MoeModel::forward_backward_overlapped(
+    const ChunkSpec& fc, const Batch& fbatch, const Tensor& x, ChunkActivations& fa, RouterTotals& totals,
+    const ChunkPass& pass, MicroBatchLoss* loss, const ChunkSpec& bc, const Batch& bbatch, const Tensor& dy,
+    ChunkActivations& ba, ExpertDispatcher& d) {
+  ForwardCursor f = begin_forward(fc, fbatch, x, fa, totals, pass.training);
+  BackwardCursor g = begin_backward(bc, bbatch, dy, ba, pass.aux_scale, /*weights_now=*/false, false);
+  // Alternate: each piece computes while the other pass's exchange, started by its last
+  // piece, is in flight.
+  for (bool more_f = true, more_b = true; more_f || more_b;) {
+    if (more_f) more_f = forward_piece(f, d);
+    if (more_b) more_b = backward_piece(g, d);
+  }
+  Tensor out = end_forward(f, pass, loss);
+  return {out, end_backward(g)};
 }
 
 void Qwen3MoeModel::backward_chunk_weight(const ChunkSpec& c, const Batch& batch, ChunkActivations& a,

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -245,6 +246,16 @@ class Qwen3MoeModel {
                         ChunkActivations& a, double aux_scale, bool weights_now, bool accumulate);
   // W: every weight gradient of the chunk from what its B kept.
   void backward_chunk_weight(const ChunkSpec& c, const Batch& batch, ChunkActivations& a, bool accumulate);
+  // F of chunk `fc` and B of chunk `bc` (another micro-batch), interleaved at the
+  // dispatch / combine boundaries: with a dispatcher that defers its waits (AllToAllOptions:
+  // a communication stream), one pass's all-to-all is in flight while the other computes.
+  // The same results as forward_chunk then backward_chunk (B without weights); returns
+  // {F's output, B's input gradient}.
+  std::pair<Tensor, Tensor> forward_backward_overlapped(const ChunkSpec& fc, const Batch& fbatch, const Tensor& x,
+                                                        ChunkActivations& fa, RouterTotals& totals,
+                                                        const ChunkPass& pass, MicroBatchLoss* loss,
+                                                        const ChunkSpec& bc, const Batch& bbatch, const Tensor& dy,
+                                                        ChunkActivations& ba, ExpertDispatcher& d);
 
   // Training FLOPs per token: 6 * active matmul parameters + 12 * layers * heads * head_dim * seq
   // (of the whole model, whatever part this rank holds).
@@ -256,6 +267,17 @@ class Qwen3MoeModel {
   size_t local_layer(int64_t id) const;
   // The head's router losses from the micro-batch's totals (summed over the data group).
   void router_losses(RouterTotals& totals, MicroBatchLoss& out) const;
+  // Chunk passes in pieces cut at the expert exchanges (qwen3_moe.cpp).
+  struct ForwardCursor;
+  struct BackwardCursor;
+  ForwardCursor begin_forward(const ChunkSpec& c, const Batch& batch, const Tensor& x, ChunkActivations& a,
+                              RouterTotals& totals, bool training);
+  bool forward_piece(ForwardCursor& f, ExpertDispatcher& d) const;  // false when no layer is left
+  Tensor end_forward(ForwardCursor& f, const ChunkPass& pass, MicroBatchLoss* loss);
+  BackwardCursor begin_backward(const ChunkSpec& c, const Batch& batch, const Tensor& dy, ChunkActivations& a,
+                                double aux_scale, bool weights_now, bool accumulate);
+  bool backward_piece(BackwardCursor& g, ExpertDispatcher& d);
+  Tensor end_backward(BackwardCursor& g);
 
   Qwen3MoeConfig cfg_;
   DType dtype_;

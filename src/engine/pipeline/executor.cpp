@@ -124,15 +124,14 @@ void PipelineExecutor::give(std::map<Key, Handoff>& local, Key key, bool backwar
       pp_->isend(for_comm(h.totals.pack()), to, tag(backward ? kGradientTotals : kActivationTotals, key.first, key.second)));
 }
 
-void PipelineExecutor::forward_step(int chunk, int mb, const Batch& batch, ChunkPass pass, Result& r) {
-  const ChunkSpec& spec = chunks_[chunk];
-  Handoff in;
-  if (spec.embed) in.totals = model_.new_totals();
-  else in = take(inputs_, {chunk, mb}, false, batch);
-  ChunkActivations& a = acts_[{chunk, mb}];
-  MicroBatchLoss loss;
-  pass.head_accumulate = head_written_;
-  Tensor out = model_.forward_chunk(spec, batch, in.hidden, dispatcher_, a, in.totals, pass, spec.head ? &loss : nullptr);
+PipelineExecutor::Handoff PipelineExecutor::forward_input(int chunk, int mb, const Batch& batch) {
+  if (chunks_[chunk].embed) return {Tensor(), model_.new_totals()};
+  return take(inputs_, {chunk, mb}, false, batch);
+}
+
+void PipelineExecutor::forward_output(int chunk, int mb, Handoff out, const MicroBatchLoss& loss, bool training,
+                                      Result& r) {
+  ChunkActivations& a = acts_.at({chunk, mb});
   auto& counts = counts_[chunk];
   if (counts.empty()) counts = std::move(a.expert_counts);
   else {
@@ -141,31 +140,64 @@ void PipelineExecutor::forward_step(int chunk, int mb, const Batch& batch, Chunk
     }
   }
   a.expert_counts.clear();
-  if (!pass.training) acts_.erase({chunk, mb});  // nothing to go back through
-  if (spec.head) {
+  if (!training) acts_.erase({chunk, mb});  // nothing to go back through
+  if (chunks_[chunk].head) {
     r.has_head = true;
     r.ce_sum += loss.ce_sum;
     r.aux_loss += loss.aux_loss;
     r.z_loss += loss.z_loss;
-    head_written_ = pass.training;
+    head_written_ = training;
     return;
   }
-  give(inputs_, {chunk + 1, mb}, false, {out, in.totals});
+  give(inputs_, {chunk + 1, mb}, false, std::move(out));
+}
+
+Tensor PipelineExecutor::backward_input(int chunk, int mb, const Batch& batch, ChunkActivations*& a) {
+  auto it = acts_.find({chunk, mb});
+  MT_CHECK(it != acts_.end(), "B before F for chunk {} micro-batch {}", chunk, mb);
+  a = &it->second;
+  if (chunks_[chunk].head) return Tensor();  // the head's gradient was made with its loss
+  Handoff g = take(grads_, {chunk, mb}, true, batch);
+  a->totals = g.totals;  // the final totals, from the head
+  return g.hidden;
+}
+
+void PipelineExecutor::backward_output(int chunk, int mb, Tensor dx, const ChunkActivations& a) {
+  if (!chunks_[chunk].embed) give(grads_, {chunk - 1, mb}, true, {std::move(dx), a.totals});
+}
+
+void PipelineExecutor::forward_step(int chunk, int mb, const Batch& batch, ChunkPass pass, Result& r) {
+  Handoff in = forward_input(chunk, mb, batch);
+  pass.head_accumulate = head_written_;
+  MicroBatchLoss loss;
+  const ChunkSpec& spec = chunks_[chunk];
+  Tensor out = model_.forward_chunk(spec, batch, in.hidden, dispatcher_, acts_[{chunk, mb}], in.totals, pass,
+                                    spec.head ? &loss : nullptr);
+  forward_output(chunk, mb, {out, in.totals}, loss, pass.training, r);
 }
 
 void PipelineExecutor::input_grad_step(int chunk, int mb, const Batch& batch, double aux_scale) {
-  const ChunkSpec& spec = chunks_[chunk];
-  auto it = acts_.find({chunk, mb});
-  MT_CHECK(it != acts_.end(), "B before F for chunk {} micro-batch {}", chunk, mb);
-  ChunkActivations& a = it->second;
-  Tensor dy;
-  if (!spec.head) {
-    Handoff g = take(grads_, {chunk, mb}, true, batch);
-    dy = g.hidden;
-    a.totals = g.totals;  // the final totals, from the head
-  }
-  Tensor dx = model_.backward_chunk(spec, batch, dy, dispatcher_, a, aux_scale, /*weights_now=*/false, false);
-  if (!spec.embed) give(grads_, {chunk - 1, mb}, true, {dx, a.totals});
+  ChunkActivations* a = nullptr;
+  Tensor dy = backward_input(chunk, mb, batch, a);
+  Tensor dx = model_.backward_chunk(chunks_[chunk], batch, dy, dispatcher_, *a, aux_scale, /*weights_now=*/false, false);
+  backward_output(chunk, mb, std::move(dx), *a);
+}
+
+void PipelineExecutor::overlapped_step(const PipeOp& op, const std::vector<Batch>& batches, ChunkPass pass,
+                                       Result& r) {
+  // Both passes' inputs first: the interleaving needs them all.
+  Handoff in = forward_input(op.chunk, op.mb, batches[op.mb]);
+  ChunkActivations& fa = acts_[{op.chunk, op.mb}];
+  ChunkActivations* ba = nullptr;
+  Tensor dy = backward_input(op.chunk2, op.mb2, batches[op.mb2], ba);
+  pass.head_accumulate = head_written_;
+  MicroBatchLoss loss;
+  const ChunkSpec& fc = chunks_[op.chunk];
+  auto [out, dx] = model_.forward_backward_overlapped(fc, batches[op.mb], in.hidden, fa, in.totals, pass,
+                                                      fc.head ? &loss : nullptr, chunks_[op.chunk2],
+                                                      batches[op.mb2], dy, *ba, dispatcher_);
+  backward_output(op.chunk2, op.mb2, std::move(dx), *ba);
+  forward_output(op.chunk, op.mb, {out, in.totals}, loss, pass.training, r);
 }
 
 void PipelineExecutor::weight_step(int chunk, int mb, const Batch& batch) {
@@ -196,8 +228,11 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
         case PipeOpKind::B: input_grad_step(op.chunk, op.mb, batches[op.mb], pass.aux_scale); break;
         case PipeOpKind::W: weight_step(op.chunk, op.mb, batches[op.mb]); break;
         case PipeOpKind::FB:
-          forward_step(op.chunk, op.mb, batches[op.mb], pass, r);
-          input_grad_step(op.chunk2, op.mb2, batches[op.mb2], pass.aux_scale);
+          if (overlap_) overlapped_step(op, batches, pass, r);
+          else {
+            forward_step(op.chunk, op.mb, batches[op.mb], pass, r);
+            input_grad_step(op.chunk2, op.mb2, batches[op.mb2], pass.aux_scale);
+          }
           break;
       }
     } catch (const Error& e) {

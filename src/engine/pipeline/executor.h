@@ -62,6 +62,9 @@ class PipelineExecutor {
                double aux_scale);
   // Forward only (validation): `schedule` from make_forward_only.
   Result forward(const PipelineSchedule& schedule, const std::vector<Batch>& batches);
+  // FB steps: interleave the pair's pieces (the default; the point of DualPipeV), or run the F
+  // then the B (same results; for comparison).
+  void set_overlap(bool on) { overlap_ = on; }
 
  private:
   using Key = std::pair<int, int>;  // (chunk, micro-batch)
@@ -72,6 +75,12 @@ class PipelineExecutor {
   Result run(const PipelineSchedule& s, const std::vector<Batch>& batches, const ChunkPass& pass);
   void forward_step(int chunk, int mb, const Batch& batch, ChunkPass pass, Result& r);
   void input_grad_step(int chunk, int mb, const Batch& batch, double aux_scale);
+  void overlapped_step(const PipeOp& op, const std::vector<Batch>& batches, ChunkPass pass, Result& r);
+  // The halves of F and B around the model's work: taking the input, handing on the output.
+  Handoff forward_input(int chunk, int mb, const Batch& batch);
+  void forward_output(int chunk, int mb, Handoff out, const MicroBatchLoss& loss, bool training, Result& r);
+  Tensor backward_input(int chunk, int mb, const Batch& batch, ChunkActivations*& a);
+  void backward_output(int chunk, int mb, Tensor dx, const ChunkActivations& a);
   void weight_step(int chunk, int mb, const Batch& batch);
   // The forward input / backward output gradient of (chunk, mb): from this rank's own
   // hand-over, or received from `peer`.
@@ -91,6 +100,7 @@ class PipelineExecutor {
   std::vector<std::unique_ptr<P2pRequest>> sends_;
   std::vector<bool> weights_written_;  // per chunk: a W of this step already wrote its grads
   bool head_written_ = false;
+  bool overlap_ = true;
   std::map<int, std::vector<std::vector<int64_t>>> counts_;  // per chunk, summed over mbs
 };
 
