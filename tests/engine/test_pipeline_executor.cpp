@@ -98,7 +98,8 @@ void expect_schedule_matches_whole_model(const PipelineSchedule& s, bool tied, b
 // the other: both give the whole model's numbers.
 TEST(PipelineExecutor, DualPipeVOnOneRankMatchesTheWholeModel) {
   int pairs = 0;
-  for (const PipeOp& op : make_dualpipev(1, 5).ops[0]) pairs += op.kind == PipeOpKind::FB;
+  const PipelineSchedule five = make_dualpipev(1, 5);
+  for (const PipeOp& op : five.ops[0]) pairs += op.kind == PipeOpKind::FB;
   EXPECT_GT(pairs, 0);
   for (bool tied : {false, true}) {
     for (bool overlap : {true, false}) {
