@@ -69,7 +69,7 @@ std::string Mesh::str() const {
   return fmt::format("pp {} x dp {} x cp {} x ep {} ({} ranks)", pp(), dp(), cp(), ep(), world_);
 }
 
-MeshComms MeshComms::build(std::shared_ptr<Communicator> world, const Mesh& mesh) {
+MeshComms MeshComms::build(std::shared_ptr<Communicator> world, const Mesh& mesh, int dp_replicate) {
   MT_CHECK(world->size() == mesh.world_size(), "mesh {} does not fit communicator {} of {} ranks", mesh.str(),
            world->name(), world->size());
   const int r = world->rank();
@@ -83,6 +83,26 @@ MeshComms MeshComms::build(std::shared_ptr<Communicator> world, const Mesh& mesh
   m.ep = sub({MeshAxis::EP}, "ep");
   m.dp_cp = sub({MeshAxis::DP, MeshAxis::CP}, "dp_cp");
   m.dp_cp_ep = sub({MeshAxis::DP, MeshAxis::CP, MeshAxis::EP}, "dp_cp_ep");
+  MT_CHECK(dp_replicate >= 1 && mesh.dp() % dp_replicate == 0,
+           "mesh: dp_replicate = {} must divide dp = {} (HSDP: replica groups of dp / dp_replicate ranks)",
+           dp_replicate, mesh.dp());
+  if (dp_replicate == 1) {
+    m.shard_experts = m.dp_cp;
+    m.shard_dense = m.dp_cp_ep;
+    return m;
+  }
+  // dp coordinate = replica * S + shard, S = dp / R: replicas outer (across nodes), the
+  // shards of one replica group inner (within a node).
+  const MeshCoord c = mesh.coord(r);
+  const int S = mesh.dp() / dp_replicate;
+  m.replica = c.dp / S;
+  m.replicas = dp_replicate;
+  const int shard = c.dp % S;
+  const int pp_rep = c.pp * dp_replicate + m.replica;
+  m.shard_experts = std::shared_ptr<Communicator>(world->split((pp_rep * mesh.ep() + c.ep), r, "shard_experts"));
+  m.shard_dense = std::shared_ptr<Communicator>(world->split(pp_rep, r, "shard_dense"));
+  m.replicate = std::shared_ptr<Communicator>(
+      world->split(((c.pp * S + shard) * mesh.cp() + c.cp) * mesh.ep() + c.ep, r, "replicate"));
   return m;
 }
 

@@ -55,12 +55,18 @@ class Mesh {
 struct MeshComms {
   Mesh mesh;
   std::shared_ptr<Communicator> world, pp, dp, cp, ep;
-  std::shared_ptr<Communicator> dp_cp;     // expert weights shard over it
-  std::shared_ptr<Communicator> dp_cp_ep;  // every other weight shards over it
+  std::shared_ptr<Communicator> dp_cp;     // the ranks holding the same experts
+  std::shared_ptr<Communicator> dp_cp_ep;  // every data rank of a pipeline stage
+  // Sharded data parallelism. Plain FSDP: expert weights shard over dp_cp, every other
+  // weight over dp_cp_ep, and `replicate` is null. HSDP (dp_replicate = R > 1): dp is
+  // R replica groups (outer) of dp / R ranks (inner); weights shard inside a replica group
+  // and the replicas all-reduce their gradient shards over `replicate` (R ranks).
+  std::shared_ptr<Communicator> shard_experts, shard_dense, replicate;
+  int replica = 0, replicas = 1;  // this rank's replica group, and how many there are
 
   // Splits `world` along the mesh; collective over world. Each sub-communicator's rank is
-  // this rank's index in Mesh::group.
-  static MeshComms build(std::shared_ptr<Communicator> world, const Mesh& mesh);
+  // this rank's index in Mesh::group. dp_replicate must divide dp (an Error names both).
+  static MeshComms build(std::shared_ptr<Communicator> world, const Mesh& mesh, int dp_replicate = 1);
 };
 
 }  // namespace moetrain

@@ -40,6 +40,9 @@ void ParallelConfig::describe(ConfigFields& f) {
           if (dp == -1 || dp >= 1) return std::nullopt;
           return fmt::format("must be -1 (inferred) or >= 1, got {}", dp);
         });
+  f.add("dp_replicate", &dp_replicate,
+        "HSDP: replica groups the dp ranks split into (shard within a group, all-reduce gradients across); 1 = FSDP",
+        positive(&dp_replicate));
   f.add("shard_weights", &shard_weights,
         "many ranks: shard the weights too and gather each layer's when used (ZeRO-3); false keeps them whole "
         "(ZeRO-2: gradients and optimizer state sharded)");

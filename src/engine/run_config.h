@@ -20,6 +20,9 @@ struct ParallelConfig {
   // Data-parallel sharding (ZeRO): gradients and optimizer state are always sharded over
   // the data ranks; with shard_weights the weights too, gathered per layer when used (ZeRO-3).
   bool shard_weights = true;
+  // HSDP: dp splits into dp_replicate replica groups; sharding stays inside a group (one node,
+  // say) and the groups all-reduce gradient shards. 1: plain FSDP over all dp ranks.
+  int64_t dp_replicate = 1;
   void describe(ConfigFields& f);
 };
 

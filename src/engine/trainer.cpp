@@ -348,8 +348,8 @@ TrainSummary train(const RunConfig& cfg_in) {
       spdlog::info("parallel: weights kept whole under pipeline parallelism (ZeRO-2: gradients and optimizer "
                    "state sharded)");
     }
-    fsdp = std::make_unique<FsdpContext>(model, *par.comms->dp_cp_ep, *par.comms->dp_cp, *par.comms->world, adamw,
-                                         shard_weights);
+    fsdp = std::make_unique<FsdpContext>(model, *par.comms->shard_dense, *par.comms->shard_experts,
+                                         *par.comms->world, adamw, shard_weights, par.comms->replicate.get());
     if (par.pp > 1) pipeline = std::make_unique<PipelineExecutor>(model, dispatcher, par.pp_group(), chunks);
   } else {
     single_opt = std::make_unique<AdamW>(params, adamw);
@@ -383,6 +383,7 @@ TrainSummary train(const RunConfig& cfg_in) {
     }
   };
   auto checkpoint_state = [&] {
+    if (fsdp && !fsdp->writes_checkpoint()) return CheckpointItems{};  // HSDP: another replica group writes
     return fsdp ? sharded_checkpoint_items(params, fsdp->shard_params(), fsdp->segments(), opt)
                 : checkpoint_items(params, &opt);
   };
@@ -439,7 +440,8 @@ TrainSummary train(const RunConfig& cfg_in) {
     st["model_dtype"] = std::string(dtype_name(params.front().value.dtype()));
     st["world_size"] = par.world;
     st["parallel"] = {{"pp", cfg.parallel.pp}, {"dp", par.world / (cfg.parallel.pp * cfg.parallel.cp * par.ep)},
-                      {"cp", cfg.parallel.cp}, {"ep", par.ep}, {"schedule", cfg.parallel.schedule}};
+                      {"cp", cfg.parallel.cp}, {"ep", par.ep}, {"schedule", cfg.parallel.schedule},
+                      {"dp_replicate", cfg.parallel.dp_replicate}};
     st["moetrain_version"] = MOETRAIN_VERSION;
     st["config"] = cfg.to_toml();
     st["hf_config"] = nlohmann::json::parse(cfg.model.to_hf_json());

@@ -1,5 +1,5 @@
 // Every parallel layout against one process: `moetrain launch -n N -- train` under dp2,
-// ep2, ep2 x dp2 and ep4 (Gloo, CPU) gives the losses, gradient norms and final weights of
+// ep2, ep2 x dp2, ep4 and HSDP (two replica groups, with and without ep) (Gloo, CPU) gives the losses, gradient norms and final weights of
 // the single-process run with N times the micro-batch, within 1e-5 relative; a checkpoint
 // written under ep2 x dp2 resumes under ep4 and under one process. The same for pipeline
 // parallelism: pp2 and pp4 under 1F1B and DualPipeV, pp2 x ep2, tied embeddings in the V,
@@ -122,7 +122,10 @@ TEST_F(ParallelCli, EveryLayoutMatchesOneProcess) {
   };
   for (const Layout& l : {Layout{"dp2", 2, 2, "--parallel.dp=2"}, Layout{"ep2", 2, 2, "--parallel.ep=2"},
                           Layout{"ep2dp2", 4, 4, "--parallel.ep=2 --parallel.dp=2"},
-                          Layout{"ep4", 4, 4, "--parallel.ep=4"}}) {
+                          Layout{"ep4", 4, 4, "--parallel.ep=4"},
+                          Layout{"hsdp", 4, 4, "--parallel.dp_replicate=2"},
+                          Layout{"hsdp_ep2_zero2", 4, 4,
+                                 "--parallel.dp_replicate=2 --parallel.ep=2 --parallel.shard_weights=false"}}) {
     SCOPED_TRACE(l.name);
     Result r = launch(l.ranks, train_args(l.name, l.data_ranks, l.flags));
     ASSERT_EQ(r.status, 0) << r.output;
@@ -144,6 +147,12 @@ TEST_F(ParallelCli, CheckpointOfEp2Dp2ResumesUnderEp4AndOneProcess) {
     EXPECT_NE(second.output.find("resumed from"), std::string::npos) << second.output;
     expect_same_run("one", name);
   }
+}
+
+TEST_F(ParallelCli, AReplicaCountThatDoesNotDivideDpIsNamed) {
+  Result r = launch(2, train_args("bad", 2, "--parallel.dp_replicate=3"));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("[parallel].dp_replicate = 3 must divide dp = 2"), std::string::npos) << r.output;
 }
 
 TEST_F(ParallelCli, ALayoutThatDoesNotFitTheWorldIsNamed) {

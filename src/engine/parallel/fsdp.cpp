@@ -17,8 +17,12 @@ void all_reduce_doubles(Communicator& group, std::vector<double>& values, Device
 }
 
 FsdpContext::FsdpContext(Qwen3MoeModel& model, Communicator& dense_group, Communicator& expert_group,
-                         Communicator& world, AdamWConfig adamw, bool shard_weights)
-    : model_(model), world_(world), shard_weights_(shard_weights), opt_(ParameterList{}, adamw) {
+                         Communicator& world, AdamWConfig adamw, bool shard_weights, Communicator* replicate)
+    : model_(model),
+      world_(world),
+      replicate_(replicate && replicate->size() > 1 ? replicate : nullptr),
+      shard_weights_(shard_weights),
+      opt_(ParameterList{}, adamw) {
   ParameterList& params = model.parameters();
   std::vector<Tensor> full_masters;  // kept alive until the shards have their copies
   shards_.reserve(model.buckets().size());
@@ -136,10 +140,10 @@ void FsdpContext::after_backward(int64_t layer) {
 }
 
 void FsdpContext::reduce_scatter_grads() {
-  if (shard_weights_) return;  // each layer's were reduced right after its backward
   for (Shard& sh : shards_) {
-    if (sh.group->size() == 1) continue;
-    sh.group->reduce_scatter(sh.bucket->grads, sh.grad);
+    // With shard_weights each layer's were reduced right after its backward.
+    if (!shard_weights_ && sh.group->size() > 1) sh.group->reduce_scatter(sh.bucket->grads, sh.grad);
+    if (replicate_) replicate_->all_reduce(sh.grad);
   }
 }
 
@@ -148,6 +152,8 @@ GradNorm FsdpContext::grad_norm(double max_norm) {
   for (const Parameter& s : shard_params_) grads.push_back(s.grad);
   std::vector<double> sq{grads.empty() ? 0.0 : ops::sum_squares_all(grads)};
   all_reduce_doubles(world_, sq, shards_.front().grad.device());
+  // HSDP: every element is owned once per replica group, and the replicas hold equal bits.
+  if (replicate_) sq[0] /= static_cast<double>(replicate_->size());
   GradNorm r;
   r.norm = std::sqrt(sq[0]);
   if (!std::isfinite(r.norm)) {

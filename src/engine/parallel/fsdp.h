@@ -32,11 +32,13 @@ namespace moetrain {
 class FsdpContext final : public WeightHooks {
  public:
   // `dense_group` shards non-expert buckets, `expert_group` expert buckets, `world` sums the
-  // gradient norm. The model's f32 masters (if any) are moved into the shards and dropped
-  // from the model, so construct this after the model's weights are initialised. With
-  // shard_weights the model's whole weights are released here and gathered on use.
+  // gradient norm. HSDP: `replicate` (or nullptr) is the group of ranks holding the same
+  // shards in other replica groups; their gradient shards are summed over it once a step.
+  // The model's f32 masters (if any) are moved into the shards and dropped from the model,
+  // so construct this after the model's weights are initialised. With shard_weights the
+  // model's whole weights are released here and gathered on use.
   FsdpContext(Qwen3MoeModel& model, Communicator& dense_group, Communicator& expert_group, Communicator& world,
-              AdamWConfig adamw, bool shard_weights);
+              AdamWConfig adamw, bool shard_weights, Communicator* replicate = nullptr);
   ~FsdpContext() override;
 
   // Before each micro-batch's forward_backward: the first one writes the gradient shards,
@@ -46,8 +48,13 @@ class FsdpContext final : public WeightHooks {
   // micro-batches only without shard_weights.
   bool model_accumulates(size_t micro_batch) const { return !shard_weights_ && micro_batch > 0; }
 
-  // After the last micro-batch (without shard_weights; with it the layers did it already).
+  // After the last micro-batch: each bucket's gradient reduce-scattered over its group
+  // (without shard_weights; with them each layer did it after its backward), then, under
+  // HSDP, the shards summed over the replica groups.
   void reduce_scatter_grads();
+  // HSDP: every replica group holds the same shards, so only the first writes them to a
+  // checkpoint.
+  bool writes_checkpoint() const { return replicate_ == nullptr || replicate_->rank() == 0; }
   GradNorm grad_norm(double max_norm);
   void step(double lr, double grad_scale);
 
@@ -82,6 +89,7 @@ class FsdpContext final : public WeightHooks {
 
   Qwen3MoeModel& model_;
   Communicator& world_;
+  Communicator* replicate_;
   bool shard_weights_;
   bool first_micro_batch_ = true;
   std::vector<Shard> shards_;

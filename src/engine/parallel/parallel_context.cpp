@@ -21,6 +21,10 @@ ParallelContext ParallelContext::build(const RunConfig& cfg) {
       MT_THROW("[parallel] does not fit {} ({}): {}", p.env.str(), p.world == 1 ? "start many ranks with moetrain launch -n N, torchrun, srun or mpirun" : "change pp, dp, cp or ep", e.what());
     }
   }();
+  MT_CHECK(mesh.dp() % pc.dp_replicate == 0,
+           "[parallel].dp_replicate = {} must divide dp = {} ({}): HSDP splits the dp ranks into that many replica "
+           "groups",
+           pc.dp_replicate, mesh.dp(), mesh.str());
   const bool gpu = cfg.training.device == "cuda";
   if (gpu) {
     MT_CHECK(cuda::available(), "[training].device = \"cuda\" but no GPU is usable: {}", cuda::unavailable_reason());
@@ -37,10 +41,14 @@ ParallelContext ParallelContext::build(const RunConfig& cfg) {
   std::shared_ptr<Communicator> world =
       gpu ? std::shared_ptr<Communicator>(connect_nccl(store, p.rank, p.world, p.env.local_rank, opt))
           : std::shared_ptr<Communicator>(GlooCommunicator::connect(store, p.rank, p.world, opt));
-  p.comms = std::make_unique<MeshComms>(MeshComms::build(world, mesh));
+  p.comms = std::make_unique<MeshComms>(MeshComms::build(world, mesh, static_cast<int>(pc.dp_replicate)));
   p.data_rank = p.comms->dp_cp_ep->rank();
   p.data_world = p.comms->dp_cp_ep->size();
-  spdlog::info("parallel: {} as {} ({} collectives)", p.env.str(), mesh.str(), world->backend());
+  spdlog::info("parallel: {} as {}{} ({} collectives)", p.env.str(), mesh.str(),
+               p.comms->replicas > 1 ? fmt::format(", HSDP: {} replica groups of dp {}", p.comms->replicas,
+                                                   mesh.dp() / p.comms->replicas)
+                                     : std::string(),
+               world->backend());
   return p;
 }
 
