@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/log.h"
 #include "engine/telemetry/stage_timer.h"
 #include "ops/ops.h"
 
@@ -74,13 +75,66 @@ FsdpContext::FsdpContext(Qwen3MoeModel& model, Communicator& dense_group, Commun
   for (Parameter& p : params) p.master = Tensor();
   opt_ = AdamW(shard_params_, adamw);
   if (shard_weights_) {
-    for (Shard& sh : shards_) release(sh);
+    for (Shard& sh : shards_) {
+      release(sh);
+      if (units_.empty() || units_.back() != sh.bucket->layer) units_.push_back(sh.bucket->layer);
+    }
+    std::sort(units_.begin(), units_.end());
+    units_.erase(std::unique(units_.begin(), units_.end()), units_.end());
+    const bool nccl = dense_group.backend() == "nccl";
+    if (nccl && !model.device().is_cpu()) {
+      comm_stream_ = cuda::create_stream();
+      compute_point_ = cuda::create_sync_event();
+      for (Shard& sh : shards_) sh.ready = cuda::create_sync_event();
+    }
     model.set_weight_hooks(this);
   }
 }
 
 FsdpContext::~FsdpContext() {
   if (shard_weights_) model_.set_weight_hooks(nullptr);
+  if (comm_stream_) {
+    try {
+      cuda::stream_synchronize(comm_stream_);
+      for (Shard& sh : shards_) cuda::destroy_event(sh.ready);
+      cuda::destroy_event(compute_point_);
+      cuda::destroy_stream(comm_stream_);
+    } catch (const std::exception& e) {
+      spdlog::error("FsdpContext: releasing the prefetch stream: {}", e.what());
+    }
+  }
+}
+
+int64_t FsdpContext::neighbour(int64_t layer, bool forward) const {
+  auto it = std::lower_bound(units_.begin(), units_.end(), layer);
+  if (it == units_.end() || *it != layer) return layer;
+  if (forward) return it + 1 == units_.end() ? layer : *(it + 1);
+  return it == units_.begin() ? layer : *(it - 1);
+}
+
+// Starts gathering `layer`'s buckets ahead of use. NCCL: on the communication stream, after
+// the compute stream's work so far (the shards are final, freed memory may be reused); the
+// compute stream waits for it in gather(). Gloo: gathered now.
+void FsdpContext::prefetch(int64_t layer) {
+  std::vector<Shard*> todo;
+  for (Shard* sh : unit(layer)) {
+    if (!sh->bucket->values.memory_resident()) todo.push_back(sh);
+  }
+  if (todo.empty()) return;
+  if (!comm_stream_) {
+    for (Shard* sh : todo) gather(*sh);
+    return;
+  }
+  cuda::record_event(compute_point_, cuda::current_stream());
+  cuda::stream_wait_event(comm_stream_, compute_point_);
+  cuda::CurrentStreamScope on_comm(comm_stream_);  // the gathered buffer is allocated there too
+  for (Shard* sh : todo) {
+    sh->bucket->values.restore_memory();
+    if (sh->group->size() == 1) sh->bucket->values.copy_from(sh->value);
+    else sh->group->all_gather(sh->value, sh->bucket->values, comm_stream_);
+    cuda::record_event(sh->ready, comm_stream_);
+    sh->in_flight = true;
+  }
 }
 
 std::vector<FsdpContext::Shard*> FsdpContext::unit(int64_t layer) {
@@ -93,6 +147,11 @@ std::vector<FsdpContext::Shard*> FsdpContext::unit(int64_t layer) {
 
 // Whole weights from the shards (the bucket's padding gathers too: it is never read).
 void FsdpContext::gather(Shard& sh) {
+  if (sh.in_flight) {  // prefetched on the communication stream
+    cuda::stream_wait_event(cuda::current_stream(), sh.ready);
+    sh.in_flight = false;
+    return;
+  }
   if (sh.bucket->values.memory_resident()) return;
   sh.bucket->values.restore_memory();
   if (sh.group->size() == 1) {
@@ -103,6 +162,10 @@ void FsdpContext::gather(Shard& sh) {
 }
 
 void FsdpContext::release(Shard& sh) {
+  if (sh.in_flight) {  // prefetched and never used: the gather must end before the memory goes
+    cuda::stream_wait_event(cuda::current_stream(), sh.ready);
+    sh.in_flight = false;
+  }
   sh.bucket->values.release_memory();
   sh.bucket->grads.release_memory();
 }
@@ -110,6 +173,7 @@ void FsdpContext::release(Shard& sh) {
 void FsdpContext::before_forward(int64_t layer) {
   StageScope t(Stage::kOther);
   for (Shard* sh : unit(layer)) gather(*sh);
+  prefetch(neighbour(layer, true));
 }
 
 void FsdpContext::after_forward(int64_t layer, bool backward_follows) {
@@ -123,6 +187,7 @@ void FsdpContext::before_backward(int64_t layer) {
     gather(*sh);
     sh->bucket->grads.restore_memory();  // the model writes every gradient (accumulate off)
   }
+  prefetch(neighbour(layer, false));
 }
 
 void FsdpContext::after_backward(int64_t layer) {

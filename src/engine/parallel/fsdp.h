@@ -14,7 +14,9 @@
 //                           updated weight shards all-gathered back into the whole buckets.
 // With shard_weights (ZeRO stage 3, the default) the whole weights exist only while a layer
 // runs: the model's WeightHooks gather a layer's buckets before its forward and backward
-// and drop them after; each layer's gradients are reduce-scattered (and accumulated over
+// and drop them after; when a layer is gathered, the gather of the next one (in the pass's
+// order) starts, on a communication stream under NCCL so it overlaps the layer's compute
+// (Gloo gathers finish before they return: there it only runs early); each layer's gradients are reduce-scattered (and accumulated over
 // micro-batches into the shard) right after its backward, and dropped too. Without it
 // (ZeRO stage 2) weights and gradients stay whole: less communication, more memory.
 #pragma once
@@ -24,6 +26,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "core/cuda_runtime.h"
 #include "engine/models/qwen3_moe.h"
 #include "engine/optim/adamw.h"
 
@@ -81,10 +84,16 @@ class FsdpContext final : public WeightHooks {
     Tensor grad;    // [S], this rank's reduced gradient
     Tensor value;   // [S], this rank's weights (shard_weights), else a view of the bucket
     Tensor scratch; // [S], one micro-batch's reduced gradient before it is added
+    cuda::Event ready = nullptr;  // NCCL prefetch: recorded after the gather on comm_stream_
+    bool in_flight = false;       // a prefetched gather the compute stream has not waited for
     int64_t lo() const { return group->rank() * size; }
   };
   std::vector<Shard*> unit(int64_t layer);
+  // The layer whose weights a pass needs after `layer`: the next id forward, the previous
+  // backward (ids as in ParamBucket::layer); `layer` itself when there is none.
+  int64_t neighbour(int64_t layer, bool forward) const;
   void gather(Shard& sh);
+  void prefetch(int64_t layer);
   void release(Shard& sh);
 
   Qwen3MoeModel& model_;
@@ -92,6 +101,9 @@ class FsdpContext final : public WeightHooks {
   Communicator* replicate_;
   bool shard_weights_;
   bool first_micro_batch_ = true;
+  std::vector<int64_t> units_;           // the layer ids of the buckets, ascending (-1 first)
+  cuda::Stream comm_stream_ = nullptr;   // NCCL and shard_weights: where prefetches run
+  cuda::Event compute_point_ = nullptr;  // orders a prefetch after the compute stream's work
   std::vector<Shard> shards_;
   std::vector<ShardSegment> segments_;
   ParameterList shard_params_;

@@ -1,0 +1,100 @@
+// ZeRO-3 weight gathering on two ranks (threads, Gloo): whole weights exist only around a
+// layer's use, the next layer's gather starts when a layer is gathered (prefetch, forward and
+// backward order), and a sharded forward gives the loss of the unsharded model.
+#include <gtest/gtest.h>
+
+#include "comm/comm_test_util.h"
+#include "engine/parallel/fsdp.h"
+#include "test_util.h"
+
+namespace moetrain {
+namespace {
+
+Qwen3MoeConfig three_layers() {
+  Qwen3MoeConfig c;
+  c.vocab_size = 17;
+  c.hidden_size = 8;
+  c.intermediate_size = 12;
+  c.moe_intermediate_size = 6;
+  c.num_hidden_layers = 3;
+  c.num_attention_heads = 2;
+  c.num_key_value_heads = 1;
+  c.head_dim = 4;
+  c.num_experts = 4;
+  c.num_experts_per_tok = 2;
+  return c;
+}
+
+Batch small_batch(int32_t vocab) {
+  Batch b;
+  b.batch = 1;
+  b.seq = 6;
+  b.inputs = testing::random_ints({6}, 0, vocab, 5);
+  b.targets = testing::random_ints({6}, 0, vocab, 6);
+  b.positions = Tensor::from_vector<int32_t>({0, 1, 2, 3, 4, 5}, {6});
+  b.count_targets();
+  return b;
+}
+
+TEST(Fsdp, ShardedWeightsAreGatheredJustInTimeWithTheNextLayerPrefetched) {
+  const Qwen3MoeConfig c = three_layers();
+  Qwen3MoeModel whole(c, DType::F32);
+  whole.init_weights(1);
+  LocalDispatcher d;
+  const Batch b = small_batch(static_cast<int32_t>(c.vocab_size));
+  const double expected = whole.forward_loss(b, d).ce_sum;
+
+  testing::run_ranks(2, [&](Communicator& world) {
+    Qwen3MoeModel model(c, DType::F32, Device::cpu(), ModelPlacement{1, 0, 2});
+    model.init_weights(1);
+    FsdpContext fsdp(model, world, world, world, AdamWConfig{}, /*shard_weights=*/true);
+    auto resident = [&](int64_t layer) {
+      bool all = true, any = false;
+      for (ParamBucket& bk : model.buckets()) {
+        if (bk.layer != layer) continue;
+        all = all && bk.values.memory_resident();
+        any = any || bk.values.memory_resident();
+      }
+      EXPECT_EQ(all, any) << "layer " << layer << " is half gathered";
+      return all;
+    };
+    for (int64_t l = -1; l < 3; ++l) EXPECT_FALSE(resident(l)) << l;
+    // Forward: using layer L gathers it and starts L + 1.
+    fsdp.before_forward(-1);
+    EXPECT_TRUE(resident(-1));
+    EXPECT_TRUE(resident(0));
+    EXPECT_FALSE(resident(1));
+    fsdp.before_forward(0);
+    EXPECT_TRUE(resident(1));
+    EXPECT_FALSE(resident(2));
+    fsdp.after_forward(0, false);
+    EXPECT_FALSE(resident(0));
+    fsdp.before_forward(1);
+    fsdp.after_forward(1, false);
+    fsdp.before_forward(2);
+    fsdp.after_forward(2, /*backward_follows=*/true);
+    EXPECT_TRUE(resident(2));
+    // Backward (the head first, as the model does): using layer L starts L - 1.
+    fsdp.before_backward(-1);
+    fsdp.before_backward(2);
+    EXPECT_TRUE(resident(1));
+    EXPECT_FALSE(resident(0));
+    fsdp.after_backward(2);
+    EXPECT_FALSE(resident(2));
+    fsdp.before_backward(1);
+    EXPECT_TRUE(resident(0));
+    fsdp.after_backward(1);
+    fsdp.before_backward(0);
+    fsdp.after_backward(0);
+    fsdp.after_backward(-1);
+    for (int64_t l = -1; l < 3; ++l) EXPECT_FALSE(resident(l)) << l;
+
+    // The model drives the hooks itself: the sharded forward is the whole model's.
+    const double got = model.forward_loss(b, d).ce_sum;
+    EXPECT_NEAR(got, expected, 1e-6 * std::abs(expected));
+    for (int64_t l = 0; l < 3; ++l) EXPECT_FALSE(resident(l)) << l;
+  });
+}
+
+}  // namespace
+}  // namespace moetrain
