@@ -2,7 +2,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <chrono>
+#include <functional>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -30,7 +32,48 @@ struct LaunchArgs {
 struct SelftestArgs {
   std::string backend = "gloo";
   int fail_rank = -1;
+  double bandwidth_mb = 0;  // > 0: also time collectives on this many MB per rank
 };
+
+// Times all-to-all-v (an even split: the MoE dispatch of balanced tokens), all-reduce and
+// all-gather on `mb` MB per rank, bf16; rank 0 prints each one's median time and the bytes
+// each rank sends over it (all-to-all: (P-1)/P of the buffer; all-reduce: the ring's
+// 2(P-1)/P; all-gather: (P-1)/P of the output).
+void time_collectives(Communicator& world, Device dev, double mb) {
+  const int P = world.size();
+  const int64_t row = 2048;  // elements per row: a Qwen3-30B-A3B hidden state
+  const int64_t rows = std::max<int64_t>(P, static_cast<int64_t>(mb * 1e6 / (row * 2)) / P * P);
+  Tensor in = Tensor::zeros({rows, row}, DType::BF16, dev), out = Tensor::zeros({rows, row}, DType::BF16, dev);
+  Tensor gathered = Tensor::zeros({rows * P, row}, DType::BF16, dev);
+  const std::vector<int64_t> split(P, rows / P);
+  const double bytes = static_cast<double>(in.nbytes());
+  struct Case {
+    const char* name;
+    double sent;  // bytes each rank sends
+    std::function<void()> run;
+  };
+  const std::vector<Case> cases{
+      {"all_to_all_v", bytes * (P - 1) / P, [&] { world.all_to_all_v(in, split, out, split); }},
+      {"all_reduce", 2 * bytes * (P - 1) / P, [&] { world.all_reduce(in); }},
+      {"all_gather", bytes * (P - 1), [&] { world.all_gather(in, gathered); }}};
+  for (const Case& c : cases) {
+    std::vector<double> ms;
+    for (int i = 0; i < 13; ++i) {
+      world.barrier();
+      world.synchronize();
+      const auto t0 = std::chrono::steady_clock::now();
+      c.run();
+      world.synchronize();
+      if (i >= 3) ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(ms.begin(), ms.end());
+    const double med = ms[ms.size() / 2];
+    if (world.rank() == 0) {
+      std::printf("comm-selftest: %-12s %8.1f MB per rank, %d ranks: %8.3f ms median of %zu, %7.2f GB/s sent per rank\n",
+                  c.name, bytes / 1e6, P, med, ms.size(), c.sent / (med * 1e6));
+    }
+  }
+}
 
 int run_launch(const LaunchArgs& a, const std::vector<std::string>& worker_args) {
   MT_CHECK(!worker_args.empty(), "launch: no worker command: moetrain launch -n N -- train --config X ...");
@@ -96,6 +139,7 @@ int run_selftest(const SelftestArgs& a) {
   world->barrier();
   world->synchronize();
   double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  if (a.bandwidth_mb > 0) time_collectives(*world, dev, a.bandwidth_mb);
   std::printf("comm-selftest: rank %d of %d ok (%s, %s, %.0f ms)\n", r, P, a.backend.c_str(),
               store->description().c_str(), ms);
   return 0;
@@ -123,6 +167,8 @@ std::function<int()> add_launch_commands(CLI::App& app) {
   selftest->group("");  // hidden: a diagnostic, and the launcher tests' worker
   selftest->add_option("--backend", sa->backend, "gloo (CPU) or nccl (GPU local_rank)")->capture_default_str();
   selftest->add_option("--fail-rank", sa->fail_rank, "this rank exits with status 3 after rendezvous");
+  selftest->add_option("--bandwidth", sa->bandwidth_mb,
+                       "also time all-to-all-v, all-reduce and all-gather on this many MB (bf16) per rank");
 
   return [launch, selftest, la, sa]() -> int {
     if (launch->parsed()) {
