@@ -307,12 +307,10 @@ TrainSummary train(const RunConfig& cfg_in) {
   std::unique_ptr<PipelineSchedule> pipe_train, pipe_val;
   std::vector<ChunkSpec> chunks;
   if (par.pp > 1) {
-    // Pipeline messages are matched by tag on Gloo; NCCL matches sends and receives in the
-    // order posted and blocks the stream on a send, which needs an ordered transport (receives
-    // posted in each sender's order, per-direction streams) that is not built yet.
-    MT_CHECK(!gpu, "[parallel].pp = {} with [training].device = \"cuda\": pipeline parallelism runs on the CPU "
-                   "(Gloo) in this build; its NCCL transport is not written yet (docs/pipeline.md)",
-             par.pp);
+    if (gpu) {
+      spdlog::warn("pipeline: the NCCL transport (pipeline/nccl_transport.h) has passed its CPU-side tests but has "
+                   "not yet run on a machine with several GPUs: check the first steps against a run without pp");
+    }
     const bool v = cfg.parallel.schedule == "dualpipev";
     try {
       pipe_train = std::make_unique<PipelineSchedule>(v ? make_dualpipev(par.pp, static_cast<int>(tc.grad_accum_steps))

@@ -247,5 +247,23 @@ TEST_F(ParallelCli, TwoGpusMatchOneGpu) {
   }
 }
 
+// Pipeline parallelism on two GPUs (the ordered NCCL transport) against one GPU.
+TEST_F(ParallelCli, TwoGpuPipelineMatchesOneGpu) {
+  if (!cuda::available() || cuda::device_count() < 2) {
+    GTEST_SKIP() << "needs 2 GPUs: " << (cuda::available() ? "this machine has fewer" : cuda::unavailable_reason());
+  }
+  const std::string gpu = std::string(kPipe) + " --training.device=cuda";
+  Result one = launch(1, train_args("gpu_one", 1, gpu));
+  ASSERT_EQ(one.status, 0) << one.output;
+  for (const auto& [name, flags] : std::vector<std::pair<std::string, std::string>>{
+           {"gpu_pp2_v", " --parallel.pp=2 --parallel.schedule=dualpipev"},
+           {"gpu_pp2_1f1b", " --parallel.pp=2 --parallel.schedule=1f1b"}}) {
+    SCOPED_TRACE(name);
+    Result r = launch(2, train_args(name, 1, gpu + flags));
+    ASSERT_EQ(r.status, 0) << r.output;
+    expect_same_run("gpu_one", name, 2e-2);
+  }
+}
+
 }  // namespace
 }  // namespace moetrain

@@ -1,11 +1,15 @@
 // The pipeline executor in one process: running a schedule's F / B / W steps chunk by chunk
 // (pp = 1: DualPipeV's two chunks, or one 1F1B chunk) gives, in float64, the losses and
-// every gradient of the whole-model forward_backward over the same micro-batches; and the
-// layer partition gives edge chunks fewer layers.
+// every gradient of the whole-model forward_backward over the same micro-batches; the layer
+// partition gives edge chunks fewer layers; and on several ranks each rank's sends arrive in
+// the order pipeline_messages() predicts (the contract of the ordered NCCL transport).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 
+#include <mutex>
+
+#include "comm/comm_test_util.h"
 #include "engine/pipeline/executor.h"
 #include "test_util.h"
 
@@ -160,6 +164,48 @@ TEST(PipelineExecutor, PlacementFollowsTheV) {
     Qwen3MoeModel m(c, DType::F32, Device::cpu(), p);
   });
   EXPECT_NE(e.find("tie_word_embeddings needs the embedding and the head on one rank"), std::string::npos) << e;
+}
+
+// The ordered transport posts each step's receives in each sender's order, computed from the
+// schedule: run the executor on Gloo ranks (threads), log what each rank really sends, and
+// compare every receiver's incoming order with pipeline_messages().
+TEST(PipelineExecutor, SendsFollowTheOrderTheNcclTransportExpects) {
+  for (const PipelineSchedule& s : {make_dualpipev(2, 4), make_dualpipev(3, 7), make_1f1b(3, 4), make_1f1b(2, 5)}) {
+    SCOPED_TRACE(s.name + " pp " + std::to_string(s.pp));
+    Qwen3MoeConfig c = config(false);
+    c.num_hidden_layers = s.num_chunks;
+    const std::vector<ChunkSpec> chunks = partition_layers(c.num_hidden_layers, s.num_chunks);
+    std::vector<Batch> batches;
+    std::vector<int64_t> rows;
+    int64_t targets = 0;
+    for (int m = 0; m < s.micro_batches; ++m) {
+      batches.push_back(batch_of(1, 4 + m % 2, static_cast<int32_t>(c.vocab_size), 40 + m));  // rows differ
+      rows.push_back(batches.back().batch * batches.back().seq);
+      targets += batches.back().num_targets;
+    }
+    std::mutex mu;
+    std::vector<std::vector<std::pair<int, uint32_t>>> sent(static_cast<size_t>(s.pp));
+    testing::run_ranks(s.pp, [&](Communicator& pp) {
+      Qwen3MoeModel model(c, DType::F32, Device::cpu(), pipeline_placement(chunks, s, pp.rank(), {}));
+      model.init_weights(2);
+      LocalDispatcher d;
+      PipelineExecutor ex(model, d, &pp, chunks);
+      ex.train(s, batches, 1.0 / static_cast<double>(targets), 1.0 / s.micro_batches);
+      std::lock_guard<std::mutex> lock(mu);
+      sent[pp.rank()] = ex.sent();
+    });
+    for (int to = 0; to < s.pp; ++to) {
+      std::vector<std::pair<int, uint32_t>> actual, expected;
+      for (int from = 0; from < s.pp; ++from) {
+        for (const auto& [dest, tag] : sent[from]) {
+          if (dest == to) actual.push_back({from, tag});
+        }
+      }
+      for (const OrderedTransport::Expected& e : pipeline_messages(s, to, rows)) expected.push_back({e.from, e.tag});
+      EXPECT_EQ(actual, expected) << "messages to rank " << to;
+      EXPECT_FALSE(expected.empty());
+    }
+  }
 }
 
 }  // namespace

@@ -74,10 +74,34 @@ std::string op_name(const PipeOp& op) {
 
 }  // namespace
 
+std::vector<OrderedTransport::Expected> pipeline_messages(const PipelineSchedule& s, int to,
+                                                          const std::vector<int64_t>& rows) {
+  std::vector<OrderedTransport::Expected> out;
+  for (int p = 0; p < s.pp; ++p) {
+    if (p == to) continue;
+    auto forward = [&](int c, int m) {
+      if (c + 1 < s.num_chunks && s.rank_of_chunk(c + 1) == to) out.push_back({p, tag(kActivation, c + 1, m), rows[m]});
+    };
+    auto backward = [&](int c, int m) {
+      if (c > 0 && s.rank_of_chunk(c - 1) == to) out.push_back({p, tag(kGradient, c - 1, m), rows[m]});
+    };
+    for (const PipeOp& op : s.ops[p]) {
+      if (op.kind == PipeOpKind::F || op.kind == PipeOpKind::FB) forward(op.chunk, op.mb);
+      if (op.kind == PipeOpKind::B) backward(op.chunk, op.mb);
+      if (op.kind == PipeOpKind::FB) backward(op.chunk2, op.mb2);
+    }
+  }
+  return out;
+}
+
 PipelineExecutor::PipelineExecutor(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, Communicator* pp_group,
                                    std::vector<ChunkSpec> chunks)
     : model_(model), dispatcher_(dispatcher), pp_(pp_group), chunks_(std::move(chunks)) {
   rank_ = pp_ ? pp_->rank() : 0;
+  if (pp_ && pp_->backend() != "gloo") {
+    ordered_ = std::make_unique<OrderedTransport>(*pp_, model_.device(), model_.config().hidden_size, model_.dtype(),
+                                                  2 * model_.config().num_experts + 2);
+  }
 }
 
 Tensor PipelineExecutor::for_comm(const Tensor& t) const {
@@ -96,9 +120,14 @@ PipelineExecutor::Handoff PipelineExecutor::take(std::map<Key, Handoff>& local, 
   const int from = rank_of(backward ? key.first + 1 : key.first - 1);
   MT_CHECK(pp_ != nullptr && from != rank_, "no {} was handed over for chunk {} micro-batch {}",
            backward ? "output gradient" : "input", key.first, key.second);
+  const int64_t E = model_.config().num_experts;
+  const DType stat = model_.new_totals().selections.dtype();
+  if (ordered_) {
+    auto [hidden, packed] = ordered_->receive(tag(backward ? kGradient : kActivation, key.first, key.second));
+    return {hidden, RouterTotals::unpack(packed, E, stat, model_.device())};
+  }
   const bool on_host = pp_->backend() == "gloo";
   const Device where = on_host ? Device::cpu() : model_.device();
-  const int64_t E = model_.config().num_experts;
   Tensor hidden = Tensor::empty({batch.batch * batch.seq, model_.config().hidden_size}, model_.dtype(), where);
   Tensor packed = Tensor::empty({2 * E + 2}, DType::F64, where);
   auto rh = pp_->irecv(hidden, from, tag(backward ? kGradient : kActivation, key.first, key.second));
@@ -107,7 +136,7 @@ PipelineExecutor::Handoff PipelineExecutor::take(std::map<Key, Handoff>& local, 
   rt->wait();
   Handoff h;
   h.hidden = where == model_.device() ? hidden : hidden.to(model_.device());
-  h.totals = RouterTotals::unpack(packed, E, model_.new_totals().selections.dtype(), model_.device());
+  h.totals = RouterTotals::unpack(packed, E, stat, model_.device());
   return h;
 }
 
@@ -119,6 +148,12 @@ void PipelineExecutor::give(std::map<Key, Handoff>& local, Key key, bool backwar
   }
   MT_CHECK(h.hidden.dtype() == model_.dtype(), "chunk {} {} is {}, expected the model's {}", key.first,
            backward ? "gradient" : "activation", dtype_name(h.hidden.dtype()), dtype_name(model_.dtype()));
+  sent_.push_back({to, tag(backward ? kGradient : kActivation, key.first, key.second)});
+  if (ordered_) {
+    ordered_->send(to, tag(backward ? kGradient : kActivation, key.first, key.second), for_comm(h.hidden),
+                   for_comm(h.totals.pack()));
+    return;
+  }
   sends_.push_back(pp_->isend(for_comm(h.hidden), to, tag(backward ? kGradient : kActivation, key.first, key.second)));
   sends_.push_back(
       pp_->isend(for_comm(h.totals.pack()), to, tag(backward ? kGradientTotals : kActivationTotals, key.first, key.second)));
@@ -196,8 +231,10 @@ void PipelineExecutor::overlapped_step(const PipeOp& op, const std::vector<Batch
   auto [out, dx] = model_.forward_backward_overlapped(fc, batches[op.mb], in.hidden, fa, in.totals, pass,
                                                       fc.head ? &loss : nullptr, chunks_[op.chunk2],
                                                       batches[op.mb2], dy, *ba, dispatcher_);
-  backward_output(op.chunk2, op.mb2, std::move(dx), *ba);
+  // The forward's output leaves first, as when the pair runs in turn: an ordered transport
+  // (NCCL) expects each rank's messages in the order pipeline_messages() lists them.
   forward_output(op.chunk, op.mb, {out, in.totals}, loss, pass.training, r);
+  backward_output(op.chunk2, op.mb2, std::move(dx), *ba);
 }
 
 void PipelineExecutor::weight_step(int chunk, int mb, const Batch& batch) {
@@ -217,6 +254,12 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
   MT_CHECK(s.pp == (pp_ ? pp_->size() : 1), "pipeline: schedule {} is for {} ranks, the pipeline group has {}", s.name,
            s.pp, pp_ ? pp_->size() : 1);
   schedule_ = &s;
+  sent_.clear();
+  if (ordered_) {
+    std::vector<int64_t> rows;
+    for (const Batch& b : batches) rows.push_back(b.batch * b.seq);
+    ordered_->begin_step(pipeline_messages(s, rank_, rows));
+  }
   weights_written_.assign(chunks_.size(), false);
   head_written_ = false;
   counts_.clear();
@@ -241,6 +284,7 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
   }
   for (auto& q : sends_) q->wait();
   sends_.clear();
+  if (ordered_) ordered_->end_step();
   MT_CHECK(acts_.empty() && inputs_.empty() && grads_.empty(),
            "pipeline rank {}: schedule {} left {} activations and {} hand-overs unused", rank_, s.name, acts_.size(),
            inputs_.size() + grads_.size());

@@ -8,7 +8,9 @@
 // needs every MoE layer's statistics, so they ride along with the hidden states and come
 // back with the gradients). Sends are non-blocking and awaited at the end of the step; a
 // receive is awaited when its step runs. So any order that validate() accepts runs without
-// deadlock: that check simulates exactly these rules.
+// deadlock: that check simulates exactly these rules. On Gloo messages are matched by tag;
+// on NCCL by order, through OrderedTransport (nccl_transport.h), which posts each step's
+// receives up front in the order pipeline_messages() gives.
 //
 // Gradients: the first W of a chunk in a step writes its weight gradients, later ones add
 // (no zeroing pass); the head writes in its first F and adds after.
@@ -22,6 +24,7 @@
 
 #include "comm/communicator.h"
 #include "engine/models/qwen3_moe.h"
+#include "engine/pipeline/nccl_transport.h"
 #include "engine/pipeline/schedule.h"
 
 namespace moetrain {
@@ -37,6 +40,12 @@ std::vector<ChunkSpec> partition_layers(int64_t num_layers, int num_chunks);
 // head when it holds the first / last chunk. Expert placement and padding are left as given.
 ModelPlacement pipeline_placement(const std::vector<ChunkSpec>& chunks, const PipelineSchedule& schedule, int rank,
                                   ModelPlacement base);
+
+// The messages rank `to` receives in one run of `s`, in each sender's send order (the
+// executor sends a step's forward output before its backward output). `rows[m]`: rows of
+// micro-batch m's hidden states.
+std::vector<OrderedTransport::Expected> pipeline_messages(const PipelineSchedule& s, int to,
+                                                          const std::vector<int64_t>& rows);
 
 class PipelineExecutor {
  public:
@@ -65,6 +74,8 @@ class PipelineExecutor {
   // FB steps: interleave the pair's pieces (the default; the point of DualPipeV), or run the F
   // then the B (same results; for comparison).
   void set_overlap(bool on) { overlap_ = on; }
+  // The messages the last run sent to other ranks, in order: (pipeline rank, tag).
+  const std::vector<std::pair<int, uint32_t>>& sent() const { return sent_; }
 
  private:
   using Key = std::pair<int, int>;  // (chunk, micro-batch)
@@ -98,6 +109,8 @@ class PipelineExecutor {
   std::map<Key, ChunkActivations> acts_;
   std::map<Key, Handoff> inputs_, grads_;
   std::vector<std::unique_ptr<P2pRequest>> sends_;
+  std::unique_ptr<OrderedTransport> ordered_;  // NCCL
+  std::vector<std::pair<int, uint32_t>> sent_;
   std::vector<bool> weights_written_;  // per chunk: a W of this step already wrote its grads
   bool head_written_ = false;
   bool overlap_ = true;
