@@ -126,6 +126,27 @@ double expert_imbalance(const std::vector<std::vector<int64_t>>& counts) {
 
 namespace {
 
+// Per MoE layer of this rank, the tokens routed to every expert (global ids) summed over the
+// data group: each rank puts its local experts' counts at their global index and the sum
+// over ranks fills in the rest.
+std::vector<std::vector<int64_t>> global_expert_counts(const Qwen3MoeModel& model,
+                                                       const std::vector<std::vector<int64_t>>& local,
+                                                       Communicator& data_group) {
+  const int64_t E = model.config().num_experts, first = model.placement().ep_rank * E / model.placement().ep_size;
+  std::vector<double> sums;
+  for (const auto& layer : local) {
+    std::vector<double> global(static_cast<size_t>(E), 0.0);
+    for (size_t e = 0; e < layer.size(); ++e) global[first + e] = static_cast<double>(layer[e]);
+    sums.insert(sums.end(), global.begin(), global.end());
+  }
+  all_reduce_doubles(data_group, sums, model.device());
+  std::vector<std::vector<int64_t>> out(local.size(), std::vector<int64_t>(static_cast<size_t>(E)));
+  for (size_t k = 0; k < local.size(); ++k) {
+    for (int64_t e = 0; e < E; ++e) out[k][e] = std::llround(sums[k * E + e]);
+  }
+  return out;
+}
+
 // Forward and backward of a step's micro-batches, the gradients accumulated in the model.
 // `targets`: of the whole step over all data ranks (the loss is their mean). Returns the
 // cross-entropy sum in r.loss, the load-balancing loss (already global) and this rank's
@@ -182,19 +203,9 @@ StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, FsdpCo
   MT_CHECK(targets[0] > 0, "no token of the step's batches has a target on any rank");
   double z = 0;
   StepResult r = accumulate_micro_batches(model, dispatcher, batches, targets[0], z, &fsdp);
-  // Every expert's count at its global index, so the sum over ranks is the global count.
-  const int64_t E = model.config().num_experts, first = model.placement().ep_rank * E / model.placement().ep_size;
+  r.expert_counts = global_expert_counts(model, r.expert_counts, data_group);
   std::vector<double> sums{r.loss, z};
-  for (const auto& layer : r.expert_counts) {
-    std::vector<double> global(static_cast<size_t>(E), 0.0);
-    for (size_t e = 0; e < layer.size(); ++e) global[first + e] = static_cast<double>(layer[e]);
-    sums.insert(sums.end(), global.begin(), global.end());
-  }
   all_reduce_doubles(data_group, sums, device);
-  for (size_t k = 0; k < r.expert_counts.size(); ++k) {
-    r.expert_counts[k].assign(static_cast<size_t>(E), 0);
-    for (int64_t e = 0; e < E; ++e) r.expert_counts[k][e] = std::llround(sums[2 + k * E + e]);
-  }
   r.loss = sums[0] / targets[0];
   r.aux_loss += sums[1];
   StageScope t(Stage::kOptimizer);
@@ -249,20 +260,9 @@ StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, co
   // (the load-balancing loss is already global on each, so each adds 1 / data ranks of it).
   StepResult r;
   std::vector<double> sums{pr.ce_sum, pr.z_loss / n, pr.aux_loss / n / static_cast<double>(data_group.size())};
-  // Expert loads: this stage's layers, summed over the data ranks at global expert ids; the
-  // imbalance of the worst layer anywhere is the max over the world.
-  const int64_t E = model.config().num_experts, first = model.placement().ep_rank * E / model.placement().ep_size;
-  std::vector<double> counts;
-  for (const auto& layer : pr.expert_counts) {
-    std::vector<double> global(static_cast<size_t>(E), 0.0);
-    for (size_t e = 0; e < layer.size(); ++e) global[first + e] = static_cast<double>(layer[e]);
-    counts.insert(counts.end(), global.begin(), global.end());
-  }
-  all_reduce_doubles(data_group, counts, device);
-  for (size_t k = 0; k < pr.expert_counts.size(); ++k) {
-    r.expert_counts.emplace_back(static_cast<size_t>(E));
-    for (int64_t e = 0; e < E; ++e) r.expert_counts[k][e] = std::llround(counts[k * E + e]);
-  }
+  // Expert loads: this stage's layers over the data ranks; the imbalance of the worst layer
+  // anywhere is the max over the world.
+  r.expert_counts = global_expert_counts(model, pr.expert_counts, data_group);
   double imbalance = expert_imbalance(r.expert_counts);
   sum_then_max(world, sums, imbalance, device);
   r.expert_imbalance = imbalance;

@@ -12,27 +12,15 @@
 #include <string>
 
 #include "engine/checkpoint/checkpoint_format.h"
+#include "cli_run.h"
 #include "engine/checkpoint/checkpointer.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 
-struct Result {
-  int status;
-  std::string output;  // stdout and stderr
-};
-
-Result run(const std::string& args) {
-  std::string cmd = std::string(MOETRAIN_BINARY) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  int status = pclose(p);
-  return {WEXITSTATUS(status), out};
-}
+using Result = moetrain::testing::CliResult;
+inline Result run(const std::string& args) { return moetrain::testing::run_moetrain(args); }
 
 class CliTest : public ::testing::Test {
  protected:

@@ -16,34 +16,17 @@
 
 #include "core/cuda_runtime.h"
 #include "engine/checkpoint/checkpoint_format.h"
+#include "cli_run.h"
 #include "engine/checkpoint/checkpointer.h"
 #include "test_files.h"
 
 namespace moetrain {
 namespace {
 
-struct Result {
-  int status;
-  std::string output;
-};
+using Result = moetrain::testing::CliResult;
+inline Result run(const std::string& args) { return moetrain::testing::run_moetrain(args); }
 
-Result run(const std::string& args) {
-  std::string cmd = std::string(MOETRAIN_BINARY) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  int status = pclose(p);
-  return {WEXITSTATUS(status), out};
-}
-
-std::vector<nlohmann::json> metrics(const std::string& dir) {
-  std::vector<nlohmann::json> out;
-  std::ifstream f(dir + "/metrics.jsonl");
-  for (std::string line; std::getline(f, line);) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
+std::vector<nlohmann::json> metrics(const std::string& dir) { return moetrain::testing::read_metrics(dir); }
 
 double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); }
 

@@ -12,34 +12,17 @@
 #include <string>
 #include <vector>
 
+#include "cli_run.h"
 #include "engine/checkpoint/checkpoint_format.h"
 #include "engine/scratch_dir.h"
 #include "engine/tiny_bpe.h"
 
 namespace {
 
-struct Result {
-  int status;
-  std::string output;  // stdout and stderr
-};
+using Result = moetrain::testing::CliResult;
+inline Result run(const std::string& args) { return moetrain::testing::run_moetrain(args); }
 
-Result run(const std::string& args) {
-  const std::string cmd = std::string(MOETRAIN_BINARY) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  const int status = pclose(p);
-  return {WEXITSTATUS(status), out};
-}
-
-std::vector<nlohmann::json> metrics(const std::string& dir) {
-  std::vector<nlohmann::json> out;
-  std::ifstream f(dir + "/metrics.jsonl");
-  for (std::string line; std::getline(f, line);) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
+std::vector<nlohmann::json> metrics(const std::string& dir) { return moetrain::testing::read_metrics(dir); }
 
 // loss and grad_norm by step (the last line of a step wins: a resumed run may repeat steps).
 std::map<int64_t, std::pair<double, double>> by_step(const std::vector<nlohmann::json>& m) {
