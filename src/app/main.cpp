@@ -53,7 +53,7 @@ int run_bench(const std::string& config_path, const std::vector<std::string>& ex
               const moetrain::BenchOptions& opt) {
   moetrain::RunConfig cfg = moetrain::RunConfig::load(config_path, overrides_from(extras));
   moetrain::BenchReport r = moetrain::run_bench(cfg, opt);
-  std::fputs(moetrain::format_bench(r).c_str(), stdout);
+  if (r.rank == 0) std::fputs(moetrain::format_bench(r).c_str(), stdout);
   return 0;
 }
 

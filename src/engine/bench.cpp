@@ -9,6 +9,7 @@
 #include "core/cuda_runtime.h"
 #include "core/log.h"
 #include "core/rng.h"
+#include "engine/train_context.h"
 #include "engine/trainer.h"
 
 namespace moetrain {
@@ -38,20 +39,25 @@ void wait_for(Device d) {
 BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
   const TrainingConfig& tc = cfg.training;
   const bool gpu = tc.device == "cuda";
-  MT_CHECK(!gpu || cuda::available(), "[training].device = \"cuda\" but no GPU is usable: {}", cuda::unavailable_reason());
-  const Device device = gpu ? Device::cuda(0) : Device::cpu();
-  Qwen3MoeModel model(cfg.model, gpu ? DType::BF16 : DType::F32, device);
-  model.init_weights(static_cast<uint64_t>(tc.seed));
-  LocalDispatcher dispatcher;
+  // The same ranks, model part, dispatcher, optimizer and pipeline as `train` (train_context.h).
+  ParallelContext connected = ParallelContext::build(cfg);
+  if (connected.rank != 0) spdlog::set_level(spdlog::level::warn);
+  std::unique_ptr<TrainContext> ctx = TrainContext::build(cfg, std::move(connected));
+  const ParallelContext& par = ctx->par;
+  const Device device = par.device;
+  Qwen3MoeModel& model = *ctx->model;
   const OptimizerConfig& oc = cfg.optimizer;
-  AdamW adam(model.parameters(), {oc.beta1, oc.beta2, oc.eps, oc.weight_decay});
-  Rng rng(stream_key(static_cast<uint64_t>(tc.seed), "bench"));
+  // Every pipeline stage of a data rank draws the same tokens.
+  Rng rng(stream_key(static_cast<uint64_t>(tc.seed), fmt::format("bench/{}", par.data_rank)));
+  auto step = [&](const std::vector<Batch>& bs) { ctx->step(bs, oc.lr, tc.grad_clip); };
 
   BenchReport r;
-  r.device = gpu ? cuda::device_name(0) : "cpu";
+  r.device = gpu ? cuda::device_name(device.index) : "cpu";
+  r.ranks = par.world;
+  r.rank = par.rank;
   r.parameters = count_elements(model.parameters());
   r.active_matmul_params = model.active_matmul_params();
-  r.tokens_per_step = tc.micro_batch_size * tc.seq_len * tc.grad_accum_steps;
+  r.tokens_per_step = ctx->tokens_per_step(tc);
   r.flops_per_token = model.flops_per_token(tc.seq_len);
   r.peak_tflops = opt.peak_tflops;
 
@@ -63,7 +69,7 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
     return bs;
   };
   for (int64_t i = 0; i < opt.warmup_steps; ++i) {
-    train_step(model, dispatcher, adam, batches(), oc.lr, tc.grad_clip);
+    step(batches());
     spdlog::info("bench: warm-up step {}/{}", i + 1, opt.warmup_steps);
   }
   wait_for(device);
@@ -75,7 +81,7 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
     auto bs = batches();
     wait_for(device);
     const auto t0 = std::chrono::steady_clock::now();
-    train_step(model, dispatcher, adam, bs, oc.lr, tc.grad_clip);
+    step(bs);
     wait_for(device);
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     spdlog::info("bench: step {}/{} {:.1f} ms", i + 1, opt.steps, ms.back());
@@ -84,13 +90,13 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
   r.step_ms = ms[ms.size() / 2];
   r.tokens_per_s = static_cast<double>(r.tokens_per_step) / (r.step_ms / 1e3);
   r.tflops = r.tokens_per_s * r.flops_per_token / 1e12;
-  r.mfu = r.tflops / opt.peak_tflops;
+  r.mfu = r.tflops / (opt.peak_tflops * static_cast<double>(r.ranks));
   r.peak_memory_bytes = gpu ? cuda::device_memory_stats().peak_bytes : host_memory_stats().peak_bytes;
 
   StageTimer timer(device);
   StageTimer::activate(&timer);
   const int64_t staged = std::max<int64_t>(1, std::min<int64_t>(opt.steps, 3));
-  for (int64_t i = 0; i < staged; ++i) train_step(model, dispatcher, adam, batches(), oc.lr, tc.grad_clip);
+  for (int64_t i = 0; i < staged; ++i) step(batches());
   auto totals = timer.totals_ms();
   StageTimer::activate(nullptr);
   for (int s = 0; s < kNumStages; ++s) r.stage_ms[s] = totals[s] / static_cast<double>(staged);
@@ -99,15 +105,17 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
 
 std::string format_bench(const BenchReport& r) {
   std::string out;
-  out += fmt::format("device            {}\n", r.device);
-  out += fmt::format("parameters        {:.1f} M ({:.1f} M active in matmuls)\n", r.parameters / 1e6,
-                     r.active_matmul_params / 1e6);
+  out += fmt::format("device            {}{}\n", r.device, r.ranks > 1 ? fmt::format(" x {} ranks", r.ranks) : "");
+  out += fmt::format("parameters        {:.1f} M{} ({:.1f} M active in matmuls)\n", r.parameters / 1e6,
+                     r.ranks > 1 ? " on rank 0" : "", r.active_matmul_params / 1e6);
   out += fmt::format("tokens/step       {}\n", r.tokens_per_step);
   out += fmt::format("FLOPs/token       {:.3f} GFLOP (6 x active + attention)\n", r.flops_per_token / 1e9);
   out += fmt::format("step time         {:.1f} ms (median)\n", r.step_ms);
   out += fmt::format("tokens/s          {:.0f}\n", r.tokens_per_s);
-  out += fmt::format("TFLOP/s           {:.1f}\n", r.tflops);
-  out += fmt::format("MFU               {:.1f}% of {:.0f} TFLOP/s\n", 100 * r.mfu, r.peak_tflops);
+  out += fmt::format("TFLOP/s           {:.1f}{}\n", r.tflops,
+                     r.ranks > 1 ? fmt::format(" ({:.1f} per rank)", r.tflops / r.ranks) : "");
+  out += fmt::format("MFU               {:.1f}% of {:.0f} TFLOP/s{}\n", 100 * r.mfu, r.peak_tflops,
+                     r.ranks > 1 ? " per rank" : "");
   out += fmt::format("peak memory       {:.2f} GiB\n", r.peak_memory_bytes / 1073741824.0);
   double total = 0;
   for (double v : r.stage_ms) total += v;

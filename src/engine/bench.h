@@ -1,6 +1,8 @@
 // `moetrain bench`: times full training steps (forward, backward, optimizer) of the
 // config's model on synthetic tokens, and reports tokens/s, TFLOP/s, MFU, peak memory and
-// the time per stage. A benchmark, not a test: it asserts nothing.
+// the time per stage. Under a launcher it runs the config's [parallel] layout like `train`
+// (rank 0 reports: tokens over all ranks, MFU per rank). A benchmark, not a test: it
+// asserts nothing.
 #pragma once
 
 #include <array>
@@ -19,6 +21,8 @@ struct BenchOptions {
 
 struct BenchReport {
   std::string device;
+  int ranks = 1;                  // world size; tokens and TFLOP/s are over all ranks
+  int rank = 0;                   // the rank that measured (rank 0 reports)
   int64_t parameters = 0, active_matmul_params = 0;
   int64_t tokens_per_step = 0;
   double flops_per_token = 0;

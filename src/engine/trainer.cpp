@@ -26,6 +26,7 @@
 #include "engine/telemetry/metrics.h"
 #include "engine/telemetry/progress.h"
 #include "engine/telemetry/stage_timer.h"
+#include "engine/train_context.h"
 #include "ops/threads.h"
 
 namespace moetrain {
@@ -101,12 +102,6 @@ std::string sample_text(Qwen3MoeModel& model, ExpertDispatcher& d, const Tokeniz
     }
   }
   return text;
-}
-
-// Experts all local (one process, or ep = 1), or spread over the expert-parallel group.
-std::unique_ptr<ExpertDispatcher> make_dispatcher(const ParallelContext& par) {
-  if (par.ep == 1) return std::make_unique<LocalDispatcher>();
-  return std::make_unique<AllToAllDispatcher>(*par.comms->ep);
 }
 
 }  // namespace
@@ -283,84 +278,33 @@ TrainSummary train(const RunConfig& cfg_in) {
   const TrainingConfig& tc = cfg.training;
   ops::set_cpu_threads(static_cast<int>(tc.threads));
   // Ranks: rank 0 speaks for the job (logs, metrics, progress); the others only warn.
-  ParallelContext par = ParallelContext::build(cfg);
-  if (par.rank != 0) spdlog::set_level(spdlog::level::warn);
+  ParallelContext connected = ParallelContext::build(cfg);
+  if (connected.rank != 0) spdlog::set_level(spdlog::level::warn);
 
   // Data: tokenizer and loaders of [data].kind (data/data_context.h); each data rank gets
   // its rows of the same global micro-batches.
-  DataContext data = make_data_context(cfg, par.data_rank, par.data_world);
+  DataContext data = make_data_context(cfg, connected.data_rank, connected.data_world);
   const Tokenizer& tok = *data.tokenizer;
   DataLoader& train_loader = *data.train;
   DataLoader& val_loader = *data.val;
   const uint64_t seed = static_cast<uint64_t>(tc.seed);
   spdlog::info("data: {}", data.summary);
 
-  // Model, dispatcher, optimizer. On the GPU: bf16 weights and activations, f32 masters,
-  // gradients and optimizer state. Many ranks: this rank's experts, and the optimizer state
-  // sharded over the ranks (FsdpContext).
+  // Model, dispatcher, optimizer, pipeline: train_context.h.
+  std::unique_ptr<TrainContext> ctx = TrainContext::build(cfg, std::move(connected));
+  const ParallelContext& par = ctx->par;
+
   const bool gpu = tc.device == "cuda";
   const Device device = par.device;
-  const int64_t shard_ranks = par.comms ? par.comms->dp_cp_ep->size() : 1;
-  ModelPlacement placement{par.ep, par.ep_rank, shard_ranks};
-  // Pipeline: the schedule of a training step and of a validation pass, the model cut into
-  // its chunks, and this rank's share of them (pipeline/executor.h).
-  std::unique_ptr<PipelineSchedule> pipe_train, pipe_val;
-  std::vector<ChunkSpec> chunks;
-  if (par.pp > 1) {
-    if (gpu) {
-      spdlog::warn("pipeline: the NCCL transport (pipeline/nccl_transport.h) has passed its CPU-side tests but has "
-                   "not yet run on a machine with several GPUs: check the first steps against a run without pp");
-    }
-    const bool v = cfg.parallel.schedule == "dualpipev";
-    try {
-      pipe_train = std::make_unique<PipelineSchedule>(v ? make_dualpipev(par.pp, static_cast<int>(tc.grad_accum_steps))
-                                                        : make_1f1b(par.pp, static_cast<int>(tc.grad_accum_steps)));
-      validate(*pipe_train);
-    } catch (const Error& e) {
-      MT_THROW("[parallel].schedule = \"{}\" with pp = {} and [training].grad_accum_steps = {} micro-batches: {}",
-               cfg.parallel.schedule, par.pp, tc.grad_accum_steps, e.what());
-    }
-    pipe_val = std::make_unique<PipelineSchedule>(make_forward_only(par.pp, static_cast<int>(tc.eval_batches), v));
-    chunks = partition_layers(cfg.model.num_hidden_layers, pipe_train->num_chunks);
-    placement = pipeline_placement(chunks, *pipe_train, par.pp_rank, placement);
-    std::string layout;
-    for (size_t c = 0; c < chunks.size(); ++c) {
-      layout += fmt::format("{}{}:[{},{}){}", c ? " " : "", c, chunks[c].first_layer, chunks[c].last_layer,
-                            chunks[c].embed ? "+embed" : chunks[c].head ? "+head" : "");
-    }
-    const ScheduleTimes t = simulate(*pipe_train, 1.0, 1.0, 1.0);
-    spdlog::info("pipeline: {} over {} ranks, {} micro-batches per step; chunks (layers) {}; bubble {:.1f}% at equal "
-                 "F/B/W times",
-                 pipe_train->name, par.pp, tc.grad_accum_steps, layout, 100.0 * t.bubble_fraction);
-  }
-  Qwen3MoeModel model(cfg.model, gpu ? DType::BF16 : DType::F32, device, placement);
-  model.init_weights(seed);
-  std::unique_ptr<ExpertDispatcher> dispatcher_ptr = make_dispatcher(par);
-  ExpertDispatcher& dispatcher = *dispatcher_ptr;
+  Qwen3MoeModel& model = *ctx->model;
+  ExpertDispatcher& dispatcher = *ctx->dispatcher;
+  FsdpContext* fsdp = ctx->fsdp.get();
+  PipelineExecutor* pipeline = ctx->pipeline.get();
   ParameterList& params = model.parameters();
+  AdamW& opt = ctx->optimizer();
   const OptimizerConfig& oc = cfg.optimizer;
-  const AdamWConfig adamw{oc.beta1, oc.beta2, oc.eps, oc.weight_decay};
-  std::unique_ptr<FsdpContext> fsdp;
-  std::unique_ptr<AdamW> single_opt;
-  std::unique_ptr<PipelineExecutor> pipeline;
-  if (par.distributed()) {
-    model.set_data_group(par.data_group());
-    // Under a pipeline many micro-batches are in flight at once, so weights stay whole
-    // (ZeRO-2): gathering them per micro-batch and chunk would multiply the traffic.
-    const bool shard_weights = cfg.parallel.shard_weights && par.pp == 1;
-    if (cfg.parallel.shard_weights && !shard_weights) {
-      spdlog::info("parallel: weights kept whole under pipeline parallelism (ZeRO-2: gradients and optimizer "
-                   "state sharded)");
-    }
-    fsdp = std::make_unique<FsdpContext>(model, *par.comms->shard_dense, *par.comms->shard_experts,
-                                         *par.comms->world, adamw, shard_weights, par.comms->replicate.get());
-    if (par.pp > 1) pipeline = std::make_unique<PipelineExecutor>(model, dispatcher, par.pp_group(), chunks);
-  } else {
-    single_opt = std::make_unique<AdamW>(params, adamw);
-  }
-  AdamW& opt = fsdp ? fsdp->optimizer() : *single_opt;
   LrSchedule schedule{oc.schedule, oc.lr, oc.min_lr, oc.warmup_steps, tc.steps, oc.decay_fraction};
-  const int64_t tokens_per_step = tc.micro_batch_size * par.data_world * tc.seq_len * tc.grad_accum_steps;
+  const int64_t tokens_per_step = ctx->tokens_per_step(tc);
   const double flops_per_token = model.flops_per_token(tc.seq_len);
   spdlog::info("model: qwen3_moe, {} layers, {} experts (top-{}), {:.2f}M parameters{} ({:.2f}M active in matmuls)",
                cfg.model.num_hidden_layers, cfg.model.num_experts, cfg.model.num_experts_per_tok,
@@ -462,7 +406,7 @@ TrainSummary train(const RunConfig& cfg_in) {
     spdlog::info("metrics: {}/metrics.jsonl", cfg.metrics.dir);
   }
   auto validate = [&] {
-    if (pipeline) return pipeline_validation_loss(*pipeline, *pipe_val, val_loader, *par.comms->world, device);
+    if (pipeline) return pipeline_validation_loss(*pipeline, *ctx->pipe_val, val_loader, *par.comms->world, device);
     return validation_loss(model, dispatcher, val_loader, tc.eval_batches, device, par.data_group());
   };
 
@@ -483,10 +427,7 @@ TrainSummary train(const RunConfig& cfg_in) {
     const double lr = schedule.at(step);
     StepResult r;
     try {
-      r = pipeline ? train_step(*pipeline, *pipe_train, model, *fsdp, *par.data_group(), *par.comms->world, batches,
-                                lr, tc.grad_clip)
-          : fsdp   ? train_step(model, dispatcher, *fsdp, *par.data_group(), batches, lr, tc.grad_clip)
-                   : train_step(model, dispatcher, opt, batches, lr, tc.grad_clip);
+      r = ctx->step(batches, lr, tc.grad_clip);
     } catch (const Error& e) {
       MT_THROW("step {}: {}", step + 1, e.what());
     }

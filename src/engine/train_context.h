@@ -1,0 +1,45 @@
+// TrainContext: the live state one rank trains with, built from a RunConfig in one call for
+// `train` and `bench` alike: the rank's place in the mesh (ParallelContext), the pipeline
+// schedules and chunks when pp > 1, the part of the model the rank holds, the expert
+// dispatcher, the optimizer (sharded over the data ranks when there are several) and the
+// pipeline executor. step() runs one optimizer step the way the layout needs.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "engine/models/qwen3_moe.h"
+#include "engine/optim/adamw.h"
+#include "engine/parallel/fsdp.h"
+#include "engine/parallel/parallel_context.h"
+#include "engine/pipeline/executor.h"
+#include "engine/pipeline/schedule.h"
+#include "engine/run_config.h"
+#include "engine/trainer.h"
+
+namespace moetrain {
+
+struct TrainContext {
+  ParallelContext par;
+  std::unique_ptr<PipelineSchedule> pipe_train, pipe_val;  // pp > 1: a step, a validation pass
+  std::vector<ChunkSpec> chunks;                           // pp > 1: the model cut for them
+  std::unique_ptr<Qwen3MoeModel> model;                    // this rank's part, initialised
+  std::unique_ptr<ExpertDispatcher> dispatcher;            // local, or all-to-all over ep
+  std::unique_ptr<FsdpContext> fsdp;                       // several ranks: sharded optimizer
+  std::unique_ptr<AdamW> single_opt;                       // one rank
+  std::unique_ptr<PipelineExecutor> pipeline;              // pp > 1
+
+  // Builds everything on the ranks `par` connected (ParallelContext::build); errors name the
+  // [parallel] or [training] keys that do not fit.
+  static std::unique_ptr<TrainContext> build(const RunConfig& cfg, ParallelContext par);
+
+  AdamW& optimizer() { return fsdp ? fsdp->optimizer() : *single_opt; }
+  // One optimizer step over this rank's micro-batches (on the model's device).
+  StepResult step(const std::vector<Batch>& batches, double lr, double grad_clip);
+  // Tokens of one step over all data ranks.
+  int64_t tokens_per_step(const TrainingConfig& tc) const {
+    return tc.micro_batch_size * par.data_world * tc.seq_len * tc.grad_accum_steps;
+  }
+};
+
+}  // namespace moetrain
