@@ -7,6 +7,16 @@
 
 namespace moetrain {
 
+TrainContext::StreamHolder::~StreamHolder() {
+  if (!stream) return;
+  try {
+    cuda::stream_synchronize(stream);
+    cuda::destroy_stream(stream);
+  } catch (const std::exception& e) {
+    spdlog::error("train context: releasing the communication stream: {}", e.what());
+  }
+}
+
 std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, ParallelContext par_in) {
   auto ctx = std::make_unique<TrainContext>();
   TrainContext& c = *ctx;
@@ -53,8 +63,20 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   // optimizer state sharded over the data ranks (FsdpContext).
   c.model = std::make_unique<Qwen3MoeModel>(cfg.model, gpu ? DType::BF16 : DType::F32, par.device, placement);
   c.model->init_weights(static_cast<uint64_t>(tc.seed));
-  if (par.ep == 1) c.dispatcher = std::make_unique<LocalDispatcher>();
-  else c.dispatcher = std::make_unique<AllToAllDispatcher>(*par.comms->ep);
+  if (par.ep == 1) {
+    c.dispatcher = std::make_unique<LocalDispatcher>();
+  } else {
+    // On GPUs the exchanges run on their own stream and return before they finish; the model
+    // waits where it uses a result (its chunk pieces), so DualPipeV's paired micro-batch
+    // computes meanwhile.
+    AllToAllOptions o;
+    if (gpu) {
+      c.comm_stream.stream = cuda::create_stream();
+      o.comm_stream = c.comm_stream.stream;
+      o.defer_wait = true;
+    }
+    c.dispatcher = std::make_unique<AllToAllDispatcher>(*par.comms->ep, o);
+  }
   const OptimizerConfig& oc = cfg.optimizer;
   const AdamWConfig adamw{oc.beta1, oc.beta2, oc.eps, oc.weight_decay};
   if (par.distributed()) {

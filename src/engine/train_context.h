@@ -8,6 +8,7 @@
 #include <memory>
 #include <vector>
 
+#include "core/cuda_runtime.h"
 #include "engine/models/qwen3_moe.h"
 #include "engine/optim/adamw.h"
 #include "engine/parallel/fsdp.h"
@@ -21,6 +22,12 @@ namespace moetrain {
 
 struct TrainContext {
   ParallelContext par;
+  // CUDA with ep > 1: the stream the all-to-alls run on, so one micro-batch's exchange
+  // overlaps another's compute (owned; outlives the dispatcher, declared before it).
+  struct StreamHolder {
+    cuda::Stream stream = nullptr;
+    ~StreamHolder();
+  } comm_stream;
   std::unique_ptr<PipelineSchedule> pipe_train, pipe_val;  // pp > 1: a step, a validation pass
   std::vector<ChunkSpec> chunks;                           // pp > 1: the model cut for them
   std::unique_ptr<Qwen3MoeModel> model;                    // this rank's part, initialised
