@@ -11,6 +11,7 @@
 #include "core/rng.h"
 #include "engine/train_context.h"
 #include "engine/trainer.h"
+#include "ops/threads.h"
 
 namespace moetrain {
 namespace {
@@ -39,6 +40,7 @@ void wait_for(Device d) {
 BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
   const TrainingConfig& tc = cfg.training;
   const bool gpu = tc.device == "cuda";
+  ops::set_cpu_threads(static_cast<int>(tc.threads));
   // The same ranks, model part, dispatcher, optimizer and pipeline as `train` (train_context.h).
   ParallelContext connected = ParallelContext::build(cfg);
   if (connected.rank != 0) spdlog::set_level(spdlog::level::warn);
@@ -77,6 +79,10 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
   // Timed steps: wall time per step (the loss read at the end of each step synchronises),
   // then one extra pass with the stage timer on, since its events would perturb the timing.
   std::vector<double> ms;
+  // Pipeline: each rank's compute time per op kind and wall time, summed over the timed
+  // steps and the world (pipeline/executor.h Timing).
+  std::vector<double> pipe(8, 0.0);  // step, busy, f ms, f n, b ms, b n, w ms, w n
+  if (ctx->pipeline) ctx->pipeline->set_timing(true);
   for (int64_t i = 0; i < opt.steps; ++i) {
     auto bs = batches();
     wait_for(device);
@@ -85,6 +91,26 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
     wait_for(device);
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     spdlog::info("bench: step {}/{} {:.1f} ms", i + 1, opt.steps, ms.back());
+    if (ctx->pipeline) {
+      const PipelineExecutor::Timing& t = ctx->pipeline->last_timing();
+      // A pair's time is an F and a B: split in the proportion of this step's lone F and B.
+      const double f1 = t.f ? t.f_ms / t.f : 0, b1 = t.b ? t.b_ms / t.b : 0;
+      const double fb_f = t.fb && f1 + b1 > 0 ? t.fb_ms * f1 / (f1 + b1) : 0.0;
+      const double add[8] = {t.step_ms, t.busy_ms(), t.f_ms + fb_f, double(t.f + t.fb), t.b_ms + (t.fb_ms - fb_f),
+                             double(t.b + t.fb), t.w_ms, double(t.w)};
+      for (int k = 0; k < 8; ++k) pipe[k] += add[k];
+    }
+  }
+  if (ctx->pipeline) {
+    ctx->pipeline->set_timing(false);
+    all_reduce_doubles(*par.comms->world, pipe, device);
+    const double f = pipe[2] / std::max(pipe[3], 1.0), b = pipe[4] / std::max(pipe[5], 1.0),
+                 w = pipe[6] / std::max(pipe[7], 1.0);
+    const ScheduleTimes sim = simulate(*ctx->pipe_train, f, b, w);
+    r.pipeline = fmt::format("{} over {} ranks, {} micro-batches: bubble measured {:.1f}% (idle / wall time over all "
+                             "ranks), simulated {:.1f}% from the mean op times F {:.2f} / B {:.2f} / W {:.2f} ms",
+                             ctx->pipe_train->name, ctx->pipe_train->pp, ctx->pipe_train->micro_batches,
+                             100.0 * (1.0 - pipe[1] / std::max(pipe[0], 1e-9)), 100.0 * sim.bubble_fraction, f, b, w);
   }
   std::sort(ms.begin(), ms.end());
   r.step_ms = ms[ms.size() / 2];
@@ -117,6 +143,7 @@ std::string format_bench(const BenchReport& r) {
   out += fmt::format("MFU               {:.1f}% of {:.0f} TFLOP/s{}\n", 100 * r.mfu, r.peak_tflops,
                      r.ranks > 1 ? " per rank" : "");
   out += fmt::format("peak memory       {:.2f} GiB\n", r.peak_memory_bytes / 1073741824.0);
+  if (!r.pipeline.empty()) out += fmt::format("pipeline          {}\n", r.pipeline);
   double total = 0;
   for (double v : r.stage_ms) total += v;
   out += "stage             ms/step   share\n";

@@ -31,6 +31,7 @@ struct BenchReport {
   int64_t peak_memory_bytes = 0;
   std::array<double, kNumStages> stage_ms{};  // per step, mean over the timed steps
   double peak_tflops = 0;
+  std::string pipeline;  // pp > 1: the measured and the simulated bubble
 };
 
 BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt);

@@ -113,6 +113,36 @@ TEST(PipelineExecutor, DualPipeVOnOneRankMatchesTheWholeModel) {
   }
 }
 
+// Timing (what bench reports): every op of the rank counted once, compute within the step.
+TEST(PipelineExecutor, TimingCountsEveryOpWithinTheStep) {
+  const PipelineSchedule s = make_dualpipev(1, 4);
+  const Qwen3MoeConfig c = config(false);
+  const std::vector<ChunkSpec> chunks = partition_layers(c.num_hidden_layers, s.num_chunks);
+  Qwen3MoeModel model(c, DType::F32, Device::cpu(), pipeline_placement(chunks, s, 0, {}));
+  model.init_weights(1);
+  LocalDispatcher d;
+  PipelineExecutor ex(model, d, nullptr, chunks);
+  std::vector<Batch> batches;
+  for (int m = 0; m < 4; ++m) batches.push_back(batch_of(2, 6, static_cast<int32_t>(c.vocab_size), 9 + m));
+  ex.set_timing(true);
+  ex.train(s, batches, 1e-2, 0.25);
+  const PipelineExecutor::Timing& t = ex.last_timing();
+  int f = 0, b = 0, w = 0, fb = 0;
+  for (const PipeOp& op : s.ops[0]) {
+    f += op.kind == PipeOpKind::F;
+    b += op.kind == PipeOpKind::B;
+    w += op.kind == PipeOpKind::W;
+    fb += op.kind == PipeOpKind::FB;
+  }
+  EXPECT_EQ(t.f, f);
+  EXPECT_EQ(t.b, b);
+  EXPECT_EQ(t.w, w);
+  EXPECT_EQ(t.fb, fb);
+  EXPECT_GT(t.f_ms, 0);
+  EXPECT_GT(t.busy_ms(), 0);
+  EXPECT_LE(t.busy_ms(), t.step_ms);
+}
+
 TEST(PipelineExecutor, OneFOneBOnOneRankMatchesTheWholeModel) {
   expect_schedule_matches_whole_model(make_1f1b(1, 3), false);
 }

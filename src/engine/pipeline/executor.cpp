@@ -1,9 +1,11 @@
 #include "engine/pipeline/executor.h"
 
+#include <chrono>
 #include <cmath>
 
 #include <fmt/format.h>
 
+#include "core/cuda_runtime.h"
 #include "core/error.h"
 
 namespace moetrain {
@@ -124,6 +126,7 @@ PipelineExecutor::Handoff PipelineExecutor::take(std::map<Key, Handoff>& local, 
   const DType stat = model_.new_totals().selections.dtype();
   if (ordered_) {
     auto [hidden, packed] = ordered_->receive(tag(backward ? kGradient : kActivation, key.first, key.second));
+    mark_inputs_in();
     return {hidden, RouterTotals::unpack(packed, E, stat, model_.device())};
   }
   const bool on_host = pp_->backend() == "gloo";
@@ -134,6 +137,7 @@ PipelineExecutor::Handoff PipelineExecutor::take(std::map<Key, Handoff>& local, 
   auto rt = pp_->irecv(packed, from, tag(backward ? kGradientTotals : kActivationTotals, key.first, key.second));
   rh->wait();
   rt->wait();
+  mark_inputs_in();
   Handoff h;
   h.hidden = where == model_.device() ? hidden : hidden.to(model_.device());
   h.totals = RouterTotals::unpack(packed, E, stat, model_.device());
@@ -264,7 +268,29 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
   head_written_ = false;
   counts_.clear();
   Result r;
+  // Timing (bench): an event pair per op on the GPU, read once at the end of the step.
+  const bool gpu_clock = timing_on_ && !model_.device().is_cpu();
+  struct OpEvents {
+    cuda::Event start, inputs_in, end;  // inputs_in: after the op's last receive (or == start)
+  };
+  std::vector<OpEvents> events;
+  std::vector<PipeOpKind> kinds;
+  timing_ = Timing();
+  const auto step_start = std::chrono::steady_clock::now();
+  cuda::Event step_begin = nullptr;
+  if (gpu_clock) {
+    step_begin = cuda::create_event();
+    cuda::record_event(step_begin, cuda::current_stream());
+  }
   for (const PipeOp& op : s.ops[rank_]) {
+    inputs_in_ = std::chrono::steady_clock::now();
+    if (gpu_clock) {
+      events.push_back({cuda::create_event(), cuda::create_event(), cuda::create_event()});
+      kinds.push_back(op.kind);
+      cuda::record_event(events.back().start, cuda::current_stream());
+      cuda::record_event(events.back().inputs_in, cuda::current_stream());
+      inputs_in_event_ = events.back().inputs_in;
+    }
     try {
       switch (op.kind) {
         case PipeOpKind::F: forward_step(op.chunk, op.mb, batches[op.mb], pass, r); break;
@@ -281,10 +307,28 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
     } catch (const Error& e) {
       MT_THROW("pipeline rank {} of {}, step {} of schedule {}: {}", rank_, s.pp, op_name(op), s.name, e.what());
     }
+    if (gpu_clock) cuda::record_event(events.back().end, cuda::current_stream());
+    else if (timing_on_) {
+      add_time(op.kind, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - inputs_in_).count());
+    }
   }
   for (auto& q : sends_) q->wait();
   sends_.clear();
   if (ordered_) ordered_->end_step();
+  if (gpu_clock) {
+    cuda::Event step_end = cuda::create_event();
+    cuda::record_event(step_end, cuda::current_stream());
+    timing_.step_ms = cuda::elapsed_ms(step_begin, step_end);
+    for (size_t i = 0; i < events.size(); ++i) {
+      add_time(kinds[i], cuda::elapsed_ms(events[i].inputs_in, events[i].end));
+      for (cuda::Event e : {events[i].start, events[i].inputs_in, events[i].end}) cuda::destroy_event(e);
+    }
+    inputs_in_event_ = nullptr;
+    cuda::destroy_event(step_begin);
+    cuda::destroy_event(step_end);
+  } else if (timing_on_) {
+    timing_.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - step_start).count();
+  }
   MT_CHECK(acts_.empty() && inputs_.empty() && grads_.empty(),
            "pipeline rank {}: schedule {} left {} activations and {} hand-overs unused", rank_, s.name, acts_.size(),
            inputs_.size() + grads_.size());
@@ -293,6 +337,23 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
   }
   schedule_ = nullptr;
   return r;
+}
+
+// A receive ended: compute time of the current op counts from here (on the GPU, from when the
+// compute stream has waited for it).
+void PipelineExecutor::mark_inputs_in() {
+  if (!timing_on_) return;
+  inputs_in_ = std::chrono::steady_clock::now();
+  if (inputs_in_event_) cuda::record_event(inputs_in_event_, cuda::current_stream());
+}
+
+void PipelineExecutor::add_time(PipeOpKind kind, double ms) {
+  switch (kind) {
+    case PipeOpKind::F: timing_.f_ms += ms, ++timing_.f; break;
+    case PipeOpKind::B: timing_.b_ms += ms, ++timing_.b; break;
+    case PipeOpKind::W: timing_.w_ms += ms, ++timing_.w; break;
+    case PipeOpKind::FB: timing_.fb_ms += ms, ++timing_.fb; break;
+  }
 }
 
 PipelineExecutor::Result PipelineExecutor::train(const PipelineSchedule& s, const std::vector<Batch>& batches,

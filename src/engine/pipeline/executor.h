@@ -16,6 +16,7 @@
 // (no zeroing pass); the head writes in its first F and adds after.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -74,6 +75,17 @@ class PipelineExecutor {
   // FB steps: interleave the pair's pieces (the default; the point of DualPipeV), or run the F
   // then the B (same results; for comparison).
   void set_overlap(bool on) { overlap_ = on; }
+  // Timing of each step's ops (bench): compute time per op kind on this rank and the step's
+  // wall time, so busy / wall gives the rank's measured bubble. Host clock on the CPU, CUDA
+  // events on the compute stream on a GPU (one synchronisation at the end of a step).
+  struct Timing {
+    double step_ms = 0;
+    double f_ms = 0, b_ms = 0, w_ms = 0, fb_ms = 0;  // summed over the step's ops
+    int f = 0, b = 0, w = 0, fb = 0;                  // how many of each
+    double busy_ms() const { return f_ms + b_ms + w_ms + fb_ms; }
+  };
+  void set_timing(bool on) { timing_on_ = on; }
+  const Timing& last_timing() const { return timing_; }
   // The messages the last run sent to other ranks, in order: (pipeline rank, tag).
   const std::vector<std::pair<int, uint32_t>>& sent() const { return sent_; }
 
@@ -84,6 +96,8 @@ class PipelineExecutor {
     RouterTotals totals;
   };
   Result run(const PipelineSchedule& s, const std::vector<Batch>& batches, const ChunkPass& pass);
+  void add_time(PipeOpKind kind, double ms);
+  void mark_inputs_in();
   void forward_step(int chunk, int mb, const Batch& batch, ChunkPass pass, Result& r);
   void input_grad_step(int chunk, int mb, const Batch& batch, double aux_scale);
   void overlapped_step(const PipeOp& op, const std::vector<Batch>& batches, ChunkPass pass, Result& r);
@@ -114,6 +128,10 @@ class PipelineExecutor {
   std::vector<bool> weights_written_;  // per chunk: a W of this step already wrote its grads
   bool head_written_ = false;
   bool overlap_ = true;
+  bool timing_on_ = false;
+  Timing timing_;
+  std::chrono::steady_clock::time_point inputs_in_;
+  cuda::Event inputs_in_event_ = nullptr;
   std::map<int, std::vector<std::vector<int64_t>>> counts_;  // per chunk, summed over mbs
 };
 
