@@ -83,6 +83,11 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
   // steps and the world (pipeline/executor.h Timing).
   std::vector<double> pipe(8, 0.0);  // step, busy, f ms, f n, b ms, b n, w ms, w n
   if (ctx->pipeline) ctx->pipeline->set_timing(true);
+  auto* a2a = dynamic_cast<AllToAllDispatcher*>(ctx->dispatcher.get());
+  if (a2a) {
+    a2a->take_timing();  // drop what the warm-up left
+    a2a->set_timing(true);
+  }
   for (int64_t i = 0; i < opt.steps; ++i) {
     auto bs = batches();
     wait_for(device);
@@ -100,6 +105,17 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
                              double(t.b + t.fb), t.w_ms, double(t.w)};
       for (int k = 0; k < 8; ++k) pipe[k] += add[k];
     }
+  }
+  if (a2a) {
+    a2a->set_timing(false);
+    const AllToAllDispatcher::ExchangeTiming t = a2a->take_timing();
+    std::vector<double> sums{t.total_ms, t.stalled_ms, static_cast<double>(t.exchanges)};
+    all_reduce_doubles(*par.comms->world, sums, device);
+    const double per_rank_step = static_cast<double>(par.world) * static_cast<double>(opt.steps);
+    r.all_to_all = fmt::format("{:.2f} ms per step per rank in {:.0f} exchanges, {:.1f}% hidden behind compute "
+                               "({:.2f} ms stalled)",
+                               sums[0] / per_rank_step, sums[2] / per_rank_step,
+                               sums[0] > 0 ? 100.0 * (1.0 - sums[1] / sums[0]) : 0.0, sums[1] / per_rank_step);
   }
   if (ctx->pipeline) {
     ctx->pipeline->set_timing(false);
@@ -144,6 +160,7 @@ std::string format_bench(const BenchReport& r) {
                      r.ranks > 1 ? " per rank" : "");
   out += fmt::format("peak memory       {:.2f} GiB\n", r.peak_memory_bytes / 1073741824.0);
   if (!r.pipeline.empty()) out += fmt::format("pipeline          {}\n", r.pipeline);
+  if (!r.all_to_all.empty()) out += fmt::format("all-to-all        {}\n", r.all_to_all);
   double total = 0;
   for (double v : r.stage_ms) total += v;
   out += "stage             ms/step   share\n";

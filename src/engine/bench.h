@@ -31,7 +31,8 @@ struct BenchReport {
   int64_t peak_memory_bytes = 0;
   std::array<double, kNumStages> stage_ms{};  // per step, mean over the timed steps
   double peak_tflops = 0;
-  std::string pipeline;  // pp > 1: the measured and the simulated bubble
+  std::string pipeline;    // pp > 1: the measured and the simulated bubble
+  std::string all_to_all;  // ep > 1: exchange time per step and how much compute hid
 };
 
 BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt);

@@ -1,5 +1,7 @@
 #include "engine/parallel/expert_dispatch.h"
 
+#include <chrono>
+
 #include "engine/telemetry/stage_timer.h"
 
 namespace moetrain {
@@ -83,17 +85,31 @@ std::string AllToAllDispatcher::where(const DispatchState& st) const {
 template <typename F>
 auto AllToAllDispatcher::on_comm_stream(const Device& device, DispatchState& st, std::initializer_list<Tensor> inputs,
                                         F&& body) {
-  if (device.is_cpu() || opt_.comm_stream == nullptr) return body();
+  if (device.is_cpu() || opt_.comm_stream == nullptr) {
+    if (!timing_ || !device.is_cpu()) return body();
+    const auto t0 = std::chrono::steady_clock::now();
+    auto out = body();
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    host_timing_.total_ms += ms;
+    host_timing_.stalled_ms += ms;  // Gloo: the caller waited for all of it
+    ++host_timing_.exchanges;
+    return out;
+  }
   const cuda::Stream compute = cuda::current_stream(), comm = opt_.comm_stream;
   if (!ready_event_) ready_event_ = cuda::create_sync_event();
   cuda::record_event(ready_event_, compute);  // the inputs are ready here
   cuda::stream_wait_event(comm, ready_event_);
+  if (timing_) {
+    exchange_events_.push_back({cuda::create_event(), cuda::create_event()});
+    cuda::record_event(exchange_events_.back().first, comm);
+  }
   auto out = [&] {
     // Allocations and copies inside go to the communication stream, and the temporaries
     // are freed there, after their last use.
     cuda::CurrentStreamScope scope(comm);
     return body();
   }();
+  if (timing_) cuda::record_event(exchange_events_.back().second, comm);
   void* done;
   if (opt_.defer_wait) {
     if (!st.ready) st.ready = std::shared_ptr<void>(cuda::create_sync_event(), destroy_event_quietly);
@@ -106,13 +122,40 @@ auto AllToAllDispatcher::on_comm_stream(const Device& device, DispatchState& st,
   }
   cuda::record_event(done, comm);
   // From here the compute stream may use the results and free the inputs (stream order).
-  if (!opt_.defer_wait) cuda::stream_wait_event(compute, done);
+  if (!opt_.defer_wait) stall_on(compute, done);
   return out;
 }
 
+void AllToAllDispatcher::stall_on(cuda::Stream compute, void* done) {
+  if (timing_) {
+    stall_events_.push_back({cuda::create_event(), cuda::create_event()});
+    cuda::record_event(stall_events_.back().first, compute);
+  }
+  cuda::stream_wait_event(compute, done);
+  if (timing_) cuda::record_event(stall_events_.back().second, compute);
+}
+
 void AllToAllDispatcher::wait(DispatchState& st) {
-  if (st.ready) cuda::stream_wait_event(cuda::current_stream(), st.ready.get());
+  if (st.ready) stall_on(cuda::current_stream(), st.ready.get());
   st.in_flight.clear();  // freed on the current stream, after the wait
+}
+
+AllToAllDispatcher::ExchangeTiming AllToAllDispatcher::take_timing() {
+  ExchangeTiming t = host_timing_;
+  for (auto& [a, b] : exchange_events_) {
+    t.total_ms += cuda::elapsed_ms(a, b);
+    ++t.exchanges;
+  }
+  for (auto& [a, b] : stall_events_) t.stalled_ms += cuda::elapsed_ms(a, b);
+  for (auto* list : {&exchange_events_, &stall_events_}) {
+    for (auto& [a, b] : *list) {
+      cuda::destroy_event(a);
+      cuda::destroy_event(b);
+    }
+    list->clear();
+  }
+  host_timing_ = ExchangeTiming();
+  return t;
 }
 
 void AllToAllDispatcher::all_to_all(const Tensor& in, const std::vector<int64_t>& send, Tensor& out,

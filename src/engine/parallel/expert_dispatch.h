@@ -126,6 +126,17 @@ class AllToAllDispatcher final : public ExpertDispatcher {
   Tensor dispatch_backward(const Tensor& drows, DispatchState& st) override;
   void wait(DispatchState& st) override;
 
+  // Timing (bench): how long the exchanges took and how long the compute stream stalled
+  // waiting for them, so total - stalled is the exchange time hidden behind compute. On the
+  // GPU from events on both streams (read in take_timing, which synchronises); on the CPU
+  // (Gloo, synchronous) from the host clock, all of it stalled.
+  struct ExchangeTiming {
+    double total_ms = 0, stalled_ms = 0;
+    int exchanges = 0;
+  };
+  void set_timing(bool on) { timing_ = on; }
+  ExchangeTiming take_timing();
+
  private:
   // Runs `body` where the dispatcher's work goes (see AllToAllOptions::comm_stream).
   template <typename F>
@@ -145,6 +156,10 @@ class AllToAllDispatcher final : public ExpertDispatcher {
   bool nccl_;  // the backend moves device tensors
   void* ready_event_ = nullptr;  // cuda::Event, created on first use
   void* done_event_ = nullptr;
+  bool timing_ = false;
+  ExchangeTiming host_timing_;                                   // CPU, and the GPU count
+  std::vector<std::pair<cuda::Event, cuda::Event>> exchange_events_, stall_events_;  // GPU
+  void stall_on(cuda::Stream compute, void* done);  // compute waits for `done`, timed
 };
 
 }  // namespace moetrain
