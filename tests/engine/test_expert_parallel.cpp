@@ -214,6 +214,27 @@ TEST(ExpertParallel, CheckOffAndStreamOptionsAreHarmlessOnTheCpu) {
   run_case({2, 8, 2, 16, {12, 17}}, o);
 }
 
+// Exchange timing (bench): every exchange counted; on Gloo all of it is stalled time.
+TEST(ExpertParallel, ExchangeTimingCountsEveryExchange) {
+  run_ranks(2, [](Communicator& comm) {
+    AllToAllDispatcher d(comm);
+    d.set_timing(true);
+    const int64_t T = 9, K = 2, H = 4, E = 4;
+    Tensor x = testing::random_tensor({T, H}, DType::F32, 3 + comm.rank());
+    Tensor idx = testing::random_ints({T, K}, 0, static_cast<int32_t>(E), 5 + comm.rank());
+    for (int64_t t = 0; t < T; ++t) idx.data<int32_t>()[t * K + 1] = (idx.data<int32_t>()[t * K] + 1) % E;
+    DispatchState st;
+    DispatchOut in = d.dispatch(x, idx, E, st);
+    Tensor back = d.combine(in.rows, st);
+    EXPECT_EQ(back.size(0), T * K);
+    const AllToAllDispatcher::ExchangeTiming t = d.take_timing();
+    EXPECT_GE(t.exchanges, 2);
+    EXPECT_GT(t.total_ms, 0.0);
+    EXPECT_DOUBLE_EQ(t.stalled_ms, t.total_ms);
+    EXPECT_EQ(d.take_timing().exchanges, 0);  // taken: reset
+  });
+}
+
 TEST(ExpertParallel, ExpertsMustSplitEvenly) {
   run_ranks(4, [](Communicator& comm) {
     AllToAllDispatcher d(comm);
