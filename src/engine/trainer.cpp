@@ -142,6 +142,25 @@ std::vector<std::vector<int64_t>> global_expert_counts(const Qwen3MoeModel& mode
   return out;
 }
 
+// The targets of the step's micro-batches on all data ranks (the loss is their mean).
+double global_targets(const std::vector<Batch>& batches, Communicator& data_group, Device device) {
+  std::vector<double> targets{0};
+  for (const Batch& b : batches) targets[0] += static_cast<double>(b.num_targets);
+  all_reduce_doubles(data_group, targets, device);
+  MT_CHECK(targets[0] > 0, "no token of the step's batches has a target on any rank");
+  return targets[0];
+}
+
+// The end of a sharded step: gradients reduced, the global norm, AdamW on the shards.
+void sharded_optimizer_step(FsdpContext& fsdp, StepResult& r, double lr, double grad_clip) {
+  StageScope t(Stage::kOptimizer);
+  MT_CHECK(std::isfinite(r.loss), "training loss is not finite ({})", r.loss);
+  fsdp.reduce_scatter_grads();
+  const GradNorm g = fsdp.grad_norm(grad_clip);
+  r.grad_norm = g.norm;
+  fsdp.step(lr, g.clip_scale);
+}
+
 // Forward and backward of a step's micro-batches, the gradients accumulated in the model.
 // `targets`: of the whole step over all data ranks (the loss is their mean). Returns the
 // cross-entropy sum in r.loss, the load-balancing loss (already global) and this rank's
@@ -192,10 +211,7 @@ StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, AdamW&
 StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, FsdpContext& fsdp, Communicator& data_group,
                       const std::vector<Batch>& batches, double lr, double grad_clip) {
   const Device device = model.parameters().front().grad.device();
-  std::vector<double> targets{0};
-  for (const Batch& b : batches) targets[0] += static_cast<double>(b.num_targets);
-  all_reduce_doubles(data_group, targets, device);
-  MT_CHECK(targets[0] > 0, "no token of the step's batches has a target on any rank");
+  const std::vector<double> targets{global_targets(batches, data_group, device)};
   double z = 0;
   StepResult r = accumulate_micro_batches(model, dispatcher, batches, targets[0], z, &fsdp);
   r.expert_counts = global_expert_counts(model, r.expert_counts, data_group);
@@ -203,12 +219,7 @@ StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, FsdpCo
   all_reduce_doubles(data_group, sums, device);
   r.loss = sums[0] / targets[0];
   r.aux_loss += sums[1];
-  StageScope t(Stage::kOptimizer);
-  MT_CHECK(std::isfinite(r.loss), "training loss is not finite ({})", r.loss);
-  fsdp.reduce_scatter_grads();
-  const GradNorm g = fsdp.grad_norm(grad_clip);
-  r.grad_norm = g.norm;
-  fsdp.step(lr, g.clip_scale);
+  sharded_optimizer_step(fsdp, r, lr, grad_clip);
   return r;
 }
 
@@ -245,10 +256,7 @@ StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, co
                       FsdpContext& fsdp, Communicator& data_group, Communicator& world,
                       const std::vector<Batch>& batches, double lr, double grad_clip) {
   const Device device = model.device();
-  std::vector<double> targets{0};
-  for (const Batch& b : batches) targets[0] += static_cast<double>(b.num_targets);
-  all_reduce_doubles(data_group, targets, device);
-  MT_CHECK(targets[0] > 0, "no token of the step's batches has a target on any rank");
+  const std::vector<double> targets{global_targets(batches, data_group, device)};
   const double n = static_cast<double>(batches.size());
   PipelineExecutor::Result pr = ex.train(schedule, batches, 1.0 / targets[0], 1.0 / n);
   // Only the ranks holding the head have losses; each data rank's head rank adds its share
@@ -263,12 +271,7 @@ StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, co
   r.expert_imbalance = imbalance;
   r.loss = sums[0] / targets[0];
   r.aux_loss = sums[1] + sums[2];
-  StageScope t(Stage::kOptimizer);
-  MT_CHECK(std::isfinite(r.loss), "training loss is not finite ({})", r.loss);
-  fsdp.reduce_scatter_grads();
-  const GradNorm g = fsdp.grad_norm(grad_clip);
-  r.grad_norm = g.norm;
-  fsdp.step(lr, g.clip_scale);
+  sharded_optimizer_step(fsdp, r, lr, grad_clip);
   return r;
 }
 
