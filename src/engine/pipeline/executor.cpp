@@ -123,7 +123,7 @@ PipelineExecutor::Handoff PipelineExecutor::take(std::map<Key, Handoff>& local, 
   MT_CHECK(pp_ != nullptr && from != rank_, "no {} was handed over for chunk {} micro-batch {}",
            backward ? "output gradient" : "input", key.first, key.second);
   const int64_t E = model_.config().num_experts;
-  const DType stat = model_.new_totals().selections.dtype();
+  const DType stat = grad_dtype_for(model_.dtype());  // the router statistics' dtype
   if (ordered_) {
     auto [hidden, packed] = ordered_->receive(tag(backward ? kGradient : kActivation, key.first, key.second));
     mark_inputs_in();
@@ -152,15 +152,15 @@ void PipelineExecutor::give(std::map<Key, Handoff>& local, Key key, bool backwar
   }
   MT_CHECK(h.hidden.dtype() == model_.dtype(), "chunk {} {} is {}, expected the model's {}", key.first,
            backward ? "gradient" : "activation", dtype_name(h.hidden.dtype()), dtype_name(model_.dtype()));
-  sent_.push_back({to, tag(backward ? kGradient : kActivation, key.first, key.second)});
+  const uint32_t hidden_tag = tag(backward ? kGradient : kActivation, key.first, key.second);
+  sent_.push_back({to, hidden_tag});
   if (ordered_) {
-    ordered_->send(to, tag(backward ? kGradient : kActivation, key.first, key.second), for_comm(h.hidden),
-                   for_comm(h.totals.pack()));
+    ordered_->send(to, hidden_tag, for_comm(h.hidden), for_comm(h.totals.pack()));
     return;
   }
-  sends_.push_back(pp_->isend(for_comm(h.hidden), to, tag(backward ? kGradient : kActivation, key.first, key.second)));
-  sends_.push_back(
-      pp_->isend(for_comm(h.totals.pack()), to, tag(backward ? kGradientTotals : kActivationTotals, key.first, key.second)));
+  sends_.push_back(pp_->isend(for_comm(h.hidden), to, hidden_tag));
+  sends_.push_back(pp_->isend(for_comm(h.totals.pack()), to,
+                              tag(backward ? kGradientTotals : kActivationTotals, key.first, key.second)));
 }
 
 PipelineExecutor::Handoff PipelineExecutor::forward_input(int chunk, int mb, const Batch& batch) {
