@@ -123,21 +123,23 @@ namespace {
 
 // Per MoE layer of this rank, the tokens routed to every expert (global ids) summed over the
 // data group: each rank puts its local experts' counts at their global index and the sum
-// over ranks fills in the rest.
+// over ranks fills in the rest. `also_sum` rides in the same all-reduce (one collective).
 std::vector<std::vector<int64_t>> global_expert_counts(const Qwen3MoeModel& model,
                                                        const std::vector<std::vector<int64_t>>& local,
-                                                       Communicator& data_group) {
+                                                       Communicator& data_group, std::vector<double>& also_sum) {
   const int64_t E = model.config().num_experts, first = model.placement().ep_rank * E / model.placement().ep_size;
-  std::vector<double> sums;
+  std::vector<double> sums = also_sum;
+  const size_t base = also_sum.size();
   for (const auto& layer : local) {
     std::vector<double> global(static_cast<size_t>(E), 0.0);
     for (size_t e = 0; e < layer.size(); ++e) global[first + e] = static_cast<double>(layer[e]);
     sums.insert(sums.end(), global.begin(), global.end());
   }
   all_reduce_doubles(data_group, sums, model.device());
+  std::copy(sums.begin(), sums.begin() + static_cast<std::ptrdiff_t>(base), also_sum.begin());
   std::vector<std::vector<int64_t>> out(local.size(), std::vector<int64_t>(static_cast<size_t>(E)));
   for (size_t k = 0; k < local.size(); ++k) {
-    for (int64_t e = 0; e < E; ++e) out[k][e] = std::llround(sums[k * E + e]);
+    for (int64_t e = 0; e < E; ++e) out[k][e] = std::llround(sums[base + k * E + e]);
   }
   return out;
 }
@@ -214,9 +216,8 @@ StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, FsdpCo
   const std::vector<double> targets{global_targets(batches, data_group, device)};
   double z = 0;
   StepResult r = accumulate_micro_batches(model, dispatcher, batches, targets[0], z, &fsdp);
-  r.expert_counts = global_expert_counts(model, r.expert_counts, data_group);
   std::vector<double> sums{r.loss, z};
-  all_reduce_doubles(data_group, sums, device);
+  r.expert_counts = global_expert_counts(model, r.expert_counts, data_group, sums);
   r.loss = sums[0] / targets[0];
   r.aux_loss += sums[1];
   sharded_optimizer_step(fsdp, r, lr, grad_clip);
@@ -265,7 +266,8 @@ StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, co
   std::vector<double> sums{pr.ce_sum, pr.z_loss / n, pr.aux_loss / n / static_cast<double>(data_group.size())};
   // Expert loads: this stage's layers over the data ranks; the imbalance of the worst layer
   // anywhere is the max over the world.
-  r.expert_counts = global_expert_counts(model, pr.expert_counts, data_group);
+  std::vector<double> none;  // the losses sum over the world below, not the data group
+  r.expert_counts = global_expert_counts(model, pr.expert_counts, data_group, none);
   double imbalance = expert_imbalance(r.expert_counts);
   sum_then_max(world, sums, imbalance, device);
   r.expert_imbalance = imbalance;
