@@ -265,10 +265,11 @@ Tensor RouterTotals::pack() const {
 RouterTotals RouterTotals::unpack(const Tensor& packed, int64_t E, DType stat, Device device) {
   MT_CHECK(packed.numel() == 2 * E + 2, "router totals message holds {} values, expected 2 * {} experts + 2",
            packed.numel(), E);
-  const Tensor host = packed.device().is_cpu() ? packed.to(DType::F64) : packed.to(Device::cpu()).to(DType::F64);
+  MT_CHECK(packed.dtype() == DType::F64, "router totals message is {}, expected f64", dtype_name(packed.dtype()));
+  const Tensor host = packed.device().is_cpu() ? packed : packed.to(Device::cpu());
   RouterTotals t;
-  t.selections = host.slice(0, E).clone().to(stat).to(device);
-  t.prob_sum = host.slice(E, 2 * E).clone().to(stat).to(device);
+  t.selections = host.slice(0, E).to(stat).to(device);  // to() copies
+  t.prob_sum = host.slice(E, 2 * E).to(stat).to(device);
   t.rows = static_cast<int64_t>(std::llround(host.item(2 * E)));
   t.z_sum = host.item(2 * E + 1);
   return t;
@@ -355,7 +356,7 @@ struct Qwen3MoeModel::ForwardCursor {
   BatchShape b;
   ChunkActivations& a;
   RouterTotals& totals;
-  bool training;
+  ChunkPass pass;
   Tensor x;        // the hidden state between layers
   int64_t j = 0;   // the layer (within the chunk) being run
   int piece = 0;   // 0: attn + dispatch, 1: mlp + combine, 2: aggregate
@@ -398,7 +399,7 @@ bool Qwen3MoeModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) const {
     case 2:
       if (layer.is_moe()) d.wait(s.dispatch);
       f.x = layer.aggregate_forward(s);  // 5: aggregate
-      if (layer.is_moe()) {  // this layer's share of the router totals (see RouterTotals)
+      if (layer.is_moe() && f.pass.router_stats) {  // this layer's share of the router totals (see RouterTotals)
         StageScope t(Stage::kLoss);
         ops::load_balance_accumulate(s.route.probs, s.route.topk_idx, f.totals.selections, f.totals.prob_sum);
         f.totals.rows += s.route.probs.size(0);
@@ -408,7 +409,7 @@ bool Qwen3MoeModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) const {
         }
         f.a.expert_counts.push_back(s.expert_in.counts.to_vector<int64_t>());
       }
-      if (hooks_) hooks_->after_forward(id, f.training && f.c.head && f.j + 1 == n);
+      if (hooks_) hooks_->after_forward(id, f.pass.training && f.c.head && f.j + 1 == n);
       ++f.j;
       break;
   }
@@ -469,9 +470,9 @@ bool Qwen3MoeModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
 
 Qwen3MoeModel::ForwardCursor Qwen3MoeModel::begin_forward(const ChunkSpec& c, const Batch& batch, const Tensor& x,
                                                           ChunkActivations& a, RouterTotals& totals,
-                                                          bool training) {
+                                                          const ChunkPass& pass) {
   a.layers.assign(static_cast<size_t>(c.last_layer - c.first_layer), {});
-  ForwardCursor f{c, batch, BatchShape{batch.batch, batch.seq, batch.segment_ids}, a, totals, training, x};
+  ForwardCursor f{c, batch, BatchShape{batch.batch, batch.seq, batch.segment_ids}, a, totals, pass, x};
   if (c.embed) {
     MT_CHECK(placement_.embed, "an embed chunk on a rank without the embedding");
     if (hooks_) hooks_->before_forward(-1);
@@ -542,7 +543,7 @@ Tensor Qwen3MoeModel::end_backward(BackwardCursor& g) {
 Tensor Qwen3MoeModel::forward_chunk(const ChunkSpec& c, const Batch& batch, const Tensor& x, ExpertDispatcher& d,
                                     ChunkActivations& a, RouterTotals& totals, const ChunkPass& pass,
                                     MicroBatchLoss* loss) {
-  ForwardCursor f = begin_forward(c, batch, x, a, totals, pass.training);
+  ForwardCursor f = begin_forward(c, batch, x, a, totals, pass);
   while (forward_piece(f, d)) {
   }
   return end_forward(f, pass, loss);
@@ -560,7 +561,7 @@ std::pair<Tensor, Tensor> Qwen3MoeModel::forward_backward_overlapped(
     const ChunkSpec& fc, const Batch& fbatch, const Tensor& x, ChunkActivations& fa, RouterTotals& totals,
     const ChunkPass& pass, MicroBatchLoss* loss, const ChunkSpec& bc, const Batch& bbatch, const Tensor& dy,
     ChunkActivations& ba, ExpertDispatcher& d) {
-  ForwardCursor f = begin_forward(fc, fbatch, x, fa, totals, pass.training);
+  ForwardCursor f = begin_forward(fc, fbatch, x, fa, totals, pass);
   BackwardCursor g = begin_backward(bc, bbatch, dy, ba, pass.aux_scale, /*weights_now=*/false, false);
   // Alternate: each piece computes while the other pass's exchange, started by its last
   // piece, is in flight.
@@ -597,7 +598,10 @@ Tensor Qwen3MoeModel::forward_logits(const Tensor& ids, const Tensor& positions,
   c.head = false;
   ChunkActivations a;
   RouterTotals totals = new_totals();
-  Tensor x = forward_chunk(c, batch, Tensor(), dispatcher, a, totals, ChunkPass{false}, nullptr);
+  ChunkPass logits_only;
+  logits_only.training = false;
+  logits_only.router_stats = false;  // no loss reads them here
+  Tensor x = forward_chunk(c, batch, Tensor(), dispatcher, a, totals, logits_only, nullptr);
   a = ChunkActivations();
   Tensor h;
   {

@@ -107,6 +107,7 @@ struct ChunkPass {
   double ce_scale = 1.0;         // head: d loss / d (sum of token cross-entropies)
   double aux_scale = 1.0;        // scale of the router losses (1 / micro-batches)
   bool head_accumulate = false;  // head: add to the head's weight gradients (else write)
+  bool router_stats = true;      // add the router totals and expert counts (false: logits only)
 };
 
 // Told by the model when weights are about to be used and when their gradients are final,
@@ -271,7 +272,7 @@ class Qwen3MoeModel {
   struct ForwardCursor;
   struct BackwardCursor;
   ForwardCursor begin_forward(const ChunkSpec& c, const Batch& batch, const Tensor& x, ChunkActivations& a,
-                              RouterTotals& totals, bool training);
+                              RouterTotals& totals, const ChunkPass& pass);
   bool forward_piece(ForwardCursor& f, ExpertDispatcher& d) const;  // false when no layer is left
   Tensor end_forward(ForwardCursor& f, const ChunkPass& pass, MicroBatchLoss* loss);
   BackwardCursor begin_backward(const ChunkSpec& c, const Batch& batch, const Tensor& dy, ChunkActivations& a,
