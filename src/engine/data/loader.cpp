@@ -24,10 +24,30 @@ void Batch::count_targets() {
   for (int64_t i = 0; i < targets.numel(); ++i) num_targets += tg[i] != ops::kIgnoreIndex;
 }
 
+void Batch::fill_row(int64_t row, const int32_t* tokens) {
+  const int64_t S = seq;
+  std::memcpy(inputs.data<int32_t>() + row * S, tokens, S * sizeof(int32_t));
+  std::memcpy(targets.data<int32_t>() + row * S, tokens + 1, S * sizeof(int32_t));
+  int32_t* pos = positions.data<int32_t>() + row * S;
+  for (int64_t t = 0; t < S; ++t) pos[t] = static_cast<int32_t>(t);
+}
+
 void check_data_rank(const char* who, int64_t micro_batch, int data_rank, int data_world) {
   MT_CHECK(micro_batch > 0, "{}: micro_batch must be > 0, got {}", who, micro_batch);
   MT_CHECK(data_world >= 1 && data_rank >= 0 && data_rank < data_world,
            "{}: data rank {} is not in [0, data_world = {})", who, data_rank, data_world);
+}
+
+std::pair<int64_t, int64_t> epoch_position(const nlohmann::json& p, const char* key, const char* who) {
+  const bool ok = p.is_object() && p.contains("epoch") && p.contains(key) && p["epoch"].is_number_integer() &&
+                  p[key].is_number_integer();
+  MT_CHECK(ok,
+           "data position {} is not a position of the {} ({{\"epoch\": e, \"{}\": {}}}); was [data].kind changed "
+           "since the checkpoint?",
+           p.dump(), who, key, key[0]);
+  const int64_t e = p["epoch"].get<int64_t>(), n = p[key].get<int64_t>();
+  MT_CHECK(e >= 0 && n >= 0, "data position {}: negative", p.dump());
+  return {e, n};
 }
 
 BatchLoader::BatchLoader(std::vector<int32_t> tokens, int64_t micro_batch, int64_t seq_len, uint64_t seed, Mode mode,
@@ -51,9 +71,6 @@ Batch BatchLoader::next() {
   const int64_t B = micro_batch_, S = seq_len_;
   Batch b = Batch::allocate(B, S, false);
   b.num_targets = B * S;
-  int32_t* in = b.inputs.data<int32_t>();
-  int32_t* tg = b.targets.data<int32_t>();
-  int32_t* pos = b.positions.data<int32_t>();
   const uint64_t max_start = tokens_.size() - static_cast<uint64_t>(S);  // start + S + 1 <= n
   // Every rank draws the starts of the whole global batch (so the generator advances alike
   // everywhere) and copies only its own rows.
@@ -66,11 +83,7 @@ Batch BatchLoader::next() {
       if (window_ >= static_cast<uint64_t>(num_windows_)) window_ = 0;
       start = window_++ * static_cast<uint64_t>(S);
     }
-    if (g < first || g >= first + B) continue;
-    const int64_t i = g - first;
-    std::memcpy(in + i * S, tokens_.data() + start, S * sizeof(int32_t));
-    std::memcpy(tg + i * S, tokens_.data() + start + 1, S * sizeof(int32_t));
-    for (int64_t t = 0; t < S; ++t) pos[i * S + t] = static_cast<int32_t>(t);
+    if (g >= first && g < first + B) b.fill_row(g - first, tokens_.data() + start);
   }
   return b;
 }

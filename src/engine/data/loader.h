@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/rng.h"
@@ -42,6 +43,9 @@ struct Batch {
   static Batch allocate(int64_t batch, int64_t seq, bool with_segments);
   // Sets num_targets from the targets.
   void count_targets();
+  // Row `row` of a next-token batch from seq + 1 consecutive tokens: inputs the first seq,
+  // targets the last seq, positions 0 .. seq - 1.
+  void fill_row(int64_t row, const int32_t* tokens);
 };
 
 class DataLoader {
@@ -91,5 +95,9 @@ class BatchLoader final : public DataLoader {
 
 // Checks (rank, world) and the micro-batch size, naming `who` in the error.
 void check_data_rank(const char* who, int64_t micro_batch, int data_rank, int data_world);
+
+// Reads a loader position {"epoch": e, <key>: n} (both non-negative integers); an error
+// names the position and `who`'s expected form.
+std::pair<int64_t, int64_t> epoch_position(const nlohmann::json& p, const char* key, const char* who);
 
 }  // namespace moetrain

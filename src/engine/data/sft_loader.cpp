@@ -236,14 +236,7 @@ void SftLoader::set_epoch_row(int64_t epoch, int64_t row) {
 }
 
 void SftLoader::set_position(const nlohmann::json& p) {
-  const bool ok = p.is_object() && p.contains("epoch") && p.contains("row") && p["epoch"].is_number_integer() &&
-                  p["row"].is_number_integer();
-  MT_CHECK(ok,
-           "data position {} is not a position of the SFT loader ({{\"epoch\": e, \"row\": r}}); was [data].kind "
-           "changed since the checkpoint?",
-           p.dump());
-  const int64_t e = p["epoch"].get<int64_t>(), r = p["row"].get<int64_t>();
-  MT_CHECK(e >= 0 && r >= 0, "data position {}: negative", p.dump());
+  const auto [e, r] = epoch_position(p, "row", "SFT loader");
   plan_epoch(e);
   MT_CHECK(r <= rows_in_epoch(),
            "data position {}: row {} is beyond the {} rows of epoch {} (did the conversations, seq_len or packing "

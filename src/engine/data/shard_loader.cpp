@@ -86,9 +86,6 @@ Batch ShardLoader::next() {
   const int64_t B = micro_batch_, S = seq_len_;
   Batch b = Batch::allocate(B, S, false);
   b.num_targets = B * S;
-  int32_t* in = b.inputs.data<int32_t>();
-  int32_t* tg = b.targets.data<int32_t>();
-  int32_t* pos = b.positions.data<int32_t>();
   std::vector<int32_t> window(static_cast<size_t>(S + 1));
   const int64_t first = static_cast<int64_t>(rank_) * B;
   for (int64_t g = 0; g < B * world_; ++g) {
@@ -99,24 +96,15 @@ Batch ShardLoader::next() {
     const int64_t start = begin_ + token_;
     token_ += S;
     if (g < first || g >= first + B) continue;  // another rank's row: not read
-    const int64_t i = g - first;
     stream_->read(start, window);
-    std::copy(window.begin(), window.end() - 1, in + i * S);
-    std::copy(window.begin() + 1, window.end(), tg + i * S);
-    for (int64_t t = 0; t < S; ++t) pos[i * S + t] = static_cast<int32_t>(t);
+    b.fill_row(g - first, window.data());
   }
   return b;
 }
 
 void ShardLoader::set_position(const nlohmann::json& p) {
-  const bool ok = p.is_object() && p.contains("epoch") && p.contains("token") && p["epoch"].is_number_integer() &&
-                  p["token"].is_number_integer();
-  MT_CHECK(ok,
-           "data position {} is not a position of the shard loader ({{\"epoch\": e, \"token\": t}}); was "
-           "[data].kind changed since the checkpoint?",
-           p.dump());
-  const int64_t e = p["epoch"].get<int64_t>(), t = p["token"].get<int64_t>();
-  MT_CHECK(e >= 0 && t >= 0 && t <= end_ - begin_,
+  const auto [e, t] = epoch_position(p, "token", "shard loader");
+  MT_CHECK(t <= end_ - begin_,
            "data position {}: token {} is beyond the {} training tokens of [data].paths (did the corpus change since "
            "the checkpoint?)",
            p.dump(), t, end_ - begin_);
