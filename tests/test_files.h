@@ -11,6 +11,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "test_util.h"  // error_of
 
 namespace moetrain::testing {
 
@@ -40,16 +41,5 @@ class ScratchDir {
  private:
   std::filesystem::path path_;
 };
-
-// The message of the moetrain::Error that `f` throws; "" when it throws none.
-template <typename F>
-std::string error_message(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 }  // namespace moetrain::testing

@@ -23,7 +23,7 @@ namespace moetrain {
 namespace {
 
 namespace fs = std::filesystem;
-using testing::error_message;
+using testing::error_of;
 using testing::random_tensor;
 using testing::ScratchDir;
 
@@ -81,7 +81,7 @@ std::string raw_file(const ScratchDir& dir, const std::string& name, const std::
 
 TEST(Safetensors, EveryHeaderFieldIsValidated) {
   ScratchDir dir;
-  auto error_for = [&](const std::string& path) { return error_message([&] { SafetensorsFile f(path); }); };
+  auto error_for = [&](const std::string& path) { return error_of([&] { SafetensorsFile f(path); }); };
   std::string p = dir.file("short.safetensors", "abc");
   EXPECT_TRUE(has(error_for(p), "short.safetensors") && has(error_for(p), "shorter than the 8-byte")) << error_for(p);
   p = raw_file(dir, "huge.safetensors", "{}", 0, 1 << 20);
@@ -176,22 +176,22 @@ TEST(Checkpoint, ShardsWrittenByFourRanksLoadWholeAndUnderAnotherLayout) {
   EXPECT_TRUE(bytes_equal(col, box_of("b", fx.b, 0, 4, 3, 6).data.to(DType::F32)));
   // Wrong shapes are refused, naming the tensor.
   Tensor wrong = Tensor::empty({10, 5}, DType::F32);
-  EXPECT_TRUE(has(error_message([&] { r.read("a", wrong); }), "tensor 'a' has shape [10, 6], expected [10, 5]"));
+  EXPECT_TRUE(has(error_of([&] { r.read("a", wrong); }), "tensor 'a' has shape [10, 6], expected [10, 5]"));
   Tensor outside = Tensor::empty({4, 6}, DType::F32);
-  EXPECT_TRUE(has(error_message([&] { r.read("a", outside, {8, 0}); }), "tensor 'a' has shape [10, 6]"));
-  EXPECT_TRUE(has(error_message([&] { r.read_whole("zz"); }), "no tensor 'zz'"));
+  EXPECT_TRUE(has(error_of([&] { r.read("a", outside, {8, 0}); }), "tensor 'a' has shape [10, 6]"));
+  EXPECT_TRUE(has(error_of([&] { r.read_whole("zz"); }), "no tensor 'zz'"));
 }
 
 TEST(Checkpoint, IndexRefusesAMissingRankOrOverlappingSlices) {
   ScratchDir dir;
   ShardedFixture fx;
   fx.write(dir.path().string(), 3);
-  EXPECT_TRUE(has(error_message([&] { write_index(dir.path().string(), 4, {}); }), "rank 3 wrote no manifest"));
+  EXPECT_TRUE(has(error_of([&] { write_index(dir.path().string(), 4, {}); }), "rank 3 wrote no manifest"));
   // Rank 3 claims rows rank 2 already holds: overlap. Then a tensor with rows missing.
   write_rank_files(dir.path().string(), 3, {box_of("a", fx.a, 7, 10, 0, 6)}, {});
-  EXPECT_TRUE(has(error_message([&] { write_index(dir.path().string(), 4, {}); }), "tensor 'a': slices in"));
+  EXPECT_TRUE(has(error_of([&] { write_index(dir.path().string(), 4, {}); }), "tensor 'a': slices in"));
   write_rank_files(dir.path().string(), 3, {box_of("a", fx.a, 9, 10, 0, 6)}, {});
-  const std::string e = error_message([&] { write_index(dir.path().string(), 4, {}); });
+  const std::string e = error_of([&] { write_index(dir.path().string(), 4, {}); });
   EXPECT_TRUE(has(e, "tensor 'a': slices cover 54 of its 60 elements")) << e;
 }
 
@@ -324,12 +324,12 @@ TEST(Checkpointer, CorruptTruncatedAndMismatchedCheckpointsAreRefused) {
   }
   {
     CheckpointReader r(step.string());
-    const std::string e = error_message([&] { r.read_whole("lm_head.weight"); });
+    const std::string e = error_of([&] { r.read_whole("lm_head.weight"); });
     EXPECT_TRUE(has(e, "file model-r00000.safetensors is corrupt: XXH3")) << e;
   }
   // A truncated file: refused on open, naming the file and both sizes.
   fs::resize_file(model, fs::file_size(model) - 100);
-  const std::string e = error_message([&] { CheckpointReader r(step.string()); });
+  const std::string e = error_of([&] { CheckpointReader r(step.string()); });
   EXPECT_TRUE(has(e, "file model-r00000.safetensors has") && has(e, "the index says")) << e;
   // A model of another shape: the tensor and both shapes are named.
   ScratchDir dir2;
@@ -341,12 +341,12 @@ TEST(Checkpointer, CorruptTruncatedAndMismatchedCheckpointsAreRefused) {
   CheckpointReader r(Checkpointer::committed(dir2.path().string()).back().second);
   ParameterList other = t.params;
   other[0].value = Tensor::zeros({32, 8}, DType::F32);
-  const std::string m = error_message([&] { load_model_weights(r, other); });
+  const std::string m = error_of([&] { load_model_weights(r, other); });
   EXPECT_TRUE(has(m, "tensor 'model.embed_tokens.weight' has shape [16, 8], expected [32, 8]")) << m;
   other = t.params;
   other.push_back(other[1]);
   other.back().name = "model.extra.weight";
-  EXPECT_TRUE(has(error_message([&] { load_model_weights(r, other); }), "no tensor 'model.extra.weight'"));
+  EXPECT_TRUE(has(error_of([&] { load_model_weights(r, other); }), "no tensor 'model.extra.weight'"));
 }
 
 TEST(Checkpointer, ResumeNeverRefusesAFolderWithCheckpoints) {
@@ -358,13 +358,13 @@ TEST(Checkpointer, ResumeNeverRefusesAFolderWithCheckpoints) {
     Checkpointer ck(dir.path().string(), 0, false);
     ck.save(9, checkpoint_items(s.params, s.opt.get()), {{"step", 9}});
   }
-  EXPECT_TRUE(has(error_message([&] { resolve_resume(dir.path().string(), "never"); }), "already holds committed"));
+  EXPECT_TRUE(has(error_of([&] { resolve_resume(dir.path().string(), "never"); }), "already holds committed"));
   EXPECT_TRUE(has(resolve_resume(dir.path().string(), "auto"), "step-00000009"));
-  EXPECT_TRUE(has(error_message([&] { resolve_resume(dir.path().string(), dir / "nope"); }),
+  EXPECT_TRUE(has(error_of([&] { resolve_resume(dir.path().string(), dir / "nope"); }),
                   "is not a committed checkpoint directory"));
   // A committed step is never overwritten.
   Checkpointer ck(dir.path().string(), 0, false);
-  EXPECT_TRUE(has(error_message([&] { ck.save(9, checkpoint_items(s.params, s.opt.get()), {}); }),
+  EXPECT_TRUE(has(error_of([&] { ck.save(9, checkpoint_items(s.params, s.opt.get()), {}); }),
                   "already exists: a committed checkpoint is never overwritten"));
 }
 
@@ -468,8 +468,8 @@ TEST(HfConvert, RoundTripIsBitwiseAndTheModelLoadsEitherForm) {
       }
     }
     // Never over an existing folder.
-    EXPECT_TRUE(has(error_message([&] { import_hf(dir / "hf", dir / "mt"); }), "already exists"));
-    EXPECT_TRUE(has(error_message([&] { export_hf(dir / "mt", dir / "back", {}); }), "already exists"));
+    EXPECT_TRUE(has(error_of([&] { import_hf(dir / "hf", dir / "mt"); }), "already exists"));
+    EXPECT_TRUE(has(error_of([&] { export_hf(dir / "mt", dir / "back", {}); }), "already exists"));
   }
 }
 
@@ -495,11 +495,11 @@ TEST(HfConvert, AFolderLackingATensorNamesIt) {
   cfg.num_hidden_layers = 3;  // the model wants a layer the folder does not have
   Qwen3MoeModel m(cfg, DType::F32);
   CheckpointReader r(dir / "hf");
-  const std::string e = error_message([&] { load_model_weights(r, m.parameters()); });
+  const std::string e = error_of([&] { load_model_weights(r, m.parameters()); });
   EXPECT_TRUE(has(e, "no tensor 'model.layers.2.")) << e;
-  EXPECT_TRUE(has(error_message([&] { CheckpointReader bad(dir / "nothing"); }), "does not exist"));
+  EXPECT_TRUE(has(error_of([&] { CheckpointReader bad(dir / "nothing"); }), "does not exist"));
   fs::create_directories(dir.path() / "empty");
-  EXPECT_TRUE(has(error_message([&] { CheckpointReader bad(dir / "empty"); }),
+  EXPECT_TRUE(has(error_of([&] { CheckpointReader bad(dir / "empty"); }),
                   "neither a moetrain checkpoint (index.json) nor a Hugging Face model folder"));
 }
 

@@ -24,7 +24,7 @@ namespace moetrain {
 namespace {
 
 namespace fs = std::filesystem;
-using testing::error_message;
+using testing::error_of;
 using testing::random_tensor;
 using testing::ScratchDir;
 
@@ -121,8 +121,8 @@ TEST(CheckpointSharded, ElementRangesBecomeTheFewestContiguousBoxesInOrder) {
     }
   }
   EXPECT_GT(checked, 800);
-  EXPECT_TRUE(has(error_message([] { element_range_boxes({3, 4}, 5, 13); }), "[5, 13)"));
-  EXPECT_TRUE(has(error_message([] { element_range_boxes({3, 4}, 6, 5); }), "[6, 5)"));
+  EXPECT_TRUE(has(error_of([] { element_range_boxes({3, 4}, 5, 13); }), "[5, 13)"));
+  EXPECT_TRUE(has(error_of([] { element_range_boxes({3, 4}, 6, 5); }), "[6, 5)"));
 }
 
 // Flat pieces written by hand: the index refuses overlapping pieces and a rank's file that
@@ -146,14 +146,14 @@ TEST(CheckpointSharded, TheIndexChecksFlatPiecesAndTheRanksFiles) {
     EXPECT_EQ(r.info("w").slices.size(), 4u);  // [0, 7): a row, 2 of the next; [7, 20): 3 of a row, 2 rows
   }
   write_rank_files(d, 1, {piece(6, 20)}, {});  // claims element 6, which rank 0 holds
-  std::string e = error_message([&] { write_index(d, 2, {}); });
+  std::string e = error_of([&] { write_index(d, 2, {}); });
   EXPECT_TRUE(has(e, "tensor 'w': slices in") && has(e, "overlap")) << e;
   write_rank_files(d, 1, {piece(7, 20)}, {});
   fs::resize_file(dir.path() / "model-r00001.safetensors", 10);
-  e = error_message([&] { write_index(d, 2, {}); });
+  e = error_of([&] { write_index(d, 2, {}); });
   EXPECT_TRUE(has(e, "rank 1's file model-r00001.safetensors has 10 bytes, its manifest says")) << e;
   fs::remove(dir.path() / "model-r00001.safetensors");
-  e = error_message([&] { write_index(d, 2, {}); });
+  e = error_of([&] { write_index(d, 2, {}); });
   EXPECT_TRUE(has(e, "rank 1's manifest lists model-r00001.safetensors, which does not exist")) << e;
 }
 
@@ -354,9 +354,9 @@ TEST(CheckpointSharded, FourRanksSaveFlatShardsThatLoadWholeAndUnderAnotherShard
   }
   // A piece of a tensor of another shape is refused, naming both shapes.
   CheckpointItem wrong{"model.layers.0.mlp.gate.weight", Tensor::zeros({4}, DType::F32), {7}, 2};
-  const std::string e = error_message([&] { load_slices(reader, {wrong}); });
+  const std::string e = error_of([&] { load_slices(reader, {wrong}); });
   EXPECT_TRUE(has(e, "tensor 'model.layers.0.mlp.gate.weight' has shape [1, 1, 7], expected [7]")) << e;
-  EXPECT_TRUE(has(error_message([&] { load_slices(reader, {{"nope", Tensor::zeros({2}, DType::F32)}}); }),
+  EXPECT_TRUE(has(error_of([&] { load_slices(reader, {{"nope", Tensor::zeros({2}, DType::F32)}}); }),
                   "no tensor 'nope'"));
 }
 
@@ -392,7 +392,7 @@ TEST(CheckpointSharded, AMissingRankFailsTheCommitNamingItAndKeepsTheEarlierChec
   on_ranks(3, [&](int r) {
     Checkpointer ck(dir.path().string(), /*keep=*/1, /*async=*/r == 0, r, 4, std::chrono::seconds(1));
     ck.save(2, items_for(training_layout(r), ref), {{"step", 2}});
-    if (r == 0) err = error_message([&] { ck.wait(); });
+    if (r == 0) err = error_of([&] { ck.wait(); });
   });
   EXPECT_TRUE(has(err, "rank 3 (manifest-r00003.json)")) << err;
   EXPECT_TRUE(has(err, "not committed")) << err;

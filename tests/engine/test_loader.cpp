@@ -122,13 +122,13 @@ TEST(LoaderContract, SingleProcessStartsAreUnchanged) {
     for (int64_t r = 0; r < B; ++r) EXPECT_EQ(in[r * S], static_cast<int32_t>(rng.below(500 - S)));
   }
   EXPECT_EQ(loader.position(), nlohmann::json(rng.counter()));
-  const std::string e = moetrain::testing::error_message([&] { loader.set_position(nlohmann::json{{"epoch", 0}}); });
+  const std::string e = moetrain::testing::error_of([&] { loader.set_position(nlohmann::json{{"epoch", 0}}); });
   EXPECT_NE(e.find("not a position of the text loader"), std::string::npos) << e;
 }
 
 TEST(LoaderContract, BadRanksAreRefused) {
   const std::string e =
-      moetrain::testing::error_message([] { BatchLoader(iota_tokens(50), 2, 4, 0, BatchLoader::Mode::Random, 2, 2); });
+      moetrain::testing::error_of([] { BatchLoader(iota_tokens(50), 2, 4, 0, BatchLoader::Mode::Random, 2, 2); });
   EXPECT_NE(e.find("data rank 2 is not in [0, data_world = 2)"), std::string::npos) << e;
 }
 
