@@ -5,6 +5,7 @@
 
 #include "comm/comm_test_util.h"
 #include "engine/parallel/fsdp.h"
+#include "model_batches.h"
 #include "test_util.h"
 
 namespace moetrain {
@@ -25,23 +26,12 @@ Qwen3MoeConfig three_layers() {
   return c;
 }
 
-Batch small_batch(int32_t vocab) {
-  Batch b;
-  b.batch = 1;
-  b.seq = 6;
-  b.inputs = testing::random_ints({6}, 0, vocab, 5);
-  b.targets = testing::random_ints({6}, 0, vocab, 6);
-  b.positions = Tensor::from_vector<int32_t>({0, 1, 2, 3, 4, 5}, {6});
-  b.count_targets();
-  return b;
-}
-
 TEST(Fsdp, ShardedWeightsAreGatheredJustInTimeWithTheNextLayerPrefetched) {
   const Qwen3MoeConfig c = three_layers();
   Qwen3MoeModel whole(c, DType::F32);
   whole.init_weights(1);
   LocalDispatcher d;
-  const Batch b = small_batch(static_cast<int32_t>(c.vocab_size));
+  const Batch b = testing::random_batch(1, 6, static_cast<int32_t>(c.vocab_size), 5);
   const double expected = whole.forward_loss(b, d).ce_sum;
 
   testing::run_ranks(2, [&](Communicator& world) {

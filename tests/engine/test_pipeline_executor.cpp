@@ -11,6 +11,7 @@
 
 #include "comm/comm_test_util.h"
 #include "engine/pipeline/executor.h"
+#include "model_batches.h"
 #include "test_util.h"
 
 namespace moetrain {
@@ -36,18 +37,9 @@ Qwen3MoeConfig config(bool tied) {
   return c;
 }
 
+// Target 2 ignored: the loss counts only the others.
 Batch batch_of(int64_t rows, int64_t seq, int32_t vocab, uint64_t seed) {
-  Batch b;
-  b.batch = rows;
-  b.seq = seq;
-  b.inputs = testing::random_ints({rows * seq}, 0, vocab, seed);
-  b.targets = testing::random_ints({rows * seq}, 0, vocab, seed + 1);
-  b.targets.data<int32_t>()[2] = ops::kIgnoreIndex;
-  std::vector<int32_t> pos(rows * seq);
-  for (int64_t i = 0; i < rows * seq; ++i) pos[i] = static_cast<int32_t>(i % seq);
-  b.positions = Tensor::from_vector(pos, {rows * seq});
-  b.count_targets();
-  return b;
+  return testing::random_batch(rows, seq, vocab, seed, /*ignored=*/2);
 }
 
 void expect_schedule_matches_whole_model(const PipelineSchedule& s, bool tied, bool overlap = true) {

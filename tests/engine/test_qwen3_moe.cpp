@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "engine/models/qwen3_moe.h"
+#include "model_batches.h"
 #include "test_util.h"
 
 namespace moetrain {
@@ -30,22 +31,7 @@ Qwen3MoeConfig tiny_config() {
   return c;
 }
 
-Batch random_batch(int64_t batch, int64_t seq, int32_t vocab, uint64_t seed, bool ignore_some = false) {
-  Batch b;
-  b.batch = batch;
-  b.seq = seq;
-  b.inputs = testing::random_ints({batch * seq}, 0, vocab, seed);
-  b.targets = testing::random_ints({batch * seq}, 0, vocab, seed + 1);
-  std::vector<int32_t> pos(batch * seq);
-  for (int64_t i = 0; i < batch * seq; ++i) pos[i] = static_cast<int32_t>(i % seq);
-  b.positions = Tensor::from_vector(pos, {batch * seq});
-  b.num_targets = batch * seq;
-  if (ignore_some) {
-    b.targets.data<int32_t>()[1] = ops::kIgnoreIndex;
-    b.num_targets -= 1;
-  }
-  return b;
-}
+using testing::random_batch;
 
 double total_loss(Qwen3MoeModel& m, const Batch& b, ExpertDispatcher& d) {
   MicroBatchLoss l = m.forward_loss(b, d);
@@ -57,7 +43,7 @@ void check_model_gradients(const Qwen3MoeConfig& cfg, const char* label) {
   Qwen3MoeModel model(cfg, DType::F64);
   model.init_weights(7);
   LocalDispatcher d;
-  Batch b = random_batch(2, 5, static_cast<int32_t>(cfg.vocab_size), 11, true);
+  Batch b = random_batch(2, 5, static_cast<int32_t>(cfg.vocab_size), 11, /*ignored=*/1);
   zero_grads(model.parameters());
   model.forward_backward(b, d, 1.0 / static_cast<double>(b.num_targets), 1.0);
 
