@@ -77,7 +77,7 @@ FsdpContext::FsdpContext(Qwen3MoeModel& model, Communicator& dense_group, Commun
   if (shard_weights_) {
     for (Shard& sh : shards_) {
       release(sh);
-      if (units_.empty() || units_.back() != sh.bucket->layer) units_.push_back(sh.bucket->layer);
+      units_.push_back(sh.bucket->layer);
     }
     std::sort(units_.begin(), units_.end());
     units_.erase(std::unique(units_.begin(), units_.end()), units_.end());
