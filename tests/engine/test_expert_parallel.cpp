@@ -181,6 +181,15 @@ struct RankRun {
 
 // Two layers per rank, interleaved as a forward then a backward pass would run them, so
 // one dispatcher serves several states at once.
+void run_two_layers(RankRun& a, RankRun& b, ExpertDispatcher& d) {
+  a.dispatch(d);
+  b.dispatch(d);
+  a.check_dispatch();
+  b.check_dispatch();
+  b.combine_and_backward(d);
+  a.combine_and_backward(d);
+}
+
 void run_case(const Case& c, AllToAllOptions options = {}) {
   const Layer L0 = make_layer(c, 1), L1 = make_layer(c, 2);
   run_ranks(c.ep, [&](Communicator& comm) {
@@ -188,12 +197,7 @@ void run_case(const Case& c, AllToAllOptions options = {}) {
     EXPECT_EQ(d.num_local_experts(c.experts), c.experts / c.ep);
     EXPECT_EQ(d.first_local_expert(c.experts), comm.rank() * (c.experts / c.ep));
     RankRun a{L0, comm.rank(), c.ep, Device::cpu()}, b{L1, comm.rank(), c.ep, Device::cpu()};
-    a.dispatch(d);
-    b.dispatch(d);
-    a.check_dispatch();
-    b.check_dispatch();
-    b.combine_and_backward(d);
-    a.combine_and_backward(d);
+    run_two_layers(a, b, d);
   });
 }
 
@@ -297,12 +301,7 @@ void run_case_nccl(const Case& c, bool defer, DType dtype) {
         o.defer_wait = defer;
         AllToAllDispatcher d(*comm, o);
         RankRun a{L0, r, 2, Device::cuda(r)}, b{L1, r, 2, Device::cuda(r)};
-        a.dispatch(d);
-        b.dispatch(d);
-        a.check_dispatch();
-        b.check_dispatch();
-        b.combine_and_backward(d);
-        a.combine_and_backward(d);
+        run_two_layers(a, b, d);
         // bf16 rows: the copies are exact, so the rows equal the f32 reference rounded.
         DispatchState st;
         DispatchOut out = d.dispatch(L0.x[r].to(dtype).to(Device::cuda(r)), L0.topk[r].to(Device::cuda(r)), c.experts, st);
