@@ -202,6 +202,17 @@ TEST(BackendAttention, GqaHeadLoopInBlock) {
   run_case({10, 100, 64, 16, 128}, 1102);
 }
 
+// Shapes that take the Hopper (TMA + wgmma) backward on an sm_90 GPU: head_dim 128 and seq
+// a multiple of 128; GQA groups of 8, 1 and 16, several query tiles below each key tile,
+// and both segment patterns.
+TEST(BackendAttention, HopperBackwardShapes) {
+  MT_REQUIRE_GPU();
+  run_case({2, 384, 8, 1, 128, Segments::kInterleaved}, 1201);
+  run_case({2, 512, 16, 2, 128}, 1202);
+  run_case({1, 256, 4, 4, 128, Segments::kDocuments}, 1203);
+  run_case({1, 640, 16, 1, 128}, 1204);
+}
+
 TEST(BackendAttention, RealisticShape) {
   MT_REQUIRE_GPU();
   run_case({1, 2048, 32, 4, 128}, 1001);

@@ -867,18 +867,26 @@ void dkdv_tiled(const Params& p, cudaStream_t s) {
 
 constexpr int kDkdvWarps = 4;  // keys per dK/dV block: kDkdvWarps * 16
 
+void dkdv_reduce(const Params& p, cudaStream_t s) {
+  const int64_t n2 = static_cast<int64_t>(p.batch) * p.seq * p.kv_stride / 2;
+  const int64_t blocks = std::min<int64_t>((n2 + 255) / 256, 65536);
+  attention_bwd_dkdv_reduce_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(p);
+}
+
 template <int D>
-void backward(const Params& p, cudaStream_t s) {
+void backward(const Params& p, const AttentionDims& d, cudaStream_t s) {
   const int64_t rows = static_cast<int64_t>(p.batch) * p.seq * p.q_heads;
   attention_bwd_delta_kernel<D>
       <<<static_cast<unsigned>((rows + kDeltaWarps - 1) / kDeltaWarps), kDeltaWarps * 32, 0, s>>>(p);
+  if (attention_hopper_applies(d, p.seg) &&
+      launch_attention_backward_hopper(p.dout, p.q, p.k, p.v, p.seg, p.delta, p.lse2, p.dk_part, p.dv_part, p.splits,
+                                       p.dq, p.dk, p.dv, d, s)) {
+    if (p.splits > 1) dkdv_reduce(p, s);
+    return;
+  }
 
   dkdv_tiled<D, 32, kDkdvWarps, 2, 3>(p, s);
-  if (p.splits > 1) {
-    const int64_t n2 = static_cast<int64_t>(p.batch) * p.seq * p.kv_stride / 2;
-    const int64_t blocks = std::min<int64_t>((n2 + 255) / 256, 65536);
-    attention_bwd_dkdv_reduce_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(p);
-  }
+  if (p.splits > 1) dkdv_reduce(p, s);
 
   dq_tiled<D, 1, 64, 4, 2, 2>(p, s);
 }
@@ -886,11 +894,13 @@ void backward(const Params& p, cudaStream_t s) {
 }  // namespace
 
 int attention_dkdv_splits(const AttentionDims& d, int num_sms) {
+  const bool hopper = attention_hopper_applies(d, nullptr);
   const int group = d.q_heads / d.kv_heads;
-  constexpr int bc = kDkdvWarps * 16;
+  const int bc = hopper ? attention_backward_hopper_key_tile() : kDkdvWarps * 16;
+  const int64_t target = (hopper ? 1 : 3) * static_cast<int64_t>(num_sms);
   const int64_t blocks = static_cast<int64_t>((d.seq + bc - 1) / bc) * d.kv_heads * d.batch;
   int splits = 1;
-  while (group % (2 * splits) == 0 && blocks * splits < 3 * static_cast<int64_t>(num_sms)) splits *= 2;
+  while (group % (2 * splits) == 0 && blocks * splits < target) splits *= 2;
   return splits;
 }
 
@@ -905,6 +915,7 @@ void launch_attention_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, co
   p.seg = seg;
   p.o = out;
   p.lse_out = lse;
+  if (attention_hopper_applies(d, seg) && launch_attention_forward_hopper(q, k, v, seg, out, lse, d, s)) return;
   switch (d.head_dim) {
     case 32: forward<32>(p, s); break;
     case 64: forward<64>(p, s); break;
@@ -936,9 +947,9 @@ void launch_attention_backward(const __nv_bfloat16* dout, const __nv_bfloat16* q
   p.dk = dk;
   p.dv = dv;
   switch (d.head_dim) {
-    case 32: backward<32>(p, s); break;
-    case 64: backward<64>(p, s); break;
-    case 128: backward<128>(p, s); break;
+    case 32: backward<32>(p, d, s); break;
+    case 64: backward<64>(p, d, s); break;
+    case 128: backward<128>(p, d, s); break;
     default: break;
   }
 }

@@ -24,7 +24,8 @@ void launch_attention_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, co
 
 // How many blocks share the query heads of one (batch, kv head, key tile) in the dK/dV
 // pass: a power of two dividing Hq/Hkv, raised until the pass has about 3 blocks per
-// multiprocessor (B=1, S=2048, Hkv=4 has only 128 key-tile blocks otherwise). With
+// multiprocessor (B=1, S=2048, Hkv=4 has only 128 key-tile blocks otherwise); for the
+// Hopper passes (one block per multiprocessor), until there is one block per multiprocessor. With
 // splits > 1 the backward needs a workspace of 2 * splits * B*S * Hkv*D floats.
 int attention_dkdv_splits(const AttentionDims& d, int num_sms);
 
@@ -38,5 +39,21 @@ void launch_attention_backward(const __nv_bfloat16* dout, const __nv_bfloat16* q
                                const float* lse, float* workspace, float* dkdv_partial, int split_count,
                                __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttentionDims& d,
                                cudaStream_t s);
+
+// The Hopper (sm_90a, TMA + wgmma) forward, dK/dV and dQ kernels (attention_hopper.cu):
+// used by the launchers above when they apply (head_dim 128, seq a multiple of 128, seg null
+// or 16-byte aligned, an sm_90 GPU, MOETRAIN_ATTENTION_MMA_SYNC unset or 0). Their dK/dV
+// blocks cover attention_backward_hopper_key_tile() keys, which attention_dkdv_splits counts
+// in. The launchers return false, launching nothing, when the driver refuses a tensor map.
+bool attention_hopper_applies(const AttentionDims& d, const int32_t* seg);
+bool launch_attention_forward_hopper(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                                     const int32_t* seg, __nv_bfloat16* out, float* lse, const AttentionDims& d,
+                                     cudaStream_t s);
+int attention_backward_hopper_key_tile();
+bool launch_attention_backward_hopper(const __nv_bfloat16* dout, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                                      const __nv_bfloat16* v, const int32_t* seg, const float* delta,
+                                      const float* lse2, float* dk_part, float* dv_part, int splits,
+                                      __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttentionDims& d,
+                                      cudaStream_t s);
 
 }  // namespace moetrain::ops::cuda

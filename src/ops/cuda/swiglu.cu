@@ -44,14 +44,13 @@
 // The gate/up launch puts 64 gate rows and the same 64 up rows of the weights in one B
 // tile, and lays the warps out so that each thread holds g and u of the same elements:
 // silu(g) * u is computed from the f32 accumulators.
-#include <cuda.h>  // CUtensorMap (types only: the encoder is fetched from the driver at run time)
 #include <cuda_bf16.h>
 
-#include <cstdlib>
-
+#include "ops/cuda/hopper.cuh"
 #include "ops/cuda/kernels.cuh"
 #include "ops/cuda/moe_device.cuh"
 #include "ops/cuda/swiglu_launch.h"
+#include "ops/cuda/tensor_map.h"
 
 namespace moetrain::ops::cuda {
 namespace {
@@ -386,11 +385,6 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgrad_kernel(const WgradA
 // added into dW by a TMA reduce-add copy rather than by thread loads and stores.
 namespace hopper {
 
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define MT_SWIGLU_SM90A 1
-#else
-#define MT_SWIGLU_SM90A 0
-#endif
 
 // S (a template parameter below): pipeline stages. 3 = two blocks of 96 KB per SM; 6 stages
 // at one block per SM measured ~12% slower (no overlap of epilogues with main loops).
@@ -406,87 +400,8 @@ struct Maps {
   CUtensorMap c[2];  // wgrad: the f32 gradient [E, M, Nc] of each problem (box 32 x 128)
 };
 
-#if MT_SWIGLU_SM90A
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(smem_u32(bar)), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::
-          "r"(smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
-                                            int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
-      "[%2];\n" ::"r"(smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-}
-
-// Shared-memory matrix descriptor of a 128-byte-swizzled operand (tiles 1024-byte aligned).
-// sbo: bytes between groups of 8 rows (K-major) or 8 k (MN-major): 1024 here. lbo: MN-major
-// only, bytes between the 64-element column blocks along MN (ignored for K-major).
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
-         (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Keeps the compiler from moving accumulator reads or writes across a wgmma fence/wait.
-__device__ __forceinline__ void pin(float (&d)[64]) {
-#pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// D[64 x 128] += A[64 x 16] B[16 x 128], both from shared memory (descriptors); kTransA /
-// kTransB: the operand is MN-major in shared memory (K-major otherwise).
-template <int kTransA, int kTransB>
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
-  asm volatile(
-      "{\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, 1, 1, 1, %66, %67;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "n"(kTransA), "n"(kTransB));
-}
+#if MT_SM90A
+using namespace sm90;
 
 // The main loop shared by both kernels. Thread 0 issues the copies (issue(kt, stage bytes,
 // full barrier)); every thread waits for a stage's copies on full[s], the two warpgroups run
@@ -549,7 +464,7 @@ __device__ __forceinline__ char* setup_smem(char* raw, uint64_t*& full, uint64_t
   __syncthreads();
   return smem;
 }
-#endif  // MT_SWIGLU_SM90A
+#endif  // MT_SM90A
 
 // Row-grouped GEMM, as grouped_rows_gemm_kernel. Operand maps: a[src] over the rows [N, K_src]
 // (box 64 k x 128 rows); b[src] over the weights [E, n, k] (K-major, box 64 x 128, or for
@@ -558,7 +473,7 @@ __device__ __forceinline__ char* setup_smem(char* raw, uint64_t*& full, uint64_t
 template <int S, bool kBKMajor, int kEpi>
 __global__ void __launch_bounds__(kThreads, S <= 3 ? 2 : 1)
     rows_kernel(const __grid_constant__ Maps maps, const RowsArgs args, int ktiles_src, int nsrc) {
-#if MT_SWIGLU_SM90A
+#if MT_SM90A
   constexpr bool kGateUp = kEpi == kEpiGateUp;
   const int e = args.tile_expert[blockIdx.y];
   if (e < 0) return;
@@ -652,7 +567,7 @@ __global__ void __launch_bounds__(kThreads, S <= 3 ? 2 : 1)
 template <int S, int kProblems>
 __global__ void __launch_bounds__(kThreads, S <= 3 ? 2 : 1)
     wgrad_kernel(const __grid_constant__ Maps maps, const WgradArgs args) {
-#if MT_SWIGLU_SM90A
+#if MT_SM90A
   const int e = blockIdx.z / kProblems, prob = blockIdx.z % kProblems;
   const int r0 = args.offsets[e], r1 = args.offsets[e + 1];
   if (r1 <= r0 && args.accumulate) return;  // nothing to add (an overwrite still stores zeros)
@@ -827,60 +742,11 @@ void launch_wgrad(const WgradArgs& args, int E, cudaStream_t stream) {
 }
 
 // ---- Hopper host side: tensor maps and dispatch ------------------------------------------
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+bool use_hopper() { return hopper_kernels_usable("MOETRAIN_SWIGLU_MMA_SYNC"); }
 
-// cuTensorMapEncodeTiled from the driver, found at run time (no link against libcuda).
-EncodeTiledFn encode_tiled() {
-  static const EncodeTiledFn fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      return static_cast<EncodeTiledFn>(nullptr);
-    }
-    return reinterpret_cast<EncodeTiledFn>(p);
-  }();
-  return fn;
-}
-
-// The Hopper kernels exist as sm_90a code only; other GPUs (and MOETRAIN_SWIGLU_MMA_SYNC=1,
-// to compare the two paths or rule the Hopper one out) take the mma.sync kernels.
-bool use_hopper() {
-  static const bool forced_off = [] {
-    const char* v = std::getenv("MOETRAIN_SWIGLU_MMA_SYNC");
-    return v != nullptr && *v != '\0' && *v != '0';
-  }();
-  if (forced_off || encode_tiled() == nullptr) return false;
-  int dev = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return major == 9 && minor == 0;
-}
-
-// Map of a contiguous bf16 tensor, dims innermost first, 128-byte swizzled boxes (box[0] is
-// 64 elements = 128 bytes), zero fill outside. False when the driver refuses it.
 bool make_map(CUtensorMap* map, const void* base, std::initializer_list<uint64_t> dims,
               std::initializer_list<uint32_t> box, bool f32 = false) {
-  cuuint64_t gdim[3], gstride[2];
-  cuuint32_t bdim[3], estride[3] = {1, 1, 1};
-  const int rank = static_cast<int>(dims.size());
-  uint64_t stride = f32 ? sizeof(float) : sizeof(bf16);
-  for (int i = 0; i < rank; ++i) {
-    gdim[i] = dims.begin()[i];
-    bdim[i] = box.begin()[i];
-    if (i > 0) gstride[i - 1] = stride;
-    stride *= gdim[i];
-  }
-  return encode_tiled()(map, f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), gdim, gstride, bdim,
-                        estride, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  return make_tensor_map(map, base, dims, box, f32);
 }
 
 template <typename Kernel>

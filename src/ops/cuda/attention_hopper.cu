@@ -1,0 +1,670 @@
+// Attention backward on Hopper (sm_90a): the dK/dV and dQ passes of attention.cu's
+// backward, with TMA copies and warpgroup MMAs (wgmma) instead of cp.async + mma.sync.
+// Same math, same order of reduction per output element (deterministic, no atomics), same
+// delta / lse2 inputs; taken for head_dim 128 and seq a multiple of 128 on sm_90.
+//
+// Floor and expectation (bench shape B=2, S=4096, Hq=32, Hkv=4, D=128, causal; H100 SXM):
+// the backward counts 2.5 x the forward's 4*B*Hq*S^2*D/2 = 275 GFLOP, 687 GFLOP, and does
+// 7/5 of that (the dQ pass recomputes S and dP): 962 GFLOP of MMAs, 0.97 ms at 989 TFLOP/s.
+// The mma.sync kernels take 4.35 ms (158 counted TFLOP/s). wgmma at ~60% of peak in both
+// passes would take ~1.6 ms (~430 counted TFLOP/s): ~2.7 ms a layer, ~11 ms a bench step.
+//
+// dK/dV: one block per (key tile of 128 keys, kv head, batch, split), key tile 0 (the most
+// work) first; with splits > 1 (too few blocks to fill the GPU) each block takes group /
+// splits of the query heads and writes f32 partial sums that attention.cu's reduce kernel
+// adds in split order. Two warpgroups own 64 keys each; K and V (128 x 128) stay in shared memory. The
+// block walks the kv group's query heads and every query tile of 64 rows at or below the
+// diagonal; Q, dO (64 x 128 each), lse2, delta (and the segment ids) of iteration i + 2 are
+// copied by TMA into a 3-stage ring while iteration i computes. Per iteration a warpgroup
+// computes S^T = K Q^T and dP^T = V dO^T (m64n64, both operands in shared memory), then
+// P^T = exp2(S^T scale log2e - lse2) (masked), dS^T = P^T (dP^T - delta), and accumulates
+// dV += P^T dO and dK += dS^T Q with P^T and dS^T as register A operands (the accumulator
+// layout of S^T is the A fragment layout) and dO, Q read MN-major from the same tiles.
+//
+// dQ: one block per (query tile of 128 rows, query head, batch), the last tiles first. Q and
+// dO stay in shared memory; key/value tiles of 64 rows 0..diagonal stream through a 3-stage
+// ring. S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K (K read MN-major).
+//
+// Shared-memory tiles are TMA boxes of 64 columns (128 bytes, the 128-byte swizzle), so a
+// [rows][128] tile is two boxes: columns 0..63 then 64..127.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "ops/cuda/attention_launch.h"
+#include "ops/cuda/hopper.cuh"
+#include "ops/cuda/tensor_map.h"
+
+namespace moetrain::ops::cuda {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kD = 128;
+constexpr int kThreads = 256;  // two consumer warpgroups
+constexpr int kStages = 3;
+
+// dK/dV pass: 128 keys a block, 64 queries an iteration.
+constexpr int kKvKeys = 128, kKvRows = 64;
+constexpr int kKvTile = kKvKeys * kD * 2;               // K or V: 32 KB (two [128][64] boxes)
+constexpr int kKvQTile = kKvRows * kD * 2;              // Q or dO: 16 KB (two [64][64] boxes)
+constexpr int kKvStage = 2 * kKvQTile + 1024;           // + lse2, delta, segment ids (256 B each)
+constexpr int kKvSmem = 2 * kKvTile + kStages * kKvStage + 1024 + 256;
+
+// dQ pass: 128 query rows a block, 64 keys an iteration.
+constexpr int kQRows = 128, kQKeys = 64;
+constexpr int kQTile = kQRows * kD * 2;                 // Q or dO: 32 KB
+constexpr int kQKvTile = kQKeys * kD * 2;               // K or V: 16 KB
+constexpr int kQStage = 2 * kQKvTile + 1024;            // + segment ids
+constexpr int kQSmem = 2 * kQTile + kStages * kQStage + 1024 + 256;
+
+// Forward: 128 query rows a block, 128 keys an iteration.
+constexpr int kFRows = 128, kFKeys = 128;
+constexpr int kFQTile = kFRows * kD * 2;                // Q: 32 KB
+constexpr int kFKvTile = kFKeys * kD * 2;               // K or V: 32 KB
+constexpr int kFStages = 2;
+constexpr int kFStage = 2 * kFKvTile + 1024;            // + key segment ids (512 B)
+constexpr int kFSmem = kFQTile + kFStages * kFStage + 1024 + 256;
+
+struct Maps {
+  CUtensorMap q_rows64, do_rows64, k_rows128, v_rows128;  // dK/dV pass
+  CUtensorMap q_rows128, do_rows128, k_rows64, v_rows64;  // dQ pass
+};
+
+struct Args {
+  const float* lse2;   // [B, Hq, S] lse * log2(e)
+  const float* delta;  // [B, Hq, S]
+  const int32_t* seg;  // [B*S] or null
+  bf16* o;          // forward: out [B*S, Hq*D]
+  float* lse_out;   // forward: lse [B, Hq, S]
+  bf16* dq;
+  bf16* dk;
+  bf16* dv;
+  float* dk_part;  // splits > 1: f32 partial sums [splits][B*S, Hkv*D], dK without the scale
+  float* dv_part;
+  int batch, seq, q_heads, kv_heads, group;
+  int splits;  // dK/dV blocks sharing one (key tile, kv head), group / splits query heads each
+  int64_t q_stride, kv_stride;
+  float scale, scale_log2;
+};
+
+#if MT_SM90A
+using namespace sm90;
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The four A-operand registers of k chunk kc (16 columns) from an m64nN accumulator.
+template <int N>
+__device__ __forceinline__ void a_fragment(uint32_t (&a)[4], const float (&c)[N], int kc) {
+  a[0] = pack_bf16(c[8 * kc + 0], c[8 * kc + 1]);
+  a[1] = pack_bf16(c[8 * kc + 2], c[8 * kc + 3]);
+  a[2] = pack_bf16(c[8 * kc + 4], c[8 * kc + 5]);
+  a[3] = pack_bf16(c[8 * kc + 6], c[8 * kc + 7]);
+}
+
+// c[64 x 64] += A[64 x 128] B[64 x 128]^T, both K-major [rows][128] as two boxes; a_rows /
+// b_rows: rows per box (the byte distance between the two boxes is rows * 128).
+__device__ __forceinline__ void mma_rows_by_rows(float (&c)[32], uint32_t a, int a_rows, uint32_t b, int b_rows) {
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    const uint32_t half = kk >> 2, off = (kk & 3) * 32;
+    wgmma_m64n64k16<0, 0>(c, sw128_desc(a + half * a_rows * 128 + off, 16, 1024),
+                          sw128_desc(b + half * b_rows * 128 + off, 16, 1024));
+  }
+}
+
+// The A fragments of P[64 x 64] (registers, an m64n64 accumulator), built before the
+// wgmma fence that must separate register writes from the MMAs reading them.
+__device__ __forceinline__ void a_fragments(uint32_t (&a)[4][4], const float (&p)[32]) {
+#pragma unroll
+  for (int kc = 0; kc < 4; ++kc) a_fragment(a[kc], p, kc);
+}
+
+// acc[64 x 128] += P[64 x 64] B[64 x 128], P as A fragments, B the first 64 rows of a
+// [rows][128] tile read MN-major (two boxes of b_rows rows).
+__device__ __forceinline__ void mma_regs_by_cols(float (&acc)[64], const uint32_t (&a)[4][4], uint32_t b, int b_rows) {
+#pragma unroll
+  for (int kc = 0; kc < 4; ++kc) wgmma_m64n128k16_rs<1>(acc, a[kc], sw128_desc(b + kc * 2048, b_rows * 128, 1024));
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float (&c)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) c[i] = 0.f;
+  pin(c);
+}
+
+template <int kStages>
+__device__ __forceinline__ void init_barriers(uint64_t* full, uint64_t* empty, uint64_t* once) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kThreads / 32);
+    }
+    mbar_init(once, 1);
+    mbar_fence_init();
+  }
+  __syncthreads();
+}
+
+// Every warp has finished with the stage of iteration it; thread 0 then refills the stage
+// of iteration it - 1 (by now finished by both warpgroups, or nearly) with it - 1 + kStages.
+template <int kStages, typename Issue>
+__device__ __forceinline__ void release_and_refill(int it, int n_it, uint64_t* full, uint64_t* empty,
+                                                   const Issue& issue) {
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[it % kStages]);
+  const int prev = it - 1, next = it - 1 + kStages;
+  if (threadIdx.x == 0 && prev >= 0 && next < n_it) {
+    const int s = prev % kStages;
+    mbar_wait(&empty[s], (prev / kStages) & 1);
+    issue(next, s);
+  }
+}
+#endif  // MT_SM90A
+
+// Forward: one block per (query tile of 128 rows, query head, batch), the last tiles first.
+// Q stays in shared memory; key/value tiles of 128 rows 0..diagonal stream through a
+// 2-stage ring. Per iteration a warpgroup computes S = Q K^T (m64n128), the online softmax
+// in the exp2 domain (running max m and sum l per row, as attention.cu's forward), and
+// O += P V with P as register A operands and V read MN-major.
+__global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const __grid_constant__ Maps maps, const Args a) {
+#if MT_SM90A
+  const int bh = a.batch * a.q_heads, n_qt = a.seq / kFRows;
+  const int qt = n_qt - 1 - static_cast<int>(blockIdx.x / bh);
+  const int b = (blockIdx.x % bh) / a.q_heads, h = blockIdx.x % a.q_heads, kvh = h / a.group;
+  const int q0 = qt * kFRows;
+  const int tok0 = b * a.seq;
+  extern __shared__ char smem_raw[];
+  char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  char* sQ = smem;
+  char* stages = smem + kFQTile;
+  uint64_t* full = reinterpret_cast<uint64_t*>(stages + kFStages * kFStage);
+  uint64_t* empty = full + kFStages;
+  uint64_t* q_bar = empty + kFStages;
+  init_barriers<kFStages>(full, empty, q_bar);
+
+  const int n_it = q0 / kFKeys + 1;  // key tiles 0 .. the diagonal
+  auto issue = [&](int it, int s) {
+    const int kr = it * kFKeys;
+    char* st = stages + s * kFStage;
+    uint64_t* bar = &full[s];
+    mbar_arrive_expect_tx(bar, 2 * kFKvTile + (a.seg != nullptr ? 512 : 0));
+    for (int half = 0; half < 2; ++half) {
+      tma_load_2d(st + half * (kFKvTile / 2), &maps.k_rows128, bar, kvh * kD + half * 64, tok0 + kr);
+      tma_load_2d(st + kFKvTile + half * (kFKvTile / 2), &maps.v_rows128, bar, kvh * kD + half * 64, tok0 + kr);
+    }
+    if (a.seg != nullptr) bulk_load(st + 2 * kFKvTile, a.seg + tok0 + kr, 512, bar);
+  };
+  const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, w = (tid >> 5) & 3;
+  const int g = lane >> 2, t = lane & 3;
+  if (tid == 0) {
+    mbar_arrive_expect_tx(q_bar, kFQTile);
+    for (int half = 0; half < 2; ++half) {
+      tma_load_2d(sQ + half * (kFQTile / 2), &maps.q_rows128, q_bar, h * kD + half * 64, tok0 + q0);
+    }
+    for (int s = 0; s < kFStages && s < n_it; ++s) issue(s, s);
+  }
+  const int qw0 = q0 + wg * 64;  // this warpgroup's first row
+  int row[2], seg_q[2] = {0, 0};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    row[i] = qw0 + 16 * w + g + 8 * i;
+    if (a.seg != nullptr) seg_q[i] = a.seg[tok0 + row[i]];
+  }
+  float o[64];
+  zero(o);
+  const uint32_t q_addr = smem_u32(sQ) + wg * 64 * 128;
+  mbar_wait(q_bar, 0);
+
+  for (int it = 0; it < n_it; ++it) {
+    const int s = it % kFStages;
+    mbar_wait(&full[s], (it / kFStages) & 1);
+    const int kr = it * kFKeys;
+    if (kr <= qw0 + 63) {  // else every key of the tile follows every row here
+      char* st = stages + s * kFStage;
+      const uint32_t k_addr = smem_u32(st), v_addr = smem_u32(st + kFKvTile);
+      const int32_t* s_seg = reinterpret_cast<const int32_t*>(st + 2 * kFKvTile);
+      float sc[64];
+      zero(sc);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {  // S = Q K^T
+        const uint32_t half = kk >> 2, off = (kk & 3) * 32;
+        wgmma_m64n128k16<0, 0>(sc, sw128_desc(q_addr + half * kFRows * 128 + off, 16, 1024),
+                               sw128_desc(k_addr + half * kFKeys * 128 + off, 16, 1024));
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      pin(sc);
+      if (a.seg != nullptr || kr + kFKeys - 1 > qw0) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int col = 8 * j + 2 * t + c;
+#pragma unroll
+            for (int i2 = 0; i2 < 2; ++i2) {
+              if (kr + col > row[i2] || (a.seg != nullptr && s_seg[col] != seg_q[i2])) sc[4 * j + 2 * i2 + c] = -INFINITY;
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int i2 = 0; i2 < 2; ++i2) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * i2], sc[4 * j + 2 * i2 + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[i2], mx * a.scale_log2);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet
+        const float alpha = ex2(m[i2] - m_use);
+        m[i2] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int i = 4 * j + 2 * i2 + c;
+            sc[i] = ex2(fmaf(sc[i], a.scale_log2, -m_use));
+            sum += sc[i];
+          }
+          o[4 * j + 2 * i2] *= alpha;
+          o[4 * j + 2 * i2 + 1] *= alpha;
+        }
+        l[i2] = l[i2] * alpha + sum;  // this lane's share of the row sum; the quad adds up at the end
+      }
+      uint32_t ap[8][4];
+#pragma unroll
+      for (int kc = 0; kc < 8; ++kc) a_fragment(ap[kc], sc, kc);
+      pin(o);
+      wgmma_fence();
+#pragma unroll
+      for (int kc = 0; kc < 8; ++kc) {  // O += P V
+        wgmma_m64n128k16_rs<1>(o, ap[kc], sw128_desc(v_addr + kc * 2048, kFKeys * 128, 1024));
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      pin(o);
+    }
+    release_and_refill<kFStages>(it, n_it, full, empty, issue);
+  }
+
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    float lt = l[i2];
+    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+    const float inv = 1.f / lt;
+    bf16* out = a.o + static_cast<int64_t>(tok0 + row[i2]) * a.q_stride + static_cast<int64_t>(h) * kD + 2 * t;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      *reinterpret_cast<uint32_t*>(out + 8 * j) = pack_bf16(o[4 * j + 2 * i2] * inv, o[4 * j + 2 * i2 + 1] * inv);
+    }
+    if (t == 0) {
+      a.lse_out[(static_cast<int64_t>(b) * a.q_heads + h) * a.seq + row[i2]] = (m[i2] + log2f(lt)) * 0.6931471805599453f;
+    }
+  }
+#endif
+}
+
+__global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant__ Maps maps, const Args a) {
+#if MT_SM90A
+  const int per_tile = a.batch * a.kv_heads * a.splits;
+  const int kt = blockIdx.x / per_tile, rest = blockIdx.x % per_tile;
+  const int split = rest % a.splits, kvh = (rest / a.splits) % a.kv_heads, b = rest / (a.splits * a.kv_heads);
+  const int heads = a.group / a.splits, h_first = kvh * a.group + split * heads;
+  const int k0 = kt * kKvKeys;
+  const int tok0 = b * a.seq;
+  extern __shared__ char smem_raw[];
+  char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  char* sK = smem;
+  char* sV = smem + kKvTile;
+  char* stages = smem + 2 * kKvTile;
+  uint64_t* full = reinterpret_cast<uint64_t*>(stages + kStages * kKvStage);
+  uint64_t* empty = full + kStages;
+  uint64_t* kv_bar = empty + kStages;
+  init_barriers<kStages>(full, empty, kv_bar);
+
+  const int qt_first = k0 / kKvRows, n_qt = a.seq / kKvRows - qt_first;
+  const int n_it = heads * n_qt;
+  auto issue = [&](int it, int s) {
+    const int h = h_first + it / n_qt, q0 = (qt_first + it % n_qt) * kKvRows;
+    char* st = stages + s * kKvStage;
+    uint64_t* bar = &full[s];
+    const int64_t row = (static_cast<int64_t>(b) * a.q_heads + h) * a.seq + q0;
+    mbar_arrive_expect_tx(bar, 2 * kKvQTile + 512 + (a.seg != nullptr ? 256 : 0));
+    tma_load_2d(st, &maps.q_rows64, bar, h * kD, tok0 + q0);
+    tma_load_2d(st + kKvQTile / 2, &maps.q_rows64, bar, h * kD + 64, tok0 + q0);
+    tma_load_2d(st + kKvQTile, &maps.do_rows64, bar, h * kD, tok0 + q0);
+    tma_load_2d(st + kKvQTile * 3 / 2, &maps.do_rows64, bar, h * kD + 64, tok0 + q0);
+    bulk_load(st + 2 * kKvQTile, a.lse2 + row, 256, bar);
+    bulk_load(st + 2 * kKvQTile + 256, a.delta + row, 256, bar);
+    if (a.seg != nullptr) bulk_load(st + 2 * kKvQTile + 512, a.seg + tok0 + q0, 256, bar);
+  };
+  const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, w = (tid >> 5) & 3;
+  const int g = lane >> 2, t = lane & 3;
+  if (tid == 0) {
+    mbar_arrive_expect_tx(kv_bar, 2 * kKvTile);
+    for (int half = 0; half < 2; ++half) {
+      tma_load_2d(sK + half * (kKvTile / 2), &maps.k_rows128, kv_bar, kvh * kD + half * 64, tok0 + k0);
+      tma_load_2d(sV + half * (kKvTile / 2), &maps.v_rows128, kv_bar, kvh * kD + half * 64, tok0 + k0);
+    }
+    for (int s = 0; s < kStages && s < n_it; ++s) issue(s, s);
+  }
+  const int kw0 = k0 + wg * 64;  // this warpgroup's first key
+  int key[2], seg_k[2] = {0, 0};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    key[h] = kw0 + 16 * w + g + 8 * h;
+    if (a.seg != nullptr) seg_k[h] = a.seg[tok0 + key[h]];
+  }
+  float dk[64], dv[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) dk[i] = dv[i] = 0.f;
+  const uint32_t k_addr = smem_u32(sK) + wg * 64 * 128, v_addr = smem_u32(sV) + wg * 64 * 128;
+  mbar_wait(kv_bar, 0);
+
+  for (int it = 0; it < n_it; ++it) {
+    const int s = it % kStages;
+    mbar_wait(&full[s], (it / kStages) & 1);
+    const int q0 = (qt_first + it % n_qt) * kKvRows;
+    if (q0 + kKvRows - 1 >= kw0) {  // else every query of the tile precedes every key here
+      char* st = stages + s * kKvStage;
+      const uint32_t q_addr = smem_u32(st), do_addr = smem_u32(st + kKvQTile);
+      const float* s_lse2 = reinterpret_cast<const float*>(st + 2 * kKvQTile);
+      const float* s_delta = s_lse2 + 64;
+      const int32_t* s_seg = reinterpret_cast<const int32_t*>(s_lse2 + 128);
+      float sc[32], dp[32];
+      zero(sc);
+      zero(dp);
+      wgmma_fence();
+      mma_rows_by_rows(sc, k_addr, kKvKeys, q_addr, kKvRows);  // S^T = K Q^T
+      wgmma_commit();
+      mma_rows_by_rows(dp, v_addr, kKvKeys, do_addr, kKvRows);  // dP^T = V dO^T
+      wgmma_commit();
+      wgmma_wait<1>();
+      pin(sc);
+      const bool mask = a.seg != nullptr || q0 < kw0 + 63;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int col = 8 * j + 2 * t + c;
+          const float l2 = s_lse2[col];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int i = 4 * j + 2 * h + c;
+            float p = ex2(sc[i] * a.scale_log2 - l2);
+            if (mask && (q0 + col < key[h] || (a.seg != nullptr && s_seg[col] != seg_k[h]))) p = 0.f;
+            sc[i] = p;
+          }
+        }
+      }
+      wgmma_wait<0>();
+      pin(dp);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const float d = s_delta[8 * j + 2 * t + c];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int i = 4 * j + 2 * h + c;
+            dp[i] = sc[i] * (dp[i] - d);
+          }
+        }
+      }
+      uint32_t ap[4][4], ads[4][4];
+      a_fragments(ap, sc);
+      a_fragments(ads, dp);
+      pin(dv);
+      pin(dk);
+      wgmma_fence();
+      mma_regs_by_cols(dv, ap, do_addr, kKvRows);  // dV += P^T dO
+      mma_regs_by_cols(dk, ads, q_addr, kKvRows);  // dK += dS^T Q
+      wgmma_commit();
+      wgmma_wait<0>();
+      pin(dv);
+      pin(dk);
+    }
+    release_and_refill<kStages>(it, n_it, full, empty, issue);
+  }
+
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t off = static_cast<int64_t>(tok0 + key[h]) * a.kv_stride + static_cast<int64_t>(kvh) * kD + 2 * t;
+    if (a.splits > 1) {  // f32 partials, summed in split order by the reduce kernel
+      const int64_t part = static_cast<int64_t>(split) * a.batch * a.seq * a.kv_stride + off;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        *reinterpret_cast<float2*>(a.dk_part + part + 8 * j) = make_float2(dk[4 * j + 2 * h], dk[4 * j + 2 * h + 1]);
+        *reinterpret_cast<float2*>(a.dv_part + part + 8 * j) = make_float2(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
+      }
+      continue;
+    }
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      *reinterpret_cast<uint32_t*>(a.dk + off + 8 * j) =
+          pack_bf16(dk[4 * j + 2 * h] * a.scale, dk[4 * j + 2 * h + 1] * a.scale);
+      *reinterpret_cast<uint32_t*>(a.dv + off + 8 * j) = pack_bf16(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
+    }
+  }
+#endif
+}
+
+__global__ void __launch_bounds__(kThreads, 1) dq_kernel(const __grid_constant__ Maps maps, const Args a) {
+#if MT_SM90A
+  const int bh = a.batch * a.q_heads, n_qt = a.seq / kQRows;
+  const int qt = n_qt - 1 - static_cast<int>(blockIdx.x / bh);
+  const int b = (blockIdx.x % bh) / a.q_heads, h = blockIdx.x % a.q_heads, kvh = h / a.group;
+  const int q0 = qt * kQRows;
+  const int tok0 = b * a.seq;
+  extern __shared__ char smem_raw[];
+  char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  char* sQ = smem;
+  char* sdO = smem + kQTile;
+  char* stages = smem + 2 * kQTile;
+  uint64_t* full = reinterpret_cast<uint64_t*>(stages + kStages * kQStage);
+  uint64_t* empty = full + kStages;
+  uint64_t* q_bar = empty + kStages;
+  init_barriers<kStages>(full, empty, q_bar);
+
+  const int n_it = (q0 + kQRows - 1) / kQKeys + 1;  // key tiles 0 .. the diagonal
+  auto issue = [&](int it, int s) {
+    const int kr = it * kQKeys;
+    char* st = stages + s * kQStage;
+    uint64_t* bar = &full[s];
+    mbar_arrive_expect_tx(bar, 2 * kQKvTile + (a.seg != nullptr ? 256 : 0));
+    for (int half = 0; half < 2; ++half) {
+      tma_load_2d(st + half * (kQKvTile / 2), &maps.k_rows64, bar, kvh * kD + half * 64, tok0 + kr);
+      tma_load_2d(st + kQKvTile + half * (kQKvTile / 2), &maps.v_rows64, bar, kvh * kD + half * 64, tok0 + kr);
+    }
+    if (a.seg != nullptr) bulk_load(st + 2 * kQKvTile, a.seg + tok0 + kr, 256, bar);
+  };
+  const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, w = (tid >> 5) & 3;
+  const int g = lane >> 2, t = lane & 3;
+  if (tid == 0) {
+    mbar_arrive_expect_tx(q_bar, 2 * kQTile);
+    for (int half = 0; half < 2; ++half) {
+      tma_load_2d(sQ + half * (kQTile / 2), &maps.q_rows128, q_bar, h * kD + half * 64, tok0 + q0);
+      tma_load_2d(sdO + half * (kQTile / 2), &maps.do_rows128, q_bar, h * kD + half * 64, tok0 + q0);
+    }
+    for (int s = 0; s < kStages && s < n_it; ++s) issue(s, s);
+  }
+  const int qw0 = q0 + wg * 64;  // this warpgroup's first row
+  int row[2], seg_q[2] = {0, 0};
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    row[i] = qw0 + 16 * w + g + 8 * i;
+    const int64_t r = (static_cast<int64_t>(b) * a.q_heads + h) * a.seq + row[i];
+    lse2[i] = a.lse2[r];
+    delta[i] = a.delta[r];
+    if (a.seg != nullptr) seg_q[i] = a.seg[tok0 + row[i]];
+  }
+  float dq[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) dq[i] = 0.f;
+  const uint32_t q_addr = smem_u32(sQ) + wg * 64 * 128, do_addr = smem_u32(sdO) + wg * 64 * 128;
+  mbar_wait(q_bar, 0);
+
+  for (int it = 0; it < n_it; ++it) {
+    const int s = it % kStages;
+    mbar_wait(&full[s], (it / kStages) & 1);
+    const int kr = it * kQKeys;
+    if (kr <= qw0 + 63) {  // else every key of the tile follows every row here
+      char* st = stages + s * kQStage;
+      const uint32_t k_addr = smem_u32(st), v_addr = smem_u32(st + kQKvTile);
+      const int32_t* s_seg = reinterpret_cast<const int32_t*>(st + 2 * kQKvTile);
+      float sc[32], dp[32];
+      zero(sc);
+      zero(dp);
+      wgmma_fence();
+      mma_rows_by_rows(sc, q_addr, kQRows, k_addr, kQKeys);  // S = Q K^T
+      wgmma_commit();
+      mma_rows_by_rows(dp, do_addr, kQRows, v_addr, kQKeys);  // dP = dO V^T
+      wgmma_commit();
+      wgmma_wait<1>();
+      pin(sc);
+      const bool mask = a.seg != nullptr || kr + 63 > qw0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int col = 8 * j + 2 * t + c;
+#pragma unroll
+          for (int i2 = 0; i2 < 2; ++i2) {
+            const int i = 4 * j + 2 * i2 + c;
+            float p = ex2(sc[i] * a.scale_log2 - lse2[i2]);
+            if (mask && (kr + col > row[i2] || (a.seg != nullptr && s_seg[col] != seg_q[i2]))) p = 0.f;
+            sc[i] = p;
+          }
+        }
+      }
+      wgmma_wait<0>();
+      pin(dp);
+#pragma unroll
+      for (int i = 0; i < 32; ++i) dp[i] = sc[i] * (dp[i] - delta[(i >> 1) & 1]);
+      uint32_t ads[4][4];
+      a_fragments(ads, dp);
+      pin(dq);
+      wgmma_fence();
+      mma_regs_by_cols(dq, ads, k_addr, kQKeys);  // dQ += dS K
+      wgmma_commit();
+      wgmma_wait<0>();
+      pin(dq);
+    }
+    release_and_refill<kStages>(it, n_it, full, empty, issue);
+  }
+
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    bf16* out = a.dq + static_cast<int64_t>(tok0 + row[i2]) * a.q_stride + static_cast<int64_t>(h) * kD + 2 * t;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      *reinterpret_cast<uint32_t*>(out + 8 * j) =
+          pack_bf16(dq[4 * j + 2 * i2] * a.scale, dq[4 * j + 2 * i2 + 1] * a.scale);
+    }
+  }
+#endif
+}
+
+template <typename Kernel>
+void prepare(Kernel kernel, int smem) {
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+}
+
+}  // namespace
+
+bool launch_attention_forward_hopper(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                                     const int32_t* seg, __nv_bfloat16* out, float* lse, const AttentionDims& d,
+                                     cudaStream_t s) {
+  const uint64_t rows = static_cast<uint64_t>(d.batch) * d.seq;
+  const uint64_t qc = static_cast<uint64_t>(d.q_heads) * kD, kc = static_cast<uint64_t>(d.kv_heads) * kD;
+  Maps m{};
+  if (!make_tensor_map(&m.q_rows128, q, {qc, rows}, {64, 128}) ||
+      !make_tensor_map(&m.k_rows128, k, {kc, rows}, {64, 128}) ||
+      !make_tensor_map(&m.v_rows128, v, {kc, rows}, {64, 128})) {
+    return false;
+  }
+  Args a{};
+  a.seg = seg;
+  a.o = out;
+  a.lse_out = lse;
+  a.batch = d.batch;
+  a.seq = d.seq;
+  a.q_heads = d.q_heads;
+  a.kv_heads = d.kv_heads;
+  a.group = d.q_heads / d.kv_heads;
+  a.q_stride = static_cast<int64_t>(qc);
+  a.kv_stride = static_cast<int64_t>(kc);
+  a.scale = d.scale;
+  a.scale_log2 = static_cast<float>(static_cast<double>(d.scale) * 1.4426950408889634);
+  prepare(fwd_kernel, kFSmem);
+  fwd_kernel<<<static_cast<unsigned>(d.seq / kFRows) * d.batch * d.q_heads, kThreads, kFSmem, s>>>(m, a);
+  return true;
+}
+
+int attention_backward_hopper_key_tile() { return kKvKeys; }
+
+bool attention_hopper_applies(const AttentionDims& d, const int32_t* seg) {
+  return d.head_dim == kD && d.seq > 0 && d.seq % 128 == 0 && reinterpret_cast<uintptr_t>(seg) % 16 == 0 &&
+         hopper_kernels_usable("MOETRAIN_ATTENTION_MMA_SYNC");
+}
+
+bool launch_attention_backward_hopper(const __nv_bfloat16* dout, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                                      const __nv_bfloat16* v, const int32_t* seg, const float* delta,
+                                      const float* lse2, float* dk_part, float* dv_part, int splits,
+                                      __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttentionDims& d,
+                                      cudaStream_t s) {
+  const uint64_t rows = static_cast<uint64_t>(d.batch) * d.seq;
+  const uint64_t qc = static_cast<uint64_t>(d.q_heads) * kD, kc = static_cast<uint64_t>(d.kv_heads) * kD;
+  Maps m{};
+  if (!make_tensor_map(&m.q_rows64, q, {qc, rows}, {64, 64}) || !make_tensor_map(&m.do_rows64, dout, {qc, rows}, {64, 64}) ||
+      !make_tensor_map(&m.k_rows128, k, {kc, rows}, {64, 128}) ||
+      !make_tensor_map(&m.v_rows128, v, {kc, rows}, {64, 128}) ||
+      !make_tensor_map(&m.q_rows128, q, {qc, rows}, {64, 128}) ||
+      !make_tensor_map(&m.do_rows128, dout, {qc, rows}, {64, 128}) ||
+      !make_tensor_map(&m.k_rows64, k, {kc, rows}, {64, 64}) || !make_tensor_map(&m.v_rows64, v, {kc, rows}, {64, 64})) {
+    return false;
+  }
+  Args a{};
+  a.lse2 = lse2;
+  a.delta = delta;
+  a.seg = seg;
+  a.dq = dq;
+  a.dk = dk;
+  a.dv = dv;
+  a.dk_part = dk_part;
+  a.dv_part = dv_part;
+  a.splits = splits;
+  a.batch = d.batch;
+  a.seq = d.seq;
+  a.q_heads = d.q_heads;
+  a.kv_heads = d.kv_heads;
+  a.group = d.q_heads / d.kv_heads;
+  a.q_stride = static_cast<int64_t>(qc);
+  a.kv_stride = static_cast<int64_t>(kc);
+  a.scale = d.scale;
+  a.scale_log2 = static_cast<float>(static_cast<double>(d.scale) * 1.4426950408889634);
+  prepare(dkdv_kernel, kKvSmem);
+  dkdv_kernel<<<static_cast<unsigned>(d.seq / kKvKeys) * d.batch * d.kv_heads * splits, kThreads, kKvSmem, s>>>(m, a);
+  prepare(dq_kernel, kQSmem);
+  dq_kernel<<<static_cast<unsigned>(d.seq / kQRows) * d.batch * d.q_heads, kThreads, kQSmem, s>>>(m, a);
+  return true;
+}
+
+}  // namespace moetrain::ops::cuda
