@@ -79,6 +79,9 @@ void OptimizerConfig::describe(ConfigFields& f) {
   f.add("beta2", &beta2, "AdamW second-moment decay", in_half_open(&beta2, 0, 1));
   f.add("eps", &eps, "AdamW denominator epsilon", positive(&eps));
   f.add("weight_decay", &weight_decay, "decoupled weight decay (matrices only)", non_negative(&weight_decay));
+  f.add("moments", &moments,
+        "dtype of the AdamW moments: f32, or bf16 (half their memory and optimizer traffic; stochastic rounding)",
+        one_of(&moments, {"f32", "bf16"}));
   f.add("schedule", &schedule, "learning-rate schedule: cosine, wsd (warmup-stable-decay) or constant",
         one_of(&schedule, {"cosine", "wsd", "constant"}));
   f.add("warmup_steps", &warmup_steps, "linear warmup from 0 to lr over this many steps", non_negative(&warmup_steps));

@@ -52,6 +52,7 @@ struct OptimizerConfig {
   double min_lr = 3e-4;             // floor of the decay
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double weight_decay = 0.1;
+  std::string moments = "f32";      // "f32" | "bf16": dtype of the AdamW moments
   std::string schedule = "cosine";  // "cosine" | "wsd" | "constant"
   int64_t warmup_steps = 50;
   double decay_fraction = 0.2;      // wsd: last fraction of steps that decays to min_lr

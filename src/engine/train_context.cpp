@@ -78,7 +78,7 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
     c.dispatcher = std::make_unique<AllToAllDispatcher>(*par.comms->ep, o);
   }
   const OptimizerConfig& oc = cfg.optimizer;
-  const AdamWConfig adamw{oc.beta1, oc.beta2, oc.eps, oc.weight_decay};
+  const AdamWConfig adamw{oc.beta1, oc.beta2, oc.eps, oc.weight_decay, oc.moments == "bf16"};
   if (par.distributed()) {
     c.model->set_data_group(par.data_group());
     // Under a pipeline many micro-batches are in flight at once, so weights stay whole

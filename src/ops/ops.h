@@ -202,7 +202,9 @@ ZLossOut router_z_loss_forward(const Tensor& logits);
 Tensor router_z_loss_backward(const Tensor& probs, const Tensor& lse, double scale);
 
 // ---- AdamW (decoupled weight decay), FP32 master weights and moments ------------------
-// In place on param, m, v (same shape, f32 or f64), given grad:
+// In place on param, m, v (same shape, f32 or f64; or f32 param and grad with bf16 m and v,
+// stored by stochastic rounding keyed by step and element index: stochastic_round.h; on
+// CUDA the index counts within each coalesced run of tensors), given grad:
 //   m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
 //   param -= lr * (m / (1-b1^step) / (sqrt(v / (1-b2^step)) + eps) + wd * param)
 // with g = grad_scale * grad (global-norm clipping folded into the update, so the

@@ -170,6 +170,37 @@ TEST_F(CliTest, ResumeAfterARestartIsBitwiseEqualToARunStraightThrough) {
   EXPECT_NE(third.output.find("done: 0 steps"), std::string::npos) << third.output;
 }
 
+// [optimizer].moments = "bf16": the moments are checkpointed as bf16, and a resumed run
+// still equals one run straight through (the stochastic rounding is keyed by step and
+// element, not by a generator's state).
+TEST_F(CliTest, Bf16MomentsAreCheckpointedAndResumeBitwise) {
+  const std::string ck =
+      " --optimizer.moments=bf16 --checkpoint.save_final=true --checkpoint.every=2 --checkpoint.keep=0";
+  Result straight = run(small_run("straight", ck));
+  ASSERT_EQ(straight.status, 0) << straight.output;
+  Result first = run(small_run("split", ck + " --training.stop_after_steps=3"));
+  ASSERT_EQ(first.status, 0) << first.output;
+  Result second = run(small_run("split", ck));
+  ASSERT_EQ(second.status, 0) << second.output;
+  EXPECT_NE(second.output.find("resumed from"), std::string::npos) << second.output;
+  EXPECT_EQ(step_losses(dir_ / "straight" / "metrics.jsonl"), step_losses(dir_ / "split" / "metrics.jsonl"));
+  const std::string last = (dir_ / "straight" / "checkpoints" / "step-00000006").string();
+  expect_same_checkpoint(last, (dir_ / "split" / "checkpoints" / "step-00000006").string());
+  moetrain::CheckpointReader r(last);
+  int moments = 0;
+  for (const std::string& n : r.names()) {
+    if (n.size() > 8 && (n.ends_with(".exp_avg") || n.ends_with(".exp_avg_sq"))) {
+      EXPECT_EQ(r.read_whole(n).dtype(), moetrain::DType::BF16) << n;
+      ++moments;
+    }
+  }
+  EXPECT_GT(moments, 0);
+  // A run with f32 moments resumes from it (the moments are widened on load).
+  Result widened = run(small_run("split", " --checkpoint.save_final=true --training.steps=8"));
+  ASSERT_EQ(widened.status, 0) << widened.output;
+  EXPECT_NE(widened.output.find("resumed from"), std::string::npos) << widened.output;
+}
+
 TEST_F(CliTest, ConvertExportsAndInitFromStartsFromTheWeights) {
   Result r = run(small_run("base", "--checkpoint.save_final=true"));
   ASSERT_EQ(r.status, 0) << r.output;

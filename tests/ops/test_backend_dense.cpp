@@ -400,6 +400,32 @@ TEST(BackendDense, AdamW) {
   }
 }
 
+// bf16 moments (stochastic rounding keyed by step and element index: the same bits on both
+// backends unless the f32 value before rounding differs in its last bit).
+TEST(BackendDense, AdamWBf16Moments) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  ops::AdamWStep s;
+  s.lr = 1e-3, s.beta1 = 0.9, s.beta2 = 0.999, s.eps = 1e-8, s.weight_decay = 0.1;
+  for (int64_t n : {int64_t{7}, int64_t{1000003}}) {
+    Tensor p = random_tensor({n}, DType::F32, 70 + n);
+    Tensor m = random_tensor({n}, DType::F32, 72 + n, 0.01).to(DType::BF16);
+    Tensor v = abs_of(random_tensor({n}, DType::F32, 73 + n, 1e-3)).to(DType::BF16);
+    Tensor gp = p.to(kGpu), gm = m.to(kGpu), gv = v.to(kGpu);
+    for (int step = 1; step <= 3; ++step) {
+      s.step = step;
+      const Tensor g = random_tensor({n}, DType::F32, 80 + n + step, 0.1);
+      ops::adamw_update(p, g, m, v, s);
+      ops::adamw_update(gp, g.to(kGpu), gm, gv, s);
+    }
+    ASSERT_EQ(gm.dtype(), DType::BF16);
+    const std::string op = fmt::format("adamw_bf16_moments[{}]", n);
+    expect_backend_close(gp, p, kF32Tol, op, "param");
+    expect_backend_close(gm, m, kBf16Tol, op, "m");
+    expect_backend_close(gv, v, kBf16Tol, op, "v");
+  }
+}
+
 // A parameter list as the optimizer sees it, on the host: many odd sizes, a large tensor,
 // and an expert stack's rows; more tensors than one launch carries.
 ops::AdamWTensors host_list(uint64_t seed) {

@@ -498,6 +498,69 @@ TEST(OpsMoe, AdamWThreeStepsMatchHandComputation) {
   adamw_three_steps<float>(1e-6);
 }
 
+// bf16 moments with beta2 = 0.9999 and a constant gradient 1: v_t = 1 - beta2^t exactly.
+// Each step adds 1e-4 to a v of ~0.1, under half a bf16 ulp (~2e-4 there), so
+// round-to-nearest storage stalls far below the true value (the simulation below checks
+// that it would); stochastic rounding keeps the mean over elements on it. The parameter
+// update itself uses the unrounded moments, so params follow the f32-moment run closely.
+double max_abs_diff(const Tensor& a, const Tensor& b) {
+  const auto x = a.to_double_vector(), y = b.to_double_vector();
+  double d = x.size() == y.size() ? 0 : INFINITY;
+  for (size_t i = 0; i < x.size() && i < y.size(); ++i) d = std::max(d, std::fabs(x[i] - y[i]));
+  return d;
+}
+
+TEST(OpsMoe, AdamWBf16MomentsStayUnbiased) {
+  constexpr int64_t n = 4096;
+  constexpr int steps = 2000;
+  AdamWStep s;
+  s.lr = 1e-4;
+  s.beta1 = 0.9;
+  s.beta2 = 0.9999;
+  s.weight_decay = 0;
+  Tensor p = Tensor::zeros({n}, DType::F32), g = Tensor::full({n}, 1.0, DType::F32);
+  Tensor m = Tensor::zeros({n}, DType::BF16), v = Tensor::zeros({n}, DType::BF16);
+  Tensor p32 = Tensor::zeros({n}, DType::F32), m32 = Tensor::zeros({n}, DType::F32), v32 = Tensor::zeros({n}, DType::F32);
+  float v_nearest = 0;  // the same recursion stored with round-to-nearest bf16
+  for (int step = 1; step <= steps; ++step) {
+    s.step = step;
+    ops::adamw_update(p, g, m, v, s);
+    ops::adamw_update(p32, g, m32, v32, s);
+    v_nearest = static_cast<float>(bf16(static_cast<float>(0.9999 * v_nearest + 1e-4)));
+  }
+  const double exact = 1.0 - std::pow(0.9999, steps);
+  double mean_v = 0, mean_m = 0;
+  for (double x : v.to_double_vector()) mean_v += x / n;
+  for (double x : m.to_double_vector()) mean_m += x / n;
+  EXPECT_GT(std::fabs(v_nearest - exact) / exact, 0.2) << "round-to-nearest would not stall: the test proves nothing";
+  EXPECT_LT(std::fabs(mean_v - exact) / exact, 5e-3) << "mean v " << mean_v << " vs " << exact;
+  EXPECT_LT(std::fabs(mean_m - 1.0) / 1.0, 5e-3) << "mean m " << mean_m;
+  // Per element the stored moments random-walk (each step's rounding error is remembered for
+  // ~1/(1 - beta2) steps), so single parameters wander a few percent of their movement at this
+  // beta2; the mean over elements stays on the f32-moment run.
+  const double moved = std::fabs(p32.to_double_vector()[0]);
+  double mean_p = 0;
+  for (double x : p.to_double_vector()) mean_p += x / n;
+  std::printf("bf16 moments, beta2 0.9999, %d steps: mean v %.5f (exact %.5f, round-to-nearest %.5f), "
+              "param mean %.6f vs f32 moments %.6f, worst element off by %.2f%% of the movement\n",
+              steps, mean_v, exact, v_nearest, mean_p, -moved, 100 * max_abs_diff(p, p32) / moved);
+  EXPECT_LT(std::fabs(std::fabs(mean_p) - moved) / moved, 2e-3) << "mean param " << mean_p << " vs " << -moved;
+  EXPECT_LT(max_abs_diff(p, p32), 0.1 * moved) << "a parameter drifts far from the f32-moment run";
+  // Deterministic: the same steps again round the same way.
+  Tensor m2 = Tensor::zeros({n}, DType::BF16), v2 = Tensor::zeros({n}, DType::BF16), p2 = Tensor::zeros({n}, DType::F32);
+  for (int step = 1; step <= 5; ++step) {
+    s.step = step;
+    ops::adamw_update(p2, g, m2, v2, s);
+  }
+  Tensor m3 = Tensor::zeros({n}, DType::BF16), v3 = Tensor::zeros({n}, DType::BF16), p3 = Tensor::zeros({n}, DType::F32);
+  for (int step = 1; step <= 5; ++step) {
+    s.step = step;
+    ops::adamw_update(p3, g, m3, v3, s);
+  }
+  EXPECT_EQ(max_abs_diff(v2, v3), 0.0);
+  EXPECT_EQ(max_abs_diff(p2, p3), 0.0);
+}
+
 TEST(OpsMoe, ElementwiseHelpers) {
   Tensor x = Tensor::from_vector<float>({1, -2, 3, 0.5f}, {2, 2});
   EXPECT_DOUBLE_EQ(ops::sum_squares(x), 1 + 4 + 9 + 0.25);

@@ -10,8 +10,11 @@ AdamW::AdamW(const ParameterList& params, AdamWConfig cfg) : cfg_(cfg) {
   std::vector<Tensor> targets;
   for (auto p : params) targets.push_back(p.master_or_value());
   if (targets.empty()) return;
-  m_ = flat_views(targets, targets.front().dtype());
-  v_ = flat_views(targets, targets.front().dtype());
+  const DType dtype = cfg_.bf16_moments ? DType::BF16 : targets.front().dtype();
+  MT_CHECK(!cfg_.bf16_moments || targets.front().dtype() == DType::F32,
+           "AdamW: bf16 moments need f32 master weights, the parameters hold {}", dtype_name(targets.front().dtype()));
+  m_ = flat_views(targets, dtype);
+  v_ = flat_views(targets, dtype);
 }
 
 void AdamW::step(ParameterList& params, double lr, double grad_scale) {

@@ -1,5 +1,5 @@
-// AdamW over a ParameterList: FP32 (or f64) first and second moments per parameter (views
-// of two flat buffers), decoupled weight decay on matrices only (Parameter::weight_decay),
+// AdamW over a ParameterList: FP32 (or f64, or with bf16_moments bf16) first and second
+// moments per parameter (views of two flat buffers), decoupled weight decay on matrices only (Parameter::weight_decay),
 // and global gradient-norm clipping folded into the update as a gradient scale. On the GPU
 // a step is one whole-list launch (ops::adamw_update_all) that also refreshes the bf16
 // weights from their f32 masters.
@@ -13,6 +13,9 @@ namespace moetrain {
 
 struct AdamWConfig {
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
+  // Moments in bf16 next to f32 masters (half the moment memory and traffic; stochastic
+  // rounding keeps them unbiased), instead of the masters' dtype.
+  bool bf16_moments = false;
 };
 
 class AdamW {

@@ -1,4 +1,4 @@
-// CUDA AdamW (decoupled weight decay) on f32 master weights and moments; see ops.h and
+// CUDA AdamW (decoupled weight decay) on f32 master weights and f32 or bf16 moments; see ops.h and
 // the CPU reference ops/cpu/adamw.cpp, whose math (in double, per element) this follows.
 #include <cmath>
 
@@ -10,8 +10,9 @@
 namespace moetrain::ops::cuda {
 namespace {
 
+// moments: the dtype every m and v of the call must have (f32, or bf16 for all of them).
 void check_entry(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const Tensor& value,
-                 const char* op) {
+                 DType moments, const char* op) {
   MT_CHECK(param.defined(), "{}: param is undefined", op);
   check_cuda_tensors(op, {&param, &grad, &m, &v, &value});
   check_shape(grad, param.shape(), "adamw grad");
@@ -19,12 +20,12 @@ void check_entry(const Tensor& param, const Tensor& grad, const Tensor& m, const
   check_shape(v, param.shape(), "adamw v (second moment)");
   check_dtype(param, DType::F32, "adamw param (f32 master weights on CUDA)");
   check_dtype(grad, DType::F32, "adamw grad");
-  check_dtype(m, DType::F32, "adamw m (first moment)");
-  check_dtype(v, DType::F32, "adamw v (second moment)");
+  check_dtype(m, moments, "adamw m (first moment: f32, or bf16 for every moment of the call)");
+  check_dtype(v, moments, "adamw v (second moment: f32, or bf16 for every moment of the call)");
   if (value.defined()) check_dtype(value, DType::BF16, "adamw value (the bf16 weight refreshed from its master)");
 }
 
-AdamWArgs args_of(const AdamWStep& s, const char* op) {
+AdamWArgs args_of(const AdamWStep& s, DType moments, const char* op) {
   MT_CHECK(s.step >= 1, "{}: step = {} must be >= 1 (1-based, for bias correction)", op, s.step);
   MT_CHECK(s.beta1 >= 0 && s.beta1 < 1 && s.beta2 >= 0 && s.beta2 < 1, "{}: betas ({}, {}) must lie in [0, 1)", op,
            s.beta1, s.beta2);
@@ -34,7 +35,9 @@ AdamWArgs args_of(const AdamWStep& s, const char* op) {
                    1.0 - std::pow(s.beta1, static_cast<double>(s.step)),
                    1.0 - std::pow(s.beta2, static_cast<double>(s.step)),
                    s.eps,
-                   s.grad_scale};
+                   s.grad_scale,
+                   s.step,
+                   moments == DType::BF16};
 }
 
 __nv_bfloat16* bf16_or_null(const Tensor& t) { return t.defined() ? static_cast<__nv_bfloat16*>(t.raw()) : nullptr; }
@@ -42,26 +45,28 @@ __nv_bfloat16* bf16_or_null(const Tensor& t) { return t.defined() ? static_cast<
 }  // namespace
 
 void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWStep& s) {
-  check_entry(param, grad, m, v, Tensor(), "adamw_update");
-  const AdamWArgs a = args_of(s, "adamw_update");
-  const AdamWSegment seg{param.data<float>(), grad.data<float>(), m.data<float>(), v.data<float>(), nullptr,
-                         param.numel(),       s.weight_decay};
+  const DType moments = m.defined() ? m.dtype() : DType::F32;
+  check_entry(param, grad, m, v, Tensor(), moments, "adamw_update");
+  const AdamWArgs a = args_of(s, moments, "adamw_update");
+  const AdamWSegment seg{param.data<float>(), grad.data<float>(), m.raw(), v.raw(), nullptr, param.numel(),
+                         s.weight_decay};
   launch_adamw(&seg, 1, a, stream());
   check_launch("adamw_update");
 }
 
 void adamw_update_all(AdamWTensors& t, const AdamWStep& s) {
+  const DType moments = !t.m.empty() && t.m[0].defined() ? t.m[0].dtype() : DType::F32;
   for (size_t i = 0; i < t.params.size(); ++i) {
-    check_entry(t.params[i], t.grads[i], t.m[i], t.v[i], t.values[i], "adamw_update_all");
+    check_entry(t.params[i], t.grads[i], t.m[i], t.v[i], t.values[i], moments, "adamw_update_all");
   }
-  const AdamWArgs a = args_of(s, "adamw_update_all");
+  const AdamWArgs a = args_of(s, moments, "adamw_update_all");
   const auto runs = contiguous_runs({&t.params, &t.grads, &t.m, &t.v, &t.values},
                                     [&](size_t i, size_t j) { return t.decay[i] == t.decay[j]; });
   std::vector<AdamWSegment> segs;
   segs.reserve(runs.size());
   for (const TensorRun& r : runs) {
     const size_t i = r.first;
-    segs.push_back({t.params[i].data<float>(), t.grads[i].data<float>(), t.m[i].data<float>(), t.v[i].data<float>(),
+    segs.push_back({t.params[i].data<float>(), t.grads[i].data<float>(), t.m[i].raw(), t.v[i].raw(),
                     bf16_or_null(t.values[i]), r.numel, t.decay[i] ? s.weight_decay : 0.0});
   }
   launch_adamw(segs.data(), static_cast<int>(segs.size()), a, stream());

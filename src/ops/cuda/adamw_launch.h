@@ -8,13 +8,14 @@
 
 namespace moetrain::ops::cuda {
 
-// n f32 elements that lie back to back in every role: master weights, gradients, moments,
-// and optionally the bf16 weight that receives the updated master rounded.
+// n f32 elements that lie back to back in every role: master weights, gradients, moments
+// (f32, or bf16 when AdamWArgs::bf16_moments), and optionally the bf16 weight that receives
+// the updated master rounded.
 struct AdamWSegment {
   float* param;
   const float* grad;
-  float* m;
-  float* v;
+  void* m;
+  void* v;
   __nv_bfloat16* value;  // may be null
   int64_t n;
   double weight_decay;
@@ -22,11 +23,15 @@ struct AdamWSegment {
 
 struct AdamWArgs {
   double lr, b1, b2, bc1, bc2, eps, grad_scale;  // bc1 = 1 - b1^step, bc2 = 1 - b2^step
+  int64_t step;       // seeds the stochastic rounding of bf16 moments
+  bool bf16_moments;  // m and v of every segment are bf16, stored by stochastic rounding
 };
 
 // In place, each element computed in double exactly as the CPU reference:
 //   g = grad_scale grad; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
 //   p -= lr * ((m / bc1) / (sqrt(v / bc2) + eps) + wd p);  value = bf16(p)
+// (bf16 moments: rounded stochastically, stochastic_round.h, keyed by the element's index in
+// its segment).
 // All segments in a few launches (segments travel in the kernel's parameters).
 void launch_adamw(const AdamWSegment* segments, int count, const AdamWArgs& args, cudaStream_t s);
 
