@@ -4,7 +4,9 @@
 // FLOP convention (as FlashAttention reports): forward = 4 * B * Hq * S^2 * D / 2 (QK^T and
 // PV, causal halves the square); backward = 2.5x that (five S x S x D products instead of
 // two). Work the kernels repeat (the dQ pass recomputes QK^T and dO V^T) is not counted.
-// Floor: H100 dense bf16 peak 989 TFLOP/s -> forward 0.14 ms, backward 0.35 ms.
+// Floor at the bench shape (forward 275 GFLOP, backward 687): H100 dense bf16 peak 989
+// TFLOP/s -> forward 0.28 ms, backward 0.69 ms. MOETRAIN_ATTENTION_MMA_SYNC=1 times the
+// portable mma.sync kernels instead of the Hopper ones.
 #include <benchmark/benchmark.h>
 
 #include <cmath>

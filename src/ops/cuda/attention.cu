@@ -1,10 +1,13 @@
 // Fused causal grouped-query attention on tensor cores (FlashAttention-2 scheme), bf16 in
 // and out, f32 accumulation, with warp-level mma.sync m16n8k16 (bf16) fed by ldmatrix.
 //
+// On an sm_90 GPU with head_dim 128 and seq a multiple of 128, attention_hopper.cu's TMA +
+// wgmma kernels replace the forward, dK/dV and dQ kernels below (same math and order).
+//
 // Floor and expectation (H100 SXM, bench shape B=2, S=4096, Hq=32, Hkv=4, D=128, causal;
-// FLOPs as FlashAttention counts them: forward 4*B*Hq*S^2*D/2 = 137 GFLOP, backward 2.5x =
-// 344 GFLOP): at the 989 TFLOP/s dense bf16 peak (wgmma) the floor is 0.14 ms forward and
-// 0.35 ms backward. mma.sync reaches about 2/3 of that peak on Hopper, and a warp that owns
+// FLOPs as FlashAttention counts them: forward 4*B*Hq*S^2*D/2 = 275 GFLOP, backward 2.5x =
+// 687 GFLOP): at the 989 TFLOP/s dense bf16 peak (wgmma) the floor is 0.28 ms forward and
+// 0.69 ms backward. mma.sync reaches about 2/3 of that peak on Hopper, and a warp that owns
 // 16 rows feeds each 512-byte ldmatrix.x4 into only 2 mma (shared memory then caps it near
 // 500 TFLOP/s); 32 rows per warp feed 4. The backward also repeats 2 of its 5 products in
 // the dQ pass (7/5 of the counted work). Expected with these kernels: forward ~300-380
