@@ -108,6 +108,14 @@ __device__ __forceinline__ float ex2(float x) {
   return y;
 }
 
+// A [rows][128] tile (tile_bytes in all) as two TMA boxes of 64 columns: columns col.. and
+// col + 64.., from row `row` of the map's tensor.
+__device__ __forceinline__ void load_tile128(char* dst, int tile_bytes, const CUtensorMap* map, uint64_t* bar, int col,
+                                             int row) {
+  tma_load_2d(dst, map, bar, col, row);
+  tma_load_2d(dst + tile_bytes / 2, map, bar, col + 64, row);
+}
+
 // The four A-operand registers of k chunk kc (16 columns) from an m64nN accumulator.
 template <int N>
 __device__ __forceinline__ void a_fragment(uint32_t (&a)[4], const float (&c)[N], int kc) {
@@ -117,14 +125,19 @@ __device__ __forceinline__ void a_fragment(uint32_t (&a)[4], const float (&c)[N]
   a[3] = pack_bf16(c[8 * kc + 6], c[8 * kc + 7]);
 }
 
-// c[64 x 64] += A[64 x 128] B[64 x 128]^T, both K-major [rows][128] as two boxes; a_rows /
-// b_rows: rows per box (the byte distance between the two boxes is rows * 128).
-__device__ __forceinline__ void mma_rows_by_rows(float (&c)[32], uint32_t a, int a_rows, uint32_t b, int b_rows) {
+// c[64 x N] += A[64 x 128] B[N x 128]^T, N = 64 (c has 32 floats) or 128 (64 floats); both
+// operands K-major [rows][128] as two boxes; a_rows / b_rows: rows per box (the byte
+// distance between the two boxes is rows * 128).
+template <int C>
+__device__ __forceinline__ void mma_rows_by_rows(float (&c)[C], uint32_t a, int a_rows, uint32_t b, int b_rows) {
+  static_assert(C == 32 || C == 64, "m64n64 or m64n128 accumulators");
 #pragma unroll
   for (int kk = 0; kk < kD / 16; ++kk) {
     const uint32_t half = kk >> 2, off = (kk & 3) * 32;
-    wgmma_m64n64k16<0, 0>(c, sw128_desc(a + half * a_rows * 128 + off, 16, 1024),
-                          sw128_desc(b + half * b_rows * 128 + off, 16, 1024));
+    const uint64_t da = sw128_desc(a + half * a_rows * 128 + off, 16, 1024);
+    const uint64_t db = sw128_desc(b + half * b_rows * 128 + off, 16, 1024);
+    if constexpr (C == 32) wgmma_m64n64k16<0, 0>(c, da, db);
+    else wgmma_m64n128k16<0, 0>(c, da, db);
   }
 }
 
@@ -205,19 +218,15 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const __grid_constant_
     char* st = stages + s * kFStage;
     uint64_t* bar = &full[s];
     mbar_arrive_expect_tx(bar, 2 * kFKvTile + (a.seg != nullptr ? 512 : 0));
-    for (int half = 0; half < 2; ++half) {
-      tma_load_2d(st + half * (kFKvTile / 2), &maps.k_rows128, bar, kvh * kD + half * 64, tok0 + kr);
-      tma_load_2d(st + kFKvTile + half * (kFKvTile / 2), &maps.v_rows128, bar, kvh * kD + half * 64, tok0 + kr);
-    }
+    load_tile128(st, kFKvTile, &maps.k_rows128, bar, kvh * kD, tok0 + kr);
+    load_tile128(st + kFKvTile, kFKvTile, &maps.v_rows128, bar, kvh * kD, tok0 + kr);
     if (a.seg != nullptr) bulk_load(st + 2 * kFKvTile, a.seg + tok0 + kr, 512, bar);
   };
   const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, w = (tid >> 5) & 3;
   const int g = lane >> 2, t = lane & 3;
   if (tid == 0) {
     mbar_arrive_expect_tx(q_bar, kFQTile);
-    for (int half = 0; half < 2; ++half) {
-      tma_load_2d(sQ + half * (kFQTile / 2), &maps.q_rows128, q_bar, h * kD + half * 64, tok0 + q0);
-    }
+    load_tile128(sQ, kFQTile, &maps.q_rows128, q_bar, h * kD, tok0 + q0);
     for (int s = 0; s < kFStages && s < n_it; ++s) issue(s, s);
   }
   const int qw0 = q0 + wg * 64;  // this warpgroup's first row
@@ -244,12 +253,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const __grid_constant_
       float sc[64];
       zero(sc);
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {  // S = Q K^T
-        const uint32_t half = kk >> 2, off = (kk & 3) * 32;
-        wgmma_m64n128k16<0, 0>(sc, sw128_desc(q_addr + half * kFRows * 128 + off, 16, 1024),
-                               sw128_desc(k_addr + half * kFKeys * 128 + off, 16, 1024));
-      }
+      mma_rows_by_rows(sc, q_addr, kFRows, k_addr, kFKeys);  // S = Q K^T
       wgmma_commit();
       wgmma_wait<0>();
       pin(sc);
@@ -351,10 +355,8 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant
     uint64_t* bar = &full[s];
     const int64_t row = (static_cast<int64_t>(b) * a.q_heads + h) * a.seq + q0;
     mbar_arrive_expect_tx(bar, 2 * kKvQTile + 512 + (a.seg != nullptr ? 256 : 0));
-    tma_load_2d(st, &maps.q_rows64, bar, h * kD, tok0 + q0);
-    tma_load_2d(st + kKvQTile / 2, &maps.q_rows64, bar, h * kD + 64, tok0 + q0);
-    tma_load_2d(st + kKvQTile, &maps.do_rows64, bar, h * kD, tok0 + q0);
-    tma_load_2d(st + kKvQTile * 3 / 2, &maps.do_rows64, bar, h * kD + 64, tok0 + q0);
+    load_tile128(st, kKvQTile, &maps.q_rows64, bar, h * kD, tok0 + q0);
+    load_tile128(st + kKvQTile, kKvQTile, &maps.do_rows64, bar, h * kD, tok0 + q0);
     bulk_load(st + 2 * kKvQTile, a.lse2 + row, 256, bar);
     bulk_load(st + 2 * kKvQTile + 256, a.delta + row, 256, bar);
     if (a.seg != nullptr) bulk_load(st + 2 * kKvQTile + 512, a.seg + tok0 + q0, 256, bar);
@@ -363,10 +365,8 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant
   const int g = lane >> 2, t = lane & 3;
   if (tid == 0) {
     mbar_arrive_expect_tx(kv_bar, 2 * kKvTile);
-    for (int half = 0; half < 2; ++half) {
-      tma_load_2d(sK + half * (kKvTile / 2), &maps.k_rows128, kv_bar, kvh * kD + half * 64, tok0 + k0);
-      tma_load_2d(sV + half * (kKvTile / 2), &maps.v_rows128, kv_bar, kvh * kD + half * 64, tok0 + k0);
-    }
+    load_tile128(sK, kKvTile, &maps.k_rows128, kv_bar, kvh * kD, tok0 + k0);
+    load_tile128(sV, kKvTile, &maps.v_rows128, kv_bar, kvh * kD, tok0 + k0);
     for (int s = 0; s < kStages && s < n_it; ++s) issue(s, s);
   }
   const int kw0 = k0 + wg * 64;  // this warpgroup's first key
@@ -493,20 +493,16 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const __grid_constant__
     char* st = stages + s * kQStage;
     uint64_t* bar = &full[s];
     mbar_arrive_expect_tx(bar, 2 * kQKvTile + (a.seg != nullptr ? 256 : 0));
-    for (int half = 0; half < 2; ++half) {
-      tma_load_2d(st + half * (kQKvTile / 2), &maps.k_rows64, bar, kvh * kD + half * 64, tok0 + kr);
-      tma_load_2d(st + kQKvTile + half * (kQKvTile / 2), &maps.v_rows64, bar, kvh * kD + half * 64, tok0 + kr);
-    }
+    load_tile128(st, kQKvTile, &maps.k_rows64, bar, kvh * kD, tok0 + kr);
+    load_tile128(st + kQKvTile, kQKvTile, &maps.v_rows64, bar, kvh * kD, tok0 + kr);
     if (a.seg != nullptr) bulk_load(st + 2 * kQKvTile, a.seg + tok0 + kr, 256, bar);
   };
   const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, w = (tid >> 5) & 3;
   const int g = lane >> 2, t = lane & 3;
   if (tid == 0) {
     mbar_arrive_expect_tx(q_bar, 2 * kQTile);
-    for (int half = 0; half < 2; ++half) {
-      tma_load_2d(sQ + half * (kQTile / 2), &maps.q_rows128, q_bar, h * kD + half * 64, tok0 + q0);
-      tma_load_2d(sdO + half * (kQTile / 2), &maps.do_rows128, q_bar, h * kD + half * 64, tok0 + q0);
-    }
+    load_tile128(sQ, kQTile, &maps.q_rows128, q_bar, h * kD, tok0 + q0);
+    load_tile128(sdO, kQTile, &maps.do_rows128, q_bar, h * kD, tok0 + q0);
     for (int s = 0; s < kStages && s < n_it; ++s) issue(s, s);
   }
   const int qw0 = q0 + wg * 64;  // this warpgroup's first row
@@ -593,6 +589,22 @@ void prepare(Kernel kernel, int smem) {
   cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
 }
 
+// The shape fields of Args (the launchers add their pointers and, backward, the splits).
+Args args_of(const AttentionDims& d) {
+  Args a{};
+  a.batch = d.batch;
+  a.seq = d.seq;
+  a.q_heads = d.q_heads;
+  a.kv_heads = d.kv_heads;
+  a.group = d.q_heads / d.kv_heads;
+  a.splits = 1;
+  a.q_stride = static_cast<int64_t>(d.q_heads) * kD;
+  a.kv_stride = static_cast<int64_t>(d.kv_heads) * kD;
+  a.scale = d.scale;
+  a.scale_log2 = static_cast<float>(static_cast<double>(d.scale) * 1.4426950408889634);
+  return a;
+}
+
 }  // namespace
 
 bool launch_attention_forward_hopper(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
@@ -606,19 +618,10 @@ bool launch_attention_forward_hopper(const __nv_bfloat16* q, const __nv_bfloat16
       !make_tensor_map(&m.v_rows128, v, {kc, rows}, {64, 128})) {
     return false;
   }
-  Args a{};
+  Args a = args_of(d);
   a.seg = seg;
   a.o = out;
   a.lse_out = lse;
-  a.batch = d.batch;
-  a.seq = d.seq;
-  a.q_heads = d.q_heads;
-  a.kv_heads = d.kv_heads;
-  a.group = d.q_heads / d.kv_heads;
-  a.q_stride = static_cast<int64_t>(qc);
-  a.kv_stride = static_cast<int64_t>(kc);
-  a.scale = d.scale;
-  a.scale_log2 = static_cast<float>(static_cast<double>(d.scale) * 1.4426950408889634);
   prepare(fwd_kernel, kFSmem);
   fwd_kernel<<<static_cast<unsigned>(d.seq / kFRows) * d.batch * d.q_heads, kThreads, kFSmem, s>>>(m, a);
   return true;
@@ -647,7 +650,7 @@ bool launch_attention_backward_hopper(const __nv_bfloat16* dout, const __nv_bflo
       !make_tensor_map(&m.k_rows64, k, {kc, rows}, {64, 64}) || !make_tensor_map(&m.v_rows64, v, {kc, rows}, {64, 64})) {
     return false;
   }
-  Args a{};
+  Args a = args_of(d);
   a.lse2 = lse2;
   a.delta = delta;
   a.seg = seg;
@@ -657,15 +660,6 @@ bool launch_attention_backward_hopper(const __nv_bfloat16* dout, const __nv_bflo
   a.dk_part = dk_part;
   a.dv_part = dv_part;
   a.splits = splits;
-  a.batch = d.batch;
-  a.seq = d.seq;
-  a.q_heads = d.q_heads;
-  a.kv_heads = d.kv_heads;
-  a.group = d.q_heads / d.kv_heads;
-  a.q_stride = static_cast<int64_t>(qc);
-  a.kv_stride = static_cast<int64_t>(kc);
-  a.scale = d.scale;
-  a.scale_log2 = static_cast<float>(static_cast<double>(d.scale) * 1.4426950408889634);
   prepare(dkdv_kernel, kKvSmem);
   dkdv_kernel<<<static_cast<unsigned>(d.seq / kKvKeys) * d.batch * d.kv_heads * splits, kThreads, kKvSmem, s>>>(m, a);
   prepare(dq_kernel, kQSmem);
