@@ -1,7 +1,9 @@
 // Helpers shared by the tests: random tensors and float64 finite-difference checks.
 #pragma once
 
+#include <cstring>
 #include <functional>
+#include <string>
 
 #include "core/error.h"
 #include "core/rng.h"
@@ -75,5 +77,13 @@ inline double gradcheck(Tensor& input, const Tensor& analytic, const std::functi
   }
   return rel_error(analytic, numeric);
 }
+
+// Same dtype, shape and bytes (host tensors).
+inline bool bytes_equal(const Tensor& a, const Tensor& b) {
+  return a.dtype() == b.dtype() && a.shape() == b.shape() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
+}
+
+// `needle` occurs in `text` (for error messages).
+inline bool has(const std::string& text, const std::string& needle) { return text.find(needle) != std::string::npos; }
 
 }  // namespace moetrain::testing

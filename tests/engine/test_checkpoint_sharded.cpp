@@ -27,11 +27,9 @@ namespace fs = std::filesystem;
 using testing::error_of;
 using testing::random_tensor;
 using testing::ScratchDir;
+using testing::bytes_equal;
+using testing::has;
 
-bool bytes_equal(const Tensor& a, const Tensor& b) {
-  return a.dtype() == b.dtype() && a.shape() == b.shape() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
-}
-bool has(const std::string& text, const std::string& needle) { return text.find(needle) != std::string::npos; }
 
 // Elements [begin, end) of `full`, as a 1-D copy.
 Tensor piece_of(const Tensor& full, int64_t begin, int64_t end) {

@@ -18,21 +18,8 @@ namespace moetrain {
 namespace {
 
 Qwen3MoeConfig config(bool tied) {
-  Qwen3MoeConfig c;
-  c.vocab_size = 23;
-  c.hidden_size = 8;
-  c.intermediate_size = 12;
-  c.moe_intermediate_size = 6;
-  c.num_hidden_layers = 5;
+  Qwen3MoeConfig c = testing::tiny_moe_config(23, 5);
   c.mlp_only_layers = {1};  // a dense layer inside a chunk
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 4;
-  c.num_experts = 4;
-  c.num_experts_per_tok = 2;
-  c.initializer_range = 0.5;
-  c.router_aux_loss_coef = 0.1;
-  c.router_z_loss_coef = 0.01;
   c.tie_word_embeddings = tied;
   return c;
 }

@@ -13,23 +13,7 @@
 namespace moetrain {
 namespace {
 
-Qwen3MoeConfig tiny_config() {
-  Qwen3MoeConfig c;
-  c.vocab_size = 19;
-  c.hidden_size = 8;
-  c.intermediate_size = 12;
-  c.moe_intermediate_size = 6;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 4;
-  c.num_experts = 4;
-  c.num_experts_per_tok = 2;
-  c.initializer_range = 0.5;  // large weights: routing and attention far from uniform
-  c.router_aux_loss_coef = 0.1;
-  c.router_z_loss_coef = 0.01;
-  return c;
-}
+Qwen3MoeConfig tiny_config() { return testing::tiny_moe_config(19); }
 
 using testing::random_batch;
 

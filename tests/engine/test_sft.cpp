@@ -14,6 +14,7 @@
 #include "engine/data/sft_loader.h"
 #include "engine/data/tokenizer_factory.h"
 #include "engine/models/qwen3_moe.h"
+#include "model_batches.h"
 #include "engine/scratch_dir.h"
 #include "engine/tiny_bpe.h"
 #include "test_util.h"
@@ -311,19 +312,9 @@ TEST_F(SftTest, BadInputNamesFileAndLine) {
 // (plus padding) gives the loss and gradients of the two run alone, so nothing leaks
 // between packed documents, forward or backward.
 TEST_F(SftTest, PackedRowEqualsConversationsAloneInTheModel) {
-  Qwen3MoeConfig c;
-  c.vocab_size = 320;
-  c.hidden_size = 8;
-  c.intermediate_size = 12;
-  c.moe_intermediate_size = 6;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 4;
-  c.num_experts = 4;
-  c.num_experts_per_tok = 2;
-  c.initializer_range = 0.5;
+  Qwen3MoeConfig c = moetrain::testing::tiny_moe_config(320);
   c.router_aux_loss_coef = 0;  // batch statistics would see the other documents and the padding
+  c.router_z_loss_coef = 0;
   ChatMlTemplate chatml(*tok_);
   auto docs = std::make_shared<ChatDocuments>();
   for (const auto& conv : {chatml.tokenize({{"user", "in"}, {"assistant", "on he"}}, "a"),
