@@ -48,6 +48,9 @@ class Tensor {
   std::string str() const;  // "f32[4, 8] cpu"
 
   void* raw() const;
+  // Where this view starts in its storage, in elements: a stable identity for an element of
+  // a flat buffer whatever views it is reached through (stochastic rounding keys on it).
+  int64_t storage_offset() const { return offset_; }
   // Typed pointer; throws when T does not match dtype().
   template <typename T>
   T* data() const {

@@ -30,6 +30,7 @@ struct BenchReport {
   double tokens_per_s = 0, tflops = 0, mfu = 0;
   int64_t peak_memory_bytes = 0;
   std::array<double, kNumStages> stage_ms{};  // per step, mean over the timed steps
+  bool optimizer_overlapped = false;  // the step time had the optimizer on its own stream
   double peak_tflops = 0;
   std::string pipeline;    // pp > 1: the measured and the simulated bubble
   std::string all_to_all;  // ep > 1: exchange time per step and how much compute hid

@@ -82,6 +82,8 @@ void OptimizerConfig::describe(ConfigFields& f) {
   f.add("moments", &moments,
         "dtype of the AdamW moments: f32, or bf16 (half their memory and optimizer traffic; stochastic rounding)",
         one_of(&moments, {"f32", "bf16"}));
+  f.add("overlap", &overlap,
+        "one GPU: gradient norm and AdamW on a second stream, under the backward and the next forward (same results)");
   f.add("schedule", &schedule, "learning-rate schedule: cosine, wsd (warmup-stable-decay) or constant",
         one_of(&schedule, {"cosine", "wsd", "constant"}));
   f.add("warmup_steps", &warmup_steps, "linear warmup from 0 to lr over this many steps", non_negative(&warmup_steps));

@@ -53,6 +53,9 @@ struct OptimizerConfig {
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double weight_decay = 0.1;
   std::string moments = "f32";      // "f32" | "bf16": dtype of the AdamW moments
+  // One process on a GPU: the gradient norm and AdamW on a second stream, overlapping the
+  // backward and the next forward (optim/layerwise.h); the same numbers either way.
+  bool overlap = true;
   std::string schedule = "cosine";  // "cosine" | "wsd" | "constant"
   int64_t warmup_steps = 50;
   double decay_fraction = 0.2;      // wsd: last fraction of steps that decays to min_lr

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <cstdlib>
+
 #include "core/cuda_runtime.h"
 #include "core/log.h"
 
@@ -93,6 +95,9 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
     if (par.pp > 1) c.pipeline = std::make_unique<PipelineExecutor>(*c.model, *c.dispatcher, par.pp_group(), c.chunks);
   } else {
     c.single_opt = std::make_unique<AdamW>(c.model->parameters(), adamw);
+    LayerwiseConfig lw{oc.overlap && gpu};
+    if (const char* b = std::getenv("MOETRAIN_OPTIMIZER_BLOCKS")) lw.update_blocks = std::atoi(b);  // tuning
+    c.layerwise = std::make_unique<LayerwiseOptimizer>(*c.model, *c.single_opt, lw);
   }
   return ctx;
 }
@@ -103,7 +108,7 @@ StepResult TrainContext::step(const std::vector<Batch>& batches, double lr, doub
                       grad_clip);
   }
   if (fsdp) return train_step(*model, *dispatcher, *fsdp, *par.data_group(), batches, lr, grad_clip);
-  return train_step(*model, *dispatcher, *single_opt, batches, lr, grad_clip);
+  return train_step(*model, *dispatcher, *layerwise, batches, lr, grad_clip);
 }
 
 }  // namespace moetrain

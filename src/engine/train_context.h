@@ -11,6 +11,7 @@
 #include "core/cuda_runtime.h"
 #include "engine/models/qwen3_moe.h"
 #include "engine/optim/adamw.h"
+#include "engine/optim/layerwise.h"
 #include "engine/parallel/fsdp.h"
 #include "engine/parallel/parallel_context.h"
 #include "engine/pipeline/executor.h"
@@ -34,6 +35,7 @@ struct TrainContext {
   std::unique_ptr<ExpertDispatcher> dispatcher;            // local, or all-to-all over ep
   std::unique_ptr<FsdpContext> fsdp;                       // several ranks: sharded optimizer
   std::unique_ptr<AdamW> single_opt;                       // one rank
+  std::unique_ptr<LayerwiseOptimizer> layerwise;           // one rank: single_opt, layer by layer
   std::unique_ptr<PipelineExecutor> pipeline;              // pp > 1
 
   // Builds everything on the ranks `par` connected (ParallelContext::build); errors name the
@@ -43,6 +45,12 @@ struct TrainContext {
   AdamW& optimizer() { return fsdp ? fsdp->optimizer() : *single_opt; }
   // One optimizer step over this rank's micro-batches (on the model's device).
   StepResult step(const std::vector<Batch>& batches, double lr, double grad_clip);
+  // Makes later work on the current stream follow every optimizer update still running (one
+  // rank on a GPU: see optim/layerwise.h); before reading weights or optimizer state other
+  // than through the model's forward (checkpoints, the end of the run).
+  void settle() {
+    if (layerwise) layerwise->drain();
+  }
   // Tokens of one step over all data ranks.
   int64_t tokens_per_step(const TrainingConfig& tc) const {
     return tc.micro_batch_size * par.data_world * tc.seq_len * tc.grad_accum_steps;

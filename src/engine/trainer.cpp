@@ -17,6 +17,7 @@
 #include "engine/data/loader.h"
 #include "engine/models/qwen3_moe.h"
 #include "engine/optim/adamw.h"
+#include "engine/optim/layerwise.h"
 #include "engine/optim/lr_schedule.h"
 #include "engine/parallel/expert_dispatch.h"
 #include "engine/parallel/fsdp.h"
@@ -169,12 +170,13 @@ void sharded_optimizer_step(FsdpContext& fsdp, StepResult& r, double lr, double 
 // z-loss share in r.aux_loss / z.
 StepResult accumulate_micro_batches(Qwen3MoeModel& model, ExpertDispatcher& dispatcher,
                                     const std::vector<Batch>& batches, double targets, double& z,
-                                    FsdpContext* fsdp = nullptr) {
+                                    FsdpContext* fsdp = nullptr, LayerwiseOptimizer* layerwise = nullptr) {
   StepResult r;
   const double n = static_cast<double>(batches.size());
   for (size_t i = 0; i < batches.size(); ++i) {
     // The first micro-batch writes the gradients, the others add: no zeroing pass.
     if (fsdp) fsdp->begin_micro_batch(i == 0);
+    if (layerwise && i + 1 == batches.size()) layerwise->begin_last_micro_batch();
     const bool accumulate = fsdp ? fsdp->model_accumulates(i) : i > 0;
     MicroBatchLoss l = model.forward_backward(batches[i], dispatcher, 1.0 / targets, 1.0 / n, accumulate);
     r.loss += l.ce_sum;
@@ -192,22 +194,26 @@ StepResult accumulate_micro_batches(Qwen3MoeModel& model, ExpertDispatcher& disp
 
 }  // namespace
 
-StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, AdamW& opt, const std::vector<Batch>& batches,
-                      double lr, double grad_clip) {
-  ParameterList& params = model.parameters();
+StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, LayerwiseOptimizer& opt,
+                      const std::vector<Batch>& batches, double lr, double grad_clip) {
   int64_t targets = 0;
   for (const Batch& b : batches) targets += b.num_targets;
   MT_CHECK(targets > 0, "no token of the step's batches has a target");
   double z = 0;
-  StepResult r = accumulate_micro_batches(model, dispatcher, batches, static_cast<double>(targets), z);
+  StepResult r = accumulate_micro_batches(model, dispatcher, batches, static_cast<double>(targets), z, nullptr, &opt);
   r.loss /= static_cast<double>(targets);
   r.aux_loss += z;
   StageScope t(Stage::kOptimizer);
   MT_CHECK(std::isfinite(r.loss), "training loss is not finite ({})", r.loss);
-  const GradNorm g = global_grad_norm(params, grad_clip);
+  const GradNorm g = opt.step(lr, grad_clip);
   r.grad_norm = g.norm;
-  opt.step(params, lr, g.clip_scale);
   return r;
+}
+
+StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, AdamW& opt, const std::vector<Batch>& batches,
+                      double lr, double grad_clip) {
+  LayerwiseOptimizer in_line(model, opt, LayerwiseConfig{.overlap = false});
+  return train_step(model, dispatcher, in_line, batches, lr, grad_clip);
 }
 
 StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, FsdpContext& fsdp, Communicator& data_group,
@@ -458,6 +464,7 @@ TrainSummary train(const RunConfig& cfg_in) {
       summary.last_val_loss = *m.val_loss;
     }
     if (checkpointer && ((cc.every > 0 && (step + 1) % cc.every == 0) || (cc.save_final && step + 1 == end_step))) {
+      ctx->settle();
       const SaveStats st = checkpointer->save(step + 1, checkpoint_state(), trainer_state(step + 1));
       m.checkpoint_stall_s = st.stall_s;
       spdlog::debug("checkpoint: step {} snapshot of {:.1f} MB, training waited {:.3f} s", step + 1, st.bytes / 1e6,
@@ -473,6 +480,7 @@ TrainSummary train(const RunConfig& cfg_in) {
     progress.update(step + 1, fmt::format("loss {:.3f}", loss));
   }
   progress.finish();
+  ctx->settle();
   if (checkpointer) checkpointer->wait();  // the run ends with its last save committed
   summary.steps = end_step - start_step;
   summary.tokens_per_s = static_cast<double>(tokens_per_step * summary.steps) / std::max(train_seconds, 1e-9);

@@ -36,6 +36,11 @@ struct StepResult {
 };
 StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, AdamW& opt, const std::vector<Batch>& batches,
                       double lr, double grad_clip);
+// The same step with the optimizer taken layer by layer (optim/layerwise.h): on a GPU its
+// updates may still be running when this returns, under the next forward.
+class LayerwiseOptimizer;
+StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, LayerwiseOptimizer& opt,
+                      const std::vector<Batch>& batches, double lr, double grad_clip);
 // The same step on one of many ranks: `batches` are this rank's share; losses and token
 // counts are summed over `data_group`, gradients reduced and the optimizer stepped by fsdp.
 class FsdpContext;

@@ -188,6 +188,17 @@ double sum_squares_all(const std::vector<Tensor>& xs) {
   return MT_ROUTE(first_of(xs, "sum_squares_all"), sum_squares_all, xs);
 }
 
+void sum_squares_all_into(const std::vector<Tensor>& xs, Tensor& out, int64_t index) {
+  MT_CHECK(out.defined() && out.dtype() == DType::F64 && index >= 0 && index < out.numel(),
+           "sum_squares_all_into: out must be f64 with an element {}, got {}", index,
+           out.defined() ? out.str() : std::string("undefined"));
+  for (const Tensor& x : xs) {
+    MT_CHECK(x.defined() && x.device() == out.device(), "sum_squares_all_into: {} is not on {} with out",
+             x.defined() ? x.str() : std::string("undefined"), out.device().str());
+  }
+  MT_ROUTE(out, sum_squares_all_into, xs, out, index);
+}
+
 void zero_all(const std::vector<Tensor>& xs) {
   MT_ROUTE(first_of(xs, "zero_all"), zero_all, xs);
 }

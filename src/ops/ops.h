@@ -203,8 +203,8 @@ Tensor router_z_loss_backward(const Tensor& probs, const Tensor& lse, double sca
 
 // ---- AdamW (decoupled weight decay), FP32 master weights and moments ------------------
 // In place on param, m, v (same shape, f32 or f64; or f32 param and grad with bf16 m and v,
-// stored by stochastic rounding keyed by step and element index: stochastic_round.h; on
-// CUDA the index counts within each coalesced run of tensors), given grad:
+// stored by stochastic rounding keyed by step and the element's place in m's storage, so
+// CPU and CUDA, whole-list and per-bucket updates round alike: stochastic_round.h), given grad:
 //   m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
 //   param -= lr * (m / (1-b1^step) / (sqrt(v / (1-b2^step)) + eps) + wd * param)
 // with g = grad_scale * grad (global-norm clipping folded into the update, so the
@@ -213,6 +213,9 @@ struct AdamWStep {
   double lr = 0, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0;
   int64_t step = 1;         // 1-based, for bias correction
   double grad_scale = 1.0;  // multiplies every gradient element first
+  // CUDA launch width: at most this many blocks (0: enough to fill the GPU). Fewer leave
+  // multiprocessors to kernels that overlap the update (LayerwiseOptimizer).
+  int max_blocks = 0;
 };
 void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWStep& s);
 
@@ -233,6 +236,9 @@ struct AdamWTensors {
 void adamw_update_all(AdamWTensors& t, const AdamWStep& s);
 // Sum over the list of sum_squares, in double; on CUDA in a fixed order (reproducible).
 double sum_squares_all(const std::vector<Tensor>& xs);
+// The same sum written to out[index] (f64, on the list's device) without waiting for it, so
+// a stream can compute a part of a norm while another goes on (LayerwiseOptimizer).
+void sum_squares_all_into(const std::vector<Tensor>& xs, Tensor& out, int64_t index);
 // Sets every tensor of the list to zero.
 void zero_all(const std::vector<Tensor>& xs);
 

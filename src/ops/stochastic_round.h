@@ -3,8 +3,9 @@
 // a bf16 ulp (2^-9 relative): with beta2 = 0.999 the second moment moves by 0.1% a step and
 // would stall. Rounding up with probability equal to the discarded fraction keeps each
 // stored value unbiased. The random bits are a hash of (element index, step, stream), not a
-// generator's state, so a rerun or a resumed run rounds exactly the same way. Shared by the
-// CPU reference and the CUDA kernel (host and device functions).
+// generator's state (the index: the element's place in the moments' flat buffer, the same
+// however the update is cut into launches), so a rerun or a resumed run rounds exactly the
+// same way. Shared by the CPU reference and the CUDA kernel (host and device functions).
 #pragma once
 
 #include <cstdint>

@@ -3,7 +3,11 @@
 #include <cmath>
 
 #include "engine/optim/adamw.h"
+#include "engine/optim/layerwise.h"
 #include "engine/optim/lr_schedule.h"
+#include "engine/trainer.h"
+#include "model_batches.h"
+#include "test_util.h"
 
 namespace moetrain {
 namespace {
@@ -79,6 +83,71 @@ TEST(AdamW, ClipScaleEqualsScalingTheGradient) {
     ob.step(b, 0.01);
   }
   for (int i = 0; i < 3; ++i) EXPECT_NEAR(a[0].value.item(i), b[0].value.item(i), 1e-12);
+}
+
+
+// Parameters of random values and gradients, f32, as views of flat buffers like a model's.
+ParameterList flat_params(const std::vector<int64_t>& sizes, uint64_t seed) {
+  ParameterList ps;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    ps.push_back(Parameter{"p" + std::to_string(i), testing::random_tensor({sizes[i]}, DType::F32, seed + 2 * i),
+                           testing::random_tensor({sizes[i]}, DType::F32, seed + 2 * i + 1), i % 2 == 0, 0.0});
+  }
+  return ps;
+}
+
+// AdamW cut into per-group updates (LayerwiseOptimizer) equals the whole-list step bit for
+// bit, bf16 moments included: their stochastic rounding keys on each element's place in
+// the moment buffer, not on its index inside whatever tensors one call was given.
+TEST(AdamW, UpdateInPartsEqualsTheWholeStepBf16MomentsIncluded) {
+  for (bool bf16 : {false, true}) {
+    ParameterList whole = flat_params({37, 300, 5, 128}, 11), parts = flat_params({37, 300, 5, 128}, 11);
+    AdamWConfig cfg{0.9, 0.95, 1e-8, 0.1, bf16};
+    AdamW a(whole, cfg), b(parts, cfg);
+    for (int step = 0; step < 3; ++step) {
+      a.step(whole, 1e-2, 0.7);
+      b.advance();
+      b.update(parts, {3, 1}, 1e-2, 0.7);
+      b.update(parts, {0, 2}, 1e-2, 0.7);
+    }
+    for (size_t i = 0; i < whole.size(); ++i) {
+      EXPECT_TRUE(testing::bytes_equal(whole[i].value, parts[i].value)) << "param " << i << " bf16 " << bf16;
+      EXPECT_TRUE(testing::bytes_equal(a.exp_avg()[i], b.exp_avg()[i])) << "m " << i << " bf16 " << bf16;
+      EXPECT_TRUE(testing::bytes_equal(a.exp_avg_sq()[i], b.exp_avg_sq()[i])) << "v " << i << " bf16 " << bf16;
+    }
+  }
+}
+
+// A training step through LayerwiseOptimizer (the norm summed bucket by bucket, AdamW
+// group by group) against the plain global norm and whole-list AdamW, in float64.
+TEST(LayerwiseOptimizer, StepEqualsGlobalNormThenAdamW) {
+  const Qwen3MoeConfig c = testing::tiny_moe_config(50, 3);
+  Qwen3MoeModel layered(c, DType::F64), plain(c, DType::F64);
+  layered.init_weights(3);
+  plain.init_weights(3);
+  AdamW opt_l(layered.parameters(), {}), opt_p(plain.parameters(), {});
+  LayerwiseOptimizer lw(layered, opt_l, LayerwiseConfig{});
+  LocalDispatcher d;
+  for (int step = 0; step < 3; ++step) {
+    const std::vector<Batch> bs{testing::random_batch(2, 6, 50, 100 + 10 * step),
+                                testing::random_batch(2, 6, 50, 105 + 10 * step)};
+    const StepResult r = train_step(layered, d, lw, bs, 1e-2, 0.5);
+    // the plain step: micro-batches accumulated, one global norm, AdamW over the list
+    int64_t targets = 0;
+    for (const Batch& b : bs) targets += b.num_targets;
+    for (size_t i = 0; i < bs.size(); ++i) {
+      plain.forward_backward(bs[i], d, 1.0 / static_cast<double>(targets), 0.5, i > 0);
+    }
+    const GradNorm g = global_grad_norm(plain.parameters(), 0.5);
+    opt_p.step(plain.parameters(), 1e-2, g.clip_scale);
+    EXPECT_NEAR(r.grad_norm, g.norm, 1e-12 * g.norm) << "step " << step;
+    EXPECT_LT(g.clip_scale, 1.0);  // the clip is exercised
+  }
+  EXPECT_EQ(opt_l.steps_taken(), 3);
+  for (size_t i = 0; i < plain.parameters().size(); ++i) {
+    EXPECT_LT(testing::rel_error(layered.parameters()[i].value, plain.parameters()[i].value), 1e-12)
+        << plain.parameters()[i].name;
+  }
 }
 
 }  // namespace

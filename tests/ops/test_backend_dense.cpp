@@ -26,6 +26,7 @@ namespace moetrain {
 namespace {
 
 using testing::backend_error;
+using testing::bytes_equal;
 using testing::expect_backend_close;
 using testing::kBf16Tol;
 using testing::kF32Tol;
@@ -426,6 +427,39 @@ TEST(BackendDense, AdamWBf16Moments) {
   }
 }
 
+// Stochastic rounding of bf16 moments keys on each element's place in the moment buffer, so
+// one launch over views that lie back to back (coalesced into one run) rounds exactly as a
+// launch per view: the optimizer may cut its update anywhere (LayerwiseOptimizer).
+TEST(BackendDense, AdamWBf16MomentsRoundAlikeHoweverTheUpdateIsCut) {
+  MT_REQUIRE_GPU();
+  ops::AdamWStep s;
+  s.lr = 1e-3, s.beta1 = 0.9, s.beta2 = 0.999, s.eps = 1e-8, s.weight_decay = 0.1, s.step = 3;
+  const std::vector<int64_t> sizes{1000, 4096, 77, 30000};
+  int64_t n = 0;
+  for (int64_t k : sizes) n += k;
+  const Tensor p0 = random_tensor({n}, DType::F32, 5).to(kGpu), g = random_tensor({n}, DType::F32, 6, 0.1).to(kGpu);
+  const Tensor m0 = random_tensor({n}, DType::F32, 7, 0.01).to(DType::BF16).to(kGpu);
+  const Tensor v0 = abs_of(random_tensor({n}, DType::F32, 8, 1e-3)).to(DType::BF16).to(kGpu);
+  Tensor pa = p0.clone(), ma = m0.clone(), va = v0.clone(), pb = p0.clone(), mb = m0.clone(), vb = v0.clone();
+  ops::AdamWTensors whole;
+  int64_t at = 0;
+  for (int64_t k : sizes) {
+    whole.params.push_back(pa.slice(at, at + k));
+    whole.grads.push_back(g.slice(at, at + k));
+    whole.m.push_back(ma.slice(at, at + k));
+    whole.v.push_back(va.slice(at, at + k));
+    whole.values.push_back(Tensor());
+    whole.decay.push_back(true);
+    Tensor p = pb.slice(at, at + k), m = mb.slice(at, at + k), v = vb.slice(at, at + k);
+    ops::adamw_update(p, g.slice(at, at + k), m, v, s);
+    at += k;
+  }
+  ops::adamw_update_all(whole, s);
+  EXPECT_TRUE(bytes_equal(ma.to(Device::cpu()), mb.to(Device::cpu())));
+  EXPECT_TRUE(bytes_equal(va.to(Device::cpu()), vb.to(Device::cpu())));
+  EXPECT_TRUE(bytes_equal(pa.to(Device::cpu()), pb.to(Device::cpu())));
+}
+
 // A parameter list as the optimizer sees it, on the host: many odd sizes, a large tensor,
 // and an expert stack's rows; more tensors than one launch carries.
 ops::AdamWTensors host_list(uint64_t seed) {
@@ -481,6 +515,14 @@ TEST(BackendDense, WholeListAdamWNormAndZero) {
   const double norm_gpu = ops::sum_squares_all(gpu.grads), again = ops::sum_squares_all(gpu.grads);
   EXPECT_NEAR(norm_gpu, norm_cpu, 1e-12 * norm_cpu);
   EXPECT_EQ(std::memcmp(&norm_gpu, &again, sizeof again), 0) << "two runs differ";
+  // The same sum left on the device (no wait) at a chosen place, as the optimizer's norm parts.
+  Tensor parts = Tensor::full({3}, NAN, DType::F64, kGpu);
+  ops::sum_squares_all_into(gpu.grads, parts, 1);
+  ops::sum_squares_all_into({}, parts, 2);
+  const double into = parts.item(1);
+  EXPECT_EQ(std::memcmp(&norm_gpu, &into, sizeof into), 0) << "sum_squares_all_into differs from sum_squares_all";
+  EXPECT_EQ(parts.item(2), 0.0);
+  EXPECT_TRUE(std::isnan(parts.item(0))) << "sum_squares_all_into wrote outside its element";
 
   ops::adamw_update_all(cpu, s);
   for (size_t i = 0; i < cpu.values.size(); ++i) {

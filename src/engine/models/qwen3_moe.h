@@ -210,6 +210,7 @@ class Qwen3MoeModel {
   void set_data_group(Communicator* group) { data_group_ = group; }
   // nullptr: every weight is always whole (one process, or weights replicated).
   void set_weight_hooks(WeightHooks* hooks) { hooks_ = hooks; }
+  WeightHooks* weight_hooks() const { return hooks_; }
   // Draws every parameter from the stream keyed by (seed, canonical name).
   void init_weights(uint64_t seed) { init_parameters(params_, seed); }
 

@@ -18,25 +18,42 @@ AdamW::AdamW(const ParameterList& params, AdamWConfig cfg) : cfg_(cfg) {
 }
 
 void AdamW::step(ParameterList& params, double lr, double grad_scale) {
+  std::vector<size_t> all(params.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  advance();
+  update(params, all, lr, grad_scale);
+}
+
+void AdamW::update(ParameterList& params, const std::vector<size_t>& indices, double lr, double grad_scale,
+                   int max_blocks) {
   MT_CHECK(params.size() == m_.size(), "AdamW: built for {} parameters, stepped with {}", m_.size(), params.size());
-  ++step_;
+  MT_CHECK(step_ >= 1, "AdamW: update() before advance()");
+  if (indices.empty()) return;
   ops::AdamWTensors t;
-  for (auto& p : params) {
+  for (size_t i : indices) {
+    MT_CHECK(i < params.size(), "AdamW: parameter index {} of {}", i, params.size());
+    Parameter& p = params[i];
     t.params.push_back(p.master_or_value());
     t.grads.push_back(p.grad);
     t.values.push_back(p.master.defined() ? p.value : Tensor());
     t.decay.push_back(p.weight_decay);
+    t.m.push_back(m_[i]);
+    t.v.push_back(v_[i]);
   }
-  t.m = m_;
-  t.v = v_;
-  ops::adamw_update_all(t, ops::AdamWStep{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, step_, grad_scale});
+  ops::AdamWStep s{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, step_, grad_scale};
+  s.max_blocks = max_blocks;
+  ops::adamw_update_all(t, s);
 }
 
 GradNorm global_grad_norm(const ParameterList& params, double max_norm) {
   std::vector<Tensor> grads;
   for (const auto& p : params) grads.push_back(p.grad);
+  return grad_norm_of(ops::sum_squares_all(grads), params, max_norm);
+}
+
+GradNorm grad_norm_of(double sq, const ParameterList& params, double max_norm) {
   GradNorm r;
-  r.norm = std::sqrt(ops::sum_squares_all(grads));
+  r.norm = std::sqrt(sq);
   if (!std::isfinite(r.norm)) {
     for (const auto& p : params) {
       MT_CHECK(ops::all_finite(p.grad), "gradient of {} is not finite (NaN or Inf)", p.name);

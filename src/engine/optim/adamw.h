@@ -24,6 +24,12 @@ class AdamW {
   // One update of every parameter with learning rate lr, each gradient multiplied by
   // grad_scale first (the clipping factor); advances the step count.
   void step(ParameterList& params, double lr, double grad_scale = 1.0);
+  // The same step in parts: advance() counts it, then update() does the parameters whose
+  // indices are given (every parameter exactly once per step, in any grouping: the update
+  // is element-wise, so the result is the same). max_blocks: ops::AdamWStep.
+  void advance() { ++step_; }
+  void update(ParameterList& params, const std::vector<size_t>& indices, double lr, double grad_scale,
+              int max_blocks = 0);
   int64_t steps_taken() const { return step_; }
   // The moments, one per parameter in list order (views; checkpoints read and write them).
   const std::vector<Tensor>& exp_avg() const { return m_; }
@@ -45,5 +51,8 @@ struct GradNorm {
   double clip_scale = 1;
 };
 GradNorm global_grad_norm(const ParameterList& params, double max_norm);
+// The same from a norm already summed (sum of squares `sq`): throws as above, naming the
+// parameter, when it is not finite.
+GradNorm grad_norm_of(double sq, const ParameterList& params, double max_norm);
 
 }  // namespace moetrain

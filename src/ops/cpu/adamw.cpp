@@ -49,14 +49,14 @@ void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const
     const float* g = grad.data<float>();
     bf16* M = m.data<bf16>();
     bf16* V = v.data<bf16>();
-    const int64_t step = s.step;
+    const int64_t step = s.step, base = m.storage_offset();  // rounding keys on the element's place in m's buffer
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
       const double gi = gs * static_cast<double>(g[i]);
       const double mi = b1 * static_cast<double>(static_cast<float>(M[i])) + (1.0 - b1) * gi;
       const double vi = b2 * static_cast<double>(static_cast<float>(V[i])) + (1.0 - b2) * gi * gi;
-      M[i].bits = bf16_bits_stochastic(f32_bits(static_cast<float>(mi)), rounding_bits(i, step, 0));
-      V[i].bits = bf16_bits_stochastic(f32_bits(static_cast<float>(vi)), rounding_bits(i, step, 1));
+      M[i].bits = bf16_bits_stochastic(f32_bits(static_cast<float>(mi)), rounding_bits(base + i, step, 0));
+      V[i].bits = bf16_bits_stochastic(f32_bits(static_cast<float>(vi)), rounding_bits(base + i, step, 1));
       const double pi = static_cast<double>(p[i]);
       p[i] = static_cast<float>(pi - lr * ((mi / bc1) / (std::sqrt(vi / bc2) + eps) + wd * pi));
     }

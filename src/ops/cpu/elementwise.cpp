@@ -84,6 +84,10 @@ double sum_squares_all(const std::vector<Tensor>& xs) {
   return sq;
 }
 
+void sum_squares_all_into(const std::vector<Tensor>& xs, Tensor& out, int64_t index) {
+  out.data<double>()[index] = sum_squares_all(xs);
+}
+
 void zero_all(const std::vector<Tensor>& xs) {
   for (Tensor x : xs) x.zero_();
 }

@@ -37,7 +37,8 @@ AdamWArgs args_of(const AdamWStep& s, DType moments, const char* op) {
                    s.eps,
                    s.grad_scale,
                    s.step,
-                   moments == DType::BF16};
+                   moments == DType::BF16,
+                   s.max_blocks};
 }
 
 __nv_bfloat16* bf16_or_null(const Tensor& t) { return t.defined() ? static_cast<__nv_bfloat16*>(t.raw()) : nullptr; }
@@ -49,7 +50,7 @@ void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const
   check_entry(param, grad, m, v, Tensor(), moments, "adamw_update");
   const AdamWArgs a = args_of(s, moments, "adamw_update");
   const AdamWSegment seg{param.data<float>(), grad.data<float>(), m.raw(), v.raw(), nullptr, param.numel(),
-                         s.weight_decay};
+                         s.weight_decay, m.storage_offset()};
   launch_adamw(&seg, 1, a, stream());
   check_launch("adamw_update");
 }
@@ -67,7 +68,7 @@ void adamw_update_all(AdamWTensors& t, const AdamWStep& s) {
   for (const TensorRun& r : runs) {
     const size_t i = r.first;
     segs.push_back({t.params[i].data<float>(), t.grads[i].data<float>(), t.m[i].raw(), t.v[i].raw(),
-                    bf16_or_null(t.values[i]), r.numel, t.decay[i] ? s.weight_decay : 0.0});
+                    bf16_or_null(t.values[i]), r.numel, t.decay[i] ? s.weight_decay : 0.0, t.m[i].storage_offset()});
   }
   launch_adamw(segs.data(), static_cast<int>(segs.size()), a, stream());
   check_launch("adamw_update_all");

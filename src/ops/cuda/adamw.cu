@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(const __grid_constant__
                      reinterpret_cast<uintptr_t>(gv) % kMomentAlign == 0 &&
                      (reinterpret_cast<uintptr_t>(g.value) & 7u) == 0;
     auto one = [&](int64_t k) {
-      const float p = adamw_one(g.param[k], g.grad[k], gm[k], gv[k], a, g.weight_decay, k);
+      const float p = adamw_one(g.param[k], g.grad[k], gm[k], gv[k], a, g.weight_decay, g.index_base + k);
       if (g.value) g.value[k] = __float2bfloat16_rn(p);
     };
     if (vec) {
@@ -95,10 +95,10 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(const __grid_constant__
         Moments4<M> m, v;
         m.load(gm + i);
         v.load(gv + i);
-        adamw_one(p.x, gr.x, m.e[0], v.e[0], a, g.weight_decay, i);
-        adamw_one(p.y, gr.y, m.e[1], v.e[1], a, g.weight_decay, i + 1);
-        adamw_one(p.z, gr.z, m.e[2], v.e[2], a, g.weight_decay, i + 2);
-        adamw_one(p.w, gr.w, m.e[3], v.e[3], a, g.weight_decay, i + 3);
+        adamw_one(p.x, gr.x, m.e[0], v.e[0], a, g.weight_decay, g.index_base + i);
+        adamw_one(p.y, gr.y, m.e[1], v.e[1], a, g.weight_decay, g.index_base + i + 1);
+        adamw_one(p.z, gr.z, m.e[2], v.e[2], a, g.weight_decay, g.index_base + i + 2);
+        adamw_one(p.w, gr.w, m.e[3], v.e[3], a, g.weight_decay, g.index_base + i + 3);
         *reinterpret_cast<float4*>(g.param + i) = p;
         m.store(gm + i);
         v.store(gv + i);
@@ -127,7 +127,8 @@ void launch_adamw(const AdamWSegment* segments, int count, const AdamWArgs& args
     }
     const int64_t chunks = b.first_chunk[b.count];
     if (chunks == 0) continue;
-    const int grid = static_cast<int>(chunks < 132 * 8 ? chunks : 132 * 8);
+    const int64_t cap = args.max_blocks > 0 ? args.max_blocks : 132 * 8;
+    const int grid = static_cast<int>(chunks < cap ? chunks : cap);
     if (args.bf16_moments) adamw_kernel<__nv_bfloat16><<<grid, kThreads, 0, s>>>(b, args);
     else adamw_kernel<float><<<grid, kThreads, 0, s>>>(b, args);
   }

@@ -41,6 +41,7 @@ void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const
 double sum_squares(const Tensor& x);
 void adamw_update_all(AdamWTensors& t, const AdamWStep& s);
 double sum_squares_all(const std::vector<Tensor>& xs);
+void sum_squares_all_into(const std::vector<Tensor>& xs, Tensor& out, int64_t index);
 void zero_all(const std::vector<Tensor>& xs);
 void scale_(Tensor& x, double alpha);
 void add_(Tensor& y, const Tensor& x);

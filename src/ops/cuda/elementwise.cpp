@@ -35,11 +35,13 @@ double sum_squares(const Tensor& x) {
   return scratch.item(0);  // the device-to-host copy waits for the kernels
 }
 
-double sum_squares_all(const std::vector<Tensor>& xs) {
-  if (xs.empty()) return 0.0;
+namespace {
+// Launches the list's sum of squares into *result (null: the scratch's first double, which
+// is returned to keep the scratch alive until the caller reads it).
+Tensor launch_squares_of_list(const std::vector<Tensor>& xs, double* result, const char* op) {
   for (const Tensor& x : xs) {
-    check_cuda_tensors("sum_squares_all", {&x});
-    MT_CHECK(x.dtype() == DType::F32, "sum_squares_all: CUDA lists must be f32 (gradients), got {}", x.str());
+    check_cuda_tensors(op, {&x});
+    MT_CHECK(x.dtype() == DType::F32, "{}: CUDA lists must be f32 (gradients), got {}", op, x.str());
   }
   std::vector<SquaresSegment> segs;
   for (const TensorRun& r : contiguous_runs({&xs}, [](size_t, size_t) { return true; })) {
@@ -48,9 +50,25 @@ double sum_squares_all(const std::vector<Tensor>& xs) {
   const int count = static_cast<int>(segs.size());
   Tensor scratch =
       Tensor::empty({sum_squares_segments_scratch_doubles(segs.data(), count)}, DType::F64, xs.front().device());
-  launch_sum_squares_segments(segs.data(), count, scratch.data<double>(), stream());
-  check_launch("sum_squares_all");
-  return scratch.item(0);  // the one wait of the list
+  launch_sum_squares_segments(segs.data(), count, scratch.data<double>(), stream(), result);
+  check_launch(op);
+  return scratch;
+}
+}  // namespace
+
+double sum_squares_all(const std::vector<Tensor>& xs) {
+  if (xs.empty()) return 0.0;
+  return launch_squares_of_list(xs, nullptr, "sum_squares_all").item(0);  // the one wait of the list
+}
+
+void sum_squares_all_into(const std::vector<Tensor>& xs, Tensor& out, int64_t index) {
+  check_cuda_tensors("sum_squares_all_into", {&out});
+  double* dst = out.data<double>() + index;
+  if (xs.empty()) {
+    moetrain::cuda::memset_device(dst, 0, sizeof(double));
+    return;
+  }
+  launch_squares_of_list(xs, dst, "sum_squares_all_into");  // the scratch is freed in stream order
 }
 
 void zero_all(const std::vector<Tensor>& xs) {

@@ -202,7 +202,8 @@ int64_t sum_squares_segments_scratch_doubles(const SquaresSegment* segments, int
   return 1 + chunks;
 }
 
-void launch_sum_squares_segments(const SquaresSegment* segments, int count, double* scratch, cudaStream_t s) {
+void launch_sum_squares_segments(const SquaresSegment* segments, int count, double* scratch, cudaStream_t s,
+                                 double* result) {
   int64_t done = 0;
   for (int first = 0; first < count; first += kMaxSquaresSegments) {
     SquaresBatch b{};
@@ -218,7 +219,7 @@ void launch_sum_squares_segments(const SquaresSegment* segments, int count, doub
     }
     done += b.chunks;
   }
-  sum_doubles_pass2<<<1, kThreads, 0, s>>>(scratch + 1, static_cast<int>(done), scratch);
+  sum_doubles_pass2<<<1, kThreads, 0, s>>>(scratch + 1, static_cast<int>(done), result ? result : scratch);
 }
 
 void launch_scale(float* x, int64_t n, float alpha, cudaStream_t s) {

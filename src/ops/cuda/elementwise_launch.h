@@ -27,7 +27,9 @@ struct SquaresSegment {
   int64_t n;
 };
 int64_t sum_squares_segments_scratch_doubles(const SquaresSegment* segments, int count);
-void launch_sum_squares_segments(const SquaresSegment* segments, int count, double* scratch, cudaStream_t s);
+// The sum goes to scratch[0], or to *result when given (a device double elsewhere).
+void launch_sum_squares_segments(const SquaresSegment* segments, int count, double* scratch, cudaStream_t s,
+                                 double* result = nullptr);
 
 // x *= alpha (alpha rounded to f32; bf16 elements computed in f32 and rounded back).
 void launch_scale(float* x, int64_t n, float alpha, cudaStream_t s);
