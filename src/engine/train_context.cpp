@@ -2,8 +2,6 @@
 
 #include <fmt/format.h>
 
-#include <cstdlib>
-
 #include "core/cuda_runtime.h"
 #include "core/log.h"
 
@@ -95,9 +93,7 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
     if (par.pp > 1) c.pipeline = std::make_unique<PipelineExecutor>(*c.model, *c.dispatcher, par.pp_group(), c.chunks);
   } else {
     c.single_opt = std::make_unique<AdamW>(c.model->parameters(), adamw);
-    LayerwiseConfig lw{oc.overlap && gpu};
-    if (const char* b = std::getenv("MOETRAIN_OPTIMIZER_BLOCKS")) lw.update_blocks = std::atoi(b);  // tuning
-    c.layerwise = std::make_unique<LayerwiseOptimizer>(*c.model, *c.single_opt, lw);
+    c.layerwise = std::make_unique<LayerwiseOptimizer>(*c.model, *c.single_opt, LayerwiseConfig{oc.overlap && gpu});
   }
   return ctx;
 }
