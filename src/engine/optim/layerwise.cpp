@@ -4,6 +4,7 @@
 #include <map>
 
 #include "core/log.h"
+#include "engine/telemetry/stage_timer.h"
 #include "ops/ops.h"
 
 namespace moetrain {
@@ -81,6 +82,7 @@ void LayerwiseOptimizer::after_backward(int64_t layer) {
   Group* g = group_of(layer);
   if (!g) return;
   if (!overlapping()) {
+    StageScope t(Stage::kOptimizer);  // in line: the stage table counts it where it belongs
     for (size_t b : g->buckets) sum_bucket(b);
     return;
   }
