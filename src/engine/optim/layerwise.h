@@ -12,8 +12,11 @@
 // per-bucket sums, and AdamW is element-wise (bf16-moment rounding keys on each element's
 // place in the moment buffer), so a step with overlap on equals one with it off, bit for bit.
 // Anything that reads the weights or the optimizer state outside a training forward
-// (checkpoints, export, the end of training) calls drain() first; forward passes wait
-// through the hooks by themselves. On the CPU everything runs in line.
+// (checkpoints, export, the end of training, the model's hook-less reference_forward) calls
+// drain() first; the staged forward passes (training, validation, sampling) wait through
+// the hooks by themselves. The embedding and the head are one bucket group, so a forward's
+// first op waits for both (a finer split would let the head's update run under the layers).
+// On the CPU everything runs in line.
 #pragma once
 
 #include <vector>
