@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/cuda_runtime.h"
+#include "gpu_timing.h"
 #include "ops/ops.h"
 
 namespace moetrain {
@@ -55,19 +56,7 @@ struct AttnBench {
 
 template <typename F>
 void time_loop(benchmark::State& state, double flops, F&& body) {
-  cuda::Event start = cuda::create_event(), stop = cuda::create_event();
-  double ms_total = 0;
-  for (auto _ : state) {
-    cuda::record_event(start, cuda::current_stream());
-    body();
-    cuda::record_event(stop, cuda::current_stream());
-    const double ms = cuda::elapsed_ms(start, stop);
-    state.SetIterationTime(ms / 1e3);
-    ms_total += ms;
-  }
-  cuda::destroy_event(start);
-  cuda::destroy_event(stop);
-  state.counters["TFLOP/s"] = benchmark::Counter(flops * state.iterations() / (ms_total / 1e3) / 1e12);
+  set_rate(state, "TFLOP/s", flops, time_iterations(state, body));
 }
 
 void BM_AttentionForward(benchmark::State& state) {

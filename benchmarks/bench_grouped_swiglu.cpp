@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/cuda_runtime.h"
+#include "gpu_timing.h"
 #include "ops/ops.h"
 
 namespace moetrain {
@@ -73,20 +74,7 @@ void time_op(benchmark::State& state, F&& body) {
   }
   body();  // warm-up (and kernel attribute setup)
   cuda::device_synchronize();
-  cuda::Event start = cuda::create_event(), stop = cuda::create_event();
-  double ms_total = 0;
-  for (auto _ : state) {
-    cuda::record_event(start, cuda::current_stream());
-    body();
-    cuda::record_event(stop, cuda::current_stream());
-    const double ms = cuda::elapsed_ms(start, stop);
-    state.SetIterationTime(ms / 1e3);
-    ms_total += ms;
-  }
-  cuda::destroy_event(start);
-  cuda::destroy_event(stop);
-  const double flops = 6.0 * kN * kH * kI;
-  state.counters["TFLOP/s"] = benchmark::Counter(flops * state.iterations() / (ms_total / 1e3) / 1e12);
+  set_rate(state, "TFLOP/s", 6.0 * kN * kH * kI, time_iterations(state, body));
 }
 
 void BM_GroupedSwigluForward(benchmark::State& state) {

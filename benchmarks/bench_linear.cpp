@@ -4,6 +4,7 @@
 #include <benchmark/benchmark.h>
 
 #include "core/cuda_runtime.h"
+#include "gpu_timing.h"
 #include "ops/ops.h"
 
 namespace moetrain {
@@ -18,20 +19,8 @@ void BM_LinearForwardBf16(benchmark::State& state) {
   const Device gpu = Device::cuda(0);
   Tensor x = Tensor::zeros({T, in}, DType::BF16, gpu);
   Tensor w = Tensor::zeros({out, in}, DType::BF16, gpu);
-  cuda::Event start = cuda::create_event(), stop = cuda::create_event();
-  double ms_total = 0;
-  for (auto _ : state) {
-    cuda::record_event(start, cuda::current_stream());
-    Tensor y = ops::linear_forward(x, w);
-    cuda::record_event(stop, cuda::current_stream());
-    const double ms = cuda::elapsed_ms(start, stop);
-    state.SetIterationTime(ms / 1e3);
-    ms_total += ms;
-  }
-  const double flops = 2.0 * T * in * out;
-  cuda::destroy_event(start);
-  cuda::destroy_event(stop);
-  state.counters["TFLOP/s"] = benchmark::Counter(flops * state.iterations() / (ms_total / 1e3) / 1e12);
+  const double ms_total = time_iterations(state, [&] { Tensor y = ops::linear_forward(x, w); });
+  set_rate(state, "TFLOP/s", 2.0 * T * in * out, ms_total);
 }
 BENCHMARK(BM_LinearForwardBf16)->Args({8192, 2048, 4096})->Args({8192, 2048, 32768})->UseManualTime();
 

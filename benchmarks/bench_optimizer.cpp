@@ -6,6 +6,7 @@
 #include <benchmark/benchmark.h>
 
 #include "core/cuda_runtime.h"
+#include "gpu_timing.h"
 #include "ops/ops.h"
 
 namespace moetrain {
@@ -18,19 +19,7 @@ template <typename F>
 void time_bytes(benchmark::State& state, double bytes, F&& body) {
   body();  // warm-up
   cuda::device_synchronize();
-  cuda::Event start = cuda::create_event(), stop = cuda::create_event();
-  double ms_total = 0;
-  for (auto _ : state) {
-    cuda::record_event(start, cuda::current_stream());
-    body();
-    cuda::record_event(stop, cuda::current_stream());
-    const double ms = cuda::elapsed_ms(start, stop);
-    state.SetIterationTime(ms / 1e3);
-    ms_total += ms;
-  }
-  cuda::destroy_event(start);
-  cuda::destroy_event(stop);
-  state.counters["TB/s"] = benchmark::Counter(bytes * state.iterations() / (ms_total / 1e3) / 1e12);
+  set_rate(state, "TB/s", bytes, time_iterations(state, body));
 }
 
 void BM_DeviceCopy(benchmark::State& state) {
