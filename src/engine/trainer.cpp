@@ -480,7 +480,12 @@ TrainSummary train(const RunConfig& cfg_in) {
     progress.update(step + 1, fmt::format("loss {:.3f}", loss));
   }
   progress.finish();
-  ctx->settle();
+  {  // the last step's optimizer updates may still run (optim/layerwise.h): count them as training
+    const auto t0 = Clock::now();
+    ctx->settle();
+    if (gpu) cuda::stream_synchronize(cuda::current_stream());
+    train_seconds += seconds_since(t0);
+  }
   if (checkpointer) checkpointer->wait();  // the run ends with its last save committed
   summary.steps = end_step - start_step;
   summary.tokens_per_s = static_cast<double>(tokens_per_step * summary.steps) / std::max(train_seconds, 1e-9);
