@@ -213,9 +213,6 @@ struct AdamWStep {
   double lr = 0, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0;
   int64_t step = 1;         // 1-based, for bias correction
   double grad_scale = 1.0;  // multiplies every gradient element first
-  // CUDA launch width: at most this many blocks (0: enough to fill the GPU). Fewer leave
-  // multiprocessors to kernels that overlap the update (LayerwiseOptimizer).
-  int max_blocks = 0;
 };
 void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWStep& s);
 

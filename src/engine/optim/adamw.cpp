@@ -24,8 +24,7 @@ void AdamW::step(ParameterList& params, double lr, double grad_scale) {
   update(params, all, lr, grad_scale);
 }
 
-void AdamW::update(ParameterList& params, const std::vector<size_t>& indices, double lr, double grad_scale,
-                   int max_blocks) {
+void AdamW::update(ParameterList& params, const std::vector<size_t>& indices, double lr, double grad_scale) {
   MT_CHECK(params.size() == m_.size(), "AdamW: built for {} parameters, stepped with {}", m_.size(), params.size());
   MT_CHECK(step_ >= 1, "AdamW: update() before advance()");
   if (indices.empty()) return;
@@ -40,9 +39,7 @@ void AdamW::update(ParameterList& params, const std::vector<size_t>& indices, do
     t.m.push_back(m_[i]);
     t.v.push_back(v_[i]);
   }
-  ops::AdamWStep s{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, step_, grad_scale};
-  s.max_blocks = max_blocks;
-  ops::adamw_update_all(t, s);
+  ops::adamw_update_all(t, ops::AdamWStep{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, step_, grad_scale});
 }
 
 GradNorm global_grad_norm(const ParameterList& params, double max_norm) {

@@ -26,10 +26,9 @@ class AdamW {
   void step(ParameterList& params, double lr, double grad_scale = 1.0);
   // The same step in parts: advance() counts it, then update() does the parameters whose
   // indices are given (every parameter exactly once per step, in any grouping: the update
-  // is element-wise, so the result is the same). max_blocks: ops::AdamWStep.
+  // is element-wise, so the result is the same).
   void advance() { ++step_; }
-  void update(ParameterList& params, const std::vector<size_t>& indices, double lr, double grad_scale,
-              int max_blocks = 0);
+  void update(ParameterList& params, const std::vector<size_t>& indices, double lr, double grad_scale);
   int64_t steps_taken() const { return step_; }
   // The moments, one per parameter in list order (views; checkpoints read and write them).
   const std::vector<Tensor>& exp_avg() const { return m_; }

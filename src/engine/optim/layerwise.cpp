@@ -1,7 +1,7 @@
 #include "engine/optim/layerwise.h"
 
-#include <algorithm>
 #include <map>
+#include <optional>
 
 #include "core/log.h"
 #include "engine/telemetry/stage_timer.h"
@@ -102,8 +102,8 @@ GradNorm LayerwiseOptimizer::step(double lr, double max_norm) {
     cuda::stream_wait_event(stream_, grads_ready_);
   }
   {
-    std::unique_ptr<cuda::CurrentStreamScope> on;
-    if (overlap) on = std::make_unique<cuda::CurrentStreamScope>(stream_);
+    std::optional<cuda::CurrentStreamScope> on;
+    if (overlap) on.emplace(stream_);
     for (size_t b = 0; b < summed_.size(); ++b) {
       if (!summed_[b]) sum_bucket(b);  // buckets no hook reached (a step without armed backward)
     }
@@ -124,7 +124,7 @@ GradNorm LayerwiseOptimizer::step(double lr, double max_norm) {
       continue;
     }
     cuda::CurrentStreamScope on(stream_);
-    opt_.update(params, gr.params, lr, g.clip_scale, cfg_.update_blocks);
+    opt_.update(params, gr.params, lr, g.clip_scale);
     cuda::record_event(gr.updated, stream_);
     gr.pending = true;
   }

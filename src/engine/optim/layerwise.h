@@ -29,8 +29,6 @@ namespace moetrain {
 
 struct LayerwiseConfig {
   bool overlap = true;  // GPU: a second stream (else every part runs in line on the current one)
-  // AdamW launch width on the second stream (ops::AdamWStep::max_blocks; 0: fill the GPU).
-  int update_blocks = 0;
 };
 
 class LayerwiseOptimizer : public WeightHooks {

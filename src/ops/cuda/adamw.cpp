@@ -37,8 +37,7 @@ AdamWArgs args_of(const AdamWStep& s, DType moments, const char* op) {
                    s.eps,
                    s.grad_scale,
                    s.step,
-                   moments == DType::BF16,
-                   s.max_blocks};
+                   moments == DType::BF16};
 }
 
 __nv_bfloat16* bf16_or_null(const Tensor& t) { return t.defined() ? static_cast<__nv_bfloat16*>(t.raw()) : nullptr; }

@@ -152,8 +152,7 @@ void launch_adamw(const AdamWSegment* segments, int count, const AdamWArgs& args
     }
     const int64_t chunks = b.first_chunk[b.count];
     if (chunks == 0) continue;
-    const int64_t cap = args.max_blocks > 0 ? args.max_blocks : 132 * 8;
-    const int grid = static_cast<int>(chunks < cap ? chunks : cap);
+    const int grid = static_cast<int>(chunks < 132 * 8 ? chunks : 132 * 8);
     if (args.bf16_moments) adamw_kernel<__nv_bfloat16><<<grid, kThreads, 0, s>>>(b, args);
     else adamw_kernel<float><<<grid, kThreads, 0, s>>>(b, args);
   }

@@ -26,7 +26,6 @@ struct AdamWArgs {
   double lr, b1, b2, bc1, bc2, eps, grad_scale;  // bc1 = 1 - b1^step, bc2 = 1 - b2^step
   int64_t step;       // seeds the stochastic rounding of bf16 moments
   bool bf16_moments;  // m and v of every segment are bf16, stored by stochastic rounding
-  int max_blocks;     // grid cap (0: 8 blocks per multiprocessor)
 };
 
 // In place, each element computed in double exactly as the CPU reference:
