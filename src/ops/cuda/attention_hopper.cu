@@ -69,9 +69,9 @@ constexpr int kQSmem = 2 * kQTile + kStages * kQStage + 1024 + 256;
 constexpr int kFRows = 128, kFKeys = 128;
 constexpr int kFQTile = kFRows * kD * 2;                // Q: 32 KB
 constexpr int kFKvTile = kFKeys * kD * 2;               // K or V: 32 KB
-constexpr int kFStages = 2;
-constexpr int kFStage = 2 * kFKvTile + 1024;            // + key segment ids (512 B)
-constexpr int kFSmem = kFQTile + kFStages * kFStage + 1024 + 256;
+constexpr int kFStages = 3;
+constexpr int kFStage = 2 * kFKvTile;                   // K, V (their key segment ids: 512 B apart)
+constexpr int kFSmem = kFQTile + kFStages * (kFStage + 512) + 1024 + 256;  // 232,192 of the 232,448 allowed
 
 struct Maps {
   CUtensorMap q_rows64, do_rows64, k_rows128, v_rows128;  // dK/dV pass
@@ -193,10 +193,15 @@ __device__ __forceinline__ void release_and_refill(int it, int n_it, uint64_t* f
 
 // Forward: one block per (query tile of 128 rows, query head, batch), the last tiles first.
 // Q stays in shared memory; key/value tiles of 128 rows 0..diagonal stream through a
-// 2-stage ring. Per iteration a warpgroup computes S = Q K^T (m64n128), the online softmax
-// in the exp2 domain (running max m and sum l per row, as attention.cu's forward), and
-// O += P V with P as register A operands and V read MN-major.
-__global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const __grid_constant__ Maps maps, const Args a) {
+// 3-stage ring filled by a producer warpgroup (one thread of warpgroup 2), which refills a stage as soon as both
+// consumer warpgroups have released it. Each consumer warpgroup owns 64 query rows and
+// computes S = Q K^T (m64n128), the online softmax in the exp2 domain (running max m and
+// sum l per row, as attention.cu's forward), and O += P V with P as register A operands and
+// V read MN-major. The MMAs of key tile j - 1's P V run while tile j's softmax is computed
+// (S_j and P_{j-1} V_{j-1} are issued together; S_j is waited for, P V is not): O is
+// rescaled and P_j packed only after P V has finished with them.
+constexpr int kFThreads = kThreads + 128;  // + the producer's warpgroup (its registers go to the consumers)
+__global__ void __launch_bounds__(kFThreads, 1) fwd_kernel(const __grid_constant__ Maps maps, const Args a) {
 #if MT_SM90A
   const int bh = a.batch * a.q_heads, n_qt = a.seq / kFRows;
   const int qt = n_qt - 1 - static_cast<int>(blockIdx.x / bh);
@@ -206,29 +211,34 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const __grid_constant_
   extern __shared__ char smem_raw[];
   char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   char* sQ = smem;
-  char* stages = smem + kFQTile;
-  uint64_t* full = reinterpret_cast<uint64_t*>(stages + kFStages * kFStage);
+  char* stages = smem + kFQTile;                                          // K, V of each stage
+  char* seg_ids = stages + kFStages * kFStage;                            // 128 key segment ids a stage
+  uint64_t* full = reinterpret_cast<uint64_t*>(seg_ids + kFStages * 512);
   uint64_t* empty = full + kFStages;
   uint64_t* q_bar = empty + kFStages;
   init_barriers<kFStages>(full, empty, q_bar);
 
-  const int n_it = q0 / kFKeys + 1;  // key tiles 0 .. the diagonal
-  auto issue = [&](int it, int s) {
-    const int kr = it * kFKeys;
-    char* st = stages + s * kFStage;
-    uint64_t* bar = &full[s];
-    mbar_arrive_expect_tx(bar, 2 * kFKvTile + (a.seg != nullptr ? 512 : 0));
-    load_tile128(st, kFKvTile, &maps.k_rows128, bar, kvh * kD, tok0 + kr);
-    load_tile128(st + kFKvTile, kFKvTile, &maps.v_rows128, bar, kvh * kD, tok0 + kr);
-    if (a.seg != nullptr) bulk_load(st + 2 * kFKvTile, a.seg + tok0 + kr, 512, bar);
-  };
-  const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, w = (tid >> 5) & 3;
-  const int g = lane >> 2, t = lane & 3;
-  if (tid == 0) {
+  const int n_it = q0 / kFKeys + 1;  // key tiles 0 .. the diagonal: every one has keys before both warpgroups' rows
+  const int tid = threadIdx.x;
+  if (tid >= kThreads) {  // the producer warpgroup: one thread issues the copies
+    setmaxnreg_dec<24>();
+    if (tid != kThreads) return;
     mbar_arrive_expect_tx(q_bar, kFQTile);
     load_tile128(sQ, kFQTile, &maps.q_rows128, q_bar, h * kD, tok0 + q0);
-    for (int s = 0; s < kFStages && s < n_it; ++s) issue(s, s);
+    for (int it = 0; it < n_it; ++it) {
+      const int s = it % kFStages, kr = it * kFKeys;
+      if (it >= kFStages) mbar_wait(&empty[s], ((it / kFStages) - 1) & 1);  // tile it - kFStages has left it
+      char* st = stages + s * kFStage;
+      mbar_arrive_expect_tx(&full[s], 2 * kFKvTile + (a.seg != nullptr ? 512 : 0));
+      load_tile128(st, kFKvTile, &maps.k_rows128, &full[s], kvh * kD, tok0 + kr);
+      load_tile128(st + kFKvTile, kFKvTile, &maps.v_rows128, &full[s], kvh * kD, tok0 + kr);
+      if (a.seg != nullptr) bulk_load(seg_ids + s * 512, a.seg + tok0 + kr, 512, &full[s]);
+    }
+    return;
   }
+  setmaxnreg_inc<240>();
+  const int wg = tid >> 7, lane = tid & 31, w = (tid >> 5) & 3;
+  const int g = lane >> 2, t = lane & 3;
   const int qw0 = q0 + wg * 64;  // this warpgroup's first row
   int row[2], seg_q[2] = {0, 0};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
@@ -237,79 +247,108 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const __grid_constant_
     row[i] = qw0 + 16 * w + g + 8 * i;
     if (a.seg != nullptr) seg_q[i] = a.seg[tok0 + row[i]];
   }
-  float o[64];
+  float o[64], sc[64], alpha[2];
+  uint32_t ap[8][4];  // P of the previous key tile, bf16 A fragments
   zero(o);
   const uint32_t q_addr = smem_u32(sQ) + wg * 64 * 128;
   mbar_wait(q_bar, 0);
 
-  for (int it = 0; it < n_it; ++it) {
-    const int s = it % kFStages;
-    mbar_wait(&full[s], (it / kFStages) & 1);
+  // S_j -> masked, exponentiated in place (P_j, f32), m and l updated, alpha = the factor
+  // that takes O and l from the old running max to the new one.
+  auto softmax = [&](int it) {
     const int kr = it * kFKeys;
-    if (kr <= qw0 + 63) {  // else every key of the tile follows every row here
-      char* st = stages + s * kFStage;
-      const uint32_t k_addr = smem_u32(st), v_addr = smem_u32(st + kFKvTile);
-      const int32_t* s_seg = reinterpret_cast<const int32_t*>(st + 2 * kFKvTile);
-      float sc[64];
-      zero(sc);
-      wgmma_fence();
-      mma_rows_by_rows(sc, q_addr, kFRows, k_addr, kFKeys);  // S = Q K^T
-      wgmma_commit();
-      wgmma_wait<0>();
-      pin(sc);
-      if (a.seg != nullptr || kr + kFKeys - 1 > qw0) {
+    const int32_t* s_seg = reinterpret_cast<const int32_t*>(seg_ids + (it % kFStages) * 512);
+    if (a.seg != nullptr || kr + kFKeys - 1 > qw0) {
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
+      for (int j = 0; j < 16; ++j) {
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int col = 8 * j + 2 * t + c;
+        for (int c = 0; c < 2; ++c) {
+          const int col = 8 * j + 2 * t + c;
 #pragma unroll
-            for (int i2 = 0; i2 < 2; ++i2) {
-              if (kr + col > row[i2] || (a.seg != nullptr && s_seg[col] != seg_q[i2])) sc[4 * j + 2 * i2 + c] = -INFINITY;
-            }
+          for (int i2 = 0; i2 < 2; ++i2) {
+            if (kr + col > row[i2] || (a.seg != nullptr && s_seg[col] != seg_q[i2])) sc[4 * j + 2 * i2 + c] = -INFINITY;
           }
         }
       }
+    }
+#pragma unroll
+    for (int i2 = 0; i2 < 2; ++i2) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * i2], sc[4 * j + 2 * i2 + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[i2], mx * a.scale_log2);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet
+      alpha[i2] = ex2(m[i2] - m_use);
+      m[i2] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int i = 4 * j + 2 * i2 + c;
+          sc[i] = ex2(fmaf(sc[i], a.scale_log2, -m_use));
+          sum += sc[i];
+        }
+      }
+      l[i2] = l[i2] * alpha[i2] + sum;  // this lane's share of the row sum; the quad adds up at the end
+    }
+  };
+  auto issue_s = [&](int it) {  // S_it = Q K_it^T
+    zero(sc);
+    wgmma_fence();
+    mma_rows_by_rows(sc, q_addr, kFRows, smem_u32(stages + (it % kFStages) * kFStage), kFKeys);
+    wgmma_commit();
+  };
+  auto issue_pv = [&](int it) {  // O += P_it V_it
+    const uint32_t v_addr = smem_u32(stages + (it % kFStages) * kFStage + kFKvTile);
+#pragma unroll
+    for (int kc = 0; kc < 8; ++kc) wgmma_m64n128k16_rs<1>(o, ap[kc], sw128_desc(v_addr + kc * 2048, kFKeys * 128, 1024));
+    wgmma_commit();
+  };
+  auto release = [&](int it) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[it % kFStages]);
+  };
+  auto rescale_and_pack = [&]() {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
 #pragma unroll
       for (int i2 = 0; i2 < 2; ++i2) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * i2], sc[4 * j + 2 * i2 + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m[i2], mx * a.scale_log2);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet
-        const float alpha = ex2(m[i2] - m_use);
-        m[i2] = m_new;
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int i = 4 * j + 2 * i2 + c;
-            sc[i] = ex2(fmaf(sc[i], a.scale_log2, -m_use));
-            sum += sc[i];
-          }
-          o[4 * j + 2 * i2] *= alpha;
-          o[4 * j + 2 * i2 + 1] *= alpha;
-        }
-        l[i2] = l[i2] * alpha + sum;  // this lane's share of the row sum; the quad adds up at the end
+        o[4 * j + 2 * i2] *= alpha[i2];
+        o[4 * j + 2 * i2 + 1] *= alpha[i2];
       }
-      uint32_t ap[8][4];
-#pragma unroll
-      for (int kc = 0; kc < 8; ++kc) a_fragment(ap[kc], sc, kc);
-      pin(o);
-      wgmma_fence();
-#pragma unroll
-      for (int kc = 0; kc < 8; ++kc) {  // O += P V
-        wgmma_m64n128k16_rs<1>(o, ap[kc], sw128_desc(v_addr + kc * 2048, kFKeys * 128, 1024));
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      pin(o);
     }
-    release_and_refill<kFStages>(it, n_it, full, empty, issue);
+#pragma unroll
+    for (int kc = 0; kc < 8; ++kc) a_fragment(ap[kc], sc, kc);
+  };
+
+  mbar_wait(&full[0], 0);
+  issue_s(0);
+  wgmma_wait<0>();
+  pin(sc);
+  softmax(0);
+  rescale_and_pack();
+  for (int it = 1; it < n_it; ++it) {
+    mbar_wait(&full[it % kFStages], (it / kFStages) & 1);
+    issue_s(it);
+    pin(o);
+    issue_pv(it - 1);  // the same fence covers both groups
+    wgmma_wait<1>();   // S_it is done (groups complete in order); P V may still run
+    pin(sc);
+    softmax(it);
+    wgmma_wait<0>();
+    pin(o);
+    release(it - 1);
+    rescale_and_pack();
   }
+  pin(o);
+  wgmma_fence();
+  issue_pv(n_it - 1);
+  wgmma_wait<0>();
+  pin(o);
+  release(n_it - 1);
 
 #pragma unroll
   for (int i2 = 0; i2 < 2; ++i2) {
@@ -623,7 +662,7 @@ bool launch_attention_forward_hopper(const __nv_bfloat16* q, const __nv_bfloat16
   a.o = out;
   a.lse_out = lse;
   prepare(fwd_kernel, kFSmem);
-  fwd_kernel<<<static_cast<unsigned>(d.seq / kFRows) * d.batch * d.q_heads, kThreads, kFSmem, s>>>(m, a);
+  fwd_kernel<<<static_cast<unsigned>(d.seq / kFRows) * d.batch * d.q_heads, kFThreads, kFSmem, s>>>(m, a);
   return true;
 }
 
