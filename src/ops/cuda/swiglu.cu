@@ -14,11 +14,14 @@
 //   wgmma at 128 x 128 tiles, ~600 TFLOP/s in the row GEMMs: ~1.1 + 1.1 + ~1.8 ms = ~4 ms
 //   a layer (~460 TFLOP/s).
 //   Measured (H100 SXM): 1.63 + 1.77 + 2.84 ms = 6.2 ms (~300 TFLOP/s; 380 / 350 / 217 for
-//   the three ops). Where the rest is: the row GEMMs run at ~55% SM throughput with L2 at
-//   ~80% (Nsight Compute): 128 x 128 tiles reload too much per FLOP; 128 x 256 tiles with a
-//   producer warpgroup (one block per SM) are the next step. backward_weight's main loops
-//   take 1.3 ms alone; its f32 dW add-back is not overlapped with them yet (a persistent
-//   kernel would overlap one tile's reduce with the next tile's loads).
+//   the three ops). The row GEMMs ran at ~55% SM throughput with L2 at ~80% (Nsight
+//   Compute): 128 x 128 tiles reload too much per FLOP. With 128 x 256 tiles, a producer
+//   warpgroup and one persistent block per SM: 1.53 + 1.75 ms (404 / 353 TFLOP/s); L2 is
+//   still the limit, now its partition-to-partition fabric (lts__ltcfabric2ltc 88%: both
+//   halves of the GPU read every expert's weights, which are used by only ~4.5 row tiles
+//   each). backward_weight's main loops take 1.3 ms alone; its f32 dW add-back is not
+//   overlapped with them yet (a persistent kernel would overlap one tile's reduce with the
+//   next tile's loads).
 //
 // Schedule. A one-block kernel turns counts [E] (device) into row offsets [E+1] and a
 // list of row tiles: expert e owns ceil(c_e / 128) tiles of up to 128 of its rows. The
@@ -369,13 +372,15 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgrad_kernel(const WgradA
 }
 
 // ==== Hopper path (sm_90a): TMA loads + wgmma ==============================================
-// Same tiles and schedule as above (128 x 128 x 64, one expert per block, one owner per
-// output element), but the operands are fetched by the tensor copy engine (TMA) into
+// Same schedule as above (row tiles of 128 rows of one expert, one owner per output
+// element), but the operands are fetched by the tensor copy engine (TMA) into
 // 128-byte-swizzled shared memory, completion signalled on mbarriers, and consumed by
-// warpgroup MMAs (wgmma m64n128k16) straight from shared memory: no ldmatrix, no per-thread
-// address arithmetic in the main loop, and the copies of a 3-stage ring run while the
-// tensor cores work. 2 warpgroups per block, each owning 64 rows of the tile; 2 blocks per
-// SM (96 KB of stages each) so one block's epilogue overlaps the other's main loop.
+// warpgroup MMAs straight from shared memory: no ldmatrix, no per-thread address arithmetic
+// in the main loop, and the copies of the ring run while the tensor cores work.
+//   weight gradients: 128 x 128 x 64 tiles, 2 warpgroups per block each owning 64 rows
+//   (wgmma m64n128k16), a 3-stage ring, 2 blocks per SM (96 KB of stages each) so one
+//   block's epilogue overlaps the other's main loop;
+//   row GEMMs: 128 x 256 tiles, warp-specialised and persistent (rows_kernel below).
 //
 // Ragged edges cost nothing in the main loop: TMA zero-fills the parts of a box outside the
 // tensor (rows past N, k past K, columns past the extent). A row tile reads up to 127 rows
