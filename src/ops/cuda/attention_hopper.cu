@@ -196,11 +196,11 @@ __device__ __forceinline__ void release_and_refill(int it, int n_it, uint64_t* f
 
 // Forward: one block per (query tile of 128 rows, query head, batch), the last tiles first.
 // Q stays in shared memory; key/value tiles of 128 rows 0..diagonal stream through a
-// 3-stage ring filled by a producer warpgroup (one thread of warpgroup 2), which refills a stage as soon as both
-// consumer warpgroups have released it. Each consumer warpgroup owns 64 query rows and
-// computes S = Q K^T (m64n128), the online softmax in the exp2 domain (running max m and
-// sum l per row, as attention.cu's forward), and O += P V with P as register A operands and
-// V read MN-major. The MMAs of key tile j - 1's P V run while tile j's softmax is computed
+// 3-stage ring filled by a producer warpgroup (one thread of warpgroup 2), which refills a
+// stage as soon as both consumer warpgroups have released it. Each consumer warpgroup owns
+// 64 query rows and computes S = Q K^T (m64n128), the online softmax in the exp2 domain
+// (running max m and sum l per row, as attention.cu's forward), and O += P V with P as
+// register A operands and V read MN-major. The MMAs of key tile j - 1's P V run while tile j's softmax is computed
 // (S_j and P_{j-1} V_{j-1} are issued together; S_j is waited for, P V is not): O is
 // rescaled and P_j packed only after P V has finished with them.
 constexpr int kFThreads = kThreads + 128;  // + the producer's warpgroup (its registers go to the consumers)

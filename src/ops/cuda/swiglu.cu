@@ -397,7 +397,8 @@ constexpr int kThreads = 256;
 constexpr int kTile = 128 * 64 * 2;  // one operand's k-tile: 16 KB, as 128 x 128-byte rows
 [[maybe_unused]] constexpr int kChunk = kTile / 2;  // MN-major operands: two [64 k][64 mn] boxes of 8 KB
 constexpr int kStage = 2 * kTile;
-constexpr int smem_bytes(int stages) { return stages * kStage + 1024 + 2 * stages * 8; }  // + alignment, barriers
+// A ring of `stages` stages of stage_bytes, + alignment slack and the full/empty barriers.
+constexpr int smem_bytes(int stages, int stage_bytes = kStage) { return stages * stage_bytes + 1024 + 2 * stages * 8; }
 
 struct Maps {
   CUtensorMap a[2];  // A operand (rows: [N, K]; wgrad: [N, M]), per k source
@@ -408,7 +409,7 @@ struct Maps {
 #if MT_SM90A
 using namespace sm90;
 
-// The main loop shared by both kernels. Thread 0 issues the copies (issue(kt, stage bytes,
+// The weight-gradient kernel's main loop. Thread 0 issues the copies (issue(kt, stage bytes,
 // full barrier)); every thread waits for a stage's copies on full[s], the two warpgroups run
 // their MMAs on it, and each warp arrives on empty[s] once its MMAs of the stage are done,
 // which lets thread 0 refill the stage. `before_mma(kt, stage)` runs after the wait (wgrad
@@ -454,17 +455,20 @@ __device__ __forceinline__ void mainloop(float (&acc)[64], char* smem, uint64_t*
   pin(acc);
 }
 
-template <int S>
+// The ring of both kernels (smem_bytes(S, kStageBytes) of dynamic shared memory): S stages
+// 1024-byte aligned, then full[S] (one arrival: the thread issuing the copies) and
+// empty[S] (one arrival per consumer warp: the 8 warps of two warpgroups).
+template <int S, int kStageBytes = kStage>
 __device__ __forceinline__ char* setup_smem(char* raw, uint64_t*& full, uint64_t*& empty) {
   char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
-  full = reinterpret_cast<uint64_t*>(smem + S * kStage);
+  full = reinterpret_cast<uint64_t*>(smem + S * kStageBytes);
   empty = full + S;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], kThreads / 32);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    mbar_fence_init();
   }
   __syncthreads();
   return smem;
@@ -489,7 +493,6 @@ __device__ __forceinline__ char* setup_smem(char* raw, uint64_t*& full, uint64_t
 constexpr int kWsThreads = 384, kWsStages = 4, kWsBN = 256;
 constexpr int kWsBTile = kWsBN * 64 * 2;  // 32 KB
 constexpr int kWsStage = kTile + kWsBTile;
-constexpr int ws_smem_bytes() { return kWsStages * kWsStage + 1024 + 2 * kWsStages * 8; }
 constexpr int ws_tile_cols(int epi) { return epi == kEpiGateUp ? kWsBN / 2 : kWsBN; }  // output columns a tile
 
 template <bool kBKMajor, int kEpi>
@@ -500,17 +503,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   constexpr bool kGateUp = kEpi == kEpiGateUp;
   constexpr int S = kWsStages;
   extern __shared__ char smem_raw[];
-  char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * kWsStage);
-  uint64_t* empty = full + S;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 8);  // lane 0 of each consumer warp
-    }
-    mbar_fence_init();
-  }
-  __syncthreads();
+  uint64_t *full, *empty;
+  char* smem = setup_smem<S, kWsStage>(smem_raw, full, empty);
   const int wg = threadIdx.x >> 7, ktiles = ktiles_src * nsrc, total = max_tiles * col_tiles;
 
   if (wg == 0) {  // producer
@@ -837,7 +831,8 @@ void launch_rows_hopper(const hopper::Maps& maps, const RowsArgs& args, int ktil
                         int max_tiles, cudaStream_t stream) {
   if (n_cols == 0 || max_tiles == 0) return;
   auto kernel = hopper::rows_kernel<kBKMajor, kEpi>;
-  prepare_hopper(kernel, hopper::ws_smem_bytes());
+  constexpr int smem = hopper::smem_bytes(hopper::kWsStages, hopper::kWsStage);
+  prepare_hopper(kernel, smem);
   const int col_tiles = (n_cols + hopper::ws_tile_cols(kEpi) - 1) / hopper::ws_tile_cols(kEpi);
   // One block per multiprocessor; any grid is correct (blocks stride over the tiles), so if
   // the query fails every tile gets its own block.
@@ -849,8 +844,7 @@ void launch_rows_hopper(const hopper::Maps& maps, const RowsArgs& args, int ktil
   }
   const int64_t tiles = static_cast<int64_t>(col_tiles) * max_tiles;
   const int grid = static_cast<int>(tiles < num_sms ? tiles : num_sms);
-  kernel<<<grid, hopper::kWsThreads, hopper::ws_smem_bytes(), stream>>>(maps, args, ktiles_src, nsrc, col_tiles,
-                                                                        max_tiles);
+  kernel<<<grid, hopper::kWsThreads, smem, stream>>>(maps, args, ktiles_src, nsrc, col_tiles, max_tiles);
 }
 
 template <int kProblems>
