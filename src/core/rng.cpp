@@ -36,7 +36,11 @@ double normal_at(uint64_t key, uint64_t counter) {
 void fill_normal(Tensor& t, uint64_t key, double std, int64_t first_element) {
   Tensor tmp = Tensor::empty(t.shape(), DType::F64);
   double* p = tmp.data<double>();
-  for (int64_t i = 0; i < t.numel(); ++i) p[i] = std * normal_at(key, static_cast<uint64_t>(first_element + i));
+  const int64_t n = t.numel();
+  // Each element is a pure function of its counter, so the threads change nothing but the
+  // time (a 2.6 B-parameter model draws in seconds instead of minutes).
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (int64_t i = 0; i < n; ++i) p[i] = std * normal_at(key, static_cast<uint64_t>(first_element + i));
   t.copy_from(tmp);
 }
 

@@ -120,9 +120,18 @@ SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& c
   return MT_ROUTE(dy, grouped_swiglu_backward_input, dy, counts, gate, up, w_gate, w_up, w_down);
 }
 
-void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate, const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down, bool accumulate) {
+void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate, const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down, bool accumulate, SumSquaresInto squares) {
+  if (squares.out) {
+    const Tensor& o = *squares.out;
+    MT_CHECK(!accumulate, "grouped_swiglu_backward_weight: the sum of squares is only known to a call that writes "
+             "the gradients (accumulate false)");
+    MT_CHECK(o.defined() && o.dtype() == DType::F64 && o.ndim() == 1 && squares.index >= 0 &&
+                 squares.index < o.numel() && o.device() == dw_gate.device(),
+             "grouped_swiglu_backward_weight: squares must be a 1-D f64 tensor on {} with an element {}, got {}",
+             dw_gate.device().str(), squares.index, o.defined() ? o.str() : std::string("undefined"));
+  }
   MT_ROUTE(dy, grouped_swiglu_backward_weight, dy, x, counts, gate, up, dgate, dup, dw_gate, dw_up, dw_down,
-           accumulate);
+           accumulate, squares);
 }
 
 CrossEntropyOut cross_entropy_forward(const Tensor& logits, const Tensor& targets) {

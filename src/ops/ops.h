@@ -151,10 +151,20 @@ struct SwigluInputGrads {
 SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& counts, const Tensor& gate,
                                                const Tensor& up, const Tensor& w_gate, const Tensor& w_up,
                                                const Tensor& w_down);
-// dW_down[e] += dy_e^T a_e; dW_gate[e] += dgate_e^T x_e; dW_up[e] += dup_e^T x_e
+// Where an op that writes gradients may also leave the sum of their squares: out[index]
+// (f64, on the op's device). Lets the gradient norm skip a pass over gradients that an
+// op had in registers anyway (LayerwiseOptimizer).
+struct SumSquaresInto {
+  Tensor* out = nullptr;  // nullptr: not asked
+  int64_t index = 0;
+};
+// dW_down[e] += dy_e^T a_e; dW_gate[e] += dgate_e^T x_e; dW_up[e] += dup_e^T x_e. With
+// accumulate false and squares given: = instead of +=, and squares.out[squares.index] = the
+// sum of the squares of the three gradients written (in double; summed in a fixed order).
 void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate,
                                     const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate,
-                                    Tensor& dw_up, Tensor& dw_down, bool accumulate = true);
+                                    Tensor& dw_up, Tensor& dw_down, bool accumulate = true,
+                                    SumSquaresInto squares = {});
 
 // ---- cross-entropy with ignore index -100 ---------------------------------------------
 // logits [T, V], targets i32 [T]. loss_sum [1] = sum over targets != -100 of

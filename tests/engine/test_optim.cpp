@@ -119,8 +119,13 @@ TEST(AdamW, UpdateInPartsEqualsTheWholeStepBf16MomentsIncluded) {
 }
 
 // A training step through LayerwiseOptimizer (the norm summed bucket by bucket, AdamW
-// group by group) against the plain global norm and whole-list AdamW, in float64.
-TEST(LayerwiseOptimizer, StepEqualsGlobalNormThenAdamW) {
+// group by group) against the plain global norm and whole-list AdamW, in float64. Steps
+// of one micro-batch take the experts' share of the norm from the weight-gradient op
+// (WeightHooks::expert_grad_squares); steps of two sum it afterwards.
+class LayerwiseSteps : public ::testing::TestWithParam<int> {};
+
+TEST_P(LayerwiseSteps, StepEqualsGlobalNormThenAdamW) {
+  const size_t micro_batches = static_cast<size_t>(GetParam());
   const Qwen3MoeConfig c = testing::tiny_moe_config(50, 3);
   Qwen3MoeModel layered(c, DType::F64), plain(c, DType::F64);
   layered.init_weights(3);
@@ -129,14 +134,16 @@ TEST(LayerwiseOptimizer, StepEqualsGlobalNormThenAdamW) {
   LayerwiseOptimizer lw(layered, opt_l, LayerwiseConfig{});
   LocalDispatcher d;
   for (int step = 0; step < 3; ++step) {
-    const std::vector<Batch> bs{testing::random_batch(2, 6, 50, 100 + 10 * step),
-                                testing::random_batch(2, 6, 50, 105 + 10 * step)};
+    std::vector<Batch> bs{testing::random_batch(2, 6, 50, 100 + 10 * step),
+                          testing::random_batch(2, 6, 50, 105 + 10 * step)};
+    bs.resize(micro_batches);
     const StepResult r = train_step(layered, d, lw, bs, 1e-2, 0.5);
     // the plain step: micro-batches accumulated, one global norm, AdamW over the list
     int64_t targets = 0;
     for (const Batch& b : bs) targets += b.num_targets;
     for (size_t i = 0; i < bs.size(); ++i) {
-      plain.forward_backward(bs[i], d, 1.0 / static_cast<double>(targets), 0.5, i > 0);
+      plain.forward_backward(bs[i], d, 1.0 / static_cast<double>(targets), 1.0 / static_cast<double>(bs.size()),
+                             i > 0);
     }
     const GradNorm g = global_grad_norm(plain.parameters(), 0.5);
     opt_p.step(plain.parameters(), 1e-2, g.clip_scale);
@@ -149,6 +156,8 @@ TEST(LayerwiseOptimizer, StepEqualsGlobalNormThenAdamW) {
         << plain.parameters()[i].name;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(MicroBatches, LayerwiseSteps, ::testing::Values(1, 2));
 
 }  // namespace
 }  // namespace moetrain

@@ -180,6 +180,10 @@ TEST(Qwen3MoeCuda, OverlappedOptimizerEqualsInLine) {
     const StepResult rl = train_step(line, d, ll, bs, 1e-3, 1.0);
     EXPECT_EQ(ro.loss, rl.loss) << "step " << step;
     EXPECT_EQ(ro.grad_norm, rl.grad_norm) << "step " << step;
+    // One micro-batch: the experts' share came from the weight-gradient kernels; a pass
+    // over the same gradients agrees.
+    const double pass = global_grad_norm(line.parameters(), 0.0).norm;
+    EXPECT_NEAR(rl.grad_norm, pass, 1e-12 * pass) << "step " << step;
     if (step == 2) {  // a validation pass while the updates may still run
       const Batch v = on_gpu(testing::random_batch(1, 128, 300, 99));
       EXPECT_EQ(over.forward_loss(v, d).ce_sum, line.forward_loss(v, d).ce_sum);

@@ -460,8 +460,18 @@ void check_swiglu(const SwigluCase& c, uint64_t seed) {
                       Tensor::full(dwd0.shape(), NAN, DType::F32)};
   Tensor ow[3] = {ow_ref[0].to(kGpu), ow_ref[1].to(kGpu), ow_ref[2].to(kGpu)};
   for (const Tensor& t : ow) ASSERT_FALSE(ops::all_finite(t));
-  ops::grouped_swiglu_backward_weight(dy, x, counts, gate, up, dgate, dup, ow_ref[0], ow_ref[1], ow_ref[2], false);
-  ops::grouped_swiglu_backward_weight(dyg, xg, cg, gateg, upg, dgateg, dupg, ow[0], ow[1], ow[2], false);
+  // ... and the sum of the squares of what it wrote, asked for at element 1 (NaN before).
+  Tensor sq_ref = Tensor::full({2}, NAN, DType::F64), sq = sq_ref.to(kGpu);
+  ops::grouped_swiglu_backward_weight(dy, x, counts, gate, up, dgate, dup, ow_ref[0], ow_ref[1], ow_ref[2], false,
+                                      {&sq_ref, 1});
+  ops::grouped_swiglu_backward_weight(dyg, xg, cg, gateg, upg, dgateg, dupg, ow[0], ow[1], ow[2], false, {&sq, 1});
+  {
+    const double fused = sq.to_double_vector()[1];
+    const double pass = ops::sum_squares_all({ow[0], ow[1], ow[2]});  // the same values, another order
+    EXPECT_NEAR(fused, pass, 1e-12 * pass) << name << ": the weight-gradient op's sum of squares";
+    const double ref = sq_ref.to_double_vector()[1];
+    EXPECT_NEAR(fused, ref, kBf16Tol * ref) << name << ": sum of squares against the CPU";
+  }
   const char* names[3] = {"dw_gate=", "dw_up=", "dw_down="};
   for (int i = 0; i < 3; ++i) {
     EXPECT_TRUE(ops::all_finite(ow[i])) << name << " " << names[i] << ": an element was not written";

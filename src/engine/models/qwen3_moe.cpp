@@ -194,7 +194,7 @@ Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, cons
   return dx;
 }
 
-void Qwen3MoeDecoderLayer::backward_weight(Qwen3MoeLayerState& s, bool accumulate) {
+void Qwen3MoeDecoderLayer::backward_weight(Qwen3MoeLayerState& s, bool accumulate, ops::SumSquaresInto squares) {
   if (moe_) {
     StageScope t(Stage::kRouterPermute);
     ops::linear_backward_weight(s.d_router_logits, s.ln2.y, g_gate_w_, accumulate);
@@ -202,7 +202,8 @@ void Qwen3MoeDecoderLayer::backward_weight(Qwen3MoeLayerState& s, bool accumulat
   {
     StageScope t(Stage::kExpertGemm);
     ops::grouped_swiglu_backward_weight(s.d_mlp_out, s.expert_in.rows, s.expert_in.counts, s.mlp.gate, s.mlp.up,
-                                        s.d_mlp.dgate, s.d_mlp.dup, g_w_gate_, g_w_up_, g_w_down_, accumulate);
+                                        s.d_mlp.dgate, s.d_mlp.dup, g_w_gate_, g_w_up_, g_w_down_, accumulate,
+                                        moe_ && !accumulate ? squares : ops::SumSquaresInto{});
   }
   {
     StageScope t(Stage::kAttention);
@@ -456,7 +457,7 @@ bool Qwen3MoeModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
                                        s);  // 1
       g.d_mlp_in = g.d_topk_weight = Tensor();
       if (g.weights_now) {
-        layer.backward_weight(s, g.accumulate);
+        layer.backward_weight(s, g.accumulate, expert_squares(id, g.accumulate));
         s = Qwen3MoeLayerState();
         if (hooks_) hooks_->after_backward(id);
       }
@@ -576,7 +577,8 @@ std::pair<Tensor, Tensor> Qwen3MoeModel::forward_backward_overlapped(
 void Qwen3MoeModel::backward_chunk_weight(const ChunkSpec& c, const Batch& batch, ChunkActivations& a,
                                           bool accumulate) {
   for (int64_t j = c.last_layer - c.first_layer; j-- > 0;) {
-    layers_[local_layer(c.first_layer + j)]->backward_weight(a.layers[j], accumulate);
+    const int64_t id = c.first_layer + j;
+    layers_[local_layer(id)]->backward_weight(a.layers[j], accumulate, expert_squares(id, accumulate));
     a.layers[j] = Qwen3MoeLayerState();
   }
   if (c.embed) {

@@ -122,6 +122,9 @@ class WeightHooks {
   virtual void after_forward(int64_t layer, bool backward_follows) = 0;
   virtual void before_backward(int64_t layer) = 0;
   virtual void after_backward(int64_t layer) = 0;
+  // Where the expert weight-gradient op of `layer` should leave the sum of the squares of
+  // the gradients it writes, when it writes them (not adds to them); {} when not wanted.
+  virtual ops::SumSquaresInto expert_grad_squares(int64_t /*layer*/) { return {}; }
 };
 
 class Qwen3MoeDecoderLayer {
@@ -163,7 +166,8 @@ class Qwen3MoeDecoderLayer {
                              const BatchShape& b, Qwen3MoeLayerState& s) const;
   // Every weight gradient of the layer, from what backward_input saved; added into the
   // gradients, or written over them when !accumulate.
-  void backward_weight(Qwen3MoeLayerState& s, bool accumulate = true);
+  // squares: passed to the expert weight-gradient op (see WeightHooks::expert_grad_squares).
+  void backward_weight(Qwen3MoeLayerState& s, bool accumulate = true, ops::SumSquaresInto squares = {});
 
   // The plain path used to validate every layout: no dispatcher, each token's experts
   // evaluated directly. Returns the layer output.
@@ -267,6 +271,10 @@ class Qwen3MoeModel {
  private:
   // The local index of global layer `id` (an Error when this rank does not hold it).
   size_t local_layer(int64_t id) const;
+  // What layer `id`'s weight gradients should do with their sum of squares (the hooks').
+  ops::SumSquaresInto expert_squares(int64_t id, bool accumulate) const {
+    return hooks_ && !accumulate ? hooks_->expert_grad_squares(id) : ops::SumSquaresInto{};
+  }
   // The head's router losses from the micro-batch's totals (summed over the data group).
   void router_losses(RouterTotals& totals, MicroBatchLoss& out) const;
   // Chunk passes in pieces cut at the expert exchanges (qwen3_moe.cpp).

@@ -83,7 +83,9 @@ void LayerwiseOptimizer::after_backward(int64_t layer) {
   if (!g) return;
   if (!overlapping()) {
     StageScope t(Stage::kOptimizer);  // in line: the stage table counts it where it belongs
-    for (size_t b : g->buckets) sum_bucket(b);
+    for (size_t b : g->buckets) {
+      if (!summed_[b]) sum_bucket(b);
+    }
     return;
   }
   // The layer's gradients are final on the current stream: sum them on the other one
@@ -91,7 +93,22 @@ void LayerwiseOptimizer::after_backward(int64_t layer) {
   cuda::record_event(grads_ready_, cuda::current_stream());
   cuda::stream_wait_event(stream_, grads_ready_);
   cuda::CurrentStreamScope on(stream_);
-  for (size_t b : g->buckets) sum_bucket(b);
+  for (size_t b : g->buckets) {
+    if (!summed_[b]) sum_bucket(b);
+  }
+}
+
+ops::SumSquaresInto LayerwiseOptimizer::expert_grad_squares(int64_t layer) {
+  if (!armed_) return {};
+  Group* g = group_of(layer);
+  if (!g) return {};
+  for (size_t b : g->buckets) {
+    // An experts bucket holds exactly the layer's three expert stacks (and zero padding).
+    if (!model_.buckets()[b].experts || summed_[b]) continue;
+    summed_[b] = true;  // written by the op on the current stream, before the step reads it
+    return {&norms_, static_cast<int64_t>(b)};
+  }
+  return {};
 }
 
 GradNorm LayerwiseOptimizer::step(double lr, double max_norm) {

@@ -3,7 +3,9 @@
 // that on a GPU it runs beside the model's own work instead of after it:
 //
 //   - as soon as the last micro-batch's backward has finished a layer, that layer's share of
-//     the squared gradient norm is summed on a second stream while the backward goes on;
+//     the squared gradient norm is summed on a second stream while the backward goes on
+//     (the experts' share, the bulk, comes from the weight-gradient op itself when that op
+//     writes the final gradients: a step of one micro-batch; see expert_grad_squares);
 //   - after the step, each bucket's AdamW update is launched on that stream in forward order,
 //     and the next forward of a layer waits only for its own update (WeightHooks), so the
 //     updates of later layers run under the forward of earlier ones.
@@ -56,6 +58,9 @@ class LayerwiseOptimizer : public WeightHooks {
   void after_forward(int64_t, bool) override {}
   void before_backward(int64_t) override {}
   void after_backward(int64_t layer) override;
+  // On the step's last micro-batch, the layer's experts bucket: its weight-gradient op sums
+  // the squares itself (it has the values in registers) instead of this summing them again.
+  ops::SumSquaresInto expert_grad_squares(int64_t layer) override;
 
  private:
   struct Group {  // the buckets of one layer id (-1: embedding, final norm, head)

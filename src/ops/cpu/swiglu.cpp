@@ -155,7 +155,7 @@ SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& c
 
 void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate,
                                     const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate,
-                                    Tensor& dw_up, Tensor& dw_down, bool accumulate) {
+                                    Tensor& dw_up, Tensor& dw_down, bool accumulate, SumSquaresInto squares) {
   MT_CHECK(x.defined() && x.ndim() == 2, "grouped_swiglu_backward_weight: x must be [N, H], got {}", x.str());
   const Dims d = check_swiglu("grouped_swiglu_backward_weight", x.size(0), x.size(1), counts, dw_gate, dw_up, dw_down,
                               "dw");
@@ -186,6 +186,7 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
       gemm(true, false, I, H, c, 1.0, DU + r0 * I, I, X + r0 * H, H, 1.0, dWu + e * I * H, H);
     }
   });
+  if (squares.out) sum_squares_all_into({dw_gate, dw_up, dw_down}, *squares.out, squares.index);
 }
 
 }  // namespace moetrain::ops::cpu

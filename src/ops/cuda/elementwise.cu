@@ -222,6 +222,10 @@ void launch_sum_squares_segments(const SquaresSegment* segments, int count, doub
   sum_doubles_pass2<<<1, kThreads, 0, s>>>(scratch + 1, static_cast<int>(done), result ? result : scratch);
 }
 
+void launch_sum_doubles(const double* v, int64_t n, double* out, cudaStream_t s) {
+  sum_doubles_pass2<<<1, kThreads, 0, s>>>(v, static_cast<int>(n), out);
+}
+
 void launch_scale(float* x, int64_t n, float alpha, cudaStream_t s) {
   if (n == 0) return;
   scale_kernel<float><<<grid_for((n + 7) / 8), kThreads, 0, s>>>(x, n, alpha, aligned16(x));

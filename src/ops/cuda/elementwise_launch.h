@@ -31,6 +31,10 @@ int64_t sum_squares_segments_scratch_doubles(const SquaresSegment* segments, int
 void launch_sum_squares_segments(const SquaresSegment* segments, int count, double* scratch, cudaStream_t s,
                                  double* result = nullptr);
 
+// *out = sum of v[0, n) (n < 2^31) in a fixed order: one block, thread i adds v[i],
+// v[i + 256], ..., then a fixed tree. Partial sums kernels left in slots become one number.
+void launch_sum_doubles(const double* v, int64_t n, double* out, cudaStream_t s);
+
 // x *= alpha (alpha rounded to f32; bf16 elements computed in f32 and rounded back).
 void launch_scale(float* x, int64_t n, float alpha, cudaStream_t s);
 void launch_scale(__nv_bfloat16* x, int64_t n, float alpha, cudaStream_t s);

@@ -113,7 +113,7 @@ SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& c
 
 void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate,
                                     const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate,
-                                    Tensor& dw_up, Tensor& dw_down, bool accumulate) {
+                                    Tensor& dw_up, Tensor& dw_down, bool accumulate, SumSquaresInto squares) {
   const char* op = "grouped_swiglu_backward_weight";
   MT_CHECK(x.defined() && x.ndim() == 2, "{}: x must be [N, H], got {}", op, x.str());
   const Dims d = check_swiglu(op, x.size(0), x.size(1), counts, dw_gate, dw_up, dw_down, "dw", DType::F32);
@@ -126,10 +126,19 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
   const Device dev = x.device();
   Tensor act = Tensor::empty({d.N, d.I}, DType::BF16, dev);
   Tensor ws = Tensor::empty({swiglu_workspace_words(d.N, static_cast<int>(d.E))}, DType::I32, dev);
+  Tensor sq_scratch;
+  double* sq_result = nullptr;
+  if (squares.out) {
+    sq_scratch = Tensor::empty(
+        {swiglu_squares_scratch_doubles(static_cast<int>(d.H), static_cast<int>(d.I), static_cast<int>(d.E))},
+        DType::F64, dev);
+    sq_result = squares.out->data<double>() + squares.index;
+  }
   launch_swiglu_backward_weight(dy.raw(), x.raw(), counts.data<int64_t>(), gate.raw(), up.raw(), dgate.raw(),
                                 dup.raw(), d.N, static_cast<int>(d.H), static_cast<int>(d.I), static_cast<int>(d.E),
                                 act.raw(), dw_gate.data<float>(), dw_up.data<float>(), dw_down.data<float>(),
-                                accumulate, ws.data<int32_t>(), stream());
+                                accumulate, ws.data<int32_t>(), sq_scratch.defined() ? sq_scratch.data<double>() : nullptr,
+                                sq_result, stream());
   check_launch("grouped_swiglu_backward_weight kernels");
 }
 

@@ -49,6 +49,7 @@
 // silu(g) * u is computed from the f32 accumulators.
 #include <cuda_bf16.h>
 
+#include "ops/cuda/elementwise_launch.h"
 #include "ops/cuda/hopper.cuh"
 #include "ops/cuda/kernels.cuh"
 #include "ops/cuda/moe_device.cuh"
@@ -300,6 +301,9 @@ struct WgradArgs {
   int M, Nc;
   const int* offsets;  // [E + 1]
   int accumulate;      // 0: C = sum (every block writes, an expert without rows writes zeros)
+  double* squares;     // Hopper, accumulate 0: the block's sum of squares of its tile, at its
+                       // linear block index plus squares_base (nullptr: not asked)
+  int64_t squares_base;
 };
 
 template <int kProblems>
@@ -692,6 +696,20 @@ __global__ void __launch_bounds__(kThreads, S <= 3 ? 2 : 1)
   }
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> copy engine reads
   __syncthreads();
+  if (args.squares) {
+    // The tile's share of the gradient norm, from the registers that hold the final values
+    // (an overwrite: no earlier micro-batch to add). Rows past M, columns past Nc and the
+    // masked k tail are zeros in acc. One slot per block, summed in slot order later: the
+    // norm does not depend on which block ran when.
+    double sq = 0.0;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) sq += static_cast<double>(acc[i]) * acc[i];
+    sq = block_sum_double(sq);
+    if (tid == 0) {
+      const int64_t slot = (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+      args.squares[args.squares_base + slot] = sq;
+    }
+  }
   if (tid == 0) {
     const CUtensorMap* cmap = &maps.c[prob];
     for (int j = 0; j < 4; ++j) {
@@ -802,12 +820,18 @@ void launch_rows(const RowsArgs& args, int n_tiles, int max_tiles, cudaStream_t 
   kernel<<<dim3(n_tiles, max_tiles), kThreads, kSmemBytes, stream>>>(args);
 }
 
+// Both weight-gradient kernels: a block per 128 x 128 tile of each expert's C, per problem.
+dim3 wgrad_grid(int M, int Nc, int E, int problems) {
+  return dim3((Nc + kBN - 1) / kBN, (M + kBM - 1) / kBM, E * problems);
+}
+int64_t blocks_of(dim3 g) { return static_cast<int64_t>(g.x) * g.y * g.z; }
+
 template <int kProblems>
 void launch_wgrad(const WgradArgs& args, int E, cudaStream_t stream) {
   if (args.M == 0 || args.Nc == 0) return;
   auto kernel = grouped_wgrad_kernel<kProblems>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  const dim3 grid((args.Nc + kBN - 1) / kBN, (args.M + kBM - 1) / kBM, E * kProblems);
+  const dim3 grid = wgrad_grid(args.M, args.Nc, E, kProblems);
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(args);
 }
 
@@ -852,7 +876,7 @@ void launch_wgrad_hopper(const hopper::Maps& maps, const WgradArgs& args, int E,
   if (args.M == 0 || args.Nc == 0) return;
   auto kernel = hopper::wgrad_kernel<3, kProblems>;
   prepare_hopper(kernel, hopper::smem_bytes(3));
-  const dim3 grid((args.Nc + kBN - 1) / kBN, (args.M + kBM - 1) / kBM, E * kProblems);
+  const dim3 grid = wgrad_grid(args.M, args.Nc, E, kProblems);
   kernel<<<grid, hopper::kThreads, hopper::smem_bytes(3), stream>>>(maps, args);
 }
 
@@ -864,6 +888,14 @@ bf16* mb(void* p) { return static_cast<bf16*>(p); }
 int64_t swiglu_max_tiles(int64_t N, int E) { return (N + kBM - 1) / kBM + E; }
 
 int64_t swiglu_workspace_words(int64_t N, int E) { return (E + 1) + 2 * swiglu_max_tiles(N, E); }
+
+int64_t swiglu_squares_scratch_doubles(int H, int I, int E) {
+  const int64_t slots = blocks_of(wgrad_grid(H, I, E, 1)) + blocks_of(wgrad_grid(I, H, E, 2));
+  const int64_t n = static_cast<int64_t>(E) * H * I;
+  const SquaresSegment segs[3] = {{nullptr, n}, {nullptr, n}, {nullptr, n}};
+  const int64_t pass = sum_squares_segments_scratch_doubles(segs, 3);
+  return slots > pass ? slots : pass;
+}
 
 void launch_swiglu_forward(const void* x, const int64_t* counts, const void* w_gate, const void* w_up,
                            const void* w_down, int64_t N, int H, int I, int E, void* gate, void* up, void* act,
@@ -974,13 +1006,16 @@ void launch_swiglu_backward_input(const void* dy, const int64_t* counts, const v
 void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t* counts, const void* gate,
                                    const void* up, const void* dgate, const void* dup, int64_t N, int H, int I,
                                    int E, void* act, float* dw_gate, float* dw_up, float* dw_down, bool accumulate,
-                                   int32_t* workspace, cudaStream_t stream) {
+                                   int32_t* workspace, double* squares_scratch, double* squares_result,
+                                   cudaStream_t stream) {
+  if (accumulate) squares_result = nullptr;  // the final values are not this call's to see
   if (N == 0) {  // every expert has 0 rows: nothing to add, or zeros to write
     if (!accumulate) {
       const size_t bytes = static_cast<size_t>(E) * H * I * sizeof(float);
       cudaMemsetAsync(dw_gate, 0, bytes, stream);
       cudaMemsetAsync(dw_up, 0, bytes, stream);
       cudaMemsetAsync(dw_down, 0, bytes, stream);
+      if (squares_result) cudaMemsetAsync(squares_result, 0, sizeof(double), stream);
     }
     return;
   }
@@ -1012,8 +1047,11 @@ void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t*
   wd.a[1] = wd.a[0];
   wd.b[1] = wd.b[0];
   wgu.b[1] = wgu.b[0];
+  const int64_t down_slots = blocks_of(wgrad_grid(H, I, E, 1));
+  if (hop && squares_result) w.squares = squares_scratch;  // dW_down's slots first, then gate/up's
   if (hop) launch_wgrad_hopper<1>(wd, w, E, stream);
   else launch_wgrad<1>(w, E, stream);
+  w.squares_base = down_slots;
   // dWg[e], dWu[e] [I, H] += dgate_e^T x_e, dup_e^T x_e
   w.a0 = cb(dgate);
   w.a1 = cb(dup);
@@ -1027,6 +1065,14 @@ void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t*
   w.Nc = H;
   if (hop) launch_wgrad_hopper<2>(wgu, w, E, stream);
   else launch_wgrad<2>(w, E, stream);
+  if (!squares_result) return;
+  if (hop) {
+    launch_sum_doubles(squares_scratch, down_slots + blocks_of(wgrad_grid(I, H, E, 2)), squares_result, stream);
+  } else {
+    const int64_t n = static_cast<int64_t>(E) * H * I;
+    const SquaresSegment segs[3] = {{dw_gate, n}, {dw_up, n}, {dw_down, n}};
+    launch_sum_squares_segments(segs, 3, squares_scratch, stream, squares_result);
+  }
 }
 
 }  // namespace moetrain::ops::cuda
