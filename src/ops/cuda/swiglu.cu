@@ -52,6 +52,7 @@
 #include "ops/cuda/elementwise_launch.h"
 #include "ops/cuda/hopper.cuh"
 #include "ops/cuda/kernels.cuh"
+#include "ops/cuda/l2_halves.h"
 #include "ops/cuda/moe_device.cuh"
 #include "ops/cuda/swiglu_launch.h"
 #include "ops/cuda/tensor_map.h"
@@ -68,6 +69,7 @@ constexpr int kTileBytes = 128 * 64 * 2;  // one operand tile, either layout
 constexpr int kStageBytes = 2 * kTileBytes;
 constexpr int kSmemBytes = kStages * kStageBytes;  // 96 KB
 constexpr int kScheduleThreads = 1024;
+constexpr int kQueueWords = 8;  // rows kernels: [tiles, split, launch 0 counters x 2, launch 1 counters x 2, spare]
 
 enum Epilogue { kEpiGateUp, kEpiStore, kEpiDSwiglu };
 
@@ -169,6 +171,12 @@ struct RowsArgs {
   int64_t ldo;
   const bf16* g;  // dswiglu: gate and up [N, n_extent]
   const bf16* u;
+  // Hopper rows kernel: its two tile queues (see rows_kernel). queue[0]: the real row
+  // tiles, queue[1]: where queue 1's row tiles start; next: the queues' two counters, zero
+  // before the launch; sm_half: [%smid] -> the queue a block takes first (nullptr: 0).
+  const int* queue;
+  int* next;
+  const uint8_t* sm_half;
 };
 
 template <bool kBKMajor, int kEpi>
@@ -490,6 +498,14 @@ __device__ __forceinline__ char* setup_smem(char* raw, uint64_t*& full, uint64_t
 //                ahead into the next tile while the consumers are in their epilogue;
 //   warpgroups 1, 2  the consumers: 64 rows x 256 columns each (wgmma m64n256k16, 128 f32
 //                accumulators a thread), then the epilogue straight from registers.
+// Tiles come from two queues, each a run of row tiles taken row tile by row tile (all the
+// column tiles of a row tile, then the next): queue 0 holds row tiles [0, split), queue 1
+// [split, real tiles), split in proportion to the multiprocessors of each L2 half. A block
+// takes tiles from its own half's queue (sm_l2_halves), then helps empty the other one, so
+// each expert's weights and rows are read mostly by blocks of one half and cached there
+// once instead of in both halves through the fabric. The producer fetches each tile index
+// (one atomic a tile, ahead of the consumers) and passes it in tile_of[stage] with the
+// tile's first k-tile; -1 there, with no data, tells the consumers to stop.
 // Operand maps: a[src] over the rows [N, K_src] (box 64 k x 128 rows); b[src] over the
 // weights [E, n, k] (K-major, box 64 x 128; gate/up: b[0] = Wg, b[1] = Wu, 128 rows of each)
 // or [E, k, n] (MN-major, box 64 n x 64 k, four of them). K = nsrc sources of ktiles_src
@@ -509,15 +525,36 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   extern __shared__ char smem_raw[];
   uint64_t *full, *empty;
   char* smem = setup_smem<S, kWsStage>(smem_raw, full, empty);
-  const int wg = threadIdx.x >> 7, ktiles = ktiles_src * nsrc, total = max_tiles * col_tiles;
+  __shared__ int tile_of[S];
+  const int wg = threadIdx.x >> 7, ktiles = ktiles_src * nsrc;
 
   if (wg == 0) {  // producer
     setmaxnreg_dec<40>();
     if (threadIdx.x != 0) return;
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    const int own = args.sm_half ? args.sm_half[sm] : 0;
+    const int rows = min(args.queue[0], max_tiles), split = min(args.queue[1], rows);
+    bool own_open = true, other_open = true;
     int it = 0;  // k-tiles issued so far over all of this block's tiles: the ring position
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    // The next tile of queue q, or -1 when that queue is empty.
+    auto take = [&](int q) {
+      const int first = q == 0 ? 0 : split * col_tiles, end = q == 0 ? split * col_tiles : rows * col_tiles;
+      const int u = first + atomicAdd(&args.next[q], 1);
+      return u < end ? u : -1;
+    };
+    for (;;) {
+      int t = -1;
+      if (own_open && (t = take(own)) < 0) own_open = false;
+      if (t < 0 && other_open && (t = take(own ^ 1)) < 0) other_open = false;
+      if (t < 0) {  // no tile left: an empty stage marked -1 ends the consumers' loop
+        const int s = it % S;
+        if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
+        tile_of[s] = -1;
+        mbar_arrive(&full[s]);
+        break;
+      }
       const int rt = t / col_tiles, e = args.tile_expert[rt];
-      if (e < 0) break;  // the real tiles come first
       const int row0 = args.tile_row[rt], n0 = (t % col_tiles) * ws_tile_cols(kEpi);
       for (int kt = 0; kt < ktiles; ++kt, ++it) {
         const int s = it % S;
@@ -526,6 +563,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         char* sb = st + kTile;
         const int src = kt >= ktiles_src ? 1 : 0;
         const int k0 = (kt - src * ktiles_src) * kBK;
+        if (kt == 0) tile_of[s] = t;                 // published by the arrive below
         mbar_arrive_expect_tx(&full[s], kWsStage);  // boxes count in full, zero-filled parts included
         tma_load_2d(st, &maps.a[src], &full[s], k0, row0);
         if constexpr (kGateUp) {  // 128 gate rows, then the same 128 rows of up
@@ -546,9 +584,14 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   setmaxnreg_inc<232>();
   const int cw = wg - 1, tid = threadIdx.x & 127, lane = tid & 31, w = tid >> 5;
   int it = 0;
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+  // Bounded (a block never gets more than every tile): with an endless loop the compiler
+  // keeps acc in local memory in the dSwiGLU kernel and serialises its wgmmas.
+  const int last = max_tiles * col_tiles;
+  for (int n = 0; n < last; ++n) {
+    mbar_wait(&full[it % S], (it / S) & 1);  // the tile's first k-tile, or the end
+    const int t = tile_of[it % S];
+    if (t < 0) break;
     const int rt = t / col_tiles, e = args.tile_expert[rt];
-    if (e < 0) break;
     const int row0 = args.tile_row[rt], row_end = args.offsets[e + 1];
     const int n0 = (t % col_tiles) * ws_tile_cols(kEpi);
     float acc[128];
@@ -556,7 +599,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
       const int s = it % S;
-      mbar_wait(&full[s], (it / S) & 1);
+      mbar_wait(&full[s], (it / S) & 1);  // (kt 0: already complete, returns at once)
       const uint32_t a = smem_u32(smem + s * kWsStage) + cw * 64 * 128, b = smem_u32(smem + s * kWsStage + kTile);
       pin(acc);
       wgmma_fence();
@@ -739,7 +782,8 @@ __global__ void __launch_bounds__(kThreads, S <= 3 ? 2 : 1)
 // block outside the N rows (rows past sum(counts) are then left unwritten).
 __global__ void __launch_bounds__(kScheduleThreads)
     swiglu_schedule_kernel(const int64_t* __restrict__ counts, int E, int N, int max_tiles, int* __restrict__ offsets,
-                           int* __restrict__ tile_expert, int* __restrict__ tile_row) {
+                           int* __restrict__ tile_expert, int* __restrict__ tile_row, int* __restrict__ queue,
+                           int share0, int share_all) {
   __shared__ long long s_off[kSwigluMaxExperts + 1];
   __shared__ int s_tile[kSwigluMaxExperts + 1];
   __shared__ long long scratch64[33];
@@ -763,6 +807,12 @@ __global__ void __launch_bounds__(kScheduleThreads)
   __syncthreads();
   const int ntiles = block_exclusive_scan(s_tile, E, scratch32);
   if (tid == 0) s_tile[E] = ntiles;
+  if (queue && tid < kQueueWords) {  // the rows kernels' queues: tiles, split, zeroed counters
+    const int split = share_all > 0 ? static_cast<int>((static_cast<long long>(ntiles) * share0 + share_all / 2) /
+                                                       share_all)
+                                    : ntiles;
+    queue[tid] = tid == 0 ? ntiles : tid == 1 ? split : 0;
+  }
   __syncthreads();
   for (int t = tid; t < max_tiles; t += blockDim.x) {
     if (t >= ntiles) {
@@ -798,18 +848,33 @@ struct Schedule {
   int* offsets;
   int* tile_expert;
   int* tile_row;
+  int* queue;  // kQueueWords: the Hopper rows kernels' queues (two launches' counters)
   int max_tiles;
+  const uint8_t* sm_half;
 };
 
-Schedule make_schedule(const int64_t* counts, int64_t N, int E, int32_t* workspace, bool tiles, cudaStream_t stream) {
+// halves: the L2 halves the queues are split for (nullptr or unknown: one queue).
+Schedule make_schedule(const int64_t* counts, int64_t N, int E, int32_t* workspace, bool tiles, cudaStream_t stream,
+                       const SmHalves* halves = nullptr) {
   Schedule s;
   s.max_tiles = tiles ? static_cast<int>(swiglu_max_tiles(N, E)) : 0;
   s.offsets = workspace;
   s.tile_expert = workspace + (E + 1);
   s.tile_row = s.tile_expert + s.max_tiles;
-  swiglu_schedule_kernel<<<1, kScheduleThreads, 0, stream>>>(counts, E, static_cast<int>(N), s.max_tiles, s.offsets,
-                                                              s.tile_expert, s.tile_row);
+  s.queue = tiles ? s.tile_row + s.max_tiles : nullptr;
+  const bool split = halves && halves->known();
+  s.sm_half = split ? halves->device_map : nullptr;
+  swiglu_schedule_kernel<<<1, kScheduleThreads, 0, stream>>>(
+      counts, E, static_cast<int>(N), s.max_tiles, s.offsets, s.tile_expert, s.tile_row, s.queue,
+      split ? halves->count[0] : 0, split ? halves->count[0] + halves->count[1] : 0);
   return s;
+}
+
+// The queue fields of a rows launch: launch 0 or 1 of the schedule (each its own counters).
+void set_queues(RowsArgs& a, const Schedule& s, int launch) {
+  a.queue = s.queue;
+  a.next = s.queue + 2 + 2 * launch;
+  a.sm_half = s.sm_half;
 }
 
 template <bool kBKMajor, int kEpi>
@@ -837,6 +902,9 @@ void launch_wgrad(const WgradArgs& args, int E, cudaStream_t stream) {
 
 // ---- Hopper host side: tensor maps and dispatch ------------------------------------------
 bool use_hopper() { return hopper_kernels_usable("MOETRAIN_SWIGLU_MMA_SYNC"); }
+
+// The L2 halves the Hopper rows kernels split their queues for (probed on first use).
+const SmHalves* rows_halves(cudaStream_t stream) { return use_hopper() ? &sm_l2_halves(stream) : nullptr; }
 
 bool make_map(CUtensorMap* map, const void* base, std::initializer_list<uint64_t> dims,
               std::initializer_list<uint32_t> box, bool f32 = false) {
@@ -887,7 +955,7 @@ bf16* mb(void* p) { return static_cast<bf16*>(p); }
 
 int64_t swiglu_max_tiles(int64_t N, int E) { return (N + kBM - 1) / kBM + E; }
 
-int64_t swiglu_workspace_words(int64_t N, int E) { return (E + 1) + 2 * swiglu_max_tiles(N, E); }
+int64_t swiglu_workspace_words(int64_t N, int E) { return (E + 1) + 2 * swiglu_max_tiles(N, E) + kQueueWords; }
 
 int64_t swiglu_squares_scratch_doubles(int H, int I, int E) {
   const int64_t slots = blocks_of(wgrad_grid(H, I, E, 1)) + blocks_of(wgrad_grid(I, H, E, 2));
@@ -901,11 +969,12 @@ void launch_swiglu_forward(const void* x, const int64_t* counts, const void* w_g
                            const void* w_down, int64_t N, int H, int I, int E, void* gate, void* up, void* act,
                            void* y, int32_t* workspace, cudaStream_t stream) {
   if (N == 0) return;
-  const Schedule s = make_schedule(counts, N, E, workspace, true, stream);
+  const Schedule s = make_schedule(counts, N, E, workspace, true, stream, rows_halves(stream));
   RowsArgs a{};
   a.offsets = s.offsets;
   a.tile_expert = s.tile_expert;
   a.tile_row = s.tile_row;
+  set_queues(a, s, 0);
   // gate | up = x [Wg | Wu]^T, act = silu(gate) * up
   a.a0 = a.a1 = cb(x);
   a.lda = H;
@@ -931,6 +1000,7 @@ void launch_swiglu_forward(const void* x, const int64_t* counts, const void* w_g
   if (hop) launch_rows_hopper<true, kEpiGateUp>(gu, a, (H + kBK - 1) / kBK, 1, I, s.max_tiles, stream);
   else launch_rows<true, kEpiGateUp>(a, (I + 63) / 64, s.max_tiles, stream);
   // y = act Wd^T
+  set_queues(a, s, 1);
   a.a0 = a.a1 = cb(act);
   a.lda = I;
   a.b0 = a.b1 = cb(w_down);
@@ -949,11 +1019,12 @@ void launch_swiglu_backward_input(const void* dy, const int64_t* counts, const v
                                   const void* w_gate, const void* w_up, const void* w_down, int64_t N, int H, int I,
                                   int E, void* dgate, void* dup, void* dx, int32_t* workspace, cudaStream_t stream) {
   if (N == 0) return;
-  const Schedule s = make_schedule(counts, N, E, workspace, true, stream);
+  const Schedule s = make_schedule(counts, N, E, workspace, true, stream, rows_halves(stream));
   RowsArgs a{};
   a.offsets = s.offsets;
   a.tile_expert = s.tile_expert;
   a.tile_row = s.tile_row;
+  set_queues(a, s, 0);
   // da = dy Wd (Wd[e] is [H, I]: B[k = h][n = i]), epilogue -> dgate, dup
   a.a0 = a.a1 = cb(dy);
   a.lda = H;
@@ -982,6 +1053,7 @@ void launch_swiglu_backward_input(const void* dy, const int64_t* counts, const v
     launch_rows<false, kEpiDSwiglu>(a, (I + kBN - 1) / kBN, s.max_tiles, stream);
   }
   // dx = [dgate | dup] [Wg ; Wu]: K = 2I, k < I from (dgate, Wg), k >= I from (dup, Wu)
+  set_queues(a, s, 1);
   a.a0 = cb(dgate);
   a.a1 = cb(dup);
   a.lda = I;

@@ -1,0 +1,33 @@
+// Which half of the L2 cache each multiprocessor of the current GPU sits next to.
+//
+// An H100's L2 is two partitions joined by a fabric; a line a multiprocessor reads is also
+// kept in the partition next to it. When the blocks of a kernel that share operands (the
+// grouped expert GEMMs: every row tile of an expert reads that expert's weights) sit in
+// both halves, each half fetches its own copy through the fabric, which Nsight Compute
+// showed as the limit of those kernels. Knowing the halves, a kernel can hand an expert's
+// tiles to blocks of one half.
+//
+// Measured once per device (about a millisecond): every multiprocessor first-touches a chain
+// of its own lines, then one block times a re-read of each chain. Chains touched in the
+// reader's half come back from its near partition (~290 cycles on an H100), the others ~30%
+// slower; a clear gap splits the multiprocessors in two. No gap (another GPU, or the
+// environment variable MOETRAIN_L2_HALVES=0) gives an empty map and kernels fall back to
+// one queue.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moetrain::ops::cuda {
+
+struct SmHalves {
+  const uint8_t* device_map = nullptr;  // [%smid] -> 0 or 1 (device memory); nullptr: unknown
+  int count[2] = {0, 0};                // multiprocessors in each half
+  bool known() const { return device_map != nullptr; }
+};
+
+// The map of the current device, probed on first use (on `stream`, which it waits for).
+const SmHalves& sm_l2_halves(cudaStream_t stream);
+
+}  // namespace moetrain::ops::cuda
