@@ -19,32 +19,6 @@ bool disabled_by_env() {
   return v != nullptr && std::strcmp(v, "0") == 0;
 }
 
-// Two groups split by the widest gap of the sorted chain times, when that gap is at least
-// 10% of the fastest time and each group holds a quarter of the multiprocessors or more.
-bool split_halves(const std::vector<long long>& cycles, std::vector<uint8_t>& half, int count[2]) {
-  const int n = static_cast<int>(cycles.size());
-  std::vector<long long> sorted = cycles;
-  std::sort(sorted.begin(), sorted.end());
-  int cut = 0;
-  long long gap = 0;
-  for (int i = 1; i < n; ++i) {
-    if (sorted[i] - sorted[i - 1] > gap) {
-      gap = sorted[i] - sorted[i - 1];
-      cut = i;
-    }
-  }
-  if (n < 8 || gap * 10 < sorted[0] || cut < n / 4 || n - cut < n / 4) return false;
-  const long long threshold = sorted[cut];  // times >= threshold: the other half
-  half.assign(n, 0);
-  const bool sm0_slow = cycles[0] >= threshold;  // half 0 is the one multiprocessor 0 is in
-  count[0] = count[1] = 0;
-  for (int s = 0; s < n; ++s) {
-    half[s] = static_cast<uint8_t>((cycles[s] >= threshold) != sm0_slow);
-    ++count[half[s]];
-  }
-  return true;
-}
-
 SmHalves probe(cudaStream_t stream) {
   SmHalves out;
   int dev = 0, sms = 0, l2 = 0;
@@ -78,7 +52,7 @@ SmHalves probe(cudaStream_t stream) {
   }
   std::vector<uint8_t> half;
   const bool every_sm = std::all_of(claimed_host.begin(), claimed_host.end(), [](int c) { return c == 1; });
-  if (!every_sm || !split_halves(host, half, out.count)) {
+  if (!every_sm || !split_l2_halves(host, half, out.count)) {
     spdlog::info("L2 halves: no clear split of the {} multiprocessors (grouped GEMMs use one tile queue)", sms);
     return out;
   }
@@ -95,6 +69,30 @@ SmHalves probe(cudaStream_t stream) {
 }
 
 }  // namespace
+
+bool split_l2_halves(const std::vector<long long>& cycles, std::vector<uint8_t>& half, int count[2]) {
+  const int n = static_cast<int>(cycles.size());
+  std::vector<long long> sorted = cycles;
+  std::sort(sorted.begin(), sorted.end());
+  int cut = 0;
+  long long gap = 0;
+  for (int i = 1; i < n; ++i) {
+    if (sorted[i] - sorted[i - 1] > gap) {
+      gap = sorted[i] - sorted[i - 1];
+      cut = i;
+    }
+  }
+  if (n < 8 || gap * 10 < sorted[0] || cut < n / 4 || n - cut < n / 4) return false;
+  const long long threshold = sorted[cut];  // times >= threshold: the other group
+  half.assign(n, 0);
+  const bool sm0_slow = cycles[0] >= threshold;
+  count[0] = count[1] = 0;
+  for (int s = 0; s < n; ++s) {
+    half[s] = static_cast<uint8_t>((cycles[s] >= threshold) != sm0_slow);
+    ++count[half[s]];
+  }
+  return true;
+}
 
 const SmHalves& sm_l2_halves(cudaStream_t stream) {
   static std::mutex mu;

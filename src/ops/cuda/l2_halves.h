@@ -18,6 +18,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace moetrain::ops::cuda {
 
@@ -29,5 +30,11 @@ struct SmHalves {
 
 // The map of the current device, probed on first use (on `stream`, which it waits for).
 const SmHalves& sm_l2_halves(cudaStream_t stream);
+
+// The probe's decision from its chain times (one per multiprocessor): two groups split by
+// the widest gap of the sorted times, when that gap is at least 10% of the fastest time and
+// each group holds a quarter of the multiprocessors or more. half[s] is 0 for the group of
+// multiprocessor 0. False (half and count untouched) when there is no such split.
+bool split_l2_halves(const std::vector<long long>& cycles, std::vector<uint8_t>& half, int count[2]);
 
 }  // namespace moetrain::ops::cuda

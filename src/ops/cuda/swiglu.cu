@@ -310,8 +310,14 @@ struct WgradArgs {
   const int* offsets;  // [E + 1]
   int accumulate;      // 0: C = sum (every block writes, an expert without rows writes zeros)
   double* squares;     // Hopper, accumulate 0: the block's sum of squares of its tile, at its
-                       // linear block index plus squares_base (nullptr: not asked)
+                       // tile's index plus squares_base (nullptr: not asked)
   int64_t squares_base;
+  // Hopper: with sm_half, a block takes its tile from its L2 half's queue (tiles [0,
+  // queue_split) or [queue_split, all)), then from the other's; next: two zeroed counters.
+  // Without, tile = linear block index. Tiles are numbered as blocks: x fastest, then y, z.
+  const uint8_t* sm_half;
+  int* next;
+  int queue_split;
 };
 
 template <int kProblems>
@@ -685,10 +691,32 @@ template <int S, int kProblems>
 __global__ void __launch_bounds__(kThreads, S <= 3 ? 2 : 1)
     wgrad_kernel(const __grid_constant__ Maps maps, const WgradArgs args) {
 #if MT_SM90A
-  const int e = blockIdx.z / kProblems, prob = blockIdx.z % kProblems;
+  const int tiles = static_cast<int>(gridDim.x * gridDim.y * gridDim.z);
+  int tile = static_cast<int>((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x);
+  if (args.sm_half) {
+    // As many blocks as tiles: a block that finds both queues empty cannot exist.
+    __shared__ int taken;
+    if (threadIdx.x == 0) {
+      unsigned sm;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+      const int own = args.sm_half[sm];
+      auto take = [&](int q) {
+        const int first = q == 0 ? 0 : args.queue_split, end = q == 0 ? args.queue_split : tiles;
+        const int u = first + atomicAdd(&args.next[q], 1);
+        return u < end ? u : -1;
+      };
+      int t = take(own);
+      if (t < 0) t = take(own ^ 1);
+      taken = t;
+    }
+    __syncthreads();
+    tile = taken;
+  }
+  const int bx = tile % gridDim.x, by = (tile / gridDim.x) % gridDim.y, bz = tile / (gridDim.x * gridDim.y);
+  const int e = bz / kProblems, prob = bz % kProblems;
   const int r0 = args.offsets[e], r1 = args.offsets[e + 1];
   if (r1 <= r0 && args.accumulate) return;  // nothing to add (an overwrite still stores zeros)
-  const int m0 = blockIdx.y * kBM, n0 = blockIdx.x * kBN;
+  const int m0 = by * kBM, n0 = bx * kBN;
   extern __shared__ char smem_raw[];
   uint64_t *full, *empty;
   char* smem = setup_smem<S>(smem_raw, full, empty);
@@ -748,10 +776,7 @@ __global__ void __launch_bounds__(kThreads, S <= 3 ? 2 : 1)
 #pragma unroll
     for (int i = 0; i < 64; ++i) sq += static_cast<double>(acc[i]) * acc[i];
     sq = block_sum_double(sq);
-    if (tid == 0) {
-      const int64_t slot = (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-      args.squares[args.squares_base + slot] = sq;
-    }
+    if (tid == 0) args.squares[args.squares_base + tile] = sq;
   }
   if (tid == 0) {
     const CUtensorMap* cmap = &maps.c[prob];
@@ -807,7 +832,7 @@ __global__ void __launch_bounds__(kScheduleThreads)
   __syncthreads();
   const int ntiles = block_exclusive_scan(s_tile, E, scratch32);
   if (tid == 0) s_tile[E] = ntiles;
-  if (queue && tid < kQueueWords) {  // the rows kernels' queues: tiles, split, zeroed counters
+  if (tid < kQueueWords) {  // the rows kernels' queues: tiles, split; every launch's counters zeroed
     const int split = share_all > 0 ? static_cast<int>((static_cast<long long>(ntiles) * share0 + share_all / 2) /
                                                        share_all)
                                     : ntiles;
@@ -861,7 +886,7 @@ Schedule make_schedule(const int64_t* counts, int64_t N, int E, int32_t* workspa
   s.offsets = workspace;
   s.tile_expert = workspace + (E + 1);
   s.tile_row = s.tile_expert + s.max_tiles;
-  s.queue = tiles ? s.tile_row + s.max_tiles : nullptr;
+  s.queue = s.tile_row + s.max_tiles;
   const bool split = halves && halves->known();
   s.sm_half = split ? halves->device_map : nullptr;
   swiglu_schedule_kernel<<<1, kScheduleThreads, 0, stream>>>(
@@ -903,8 +928,8 @@ void launch_wgrad(const WgradArgs& args, int E, cudaStream_t stream) {
 // ---- Hopper host side: tensor maps and dispatch ------------------------------------------
 bool use_hopper() { return hopper_kernels_usable("MOETRAIN_SWIGLU_MMA_SYNC"); }
 
-// The L2 halves the Hopper rows kernels split their queues for (probed on first use).
-const SmHalves* rows_halves(cudaStream_t stream) { return use_hopper() ? &sm_l2_halves(stream) : nullptr; }
+// The L2 halves the Hopper grouped GEMMs split their tile queues for (probed on first use).
+const SmHalves* gemm_halves(cudaStream_t stream) { return use_hopper() ? &sm_l2_halves(stream) : nullptr; }
 
 bool make_map(CUtensorMap* map, const void* base, std::initializer_list<uint64_t> dims,
               std::initializer_list<uint32_t> box, bool f32 = false) {
@@ -939,12 +964,22 @@ void launch_rows_hopper(const hopper::Maps& maps, const RowsArgs& args, int ktil
   kernel<<<grid, hopper::kWsThreads, smem, stream>>>(maps, args, ktiles_src, nsrc, col_tiles, max_tiles);
 }
 
+// launch: 0 or 1, the schedule's counters this launch uses.
 template <int kProblems>
-void launch_wgrad_hopper(const hopper::Maps& maps, const WgradArgs& args, int E, cudaStream_t stream) {
+void launch_wgrad_hopper(const hopper::Maps& maps, WgradArgs args, int E, const Schedule& s, int launch,
+                         cudaStream_t stream) {
   if (args.M == 0 || args.Nc == 0) return;
   auto kernel = hopper::wgrad_kernel<3, kProblems>;
   prepare_hopper(kernel, hopper::smem_bytes(3));
   const dim3 grid = wgrad_grid(args.M, args.Nc, E, kProblems);
+  const SmHalves* halves = gemm_halves(stream);
+  if (halves && halves->known()) {  // each half a run of whole experts, in proportion to its multiprocessors
+    args.sm_half = halves->device_map;
+    args.next = s.queue + 2 + 2 * launch;
+    const int64_t z0 = (static_cast<int64_t>(grid.z) * halves->count[0] + (halves->count[0] + halves->count[1]) / 2) /
+                       (halves->count[0] + halves->count[1]);
+    args.queue_split = static_cast<int>(z0 / kProblems * kProblems * grid.x * grid.y);
+  }
   kernel<<<grid, hopper::kThreads, hopper::smem_bytes(3), stream>>>(maps, args);
 }
 
@@ -969,7 +1004,7 @@ void launch_swiglu_forward(const void* x, const int64_t* counts, const void* w_g
                            const void* w_down, int64_t N, int H, int I, int E, void* gate, void* up, void* act,
                            void* y, int32_t* workspace, cudaStream_t stream) {
   if (N == 0) return;
-  const Schedule s = make_schedule(counts, N, E, workspace, true, stream, rows_halves(stream));
+  const Schedule s = make_schedule(counts, N, E, workspace, true, stream, gemm_halves(stream));
   RowsArgs a{};
   a.offsets = s.offsets;
   a.tile_expert = s.tile_expert;
@@ -1019,7 +1054,7 @@ void launch_swiglu_backward_input(const void* dy, const int64_t* counts, const v
                                   const void* w_gate, const void* w_up, const void* w_down, int64_t N, int H, int I,
                                   int E, void* dgate, void* dup, void* dx, int32_t* workspace, cudaStream_t stream) {
   if (N == 0) return;
-  const Schedule s = make_schedule(counts, N, E, workspace, true, stream, rows_halves(stream));
+  const Schedule s = make_schedule(counts, N, E, workspace, true, stream, gemm_halves(stream));
   RowsArgs a{};
   a.offsets = s.offsets;
   a.tile_expert = s.tile_expert;
@@ -1121,7 +1156,7 @@ void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t*
   wgu.b[1] = wgu.b[0];
   const int64_t down_slots = blocks_of(wgrad_grid(H, I, E, 1));
   if (hop && squares_result) w.squares = squares_scratch;  // dW_down's slots first, then gate/up's
-  if (hop) launch_wgrad_hopper<1>(wd, w, E, stream);
+  if (hop) launch_wgrad_hopper<1>(wd, w, E, s, 0, stream);
   else launch_wgrad<1>(w, E, stream);
   w.squares_base = down_slots;
   // dWg[e], dWu[e] [I, H] += dgate_e^T x_e, dup_e^T x_e
@@ -1135,7 +1170,7 @@ void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t*
   w.c_stride = static_cast<int64_t>(I) * H;
   w.M = I;
   w.Nc = H;
-  if (hop) launch_wgrad_hopper<2>(wgu, w, E, stream);
+  if (hop) launch_wgrad_hopper<2>(wgu, w, E, s, 1, stream);
   else launch_wgrad<2>(w, E, stream);
   if (!squares_result) return;
   if (hop) {
