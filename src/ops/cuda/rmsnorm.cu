@@ -13,7 +13,8 @@
 //           column, or two adjacent ones (bf16x2 loads) when D is even, and adds rows
 //           r0+j, r0+j+8, ... of its chunk in order; the 8 row lanes are added in fixed
 //           order through shared memory: partial[chunk][c] (f32);
-//   pass 2: one thread per column adds the nrb partials in chunk order (double) into dw.
+//   pass 2: per column, 32 lanes each add every 32nd partial in chunk order (double), then
+//           the lanes in order, into dw.
 // nrb depends only on (R, D) (about 2048 blocks in pass 1, chunks of at least 64 rows).
 #include "ops/cuda/rmsnorm_launch.h"
 #include "ops/cuda/vec_io.cuh"
@@ -226,13 +227,26 @@ __global__ void __launch_bounds__(kColTile* kRowLanes) rmsnorm_dw_pass1(const bf
   }
 }
 
-__global__ void rmsnorm_dw_pass2(const float* __restrict__ partial, float* __restrict__ dw, int64_t D,
-                                 int64_t chunks) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= D) return;
+// Block (32 columns, kPass2Lanes chunk lanes): lane y adds chunks y, y + kPass2Lanes, ... of
+// its column in order, then the lanes are added in fixed order. A thread per column adding
+// every chunk took ~50 us for the per-head norms (D = 128: 512 chunks, one block).
+constexpr int kPass2Lanes = 32;
+__global__ void __launch_bounds__(kColTile* kPass2Lanes) rmsnorm_dw_pass2(const float* __restrict__ partial,
+                                                                         float* __restrict__ dw, int64_t D,
+                                                                         int64_t chunks) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kColTile + threadIdx.x;
   double t = 0.0;
-  for (int64_t b = 0; b < chunks; ++b) t += static_cast<double>(partial[b * D + c]);
-  dw[c] = static_cast<float>(static_cast<double>(dw[c]) + t);
+  if (c < D) {
+    for (int64_t b = threadIdx.y; b < chunks; b += kPass2Lanes) t += static_cast<double>(partial[b * D + c]);
+  }
+  __shared__ double lanes[kPass2Lanes][kColTile];
+  lanes[threadIdx.y][threadIdx.x] = t;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= D) return;
+  double sum = 0.0;
+#pragma unroll 8
+  for (int k = 0; k < kPass2Lanes; ++k) sum += lanes[k][threadIdx.x];
+  dw[c] = static_cast<float>(static_cast<double>(dw[c]) + sum);
 }
 
 }  // namespace
@@ -266,7 +280,8 @@ void launch_rmsnorm_backward_weight(const bf16* dy, const bf16* x, const float* 
   } else {
     rmsnorm_dw_pass1<1><<<grid1, dim3(kColTile, kRowLanes), 0, s>>>(dy, x, rstd, scratch, R, D, sp.rows_per_chunk);
   }
-  rmsnorm_dw_pass2<<<static_cast<unsigned>((D + 255) / 256), 256, 0, s>>>(scratch, dw, D, sp.chunks);
+  rmsnorm_dw_pass2<<<static_cast<unsigned>((D + kColTile - 1) / kColTile), dim3(kColTile, kPass2Lanes), 0, s>>>(
+      scratch, dw, D, sp.chunks);
 }
 
 }  // namespace moetrain::ops::cuda

@@ -395,9 +395,10 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgrad_kernel(const WgradA
 // 128-byte-swizzled shared memory, completion signalled on mbarriers, and consumed by
 // warpgroup MMAs straight from shared memory: no ldmatrix, no per-thread address arithmetic
 // in the main loop, and the copies of the ring run while the tensor cores work.
-//   weight gradients: 128 x 128 x 64 tiles, 2 warpgroups per block each owning 64 rows
-//   (wgmma m64n128k16), a 3-stage ring, 2 blocks per SM (96 KB of stages each) so one
-//   block's epilogue overlaps the other's main loop;
+//   weight gradients: 128 x 256 x 64 tiles, 2 warpgroups per block each owning 64 rows
+//   (wgmma m64n256k16), a 4-stage ring, one block per SM (128 x 128 tiles with two blocks
+//   per SM, one's epilogue under the other's main loop, read 25% more operand bytes and
+//   measured 1.5% slower);
 //   row GEMMs: 128 x 256 tiles, warp-specialised and persistent (rows_kernel below).
 //
 // Ragged edges cost nothing in the main loop: TMA zero-fills the parts of a box outside the
@@ -409,8 +410,9 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgrad_kernel(const WgradA
 namespace hopper {
 
 
-// S (a template parameter below): pipeline stages. 3 = two blocks of 96 KB per SM; 6 stages
-// at one block per SM measured ~12% slower (no overlap of epilogues with main loops).
+// S (a template parameter below): pipeline stages. For 128 x 128 tiles, 3 = two blocks of
+// 96 KB per SM; 6 stages at one block per SM measured ~12% slower (no overlap of epilogues
+// with main loops).
 constexpr int kThreads = 256;
 constexpr int kTile = 128 * 64 * 2;  // one operand's k-tile: 16 KB, as 128 x 128-byte rows
 [[maybe_unused]] constexpr int kChunk = kTile / 2;  // MN-major operands: two [64 k][64 mn] boxes of 8 KB
@@ -432,19 +434,21 @@ using namespace sm90;
 // their MMAs on it, and each warp arrives on empty[s] once its MMAs of the stage are done,
 // which lets thread 0 refill the stage. `before_mma(kt, stage)` runs after the wait (wgrad
 // masking).
-template <int S, int kTransA, int kTransB, typename Issue, typename BeforeMma>
-__device__ __forceinline__ void mainloop(float (&acc)[64], char* smem, uint64_t* full, uint64_t* empty, int ktiles,
-                                         const Issue& issue, const BeforeMma& before_mma) {
+// kN: the tile's columns (128 or 256; B is kN / 64 boxes, a stage kTile + kN * 128 bytes).
+template <int S, int kTransA, int kTransB, int kN = 128, typename Issue, typename BeforeMma>
+__device__ __forceinline__ void mainloop(float (&acc)[kN / 2], char* smem, uint64_t* full, uint64_t* empty,
+                                         int ktiles, const Issue& issue, const BeforeMma& before_mma) {
+  constexpr int kStageBytes = kTile + kN * 128;
   const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
   if (tid == 0) {
-    for (int kt = 0; kt < S - 1 && kt < ktiles; ++kt) issue(kt, smem + kt * kStage, &full[kt]);
+    for (int kt = 0; kt < S - 1 && kt < ktiles; ++kt) issue(kt, smem + kt * kStageBytes, &full[kt]);
   }
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  for (int i = 0; i < kN / 2; ++i) acc[i] = 0.f;
   for (int kt = 0; kt < ktiles; ++kt) {
     const int s = kt % S;
     mbar_wait(&full[s], (kt / S) & 1);
-    char* st = smem + s * kStage;
+    char* st = smem + s * kStageBytes;
     before_mma(kt, st);
     const uint32_t a = smem_u32(st), b = smem_u32(st + kTile);
     pin(acc);
@@ -456,7 +460,8 @@ __device__ __forceinline__ void mainloop(float (&acc)[64], char* smem, uint64_t*
       const uint64_t da = kTransA ? sw128_desc(a + wg * kChunk + kk * 2048, kChunk, 1024)
                                   : sw128_desc(a + wg * 64 * 128 + kk * 32, 16, 1024);
       const uint64_t db = kTransB ? sw128_desc(b + kk * 2048, kChunk, 1024) : sw128_desc(b + kk * 32, 16, 1024);
-      wgmma_m64n128k16<kTransA, kTransB>(acc, da, db);
+      if constexpr (kN == 256) wgmma_m64n256k16<kTransA, kTransB>(acc, da, db);
+      else wgmma_m64n128k16<kTransA, kTransB>(acc, da, db);
     }
     wgmma_commit();
     wgmma_wait<1>();  // the MMAs of k-tile kt - 1 are done: release its stage
@@ -466,7 +471,7 @@ __device__ __forceinline__ void mainloop(float (&acc)[64], char* smem, uint64_t*
     if (tid == 0 && next < ktiles) {
       const int ns = next % S;
       mbar_wait(&empty[ns], ((next / S) - 1) & 1);  // k-tile next - S has left it
-      issue(next, smem + ns * kStage, &full[ns]);
+      issue(next, smem + ns * kStageBytes, &full[ns]);
     }
   }
   wgmma_wait<0>();
@@ -687,8 +692,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 // Weight-gradient GEMM, as grouped_wgrad_kernel: maps.a[prob] over A [N, M], maps.b[0] over
 // B [N, Nc], both box 64 columns x 64 rows (MN-major operands, k = row); maps.c[prob] over
 // the f32 C [E, M, Nc] (box 32 x 128 x 1). args.c0 / c1 are not used: C is reached by map.
-template <int S, int kProblems>
-__global__ void __launch_bounds__(kThreads, S <= 3 ? 2 : 1)
+// Tiles of 128 x kN: kN = 256 reads 25% fewer operand bytes per FLOP from L2 (the limit of
+// the 128 x 128 version) but holds 128 accumulators a thread, so one block per SM.
+template <int S, int kProblems, int kN = 128>
+__global__ void __launch_bounds__(kThreads, kN == 128 && S <= 3 ? 2 : 1)
     wgrad_kernel(const __grid_constant__ Maps maps, const WgradArgs args) {
 #if MT_SM90A
   const int tiles = static_cast<int>(gridDim.x * gridDim.y * gridDim.z);
@@ -716,18 +723,19 @@ __global__ void __launch_bounds__(kThreads, S <= 3 ? 2 : 1)
   const int e = bz / kProblems, prob = bz % kProblems;
   const int r0 = args.offsets[e], r1 = args.offsets[e + 1];
   if (r1 <= r0 && args.accumulate) return;  // nothing to add (an overwrite still stores zeros)
-  const int m0 = by * kBM, n0 = bx * kBN;
+  const int m0 = by * kBM, n0 = bx * kN;
+  constexpr int kStageBytes = kTile + kN * 128, kBoxes = kN / 64;
   extern __shared__ char smem_raw[];
   uint64_t *full, *empty;
-  char* smem = setup_smem<S>(smem_raw, full, empty);
+  char* smem = setup_smem<S, kStageBytes>(smem_raw, full, empty);
   const int ktiles = (r1 - r0 + kBK - 1) / kBK;
   auto issue = [&](int kt, char* st, uint64_t* bar) {
     const int row = r0 + kt * kBK;
-    mbar_arrive_expect_tx(bar, kStage);
+    mbar_arrive_expect_tx(bar, kStageBytes);
     tma_load_2d(st, &maps.a[prob], bar, m0, row);
     tma_load_2d(st + kChunk, &maps.a[prob], bar, m0 + 64, row);
-    tma_load_2d(st + kTile, &maps.b[0], bar, n0, row);
-    tma_load_2d(st + kTile + kChunk, &maps.b[0], bar, n0 + 64, row);
+#pragma unroll
+    for (int j = 0; j < kBoxes; ++j) tma_load_2d(st + kTile + j * kChunk, &maps.b[0], bar, n0 + 64 * j, row);
   };
   // The last k-tile may run past the expert's rows into the next expert's: zero those rows
   // of B (whole 128-byte rows, so the swizzle does not matter) before the MMAs read them.
@@ -735,7 +743,7 @@ __global__ void __launch_bounds__(kThreads, S <= 3 ? 2 : 1)
     const int valid = r1 - (r0 + kt * kBK);
     if (valid >= kBK) return;
     char* b = st + kTile;
-    for (int i = threadIdx.x; i < 2 * (kBK - valid) * 8; i += kThreads) {
+    for (int i = threadIdx.x; i < kBoxes * (kBK - valid) * 8; i += kThreads) {
       const int chunk = i / ((kBK - valid) * 8), rem = i % ((kBK - valid) * 8);
       *reinterpret_cast<uint4*>(b + chunk * kChunk + (valid + rem / 8) * 128 + (rem % 8) * 16) =
           make_uint4(0, 0, 0, 0);
@@ -743,8 +751,8 @@ __global__ void __launch_bounds__(kThreads, S <= 3 ? 2 : 1)
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> tensor core reads
     __syncthreads();
   };
-  float acc[64];
-  mainloop<S, 1, 1>(acc, smem, full, empty, ktiles, issue, mask_tail);
+  float acc[kN / 2];
+  mainloop<S, 1, 1, kN>(acc, smem, full, empty, ktiles, issue, mask_tail);
 
   // C += acc by the copy engine. The f32 read-modify-write of dW is this kernel's main cost
   // (2 x 2.4 GB at the bench shape); done by threads (load, add, store: 4.5 ms there) it
@@ -759,7 +767,7 @@ __global__ void __launch_bounds__(kThreads, S <= 3 ? 2 : 1)
   for (int h = 0; h < 2; ++h) {
     const int r = wg * 64 + w * 16 + (lane >> 2) + h * 8;
 #pragma unroll
-    for (int nb = 0; nb < 16; ++nb) {
+    for (int nb = 0; nb < kN / 8; ++nb) {
       const int c = (nb & 3) * 8 + (lane & 3) * 2;  // column within box nb / 4
       char* dst = smem + (nb >> 2) * (kBM * 128) + r * 128 + (((c >> 2) ^ (r & 7)) << 4) + (c & 3) * 4;
       *reinterpret_cast<float2*>(dst) = make_float2(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
@@ -774,13 +782,13 @@ __global__ void __launch_bounds__(kThreads, S <= 3 ? 2 : 1)
     // norm does not depend on which block ran when.
     double sq = 0.0;
 #pragma unroll
-    for (int i = 0; i < 64; ++i) sq += static_cast<double>(acc[i]) * acc[i];
+    for (int i = 0; i < kN / 2; ++i) sq += static_cast<double>(acc[i]) * acc[i];
     sq = block_sum_double(sq);
     if (tid == 0) args.squares[args.squares_base + tile] = sq;
   }
   if (tid == 0) {
     const CUtensorMap* cmap = &maps.c[prob];
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kN / 32; ++j) {
       if (args.accumulate) {
         asm volatile(
             "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
@@ -964,14 +972,19 @@ void launch_rows_hopper(const hopper::Maps& maps, const RowsArgs& args, int ktil
   kernel<<<grid, hopper::kWsThreads, smem, stream>>>(maps, args, ktiles_src, nsrc, col_tiles, max_tiles);
 }
 
-// launch: 0 or 1, the schedule's counters this launch uses.
+// launch: 0 or 1, the schedule's counters this launch uses. Returns the tiles (blocks) it
+// launched: its slots in args.squares.
 template <int kProblems>
-void launch_wgrad_hopper(const hopper::Maps& maps, WgradArgs args, int E, const Schedule& s, int launch,
-                         cudaStream_t stream) {
-  if (args.M == 0 || args.Nc == 0) return;
-  auto kernel = hopper::wgrad_kernel<3, kProblems>;
-  prepare_hopper(kernel, hopper::smem_bytes(3));
-  const dim3 grid = wgrad_grid(args.M, args.Nc, E, kProblems);
+int64_t launch_wgrad_hopper(const hopper::Maps& maps, WgradArgs args, int E, const Schedule& s, int launch,
+                            cudaStream_t stream) {
+  if (args.M == 0 || args.Nc == 0) return 0;
+  // 128 x 256 tiles, 4 stages, a block per SM: bench_ops backward_weight 2.81 -> 2.77 ms
+  // against 128 x 128 tiles, 3 stages, two blocks per SM (the step: expert GEMMs -0.2 ms).
+  constexpr int kStages = 4, kN = 256;
+  auto kernel = hopper::wgrad_kernel<kStages, kProblems, kN>;
+  const int smem = hopper::smem_bytes(kStages, hopper::kTile + kN * 128);
+  prepare_hopper(kernel, smem);
+  const dim3 grid((args.Nc + kN - 1) / kN, (args.M + kBM - 1) / kBM, E * kProblems);
   const SmHalves* halves = gemm_halves(stream);
   if (halves && halves->known()) {  // each half a run of whole experts, in proportion to its multiprocessors
     args.sm_half = halves->device_map;
@@ -980,7 +993,8 @@ void launch_wgrad_hopper(const hopper::Maps& maps, WgradArgs args, int E, const 
                        (halves->count[0] + halves->count[1]);
     args.queue_split = static_cast<int>(z0 / kProblems * kProblems * grid.x * grid.y);
   }
-  kernel<<<grid, hopper::kThreads, hopper::smem_bytes(3), stream>>>(maps, args);
+  kernel<<<grid, hopper::kThreads, smem, stream>>>(maps, args);
+  return blocks_of(grid);
 }
 
 const bf16* cb(const void* p) { return static_cast<const bf16*>(p); }
@@ -993,6 +1007,7 @@ int64_t swiglu_max_tiles(int64_t N, int E) { return (N + kBM - 1) / kBM + E; }
 int64_t swiglu_workspace_words(int64_t N, int E) { return (E + 1) + 2 * swiglu_max_tiles(N, E) + kQueueWords; }
 
 int64_t swiglu_squares_scratch_doubles(int H, int I, int E) {
+  // One slot per tile of 128 x 128 (the Hopper kernel's wider tiles need fewer).
   const int64_t slots = blocks_of(wgrad_grid(H, I, E, 1)) + blocks_of(wgrad_grid(I, H, E, 2));
   const int64_t n = static_cast<int64_t>(E) * H * I;
   const SquaresSegment segs[3] = {{nullptr, n}, {nullptr, n}, {nullptr, n}};
@@ -1154,9 +1169,9 @@ void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t*
   wd.a[1] = wd.a[0];
   wd.b[1] = wd.b[0];
   wgu.b[1] = wgu.b[0];
-  const int64_t down_slots = blocks_of(wgrad_grid(H, I, E, 1));
+  int64_t down_slots = 0, gu_slots = 0;
   if (hop && squares_result) w.squares = squares_scratch;  // dW_down's slots first, then gate/up's
-  if (hop) launch_wgrad_hopper<1>(wd, w, E, s, 0, stream);
+  if (hop) down_slots = launch_wgrad_hopper<1>(wd, w, E, s, 0, stream);
   else launch_wgrad<1>(w, E, stream);
   w.squares_base = down_slots;
   // dWg[e], dWu[e] [I, H] += dgate_e^T x_e, dup_e^T x_e
@@ -1170,11 +1185,11 @@ void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t*
   w.c_stride = static_cast<int64_t>(I) * H;
   w.M = I;
   w.Nc = H;
-  if (hop) launch_wgrad_hopper<2>(wgu, w, E, s, 1, stream);
+  if (hop) gu_slots = launch_wgrad_hopper<2>(wgu, w, E, s, 1, stream);
   else launch_wgrad<2>(w, E, stream);
   if (!squares_result) return;
   if (hop) {
-    launch_sum_doubles(squares_scratch, down_slots + blocks_of(wgrad_grid(I, H, E, 2)), squares_result, stream);
+    launch_sum_doubles(squares_scratch, down_slots + gu_slots, squares_result, stream);
   } else {
     const int64_t n = static_cast<int64_t>(E) * H * I;
     const SquaresSegment segs[3] = {{dw_gate, n}, {dw_up, n}, {dw_down, n}};
