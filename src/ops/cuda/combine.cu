@@ -59,16 +59,29 @@ __global__ void __launch_bounds__(kWarps * 32)
     T* de = deo + r * H;
     float acc = 0.f;
     if constexpr (kVec8) {
-      for (int64_t h = static_cast<int64_t>(lane) * 8; h < H; h += 32 * 8) {
-        float dv[8], ev[8], o[8];
-        load8(d + h, dv);
-        load8(e + h, ev);
+      // Four groups' loads issued before any is used: one group at a time kept too few
+      // bytes in flight (a warp per token, H = 2048 is eight groups a lane).
+      constexpr int kU = 4;
+      for (int64_t h0 = static_cast<int64_t>(lane) * 8; h0 < H; h0 += 32 * 8 * kU) {
+        float dv[kU][8], ev[kU][8];
 #pragma unroll
-        for (int q = 0; q < 8; ++q) {
-          o[q] = wk * dv[q];
-          acc += dv[q] * ev[q];
+        for (int u = 0; u < kU; ++u) {
+          if (h0 + u * 256 < H) {
+            load8(d + h0 + u * 256, dv[u]);
+            load8(e + h0 + u * 256, ev[u]);
+          }
         }
-        store8(de + h, o);
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          if (h0 + u * 256 >= H) continue;
+          float o[8];
+#pragma unroll
+          for (int q = 0; q < 8; ++q) {
+            o[q] = wk * dv[u][q];
+            acc += dv[u][q] * ev[u][q];
+          }
+          store8(de + h0 + u * 256, o);
+        }
       }
     } else {
       for (int64_t h = lane; h < H; h += 32) {
