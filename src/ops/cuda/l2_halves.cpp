@@ -19,41 +19,56 @@ bool disabled_by_env() {
   return v != nullptr && std::strcmp(v, "0") == 0;
 }
 
-SmHalves probe(cudaStream_t stream) {
-  SmHalves out;
-  int dev = 0, sms = 0, l2 = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) ||
-      cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev) || sms <= 0 || sms > kMaxSms) {
-    cudaGetLastError();
-    return out;
+// Device memory on `stream` for the probe's lifetime.
+struct ProbeBuffer {
+  void* p = nullptr;
+  size_t bytes = 0;
+  cudaStream_t stream = nullptr;
+  ProbeBuffer(size_t n, cudaStream_t s) : p(moetrain::cuda::device_alloc(n, s)), bytes(n), stream(s) {}
+  ~ProbeBuffer() {
+    try {
+      moetrain::cuda::device_free(p, bytes, stream);
+    } catch (const std::exception& e) {
+      spdlog::error("L2 half probe: freeing its buffer: {}", e.what());
+    }
   }
-  const size_t chain_bytes = l2_probe_chain_bytes();
+  ProbeBuffer(const ProbeBuffer&) = delete;
+  ProbeBuffer& operator=(const ProbeBuffer&) = delete;
+};
+
+void check_probe(cudaError_t e, const char* what) { moetrain::cuda::check(e, what, __FILE__, __LINE__); }
+
+// Throws (out of memory, a failed launch) and lets the caller fall back to one queue.
+SmHalves run_probe(cudaStream_t stream, int sms, int l2) {
+  SmHalves out;
   const size_t flush_bytes = 2 * static_cast<size_t>(l2);
   const size_t small_bytes = kMaxSms * sizeof(int) + 2 * kMaxSms * sizeof(unsigned) + kMaxSms * sizeof(long long);
-  char* small = static_cast<char*>(moetrain::cuda::device_alloc(small_bytes, stream));
-  unsigned* chains = static_cast<unsigned*>(moetrain::cuda::device_alloc(chain_bytes, stream));
-  void* flush = moetrain::cuda::device_alloc(flush_bytes, stream);
-  int* claimed = reinterpret_cast<int*>(small);
+  ProbeBuffer small(small_bytes, stream), chains(l2_probe_chain_bytes(), stream), flush(flush_bytes, stream);
+  int* claimed = static_cast<int*>(small.p);
   unsigned* sink = reinterpret_cast<unsigned*>(claimed + kMaxSms);
   long long* cycles = reinterpret_cast<long long*>(sink + 2 * kMaxSms);
   std::vector<long long> host(static_cast<size_t>(sms));
-  cudaMemsetAsync(claimed, 0, kMaxSms * sizeof(int), stream);
-  cudaMemsetAsync(flush, 1, flush_bytes, stream);  // whatever the pool's blocks held leaves the L2
-  launch_l2_probe(sms, chains, claimed, sink, cycles, stream);
   std::vector<int> claimed_host(static_cast<size_t>(sms));
-  cudaMemcpyAsync(host.data(), cycles, sms * sizeof(long long), cudaMemcpyDeviceToHost, stream);
-  cudaMemcpyAsync(claimed_host.data(), claimed, sms * sizeof(int), cudaMemcpyDeviceToHost, stream);
-  const cudaError_t err = cudaStreamSynchronize(stream);
-  moetrain::cuda::device_free(flush, flush_bytes, stream);
-  moetrain::cuda::device_free(chains, chain_bytes, stream);
-  moetrain::cuda::device_free(small, small_bytes, stream);
-  if (err != cudaSuccess) {
-    moetrain::cuda::check(err, "L2 half probe", __FILE__, __LINE__);  // a sticky error: report it
+  check_probe(cudaMemsetAsync(claimed, 0, kMaxSms * sizeof(int), stream), "L2 half probe: clearing its flags");
+  // Whatever the pool's blocks held leaves the L2.
+  check_probe(cudaMemsetAsync(flush.p, 1, flush_bytes, stream), "L2 half probe: flushing the L2");
+  launch_l2_probe(sms, static_cast<unsigned*>(chains.p), claimed, sink, cycles, stream);
+  check_probe(cudaGetLastError(), "L2 half probe: launching its kernels");
+  check_probe(cudaMemcpyAsync(host.data(), cycles, sms * sizeof(long long), cudaMemcpyDeviceToHost, stream),
+              "L2 half probe: reading its times");
+  check_probe(cudaMemcpyAsync(claimed_host.data(), claimed, sms * sizeof(int), cudaMemcpyDeviceToHost, stream),
+              "L2 half probe: reading its flags");
+  check_probe(cudaStreamSynchronize(stream), "L2 half probe: waiting for its kernels");
+  if (!std::all_of(claimed_host.begin(), claimed_host.end(), [](int c) { return c == 1; })) {
+    spdlog::info("L2 halves: not every one of the {} multiprocessors ran the probe (grouped GEMMs use one tile "
+                 "queue)", sms);
+    return out;
   }
   std::vector<uint8_t> half;
-  const bool every_sm = std::all_of(claimed_host.begin(), claimed_host.end(), [](int c) { return c == 1; });
-  if (!every_sm || !split_l2_halves(host, half, out.count)) {
-    spdlog::info("L2 halves: no clear split of the {} multiprocessors (grouped GEMMs use one tile queue)", sms);
+  if (!split_l2_halves(host, half, out.count)) {
+    spdlog::info("L2 halves: no clear split of the {} multiprocessors' re-read times, {} to {} cycles a line "
+                 "(grouped GEMMs use one tile queue)", sms, *std::min_element(host.begin(), host.end()) / kLines,
+                 *std::max_element(host.begin(), host.end()) / kLines);
     return out;
   }
   // Lives as long as the process (a few hundred bytes per device).
@@ -66,6 +81,23 @@ SmHalves probe(cudaStream_t stream) {
                *std::min_element(host.begin(), host.end()) / kLines,
                *std::max_element(host.begin(), host.end()) / kLines);
   return out;
+}
+
+SmHalves probe(cudaStream_t stream) {
+  int dev = 0, sms = 0, l2 = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) ||
+      cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev) || sms <= 0 || sms > kMaxSms) {
+    cudaGetLastError();
+    return {};
+  }
+  try {
+    return run_probe(stream, sms, l2);
+  } catch (const std::exception& e) {
+    // ~170 MB for a moment at the first grouped GEMM: without it the kernels only lose the
+    // split, so a failure here is not the run's.
+    spdlog::warn("L2 halves: the probe did not run ({}); grouped GEMMs use one tile queue", e.what());
+    return {};
+  }
 }
 
 }  // namespace

@@ -10,9 +10,10 @@
 // Measured once per device (about a millisecond): every multiprocessor first-touches a chain
 // of its own lines, then one block times a re-read of each chain. Chains touched in the
 // reader's half come back from its near partition (~290 cycles on an H100), the others ~30%
-// slower; a clear gap splits the multiprocessors in two. No gap (another GPU, or the
-// environment variable MOETRAIN_L2_HALVES=0) gives an empty map and kernels fall back to
-// one queue.
+// slower; a clear gap splits the multiprocessors in two. The probe holds ~170 MB of device
+// memory for that moment. No gap (another GPU), a probe that could not run (its memory, a
+// failed launch: logged), or the environment variable MOETRAIN_L2_HALVES=0 give an empty
+// map, and the kernels fall back to one queue; results never depend on the map.
 #pragma once
 
 #include <cuda_runtime.h>
