@@ -104,12 +104,32 @@ Tensor unpermute_backward(const Tensor& dy, const Permutation& p) {
   return MT_ROUTE(dy, unpermute_backward, dy, p);
 }
 
-Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Tensor& residual) {
-  return MT_ROUTE(expert_out, combine_forward, expert_out, weight, residual);
+// `order` must be a permutation of [0, T*K): checked on the host where it lives there (the
+// kernels only skip rows outside the range).
+void check_combine_order(const Tensor& order, const Tensor& weight, const char* op) {
+  if (!order.defined()) return;
+  const int64_t n = weight.defined() && weight.ndim() == 2 ? weight.size(0) * weight.size(1) : -1;
+  MT_CHECK(order.dtype() == DType::I32 && order.ndim() == 1 && order.numel() == n,
+           "{}: order must be i32 [T*K = {}] (a permutation of the expert-output rows), got {}", op, n, order.str());
+  if (order.device().is_cpu()) {
+    std::vector<bool> seen(static_cast<size_t>(n), false);
+    const int32_t* o = order.data<int32_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      MT_CHECK(o[i] >= 0 && o[i] < n && !seen[static_cast<size_t>(o[i])],
+               "{}: order[{}] = {} is outside [0, {}) or repeats: order must be a permutation", op, i, o[i], n);
+      seen[static_cast<size_t>(o[i])] = true;
+    }
+  }
 }
 
-CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& weight) {
-  return MT_ROUTE(dy, combine_backward, dy, expert_out, weight);
+Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Tensor& residual, const Tensor& order) {
+  check_combine_order(order, weight, "combine_forward");
+  return MT_ROUTE(expert_out, combine_forward, expert_out, weight, residual, order);
+}
+
+CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& weight, const Tensor& order) {
+  check_combine_order(order, weight, "combine_backward");
+  return MT_ROUTE(dy, combine_backward, dy, expert_out, weight, order);
 }
 
 SwigluOut grouped_swiglu_forward(const Tensor& x, const Tensor& counts, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down) {

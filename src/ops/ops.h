@@ -124,15 +124,19 @@ Tensor unpermute_forward(const Tensor& yp, const Permutation& p);
 // the inverse gather, (t, k)-ordered gradients -> expert order
 Tensor unpermute_backward(const Tensor& dy, const Permutation& p);
 
-// ---- weighted combine: y[t] = residual[t] + sum_k w[t,k] * e[t*K + k] -----------------
-// expert_out [T*K, H] in (t, k) order, weight [T, K], residual [T, H] or undefined.
-Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Tensor& residual);
+// ---- weighted combine: y[t] = residual[t] + sum_k w[t,k] * e[row(t, k)] ---------------
+// expert_out [T*K, H], weight [T, K], residual [T, H] or undefined. row(t, k) = t*K + k, or
+// with `order` (i32 [T*K], a permutation: Permutation::slot_row) order[t*K + k]: the expert
+// outputs stay in expert order and the combine reads them there, with no unpermute copy.
+Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Tensor& residual,
+                       const Tensor& order = Tensor());
 struct CombineGrads {
-  Tensor dexpert_out;  // [T*K, H] = w[t,k] * dy[t]
-  Tensor dweight;      // [T, K]   = <dy[t], e[t*K+k]>
+  Tensor dexpert_out;  // [T*K, H], row(t, k) = w[t,k] * dy[t] (expert_out's layout)
+  Tensor dweight;      // [T, K]   = <dy[t], e[row(t, k)]>
 };
 // d(residual) is dy itself.
-CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& weight);
+CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& weight,
+                              const Tensor& order = Tensor());
 
 // ---- grouped expert SwiGLU ------------------------------------------------------------
 // x [N, H] holds counts[e] consecutive rows per expert e (counts i64 [E], sum N).

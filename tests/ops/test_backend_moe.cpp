@@ -381,6 +381,19 @@ TEST(BackendMoe, Combine) {
       EXPECT_EQ(g.dweight.dtype(), DType::F32);
       expect_backend_close(g.dexpert_out, g_ref.dexpert_out, kBf16Tol, name, "dexpert_out");
       expect_backend_close(g.dweight, g_ref.dweight, kF32Tol, name, "dweight");
+      // the rows in another order, read through an order (a fresh random permutation)
+      std::vector<int32_t> order(static_cast<size_t>(c.T * c.K));
+      for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
+      moetrain::Rng rng(c.T * 31 + c.H);
+      for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[rng.below(i)]);
+      Tensor ord = Tensor::from_vector(order, {c.T * c.K});
+      Tensor yo_ref = ops::combine_forward(eo, w, res, ord);
+      const ops::CombineGrads go_ref = ops::combine_backward(dy, eo, w, ord);
+      Tensor yo = ops::combine_forward(eog, wg, with_residual ? on_gpu(res, DType::BF16) : Tensor(), ord.to(kGpu));
+      expect_backend_close(yo, yo_ref, kBf16Tol, name + " order", "y");
+      const ops::CombineGrads go = ops::combine_backward(on_gpu(dy, DType::BF16), eog, wg, ord.to(kGpu));
+      expect_backend_close(go.dexpert_out, go_ref.dexpert_out, kBf16Tol, name + " order", "dexpert_out");
+      expect_backend_close(go.dweight, go_ref.dweight, kF32Tol, name + " order", "dweight");
     }
   }
 }

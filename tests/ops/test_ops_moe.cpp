@@ -248,6 +248,29 @@ TEST(OpsMoe, CombineGradcheck) {
   }
 }
 
+// With an order (a routing's slot_row), combine reads the expert outputs in expert order:
+// the same y, dweight and (in expert order) dexpert_out as unpermuting first, bit for bit.
+TEST(OpsMoe, CombineWithOrderEqualsUnpermuteThenCombine) {
+  const int64_t T = 9, K = 3, H = 6, E = 4;
+  std::vector<int32_t> idx(static_cast<size_t>(T * K));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t k = 0; k < K; ++k) idx[static_cast<size_t>(t * K + k)] = static_cast<int32_t>((t * 7 + k * 3) % E);
+  }
+  const Permutation p = ops::permutation_by_expert(Tensor::from_vector(idx, {T, K}), E);
+  Tensor rows = random_tensor({T * K, H}, DType::F64, 70);  // expert order
+  Tensor w = random_tensor({T, K}, DType::F64, 71), res = random_tensor({T, H}, DType::F64, 72);
+  Tensor dy = random_tensor({T, H}, DType::F64, 73);
+  const Tensor tk = ops::unpermute_forward(rows, p);  // (t, k) order
+  EXPECT_TRUE(testing::bytes_equal(ops::combine_forward(rows, w, res, p.slot_row), ops::combine_forward(tk, w, res)));
+  const CombineGrads placed = ops::combine_backward(dy, rows, w, p.slot_row), plain = ops::combine_backward(dy, tk, w);
+  EXPECT_TRUE(testing::bytes_equal(placed.dweight, plain.dweight));
+  EXPECT_TRUE(testing::bytes_equal(placed.dexpert_out, ops::unpermute_backward(plain.dexpert_out, p)));
+  // not a permutation: an error naming the order
+  std::vector<int32_t> bad(static_cast<size_t>(T * K), 0);
+  expect_error([&] { ops::combine_forward(rows, w, res, Tensor::from_vector(bad, {T * K})); }, "order");
+  expect_error([&] { ops::combine_forward(rows, w, res, Tensor::zeros({T}, DType::I32)); }, "order must be i32");
+}
+
 // ---------------------------------------------------------------------------------------
 // Grouped SwiGLU
 

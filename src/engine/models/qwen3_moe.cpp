@@ -125,10 +125,11 @@ void Qwen3MoeDecoderLayer::mlp_forward(Qwen3MoeLayerState& s) const {
   s.mlp = ops::grouped_swiglu_forward(s.expert_in.rows, s.expert_in.counts, w_gate_, w_up_, w_down_);
 }
 
-// Stage 5. y = h + sum_k w[t,k] * expert_out[t,k] (dense: y = h + mlp).
+// Stage 5. y = h + sum_k w[t,k] * expert_out[t,k] (dense: y = h + mlp); expert_out read in
+// expert order through expert_order where the dispatcher left it there.
 Tensor Qwen3MoeDecoderLayer::aggregate_forward(Qwen3MoeLayerState& s) const {
   StageScope t(Stage::kCombine);
-  if (moe_) return ops::combine_forward(s.expert_out, s.route.topk_weight, s.h);
+  if (moe_) return ops::combine_forward(s.expert_out, s.route.topk_weight, s.h, s.expert_order);
   Tensor y = s.expert_out.clone();
   ops::add_(y, s.h);
   return y;
@@ -138,7 +139,7 @@ Qwen3MoeDecoderLayer::AggregateGrads Qwen3MoeDecoderLayer::aggregate_backward(co
                                                                               Qwen3MoeLayerState& s) const {
   StageScope t(Stage::kCombine);
   if (!moe_) return {dy, Tensor()};
-  ops::CombineGrads g = ops::combine_backward(dy, s.expert_out, s.route.topk_weight);
+  ops::CombineGrads g = ops::combine_backward(dy, s.expert_out, s.route.topk_weight, s.expert_order);
   return {g.dexpert_out, g.dweight};
 }
 
@@ -395,7 +396,13 @@ bool Qwen3MoeModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) const {
     case 1:
       if (layer.is_moe()) d.wait(s.dispatch);
       layer.mlp_forward(s);                                                    // 3: mlp
-      s.expert_out = layer.is_moe() ? d.combine(s.mlp.y, s.dispatch) : s.mlp.y;  // 4: combine
+      if (layer.is_moe()) {  // 4: combine (rows left in expert order where the dispatcher can)
+        ExpertDispatcher::PlacedRows placed = d.combine_in_place(s.mlp.y, s.dispatch);
+        s.expert_out = placed.rows;
+        s.expert_order = placed.order;
+      } else {
+        s.expert_out = s.mlp.y;
+      }
       break;
     case 2:
       if (layer.is_moe()) d.wait(s.dispatch);
@@ -428,7 +435,8 @@ bool Qwen3MoeModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
       if (hooks_) hooks_->before_backward(id);
       auto ag = layer.aggregate_backward(g.dx, s);  // 5
       g.d_topk_weight = ag.d_topk_weight;
-      g.d_rows = layer.is_moe() ? d.combine_backward(ag.d_expert_out, s.dispatch) : ag.d_expert_out;  // 4
+      const bool placed = s.expert_order.defined();  // the gradient is in expert order already
+      g.d_rows = layer.is_moe() && !placed ? d.combine_backward(ag.d_expert_out, s.dispatch) : ag.d_expert_out;  // 4
       break;
     }
     case 1: {

@@ -41,7 +41,8 @@ struct Qwen3MoeLayerState {
   DispatchState dispatch;
   DispatchOut expert_in;           // rows grouped by expert (dense layer: ln2.y, one group)
   ops::SwigluOut mlp;
-  Tensor expert_out;               // [T*K, H] (t, k) order; dense layer: [T, H]
+  Tensor expert_out;               // [T*K, H] (t, k) order, or expert order with expert_order; dense: [T, H]
+  Tensor expert_order;             // i32 [T*K]: (t, k)'s row of expert_out (undefined: (t, k) order)
   // backward_input results kept for backward_weight
   Tensor d_mlp_out;                // d mlp.y
   ops::SwigluInputGrads d_mlp;
@@ -153,7 +154,7 @@ class Qwen3MoeDecoderLayer {
 
   // Backward of stage 5: d expert_out (into s) and d topk_weight; returns d h.
   struct AggregateGrads {
-    Tensor d_expert_out;  // [T*K, H] (t, k) order, or [T, H] for dense
+    Tensor d_expert_out;  // [T*K, H] in expert_out's layout, or [T, H] for dense
     Tensor d_topk_weight; // [T, K] (undefined for dense)
   };
   AggregateGrads aggregate_backward(const Tensor& dy, Qwen3MoeLayerState& s) const;

@@ -18,6 +18,10 @@ Tensor LocalDispatcher::combine(const Tensor& expert_rows, DispatchState& st) {
   return ops::unpermute_forward(expert_rows, st.perm);
 }
 
+ExpertDispatcher::PlacedRows LocalDispatcher::combine_in_place(const Tensor& expert_rows, DispatchState& st) {
+  return {expert_rows, st.perm.slot_row};
+}
+
 Tensor LocalDispatcher::combine_backward(const Tensor& dout, DispatchState& st) {
   StageScope t(Stage::kCombine);
   return ops::unpermute_backward(dout, st.perm);

@@ -49,6 +49,18 @@ class ExpertDispatcher {
   virtual DispatchOut dispatch(const Tensor& x, const Tensor& topk_idx, int64_t num_experts, DispatchState& st) = 0;
   // Expert outputs [N, H] -> [T*K, H] in (t, k) order.
   virtual Tensor combine(const Tensor& expert_rows, DispatchState& st) = 0;
+  // The same rows where the weighted combine can read them: `rows` in (t, k) order with
+  // `order` undefined (combine()'s result), or, where no exchange is needed, the expert
+  // outputs as they are with `order` (i32 [T*K]) giving (t, k)'s row, so that no copy is
+  // made (ops::combine_forward / combine_backward take the order). With an order, the
+  // gradient of the rows comes back in expert order already and combine_backward is not
+  // called.
+  struct PlacedRows {
+    Tensor rows, order;
+  };
+  virtual PlacedRows combine_in_place(const Tensor& expert_rows, DispatchState& st) {
+    return {combine(expert_rows, st), Tensor()};
+  }
   // Gradient of combine: d[T*K, H] in (t, k) order -> d rows [N, H].
   virtual Tensor combine_backward(const Tensor& dout, DispatchState& st) = 0;
   // Gradient of dispatch: d rows [N, H] -> dx [T, H].
@@ -64,6 +76,8 @@ class LocalDispatcher final : public ExpertDispatcher {
   int64_t num_local_experts(int64_t num_experts) const override { return num_experts; }
   DispatchOut dispatch(const Tensor& x, const Tensor& topk_idx, int64_t num_experts, DispatchState& st) override;
   Tensor combine(const Tensor& expert_rows, DispatchState& st) override;
+  // The expert outputs untouched, with the permutation's slot_row as their order.
+  PlacedRows combine_in_place(const Tensor& expert_rows, DispatchState& st) override;
   Tensor combine_backward(const Tensor& dout, DispatchState& st) override;
   Tensor dispatch_backward(const Tensor& drows, DispatchState& st) override;
 };

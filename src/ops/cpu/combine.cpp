@@ -1,8 +1,8 @@
 // Weighted combine of the K expert outputs of each token, plus an optional residual.
 //
-// Forward:  y[t] = residual[t] + sum_k w[t,k] * e[t*K+k]      (e in (t, k) order, [T*K, H])
-// Backward: de[t*K+k] = w[t,k] * dy[t]
-//           dw[t,k]   = <dy[t], e[t*K+k]>                     (accumulated in double)
+// Forward:  y[t] = residual[t] + sum_k w[t,k] * e[r]   r = t*K+k, or order[t*K+k] ([T*K, H])
+// Backward: de[r] = w[t,k] * dy[t]
+//           dw[t,k]   = <dy[t], e[r]>                          (accumulated in double)
 //           dresidual = dy                                     (the caller reuses dy)
 #include "ops/cpu/common.h"
 #include "ops/cpu/cpu_ops.h"
@@ -24,7 +24,7 @@ Dims check_combine(const char* op, const Tensor& expert_out, const Tensor& weigh
 
 }  // namespace
 
-Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Tensor& residual) {
+Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Tensor& residual, const Tensor& order) {
   const auto [T, K, H] = check_combine("combine_forward", expert_out, weight);
   if (residual.defined()) check_shape(residual, {T, H}, "combine_forward residual");
   check_same_dtype("combine_forward", expert_out.dtype(), {&weight, &residual});
@@ -34,6 +34,7 @@ Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Ten
     const F* e = expert_out.data<F>();
     const F* w = weight.data<F>();
     const F* res = residual.defined() ? residual.data<F>() : nullptr;
+    const int32_t* ord = order.defined() ? order.data<int32_t>() : nullptr;
     F* out = y.data<F>();
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
@@ -41,7 +42,7 @@ Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Ten
       for (int64_t h = 0; h < H; ++h) o[h] = res ? res[t * H + h] : F(0);
       for (int64_t k = 0; k < K; ++k) {
         const F wk = w[t * K + k];
-        const F* row = e + (t * K + k) * H;
+        const F* row = e + (ord ? ord[t * K + k] : t * K + k) * H;
         for (int64_t h = 0; h < H; ++h) o[h] += wk * row[h];
       }
     }
@@ -49,7 +50,7 @@ Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Ten
   return y;
 }
 
-CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& weight) {
+CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& weight, const Tensor& order) {
   const auto [T, K, H] = check_combine("combine_backward", expert_out, weight);
   check_shape(dy, {T, H}, "combine_backward dy");
   check_same_dtype("combine_backward", dy.dtype(), {&expert_out, &weight});
@@ -63,14 +64,16 @@ CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const 
     const F* w = weight.data<F>();
     F* de = g.dexpert_out.data<F>();
     F* dw = g.dweight.data<F>();
+    const int32_t* ord = order.defined() ? order.data<int32_t>() : nullptr;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       const F* dyt = d + t * H;
       for (int64_t k = 0; k < K; ++k) {
         const int64_t r = t * K + k;
         const F wk = w[r];
-        const F* row = e + r * H;
-        F* drow = de + r * H;
+        const int64_t at = ord ? ord[r] : r;
+        const F* row = e + at * H;
+        F* drow = de + at * H;
         double acc = 0;
         for (int64_t h = 0; h < H; ++h) {
           drow[h] = wk * dyt[h];

@@ -24,7 +24,7 @@ Dims check_combine(const char* op, const Tensor& expert_out, const Tensor& weigh
 
 }  // namespace
 
-Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Tensor& residual) {
+Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Tensor& residual, const Tensor& order) {
   const char* op = "combine_forward";
   const auto [T, K, H] = check_combine(op, expert_out, weight);
   if (residual.defined()) {
@@ -32,21 +32,22 @@ Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Ten
     MT_CHECK(residual.dtype() == expert_out.dtype(), "{}: residual {} must have expert_out's dtype ({})", op,
              residual.str(), dtype_name(expert_out.dtype()));
   }
-  check_cuda_tensors(op, {&expert_out, &weight, &residual});
+  check_cuda_tensors(op, {&expert_out, &weight, &residual, &order});
   Tensor y = Tensor::empty({T, H}, expert_out.dtype(), expert_out.device());
-  launch_combine_forward(expert_out.raw(), weight.data<float>(), residual.defined() ? residual.raw() : nullptr, T,
-                         static_cast<int>(K), H, y.raw(), expert_out.dtype() == DType::BF16, stream());
+  launch_combine_forward(expert_out.raw(), weight.data<float>(), residual.defined() ? residual.raw() : nullptr,
+                         order.defined() ? order.data<int32_t>() : nullptr, T, static_cast<int>(K), H, y.raw(),
+                         expert_out.dtype() == DType::BF16, stream());
   check_launch("combine_forward_kernel");
   return y;
 }
 
-CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& weight) {
+CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& weight, const Tensor& order) {
   const char* op = "combine_backward";
   const auto [T, K, H] = check_combine(op, expert_out, weight);
   check_shape(dy, {T, H}, "combine_backward dy");
   MT_CHECK(dy.dtype() == expert_out.dtype(), "{}: dy {} must have expert_out's dtype ({})", op, dy.str(),
            dtype_name(expert_out.dtype()));
-  check_cuda_tensors(op, {&dy, &expert_out, &weight});
+  check_cuda_tensors(op, {&dy, &expert_out, &weight, &order});
   CombineGrads g;
   g.dexpert_out = Tensor::empty({T * K, H}, dy.dtype(), dy.device());
   g.dweight = Tensor::empty({T, K}, DType::F32, dy.device());
@@ -54,7 +55,8 @@ CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const 
     g.dweight.zero_();
     return g;
   }
-  launch_combine_backward(dy.raw(), expert_out.raw(), weight.data<float>(), T, static_cast<int>(K), H,
+  launch_combine_backward(dy.raw(), expert_out.raw(), weight.data<float>(),
+                          order.defined() ? order.data<int32_t>() : nullptr, T, static_cast<int>(K), H,
                           g.dexpert_out.raw(), g.dweight.data<float>(), dy.dtype() == DType::BF16, stream());
   check_launch("combine_backward_kernel");
   return g;

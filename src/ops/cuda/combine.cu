@@ -1,6 +1,9 @@
 // Weighted combine kernels: one warp per token, 8-wide vector accesses when H % 8 == 0
 // (scalar otherwise), f32 accumulation in k order; dweight's row dot product is reduced
-// with a fixed warp butterfly, so results are deterministic.
+// with a fixed warp butterfly, so results are deterministic. With an order (the routing's
+// slot_row), the expert outputs and their gradients stay in expert order: each token's K
+// rows are read and written where the grouped GEMMs left them (4 KB each), which saves the
+// two unpermute copies of 2 x 268 MB a layer at the bench shape.
 #include "ops/cuda/combine_launch.h"
 #include "ops/cuda/kernels.cuh"
 #include "ops/cuda/moe_device.cuh"
@@ -15,21 +18,28 @@ constexpr int kWarps = 4;
 template <typename T, bool kVec8>
 __global__ void __launch_bounds__(kWarps * 32)
     combine_forward_kernel(const T* __restrict__ eo, const float* __restrict__ weight, const T* __restrict__ residual,
-                           int64_t T_, int K, int64_t H, T* __restrict__ y) {
+                           const int32_t* __restrict__ order, int64_t T_, int K, int64_t H, T* __restrict__ y) {
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (t >= T_) return;
   const float* w = weight + t * K;
-  const T* rows = eo + t * K * H;
+  const int64_t NK = T_ * K;
+  // Expert-output row of slot k of this token (-1: outside the tensor, skipped).
+  auto row_of = [&](int k) -> int64_t {
+    const int64_t r = order ? order[t * K + k] : t * K + k;
+    return r >= 0 && r < NK ? r : -1;
+  };
   T* out = y + t * H;
   if constexpr (kVec8) {
     for (int64_t h = static_cast<int64_t>(lane) * 8; h < H; h += 32 * 8) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       if (residual) load8(residual + t * H + h, acc);
       for (int k = 0; k < K; ++k) {
+        const int64_t r = row_of(k);
+        if (r < 0) continue;
         const float wk = w[k];
         float v[8];
-        load8(rows + k * H + h, v);
+        load8(eo + r * H + h, v);
 #pragma unroll
         for (int q = 0; q < 8; ++q) acc[q] += wk * v[q];
       }
@@ -38,7 +48,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   } else {
     for (int64_t h = lane; h < H; h += 32) {
       float acc = residual ? to_float(residual[t * H + h]) : 0.f;
-      for (int k = 0; k < K; ++k) acc += w[k] * to_float(rows[k * H + h]);
+      for (int k = 0; k < K; ++k) {
+        const int64_t r = row_of(k);
+        if (r >= 0) acc += w[k] * to_float(eo[r * H + h]);
+      }
       out[h] = from_float<T>(acc);
     }
   }
@@ -47,16 +60,23 @@ __global__ void __launch_bounds__(kWarps * 32)
 template <typename T, bool kVec8>
 __global__ void __launch_bounds__(kWarps * 32)
     combine_backward_kernel(const T* __restrict__ dy, const T* __restrict__ eo, const float* __restrict__ weight,
-                            int64_t T_, int K, int64_t H, T* __restrict__ deo, float* __restrict__ dweight) {
+                            const int32_t* __restrict__ order, int64_t T_, int K, int64_t H, T* __restrict__ deo,
+                            float* __restrict__ dweight) {
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (t >= T_) return;
   const T* d = dy + t * H;
+  const int64_t NK = T_ * K;
   for (int k = 0; k < K; ++k) {
     const int64_t r = t * K + k;
+    const int64_t at = order ? order[r] : r;  // the expert-output row (and its gradient's)
+    if (at < 0 || at >= NK) {
+      if (lane == 0) dweight[r] = 0.f;
+      continue;
+    }
     const float wk = weight[r];
-    const T* e = eo + r * H;
-    T* de = deo + r * H;
+    const T* e = eo + at * H;
+    T* de = deo + at * H;
     float acc = 0.f;
     if constexpr (kVec8) {
       // Four groups' loads issued before any is used: one group at a time kept too few
@@ -99,8 +119,8 @@ bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 ==
 
 }  // namespace
 
-void launch_combine_forward(const void* expert_out, const float* weight, const void* residual, int64_t T, int K,
-                            int64_t H, void* y, bool is_bf16, cudaStream_t stream) {
+void launch_combine_forward(const void* expert_out, const float* weight, const void* residual, const int32_t* order,
+                            int64_t T, int K, int64_t H, void* y, bool is_bf16, cudaStream_t stream) {
   if (T == 0 || H == 0) return;
   const unsigned blocks = static_cast<unsigned>((T + kWarps - 1) / kWarps);
   const bool vec = H % 8 == 0 && is_aligned16(expert_out) && is_aligned16(y) && (!residual || is_aligned16(residual));
@@ -109,15 +129,16 @@ void launch_combine_forward(const void* expert_out, const float* weight, const v
     auto eo = static_cast<const E*>(expert_out);
     auto res = static_cast<const E*>(residual);
     auto out = static_cast<E*>(y);
-    if (vec) combine_forward_kernel<E, true><<<blocks, kWarps * 32, 0, stream>>>(eo, weight, res, T, K, H, out);
-    else combine_forward_kernel<E, false><<<blocks, kWarps * 32, 0, stream>>>(eo, weight, res, T, K, H, out);
+    if (vec) combine_forward_kernel<E, true><<<blocks, kWarps * 32, 0, stream>>>(eo, weight, res, order, T, K, H, out);
+    else combine_forward_kernel<E, false><<<blocks, kWarps * 32, 0, stream>>>(eo, weight, res, order, T, K, H, out);
   };
   if (is_bf16) go(__nv_bfloat16{});
   else go(float{});
 }
 
-void launch_combine_backward(const void* dy, const void* expert_out, const float* weight, int64_t T, int K, int64_t H,
-                             void* dexpert_out, float* dweight, bool is_bf16, cudaStream_t stream) {
+void launch_combine_backward(const void* dy, const void* expert_out, const float* weight, const int32_t* order,
+                             int64_t T, int K, int64_t H, void* dexpert_out, float* dweight, bool is_bf16,
+                             cudaStream_t stream) {
   if (T == 0 || K == 0) return;
   const unsigned blocks = static_cast<unsigned>((T + kWarps - 1) / kWarps);
   const bool vec = H % 8 == 0 && is_aligned16(dy) && is_aligned16(expert_out) && is_aligned16(dexpert_out);
@@ -126,8 +147,11 @@ void launch_combine_backward(const void* dy, const void* expert_out, const float
     auto d = static_cast<const E*>(dy);
     auto eo = static_cast<const E*>(expert_out);
     auto de = static_cast<E*>(dexpert_out);
-    if (vec) combine_backward_kernel<E, true><<<blocks, kWarps * 32, 0, stream>>>(d, eo, weight, T, K, H, de, dweight);
-    else combine_backward_kernel<E, false><<<blocks, kWarps * 32, 0, stream>>>(d, eo, weight, T, K, H, de, dweight);
+    if (vec) {
+      combine_backward_kernel<E, true><<<blocks, kWarps * 32, 0, stream>>>(d, eo, weight, order, T, K, H, de, dweight);
+    } else {
+      combine_backward_kernel<E, false><<<blocks, kWarps * 32, 0, stream>>>(d, eo, weight, order, T, K, H, de, dweight);
+    }
   };
   if (is_bf16) go(__nv_bfloat16{});
   else go(float{});
