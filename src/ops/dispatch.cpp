@@ -140,7 +140,7 @@ SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& c
   return MT_ROUTE(dy, grouped_swiglu_backward_input, dy, counts, gate, up, w_gate, w_up, w_down);
 }
 
-void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate, const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down, bool accumulate, SumSquaresInto squares) {
+void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate, const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down, bool accumulate, SumSquaresInto squares, const Tensor& act) {
   if (squares.out) {
     const Tensor& o = *squares.out;
     MT_CHECK(!accumulate, "grouped_swiglu_backward_weight: the sum of squares is only known to a call that writes "
@@ -150,8 +150,13 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
              "grouped_swiglu_backward_weight: squares must be a 1-D f64 tensor on {} with an element {}, got {}",
              dw_gate.device().str(), squares.index, o.defined() ? o.str() : std::string("undefined"));
   }
+  if (act.defined()) {
+    MT_CHECK(up.defined() && act.shape() == up.shape() && act.dtype() == up.dtype() && act.device() == up.device(),
+             "grouped_swiglu_backward_weight: act must be like up ({}), got {}", up.defined() ? up.str() : "undefined",
+             act.str());
+  }
   MT_ROUTE(dy, grouped_swiglu_backward_weight, dy, x, counts, gate, up, dgate, dup, dw_gate, dw_up, dw_down,
-           accumulate, squares);
+           accumulate, squares, act);
 }
 
 CrossEntropyOut cross_entropy_forward(const Tensor& logits, const Tensor& targets) {

@@ -145,6 +145,7 @@ CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const 
 struct SwigluOut {
   Tensor y;         // [N, H]
   Tensor gate, up;  // [N, I] pre-activations, saved for backward
+  Tensor act;       // [N, I] silu(gate) * up as y used it (GPU: from the f32 accumulators)
 };
 SwigluOut grouped_swiglu_forward(const Tensor& x, const Tensor& counts, const Tensor& w_gate,
                                  const Tensor& w_up, const Tensor& w_down);
@@ -165,10 +166,11 @@ struct SumSquaresInto {
 // dW_down[e] += dy_e^T a_e; dW_gate[e] += dgate_e^T x_e; dW_up[e] += dup_e^T x_e. With
 // accumulate false and squares given: = instead of +=, and squares.out[squares.index] = the
 // sum of the squares of the three gradients written (in double; summed in a fixed order).
+// a = act ([N, I], the forward's SwigluOut::act) when given, else silu(gate) * up again.
 void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate,
                                     const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate,
                                     Tensor& dw_up, Tensor& dw_down, bool accumulate = true,
-                                    SumSquaresInto squares = {});
+                                    SumSquaresInto squares = {}, const Tensor& act = Tensor());
 
 // ---- cross-entropy with ignore index -100 ---------------------------------------------
 // logits [T, V], targets i32 [T]. loss_sum [1] = sum over targets != -100 of

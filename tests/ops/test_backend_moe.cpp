@@ -473,6 +473,19 @@ void check_swiglu(const SwigluCase& c, uint64_t seed) {
                       Tensor::full(dwd0.shape(), NAN, DType::F32)};
   Tensor ow[3] = {ow_ref[0].to(kGpu), ow_ref[1].to(kGpu), ow_ref[2].to(kGpu)};
   for (const Tensor& t : ow) ASSERT_FALSE(ops::all_finite(t));
+  // With the activations given (the forward's SwigluOut::act), dW_down uses them as they
+  // are: fresh random ones here, exact bf16 on both sides.
+  {
+    Tensor act = random_bf16_values({N, I}, seed + 12);
+    Tensor a_ref[3] = {dwg0.clone(), dwu0.clone(), dwd0.clone()};
+    Tensor a[3] = {dwg0.to(kGpu), dwu0.to(kGpu), dwd0.to(kGpu)};
+    ops::grouped_swiglu_backward_weight(dy, x, counts, gate, up, dgate, dup, a_ref[0], a_ref[1], a_ref[2], true, {},
+                                        act);
+    ops::grouped_swiglu_backward_weight(dyg, xg, cg, gateg, upg, dgateg, dupg, a[0], a[1], a[2], true, {}, bf(act));
+    for (auto [e0, e1] : blocks) {
+      expect_backend_close(a[2].slice(e0, e1), a_ref[2].slice(e0, e1), kF32Tol, name, "dw_down (act given)");
+    }
+  }
   // ... and the sum of the squares of what it wrote, asked for at element 1 (NaN before).
   Tensor sq_ref = Tensor::full({2}, NAN, DType::F64), sq = sq_ref.to(kGpu);
   ops::grouped_swiglu_backward_weight(dy, x, counts, gate, up, dgate, dup, ow_ref[0], ow_ref[1], ow_ref[2], false,

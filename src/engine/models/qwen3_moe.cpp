@@ -204,7 +204,7 @@ void Qwen3MoeDecoderLayer::backward_weight(Qwen3MoeLayerState& s, bool accumulat
     StageScope t(Stage::kExpertGemm);
     ops::grouped_swiglu_backward_weight(s.d_mlp_out, s.expert_in.rows, s.expert_in.counts, s.mlp.gate, s.mlp.up,
                                         s.d_mlp.dgate, s.d_mlp.dup, g_w_gate_, g_w_up_, g_w_down_, accumulate,
-                                        moe_ && !accumulate ? squares : ops::SumSquaresInto{});
+                                        moe_ && !accumulate ? squares : ops::SumSquaresInto{}, s.mlp.act);
   }
   {
     StageScope t(Stage::kAttention);

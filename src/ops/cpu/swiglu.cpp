@@ -92,11 +92,11 @@ SwigluOut grouped_swiglu_forward(const Tensor& x, const Tensor& counts, const Te
   out.y = Tensor::empty({N, H}, x.dtype());
   out.gate = Tensor::empty({N, I}, x.dtype());
   out.up = Tensor::empty({N, I}, x.dtype());
-  Tensor act = Tensor::empty({N, I}, x.dtype());
+  out.act = Tensor::empty({N, I}, x.dtype());
   dispatch_float(x.dtype(), "grouped_swiglu_forward", [&](auto tag) {
     using F = decltype(tag);
     const F *X = x.data<F>(), *Wg = w_gate.data<F>(), *Wu = w_up.data<F>(), *Wd = w_down.data<F>();
-    F *G = out.gate.data<F>(), *U = out.up.data<F>(), *A = act.data<F>(), *Y = out.y.data<F>();
+    F *G = out.gate.data<F>(), *U = out.up.data<F>(), *A = out.act.data<F>(), *Y = out.y.data<F>();
     for (int64_t e = 0; e < d.E; ++e) {
       const int64_t r0 = d.offsets[e], c = d.offsets[e + 1] - r0;
       if (c == 0) continue;
@@ -155,7 +155,8 @@ SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& c
 
 void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate,
                                     const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate,
-                                    Tensor& dw_up, Tensor& dw_down, bool accumulate, SumSquaresInto squares) {
+                                    Tensor& dw_up, Tensor& dw_down, bool accumulate, SumSquaresInto squares,
+                                    const Tensor& act_in) {
   MT_CHECK(x.defined() && x.ndim() == 2, "grouped_swiglu_backward_weight: x must be [N, H], got {}", x.str());
   const Dims d = check_swiglu("grouped_swiglu_backward_weight", x.size(0), x.size(1), counts, dw_gate, dw_up, dw_down,
                               "dw");
@@ -167,7 +168,7 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
   check_shape(dup, {N, I}, "grouped_swiglu_backward_weight dup");
   check_same_dtype("grouped_swiglu_backward_weight", x.dtype(),
                    {&dy, &gate, &up, &dgate, &dup, &dw_gate, &dw_up, &dw_down});
-  Tensor act = Tensor::empty({N, I}, x.dtype());
+  Tensor act = act_in.defined() ? act_in : Tensor::empty({N, I}, x.dtype());
   if (!accumulate) {  // an expert without rows still gets its (zero) gradient written
     dw_gate.zero_();
     dw_up.zero_();
@@ -176,8 +177,9 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
   dispatch_float(x.dtype(), "grouped_swiglu_backward_weight", [&](auto tag) {
     using F = decltype(tag);
     const F *DY = dy.data<F>(), *X = x.data<F>(), *DG = dgate.data<F>(), *DU = dup.data<F>();
-    F *A = act.data<F>(), *dWg = dw_gate.data<F>(), *dWu = dw_up.data<F>(), *dWd = dw_down.data<F>();
-    swiglu_act(gate.data<F>(), up.data<F>(), A, N * I);
+    const F* A = act.data<F>();
+    F *dWg = dw_gate.data<F>(), *dWu = dw_up.data<F>(), *dWd = dw_down.data<F>();
+    if (!act_in.defined()) swiglu_act(gate.data<F>(), up.data<F>(), act.data<F>(), N * I);
     for (int64_t e = 0; e < d.E; ++e) {
       const int64_t r0 = d.offsets[e], c = d.offsets[e + 1] - r0;
       if (c == 0) continue;

@@ -79,13 +79,13 @@ SwigluOut grouped_swiglu_forward(const Tensor& x, const Tensor& counts, const Te
   out.y = Tensor::empty({d.N, d.H}, DType::BF16, dev);
   out.gate = Tensor::empty({d.N, d.I}, DType::BF16, dev);
   out.up = Tensor::empty({d.N, d.I}, DType::BF16, dev);
-  Tensor act = Tensor::empty({d.N, d.I}, DType::BF16, dev);
+  out.act = Tensor::empty({d.N, d.I}, DType::BF16, dev);
   Tensor ws = Tensor::empty({swiglu_workspace_words(d.N, static_cast<int>(d.E))}, DType::I32, dev);
   launch_swiglu_forward(x.raw(), counts.data<int64_t>(), w_gate.raw(), w_up.raw(), w_down.raw(), d.N,
                         static_cast<int>(d.H), static_cast<int>(d.I), static_cast<int>(d.E), out.gate.raw(),
-                        out.up.raw(), act.raw(), out.y.raw(), ws.data<int32_t>(), stream());
+                        out.up.raw(), out.act.raw(), out.y.raw(), ws.data<int32_t>(), stream());
   check_launch("grouped_swiglu_forward kernels");
-  return out;  // act and ws are freed in stream order, after the kernels
+  return out;  // ws is freed in stream order, after the kernels
 }
 
 SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& counts, const Tensor& gate,
@@ -113,7 +113,8 @@ SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& c
 
 void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate,
                                     const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate,
-                                    Tensor& dw_up, Tensor& dw_down, bool accumulate, SumSquaresInto squares) {
+                                    Tensor& dw_up, Tensor& dw_down, bool accumulate, SumSquaresInto squares,
+                                    const Tensor& act_in) {
   const char* op = "grouped_swiglu_backward_weight";
   MT_CHECK(x.defined() && x.ndim() == 2, "{}: x must be [N, H], got {}", op, x.str());
   const Dims d = check_swiglu(op, x.size(0), x.size(1), counts, dw_gate, dw_up, dw_down, "dw", DType::F32);
@@ -123,8 +124,10 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
   check_rows(up, d.N, d.I, op, "up");
   check_rows(dgate, d.N, d.I, op, "dgate");
   check_rows(dup, d.N, d.I, op, "dup");
+  if (act_in.defined()) check_rows(act_in, d.N, d.I, op, "act");
   const Device dev = x.device();
-  Tensor act = Tensor::empty({d.N, d.I}, DType::BF16, dev);
+  // The forward's act, or scratch the launcher fills with silu(gate) * up.
+  Tensor act = act_in.defined() ? act_in : Tensor::empty({d.N, d.I}, DType::BF16, dev);
   Tensor ws = Tensor::empty({swiglu_workspace_words(d.N, static_cast<int>(d.E))}, DType::I32, dev);
   Tensor sq_scratch;
   double* sq_result = nullptr;
@@ -136,9 +139,9 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
   }
   launch_swiglu_backward_weight(dy.raw(), x.raw(), counts.data<int64_t>(), gate.raw(), up.raw(), dgate.raw(),
                                 dup.raw(), d.N, static_cast<int>(d.H), static_cast<int>(d.I), static_cast<int>(d.E),
-                                act.raw(), dw_gate.data<float>(), dw_up.data<float>(), dw_down.data<float>(),
-                                accumulate, ws.data<int32_t>(), sq_scratch.defined() ? sq_scratch.data<double>() : nullptr,
-                                sq_result, stream());
+                                act.raw(), act_in.defined(), dw_gate.data<float>(), dw_up.data<float>(),
+                                dw_down.data<float>(), accumulate, ws.data<int32_t>(),
+                                sq_scratch.defined() ? sq_scratch.data<double>() : nullptr, sq_result, stream());
   check_launch("grouped_swiglu_backward_weight kernels");
 }
 

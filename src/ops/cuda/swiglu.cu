@@ -1146,9 +1146,9 @@ void launch_swiglu_backward_input(const void* dy, const int64_t* counts, const v
 
 void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t* counts, const void* gate,
                                    const void* up, const void* dgate, const void* dup, int64_t N, int H, int I,
-                                   int E, void* act, float* dw_gate, float* dw_up, float* dw_down, bool accumulate,
-                                   int32_t* workspace, double* squares_scratch, double* squares_result,
-                                   cudaStream_t stream) {
+                                   int E, void* act, bool act_ready, float* dw_gate, float* dw_up, float* dw_down,
+                                   bool accumulate, int32_t* workspace, double* squares_scratch,
+                                   double* squares_result, cudaStream_t stream) {
   if (accumulate) squares_result = nullptr;  // the final values are not this call's to see
   if (N == 0) {  // every expert has 0 rows: nothing to add, or zeros to write
     if (!accumulate) {
@@ -1162,8 +1162,10 @@ void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t*
   }
   const Schedule s = make_schedule(counts, N, E, workspace, false, stream);
   const int64_t n_act = N * I;
-  swiglu_act_kernel<<<static_cast<unsigned>((n_act / 8 + 255) / 256), 256, 0, stream>>>(cb(gate), cb(up), mb(act),
-                                                                                         n_act);
+  if (!act_ready) {
+    swiglu_act_kernel<<<static_cast<unsigned>((n_act / 8 + 255) / 256), 256, 0, stream>>>(cb(gate), cb(up), mb(act),
+                                                                                           n_act);
+  }
   WgradArgs w{};
   w.offsets = s.offsets;
   w.accumulate = accumulate ? 1 : 0;

@@ -27,7 +27,8 @@ void launch_swiglu_forward(const void* x, const int64_t* counts, const void* w_g
 void launch_swiglu_backward_input(const void* dy, const int64_t* counts, const void* gate, const void* up,
                                   const void* w_gate, const void* w_up, const void* w_down, int64_t N, int H, int I,
                                   int E, void* dgate, void* dup, void* dx, int32_t* workspace, cudaStream_t stream);
-// dWd[e] += dy_e^T act_e (act recomputed from gate, up into the scratch act [N, I]);
+// dWd[e] += dy_e^T act_e (act_ready: act [N, I] holds the forward's activations; else it is
+// scratch that silu(gate) * up is computed into first);
 // dWg[e] += dgate_e^T x_e and dWu[e] += dup_e^T x_e (one launch). f32 dW. With
 // accumulate false, = instead of += (an expert without rows gets zeros), and then, when
 // squares_result is given, *squares_result = the sum of the squares of the three
@@ -35,9 +36,9 @@ void launch_swiglu_backward_input(const void* dy, const int64_t* counts, const v
 // in squares_scratch, summed in block order; elsewhere a pass over the gradients).
 void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t* counts, const void* gate,
                                    const void* up, const void* dgate, const void* dup, int64_t N, int H, int I,
-                                   int E, void* act, float* dw_gate, float* dw_up, float* dw_down, bool accumulate,
-                                   int32_t* workspace, double* squares_scratch, double* squares_result,
-                                   cudaStream_t stream);
+                                   int E, void* act, bool act_ready, float* dw_gate, float* dw_up, float* dw_down,
+                                   bool accumulate, int32_t* workspace, double* squares_scratch,
+                                   double* squares_result, cudaStream_t stream);
 // Doubles of squares_scratch that launch_swiglu_backward_weight needs.
 int64_t swiglu_squares_scratch_doubles(int H, int I, int E);
 
