@@ -98,7 +98,9 @@ void BM_GroupedSwigluBackwardWeight(benchmark::State& state) {
   const ops::SwigluOut f = ops::grouped_swiglu_forward(p.x, p.counts, p.wg, p.wu, p.wd);
   const ops::SwigluInputGrads g = ops::grouped_swiglu_backward_input(p.dy, p.counts, f.gate, f.up, p.wg, p.wu, p.wd);
   time_op(state, [&] {
-    ops::grouped_swiglu_backward_weight(p.dy, p.x, p.counts, f.gate, f.up, g.dgate, g.dup, p.dwg, p.dwu, p.dwd);
+    // as the model calls it: adding into dW, with the forward's activations
+    ops::grouped_swiglu_backward_weight(p.dy, p.x, p.counts, f.gate, f.up, g.dgate, g.dup, p.dwg, p.dwu, p.dwd, true,
+                                        {}, f.act);
   });
 }
 

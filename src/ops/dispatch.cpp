@@ -104,13 +104,16 @@ Tensor unpermute_backward(const Tensor& dy, const Permutation& p) {
   return MT_ROUTE(dy, unpermute_backward, dy, p);
 }
 
-// `order` must be a permutation of [0, T*K): checked on the host where it lives there (the
-// kernels only skip rows outside the range).
-void check_combine_order(const Tensor& order, const Tensor& weight, const char* op) {
+// `order` must be a permutation of [0, T*K) on the expert outputs' device: a permutation
+// checked on the host when it lives there; on the GPU it is the routing's slot_row, and the
+// kernels only skip rows outside the range.
+void check_combine_order(const Tensor& order, const Tensor& weight, const Tensor& expert_out, const char* op) {
   if (!order.defined()) return;
   const int64_t n = weight.defined() && weight.ndim() == 2 ? weight.size(0) * weight.size(1) : -1;
   MT_CHECK(order.dtype() == DType::I32 && order.ndim() == 1 && order.numel() == n,
            "{}: order must be i32 [T*K = {}] (a permutation of the expert-output rows), got {}", op, n, order.str());
+  MT_CHECK(expert_out.defined() && order.device() == expert_out.device(), "{}: order {} must be on {} with expert_out",
+           op, order.str(), expert_out.defined() ? expert_out.device().str() : std::string("undefined"));
   if (order.device().is_cpu()) {
     std::vector<bool> seen(static_cast<size_t>(n), false);
     const int32_t* o = order.data<int32_t>();
@@ -123,12 +126,12 @@ void check_combine_order(const Tensor& order, const Tensor& weight, const char* 
 }
 
 Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Tensor& residual, const Tensor& order) {
-  check_combine_order(order, weight, "combine_forward");
+  check_combine_order(order, weight, expert_out, "combine_forward");
   return MT_ROUTE(expert_out, combine_forward, expert_out, weight, residual, order);
 }
 
 CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& weight, const Tensor& order) {
-  check_combine_order(order, weight, "combine_backward");
+  check_combine_order(order, weight, expert_out, "combine_backward");
   return MT_ROUTE(dy, combine_backward, dy, expert_out, weight, order);
 }
 
