@@ -51,8 +51,15 @@ RmsNormOut rmsnorm_forward(const Tensor& x, const Tensor& w, double eps) {
   return MT_ROUTE(x, rmsnorm_forward, x, w, eps);
 }
 
-Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd) {
-  return MT_ROUTE(dy, rmsnorm_backward_input, dy, x, w, rstd);
+Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                              const Tensor& residual) {
+  if (residual.defined()) {
+    MT_CHECK(x.defined() && residual.shape() == x.shape() && residual.dtype() == x.dtype() &&
+                 residual.device() == x.device(),
+             "rmsnorm_backward_input: residual must be like x ({}), got {}", x.defined() ? x.str() : "undefined",
+             residual.str());
+  }
+  return MT_ROUTE(dy, rmsnorm_backward_input, dy, x, w, rstd, residual);
 }
 
 void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dw, bool accumulate) {

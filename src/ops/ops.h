@@ -55,8 +55,10 @@ struct RmsNormOut {
   Tensor rstd;
 };
 RmsNormOut rmsnorm_forward(const Tensor& x, const Tensor& w, double eps);
-// dx = rstd * (w*dy - x * rstd^2 * mean(w*dy*x))
-Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd);
+// dx = rstd * (w*dy - x * rstd^2 * mean(w*dy*x)) (+ residual: a gradient reaching x by
+// another path, added before dx is rounded, so no separate add reads and writes it again)
+Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                              const Tensor& residual = Tensor());
 // dw += sum_rows dy * x * rstd
 void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dw,
                              bool accumulate = true);

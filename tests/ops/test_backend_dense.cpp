@@ -183,6 +183,13 @@ TEST(BackendDense, RmsNormBackwardInput) {
     Tensor got = ops::rmsnorm_backward_input(on_gpu(dy, DType::BF16), on_gpu(x, DType::BF16),
                                              on_gpu(w, DType::BF16), on_gpu(rstd, DType::F32));
     expect_backend_close(got, ref, kBf16Tol, fmt::format("rmsnorm_backward_input{}_D{}", shape_str(c.x), c.D), "dx");
+    // with a residual gradient added before the rounding
+    Tensor res = random_bf16_values(c.x, 6 + c.D);
+    Tensor ref_r = ops::rmsnorm_backward_input(dy, x, w, rstd, res);
+    Tensor got_r = ops::rmsnorm_backward_input(on_gpu(dy, DType::BF16), on_gpu(x, DType::BF16), on_gpu(w, DType::BF16),
+                                               on_gpu(rstd, DType::F32), on_gpu(res, DType::BF16));
+    expect_backend_close(got_r, ref_r, kBf16Tol, fmt::format("rmsnorm_backward_input{}_D{}+res", shape_str(c.x), c.D),
+                         "dx");
   }
 }
 

@@ -235,6 +235,12 @@ TEST(DenseRmsNorm, GradCheck) {
     const std::string op = fmt::format("rmsnorm[R={},D={}]", T * heads, D);
     check_grad(op, "x", x, dx, loss);
     check_grad(op, "w", w, dw, loss);
+    // a residual gradient handed in is added: dx + res, to f64 rounding
+    Tensor res = random_tensor({T, heads * D}, DType::F64, seed + 4);
+    Tensor dx_res = ops::rmsnorm_backward_input(r, x, w, fwd.rstd, res);
+    Tensor sum = dx.clone();
+    ops::add_(sum, res);
+    EXPECT_LT(rel_error(dx_res, sum), 1e-14) << op;
   }
 }
 

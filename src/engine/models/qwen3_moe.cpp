@@ -166,8 +166,7 @@ Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, cons
   }
   {
     StageScope t(Stage::kNorms);
-    s.d_h = ops::rmsnorm_backward_input(s.d_ln2_out, s.h, ln2_w_, s.ln2.rstd);
-    ops::add_(s.d_h, dy_residual);
+    s.d_h = ops::rmsnorm_backward_input(s.d_ln2_out, s.h, ln2_w_, s.ln2.rstd, dy_residual);
   }
   {
     StageScope t(Stage::kAttention);
@@ -190,9 +189,7 @@ Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, cons
     ops::linear_backward_input_add(s.d_v, wv_, s.d_ln1_out);
   }
   StageScope t(Stage::kNorms);
-  Tensor dx = ops::rmsnorm_backward_input(s.d_ln1_out, s.x, ln1_w_, s.ln1.rstd);
-  ops::add_(dx, s.d_h);
-  return dx;
+  return ops::rmsnorm_backward_input(s.d_ln1_out, s.x, ln1_w_, s.ln1.rstd, s.d_h);
 }
 
 void Qwen3MoeDecoderLayer::backward_weight(Qwen3MoeLayerState& s, bool accumulate, ops::SumSquaresInto squares) {

@@ -48,7 +48,8 @@ RmsNormOut rmsnorm_forward(const Tensor& x, const Tensor& w, double eps) {
   return o;
 }
 
-Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd) {
+Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                              const Tensor& residual) {
   const int64_t R = row_count(x, w, "rmsnorm_backward_input"), D = w.numel();
   check_shape(dy, x.shape(), "dy");
   check_shape(rstd, {R}, "rstd");
@@ -58,13 +59,17 @@ Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w
     using F = decltype(tag);
     const F *px = x.data<F>(), *pw = w.data<F>(), *pg = dy.data<F>(), *pr = rstd.data<F>();
     F* pdx = dx.data<F>();
+    const F* pres = residual.defined() ? residual.data<F>() : nullptr;
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < R; ++r) {
       const F *xr = px + r * D, *gr = pg + r * D;
       double dot = 0;  // sum_j w[j] dy[j] x[j]
       for (int64_t i = 0; i < D; ++i) dot += double(pw[i]) * double(gr[i]) * double(xr[i]);
       const double s = double(pr[r]), c = s * s * dot / double(D);
-      for (int64_t i = 0; i < D; ++i) pdx[r * D + i] = F(s * (double(pw[i]) * double(gr[i]) - double(xr[i]) * c));
+      for (int64_t i = 0; i < D; ++i) {
+        const double extra = pres ? double(pres[r * D + i]) : 0.0;
+        pdx[r * D + i] = F(s * (double(pw[i]) * double(gr[i]) - double(xr[i]) * c) + extra);
+      }
     }
   });
   return dx;

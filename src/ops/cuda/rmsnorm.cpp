@@ -37,8 +37,9 @@ RmsNormOut rmsnorm_forward(const Tensor& x, const Tensor& w, double eps) {
   return o;
 }
 
-Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd) {
-  check_cuda_tensors("rmsnorm_backward_input", {&dy, &x, &w, &rstd});
+Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                              const Tensor& residual) {
+  check_cuda_tensors("rmsnorm_backward_input", {&dy, &x, &w, &rstd, &residual});
   const int64_t R = row_count(x, w, "rmsnorm_backward_input", "w"), D = w.numel();
   check_shape(dy, x.shape(), "dy");
   check_shape(rstd, {R}, "rstd");
@@ -46,8 +47,10 @@ Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w
   check_dtype(x, DType::BF16, "rmsnorm_backward_input x");
   check_dtype(w, DType::BF16, "rmsnorm_backward_input w");
   check_dtype(rstd, DType::F32, "rmsnorm_backward_input rstd");
+  if (residual.defined()) check_dtype(residual, DType::BF16, "rmsnorm_backward_input residual");
   Tensor dx = Tensor::empty(x.shape(), DType::BF16, x.device());
-  launch_rmsnorm_backward_input(bf(dy), bf(x), bf(w), rstd.data<float>(), bf_mut(dx), R, D, stream());
+  launch_rmsnorm_backward_input(bf(dy), bf(x), bf(w), rstd.data<float>(), residual.defined() ? bf(residual) : nullptr,
+                                bf_mut(dx), R, D, stream());
   check_launch("rmsnorm_backward_input");
   return dx;
 }

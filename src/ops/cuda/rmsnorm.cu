@@ -94,6 +94,7 @@ __global__ void __launch_bounds__(kBlock) rmsnorm_backward_input_kernel(const bf
                                                                         const bf16* __restrict__ x,
                                                                         const bf16* __restrict__ w,
                                                                         const float* __restrict__ rstd,
+                                                                        const bf16* __restrict__ residual,
                                                                         bf16* __restrict__ dx, int64_t R, int64_t D) {
   constexpr int kRPB = kBlock / kTPR;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kRPB + threadIdx.y;
@@ -122,17 +123,20 @@ __global__ void __launch_bounds__(kBlock) rmsnorm_backward_input_kernel(const bf
   bf16* out = dx + off;
   if constexpr (kVec) {
     for (int64_t v = threadIdx.x; v < D / 8; v += kTPR) {
-      float a[8], b[8], g[8];
+      float a[8], b[8], g[8], e[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       load8(xr + v * 8, a);
       load8(gr + v * 8, b);
       load8(w + v * 8, g);
+      if (residual) load8(residual + off + v * 8, e);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) a[k] = s * (g[k] * b[k] - a[k] * c);
+      for (int k = 0; k < 8; ++k) a[k] = s * (g[k] * b[k] - a[k] * c) + e[k];
       store8(out + v * 8, a);
     }
   } else {
-    for (int64_t i = threadIdx.x; i < D; i += kTPR)
-      out[i] = __float2bfloat16(s * (to_float(w[i]) * to_float(gr[i]) - to_float(xr[i]) * c));
+    for (int64_t i = threadIdx.x; i < D; i += kTPR) {
+      const float extra = residual ? to_float(residual[off + i]) : 0.f;
+      out[i] = __float2bfloat16(s * (to_float(w[i]) * to_float(gr[i]) - to_float(xr[i]) * c) + extra);
+    }
   }
 }
 
@@ -146,12 +150,12 @@ void launch_rows_forward(const bf16* x, const bf16* w, bf16* y, float* rstd, int
 }
 
 template <int kTPR, bool kVec>
-void launch_rows_backward(const bf16* dy, const bf16* x, const bf16* w, const float* rstd, bf16* dx, int64_t R,
-                          int64_t D, cudaStream_t s) {
+void launch_rows_backward(const bf16* dy, const bf16* x, const bf16* w, const float* rstd, const bf16* residual,
+                          bf16* dx, int64_t R, int64_t D, cudaStream_t s) {
   constexpr int kRPB = kBlock / kTPR;
   const dim3 block(kTPR, kRPB);
   const auto grid = static_cast<unsigned>((R + kRPB - 1) / kRPB);
-  rmsnorm_backward_input_kernel<kTPR, kVec><<<grid, block, 0, s>>>(dy, x, w, rstd, dx, R, D);
+  rmsnorm_backward_input_kernel<kTPR, kVec><<<grid, block, 0, s>>>(dy, x, w, rstd, residual, dx, R, D);
 }
 
 // Calls f.template operator()<kTPR, kVec>() with the row width picked for D.
@@ -258,12 +262,14 @@ void launch_rmsnorm_forward(const bf16* x, const bf16* w, bf16* y, float* rstd, 
   with_row_shape(D, vec, [&]<int kTPR, bool kVec>() { launch_rows_forward<kTPR, kVec>(x, w, y, rstd, R, D, eps, s); });
 }
 
-void launch_rmsnorm_backward_input(const bf16* dy, const bf16* x, const bf16* w, const float* rstd, bf16* dx,
-                                   int64_t R, int64_t D, cudaStream_t s) {
+void launch_rmsnorm_backward_input(const bf16* dy, const bf16* x, const bf16* w, const float* rstd,
+                                   const bf16* residual, bf16* dx, int64_t R, int64_t D, cudaStream_t s) {
   if (R == 0) return;
-  const bool vec = D % 8 == 0 && aligned16(dy) && aligned16(x) && aligned16(w) && aligned16(dx);
-  with_row_shape(D, vec,
-                 [&]<int kTPR, bool kVec>() { launch_rows_backward<kTPR, kVec>(dy, x, w, rstd, dx, R, D, s); });
+  const bool vec = D % 8 == 0 && aligned16(dy) && aligned16(x) && aligned16(w) && aligned16(dx) &&
+                   (!residual || aligned16(residual));
+  with_row_shape(D, vec, [&]<int kTPR, bool kVec>() {
+    launch_rows_backward<kTPR, kVec>(dy, x, w, rstd, residual, dx, R, D, s);
+  });
 }
 
 int64_t rmsnorm_backward_weight_scratch_floats(int64_t R, int64_t D) { return dw_split(R, D).chunks * D; }

@@ -13,8 +13,10 @@ namespace moetrain::ops::cuda {
 void launch_rmsnorm_forward(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float* rstd,
                             int64_t R, int64_t D, float eps, cudaStream_t s);
 // dx = rstd * (w*dy - x * rstd^2 * mean(w*dy*x)).
+// residual: nullptr, or [R, D] added to dx before it is rounded.
 void launch_rmsnorm_backward_input(const __nv_bfloat16* dy, const __nv_bfloat16* x, const __nv_bfloat16* w,
-                                   const float* rstd, __nv_bfloat16* dx, int64_t R, int64_t D, cudaStream_t s);
+                                   const float* rstd, const __nv_bfloat16* residual, __nv_bfloat16* dx, int64_t R,
+                                   int64_t D, cudaStream_t s);
 // Floats of device scratch launch_rmsnorm_backward_weight needs.
 int64_t rmsnorm_backward_weight_scratch_floats(int64_t R, int64_t D);
 // dw += sum_r dy[r] * x[r] * rstd[r], in two deterministic passes.
