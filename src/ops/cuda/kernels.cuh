@@ -20,6 +20,14 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { re
 template <>
 __device__ __forceinline__ float from_float<float>(float x) { return x; }
 
+// The multiprocessor this thread runs on (%smid: stable while the block runs; used to
+// look the multiprocessor up in the L2 half map, l2_halves.h).
+__device__ __forceinline__ unsigned sm_id() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(r));
+  return r;
+}
+
 struct SumOp {
   template <typename T>
   __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }

@@ -1,5 +1,6 @@
 #include "ops/cuda/l2_halves.h"
 
+#include "ops/cuda/kernels.cuh"
 #include "ops/cuda/l2_halves_launch.h"
 
 namespace moetrain::ops::cuda {
@@ -8,11 +9,6 @@ namespace {
 constexpr int kLines = kL2ProbeLines;
 constexpr size_t kLineWords = (4096 + 128) / 4;  // words between a chain's lines (spread over slices)
 
-__device__ __forceinline__ unsigned smid() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(r));
-  return r;
-}
 // L2 only (no L1), so a re-read is an L2 hit and not an L1 one.
 __device__ __forceinline__ unsigned load_cg(const unsigned* p) {
   unsigned v;
@@ -24,7 +20,7 @@ __device__ __forceinline__ unsigned load_cg(const unsigned* p) {
 // holds the word offset of line (97 k + 13) mod kLines: a permutation, so the chase visits
 // every line) and chases it once, so its lines sit in that multiprocessor's half.
 __global__ void touch_kernel(unsigned* buf, int* claimed, unsigned* sink) {
-  const unsigned s = smid();
+  const unsigned s = sm_id();
   if (threadIdx.x != 0 || s >= kMaxSms || atomicCAS(&claimed[s], 0, 1) != 0) return;
   unsigned* chain = buf + static_cast<size_t>(s) * kLines * kLineWords;
   for (int k = 0; k < kLines; ++k) {

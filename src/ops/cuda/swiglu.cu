@@ -542,9 +542,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   if (wg == 0) {  // producer
     setmaxnreg_dec<40>();
     if (threadIdx.x != 0) return;
-    unsigned sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    const int own = args.sm_half ? args.sm_half[sm] : 0;
+    const int own = args.sm_half ? args.sm_half[sm_id()] : 0;
     const int rows = min(args.queue[0], max_tiles), split = min(args.queue[1], rows);
     bool own_open = true, other_open = true;
     int it = 0;  // k-tiles issued so far over all of this block's tiles: the ring position
@@ -711,8 +709,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 // Weight-gradient GEMM, as grouped_wgrad_kernel: maps.a[prob] over A [N, M], maps.b[0] over
 // B [N, Nc], both box 64 columns x 64 rows (MN-major operands, k = row); maps.c[prob] over
 // the f32 C [E, M, Nc] (box 32 x 128 x 1). args.c0 / c1 are not used: C is reached by map.
-// Tiles of 128 x kN: kN = 256 reads 25% fewer operand bytes per FLOP from L2 (the limit of
-// the 128 x 128 version) but holds 128 accumulators a thread, so one block per SM.
+// Tiles of 128 x kN: kN = 256 reads 25% fewer operand bytes per FLOP from L2 but holds 128
+// accumulators a thread, so one block per SM; it measured 1.5% faster than kN = 128 with two
+// blocks per SM (the operand reads were not the main limit: docs/perf.md).
 template <int S, int kProblems, int kN = 128>
 __global__ void __launch_bounds__(kThreads, kN == 128 && S <= 3 ? 2 : 1)
     wgrad_kernel(const __grid_constant__ Maps maps, const WgradArgs args) {
@@ -723,9 +722,7 @@ __global__ void __launch_bounds__(kThreads, kN == 128 && S <= 3 ? 2 : 1)
     // As many blocks as tiles: a block that finds both queues empty cannot exist.
     __shared__ int taken;
     if (threadIdx.x == 0) {
-      unsigned sm;
-      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-      const int own = args.sm_half[sm];
+      const int own = args.sm_half[sm_id()];
       auto take = [&](int q) {
         const int first = q == 0 ? 0 : args.queue_split, end = q == 0 ? args.queue_split : tiles;
         const int u = first + atomicAdd(&args.next[q], 1);
