@@ -153,6 +153,18 @@ __device__ __forceinline__ void gemm_mainloop(float (&acc)[4][4][4], char* smem,
 
 __device__ __forceinline__ float sigmoidf_(float g) { return 1.f / (1.f + expf(-g)); }
 
+// The dSwiGLU epilogue of two adjacent columns: from da = d(silu(g) u) (v0, v1) and the
+// saved g, u, dgate = da u silu'(g) = da u s (1 + g (1 - s)) and dup = da silu(g) = da g s,
+// stored as bf16 pairs. Both row GEMM kernels (mma.sync and Hopper) end their da this way.
+__device__ __forceinline__ void store_dswiglu_pair(float v0, float v1, __nv_bfloat162 gb, __nv_bfloat162 ub,
+                                                   __nv_bfloat16* dgate, __nv_bfloat16* dup) {
+  const float2 g = __bfloat1622float2(gb), u = __bfloat1622float2(ub);
+  const float s0 = sigmoidf_(g.x), s1 = sigmoidf_(g.y);
+  *reinterpret_cast<__nv_bfloat162*>(dgate) =
+      __floats2bfloat162_rn(v0 * u.x * s0 * (1.f + g.x * (1.f - s0)), v1 * u.y * s1 * (1.f + g.y * (1.f - s1)));
+  *reinterpret_cast<__nv_bfloat162*>(dup) = __floats2bfloat162_rn(v0 * g.x * s0, v1 * g.y * s1);
+}
+
 // ---- row-grouped GEMM: out[rows of e, n] = sum_k A[row, k] B_e[k, n] --------------------
 struct RowsArgs {
   const bf16* a0;  // A [N, K] row-major, k < ksplit read from a0, else from a1 at k - ksplit
@@ -282,13 +294,9 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_rows_gemm_kernel(const Ro
           for (int nb = 0; nb < 4; ++nb) {
             const int col = n0 + wn * 32 + nb * 8 + (lane & 3) * 2;
             if (col >= n_extent) continue;
-            const float v0 = acc[mi][nb][half * 2], v1 = acc[mi][nb][half * 2 + 1];
             const int64_t o = row * args.ldo + col;
-            const float2 g = __bfloat1622float2(gb[nb]), u = __bfloat1622float2(ub[nb]);
-            const float s0 = sigmoidf_(g.x), s1 = sigmoidf_(g.y);
-            *reinterpret_cast<__nv_bfloat162*>(args.out0 + o) = __floats2bfloat162_rn(
-                v0 * u.x * s0 * (1.f + g.x * (1.f - s0)), v1 * u.y * s1 * (1.f + g.y * (1.f - s1)));
-            *reinterpret_cast<__nv_bfloat162*>(args.out1 + o) = __floats2bfloat162_rn(v0 * g.x * s0, v1 * g.y * s1);
+            store_dswiglu_pair(acc[mi][nb][half * 2], acc[mi][nb][half * 2 + 1], gb[nb], ub[nb], args.out0 + o,
+                               args.out1 + o);
           }
         }
       }
@@ -658,13 +666,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         for (int j = 0; j < 8; ++j) {
           const int nb = (b & 3) * 8 + j, col = n0 + nb * 8 + (lane & 3) * 2;
           if (col >= args.n_extent) continue;
-          const float v0 = acc[nb * 4 + h * 2], v1 = acc[nb * 4 + h * 2 + 1];
           const int64_t o = row * args.ldo + col;
-          const float2 gf = __bfloat1622float2(g[j]), uf = __bfloat1622float2(u[j]);
-          const float s0 = sigmoidf_(gf.x), s1 = sigmoidf_(gf.y);
-          *reinterpret_cast<__nv_bfloat162*>(args.out0 + o) = __floats2bfloat162_rn(
-              v0 * uf.x * s0 * (1.f + gf.x * (1.f - s0)), v1 * uf.y * s1 * (1.f + gf.y * (1.f - s1)));
-          *reinterpret_cast<__nv_bfloat162*>(args.out1 + o) = __floats2bfloat162_rn(v0 * gf.x * s0, v1 * gf.y * s1);
+          store_dswiglu_pair(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1], g[j], u[j], args.out0 + o, args.out1 + o);
         }
       };
       load(0, gb[0], ub[0]);
