@@ -955,8 +955,6 @@ void launch_wgrad(const WgradArgs& args, int E, cudaStream_t stream) {
 // ---- Hopper host side: tensor maps and dispatch ------------------------------------------
 bool use_hopper() { return hopper_kernels_usable("MOETRAIN_SWIGLU_MMA_SYNC"); }
 
-// The L2 halves the Hopper grouped GEMMs split their tile queues for (probed on first use).
-const SmHalves* gemm_halves(cudaStream_t stream) { return use_hopper() ? &sm_l2_halves(stream) : nullptr; }
 
 bool make_map(CUtensorMap* map, const void* base, std::initializer_list<uint64_t> dims,
               std::initializer_list<uint32_t> box, bool f32 = false) {
@@ -1004,8 +1002,8 @@ int64_t launch_wgrad_hopper(const hopper::Maps& maps, WgradArgs args, int E, con
   const int smem = hopper::smem_bytes(kStages, hopper::kTile + kN * 128);
   prepare_hopper(kernel, smem);
   const dim3 grid((args.Nc + kN - 1) / kN, (args.M + kBM - 1) / kBM, E * kProblems);
-  const SmHalves* halves = gemm_halves(stream);
-  if (halves && halves->known()) {  // each half a run of whole experts, in proportion to its multiprocessors
+  const SmHalves* halves = &sm_l2_halves(stream);
+  if (halves->known()) {  // each half a run of whole experts, in proportion to its multiprocessors
     args.sm_half = halves->device_map;
     args.next = s.queue + 2 + 2 * launch;
     const int64_t z0 = (static_cast<int64_t>(grid.z) * halves->count[0] + (halves->count[0] + halves->count[1]) / 2) /
@@ -1038,7 +1036,8 @@ void launch_swiglu_forward(const void* x, const int64_t* counts, const void* w_g
                            const void* w_down, int64_t N, int H, int I, int E, void* gate, void* up, void* act,
                            void* y, int32_t* workspace, cudaStream_t stream) {
   if (N == 0) return;
-  const Schedule s = make_schedule(counts, N, E, workspace, true, stream, gemm_halves(stream));
+  const bool hopper = use_hopper();  // the Hopper kernels split their tiles by L2 half (probed on first use)
+  const Schedule s = make_schedule(counts, N, E, workspace, true, stream, hopper ? &sm_l2_halves(stream) : nullptr);
   RowsArgs a{};
   a.offsets = s.offsets;
   a.tile_expert = s.tile_expert;
@@ -1059,7 +1058,7 @@ void launch_swiglu_forward(const void* x, const int64_t* counts, const void* w_g
   a.ldo = I;
   const uint64_t n = N, h = H, i = I, e = E;
   hopper::Maps gu{}, dn{};
-  const bool hop = use_hopper() && make_map(&gu.a[0], x, {h, n}, {64, 128}) &&
+  const bool hop = hopper && make_map(&gu.a[0], x, {h, n}, {64, 128}) &&
                    make_map(&gu.b[0], w_gate, {h, i, e}, {64, 128, 1}) &&
                    make_map(&gu.b[1], w_up, {h, i, e}, {64, 128, 1}) && make_map(&dn.a[0], act, {i, n}, {64, 128}) &&
                    make_map(&dn.b[0], w_down, {i, h, e}, {64, 128, 1});
@@ -1088,7 +1087,8 @@ void launch_swiglu_backward_input(const void* dy, const int64_t* counts, const v
                                   const void* w_gate, const void* w_up, const void* w_down, int64_t N, int H, int I,
                                   int E, void* dgate, void* dup, void* dx, int32_t* workspace, cudaStream_t stream) {
   if (N == 0) return;
-  const Schedule s = make_schedule(counts, N, E, workspace, true, stream, gemm_halves(stream));
+  const bool hopper = use_hopper();  // the Hopper kernels split their tiles by L2 half (probed on first use)
+  const Schedule s = make_schedule(counts, N, E, workspace, true, stream, hopper ? &sm_l2_halves(stream) : nullptr);
   RowsArgs a{};
   a.offsets = s.offsets;
   a.tile_expert = s.tile_expert;
@@ -1109,7 +1109,7 @@ void launch_swiglu_backward_input(const void* dy, const int64_t* counts, const v
   a.u = cb(up);
   const uint64_t n = N, h = H, i = I, e = E;
   hopper::Maps da{}, dx_maps{};
-  const bool hop = use_hopper() && make_map(&da.a[0], dy, {h, n}, {64, 128}) &&
+  const bool hop = hopper && make_map(&da.a[0], dy, {h, n}, {64, 128}) &&
                    make_map(&da.b[0], w_down, {i, h, e}, {64, 64, 1}) &&
                    make_map(&dx_maps.a[0], dgate, {i, n}, {64, 128}) && make_map(&dx_maps.a[1], dup, {i, n}, {64, 128}) &&
                    make_map(&dx_maps.b[0], w_gate, {h, i, e}, {64, 64, 1}) &&
