@@ -32,6 +32,7 @@ void BM_DeviceCopy(benchmark::State& state) {
 void BM_AdamWExpertLayer(benchmark::State& state) {
   if (!cuda::available()) return state.SkipWithError("needs a CUDA device");
   const bool bf16 = state.range(0) == 1;
+  const int max_sms = static_cast<int>(state.range(1));  // 0: every multiprocessor
   const Device gpu = Device::cuda(0);
   const DType moments = bf16 ? DType::BF16 : DType::F32;
   ops::AdamWTensors t;
@@ -41,7 +42,7 @@ void BM_AdamWExpertLayer(benchmark::State& state) {
   t.v.push_back(Tensor::zeros({kParams}, moments, gpu));
   t.values.push_back(Tensor::zeros({kParams}, DType::BF16, gpu));
   t.decay.push_back(true);
-  ops::AdamWStep s{1e-4, 0.9, 0.95, 1e-8, 0.1, 1, 0.5};
+  ops::AdamWStep s{1e-4, 0.9, 0.95, 1e-8, 0.1, 1, 0.5, max_sms};
   time_bytes(state, (bf16 ? 22.0 : 30.0) * kParams, [&] {
     ++s.step;
     ops::adamw_update_all(t, s);
@@ -56,7 +57,12 @@ void BM_GradNormExpertLayer(benchmark::State& state) {
 }
 
 BENCHMARK(BM_DeviceCopy)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_AdamWExpertLayer)->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMillisecond);
+// Args: bf16 moments (0/1), multiprocessors the update may occupy (0: all; the capped
+// grid LayerwiseOptimizer runs under the next forward).
+BENCHMARK(BM_AdamWExpertLayer)
+    ->ArgsProduct({{0, 1}, {0, 16, 24, 32, 48, 66}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_GradNormExpertLayer)->UseManualTime()->Unit(benchmark::kMillisecond);
 
 }  // namespace

@@ -100,6 +100,14 @@ Stream create_stream() {
   return s;
 }
 
+Stream create_high_priority_stream() {
+  int least = 0, greatest = 0;
+  MT_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  cudaStream_t s;
+  MT_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest));
+  return s;
+}
+
 void destroy_stream(Stream s) { MT_CUDA_CHECK(cudaStreamDestroy(static_cast<cudaStream_t>(s))); }
 void stream_synchronize(Stream s) { MT_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(s))); }
 void device_synchronize() { MT_CUDA_CHECK(cudaDeviceSynchronize()); }
@@ -200,6 +208,7 @@ std::string device_name(int) { no_cuda(); }
 Stream current_stream() { no_cuda(); }
 void set_current_stream(Stream) { no_cuda(); }
 Stream create_stream() { no_cuda(); }
+Stream create_high_priority_stream() { no_cuda(); }
 void destroy_stream(Stream) { no_cuda(); }
 void stream_synchronize(Stream) { no_cuda(); }
 void device_synchronize() { no_cuda(); }

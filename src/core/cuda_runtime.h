@@ -25,6 +25,9 @@ std::string device_name(int device = 0);
 Stream current_stream();
 void set_current_stream(Stream s);
 Stream create_stream();  // non-blocking
+// A non-blocking stream whose pending blocks the hardware dispatches before those of
+// ordinary streams (the greatest priority the device offers).
+Stream create_high_priority_stream();
 void destroy_stream(Stream s);
 void stream_synchronize(Stream s);
 void device_synchronize();

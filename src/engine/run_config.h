@@ -56,6 +56,10 @@ struct OptimizerConfig {
   // One process on a GPU: the gradient norm and AdamW on a second stream, overlapping the
   // backward and the next forward (optim/layerwise.h); the same numbers either way.
   bool overlap = true;
+  // With the overlap: multiprocessors a later layer's update may occupy while the forward of
+  // the layers before it runs on the others (0: all of them, the updates and the forward
+  // take turns). Off by default: on the bench model it gained under 1 ms (docs/perf.md).
+  int64_t overlap_sms = 0;
   std::string schedule = "cosine";  // "cosine" | "wsd" | "constant"
   int64_t warmup_steps = 50;
   double decay_fraction = 0.2;      // wsd: last fraction of steps that decays to min_lr

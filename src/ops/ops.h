@@ -231,6 +231,10 @@ struct AdamWStep {
   double lr = 0, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0;
   int64_t step = 1;         // 1-based, for bias correction
   double grad_scale = 1.0;  // multiplies every gradient element first
+  // CUDA: how many multiprocessors the update may occupy (0: all it can fill). Fewer leave
+  // the rest to kernels on other streams (the next forward, LayerwiseOptimizer); the
+  // result does not depend on it.
+  int max_sms = 0;
 };
 void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWStep& s);
 

@@ -399,17 +399,31 @@ TEST(BackendDense, AdamW) {
     Tensor m = random_tensor({n}, DType::F32, 62 + n, 0.01);
     Tensor v = abs_of(random_tensor({n}, DType::F32, 63 + n, 1e-3));
     Tensor gp = p.to(kGpu), gm = m.to(kGpu), gv = v.to(kGpu);
+    const Tensor p0 = p.clone(), m0 = m.clone(), v0 = v.clone();
     ops::adamw_update(p, g, m, v, s);
     ops::adamw_update(gp, g.to(kGpu), gm, gv, s);
     const std::string op = fmt::format("adamw[{}]", n);
     expect_backend_close(gp, p, kF32Tol, op, "param");
     expect_backend_close(gm, m, kF32Tol, op, "m");
     expect_backend_close(gv, v, kF32Tol, op, "v");
+    // One arithmetic on both sides (ops/adamw_math.h): the same bits, on both launch shapes.
+    EXPECT_TRUE(bytes_equal(gp.to(Device::cpu()), p)) << op << ": param differs from the CPU's bits";
+    EXPECT_TRUE(bytes_equal(gm.to(Device::cpu()), m)) << op << ": m differs from the CPU's bits";
+    EXPECT_TRUE(bytes_equal(gv.to(Device::cpu()), v)) << op << ": v differs from the CPU's bits";
+    for (int sms : {1, 3}) {
+      s.max_sms = sms;
+      Tensor cp = p0.to(kGpu), cm = m0.to(kGpu), cv = v0.to(kGpu);
+      ops::adamw_update(cp, g.to(kGpu), cm, cv, s);
+      s.max_sms = 0;
+      EXPECT_TRUE(bytes_equal(cp.to(Device::cpu()), p)) << op << " on " << sms << " multiprocessors: param";
+      EXPECT_TRUE(bytes_equal(cm.to(Device::cpu()), m)) << op << " on " << sms << " multiprocessors: m";
+      EXPECT_TRUE(bytes_equal(cv.to(Device::cpu()), v)) << op << " on " << sms << " multiprocessors: v";
+    }
   }
 }
 
 // bf16 moments (stochastic rounding keyed by step and element index: the same bits on both
-// backends unless the f32 value before rounding differs in its last bit).
+// backends, whose f32 values before rounding are the same).
 TEST(BackendDense, AdamWBf16Moments) {
   MT_REQUIRE_GPU();
   PoisonScope poison;
@@ -431,6 +445,9 @@ TEST(BackendDense, AdamWBf16Moments) {
     expect_backend_close(gp, p, kF32Tol, op, "param");
     expect_backend_close(gm, m, kBf16Tol, op, "m");
     expect_backend_close(gv, v, kBf16Tol, op, "v");
+    EXPECT_TRUE(bytes_equal(gp.to(Device::cpu()), p)) << op << ": param differs from the CPU's bits";
+    EXPECT_TRUE(bytes_equal(gm.to(Device::cpu()), m)) << op << ": m differs from the CPU's bits";
+    EXPECT_TRUE(bytes_equal(gv.to(Device::cpu()), v)) << op << ": v differs from the CPU's bits";
   }
 }
 
@@ -535,13 +552,33 @@ TEST(BackendDense, WholeListAdamWNormAndZero) {
   for (size_t i = 0; i < cpu.values.size(); ++i) {
     if (cpu.values[i].defined()) cpu.values[i] = cpu.params[i].to(DType::BF16);
   }
+  // The same update on 5 multiprocessors (the capped launch LayerwiseOptimizer runs beside
+  // the forward), from separate copies: one segment per tensor, several launches.
+  ops::AdamWTensors capped;
+  for (size_t i = 0; i < gpu.params.size(); ++i) {
+    capped.params.push_back(gpu.params[i].clone());
+    capped.grads.push_back(gpu.grads[i]);
+    capped.m.push_back(gpu.m[i].clone());
+    capped.v.push_back(gpu.v[i].clone());
+    capped.values.push_back(gpu.values[i].defined() ? gpu.values[i].clone() : Tensor());
+    capped.decay.push_back(gpu.decay[i]);
+  }
+  ops::AdamWStep on_five = s;
+  on_five.max_sms = 5;
+  ops::adamw_update_all(capped, on_five);
   ops::adamw_update_all(gpu, s);
+  auto same_bits = [](const Tensor& a, const Tensor& b) { return bytes_equal(a.to(Device::cpu()), b.to(Device::cpu())); };
   for (size_t i = 0; i < cpu.params.size(); ++i) {
     const std::string op = fmt::format("adamw_update_all[{}: n={}]", i, cpu.params[i].numel());
     expect_backend_close(gpu.params[i], cpu.params[i], kF32Tol, op, "param");
     expect_backend_close(gpu.m[i], cpu.m[i], kF32Tol, op, "m");
     expect_backend_close(gpu.v[i], cpu.v[i], kF32Tol, op, "v");
     if (cpu.values[i].defined()) expect_backend_close(gpu.values[i], cpu.values[i], kBf16Tol, op, "value");
+    EXPECT_TRUE(same_bits(gpu.params[i], cpu.params[i]) && same_bits(gpu.m[i], cpu.m[i]) && same_bits(gpu.v[i], cpu.v[i]))
+        << op << ": not the CPU's bits";
+    EXPECT_TRUE(same_bits(capped.params[i], gpu.params[i]) && same_bits(capped.m[i], gpu.m[i]) &&
+                same_bits(capped.v[i], gpu.v[i]) && (!cpu.values[i].defined() || same_bits(capped.values[i], gpu.values[i])))
+        << op << ": the capped launch differs";
     if (::testing::Test::HasFailure()) break;
   }
   ops::zero_all(gpu.grads);

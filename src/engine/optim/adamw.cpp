@@ -24,7 +24,8 @@ void AdamW::step(ParameterList& params, double lr, double grad_scale) {
   update(params, all, lr, grad_scale);
 }
 
-void AdamW::update(ParameterList& params, const std::vector<size_t>& indices, double lr, double grad_scale) {
+void AdamW::update(ParameterList& params, const std::vector<size_t>& indices, double lr, double grad_scale,
+                   int max_sms) {
   MT_CHECK(params.size() == m_.size(), "AdamW: built for {} parameters, stepped with {}", m_.size(), params.size());
   MT_CHECK(step_ >= 1, "AdamW: update() before advance()");
   if (indices.empty()) return;
@@ -39,7 +40,8 @@ void AdamW::update(ParameterList& params, const std::vector<size_t>& indices, do
     t.m.push_back(m_[i]);
     t.v.push_back(v_[i]);
   }
-  ops::adamw_update_all(t, ops::AdamWStep{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, step_, grad_scale});
+  ops::adamw_update_all(t, ops::AdamWStep{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, step_, grad_scale,
+                                         max_sms});
 }
 
 GradNorm global_grad_norm(const ParameterList& params, double max_norm) {

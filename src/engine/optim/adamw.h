@@ -28,7 +28,9 @@ class AdamW {
   // indices are given (every parameter exactly once per step, in any grouping: the update
   // is element-wise, so the result is the same).
   void advance() { ++step_; }
-  void update(ParameterList& params, const std::vector<size_t>& indices, double lr, double grad_scale);
+  // max_sms: see ops::AdamWStep (0: the whole GPU).
+  void update(ParameterList& params, const std::vector<size_t>& indices, double lr, double grad_scale,
+              int max_sms = 0);
   int64_t steps_taken() const { return step_; }
   // The moments, one per parameter in list order (views; checkpoints read and write them).
   const std::vector<Tensor>& exp_avg() const { return m_; }

@@ -36,7 +36,10 @@ LayerwiseOptimizer::LayerwiseOptimizer(Qwen3MoeModel& model, AdamW& opt, Layerwi
 
 void LayerwiseOptimizer::make_stream() {
   if (stream_ || model_.device().is_cpu()) return;
-  stream_ = cuda::create_stream();
+  // High priority: an update's few blocks take the next free multiprocessors ahead of the
+  // forward's pending ones (the forward waits for them; the other way round is a priority
+  // inversion, docs/perf.md).
+  stream_ = cuda::create_high_priority_stream();
   grads_ready_ = cuda::create_sync_event();
   norms_ready_ = cuda::create_sync_event();
   for (Group& g : groups_) g.updated = cuda::create_sync_event();
@@ -135,13 +138,16 @@ GradNorm LayerwiseOptimizer::step(double lr, double max_norm) {
   const GradNorm g = grad_norm_of(total, params, max_norm);
 
   opt_.advance();
-  for (Group& gr : groups_) {
+  for (size_t k = 0; k < groups_.size(); ++k) {
+    Group& gr = groups_[k];
     if (!overlap) {
       opt_.update(params, gr.params, lr, g.clip_scale);
       continue;
     }
+    // The first two groups (the embedding's and the first layer's) have no forward to run
+    // beside: the whole GPU. Later ones leave multiprocessors to the layers before them.
     cuda::CurrentStreamScope on(stream_);
-    opt_.update(params, gr.params, lr, g.clip_scale);
+    opt_.update(params, gr.params, lr, g.clip_scale, k < 2 ? 0 : cfg_.update_sms);
     cuda::record_event(gr.updated, stream_);
     gr.pending = true;
   }

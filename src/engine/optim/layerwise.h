@@ -31,6 +31,10 @@ namespace moetrain {
 
 struct LayerwiseConfig {
   bool overlap = true;  // GPU: a second stream (else every part runs in line on the current one)
+  // With the overlap: the multiprocessors each update after the first two groups may occupy
+  // (0: all), so that the next forward, which by then has its weights, runs on the rest
+  // instead of queueing behind the update's blocks.
+  int update_sms = 0;
 };
 
 class LayerwiseOptimizer : public WeightHooks {

@@ -2,15 +2,16 @@
 //   m = b1 m + (1 - b1) g
 //   v = b2 v + (1 - b2) g^2
 //   param -= lr * ( (m / (1 - b1^step)) / (sqrt(v / (1 - b2^step)) + eps) + wd * param )
-// with g = grad_scale * grad. The decay uses the parameter before this step's update. Each element is computed in
-// double and stored in the tensors' dtype (f32 master weights, or f64 in tests; moments
-// may instead be bf16 next to f32 masters, stored by stochastic rounding, stochastic_round.h);
-// no reductions, so the result does not depend on the thread count.
+// with g = grad_scale * grad. The decay uses the parameter before this step's update. f32
+// masters: f32 arithmetic shared with the CUDA kernel (ops/adamw_math.h: the same bits; moments
+// f32, or bf16 stored by stochastic rounding, stochastic_round.h); f64 (tests): double. No
+// reductions, so the result does not depend on the thread count.
 #include <cmath>
 #include <cstring>
 
 #include "ops/cpu/common.h"
 #include "ops/cpu/cpu_ops.h"
+#include "ops/adamw_math.h"
 #include "ops/stochastic_round.h"
 
 namespace moetrain::ops::cpu {
@@ -39,46 +40,48 @@ void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const
   MT_CHECK(s.step >= 1, "adamw_update: step = {} must be >= 1 (1-based, for bias correction)", s.step);
   MT_CHECK(s.beta1 >= 0 && s.beta1 < 1 && s.beta2 >= 0 && s.beta2 < 1,
            "adamw_update: betas ({}, {}) must lie in [0, 1)", s.beta1, s.beta2);
-  const double b1 = s.beta1, b2 = s.beta2;
-  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(s.step));
-  const double bc2 = 1.0 - std::pow(b2, static_cast<double>(s.step));
-  const double lr = s.lr, eps = s.eps, wd = s.weight_decay, gs = s.grad_scale;
   const int64_t n = param.numel();
-  if (bf16_moments) {  // f32 master and gradient, moments stored bf16 by stochastic rounding
+  if (param.dtype() == DType::F32) {  // f32 masters: the shared f32 arithmetic, the kernel's bits
+    const AdamWConstants c = adamw_constants(s.lr, s.beta1, s.beta2, s.eps, s.grad_scale, s.step);
+    const float wd = static_cast<float>(s.weight_decay);
     float* p = param.data<float>();
     const float* g = grad.data<float>();
-    bf16* M = m.data<bf16>();
-    bf16* V = v.data<bf16>();
-    const int64_t step = s.step, base = m.storage_offset();  // rounding keys on the element's place in m's buffer
+    if (bf16_moments) {  // moments stored bf16 by stochastic rounding
+      bf16* M = m.data<bf16>();
+      bf16* V = v.data<bf16>();
+      const int64_t step = s.step, base = m.storage_offset();  // rounding keys on the element's place in m's buffer
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) {
-      const double gi = gs * static_cast<double>(g[i]);
-      const double mi = b1 * static_cast<double>(static_cast<float>(M[i])) + (1.0 - b1) * gi;
-      const double vi = b2 * static_cast<double>(static_cast<float>(V[i])) + (1.0 - b2) * gi * gi;
-      M[i].bits = bf16_bits_stochastic(f32_bits(static_cast<float>(mi)), rounding_bits(base + i, step, 0));
-      V[i].bits = bf16_bits_stochastic(f32_bits(static_cast<float>(vi)), rounding_bits(base + i, step, 1));
-      const double pi = static_cast<double>(p[i]);
-      p[i] = static_cast<float>(pi - lr * ((mi / bc1) / (std::sqrt(vi / bc2) + eps) + wd * pi));
+      for (int64_t i = 0; i < n; ++i) {
+        float mi = static_cast<float>(M[i]), vi = static_cast<float>(V[i]);
+        adamw_element(p[i], g[i], mi, vi, wd, c);
+        M[i].bits = bf16_bits_stochastic(f32_bits(mi), rounding_bits(base + i, step, 0));
+        V[i].bits = bf16_bits_stochastic(f32_bits(vi), rounding_bits(base + i, step, 1));
+      }
+      return;
     }
+    float* M = m.data<float>();
+    float* V = v.data<float>();
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) adamw_element(p[i], g[i], M[i], V[i], wd, c);
     return;
   }
-  dispatch_float(param.dtype(), "adamw_update", [&](auto tag) {
-    using F = decltype(tag);
-    F* p = param.data<F>();
-    const F* g = grad.data<F>();
-    F* M = m.data<F>();
-    F* V = v.data<F>();
+  // f64 (tests: finite differences, exact references): the same formula in double.
+  MT_CHECK(param.dtype() == DType::F64, "adamw_update: param must be f32 or f64, got {}", dtype_name(param.dtype()));
+  const double b1 = s.beta1, b2 = s.beta2;
+  const double inv_bc1 = 1.0 / (1.0 - std::pow(b1, static_cast<double>(s.step)));
+  const double inv_bc2 = 1.0 / (1.0 - std::pow(b2, static_cast<double>(s.step)));
+  const double lr = s.lr, eps = s.eps, wd = s.weight_decay, gs = s.grad_scale;
+  double* p = param.data<double>();
+  const double* g = grad.data<double>();
+  double* M = m.data<double>();
+  double* V = v.data<double>();
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) {
-      const double gi = gs * static_cast<double>(g[i]);
-      const double mi = b1 * static_cast<double>(M[i]) + (1.0 - b1) * gi;
-      const double vi = b2 * static_cast<double>(V[i]) + (1.0 - b2) * gi * gi;
-      M[i] = static_cast<F>(mi);
-      V[i] = static_cast<F>(vi);
-      const double pi = static_cast<double>(p[i]);
-      p[i] = static_cast<F>(pi - lr * ((mi / bc1) / (std::sqrt(vi / bc2) + eps) + wd * pi));
-    }
-  });
+  for (int64_t i = 0; i < n; ++i) {
+    const double gi = gs * g[i];
+    M[i] = b1 * M[i] + (1.0 - b1) * gi;
+    V[i] = b2 * V[i] + (1.0 - b2) * gi * gi;
+    p[i] -= lr * ((M[i] * inv_bc1) / (std::sqrt(V[i] * inv_bc2) + eps) + wd * p[i]);
+  }
 }
 
 void adamw_update_all(AdamWTensors& t, const AdamWStep& s) {

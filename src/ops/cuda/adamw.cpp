@@ -29,15 +29,7 @@ AdamWArgs args_of(const AdamWStep& s, DType moments, const char* op) {
   MT_CHECK(s.step >= 1, "{}: step = {} must be >= 1 (1-based, for bias correction)", op, s.step);
   MT_CHECK(s.beta1 >= 0 && s.beta1 < 1 && s.beta2 >= 0 && s.beta2 < 1, "{}: betas ({}, {}) must lie in [0, 1)", op,
            s.beta1, s.beta2);
-  return AdamWArgs{s.lr,
-                   s.beta1,
-                   s.beta2,
-                   1.0 - std::pow(s.beta1, static_cast<double>(s.step)),
-                   1.0 - std::pow(s.beta2, static_cast<double>(s.step)),
-                   s.eps,
-                   s.grad_scale,
-                   s.step,
-                   moments == DType::BF16};
+  return AdamWArgs{adamw_constants(s.lr, s.beta1, s.beta2, s.eps, s.grad_scale, s.step), s.step, moments == DType::BF16};
 }
 
 __nv_bfloat16* bf16_or_null(const Tensor& t) { return t.defined() ? static_cast<__nv_bfloat16*>(t.raw()) : nullptr; }
@@ -50,7 +42,7 @@ void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const
   const AdamWArgs a = args_of(s, moments, "adamw_update");
   const AdamWSegment seg{param.data<float>(), grad.data<float>(), m.raw(), v.raw(), nullptr, param.numel(),
                          s.weight_decay, m.storage_offset()};
-  launch_adamw(&seg, 1, a, stream());
+  launch_adamw(&seg, 1, a, s.max_sms, stream());
   check_launch("adamw_update");
 }
 
@@ -69,7 +61,7 @@ void adamw_update_all(AdamWTensors& t, const AdamWStep& s) {
     segs.push_back({t.params[i].data<float>(), t.grads[i].data<float>(), t.m[i].raw(), t.v[i].raw(),
                     bf16_or_null(t.values[i]), r.numel, t.decay[i] ? s.weight_decay : 0.0, t.m[i].storage_offset()});
   }
-  launch_adamw(segs.data(), static_cast<int>(segs.size()), a, stream());
+  launch_adamw(segs.data(), static_cast<int>(segs.size()), a, s.max_sms, stream());
   check_launch("adamw_update_all");
 }
 

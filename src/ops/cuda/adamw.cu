@@ -3,8 +3,9 @@
 // Floor: the step is memory-bound. Per element it reads grad, master, m, v (16 B) and writes
 // master, m, v (12 B) plus the bf16 weight (2 B): 30 B, so 2.63e9 parameters (the bench
 // model) move 79 GB, 24 ms at the H100's 3.35 TB/s. bf16 moments ([optimizer].moments =
-// "bf16") read and write 4 B less each: 22 B, 58 GB, 17 ms. The arithmetic (double, as the CPU
-// reference, ~25 FP64 operations an element) is ~66 GFLOP, 1 ms at 67 TFLOP/s: hidden.
+// "bf16") read and write 4 B less each: 22 B, 58 GB, 17 ms. The arithmetic (f32, ~15
+// operations, a division and a square root an element: ops/adamw_math.h) is hidden on the
+// whole GPU; on the few multiprocessors of a capped launch it is what bounds each of them.
 //
 // Work split: a launch carries up to kMaxSegments segments in its parameters; each segment is
 // cut into chunks of kChunk elements, a block per chunk (the kernel would also stride over
@@ -19,6 +20,7 @@ namespace moetrain::ops::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kCappedThreads = 1024;
 constexpr int64_t kChunk = 16384;  // elements per block task: 64 per thread
 constexpr int kMaxSegments = 40;   // 40 x 56 B + chunk offsets: within the 4 KB parameter space
 
@@ -29,26 +31,20 @@ struct SegmentBatch {
 };
 
 // Moments in f32, or in bf16 by stochastic rounding (stream 0 for m, 1 for v).
-__device__ __forceinline__ void store_moment(float& dst, double x, int64_t, int64_t, uint32_t) {
-  dst = static_cast<float>(x);
-}
-__device__ __forceinline__ void store_moment(__nv_bfloat16& dst, double x, int64_t index, int64_t step,
+__device__ __forceinline__ void store_moment(float& dst, float x, int64_t, int64_t, uint32_t) { dst = x; }
+__device__ __forceinline__ void store_moment(__nv_bfloat16& dst, float x, int64_t index, int64_t step,
                                              uint32_t stream) {
-  const uint16_t b = bf16_bits_stochastic(__float_as_uint(static_cast<float>(x)), rounding_bits(index, step, stream));
-  dst = __ushort_as_bfloat16(b);
+  dst = __ushort_as_bfloat16(bf16_bits_stochastic(__float_as_uint(x), rounding_bits(index, step, stream)));
 }
-__device__ __forceinline__ double load_moment(float x) { return static_cast<double>(x); }
-__device__ __forceinline__ double load_moment(__nv_bfloat16 x) { return static_cast<double>(__bfloat162float(x)); }
+__device__ __forceinline__ float load_moment(float x) { return x; }
+__device__ __forceinline__ float load_moment(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 template <typename M>
-__device__ __forceinline__ float adamw_one(float& p, float g, M& m, M& v, const AdamWArgs& a, double wd, int64_t k) {
-  const double gi = a.grad_scale * static_cast<double>(g);
-  const double mi = a.b1 * load_moment(m) + (1.0 - a.b1) * gi;
-  const double vi = a.b2 * load_moment(v) + (1.0 - a.b2) * gi * gi;
+__device__ __forceinline__ float adamw_one(float& p, float g, M& m, M& v, const AdamWArgs& a, float wd, int64_t k) {
+  float mi = load_moment(m), vi = load_moment(v);
+  adamw_element(p, g, mi, vi, wd, a.c);
   store_moment(m, mi, k, a.step, 0);
   store_moment(v, vi, k, a.step, 1);
-  const double pi = static_cast<double>(p);
-  p = static_cast<float>(pi - a.lr * ((mi / a.bc1) / (sqrt(vi / a.bc2) + a.eps) + wd * pi));
   return p;
 }
 
@@ -68,80 +64,107 @@ struct Moments4<__nv_bfloat16> {
   __device__ __forceinline__ void store(__nv_bfloat16* dst) const { *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(e); }
 };
 
+// Elements [lo, end) of segment g, shared by `lanes` threads of which this is `lane`: four
+// consecutive elements a thread (16-byte accesses) when the segment is aligned, kGroups
+// groups of four loaded before any is computed (more bytes in flight per thread).
+template <typename M, int kGroups>
+__device__ __forceinline__ void update_range(const AdamWSegment& g, const AdamWArgs& a, int64_t lo, int64_t end,
+                                             int64_t lane, int64_t lanes) {
+  M* gm = static_cast<M*>(g.m);
+  M* gv = static_cast<M*>(g.v);
+  const float wd = static_cast<float>(g.weight_decay);
+  constexpr uintptr_t kMomentAlign = 4 * sizeof(M);
+  const bool vec = aligned16(g.param) && aligned16(g.grad) && reinterpret_cast<uintptr_t>(gm) % kMomentAlign == 0 &&
+                   reinterpret_cast<uintptr_t>(gv) % kMomentAlign == 0 &&
+                   (reinterpret_cast<uintptr_t>(g.value) & 7u) == 0;
+  auto one = [&](int64_t k) {
+    const float p = adamw_one(g.param[k], g.grad[k], gm[k], gv[k], a, wd, g.index_base + k);
+    if (g.value) g.value[k] = __float2bfloat16_rn(p);
+  };
+  if (!vec) {
+    for (int64_t k = lo + lane; k < end; k += lanes) one(k);
+    return;
+  }
+  // Four elements at i: update and store what load4 read.
+  struct Four {
+    float4 p, gr;
+    Moments4<M> m, v;
+  };
+  auto load4 = [&](Four& f, int64_t i) {
+    f.p = *reinterpret_cast<const float4*>(g.param + i);
+    f.gr = *reinterpret_cast<const float4*>(g.grad + i);
+    f.m.load(gm + i);
+    f.v.load(gv + i);
+  };
+  auto update4 = [&](Four& f, int64_t i) {
+    adamw_one(f.p.x, f.gr.x, f.m.e[0], f.v.e[0], a, wd, g.index_base + i);
+    adamw_one(f.p.y, f.gr.y, f.m.e[1], f.v.e[1], a, wd, g.index_base + i + 1);
+    adamw_one(f.p.z, f.gr.z, f.m.e[2], f.v.e[2], a, wd, g.index_base + i + 2);
+    adamw_one(f.p.w, f.gr.w, f.m.e[3], f.v.e[3], a, wd, g.index_base + i + 3);
+    *reinterpret_cast<float4*>(g.param + i) = f.p;
+    f.m.store(gm + i);
+    f.v.store(gv + i);
+    if (g.value) {
+      __nv_bfloat162 h[2] = {__floats2bfloat162_rn(f.p.x, f.p.y), __floats2bfloat162_rn(f.p.z, f.p.w)};
+      *reinterpret_cast<uint2*>(g.value + i) = *reinterpret_cast<const uint2*>(h);
+    }
+  };
+  const int64_t stride = lanes * 4;
+  int64_t i = lo + lane * 4;
+  if constexpr (kGroups == 2) {
+    for (; i + stride + 4 <= end; i += 2 * stride) {
+      Four f0, f1;
+      load4(f0, i);
+      load4(f1, i + stride);
+      update4(f0, i);
+      update4(f1, i + stride);
+    }
+  }
+  for (; i + 4 <= end; i += stride) {
+    Four f;
+    load4(f, i);
+    update4(f, i);
+  }
+  // i lands on the last group's start (lo and the stride are multiples of 4) for exactly one
+  // thread: it does the < 4 elements left.
+  for (int64_t k = i; k < end; ++k) one(k);
+}
+
+// A block of kThreads per chunk. bf16 moments: two groups a trip (this kernel waits on DRAM
+// latency with its occupancy capped by registers; bench_ops BM_AdamWExpertLayer/1: 2.53 ->
+// 2.78 TB/s); with f32 moments a group already moves 56 bytes and a second one measured no
+// faster.
 template <typename M>
-__global__ void __launch_bounds__(kThreads) adamw_kernel(const __grid_constant__ SegmentBatch b, const AdamWArgs a) {
+__global__ void __launch_bounds__(kThreads) adamw_chunks_kernel(const __grid_constant__ SegmentBatch b,
+                                                                const AdamWArgs a) {
   const int64_t total = b.first_chunk[b.count];
   int s = 0;
   for (int64_t c = blockIdx.x; c < total; c += gridDim.x) {
     while (c >= b.first_chunk[s + 1]) ++s;  // chunks ascend, so the segment only moves forward
-    const AdamWSegment& g = b.seg[s];
-    M* gm = static_cast<M*>(g.m);
-    M* gv = static_cast<M*>(g.v);
     const int64_t begin = (c - b.first_chunk[s]) * kChunk;
-    const int64_t end = min(g.n, begin + kChunk);
-    constexpr uintptr_t kMomentAlign = 4 * sizeof(M);
-    const bool vec = aligned16(g.param) && aligned16(g.grad) && reinterpret_cast<uintptr_t>(gm) % kMomentAlign == 0 &&
-                     reinterpret_cast<uintptr_t>(gv) % kMomentAlign == 0 &&
-                     (reinterpret_cast<uintptr_t>(g.value) & 7u) == 0;
-    auto one = [&](int64_t k) {
-      const float p = adamw_one(g.param[k], g.grad[k], gm[k], gv[k], a, g.weight_decay, g.index_base + k);
-      if (g.value) g.value[k] = __float2bfloat16_rn(p);
-    };
-    if (vec) {
-      // Four elements at i: update and store what load4 read.
-      struct Four {
-        float4 p, gr;
-        Moments4<M> m, v;
-      };
-      auto load4 = [&](Four& f, int64_t i) {
-        f.p = *reinterpret_cast<const float4*>(g.param + i);
-        f.gr = *reinterpret_cast<const float4*>(g.grad + i);
-        f.m.load(gm + i);
-        f.v.load(gv + i);
-      };
-      auto update4 = [&](Four& f, int64_t i) {
-        adamw_one(f.p.x, f.gr.x, f.m.e[0], f.v.e[0], a, g.weight_decay, g.index_base + i);
-        adamw_one(f.p.y, f.gr.y, f.m.e[1], f.v.e[1], a, g.weight_decay, g.index_base + i + 1);
-        adamw_one(f.p.z, f.gr.z, f.m.e[2], f.v.e[2], a, g.weight_decay, g.index_base + i + 2);
-        adamw_one(f.p.w, f.gr.w, f.m.e[3], f.v.e[3], a, g.weight_decay, g.index_base + i + 3);
-        *reinterpret_cast<float4*>(g.param + i) = f.p;
-        f.m.store(gm + i);
-        f.v.store(gv + i);
-        if (g.value) {
-          __nv_bfloat162 h[2] = {__floats2bfloat162_rn(f.p.x, f.p.y), __floats2bfloat162_rn(f.p.z, f.p.w)};
-          *reinterpret_cast<uint2*>(g.value + i) = *reinterpret_cast<const uint2*>(h);
-        }
-      };
-      constexpr int64_t kStride = kThreads * 4;
-      int64_t i = begin + threadIdx.x * 4;
-      // bf16 moments: two groups a trip, both loaded before either is computed, twice the
-      // bytes in flight per thread (this kernel waits on DRAM latency with its occupancy
-      // capped by registers; bench_ops BM_AdamWExpertLayer/1: 2.53 -> 2.78 TB/s). With f32
-      // moments a group already moves 56 bytes and a second one measured no faster.
-      if constexpr (sizeof(M) == 2) {
-        for (; i + kStride + 4 <= end; i += 2 * kStride) {
-          Four f0, f1;
-          load4(f0, i);
-          load4(f1, i + kStride);
-          update4(f0, i);
-          update4(f1, i + kStride);
-        }
-      }
-      for (; i + 4 <= end; i += kStride) {
-        Four f;
-        load4(f, i);
-        update4(f, i);
-      }
-      for (int64_t k = i; k < end; ++k) one(k);  // the < 4 left: one thread at most
-    } else {
-      for (int64_t k = begin + threadIdx.x; k < end; k += kThreads) one(k);
-    }
+    update_range<M, sizeof(M) == 2 ? 2 : 1>(b.seg[s], a, begin, min(b.seg[s].n, begin + kChunk), threadIdx.x,
+                                            kThreads);
   }
+}
+
+// The capped grid: gridDim.x blocks of kCappedThreads (one per multiprocessor) sweep each
+// segment together, front to back, two groups a thread in flight: with a quarter of the
+// resident threads of the chunked launch, each must keep more bytes outstanding. Measured
+// against the alternatives on 32 multiprocessors (bench_ops BM_AdamWExpertLayer/0/32):
+// 2.76 TB/s, where blocks taking whole chunks from a counter reached 2.26 (the barrier at
+// each chunk empties the loads in flight) and blocks striding over chunks 2.09 (66 chunks
+// 480 KB apart at once).
+template <typename M>
+__global__ void __launch_bounds__(kCappedThreads) adamw_sweep_kernel(const __grid_constant__ SegmentBatch b,
+                                                                     const AdamWArgs a) {
+  const int64_t lane = static_cast<int64_t>(blockIdx.x) * kCappedThreads + threadIdx.x;
+  const int64_t lanes = static_cast<int64_t>(gridDim.x) * kCappedThreads;
+  for (int s = 0; s < b.count; ++s) update_range<M, 2>(b.seg[s], a, 0, b.seg[s].n, lane, lanes);
 }
 
 }  // namespace
 
-void launch_adamw(const AdamWSegment* segments, int count, const AdamWArgs& args, cudaStream_t s) {
+void launch_adamw(const AdamWSegment* segments, int count, const AdamWArgs& args, int max_sms, cudaStream_t s) {
   for (int first = 0; first < count; first += kMaxSegments) {
     SegmentBatch b{};
     b.count = count - first < kMaxSegments ? count - first : kMaxSegments;
@@ -152,13 +175,19 @@ void launch_adamw(const AdamWSegment* segments, int count, const AdamWArgs& args
     }
     const int64_t chunks = b.first_chunk[b.count];
     if (chunks == 0) continue;
+    if (max_sms > 0) {
+      // 1024-thread blocks: the block scheduler puts each on its own multiprocessor (two do
+      // not fit one), so the grid occupies at most max_sms of them.
+      const int grid = static_cast<int>(chunks < max_sms ? chunks : max_sms);
+      if (args.bf16_moments) adamw_sweep_kernel<__nv_bfloat16><<<grid, kCappedThreads, 0, s>>>(b, args);
+      else adamw_sweep_kernel<float><<<grid, kCappedThreads, 0, s>>>(b, args);
+      continue;
+    }
     // A block per chunk (a few microseconds each) rather than a grid striding over them:
-    // bench_ops BM_AdamWExpertLayer 2.81 -> 2.88 TB/s (f32 moments), 2.78 -> 2.90 (bf16); and
-    // beside the step's own kernels (LayerwiseOptimizer's stream) short blocks hand
-    // multiprocessors back between chunks.
+    // bench_ops BM_AdamWExpertLayer 2.81 -> 2.88 TB/s (f32 moments), 2.78 -> 2.90 (bf16).
     const int grid = static_cast<int>(chunks < INT32_MAX ? chunks : INT32_MAX);
-    if (args.bf16_moments) adamw_kernel<__nv_bfloat16><<<grid, kThreads, 0, s>>>(b, args);
-    else adamw_kernel<float><<<grid, kThreads, 0, s>>>(b, args);
+    if (args.bf16_moments) adamw_chunks_kernel<__nv_bfloat16><<<grid, kThreads, 0, s>>>(b, args);
+    else adamw_chunks_kernel<float><<<grid, kThreads, 0, s>>>(b, args);
   }
 }
 

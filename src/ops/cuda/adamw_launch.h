@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "ops/adamw_math.h"
+
 namespace moetrain::ops::cuda {
 
 // n f32 elements that lie back to back in every role: master weights, gradients, moments
@@ -23,17 +25,17 @@ struct AdamWSegment {
 };
 
 struct AdamWArgs {
-  double lr, b1, b2, bc1, bc2, eps, grad_scale;  // bc1 = 1 - b1^step, bc2 = 1 - b2^step
+  AdamWConstants c;
   int64_t step;       // seeds the stochastic rounding of bf16 moments
   bool bf16_moments;  // m and v of every segment are bf16, stored by stochastic rounding
 };
 
-// In place, each element computed in double exactly as the CPU reference:
-//   g = grad_scale grad; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
-//   p -= lr * ((m / bc1) / (sqrt(v / bc2) + eps) + wd p);  value = bf16(p)
-// (bf16 moments: rounded stochastically, stochastic_round.h, keyed by the element's index in
-// its segment).
-// All segments in a few launches (segments travel in the kernel's parameters).
-void launch_adamw(const AdamWSegment* segments, int count, const AdamWArgs& args, cudaStream_t s);
+// In place, each element as the CPU reference (ops/adamw_math.h, the same bits), value =
+// bf16(p) (bf16 moments: rounded stochastically, stochastic_round.h, keyed by the element's
+// index in its segment).
+// All segments in a few launches (segments travel in the kernel's parameters). max_sms > 0:
+// at most that many blocks of 1024 threads, one per multiprocessor, sweep the segments, and
+// the other multiprocessors stay free; 0: a 256-thread block per chunk, all of them.
+void launch_adamw(const AdamWSegment* segments, int count, const AdamWArgs& args, int max_sms, cudaStream_t s);
 
 }  // namespace moetrain::ops::cuda
