@@ -17,7 +17,11 @@ LinearCrossEntropyOut linear_cross_entropy(const Tensor& x, const Tensor& w, con
   check_shape(targets, {T}, "linear_cross_entropy targets");
   MT_CHECK(dw == nullptr || dx != nullptr, "linear_cross_entropy: dw needs dx (the backward pass)");
   if (dw) check_shape(*dw, w.shape(), "linear_cross_entropy dw");
-  if (chunk_rows <= 0) chunk_rows = std::max<int64_t>(1, (int64_t{64} << 20) / std::max<int64_t>(V, 1));
+  // Default: chunks of 256 M logits (512 MB in bf16, as much again for their gradient). The
+  // head's dW is added into once per chunk (an f32 read and write of [V, H] each time), so
+  // fewer chunks move fewer bytes: at the bench shape (8192 x 32768 logits) one chunk instead
+  // of four of 64 M took the loss stage from 5.31-5.40 to 4.89-5.05 ms, peak memory unchanged.
+  if (chunk_rows <= 0) chunk_rows = std::max<int64_t>(1, (int64_t{256} << 20) / std::max<int64_t>(V, 1));
   chunk_rows = std::min(chunk_rows, std::max<int64_t>(T, 1));
 
   LinearCrossEntropyOut out;

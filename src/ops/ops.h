@@ -193,7 +193,7 @@ Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const
 // logits, in f32 that is 4.8 GB for 8192 tokens of a 152k vocabulary, never do). When dx
 // is given, the backward runs in the same pass (the loss is final, so its gradient is known
 // per chunk): dx = d(scale * loss_sum)/dx is written [T, H] and, when dw is given, dW is
-// accumulated into dw (written when !accumulate_dw). chunk_rows <= 0 picks rows so that a chunk holds ~64M logits.
+// accumulated into dw (written when !accumulate_dw). chunk_rows <= 0 picks rows so that a chunk holds ~256M logits.
 struct LinearCrossEntropyOut {
   Tensor loss_sum;  // [1], as cross_entropy_forward's (f32 on the GPU)
 };

@@ -548,24 +548,24 @@ TEST(BackendDense, WholeListAdamWNormAndZero) {
   EXPECT_EQ(parts.item(2), 0.0);
   EXPECT_TRUE(std::isnan(parts.item(0))) << "sum_squares_all_into wrote outside its element";
 
+  // The same update on 5 multiprocessors (the capped launch LayerwiseOptimizer runs beside
+  // the forward), on a second flat copy: unaligned runs (the element-wise path) and aligned
+  // separate tensors, several launches.
+  ops::AdamWTensors capped;
+  capped.params = flat_on_gpu(cpu.params);
+  capped.grads = flat_on_gpu(cpu.grads);
+  capped.m = flat_on_gpu(cpu.m);
+  capped.v = flat_on_gpu(cpu.v);
+  capped.decay = cpu.decay;
+  for (const Tensor& v : gpu.values) capped.values.push_back(v.defined() ? Tensor::empty(v.shape(), DType::BF16, kGpu) : v);
+  ops::AdamWStep on_five = s;
+  on_five.max_sms = 5;
+  ops::adamw_update_all(capped, on_five);
+
   ops::adamw_update_all(cpu, s);
   for (size_t i = 0; i < cpu.values.size(); ++i) {
     if (cpu.values[i].defined()) cpu.values[i] = cpu.params[i].to(DType::BF16);
   }
-  // The same update on 5 multiprocessors (the capped launch LayerwiseOptimizer runs beside
-  // the forward), from separate copies: one segment per tensor, several launches.
-  ops::AdamWTensors capped;
-  for (size_t i = 0; i < gpu.params.size(); ++i) {
-    capped.params.push_back(gpu.params[i].clone());
-    capped.grads.push_back(gpu.grads[i]);
-    capped.m.push_back(gpu.m[i].clone());
-    capped.v.push_back(gpu.v[i].clone());
-    capped.values.push_back(gpu.values[i].defined() ? gpu.values[i].clone() : Tensor());
-    capped.decay.push_back(gpu.decay[i]);
-  }
-  ops::AdamWStep on_five = s;
-  on_five.max_sms = 5;
-  ops::adamw_update_all(capped, on_five);
   ops::adamw_update_all(gpu, s);
   auto same_bits = [](const Tensor& a, const Tensor& b) { return bytes_equal(a.to(Device::cpu()), b.to(Device::cpu())); };
   for (size_t i = 0; i < cpu.params.size(); ++i) {

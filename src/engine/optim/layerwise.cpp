@@ -36,10 +36,10 @@ LayerwiseOptimizer::LayerwiseOptimizer(Qwen3MoeModel& model, AdamW& opt, Layerwi
 
 void LayerwiseOptimizer::make_stream() {
   if (stream_ || model_.device().is_cpu()) return;
-  // High priority: an update's few blocks take the next free multiprocessors ahead of the
-  // forward's pending ones (the forward waits for them; the other way round is a priority
-  // inversion, docs/perf.md).
-  stream_ = cuda::create_high_priority_stream();
+  // With capped updates, high priority: an update's few blocks take the next free
+  // multiprocessors ahead of the forward's pending ones (the forward waits for them; the
+  // other way round is a priority inversion, docs/perf.md).
+  stream_ = cfg_.update_sms > 0 ? cuda::create_high_priority_stream() : cuda::create_stream();
   grads_ready_ = cuda::create_sync_event();
   norms_ready_ = cuda::create_sync_event();
   for (Group& g : groups_) g.updated = cuda::create_sync_event();

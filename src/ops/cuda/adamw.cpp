@@ -1,7 +1,6 @@
 // CUDA AdamW (decoupled weight decay) on f32 master weights and f32 or bf16 moments; see ops.h and
-// the CPU reference ops/cpu/adamw.cpp, whose math (in double, per element) this follows.
-#include <cmath>
-
+// the CPU reference ops/cpu/adamw.cpp, whose per-element f32 arithmetic (ops/adamw_math.h)
+// this shares, bit for bit (for finite inputs).
 #include "ops/cuda/adamw_launch.h"
 #include "ops/cuda/common.h"
 #include "ops/cuda/cuda_ops.h"
@@ -27,6 +26,7 @@ void check_entry(const Tensor& param, const Tensor& grad, const Tensor& m, const
 
 AdamWArgs args_of(const AdamWStep& s, DType moments, const char* op) {
   MT_CHECK(s.step >= 1, "{}: step = {} must be >= 1 (1-based, for bias correction)", op, s.step);
+  MT_CHECK(s.max_sms >= 0, "{}: max_sms = {} must be >= 0 (0: every multiprocessor)", op, s.max_sms);
   MT_CHECK(s.beta1 >= 0 && s.beta1 < 1 && s.beta2 >= 0 && s.beta2 < 1, "{}: betas ({}, {}) must lie in [0, 1)", op,
            s.beta1, s.beta2);
   return AdamWArgs{adamw_constants(s.lr, s.beta1, s.beta2, s.eps, s.grad_scale, s.step), s.step, moments == DType::BF16};

@@ -9,7 +9,9 @@
 //
 // Work split: a launch carries up to kMaxSegments segments in its parameters; each segment is
 // cut into chunks of kChunk elements, a block per chunk (the kernel would also stride over
-// them), so one launch covers a whole expert stack or the whole model.
+// them), so one launch covers a whole expert stack or the whole model. A capped launch
+// (max_sms) instead runs one 1024-thread block on each of max_sms multiprocessors, sweeping
+// the segments together (adamw_sweep_kernel), and leaves the others to other streams.
 // Threads of a block take 4 consecutive elements (16-byte accesses) when the segment is
 // aligned. No reduction: the result does not depend on the launch shape.
 #include "ops/cuda/adamw_launch.h"
@@ -148,8 +150,9 @@ __global__ void __launch_bounds__(kThreads) adamw_chunks_kernel(const __grid_con
 }
 
 // The capped grid: gridDim.x blocks of kCappedThreads (one per multiprocessor) sweep each
-// segment together, front to back, two groups a thread in flight: with a quarter of the
-// resident threads of the chunked launch, each must keep more bytes outstanding. Measured
+// segment together, front to back, two groups a thread in flight: with fewer resident threads
+// a multiprocessor than the chunked launch (1024 against ~1500), each must keep more bytes
+// outstanding. Measured
 // against the alternatives on 32 multiprocessors (bench_ops BM_AdamWExpertLayer/0/32):
 // 2.76 TB/s, where blocks taking whole chunks from a counter reached 2.26 (the barrier at
 // each chunk empties the loads in flight) and blocks striding over chunks 2.09 (66 chunks
@@ -160,6 +163,25 @@ __global__ void __launch_bounds__(kCappedThreads) adamw_sweep_kernel(const __gri
   const int64_t lane = static_cast<int64_t>(blockIdx.x) * kCappedThreads + threadIdx.x;
   const int64_t lanes = static_cast<int64_t>(gridDim.x) * kCappedThreads;
   for (int s = 0; s < b.count; ++s) update_range<M, 2>(b.seg[s], a, 0, b.seg[s].n, lane, lanes);
+}
+
+// Dynamic shared memory that keeps `kernel`'s 1024-thread blocks one a multiprocessor: none
+// when its registers already do (asked once per kernel, on the first device that launches it).
+template <typename Kernel>
+size_t alone_smem(Kernel kernel) {
+  static const size_t bytes = [kernel] {
+    int blocks = 0, device = 0, smem = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kCappedThreads, 0) != cudaSuccess ||
+        cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) != cudaSuccess) {
+      return size_t{0};  // the launch reports any real error
+    }
+    if (blocks <= 1) return size_t{0};
+    const int bytes = smem / 2 + 1024;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess) return size_t{0};
+    return static_cast<size_t>(bytes);
+  }();
+  return bytes;
 }
 
 }  // namespace
@@ -176,11 +198,16 @@ void launch_adamw(const AdamWSegment* segments, int count, const AdamWArgs& args
     const int64_t chunks = b.first_chunk[b.count];
     if (chunks == 0) continue;
     if (max_sms > 0) {
-      // 1024-thread blocks: the block scheduler puts each on its own multiprocessor (two do
-      // not fit one), so the grid occupies at most max_sms of them.
+      // One block a multiprocessor, so the grid occupies at most max_sms of them: the block
+      // scheduler spreads blocks over idle multiprocessors first, and a second one does not
+      // fit beside the first (54-62 registers a thread on sm_90; where a build's kernel
+      // needs fewer, dynamic shared memory of over half a multiprocessor's keeps it so).
       const int grid = static_cast<int>(chunks < max_sms ? chunks : max_sms);
-      if (args.bf16_moments) adamw_sweep_kernel<__nv_bfloat16><<<grid, kCappedThreads, 0, s>>>(b, args);
-      else adamw_sweep_kernel<float><<<grid, kCappedThreads, 0, s>>>(b, args);
+      if (args.bf16_moments) {
+        adamw_sweep_kernel<__nv_bfloat16><<<grid, kCappedThreads, alone_smem(adamw_sweep_kernel<__nv_bfloat16>), s>>>(b, args);
+      } else {
+        adamw_sweep_kernel<float><<<grid, kCappedThreads, alone_smem(adamw_sweep_kernel<float>), s>>>(b, args);
+      }
       continue;
     }
     // A block per chunk (a few microseconds each) rather than a grid striding over them:
