@@ -528,12 +528,17 @@ TEST(BackendDense, WholeListAdamWNormAndZero) {
     }
     return out;
   };
-  gpu.params = flat_on_gpu(cpu.params);
-  gpu.grads = flat_on_gpu(cpu.grads);
-  gpu.m = flat_on_gpu(cpu.m);
-  gpu.v = flat_on_gpu(cpu.v);
-  gpu.decay = cpu.decay;
-  for (const Tensor& v : cpu.values) gpu.values.push_back(v.defined() ? Tensor::empty(v.shape(), DType::BF16, kGpu) : v);
+  auto list_on_gpu = [&](const ops::AdamWTensors& host) {
+    ops::AdamWTensors t;
+    t.params = flat_on_gpu(host.params);
+    t.grads = flat_on_gpu(host.grads);
+    t.m = flat_on_gpu(host.m);
+    t.v = flat_on_gpu(host.v);
+    t.decay = host.decay;
+    for (const Tensor& v : host.values) t.values.push_back(v.defined() ? Tensor::empty(v.shape(), DType::BF16, kGpu) : v);
+    return t;
+  };
+  gpu = list_on_gpu(cpu);
 
   const double norm_cpu = ops::sum_squares_all(cpu.grads);
   const double norm_gpu = ops::sum_squares_all(gpu.grads), again = ops::sum_squares_all(gpu.grads);
@@ -551,13 +556,7 @@ TEST(BackendDense, WholeListAdamWNormAndZero) {
   // The same update on 5 multiprocessors (the capped launch LayerwiseOptimizer runs beside
   // the forward), on a second flat copy: unaligned runs (the element-wise path) and aligned
   // separate tensors, several launches.
-  ops::AdamWTensors capped;
-  capped.params = flat_on_gpu(cpu.params);
-  capped.grads = flat_on_gpu(cpu.grads);
-  capped.m = flat_on_gpu(cpu.m);
-  capped.v = flat_on_gpu(cpu.v);
-  capped.decay = cpu.decay;
-  for (const Tensor& v : gpu.values) capped.values.push_back(v.defined() ? Tensor::empty(v.shape(), DType::BF16, kGpu) : v);
+  ops::AdamWTensors capped = list_on_gpu(cpu);
   ops::AdamWStep on_five = s;
   on_five.max_sms = 5;
   ops::adamw_update_all(capped, on_five);
