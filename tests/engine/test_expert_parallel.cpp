@@ -173,6 +173,24 @@ struct RankRun {
     Tensor drows = d.combine_backward(L.dout[rank].to(device), st);
     d.wait(st);
     expect_same(drows.to(Device::cpu()), L.ref_drows.slice(first_row(), end_row()), where + " combine_backward");
+    // In place: the rows as they come home, read through the order, are combine()'s; the
+    // gradient given in their order goes back as combine_backward's.
+    ExpertDispatcher::PlacedRows placed = d.combine_in_place(y, st);
+    d.wait(st);
+    ASSERT_TRUE(placed.order.defined()) << where;
+    const std::vector<int32_t> order = placed.order.to(Device::cpu()).to_vector<int32_t>();
+    const Tensor home = placed.rows.to(Device::cpu());
+    ASSERT_EQ(static_cast<int64_t>(order.size()), T * L.K) << where;
+    Tensor read = Tensor::empty({T * L.K, home.size(1)}, home.dtype(), Device::cpu());
+    for (int64_t i = 0; i < T * L.K; ++i) read.slice(i, i + 1).copy_from(home.slice(order[i], order[i] + 1));
+    expect_same(read, L.ref_combined.slice(t0 * L.K, (t0 + T) * L.K), where + " combine_in_place");
+    Tensor d_home = Tensor::zeros(home.shape(), home.dtype(), Device::cpu());
+    const Tensor dout = L.dout[rank];
+    for (int64_t i = 0; i < T * L.K; ++i) d_home.slice(order[i], order[i] + 1).copy_from(dout.slice(i, i + 1));
+    Tensor drows_placed = d.combine_in_place_backward(d_home.to(device), st);
+    d.wait(st);
+    expect_same(drows_placed.to(Device::cpu()), L.ref_drows.slice(first_row(), end_row()),
+                where + " combine_in_place_backward");
     Tensor dx = d.dispatch_backward(L.all_drows.slice(first_row(), end_row()).to(device), st);
     d.wait(st);
     expect_same(dx.to(Device::cpu()), L.ref_dx.slice(t0, t0 + T), where + " dispatch_backward");

@@ -432,8 +432,13 @@ bool Qwen3MoeModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
       if (hooks_) hooks_->before_backward(id);
       auto ag = layer.aggregate_backward(g.dx, s);  // 5
       g.d_topk_weight = ag.d_topk_weight;
-      const bool placed = s.expert_order.defined();  // the gradient is in expert order already
-      g.d_rows = layer.is_moe() && !placed ? d.combine_backward(ag.d_expert_out, s.dispatch) : ag.d_expert_out;  // 4
+      if (!layer.is_moe()) {
+        g.d_rows = ag.d_expert_out;
+      } else if (s.expert_order.defined()) {  // the gradient is in the placed rows' order already
+        g.d_rows = d.combine_in_place_backward(ag.d_expert_out, s.dispatch);  // 4
+      } else {
+        g.d_rows = d.combine_backward(ag.d_expert_out, s.dispatch);  // 4
+      }
       break;
     }
     case 1: {

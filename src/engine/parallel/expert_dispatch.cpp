@@ -317,24 +317,41 @@ void AllToAllDispatcher::check_dispatched(const DispatchState& st, const Tensor&
            rows, t.str());
 }
 
+Tensor AllToAllDispatcher::rows_home(const Tensor& expert_rows, DispatchState& st) {
+  Tensor arrived = st.regroup_identity ? expert_rows : ops::unpermute_forward(expert_rows, st.regroup);
+  return exchange(arrived, st.recv_rows, st.send_rows);  // grouped by global expert
+}
+
+Tensor AllToAllDispatcher::rows_back_to_experts(const Tensor& d_home, DispatchState& st) {
+  Tensor arrived = exchange(d_home, st.send_rows, st.recv_rows);
+  return st.regroup_identity ? arrived : ops::permute_forward(arrived, st.regroup);
+}
+
 Tensor AllToAllDispatcher::combine(const Tensor& expert_rows, DispatchState& st) {
   StageScope timer(Stage::kCombine);
   check_dispatched(st, expert_rows, sum(st.recv_rows), "combine");
-  return on_comm_stream(expert_rows.device(), st, {expert_rows}, [&] {
-    Tensor arrived = st.regroup_identity ? expert_rows : ops::unpermute_forward(expert_rows, st.regroup);
-    Tensor mine = exchange(arrived, st.recv_rows, st.send_rows);  // grouped by global expert
-    return ops::unpermute_forward(mine, st.perm);
-  });
+  return on_comm_stream(expert_rows.device(), st, {expert_rows},
+                        [&] { return ops::unpermute_forward(rows_home(expert_rows, st), st.perm); });
+}
+
+ExpertDispatcher::PlacedRows AllToAllDispatcher::combine_in_place(const Tensor& expert_rows, DispatchState& st) {
+  StageScope timer(Stage::kCombine);
+  check_dispatched(st, expert_rows, sum(st.recv_rows), "combine_in_place");
+  Tensor home = on_comm_stream(expert_rows.device(), st, {expert_rows}, [&] { return rows_home(expert_rows, st); });
+  return {home, st.perm.slot_row};
+}
+
+Tensor AllToAllDispatcher::combine_in_place_backward(const Tensor& d_home, DispatchState& st) {
+  StageScope timer(Stage::kCombine);
+  check_dispatched(st, d_home, st.perm.num_tokens * st.perm.top_k, "combine_in_place_backward");
+  return on_comm_stream(d_home.device(), st, {d_home}, [&] { return rows_back_to_experts(d_home, st); });
 }
 
 Tensor AllToAllDispatcher::combine_backward(const Tensor& dout, DispatchState& st) {
   StageScope timer(Stage::kCombine);
   check_dispatched(st, dout, st.perm.num_tokens * st.perm.top_k, "combine_backward");
-  return on_comm_stream(dout.device(), st, {dout}, [&] {
-    Tensor mine = ops::unpermute_backward(dout, st.perm);  // grouped by global expert
-    Tensor arrived = exchange(mine, st.send_rows, st.recv_rows);
-    return st.regroup_identity ? arrived : ops::permute_forward(arrived, st.regroup);
-  });
+  return on_comm_stream(dout.device(), st, {dout},
+                        [&] { return rows_back_to_experts(ops::unpermute_backward(dout, st.perm), st); });
 }
 
 Tensor AllToAllDispatcher::dispatch_backward(const Tensor& drows, DispatchState& st) {

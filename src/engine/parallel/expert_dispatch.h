@@ -61,6 +61,10 @@ class ExpertDispatcher {
   virtual PlacedRows combine_in_place(const Tensor& expert_rows, DispatchState& st) {
     return {combine(expert_rows, st), Tensor()};
   }
+  // Gradient of combine_in_place's rows when it gave an order (the gradient in the order of
+  // those rows) -> d rows [N, H], as combine_backward returns them. Identity where the rows
+  // handed over were the expert outputs themselves (LocalDispatcher).
+  virtual Tensor combine_in_place_backward(const Tensor& d_placed, DispatchState& st) { return d_placed; }
   // Gradient of combine: d[T*K, H] in (t, k) order -> d rows [N, H].
   virtual Tensor combine_backward(const Tensor& dout, DispatchState& st) = 0;
   // Gradient of dispatch: d rows [N, H] -> dx [T, H].
@@ -119,9 +123,10 @@ struct AllToAllOptions {
 // gives expert r E/P + e for the batch made of all EP ranks' tokens concatenated in rank
 // order, so an EP layer sees the same rows, in the same order, as one process would.
 //
-// combine is the inverse route, ending in this rank's (t, k) order; combine_backward routes
-// gradients as dispatch does and dispatch_backward as combine, then sums each token's K
-// copies (in k order, as LocalDispatcher does). Every rank of `ep` calls the same methods
+// combine is the inverse route, ending in this rank's (t, k) order (combine_in_place stops
+// one gather short of it, leaving the weighted combine to read the rows through an order);
+// combine_backward routes gradients as dispatch does and dispatch_backward as combine, then
+// sums each token's K copies (in k order, as LocalDispatcher does). Every rank of `ep` calls the same methods
 // in the same order (they are collectives).
 class AllToAllDispatcher final : public ExpertDispatcher {
  public:
@@ -136,6 +141,11 @@ class AllToAllDispatcher final : public ExpertDispatcher {
   int64_t first_local_expert(int64_t num_experts) const { return ep_.rank() * num_local_experts(num_experts); }
   DispatchOut dispatch(const Tensor& x, const Tensor& topk_idx, int64_t num_experts, DispatchState& st) override;
   Tensor combine(const Tensor& expert_rows, DispatchState& st) override;
+  // The rows back from the experts' ranks as they arrive (this rank's copies grouped by
+  // global expert), with the permutation's slot_row as their order: combine() without its
+  // last gather.
+  PlacedRows combine_in_place(const Tensor& expert_rows, DispatchState& st) override;
+  Tensor combine_in_place_backward(const Tensor& d_placed, DispatchState& st) override;
   Tensor combine_backward(const Tensor& dout, DispatchState& st) override;
   Tensor dispatch_backward(const Tensor& drows, DispatchState& st) override;
   void wait(DispatchState& st) override;
@@ -159,6 +169,10 @@ class AllToAllDispatcher final : public ExpertDispatcher {
   void all_to_all(const Tensor& in, const std::vector<int64_t>& send, Tensor& out, const std::vector<int64_t>& recv);
   // rows -> a new tensor with what the peers send back.
   Tensor exchange(const Tensor& rows, const std::vector<int64_t>& send, const std::vector<int64_t>& recv);
+  // Expert outputs (local-expert-major) -> this rank's copies grouped by global expert, and
+  // the gradient of those back (the two routes of combine and its backward).
+  Tensor rows_home(const Tensor& expert_rows, DispatchState& st);
+  Tensor rows_back_to_experts(const Tensor& d_home, DispatchState& st);
   // The group-wide token conservation check (AllToAllOptions::check_conservation).
   void check_conservation_over_group(const DispatchState& st, const Device& device, int64_t pairs);
   // That `st` holds a dispatch and `t` has `rows` rows.
