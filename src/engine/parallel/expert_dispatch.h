@@ -1,7 +1,8 @@
 // ExpertDispatcher: stages 2 (dispatch) and 4 (combine) of the decoder layer contract.
 //
 // Dispatch sends every routed (token, slot) copy to the rank holding its expert, grouped
-// by expert; combine brings the expert outputs back in (token, slot) order. The engine
+// by expert; combine brings the expert outputs back in (token, slot) order (or, with
+// combine_in_place, back to this rank with the order to read them through). The engine
 // owns these stages so a schedule can run them on a communication stream while another
 // micro-batch computes. With one process they are local permutations (LocalDispatcher);
 // with expert parallelism, all-to-alls over the EP group (AllToAllDispatcher).
@@ -50,11 +51,12 @@ class ExpertDispatcher {
   // Expert outputs [N, H] -> [T*K, H] in (t, k) order.
   virtual Tensor combine(const Tensor& expert_rows, DispatchState& st) = 0;
   // The same rows where the weighted combine can read them: `rows` in (t, k) order with
-  // `order` undefined (combine()'s result), or, where no exchange is needed, the expert
-  // outputs as they are with `order` (i32 [T*K]) giving (t, k)'s row, so that no copy is
-  // made (ops::combine_forward / combine_backward take the order). With an order, the
-  // gradient of the rows comes back in expert order already and combine_backward is not
-  // called.
+  // `order` undefined (combine()'s result), or rows in the dispatcher's own order with
+  // `order` (i32 [T*K]) giving (t, k)'s row, so that no gather is made (ops::combine_forward
+  // / combine_backward take the order): the expert outputs themselves in one process, the
+  // rows as the exchange brings them home under expert parallelism. With an order, the
+  // gradient of the rows comes in that same order and goes through
+  // combine_in_place_backward, not combine_backward.
   struct PlacedRows {
     Tensor rows, order;
   };
