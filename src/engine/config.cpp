@@ -380,6 +380,13 @@ ConfigFields::Check non_negative(const double* v) {
   };
 }
 
+ConfigFields::Check in_range(const int64_t* v, int64_t lo, int64_t hi) {
+  return [v, lo, hi]() -> std::optional<std::string> {
+    if (*v >= lo && *v <= hi) return std::nullopt;
+    return fmt::format("must be in [{}, {}], got {}", lo, hi, *v);
+  };
+}
+
 ConfigFields::Check in_range(const double* v, double lo, double hi) {
   return [v, lo, hi]() -> std::optional<std::string> {
     if (*v >= lo && *v <= hi) return std::nullopt;

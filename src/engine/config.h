@@ -66,6 +66,7 @@ ConfigFields::Check positive(const double* v);
 ConfigFields::Check non_negative(const int64_t* v);
 ConfigFields::Check non_negative(const double* v);
 ConfigFields::Check in_range(const double* v, double lo, double hi);  // lo <= v <= hi
+ConfigFields::Check in_range(const int64_t* v, int64_t lo, int64_t hi);  // lo <= v <= hi
 ConfigFields::Check one_of(const std::string* v, std::vector<std::string> allowed);
 
 // The closest of `candidates` to `word` by edit distance, when close enough to be a typo.

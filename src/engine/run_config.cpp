@@ -87,10 +87,7 @@ void OptimizerConfig::describe(ConfigFields& f) {
   f.add("overlap_sms", &overlap_sms,
         "with overlap: multiprocessors a later layer's AdamW update may occupy, the next forward running on the "
         "rest (0 = all; at most 4096)",
-        [this]() -> std::optional<std::string> {
-          if (overlap_sms >= 0 && overlap_sms <= 4096) return std::nullopt;
-          return fmt::format("must lie in [0, 4096], got {}", overlap_sms);
-        });
+        in_range(&overlap_sms, 0, 4096));
   f.add("schedule", &schedule, "learning-rate schedule: cosine, wsd (warmup-stable-decay) or constant",
         one_of(&schedule, {"cosine", "wsd", "constant"}));
   f.add("warmup_steps", &warmup_steps, "linear warmup from 0 to lr over this many steps", non_negative(&warmup_steps));

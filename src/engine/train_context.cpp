@@ -93,7 +93,8 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
     if (par.pp > 1) c.pipeline = std::make_unique<PipelineExecutor>(*c.model, *c.dispatcher, par.pp_group(), c.chunks);
   } else {
     c.single_opt = std::make_unique<AdamW>(c.model->parameters(), adamw);
-    c.layerwise = std::make_unique<LayerwiseOptimizer>(*c.model, *c.single_opt, LayerwiseConfig{oc.overlap && gpu, static_cast<int>(oc.overlap_sms)});
+    const LayerwiseConfig lc{oc.overlap && gpu, static_cast<int>(oc.overlap_sms)};
+    c.layerwise = std::make_unique<LayerwiseOptimizer>(*c.model, *c.single_opt, lc);
   }
   return ctx;
 }

@@ -308,6 +308,8 @@ TEST(RunConfig, SectionChecks) {
   EXPECT_NE(err({"parallel.ep=0"}).find("[parallel].ep must be"), std::string::npos);
   EXPECT_NE(err({"optimizer.beta2=1"}).find("[optimizer].beta2 must be in [0, 1), got 1"), std::string::npos);
   EXPECT_NE(err({"optimizer.min_lr=-1"}).find("[optimizer].min_lr must be >= 0"), std::string::npos);
+  EXPECT_NE(err({"optimizer.overlap_sms=4097"}).find("[optimizer].overlap_sms must be in [0, 4096], got 4097"),
+            std::string::npos);
   EXPECT_NE(err({"optimizer.schedule=cosin"}).find("did you mean 'cosine'"), std::string::npos);
   EXPECT_NE(err({"training.device=gpu"}).find("[training].device must be one of cpu, cuda"), std::string::npos);
   EXPECT_NE(err({"data.val_fraction=0"}).find("[data].val_fraction must be in (0, 1), got 0"), std::string::npos);

@@ -84,18 +84,17 @@ void LayerwiseOptimizer::after_backward(int64_t layer) {
   if (!armed_) return;
   Group* g = group_of(layer);
   if (!g) return;
+  std::optional<StageScope> in_line;
+  std::optional<cuda::CurrentStreamScope> on;
   if (!overlapping()) {
-    StageScope t(Stage::kOptimizer);  // in line: the stage table counts it where it belongs
-    for (size_t b : g->buckets) {
-      if (!summed_[b]) sum_bucket(b);
-    }
-    return;
+    in_line.emplace(Stage::kOptimizer);  // the stage table counts it where it belongs
+  } else {
+    // The layer's gradients are final on the current stream: sum them on the other one
+    // while the backward goes on to the layer below.
+    cuda::record_event(grads_ready_, cuda::current_stream());
+    cuda::stream_wait_event(stream_, grads_ready_);
+    on.emplace(stream_);
   }
-  // The layer's gradients are final on the current stream: sum them on the other one
-  // while the backward goes on to the layer below.
-  cuda::record_event(grads_ready_, cuda::current_stream());
-  cuda::stream_wait_event(stream_, grads_ready_);
-  cuda::CurrentStreamScope on(stream_);
   for (size_t b : g->buckets) {
     if (!summed_[b]) sum_bucket(b);
   }

@@ -152,11 +152,10 @@ __global__ void __launch_bounds__(kThreads) adamw_chunks_kernel(const __grid_con
 // The capped grid: gridDim.x blocks of kCappedThreads (one per multiprocessor) sweep each
 // segment together, front to back, two groups a thread in flight: with fewer resident threads
 // a multiprocessor than the chunked launch (1024 against ~1500), each must keep more bytes
-// outstanding. Measured
-// against the alternatives on 32 multiprocessors (bench_ops BM_AdamWExpertLayer/0/32):
-// 2.76 TB/s, where blocks taking whole chunks from a counter reached 2.26 (the barrier at
-// each chunk empties the loads in flight) and blocks striding over chunks 2.09 (66 chunks
-// 480 KB apart at once).
+// outstanding. Measured against the alternatives on 32 multiprocessors (bench_ops
+// BM_AdamWExpertLayer/0/32): 2.76 TB/s, where blocks taking whole chunks from a counter
+// reached 2.26 (the barrier at each chunk empties the loads in flight) and blocks striding
+// over chunks 2.09 (66 chunks 480 KB apart at once).
 template <typename M>
 __global__ void __launch_bounds__(kCappedThreads) adamw_sweep_kernel(const __grid_constant__ SegmentBatch b,
                                                                      const AdamWArgs a) {
@@ -165,20 +164,23 @@ __global__ void __launch_bounds__(kCappedThreads) adamw_sweep_kernel(const __gri
   for (int s = 0; s < b.count; ++s) update_range<M, 2>(b.seg[s], a, 0, b.seg[s].n, lane, lanes);
 }
 
-// Dynamic shared memory that keeps `kernel`'s 1024-thread blocks one a multiprocessor: none
-// when its registers already do (asked once per kernel, on the first device that launches it).
-template <typename Kernel>
-size_t alone_smem(Kernel kernel) {
-  static const size_t bytes = [kernel] {
+// Dynamic shared memory that keeps kKernel's 1024-thread blocks one a multiprocessor: none
+// when its registers already do (asked once per kernel, on the first device that launches it;
+// a template on the kernel itself, so that each kernel has its own answer).
+template <auto kKernel>
+size_t alone_smem() {
+  static const size_t bytes = [] {
     int blocks = 0, device = 0, smem = 0;
     if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kCappedThreads, 0) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, kCappedThreads, 0) != cudaSuccess ||
         cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) != cudaSuccess) {
       return size_t{0};  // the launch reports any real error
     }
     if (blocks <= 1) return size_t{0};
     const int bytes = smem / 2 + 1024;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess) return size_t{0};
+    if (cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess) {
+      return size_t{0};
+    }
     return static_cast<size_t>(bytes);
   }();
   return bytes;
@@ -204,9 +206,11 @@ void launch_adamw(const AdamWSegment* segments, int count, const AdamWArgs& args
       // needs fewer, dynamic shared memory of over half a multiprocessor's keeps it so).
       const int grid = static_cast<int>(chunks < max_sms ? chunks : max_sms);
       if (args.bf16_moments) {
-        adamw_sweep_kernel<__nv_bfloat16><<<grid, kCappedThreads, alone_smem(adamw_sweep_kernel<__nv_bfloat16>), s>>>(b, args);
+        constexpr auto kKernel = adamw_sweep_kernel<__nv_bfloat16>;
+        kKernel<<<grid, kCappedThreads, alone_smem<kKernel>(), s>>>(b, args);
       } else {
-        adamw_sweep_kernel<float><<<grid, kCappedThreads, alone_smem(adamw_sweep_kernel<float>), s>>>(b, args);
+        constexpr auto kKernel = adamw_sweep_kernel<float>;
+        kKernel<<<grid, kCappedThreads, alone_smem<kKernel>(), s>>>(b, args);
       }
       continue;
     }
