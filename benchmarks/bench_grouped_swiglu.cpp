@@ -104,9 +104,24 @@ void BM_GroupedSwigluBackwardWeight(benchmark::State& state) {
   });
 }
 
+// As the step calls it with one micro-batch: dW written (no read of the old values) and the
+// sum of squares for the gradient norm taken from the tiles.
+void BM_GroupedSwigluBackwardWeightOverwrite(benchmark::State& state) {
+  if (!cuda::available()) return time_op(state, [] {});
+  Problem& p = problem();
+  const ops::SwigluOut f = ops::grouped_swiglu_forward(p.x, p.counts, p.wg, p.wu, p.wd);
+  const ops::SwigluInputGrads g = ops::grouped_swiglu_backward_input(p.dy, p.counts, f.gate, f.up, p.wg, p.wu, p.wd);
+  Tensor squares = Tensor::zeros({1}, DType::F64, Device::cuda(0));
+  time_op(state, [&] {
+    ops::grouped_swiglu_backward_weight(p.dy, p.x, p.counts, f.gate, f.up, g.dgate, g.dup, p.dwg, p.dwu, p.dwd, false,
+                                        {&squares, 0}, f.act);
+  });
+}
+
 BENCHMARK(BM_GroupedSwigluForward)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
 BENCHMARK(BM_GroupedSwigluBackwardInput)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
 BENCHMARK(BM_GroupedSwigluBackwardWeight)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
+BENCHMARK(BM_GroupedSwigluBackwardWeightOverwrite)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
 
 }  // namespace
 }  // namespace moetrain

@@ -317,12 +317,13 @@ struct WgradArgs {
   int M, Nc;
   const int* offsets;  // [E + 1]
   int accumulate;      // 0: C = sum (every block writes, an expert without rows writes zeros)
-  double* squares;     // Hopper, accumulate 0: the block's sum of squares of its tile, at its
-                       // tile's index plus squares_base (nullptr: not asked)
+  double* squares;     // Hopper, accumulate 0: the sums of squares of each tile's two halves
+                       // at 2 tile + squares_base and the next slot (nullptr: not asked)
   int64_t squares_base;
-  // Hopper: with sm_half, a block takes its tile from its L2 half's queue (tiles [0,
-  // queue_split) or [queue_split, all)), then from the other's; next: two zeroed counters.
-  // Without, tile = linear block index. Tiles are numbered as blocks: x fastest, then y, z.
+  // Hopper: tiles (numbered column tile fastest, then row tile, then expert and problem)
+  // come from two queues, [0, queue_split) and [queue_split, all), counted by next[0] and
+  // next[1] (zeroed); a block takes from its L2 half's queue (sm_half), then from the other.
+  // Without sm_half, one queue of all the tiles.
   const uint8_t* sm_half;
   int* next;
   int queue_split;
@@ -403,11 +404,8 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgrad_kernel(const WgradA
 // 128-byte-swizzled shared memory, completion signalled on mbarriers, and consumed by
 // warpgroup MMAs straight from shared memory: no ldmatrix, no per-thread address arithmetic
 // in the main loop, and the copies of the ring run while the tensor cores work.
-//   weight gradients: 128 x 256 x 64 tiles, 2 warpgroups per block each owning 64 rows
-//   (wgmma m64n256k16), a 4-stage ring, one block per SM (128 x 128 tiles with two blocks
-//   per SM, one's epilogue under the other's main loop, read 25% more operand bytes and
-//   measured 1.5% slower);
-//   row GEMMs: 128 x 256 tiles, warp-specialised and persistent (rows_kernel below).
+//   row GEMMs: 128 x 256 tiles, warp-specialised and persistent (rows_kernel below);
+//   weight gradients: the same tiles and structure (wgrad_ws_kernel below).
 //
 // Ragged edges cost nothing in the main loop: TMA zero-fills the parts of a box outside the
 // tensor (rows past N, k past K, columns past the extent). A row tile reads up to 127 rows
@@ -417,79 +415,25 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_wgrad_kernel(const WgradA
 // added into dW by a TMA reduce-add copy rather than by thread loads and stores.
 namespace hopper {
 
-
-// S (a template parameter below): pipeline stages. For 128 x 128 tiles, 3 = two blocks of
-// 96 KB per SM; 6 stages at one block per SM measured ~12% slower (no overlap of epilogues
-// with main loops).
-constexpr int kThreads = 256;
+[[maybe_unused]] constexpr int kConsumerThreads = 256;  // two consumer warpgroups a block
 constexpr int kTile = 128 * 64 * 2;  // one operand's k-tile: 16 KB, as 128 x 128-byte rows
 [[maybe_unused]] constexpr int kChunk = kTile / 2;  // MN-major operands: two [64 k][64 mn] boxes of 8 KB
-constexpr int kStage = 2 * kTile;
 // A ring of `stages` stages of stage_bytes, + alignment slack and the full/empty barriers.
-constexpr int smem_bytes(int stages, int stage_bytes = kStage) { return stages * stage_bytes + 1024 + 2 * stages * 8; }
+constexpr int smem_bytes(int stages, int stage_bytes) { return stages * stage_bytes + 1024 + 2 * stages * 8; }
 
 struct Maps {
   CUtensorMap a[2];  // A operand (rows: [N, K]; wgrad: [N, M]), per k source
   CUtensorMap b[2];  // B operand (weights [E, ., .]; wgrad: [N, Nc]), per k source / gate, up
-  CUtensorMap c[2];  // wgrad: the f32 gradient [E, M, Nc] of each problem (box 32 x 128)
+  CUtensorMap c[2];  // wgrad: the f32 gradient [E, M, Nc] of each problem (box 32 x 64)
 };
 
 #if MT_SM90A
 using namespace sm90;
 
-// The weight-gradient kernel's main loop. Thread 0 issues the copies (issue(kt, stage bytes,
-// full barrier)); every thread waits for a stage's copies on full[s], the two warpgroups run
-// their MMAs on it, and each warp arrives on empty[s] once its MMAs of the stage are done,
-// which lets thread 0 refill the stage. `before_mma(kt, stage)` runs after the wait (wgrad
-// masking).
-// kN: the tile's columns (128 or 256; B is kN / 64 boxes, a stage kTile + kN * 128 bytes).
-template <int S, int kTransA, int kTransB, int kN = 128, typename Issue, typename BeforeMma>
-__device__ __forceinline__ void mainloop(float (&acc)[kN / 2], char* smem, uint64_t* full, uint64_t* empty,
-                                         int ktiles, const Issue& issue, const BeforeMma& before_mma) {
-  constexpr int kStageBytes = kTile + kN * 128;
-  const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
-  if (tid == 0) {
-    for (int kt = 0; kt < S - 1 && kt < ktiles; ++kt) issue(kt, smem + kt * kStageBytes, &full[kt]);
-  }
-#pragma unroll
-  for (int i = 0; i < kN / 2; ++i) acc[i] = 0.f;
-  for (int kt = 0; kt < ktiles; ++kt) {
-    const int s = kt % S;
-    mbar_wait(&full[s], (kt / S) & 1);
-    char* st = smem + s * kStageBytes;
-    before_mma(kt, st);
-    const uint32_t a = smem_u32(st), b = smem_u32(st + kTile);
-    pin(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      // K-major: this warpgroup's 64 rows start 64 x 128 bytes in, k16 steps are 32 bytes
-      // into the swizzled rows. MN-major: [64 k][64] boxes, k16 steps are 16 rows of 128 bytes.
-      const uint64_t da = kTransA ? sw128_desc(a + wg * kChunk + kk * 2048, kChunk, 1024)
-                                  : sw128_desc(a + wg * 64 * 128 + kk * 32, 16, 1024);
-      const uint64_t db = kTransB ? sw128_desc(b + kk * 2048, kChunk, 1024) : sw128_desc(b + kk * 32, 16, 1024);
-      if constexpr (kN == 256) wgmma_m64n256k16<kTransA, kTransB>(acc, da, db);
-      else wgmma_m64n128k16<kTransA, kTransB>(acc, da, db);
-    }
-    wgmma_commit();
-    wgmma_wait<1>();  // the MMAs of k-tile kt - 1 are done: release its stage
-    pin(acc);
-    if (kt > 0 && lane == 0) mbar_arrive(&empty[(kt - 1) % S]);
-    const int next = kt + S - 1;
-    if (tid == 0 && next < ktiles) {
-      const int ns = next % S;
-      mbar_wait(&empty[ns], ((next / S) - 1) & 1);  // k-tile next - S has left it
-      issue(next, smem + ns * kStageBytes, &full[ns]);
-    }
-  }
-  wgmma_wait<0>();
-  pin(acc);
-}
-
-// The ring of both kernels (smem_bytes(S, kStageBytes) of dynamic shared memory): S stages
-// 1024-byte aligned, then full[S] (one arrival: the thread issuing the copies) and
+// The ring of both kernels (at least smem_bytes(S, kStageBytes) of dynamic shared memory):
+// S stages 1024-byte aligned, then full[S] (one arrival: the thread issuing the copies) and
 // empty[S] (one arrival per consumer warp: the 8 warps of two warpgroups).
-template <int S, int kStageBytes = kStage>
+template <int S, int kStageBytes>
 __device__ __forceinline__ char* setup_smem(char* raw, uint64_t*& full, uint64_t*& empty) {
   char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
   full = reinterpret_cast<uint64_t*>(smem + S * kStageBytes);
@@ -497,7 +441,7 @@ __device__ __forceinline__ char* setup_smem(char* raw, uint64_t*& full, uint64_t
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kThreads / 32);
+      mbar_init(&empty[s], kConsumerThreads / 32);
     }
     mbar_fence_init();
   }
@@ -709,121 +653,216 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #endif
 }
 
-// Weight-gradient GEMM, as grouped_wgrad_kernel: maps.a[prob] over A [N, M], maps.b[0] over
-// B [N, Nc], both box 64 columns x 64 rows (MN-major operands, k = row); maps.c[prob] over
-// the f32 C [E, M, Nc] (box 32 x 128 x 1). args.c0 / c1 are not used: C is reached by map.
-// Tiles of 128 x kN: kN = 256 reads 25% fewer operand bytes per FLOP from L2 but holds 128
-// accumulators a thread, so one block per SM; it measured 1.5% faster than kN = 128 with two
-// blocks per SM (the operand reads were not the main limit: docs/perf.md).
-template <int S, int kProblems, int kN = 128>
-__global__ void __launch_bounds__(kThreads, kN == 128 && S <= 3 ? 2 : 1)
-    wgrad_kernel(const __grid_constant__ Maps maps, const WgradArgs args) {
+// Weight-gradient GEMM, warp-specialised and persistent: the same tiles (128 x 256 of one
+// expert's C, each reduced over the expert's rows in order) and results as
+// grouped_wgrad_kernel; a block owns a multiprocessor and walks tiles, so that one tile's
+// f32 store drains to memory while the next tile's MMAs run. With a block per tile (the
+// version before), Nsight showed neither
+// DRAM (54%) nor the tensor pipes busy: each block filled its ring, ran ~8 k-tiles, then
+// stored 128 KB of f32 with the tensor cores idle.
+//   warpgroup 0  the producer: one thread takes tiles from the queues (WgradArgs) and
+//                issues the TMA copies of every k-tile into the 4-stage ring, running ahead
+//                into the next tile while the consumers store; tile_of[stage] carries the
+//                tile with its first k-tile (a tile of an expert without rows, in overwrite
+//                mode, comes as a stage with no data; -1 ends the loop);
+//   warpgroups 1, 2  the consumers: 64 rows x 256 columns each, then the epilogue: the
+//                accumulators go to shared memory 32 columns (8 KB) at a time, two buffers
+//                per warpgroup, each box stored (or reduce-added) by a TMA copy that runs
+//                while the next box is written and, for the last two, while the next tile's
+//                main loop runs. maps.c: box 32 x 64 x 1.
+// bench_ops backward_weight (overwrite, as the step calls it), H100: 1.94 ms with a block
+// per tile, 1.71 ms here. Measured and dropped: tiles of 128 x 128 with room for a whole
+// tile's stores (2.04 ms: narrower MMAs, 33% more operand bytes per FLOP); more staging
+// buffers for fewer stages (3 stages + 4 or 5 buffers: 1.77, 1.79 ms; 2 + 8: 2.05 ms): the
+// ring's depth matters, the stores' waits do not; claiming each tile one tile ahead, to
+// take the queue atomic off the producer's path (1.74 ms, and the row GEMMs lost 0.1 ms).
+// Squares (overwrite mode): two slots a tile, one per consumer warpgroup, each summed in
+// a fixed order.
+constexpr int kWgS = 4, kWgN = 256;
+constexpr int kWgStage = kTile + kWgN * 128;  // 48 KB
+constexpr int kWgBox = 64 * 32 * 4;           // one consumer's 64 rows x 32 f32 columns
+constexpr int kWgBufs = 2;                    // staging buffers per consumer warpgroup
+// The ring, one 1024-byte slot for its barriers, then the staging buffers (1024-aligned for
+// the 128-byte swizzle), + the alignment slack.
+constexpr int kWgSmem = 1024 + kWgS * kWgStage + 1024 + 2 * kWgBufs * kWgBox;
+
+[[maybe_unused]] __device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <int kProblems>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    wgrad_ws_kernel(const __grid_constant__ Maps maps, const WgradArgs args, int gx, int gy, int tiles) {
 #if MT_SM90A
-  const int tiles = static_cast<int>(gridDim.x * gridDim.y * gridDim.z);
-  int tile = static_cast<int>((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x);
-  if (args.sm_half) {
-    // As many blocks as tiles: a block that finds both queues empty cannot exist.
-    __shared__ int taken;
-    if (threadIdx.x == 0) {
-      const int own = args.sm_half[sm_id()];
-      auto take = [&](int q) {
-        const int first = q == 0 ? 0 : args.queue_split, end = q == 0 ? args.queue_split : tiles;
-        const int u = first + atomicAdd(&args.next[q], 1);
-        return u < end ? u : -1;
-      };
-      int t = take(own);
-      if (t < 0) t = take(own ^ 1);
-      taken = t;
-    }
-    __syncthreads();
-    tile = taken;
-  }
-  const int bx = tile % gridDim.x, by = (tile / gridDim.x) % gridDim.y, bz = tile / (gridDim.x * gridDim.y);
-  const int e = bz / kProblems, prob = bz % kProblems;
-  const int r0 = args.offsets[e], r1 = args.offsets[e + 1];
-  if (r1 <= r0 && args.accumulate) return;  // nothing to add (an overwrite still stores zeros)
-  const int m0 = by * kBM, n0 = bx * kN;
-  constexpr int kStageBytes = kTile + kN * 128, kBoxes = kN / 64;
+  constexpr int S = kWgS, kBufs = kWgBufs, kBoxes = kWgN / 64;
   extern __shared__ char smem_raw[];
   uint64_t *full, *empty;
-  char* smem = setup_smem<S, kStageBytes>(smem_raw, full, empty);
-  const int ktiles = (r1 - r0 + kBK - 1) / kBK;
-  auto issue = [&](int kt, char* st, uint64_t* bar) {
-    const int row = r0 + kt * kBK;
-    mbar_arrive_expect_tx(bar, kStageBytes);
-    tma_load_2d(st, &maps.a[prob], bar, m0, row);
-    tma_load_2d(st + kChunk, &maps.a[prob], bar, m0 + 64, row);
-#pragma unroll
-    for (int j = 0; j < kBoxes; ++j) tma_load_2d(st + kTile + j * kChunk, &maps.b[0], bar, n0 + 64 * j, row);
-  };
-  // The last k-tile may run past the expert's rows into the next expert's: zero those rows
-  // of B (whole 128-byte rows, so the swizzle does not matter) before the MMAs read them.
-  auto mask_tail = [&](int kt, char* st) {
-    const int valid = r1 - (r0 + kt * kBK);
-    if (valid >= kBK) return;
-    char* b = st + kTile;
-    for (int i = threadIdx.x; i < kBoxes * (kBK - valid) * 8; i += kThreads) {
-      const int chunk = i / ((kBK - valid) * 8), rem = i % ((kBK - valid) * 8);
-      *reinterpret_cast<uint4*>(b + chunk * kChunk + (valid + rem / 8) * 128 + (rem % 8) * 16) =
-          make_uint4(0, 0, 0, 0);
-    }
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> tensor core reads
-    __syncthreads();
-  };
-  float acc[kN / 2];
-  mainloop<S, 1, 1, kN>(acc, smem, full, empty, ktiles, issue, mask_tail);
+  char* smem = setup_smem<S, kWgStage>(smem_raw, full, empty);
+  char* staging = smem + S * kWgStage + 1024;
+  __shared__ int4 tile_of[S];  // {tile, its expert's first row, end row}
+  __shared__ double warp_sq[8];
+  const int wg = threadIdx.x >> 7;
+  // Tile t: column tile t % gx, row tile (t / gx) % gy, (expert, problem) t / (gx gy).
 
-  // C += acc by the copy engine. The f32 read-modify-write of dW is this kernel's main cost
-  // (2 x 2.4 GB at the bench shape); done by threads (load, add, store: 4.5 ms there) it
-  // waits on DRAM round trips, and vector red.global.add (3.0 ms) issues 8-row x 32-byte
-  // pieces. Here the tile goes to shared memory (free once both warpgroups are past their
-  // MMAs) as four 128-byte-swizzled [128 rows][32 f32] boxes, and one reduce-add copy per
-  // box adds it into C in L2 (2.8 ms). Rows past M and columns past Nc are outside the
-  // map's box and skipped. Each element gets exactly one f32 add per call: deterministic.
-  const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, w = (tid >> 5) & 3;
-  __syncthreads();
+  if (wg == 0) {  // producer
+    setmaxnreg_dec<40>();
+    if (threadIdx.x != 0) return;
+    const int own = args.sm_half ? args.sm_half[sm_id()] : 0;
+    const int split = args.sm_half ? args.queue_split : tiles;
+    int it = 0;  // stages used so far: the ring position
+    bool own_open = true, other_open = true;
+    auto take = [&](int q) {
+      const int first = q == 0 ? 0 : split, end = q == 0 ? split : tiles;
+      const int u = first + atomicAdd(&args.next[q], 1);
+      return u < end ? u : -1;
+    };
+    for (;;) {
+      int t = -1;
+      if (own_open && (t = take(own)) < 0) own_open = false;
+      if (t < 0 && other_open && (t = take(own ^ 1)) < 0) other_open = false;
+      int r0 = 0, r1 = 0;
+      if (t >= 0) {
+        const int e = t / (gx * gy) / kProblems;
+        r0 = args.offsets[e];
+        r1 = args.offsets[e + 1];
+      }
+      if (t >= 0 && r1 <= r0 && args.accumulate) continue;  // nothing to add to this tile
+      const int ktiles = t >= 0 ? (r1 - r0 + kBK - 1) / kBK : 0;
+      if (ktiles == 0) {  // the end (-1), or zeros to store: a stage without data
+        const int s = it % S;
+        if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
+        tile_of[s] = make_int4(t, r0, r1, 0);
+        mbar_arrive(&full[s]);
+        ++it;
+        if (t < 0) break;
+        continue;
+      }
+      const int bz = t / (gx * gy), prob = bz % kProblems;
+      const int m0 = ((t / gx) % gy) * kBM, n0 = (t % gx) * kWgN;
+      for (int kt = 0; kt < ktiles; ++kt, ++it) {
+        const int s = it % S;
+        if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);  // its previous k-tile has left it
+        char* st = smem + s * kWgStage;
+        const int row = r0 + kt * kBK;
+        if (kt == 0) tile_of[s] = make_int4(t, r0, r1, 0);  // published by the arrive below
+        mbar_arrive_expect_tx(&full[s], kWgStage);
+        tma_load_2d(st, &maps.a[prob], &full[s], m0, row);
+        tma_load_2d(st + kChunk, &maps.a[prob], &full[s], m0 + 64, row);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = wg * 64 + w * 16 + (lane >> 2) + h * 8;
-#pragma unroll
-    for (int nb = 0; nb < kN / 8; ++nb) {
-      const int c = (nb & 3) * 8 + (lane & 3) * 2;  // column within box nb / 4
-      char* dst = smem + (nb >> 2) * (kBM * 128) + r * 128 + (((c >> 2) ^ (r & 7)) << 4) + (c & 3) * 4;
-      *reinterpret_cast<float2*>(dst) = make_float2(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
-    }
-  }
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> copy engine reads
-  __syncthreads();
-  if (args.squares) {
-    // The tile's share of the gradient norm, from the registers that hold the final values
-    // (an overwrite: no earlier micro-batch to add). Rows past M, columns past Nc and the
-    // masked k tail are zeros in acc. One slot per block, summed in slot order later: the
-    // norm does not depend on which block ran when.
-    double sq = 0.0;
-#pragma unroll
-    for (int i = 0; i < kN / 2; ++i) sq += static_cast<double>(acc[i]) * acc[i];
-    sq = block_sum_double(sq);
-    if (tid == 0) args.squares[args.squares_base + tile] = sq;
-  }
-  if (tid == 0) {
-    const CUtensorMap* cmap = &maps.c[prob];
-    for (int j = 0; j < kN / 32; ++j) {
-      if (args.accumulate) {
-        asm volatile(
-            "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
-                reinterpret_cast<uint64_t>(cmap)),
-            "r"(smem_u32(smem + j * (kBM * 128))), "r"(n0 + 32 * j), "r"(m0), "r"(e)
-            : "memory");
-      } else {  // first micro-batch: a plain store, no read of C (and no zeroed gradients needed)
-        asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
-                         reinterpret_cast<uint64_t>(cmap)),
-                     "r"(smem_u32(smem + j * (kBM * 128))), "r"(n0 + 32 * j), "r"(m0), "r"(e)
-                     : "memory");
+        for (int j = 0; j < kBoxes; ++j) tma_load_2d(st + kTile + j * kChunk, &maps.b[0], &full[s], n0 + 64 * j, row);
       }
     }
-    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // shared memory read before exit
+    return;
   }
+
+  setmaxnreg_inc<232>();
+  const int cw = wg - 1, tid = threadIdx.x & 127, ctid = threadIdx.x - 128, lane = tid & 31, w = tid >> 5;
+  char* my_staging = staging + cw * kBufs * kWgBox;
+  int it = 0, boxes = 0;  // stages consumed; boxes this warpgroup has stored
+  for (int n = 0; n < tiles; ++n) {  // bounded, as in rows_kernel
+    mbar_wait(&full[it % S], (it / S) & 1);
+    const int4 info = tile_of[it % S];
+    const int t = info.x, r0 = info.y, r1 = info.z;
+    if (t < 0) break;
+    const int bz = t / (gx * gy), e = bz / kProblems, prob = bz % kProblems;
+    const int m0 = ((t / gx) % gy) * kBM, n0 = (t % gx) * kWgN;
+    const int ktiles = (r1 - r0 + kBK - 1) / kBK;
+    float acc[kWgN / 2];
+#pragma unroll
+    for (int i = 0; i < kWgN / 2; ++i) acc[i] = 0.f;
+    if (ktiles == 0) {
+      if (lane == 0) mbar_arrive(&empty[it % S]);
+      ++it;
+    }
+    for (int kt = 0; kt < ktiles; ++kt, ++it) {
+      const int s = it % S;
+      mbar_wait(&full[s], (it / S) & 1);
+      char* st = smem + s * kWgStage;
+      const int valid = r1 - (r0 + kt * kBK);
+      if (valid < kBK) {
+        // The last k-tile runs past the expert's rows into the next expert's: zero those
+        // rows of B (whole 128-byte rows, so the swizzle does not matter) before the MMAs.
+        char* b = st + kTile;
+        for (int i = ctid; i < kBoxes * (kBK - valid) * 8; i += 256) {
+          const int chunk = i / ((kBK - valid) * 8), rem = i % ((kBK - valid) * 8);
+          *reinterpret_cast<uint4*>(b + chunk * kChunk + (valid + rem / 8) * 128 + (rem % 8) * 16) =
+              make_uint4(0, 0, 0, 0);
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> tensor core reads
+        named_barrier(1, 256);
+      }
+      const uint32_t a = smem_u32(st), b = smem_u32(st + kTile);
+      pin(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        // MN-major operands: [64 k][64] boxes, k16 steps are 16 rows of 128 bytes; this
+        // warpgroup's 64 rows of A are the box at cw.
+        const uint64_t da = sw128_desc(a + cw * kChunk + kk * 2048, kChunk, 1024);
+        const uint64_t db = sw128_desc(b + kk * 2048, kChunk, 1024);
+        wgmma_m64n256k16<1, 1>(acc, da, db);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();  // the MMAs of the k-tile before are done: release its stage
+      pin(acc);
+      if (kt > 0 && lane == 0) mbar_arrive(&empty[(it - 1) % S]);
+    }
+    wgmma_wait<0>();  // (also with no k-tiles: a wait on every path keeps the compiler from adding its own)
+    pin(acc);
+    if (ktiles > 0 && lane == 0) mbar_arrive(&empty[(it - 1) % S]);
+
+    if (args.squares) {  // the tile's share of the gradient norm (overwrite mode only)
+      double sq = 0.0;
+#pragma unroll
+      for (int i = 0; i < kWgN / 2; ++i) sq += static_cast<double>(acc[i]) * acc[i];
+      sq = warp_reduce(sq, SumOp{});
+      if (lane == 0) warp_sq[cw * 4 + w] = sq;
+      named_barrier(2 + cw, 128);
+      if (tid == 0) {
+        args.squares[args.squares_base + 2 * static_cast<int64_t>(t) + cw] =
+            ((warp_sq[cw * 4] + warp_sq[cw * 4 + 1]) + warp_sq[cw * 4 + 2]) + warp_sq[cw * 4 + 3];
+      }
+    }
+    // acc[nb * 4 + h * 2 + c]: row 16 w + lane / 4 + 8 h of this warpgroup's 64, column
+    // nb * 8 + 2 (lane % 4) + c. Box j holds columns 32 j .. 32 j + 31 (nb = 4 j .. 4 j + 3).
+    const CUtensorMap* cmap = &maps.c[prob];
+#pragma unroll
+    for (int j = 0; j < kWgN / 32; ++j, ++boxes) {
+      char* buf = my_staging + (boxes % kBufs) * kWgBox;
+      if (tid == 0) {  // buf's last store (kBufs copies ago) has read it
+        asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kBufs - 1) : "memory");
+      }
+      named_barrier(2 + cw, 128);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = w * 16 + (lane >> 2) + h * 8;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int nb = 4 * j + q, c = q * 8 + (lane & 3) * 2;
+          *reinterpret_cast<float2*>(buf + r * 128 + (((c >> 2) ^ (r & 7)) << 4) + (c & 3) * 4) =
+              make_float2(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
+        }
+      }
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> copy engine reads
+      named_barrier(2 + cw, 128);
+      if (tid == 0) {
+        if (args.accumulate) {
+          asm volatile(
+              "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                  reinterpret_cast<uint64_t>(cmap)),
+              "r"(smem_u32(buf)), "r"(n0 + 32 * j), "r"(m0 + cw * 64), "r"(e)
+              : "memory");
+        } else {
+          asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                           reinterpret_cast<uint64_t>(cmap)),
+                       "r"(smem_u32(buf)), "r"(n0 + 32 * j), "r"(m0 + cw * 64), "r"(e)
+                       : "memory");
+        }
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+      }
+    }
+  }
+  if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // shared memory read before exit
 #endif
 }
 
@@ -961,6 +1000,19 @@ bool make_map(CUtensorMap* map, const void* base, std::initializer_list<uint64_t
   return make_tensor_map(map, base, dims, box, f32);
 }
 
+// The grid of a persistent kernel: one block per multiprocessor, fewer with fewer tiles.
+// Any grid is correct (blocks take tiles until none is left), so if the query fails every
+// tile gets its own block.
+int persistent_grid(int64_t tiles) {
+  int dev = 0, num_sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || num_sms <= 0) {
+    cudaGetLastError();
+    num_sms = INT32_MAX;
+  }
+  return static_cast<int>(tiles < num_sms ? tiles : num_sms);
+}
+
 template <typename Kernel>
 void prepare_hopper(Kernel kernel, int smem) {
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -976,42 +1028,31 @@ void launch_rows_hopper(const hopper::Maps& maps, const RowsArgs& args, int ktil
   constexpr int smem = hopper::smem_bytes(hopper::kWsStages, hopper::kWsStage);
   prepare_hopper(kernel, smem);
   const int col_tiles = (n_cols + hopper::ws_tile_cols(kEpi) - 1) / hopper::ws_tile_cols(kEpi);
-  // One block per multiprocessor; any grid is correct (blocks stride over the tiles), so if
-  // the query fails every tile gets its own block.
-  int dev = 0, num_sms = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || num_sms <= 0) {
-    cudaGetLastError();
-    num_sms = INT32_MAX;
-  }
-  const int64_t tiles = static_cast<int64_t>(col_tiles) * max_tiles;
-  const int grid = static_cast<int>(tiles < num_sms ? tiles : num_sms);
+  const int grid = persistent_grid(static_cast<int64_t>(col_tiles) * max_tiles);
   kernel<<<grid, hopper::kWsThreads, smem, stream>>>(maps, args, ktiles_src, nsrc, col_tiles, max_tiles);
 }
 
-// launch: 0 or 1, the schedule's counters this launch uses. Returns the tiles (blocks) it
-// launched: its slots in args.squares.
+// The persistent weight-gradient kernel (wgrad_ws_kernel): maps.c with boxes of 32 x 64 x 1.
+// Returns its slots in args.squares: two a tile.
 template <int kProblems>
-int64_t launch_wgrad_hopper(const hopper::Maps& maps, WgradArgs args, int E, const Schedule& s, int launch,
-                            cudaStream_t stream) {
+int64_t launch_wgrad_ws(const hopper::Maps& maps, WgradArgs args, int E, const Schedule& s, int launch,
+                        cudaStream_t stream) {
   if (args.M == 0 || args.Nc == 0) return 0;
-  // 128 x 256 tiles, 4 stages, a block per SM: bench_ops backward_weight 2.81 -> 2.77 ms
-  // against 128 x 128 tiles, 3 stages, two blocks per SM (the step: expert GEMMs -0.2 ms).
-  constexpr int kStages = 4, kN = 256;
-  auto kernel = hopper::wgrad_kernel<kStages, kProblems, kN>;
-  const int smem = hopper::smem_bytes(kStages, hopper::kTile + kN * 128);
+  auto kernel = hopper::wgrad_ws_kernel<kProblems>;
+  constexpr int smem = hopper::kWgSmem;
   prepare_hopper(kernel, smem);
-  const dim3 grid((args.Nc + kN - 1) / kN, (args.M + kBM - 1) / kBM, E * kProblems);
+  const int gx = (args.Nc + hopper::kWgN - 1) / hopper::kWgN, gy = (args.M + kBM - 1) / kBM;
+  const int tiles = gx * gy * E * kProblems;
+  args.next = s.queue + 2 + 2 * launch;
   const SmHalves* halves = &sm_l2_halves(stream);
   if (halves->known()) {  // each half a run of whole experts, in proportion to its multiprocessors
     args.sm_half = halves->device_map;
-    args.next = s.queue + 2 + 2 * launch;
-    const int64_t z0 = (static_cast<int64_t>(grid.z) * halves->count[0] + (halves->count[0] + halves->count[1]) / 2) /
-                       (halves->count[0] + halves->count[1]);
-    args.queue_split = static_cast<int>(z0 / kProblems * kProblems * grid.x * grid.y);
+    const int64_t all = halves->count[0] + halves->count[1];
+    const int64_t z0 = (static_cast<int64_t>(E) * kProblems * halves->count[0] + all / 2) / all;
+    args.queue_split = static_cast<int>(z0 / kProblems * kProblems * gx * gy);
   }
-  kernel<<<grid, hopper::kThreads, smem, stream>>>(maps, args);
-  return blocks_of(grid);
+  kernel<<<persistent_grid(tiles), hopper::kWsThreads, smem, stream>>>(maps, args, gx, gy, tiles);
+  return 2 * static_cast<int64_t>(tiles);
 }
 
 const bf16* cb(const void* p) { return static_cast<const bf16*>(p); }
@@ -1024,8 +1065,13 @@ int64_t swiglu_max_tiles(int64_t N, int E) { return (N + kBM - 1) / kBM + E; }
 int64_t swiglu_workspace_words(int64_t N, int E) { return (E + 1) + 2 * swiglu_max_tiles(N, E) + kQueueWords; }
 
 int64_t swiglu_squares_scratch_doubles(int H, int I, int E) {
-  // One slot per tile of 128 x 128 (the Hopper kernel's wider tiles need fewer).
-  const int64_t slots = blocks_of(wgrad_grid(H, I, E, 1)) + blocks_of(wgrad_grid(I, H, E, 2));
+  // Hopper: two slots per 128 x 256 tile (one per consumer warpgroup).
+  auto wide = [&](int M, int Nc, int problems) {
+    return 2 * static_cast<int64_t>((Nc + hopper::kWgN - 1) / hopper::kWgN) * ((M + kBM - 1) / kBM) * E * problems;
+  };
+  const int64_t tiles128 = blocks_of(wgrad_grid(H, I, E, 1)) + blocks_of(wgrad_grid(I, H, E, 2));
+  const int64_t tiles256 = wide(H, I, 1) + wide(I, H, 2);
+  const int64_t slots = tiles128 > tiles256 ? tiles128 : tiles256;
   const int64_t n = static_cast<int64_t>(E) * H * I;
   const SquaresSegment segs[3] = {{nullptr, n}, {nullptr, n}, {nullptr, n}};
   const int64_t pass = sum_squares_segments_scratch_doubles(segs, 3);
@@ -1183,16 +1229,16 @@ void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t*
   const bool hop = use_hopper() && make_map(&wd.a[0], dy, {h, n}, {64, 64}) &&
                    make_map(&wd.b[0], act, {i, n}, {64, 64}) && make_map(&wgu.a[0], dgate, {i, n}, {64, 64}) &&
                    make_map(&wgu.a[1], dup, {i, n}, {64, 64}) && make_map(&wgu.b[0], x, {h, n}, {64, 64}) &&
-                   make_map(&wd.c[0], dw_down, {i, h, e}, {32, 128, 1}, true) &&
-                   make_map(&wgu.c[0], dw_gate, {h, i, e}, {32, 128, 1}, true) &&
-                   make_map(&wgu.c[1], dw_up, {h, i, e}, {32, 128, 1}, true);
+                   make_map(&wd.c[0], dw_down, {i, h, e}, {32, 64, 1}, true) &&
+                   make_map(&wgu.c[0], dw_gate, {h, i, e}, {32, 64, 1}, true) &&
+                   make_map(&wgu.c[1], dw_up, {h, i, e}, {32, 64, 1}, true);
   wd.c[1] = wd.c[0];
   wd.a[1] = wd.a[0];
   wd.b[1] = wd.b[0];
   wgu.b[1] = wgu.b[0];
   int64_t down_slots = 0, gu_slots = 0;
   if (hop && squares_result) w.squares = squares_scratch;  // dW_down's slots first, then gate/up's
-  if (hop) down_slots = launch_wgrad_hopper<1>(wd, w, E, s, 0, stream);
+  if (hop) down_slots = launch_wgrad_ws<1>(wd, w, E, s, 0, stream);
   else launch_wgrad<1>(w, E, stream);
   w.squares_base = down_slots;
   // dWg[e], dWu[e] [I, H] += dgate_e^T x_e, dup_e^T x_e
@@ -1206,7 +1252,7 @@ void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t*
   w.c_stride = static_cast<int64_t>(I) * H;
   w.M = I;
   w.Nc = H;
-  if (hop) gu_slots = launch_wgrad_hopper<2>(wgu, w, E, s, 1, stream);
+  if (hop) gu_slots = launch_wgrad_ws<2>(wgu, w, E, s, 1, stream);
   else launch_wgrad<2>(w, E, stream);
   if (!squares_result) return;
   if (hop) {
