@@ -59,6 +59,7 @@ void reduce_typed(DType dt, const void* chunks, int ranks, int64_t n, void* out,
     case DType::BF16: return reduce_rows<bf16, float>(static_cast<const bf16*>(chunks), ranks, n, static_cast<bf16*>(out), op);
     case DType::I32: return reduce_rows<int32_t, int32_t>(static_cast<const int32_t*>(chunks), ranks, n, static_cast<int32_t*>(out), op);
     case DType::I64: return reduce_rows<int64_t, int64_t>(static_cast<const int64_t*>(chunks), ranks, n, static_cast<int64_t*>(out), op);
+    case DType::I16: return reduce_rows<int16_t, int32_t>(static_cast<const int16_t*>(chunks), ranks, n, static_cast<int16_t*>(out), op);
   }
 }
 

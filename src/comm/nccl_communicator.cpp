@@ -28,8 +28,9 @@ ncclDataType_t nccl_type(DType t) {
     case DType::BF16: return ncclBfloat16;
     case DType::I32: return ncclInt32;
     case DType::I64: return ncclInt64;
+    case DType::I16: break;  // NCCL has no 16-bit integers
   }
-  return ncclFloat32;
+  MT_THROW("nccl: no NCCL type for {} tensors", dtype_name(t));
 }
 
 ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::Sum ? ncclSum : ncclMax; }

@@ -7,11 +7,13 @@
 
 namespace moetrain {
 
-enum class DType : uint8_t { F32, F64, BF16, I32, I64 };
+// I16: raw 16-bit integers (the low halves of split f32 master weights, engine/parameters.h).
+enum class DType : uint8_t { F32, F64, BF16, I32, I64, I16 };
 
 size_t dtype_size(DType t);
 std::string_view dtype_name(DType t);
-// Parses "f32"/"float32", "f64"/"float64", "bf16"/"bfloat16", "i32"/"int32", "i64"/"int64".
+// Parses "f32"/"float32", "f64"/"float64", "bf16"/"bfloat16", "i32"/"int32", "i64"/"int64",
+// "i16"/"int16".
 // Returns false when the name is not one of them.
 bool parse_dtype(std::string_view name, DType* out);
 inline bool is_floating(DType t) { return t == DType::F32 || t == DType::F64 || t == DType::BF16; }
@@ -45,5 +47,6 @@ template <> constexpr DType dtype_of<double>() { return DType::F64; }
 template <> constexpr DType dtype_of<bf16>() { return DType::BF16; }
 template <> constexpr DType dtype_of<int32_t>() { return DType::I32; }
 template <> constexpr DType dtype_of<int64_t>() { return DType::I64; }
+template <> constexpr DType dtype_of<int16_t>() { return DType::I16; }
 
 }  // namespace moetrain

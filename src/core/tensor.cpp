@@ -16,6 +16,7 @@ size_t dtype_size(DType t) {
     case DType::BF16: return 2;
     case DType::I32: return 4;
     case DType::I64: return 8;
+    case DType::I16: return 2;
   }
   return 0;
 }
@@ -27,6 +28,7 @@ std::string_view dtype_name(DType t) {
     case DType::BF16: return "bf16";
     case DType::I32: return "i32";
     case DType::I64: return "i64";
+    case DType::I16: return "i16";
   }
   return "?";
 }
@@ -35,7 +37,7 @@ bool parse_dtype(std::string_view name, DType* out) {
   struct Entry { std::string_view a, b; DType t; };
   static const Entry kEntries[] = {{"f32", "float32", DType::F32}, {"f64", "float64", DType::F64},
                                    {"bf16", "bfloat16", DType::BF16}, {"i32", "int32", DType::I32},
-                                   {"i64", "int64", DType::I64}};
+                                   {"i64", "int64", DType::I64}, {"i16", "int16", DType::I16}};
   for (const auto& e : kEntries) {
     if (name == e.a || name == e.b) {
       *out = e.t;
@@ -156,6 +158,7 @@ template Tensor Tensor::from_vector(const std::vector<float>&, const Shape&);
 template Tensor Tensor::from_vector(const std::vector<double>&, const Shape&);
 template Tensor Tensor::from_vector(const std::vector<int32_t>&, const Shape&);
 template Tensor Tensor::from_vector(const std::vector<int64_t>&, const Shape&);
+template Tensor Tensor::from_vector(const std::vector<int16_t>&, const Shape&);
 
 int64_t Tensor::size(int d) const {
   int n = ndim();
@@ -254,6 +257,7 @@ void dispatch_dtype(DType t, F&& f) {
     case DType::BF16: f(bf16{}); break;
     case DType::I32: f(int32_t{}); break;
     case DType::I64: f(int64_t{}); break;
+    case DType::I16: f(int16_t{}); break;
   }
 }
 }  // namespace

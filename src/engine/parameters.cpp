@@ -95,27 +95,50 @@ void attach_masters(ParameterList& params) {
   std::vector<Parameter*> need;
   std::vector<Tensor> values;
   for (auto& p : params) {
-    if (p.value.dtype() == DType::BF16 && !p.master.defined()) {
+    if (p.value.dtype() == DType::BF16 && !p.has_master()) {
       need.push_back(&p);
       values.push_back(p.value);
     }
   }
-  std::vector<Tensor> masters = flat_views(values, DType::F32);
-  for (size_t i = 0; i < need.size(); ++i) {
-    masters[i].copy_from(values[i]);
-    need[i]->master = masters[i];
+  // A bf16 value is exact in f32: the master is the value with a zero low half.
+  std::vector<Tensor> lows = flat_views(values, DType::I16);
+  for (size_t i = 0; i < need.size(); ++i) need[i]->master_low = lows[i];
+}
+
+Tensor master_f32(const Parameter& p) {
+  Tensor m = Tensor::empty(p.value.shape(), DType::F32, p.value.device());
+  if (p.has_master()) ops::master_join_into(m, p.value, p.master_low);
+  else m.copy_from(p.value);
+  return m;
+}
+
+void set_master(Parameter& p, const Tensor& master) {
+  MT_CHECK(master.numel() == p.value.numel(), "set_master: {} elements for '{}' of shape {}", master.numel(), p.name,
+           shape_str(p.value.shape()));
+  if (!p.has_master()) {
+    p.value.copy_from(master);
+    return;
   }
+  Tensor m;
+  if (master.dtype() == DType::F32 && master.device() == p.value.device()) {
+    m = master.view(p.value.shape());
+  } else {
+    m = Tensor::empty(p.value.shape(), DType::F32, p.value.device());
+    m.copy_from(master);
+  }
+  ops::master_split_into(m, p.value, p.master_low);
 }
 
 void init_parameters(ParameterList& params, uint64_t seed) {
   for (auto& p : params) {
-    Tensor& target = p.master_or_value();
+    // Drawn in f32 where the parameter lives, then split when it has a master.
+    Tensor target = p.has_master() ? Tensor::empty(p.value.shape(), DType::F32, p.value.device()) : p.value;
     if (p.init_std == 0) {
       target.fill_(1.0);
     } else {
       fill_normal(target, stream_key(seed, p.name), p.init_std);
     }
-    if (p.master.defined()) p.value.copy_from(p.master);
+    if (p.has_master()) ops::master_split_into(target, p.value, p.master_low);
   }
 }
 

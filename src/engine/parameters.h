@@ -19,10 +19,13 @@ struct Parameter {
   Tensor grad;                 // same shape; f32 whenever value is bf16
   bool weight_decay = true;    // false for norms (1-D gains)
   double init_std = 0;         // 0: initialised to ones (norm gains)
-  Tensor master;               // f32 master copy when value is bf16, else undefined
+  // bf16 values: the f32 master, kept split (ops/adamw_math.h): value is its high half,
+  // rounded to nearest (ties away from zero), and master_low (i16) the rest, so that the two
+  // are the master exactly, in 4 bytes an element instead of 6 for a separate f32 copy
+  // beside the weight. Undefined for f32 values (the value is its own master).
+  Tensor master_low;
 
-  // The tensor the optimizer updates: the f32 master, or value itself.
-  Tensor& master_or_value() { return master.defined() ? master : value; }
+  bool has_master() const { return master_low.defined(); }
 };
 
 using ParameterList = std::vector<Parameter>;
@@ -73,10 +76,16 @@ void index_buckets(std::vector<ParamBucket>& buckets, const ParameterList& param
 
 // The gradient (and master) dtype that goes with a parameter dtype: f32 for bf16.
 DType grad_dtype_for(DType value_dtype);
-// Gives every bf16 parameter an f32 master copy of its current value. The masters are
-// views of one flat buffer in parameter order, so the optimizer's whole-list ops see few
-// contiguous runs.
+// Gives every bf16 parameter an f32 master equal to its current value (a zero low half).
+// The low halves are views of one flat buffer in parameter order, so the optimizer's
+// whole-list ops see few contiguous runs.
 void attach_masters(ParameterList& params);
+// The parameter's master as a new f32 tensor of its shape (joined from its halves), or its
+// value converted to f32 when it has none.
+Tensor master_f32(const Parameter& p);
+// Sets the parameter from f32 (or any float) elements, p's shape: its master's halves when
+// it has one, else its value (converted).
+void set_master(Parameter& p, const Tensor& master);
 // Zero-filled tensors shaped like `like`, as consecutive views of one flat buffer of dtype
 // on like's device (optimizer moments, masters).
 std::vector<Tensor> flat_views(const std::vector<Tensor>& like, DType dtype);
@@ -86,7 +95,7 @@ int64_t count_elements(const ParameterList& params);
 // Sets every gradient to zero (one memset per contiguous run on the GPU).
 void zero_grads(ParameterList& params);
 // Draws each parameter from the stream keyed by (seed, name): N(0, init_std^2), or ones.
-// The draw goes into the master when there is one, and value is its rounded copy.
+// The draw goes into the master when there is one (value is its rounded high half).
 void init_parameters(ParameterList& params, uint64_t seed);
 
 }  // namespace moetrain

@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "ops/stochastic_round.h"  // MT_HOST_DEVICE
 
@@ -60,6 +61,40 @@ MT_HOST_DEVICE void adamw_element(float& p, float grad, float& m, float& v, floa
   v = f::add(f::mul(c.b2, v), f::mul(f::mul(c.one_minus_b2, g), g));
   const float denom = f::add(f::sqrt(f::mul(v, c.inv_bc2)), c.eps);
   p = f::add(p, -f::mul(c.lr, f::add(f::div(f::mul(m, c.inv_bc1), denom), f::mul(wd, p))));
+}
+
+// A split f32 master (engine/parameters.h): the bf16 weight the model computes with is its
+// high half, rounded to nearest with ties away from zero, and a 16-bit integer holds the
+// rest, so that the two are the master exactly in 4 bytes (with the weight it saves the
+// separate f32 copy: 6 bytes an element become 4, and the update moves 28 bytes, not 30).
+// With u the master's bits: high = (u + 0x8000) >> 16, low = the low 16 bits of u read as
+// signed, and u = (high << 16) + low. A tie rounds up in magnitude because only then does
+// low = -0x8000 fit 16 bits (rounding a tie down would need +0x8000).
+MT_HOST_DEVICE uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+#endif
+}
+MT_HOST_DEVICE float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+#endif
+}
+MT_HOST_DEVICE float master_join(uint16_t high, int16_t low) {
+  return bits_float((static_cast<uint32_t>(high) << 16) + static_cast<uint32_t>(static_cast<int32_t>(low)));
+}
+MT_HOST_DEVICE void master_split(float master, uint16_t& high, int16_t& low) {
+  const uint32_t u = float_bits(master);
+  high = static_cast<uint16_t>((u + 0x8000u) >> 16);
+  low = static_cast<int16_t>(static_cast<uint16_t>(u & 0xffffu));
 }
 
 }  // namespace moetrain::ops

@@ -216,13 +216,23 @@ const Tensor& first_of(const std::vector<Tensor>& xs, const char* op) {
 
 void adamw_update_all(AdamWTensors& t, const AdamWStep& s) {
   const size_t n = t.params.size();
-  MT_CHECK(t.grads.size() == n && t.m.size() == n && t.v.size() == n && t.values.size() == n && t.decay.size() == n,
-           "adamw_update_all: list lengths differ (params {}, grads {}, m {}, v {}, values {}, decay {})", n,
-           t.grads.size(), t.m.size(), t.v.size(), t.values.size(), t.decay.size());
+  if (t.lows.empty()) t.lows.resize(n);  // no split masters
+  MT_CHECK(t.grads.size() == n && t.m.size() == n && t.v.size() == n && t.values.size() == n && t.decay.size() == n &&
+               t.lows.size() == n,
+           "adamw_update_all: list lengths differ (params {}, grads {}, m {}, v {}, values {}, lows {}, decay {})", n,
+           t.grads.size(), t.m.size(), t.v.size(), t.values.size(), t.lows.size(), t.decay.size());
   const Tensor& first = first_of(t.params, "adamw_update_all");
   for (size_t i = 0; i < n; ++i) {
     if (t.values[i].defined()) {
       check_shape(t.values[i], t.params[i].shape(), "adamw_update_all value (the weight refreshed from its master)");
+    }
+    if (t.lows[i].defined()) {
+      MT_CHECK(!t.values[i].defined() && t.params[i].dtype() == DType::BF16 && t.lows[i].dtype() == DType::I16 &&
+                   t.lows[i].device() == t.params[i].device(),
+               "adamw_update_all: a split master is a bf16 param and an i16 low half on its device with no value, "
+               "got param {}, low {}{}", t.params[i].str(), t.lows[i].str(),
+               t.values[i].defined() ? " and a value" : "");
+      check_shape(t.lows[i], t.params[i].shape(), "adamw_update_all low (the low half of a split master)");
     }
   }
   MT_ROUTE(first, adamw_update_all, t, s);
@@ -261,6 +271,29 @@ bool all_finite(const Tensor& x) {
 
 void cast_into(Tensor& dst, const Tensor& src) {
   MT_ROUTE(dst, cast_into, dst, src);
+}
+
+namespace {
+void check_master_halves(const Tensor& master, const Tensor& high, const Tensor& low, const char* op) {
+  MT_CHECK(master.defined() && high.defined() && low.defined(), "{}: undefined tensor", op);
+  MT_CHECK(master.dtype() == DType::F32 && high.dtype() == DType::BF16 && low.dtype() == DType::I16,
+           "{}: expected an f32 master, a bf16 high half and an i16 low half, got {}, {}, {}", op, master.str(),
+           high.str(), low.str());
+  MT_CHECK(master.shape() == high.shape() && master.shape() == low.shape(), "{}: shapes differ: {}, {}, {}", op,
+           master.str(), high.str(), low.str());
+  MT_CHECK(master.device() == high.device() && master.device() == low.device(), "{}: devices differ: {}, {}, {}", op,
+           master.str(), high.str(), low.str());
+}
+}  // namespace
+
+void master_join_into(Tensor& master, const Tensor& high, const Tensor& low) {
+  check_master_halves(master, high, low, "master_join_into");
+  MT_ROUTE(master, master_join_into, master, high, low);
+}
+
+void master_split_into(const Tensor& master, Tensor& high, Tensor& low) {
+  check_master_halves(master, high, low, "master_split_into");
+  MT_ROUTE(master, master_split_into, master, high, low);
 }
 
 }  // namespace moetrain::ops

@@ -246,10 +246,14 @@ void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const
 //
 // AdamW over the list: params[i] updated from grads[i] as adamw_update with
 // s.weight_decay where decay[i] (else 0); when values[i] is defined (the bf16 weight the
-// model computes with, params[i] being its f32 master) it receives params[i] rounded.
+// model computes with, params[i] being its f32 master) it receives params[i] rounded. A
+// split master (lows[i] defined, values[i] not): params[i] is the bf16 weight and lows[i]
+// the rest of the f32 master (master_join_into below); both are updated, exactly as an f32
+// master would be and then split.
 struct AdamWTensors {
   std::vector<Tensor> params, grads, m, v;
   std::vector<Tensor> values;  // per param: a bf16 copy to refresh, or undefined
+  std::vector<Tensor> lows;    // per param: the i16 low half of a split master, or undefined
   std::vector<bool> decay;
 };
 void adamw_update_all(AdamWTensors& t, const AdamWStep& s);
@@ -272,5 +276,12 @@ void add_(Tensor& y, const Tensor& x);
 bool all_finite(const Tensor& x);
 // dst = src converted to dst's dtype (same shape and device), e.g. f32 master -> bf16 weight
 void cast_into(Tensor& dst, const Tensor& src);
+// Split f32 masters (ops/adamw_math.h): the bf16 weight is the master's high half, rounded
+// to nearest with ties away from zero, and an i16 tensor the rest, so that the two hold the
+// master exactly. All three tensors of one shape and device.
+// master (f32) = the join of high (bf16) and low (i16).
+void master_join_into(Tensor& master, const Tensor& high, const Tensor& low);
+// high, low = the halves of master; master_join_into gives it back bit for bit.
+void master_split_into(const Tensor& master, Tensor& high, Tensor& low);
 
 }  // namespace moetrain::ops

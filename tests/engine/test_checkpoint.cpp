@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "engine/checkpoint/checkpoint_format.h"
@@ -16,6 +17,8 @@
 #include "engine/checkpoint/hf_convert.h"
 #include "engine/checkpoint/safetensors.h"
 #include "engine/models/qwen3_moe.h"
+#include "ops/ops.h"
+#include "engine/optim/adamw.h"
 #include "test_files.h"
 #include "test_util.h"
 
@@ -38,12 +41,14 @@ TEST(Safetensors, RoundTripEveryDtypeAndShape) {
   Tensor c = random_tensor({2, 3, 2}, DType::BF16, 3);
   Tensor d = Tensor::empty({0, 7}, DType::I32);                      // no elements
   Tensor e = Tensor::from_vector(std::vector<int64_t>{-42}, {});     // 0-d
+  Tensor g = Tensor::from_vector(std::vector<int16_t>{-32768, -1, 0, 32767}, {4});  // split masters' low halves
   SafetensorsWriter w;
   w.add("a", a);
   w.add("layer.b", b);
   w.add("c", c);
   w.add("d", d);
   w.add("e", e);
+  w.add("g", g);
   w.set_metadata({{"format", "pt"}, {"who", "test"}});
   const auto written = w.write(dir / "x.safetensors");
 
@@ -51,10 +56,12 @@ TEST(Safetensors, RoundTripEveryDtypeAndShape) {
   EXPECT_EQ(f.file_size(), written.bytes);
   EXPECT_EQ(f.checksum(), written.xxh3);
   EXPECT_EQ(f.metadata().at("who"), "test");
-  ASSERT_EQ(f.entries().size(), 5u);
+  ASSERT_EQ(f.entries().size(), 6u);
   EXPECT_TRUE(bytes_equal(f.read("a"), a));
   EXPECT_TRUE(bytes_equal(f.read("layer.b"), b));
   EXPECT_TRUE(bytes_equal(f.read("c"), c));
+  EXPECT_TRUE(bytes_equal(f.read("g"), g));
+  EXPECT_EQ(f.read("g").dtype(), DType::I16);
   EXPECT_EQ(f.read("d").shape(), (Shape{0, 7}));
   EXPECT_EQ(f.read("e").to_vector<int64_t>(), std::vector<int64_t>{-42});
   EXPECT_EQ(f.find("nope"), nullptr);
@@ -344,6 +351,87 @@ TEST(Checkpointer, CorruptTruncatedAndMismatchedCheckpointsAreRefused) {
   other.push_back(other[1]);
   other.back().name = "model.extra.weight";
   EXPECT_TRUE(has(error_of([&] { load_model_weights(r, other); }), "no tensor 'model.extra.weight'"));
+}
+
+// bf16 parameters with split f32 masters (engine/parameters.h) save their masters as f32
+// "<name>.master", and load them back bit for bit, whole or from the pieces of a sharded
+// save: on the CPU here, the same code the GPU runs (the join and split ops are compared
+// between the backends in the op tests).
+TEST(Checkpointer, SplitMastersSaveAsF32AndLoadBackExactly) {
+  auto make = [] {
+    ParameterList ps;
+    for (auto [name, shape] : {std::pair<std::string, Shape>{"w.a", {6, 5}}, {"w.b", {7}}}) {
+      Parameter p;
+      p.name = name;
+      p.value = Tensor::zeros(shape, DType::BF16);
+      p.grad = Tensor::zeros(shape, DType::F32);
+      ps.push_back(p);
+    }
+    attach_masters(ps);
+    return ps;
+  };
+  ParameterList params = make();
+  for (size_t i = 0; i < params.size(); ++i) {
+    set_master(params[i], random_tensor(params[i].value.shape(), DType::F32, 30 + i));
+    EXPECT_NE(ops::sum_squares(params[i].master_low.to(DType::F32)), 0.0) << "the low halves should be nonzero";
+  }
+  AdamW opt(params, AdamWConfig{});
+  for (Parameter& p : params) p.grad.copy_from(random_tensor(p.value.shape(), DType::F32, 40));
+  opt.step(params, 1e-2, 1.0);
+  for (bool async : {false, true}) {
+    ScratchDir dir;
+    {
+      Checkpointer ck(dir.path().string(), 1, async);
+      ck.save(1, checkpoint_items(params, &opt), {{"step", 1}});
+      ck.wait();
+    }
+    CheckpointReader r(Checkpointer::committed(dir.path().string()).at(0).second);
+    ParameterList back = make();
+    AdamW opt_back(back, AdamWConfig{});
+    load_model_weights(r, back);
+    load_optimizer_state(r, back, opt_back);
+    for (size_t i = 0; i < params.size(); ++i) {
+      const std::string& n = params[i].name;
+      EXPECT_EQ(r.info(n + ".master").dtype, DType::F32) << n;
+      EXPECT_TRUE(bytes_equal(master_f32(back[i]), master_f32(params[i]))) << n << " async " << async;
+      EXPECT_TRUE(bytes_equal(back[i].value, params[i].value)) << n;
+      EXPECT_TRUE(bytes_equal(back[i].master_low, params[i].master_low)) << n;
+      EXPECT_TRUE(bytes_equal(opt_back.exp_avg()[i], opt.exp_avg()[i])) << n;
+    }
+  }
+  // Two ranks' pieces (w.a cut at element 13), each rank saving its own, loaded whole.
+  ScratchDir dir;
+  const std::vector<ShardSegment> segs[2] = {{{0, 0, 13}}, {{0, 13, 30}, {1, 0, 7}}};
+  std::vector<ParameterList> shards(2);
+  std::vector<std::unique_ptr<AdamW>> opts;
+  for (int r = 0; r < 2; ++r) {
+    for (const ShardSegment& sg : segs[r]) {
+      const Parameter& p = params[sg.param];
+      Parameter s;
+      s.name = p.name;
+      s.value = p.value.view({p.value.numel()}).slice(sg.begin, sg.end);
+      s.master_low = p.master_low.view({p.master_low.numel()}).slice(sg.begin, sg.end);
+      s.grad = Tensor::zeros({sg.end - sg.begin}, DType::F32);
+      shards[r].push_back(s);
+    }
+    opts.push_back(std::make_unique<AdamW>(shards[r], AdamWConfig{}));
+  }
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      Checkpointer ck(dir.path().string(), 0, /*async=*/r == 1, r, 2);
+      ck.save(1, sharded_checkpoint_items(params, shards[r], segs[r], *opts[r]), {{"step", 1}});
+      ck.wait();
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  CheckpointReader r(Checkpointer::committed(dir.path().string()).at(0).second);
+  ParameterList back = make();
+  load_model_weights(r, back);
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_EQ(r.info(params[i].name + ".master").slices.size(), i == 0 ? 4u : 1u) << params[i].name;  // w.a: 2 boxes a piece
+    EXPECT_TRUE(bytes_equal(master_f32(back[i]), master_f32(params[i]))) << params[i].name << " from pieces";
+  }
 }
 
 TEST(Checkpointer, ResumeNeverRefusesAFolderWithCheckpoints) {

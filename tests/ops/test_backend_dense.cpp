@@ -586,6 +586,95 @@ TEST(BackendDense, WholeListAdamWNormAndZero) {
   }
 }
 
+// Split f32 masters: join and split give the CPU's bits, and the whole-list AdamW on split
+// masters (the bf16 weight and its i16 low half, ops/adamw_math.h) gives the CPU's bits for
+// both halves and both moments: flat runs with an unaligned start (the element-wise path)
+// and aligned ones (four elements a thread), separate tensors, and the capped launch.
+TEST(BackendDense, SplitMastersJoinSplitAndAdamW) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  const int64_t n = 70001;
+  Tensor master = random_tensor({n}, DType::F32, 81, 3.0);
+  float* mp = master.data<float>();
+  for (int64_t i = 0; i < n; i += 97) {  // exact ties of the rounding, both signs
+    uint32_t u;
+    std::memcpy(&u, &mp[i], 4);
+    u = (u & 0xffff0000u) | 0x8000u;
+    std::memcpy(&mp[i], &u, 4);
+  }
+  Tensor high = Tensor::empty({n}, DType::BF16), low = Tensor::empty({n}, DType::I16);
+  ops::master_split_into(master, high, low);
+  Tensor gmaster = master.to(kGpu), ghigh = Tensor::empty({n}, DType::BF16, kGpu), glow = Tensor::empty({n}, DType::I16, kGpu);
+  ops::master_split_into(gmaster, ghigh, glow);
+  EXPECT_TRUE(bytes_equal(ghigh.to(Device::cpu()), high)) << "master_split_into: high halves differ";
+  EXPECT_TRUE(bytes_equal(glow.to(Device::cpu()), low)) << "master_split_into: low halves differ";
+  Tensor joined = Tensor::empty({n}, DType::F32, kGpu);
+  ops::master_join_into(joined, ghigh, glow);
+  EXPECT_TRUE(bytes_equal(joined.to(Device::cpu()), master)) << "master_join_into does not give the master back";
+
+  // A list of split masters on the CPU, and the same on the GPU laid out flat (start offset
+  // `skew` elements) with every 7th tensor a separate allocation.
+  ops::AdamWTensors cpu;
+  for (int i = 0; i < 30; ++i) {
+    const int64_t k = 37 * i + 5;
+    Tensor m32 = random_tensor({k}, DType::F32, 200 + i, 0.5);
+    Tensor h = Tensor::empty({k}, DType::BF16), l = Tensor::empty({k}, DType::I16);
+    ops::master_split_into(m32, h, l);
+    cpu.params.push_back(h);
+    cpu.lows.push_back(l);
+    cpu.grads.push_back(random_tensor({k}, DType::F32, 300 + i));
+    cpu.m.push_back(random_tensor({k}, DType::F32, 400 + i, 0.01));
+    cpu.v.push_back(abs_of(random_tensor({k}, DType::F32, 500 + i, 1e-3)));
+    cpu.values.push_back(Tensor());
+    cpu.decay.push_back(i % 3 != 0);
+  }
+  auto flat_on_gpu = [&](const std::vector<Tensor>& host, int64_t skew) {
+    int64_t total = 0;
+    for (const Tensor& t : host) total += t.numel();
+    const DType dt = host.front().dtype();
+    Tensor flat = Tensor::empty({total + skew}, dt, kGpu).slice(skew, total + skew);
+    std::vector<Tensor> out;
+    int64_t at = 0;
+    for (size_t i = 0; i < host.size(); ++i) {
+      Tensor view = i % 7 == 3 ? Tensor::empty(host[i].shape(), dt, kGpu) : flat.slice(at, at + host[i].numel());
+      view.copy_from(host[i].to(kGpu));
+      out.push_back(view);
+      at += host[i].numel();
+    }
+    return out;
+  };
+  auto list_on_gpu = [&](int64_t skew) {
+    ops::AdamWTensors t;
+    t.params = flat_on_gpu(cpu.params, skew);
+    t.lows = flat_on_gpu(cpu.lows, skew);
+    t.grads = flat_on_gpu(cpu.grads, skew);
+    t.m = flat_on_gpu(cpu.m, skew);
+    t.v = flat_on_gpu(cpu.v, skew);
+    t.values.resize(cpu.values.size());
+    t.decay = cpu.decay;
+    return t;
+  };
+  ops::AdamWStep s;
+  s.lr = 1e-3, s.weight_decay = 0.1, s.step = 3, s.grad_scale = 0.8;
+  ops::AdamWTensors unaligned = list_on_gpu(1), aligned = list_on_gpu(0), capped = list_on_gpu(0);
+  ops::adamw_update_all(unaligned, s);
+  ops::adamw_update_all(aligned, s);
+  ops::AdamWStep on_five = s;
+  on_five.max_sms = 5;
+  ops::adamw_update_all(capped, on_five);
+  ops::adamw_update_all(cpu, s);
+  for (size_t i = 0; i < cpu.params.size(); ++i) {
+    for (const ops::AdamWTensors* g : {&unaligned, &aligned, &capped}) {
+      const char* which = g == &unaligned ? "unaligned" : g == &aligned ? "aligned" : "capped";
+      EXPECT_TRUE(bytes_equal(g->params[i].to(Device::cpu()), cpu.params[i])) << which << " high half " << i;
+      EXPECT_TRUE(bytes_equal(g->lows[i].to(Device::cpu()), cpu.lows[i])) << which << " low half " << i;
+      EXPECT_TRUE(bytes_equal(g->m[i].to(Device::cpu()), cpu.m[i]) && bytes_equal(g->v[i].to(Device::cpu()), cpu.v[i]))
+          << which << " moments " << i;
+    }
+    if (::testing::Test::HasFailure()) break;
+  }
+}
+
 // ---- MoE auxiliary losses -----------------------------------------------------------
 
 TEST(BackendDense, LoadBalanceAccumulate) {

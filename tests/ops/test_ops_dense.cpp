@@ -611,4 +611,85 @@ TEST(DenseCrossEntropy, Errors) {
   expect_error([&] { ops::cross_entropy_backward(logits, ok, Tensor::zeros({2}, DType::F32), 1.0); }, {"lse"});
 }
 
+// ---- split f32 masters ---------------------------------------------------------------
+
+// Finite f32 values from random bits, with the cases that matter appended: signed zeros,
+// +inf,
+// the largest finite value, denormals, and exact ties (low 16 bits 0x8000, high half even
+// and odd, both signs).
+std::vector<uint32_t> master_bit_cases(int64_t n, uint64_t seed) {
+  std::vector<uint32_t> bits;
+  Rng rng(seed);
+  while (static_cast<int64_t>(bits.size()) < n) {
+    const uint32_t u = static_cast<uint32_t>(rng.next_u64());
+    if ((u & 0x7f800000u) != 0x7f800000u) bits.push_back(u);  // not inf or NaN
+  }
+  for (uint32_t u : {0x00000000u, 0x80000000u, 0x7f7fffffu, 0xff7fffffu, 0x00000001u, 0x80008000u, 0x3f808000u,
+                     0x3f818000u, 0xbf808000u, 0xbf818000u, 0x3f807fffu, 0x3f808001u, 0x7f800000u}) {
+    bits.push_back(u);
+  }
+  return bits;
+}
+
+TEST(DenseMasterSplit, JoinGivesBackEveryBitAndTheWeightIsTheNearestBf16) {
+  const std::vector<uint32_t> bits = master_bit_cases(100000, 7);
+  const int64_t n = static_cast<int64_t>(bits.size());
+  Tensor master = Tensor::empty({n}, DType::F32);
+  std::memcpy(master.raw(), bits.data(), bits.size() * 4);
+  Tensor high = Tensor::empty({n}, DType::BF16), low = Tensor::empty({n}, DType::I16);
+  Tensor back = Tensor::full({n}, NAN, DType::F32);
+  ops::master_split_into(master, high, low);
+  ops::master_join_into(back, high, low);
+  EXPECT_TRUE(moetrain::testing::bytes_equal(back, master)) << "join(split(x)) is not x";
+  const float* m = master.data<float>();
+  const moetrain::bf16* h = high.data<moetrain::bf16>();
+  int ties = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const moetrain::bf16 rne(m[i]);
+    if ((bits[i] & 0xffffu) != 0x8000u) {
+      ASSERT_EQ(h[i].bits, rne.bits) << "not the nearest bf16 for bits " << std::hex << bits[i];
+    } else {  // a tie: away from zero, the neighbour of larger magnitude
+      ++ties;
+      ASSERT_EQ(h[i].bits, static_cast<uint16_t>((bits[i] >> 16) + 1)) << "tie of bits " << std::hex << bits[i];
+      ASSERT_GE(std::fabs(static_cast<float>(h[i])), std::fabs(m[i]));
+    }
+  }
+  EXPECT_GE(ties, 5);
+}
+
+// AdamW on a split master gives the bits of AdamW on the f32 master, then split.
+TEST(DenseMasterSplit, AdamWOnSplitMastersEqualsF32Masters) {
+  const int64_t n = 4099;
+  Tensor f32 = random_tensor({n}, DType::F32, 11, 0.5);
+  Tensor high = Tensor::empty({n}, DType::BF16), low = Tensor::empty({n}, DType::I16);
+  ops::master_split_into(f32, high, low);
+  Tensor value = Tensor::empty({n}, DType::BF16);
+  Tensor m1 = Tensor::zeros({n}, DType::F32), v1 = Tensor::zeros({n}, DType::F32);
+  Tensor m2 = m1.clone(), v2 = v1.clone();
+  ops::AdamWTensors a{{f32}, {Tensor()}, {m1}, {v1}, {value}, {}, {true}};
+  ops::AdamWTensors b{{high}, {Tensor()}, {m2}, {v2}, {Tensor()}, {low}, {true}};
+  ops::AdamWStep s;
+  s.lr = 1e-2, s.weight_decay = 0.1, s.grad_scale = 0.7;
+  for (int step = 1; step <= 3; ++step) {
+    a.grads[0] = b.grads[0] = random_tensor({n}, DType::F32, 20 + step);
+    s.step = step;
+    ops::adamw_update_all(a, s);
+    ops::adamw_update_all(b, s);
+    Tensor joined = Tensor::empty({n}, DType::F32);
+    ops::master_join_into(joined, high, low);
+    ASSERT_TRUE(moetrain::testing::bytes_equal(joined, f32)) << "step " << step << ": the masters differ";
+    ASSERT_TRUE(moetrain::testing::bytes_equal(m1, m2) && moetrain::testing::bytes_equal(v1, v2)) << "step " << step;
+  }
+  // The weight: the nearest bf16 of the master (the RNE copy where the master is no tie).
+  Tensor rne = f32.to(DType::BF16);
+  int64_t differ = 0;
+  for (int64_t i = 0; i < n; ++i) differ += high.data<moetrain::bf16>()[i].bits != rne.data<moetrain::bf16>()[i].bits;
+  EXPECT_LE(differ, 2) << "the split weight should differ from round-to-nearest-even only at exact ties";
+  // A split master is a bf16 param with an i16 low half and no value to refresh.
+  ops::AdamWTensors bad{{high}, {a.grads[0]}, {m2}, {v2}, {value}, {low}, {true}};
+  expect_error([&] { ops::adamw_update_all(bad, s); }, {"split master"});
+  Tensor wrong = Tensor::empty({n}, DType::I32);
+  expect_error([&] { ops::master_join_into(f32, high, wrong); }, {"i16"});
+}
+
 }  // namespace

@@ -12,6 +12,7 @@
 
 #include "core/cuda_runtime.h"
 #include "core/log.h"
+#include "ops/ops.h"
 #include <fmt/ranges.h>
 
 namespace moetrain {
@@ -62,7 +63,7 @@ CheckpointItems checkpoint_items(ParameterList& params, AdamW* opt) {
     const Parameter& p = params[i];
     items.model.push_back({p.name, p.value});
     if (opt == nullptr) continue;
-    if (p.master.defined()) items.optimizer.push_back({p.name + ".master", p.master});
+    if (p.has_master()) items.optimizer.push_back({p.name + ".master", p.value, {}, -1, {}, p.master_low});
     items.optimizer.push_back({p.name + ".exp_avg", opt->exp_avg()[i]});
     items.optimizer.push_back({p.name + ".exp_avg_sq", opt->exp_avg_sq()[i]});
   }
@@ -82,7 +83,7 @@ CheckpointItems sharded_checkpoint_items(const ParameterList& params, ParameterL
              "sharded checkpoint: '{}' holds {} elements for the range [{}, {})", p.name, p.value.numel(), b,
              segments[i].end);
     items.model.push_back({p.name, p.value, shape, b});
-    if (p.master.defined()) items.optimizer.push_back({p.name + ".master", p.master, shape, b});
+    if (p.has_master()) items.optimizer.push_back({p.name + ".master", p.value, shape, b, {}, p.master_low});
     items.optimizer.push_back({p.name + ".exp_avg", opt.exp_avg()[i], shape, b});
     items.optimizer.push_back({p.name + ".exp_avg_sq", opt.exp_avg_sq()[i], shape, b});
   }
@@ -94,6 +95,12 @@ namespace {
 // Checks that an item is one of the three kinds CheckpointItem describes and fits its tensor.
 void check_item(const CheckpointItem& it) {
   MT_CHECK(it.data.defined(), "checkpoint item '{}' has no tensor", it.name);
+  if (it.low.defined()) {
+    MT_CHECK(it.data.dtype() == DType::BF16 && it.low.dtype() == DType::I16 && it.low.shape() == it.data.shape() &&
+                 it.low.device() == it.data.device(),
+             "checkpoint item '{}': a split master is a bf16 high half and an i16 low half of one shape and device, "
+             "got {} and {}", it.name, it.data.str(), it.low.str());
+  }
   if (it.flat_begin >= 0) {
     MT_CHECK(it.start.empty(), "checkpoint item '{}': a piece (flat_begin {}) has no box start", it.name,
              it.flat_begin);
@@ -164,9 +171,10 @@ void load_sharded_state(CheckpointReader& reader, const ParameterList& params, P
     MT_CHECK(p.name != "lm_head.weight" || reader.has(p.name),
              "checkpoint {}: no tensor 'lm_head.weight' (set tie_word_embeddings = true for a model whose head is "
              "its embedding)", reader.dir());
-    if (p.master.defined()) {
-      read_piece(reader, reader.has(p.name + ".master") ? p.name + ".master" : p.name, shape, b, p.master);
-      p.value.copy_from(p.master);
+    if (p.has_master()) {
+      Tensor master = Tensor::empty(p.value.shape(), DType::F32, p.value.device());
+      read_piece(reader, reader.has(p.name + ".master") ? p.name + ".master" : p.name, shape, b, master);
+      set_master(p, master);
     } else {
       read_piece(reader, p.name, shape, b, p.value);
     }
@@ -187,9 +195,10 @@ void load_model_weights(CheckpointReader& reader, ParameterList& params) {
     MT_CHECK(reader.has(p.name), "checkpoint {}: no tensor '{}' (the model needs {} {})", reader.dir(), p.name,
              dtype_name(p.value.dtype()), shape_str(p.value.shape()));
     const std::string master_name = p.name + ".master";
-    if (p.master.defined()) {
-      reader.read(reader.has(master_name) ? master_name : p.name, p.master);
-      p.value.copy_from(p.master);
+    if (p.has_master()) {
+      Tensor master = Tensor::empty(p.value.shape(), DType::F32, p.value.device());
+      reader.read(reader.has(master_name) ? master_name : p.name, master);
+      set_master(p, master);
     } else {
       reader.read(p.name, p.value);
     }
@@ -264,22 +273,28 @@ void Checkpointer::prepare(const CheckpointItems& items) {
   auto global = [](const CheckpointItem& it) {
     return it.global_shape.empty() && it.flat_begin < 0 ? it.data.shape() : it.global_shape;
   };
+  // A split master is written as f32.
+  auto host_dtype = [](const CheckpointItem& it) { return it.low.defined() ? DType::F32 : it.data.dtype(); };
   auto fit = [&](std::vector<TensorSlice>& host, const std::vector<CheckpointItem>& live) {
     for (const CheckpointItem& it : live) check_item(it);
     bool same = host.size() == live.size();
     for (size_t i = 0; same && i < live.size(); ++i) {
       const CheckpointItem& it = live[i];
       same = host[i].name == it.name && host[i].data.shape() == host_shape(it) &&
-             host[i].data.dtype() == it.data.dtype() && host[i].flat_begin == it.flat_begin &&
+             host[i].data.dtype() == host_dtype(it) && host[i].flat_begin == it.flat_begin &&
              host[i].global_shape == global(it) && host[i].start == it.start;
     }
     if (same) return;
     host.clear();
     for (const CheckpointItem& it : live) {
-      Tensor buf = Tensor::empty_pinned(host_shape(it), it.data.dtype());
+      // Pinned memory for what comes from a GPU (the copies run at full speed and async);
+      // pageable for host items, which then never touch CUDA (a forked process may not).
+      const bool pinned = !it.data.device().is_cpu();
+      Tensor buf = pinned ? Tensor::empty_pinned(host_shape(it), host_dtype(it))
+                          : Tensor::empty(host_shape(it), host_dtype(it));
       // Touch every page now, or the first save pays the page faults (pinned memory is
       // resident already).
-      if (!cuda::available() && buf.nbytes() > 0) std::memset(buf.raw(), 0, buf.nbytes());
+      if ((!pinned || !cuda::available()) && buf.nbytes() > 0) std::memset(buf.raw(), 0, buf.nbytes());
       TensorSlice s = whole_slice(it.name, buf);
       s.global_shape = global(it);
       s.start = it.start;
@@ -298,7 +313,23 @@ SaveStats Checkpointer::save(int64_t step, const CheckpointItems& items, const n
   bool any_device = false;
   auto copy = [&](std::vector<TensorSlice>& host, const std::vector<CheckpointItem>& live) {
     for (size_t i = 0; i < live.size(); ++i) {
-      const Tensor& src = live[i].data;
+      Tensor src = live[i].data;
+      if (live[i].low.defined() && src.numel() > 0) {
+        // A split master: joined into f32 first, on the host directly, on the device in a
+        // scratch buffer (reused: each copy is ordered on the stream before the next join).
+        if (src.device().is_cpu()) {
+          Tensor dst = host[i].data.view(src.shape());
+          ops::master_join_into(dst, src, live[i].low);
+          bytes += dst.nbytes();
+          continue;
+        }
+        if (!join_scratch_.defined() || join_scratch_.numel() < src.numel() || join_scratch_.device() != src.device()) {
+          join_scratch_ = Tensor::empty({src.numel()}, DType::F32, src.device());
+        }
+        Tensor joined = join_scratch_.slice(0, src.numel()).view(src.shape());
+        ops::master_join_into(joined, src, live[i].low);
+        src = joined;
+      }
       bytes += src.nbytes();
       if (src.nbytes() == 0) continue;
       if (src.device().is_cpu()) {
@@ -312,6 +343,7 @@ SaveStats Checkpointer::save(int64_t step, const CheckpointItems& items, const n
   copy(host_.model, items.model);
   copy(host_.optimizer, items.optimizer);
   if (any_device) cuda::stream_synchronize(cuda::current_stream());
+  join_scratch_ = Tensor();  // the largest master's f32 size; not kept between saves
   SaveStats stats{step, 0, bytes};
   if (async_) {
     std::lock_guard<std::mutex> lock(mu_);

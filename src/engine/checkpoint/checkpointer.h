@@ -47,6 +47,9 @@ struct CheckpointItem {
   Shape global_shape;       // empty: data is the whole tensor
   int64_t flat_begin = -1;  // >= 0 for a piece
   Shape start;              // a box's first index per dim (global_shape given, flat_begin < 0)
+  // Defined for a split f32 master (engine/parameters.h): data is its bf16 high half, low
+  // (i16) the rest; the item is written as their f32 join.
+  Tensor low;
 };
 // Model values under their canonical names; f32 masters and Adam moments as
 // "<name>.master", "<name>.exp_avg", "<name>.exp_avg_sq".
@@ -126,6 +129,7 @@ class Checkpointer {
   int rank_, world_;
   std::chrono::seconds commit_timeout_;
   Host host_;  // reused across saves while the shapes stay the same
+  Tensor join_scratch_;  // device f32: split masters are joined here on their way to the host
 
   std::mutex mu_;
   std::condition_variable cv_;

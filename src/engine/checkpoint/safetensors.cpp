@@ -39,6 +39,7 @@ std::string safetensors_dtype_name(DType t) {
     case DType::BF16: return "BF16";
     case DType::I32: return "I32";
     case DType::I64: return "I64";
+    case DType::I16: return "I16";
   }
   MT_THROW("unknown dtype {}", static_cast<int>(t));
 }
@@ -49,6 +50,7 @@ bool parse_safetensors_dtype(const std::string& s, DType* out) {
   else if (s == "BF16") *out = DType::BF16;
   else if (s == "I32") *out = DType::I32;
   else if (s == "I64") *out = DType::I64;
+  else if (s == "I16") *out = DType::I16;
   else return false;
   return true;
 }

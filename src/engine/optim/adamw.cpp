@@ -7,14 +7,16 @@
 namespace moetrain {
 
 AdamW::AdamW(const ParameterList& params, AdamWConfig cfg) : cfg_(cfg) {
-  std::vector<Tensor> targets;
-  for (auto p : params) targets.push_back(p.master_or_value());
-  if (targets.empty()) return;
-  const DType dtype = cfg_.bf16_moments ? DType::BF16 : targets.front().dtype();
-  MT_CHECK(!cfg_.bf16_moments || targets.front().dtype() == DType::F32,
-           "AdamW: bf16 moments need f32 master weights, the parameters hold {}", dtype_name(targets.front().dtype()));
-  m_ = flat_views(targets, dtype);
-  v_ = flat_views(targets, dtype);
+  std::vector<Tensor> like;
+  for (const auto& p : params) like.push_back(p.value);
+  if (like.empty()) return;
+  // The moments take the masters' dtype: f32 for a split master, else the value's own.
+  const DType masters = params.front().has_master() ? DType::F32 : params.front().value.dtype();
+  const DType dtype = cfg_.bf16_moments ? DType::BF16 : masters;
+  MT_CHECK(!cfg_.bf16_moments || masters == DType::F32,
+           "AdamW: bf16 moments need f32 master weights, the parameters hold {}", dtype_name(masters));
+  m_ = flat_views(like, dtype);
+  v_ = flat_views(like, dtype);
 }
 
 void AdamW::step(ParameterList& params, double lr, double grad_scale) {
@@ -33,9 +35,10 @@ void AdamW::update(ParameterList& params, const std::vector<size_t>& indices, do
   for (size_t i : indices) {
     MT_CHECK(i < params.size(), "AdamW: parameter index {} of {}", i, params.size());
     Parameter& p = params[i];
-    t.params.push_back(p.master_or_value());
+    t.params.push_back(p.value);  // with a master, its high half; master_low the rest
     t.grads.push_back(p.grad);
-    t.values.push_back(p.master.defined() ? p.value : Tensor());
+    t.values.push_back(Tensor());
+    t.lows.push_back(p.master_low);
     t.decay.push_back(p.weight_decay);
     t.m.push_back(m_[i]);
     t.v.push_back(v_[i]);

@@ -25,7 +25,7 @@ FsdpContext::FsdpContext(Qwen3MoeModel& model, Communicator& dense_group, Commun
       shard_weights_(shard_weights),
       opt_(ParameterList{}, adamw) {
   ParameterList& params = model.parameters();
-  std::vector<Tensor> full_masters;  // kept alive until the shards have their copies
+  std::vector<Tensor> full_lows;  // kept alive until the shards have their copies
   shards_.reserve(model.buckets().size());
   for (ParamBucket& b : model.buckets()) {
     Communicator& g = b.experts ? expert_group : dense_group;
@@ -50,29 +50,29 @@ FsdpContext::FsdpContext(Qwen3MoeModel& model, Communicator& dense_group, Commun
       s.grad = sh.grad.slice(begin - lo, end - lo);
       s.weight_decay = p.weight_decay;
       s.init_std = p.init_std;
-      if (p.master.defined()) {
-        full_masters.push_back(p.master);
-        s.master = p.master.view({p.master.numel()}).slice(begin - m.offset, end - m.offset);
+      if (p.has_master()) {
+        full_lows.push_back(p.master_low);
+        s.master_low = p.master_low.view({p.master_low.numel()}).slice(begin - m.offset, end - m.offset);
       }
       shard_params_.push_back(std::move(s));
     }
     shards_.push_back(sh);
   }
-  // The masters of the shards, flat in segment order (the optimizer's whole-list ops
-  // coalesce runs that lie back to back), copied from the model's full masters, which the
-  // model then drops: only the shards keep f32 weights.
+  // The masters of the shards (their low halves; the high halves are the shard values),
+  // flat in segment order (the optimizer's whole-list ops coalesce runs that lie back to
+  // back), copied from the model's, which the model then drops: only the shards keep masters.
   std::vector<Tensor> sources;
   for (const Parameter& s : shard_params_) {
-    if (s.master.defined()) sources.push_back(s.master);
+    if (s.has_master()) sources.push_back(s.master_low);
   }
-  std::vector<Tensor> own = flat_views(sources, DType::F32);
+  std::vector<Tensor> own = flat_views(sources, DType::I16);
   size_t i = 0;
   for (Parameter& s : shard_params_) {
-    if (!s.master.defined()) continue;
-    own[i].copy_from(s.master);
-    s.master = own[i++];
+    if (!s.has_master()) continue;
+    own[i].copy_from(s.master_low);
+    s.master_low = own[i++];
   }
-  for (Parameter& p : params) p.master = Tensor();
+  for (Parameter& p : params) p.master_low = Tensor();
   opt_ = AdamW(shard_params_, adamw);
   if (shard_weights_) {
     for (Shard& sh : shards_) {

@@ -37,7 +37,7 @@ class FsdpContext final : public WeightHooks {
   // `dense_group` shards non-expert buckets, `expert_group` expert buckets, `world` sums the
   // gradient norm. HSDP: `replicate` (or nullptr) is the group of ranks holding the same
   // shards in other replica groups; their gradient shards are summed over it once a step.
-  // The model's f32 masters (if any) are moved into the shards and dropped from the model,
+  // The model's f32 masters (if any; their low halves) move into the shards and leave the model,
   // so construct this after the model's weights are initialised. With shard_weights the
   // model's whole weights are released here and gathered on use.
   FsdpContext(Qwen3MoeModel& model, Communicator& dense_group, Communicator& expert_group, Communicator& world,
@@ -64,7 +64,7 @@ class FsdpContext final : public WeightHooks {
   // This rank's pieces of parameters: an element range of model.parameters()[param].
   const std::vector<ShardSegment>& segments() const { return segments_; }
   // One Parameter per segment (same order): value a 1-D view into the model's bucket, grad
-  // a view of the reduced gradient shard, master (bf16 models) a view of the master shard.
+  // a view of the reduced gradient shard, master_low (bf16 models) the master's low half.
   ParameterList& shard_params() { return shard_params_; }
   AdamW& optimizer() { return opt_; }
   // After the shards' values were loaded (a checkpoint): the whole weights made consistent.

@@ -88,6 +88,13 @@ void adamw_update_all(AdamWTensors& t, const AdamWStep& s) {
   for (size_t i = 0; i < t.params.size(); ++i) {
     AdamWStep si = s;
     if (!t.decay[i]) si.weight_decay = 0;
+    if (t.lows[i].defined()) {  // a split master: joined, updated, split again (all exact)
+      Tensor master = Tensor::empty(t.params[i].shape(), DType::F32);
+      cpu::master_join_into(master, t.params[i], t.lows[i]);
+      cpu::adamw_update(master, t.grads[i], t.m[i], t.v[i], si);
+      cpu::master_split_into(master, t.params[i], t.lows[i]);
+      continue;
+    }
     cpu::adamw_update(t.params[i], t.grads[i], t.m[i], t.v[i], si);
     if (t.values[i].defined()) cpu::cast_into(t.values[i], t.params[i]);
   }

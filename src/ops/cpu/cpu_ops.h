@@ -48,5 +48,7 @@ void scale_(Tensor& x, double alpha);
 void add_(Tensor& y, const Tensor& x);
 bool all_finite(const Tensor& x);
 void cast_into(Tensor& dst, const Tensor& src);
+void master_join_into(Tensor& master, const Tensor& high, const Tensor& low);
+void master_split_into(const Tensor& master, Tensor& high, Tensor& low);
 
 }  // namespace moetrain::ops::cpu

@@ -2,8 +2,9 @@
 //
 // Floor: the step is memory-bound. Per element it reads grad, master, m, v (16 B) and writes
 // master, m, v (12 B) plus the bf16 weight (2 B): 30 B, so 2.63e9 parameters (the bench
-// model) move 79 GB, 24 ms at the H100's 3.35 TB/s. bf16 moments ([optimizer].moments =
-// "bf16") read and write 4 B less each: 22 B, 58 GB, 17 ms. The arithmetic (f32, ~15
+// model) move 79 GB, 24 ms at the H100's 3.35 TB/s. A split master (the bf16 weight and a
+// 16-bit low half: adamw_math.h) reads and writes 4 B for master and weight: 28 B, 74 GB.
+// bf16 moments ([optimizer].moments = "bf16") read and write 4 B less each. The arithmetic (f32, ~15
 // operations, a division and a square root an element: ops/adamw_math.h) is hidden on the
 // whole GPU; on the few multiprocessors of a capped launch it is what bounds each of them.
 //
@@ -69,19 +70,28 @@ struct Moments4<__nv_bfloat16> {
 // Elements [lo, end) of segment g, shared by `lanes` threads of which this is `lane`: four
 // consecutive elements a thread (16-byte accesses) when the segment is aligned, kGroups
 // groups of four loaded before any is computed (more bytes in flight per thread).
-template <typename M, int kGroups>
+// kSplit: the master is g.value and g.low (g.param is null).
+template <typename M, int kGroups, bool kSplit>
 __device__ __forceinline__ void update_range(const AdamWSegment& g, const AdamWArgs& a, int64_t lo, int64_t end,
                                              int64_t lane, int64_t lanes) {
   M* gm = static_cast<M*>(g.m);
   M* gv = static_cast<M*>(g.v);
+  uint16_t* high = reinterpret_cast<uint16_t*>(g.value);
   const float wd = static_cast<float>(g.weight_decay);
   constexpr uintptr_t kMomentAlign = 4 * sizeof(M);
-  const bool vec = aligned16(g.param) && aligned16(g.grad) && reinterpret_cast<uintptr_t>(gm) % kMomentAlign == 0 &&
+  const bool vec = (kSplit || aligned16(g.param)) && aligned16(g.grad) &&
+                   reinterpret_cast<uintptr_t>(gm) % kMomentAlign == 0 &&
                    reinterpret_cast<uintptr_t>(gv) % kMomentAlign == 0 &&
-                   (reinterpret_cast<uintptr_t>(g.value) & 7u) == 0;
+                   (reinterpret_cast<uintptr_t>(g.value) & 7u) == 0 && (reinterpret_cast<uintptr_t>(g.low) & 7u) == 0;
   auto one = [&](int64_t k) {
-    const float p = adamw_one(g.param[k], g.grad[k], gm[k], gv[k], a, wd, g.index_base + k);
-    if (g.value) g.value[k] = __float2bfloat16_rn(p);
+    if constexpr (kSplit) {
+      float p = master_join(high[k], g.low[k]);
+      adamw_one(p, g.grad[k], gm[k], gv[k], a, wd, g.index_base + k);
+      master_split(p, high[k], g.low[k]);
+    } else {
+      const float p = adamw_one(g.param[k], g.grad[k], gm[k], gv[k], a, wd, g.index_base + k);
+      if (g.value) g.value[k] = __float2bfloat16_rn(p);
+    }
   };
   if (!vec) {
     for (int64_t k = lo + lane; k < end; k += lanes) one(k);
@@ -93,7 +103,15 @@ __device__ __forceinline__ void update_range(const AdamWSegment& g, const AdamWA
     Moments4<M> m, v;
   };
   auto load4 = [&](Four& f, int64_t i) {
-    f.p = *reinterpret_cast<const float4*>(g.param + i);
+    if constexpr (kSplit) {
+      const uint2 h = *reinterpret_cast<const uint2*>(high + i), l = *reinterpret_cast<const uint2*>(g.low + i);
+      f.p = make_float4(master_join(h.x & 0xffffu, static_cast<int16_t>(l.x & 0xffffu)),
+                        master_join(h.x >> 16, static_cast<int16_t>(l.x >> 16)),
+                        master_join(h.y & 0xffffu, static_cast<int16_t>(l.y & 0xffffu)),
+                        master_join(h.y >> 16, static_cast<int16_t>(l.y >> 16)));
+    } else {
+      f.p = *reinterpret_cast<const float4*>(g.param + i);
+    }
     f.gr = *reinterpret_cast<const float4*>(g.grad + i);
     f.m.load(gm + i);
     f.v.load(gv + i);
@@ -103,9 +121,20 @@ __device__ __forceinline__ void update_range(const AdamWSegment& g, const AdamWA
     adamw_one(f.p.y, f.gr.y, f.m.e[1], f.v.e[1], a, wd, g.index_base + i + 1);
     adamw_one(f.p.z, f.gr.z, f.m.e[2], f.v.e[2], a, wd, g.index_base + i + 2);
     adamw_one(f.p.w, f.gr.w, f.m.e[3], f.v.e[3], a, wd, g.index_base + i + 3);
-    *reinterpret_cast<float4*>(g.param + i) = f.p;
     f.m.store(gm + i);
     f.v.store(gv + i);
+    if constexpr (kSplit) {
+      uint16_t h[4];
+      int16_t l[4];
+      master_split(f.p.x, h[0], l[0]);
+      master_split(f.p.y, h[1], l[1]);
+      master_split(f.p.z, h[2], l[2]);
+      master_split(f.p.w, h[3], l[3]);
+      *reinterpret_cast<uint2*>(high + i) = *reinterpret_cast<const uint2*>(h);
+      *reinterpret_cast<uint2*>(g.low + i) = *reinterpret_cast<const uint2*>(l);
+      return;
+    }
+    *reinterpret_cast<float4*>(g.param + i) = f.p;
     if (g.value) {
       __nv_bfloat162 h[2] = {__floats2bfloat162_rn(f.p.x, f.p.y), __floats2bfloat162_rn(f.p.z, f.p.w)};
       *reinterpret_cast<uint2*>(g.value + i) = *reinterpret_cast<const uint2*>(h);
@@ -144,8 +173,9 @@ __global__ void __launch_bounds__(kThreads) adamw_chunks_kernel(const __grid_con
   for (int64_t c = blockIdx.x; c < total; c += gridDim.x) {
     while (c >= b.first_chunk[s + 1]) ++s;  // chunks ascend, so the segment only moves forward
     const int64_t begin = (c - b.first_chunk[s]) * kChunk;
-    update_range<M, sizeof(M) == 2 ? 2 : 1>(b.seg[s], a, begin, min(b.seg[s].n, begin + kChunk), threadIdx.x,
-                                            kThreads);
+    const int64_t end = min(b.seg[s].n, begin + kChunk);
+    if (b.seg[s].low) update_range<M, sizeof(M) == 2 ? 2 : 1, true>(b.seg[s], a, begin, end, threadIdx.x, kThreads);
+    else update_range<M, sizeof(M) == 2 ? 2 : 1, false>(b.seg[s], a, begin, end, threadIdx.x, kThreads);
   }
 }
 
@@ -161,7 +191,10 @@ __global__ void __launch_bounds__(kCappedThreads) adamw_sweep_kernel(const __gri
                                                                      const AdamWArgs a) {
   const int64_t lane = static_cast<int64_t>(blockIdx.x) * kCappedThreads + threadIdx.x;
   const int64_t lanes = static_cast<int64_t>(gridDim.x) * kCappedThreads;
-  for (int s = 0; s < b.count; ++s) update_range<M, 2>(b.seg[s], a, 0, b.seg[s].n, lane, lanes);
+  for (int s = 0; s < b.count; ++s) {
+    if (b.seg[s].low) update_range<M, 2, true>(b.seg[s], a, 0, b.seg[s].n, lane, lanes);
+    else update_range<M, 2, false>(b.seg[s], a, 0, b.seg[s].n, lane, lanes);
+  }
 }
 
 // Dynamic shared memory that keeps kKernel's 1024-thread blocks one a multiprocessor: none

@@ -10,18 +10,20 @@
 
 namespace moetrain::ops::cuda {
 
-// n f32 elements that lie back to back in every role: master weights, gradients, moments
+// n elements that lie back to back in every role: f32 master weights, gradients, moments
 // (f32, or bf16 when AdamWArgs::bf16_moments), and optionally the bf16 weight that receives
-// the updated master rounded.
+// the updated master rounded. A split master (low not null, param null): value and low are
+// its two halves (adamw_math.h), read and written.
 struct AdamWSegment {
   float* param;
   const float* grad;
   void* m;
   void* v;
-  __nv_bfloat16* value;  // may be null
+  __nv_bfloat16* value;  // may be null (not with low)
   int64_t n;
   double weight_decay;
   int64_t index_base;  // m's storage offset: bf16 rounding keys on index_base + k, not on k
+  int16_t* low;        // the low halves of a split master, or null
 };
 
 struct AdamWArgs {

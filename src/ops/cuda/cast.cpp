@@ -1,5 +1,5 @@
 // cast_into on CUDA: f32 <-> bf16 on the device (the optimizer's master-to-weight copy);
-// a same-dtype cast is a device copy.
+// a same-dtype cast is a device copy. The joins and splits of split f32 masters.
 #include "ops/cuda/cast_launch.h"
 #include "ops/cuda/common.h"
 #include "ops/cuda/cuda_ops.h"
@@ -20,6 +20,20 @@ void cast_into(Tensor& dst, const Tensor& src) {
   } else {
     MT_THROW("cast_into: no CUDA cast from {} to {}", dtype_name(src.dtype()), dtype_name(dst.dtype()));
   }
+}
+
+void master_join_into(Tensor& master, const Tensor& high, const Tensor& low) {
+  check_cuda_tensors("master_join_into", {&master, &high, &low});
+  launch_master_join(master.data<float>(), static_cast<const uint16_t*>(high.raw()), low.data<int16_t>(),
+                     master.numel(), stream());
+  check_launch("master_join");
+}
+
+void master_split_into(const Tensor& master, Tensor& high, Tensor& low) {
+  check_cuda_tensors("master_split_into", {&master, &high, &low});
+  launch_master_split(master.data<float>(), static_cast<uint16_t*>(high.raw()), low.data<int16_t>(), master.numel(),
+                      stream());
+  check_launch("master_split");
 }
 
 }  // namespace moetrain::ops::cuda
