@@ -91,8 +91,11 @@ MT_HOST_DEVICE float bits_float(uint32_t u) {
 MT_HOST_DEVICE float master_join(uint16_t high, int16_t low) {
   return bits_float((static_cast<uint32_t>(high) << 16) + static_cast<uint32_t>(static_cast<int32_t>(low)));
 }
+// A NaN master becomes the quiet NaN of its sign first: the carry into the high half could
+// otherwise turn a NaN into an infinity or a zero weight.
 MT_HOST_DEVICE void master_split(float master, uint16_t& high, int16_t& low) {
-  const uint32_t u = float_bits(master);
+  uint32_t u = float_bits(master);
+  if ((u & 0x7fffffffu) > 0x7f800000u) u = (u & 0x80000000u) | 0x7fc00000u;
   high = static_cast<uint16_t>((u + 0x8000u) >> 16);
   low = static_cast<int16_t>(static_cast<uint16_t>(u & 0xffffu));
 }

@@ -432,6 +432,21 @@ TEST(Checkpointer, SplitMastersSaveAsF32AndLoadBackExactly) {
     EXPECT_EQ(r.info(params[i].name + ".master").slices.size(), i == 0 ? 4u : 1u) << params[i].name;  // w.a: 2 boxes a piece
     EXPECT_TRUE(bytes_equal(master_f32(back[i]), master_f32(params[i]))) << params[i].name << " from pieces";
   }
+  // load_slices fills split-master items (the high and low halves) from the f32 pieces.
+  std::vector<CheckpointItem> items;
+  for (const CheckpointItem& it : sharded_checkpoint_items(params, shards[1], segs[1], *opts[1]).optimizer) {
+    if (!it.low.defined()) continue;
+    CheckpointItem blank = it;
+    blank.data = Tensor::zeros(it.data.shape(), DType::BF16);
+    blank.low = Tensor::zeros(it.low.shape(), DType::I16);
+    items.push_back(blank);
+  }
+  ASSERT_EQ(items.size(), 2u);
+  load_slices(r, items);
+  for (size_t k = 0; k < items.size(); ++k) {
+    EXPECT_TRUE(bytes_equal(items[k].data, shards[1][k].value)) << items[k].name;
+    EXPECT_TRUE(bytes_equal(items[k].low, shards[1][k].master_low)) << items[k].name;
+  }
 }
 
 TEST(Checkpointer, ResumeNeverRefusesAFolderWithCheckpoints) {

@@ -655,6 +655,18 @@ TEST(DenseMasterSplit, JoinGivesBackEveryBitAndTheWeightIsTheNearestBf16) {
     }
   }
   EXPECT_GE(ties, 5);
+  // NaN masters (CUDA's canonical 0x7fffffff among them) stay NaN weights, never an
+  // infinity or a zero from the carry.
+  const std::vector<uint32_t> nans = {0x7fffffffu, 0xffffffffu, 0x7f800001u, 0xff807fffu, 0x7fc00000u, 0xffff8000u};
+  Tensor nm = Tensor::empty({6}, DType::F32), nh = Tensor::empty({6}, DType::BF16), nl = Tensor::empty({6}, DType::I16);
+  std::memcpy(nm.raw(), nans.data(), 24);
+  ops::master_split_into(nm, nh, nl);
+  Tensor nj = Tensor::empty({6}, DType::F32);
+  ops::master_join_into(nj, nh, nl);
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_TRUE(std::isnan(static_cast<float>(nh.data<moetrain::bf16>()[i]))) << std::hex << nans[i];
+    EXPECT_TRUE(std::isnan(nj.data<float>()[i])) << std::hex << nans[i];
+  }
 }
 
 // AdamW on a split master gives the bits of AdamW on the f32 master, then split.

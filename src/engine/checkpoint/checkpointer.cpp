@@ -148,7 +148,8 @@ void read_piece(CheckpointReader& reader, const std::string& name, const Shape& 
 void load_slices(CheckpointReader& reader, const std::vector<CheckpointItem>& items) {
   for (const CheckpointItem& it : items) {
     check_item(it);
-    Tensor dst = it.data;
+    // A split master is read as f32 and split into its halves.
+    Tensor dst = it.low.defined() ? Tensor::empty(it.data.shape(), DType::F32, it.data.device()) : it.data;
     if (it.flat_begin >= 0) {
       read_piece(reader, it.name, it.global_shape, it.flat_begin, dst);
     } else if (!it.start.empty()) {
@@ -158,6 +159,10 @@ void load_slices(CheckpointReader& reader, const std::vector<CheckpointItem>& it
       MT_CHECK(reader.has(it.name), "checkpoint {}: no tensor '{}' (the model needs {} {})", reader.dir(), it.name,
                dtype_name(dst.dtype()), shape_str(dst.shape()));
       reader.read(it.name, dst);
+    }
+    if (it.low.defined()) {
+      Tensor high = it.data, low = it.low;
+      ops::master_split_into(dst, high, low);
     }
   }
 }

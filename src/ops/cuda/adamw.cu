@@ -25,13 +25,14 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kCappedThreads = 1024;
 constexpr int64_t kChunk = 16384;  // elements per block task: 64 per thread
-constexpr int kMaxSegments = 40;   // 40 x 56 B + chunk offsets: within the 4 KB parameter space
+constexpr int kMaxSegments = 40;   // 40 x 72 B + chunk offsets + args: within the 4 KB parameter space
 
 struct SegmentBatch {
   AdamWSegment seg[kMaxSegments];
   int64_t first_chunk[kMaxSegments + 1];  // prefix sums of the segments' chunk counts
   int count;
 };
+static_assert(sizeof(SegmentBatch) + sizeof(AdamWArgs) <= 4096, "a launch's segments must fit its parameters");
 
 // Moments in f32, or in bf16 by stochastic rounding (stream 0 for m, 1 for v).
 __device__ __forceinline__ void store_moment(float& dst, float x, int64_t, int64_t, uint32_t) { dst = x; }
@@ -124,8 +125,8 @@ __device__ __forceinline__ void update_range(const AdamWSegment& g, const AdamWA
     f.m.store(gm + i);
     f.v.store(gv + i);
     if constexpr (kSplit) {
-      uint16_t h[4];
-      int16_t l[4];
+      __align__(8) uint16_t h[4];
+      __align__(8) int16_t l[4];
       master_split(f.p.x, h[0], l[0]);
       master_split(f.p.y, h[1], l[1]);
       master_split(f.p.z, h[2], l[2]);

@@ -430,6 +430,28 @@ struct Maps {
 #if MT_SM90A
 using namespace sm90;
 
+// The tiles of a persistent launch in two queues, [0, split) and [split, end), counted by
+// next[0] and next[1] (zeroed before the launch): a block takes from its own L2 half's
+// queue (own), then helps empty the other one. One thread a block calls take().
+struct TileQueues {
+  int* next;
+  int split, end, own;
+  bool own_open = true, other_open = true;
+  // The next tile of queue q, or -1 when that queue is empty.
+  __device__ int take_from(int q) {
+    const int first = q == 0 ? 0 : split, last = q == 0 ? split : end;
+    const int u = first + atomicAdd(&next[q], 1);
+    return u < last ? u : -1;
+  }
+  // The next tile of either queue, or -1 when both are empty.
+  __device__ int take() {
+    int t = -1;
+    if (own_open && (t = take_from(own)) < 0) own_open = false;
+    if (t < 0 && other_open && (t = take_from(own ^ 1)) < 0) other_open = false;
+    return t;
+  }
+};
+
 // The ring of both kernels (at least smem_bytes(S, kStageBytes) of dynamic shared memory):
 // S stages 1024-byte aligned, then full[S] (one arrival: the thread issuing the copies) and
 // empty[S] (one arrival per consumer warp: the 8 warps of two warpgroups).
@@ -494,20 +516,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   if (wg == 0) {  // producer
     setmaxnreg_dec<40>();
     if (threadIdx.x != 0) return;
-    const int own = args.sm_half ? args.sm_half[sm_id()] : 0;
     const int rows = min(args.queue[0], max_tiles), split = min(args.queue[1], rows);
-    bool own_open = true, other_open = true;
+    TileQueues queues{args.next, split * col_tiles, rows * col_tiles, args.sm_half ? args.sm_half[sm_id()] : 0};
     int it = 0;  // k-tiles issued so far over all of this block's tiles: the ring position
-    // The next tile of queue q, or -1 when that queue is empty.
-    auto take = [&](int q) {
-      const int first = q == 0 ? 0 : split * col_tiles, end = q == 0 ? split * col_tiles : rows * col_tiles;
-      const int u = first + atomicAdd(&args.next[q], 1);
-      return u < end ? u : -1;
-    };
     for (;;) {
-      int t = -1;
-      if (own_open && (t = take(own)) < 0) own_open = false;
-      if (t < 0 && other_open && (t = take(own ^ 1)) < 0) other_open = false;
+      const int t = queues.take();
       if (t < 0) {  // no tile left: an empty stage marked -1 ends the consumers' loop
         const int s = it % S;
         if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
@@ -707,19 +720,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   if (wg == 0) {  // producer
     setmaxnreg_dec<40>();
     if (threadIdx.x != 0) return;
-    const int own = args.sm_half ? args.sm_half[sm_id()] : 0;
-    const int split = args.sm_half ? args.queue_split : tiles;
+    TileQueues queues{args.next, args.sm_half ? args.queue_split : tiles, tiles,
+                      args.sm_half ? args.sm_half[sm_id()] : 0};
     int it = 0;  // stages used so far: the ring position
-    bool own_open = true, other_open = true;
-    auto take = [&](int q) {
-      const int first = q == 0 ? 0 : split, end = q == 0 ? split : tiles;
-      const int u = first + atomicAdd(&args.next[q], 1);
-      return u < end ? u : -1;
-    };
     for (;;) {
-      int t = -1;
-      if (own_open && (t = take(own)) < 0) own_open = false;
-      if (t < 0 && other_open && (t = take(own ^ 1)) < 0) other_open = false;
+      const int t = queues.take();
       int r0 = 0, r1 = 0;
       if (t >= 0) {
         const int e = t / (gx * gy) / kProblems;
