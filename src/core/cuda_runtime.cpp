@@ -12,6 +12,7 @@ namespace moetrain::cuda {
 namespace {
 std::atomic<int64_t> g_live{0}, g_peak{0};
 std::atomic<bool> g_poison{false};
+std::atomic<int64_t> g_host_waits{0};
 
 void track_alloc(int64_t bytes) {
   int64_t live = g_live.fetch_add(bytes) + bytes;
@@ -24,6 +25,7 @@ void track_alloc(int64_t bytes) {
 DeviceMemoryStats device_memory_stats() { return {g_live.load(), g_peak.load()}; }
 void reset_device_peak() { g_peak.store(g_live.load()); }
 void set_poison_allocations(bool on) { g_poison = on; }
+int64_t host_waits() { return g_host_waits.load(); }
 
 #if MOETRAIN_WITH_CUDA
 
@@ -109,8 +111,14 @@ Stream create_high_priority_stream() {
 }
 
 void destroy_stream(Stream s) { MT_CUDA_CHECK(cudaStreamDestroy(static_cast<cudaStream_t>(s))); }
-void stream_synchronize(Stream s) { MT_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(s))); }
-void device_synchronize() { MT_CUDA_CHECK(cudaDeviceSynchronize()); }
+void stream_synchronize(Stream s) {
+  ++g_host_waits;
+  MT_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(s)));
+}
+void device_synchronize() {
+  ++g_host_waits;
+  MT_CUDA_CHECK(cudaDeviceSynchronize());
+}
 
 void* device_alloc(size_t bytes, Stream stream) {
   configure_pool_once();
@@ -139,12 +147,14 @@ void device_free(void* p, size_t bytes, Stream stream) {
 void copy_host_to_device(void* dst, const void* src, size_t bytes) {
   auto s = static_cast<cudaStream_t>(current_stream());
   MT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s));
+  ++g_host_waits;
   MT_CUDA_CHECK(cudaStreamSynchronize(s));  // src may be pageable and freed right after
 }
 
 void copy_device_to_host(void* dst, const void* src, size_t bytes) {
   auto s = static_cast<cudaStream_t>(current_stream());
   MT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s));
+  ++g_host_waits;
   MT_CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
@@ -179,6 +189,7 @@ void record_event(Event e, Stream s) {
   MT_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(e), static_cast<cudaStream_t>(s)));
 }
 float elapsed_ms(Event start, Event end) {
+  ++g_host_waits;
   MT_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(end)));
   float ms = 0;
   MT_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start), static_cast<cudaEvent_t>(end)));

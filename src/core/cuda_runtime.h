@@ -80,6 +80,10 @@ class CurrentStreamScope {
   Stream previous_;
 };
 
+// How many times this process has waited for the device (a copy to or from the host, a
+// stream or device synchronisation, elapsed_ms): a test counts the waits a piece of work makes.
+int64_t host_waits();
+
 struct DeviceMemoryStats {
   int64_t live_bytes = 0, peak_bytes = 0;  // tensors live on the device, and their peak
 };

@@ -96,6 +96,11 @@ class Tensor {
   DType dtype_ = DType::F32;
 };
 
+// Host copies of `tensors` (any dtypes; host ones are returned as they are) with one wait for
+// the device: the device ones are gathered into one buffer on the current stream and copied
+// over together. For reading a step's small results (losses, counts) without a host wait each.
+std::vector<Tensor> to_host(const std::vector<Tensor>& tensors);
+
 // Checks that `t` has exactly this shape, naming it in the error.
 void check_shape(const Tensor& t, const Shape& shape, const char* name);
 void check_dtype(const Tensor& t, DType dtype, const char* name);

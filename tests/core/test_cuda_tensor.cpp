@@ -34,6 +34,35 @@ TEST(CudaTensor, RoundTripAndConversions) {
   EXPECT_EQ(c.item(7), 0.0);
 }
 
+// Several device tensors of different dtypes and odd sizes (so their places in the gathered
+// buffer need aligning), a host tensor and an undefined one, read back with one wait.
+TEST(CudaTensor, ToHostReadsManyWithOneWait) {
+  REQUIRE_GPU();
+  std::vector<Tensor> host;
+  for (DType t : {DType::F32, DType::I64, DType::BF16, DType::F64, DType::I16, DType::I32}) {
+    Tensor h = Tensor::empty({static_cast<int64_t>(host.size()) * 2 + 3}, DType::F64);
+    fill_normal(h, 20 + host.size(), 100.0);
+    host.push_back(h.to(t));
+  }
+  std::vector<Tensor> in;
+  for (const Tensor& h : host) in.push_back(h.to(Device::cuda(0)));
+  const Tensor on_host = Tensor::full({2}, 4.0, DType::F32);
+  in.push_back(on_host);
+  in.push_back(Tensor());
+  const int64_t before = cuda::host_waits();
+  const std::vector<Tensor> out = to_host(in);
+  EXPECT_EQ(cuda::host_waits() - before, 1);
+  ASSERT_EQ(out.size(), in.size());
+  for (size_t i = 0; i < host.size(); ++i) {
+    EXPECT_TRUE(out[i].device().is_cpu());
+    EXPECT_EQ(out[i].dtype(), host[i].dtype());
+    EXPECT_EQ(out[i].shape(), host[i].shape());
+    EXPECT_EQ(out[i].to_double_vector(), host[i].to_double_vector()) << dtype_name(host[i].dtype());
+  }
+  EXPECT_EQ(out[host.size()].raw(), on_host.raw());  // host tensors come back as they are
+  EXPECT_FALSE(out.back().defined());
+}
+
 TEST(CudaTensor, PoisonAndMemoryStats) {
   REQUIRE_GPU();
   cuda::reset_device_peak();

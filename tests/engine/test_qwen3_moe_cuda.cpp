@@ -48,6 +48,13 @@ Qwen3MoeConfig step_config(int64_t experts, int64_t top_k) {
   return c;
 }
 
+Batch on_gpu(Batch b) {
+  b.inputs = b.inputs.to(Device::cuda(0));
+  b.targets = b.targets.to(Device::cuda(0));
+  b.positions = b.positions.to(Device::cuda(0));
+  return b;
+}
+
 bool is_norm_gain(const std::string& name) { return name.find("norm.weight") != std::string::npos; }
 // Parameters that see a routing flip directly: the router of a MoE layer and the RMSNorm
 // gain in front of it (layer 0 is dense in step_config).
@@ -80,10 +87,7 @@ StepPair run_both(const Qwen3MoeConfig& c) {
   for (int64_t i = 0; i < B * S; ++i) pos[i] = static_cast<int32_t>(i % S);
   b.positions = Tensor::from_vector(pos, {B * S});
   b.num_targets = B * S;
-  Batch bg = b;
-  bg.inputs = b.inputs.to(Device::cuda(0));
-  bg.targets = b.targets.to(Device::cuda(0));
-  bg.positions = b.positions.to(Device::cuda(0));
+  const Batch bg = on_gpu(b);
 
   LocalDispatcher d;
   zero_grads(cpu.parameters());
@@ -147,6 +151,34 @@ TEST(Qwen3MoeCuda, TopKStepMatchesCpuUpToRoutingFlips) {
               worst_dense, worst_edge);
 }
 
+// A micro-batch's forward and backward queue without the host waiting for the device: the
+// loss terms and expert counts stay on the GPU until the backward is queued and are then
+// read in one wait (a wait per layer would drain the launch queue each time). The router
+// z-loss, when on, still reads its sum per MoE layer, so it is off here.
+TEST(Qwen3MoeCuda, MicroBatchWaitsForTheDeviceOnce) {
+  if (!cuda::available()) GTEST_SKIP() << "SKIPPED: GPU test needs a CUDA device: " << cuda::unavailable_reason();
+  Qwen3MoeConfig c = step_config(/*experts=*/8, /*top_k=*/2);
+  c.router_z_loss_coef = 0;
+  Qwen3MoeModel m(c, DType::BF16, Device::cuda(0));
+  m.init_weights(3);
+  LocalDispatcher d;
+  const Batch b = on_gpu(testing::random_batch(2, 128, 300, 7));
+  const MicroBatchLoss first = m.forward_backward(b, d, 1.0 / 256, 1.0, false);  // one-time set-up waits
+  const int64_t before = cuda::host_waits();
+  const MicroBatchLoss l = m.forward_backward(b, d, 1.0 / 256, 1.0, false);
+  EXPECT_EQ(cuda::host_waits() - before, 1);
+  // What was read is the pass's: the same weights and tokens give the same terms.
+  EXPECT_EQ(l.ce_sum, first.ce_sum);
+  EXPECT_EQ(l.aux_loss, first.aux_loss);
+  EXPECT_GT(l.aux_loss, 0);
+  EXPECT_EQ(l.expert_counts, first.expert_counts);
+  ASSERT_EQ(l.expert_counts.size(), 2u);  // layers 1 and 2 (layer 0 is dense)
+  for (const auto& layer : l.expert_counts) {
+    int64_t sum = 0;
+    for (int64_t n : layer) sum += n;
+    EXPECT_EQ(sum, 2 * 128 * 2);  // every token's top-2
+  }
+}
 
 // The optimizer on its own stream (norm parts under the backward, updates under the next
 // forward) gives the same steps as the same optimizer in line, bit for bit: loss, norm,
@@ -168,12 +200,6 @@ TEST(Qwen3MoeCuda, OverlappedOptimizerEqualsInLine) {
   ASSERT_TRUE(lo.overlapping());
   ASSERT_FALSE(ll.overlapping());
   LocalDispatcher d;
-  auto on_gpu = [](Batch b) {
-    b.inputs = b.inputs.to(Device::cuda(0));
-    b.targets = b.targets.to(Device::cuda(0));
-    b.positions = b.positions.to(Device::cuda(0));
-    return b;
-  };
   for (int step = 0; step < 4; ++step) {
     std::vector<Batch> bs{on_gpu(testing::random_batch(2, 128, 300, 40 + 10 * step))};
     if (step == 1) bs.push_back(on_gpu(testing::random_batch(2, 128, 300, 45 + 10 * step)));

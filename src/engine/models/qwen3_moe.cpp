@@ -340,6 +340,12 @@ ChunkSpec Qwen3MoeModel::whole() const {
   return c;
 }
 
+const Tensor& Qwen3MoeModel::dense_counts(int64_t tokens) const {
+  Tensor& t = dense_counts_[tokens];
+  if (!t.defined()) t = Tensor::full({1}, static_cast<double>(tokens), DType::I64, device_);
+  return t;
+}
+
 RouterTotals Qwen3MoeModel::new_totals() const {
   const DType stat = grad_dtype_for(dtype_);  // router statistics are f32 on the GPU
   const int64_t E = cfg_.num_experts;
@@ -387,7 +393,7 @@ bool Qwen3MoeModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) const {
       if (layer.is_moe()) {
         s.expert_in = d.dispatch(s.ln2.y, s.route.topk_idx, cfg_.num_experts, s.dispatch);  // 2: dispatch
       } else {
-        s.expert_in = {s.ln2.y, Tensor::full({1}, static_cast<double>(f.b.tokens()), DType::I64, device_)};
+        s.expert_in = {s.ln2.y, dense_counts(f.b.tokens())};
       }
       break;
     case 1:
@@ -412,7 +418,7 @@ bool Qwen3MoeModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) const {
           s.z = ops::router_z_loss_forward(s.router_logits);
           f.totals.z_sum += s.z.loss_sum.item();
         }
-        f.a.expert_counts.push_back(s.expert_in.counts.to_vector<int64_t>());
+        f.a.expert_counts.push_back(s.expert_in.counts);  // read after the pass (no host wait here)
       }
       if (hooks_) hooks_->after_forward(id, f.pass.training && f.c.head && f.j + 1 == n);
       ++f.j;
@@ -509,7 +515,7 @@ Tensor Qwen3MoeModel::end_forward(ForwardCursor& f, const ChunkPass& pass, Micro
   const Tensor& h = a.final_norm.y;
   if (!pass.training) {
     StageScope t(Stage::kLoss);
-    out.ce_sum = ops::linear_cross_entropy(h, lm_head_, batch.targets, 1.0, nullptr, nullptr).loss_sum.item();
+    out.on_device.ce_sum = ops::linear_cross_entropy(h, lm_head_, batch.targets, 1.0, nullptr, nullptr).loss_sum;
     if (hooks_) hooks_->after_forward(-1, false);
     return Tensor();
   }
@@ -521,7 +527,7 @@ Tensor Qwen3MoeModel::end_forward(ForwardCursor& f, const ChunkPass& pass, Micro
     StageScope t(Stage::kLoss);
     ops::LinearCrossEntropyOut head = ops::linear_cross_entropy(h, lm_head_, batch.targets, pass.ce_scale, &d_norm,
                                                                 &g_lm_head_, /*chunk_rows=*/0, pass.head_accumulate);
-    out.ce_sum = head.loss_sum.item();
+    out.on_device.ce_sum = head.loss_sum;
   }
   {
     StageScope t(Stage::kNorms);
@@ -649,13 +655,28 @@ void Qwen3MoeModel::router_losses(RouterTotals& totals, MicroBatchLoss& out) con
     totals.rows = static_cast<int64_t>(std::llround(r.item()));
   }
   if (totals.rows > 0) {
-    double dotp = 0;
-    const std::vector<double> n = totals.selections.to_double_vector(), p = totals.prob_sum.to_double_vector();
-    for (int64_t e = 0; e < E; ++e) dotp += n[e] * p[e];
     const double R = static_cast<double>(totals.rows);
-    out.aux_loss = cfg_.router_aux_loss_coef * static_cast<double>(E) * dotp / (R * R);
+    out.on_device.selections = totals.selections;  // final: the backward only reads them
+    out.on_device.prob_sum = totals.prob_sum;
+    out.on_device.aux_factor = cfg_.router_aux_loss_coef * static_cast<double>(E) / (R * R);
     out.z_loss = cfg_.router_z_loss_coef * totals.z_sum / R;
   }
+}
+
+void MicroBatchLoss::read_device_values() {
+  OnDevice& d = on_device;
+  std::vector<Tensor> pending{d.ce_sum, d.selections, d.prob_sum};
+  pending.insert(pending.end(), d.expert_counts.begin(), d.expert_counts.end());
+  const std::vector<Tensor> host = to_host(pending);
+  if (host[0].defined()) ce_sum += host[0].item();
+  if (host[1].defined()) {
+    const std::vector<double> n = host[1].to_double_vector(), p = host[2].to_double_vector();
+    double dotp = 0;
+    for (size_t e = 0; e < n.size(); ++e) dotp += n[e] * p[e];
+    aux_loss += d.aux_factor * dotp;
+  }
+  for (size_t k = 3; k < host.size(); ++k) expert_counts.push_back(host[k].to_vector<int64_t>());
+  d = OnDevice();
 }
 
 MicroBatchLoss Qwen3MoeModel::forward_loss(const Batch& batch, ExpertDispatcher& dispatcher) {
@@ -663,7 +684,8 @@ MicroBatchLoss Qwen3MoeModel::forward_loss(const Batch& batch, ExpertDispatcher&
   RouterTotals totals = new_totals();
   MicroBatchLoss out;
   forward_chunk(whole(), batch, Tensor(), dispatcher, a, totals, ChunkPass{false}, &out);
-  out.expert_counts = std::move(a.expert_counts);
+  out.on_device.expert_counts = std::move(a.expert_counts);
+  out.read_device_values();
   return out;
 }
 
@@ -675,7 +697,8 @@ MicroBatchLoss Qwen3MoeModel::forward_backward(const Batch& batch, ExpertDispatc
   MicroBatchLoss out;
   forward_chunk(c, batch, Tensor(), d, a, totals, ChunkPass{true, ce_scale, aux_scale, accumulate_grads}, &out);
   backward_chunk(c, batch, Tensor(), d, a, aux_scale, /*weights_now=*/true, accumulate_grads);
-  out.expert_counts = std::move(a.expert_counts);
+  out.on_device.expert_counts = std::move(a.expert_counts);
+  out.read_device_values();  // the micro-batch's one host wait, its work all queued
   return out;
 }
 

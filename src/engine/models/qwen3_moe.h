@@ -9,6 +9,7 @@
 // backward_weight (wgrad, deferrable).
 #pragma once
 
+#include <map>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -99,7 +100,9 @@ struct ChunkActivations {
   Tensor d_out;                            //   computed with the loss in the forward
   Tensor d_embed_out;                      // embed: gradient at the embedding output (for W)
   RouterTotals totals;                     // the micro-batch's final totals (for backward)
-  std::vector<std::vector<int64_t>> expert_counts;  // per MoE layer of the chunk
+  // Per MoE layer of the chunk, tokens routed to each of this rank's experts (i64, on the
+  // model's device: read once the pass is queued, see MicroBatchLoss::read_device_values).
+  std::vector<Tensor> expert_counts;
 };
 
 // How a chunk's forward runs.
@@ -190,12 +193,27 @@ class Qwen3MoeDecoderLayer {
 };
 
 // Loss terms of one micro-batch, as sums the trainer normalises.
+//
+// The model leaves the terms computed on the GPU in `on_device` and fills the fields from
+// them in read_device_values(), one host wait once the micro-batch's forward and backward
+// are queued: the host never waits for the device inside a pass (a wait per layer would
+// drain the launch queue, and with pipeline parallelism stall the other micro-batch's work).
+// forward_loss and forward_backward return the terms read; a pipeline's head reads them.
 struct MicroBatchLoss {
   double ce_sum = 0;      // sum of token cross-entropies
   int64_t targets = 0;    // tokens with a target
   double aux_loss = 0;    // load-balancing loss (already times its coefficient)
   double z_loss = 0;      // router z-loss (already times its coefficient)
   std::vector<std::vector<int64_t>> expert_counts;  // per MoE layer, tokens routed to each expert
+
+  struct OnDevice {
+    Tensor ce_sum;                      // [1]
+    Tensor selections, prob_sum;        // [E] router totals: aux_loss = aux_factor * their dot product
+    double aux_factor = 0;
+    std::vector<Tensor> expert_counts;  // per MoE layer, [local experts]
+  } on_device;
+  // Moves what on_device holds into the fields above (adds nothing twice: on_device is emptied).
+  void read_device_values();
 };
 
 class Qwen3MoeModel {
@@ -276,6 +294,9 @@ class Qwen3MoeModel {
   ops::SumSquaresInto expert_squares(int64_t id, bool accumulate) const {
     return hooks_ && !accumulate ? hooks_->expert_grad_squares(id) : ops::SumSquaresInto{};
   }
+  // A dense layer's "expert counts" (one expert taking all `tokens` rows), i64 [1] on the
+  // model's device: made once per token count, not copied over from the host every pass.
+  const Tensor& dense_counts(int64_t tokens) const;
   // The head's router losses from the micro-batch's totals (summed over the data group).
   void router_losses(RouterTotals& totals, MicroBatchLoss& out) const;
   // Chunk passes in pieces cut at the expert exchanges (qwen3_moe.cpp).
@@ -301,6 +322,7 @@ class Qwen3MoeModel {
   Tensor g_embed_, g_final_norm_w_, g_lm_head_;
   std::vector<std::unique_ptr<Qwen3MoeDecoderLayer>> layers_;  // the layers held, ascending id
   ParameterList params_;
+  mutable std::map<int64_t, Tensor> dense_counts_;  // dense_counts(), by token count
 };
 
 }  // namespace moetrain

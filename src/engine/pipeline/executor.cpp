@@ -171,20 +171,24 @@ PipelineExecutor::Handoff PipelineExecutor::forward_input(int chunk, int mb, con
 void PipelineExecutor::forward_output(int chunk, int mb, Handoff out, const MicroBatchLoss& loss, bool training,
                                       Result& r) {
   ChunkActivations& a = acts_.at({chunk, mb});
+  MicroBatchLoss read;  // this chunk's expert counts (and, at the head, the loss terms)
+  if (chunks_[chunk].head) read = loss;
+  read.on_device.expert_counts = std::move(a.expert_counts);
+  a.expert_counts.clear();
+  read.read_device_values();
   auto& counts = counts_[chunk];
-  if (counts.empty()) counts = std::move(a.expert_counts);
+  if (counts.empty()) counts = std::move(read.expert_counts);
   else {
     for (size_t k = 0; k < counts.size(); ++k) {
-      for (size_t e = 0; e < counts[k].size(); ++e) counts[k][e] += a.expert_counts[k][e];
+      for (size_t e = 0; e < counts[k].size(); ++e) counts[k][e] += read.expert_counts[k][e];
     }
   }
-  a.expert_counts.clear();
   if (!training) acts_.erase({chunk, mb});  // nothing to go back through
   if (chunks_[chunk].head) {
     r.has_head = true;
-    r.ce_sum += loss.ce_sum;
-    r.aux_loss += loss.aux_loss;
-    r.z_loss += loss.z_loss;
+    r.ce_sum += read.ce_sum;
+    r.aux_loss += read.aux_loss;
+    r.z_loss += read.z_loss;
     head_written_ = training;
     return;
   }
