@@ -281,7 +281,8 @@ void cast_into(Tensor& dst, const Tensor& src);
 // master exactly. All three tensors of one shape and device.
 // master (f32) = the join of high (bf16) and low (i16).
 void master_join_into(Tensor& master, const Tensor& high, const Tensor& low);
-// high, low = the halves of master; master_join_into gives it back bit for bit.
+// high, low = the halves of master; master_join_into gives it back bit for bit, except a
+// NaN, which comes back as the canonical NaN (its payload is not kept).
 void master_split_into(const Tensor& master, Tensor& high, Tensor& low);
 
 }  // namespace moetrain::ops
