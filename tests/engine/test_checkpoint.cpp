@@ -358,16 +358,17 @@ TEST(Checkpointer, CorruptTruncatedAndMismatchedCheckpointsAreRefused) {
 // save: on the CPU here, the same code the GPU runs (the join and split ops are compared
 // between the backends in the op tests).
 TEST(Checkpointer, SplitMastersSaveAsF32AndLoadBackExactly) {
-  auto make = [] {
+  // bf16 weights with split masters (the GPU layout), or f32 weights (the CPU layout).
+  auto make = [](DType dtype = DType::BF16) {
     ParameterList ps;
     for (auto [name, shape] : {std::pair<std::string, Shape>{"w.a", {6, 5}}, {"w.b", {7}}}) {
       Parameter p;
       p.name = name;
-      p.value = Tensor::zeros(shape, DType::BF16);
+      p.value = Tensor::zeros(shape, dtype);
       p.grad = Tensor::zeros(shape, DType::F32);
       ps.push_back(p);
     }
-    attach_masters(ps);
+    if (dtype == DType::BF16) attach_masters(ps);
     return ps;
   };
   ParameterList params = make();
@@ -397,6 +398,13 @@ TEST(Checkpointer, SplitMastersSaveAsF32AndLoadBackExactly) {
       EXPECT_TRUE(bytes_equal(back[i].value, params[i].value)) << n;
       EXPECT_TRUE(bytes_equal(back[i].master_low, params[i].master_low)) << n;
       EXPECT_TRUE(bytes_equal(opt_back.exp_avg()[i], opt.exp_avg()[i])) << n;
+    }
+    // An f32 model (a CPU run resuming or scoring a GPU run's checkpoint) takes the masters,
+    // not the bf16 weights rounded from them.
+    ParameterList f32 = make(DType::F32);
+    load_model_weights(r, f32);
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(bytes_equal(f32[i].value, master_f32(params[i]))) << params[i].name << " into f32";
     }
   }
   // Two ranks' pieces (w.a cut at element 13), each rank saving its own, loaded whole.
@@ -431,6 +439,23 @@ TEST(Checkpointer, SplitMastersSaveAsF32AndLoadBackExactly) {
   for (size_t i = 0; i < params.size(); ++i) {
     EXPECT_EQ(r.info(params[i].name + ".master").slices.size(), i == 0 ? 4u : 1u) << params[i].name;  // w.a: 2 boxes a piece
     EXPECT_TRUE(bytes_equal(master_f32(back[i]), master_f32(params[i]))) << params[i].name << " from pieces";
+  }
+  // The same pieces into an f32 model sharded as rank 1 was: its shards take the masters.
+  const ParameterList f32 = make(DType::F32);
+  ParameterList f32_shards;
+  for (const ShardSegment& sg : segs[1]) {
+    Parameter s;
+    s.name = params[sg.param].name;
+    s.value = Tensor::zeros({sg.end - sg.begin}, DType::F32);
+    s.grad = Tensor::zeros({sg.end - sg.begin}, DType::F32);
+    f32_shards.push_back(s);
+  }
+  load_sharded_state(r, f32, f32_shards, segs[1], nullptr);
+  for (size_t k = 0; k < segs[1].size(); ++k) {
+    const ShardSegment& sg = segs[1][k];
+    const Tensor whole = master_f32(params[sg.param]);
+    EXPECT_TRUE(bytes_equal(f32_shards[k].value, whole.view({whole.numel()}).slice(sg.begin, sg.end)))
+        << f32_shards[k].name << " shard into f32";
   }
   // load_slices fills split-master items (the high and low halves) from the f32 pieces.
   std::vector<CheckpointItem> items;

@@ -143,6 +143,15 @@ void read_piece(CheckpointReader& reader, const std::string& name, const Shape& 
   }
 }
 
+// The tensor a parameter's values load from: its f32 master where the checkpoint has one
+// and the parameter keeps more than bf16 (a split master, or f32 weights as on the CPU),
+// since the bf16 weight saved beside the master is only the master rounded; else the weight.
+std::string weights_from(const CheckpointReader& reader, const Parameter& p) {
+  const std::string master = p.name + ".master";
+  const bool finer_than_bf16 = p.has_master() || p.value.dtype() != DType::BF16;
+  return finer_than_bf16 && reader.has(master) ? master : p.name;
+}
+
 }  // namespace
 
 void load_slices(CheckpointReader& reader, const std::vector<CheckpointItem>& items) {
@@ -178,10 +187,10 @@ void load_sharded_state(CheckpointReader& reader, const ParameterList& params, P
              "its embedding)", reader.dir());
     if (p.has_master()) {
       Tensor master = Tensor::empty(p.value.shape(), DType::F32, p.value.device());
-      read_piece(reader, reader.has(p.name + ".master") ? p.name + ".master" : p.name, shape, b, master);
+      read_piece(reader, weights_from(reader, p), shape, b, master);
       set_master(p, master);
     } else {
-      read_piece(reader, p.name, shape, b, p.value);
+      read_piece(reader, weights_from(reader, p), shape, b, p.value);
     }
     if (opt == nullptr) continue;
     Tensor m = opt->exp_avg()[i], v = opt->exp_avg_sq()[i];
@@ -199,13 +208,12 @@ void load_model_weights(CheckpointReader& reader, ParameterList& params) {
     }
     MT_CHECK(reader.has(p.name), "checkpoint {}: no tensor '{}' (the model needs {} {})", reader.dir(), p.name,
              dtype_name(p.value.dtype()), shape_str(p.value.shape()));
-    const std::string master_name = p.name + ".master";
     if (p.has_master()) {
       Tensor master = Tensor::empty(p.value.shape(), DType::F32, p.value.device());
-      reader.read(reader.has(master_name) ? master_name : p.name, master);
+      reader.read(weights_from(reader, p), master);
       set_master(p, master);
     } else {
-      reader.read(p.name, p.value);
+      reader.read(weights_from(reader, p), p.value);
     }
   }
   MT_CHECK(!tied_head_missing, "checkpoint {}: no tensor 'lm_head.weight' (set tie_word_embeddings = true for a model "
