@@ -152,13 +152,12 @@ TEST(Qwen3MoeCuda, TopKStepMatchesCpuUpToRoutingFlips) {
 }
 
 // A micro-batch's forward and backward queue without the host waiting for the device: the
-// loss terms and expert counts stay on the GPU until the backward is queued and are then
-// read in one wait (a wait per layer would drain the launch queue each time). The router
-// z-loss, when on, still reads its sum per MoE layer, so it is off here.
+// loss terms (cross-entropy, load-balancing and z-loss sums) and expert counts stay on the
+// GPU until the backward is queued and are then read in one wait (a wait per layer would
+// drain the launch queue each time).
 TEST(Qwen3MoeCuda, MicroBatchWaitsForTheDeviceOnce) {
   if (!cuda::available()) GTEST_SKIP() << "SKIPPED: GPU test needs a CUDA device: " << cuda::unavailable_reason();
-  Qwen3MoeConfig c = step_config(/*experts=*/8, /*top_k=*/2);
-  c.router_z_loss_coef = 0;
+  const Qwen3MoeConfig c = step_config(/*experts=*/8, /*top_k=*/2);
   Qwen3MoeModel m(c, DType::BF16, Device::cuda(0));
   m.init_weights(3);
   LocalDispatcher d;
@@ -171,6 +170,8 @@ TEST(Qwen3MoeCuda, MicroBatchWaitsForTheDeviceOnce) {
   EXPECT_EQ(l.ce_sum, first.ce_sum);
   EXPECT_EQ(l.aux_loss, first.aux_loss);
   EXPECT_GT(l.aux_loss, 0);
+  EXPECT_EQ(l.z_loss, first.z_loss);
+  EXPECT_GT(l.z_loss, 0);
   EXPECT_EQ(l.expert_counts, first.expert_counts);
   ASSERT_EQ(l.expert_counts.size(), 2u);  // layers 1 and 2 (layer 0 is dense)
   for (const auto& layer : l.expert_counts) {

@@ -254,10 +254,11 @@ Tensor Qwen3MoeDecoderLayer::reference_forward(const Tensor& x, const Tensor& po
 // ---- model -------------------------------------------------------------------------------
 
 Tensor RouterTotals::pack() const {
-  std::vector<double> v = selections.to_double_vector(), p = prob_sum.to_double_vector();
+  const std::vector<Tensor> host = to_host({selections, prob_sum, z_sum});
+  std::vector<double> v = host[0].to_double_vector(), p = host[1].to_double_vector();
   v.insert(v.end(), p.begin(), p.end());
   v.push_back(static_cast<double>(rows));
-  v.push_back(z_sum);
+  v.push_back(host[2].item());
   return Tensor::from_vector(v, {static_cast<int64_t>(v.size())});
 }
 
@@ -270,7 +271,7 @@ RouterTotals RouterTotals::unpack(const Tensor& packed, int64_t E, DType stat, D
   t.selections = host.slice(0, E).to(stat).to(device);  // to() copies
   t.prob_sum = host.slice(E, 2 * E).to(stat).to(device);
   t.rows = static_cast<int64_t>(std::llround(host.item(2 * E)));
-  t.z_sum = host.item(2 * E + 1);
+  t.z_sum = host.slice(2 * E + 1, 2 * E + 2).to(stat).to(device);
   return t;
 }
 
@@ -349,7 +350,7 @@ const Tensor& Qwen3MoeModel::dense_counts(int64_t tokens) const {
 RouterTotals Qwen3MoeModel::new_totals() const {
   const DType stat = grad_dtype_for(dtype_);  // router statistics are f32 on the GPU
   const int64_t E = cfg_.num_experts;
-  return {Tensor::zeros({E}, stat, device_), Tensor::zeros({E}, stat, device_), 0, 0.0};
+  return {Tensor::zeros({E}, stat, device_), Tensor::zeros({E}, stat, device_), 0, Tensor::zeros({1}, stat, device_)};
 }
 
 // A chunk pass cut at the expert exchanges: each call of forward_piece / backward_piece runs
@@ -416,7 +417,7 @@ bool Qwen3MoeModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) const {
         f.totals.rows += s.route.probs.size(0);
         if (cfg_.router_z_loss_coef > 0) {
           s.z = ops::router_z_loss_forward(s.router_logits);
-          f.totals.z_sum += s.z.loss_sum.item();
+          ops::add_(f.totals.z_sum, s.z.loss_sum);
         }
         f.a.expert_counts.push_back(s.expert_in.counts);  // read after the pass (no host wait here)
       }
@@ -659,13 +660,16 @@ void Qwen3MoeModel::router_losses(RouterTotals& totals, MicroBatchLoss& out) con
     out.on_device.selections = totals.selections;  // final: the backward only reads them
     out.on_device.prob_sum = totals.prob_sum;
     out.on_device.aux_factor = cfg_.router_aux_loss_coef * static_cast<double>(E) / (R * R);
-    out.z_loss = cfg_.router_z_loss_coef * totals.z_sum / R;
+    if (cfg_.router_z_loss_coef > 0) {
+      out.on_device.z_sum = totals.z_sum;
+      out.on_device.z_factor = cfg_.router_z_loss_coef / R;
+    }
   }
 }
 
 void MicroBatchLoss::read_device_values() {
   OnDevice& d = on_device;
-  std::vector<Tensor> pending{d.ce_sum, d.selections, d.prob_sum};
+  std::vector<Tensor> pending{d.ce_sum, d.selections, d.prob_sum, d.z_sum};
   pending.insert(pending.end(), d.expert_counts.begin(), d.expert_counts.end());
   const std::vector<Tensor> host = to_host(pending);
   if (host[0].defined()) ce_sum += host[0].item();
@@ -675,7 +679,8 @@ void MicroBatchLoss::read_device_values() {
     for (size_t e = 0; e < n.size(); ++e) dotp += n[e] * p[e];
     aux_loss += d.aux_factor * dotp;
   }
-  for (size_t k = 3; k < host.size(); ++k) expert_counts.push_back(host[k].to_vector<int64_t>());
+  if (host[3].defined()) z_loss += d.z_factor * host[3].item();
+  for (size_t k = 4; k < host.size(); ++k) expert_counts.push_back(host[k].to_vector<int64_t>());
   d = OnDevice();
 }
 

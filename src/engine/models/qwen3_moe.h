@@ -87,7 +87,7 @@ struct ChunkSpec {
 struct RouterTotals {
   Tensor selections, prob_sum;  // [E], the router statistic dtype, on the model's device
   int64_t rows = 0;
-  double z_sum = 0;             // sum over rows of logsumexp(logits)^2 (router z-loss)
+  Tensor z_sum;                 // [1] sum over rows of logsumexp(logits)^2 (router z-loss), as selections
   Tensor pack() const;          // f64 [2E + 2] on the CPU
   static RouterTotals unpack(const Tensor& packed, int64_t num_experts, DType stat, Device device);
 };
@@ -210,6 +210,8 @@ struct MicroBatchLoss {
     Tensor ce_sum;                      // [1]
     Tensor selections, prob_sum;        // [E] router totals: aux_loss = aux_factor * their dot product
     double aux_factor = 0;
+    Tensor z_sum;                       // [1] router totals: z_loss = z_factor * z_sum
+    double z_factor = 0;
     std::vector<Tensor> expert_counts;  // per MoE layer, [local experts]
   } on_device;
   // Moves what on_device holds into the fields above (adds nothing twice: on_device is emptied).
