@@ -5,6 +5,7 @@
 
 #include <array>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -17,9 +18,16 @@ struct CliResult {
   std::string output;  // stdout and stderr
 };
 
+// The binary under test: the build's, or $MOETRAIN_BINARY (tests run from a copy of the
+// binaries on another machine, scripts/device-bundle).
+inline std::string moetrain_binary() {
+  const char* env = std::getenv("MOETRAIN_BINARY");
+  return env != nullptr && *env != '\0' ? env : MOETRAIN_BINARY;
+}
+
 // `moetrain <args>` through the shell; its exit status and everything it printed.
 inline CliResult run_moetrain(const std::string& args) {
-  const std::string cmd = std::string(MOETRAIN_BINARY) + " " + args + " 2>&1";
+  const std::string cmd = moetrain_binary() + " " + args + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   std::string out;
   std::array<char, 4096> buf;

@@ -8,6 +8,7 @@
 #include <sstream>
 #include <string>
 
+#include "cli_run.h"
 #include "engine/scratch_dir.h"
 #include "engine/tiny_bpe.h"
 
@@ -26,7 +27,7 @@ class TokenizeCli : public ScratchDirTest {
   // stdout and stderr in `out` / `err`.
   int tokenize(const std::string& args, std::string& out, std::string& err) {
     const std::string o = path("stdout"), e = path("stderr");
-    const std::string cmd = std::string(MOETRAIN_BINARY) + " tokenize --tokenizer " + tokenizer_ + " " + args + " >" +
+    const std::string cmd = moetrain::testing::moetrain_binary() + " tokenize --tokenizer " + tokenizer_ + " " + args + " >" +
                             o + " 2>" + e;
     const int status = std::system(cmd.c_str());
     auto slurp = [](const std::string& p) {
