@@ -336,12 +336,21 @@ SaveStats Checkpointer::save(int64_t step, const CheckpointItems& items, const n
           bytes += dst.nbytes();
           continue;
         }
-        if (!join_scratch_.defined() || join_scratch_.numel() < src.numel() || join_scratch_.device() != src.device()) {
-          join_scratch_ = Tensor::empty({src.numel()}, DType::F32, src.device());
+        // Piece by piece, so the scratch stays small beside a large master (an expert stack).
+        const int64_t n = src.numel(), piece = std::min(n, kJoinPieceElements);
+        if (!join_scratch_.defined() || join_scratch_.numel() < piece || join_scratch_.device() != src.device()) {
+          join_scratch_ = Tensor::empty({piece}, DType::F32, src.device());
         }
-        Tensor joined = join_scratch_.slice(0, src.numel()).view(src.shape());
-        ops::master_join_into(joined, src, live[i].low);
-        src = joined;
+        const Tensor high = src.view({n}), low = live[i].low.view({n});
+        for (int64_t b = 0; b < n; b += piece) {
+          const int64_t e = std::min(n, b + piece);
+          Tensor joined = join_scratch_.slice(0, e - b);
+          ops::master_join_into(joined, high.slice(b, e), low.slice(b, e));
+          cuda::copy_device_to_host_async(static_cast<float*>(host[i].data.raw()) + b, joined.raw(), joined.nbytes());
+        }
+        bytes += static_cast<uint64_t>(n) * sizeof(float);
+        any_device = true;
+        continue;
       }
       bytes += src.nbytes();
       if (src.nbytes() == 0) continue;
@@ -356,7 +365,7 @@ SaveStats Checkpointer::save(int64_t step, const CheckpointItems& items, const n
   copy(host_.model, items.model);
   copy(host_.optimizer, items.optimizer);
   if (any_device) cuda::stream_synchronize(cuda::current_stream());
-  join_scratch_ = Tensor();  // the largest master's f32 size; not kept between saves
+  join_scratch_ = Tensor();  // not kept between saves
   SaveStats stats{step, 0, bytes};
   if (async_) {
     std::lock_guard<std::mutex> lock(mu_);

@@ -129,7 +129,10 @@ class Checkpointer {
   int rank_, world_;
   std::chrono::seconds commit_timeout_;
   Host host_;  // reused across saves while the shapes stay the same
-  Tensor join_scratch_;  // device f32: split masters are joined here on their way to the host
+  // Device f32: split masters are joined here on their way to the host, at most this many
+  // elements at a time (64 MB).
+  static constexpr int64_t kJoinPieceElements = int64_t{16} << 20;
+  Tensor join_scratch_;
 
   std::mutex mu_;
   std::condition_variable cv_;
