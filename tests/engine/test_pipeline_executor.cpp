@@ -7,10 +7,16 @@
 
 #include <algorithm>
 
+#include <latch>
 #include <mutex>
+#include <thread>
 
 #include "comm/comm_test_util.h"
+#include "comm/nccl_communicator.h"
+#include "comm/store.h"
+#include "core/cuda_runtime.h"
 #include "engine/pipeline/executor.h"
+#include "engine/pipeline/nccl_transport.h"
 #include "model_batches.h"
 #include "test_util.h"
 
@@ -215,6 +221,46 @@ TEST(PipelineExecutor, SendsFollowTheOrderTheNcclTransportExpects) {
       EXPECT_FALSE(expected.empty());
     }
   }
+}
+
+// Two GPUs: both pipeline ranks post their receive before they send, each on its own link
+// (rank 0 from rank 1 on one communicator, rank 1 from rank 0 on another). NCCL connects two
+// ranks at their first exchange, and the host waits there for the peer; unless the links
+// are connected up front, each rank would wait on a different link for the other and both
+// would hang until the timeout.
+TEST(PipelineTransportNccl, BothRanksReceivingFirstDoNotWaitOnEachOther) {
+  if (!(nccl_built() && cuda::available() && cuda::device_count() >= 2)) GTEST_SKIP() << "needs NCCL and 2 GPUs";
+  const auto timeout = std::chrono::seconds(20);
+  auto store = Store::open("memory", 0, timeout);
+  const int64_t H = 8, totals = 6, rows = 3;
+  std::vector<std::string> errors(2);
+  std::latch done(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        std::unique_ptr<Communicator> pp = connect_nccl(store, r, 2, r, testing::test_options(timeout));
+        OrderedTransport t(*pp, Device::cuda(r), H, DType::BF16, totals);
+        const int other = 1 - r;
+        for (int step = 0; step < 2; ++step) {
+          t.begin_step({{other, 7u, rows}});
+          t.send(other, 7u, Tensor::full({rows, H}, 10.0 * r + step, DType::BF16, Device::cuda(r)),
+                 Tensor::full({totals}, 100.0 * r + step, DType::F64, Device::cuda(r)));
+          const auto [hidden, sums] = t.receive(7u);
+          t.end_step();
+          EXPECT_EQ(hidden.to(Device::cpu()).to_double_vector(),
+                    std::vector<double>(static_cast<size_t>(rows * H), 10.0 * other + step));
+          EXPECT_EQ(sums.to(Device::cpu()).to_double_vector(), std::vector<double>(totals, 100.0 * other + step));
+        }
+        pp->synchronize();
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+      done.arrive_and_wait();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
 }
 
 }  // namespace

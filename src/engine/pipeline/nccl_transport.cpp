@@ -28,6 +28,18 @@ OrderedTransport::OrderedTransport(Communicator& pp, Device device, int64_t hidd
     if (l->comm) l->stream = cuda::create_stream();
   }
   compute_point_ = cuda::create_sync_event();
+  // NCCL connects two ranks for point to point at their first exchange, and a rank's host
+  // waits there until the peer makes the same connection (NVIDIA/nccl#783). A step posts
+  // its receives first, each on its own link: rank 0 waiting to connect on one link while
+  // rank 1 waits on another would hang both. So every link is connected here, one element
+  // each way, in the same order on every rank (each rank is in at most one pair a link).
+  for (const std::shared_ptr<Communicator>& c : {even_up, even_down, odd_up, odd_down}) {
+    if (!c) continue;
+    const Tensor out = Tensor::zeros({2}, DType::F32, device_);
+    Tensor in = Tensor::empty({2}, DType::F32, device_);
+    c->all_to_all_v(out, {1, 1}, in, {1, 1}, cuda::current_stream());
+    c->synchronize(cuda::current_stream());
+  }
 }
 
 OrderedTransport::~OrderedTransport() {
