@@ -54,6 +54,13 @@ int device_count() {
   return n;
 }
 
+int current_device() {
+  int d = 0;
+  MT_CUDA_CHECK(cudaGetDevice(&d));
+  return d;
+}
+void set_device(int device) { MT_CUDA_CHECK(cudaSetDevice(device)); }
+
 std::string device_name(int device) {
   cudaDeviceProp p{};
   MT_CUDA_CHECK(cudaGetDeviceProperties(&p, device));
@@ -216,6 +223,8 @@ bool available() { return false; }
 std::string unavailable_reason() { return "this moetrain was built without CUDA"; }
 int device_count() { return 0; }
 std::string device_name(int) { no_cuda(); }
+int current_device() { no_cuda(); }
+void set_device(int) { no_cuda(); }
 Stream current_stream() { no_cuda(); }
 void set_current_stream(Stream) { no_cuda(); }
 Stream create_stream() { no_cuda(); }

@@ -20,6 +20,10 @@ bool available();
 std::string unavailable_reason();
 int device_count();
 std::string device_name(int device = 0);
+// The calling thread's current device (cudaGetDevice / cudaSetDevice): where its
+// allocations, streams and kernels go.
+int current_device();
+void set_device(int device);
 
 // The stream ops launch on, per host thread (starts as a stream created for the thread).
 Stream current_stream();

@@ -89,6 +89,9 @@ class Storage {
       ptr_ = host_alloc(bytes_);
     } else {
       MT_CHECK(cuda::available(), "cannot allocate on {}: {}", device_.str(), cuda::unavailable_reason());
+      // CUDA allocates on the thread's current device, whatever the tensor says.
+      MT_CHECK(cuda::current_device() == device_.index, "cannot allocate on {}: this thread's current CUDA device is "
+               "cuda:{} (cuda::set_device first)", device_.str(), cuda::current_device());
       ptr_ = cuda::device_alloc(bytes_, cuda::current_stream());
     }
   }

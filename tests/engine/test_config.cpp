@@ -1,5 +1,6 @@
 // Tests of the declarative config (config.h), the run config (run_config.h) and the
-// Qwen3-MoE model config (HF config.json loading, validation, is_moe_layer).
+// Qwen3-MoE model config (HF config.json loading, validation, is_moe_layer), and the GPU a
+// launched rank takes.
 #include <gtest/gtest.h>
 
 #include "test_util.h"
@@ -12,6 +13,7 @@
 #include "core/error.h"
 #include "engine/config.h"
 #include "engine/models/qwen3_moe_config.h"
+#include "engine/parallel/parallel_context.h"
 #include "engine/run_config.h"
 
 namespace fs = std::filesystem;
@@ -452,4 +454,16 @@ TEST(Qwen3MoeConfig, IsMoeLayer) {
   EXPECT_TRUE(c.is_moe_layer(5));
   c.num_experts = 0;
   EXPECT_FALSE(c.is_moe_layer(5));
+}
+
+// torchrun and `moetrain launch` show every rank all the GPUs (rank k takes GPU k); srun
+// --gpus-per-task shows each rank only its own (GPU 0 in the process).
+TEST(ParallelContext, EachLocalRankFindsItsGpu) {
+  EXPECT_EQ(gpu_for_local_rank(0, 1), 0);
+  EXPECT_EQ(gpu_for_local_rank(5, 8), 5);
+  EXPECT_EQ(gpu_for_local_rank(7, 8), 7);
+  EXPECT_EQ(gpu_for_local_rank(3, 1), 0);
+  const std::string e = moetrain::testing::error_of([] { gpu_for_local_rank(2, 2); });
+  EXPECT_NE(e.find("LOCAL_RANK 2 but this process sees 2 GPUs"), std::string::npos) << e;
+  EXPECT_NE(moetrain::testing::error_of([] { gpu_for_local_rank(0, 0); }), "");
 }

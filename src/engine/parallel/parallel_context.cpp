@@ -8,6 +8,13 @@
 
 namespace moetrain {
 
+int gpu_for_local_rank(int local_rank, int visible) {
+  if (local_rank < visible) return local_rank;
+  MT_CHECK(visible == 1, "LOCAL_RANK {} but this process sees {} GPUs: start at most {} ranks on this machine, or give "
+           "each rank its own GPU (CUDA_VISIBLE_DEVICES, srun --gpus-per-task=1)", local_rank, visible, visible);
+  return 0;
+}
+
 ParallelContext ParallelContext::build(const RunConfig& cfg) {
   ParallelContext p;
   p.env = LaunchEnv::from_environment();
@@ -28,7 +35,8 @@ ParallelContext ParallelContext::build(const RunConfig& cfg) {
   const bool gpu = cfg.training.device == "cuda";
   if (gpu) {
     MT_CHECK(cuda::available(), "[training].device = \"cuda\" but no GPU is usable: {}", cuda::unavailable_reason());
-    p.device = Device::cuda(p.env.local_rank);
+    p.device = Device::cuda(gpu_for_local_rank(p.env.local_rank, cuda::device_count()));
+    cuda::set_device(p.device.index);  // before this rank's first allocation, stream or handle
   }
   p.ep = mesh.ep();
   p.ep_rank = mesh.coord(p.rank).ep;
@@ -39,7 +47,7 @@ ParallelContext ParallelContext::build(const RunConfig& cfg) {
   CommOptions opt = default_comm_options(p.env);
   auto store = Store::open(default_store_spec(p.env), p.rank, opt.timeout)->prefixed("train");
   std::shared_ptr<Communicator> world =
-      gpu ? std::shared_ptr<Communicator>(connect_nccl(store, p.rank, p.world, p.env.local_rank, opt))
+      gpu ? std::shared_ptr<Communicator>(connect_nccl(store, p.rank, p.world, p.device.index, opt))
           : std::shared_ptr<Communicator>(GlooCommunicator::connect(store, p.rank, p.world, opt));
   p.comms = std::make_unique<MeshComms>(MeshComms::build(world, mesh, static_cast<int>(pc.dp_replicate)));
   p.data_rank = p.comms->dp_cp_ep->rank();

@@ -12,10 +12,15 @@
 
 namespace moetrain {
 
+// The GPU of the rank with this LOCAL_RANK among `visible` GPUs: GPU local_rank, or GPU 0
+// where each rank sees only its own (SLURM's --gpus-per-task, or a launcher that sets
+// CUDA_VISIBLE_DEVICES per rank). An Error naming the numbers when neither fits.
+int gpu_for_local_rank(int local_rank, int visible);
+
 struct ParallelContext {
   LaunchEnv env;
   std::unique_ptr<MeshComms> comms;  // null for a world of one
-  Device device = Device::cpu();     // this rank's device: the CPU, or GPU local_rank
+  Device device = Device::cpu();     // this rank's device: the CPU, or gpu_for_local_rank's GPU
   int rank = 0, world = 1;
   // Ranks that see different tokens of one global batch: dp x ep of this pipeline stage
   // (no cp yet). The ranks of one pipeline group see the same tokens.
