@@ -152,6 +152,15 @@ std::string weights_from(const CheckpointReader& reader, const Parameter& p) {
   return finer_than_bf16 && reader.has(master) ? master : p.name;
 }
 
+// Fills a parameter's weights through `read(name, dst)` from weights_from's tensor: a split
+// master is read as f32 and split into its halves.
+template <typename Read>
+void read_weights(const CheckpointReader& reader, Parameter& p, Read&& read) {
+  Tensor dst = p.has_master() ? Tensor::empty(p.value.shape(), DType::F32, p.value.device()) : p.value;
+  read(weights_from(reader, p), dst);
+  if (p.has_master()) set_master(p, dst);
+}
+
 }  // namespace
 
 void load_slices(CheckpointReader& reader, const std::vector<CheckpointItem>& items) {
@@ -185,13 +194,7 @@ void load_sharded_state(CheckpointReader& reader, const ParameterList& params, P
     MT_CHECK(p.name != "lm_head.weight" || reader.has(p.name),
              "checkpoint {}: no tensor 'lm_head.weight' (set tie_word_embeddings = true for a model whose head is "
              "its embedding)", reader.dir());
-    if (p.has_master()) {
-      Tensor master = Tensor::empty(p.value.shape(), DType::F32, p.value.device());
-      read_piece(reader, weights_from(reader, p), shape, b, master);
-      set_master(p, master);
-    } else {
-      read_piece(reader, weights_from(reader, p), shape, b, p.value);
-    }
+    read_weights(reader, p, [&](const std::string& name, Tensor& dst) { read_piece(reader, name, shape, b, dst); });
     if (opt == nullptr) continue;
     Tensor m = opt->exp_avg()[i], v = opt->exp_avg_sq()[i];
     read_piece(reader, p.name + ".exp_avg", shape, b, m);
@@ -208,13 +211,7 @@ void load_model_weights(CheckpointReader& reader, ParameterList& params) {
     }
     MT_CHECK(reader.has(p.name), "checkpoint {}: no tensor '{}' (the model needs {} {})", reader.dir(), p.name,
              dtype_name(p.value.dtype()), shape_str(p.value.shape()));
-    if (p.has_master()) {
-      Tensor master = Tensor::empty(p.value.shape(), DType::F32, p.value.device());
-      reader.read(weights_from(reader, p), master);
-      set_master(p, master);
-    } else {
-      reader.read(weights_from(reader, p), p.value);
-    }
+    read_weights(reader, p, [&](const std::string& name, Tensor& dst) { reader.read(name, dst); });
   }
   MT_CHECK(!tied_head_missing, "checkpoint {}: no tensor 'lm_head.weight' (set tie_word_embeddings = true for a model "
            "whose head is its embedding)", reader.dir());
