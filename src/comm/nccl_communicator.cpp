@@ -261,6 +261,14 @@ class NcclCommunicator final : public Communicator {
   // Records the failure, aborts the NCCL communicator so its kernels return, and either
   // aborts the process or throws.
   [[noreturn]] void fail(const std::string& message, bool from_watchdog) {
+    if (options().abort_process_on_error) {
+      // No ncclCommAbort first: it frees the communicator while the main thread may be inside
+      // an NCCL call on it (seen on two H100s: a SIGSEGV instead of this message). The
+      // process's end releases the GPU and the peers' watchdogs or the launcher end theirs.
+      spdlog::critical("nccl: {}; aborting the process so the job stops", message);
+      spdlog::default_logger()->flush();
+      std::abort();
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (failure_.empty()) failure_ = message;
@@ -268,11 +276,6 @@ class NcclCommunicator final : public Communicator {
         aborted_ = true;
         ncclCommAbort(comm_);
       }
-    }
-    if (options().abort_process_on_error) {
-      spdlog::critical("nccl: {}; aborting the process so the job stops", message);
-      spdlog::default_logger()->flush();
-      std::abort();
     }
     if (from_watchdog) spdlog::error("nccl: {}; the next call on {} throws", message, name());
     if (from_watchdog) throw Error(message, __FILE__, __LINE__);  // caught in watch()

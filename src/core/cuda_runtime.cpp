@@ -210,6 +210,12 @@ Event create_sync_event() {
 void stream_wait_event(Stream s, Event e) {
   MT_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(s), static_cast<cudaEvent_t>(e), 0));
 }
+bool event_done(Event e) {
+  cudaError_t r = cudaEventQuery(static_cast<cudaEvent_t>(e));
+  if (r == cudaErrorNotReady) return false;
+  MT_CUDA_CHECK(r);
+  return true;
+}
 
 #else  // a build without CUDA
 
@@ -247,6 +253,7 @@ void record_event(Event, Stream) { no_cuda(); }
 float elapsed_ms(Event, Event) { no_cuda(); }
 Event create_sync_event() { no_cuda(); }
 void stream_wait_event(Stream, Event) { no_cuda(); }
+bool event_done(Event) { no_cuda(); }
 
 #endif
 

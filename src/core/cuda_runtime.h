@@ -70,6 +70,8 @@ Event create_sync_event();
 // Work enqueued on `s` after this call waits until `e` (as last recorded) has completed;
 // the host does not wait.
 void stream_wait_event(Stream s, Event e);
+// Whether the work before the event's last record has finished (never waits).
+bool event_done(Event e);
 
 // Makes `s` the calling thread's current stream for a scope, so the ops, copies and
 // allocations inside it go to `s`; restores the previous one at exit.

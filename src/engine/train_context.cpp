@@ -30,10 +30,6 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   // Pipeline: the schedule of a training step and of a validation pass, the model cut into
   // its chunks, and this rank's share of them (pipeline/executor.h).
   if (par.pp > 1) {
-    if (gpu) {
-      spdlog::warn("pipeline: the NCCL transport (pipeline/nccl_transport.h) has passed its CPU-side tests but has "
-                   "not yet run on a machine with several GPUs: check the first steps against a run without pp");
-    }
     const bool v = cfg.parallel.schedule == "dualpipev";
     const int M = static_cast<int>(tc.grad_accum_steps);
     try {

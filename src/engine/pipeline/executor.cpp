@@ -1,12 +1,16 @@
 #include "engine/pipeline/executor.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
+#include <tuple>
 
 #include <fmt/format.h>
 
 #include "core/cuda_runtime.h"
 #include "core/error.h"
+#include "core/log.h"
 
 namespace moetrain {
 
@@ -76,22 +80,41 @@ std::string op_name(const PipeOp& op) {
 
 }  // namespace
 
-std::vector<OrderedTransport::Expected> pipeline_messages(const PipelineSchedule& s, int to,
-                                                          const std::vector<int64_t>& rows) {
-  std::vector<OrderedTransport::Expected> out;
+std::vector<OrderedTransport::Message> pipeline_message_order(const PipelineSchedule& s, int rank,
+                                                              const std::vector<int64_t>& rows) {
+  struct Sent {
+    double time;
+    int from, op, half;
+    int to;
+    uint32_t tag;
+    int mb;
+  };
+  const std::vector<std::vector<double>> finish = finish_times(s);
+  std::vector<Sent> all;
   for (int p = 0; p < s.pp; ++p) {
-    if (p == to) continue;
-    auto forward = [&](int c, int m) {
-      if (c + 1 < s.num_chunks && s.rank_of_chunk(c + 1) == to) out.push_back({p, tag(kActivation, c + 1, m), rows[m]});
-    };
-    auto backward = [&](int c, int m) {
-      if (c > 0 && s.rank_of_chunk(c - 1) == to) out.push_back({p, tag(kGradient, c - 1, m), rows[m]});
-    };
-    for (const PipeOp& op : s.ops[p]) {
+    for (int i = 0; i < static_cast<int>(s.ops[p].size()); ++i) {
+      const PipeOp& op = s.ops[p][i];
+      const double t = finish[p][i];
+      auto forward = [&](int c, int m) {
+        if (c + 1 < s.num_chunks && s.rank_of_chunk(c + 1) != p) {
+          all.push_back({t, p, i, 0, s.rank_of_chunk(c + 1), tag(kActivation, c + 1, m), m});
+        }
+      };
+      auto backward = [&](int c, int m) {
+        if (c > 0 && s.rank_of_chunk(c - 1) != p) all.push_back({t, p, i, 1, s.rank_of_chunk(c - 1), tag(kGradient, c - 1, m), m});
+      };
       if (op.kind == PipeOpKind::F || op.kind == PipeOpKind::FB) forward(op.chunk, op.mb);
       if (op.kind == PipeOpKind::B) backward(op.chunk, op.mb);
       if (op.kind == PipeOpKind::FB) backward(op.chunk2, op.mb2);
     }
+  }
+  std::stable_sort(all.begin(), all.end(), [](const Sent& a, const Sent& b) {
+    return std::tie(a.time, a.from, a.op, a.half) < std::tie(b.time, b.from, b.op, b.half);
+  });
+  std::vector<OrderedTransport::Message> out;
+  for (const Sent& m : all) {
+    if (m.from == rank) out.push_back({m.to, true, m.tag, rows[static_cast<size_t>(m.mb)]});
+    if (m.to == rank) out.push_back({m.from, false, m.tag, rows[static_cast<size_t>(m.mb)]});
   }
   return out;
 }
@@ -240,7 +263,7 @@ void PipelineExecutor::overlapped_step(const PipeOp& op, const std::vector<Batch
                                                       fc.head ? &loss : nullptr, chunks_[op.chunk2],
                                                       batches[op.mb2], dy, *ba, dispatcher_);
   // The forward's output leaves first, as when the pair runs in turn: an ordered transport
-  // (NCCL) expects each rank's messages in the order pipeline_messages() lists them.
+  // (NCCL) expects each rank's messages in the order pipeline_message_order() lists them.
   forward_output(op.chunk, op.mb, {out, in.totals}, loss, pass.training, r);
   backward_output(op.chunk2, op.mb2, std::move(dx), *ba);
 }
@@ -266,7 +289,7 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
   if (ordered_) {
     std::vector<int64_t> rows;
     for (const Batch& b : batches) rows.push_back(b.batch * b.seq);
-    ordered_->begin_step(pipeline_messages(s, rank_, rows));
+    ordered_->begin_step(pipeline_message_order(s, rank_, rows), *std::max_element(rows.begin(), rows.end()));
   }
   weights_written_.assign(chunks_.size(), false);
   head_written_ = false;
@@ -286,7 +309,15 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
     step_begin = cuda::create_event();
     cuda::record_event(step_begin, cuda::current_stream());
   }
+  static const bool trace = [] {
+    const char* v = std::getenv("MOETRAIN_PIPELINE_TRACE");
+    return v != nullptr && std::string(v) == "1";
+  }();
   for (const PipeOp& op : s.ops[rank_]) {
+    if (trace) {  // a warning, so that every rank prints it
+      spdlog::warn("pipeline trace: rank {} {}{}", rank_, op_name(op),
+                   ordered_ ? " |" + ordered_->pending() : std::string());
+    }
     inputs_in_ = std::chrono::steady_clock::now();
     if (gpu_clock) {
       events.push_back({cuda::create_event(), cuda::create_event(), cuda::create_event()});

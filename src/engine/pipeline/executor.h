@@ -9,8 +9,8 @@
 // back with the gradients). Sends are non-blocking and awaited at the end of the step; a
 // receive is awaited when its step runs. So any order that validate() accepts runs without
 // deadlock: that check simulates exactly these rules. On Gloo messages are matched by tag;
-// on NCCL by order, through OrderedTransport (nccl_transport.h), which posts each step's
-// receives up front in the order pipeline_messages() gives.
+// on NCCL by order, through OrderedTransport (nccl_transport.h), in the one order of the
+// step's messages that pipeline_message_order() gives.
 //
 // Gradients: the first W of a chunk in a step writes its weight gradients, later ones add
 // (no zeroing pass); the head writes in its first F and adds after.
@@ -42,11 +42,12 @@ std::vector<ChunkSpec> partition_layers(int64_t num_layers, int num_chunks);
 ModelPlacement pipeline_placement(const std::vector<ChunkSpec>& chunks, const PipelineSchedule& schedule, int rank,
                                   ModelPlacement base);
 
-// The messages rank `to` receives in one run of `s`, in each sender's send order (the
-// executor sends a step's forward output before its backward output). `rows[m]`: rows of
-// micro-batch m's hidden states.
-std::vector<OrderedTransport::Expected> pipeline_messages(const PipelineSchedule& s, int to,
-                                                          const std::vector<int64_t>& rows);
+// Rank `rank`'s messages in one run of `s`, in the one order all ranks follow over NCCL
+// (nccl_transport.h): every message of the step sorted by the unit-cost finish time of the
+// op that sends it (finish_times), then by sending rank and op; an FB sends its forward
+// output before its backward output. `rows[m]`: rows of micro-batch m's hidden states.
+std::vector<OrderedTransport::Message> pipeline_message_order(const PipelineSchedule& s, int rank,
+                                                              const std::vector<int64_t>& rows);
 
 class PipelineExecutor {
  public:

@@ -1,126 +1,158 @@
 #include "engine/pipeline/nccl_transport.h"
 
+#include <fmt/format.h>
+
 #include "core/error.h"
 #include "core/log.h"
 
 namespace moetrain {
 
 OrderedTransport::OrderedTransport(Communicator& pp, Device device, int64_t hidden, DType dtype, int64_t totals)
-    : rank_(pp.rank()), size_(pp.size()), device_(device), hidden_(hidden), totals_(totals), dtype_(dtype) {
+    : pp_(pp), device_(device), hidden_(hidden), totals_(totals), dtype_(dtype) {
   MT_CHECK(!device.is_cpu(), "pipeline transport over {}: needs a GPU", pp.name());
-  // Pairs {2k + parity, 2k + parity + 1}: every rank is in one pair of each parity (or none at
-  // the ends). Four splits (two parities x two directions), each collective over pp.
-  const int r = rank_, P = size_;
-  auto split = [&](int parity, const char* name) {
-    int color = r - parity >= 0 ? (r - parity) / 2 : -1;
-    if (color >= 0 && 2 * color + parity + 1 >= P) color = -1;  // the partner does not exist
-    return std::shared_ptr<Communicator>(pp.split(color, r, name));
-  };
-  std::shared_ptr<Communicator> even_up = split(0, "even_up"), even_down = split(0, "even_down");
-  std::shared_ptr<Communicator> odd_up = split(1, "odd_up"), odd_down = split(1, "odd_down");
-  // With r + 1 this rank pairs at parity r % 2, with r - 1 at parity (r - 1) % 2.
-  const bool even_with_next = r % 2 == 0;
-  up_send_.comm = r + 1 < P ? (even_with_next ? even_up : odd_up) : nullptr;
-  down_recv_.comm = r + 1 < P ? (even_with_next ? even_down : odd_down) : nullptr;
-  up_recv_.comm = r > 0 ? (even_with_next ? odd_up : even_up) : nullptr;
-  down_send_.comm = r > 0 ? (even_with_next ? odd_down : even_down) : nullptr;
-  for (Link* l : {&up_send_, &up_recv_, &down_send_, &down_recv_}) {
-    if (l->comm) l->stream = cuda::create_stream();
-  }
+  stream_ = cuda::create_stream();
   compute_point_ = cuda::create_sync_event();
-  // NCCL connects two ranks for point to point at their first exchange, and a rank's host
-  // waits there until the peer makes the same connection (NVIDIA/nccl#783). A step posts
-  // its receives first, each on its own link: rank 0 waiting to connect on one link while
-  // rank 1 waits on another would hang both. So every link is connected here, one element
-  // each way, in the same order on every rank (each rank is in at most one pair a link).
-  for (const std::shared_ptr<Communicator>& c : {even_up, even_down, odd_up, odd_down}) {
-    if (!c) continue;
-    const Tensor out = Tensor::zeros({2}, DType::F32, device_);
-    Tensor in = Tensor::empty({2}, DType::F32, device_);
-    c->all_to_all_v(out, {1, 1}, in, {1, 1}, cuda::current_stream());
-    c->synchronize(cuda::current_stream());
-  }
 }
 
 OrderedTransport::~OrderedTransport() {
   try {
-    for (Link* l : {&up_send_, &up_recv_, &down_send_, &down_recv_}) {
-      if (!l->stream) continue;
-      cuda::stream_synchronize(l->stream);
-      cuda::destroy_stream(l->stream);
+    cuda::stream_synchronize(stream_);
+    for (Slot& s : slots_) {
+      if (s.ready) cuda::destroy_event(s.ready);
     }
-    for (auto& [tag, a] : arrivals_) cuda::destroy_event(a.ready);
+    cuda::destroy_stream(stream_);
     cuda::destroy_event(compute_point_);
   } catch (const std::exception& e) {
     spdlog::error("pipeline transport: {}", e.what());
   }
 }
 
-OrderedTransport::Link& OrderedTransport::link(int peer, bool sending) {
-  MT_CHECK(peer == rank_ + 1 || peer == rank_ - 1,
-           "pipeline rank {}: a message {} rank {}, which is not a neighbour", rank_, sending ? "to" : "from", peer);
-  Link& l = peer == rank_ + 1 ? (sending ? up_send_ : down_recv_) : (sending ? down_send_ : up_recv_);
-  MT_CHECK(l.comm != nullptr, "pipeline rank {}: no link {} rank {}", rank_, sending ? "to" : "from", peer);
-  return l;
+// NCCL connects two ranks for point to point at their first exchange, and a rank's host waits
+// there until the peer makes the same connection (NVIDIA/nccl#783); how many channels it
+// connects depends on the message's size. So the neighbours are connected here, all ranks at
+// once, at the largest size of the step, before any message of the step is issued.
+void OrderedTransport::connect(int64_t rows) {
+  const int r = pp_.rank(), P = pp_.size();
+  for (const auto& [elements, dtype] : {std::pair<int64_t, DType>{totals_, DType::F64}, {rows * hidden_, dtype_}}) {
+    std::vector<int64_t> counts(static_cast<size_t>(P), 0);
+    if (r > 0) counts[static_cast<size_t>(r - 1)] = elements;
+    if (r + 1 < P) counts[static_cast<size_t>(r + 1)] = elements;
+    const int64_t n = (r > 0 ? elements : 0) + (r + 1 < P ? elements : 0);
+    const Tensor out = Tensor::zeros({n}, dtype, device_);
+    Tensor in = Tensor::empty({n}, dtype, device_);
+    pp_.all_to_all_v(out, counts, in, counts, cuda::current_stream());
+    pp_.synchronize(cuda::current_stream());
+  }
 }
 
-void OrderedTransport::begin_step(const std::vector<Expected>& incoming) {
-  MT_CHECK(arrivals_.empty() && in_flight_.empty(), "pipeline transport: a step began before the last one ended");
-  // The buffers are allocated on the compute stream: the receiving streams start after it.
-  std::vector<std::pair<const Expected*, Arrival*>> posted;
-  for (const Expected& e : incoming) {
-    Arrival& a = arrivals_[e.tag];
-    MT_CHECK(!a.hidden.defined(), "pipeline transport: message tag {} expected twice", e.tag);
-    a.hidden = Tensor::empty({e.rows, hidden_}, dtype_, device_);
-    a.totals = Tensor::empty({totals_}, DType::F64, device_);
-    a.ready = cuda::create_sync_event();
-    posted.push_back({&e, &a});
+void OrderedTransport::begin_step(const std::vector<Message>& order, int64_t max_rows) {
+  MT_CHECK(slots_.empty(), "pipeline transport: a step began before the last one ended");
+  if (max_rows > connected_rows_) {
+    connect(max_rows);
+    connected_rows_ = max_rows;
+  }
+  // The receive buffers are allocated on the compute stream: the transport's stream starts
+  // after it.
+  slots_.reserve(order.size());
+  for (const Message& m : order) {
+    MT_CHECK(m.rows <= max_rows, "pipeline transport: message tag {} has {} rows, more than the step's largest ({})",
+             m.tag, m.rows, max_rows);
+    MT_CHECK(m.peer >= 0 && m.peer < pp_.size() && m.peer != pp_.rank(),
+             "pipeline transport: message tag {} names rank {} (pipeline of {}, this rank {})", m.tag, m.peer,
+             pp_.size(), pp_.rank());
+    MT_CHECK(index_.emplace(std::make_pair(m.sending, m.tag), slots_.size()).second,
+             "pipeline transport: message tag {} listed twice", m.tag);
+    Slot s{m};
+    s.ready = cuda::create_sync_event();
+    if (!m.sending) {
+      s.hidden = Tensor::empty({m.rows, hidden_}, dtype_, device_);
+      s.totals = Tensor::empty({totals_}, DType::F64, device_);
+    }
+    slots_.push_back(std::move(s));
   }
   cuda::record_event(compute_point_, cuda::current_stream());
-  for (Link* l : {&up_recv_, &down_recv_}) {
-    if (l->stream) cuda::stream_wait_event(l->stream, compute_point_);
+  cuda::stream_wait_event(stream_, compute_point_);
+  next_ = 0;
+  issue_ready();
+}
+
+void OrderedTransport::issue_ready() {
+  for (; next_ < slots_.size(); ++next_) {
+    Slot& s = slots_[next_];
+    if (s.m.sending) {
+      if (!s.handed) return;
+      cuda::stream_wait_event(stream_, s.ready);
+      pp_.send(s.hidden, s.m.peer, stream_);
+      pp_.send(s.totals, s.m.peer, stream_);
+    } else {
+      pp_.recv(s.hidden, s.m.peer, stream_);
+      pp_.recv(s.totals, s.m.peer, stream_);
+      cuda::record_event(s.ready, stream_);
+    }
+    s.issued = true;
   }
-  for (auto& [e, a] : posted) {
-    Link& l = link(e->from, false);
-    l.comm->recv(a->hidden, peer_in(l), l.stream);
-    l.comm->recv(a->totals, peer_in(l), l.stream);
-    cuda::record_event(a->ready, l.stream);
-  }
+}
+
+OrderedTransport::Slot& OrderedTransport::slot(bool sending, uint32_t tag, const char* what) {
+  auto it = index_.find({sending, tag});
+  MT_CHECK(it != index_.end(), "pipeline transport: {} message tag {} is not in this step's order", what, tag);
+  return slots_[it->second];
 }
 
 std::pair<Tensor, Tensor> OrderedTransport::receive(uint32_t tag) {
-  auto it = arrivals_.find(tag);
-  MT_CHECK(it != arrivals_.end(), "pipeline transport: message tag {} was not expected this step", tag);
-  Arrival a = std::move(it->second);
-  arrivals_.erase(it);
-  cuda::stream_wait_event(cuda::current_stream(), a.ready);
-  cuda::destroy_event(a.ready);
-  return {a.hidden, a.totals};
+  Slot& s = slot(false, tag, "received");
+  MT_CHECK(!s.used, "pipeline transport: message tag {} used twice", tag);
+  MT_CHECK(s.issued, "pipeline transport: message tag {} is needed before this rank's send of tag {}, which comes "
+           "before it in the order, was handed over (the order does not fit the schedule)", tag, slots_[next_].m.tag);
+  s.used = true;
+  cuda::stream_wait_event(cuda::current_stream(), s.ready);
+  return {s.hidden, s.totals};
 }
 
 void OrderedTransport::send(int to, uint32_t tag, const Tensor& hidden, const Tensor& totals) {
-  MT_CHECK(hidden.size(1) == hidden_ && totals.numel() == totals_ && !hidden.device().is_cpu(),
-           "pipeline transport: message tag {} is {} and {}, expected [rows, {}] and [{}] on the GPU", tag,
-           hidden.str(), totals.str(), hidden_, totals_);
-  Link& l = link(to, true);
-  cuda::record_event(compute_point_, cuda::current_stream());
-  cuda::stream_wait_event(l.stream, compute_point_);
-  l.comm->send(hidden, peer_in(l), l.stream);
-  l.comm->send(totals, peer_in(l), l.stream);
-  l.used = true;
-  in_flight_.push_back(hidden);
-  in_flight_.push_back(totals);
+  Slot& s = slot(true, tag, "sent");
+  MT_CHECK(s.m.peer == to && !s.handed, "pipeline transport: message tag {} to rank {}: expected {} to rank {}", tag,
+           to, s.handed ? "once" : "it", s.m.peer);
+  MT_CHECK(hidden.dtype() == dtype_ && hidden.ndim() == 2 && hidden.size(0) == s.m.rows && hidden.size(1) == hidden_ &&
+               totals.numel() == totals_ && hidden.device() == device_ && totals.device() == device_,
+           "pipeline transport: message tag {} is {} and {}, expected [{}, {}] {} and [{}] on {}", tag, hidden.str(),
+           totals.str(), s.m.rows, hidden_, dtype_name(dtype_), totals_, device_.str());
+  s.hidden = hidden;
+  s.totals = totals;
+  s.handed = true;
+  cuda::record_event(s.ready, cuda::current_stream());
+  issue_ready();
 }
 
 void OrderedTransport::end_step() {
-  for (Link* l : {&up_send_, &down_send_}) {
-    if (!l->used) continue;
-    cuda::record_event(compute_point_, l->stream);
-    cuda::stream_wait_event(cuda::current_stream(), compute_point_);  // the sent tensors may go now
-    l->used = false;
+  issue_ready();
+  MT_CHECK(next_ == slots_.size(), "pipeline transport: the step ended with message tag {} ({}) not {}",
+           slots_[next_].m.tag, slots_[next_].m.sending ? "a send" : "a receive",
+           slots_[next_].m.sending ? "handed over" : "issued");
+  for (const Slot& s : slots_) {
+    MT_CHECK(s.m.sending || s.used, "pipeline transport: received message tag {} was never used this step", s.m.tag);
   }
-  in_flight_.clear();
-  MT_CHECK(arrivals_.empty(), "pipeline transport: {} expected messages were never used this step", arrivals_.size());
+  // The compute stream waits for the sends: their tensors may go now.
+  cuda::record_event(compute_point_, stream_);
+  cuda::stream_wait_event(cuda::current_stream(), compute_point_);
+  for (Slot& s : slots_) cuda::destroy_event(s.ready);
+  slots_.clear();
+  index_.clear();
+  next_ = 0;
+}
+
+std::string OrderedTransport::pending() const {
+  std::string out;
+  if (next_ < slots_.size()) {
+    const Slot& n = slots_[next_];
+    out = fmt::format(" next: {} {} {} {} |", n.m.sending ? "send" : "receive", n.m.tag, n.m.sending ? "to" : "from",
+                      n.m.peer);
+  }
+  for (const Slot& s : slots_) {
+    if (s.m.sending || s.used || !s.issued) continue;
+    out += fmt::format(" {}:{}", s.m.tag, cuda::event_done(s.ready) ? "in" : "--");
+  }
+  return out;
 }
 
 }  // namespace moetrain

@@ -91,6 +91,7 @@ void check_structure(const PipelineSchedule& s) {
 struct Walk {
   double makespan = 0;
   std::vector<double> busy;
+  std::vector<std::vector<double>> finish;  // per rank, each op's finish time
 };
 
 Walk walk(const PipelineSchedule& s, double f, double b, double w, bool w_in_pairs) {
@@ -127,6 +128,7 @@ Walk walk(const PipelineSchedule& s, double f, double b, double w, bool w_in_pai
   std::vector<double> free_at(s.pp, 0.0);
   Walk out;
   out.busy.assign(s.pp, 0.0);
+  out.finish.assign(s.pp, {});
   // Each pass runs every op that can run; ranks wait on each other, so repeat until a pass
   // runs nothing. Start times depend only on finish times, not on the order of passes.
   for (bool moved = true; moved;) {
@@ -159,6 +161,7 @@ Walk walk(const PipelineSchedule& s, double f, double b, double w, bool w_in_pai
           }
         }
         free_at[r] = t;
+        out.finish[r].push_back(t);
         out.busy[r] += cost(op.kind);
         out.makespan = std::max(out.makespan, t);
         ++next[r];
@@ -391,6 +394,11 @@ PipelineSchedule make_forward_only(int pp, int micro_batches, bool v_shape) {
 void validate(const PipelineSchedule& s) {
   check_structure(s);
   walk(s, 1, 1, 1, false);
+}
+
+std::vector<std::vector<double>> finish_times(const PipelineSchedule& s) {
+  check_structure(s);
+  return walk(s, 1, 1, 1, false).finish;
 }
 
 ScheduleTimes simulate(const PipelineSchedule& s, double f, double b, double w) {

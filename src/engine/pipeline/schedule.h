@@ -77,6 +77,10 @@ struct ScheduleTimes {
   std::vector<double> idle;  // per rank: makespan - its busy time
 };
 ScheduleTimes simulate(const PipelineSchedule& s, double f, double b, double w);
+// Each rank's ops' finish times in the unit-cost simulation (f = b = w = 1, per rank in its
+// list's order): one valid execution of the whole schedule, from which the NCCL transport
+// takes the one order of messages that every rank follows (executor.h).
+std::vector<std::vector<double>> finish_times(const PipelineSchedule& s);
 // As simulate(), but an FB timed as the published DualPipe code runs it: the pair computes
 // its backward half's W inside it (one autograd call), so the W that follows an FB in these
 // lists belongs to the pair and neither half's output leaves before that W is done. With
