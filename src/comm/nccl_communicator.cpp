@@ -77,7 +77,7 @@ class NcclCommunicator final : public Communicator {
     cudaSetDevice(device_);
     if (aborted_) {
       // ncclCommAbort already freed it.
-    } else if (settle(comm_, ncclCommFinalize(comm_), options().timeout) == ncclSuccess) {
+    } else if (settle(comm_, ncclCommFinalize(comm_), options().timeout) == ncclSuccess) {  // the watchdog is gone
       ncclCommDestroy(comm_);
     } else {
       ncclCommAbort(comm_);  // finalize waits on peers; a dead one would block it forever
@@ -174,8 +174,13 @@ class NcclCommunicator final : public Communicator {
                size(), cudaGetErrorName(e), cudaGetErrorString(e));
       throw_if_failed();
       ncclResult_t state = ncclSuccess;
-      ncclCommGetAsyncError(comm_, &state);
-      if (state != ncclSuccess && state != ncclInProgress) fail(where("synchronize") + ": " + nccl_error(comm_, state), false);
+      std::string error;
+      with_comm([&](ncclComm_t c) {
+        ncclCommGetAsyncError(c, &state);
+        if (state != ncclSuccess && state != ncclInProgress) error = nccl_error(c, state);
+      });
+      throw_if_failed();
+      if (!error.empty()) fail(where("synchronize") + ": " + error, false);
       if (Clock::now() > deadline) {
         fail(fmt::format("{}: the stream's ops did not finish within {} s (a peer may be dead)", where("synchronize"),
                          options().timeout.count() / 1000.0),
@@ -191,12 +196,17 @@ class NcclCommunicator final : public Communicator {
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
     cfg.blocking = 0;
     ncclComm_t sub = nullptr;
-    ncclResult_t r = ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &sub, &cfg);
-    r = settle(sub ? sub : comm_, r, options().timeout);
-    if (r == ncclInProgress && sub) ncclCommAbort(sub);
+    ncclResult_t r = ncclInternalError;
+    std::string error;
+    with_comm([&](ncclComm_t c) {
+      r = ncclCommSplit(c, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &sub, &cfg);
+      r = settle(sub ? sub : c, r, options().timeout);  // a collective: held here until it is done
+      if (r == ncclInProgress && sub) ncclCommAbort(sub);
+      if (r != ncclSuccess && r != ncclInProgress) error = nccl_error(c, r);
+    });
+    throw_if_failed();
     MT_CHECK(r == ncclSuccess, "nccl {}: {}", where("split"),
-             r == ncclInProgress ? fmt::format("timed out after {} s", options().timeout.count() / 1000.0)
-                                 : nccl_error(comm_, r));
+             r == ncclInProgress ? fmt::format("timed out after {} s", options().timeout.count() / 1000.0) : error);
     if (!sub) return nullptr;
     int sub_rank = 0, sub_size = 0;
     MT_CHECK(ncclCommUserRank(sub, &sub_rank) == ncclSuccess && ncclCommCount(sub, &sub_size) == ncclSuccess,
@@ -229,18 +239,49 @@ class NcclCommunicator final : public Communicator {
     if (!failure_.empty()) MT_THROW("nccl: {} (the communicator was aborted)", failure_);
   }
 
+  // Runs f(comm_) unless the communicator was aborted (then returns false): the watchdog's
+  // abort frees comm_, and waits for `api_mu_` so that it never does so under a call. Lock
+  // order: mu_ before api_mu_ (the watchdog holds mu_); nothing holding api_mu_ takes mu_.
+  template <typename F>
+  bool with_comm(F&& f) {
+    std::lock_guard<std::mutex> lock(api_mu_);
+    if (aborted_) return false;
+    f(comm_);
+    return true;
+  }
+
+  // settle() for this communicator, holding it only for each poll.
+  ncclResult_t settle_here(ncclResult_t r) {
+    if (r != ncclSuccess && r != ncclInProgress) return r;
+    const auto deadline = Clock::now() + options().timeout;
+    for (int spins = 0;; ++spins) {
+      ncclResult_t state = ncclInProgress, q = ncclSuccess;
+      if (!with_comm([&](ncclComm_t c) { q = ncclCommGetAsyncError(c, &state); })) return ncclInternalError;
+      if (q != ncclSuccess) return q;
+      if (state != ncclInProgress) return state;
+      if (Clock::now() > deadline) return ncclInProgress;
+      if (spins < 1000) std::this_thread::yield();
+      else std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+
   // Calls `call` (one NCCL enqueue), settles it, and hands the op to the watchdog.
   template <typename F>
   void enqueue(std::string_view op, int peer, cuda::Stream stream, F&& call) {
     throw_if_failed();
     cudaStream_t s = stream_for(stream);
-    ncclResult_t r = settle(comm_, call(s), options().timeout);
+    ncclResult_t r = ncclInternalError;
+    with_comm([&](ncclComm_t) { r = call(s); });
+    r = settle_here(r);
+    throw_if_failed();  // aborted meanwhile: the failure's message, not the abort's status
     if (r != ncclSuccess) {
       std::string what = fmt::format("{}{}: ", where(op), peer >= 0 ? fmt::format(", peer {}", peer) : "");
       if (r == ncclInProgress) {
         fail(what + fmt::format("enqueue did not complete within {} s", options().timeout.count() / 1000.0), false);
       }
-      MT_THROW("nccl {}{}", what, nccl_error(comm_, r));
+      std::string error = ncclGetErrorString(r);
+      with_comm([&](ncclComm_t c) { error = nccl_error(c, r); });
+      MT_THROW("nccl {}{}", what, error);
     }
     cudaEvent_t ev;
     {
@@ -272,6 +313,11 @@ class NcclCommunicator final : public Communicator {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (failure_.empty()) failure_ = message;
+    }
+    {
+      // Waits for a call on comm_ in another thread to return before freeing it. A host
+      // blocked in a CUDA wait holds no lock: the abort is what lets its kernels return.
+      std::lock_guard<std::mutex> lock(api_mu_);
       if (!aborted_) {
         aborted_ = true;
         ncclCommAbort(comm_);
@@ -296,11 +342,14 @@ class NcclCommunicator final : public Communicator {
           pending_.pop_front();
           continue;
         }
-        std::string problem;
+        std::string problem, error;
         ncclResult_t state = ncclSuccess;
-        ncclCommGetAsyncError(comm_, &state);
+        with_comm([&](ncclComm_t c) {
+          ncclCommGetAsyncError(c, &state);
+          if (state != ncclSuccess && state != ncclInProgress) error = nccl_error(c, state);
+        });
         if (e != cudaErrorNotReady) problem = fmt::format("CUDA error {}", cudaGetErrorName(e));
-        else if (state != ncclSuccess && state != ncclInProgress) problem = nccl_error(comm_, state);
+        else if (!error.empty()) problem = error;
         else if (Clock::now() > p.deadline)
           problem = fmt::format("did not finish within {} s (a peer may be dead or stuck)",
                                 options().timeout.count() / 1000.0);
@@ -320,7 +369,8 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_;
   cuda::Stream default_stream_;
   Tensor token_;  // barrier's one-element all-reduce
-  std::mutex mu_;
+  std::mutex mu_;      // failure_, pending_, free_events_, stop_
+  std::mutex api_mu_;  // comm_ and aborted_: see with_comm
   std::condition_variable cv_;
   std::deque<Pending> pending_;
   std::vector<cudaEvent_t> free_events_;
