@@ -198,13 +198,14 @@ class NcclCommunicator final : public Communicator {
     ncclComm_t sub = nullptr;
     ncclResult_t r = ncclInternalError;
     std::string error;
-    with_comm([&](ncclComm_t c) {
-      r = ncclCommSplit(c, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &sub, &cfg);
-      r = settle(sub ? sub : c, r, options().timeout);  // a collective: held here until it is done
-      if (r == ncclInProgress && sub) ncclCommAbort(sub);
-      if (r != ncclSuccess && r != ncclInProgress) error = nccl_error(c, r);
-    });
+    with_comm([&](ncclComm_t c) { r = ncclCommSplit(c, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &sub, &cfg); });
+    r = sub ? settle(sub, r, options().timeout) : settle_here(r);  // `sub` is this thread's alone
+    if (r == ncclInProgress && sub) ncclCommAbort(sub);
     throw_if_failed();
+    if (r != ncclSuccess && r != ncclInProgress) {
+      error = ncclGetErrorString(r);
+      with_comm([&](ncclComm_t c) { error = nccl_error(c, r); });
+    }
     MT_CHECK(r == ncclSuccess, "nccl {}: {}", where("split"),
              r == ncclInProgress ? fmt::format("timed out after {} s", options().timeout.count() / 1000.0) : error);
     if (!sub) return nullptr;

@@ -8,7 +8,9 @@
 
 #include <algorithm>
 
+#include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "comm/comm_test_util.h"
@@ -232,70 +234,96 @@ TEST(PipelineExecutor, SendsFollowTheOrderTheNcclTransportExpects) {
   }
 }
 
-// The order fits each rank's own list: a message an op needs never comes after a send of
-// that op or a later one (or the rank would wait for its own future), and the rank's sends
-// come in the order of its ops. With that and one order shared by all ranks, issuing in
-// order cannot deadlock (nccl_transport.h says why). Over many shapes, training and forward.
-TEST(PipelineMessageOrder, EveryRankCanFollowIt) {
+// Every rank issues its part of the order as the transport does (a receive once every
+// earlier message is issued, a send once its op has run), each rank's stream finishes its
+// issued messages in order (a message completes when it is next on both ranks' streams),
+// and each rank's host runs an op only once the op's inputs have arrived (the worst case:
+// a host wait at every op). Every rank must get through its whole list, and every input
+// must be issued by the time its op can first ask for it (receive() throws otherwise).
+// Fails when the order is sorted by sender instead of by time.
+TEST(PipelineMessageOrder, EveryRankFinishesIssuingItInOrder) {
   std::vector<PipelineSchedule> schedules;
-  for (int pp : {2, 3, 4}) {
-    for (int m : {1, 2, 4, 5, 8}) schedules.push_back(make_1f1b(pp, m));
-    for (int m : {2 * pp, 2 * pp + 1, 3 * pp, 16}) schedules.push_back(make_dualpipev(pp, m));
+  for (int pp : {2, 3, 4, 6}) {
+    for (int m : {1, 2, 4, 5, 8, 13}) schedules.push_back(make_1f1b(pp, m));
+    for (int m : {2 * pp, 2 * pp + 1, 3 * pp, 20}) schedules.push_back(make_dualpipev(pp, m));
     schedules.push_back(make_forward_only(pp, 6, false));
     schedules.push_back(make_forward_only(pp, 6, true));
   }
   for (const PipelineSchedule& s : schedules) {
     SCOPED_TRACE(s.name + " pp " + std::to_string(s.pp) + " micro-batches " + std::to_string(s.micro_batches));
+    const int P = s.pp, last = s.num_chunks - 1;
     const std::vector<int64_t> rows(static_cast<size_t>(s.micro_batches), 8);
-    const int last = s.num_chunks - 1;
-    for (int r = 0; r < s.pp; ++r) {
-      const std::vector<OrderedTransport::Message> order = pipeline_message_order(s, r, rows);
-      // Where each of this rank's messages sits in its order, by (sending, destination chunk
-      // and micro-batch, kind): the tags as the executor makes them are private, so match
-      // on the messages' count per op instead: walk the ops and consume the order.
-      size_t at = 0;      // next unconsumed position
-      size_t sends = 0;   // sends consumed so far
-      std::vector<bool> received(order.size(), false);
-      for (const PipeOp& op : s.ops[static_cast<size_t>(r)]) {
-        // The inputs this op takes from other ranks.
-        int needs = 0;
-        auto in_f = [&](int c) { needs += c > 0 && s.rank_of_chunk(c - 1) != r; };
-        auto in_b = [&](int c) { needs += c < last && s.rank_of_chunk(c + 1) != r; };
-        if (op.kind == PipeOpKind::F || op.kind == PipeOpKind::FB) in_f(op.chunk);
-        if (op.kind == PipeOpKind::B) in_b(op.chunk);
-        if (op.kind == PipeOpKind::FB) in_b(op.chunk2);
-        // Receives are taken in order up to the next send: the op's inputs must be among
-        // those issued before this op's first send.
-        int available = 0;
-        for (size_t k = 0; k < order.size() && (order[k].sending ? k < at : true); ++k) {
-          if (!order[k].sending && !received[k]) ++available;
-          if (order[k].sending && k >= at) break;
-        }
-        EXPECT_GE(available, needs) << "rank " << r << " op " << to_string(op)
-                                    << " needs a message that comes after one of its own later sends";
-        // Consume: mark `needs` receives as used (the earliest ones), then this op's sends.
-        for (size_t k = 0; k < order.size() && needs > 0; ++k) {
-          if (!order[k].sending && !received[k]) {
-            received[k] = true;
-            --needs;
-          }
-        }
-        int outputs = 0;
-        auto out_f = [&](int c) { outputs += c + 1 <= last && s.rank_of_chunk(c + 1) != r; };
-        auto out_b = [&](int c) { outputs += c > 0 && s.rank_of_chunk(c - 1) != r; };
-        if (op.kind == PipeOpKind::F || op.kind == PipeOpKind::FB) out_f(op.chunk);
-        if (op.kind == PipeOpKind::B) out_b(op.chunk);
-        if (op.kind == PipeOpKind::FB) out_b(op.chunk2);
-        for (; outputs > 0; --outputs) {
-          while (at < order.size() && !order[at].sending) ++at;
-          ASSERT_LT(at, order.size()) << "rank " << r << " op " << to_string(op) << ": more sends than the order has";
-          ++at;
-          ++sends;
+    struct Rank {
+      std::vector<OrderedTransport::Message> order;
+      std::map<std::pair<bool, uint32_t>, size_t> at;  // (sending, tag) -> position
+      size_t op = 0, issued = 0, head = 0;              // next op; first not issued; first not done
+      std::set<uint32_t> handed, arrived;
+    };
+    std::vector<Rank> ranks(static_cast<size_t>(P));
+    for (int r = 0; r < P; ++r) {
+      ranks[r].order = pipeline_message_order(s, r, rows);
+      for (size_t k = 0; k < ranks[r].order.size(); ++k) ranks[r].at[{ranks[r].order[k].sending, ranks[r].order[k].tag}] = k;
+    }
+    // An op's messages from or to other ranks: inputs (sending = false) and outputs.
+    auto messages = [&](int r, const PipeOp& op, bool outputs) {
+      std::vector<uint32_t> out;
+      auto f = [&](int c, int m) {
+        if (!outputs && c > 0 && s.rank_of_chunk(c - 1) != r) out.push_back(pipeline_message_tag(false, c, m));
+        if (outputs && c < last && s.rank_of_chunk(c + 1) != r) out.push_back(pipeline_message_tag(false, c + 1, m));
+      };
+      auto b = [&](int c, int m) {
+        if (!outputs && c < last && s.rank_of_chunk(c + 1) != r) out.push_back(pipeline_message_tag(true, c, m));
+        if (outputs && c > 0 && s.rank_of_chunk(c - 1) != r) out.push_back(pipeline_message_tag(true, c - 1, m));
+      };
+      if (op.kind == PipeOpKind::F || op.kind == PipeOpKind::FB) f(op.chunk, op.mb);
+      if (op.kind == PipeOpKind::B) b(op.chunk, op.mb);
+      if (op.kind == PipeOpKind::FB) b(op.chunk2, op.mb2);
+      return out;
+    };
+    for (bool moved = true; moved;) {
+      moved = false;
+      for (Rank& k : ranks) {  // issue
+        while (k.issued < k.order.size() && (!k.order[k.issued].sending || k.handed.count(k.order[k.issued].tag))) {
+          ++k.issued;
+          moved = true;
         }
       }
-      size_t listed = 0;
-      for (const OrderedTransport::Message& m : order) listed += m.sending;
-      EXPECT_EQ(sends, listed) << "rank " << r;
+      for (int r = 0; r < P; ++r) {  // the streams: the message next on both
+        Rank& k = ranks[r];
+        if (k.head == k.issued) continue;
+        const OrderedTransport::Message& m = k.order[k.head];
+        Rank& q = ranks[m.peer];
+        if (q.head == q.issued) continue;
+        const OrderedTransport::Message& n = q.order[q.head];
+        if (n.tag != m.tag || n.sending == m.sending || n.peer != r) continue;
+        (m.sending ? q : k).arrived.insert(m.tag);
+        ++k.head, ++q.head;
+        moved = true;
+      }
+      for (int r = 0; r < P; ++r) {  // the hosts: one op each
+        Rank& k = ranks[r];
+        if (k.op == s.ops[r].size()) continue;
+        const PipeOp& op = s.ops[r][k.op];
+        bool ready = true;
+        for (uint32_t t : messages(r, op, false)) {
+          auto it = k.at.find({false, t});
+          ASSERT_NE(it, k.at.end()) << "rank " << r << " op " << to_string(op) << ": input " << t << " not in the order";
+          ASSERT_LT(it->second, k.issued) << "rank " << r << " op " << to_string(op) << " asks for input " << t
+                                          << " before it is issued";
+          ready = ready && k.arrived.count(t) > 0;
+        }
+        if (!ready) continue;
+        for (uint32_t t : messages(r, op, true)) {
+          ASSERT_TRUE(k.at.count({true, t})) << "rank " << r << " op " << to_string(op) << ": output " << t;
+          k.handed.insert(t);
+        }
+        ++k.op;
+        moved = true;
+      }
+    }
+    for (int r = 0; r < P; ++r) {
+      EXPECT_EQ(ranks[r].op, s.ops[r].size()) << "rank " << r << " stopped before op " << ranks[r].op;
+      EXPECT_EQ(ranks[r].head, ranks[r].order.size()) << "rank " << r << ": messages left";
     }
   }
 }
@@ -312,7 +340,9 @@ TEST(PipelineTransportNccl, OneFOneBTrafficOnTwoGpus) {
   const auto timeout = std::chrono::seconds(20);
   auto store = Store::open("memory", 0, timeout);
   const int64_t H = 2048, totals = 6;
-  const uint32_t a = 100, g = 200;  // tags: a + m, g + m
+  // The executor's tags: activations into chunk 1, gradients into chunk 0.
+  auto a = [](int m) { return pipeline_message_tag(false, 1, m); };
+  auto g = [](int m) { return pipeline_message_tag(true, 0, m); };
   std::vector<std::string> errors(2);
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r) {
@@ -323,14 +353,18 @@ TEST(PipelineTransportNccl, OneFOneBTrafficOnTwoGpus) {
         const int other = 1 - r;
         for (int step = 0; step < 2; ++step) {
           const int64_t rows = step == 0 ? 1024 : 4096;
-          // The shared order: a0 a1 g0 a2 g1 a3 g2 g3 (rank 0 runs F0 F1 B0 F2 B1 F3 B2 B3).
-          const std::vector<std::pair<bool, uint32_t>> shared = {{true, a}, {true, a + 1}, {false, g},
-                                                                 {true, a + 2}, {false, g + 1}, {true, a + 3},
-                                                                 {false, g + 2}, {false, g + 3}};
-          std::vector<OrderedTransport::Message> order;
-          for (const auto& [from_zero, tag] : shared) order.push_back({other, from_zero == (r == 0), tag, rows});
+          // Rank 0 runs F0 F1 B0 F2 B1 F3 B2 B3: the order is a0 a1 g0 a2 g1 a3 g2 g3.
+          const std::vector<OrderedTransport::Message> order =
+              pipeline_message_order(make_1f1b(2, 4), r, std::vector<int64_t>(4, rows));
+          std::vector<std::pair<bool, uint32_t>> seen, expected = {{true, a(0)},  {true, a(1)},  {false, g(0)},
+                                                                   {true, a(2)},  {false, g(1)}, {true, a(3)},
+                                                                   {false, g(2)}, {false, g(3)}};
+          for (const OrderedTransport::Message& m : order) seen.push_back({m.sending == (r == 0), m.tag});
+          EXPECT_EQ(seen, expected) << "rank " << r;
           t.begin_step(order, rows);
-          auto value = [&](uint32_t tag) { return static_cast<double>(tag + step); };  // exact in bf16 (< 256)
+          auto value = [&](uint32_t tag) {  // small integers, exact in bf16
+            return static_cast<double>((tag & 0xff) + 16 * (tag >> 31) + 64 * step);
+          };
           auto send = [&](uint32_t tag) {
             t.send(other, tag, Tensor::full({rows, H}, value(tag), DType::BF16, Device::cuda(r)),
                    Tensor::full({totals}, -value(tag), DType::F64, Device::cuda(r)));
@@ -342,9 +376,9 @@ TEST(PipelineTransportNccl, OneFOneBTrafficOnTwoGpus) {
             EXPECT_EQ(sums.to(Device::cpu()).to_double_vector(), std::vector<double>(totals, -value(tag)));
           };
           if (r == 0) {
-            send(a), send(a + 1), receive(g), send(a + 2), receive(g + 1), send(a + 3), receive(g + 2), receive(g + 3);
+            send(a(0)), send(a(1)), receive(g(0)), send(a(2)), receive(g(1)), send(a(3)), receive(g(2)), receive(g(3));
           } else {
-            for (uint32_t m = 0; m < 4; ++m) receive(a + m), send(g + m);
+            for (int m = 0; m < 4; ++m) receive(a(m)), send(g(m));
           }
           t.end_step();
         }

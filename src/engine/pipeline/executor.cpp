@@ -80,6 +80,10 @@ std::string op_name(const PipeOp& op) {
 
 }  // namespace
 
+uint32_t pipeline_message_tag(bool gradient, int chunk, int mb) {
+  return tag(gradient ? kGradient : kActivation, chunk, mb);
+}
+
 std::vector<OrderedTransport::Message> pipeline_message_order(const PipelineSchedule& s, int rank,
                                                               const std::vector<int64_t>& rows) {
   struct Sent {

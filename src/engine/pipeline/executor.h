@@ -48,6 +48,9 @@ ModelPlacement pipeline_placement(const std::vector<ChunkSpec>& chunks, const Pi
 // output before its backward output. `rows[m]`: rows of micro-batch m's hidden states.
 std::vector<OrderedTransport::Message> pipeline_message_order(const PipelineSchedule& s, int rank,
                                                               const std::vector<int64_t>& rows);
+// The tag of the hidden state that chunk `chunk` of micro-batch `mb` receives: its input
+// activation, or (gradient) the gradient of its output.
+uint32_t pipeline_message_tag(bool gradient, int chunk, int mb);
 
 class PipelineExecutor {
  public:

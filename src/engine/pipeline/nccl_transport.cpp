@@ -16,10 +16,18 @@ OrderedTransport::OrderedTransport(Communicator& pp, Device device, int64_t hidd
 
 OrderedTransport::~OrderedTransport() {
   try {
-    cuda::stream_synchronize(stream_);
-    for (Slot& s : slots_) {
-      if (s.ready) cuda::destroy_event(s.ready);
+    if (!slots_.empty()) {
+      // Destroyed in the middle of a step (an error is on its way up): receives the peer may
+      // never send are still posted, and waiting for them would hold the error back until
+      // the communicator's timeout. The step's buffers are left allocated (NCCL may still
+      // write into them) and its stream and events are let go without a wait.
+      spdlog::error("pipeline transport: a step stopped with {} of its {} messages issued; not waiting for them",
+                    next_, slots_.size());
+      new std::vector<Slot>(std::move(slots_));  // deliberately never freed
+      cuda::destroy_stream(stream_);
+      return;
     }
+    cuda::stream_synchronize(stream_);
     cuda::destroy_stream(stream_);
     cuda::destroy_event(compute_point_);
   } catch (const std::exception& e) {
@@ -47,27 +55,32 @@ void OrderedTransport::connect(int64_t rows) {
 
 void OrderedTransport::begin_step(const std::vector<Message>& order, int64_t max_rows) {
   MT_CHECK(slots_.empty(), "pipeline transport: a step began before the last one ended");
-  if (max_rows > connected_rows_) {
-    connect(max_rows);
-    connected_rows_ = max_rows;
-  }
-  // The receive buffers are allocated on the compute stream: the transport's stream starts
-  // after it.
-  slots_.reserve(order.size());
+  std::map<std::pair<bool, uint32_t>, size_t> index;
   for (const Message& m : order) {
     MT_CHECK(m.rows <= max_rows, "pipeline transport: message tag {} has {} rows, more than the step's largest ({})",
              m.tag, m.rows, max_rows);
     MT_CHECK(m.peer >= 0 && m.peer < pp_.size() && m.peer != pp_.rank(),
              "pipeline transport: message tag {} names rank {} (pipeline of {}, this rank {})", m.tag, m.peer,
              pp_.size(), pp_.rank());
-    MT_CHECK(index_.emplace(std::make_pair(m.sending, m.tag), slots_.size()).second,
+    MT_CHECK(index.emplace(std::make_pair(m.sending, m.tag), index.size()).second,
              "pipeline transport: message tag {} listed twice", m.tag);
+  }
+  if (max_rows > connected_rows_) {
+    connect(max_rows);
+    connected_rows_ = max_rows;
+  }
+  // Slots are only added here, all at once, so references to them stay valid for the step.
+  // The receive buffers are allocated on the compute stream: the transport's stream starts
+  // after it.
+  index_ = std::move(index);
+  slots_.reserve(order.size());
+  for (const Message& m : order) {
     Slot s{m};
-    s.ready = cuda::create_sync_event();
     if (!m.sending) {
       s.hidden = Tensor::empty({m.rows, hidden_}, dtype_, device_);
       s.totals = Tensor::empty({totals_}, DType::F64, device_);
     }
+    s.ready = cuda::create_sync_event();
     slots_.push_back(std::move(s));
   }
   cuda::record_event(compute_point_, cuda::current_stream());
