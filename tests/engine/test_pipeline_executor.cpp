@@ -262,7 +262,9 @@ TEST(PipelineMessageOrder, EveryRankFinishesIssuingItInOrder) {
     std::vector<Rank> ranks(static_cast<size_t>(P));
     for (int r = 0; r < P; ++r) {
       ranks[r].order = pipeline_message_order(s, r, rows);
-      for (size_t k = 0; k < ranks[r].order.size(); ++k) ranks[r].at[{ranks[r].order[k].sending, ranks[r].order[k].tag}] = k;
+      for (size_t k = 0; k < ranks[r].order.size(); ++k) {
+        ranks[r].at[{ranks[r].order[k].sending, ranks[r].order[k].tag}] = k;
+      }
     }
     // An op's messages from or to other ranks: inputs (sending = false) and outputs.
     auto messages = [&](int r, const PipeOp& op, bool outputs) {
@@ -307,7 +309,8 @@ TEST(PipelineMessageOrder, EveryRankFinishesIssuingItInOrder) {
         bool ready = true;
         for (uint32_t t : messages(r, op, false)) {
           auto it = k.at.find({false, t});
-          ASSERT_NE(it, k.at.end()) << "rank " << r << " op " << to_string(op) << ": input " << t << " not in the order";
+          ASSERT_NE(it, k.at.end()) << "rank " << r << " op " << to_string(op) << ": input " << t
+                                    << " not in the order";
           ASSERT_LT(it->second, k.issued) << "rank " << r << " op " << to_string(op) << " asks for input " << t
                                           << " before it is issued";
           ready = ready && k.arrived.count(t) > 0;

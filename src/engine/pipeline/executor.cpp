@@ -105,7 +105,9 @@ std::vector<OrderedTransport::Message> pipeline_message_order(const PipelineSche
         }
       };
       auto backward = [&](int c, int m) {
-        if (c > 0 && s.rank_of_chunk(c - 1) != p) all.push_back({t, p, i, 1, s.rank_of_chunk(c - 1), tag(kGradient, c - 1, m), m});
+        if (c > 0 && s.rank_of_chunk(c - 1) != p) {
+          all.push_back({t, p, i, 1, s.rank_of_chunk(c - 1), tag(kGradient, c - 1, m), m});
+        }
       };
       if (op.kind == PipeOpKind::F || op.kind == PipeOpKind::FB) forward(op.chunk, op.mb);
       if (op.kind == PipeOpKind::B) backward(op.chunk, op.mb);
