@@ -75,6 +75,16 @@ Tensor rope_backward(const Tensor& dy, const Tensor& positions, int64_t head_dim
   return MT_ROUTE(dy, rope_backward, dy, positions, head_dim, theta);
 }
 
+RmsNormOut rmsnorm_rope_forward(const Tensor& x, const Tensor& w, double eps, const Tensor& positions,
+                                int64_t head_dim, double theta) {
+  return MT_ROUTE(x, rmsnorm_rope_forward, x, w, eps, positions, head_dim, theta);
+}
+
+RmsNormRopeGrads rmsnorm_rope_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                                       const Tensor& positions, int64_t head_dim, double theta) {
+  return MT_ROUTE(dy, rmsnorm_rope_backward, dy, x, w, rstd, positions, head_dim, theta);
+}
+
 AttentionOut attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_ids, const AttentionShape& shape) {
   return MT_ROUTE(q, attention_forward, q, k, v, segment_ids, shape);
 }

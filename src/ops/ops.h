@@ -70,6 +70,22 @@ Tensor rope_forward(const Tensor& x, const Tensor& positions, int64_t head_dim, 
 // The inverse rotation applied to dy (the map is orthogonal).
 Tensor rope_backward(const Tensor& dy, const Tensor& positions, int64_t head_dim, double theta);
 
+// ---- Qwen3's per-head q/k norm, then RoPE, as one op -----------------------------------
+// y = rope_forward(rmsnorm_forward(x, w, eps).y, positions, head_dim, theta) with
+// w [head_dim] (x [T, heads * head_dim]); rstd [T * heads] as rmsnorm_forward's. On the GPU
+// for head_dim 128 one pass: the normalised value is rotated in f32 and rounded once (the
+// two ops in turn round it in between), and the backward forms dx and dw from dy without
+// writing rope_backward(dy). Elsewhere the ops in turn.
+RmsNormOut rmsnorm_rope_forward(const Tensor& x, const Tensor& w, double eps, const Tensor& positions,
+                                int64_t head_dim, double theta);
+// dx (as x) and dw = sum_rows rope_backward(dy) * x * rstd ([head_dim]; f32 for a bf16 x,
+// else x's dtype): the gradient of this call alone, for the caller to add or store.
+struct RmsNormRopeGrads {
+  Tensor dx, dw;
+};
+RmsNormRopeGrads rmsnorm_rope_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                                       const Tensor& positions, int64_t head_dim, double theta);
+
 // ---- causal grouped-query attention ---------------------------------------------------
 // q [B*S, Hq*D], k and v [B*S, Hkv*D], token-major; query head h reads kv head
 // h / (Hq/Hkv). Query s attends to keys j <= s of the same sequence and, when

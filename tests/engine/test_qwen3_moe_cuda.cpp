@@ -30,7 +30,7 @@
 namespace moetrain {
 namespace {
 
-Qwen3MoeConfig step_config(int64_t experts, int64_t top_k) {
+Qwen3MoeConfig step_config(int64_t experts, int64_t top_k, int64_t head_dim = 64) {
   Qwen3MoeConfig c;
   c.vocab_size = 300;
   c.hidden_size = 128;
@@ -40,7 +40,7 @@ Qwen3MoeConfig step_config(int64_t experts, int64_t top_k) {
   c.mlp_only_layers = {0};
   c.num_attention_heads = 4;
   c.num_key_value_heads = 2;
-  c.head_dim = 64;
+  c.head_dim = head_dim;
   c.num_experts = experts;
   c.num_experts_per_tok = top_k;
   c.router_aux_loss_coef = 0.01;
@@ -105,19 +105,24 @@ StepPair run_both(const Qwen3MoeConfig& c) {
   return r;
 }
 
+// head_dim 64 and 128: the q/k norms with RoPE as two kernels, and as one (ops.h).
 TEST(Qwen3MoeCuda, TrainingStepMatchesCpuEveryGradient) {
   if (!cuda::available()) GTEST_SKIP() << "SKIPPED: GPU test needs a CUDA device: " << cuda::unavailable_reason();
-  StepPair r = run_both(step_config(/*experts=*/4, /*top_k=*/4));
-  EXPECT_NEAR(r.gpu.ce_sum / r.cpu.ce_sum, 1.0, 1e-2);
-  EXPECT_NEAR(r.gpu.aux_loss / r.cpu.aux_loss, 1.0, 1e-2);
-  EXPECT_NEAR(r.gpu.z_loss / r.cpu.z_loss, 1.0, 2e-2);
-  EXPECT_EQ(r.gpu.expert_counts, r.cpu.expert_counts);
-  double worst = 0;
-  for (size_t i = 0; i < r.names.size(); ++i) {
-    worst = std::max(worst, r.grad_errors[i]);
-    EXPECT_LT(r.grad_errors[i], is_norm_gain(r.names[i]) ? 4e-2 : 2e-2) << r.names[i];
+  for (int64_t head_dim : {64, 128}) {
+    SCOPED_TRACE("head_dim " + std::to_string(head_dim));
+    StepPair r = run_both(step_config(/*experts=*/4, /*top_k=*/4, head_dim));
+    EXPECT_NEAR(r.gpu.ce_sum / r.cpu.ce_sum, 1.0, 1e-2);
+    EXPECT_NEAR(r.gpu.aux_loss / r.cpu.aux_loss, 1.0, 1e-2);
+    EXPECT_NEAR(r.gpu.z_loss / r.cpu.z_loss, 1.0, 2e-2);
+    EXPECT_EQ(r.gpu.expert_counts, r.cpu.expert_counts);
+    double worst = 0;
+    for (size_t i = 0; i < r.names.size(); ++i) {
+      worst = std::max(worst, r.grad_errors[i]);
+      EXPECT_LT(r.grad_errors[i], is_norm_gain(r.names[i]) ? 4e-2 : 2e-2) << r.names[i];
+    }
+    std::printf("GPU vs CPU gradients (head_dim %lld): worst relative error %.3e over %zu parameters\n",
+                static_cast<long long>(head_dim), worst, r.names.size());
   }
-  std::printf("GPU vs CPU gradients: worst relative error %.3e over %zu parameters\n", worst, r.names.size());
 }
 
 TEST(Qwen3MoeCuda, TopKStepMatchesCpuUpToRoutingFlips) {

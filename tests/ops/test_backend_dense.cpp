@@ -244,6 +244,44 @@ TEST(BackendDense, Rope) {
   }
 }
 
+// Per-head norm then RoPE: one pass for head_dim 128 (rows past a block's 16, and 32 heads
+// as Qwen3's q), the ops in turn for head_dim 64; against the CPU's ops in turn. dw (f32)
+// is held to 1e-4 where the GPU keeps rope_backward(dy) in f32 (the one pass) and the
+// positions stay below 512: the angles are f32 on the GPU, double on the CPU, an error of
+// ~position * 6e-8 rad (rope's test); elsewhere to bf16's tolerance.
+TEST(BackendDense, RmsNormRope) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  struct Case {
+    int64_t T, heads, head_dim;
+    bool one_pass;
+    int32_t max_pos;
+  };
+  for (Case c : {Case{512, 32, 128, true, 8192}, Case{300, 8, 128, true, 512}, Case{33, 4, 128, true, 512},
+                 Case{5, 1, 128, true, 512}, Case{9, 3, 64, false, 8192}}) {
+    const Shape s{c.T, c.heads * c.head_dim};
+    Tensor x = random_bf16_values(s, 30 + c.T, 2.0);
+    Tensor w = random_bf16_values({c.head_dim}, 31 + c.T);
+    Tensor pos = random_ints({c.T}, 0, c.max_pos, 32 + c.T);
+    Tensor dy = random_bf16_values(s, 33 + c.T);
+    const double eps = 1e-6, theta = 1e6;
+    const std::string op = "rmsnorm_rope" + shape_str({c.T, c.heads, c.head_dim});
+    auto ref = ops::rmsnorm_rope_forward(x, w, eps, pos, c.head_dim, theta);
+    Tensor gx = on_gpu(x, DType::BF16), gw = on_gpu(w, DType::BF16), gpos = pos.to(kGpu);
+    auto got = ops::rmsnorm_rope_forward(gx, gw, eps, gpos, c.head_dim, theta);
+    expect_backend_close(got.y, ref.y, kBf16Tol, op + "_forward", "y");
+    expect_backend_close(got.rstd, ref.rstd, kF32Tol, op + "_forward", "rstd");
+    auto dref = ops::rmsnorm_rope_backward(dy, x, w, ref.rstd, pos, c.head_dim, theta);
+    Tensor grstd = on_gpu(ref.rstd, DType::F32), gdy = on_gpu(dy, DType::BF16);
+    auto dgot = ops::rmsnorm_rope_backward(gdy, gx, gw, grstd, gpos, c.head_dim, theta);
+    expect_backend_close(dgot.dx, dref.dx, kBf16Tol, op + "_backward", "dx");
+    expect_backend_close(dgot.dw, dref.dw, c.one_pass && c.max_pos <= 512 ? 1e-4 : kBf16Tol, op + "_backward",
+                         "dw");
+    auto again = ops::rmsnorm_rope_backward(gdy, gx, gw, grstd, gpos, c.head_dim, theta);
+    EXPECT_TRUE(same_bits(again.dw, dgot.dw) && same_bits(again.dx, dgot.dx)) << op << ": two runs differ";
+  }
+}
+
 // ---- cross-entropy ------------------------------------------------------------------
 
 TEST(BackendDense, CrossEntropy) {

@@ -337,6 +337,31 @@ TEST(DenseRope, ForwardNaiveInverseAndF32) {
   EXPECT_LT(rel_error(ops::rope_forward(f32(x), pos, hd, 1e6), y), 1e-6);
 }
 
+// ---- per-head norm then RoPE (one op) ---------------------------------------------------
+
+TEST(DenseRmsNormRope, GradCheckAndTheOpsInTurn) {
+  const double eps = 1e-6;
+  for (uint64_t seed : kSeeds) {
+    Rng rng(seed);
+    const int64_t T = dim(rng, 1, 5), heads = dim(rng, 1, 3), hd = 2 * dim(rng, 1, 4);
+    Tensor x = random_tensor({T, heads * hd}, DType::F64, seed + 1);
+    Tensor w = random_tensor({hd}, DType::F64, seed + 2);
+    Tensor pos = random_ints({T}, 0, 4096, seed + 3);
+    Tensor r = random_tensor({T, heads * hd}, DType::F64, seed + 4);
+    const double theta = 1e6;
+    auto loss = [&] { return dot(r, ops::rmsnorm_rope_forward(x, w, eps, pos, hd, theta).y); };
+    const ops::RmsNormOut fwd = ops::rmsnorm_rope_forward(x, w, eps, pos, hd, theta);
+    const ops::RmsNormRopeGrads g = ops::rmsnorm_rope_backward(r, x, w, fwd.rstd, pos, hd, theta);
+    const std::string op = fmt::format("rmsnorm_rope[T={},heads={},hd={}]", T, heads, hd);
+    check_grad(op, "x", x, g.dx, loss);
+    check_grad(op, "w", w, g.dw, loss);
+    // the same as the two ops in turn
+    const ops::RmsNormOut n = ops::rmsnorm_forward(x, w, eps);
+    EXPECT_LT(rel_error(fwd.y, ops::rope_forward(n.y, pos, hd, theta)), 1e-15) << op;
+    EXPECT_LT(rel_error(fwd.rstd, n.rstd), 1e-15) << op;
+  }
+}
+
 TEST(DenseRope, Errors) {
   Tensor x = random_tensor({4, 12}, DType::F32, 1), pos = random_ints({4}, 0, 10, 2);
   expect_error([&] { ops::rope_forward(x, pos, 5, 1e4); }, {"head_dim"});

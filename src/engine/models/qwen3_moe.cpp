@@ -97,14 +97,14 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
     s.v = ops::linear_forward(s.ln1.y, wv_);
   }
   {
-    StageScope t(Stage::kNorms);
-    s.q_norm = ops::rmsnorm_forward(s.q_raw, q_norm_w_, eps);
-    s.k_norm = ops::rmsnorm_forward(s.k_raw, k_norm_w_, eps);
+    StageScope t(Stage::kNorms);  // the per-head norms with RoPE in one op (ops.h)
+    s.q_norm = ops::rmsnorm_rope_forward(s.q_raw, q_norm_w_, eps, positions, cfg_.head_dim, cfg_.rope_theta);
+    s.k_norm = ops::rmsnorm_rope_forward(s.k_raw, k_norm_w_, eps, positions, cfg_.head_dim, cfg_.rope_theta);
+    s.q = std::move(s.q_norm.y);
+    s.k = std::move(s.k_norm.y);
   }
   {
     StageScope t(Stage::kAttention);
-    s.q = ops::rope_forward(s.q_norm.y, positions, cfg_.head_dim, cfg_.rope_theta);
-    s.k = ops::rope_forward(s.k_norm.y, positions, cfg_.head_dim, cfg_.rope_theta);
     s.attn = ops::attention_forward(s.q, s.k, s.v, b.segment_ids, attn_shape(b));
     s.h = ops::linear_forward(s.attn.out, wo_, x);  // residual added in the GEMM epilogue
   }
@@ -168,19 +168,26 @@ Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, cons
     StageScope t(Stage::kNorms);
     s.d_h = ops::rmsnorm_backward_input(s.d_ln2_out, s.h, ln2_w_, s.ln2.rstd, dy_residual);
   }
+  Tensor d_q, d_k;
   {
     StageScope t(Stage::kAttention);
     Tensor d_attn = ops::linear_backward_input(s.d_h, wo_);
     ops::AttentionGrads g =
         ops::attention_backward(d_attn, s.q, s.k, s.v, b.segment_ids, s.attn.out, s.attn.lse, attn_shape(b));
-    s.d_q_normed = ops::rope_backward(g.dq, positions, cfg_.head_dim, cfg_.rope_theta);
-    s.d_k_normed = ops::rope_backward(g.dk, positions, cfg_.head_dim, cfg_.rope_theta);
     s.d_v = g.dv;
+    d_q = std::move(g.dq);
+    d_k = std::move(g.dk);
   }
   {
-    StageScope t(Stage::kNorms);
-    s.d_q_raw = ops::rmsnorm_backward_input(s.d_q_normed, s.q_raw, q_norm_w_, s.q_norm.rstd);
-    s.d_k_raw = ops::rmsnorm_backward_input(s.d_k_normed, s.k_raw, k_norm_w_, s.k_norm.rstd);
+    StageScope t(Stage::kNorms);  // their weight gradients too, kept for backward_weight
+    ops::RmsNormRopeGrads q = ops::rmsnorm_rope_backward(d_q, s.q_raw, q_norm_w_, s.q_norm.rstd, positions,
+                                                         cfg_.head_dim, cfg_.rope_theta);
+    ops::RmsNormRopeGrads k = ops::rmsnorm_rope_backward(d_k, s.k_raw, k_norm_w_, s.k_norm.rstd, positions,
+                                                         cfg_.head_dim, cfg_.rope_theta);
+    s.d_q_raw = std::move(q.dx);
+    s.d_k_raw = std::move(k.dx);
+    s.dw_q_norm = std::move(q.dw);
+    s.dw_k_norm = std::move(k.dw);
   }
   {
     StageScope t(Stage::kAttention);
@@ -212,8 +219,10 @@ void Qwen3MoeDecoderLayer::backward_weight(Qwen3MoeLayerState& s, bool accumulat
   }
   StageScope t(Stage::kNorms);
   ops::rmsnorm_backward_weight(s.d_ln2_out, s.h, s.ln2.rstd, g_ln2_w_, accumulate);
-  ops::rmsnorm_backward_weight(s.d_q_normed, s.q_raw, s.q_norm.rstd, g_q_norm_w_, accumulate);
-  ops::rmsnorm_backward_weight(s.d_k_normed, s.k_raw, s.k_norm.rstd, g_k_norm_w_, accumulate);
+  for (auto [g, dw] : {std::pair{&g_q_norm_w_, &s.dw_q_norm}, std::pair{&g_k_norm_w_, &s.dw_k_norm}}) {
+    if (accumulate) ops::add_(*g, *dw);
+    else g->copy_from(*dw);
+  }
   ops::rmsnorm_backward_weight(s.d_ln1_out, s.x, s.ln1.rstd, g_ln1_w_, accumulate);
 }
 

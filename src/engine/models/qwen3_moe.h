@@ -30,7 +30,7 @@ struct Qwen3MoeLayerState {
   Tensor x;                        // layer input [T, H]
   ops::RmsNormOut ln1;             // input_layernorm
   Tensor q_raw, k_raw, v;          // projections, [T, heads * hd]
-  ops::RmsNormOut q_norm, k_norm;  // per-head norms (before RoPE)
+  ops::RmsNormOut q_norm, k_norm;  // per-head norms: their rstd (y, with RoPE, is moved into q, k)
   Tensor q, k;                     // after RoPE
   ops::AttentionOut attn;
   Tensor h;                        // x + o_proj(attention): the residual stream after attention
@@ -47,7 +47,8 @@ struct Qwen3MoeLayerState {
   // backward_input results kept for backward_weight
   Tensor d_mlp_out;                // d mlp.y
   ops::SwigluInputGrads d_mlp;
-  Tensor d_router_logits, d_ln2_out, d_h, d_q_raw, d_k_raw, d_v, d_q_normed, d_k_normed, d_ln1_out;
+  Tensor d_router_logits, d_ln2_out, d_h, d_q_raw, d_k_raw, d_v, d_ln1_out;
+  Tensor dw_q_norm, dw_k_norm;     // the q/k norm weights' gradients of this micro-batch
 };
 
 // Shapes of the current micro-batch that every stage needs.

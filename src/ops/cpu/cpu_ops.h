@@ -18,6 +18,10 @@ Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w
 void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dw);
 Tensor rope_forward(const Tensor& x, const Tensor& positions, int64_t head_dim, double theta);
 Tensor rope_backward(const Tensor& dy, const Tensor& positions, int64_t head_dim, double theta);
+RmsNormOut rmsnorm_rope_forward(const Tensor& x, const Tensor& w, double eps, const Tensor& positions,
+                                int64_t head_dim, double theta);
+RmsNormRopeGrads rmsnorm_rope_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                                       const Tensor& positions, int64_t head_dim, double theta);
 AttentionOut attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_ids, const AttentionShape& shape);
 AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_ids, const Tensor& out, const Tensor& lse, const AttentionShape& shape);
 RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob);

@@ -3,6 +3,8 @@
 // which overrides "rstd in x's dtype" of the CPU path); dw is f32, accumulated +=.
 // y = x * rstd * w is formed in f32 and rounded once (Hugging Face rounds x * rstd to bf16
 // before the weight multiply; the CPU reference does not, and neither do we).
+#include <cstdlib>
+
 #include "ops/cuda/common.h"
 #include "ops/cuda/cuda_ops.h"
 #include "ops/cuda/rmsnorm_launch.h"
@@ -69,6 +71,71 @@ void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rs
   launch_rmsnorm_backward_weight(bf(dy), bf(x), rstd.data<float>(), dw.data<float>(), R, D,
                                  scratch.data<float>(), stream());
   check_launch("rmsnorm_backward_weight");
+}
+
+// Per-head norm then RoPE: one pass when rmsnorm_rope_fusable (head_dim 128), else the two
+// ops in turn (each checks its own arguments).
+namespace {
+bool fusable(const Tensor& x, const Tensor& w, const Tensor& positions, int64_t head_dim, const char* op) {
+  check_cuda_tensors(op, {&x, &w, &positions});
+  static const bool two_ops = [] {  // MOETRAIN_NORM_ROPE_TWO_OPS=1: the ops in turn, to compare
+    const char* v = std::getenv("MOETRAIN_NORM_ROPE_TWO_OPS");
+    return v != nullptr && *v != '\0' && *v != '0';
+  }();
+  if (two_ops) return false;
+  if (!(x.defined() && w.defined() && x.dtype() == DType::BF16 && w.dtype() == DType::BF16 && x.ndim() == 2 &&
+        w.ndim() == 1 && head_dim > 0 && x.size(1) % head_dim == 0)) {
+    return false;
+  }
+  if (!rmsnorm_rope_fusable(bf(x), bf(w), bf(x), w.numel(), head_dim)) return false;
+  check_shape(positions, {x.size(0)}, "positions");
+  check_dtype(positions, DType::I32, "positions");
+  return true;
+}
+}  // namespace
+
+RmsNormOut rmsnorm_rope_forward(const Tensor& x, const Tensor& w, double eps, const Tensor& positions,
+                                int64_t head_dim, double theta) {
+  if (!fusable(x, w, positions, head_dim, "rmsnorm_rope_forward")) {
+    RmsNormOut n = rmsnorm_forward(x, w, eps);
+    n.y = rope_forward(n.y, positions, head_dim, theta);
+    return n;
+  }
+  MT_CHECK(theta > 0, "rmsnorm_rope_forward: theta must be positive, got {}", theta);
+  const int64_t R = x.numel() / head_dim, heads = x.size(1) / head_dim;
+  RmsNormOut o{Tensor::empty(x.shape(), DType::BF16, x.device()), Tensor::empty({R}, DType::F32, x.device())};
+  launch_rmsnorm_rope_forward(bf(x), bf(w), positions.data<int32_t>(), bf_mut(o.y), o.rstd.data<float>(), R, heads,
+                              static_cast<float>(eps), static_cast<float>(theta), stream());
+  check_launch("rmsnorm_rope_forward");
+  return o;
+}
+
+RmsNormRopeGrads rmsnorm_rope_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                                       const Tensor& positions, int64_t head_dim, double theta) {
+  check_cuda_tensors("rmsnorm_rope_backward", {&dy, &rstd});
+  const bool one_pass = fusable(x, w, positions, head_dim, "rmsnorm_rope_backward") && dy.defined() &&
+                        dy.dtype() == DType::BF16 && rmsnorm_rope_fusable(bf(dy), bf(w), bf(dy), w.numel(), head_dim);
+  RmsNormRopeGrads g;
+  g.dw = Tensor::zeros({w.defined() ? w.numel() : 0}, DType::F32, x.device());
+  if (!one_pass) {
+    const Tensor dn = rope_backward(dy, positions, head_dim, theta);
+    g.dx = rmsnorm_backward_input(dn, x, w, rstd, Tensor());
+    rmsnorm_backward_weight(dn, x, rstd, g.dw);
+    return g;
+  }
+  const int64_t R = x.numel() / head_dim, heads = x.size(1) / head_dim;
+  check_shape(dy, x.shape(), "dy");
+  check_shape(rstd, {R}, "rstd");
+  check_dtype(rstd, DType::F32, "rmsnorm_rope_backward rstd");
+  MT_CHECK(theta > 0, "rmsnorm_rope_backward: theta must be positive, got {}", theta);
+  g.dx = Tensor::empty(x.shape(), DType::BF16, x.device());
+  if (R == 0) return g;
+  Tensor scratch = Tensor::empty({rmsnorm_rope_backward_scratch_floats(R)}, DType::F32, x.device());
+  launch_rmsnorm_rope_backward(bf(dy), bf(x), bf(w), rstd.data<float>(), positions.data<int32_t>(), bf_mut(g.dx),
+                               g.dw.data<float>(), R, heads, static_cast<float>(theta), scratch.data<float>(),
+                               stream());
+  check_launch("rmsnorm_rope_backward");
+  return g;
 }
 
 }  // namespace moetrain::ops::cuda

@@ -253,7 +253,154 @@ __global__ void __launch_bounds__(kColTile* kPass2Lanes) rmsnorm_dw_pass2(const 
   dw[c] = static_cast<float>(static_cast<double>(dw[c]) + sum);
 }
 
+// ---- per-head norm + RoPE, head_dim 128 ----
+// A row is one head of one token: 16 threads, 8 elements each (thread v holds 8v..8v+7),
+// 16 rows a 256-thread block. RoPE pairs element i with i + 64, which thread v ^ 8 holds:
+// one shuffle. The angles as rope.cu forms them (f32 pow, full-range sincosf), once per
+// token and block, so the rotation equals rope_forward's applied to the unrounded
+// normalised value. Rows past R compute on zeros: every lane reaches every shuffle.
+constexpr int kRopeHd = 128, kRopeTPR = 16, kRopeRows = kBlock / kRopeTPR;
+
+// cos and sin of the block's tokens' angles, each formed once for the block: rows r0 ..
+// r0 + 15 belong to tokens r0 / heads .. (r0 + 15) / heads, at most 16 of them (one for a
+// 32-head q: 64 angles for 16 rows). Every thread of the block calls it.
+struct RopeTable {
+  float c[kRopeRows][kRopeHd / 2], s[kRopeRows][kRopeHd / 2];
+};
+__device__ __forceinline__ void fill_rope_table(RopeTable& tab, const int32_t* __restrict__ positions, int64_t r0,
+                                                int64_t R, int64_t heads, float theta) {
+  constexpr int kHalf = kRopeHd / 2;
+  const int64_t t0 = r0 / heads, last = (r0 + kRopeRows < R ? r0 + kRopeRows : R) - 1;
+  const int n = static_cast<int>(last / heads - t0 + 1) * kHalf;
+  for (int e = threadIdx.y * kRopeTPR + threadIdx.x; e < n; e += kBlock) {
+    const int tl = e / kHalf, i = e % kHalf;
+    const float inv_freq = 1.0f / powf(theta, static_cast<float>(2 * i) / static_cast<float>(kRopeHd));
+    sincosf(static_cast<float>(positions[t0 + tl]) * inv_freq, &tab.s[tl][i], &tab.c[tl][i]);
+  }
+  __syncthreads();
+}
+
+// This thread's 8 angles (elements 8v..8v+7 of row r; element i and i + 64 share one).
+__device__ __forceinline__ void row_angles(const RopeTable& tab, int64_t r, int64_t r0, int64_t heads, bool valid,
+                                           float c[8], float s[8]) {
+  const int tl = valid ? static_cast<int>(r / heads - r0 / heads) : 0;
+  const int i0 = 8 * (threadIdx.x & (kRopeTPR / 2 - 1));
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    c[k] = tab.c[tl][i0 + k];
+    s[k] = tab.s[tl][i0 + k];
+  }
+}
+
+__global__ void __launch_bounds__(kBlock) rmsnorm_rope_forward_kernel(const bf16* __restrict__ x,
+                                                                      const bf16* __restrict__ w,
+                                                                      const int32_t* __restrict__ positions,
+                                                                      bf16* __restrict__ y, float* __restrict__ rstd,
+                                                                      int64_t R, int64_t heads, float eps, float theta) {
+  __shared__ RopeTable tab;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRopeRows, r = r0 + threadIdx.y;
+  const bool valid = r < R;
+  const int v = threadIdx.x;
+  fill_rope_table(tab, positions, r0, R, heads, theta);
+  float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, g[8], c[8], sn[8];
+  if (valid) load8(x + r * kRopeHd + v * 8, f);
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) ss += f[k] * f[k];
+  ss = row_sum<kRopeTPR>(ss);
+  const float rs = 1.f / sqrtf(ss / static_cast<float>(kRopeHd) + eps);
+  load8(w + v * 8, g);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) f[k] = f[k] * rs * g[k];
+  // (a, b) -> (a cos - b sin, b cos + a sin): the first half takes -partner * sin.
+  const float sign = v < kRopeTPR / 2 ? -1.f : 1.f;
+  row_angles(tab, r, r0, heads, valid, c, sn);
+  float out[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const float p = __shfl_xor_sync(0xffffffffu, f[k], kRopeTPR / 2);
+    out[k] = f[k] * c[k] + sign * p * sn[k];
+  }
+  if (!valid) return;
+  if (v == 0) rstd[r] = rs;
+  store8(y + r * kRopeHd + v * 8, out);
+}
+
+// dn = rope_backward(dy) in registers; dx = rstd * (w*dn - x * rstd^2 * mean(w*dn*x)); and
+// this block's 16 rows of dn * x * rstd summed per column in row order into partial[block]
+// (rmsnorm_dw_pass2 adds the blocks in order: deterministic).
+__global__ void __launch_bounds__(kBlock) rmsnorm_rope_backward_kernel(
+    const bf16* __restrict__ dy, const bf16* __restrict__ x, const bf16* __restrict__ w,
+    const float* __restrict__ rstd, const int32_t* __restrict__ positions, bf16* __restrict__ dx,
+    float* __restrict__ partial, int64_t R, int64_t heads, float theta) {
+  __shared__ RopeTable tab;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRopeRows, r = r0 + threadIdx.y;
+  const bool valid = r < R;
+  const int v = threadIdx.x;
+  fill_rope_table(tab, positions, r0, R, heads, theta);
+  float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, b[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  float g[8], c[8], sn[8], dn[8];
+  if (valid) {
+    load8(x + r * kRopeHd + v * 8, a);
+    load8(dy + r * kRopeHd + v * 8, b);
+  }
+  load8(w + v * 8, g);
+  // The inverse rotation: (a, b) -> (a cos + b sin, b cos - a sin).
+  const float sign = v < kRopeTPR / 2 ? 1.f : -1.f;
+  row_angles(tab, r, r0, heads, valid, c, sn);
+  float dot = 0.f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const float p = __shfl_xor_sync(0xffffffffu, b[k], kRopeTPR / 2);
+    dn[k] = b[k] * c[k] + sign * p * sn[k];
+    dot += g[k] * dn[k] * a[k];
+  }
+  dot = row_sum<kRopeTPR>(dot);
+  const float s = valid ? rstd[r] : 0.f;
+  const float cc = s * s * dot / static_cast<float>(kRopeHd);
+  float out[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) out[k] = s * (g[k] * dn[k] - a[k] * cc);
+  if (valid) store8(dx + r * kRopeHd + v * 8, out);
+  __shared__ float rows[kRopeRows][kRopeHd + 1];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) rows[threadIdx.y][v * 8 + k] = dn[k] * a[k] * s;  // zero past R
+  __syncthreads();
+  const int col = threadIdx.y * kRopeTPR + threadIdx.x;
+  if (col < kRopeHd) {
+    float t = 0.f;
+#pragma unroll
+    for (int q = 0; q < kRopeRows; ++q) t += rows[q][col];
+    partial[static_cast<int64_t>(blockIdx.x) * kRopeHd + col] = t;
+  }
+}
+
 }  // namespace
+
+bool rmsnorm_rope_fusable(const bf16* x, const bf16* w, const bf16* y, int64_t D, int64_t head_dim) {
+  return D == kRopeHd && head_dim == kRopeHd && aligned16(x) && aligned16(w) && aligned16(y);
+}
+
+int64_t rmsnorm_rope_backward_scratch_floats(int64_t R) { return (R + kRopeRows - 1) / kRopeRows * kRopeHd; }
+
+void launch_rmsnorm_rope_forward(const bf16* x, const bf16* w, const int32_t* positions, bf16* y, float* rstd,
+                                 int64_t R, int64_t heads, float eps, float theta, cudaStream_t s) {
+  if (R == 0) return;
+  const auto grid = static_cast<unsigned>((R + kRopeRows - 1) / kRopeRows);
+  rmsnorm_rope_forward_kernel<<<grid, dim3(kRopeTPR, kRopeRows), 0, s>>>(x, w, positions, y, rstd, R, heads, eps,
+                                                                        theta);
+}
+
+void launch_rmsnorm_rope_backward(const bf16* dy, const bf16* x, const bf16* w, const float* rstd,
+                                  const int32_t* positions, bf16* dx, float* dw, int64_t R, int64_t heads, float theta,
+                                  float* scratch, cudaStream_t s) {
+  if (R == 0) return;
+  const int64_t blocks = (R + kRopeRows - 1) / kRopeRows;
+  rmsnorm_rope_backward_kernel<<<static_cast<unsigned>(blocks), dim3(kRopeTPR, kRopeRows), 0, s>>>(
+      dy, x, w, rstd, positions, dx, scratch, R, heads, theta);
+  rmsnorm_dw_pass2<<<static_cast<unsigned>(kRopeHd / kColTile), dim3(kColTile, kPass2Lanes), 0, s>>>(scratch, dw,
+                                                                                                   kRopeHd, blocks);
+}
 
 void launch_rmsnorm_forward(const bf16* x, const bf16* w, bf16* y, float* rstd, int64_t R, int64_t D, float eps,
                             cudaStream_t s) {

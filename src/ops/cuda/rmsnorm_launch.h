@@ -23,4 +23,18 @@ int64_t rmsnorm_backward_weight_scratch_floats(int64_t R, int64_t D);
 void launch_rmsnorm_backward_weight(const __nv_bfloat16* dy, const __nv_bfloat16* x, const float* rstd, float* dw,
                                     int64_t R, int64_t D, float* scratch, cudaStream_t s);
 
+// Per-head norm then RoPE (ops.h's rmsnorm_rope_*), one pass, for rows of head_dim = D = 128
+// with 16-byte aligned x, w and y/dx: rmsnorm_rope_fusable says when. positions: i32 [R / heads].
+bool rmsnorm_rope_fusable(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* y, int64_t D,
+                          int64_t head_dim);
+void launch_rmsnorm_rope_forward(const __nv_bfloat16* x, const __nv_bfloat16* w, const int32_t* positions,
+                                 __nv_bfloat16* y, float* rstd, int64_t R, int64_t heads, float eps, float theta,
+                                 cudaStream_t s);
+// Floats of device scratch launch_rmsnorm_rope_backward needs.
+int64_t rmsnorm_rope_backward_scratch_floats(int64_t R);
+// dx, and dw += sum_r rope_backward(dy)[r] * x[r] * rstd[r] (two deterministic passes).
+void launch_rmsnorm_rope_backward(const __nv_bfloat16* dy, const __nv_bfloat16* x, const __nv_bfloat16* w,
+                                  const float* rstd, const int32_t* positions, __nv_bfloat16* dx, float* dw,
+                                  int64_t R, int64_t heads, float theta, float* scratch, cudaStream_t s);
+
 }  // namespace moetrain::ops::cuda
