@@ -87,6 +87,7 @@ bool fusable(const Tensor& x, const Tensor& w, const Tensor& positions, int64_t 
         w.ndim() == 1 && head_dim > 0 && x.size(1) % head_dim == 0)) {
     return false;
   }
+  // The output's alignment is x's stand-in: it is a fresh pool allocation, always aligned.
   if (!rmsnorm_rope_fusable(bf(x), bf(w), bf(x), w.numel(), head_dim)) return false;
   check_shape(positions, {x.size(0)}, "positions");
   check_dtype(positions, DType::I32, "positions");
