@@ -41,19 +41,25 @@ std::string nccl_error(ncclComm_t comm, ncclResult_t r) {
 }
 
 // Waits for a non-blocking NCCL call (status `r`) to leave ncclInProgress and returns the
-// final status; ncclInProgress when `timeout` passed first (the caller aborts).
-ncclResult_t settle(ncclComm_t comm, ncclResult_t r, std::chrono::milliseconds timeout) {
+// final status; ncclInProgress when `timeout` passed first (the caller aborts). `poll(&state)`
+// reads the communicator's async state (ncclCommGetAsyncError) and returns its status.
+template <typename Poll>
+ncclResult_t settle_polling(Poll&& poll, ncclResult_t r, std::chrono::milliseconds timeout) {
   if (r != ncclSuccess && r != ncclInProgress) return r;
   auto deadline = Clock::now() + timeout;
   for (int spins = 0;; ++spins) {
-    ncclResult_t state = ncclSuccess;
-    ncclResult_t q = ncclCommGetAsyncError(comm, &state);
+    ncclResult_t state = ncclInProgress;
+    ncclResult_t q = poll(&state);
     if (q != ncclSuccess) return q;
     if (state != ncclInProgress) return state;
     if (Clock::now() > deadline) return ncclInProgress;
     if (spins < 1000) std::this_thread::yield();
     else std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+}
+// For a communicator no other thread uses.
+ncclResult_t settle(ncclComm_t comm, ncclResult_t r, std::chrono::milliseconds timeout) {
+  return settle_polling([&](ncclResult_t* state) { return ncclCommGetAsyncError(comm, state); }, r, timeout);
 }
 
 class NcclCommunicator final : public Communicator {
@@ -251,19 +257,14 @@ class NcclCommunicator final : public Communicator {
     return true;
   }
 
-  // settle() for this communicator, holding it only for each poll.
+  // settle() for this communicator, holding it only for each poll (aborted: ncclInternalError).
   ncclResult_t settle_here(ncclResult_t r) {
-    if (r != ncclSuccess && r != ncclInProgress) return r;
-    const auto deadline = Clock::now() + options().timeout;
-    for (int spins = 0;; ++spins) {
-      ncclResult_t state = ncclInProgress, q = ncclSuccess;
-      if (!with_comm([&](ncclComm_t c) { q = ncclCommGetAsyncError(c, &state); })) return ncclInternalError;
-      if (q != ncclSuccess) return q;
-      if (state != ncclInProgress) return state;
-      if (Clock::now() > deadline) return ncclInProgress;
-      if (spins < 1000) std::this_thread::yield();
-      else std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
+    auto poll = [&](ncclResult_t* state) {
+      ncclResult_t q = ncclInternalError;
+      with_comm([&](ncclComm_t c) { q = ncclCommGetAsyncError(c, state); });
+      return q;
+    };
+    return settle_polling(poll, r, options().timeout);
   }
 
   // Calls `call` (one NCCL enqueue), settles it, and hands the op to the watchdog.

@@ -20,6 +20,15 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { re
 template <>
 __device__ __forceinline__ float from_float<float>(float x) { return x; }
 
+// RoPE's cos and sin for pair i of a head of head_dim hd at position pos, as Hugging Face
+// forms them in f32: inv_freq = 1 / theta^(2i/hd) (f32 pow), angle = pos * inv_freq, and the
+// full-range sincosf (angles reach tens of thousands of radians). One rule for rope.cu and
+// the one-pass norm + RoPE of rmsnorm.cu, so that both give the same rotation.
+__device__ __forceinline__ void rope_cos_sin(float pos, int i, int hd, float theta, float* c, float* s) {
+  const float inv_freq = 1.0f / powf(theta, static_cast<float>(2 * i) / static_cast<float>(hd));
+  sincosf(pos * inv_freq, s, c);
+}
+
 // The multiprocessor this thread runs on (%smid: stable while the block runs; used to
 // look the multiprocessor up in the L2 half map, l2_halves.h).
 __device__ __forceinline__ unsigned sm_id() {

@@ -256,9 +256,9 @@ __global__ void __launch_bounds__(kColTile* kPass2Lanes) rmsnorm_dw_pass2(const 
 // ---- per-head norm + RoPE, head_dim 128 ----
 // A row is one head of one token: 16 threads, 8 elements each (thread v holds 8v..8v+7),
 // 16 rows a 256-thread block. RoPE pairs element i with i + 64, which thread v ^ 8 holds:
-// one shuffle. The angles as rope.cu forms them (f32 pow, full-range sincosf), once per
-// token and block, so the rotation equals rope_forward's applied to the unrounded
-// normalised value. Rows past R compute on zeros: every lane reaches every shuffle.
+// one shuffle. The angles by rope.cu's rule (rope_cos_sin), once per token and block, so
+// the rotation equals rope_forward's applied to the unrounded normalised value. Rows past R
+// compute on zeros: every lane reaches every shuffle.
 constexpr int kRopeHd = 128, kRopeTPR = 16, kRopeRows = kBlock / kRopeTPR;
 
 // cos and sin of the block's tokens' angles, each formed once for the block: rows r0 ..
@@ -274,8 +274,7 @@ __device__ __forceinline__ void fill_rope_table(RopeTable& tab, const int32_t* _
   const int n = static_cast<int>(last / heads - t0 + 1) * kHalf;
   for (int e = threadIdx.y * kRopeTPR + threadIdx.x; e < n; e += kBlock) {
     const int tl = e / kHalf, i = e % kHalf;
-    const float inv_freq = 1.0f / powf(theta, static_cast<float>(2 * i) / static_cast<float>(kRopeHd));
-    sincosf(static_cast<float>(positions[t0 + tl]) * inv_freq, &tab.s[tl][i], &tab.c[tl][i]);
+    rope_cos_sin(static_cast<float>(positions[t0 + tl]), i, kRopeHd, theta, &tab.c[tl][i], &tab.s[tl][i]);
   }
   __syncthreads();
 }
@@ -296,7 +295,8 @@ __global__ void __launch_bounds__(kBlock) rmsnorm_rope_forward_kernel(const bf16
                                                                       const bf16* __restrict__ w,
                                                                       const int32_t* __restrict__ positions,
                                                                       bf16* __restrict__ y, float* __restrict__ rstd,
-                                                                      int64_t R, int64_t heads, float eps, float theta) {
+                                                                      int64_t R, int64_t heads, float eps,
+                                                                      float theta) {
   __shared__ RopeTable tab;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRopeRows, r = r0 + threadIdx.y;
   const bool valid = r < R;

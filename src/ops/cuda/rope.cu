@@ -29,9 +29,8 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const bf16* __restrict__
   const int64_t t = blockIdx.x;
   const float pos = static_cast<float>(positions[t]);
   for (int i = threadIdx.x; i < half; i += kThreads) {
-    const float inv_freq = 1.0f / powf(theta, static_cast<float>(2 * i) / static_cast<float>(hd));
     float s, c;
-    sincosf(pos * inv_freq, &s, &c);
+    rope_cos_sin(pos, i, hd, theta, &c, &s);
     cs[i] = c;
     cs[half + i] = sign * s;
   }
