@@ -75,14 +75,23 @@ void BM_AttentionBackward(benchmark::State& state) {
   }
   AttnBench b(state);
   const ops::AttentionOut fwd = ops::attention_forward(b.q, b.k, b.v, Tensor(), b.a);
+  const bool saved = ops::deterministic();
+  ops::set_deterministic(state.range(5) == 0);
   time_loop(state, 2.5 * b.fwd_flops(), [&] {
     ops::AttentionGrads g = ops::attention_backward(b.dout, b.q, b.k, b.v, Tensor(), fwd.out, fwd.lse, b.a);
   });
+  ops::set_deterministic(saved);
 }
 
-// {batch, seq, q_heads, kv_heads, head_dim}: the bench model, and a short-sequence case.
+// {batch, seq, q_heads, kv_heads, head_dim}: the bench model, and a short-sequence case;
+// backward also {one pass}: 0 deterministic (dK/dV pass + dQ pass), 1 the one-pass kernel.
 BENCHMARK(BM_AttentionForward)->Args({2, 4096, 32, 4, 128})->Args({1, 2048, 32, 4, 128})->UseManualTime();
-BENCHMARK(BM_AttentionBackward)->Args({2, 4096, 32, 4, 128})->Args({1, 2048, 32, 4, 128})->UseManualTime();
+BENCHMARK(BM_AttentionBackward)
+    ->Args({2, 4096, 32, 4, 128, 0})
+    ->Args({2, 4096, 32, 4, 128, 1})
+    ->Args({1, 2048, 32, 4, 128, 0})
+    ->Args({1, 2048, 32, 4, 128, 1})
+    ->UseManualTime();
 
 }  // namespace
 }  // namespace moetrain

@@ -11,6 +11,7 @@
 #include "core/rng.h"
 #include "engine/train_context.h"
 #include "engine/trainer.h"
+#include "ops/ops.h"
 #include "ops/threads.h"
 
 namespace moetrain {
@@ -41,6 +42,7 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
   const TrainingConfig& tc = cfg.training;
   const bool gpu = tc.device == "cuda";
   ops::set_cpu_threads(static_cast<int>(tc.threads));
+  ops::set_deterministic(tc.deterministic);
   // The same ranks, model part, dispatcher, optimizer and pipeline as `train` (train_context.h).
   ParallelContext connected = ParallelContext::build(cfg);
   if (connected.rank != 0) spdlog::set_level(spdlog::level::warn);

@@ -66,6 +66,8 @@ void TrainingConfig::describe(ConfigFields& f) {
   f.add("sample_temperature", &sample_temperature, "softmax temperature of the sample",
         positive(&sample_temperature));
   f.add("threads", &threads, "CPU threads; 0 = all cores", non_negative(&threads));
+  f.add("deterministic", &deterministic,
+        "bitwise-repeatable kernels; false: the GPU attention backward adds dQ with atomics in one pass (faster)");
   f.add("stop_after_steps", &stop_after_steps,
         "end this process after this many steps (the schedule still spans steps); 0 = run to the end",
         non_negative(&stop_after_steps));

@@ -40,6 +40,9 @@ struct TrainingConfig {
   std::string sample_prompt = "The ";
   double sample_temperature = 0.8;
   int64_t threads = 0;              // CPU threads; 0 = all cores
+  // Bitwise-repeatable kernels (ops::set_deterministic). false lets the GPU attention
+  // backward add dQ with f32 atomics in one pass: faster, last bits vary run to run.
+  bool deterministic = true;
   // End this process after this many steps of the run (the schedule still spans `steps`);
   // 0 runs to the end. For job time limits: save, stop, resume in the next job.
   int64_t stop_after_steps = 0;

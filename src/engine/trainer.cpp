@@ -28,6 +28,7 @@
 #include "engine/telemetry/progress.h"
 #include "engine/telemetry/stage_timer.h"
 #include "engine/train_context.h"
+#include "ops/ops.h"
 #include "ops/threads.h"
 
 namespace moetrain {
@@ -288,6 +289,7 @@ TrainSummary train(const RunConfig& cfg_in) {
   const auto run_start = Clock::now();
   const TrainingConfig& tc = cfg.training;
   ops::set_cpu_threads(static_cast<int>(tc.threads));
+  ops::set_deterministic(tc.deterministic);
   // Ranks: rank 0 speaks for the job (logs, metrics, progress); the others only warn.
   ParallelContext connected = ParallelContext::build(cfg);
   if (connected.rank != 0) spdlog::set_level(spdlog::level::warn);

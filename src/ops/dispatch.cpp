@@ -4,14 +4,21 @@
 #include "ops/cuda/cuda_ops.h"
 #endif
 
+#include <atomic>
+
 namespace moetrain::ops {
 namespace {
+std::atomic<bool> g_deterministic{true};
+
 bool on_cuda(const Tensor& t, const char* op) {
   if (!t.defined() || t.device().is_cpu()) return false;
   MT_CHECK(MOETRAIN_WITH_CUDA, "{}: tensor on {} but this moetrain was built without CUDA", op, t.device().str());
   return true;
 }
 }  // namespace
+
+void set_deterministic(bool on) { g_deterministic.store(on, std::memory_order_relaxed); }
+bool deterministic() { return g_deterministic.load(std::memory_order_relaxed); }
 
 #if MOETRAIN_WITH_CUDA
 #define MT_ROUTE(first, name, ...) \

@@ -24,6 +24,15 @@
 
 namespace moetrain::ops {
 
+// ---- determinism ------------------------------------------------------------------------
+// By default every op is bitwise repeatable: no float atomics, reductions in a fixed order.
+// set_deterministic(false) lets the ops that have a faster order-free form take it; today
+// that is the CUDA attention backward on Hopper (one pass: dQ added up across key tiles with
+// f32 atomic adds instead of a second pass that recomputes the scores). Process-wide, set
+// once at start-up from `[training].deterministic`; the CPU ops are unaffected.
+void set_deterministic(bool on);
+bool deterministic();
+
 // ---- embedding: y[t] = W[ids[t]] ------------------------------------------------------
 // ids i32 [T], weight [V, H] -> [T, H]. An id outside [0, V) is an error naming it.
 Tensor embedding_forward(const Tensor& ids, const Tensor& weight);

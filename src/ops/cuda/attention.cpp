@@ -111,9 +111,15 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
   const int splits = attention_dkdv_splits(d, num_sms);
   Tensor partial;
   if (splits > 1) partial = Tensor::empty({2 * splits * k.numel()}, DType::F32, q.device());
+  // Not deterministic: the one-pass Hopper backward adds dQ into this f32 buffer.
+  Tensor dq_acc;
+  if (!ops::deterministic() && attention_hopper_applies(d, seg_ptr(segment_ids))) {
+    dq_acc = Tensor::empty(q.shape(), DType::F32, q.device());
+  }
   launch_attention_backward(bf16_ptr(dout), bf16_ptr(q), bf16_ptr(k), bf16_ptr(v), seg_ptr(segment_ids),
                             bf16_ptr(out), lse.data<float>(), delta.data<float>(),
-                            splits > 1 ? partial.data<float>() : nullptr, splits, bf16_ptr(g.dq), bf16_ptr(g.dk),
+                            splits > 1 ? partial.data<float>() : nullptr, splits,
+                            dq_acc.defined() ? dq_acc.data<float>() : nullptr, bf16_ptr(g.dq), bf16_ptr(g.dk),
                             bf16_ptr(g.dv), d, stream());
   check_launch("attention_bwd kernels (delta, dkdv, dkdv_reduce, dq)");
   return g;

@@ -83,6 +83,7 @@ struct Params {
   bf16* dv;
   float* dk_part;  // splits > 1: f32 partial sums [splits][B*S, Hkv*D] (dK without the scale)
   float* dv_part;
+  float* dq_acc;  // null, or the one-pass Hopper backward's f32 dQ sums (attention_hopper.cu)
   int batch, seq, q_heads, kv_heads, group;
   int splits;  // dK/dV pass: blocks sharing one (key tile, kv head), group / splits heads each
   int64_t q_stride, kv_stride;  // elements per token row: Hq*D and Hkv*D
@@ -883,7 +884,7 @@ void backward(const Params& p, const AttentionDims& d, cudaStream_t s) {
       <<<static_cast<unsigned>((rows + kDeltaWarps - 1) / kDeltaWarps), kDeltaWarps * 32, 0, s>>>(p);
   if (attention_hopper_applies(d, p.seg) &&
       launch_attention_backward_hopper(p.dout, p.q, p.k, p.v, p.seg, p.delta, p.lse2, p.dk_part, p.dv_part, p.splits,
-                                       p.dq, p.dk, p.dv, d, s)) {
+                                       p.dq_acc, p.dq, p.dk, p.dv, d, s)) {
     if (p.splits > 1) dkdv_reduce(p, s);
     return;
   }
@@ -930,10 +931,11 @@ void launch_attention_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, co
 void launch_attention_backward(const __nv_bfloat16* dout, const __nv_bfloat16* q, const __nv_bfloat16* k,
                                const __nv_bfloat16* v, const int32_t* seg, const __nv_bfloat16* out,
                                const float* lse, float* workspace, float* dkdv_partial, int split_count,
-                               __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttentionDims& d,
-                               cudaStream_t s) {
+                               float* dq_acc, __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv,
+                               const AttentionDims& d, cudaStream_t s) {
   if (d.batch == 0 || d.seq == 0) return;
   Params p = make_params(d);
+  p.dq_acc = dq_acc;
   p.splits = split_count;
   p.dk_part = split_count > 1 ? dkdv_partial : nullptr;
   p.dv_part = split_count > 1 ? dkdv_partial + static_cast<int64_t>(split_count) * d.batch * d.seq * d.kv_heads * d.head_dim : nullptr;

@@ -1,7 +1,9 @@
 // Attention backward on Hopper (sm_90a): the dK/dV and dQ passes of attention.cu's
 // backward, with TMA copies and warpgroup MMAs (wgmma) instead of cp.async + mma.sync.
 // Same math, same order of reduction per output element (deterministic, no atomics), same
-// delta / lse2 inputs; taken for head_dim 128 and seq a multiple of 128 on sm_90.
+// delta / lse2 inputs; taken for head_dim 128 and seq a multiple of 128 on sm_90. When the
+// caller allows an order-free result (ops::set_deterministic(false)), one pass instead: the
+// dK/dV blocks add dQ into an f32 buffer (dkdv_kernel<true>, below).
 //
 // Floor and expectation (bench shape B=2, S=4096, Hq=32, Hkv=4, D=128, causal; H100 SXM):
 // the backward counts 2.5 x the forward's 4*B*Hq*S^2*D/2 = 275 GFLOP, 687 GFLOP, and does
@@ -39,6 +41,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "ops/cuda/attention_launch.h"
@@ -60,6 +63,8 @@ constexpr int kKvTile = kKvKeys * kD * 2;               // K or V: 32 KB (two [1
 constexpr int kKvQTile = kKvRows * kD * 2;              // Q or dO: 16 KB (two [64][64] boxes)
 constexpr int kKvStage = 2 * kKvQTile + 1024;           // + lse2, delta, segment ids (256 B each)
 constexpr int kKvSmem = 2 * kKvTile + kStages * kKvStage + 1024 + 256;
+// One-pass backward (dQ too): dS of an iteration, [128 keys][64 queries] bf16.
+constexpr int kDsTile = kKvKeys * kKvRows * 2;          // 16 KB
 
 // dQ pass: 128 query rows a block, 64 keys an iteration.
 constexpr int kQRows = 128, kQKeys = 64;
@@ -79,6 +84,7 @@ constexpr int kFSmem = kFQTile + kFStages * (kFStage + 512) + 1024 + 256;  // 23
 struct Maps {
   CUtensorMap q_rows64, do_rows64, k_rows128, v_rows128;  // dK/dV pass
   CUtensorMap q_rows128, do_rows128, k_rows64, v_rows64;  // dQ pass
+  CUtensorMap dq_acc;                                     // one-pass backward: f32, [64 rows][32] boxes
 };
 
 struct Args {
@@ -92,6 +98,7 @@ struct Args {
   bf16* dv;
   float* dk_part;  // splits > 1: f32 partial sums [splits][B*S, Hkv*D], dK without the scale
   float* dv_part;
+  float* dq_acc;   // one-pass backward: f32 [B*S, Hq*D], zeroed, dQ / scale added into it
   int batch, seq, q_heads, kv_heads, group;
   int splits;  // dK/dV blocks sharing one (key tile, kv head), group / splits query heads each
   int64_t q_stride, kv_stride;
@@ -156,6 +163,13 @@ __device__ __forceinline__ void a_fragments(uint32_t (&a)[4][4], const float (&p
 __device__ __forceinline__ void mma_regs_by_cols(float (&acc)[64], const uint32_t (&a)[4][4], uint32_t b, int b_rows) {
 #pragma unroll
   for (int kc = 0; kc < 4; ++kc) wgmma_m64n128k16_rs<1>(acc, a[kc], sw128_desc(b + kc * 2048, b_rows * 128, 1024));
+}
+
+// Register A operands of an MMA still in flight: the compiler must not reuse their registers
+// before the wgmma wait that this follows.
+__device__ __forceinline__ void keep_live(const uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int kc = 0; kc < 4; ++kc) asm volatile("" ::"r"(a[kc][0]), "r"(a[kc][1]), "r"(a[kc][2]), "r"(a[kc][3]) : "memory");
 }
 
 template <int N>
@@ -371,6 +385,28 @@ __global__ void __launch_bounds__(kFThreads, 1) fwd_kernel(const __grid_constant
 #endif
 }
 
+// kDq (the one-pass backward, ops::set_deterministic(false)): the block also forms dQ's
+// share of its 128 keys for every query tile it visits, dQ_tile[64 x 128] = dS[64 x 128]
+// K[128 x 128], and adds it into the f32 dq_acc: no dQ pass recomputing S and dP, but the
+// order of the adds into one dQ element varies from run to run (not bitwise reproducible;
+// dK and dV still are). Each warpgroup writes its 64 rows of dS^T (bf16, as the dK MMA used
+// them) into a [128 keys][64 queries] tile with the 128-byte swizzle; after a barrier
+// warpgroup wg multiplies the whole tile (MN-major A) by K's columns 64 wg .. 64 wg + 63
+// (box wg of sK, MN-major B), stages its 64 x 64 f32 result in two swizzled boxes and adds
+// them into dq_acc with TMA reduce-adds. A second barrier keeps the dS tile until both
+// warpgroups' dQ MMAs have read it. Iterations go query tile by query tile from the last,
+// the kv group's heads inside, so that the blocks of all key tiles of one (batch, kv head)
+// add into the same dQ rows at about the same time.
+// Measured at the bench shape (bench_ops, H100): 1.97 ms against 2.30 for the two passes;
+// the same kernel without the reduce-adds 1.27 ms, so the 2.1 GB of f32 adds a layer are
+// what it waits for. Tried and slower: red.global.add.v2.f32 from the registers (2.10 ms;
+// .v4 the same), the heads outside (2.60 ms), each warpgroup adding its own 64 keys'
+// 64 x 128 share with no barrier between the warpgroups (twice the adds: 3.01 ms).
+constexpr int kDqBox = 64 * 32 * 4;  // 64 rows x 32 f32 columns, 8 KB
+constexpr int kKvDqSmem = kKvSmem + kDsTile + 4 * kDqBox;
+static_assert(kKvDqSmem <= 232448, "shared memory of the one-pass dK/dV/dQ kernel");
+
+template <bool kDq>
 __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant__ Maps maps, const Args a) {
 #if MT_SM90A
   const int per_tile = a.batch * a.kv_heads * a.splits;
@@ -384,15 +420,22 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant
   char* sK = smem;
   char* sV = smem + kKvTile;
   char* stages = smem + 2 * kKvTile;
-  uint64_t* full = reinterpret_cast<uint64_t*>(stages + kStages * kKvStage);
+  char* sDs = stages + kStages * kKvStage;  // kDq: the dS^T tile
+  char* sDq = sDs + kDsTile;                // kDq: each warpgroup's two f32 boxes
+  uint64_t* full = reinterpret_cast<uint64_t*>(sDs + (kDq ? kDsTile + 4 * kDqBox : 0));
   uint64_t* empty = full + kStages;
   uint64_t* kv_bar = empty + kStages;
   init_barriers<kStages>(full, empty, kv_bar);
 
   const int qt_first = k0 / kKvRows, n_qt = a.seq / kKvRows - qt_first;
   const int n_it = heads * n_qt;
+  // Iteration it's query head and first query row.
+  auto head_of = [&](int it) { return kDq ? h_first + it % heads : h_first + it / n_qt; };
+  auto row0_of = [&](int it) {
+    return kDq ? (a.seq / kKvRows - 1 - it / heads) * kKvRows : (qt_first + it % n_qt) * kKvRows;
+  };
   auto issue = [&](int it, int s) {
-    const int h = h_first + it / n_qt, q0 = (qt_first + it % n_qt) * kKvRows;
+    const int h = head_of(it), q0 = row0_of(it);
     char* st = stages + s * kKvStage;
     uint64_t* bar = &full[s];
     const int64_t row = (static_cast<int64_t>(b) * a.q_heads + h) * a.seq + q0;
@@ -427,8 +470,15 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant
   for (int it = 0; it < n_it; ++it) {
     const int s = it % kStages;
     mbar_wait(&full[s], (it / kStages) & 1);
-    const int q0 = (qt_first + it % n_qt) * kKvRows;
-    if (q0 + kKvRows - 1 >= kw0) {  // else every query of the tile precedes every key here
+    const int q0 = row0_of(it);
+    // Else every query of the tile precedes every key here. With kDq the warpgroup computes
+    // anyway (the mask zeroes all of P and dS): it would only wait at the barrier below, and
+    // a branch around wgmma makes the compiler serialise every wgmma of the kernel.
+    const bool active = kDq || q0 + kKvRows - 1 >= kw0;
+    // P^T and dS^T as A fragments; with kDq the dV/dK MMAs that read them are still running
+    // when the dQ MMAs are issued, so they are kept (keep_live) until the wait.
+    uint32_t ap[4][4], ads[4][4];
+    if (active) {
       char* st = stages + s * kKvStage;
       const uint32_t q_addr = smem_u32(st), do_addr = smem_u32(st + kKvQTile);
       const float* s_lse2 = reinterpret_cast<const float*>(st + 2 * kKvQTile);
@@ -474,20 +524,90 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant
           }
         }
       }
-      uint32_t ap[4][4], ads[4][4];
       a_fragments(ap, sc);
       a_fragments(ads, dp);
+      if constexpr (kDq) {
+        named_barrier(2, kThreads);  // both warpgroups' dQ MMAs of it - 1 have read the dS tile
+        // dS^T rows 16w + g (+ 8) of this warpgroup's 64; fragment kc holds query columns
+        // 16 kc .. 16 kc + 15, i.e. 16-byte chunks 2 kc and 2 kc + 1 of the 128-byte row,
+        // which the swizzle moves to chunk ^ (row % 8) = chunk ^ g.
+        char* ds = sDs + (wg * 64 + 16 * w + g) * 128 + 4 * t;
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) {
+          const int c0 = ((2 * kc) ^ g) << 4, c1 = ((2 * kc + 1) ^ g) << 4;
+          *reinterpret_cast<uint32_t*>(ds + c0) = ads[kc][0];
+          *reinterpret_cast<uint32_t*>(ds + 8 * 128 + c0) = ads[kc][1];
+          *reinterpret_cast<uint32_t*>(ds + c1) = ads[kc][2];
+          *reinterpret_cast<uint32_t*>(ds + 8 * 128 + c1) = ads[kc][3];
+        }
+        fence_proxy_async();
+      }
       pin(dv);
       pin(dk);
       wgmma_fence();
       mma_regs_by_cols(dv, ap, do_addr, kKvRows);  // dV += P^T dO
       mma_regs_by_cols(dk, ads, q_addr, kKvRows);  // dK += dS^T Q
       wgmma_commit();
+      if constexpr (!kDq) {
+        wgmma_wait<0>();
+        pin(dv);
+        pin(dk);
+      }
+    }
+    if constexpr (kDq) {
+      named_barrier(1, kThreads);  // both warpgroups' dS^T are in the tile
+      const uint32_t ds_addr = smem_u32(sDs);
+      const uint32_t kb_addr = smem_u32(sK) + wg * (kKvTile / 2);  // box wg: K's columns 64 wg ..
+      float dq[32];
+      zero(dq);  // not live during S and dP; keep_live below holds the dV/dK MMAs' registers
+      wgmma_fence();
+#pragma unroll
+      for (int kc = 0; kc < 8; ++kc) {
+        wgmma_m64n64k16<1, 1>(dq, sw128_desc(ds_addr + kc * 2048, kKvKeys * 128, 1024),
+                              sw128_desc(kb_addr + kc * 2048, kKvKeys * 128, 1024));
+      }
+      wgmma_commit();
       wgmma_wait<0>();
+      pin(dq);
       pin(dv);
       pin(dk);
+      keep_live(ap);
+      keep_live(ads);
+      const int h_q = head_of(it);
+      // Box jb holds this warpgroup's columns 32 jb .. 32 jb + 31 (dq[4 nb + 2 h + c] is
+      // column 8 nb + 2 t + c, nb = 4 jb ..), rows 16 w + g + 8 h, 128-byte swizzled.
+      char* box = sDq + wg * 2 * kDqBox;
+      const bool leader = (tid & 127) == 0;
+      if (leader) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // last reduce has read it
+      named_barrier(3 + wg, 128);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = 16 * w + g + 8 * h;
+#pragma unroll
+        for (int nb = 0; nb < 8; ++nb) {
+          const int c = (nb & 3) * 8 + 2 * t;
+          *reinterpret_cast<float2*>(box + (nb >> 2) * kDqBox + r * 128 + (((c >> 2) ^ (r & 7)) << 4) + (c & 3) * 4) =
+              make_float2(dq[4 * nb + 2 * h], dq[4 * nb + 2 * h + 1]);
+        }
+      }
+      fence_proxy_async();
+      named_barrier(3 + wg, 128);
+      if (leader) {
+#pragma unroll
+        for (int jb = 0; jb < 2; ++jb) {
+          asm volatile(
+              "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+                  reinterpret_cast<uint64_t>(&maps.dq_acc)),
+              "r"(smem_u32(box + jb * kDqBox)), "r"(h_q * kD + wg * 64 + 32 * jb), "r"(tok0 + q0)
+              : "memory");
+        }
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+      }
     }
     release_and_refill<kStages>(it, n_it, full, empty, issue);
+  }
+  if constexpr (kDq) {
+    if ((tid & 127) == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // before exit
   }
 
 #pragma unroll
@@ -508,6 +628,20 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant
           pack_bf16(dk[4 * j + 2 * h] * a.scale, dk[4 * j + 2 * h + 1] * a.scale);
       *reinterpret_cast<uint32_t*>(a.dv + off + 8 * j) = pack_bf16(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
     }
+  }
+#endif
+}
+
+// One-pass backward: dq = scale * dq_acc in bf16, four elements a thread.
+__global__ void dq_convert_kernel(const float* __restrict__ acc, bf16* __restrict__ dq, int64_t n4, float scale) {
+#if MT_SM90A
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n4;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float4 v = reinterpret_cast<const float4*>(acc)[i];
+    uint2 o;
+    o.x = pack_bf16(v.x * scale, v.y * scale);
+    o.y = pack_bf16(v.z * scale, v.w * scale);
+    reinterpret_cast<uint2*>(dq)[i] = o;
   }
 #endif
 }
@@ -678,7 +812,7 @@ bool attention_hopper_applies(const AttentionDims& d, const int32_t* seg) {
 
 bool launch_attention_backward_hopper(const __nv_bfloat16* dout, const __nv_bfloat16* q, const __nv_bfloat16* k,
                                       const __nv_bfloat16* v, const int32_t* seg, const float* delta,
-                                      const float* lse2, float* dk_part, float* dv_part, int splits,
+                                      const float* lse2, float* dk_part, float* dv_part, int splits, float* dq_acc,
                                       __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttentionDims& d,
                                       cudaStream_t s) {
   const uint64_t rows = static_cast<uint64_t>(d.batch) * d.seq;
@@ -702,8 +836,21 @@ bool launch_attention_backward_hopper(const __nv_bfloat16* dout, const __nv_bflo
   a.dk_part = dk_part;
   a.dv_part = dv_part;
   a.splits = splits;
-  prepare(dkdv_kernel, kKvSmem);
-  dkdv_kernel<<<static_cast<unsigned>(d.seq / kKvKeys) * d.batch * d.kv_heads * splits, kThreads, kKvSmem, s>>>(m, a);
+  a.dq_acc = dq_acc;
+  const unsigned kv_blocks = static_cast<unsigned>(d.seq / kKvKeys) * d.batch * d.kv_heads * splits;
+  if (dq_acc != nullptr) {
+    if (!make_tensor_map(&m.dq_acc, dq_acc, {qc, rows}, {32, 64}, true)) return false;
+    const int64_t n = static_cast<int64_t>(rows) * qc;
+    cudaMemsetAsync(dq_acc, 0, static_cast<size_t>(n) * sizeof(float), s);
+    prepare(dkdv_kernel<true>, kKvDqSmem);
+    dkdv_kernel<true><<<kv_blocks, kThreads, kKvDqSmem, s>>>(m, a);
+    const int64_t n4 = n / 4;  // qc = Hq * 128
+    dq_convert_kernel<<<static_cast<unsigned>(std::min<int64_t>((n4 + 255) / 256, 4096)), 256, 0, s>>>(dq_acc, dq, n4,
+                                                                                                      a.scale);
+    return true;
+  }
+  prepare(dkdv_kernel<false>, kKvSmem);
+  dkdv_kernel<false><<<kv_blocks, kThreads, kKvSmem, s>>>(m, a);
   prepare(dq_kernel, kQSmem);
   dq_kernel<<<static_cast<unsigned>(d.seq / kQRows) * d.batch * d.q_heads, kThreads, kQSmem, s>>>(m, a);
   return true;

@@ -34,11 +34,14 @@ int attention_dkdv_splits(const AttentionDims& d, int num_sms);
 // key tile, split)); with splits > 1 the sum of the f32 partials
 // in dkdv_partial, in split order; dq (one block per (batch, query head, query tile)).
 // No atomics: every output element is written once by one thread, in a fixed order.
+// dq_acc (f32 [B*S, Hq*D], or null) asks for the one-pass backward where the Hopper kernels
+// apply: the dK/dV blocks also add dQ into it with f32 atomics (not bitwise repeatable),
+// then it is converted into dq; elsewhere it is ignored.
 void launch_attention_backward(const __nv_bfloat16* dout, const __nv_bfloat16* q, const __nv_bfloat16* k,
                                const __nv_bfloat16* v, const int32_t* seg, const __nv_bfloat16* out,
                                const float* lse, float* workspace, float* dkdv_partial, int split_count,
-                               __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttentionDims& d,
-                               cudaStream_t s);
+                               float* dq_acc, __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv,
+                               const AttentionDims& d, cudaStream_t s);
 
 // The Hopper (sm_90a, TMA + wgmma) forward, dK/dV and dQ kernels (attention_hopper.cu):
 // used by the launchers above when they apply (head_dim 128, seq a multiple of 128, seg null
@@ -52,7 +55,7 @@ bool launch_attention_forward_hopper(const __nv_bfloat16* q, const __nv_bfloat16
 int attention_backward_hopper_key_tile();
 bool launch_attention_backward_hopper(const __nv_bfloat16* dout, const __nv_bfloat16* q, const __nv_bfloat16* k,
                                       const __nv_bfloat16* v, const int32_t* seg, const float* delta,
-                                      const float* lse2, float* dk_part, float* dv_part, int splits,
+                                      const float* lse2, float* dk_part, float* dv_part, int splits, float* dq_acc,
                                       __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttentionDims& d,
                                       cudaStream_t s);
 

@@ -77,6 +77,15 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr, uint32_t lbo, uin
          (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
 }
 
+// A barrier among `threads` threads of the block (a multiple of 32) on barrier id (1..15;
+// 0 is __syncthreads'), e.g. the two consumer warpgroups without the producer.
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Orders this thread's ordinary shared-memory writes before later reads of the async proxy
+// (wgmma operands, TMA stores); a barrier then passes that on to the other threads.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>

@@ -699,10 +699,6 @@ constexpr int kWgBufs = 2;                    // staging buffers per consumer wa
 // the 128-byte swizzle), + the alignment slack.
 constexpr int kWgSmem = 1024 + kWgS * kWgStage + 1024 + 2 * kWgBufs * kWgBox;
 
-[[maybe_unused]] __device__ __forceinline__ void named_barrier(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
 template <int kProblems>
 __global__ void __launch_bounds__(kWsThreads, 1)
     wgrad_ws_kernel(const __grid_constant__ Maps maps, const WgradArgs args, int gx, int gy, int tiles) {
@@ -793,7 +789,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           *reinterpret_cast<uint4*>(b + chunk * kChunk + (valid + rem / 8) * 128 + (rem % 8) * 16) =
               make_uint4(0, 0, 0, 0);
         }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> tensor core reads
+        fence_proxy_async();  // generic writes -> tensor core reads
         named_barrier(1, 256);
       }
       const uint32_t a = smem_u32(st), b = smem_u32(st + kTile);
@@ -848,7 +844,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
               make_float2(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
         }
       }
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> copy engine reads
+      fence_proxy_async();  // generic writes -> copy engine reads
       named_barrier(2 + cw, 128);
       if (tid == 0) {
         if (args.accumulate) {
