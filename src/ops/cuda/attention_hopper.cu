@@ -527,7 +527,9 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant
       a_fragments(ap, sc);
       a_fragments(ads, dp);
       if constexpr (kDq) {
-        named_barrier(2, kThreads);  // both warpgroups' dQ MMAs of it - 1 have read the dS tile
+        // Both warpgroups' dQ MMAs of it - 1 have read the dS tile. Every thread gets here:
+        // with kDq `active` is always true (a skipped tile would hang this barrier).
+        named_barrier(2, kThreads);
         // dS^T rows 16w + g (+ 8) of this warpgroup's 64; fragment kc holds query columns
         // 16 kc .. 16 kc + 15, i.e. 16-byte chunks 2 kc and 2 kc + 1 of the 128-byte row,
         // which the swizzle moves to chunk ^ (row % 8) = chunk ^ g.
