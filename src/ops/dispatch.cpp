@@ -186,6 +186,20 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
            accumulate, squares, act);
 }
 
+void grouped_swiglu_backward_weight_pair(const SwigluWgradRows& first, const SwigluWgradRows& second,
+                                         Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down, bool accumulate) {
+#if MOETRAIN_WITH_CUDA
+  if (on_cuda(first.x, "grouped_swiglu_backward_weight_pair") &&
+      cuda::grouped_swiglu_backward_weight_pair(first, second, dw_gate, dw_up, dw_down, accumulate)) {
+    return;
+  }
+#endif
+  for (const SwigluWgradRows* r : {&first, &second}) {
+    grouped_swiglu_backward_weight(r->dy, r->x, r->counts, r->gate, r->up, r->dgate, r->dup, dw_gate, dw_up, dw_down,
+                                   accumulate || r == &second, {}, r->act);
+  }
+}
+
 CrossEntropyOut cross_entropy_forward(const Tensor& logits, const Tensor& targets) {
   return MT_ROUTE(logits, cross_entropy_forward, logits, targets);
 }

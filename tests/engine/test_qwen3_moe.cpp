@@ -154,6 +154,57 @@ TEST(Qwen3Moe, GradientAccumulationEqualsOneLargeBatch) {
   }
 }
 
+// Micro-batches in pairs (the trainer's [training].expert_wgrad_pairs): an even micro-batch
+// keeps its experts' weight-gradient inputs and the next one makes both. On the CPU the pair
+// is the two calls in turn, so every gradient must equal, bit for bit, the micro-batches
+// run one by one; from NaN gradients, so the first pass must write, not add. Also: a second
+// deferral before the pair is an error, and a step's first micro-batch drops a stale one.
+TEST(Qwen3Moe, PairedExpertWeightGradientsEqualMicroBatchesInTurn) {
+  Qwen3MoeConfig c = tiny_config();
+  c.decoder_sparse_step = 2;  // layer 0 dense (never deferred), layer 1 MoE
+  auto run = [&](int n, bool pairs) {
+    Qwen3MoeModel model(c, DType::F64);
+    model.init_weights(12);
+    LocalDispatcher d;
+    for (auto& p : model.parameters()) p.grad.fill_(NAN);
+    for (int i = 0; i < n; ++i) {
+      Batch b = random_batch(2, 5, static_cast<int32_t>(c.vocab_size), 40 + i);
+      const bool defer = pairs && i % 2 == 0 && i + 1 < n;
+      model.forward_backward(b, d, 1.0 / 10.0, 1.0 / n, /*accumulate_grads=*/i > 0, defer);
+    }
+    std::vector<Tensor> g;
+    for (auto& p : model.parameters()) g.push_back(p.grad.clone());
+    return g;
+  };
+  for (int n : {2, 3, 4, 5}) {
+    const std::vector<Tensor> in_turn = run(n, false), paired = run(n, true);
+    for (size_t i = 0; i < in_turn.size(); ++i) {
+      EXPECT_TRUE(ops::all_finite(paired[i])) << n << " micro-batches: " << i;
+      EXPECT_EQ(testing::rel_error(paired[i], in_turn[i]), 0.0) << n << " micro-batches, parameter " << i;
+    }
+  }
+  Qwen3MoeModel model(c, DType::F64);
+  model.init_weights(12);
+  LocalDispatcher d;
+  Batch b = random_batch(2, 5, static_cast<int32_t>(c.vocab_size), 50);
+  model.forward_backward(b, d, 0.1, 1.0, false, /*defer_expert_weights=*/true);
+  try {
+    model.forward_backward(b, d, 0.1, 1.0, true, true);
+    ADD_FAILURE() << "a second deferral was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("deferred twice"), std::string::npos) << e.what();
+  }
+  // A new step (accumulate false) drops what the broken one kept: the same gradients as a
+  // model that never deferred.
+  Qwen3MoeModel fresh(c, DType::F64);
+  fresh.init_weights(12);
+  model.forward_backward(b, d, 0.1, 1.0, false);
+  fresh.forward_backward(b, d, 0.1, 1.0, false);
+  for (size_t i = 0; i < fresh.parameters().size(); ++i) {
+    EXPECT_EQ(testing::rel_error(model.parameters()[i].grad, fresh.parameters()[i].grad), 0.0) << i;
+  }
+}
+
 // A step's first micro-batch overwrites the gradients instead of adding to zeroed ones:
 // from gradients full of NaN, every one must come out as zero + accumulate gives it
 // (tied and untied heads; the tiny config leaves some experts without tokens).

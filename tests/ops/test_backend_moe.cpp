@@ -566,6 +566,59 @@ TEST(BackendMoe, GroupedSwigluWeightGradIsDeterministic) {
   EXPECT_EQ(std::memcmp(start.raw(), got.raw(), start.nbytes()), 0) << "dw_down of a 0-row expert changed";
 }
 
+// Two micro-batches' weight gradients in one pass (gradient accumulation): against the CPU
+// making them in turn, in overwrite mode from NaN (every element written) and adding to a
+// random start. The micro-batches have different row counts per expert, zero rows in one
+// or both, and partial k tiles in each.
+void check_swiglu_pair(int64_t H, int64_t I, const std::vector<int64_t>& c1, const std::vector<int64_t>& c2,
+                       uint64_t seed) {
+  const int64_t E = static_cast<int64_t>(c1.size()), N1 = total_rows(c1), N2 = total_rows(c2);
+  const std::string name = tag("grouped_swiglu_pair", {{"E", E}, {"N1", N1}, {"N2", N2}, {"H", H}, {"I", I}});
+  auto rows = [&](const std::vector<int64_t>& c, int64_t N, uint64_t s) {
+    ops::SwigluWgradRows r;
+    r.counts = Tensor::from_vector(c, {E});
+    r.dy = random_bf16_values({N, H}, s);
+    r.x = random_bf16_values({N, H}, s + 1);
+    r.gate = random_bf16_values({N, I}, s + 2, 2.0);
+    r.up = random_bf16_values({N, I}, s + 3);
+    r.dgate = random_bf16_values({N, I}, s + 4);
+    r.dup = random_bf16_values({N, I}, s + 5);
+    r.act = random_bf16_values({N, I}, s + 6);
+    return r;
+  };
+  auto gpu = [](const ops::SwigluWgradRows& r) {
+    auto bf = [](const Tensor& t) { return on_gpu(t, DType::BF16); };
+    return ops::SwigluWgradRows{bf(r.dy), bf(r.x), r.counts.to(kGpu), bf(r.gate), bf(r.up), bf(r.dgate), bf(r.dup),
+                                bf(r.act)};
+  };
+  const ops::SwigluWgradRows a = rows(c1, N1, seed), b = rows(c2, N2, seed + 10);
+  const ops::SwigluWgradRows ag = gpu(a), bg = gpu(b);
+  const char* names[3] = {"dw_gate", "dw_up", "dw_down"};
+  for (bool accumulate : {false, true}) {
+    Tensor ref[3] = {big_random({E, I, H}, seed + 20, 1.0, false), big_random({E, I, H}, seed + 21, 1.0, false),
+                     big_random({E, H, I}, seed + 22, 1.0, false)};
+    if (!accumulate) {
+      for (Tensor& t : ref) t.fill_(NAN);
+    }
+    Tensor got[3] = {ref[0].to(kGpu), ref[1].to(kGpu), ref[2].to(kGpu)};
+    ops::grouped_swiglu_backward_weight_pair(a, b, ref[0], ref[1], ref[2], accumulate);
+    ops::grouped_swiglu_backward_weight_pair(ag, bg, got[0], got[1], got[2], accumulate);
+    for (int i = 0; i < 3; ++i) {
+      const std::string what = std::string(names[i]) + (accumulate ? "+=" : "=");
+      EXPECT_TRUE(ops::all_finite(got[i])) << name << " " << what << ": an element was not written";
+      expect_backend_close(got[i], ref[i], kF32Tol, name, what);
+    }
+  }
+}
+
+TEST(BackendMoe, GroupedSwigluWeightGradOfTwoMicroBatches) {
+  MT_REQUIRE_GPU();
+  // Expert 1 has rows only in the second micro-batch, expert 3 in neither, expert 4 only in
+  // the first; counts that end mid k-tile in both.
+  check_swiglu_pair(136, 72, {37, 0, 130, 0, 65, 1}, {20, 70, 3, 0, 0, 129}, 3000);
+  check_swiglu_pair(2048, 768, skewed_counts(128, 8192), skewed_counts(128, 6000), 3100);
+}
+
 TEST(BackendMoe, GroupedSwigluErrorsNameTheTensor) {
   MT_REQUIRE_GPU();
   Tensor counts = Tensor::from_vector(std::vector<int64_t>{4, 4}, {2}).to(kGpu);

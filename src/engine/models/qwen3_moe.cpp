@@ -199,16 +199,33 @@ Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, cons
   return ops::rmsnorm_backward_input(s.d_ln1_out, s.x, ln1_w_, s.ln1.rstd, s.d_h);
 }
 
-void Qwen3MoeDecoderLayer::backward_weight(Qwen3MoeLayerState& s, bool accumulate, ops::SumSquaresInto squares) {
+void Qwen3MoeDecoderLayer::backward_weight(Qwen3MoeLayerState& s, bool accumulate, ops::SumSquaresInto squares,
+                                           bool defer_experts) {
   if (moe_) {
     StageScope t(Stage::kRouterPermute);
     ops::linear_backward_weight(s.d_router_logits, s.ln2.y, g_gate_w_, accumulate);
   }
+  if (!accumulate) expert_pending_ = {};  // a step's first micro-batch: anything kept is stale
   {
     StageScope t(Stage::kExpertGemm);
-    ops::grouped_swiglu_backward_weight(s.d_mlp_out, s.expert_in.rows, s.expert_in.counts, s.mlp.gate, s.mlp.up,
-                                        s.d_mlp.dgate, s.d_mlp.dup, g_w_gate_, g_w_up_, g_w_down_, accumulate,
-                                        moe_ && !accumulate ? squares : ops::SumSquaresInto{}, s.mlp.act);
+    ops::SwigluWgradRows rows{s.d_mlp_out, s.expert_in.rows, s.expert_in.counts, s.mlp.gate,
+                              s.mlp.up,    s.d_mlp.dgate,    s.d_mlp.dup,        s.mlp.act};
+    if (moe_ && defer_experts) {
+      MT_CHECK(squares.out == nullptr, "layer {}: expert weight gradients deferred where their sum of squares is "
+               "wanted (the step's last micro-batch must not defer)", id_);
+      MT_CHECK(!expert_pending_.x.defined(),
+               "layer {}: expert weight gradients deferred twice; the next micro-batch must make them", id_);
+      expert_pending_ = std::move(rows);
+      expert_pending_accumulate_ = accumulate;
+    } else if (expert_pending_.x.defined()) {
+      ops::grouped_swiglu_backward_weight_pair(expert_pending_, rows, g_w_gate_, g_w_up_, g_w_down_,
+                                               expert_pending_accumulate_);
+      expert_pending_ = {};
+    } else {
+      ops::grouped_swiglu_backward_weight(rows.dy, rows.x, rows.counts, rows.gate, rows.up, rows.dgate, rows.dup,
+                                          g_w_gate_, g_w_up_, g_w_down_, accumulate,
+                                          moe_ && !accumulate ? squares : ops::SumSquaresInto{}, rows.act);
+    }
   }
   {
     StageScope t(Stage::kAttention);
@@ -483,7 +500,7 @@ bool Qwen3MoeModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
                                        s);  // 1
       g.d_mlp_in = g.d_topk_weight = Tensor();
       if (g.weights_now) {
-        layer.backward_weight(s, g.accumulate, expert_squares(id, g.accumulate));
+        layer.backward_weight(s, g.accumulate, expert_squares(id, g.accumulate), defer_expert_weights_);
         s = Qwen3MoeLayerState();
         if (hooks_) hooks_->after_backward(id);
       }
@@ -704,13 +721,20 @@ MicroBatchLoss Qwen3MoeModel::forward_loss(const Batch& batch, ExpertDispatcher&
 }
 
 MicroBatchLoss Qwen3MoeModel::forward_backward(const Batch& batch, ExpertDispatcher& d, double ce_scale,
-                                               double aux_scale, bool accumulate_grads) {
+                                               double aux_scale, bool accumulate_grads, bool defer_expert_weights) {
   const ChunkSpec c = whole();
   ChunkActivations a;
   RouterTotals totals = new_totals();
   MicroBatchLoss out;
   forward_chunk(c, batch, Tensor(), d, a, totals, ChunkPass{true, ce_scale, aux_scale, accumulate_grads}, &out);
-  backward_chunk(c, batch, Tensor(), d, a, aux_scale, /*weights_now=*/true, accumulate_grads);
+  defer_expert_weights_ = defer_expert_weights;
+  try {
+    backward_chunk(c, batch, Tensor(), d, a, aux_scale, /*weights_now=*/true, accumulate_grads);
+  } catch (...) {
+    defer_expert_weights_ = false;
+    throw;
+  }
+  defer_expert_weights_ = false;
   out.on_device.expert_counts = std::move(a.expert_counts);
   out.read_device_values();  // the micro-batch's one host wait, its work all queued
   return out;

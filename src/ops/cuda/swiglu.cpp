@@ -145,4 +145,37 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
   check_launch("grouped_swiglu_backward_weight kernels");
 }
 
+bool grouped_swiglu_backward_weight_pair(const SwigluWgradRows& first, const SwigluWgradRows& second,
+                                         Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down, bool accumulate) {
+  const char* op = "grouped_swiglu_backward_weight_pair";
+  if (!first.act.defined() || !second.act.defined()) return false;
+  MT_CHECK(first.x.defined() && first.x.ndim() == 2 && second.x.defined() && second.x.ndim() == 2,
+           "{}: x of both micro-batches must be [N, H], got {} and {}", op, first.x.str(), second.x.str());
+  SwigluWgradSource src[2];
+  Tensor ws[2];
+  int64_t E = 0, H = 0, I = 0;
+  for (int k = 0; k < 2; ++k) {
+    const SwigluWgradRows& r = k == 0 ? first : second;
+    const Dims d = check_swiglu(op, r.x.size(0), r.x.size(1), r.counts, dw_gate, dw_up, dw_down, "dw", DType::F32);
+    check_rows(r.x, d.N, d.H, op, "x");
+    check_rows(r.dy, d.N, d.H, op, "dy");
+    check_rows(r.dgate, d.N, d.I, op, "dgate");
+    check_rows(r.dup, d.N, d.I, op, "dup");
+    check_rows(r.act, d.N, d.I, op, "act");
+    E = d.E;
+    H = d.H;
+    I = d.I;
+    ws[k] = Tensor::empty({swiglu_workspace_words(d.N, static_cast<int>(d.E))}, DType::I32, r.x.device());
+    src[k] = {r.dy.raw(), r.x.raw(), r.dgate.raw(), r.dup.raw(), r.act.raw(), r.counts.data<int64_t>(), d.N,
+              ws[k].data<int32_t>()};
+  }
+  if (!launch_swiglu_backward_weight_pair(src[0], src[1], static_cast<int>(H), static_cast<int>(I),
+                                          static_cast<int>(E), dw_gate.data<float>(), dw_up.data<float>(),
+                                          dw_down.data<float>(), accumulate, stream())) {
+    return false;
+  }
+  check_launch("grouped_swiglu_backward_weight_pair kernels");
+  return true;
+}
+
 }  // namespace moetrain::ops::cuda

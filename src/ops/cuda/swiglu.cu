@@ -317,6 +317,9 @@ struct WgradArgs {
   int M, Nc;
   const int* offsets;  // [E + 1]
   int accumulate;      // 0: C = sum (every block writes, an expert without rows writes zeros)
+  // Hopper: a second micro-batch's rows (maps a2 / b2), whose k-tiles follow the first's in
+  // each tile's k loop: offsets [E + 1] of its rows, or null for one micro-batch.
+  const int* offsets2;
   double* squares;     // Hopper, accumulate 0: the sums of squares of each tile's two halves
                        // at 2 tile + squares_base and the next slot (nullptr: not asked)
   int64_t squares_base;
@@ -425,6 +428,7 @@ struct Maps {
   CUtensorMap a[2];  // A operand (rows: [N, K]; wgrad: [N, M]), per k source
   CUtensorMap b[2];  // B operand (weights [E, ., .]; wgrad: [N, Nc]), per k source / gate, up
   CUtensorMap c[2];  // wgrad: the f32 gradient [E, M, Nc] of each problem (box 32 x 64)
+  CUtensorMap a2[2], b2;  // wgrad of two micro-batches (WgradArgs::offsets2): the second's a, b
 };
 
 #if MT_SM90A
@@ -708,7 +712,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   uint64_t *full, *empty;
   char* smem = setup_smem<S, kWgStage>(smem_raw, full, empty);
   char* staging = smem + S * kWgStage + 1024;
-  __shared__ int4 tile_of[S];  // {tile, its expert's first row, end row}
+  __shared__ int2 tile_of[S];  // {tile, its k-tiles}, at the stage of its first k-tile
+  __shared__ int valid_of[S];  // rows of the stage's k-tile that belong to the tile's expert
   __shared__ double warp_sq[8];
   const int wg = threadIdx.x >> 7;
   // Tile t: column tile t % gx, row tile (t / gx) % gy, (expert, problem) t / (gx gy).
@@ -721,18 +726,24 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     int it = 0;  // stages used so far: the ring position
     for (;;) {
       const int t = queues.take();
-      int r0 = 0, r1 = 0;
+      // The expert's rows: [r0, r1) of the first micro-batch, then [q0, q1) of the second.
+      int r0 = 0, r1 = 0, q0 = 0, q1 = 0;
       if (t >= 0) {
         const int e = t / (gx * gy) / kProblems;
         r0 = args.offsets[e];
         r1 = args.offsets[e + 1];
+        if (args.offsets2) {
+          q0 = args.offsets2[e];
+          q1 = args.offsets2[e + 1];
+        }
       }
-      if (t >= 0 && r1 <= r0 && args.accumulate) continue;  // nothing to add to this tile
-      const int ktiles = t >= 0 ? (r1 - r0 + kBK - 1) / kBK : 0;
+      const int k1 = (r1 - r0 + kBK - 1) / kBK, k2 = (q1 - q0 + kBK - 1) / kBK;
+      if (t >= 0 && k1 + k2 == 0 && args.accumulate) continue;  // nothing to add to this tile
+      const int ktiles = t >= 0 ? k1 + k2 : 0;
       if (ktiles == 0) {  // the end (-1), or zeros to store: a stage without data
         const int s = it % S;
         if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
-        tile_of[s] = make_int4(t, r0, r1, 0);
+        tile_of[s] = make_int2(t, 0);
         mbar_arrive(&full[s]);
         ++it;
         if (t < 0) break;
@@ -744,13 +755,17 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         const int s = it % S;
         if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);  // its previous k-tile has left it
         char* st = smem + s * kWgStage;
-        const int row = r0 + kt * kBK;
-        if (kt == 0) tile_of[s] = make_int4(t, r0, r1, 0);  // published by the arrive below
+        const bool second = kt >= k1;
+        const int row = second ? q0 + (kt - k1) * kBK : r0 + kt * kBK;
+        if (kt == 0) tile_of[s] = make_int2(t, ktiles);  // published by the arrive below
+        valid_of[s] = (second ? q1 : r1) - row;
+        const CUtensorMap* am = second ? &maps.a2[prob] : &maps.a[prob];
+        const CUtensorMap* bm = second ? &maps.b2 : &maps.b[0];
         mbar_arrive_expect_tx(&full[s], kWgStage);
-        tma_load_2d(st, &maps.a[prob], &full[s], m0, row);
-        tma_load_2d(st + kChunk, &maps.a[prob], &full[s], m0 + 64, row);
+        tma_load_2d(st, am, &full[s], m0, row);
+        tma_load_2d(st + kChunk, am, &full[s], m0 + 64, row);
 #pragma unroll
-        for (int j = 0; j < kBoxes; ++j) tma_load_2d(st + kTile + j * kChunk, &maps.b[0], &full[s], n0 + 64 * j, row);
+        for (int j = 0; j < kBoxes; ++j) tma_load_2d(st + kTile + j * kChunk, bm, &full[s], n0 + 64 * j, row);
       }
     }
     return;
@@ -762,12 +777,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   int it = 0, boxes = 0;  // stages consumed; boxes this warpgroup has stored
   for (int n = 0; n < tiles; ++n) {  // bounded, as in rows_kernel
     mbar_wait(&full[it % S], (it / S) & 1);
-    const int4 info = tile_of[it % S];
-    const int t = info.x, r0 = info.y, r1 = info.z;
+    const int2 info = tile_of[it % S];
+    const int t = info.x, ktiles = info.y;
     if (t < 0) break;
     const int bz = t / (gx * gy), e = bz / kProblems, prob = bz % kProblems;
     const int m0 = ((t / gx) % gy) * kBM, n0 = (t % gx) * kWgN;
-    const int ktiles = (r1 - r0 + kBK - 1) / kBK;
     float acc[kWgN / 2];
 #pragma unroll
     for (int i = 0; i < kWgN / 2; ++i) acc[i] = 0.f;
@@ -779,9 +793,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       const int s = it % S;
       mbar_wait(&full[s], (it / S) & 1);
       char* st = smem + s * kWgStage;
-      const int valid = r1 - (r0 + kt * kBK);
+      const int valid = valid_of[s];
       if (valid < kBK) {
-        // The last k-tile runs past the expert's rows into the next expert's: zero those
+        // The last k-tile (of each micro-batch) runs past the expert's rows into the next
+        // expert's: zero those
         // rows of B (whole 128-byte rows, so the swizzle does not matter) before the MMAs.
         char* b = st + kTile;
         for (int i = ctid; i < kBoxes * (kBK - valid) * 8; i += 256) {
@@ -1263,6 +1278,44 @@ void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t*
     const SquaresSegment segs[3] = {{dw_gate, n}, {dw_up, n}, {dw_down, n}};
     launch_sum_squares_segments(segs, 3, squares_scratch, stream, squares_result);
   }
+}
+
+bool launch_swiglu_backward_weight_pair(const SwigluWgradSource& first, const SwigluWgradSource& second, int H,
+                                        int I, int E, float* dw_gate, float* dw_up, float* dw_down, bool accumulate,
+                                        cudaStream_t stream) {
+  if (!use_hopper() || first.N == 0 || second.N == 0) return false;
+  const uint64_t h = H, i = I, e = E, n1 = first.N, n2 = second.N;
+  hopper::Maps wd{}, wgu{};
+  const bool maps_ok =
+      make_map(&wd.a[0], first.dy, {h, n1}, {64, 64}) && make_map(&wd.b[0], first.act, {i, n1}, {64, 64}) &&
+      make_map(&wd.a2[0], second.dy, {h, n2}, {64, 64}) && make_map(&wd.b2, second.act, {i, n2}, {64, 64}) &&
+      make_map(&wgu.a[0], first.dgate, {i, n1}, {64, 64}) && make_map(&wgu.a[1], first.dup, {i, n1}, {64, 64}) &&
+      make_map(&wgu.b[0], first.x, {h, n1}, {64, 64}) && make_map(&wgu.a2[0], second.dgate, {i, n2}, {64, 64}) &&
+      make_map(&wgu.a2[1], second.dup, {i, n2}, {64, 64}) && make_map(&wgu.b2, second.x, {h, n2}, {64, 64}) &&
+      make_map(&wd.c[0], dw_down, {i, h, e}, {32, 64, 1}, true) &&
+      make_map(&wgu.c[0], dw_gate, {h, i, e}, {32, 64, 1}, true) &&
+      make_map(&wgu.c[1], dw_up, {h, i, e}, {32, 64, 1}, true);
+  if (!maps_ok) return false;
+  wd.c[1] = wd.c[0];
+  wd.a[1] = wd.a[0];
+  wd.a2[1] = wd.a2[0];
+  wd.b[1] = wd.b[0];
+  wgu.b[1] = wgu.b[0];
+  // The first source's schedule drives the tile queues; the second's gives only its offsets.
+  const Schedule s = make_schedule(first.counts, first.N, E, first.workspace, false, stream);
+  const Schedule s2 = make_schedule(second.counts, second.N, E, second.workspace, false, stream);
+  WgradArgs w{};
+  w.offsets = s.offsets;
+  w.offsets2 = s2.offsets;
+  w.accumulate = accumulate ? 1 : 0;
+  w.c_stride = static_cast<int64_t>(H) * I;
+  w.M = H;  // dWd[e] [H, I] (+)= dy_e^T act_e over both sources
+  w.Nc = I;
+  launch_wgrad_ws<1>(wd, w, E, s, 0, stream);
+  w.M = I;  // dWg[e], dWu[e] [I, H] (+)= dgate_e^T x_e, dup_e^T x_e
+  w.Nc = H;
+  launch_wgrad_ws<2>(wgu, w, E, s, 1, stream);
+  return true;
 }
 
 }  // namespace moetrain::ops::cuda

@@ -42,4 +42,20 @@ void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t*
 // Doubles of squares_scratch that launch_swiglu_backward_weight needs.
 int64_t swiglu_squares_scratch_doubles(int H, int I, int E);
 
+// One micro-batch's rows for launch_swiglu_backward_weight_pair: dy [N, H], x [N, H],
+// dgate, dup and the forward's act [N, I]; a workspace of swiglu_workspace_words(N, E).
+struct SwigluWgradSource {
+  const void *dy, *x, *dgate, *dup, *act;
+  const int64_t* counts;
+  int64_t N;
+  int32_t* workspace;
+};
+// dW (+)= the weight gradients of both sources in one pass: each tile's k loop runs over the
+// first source's rows of its expert, then the second's, so f32 dW is written (or added to)
+// once. Hopper only: returns false, launching nothing, where the Hopper kernels do not run
+// (the caller then makes two launch_swiglu_backward_weight calls).
+bool launch_swiglu_backward_weight_pair(const SwigluWgradSource& first, const SwigluWgradSource& second, int H,
+                                        int I, int E, float* dw_gate, float* dw_up, float* dw_down, bool accumulate,
+                                        cudaStream_t stream);
+
 }  // namespace moetrain::ops::cuda
