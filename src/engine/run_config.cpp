@@ -66,9 +66,10 @@ void TrainingConfig::describe(ConfigFields& f) {
   f.add("sample_temperature", &sample_temperature, "softmax temperature of the sample",
         positive(&sample_temperature));
   f.add("threads", &threads, "CPU threads; 0 = all cores", non_negative(&threads));
-  f.add("expert_wgrad_pairs", &expert_wgrad_pairs,
-        "with grad_accum_steps > 1: the expert weight gradients of two micro-batches in one pass (half the f32 "
-        "read-modify-writes)");
+  f.add("expert_wgrad_group", &expert_wgrad_group,
+        "with grad_accum_steps > 1: the expert weight gradients of this many micro-batches in one pass (fewer f32 "
+        "read-modify-writes; their inputs kept meanwhile); 1 = one pass each",
+        positive(&expert_wgrad_group));
   f.add("deterministic", &deterministic,
         "bitwise-repeatable kernels; false: the GPU attention backward adds dQ with atomics in one pass (faster)");
   f.add("stop_after_steps", &stop_after_steps,

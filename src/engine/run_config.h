@@ -44,8 +44,9 @@ struct TrainingConfig {
   // backward add dQ with f32 atomics in one pass: faster, last bits vary run to run.
   bool deterministic = true;
   // With grad_accum_steps > 1 (one process per data rank, no FSDP sharding): the experts'
-  // weight gradients of micro-batches 2i and 2i + 1 in one pass over their f32 dW.
-  bool expert_wgrad_pairs = true;
+  // weight gradients of each group of this many micro-batches in one pass over their f32 dW
+  // (their inputs kept meanwhile); 1: one pass per micro-batch.
+  int64_t expert_wgrad_group = 2;
   // End this process after this many steps of the run (the schedule still spans `steps`);
   // 0 runs to the end. For job time limits: save, stop, resume in the next job.
   int64_t stop_after_steps = 0;

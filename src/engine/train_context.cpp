@@ -59,7 +59,7 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   // optimizer state sharded over the data ranks (FsdpContext).
   c.model = std::make_unique<Qwen3MoeModel>(cfg.model, gpu ? DType::BF16 : DType::F32, par.device, placement);
   c.model->init_weights(static_cast<uint64_t>(tc.seed));
-  c.model->set_expert_wgrad_pairs(tc.expert_wgrad_pairs);
+  c.model->set_expert_wgrad_group(tc.expert_wgrad_group);
   if (par.ep == 1) {
     c.dispatcher = std::make_unique<LocalDispatcher>();
   } else {

@@ -179,9 +179,11 @@ StepResult accumulate_micro_batches(Qwen3MoeModel& model, ExpertDispatcher& disp
     if (fsdp) fsdp->begin_micro_batch(i == 0);
     if (layerwise && i + 1 == batches.size()) layerwise->begin_last_micro_batch();
     const bool accumulate = fsdp ? fsdp->model_accumulates(i) : i > 0;
-    // Micro-batches in pairs: the experts' weight gradients of an even one are made with the
-    // next one's, in one pass over f32 dW (FSDP reduces each micro-batch's: not there).
-    const bool defer = model.expert_wgrad_pairs() && fsdp == nullptr && i % 2 == 0 && i + 1 < batches.size();
+    // Micro-batches in groups: the experts' weight gradients of a group's micro-batches are
+    // made by its last, in one pass over f32 dW (FSDP reduces each micro-batch's: not there).
+    const int64_t group = model.expert_wgrad_group();
+    const bool defer = group > 1 && fsdp == nullptr && static_cast<int64_t>(i + 1) % group != 0 &&
+                       i + 1 < batches.size();
     MicroBatchLoss l = model.forward_backward(batches[i], dispatcher, 1.0 / targets, 1.0 / n, accumulate, defer);
     r.loss += l.ce_sum;
     r.aux_loss += l.aux_loss / n;

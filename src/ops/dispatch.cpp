@@ -186,17 +186,19 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
            accumulate, squares, act);
 }
 
-void grouped_swiglu_backward_weight_pair(const SwigluWgradRows& first, const SwigluWgradRows& second,
-                                         Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down, bool accumulate) {
+void grouped_swiglu_backward_weight_group(const std::vector<SwigluWgradRows>& rows, Tensor& dw_gate, Tensor& dw_up,
+                                          Tensor& dw_down, bool accumulate) {
+  MT_CHECK(!rows.empty(), "grouped_swiglu_backward_weight_group: no micro-batch given");
 #if MOETRAIN_WITH_CUDA
-  if (on_cuda(first.x, "grouped_swiglu_backward_weight_pair") &&
-      cuda::grouped_swiglu_backward_weight_pair(first, second, dw_gate, dw_up, dw_down, accumulate)) {
+  if (on_cuda(rows[0].x, "grouped_swiglu_backward_weight_group") &&
+      cuda::grouped_swiglu_backward_weight_group(rows, dw_gate, dw_up, dw_down, accumulate)) {
     return;
   }
 #endif
-  for (const SwigluWgradRows* r : {&first, &second}) {
-    grouped_swiglu_backward_weight(r->dy, r->x, r->counts, r->gate, r->up, r->dgate, r->dup, dw_gate, dw_up, dw_down,
-                                   accumulate || r == &second, {}, r->act);
+  for (size_t k = 0; k < rows.size(); ++k) {
+    const SwigluWgradRows& r = rows[k];
+    grouped_swiglu_backward_weight(r.dy, r.x, r.counts, r.gate, r.up, r.dgate, r.dup, dw_gate, dw_up, dw_down,
+                                   accumulate || k > 0, {}, r.act);
   }
 }
 

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -202,13 +203,13 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
 struct SwigluWgradRows {
   Tensor dy, x, counts, gate, up, dgate, dup, act;
 };
-// The weight gradients of two micro-batches' rows, `first`'s then `second`'s, into the same
-// dW (= with accumulate false, else +=): two grouped_swiglu_backward_weight calls, except on
-// Hopper with both acts given, where each tile's k loop runs over both micro-batches' rows
-// of its expert, so the f32 dW is written or added to once instead of twice (gradient
-// accumulation: half the read-modify-writes of dW).
-void grouped_swiglu_backward_weight_pair(const SwigluWgradRows& first, const SwigluWgradRows& second,
-                                         Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down, bool accumulate);
+// The weight gradients of several micro-batches' rows, in the order given, into the same dW
+// (= with accumulate false, else +=): one grouped_swiglu_backward_weight call each, except on
+// Hopper with every act given, where each tile's k loop runs over all the micro-batches' rows
+// of its expert (up to 8 a pass), so the f32 dW is written or added to once instead of once
+// per micro-batch (gradient accumulation: fewer read-modify-writes of dW).
+void grouped_swiglu_backward_weight_group(const std::vector<SwigluWgradRows>& rows, Tensor& dw_gate, Tensor& dw_up,
+                                          Tensor& dw_down, bool accumulate);
 
 // ---- cross-entropy with ignore index -100 ---------------------------------------------
 // logits [T, V], targets i32 [T]. loss_sum [1] = sum over targets != -100 of

@@ -566,17 +566,20 @@ TEST(BackendMoe, GroupedSwigluWeightGradIsDeterministic) {
   EXPECT_EQ(std::memcmp(start.raw(), got.raw(), start.nbytes()), 0) << "dw_down of a 0-row expert changed";
 }
 
-// Two micro-batches' weight gradients in one pass (gradient accumulation): against the CPU
-// making them in turn, in overwrite mode from NaN (every element written) and adding to a
-// random start. The micro-batches have different row counts per expert, zero rows in one
-// or both, and partial k tiles in each.
-void check_swiglu_pair(int64_t H, int64_t I, const std::vector<int64_t>& c1, const std::vector<int64_t>& c2,
-                       uint64_t seed) {
-  const int64_t E = static_cast<int64_t>(c1.size()), N1 = total_rows(c1), N2 = total_rows(c2);
-  const std::string name = tag("grouped_swiglu_pair", {{"E", E}, {"N1", N1}, {"N2", N2}, {"H", H}, {"I", I}});
-  auto rows = [&](const std::vector<int64_t>& c, int64_t N, uint64_t s) {
+// Several micro-batches' weight gradients in one pass (gradient accumulation): against the
+// CPU making them in turn, in overwrite mode from NaN (every element written) and adding to
+// a random start. The micro-batches have different row counts per expert, zero rows in some
+// or all of them, and partial k tiles in each.
+void check_swiglu_group(int64_t H, int64_t I, const std::vector<std::vector<int64_t>>& counts, uint64_t seed) {
+  const int64_t E = static_cast<int64_t>(counts[0].size());
+  std::vector<ops::SwigluWgradRows> cpu, gpu;
+  int64_t rows_all = 0;
+  for (size_t k = 0; k < counts.size(); ++k) {
+    const int64_t N = total_rows(counts[k]);
+    rows_all += N;
+    const uint64_t s = seed + 10 * k;
     ops::SwigluWgradRows r;
-    r.counts = Tensor::from_vector(c, {E});
+    r.counts = Tensor::from_vector(counts[k], {E});
     r.dy = random_bf16_values({N, H}, s);
     r.x = random_bf16_values({N, H}, s + 1);
     r.gate = random_bf16_values({N, I}, s + 2, 2.0);
@@ -584,25 +587,25 @@ void check_swiglu_pair(int64_t H, int64_t I, const std::vector<int64_t>& c1, con
     r.dgate = random_bf16_values({N, I}, s + 4);
     r.dup = random_bf16_values({N, I}, s + 5);
     r.act = random_bf16_values({N, I}, s + 6);
-    return r;
-  };
-  auto gpu = [](const ops::SwigluWgradRows& r) {
     auto bf = [](const Tensor& t) { return on_gpu(t, DType::BF16); };
-    return ops::SwigluWgradRows{bf(r.dy), bf(r.x), r.counts.to(kGpu), bf(r.gate), bf(r.up), bf(r.dgate), bf(r.dup),
-                                bf(r.act)};
-  };
-  const ops::SwigluWgradRows a = rows(c1, N1, seed), b = rows(c2, N2, seed + 10);
-  const ops::SwigluWgradRows ag = gpu(a), bg = gpu(b);
+    gpu.push_back({bf(r.dy), bf(r.x), r.counts.to(kGpu), bf(r.gate), bf(r.up), bf(r.dgate), bf(r.dup), bf(r.act)});
+    cpu.push_back(std::move(r));
+  }
+  const std::string name = tag("grouped_swiglu_group", {{"E", E},
+                                                         {"micro_batches", static_cast<int64_t>(counts.size())},
+                                                         {"N", rows_all},
+                                                         {"H", H},
+                                                         {"I", I}});
   const char* names[3] = {"dw_gate", "dw_up", "dw_down"};
   for (bool accumulate : {false, true}) {
-    Tensor ref[3] = {big_random({E, I, H}, seed + 20, 1.0, false), big_random({E, I, H}, seed + 21, 1.0, false),
-                     big_random({E, H, I}, seed + 22, 1.0, false)};
+    Tensor ref[3] = {big_random({E, I, H}, seed + 1000, 1.0, false), big_random({E, I, H}, seed + 1001, 1.0, false),
+                     big_random({E, H, I}, seed + 1002, 1.0, false)};
     if (!accumulate) {
       for (Tensor& t : ref) t.fill_(NAN);
     }
     Tensor got[3] = {ref[0].to(kGpu), ref[1].to(kGpu), ref[2].to(kGpu)};
-    ops::grouped_swiglu_backward_weight_pair(a, b, ref[0], ref[1], ref[2], accumulate);
-    ops::grouped_swiglu_backward_weight_pair(ag, bg, got[0], got[1], got[2], accumulate);
+    ops::grouped_swiglu_backward_weight_group(cpu, ref[0], ref[1], ref[2], accumulate);
+    ops::grouped_swiglu_backward_weight_group(gpu, got[0], got[1], got[2], accumulate);
     for (int i = 0; i < 3; ++i) {
       const std::string what = std::string(names[i]) + (accumulate ? "+=" : "=");
       EXPECT_TRUE(ops::all_finite(got[i])) << name << " " << what << ": an element was not written";
@@ -611,12 +614,17 @@ void check_swiglu_pair(int64_t H, int64_t I, const std::vector<int64_t>& c1, con
   }
 }
 
-TEST(BackendMoe, GroupedSwigluWeightGradOfTwoMicroBatches) {
+TEST(BackendMoe, GroupedSwigluWeightGradOfSeveralMicroBatches) {
   MT_REQUIRE_GPU();
-  // Expert 1 has rows only in the second micro-batch, expert 3 in neither, expert 4 only in
-  // the first; counts that end mid k-tile in both.
-  check_swiglu_pair(136, 72, {37, 0, 130, 0, 65, 1}, {20, 70, 3, 0, 0, 129}, 3000);
-  check_swiglu_pair(2048, 768, skewed_counts(128, 8192), skewed_counts(128, 6000), 3100);
+  // Expert 1 has rows only in the second micro-batch, expert 3 in none, expert 4 only in the
+  // first; counts that end mid k-tile.
+  check_swiglu_group(136, 72, {{37, 0, 130, 0, 65, 1}, {20, 70, 3, 0, 0, 129}}, 3000);
+  check_swiglu_group(136, 72, {{37, 0, 130, 0, 65, 1}, {0, 0, 0, 0, 0, 0}, {5, 64, 0, 0, 1, 2}}, 3100);
+  // More micro-batches than one pass takes (8): two passes, the second adding.
+  std::vector<std::vector<int64_t>> nine;
+  for (int k = 0; k < 9; ++k) nine.push_back({k * 7 % 50, 3 + k, 0, 64, 129 - k});
+  check_swiglu_group(64, 32, nine, 3200);
+  check_swiglu_group(2048, 768, {skewed_counts(128, 8192), skewed_counts(128, 6000)}, 3300);
 }
 
 TEST(BackendMoe, GroupedSwigluErrorsNameTheTensor) {

@@ -205,7 +205,7 @@ void Qwen3MoeDecoderLayer::backward_weight(Qwen3MoeLayerState& s, bool accumulat
     StageScope t(Stage::kRouterPermute);
     ops::linear_backward_weight(s.d_router_logits, s.ln2.y, g_gate_w_, accumulate);
   }
-  if (!accumulate) expert_pending_ = {};  // a step's first micro-batch: anything kept is stale
+  if (!accumulate) expert_pending_.clear();  // a step's first micro-batch: anything kept is stale
   {
     StageScope t(Stage::kExpertGemm);
     ops::SwigluWgradRows rows{s.d_mlp_out, s.expert_in.rows, s.expert_in.counts, s.mlp.gate,
@@ -213,14 +213,13 @@ void Qwen3MoeDecoderLayer::backward_weight(Qwen3MoeLayerState& s, bool accumulat
     if (moe_ && defer_experts) {
       MT_CHECK(squares.out == nullptr, "layer {}: expert weight gradients deferred where their sum of squares is "
                "wanted (the step's last micro-batch must not defer)", id_);
-      MT_CHECK(!expert_pending_.x.defined(),
-               "layer {}: expert weight gradients deferred twice; the next micro-batch must make them", id_);
-      expert_pending_ = std::move(rows);
-      expert_pending_accumulate_ = accumulate;
-    } else if (expert_pending_.x.defined()) {
-      ops::grouped_swiglu_backward_weight_pair(expert_pending_, rows, g_w_gate_, g_w_up_, g_w_down_,
-                                               expert_pending_accumulate_);
-      expert_pending_ = {};
+      if (expert_pending_.empty()) expert_pending_accumulate_ = accumulate;
+      expert_pending_.push_back(std::move(rows));
+    } else if (!expert_pending_.empty()) {
+      expert_pending_.push_back(std::move(rows));
+      ops::grouped_swiglu_backward_weight_group(expert_pending_, g_w_gate_, g_w_up_, g_w_down_,
+                                                expert_pending_accumulate_);
+      expert_pending_.clear();
     } else {
       ops::grouped_swiglu_backward_weight(rows.dy, rows.x, rows.counts, rows.gate, rows.up, rows.dgate, rows.dup,
                                           g_w_gate_, g_w_up_, g_w_down_, accumulate,

@@ -173,9 +173,10 @@ class Qwen3MoeDecoderLayer {
   // gradients, or written over them when !accumulate.
   // squares: passed to the expert weight-gradient op (see WeightHooks::expert_grad_squares).
   // defer_experts (MoE layers): keep the experts' weight-gradient inputs instead, and make
-  // them in one pass with the next micro-batch's (ops::grouped_swiglu_backward_weight_pair,
-  // written or added per this call's `accumulate`); a call with accumulate false drops any
-  // kept from an earlier step.
+  // them in one pass with those of the next micro-batches, up to the first call that does not
+  // defer (ops::grouped_swiglu_backward_weight_group, written or added per the first kept
+  // micro-batch's `accumulate`); a call with accumulate false drops any kept from an earlier
+  // step.
   void backward_weight(Qwen3MoeLayerState& s, bool accumulate = true, ops::SumSquaresInto squares = {},
                        bool defer_experts = false);
 
@@ -196,9 +197,9 @@ class Qwen3MoeDecoderLayer {
   Tensor w_gate_, w_up_, w_down_;  // [E, I, H], [E, I, H], [E, H, I]; E = 1 for dense
   Tensor g_ln1_w_, g_ln2_w_, g_wq_, g_wk_, g_wv_, g_wo_, g_q_norm_w_, g_k_norm_w_, g_gate_w_;
   Tensor g_w_gate_, g_w_up_, g_w_down_;
-  // A deferred micro-batch's expert weight-gradient inputs (backward_weight's defer_experts)
-  // and whether its gradients were to be added (else written).
-  ops::SwigluWgradRows expert_pending_;
+  // Deferred micro-batches' expert weight-gradient inputs (backward_weight's defer_experts)
+  // and whether the first one's gradients were to be added (else written).
+  std::vector<ops::SwigluWgradRows> expert_pending_;
   bool expert_pending_accumulate_ = false;
 };
 
@@ -255,15 +256,15 @@ class Qwen3MoeModel {
   // the whole step) and the auxiliary losses by aux_scale (1 / micro-batches), so
   // accumulated micro-batches give the gradient of the step's mean loss.
   // defer_expert_weights: the MoE layers keep their experts' weight-gradient inputs and make
-  // them together with the next micro-batch's (one pass of the experts' f32 dW for two
-  // micro-batches); that next call must not defer. Not with hooks that need every
-  // micro-batch's gradients complete (FSDP).
+  // them together with those of the following micro-batches, in the first call that does not
+  // defer (one pass over the experts' f32 dW for the group); a step's last micro-batch must
+  // not defer. Not with hooks that need every micro-batch's gradients complete (FSDP).
   MicroBatchLoss forward_backward(const Batch& batch, ExpertDispatcher& dispatcher, double ce_scale,
                                   double aux_scale, bool accumulate_grads = true, bool defer_expert_weights = false);
-  // Whether the trainer should pair micro-batches' expert weight gradients (the run config's
-  // [training].expert_wgrad_pairs).
-  bool expert_wgrad_pairs() const { return expert_wgrad_pairs_; }
-  void set_expert_wgrad_pairs(bool on) { expert_wgrad_pairs_ = on; }
+  // How many micro-batches the trainer groups for one pass of the experts' weight gradients
+  // (the run config's [training].expert_wgrad_group; 1: none).
+  int64_t expert_wgrad_group() const { return expert_wgrad_group_; }
+  void set_expert_wgrad_group(int64_t n) { expert_wgrad_group_ = n; }
   // Forward only: loss terms without touching gradients.
   MicroBatchLoss forward_loss(const Batch& batch, ExpertDispatcher& dispatcher);
   // Logits [T, V] for ids/positions, through the staged path.
@@ -337,7 +338,7 @@ class Qwen3MoeModel {
   ModelPlacement placement_;
   Communicator* data_group_ = nullptr;
   WeightHooks* hooks_ = nullptr;
-  bool expert_wgrad_pairs_ = false;
+  int64_t expert_wgrad_group_ = 1;
   bool defer_expert_weights_ = false;  // during a forward_backward that defers them
   std::vector<ParamBucket> buckets_;
   Tensor embed_, final_norm_w_, lm_head_;  // lm_head_ aliases embed_ when tied

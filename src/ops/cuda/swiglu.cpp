@@ -5,6 +5,9 @@
 #include <climits>
 #include <string>
 
+#include <algorithm>
+#include <vector>
+
 #include "ops/cuda/common.h"
 #include "ops/cuda/cuda_ops.h"
 #include "ops/cuda/swiglu_launch.h"
@@ -145,36 +148,60 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
   check_launch("grouped_swiglu_backward_weight kernels");
 }
 
-bool grouped_swiglu_backward_weight_pair(const SwigluWgradRows& first, const SwigluWgradRows& second,
-                                         Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down, bool accumulate) {
-  const char* op = "grouped_swiglu_backward_weight_pair";
-  if (!first.act.defined() || !second.act.defined()) return false;
-  MT_CHECK(first.x.defined() && first.x.ndim() == 2 && second.x.defined() && second.x.ndim() == 2,
-           "{}: x of both micro-batches must be [N, H], got {} and {}", op, first.x.str(), second.x.str());
-  SwigluWgradSource src[2];
-  Tensor ws[2];
-  int64_t E = 0, H = 0, I = 0;
-  for (int k = 0; k < 2; ++k) {
-    const SwigluWgradRows& r = k == 0 ? first : second;
-    const Dims d = check_swiglu(op, r.x.size(0), r.x.size(1), r.counts, dw_gate, dw_up, dw_down, "dw", DType::F32);
-    check_rows(r.x, d.N, d.H, op, "x");
-    check_rows(r.dy, d.N, d.H, op, "dy");
-    check_rows(r.dgate, d.N, d.I, op, "dgate");
-    check_rows(r.dup, d.N, d.I, op, "dup");
-    check_rows(r.act, d.N, d.I, op, "act");
-    E = d.E;
-    H = d.H;
-    I = d.I;
-    ws[k] = Tensor::empty({swiglu_workspace_words(d.N, static_cast<int>(d.E))}, DType::I32, r.x.device());
-    src[k] = {r.dy.raw(), r.x.raw(), r.dgate.raw(), r.dup.raw(), r.act.raw(), r.counts.data<int64_t>(), d.N,
-              ws[k].data<int32_t>()};
+bool grouped_swiglu_backward_weight_group(const std::vector<SwigluWgradRows>& rows, Tensor& dw_gate, Tensor& dw_up,
+                                          Tensor& dw_down, bool accumulate) {
+  const char* op = "grouped_swiglu_backward_weight_group";
+  // The one-pass kernel takes micro-batches that have rows and their forward's act.
+  std::vector<const SwigluWgradRows*> with_rows;
+  for (const SwigluWgradRows& r : rows) {
+    if (!r.act.defined()) return false;
+    MT_CHECK(r.x.defined() && r.x.ndim() == 2, "{}: x must be [N, H], got {}", op, r.x.str());
+    if (r.x.size(0) > 0) with_rows.push_back(&r);
   }
-  if (!launch_swiglu_backward_weight_pair(src[0], src[1], static_cast<int>(H), static_cast<int>(I),
-                                          static_cast<int>(E), dw_gate.data<float>(), dw_up.data<float>(),
-                                          dw_down.data<float>(), accumulate, stream())) {
-    return false;
+  if (with_rows.size() < 2) return false;
+  const int max = swiglu_wgrad_group_max();
+  bool acc = accumulate;
+  for (size_t k0 = 0; k0 < with_rows.size(); k0 += static_cast<size_t>(max)) {
+    const size_t n = std::min(with_rows.size() - k0, static_cast<size_t>(max));
+    std::vector<SwigluWgradSource> src(n);
+    std::vector<Tensor> ws(n);
+    int64_t E = 0, H = 0, I = 0;
+    for (size_t k = 0; k < n; ++k) {
+      const SwigluWgradRows& r = *with_rows[k0 + k];
+      const Dims d = check_swiglu(op, r.x.size(0), r.x.size(1), r.counts, dw_gate, dw_up, dw_down, "dw", DType::F32);
+      check_rows(r.x, d.N, d.H, op, "x");
+      check_rows(r.dy, d.N, d.H, op, "dy");
+      check_rows(r.dgate, d.N, d.I, op, "dgate");
+      check_rows(r.dup, d.N, d.I, op, "dup");
+      check_rows(r.act, d.N, d.I, op, "act");
+      E = d.E;
+      H = d.H;
+      I = d.I;
+      ws[k] = Tensor::empty({swiglu_workspace_words(d.N, static_cast<int>(d.E))}, DType::I32, r.x.device());
+      src[k] = {r.dy.raw(), r.x.raw(), r.dgate.raw(), r.dup.raw(), r.act.raw(), r.counts.data<int64_t>(), d.N,
+                ws[k].data<int32_t>()};
+    }
+    if (n == 1) {  // the last of a long list: the one-micro-batch op
+      const SwigluWgradRows& r = *with_rows[k0];
+      grouped_swiglu_backward_weight(r.dy, r.x, r.counts, r.gate, r.up, r.dgate, r.dup, dw_gate, dw_up, dw_down, acc,
+                                     {}, r.act);
+    } else {
+      // The first pass decides whether anything can go this way; a later one cannot fail
+      // for other reasons (same device, same weights).
+      const bool ok = launch_swiglu_backward_weight_group(src.data(), static_cast<int>(n), static_cast<int>(H),
+                                                          static_cast<int>(I), static_cast<int>(E),
+                                                          dw_gate.data<float>(), dw_up.data<float>(),
+                                                          dw_down.data<float>(), acc, stream());
+      if (!ok) {
+        MT_CHECK(k0 == 0, "{}: the one-pass kernel refused a later group of micro-batches", op);
+        return false;
+      }
+      check_launch("grouped_swiglu_backward_weight_group kernels");
+    }
+    acc = true;
   }
-  check_launch("grouped_swiglu_backward_weight_pair kernels");
+  // In overwrite mode, micro-batches without rows add nothing; the experts none of them
+  // reached were written as zeros by the first pass.
   return true;
 }
 

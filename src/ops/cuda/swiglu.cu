@@ -317,9 +317,10 @@ struct WgradArgs {
   int M, Nc;
   const int* offsets;  // [E + 1]
   int accumulate;      // 0: C = sum (every block writes, an expert without rows writes zeros)
-  // Hopper: a second micro-batch's rows (maps a2 / b2), whose k-tiles follow the first's in
-  // each tile's k loop: offsets [E + 1] of its rows, or null for one micro-batch.
-  const int* offsets2;
+  // Hopper: more micro-batches' rows (WgradMaps::xa / xb), whose k-tiles follow the first's
+  // in each tile's k loop: the offsets [E + 1] of each (n_more of them; 0: one micro-batch).
+  const int* offsets_more[7];
+  int n_more;
   double* squares;     // Hopper, accumulate 0: the sums of squares of each tile's two halves
                        // at 2 tile + squares_base and the next slot (nullptr: not asked)
   int64_t squares_base;
@@ -428,7 +429,13 @@ struct Maps {
   CUtensorMap a[2];  // A operand (rows: [N, K]; wgrad: [N, M]), per k source
   CUtensorMap b[2];  // B operand (weights [E, ., .]; wgrad: [N, Nc]), per k source / gate, up
   CUtensorMap c[2];  // wgrad: the f32 gradient [E, M, Nc] of each problem (box 32 x 64)
-  CUtensorMap a2[2], b2;  // wgrad of two micro-batches (WgradArgs::offsets2): the second's a, b
+};
+// The weight-gradient kernel's maps: the first micro-batch's in m, those of the micro-batches
+// after it (WgradArgs::n_more) in xa / xb. 3.5 KB of kernel parameters with 8 micro-batches.
+constexpr int kWgradSources = 8;
+struct WgradMaps {
+  Maps m;
+  CUtensorMap xa[kWgradSources - 1][2], xb[kWgradSources - 1];
 };
 
 #if MT_SM90A
@@ -705,7 +712,7 @@ constexpr int kWgSmem = 1024 + kWgS * kWgStage + 1024 + 2 * kWgBufs * kWgBox;
 
 template <int kProblems>
 __global__ void __launch_bounds__(kWsThreads, 1)
-    wgrad_ws_kernel(const __grid_constant__ Maps maps, const WgradArgs args, int gx, int gy, int tiles) {
+    wgrad_ws_kernel(const __grid_constant__ WgradMaps maps, const WgradArgs args, int gx, int gy, int tiles) {
 #if MT_SM90A
   constexpr int S = kWgS, kBufs = kWgBufs, kBoxes = kWgN / 64;
   extern __shared__ char smem_raw[];
@@ -726,20 +733,18 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     int it = 0;  // stages used so far: the ring position
     for (;;) {
       const int t = queues.take();
-      // The expert's rows: [r0, r1) of the first micro-batch, then [q0, q1) of the second.
-      int r0 = 0, r1 = 0, q0 = 0, q1 = 0;
+      // The expert's rows in each micro-batch: [r0[m], r1[m]), k-tiles in that order.
+      int r0[kWgradSources], r1[kWgradSources], ktiles = 0;
       if (t >= 0) {
         const int e = t / (gx * gy) / kProblems;
-        r0 = args.offsets[e];
-        r1 = args.offsets[e + 1];
-        if (args.offsets2) {
-          q0 = args.offsets2[e];
-          q1 = args.offsets2[e + 1];
+        for (int m = 0; m <= args.n_more; ++m) {
+          const int* off = m == 0 ? args.offsets : args.offsets_more[m - 1];
+          r0[m] = off[e];
+          r1[m] = off[e + 1];
+          ktiles += (r1[m] - r0[m] + kBK - 1) / kBK;
         }
       }
-      const int k1 = (r1 - r0 + kBK - 1) / kBK, k2 = (q1 - q0 + kBK - 1) / kBK;
-      if (t >= 0 && k1 + k2 == 0 && args.accumulate) continue;  // nothing to add to this tile
-      const int ktiles = t >= 0 ? k1 + k2 : 0;
+      if (t >= 0 && ktiles == 0 && args.accumulate) continue;  // nothing to add to this tile
       if (ktiles == 0) {  // the end (-1), or zeros to store: a stage without data
         const int s = it % S;
         if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
@@ -751,16 +756,16 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       }
       const int bz = t / (gx * gy), prob = bz % kProblems;
       const int m0 = ((t / gx) % gy) * kBM, n0 = (t % gx) * kWgN;
-      for (int kt = 0; kt < ktiles; ++kt, ++it) {
+      int m = 0, row = r0[0];  // the micro-batch and row of k-tile kt
+      for (int kt = 0; kt < ktiles; ++kt, ++it, row += kBK) {
+        while (row >= r1[m]) row = r0[++m];  // (a micro-batch without rows has no k-tile)
         const int s = it % S;
         if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);  // its previous k-tile has left it
         char* st = smem + s * kWgStage;
-        const bool second = kt >= k1;
-        const int row = second ? q0 + (kt - k1) * kBK : r0 + kt * kBK;
         if (kt == 0) tile_of[s] = make_int2(t, ktiles);  // published by the arrive below
-        valid_of[s] = (second ? q1 : r1) - row;
-        const CUtensorMap* am = second ? &maps.a2[prob] : &maps.a[prob];
-        const CUtensorMap* bm = second ? &maps.b2 : &maps.b[0];
+        valid_of[s] = r1[m] - row;
+        const CUtensorMap* am = m == 0 ? &maps.m.a[prob] : &maps.xa[m - 1][prob];
+        const CUtensorMap* bm = m == 0 ? &maps.m.b[0] : &maps.xb[m - 1];
         mbar_arrive_expect_tx(&full[s], kWgStage);
         tma_load_2d(st, am, &full[s], m0, row);
         tma_load_2d(st + kChunk, am, &full[s], m0 + 64, row);
@@ -841,7 +846,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     }
     // acc[nb * 4 + h * 2 + c]: row 16 w + lane / 4 + 8 h of this warpgroup's 64, column
     // nb * 8 + 2 (lane % 4) + c. Box j holds columns 32 j .. 32 j + 31 (nb = 4 j .. 4 j + 3).
-    const CUtensorMap* cmap = &maps.c[prob];
+    const CUtensorMap* cmap = &maps.m.c[prob];
 #pragma unroll
     for (int j = 0; j < kWgN / 32; ++j, ++boxes) {
       char* buf = my_staging + (boxes % kBufs) * kWgBox;
@@ -1051,7 +1056,7 @@ void launch_rows_hopper(const hopper::Maps& maps, const RowsArgs& args, int ktil
 // The persistent weight-gradient kernel (wgrad_ws_kernel): maps.c with boxes of 32 x 64 x 1.
 // Returns its slots in args.squares: two a tile.
 template <int kProblems>
-int64_t launch_wgrad_ws(const hopper::Maps& maps, WgradArgs args, int E, const Schedule& s, int launch,
+int64_t launch_wgrad_ws(const hopper::WgradMaps& maps, WgradArgs args, int E, const Schedule& s, int launch,
                         cudaStream_t stream) {
   if (args.M == 0 || args.Nc == 0) return 0;
   auto kernel = hopper::wgrad_ws_kernel<kProblems>;
@@ -1254,7 +1259,7 @@ void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t*
   wgu.b[1] = wgu.b[0];
   int64_t down_slots = 0, gu_slots = 0;
   if (hop && squares_result) w.squares = squares_scratch;  // dW_down's slots first, then gate/up's
-  if (hop) down_slots = launch_wgrad_ws<1>(wd, w, E, s, 0, stream);
+  if (hop) down_slots = launch_wgrad_ws<1>(hopper::WgradMaps{wd, {}, {}}, w, E, s, 0, stream);
   else launch_wgrad<1>(w, E, stream);
   w.squares_base = down_slots;
   // dWg[e], dWu[e] [I, H] += dgate_e^T x_e, dup_e^T x_e
@@ -1268,7 +1273,7 @@ void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t*
   w.c_stride = static_cast<int64_t>(I) * H;
   w.M = I;
   w.Nc = H;
-  if (hop) gu_slots = launch_wgrad_ws<2>(wgu, w, E, s, 1, stream);
+  if (hop) gu_slots = launch_wgrad_ws<2>(hopper::WgradMaps{wgu, {}, {}}, w, E, s, 1, stream);
   else launch_wgrad<2>(w, E, stream);
   if (!squares_result) return;
   if (hop) {
@@ -1280,36 +1285,46 @@ void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t*
   }
 }
 
-bool launch_swiglu_backward_weight_pair(const SwigluWgradSource& first, const SwigluWgradSource& second, int H,
-                                        int I, int E, float* dw_gate, float* dw_up, float* dw_down, bool accumulate,
-                                        cudaStream_t stream) {
-  if (!use_hopper() || first.N == 0 || second.N == 0) return false;
-  const uint64_t h = H, i = I, e = E, n1 = first.N, n2 = second.N;
-  hopper::Maps wd{}, wgu{};
-  const bool maps_ok =
-      make_map(&wd.a[0], first.dy, {h, n1}, {64, 64}) && make_map(&wd.b[0], first.act, {i, n1}, {64, 64}) &&
-      make_map(&wd.a2[0], second.dy, {h, n2}, {64, 64}) && make_map(&wd.b2, second.act, {i, n2}, {64, 64}) &&
-      make_map(&wgu.a[0], first.dgate, {i, n1}, {64, 64}) && make_map(&wgu.a[1], first.dup, {i, n1}, {64, 64}) &&
-      make_map(&wgu.b[0], first.x, {h, n1}, {64, 64}) && make_map(&wgu.a2[0], second.dgate, {i, n2}, {64, 64}) &&
-      make_map(&wgu.a2[1], second.dup, {i, n2}, {64, 64}) && make_map(&wgu.b2, second.x, {h, n2}, {64, 64}) &&
-      make_map(&wd.c[0], dw_down, {i, h, e}, {32, 64, 1}, true) &&
-      make_map(&wgu.c[0], dw_gate, {h, i, e}, {32, 64, 1}, true) &&
-      make_map(&wgu.c[1], dw_up, {h, i, e}, {32, 64, 1}, true);
-  if (!maps_ok) return false;
-  wd.c[1] = wd.c[0];
-  wd.a[1] = wd.a[0];
-  wd.a2[1] = wd.a2[0];
-  wd.b[1] = wd.b[0];
-  wgu.b[1] = wgu.b[0];
-  // The first source's schedule drives the tile queues; the second's gives only its offsets.
-  const Schedule s = make_schedule(first.counts, first.N, E, first.workspace, false, stream);
-  const Schedule s2 = make_schedule(second.counts, second.N, E, second.workspace, false, stream);
+bool launch_swiglu_backward_weight_group(const SwigluWgradSource* src, int n, int H, int I, int E, float* dw_gate,
+                                         float* dw_up, float* dw_down, bool accumulate, cudaStream_t stream) {
+  if (!use_hopper() || n < 2 || n > swiglu_wgrad_group_max()) return false;
+  for (int k = 0; k < n; ++k) {
+    if (src[k].N == 0) return false;
+  }
+  const uint64_t h = H, i = I, e = E;
+  hopper::WgradMaps wd{}, wgu{};
+  for (int k = 0; k < n; ++k) {
+    const uint64_t rows = src[k].N;
+    CUtensorMap* da = k == 0 ? wd.m.a : wd.xa[k - 1];
+    CUtensorMap* db = k == 0 ? &wd.m.b[0] : &wd.xb[k - 1];
+    CUtensorMap* ga = k == 0 ? wgu.m.a : wgu.xa[k - 1];
+    CUtensorMap* gb = k == 0 ? &wgu.m.b[0] : &wgu.xb[k - 1];
+    if (!make_map(&da[0], src[k].dy, {h, rows}, {64, 64}) || !make_map(db, src[k].act, {i, rows}, {64, 64}) ||
+        !make_map(&ga[0], src[k].dgate, {i, rows}, {64, 64}) || !make_map(&ga[1], src[k].dup, {i, rows}, {64, 64}) ||
+        !make_map(gb, src[k].x, {h, rows}, {64, 64})) {
+      return false;
+    }
+    da[1] = da[0];
+  }
+  if (!make_map(&wd.m.c[0], dw_down, {i, h, e}, {32, 64, 1}, true) ||
+      !make_map(&wgu.m.c[0], dw_gate, {h, i, e}, {32, 64, 1}, true) ||
+      !make_map(&wgu.m.c[1], dw_up, {h, i, e}, {32, 64, 1}, true)) {
+    return false;
+  }
+  wd.m.c[1] = wd.m.c[0];
+  wd.m.b[1] = wd.m.b[0];
+  wgu.m.b[1] = wgu.m.b[0];
+  // The first source's schedule drives the tile queues; the others give only their offsets.
+  const Schedule s = make_schedule(src[0].counts, src[0].N, E, src[0].workspace, false, stream);
   WgradArgs w{};
   w.offsets = s.offsets;
-  w.offsets2 = s2.offsets;
+  w.n_more = n - 1;
+  for (int k = 1; k < n; ++k) {
+    w.offsets_more[k - 1] = make_schedule(src[k].counts, src[k].N, E, src[k].workspace, false, stream).offsets;
+  }
   w.accumulate = accumulate ? 1 : 0;
   w.c_stride = static_cast<int64_t>(H) * I;
-  w.M = H;  // dWd[e] [H, I] (+)= dy_e^T act_e over both sources
+  w.M = H;  // dWd[e] [H, I] (+)= dy_e^T act_e over every source
   w.Nc = I;
   launch_wgrad_ws<1>(wd, w, E, s, 0, stream);
   w.M = I;  // dWg[e], dWu[e] [I, H] (+)= dgate_e^T x_e, dup_e^T x_e
@@ -1317,5 +1332,7 @@ bool launch_swiglu_backward_weight_pair(const SwigluWgradSource& first, const Sw
   launch_wgrad_ws<2>(wgu, w, E, s, 1, stream);
   return true;
 }
+
+int swiglu_wgrad_group_max() { return hopper::kWgradSources; }
 
 }  // namespace moetrain::ops::cuda

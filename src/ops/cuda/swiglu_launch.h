@@ -42,7 +42,7 @@ void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t*
 // Doubles of squares_scratch that launch_swiglu_backward_weight needs.
 int64_t swiglu_squares_scratch_doubles(int H, int I, int E);
 
-// One micro-batch's rows for launch_swiglu_backward_weight_pair: dy [N, H], x [N, H],
+// One micro-batch's rows for launch_swiglu_backward_weight_group: dy [N, H], x [N, H],
 // dgate, dup and the forward's act [N, I]; a workspace of swiglu_workspace_words(N, E).
 struct SwigluWgradSource {
   const void *dy, *x, *dgate, *dup, *act;
@@ -50,12 +50,12 @@ struct SwigluWgradSource {
   int64_t N;
   int32_t* workspace;
 };
-// dW (+)= the weight gradients of both sources in one pass: each tile's k loop runs over the
-// first source's rows of its expert, then the second's, so f32 dW is written (or added to)
-// once. Hopper only: returns false, launching nothing, where the Hopper kernels do not run
-// (the caller then makes two launch_swiglu_backward_weight calls).
-bool launch_swiglu_backward_weight_pair(const SwigluWgradSource& first, const SwigluWgradSource& second, int H,
-                                        int I, int E, float* dw_gate, float* dw_up, float* dw_down, bool accumulate,
-                                        cudaStream_t stream);
+// dW (+)= the weight gradients of the n sources (2 <= n <= swiglu_wgrad_group_max(), each with
+// rows) in one pass: each tile's k loop runs over the first source's rows of its expert, then
+// the next source's, ..., so f32 dW is written (or added to) once. Hopper only: returns false,
+// launching nothing, where it does not apply (the caller then makes one call per source).
+bool launch_swiglu_backward_weight_group(const SwigluWgradSource* src, int n, int H, int I, int E, float* dw_gate,
+                                         float* dw_up, float* dw_down, bool accumulate, cudaStream_t stream);
+int swiglu_wgrad_group_max();
 
 }  // namespace moetrain::ops::cuda
