@@ -187,19 +187,23 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
 }
 
 void grouped_swiglu_backward_weight_group(const std::vector<SwigluWgradRows>& rows, Tensor& dw_gate, Tensor& dw_up,
-                                          Tensor& dw_down, bool accumulate) {
+                                          Tensor& dw_down, bool accumulate, SumSquaresInto squares) {
   MT_CHECK(!rows.empty(), "grouped_swiglu_backward_weight_group: no micro-batch given");
+  MT_CHECK(!squares.out || !accumulate,
+           "grouped_swiglu_backward_weight_group: the sum of squares is only known to a call that writes the gradients "
+           "(accumulate false)");
 #if MOETRAIN_WITH_CUDA
   if (on_cuda(rows[0].x, "grouped_swiglu_backward_weight_group") &&
-      cuda::grouped_swiglu_backward_weight_group(rows, dw_gate, dw_up, dw_down, accumulate)) {
+      cuda::grouped_swiglu_backward_weight_group(rows, dw_gate, dw_up, dw_down, accumulate, squares)) {
     return;
   }
 #endif
   for (size_t k = 0; k < rows.size(); ++k) {
     const SwigluWgradRows& r = rows[k];
     grouped_swiglu_backward_weight(r.dy, r.x, r.counts, r.gate, r.up, r.dgate, r.dup, dw_gate, dw_up, dw_down,
-                                   accumulate || k > 0, {}, r.act);
+                                   accumulate || k > 0, rows.size() == 1 ? squares : SumSquaresInto{}, r.act);
   }
+  if (squares.out && rows.size() > 1) sum_squares_all_into({dw_gate, dw_up, dw_down}, *squares.out, squares.index);
 }
 
 CrossEntropyOut cross_entropy_forward(const Tensor& logits, const Tensor& targets) {

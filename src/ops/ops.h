@@ -208,8 +208,10 @@ struct SwigluWgradRows {
 // Hopper with every act given, where each tile's k loop runs over all the micro-batches' rows
 // of its expert (up to 8 a pass), so the f32 dW is written or added to once instead of once
 // per micro-batch (gradient accumulation: fewer read-modify-writes of dW).
+// With accumulate false and squares given, squares.out[squares.index] = the sum of the
+// squares of the three gradients written (as grouped_swiglu_backward_weight's).
 void grouped_swiglu_backward_weight_group(const std::vector<SwigluWgradRows>& rows, Tensor& dw_gate, Tensor& dw_up,
-                                          Tensor& dw_down, bool accumulate);
+                                          Tensor& dw_down, bool accumulate, SumSquaresInto squares = {});
 
 // ---- cross-entropy with ignore index -100 ---------------------------------------------
 // logits [T, V], targets i32 [T]. loss_sum [1] = sum over targets != -100 of

@@ -121,7 +121,9 @@ TEST(AdamW, UpdateInPartsEqualsTheWholeStepBf16MomentsIncluded) {
 // A training step through LayerwiseOptimizer (the norm summed bucket by bucket, AdamW
 // group by group) against the plain global norm and whole-list AdamW, in float64. Steps
 // of one micro-batch take the experts' share of the norm from the weight-gradient op
-// (WeightHooks::expert_grad_squares); steps of two sum it afterwards.
+// (WeightHooks::expert_grad_squares); so do steps of two, whose experts' weight gradients
+// are made in one pass by the second (the model's expert_wgrad_group of 2); steps of three
+// sum it afterwards (a group of two, then the third adding).
 class LayerwiseSteps : public ::testing::TestWithParam<int> {};
 
 TEST_P(LayerwiseSteps, StepEqualsGlobalNormThenAdamW) {
@@ -131,12 +133,12 @@ TEST_P(LayerwiseSteps, StepEqualsGlobalNormThenAdamW) {
   layered.init_weights(3);
   plain.init_weights(3);
   AdamW opt_l(layered.parameters(), {}), opt_p(plain.parameters(), {});
+  layered.set_expert_wgrad_group(2);
   LayerwiseOptimizer lw(layered, opt_l, LayerwiseConfig{});
   LocalDispatcher d;
   for (int step = 0; step < 3; ++step) {
-    std::vector<Batch> bs{testing::random_batch(2, 6, 50, 100 + 10 * step),
-                          testing::random_batch(2, 6, 50, 105 + 10 * step)};
-    bs.resize(micro_batches);
+    std::vector<Batch> bs;
+    for (size_t i = 0; i < micro_batches; ++i) bs.push_back(testing::random_batch(2, 6, 50, 100 + 10 * step + 5 * i));
     const StepResult r = train_step(layered, d, lw, bs, 1e-2, 0.5);
     // the plain step: micro-batches accumulated, one global norm, AdamW over the list
     int64_t targets = 0;
@@ -157,7 +159,7 @@ TEST_P(LayerwiseSteps, StepEqualsGlobalNormThenAdamW) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(MicroBatches, LayerwiseSteps, ::testing::Values(1, 2));
+INSTANTIATE_TEST_SUITE_P(MicroBatches, LayerwiseSteps, ::testing::Values(1, 2, 3));
 
 }  // namespace
 }  // namespace moetrain

@@ -604,8 +604,19 @@ void check_swiglu_group(int64_t H, int64_t I, const std::vector<std::vector<int6
       for (Tensor& t : ref) t.fill_(NAN);
     }
     Tensor got[3] = {ref[0].to(kGpu), ref[1].to(kGpu), ref[2].to(kGpu)};
-    ops::grouped_swiglu_backward_weight_group(cpu, ref[0], ref[1], ref[2], accumulate);
-    ops::grouped_swiglu_backward_weight_group(gpu, got[0], got[1], got[2], accumulate);
+    // Overwriting, the sum of the squares of what was written too, asked for at element 1.
+    Tensor sq_ref = Tensor::full({2}, NAN, DType::F64), sq = sq_ref.to(kGpu);
+    ops::grouped_swiglu_backward_weight_group(cpu, ref[0], ref[1], ref[2], accumulate,
+                                              accumulate ? ops::SumSquaresInto{} : ops::SumSquaresInto{&sq_ref, 1});
+    ops::grouped_swiglu_backward_weight_group(gpu, got[0], got[1], got[2], accumulate,
+                                              accumulate ? ops::SumSquaresInto{} : ops::SumSquaresInto{&sq, 1});
+    if (!accumulate) {
+      const double fused = sq.to_double_vector()[1];
+      const double pass = ops::sum_squares_all({got[0], got[1], got[2]});
+      EXPECT_NEAR(fused, pass, 1e-12 * pass) << name << ": the group's sum of squares";
+      const double ref_sq = sq_ref.to_double_vector()[1];
+      EXPECT_NEAR(fused, ref_sq, 1e-5 * ref_sq) << name << ": the group's sum of squares against the CPU";
+    }
     for (int i = 0; i < 3; ++i) {
       const std::string what = std::string(names[i]) + (accumulate ? "+=" : "=");
       EXPECT_TRUE(ops::all_finite(got[i])) << name << " " << what << ": an element was not written";

@@ -218,7 +218,8 @@ void Qwen3MoeDecoderLayer::backward_weight(Qwen3MoeLayerState& s, bool accumulat
     } else if (!expert_pending_.empty()) {
       expert_pending_.push_back(std::move(rows));
       ops::grouped_swiglu_backward_weight_group(expert_pending_, g_w_gate_, g_w_up_, g_w_down_,
-                                                expert_pending_accumulate_);
+                                                expert_pending_accumulate_,
+                                                expert_pending_accumulate_ ? ops::SumSquaresInto{} : squares);
       expert_pending_.clear();
     } else {
       ops::grouped_swiglu_backward_weight(rows.dy, rows.x, rows.counts, rows.gate, rows.up, rows.dgate, rows.dup,
@@ -499,7 +500,8 @@ bool Qwen3MoeModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
                                        s);  // 1
       g.d_mlp_in = g.d_topk_weight = Tensor();
       if (g.weights_now) {
-        layer.backward_weight(s, g.accumulate, expert_squares(id, g.accumulate), defer_expert_weights_);
+        const bool writes = layer.writes_expert_grads(g.accumulate, defer_expert_weights_);
+        layer.backward_weight(s, g.accumulate, expert_squares(id, !writes), defer_expert_weights_);
         s = Qwen3MoeLayerState();
         if (hooks_) hooks_->after_backward(id);
       }

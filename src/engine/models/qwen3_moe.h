@@ -179,6 +179,12 @@ class Qwen3MoeDecoderLayer {
   // step.
   void backward_weight(Qwen3MoeLayerState& s, bool accumulate = true, ops::SumSquaresInto squares = {},
                        bool defer_experts = false);
+  // Whether backward_weight(accumulate, defer_experts) writes the experts' weight gradients
+  // (rather than adds to them or defers them): then it can pass on their sum of squares.
+  bool writes_expert_grads(bool accumulate, bool defer_experts) const {
+    if (moe_ && defer_experts) return false;
+    return accumulate && !expert_pending_.empty() ? !expert_pending_accumulate_ : !accumulate;
+  }
 
   // The plain path used to validate every layout: no dispatcher, each token's experts
   // evaluated directly. Returns the layer output.

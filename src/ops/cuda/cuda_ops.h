@@ -38,7 +38,7 @@ SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& c
 void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate, const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down, bool accumulate, SumSquaresInto squares, const Tensor& act);
 // Hopper's one-pass form of ops::grouped_swiglu_backward_weight_group (in passes of up to 8
 // micro-batches); false (nothing done) where it does not apply, and the caller makes the calls.
-bool grouped_swiglu_backward_weight_group(const std::vector<SwigluWgradRows>& rows, Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down, bool accumulate);
+bool grouped_swiglu_backward_weight_group(const std::vector<SwigluWgradRows>& rows, Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down, bool accumulate, SumSquaresInto squares);
 CrossEntropyOut cross_entropy_forward(const Tensor& logits, const Tensor& targets);
 Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, double scale);
 void load_balance_accumulate(const Tensor& probs, const Tensor& topk_idx, Tensor& selections, Tensor& prob_sum);

@@ -149,7 +149,7 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
 }
 
 bool grouped_swiglu_backward_weight_group(const std::vector<SwigluWgradRows>& rows, Tensor& dw_gate, Tensor& dw_up,
-                                          Tensor& dw_down, bool accumulate) {
+                                          Tensor& dw_down, bool accumulate, SumSquaresInto squares) {
   const char* op = "grouped_swiglu_backward_weight_group";
   // The one-pass kernel takes micro-batches that have rows and their forward's act.
   std::vector<const SwigluWgradRows*> with_rows;
@@ -160,6 +160,9 @@ bool grouped_swiglu_backward_weight_group(const std::vector<SwigluWgradRows>& ro
   }
   if (with_rows.size() < 2) return false;
   const int max = swiglu_wgrad_group_max();
+  // The sum of squares comes from the pass's epilogue when one overwriting pass makes them
+  // all; otherwise from a pass over the gradients at the end.
+  const bool squares_in_pass = squares.out != nullptr && with_rows.size() <= static_cast<size_t>(max);
   bool acc = accumulate;
   for (size_t k0 = 0; k0 < with_rows.size(); k0 += static_cast<size_t>(max)) {
     const size_t n = std::min(with_rows.size() - k0, static_cast<size_t>(max));
@@ -188,10 +191,18 @@ bool grouped_swiglu_backward_weight_group(const std::vector<SwigluWgradRows>& ro
     } else {
       // The first pass decides whether anything can go this way; a later one cannot fail
       // for other reasons (same device, same weights).
-      const bool ok = launch_swiglu_backward_weight_group(src.data(), static_cast<int>(n), static_cast<int>(H),
-                                                          static_cast<int>(I), static_cast<int>(E),
-                                                          dw_gate.data<float>(), dw_up.data<float>(),
-                                                          dw_down.data<float>(), acc, stream());
+      Tensor sq_scratch;
+      double* sq_result = nullptr;
+      if (squares_in_pass) {
+        sq_scratch = Tensor::empty({swiglu_squares_scratch_doubles(static_cast<int>(H), static_cast<int>(I),
+                                                                   static_cast<int>(E))},
+                                   DType::F64, dw_gate.device());
+        sq_result = squares.out->data<double>() + squares.index;
+      }
+      const bool ok = launch_swiglu_backward_weight_group(
+          src.data(), static_cast<int>(n), static_cast<int>(H), static_cast<int>(I), static_cast<int>(E),
+          dw_gate.data<float>(), dw_up.data<float>(), dw_down.data<float>(), acc,
+          sq_scratch.defined() ? sq_scratch.data<double>() : nullptr, sq_result, stream());
       if (!ok) {
         MT_CHECK(k0 == 0, "{}: the one-pass kernel refused a later group of micro-batches", op);
         return false;
@@ -202,6 +213,7 @@ bool grouped_swiglu_backward_weight_group(const std::vector<SwigluWgradRows>& ro
   }
   // In overwrite mode, micro-batches without rows add nothing; the experts none of them
   // reached were written as zeros by the first pass.
+  if (squares.out && !squares_in_pass) sum_squares_all_into({dw_gate, dw_up, dw_down}, *squares.out, squares.index);
   return true;
 }
 

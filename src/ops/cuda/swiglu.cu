@@ -1286,7 +1286,9 @@ void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t*
 }
 
 bool launch_swiglu_backward_weight_group(const SwigluWgradSource* src, int n, int H, int I, int E, float* dw_gate,
-                                         float* dw_up, float* dw_down, bool accumulate, cudaStream_t stream) {
+                                         float* dw_up, float* dw_down, bool accumulate, double* squares_scratch,
+                                         double* squares_result, cudaStream_t stream) {
+  if (accumulate) squares_result = nullptr;  // the final values are not this call's to see
   if (!use_hopper() || n < 2 || n > swiglu_wgrad_group_max()) return false;
   for (int k = 0; k < n; ++k) {
     if (src[k].N == 0) return false;
@@ -1324,12 +1326,15 @@ bool launch_swiglu_backward_weight_group(const SwigluWgradSource* src, int n, in
   }
   w.accumulate = accumulate ? 1 : 0;
   w.c_stride = static_cast<int64_t>(H) * I;
+  if (squares_result) w.squares = squares_scratch;  // dW_down's slots first, then gate/up's
   w.M = H;  // dWd[e] [H, I] (+)= dy_e^T act_e over every source
   w.Nc = I;
-  launch_wgrad_ws<1>(wd, w, E, s, 0, stream);
+  const int64_t down_slots = launch_wgrad_ws<1>(wd, w, E, s, 0, stream);
+  w.squares_base = down_slots;
   w.M = I;  // dWg[e], dWu[e] [I, H] (+)= dgate_e^T x_e, dup_e^T x_e
   w.Nc = H;
-  launch_wgrad_ws<2>(wgu, w, E, s, 1, stream);
+  const int64_t gu_slots = launch_wgrad_ws<2>(wgu, w, E, s, 1, stream);
+  if (squares_result) launch_sum_doubles(squares_scratch, down_slots + gu_slots, squares_result, stream);
   return true;
 }
 

@@ -54,8 +54,12 @@ struct SwigluWgradSource {
 // rows) in one pass: each tile's k loop runs over the first source's rows of its expert, then
 // the next source's, ..., so f32 dW is written (or added to) once. Hopper only: returns false,
 // launching nothing, where it does not apply (the caller then makes one call per source).
+// With accumulate false and squares_result given: *squares_result = the sum of the squares of
+// the gradients written, from the tiles in registers (squares_scratch: as for
+// launch_swiglu_backward_weight).
 bool launch_swiglu_backward_weight_group(const SwigluWgradSource* src, int n, int H, int I, int E, float* dw_gate,
-                                         float* dw_up, float* dw_down, bool accumulate, cudaStream_t stream);
+                                         float* dw_up, float* dw_down, bool accumulate, double* squares_scratch,
+                                         double* squares_result, cudaStream_t stream);
 int swiglu_wgrad_group_max();
 
 }  // namespace moetrain::ops::cuda
