@@ -178,9 +178,10 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
              dw_gate.device().str(), squares.index, o.defined() ? o.str() : std::string("undefined"));
   }
   if (act.defined()) {
-    MT_CHECK(up.defined() && act.shape() == up.shape() && act.dtype() == up.dtype() && act.device() == up.device(),
-             "grouped_swiglu_backward_weight: act must be like up ({}), got {}", up.defined() ? up.str() : "undefined",
-             act.str());
+    MT_CHECK(dgate.defined() && act.shape() == dgate.shape() && act.dtype() == dgate.dtype() &&
+                 act.device() == dgate.device(),
+             "grouped_swiglu_backward_weight: act must be like dgate ({}), got {}",
+             dgate.defined() ? dgate.str() : "undefined", act.str());
   }
   MT_ROUTE(dy, grouped_swiglu_backward_weight, dy, x, counts, gate, up, dgate, dup, dw_gate, dw_up, dw_down,
            accumulate, squares, act);

@@ -194,7 +194,8 @@ struct SumSquaresInto {
 // dW_down[e] += dy_e^T a_e; dW_gate[e] += dgate_e^T x_e; dW_up[e] += dup_e^T x_e. With
 // accumulate false and squares given: = instead of +=, and squares.out[squares.index] = the
 // sum of the squares of the three gradients written (in double; summed in a fixed order).
-// a = act ([N, I], the forward's SwigluOut::act) when given, else silu(gate) * up again.
+// a = act ([N, I], the forward's SwigluOut::act) when given (gate and up are then not read
+// and may be undefined), else silu(gate) * up again.
 void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate,
                                     const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate,
                                     Tensor& dw_up, Tensor& dw_down, bool accumulate = true,

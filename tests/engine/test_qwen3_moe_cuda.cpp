@@ -17,6 +17,7 @@
 // gradients and overwrites them (a step's first micro-batch), the CPU step adds to zeros.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
@@ -233,6 +234,45 @@ TEST(Qwen3MoeCuda, OverlappedOptimizerEqualsInLine) {
     EXPECT_TRUE(testing::bytes_equal(opt_o.exp_avg_sq()[i].to(Device::cpu()), opt_l.exp_avg_sq()[i].to(Device::cpu())))
         << a.name;
   }
+}
+
+// Micro-batches in groups on the GPU (the Hopper group kernel where it runs): every gradient
+// as with the micro-batches in turn up to f32 summation order, and the norm of a step whose
+// group writes the experts' gradients (their sum of squares from the group's pass) equal to a
+// pass over the gradients.
+TEST(Qwen3MoeCuda, GroupedExpertWeightGradientsMatchMicroBatchesInTurn) {
+  if (!cuda::available()) GTEST_SKIP() << "SKIPPED: GPU test needs a CUDA device: " << cuda::unavailable_reason();
+  const Qwen3MoeConfig c = step_config(/*experts=*/8, /*top_k=*/2);
+  LocalDispatcher d;
+  for (int n : {2, 3}) {
+    Qwen3MoeModel grouped(c, DType::BF16, Device::cuda(0)), in_turn(c, DType::BF16, Device::cuda(0));
+    grouped.init_weights(5);
+    in_turn.init_weights(5);
+    for (int i = 0; i < n; ++i) {
+      const Batch b = on_gpu(testing::random_batch(2, 128, 300, 70 + i));
+      const bool defer = (i + 1) % 2 != 0 && i + 1 < n;
+      grouped.forward_backward(b, d, 1.0 / 512.0, 1.0 / n, i > 0, defer);
+      in_turn.forward_backward(b, d, 1.0 / 512.0, 1.0 / n, i > 0);
+    }
+    double worst = 0;
+    for (size_t i = 0; i < grouped.parameters().size(); ++i) {
+      const double err = testing::rel_error(grouped.parameters()[i].grad.to(Device::cpu()),
+                                            in_turn.parameters()[i].grad.to(Device::cpu()));
+      worst = std::max(worst, err);
+      EXPECT_LT(err, 1e-5) << n << " micro-batches: " << grouped.parameters()[i].name;
+    }
+    std::printf("grouped expert weight gradients, %d micro-batches: worst relative difference %.3e\n", n, worst);
+  }
+  Qwen3MoeModel model(c, DType::BF16, Device::cuda(0));
+  model.init_weights(6);
+  model.set_expert_wgrad_group(2);
+  AdamW opt(model.parameters(), AdamWConfig{});
+  LayerwiseOptimizer lw(model, opt, LayerwiseConfig{.overlap = false});
+  const std::vector<Batch> bs{on_gpu(testing::random_batch(2, 128, 300, 80)),
+                              on_gpu(testing::random_batch(2, 128, 300, 81))};
+  const StepResult r = train_step(model, d, lw, bs, 1e-3, 1.0);
+  const double pass = global_grad_norm(model.parameters(), 0.0).norm;
+  EXPECT_NEAR(r.grad_norm, pass, 1e-12 * pass) << "the group's sum of squares";
 }
 
 }  // namespace

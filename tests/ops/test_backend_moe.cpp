@@ -587,7 +587,8 @@ void check_swiglu_group(int64_t H, int64_t I, const std::vector<std::vector<int6
     r.dgate = random_bf16_values({N, I}, s + 4);
     r.dup = random_bf16_values({N, I}, s + 5);
     r.act = random_bf16_values({N, I}, s + 6);
-    auto bf = [](const Tensor& t) { return on_gpu(t, DType::BF16); };
+    if (k % 2 == 1) r.gate = r.up = Tensor();  // act given: gate and up are not needed
+    auto bf = [](const Tensor& t) { return t.defined() ? on_gpu(t, DType::BF16) : Tensor(); };
     gpu.push_back({bf(r.dy), bf(r.x), r.counts.to(kGpu), bf(r.gate), bf(r.up), bf(r.dgate), bf(r.dup), bf(r.act)});
     cpu.push_back(std::move(r));
   }
@@ -631,10 +632,16 @@ TEST(BackendMoe, GroupedSwigluWeightGradOfSeveralMicroBatches) {
   // first; counts that end mid k-tile.
   check_swiglu_group(136, 72, {{37, 0, 130, 0, 65, 1}, {20, 70, 3, 0, 0, 129}}, 3000);
   check_swiglu_group(136, 72, {{37, 0, 130, 0, 65, 1}, {0, 0, 0, 0, 0, 0}, {5, 64, 0, 0, 1, 2}}, 3100);
-  // More micro-batches than one pass takes (8): two passes, the second adding.
-  std::vector<std::vector<int64_t>> nine;
-  for (int k = 0; k < 9; ++k) nine.push_back({k * 7 % 50, 3 + k, 0, 64, 129 - k});
-  check_swiglu_group(64, 32, nine, 3200);
+  // The first micro-batch without rows (the overwrite falls to the second); only one with
+  // rows (the one-micro-batch op).
+  check_swiglu_group(136, 72, {{0, 0, 0, 0, 0, 0}, {20, 70, 3, 0, 0, 129}, {1, 0, 0, 0, 64, 2}}, 3150);
+  check_swiglu_group(136, 72, {{0, 0, 0, 0, 0, 0}, {20, 70, 3, 0, 0, 129}}, 3160);
+  // More micro-batches than one pass takes (8): two passes, the second adding; one of them
+  // without rows.
+  std::vector<std::vector<int64_t>> ten;
+  for (int k = 0; k < 10; ++k) ten.push_back({k * 7 % 50, 3 + k, 0, 64, 129 - k});
+  ten[4] = {0, 0, 0, 0, 0};
+  check_swiglu_group(64, 32, ten, 3200);
   check_swiglu_group(2048, 768, {skewed_counts(128, 8192), skewed_counts(128, 6000)}, 3300);
 }
 

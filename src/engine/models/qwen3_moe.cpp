@@ -205,7 +205,7 @@ void Qwen3MoeDecoderLayer::backward_weight(Qwen3MoeLayerState& s, bool accumulat
     StageScope t(Stage::kRouterPermute);
     ops::linear_backward_weight(s.d_router_logits, s.ln2.y, g_gate_w_, accumulate);
   }
-  if (!accumulate) expert_pending_.clear();  // a step's first micro-batch: anything kept is stale
+  if (!accumulate) drop_deferred_expert_weights();  // a step's first micro-batch: anything kept is stale
   {
     StageScope t(Stage::kExpertGemm);
     ops::SwigluWgradRows rows{s.d_mlp_out, s.expert_in.rows, s.expert_in.counts, s.mlp.gate,
@@ -214,6 +214,7 @@ void Qwen3MoeDecoderLayer::backward_weight(Qwen3MoeLayerState& s, bool accumulat
       MT_CHECK(squares.out == nullptr, "layer {}: expert weight gradients deferred where their sum of squares is "
                "wanted (the step's last micro-batch must not defer)", id_);
       if (expert_pending_.empty()) expert_pending_accumulate_ = accumulate;
+      if (rows.act.defined()) rows.gate = rows.up = Tensor();  // only act is read: not kept
       expert_pending_.push_back(std::move(rows));
     } else if (!expert_pending_.empty()) {
       expert_pending_.push_back(std::move(rows));
@@ -731,8 +732,9 @@ MicroBatchLoss Qwen3MoeModel::forward_backward(const Batch& batch, ExpertDispatc
   defer_expert_weights_ = defer_expert_weights;
   try {
     backward_chunk(c, batch, Tensor(), d, a, aux_scale, /*weights_now=*/true, accumulate_grads);
-  } catch (...) {
+  } catch (...) {  // a broken micro-batch: nothing it or the ones before it kept is to be paired
     defer_expert_weights_ = false;
+    for (auto& layer : layers_) layer->drop_deferred_expert_weights();
     throw;
   }
   defer_expert_weights_ = false;

@@ -179,6 +179,8 @@ class Qwen3MoeDecoderLayer {
   // step.
   void backward_weight(Qwen3MoeLayerState& s, bool accumulate = true, ops::SumSquaresInto squares = {},
                        bool defer_experts = false);
+  // Forgets the deferred micro-batches' expert inputs (a step abandoned half-way).
+  void drop_deferred_expert_weights() { expert_pending_.clear(); }
   // Whether backward_weight(accumulate, defer_experts) writes the experts' weight gradients
   // (rather than adds to them or defers them): then it can pass on their sum of squares.
   bool writes_expert_grads(bool accumulate, bool defer_experts) const {

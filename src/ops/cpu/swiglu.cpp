@@ -162,12 +162,14 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
                               "dw");
   const int64_t N = d.N, H = d.H, I = d.I;
   check_shape(dy, {N, H}, "grouped_swiglu_backward_weight dy");
-  check_shape(gate, {N, I}, "grouped_swiglu_backward_weight gate");
-  check_shape(up, {N, I}, "grouped_swiglu_backward_weight up");
+  if (!act_in.defined()) {  // gate and up only make act
+    check_shape(gate, {N, I}, "grouped_swiglu_backward_weight gate");
+    check_shape(up, {N, I}, "grouped_swiglu_backward_weight up");
+    check_same_dtype("grouped_swiglu_backward_weight", x.dtype(), {&gate, &up});
+  }
   check_shape(dgate, {N, I}, "grouped_swiglu_backward_weight dgate");
   check_shape(dup, {N, I}, "grouped_swiglu_backward_weight dup");
-  check_same_dtype("grouped_swiglu_backward_weight", x.dtype(),
-                   {&dy, &gate, &up, &dgate, &dup, &dw_gate, &dw_up, &dw_down});
+  check_same_dtype("grouped_swiglu_backward_weight", x.dtype(), {&dy, &dgate, &dup, &dw_gate, &dw_up, &dw_down});
   Tensor act = act_in.defined() ? act_in : Tensor::empty({N, I}, x.dtype());
   if (!accumulate) {  // an expert without rows still gets its (zero) gradient written
     dw_gate.zero_();

@@ -123,8 +123,10 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
   const Dims d = check_swiglu(op, x.size(0), x.size(1), counts, dw_gate, dw_up, dw_down, "dw", DType::F32);
   check_rows(x, d.N, d.H, op, "x");
   check_rows(dy, d.N, d.H, op, "dy");
-  check_rows(gate, d.N, d.I, op, "gate");
-  check_rows(up, d.N, d.I, op, "up");
+  if (!act_in.defined()) {  // gate and up only make act
+    check_rows(gate, d.N, d.I, op, "gate");
+    check_rows(up, d.N, d.I, op, "up");
+  }
   check_rows(dgate, d.N, d.I, op, "dgate");
   check_rows(dup, d.N, d.I, op, "dup");
   if (act_in.defined()) check_rows(act_in, d.N, d.I, op, "act");
@@ -140,7 +142,8 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
         DType::F64, dev);
     sq_result = squares.out->data<double>() + squares.index;
   }
-  launch_swiglu_backward_weight(dy.raw(), x.raw(), counts.data<int64_t>(), gate.raw(), up.raw(), dgate.raw(),
+  launch_swiglu_backward_weight(dy.raw(), x.raw(), counts.data<int64_t>(), gate.defined() ? gate.raw() : nullptr,
+                                up.defined() ? up.raw() : nullptr, dgate.raw(),
                                 dup.raw(), d.N, static_cast<int>(d.H), static_cast<int>(d.I), static_cast<int>(d.E),
                                 act.raw(), act_in.defined(), dw_gate.data<float>(), dw_up.data<float>(),
                                 dw_down.data<float>(), accumulate, ws.data<int32_t>(),
@@ -151,65 +154,66 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
 bool grouped_swiglu_backward_weight_group(const std::vector<SwigluWgradRows>& rows, Tensor& dw_gate, Tensor& dw_up,
                                           Tensor& dw_down, bool accumulate, SumSquaresInto squares) {
   const char* op = "grouped_swiglu_backward_weight_group";
-  // The one-pass kernel takes micro-batches that have rows and their forward's act.
+  // The one-pass kernel takes the micro-batches that have rows, with their forward's act.
+  // All are checked before any pass runs, so a bad one leaves dW as it was.
   std::vector<const SwigluWgradRows*> with_rows;
+  int64_t E = 0, H = 0, I = 0;
   for (const SwigluWgradRows& r : rows) {
     if (!r.act.defined()) return false;
     MT_CHECK(r.x.defined() && r.x.ndim() == 2, "{}: x must be [N, H], got {}", op, r.x.str());
-    if (r.x.size(0) > 0) with_rows.push_back(&r);
+    const Dims d = check_swiglu(op, r.x.size(0), r.x.size(1), r.counts, dw_gate, dw_up, dw_down, "dw", DType::F32);
+    check_rows(r.x, d.N, d.H, op, "x");
+    check_rows(r.dy, d.N, d.H, op, "dy");
+    check_rows(r.dgate, d.N, d.I, op, "dgate");
+    check_rows(r.dup, d.N, d.I, op, "dup");
+    check_rows(r.act, d.N, d.I, op, "act");
+    E = d.E;
+    H = d.H;
+    I = d.I;
+    if (d.N > 0) with_rows.push_back(&r);
   }
   if (with_rows.size() < 2) return false;
-  const int max = swiglu_wgrad_group_max();
+  const size_t max = static_cast<size_t>(swiglu_wgrad_group_max());
   // The sum of squares comes from the pass's epilogue when one overwriting pass makes them
   // all; otherwise from a pass over the gradients at the end.
-  const bool squares_in_pass = squares.out != nullptr && with_rows.size() <= static_cast<size_t>(max);
+  const bool squares_in_pass = squares.out != nullptr && with_rows.size() <= max;
   bool acc = accumulate;
-  for (size_t k0 = 0; k0 < with_rows.size(); k0 += static_cast<size_t>(max)) {
-    const size_t n = std::min(with_rows.size() - k0, static_cast<size_t>(max));
-    std::vector<SwigluWgradSource> src(n);
-    std::vector<Tensor> ws(n);
-    int64_t E = 0, H = 0, I = 0;
-    for (size_t k = 0; k < n; ++k) {
-      const SwigluWgradRows& r = *with_rows[k0 + k];
-      const Dims d = check_swiglu(op, r.x.size(0), r.x.size(1), r.counts, dw_gate, dw_up, dw_down, "dw", DType::F32);
-      check_rows(r.x, d.N, d.H, op, "x");
-      check_rows(r.dy, d.N, d.H, op, "dy");
-      check_rows(r.dgate, d.N, d.I, op, "dgate");
-      check_rows(r.dup, d.N, d.I, op, "dup");
-      check_rows(r.act, d.N, d.I, op, "act");
-      E = d.E;
-      H = d.H;
-      I = d.I;
-      ws[k] = Tensor::empty({swiglu_workspace_words(d.N, static_cast<int>(d.E))}, DType::I32, r.x.device());
-      src[k] = {r.dy.raw(), r.x.raw(), r.dgate.raw(), r.dup.raw(), r.act.raw(), r.counts.data<int64_t>(), d.N,
-                ws[k].data<int32_t>()};
-    }
+  for (size_t k0 = 0; k0 < with_rows.size(); k0 += max, acc = true) {
+    const size_t n = std::min(with_rows.size() - k0, max);
     if (n == 1) {  // the last of a long list: the one-micro-batch op
       const SwigluWgradRows& r = *with_rows[k0];
       grouped_swiglu_backward_weight(r.dy, r.x, r.counts, r.gate, r.up, r.dgate, r.dup, dw_gate, dw_up, dw_down, acc,
                                      {}, r.act);
-    } else {
-      // The first pass decides whether anything can go this way; a later one cannot fail
-      // for other reasons (same device, same weights).
-      Tensor sq_scratch;
-      double* sq_result = nullptr;
-      if (squares_in_pass) {
-        sq_scratch = Tensor::empty({swiglu_squares_scratch_doubles(static_cast<int>(H), static_cast<int>(I),
-                                                                   static_cast<int>(E))},
-                                   DType::F64, dw_gate.device());
-        sq_result = squares.out->data<double>() + squares.index;
-      }
-      const bool ok = launch_swiglu_backward_weight_group(
-          src.data(), static_cast<int>(n), static_cast<int>(H), static_cast<int>(I), static_cast<int>(E),
-          dw_gate.data<float>(), dw_up.data<float>(), dw_down.data<float>(), acc,
-          sq_scratch.defined() ? sq_scratch.data<double>() : nullptr, sq_result, stream());
-      if (!ok) {
-        MT_CHECK(k0 == 0, "{}: the one-pass kernel refused a later group of micro-batches", op);
-        return false;
-      }
-      check_launch("grouped_swiglu_backward_weight_group kernels");
+      continue;
     }
-    acc = true;
+    std::vector<SwigluWgradSource> src(n);
+    std::vector<Tensor> ws(n);
+    for (size_t k = 0; k < n; ++k) {
+      const SwigluWgradRows& r = *with_rows[k0 + k];
+      const int64_t N = r.x.size(0);
+      ws[k] = Tensor::empty({swiglu_workspace_words(N, static_cast<int>(E))}, DType::I32, r.x.device());
+      src[k] = {r.dy.raw(), r.x.raw(), r.dgate.raw(), r.dup.raw(), r.act.raw(), r.counts.data<int64_t>(), N,
+                ws[k].data<int32_t>()};
+    }
+    Tensor sq_scratch;
+    double* sq_result = nullptr;
+    if (squares_in_pass) {
+      sq_scratch = Tensor::empty(
+          {swiglu_squares_scratch_doubles(static_cast<int>(H), static_cast<int>(I), static_cast<int>(E))}, DType::F64,
+          dw_gate.device());
+      sq_result = squares.out->data<double>() + squares.index;
+    }
+    const bool ok = launch_swiglu_backward_weight_group(
+        src.data(), static_cast<int>(n), static_cast<int>(H), static_cast<int>(I), static_cast<int>(E),
+        dw_gate.data<float>(), dw_up.data<float>(), dw_down.data<float>(), acc,
+        sq_scratch.defined() ? sq_scratch.data<double>() : nullptr, sq_result, stream());
+    if (!ok) {
+      // The first pass decides whether the kernel applies (the GPU, the tensor maps); a later
+      // pass has the same device, weights and row layout.
+      MT_CHECK(k0 == 0, "{}: the one-pass kernel refused a later group of micro-batches", op);
+      return false;
+    }
+    check_launch("grouped_swiglu_backward_weight_group kernels");
   }
   // In overwrite mode, micro-batches without rows add nothing; the experts none of them
   // reached were written as zeros by the first pass.

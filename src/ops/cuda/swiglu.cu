@@ -305,6 +305,8 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_rows_gemm_kernel(const Ro
 }
 
 // ---- weight-gradient GEMM: C_e[m, n] += sum over e's rows r of A[r, m] B[r, n] ----------
+// Micro-batches one weight-gradient pass takes (WgradArgs::n_more + 1 at most).
+constexpr int kWgradSources = 8;
 struct WgradArgs {
   const bf16* a0;  // A [N, M] (problem 0), a1 for problem 1
   const bf16* a1;
@@ -319,7 +321,7 @@ struct WgradArgs {
   int accumulate;      // 0: C = sum (every block writes, an expert without rows writes zeros)
   // Hopper: more micro-batches' rows (WgradMaps::xa / xb), whose k-tiles follow the first's
   // in each tile's k loop: the offsets [E + 1] of each (n_more of them; 0: one micro-batch).
-  const int* offsets_more[7];
+  const int* offsets_more[kWgradSources - 1];
   int n_more;
   double* squares;     // Hopper, accumulate 0: the sums of squares of each tile's two halves
                        // at 2 tile + squares_base and the next slot (nullptr: not asked)
@@ -432,7 +434,6 @@ struct Maps {
 };
 // The weight-gradient kernel's maps: the first micro-batch's in m, those of the micro-batches
 // after it (WgradArgs::n_more) in xa / xb. 3.5 KB of kernel parameters with 8 micro-batches.
-constexpr int kWgradSources = 8;
 struct WgradMaps {
   Maps m;
   CUtensorMap xa[kWgradSources - 1][2], xb[kWgradSources - 1];
@@ -1053,6 +1054,9 @@ void launch_rows_hopper(const hopper::Maps& maps, const RowsArgs& args, int ktil
   kernel<<<grid, hopper::kWsThreads, smem, stream>>>(maps, args, ktiles_src, nsrc, col_tiles, max_tiles);
 }
 
+static_assert(sizeof(hopper::WgradMaps) + sizeof(WgradArgs) + 3 * sizeof(int) <= 4096,
+              "wgrad_ws_kernel's parameters must fit the 4 KB every driver takes");
+
 // The persistent weight-gradient kernel (wgrad_ws_kernel): maps.c with boxes of 32 x 64 x 1.
 // Returns its slots in args.squares: two a tile.
 template <int kProblems>
@@ -1338,6 +1342,6 @@ bool launch_swiglu_backward_weight_group(const SwigluWgradSource* src, int n, in
   return true;
 }
 
-int swiglu_wgrad_group_max() { return hopper::kWgradSources; }
+int swiglu_wgrad_group_max() { return kWgradSources; }
 
 }  // namespace moetrain::ops::cuda
