@@ -64,6 +64,13 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
   r.tokens_per_step = ctx->tokens_per_step(tc);
   r.flops_per_token = model.flops_per_token(tc.seq_len);
   r.peak_tflops = opt.peak_tflops;
+  r.settings = fmt::format("micro-batch {} x {}, {} a step; {}; AdamW moments {}{}", tc.micro_batch_size, tc.seq_len,
+                           tc.grad_accum_steps, tc.deterministic ? "bitwise repeatable" : "not bitwise repeatable",
+                           oc.moments,
+                           // (the trainer groups them only without FSDP and without a pipeline)
+                           tc.grad_accum_steps > 1 && model.expert_wgrad_group() > 1 && !ctx->fsdp && !ctx->pipeline
+                               ? fmt::format("; expert weight gradients in groups of {}", model.expert_wgrad_group())
+                               : "");
 
   auto batches = [&] {
     std::vector<Batch> bs;
@@ -162,6 +169,7 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
 std::string format_bench(const BenchReport& r) {
   std::string out;
   out += fmt::format("device            {}{}\n", r.device, r.ranks > 1 ? fmt::format(" x {} ranks", r.ranks) : "");
+  if (!r.settings.empty()) out += fmt::format("settings          {}\n", r.settings);
   out += fmt::format("parameters        {:.1f} M{} ({:.1f} M active in matmuls)\n", r.parameters / 1e6,
                      r.ranks > 1 ? " on rank 0" : "", r.active_matmul_params / 1e6);
   out += fmt::format("tokens/step       {}\n", r.tokens_per_step);

@@ -21,6 +21,9 @@ struct BenchOptions {
 
 struct BenchReport {
   std::string device;
+  // What the figures depend on besides the model: micro-batches, repeatability, the
+  // experts' weight-gradient groups, the optimizer's state (one line, for the reader).
+  std::string settings;
   int ranks = 1;                  // world size; tokens and TFLOP/s are over all ranks
   int rank = 0;                   // the rank that measured (rank 0 reports)
   int64_t parameters = 0, active_matmul_params = 0;
