@@ -67,8 +67,9 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
   r.settings = fmt::format("micro-batch {} x {}, {} a step; {}; AdamW moments {}{}", tc.micro_batch_size, tc.seq_len,
                            tc.grad_accum_steps, tc.deterministic ? "bitwise repeatable" : "not bitwise repeatable",
                            oc.moments,
-                           // (the trainer groups them only without FSDP and without a pipeline)
-                           tc.grad_accum_steps > 1 && model.expert_wgrad_group() > 1 && !ctx->fsdp && !ctx->pipeline
+                           // (as the trainer groups them: not with sharded weights, not in a pipeline)
+                           tc.grad_accum_steps > 1 && model.expert_wgrad_group() > 1 &&
+                                   (!ctx->fsdp || ctx->fsdp->keeps_whole_grads()) && !ctx->pipeline
                                ? fmt::format("; expert weight gradients in groups of {}", model.expert_wgrad_group())
                                : "");
 

@@ -43,7 +43,7 @@ struct TrainingConfig {
   // Bitwise-repeatable kernels (ops::set_deterministic). false lets the GPU attention
   // backward add dQ with f32 atomics in one pass: faster, last bits vary run to run.
   bool deterministic = true;
-  // With grad_accum_steps > 1 (one process per data rank, no FSDP sharding): the experts'
+  // With grad_accum_steps > 1 (not with FSDP's sharded weights nor in a pipeline): the experts'
   // weight gradients of each group of this many micro-batches in one pass over their f32 dW
   // (their inputs kept meanwhile); 1: one pass per micro-batch.
   int64_t expert_wgrad_group = 2;

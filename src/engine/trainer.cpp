@@ -180,10 +180,11 @@ StepResult accumulate_micro_batches(Qwen3MoeModel& model, ExpertDispatcher& disp
     if (layerwise && i + 1 == batches.size()) layerwise->begin_last_micro_batch();
     const bool accumulate = fsdp ? fsdp->model_accumulates(i) : i > 0;
     // Micro-batches in groups: the experts' weight gradients of a group's micro-batches are
-    // made by its last, in one pass over f32 dW (FSDP reduces each micro-batch's: not there).
+    // made by its last, in one pass over f32 dW; not where FSDP reduces each layer's
+    // gradients after every micro-batch's backward (sharded weights).
     const int64_t group = model.expert_wgrad_group();
-    const bool defer = group > 1 && fsdp == nullptr && static_cast<int64_t>(i + 1) % group != 0 &&
-                       i + 1 < batches.size();
+    const bool defer = group > 1 && (fsdp == nullptr || fsdp->keeps_whole_grads()) &&
+                       static_cast<int64_t>(i + 1) % group != 0 && i + 1 < batches.size();
     MicroBatchLoss l = model.forward_backward(batches[i], dispatcher, 1.0 / targets, 1.0 / n, accumulate, defer);
     r.loss += l.ce_sum;
     r.aux_loss += l.aux_loss / n;

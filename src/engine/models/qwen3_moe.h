@@ -266,7 +266,8 @@ class Qwen3MoeModel {
   // defer_expert_weights: the MoE layers keep their experts' weight-gradient inputs and make
   // them together with those of the following micro-batches, in the first call that does not
   // defer (one pass over the experts' f32 dW for the group); a step's last micro-batch must
-  // not defer. Not with hooks that need every micro-batch's gradients complete (FSDP).
+  // not defer. Not with hooks that need every micro-batch's gradients complete (FSDP with
+  // sharded weights).
   MicroBatchLoss forward_backward(const Batch& batch, ExpertDispatcher& dispatcher, double ce_scale,
                                   double aux_scale, bool accumulate_grads = true, bool defer_expert_weights = false);
   // How many micro-batches the trainer groups for one pass of the experts' weight gradients

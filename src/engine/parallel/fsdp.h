@@ -47,9 +47,12 @@ class FsdpContext final : public WeightHooks {
   // Before each micro-batch's forward_backward: the first one writes the gradient shards,
   // the others add to them.
   void begin_micro_batch(bool first) { first_micro_batch_ = first; }
-  // The model's accumulate_grads for micro-batch i: whole gradients live across
-  // micro-batches only without shard_weights.
-  bool model_accumulates(size_t micro_batch) const { return !shard_weights_ && micro_batch > 0; }
+  // Whether the model's whole gradients live across a step's micro-batches (only without
+  // shard_weights; with them each layer's are reduced after its backward, micro-batch by
+  // micro-batch).
+  bool keeps_whole_grads() const { return !shard_weights_; }
+  // The model's accumulate_grads for micro-batch i.
+  bool model_accumulates(size_t micro_batch) const { return keeps_whole_grads() && micro_batch > 0; }
 
   // After the last micro-batch: each bucket's gradient reduce-scattered over its group
   // (without shard_weights; with them each layer did it after its backward), then, under
