@@ -67,9 +67,7 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
   r.settings = fmt::format("micro-batch {} x {}, {} a step; {}; AdamW moments {}{}", tc.micro_batch_size, tc.seq_len,
                            tc.grad_accum_steps, tc.deterministic ? "bitwise repeatable" : "not bitwise repeatable",
                            oc.moments,
-                           // (as the trainer groups them: not with sharded weights, not in a pipeline)
-                           tc.grad_accum_steps > 1 && model.expert_wgrad_group() > 1 &&
-                                   (!ctx->fsdp || ctx->fsdp->keeps_whole_grads()) && !ctx->pipeline
+                           tc.grad_accum_steps > 1 && !ctx->pipeline && groups_expert_weight_grads(model, ctx->fsdp.get())
                                ? fmt::format("; expert weight gradients in groups of {}", model.expert_wgrad_group())
                                : "");
 

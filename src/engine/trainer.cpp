@@ -165,6 +165,14 @@ void sharded_optimizer_step(FsdpContext& fsdp, StepResult& r, double lr, double 
   fsdp.step(lr, g.clip_scale);
 }
 
+}  // namespace
+
+bool groups_expert_weight_grads(const Qwen3MoeModel& model, const FsdpContext* fsdp) {
+  return model.expert_wgrad_group() > 1 && (fsdp == nullptr || fsdp->keeps_whole_grads());
+}
+
+namespace {
+
 // Forward and backward of a step's micro-batches, the gradients accumulated in the model.
 // `targets`: of the whole step over all data ranks (the loss is their mean). Returns the
 // cross-entropy sum in r.loss, the load-balancing loss (already global) and this rank's
@@ -174,17 +182,16 @@ StepResult accumulate_micro_batches(Qwen3MoeModel& model, ExpertDispatcher& disp
                                     FsdpContext* fsdp = nullptr, LayerwiseOptimizer* layerwise = nullptr) {
   StepResult r;
   const double n = static_cast<double>(batches.size());
+  const bool groups = groups_expert_weight_grads(model, fsdp);
   for (size_t i = 0; i < batches.size(); ++i) {
     // The first micro-batch writes the gradients, the others add: no zeroing pass.
     if (fsdp) fsdp->begin_micro_batch(i == 0);
     if (layerwise && i + 1 == batches.size()) layerwise->begin_last_micro_batch();
     const bool accumulate = fsdp ? fsdp->model_accumulates(i) : i > 0;
     // Micro-batches in groups: the experts' weight gradients of a group's micro-batches are
-    // made by its last, in one pass over f32 dW; not where FSDP reduces each layer's
-    // gradients after every micro-batch's backward (sharded weights).
+    // made by its last, in one pass over f32 dW.
     const int64_t group = model.expert_wgrad_group();
-    const bool defer = group > 1 && (fsdp == nullptr || fsdp->keeps_whole_grads()) &&
-                       static_cast<int64_t>(i + 1) % group != 0 && i + 1 < batches.size();
+    const bool defer = groups && static_cast<int64_t>(i + 1) % group != 0 && i + 1 < batches.size();
     MicroBatchLoss l = model.forward_backward(batches[i], dispatcher, 1.0 / targets, 1.0 / n, accumulate, defer);
     r.loss += l.ce_sum;
     r.aux_loss += l.aux_loss / n;

@@ -44,6 +44,10 @@ StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, Layerw
 // The same step on one of many ranks: `batches` are this rank's share; losses and token
 // counts are summed over `data_group`, gradients reduced and the optimizer stepped by fsdp.
 class FsdpContext;
+// Whether the micro-batch steps (train_step without a pipeline) make the experts' weight
+// gradients in groups of model.expert_wgrad_group(): not where FSDP reduces each layer's
+// gradients after every micro-batch (sharded weights). `fsdp`: null in one data rank.
+bool groups_expert_weight_grads(const Qwen3MoeModel& model, const FsdpContext* fsdp);
 StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, FsdpContext& fsdp, Communicator& data_group,
                       const std::vector<Batch>& batches, double lr, double grad_clip);
 

@@ -2,10 +2,9 @@
 // Activations and weights bf16, weight gradients f32 (accumulated), counts i64 on the
 // device and never read by the host: sum(counts) = N is the caller's promise (counts are
 // clamped on the device so that bad counts cannot reach memory outside the tensors).
+#include <algorithm>
 #include <climits>
 #include <string>
-
-#include <algorithm>
 #include <vector>
 
 #include "ops/cuda/common.h"

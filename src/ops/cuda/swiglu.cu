@@ -802,8 +802,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       const int valid = valid_of[s];
       if (valid < kBK) {
         // The last k-tile (of each micro-batch) runs past the expert's rows into the next
-        // expert's: zero those
-        // rows of B (whole 128-byte rows, so the swizzle does not matter) before the MMAs.
+        // expert's: zero those rows of B (whole 128-byte rows, so the swizzle does not
+        // matter) before the MMAs.
         char* b = st + kTile;
         for (int i = ctid; i < kBoxes * (kBK - valid) * 8; i += 256) {
           const int chunk = i / ((kBK - valid) * 8), rem = i % ((kBK - valid) * 8);
