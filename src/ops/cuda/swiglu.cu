@@ -151,18 +151,34 @@ __device__ __forceinline__ void gemm_mainloop(float (&acc)[4][4][4], char* smem,
   cp_async_wait<0>();
 }
 
-__device__ __forceinline__ float sigmoidf_(float g) { return 1.f / (1.f + expf(-g)); }
+// sigmoid(g) from the fast exp2 and reciprocal: relative error ~1e-7, far below the bf16
+// rounding of every result it feeds (4e-3); 0 and 1 at the extremes, NaN for NaN. With the
+// exact expf and division the dSwiGLU epilogue (below) cost more than the MMAs of its da
+// GEMM: bench_ops BM_GroupedSwigluBackwardInput (da + dx, bench shape, one H200) 1.66-1.70
+// -> 1.50-1.52 ms with this and the epilogue's branch-free batches; the same kernel with no
+// epilogue math at all 1.41 ms.
+__device__ __forceinline__ float sigmoidf_(float g) { return __fdividef(1.f, 1.f + __expf(-g)); }
 
 // The dSwiGLU epilogue of two adjacent columns: from da = d(silu(g) u) (v0, v1) and the
-// saved g, u, dgate = da u silu'(g) = da u s (1 + g (1 - s)) and dup = da silu(g) = da g s,
-// stored as bf16 pairs. Both row GEMM kernels (mma.sync and Hopper) end their da this way.
-__device__ __forceinline__ void store_dswiglu_pair(float v0, float v1, __nv_bfloat162 gb, __nv_bfloat162 ub,
-                                                   __nv_bfloat16* dgate, __nv_bfloat16* dup) {
+// saved g, u, dgate = da u silu'(g) = da u s (1 + g (1 - s)) = da u (s + gs (1 - s)) and
+// dup = da silu(g) = da gs (s = sigmoid(g), gs = g s), as bf16 pairs. Both row GEMM
+// kernels (mma.sync and Hopper) end their da this way.
+__device__ __forceinline__ void dswiglu_pair(float v0, float v1, __nv_bfloat162 gb, __nv_bfloat162 ub, uint32_t& dgate,
+                                             uint32_t& dup) {
   const float2 g = __bfloat1622float2(gb), u = __bfloat1622float2(ub);
   const float s0 = sigmoidf_(g.x), s1 = sigmoidf_(g.y);
-  *reinterpret_cast<__nv_bfloat162*>(dgate) =
-      __floats2bfloat162_rn(v0 * u.x * s0 * (1.f + g.x * (1.f - s0)), v1 * u.y * s1 * (1.f + g.y * (1.f - s1)));
-  *reinterpret_cast<__nv_bfloat162*>(dup) = __floats2bfloat162_rn(v0 * g.x * s0, v1 * g.y * s1);
+  const float gs0 = g.x * s0, gs1 = g.y * s1;
+  const __nv_bfloat162 dg = __floats2bfloat162_rn(v0 * u.x * fmaf(gs0, 1.f - s0, s0), v1 * u.y * fmaf(gs1, 1.f - s1, s1));
+  const __nv_bfloat162 du = __floats2bfloat162_rn(v0 * gs0, v1 * gs1);
+  dgate = *reinterpret_cast<const uint32_t*>(&dg);
+  dup = *reinterpret_cast<const uint32_t*>(&du);
+}
+__device__ __forceinline__ void store_dswiglu_pair(float v0, float v1, __nv_bfloat162 gb, __nv_bfloat162 ub,
+                                                   __nv_bfloat16* dgate, __nv_bfloat16* dup) {
+  uint32_t dg, du;
+  dswiglu_pair(v0, v1, gb, ub, dg, du);
+  *reinterpret_cast<uint32_t*>(dgate) = dg;
+  *reinterpret_cast<uint32_t*>(dup) = du;
 }
 
 // ---- row-grouped GEMM: out[rows of e, n] = sum_k A[row, k] B_e[k, n] --------------------
@@ -615,13 +631,16 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       // one batch at a time left the tensor cores idle for a memory round trip per batch
       // (this kernel ran at 331 TFLOP/s against 430-540 for the other row GEMMs).
       __nv_bfloat162 gb[2][8], ub[2][8];
+      // A tile whose columns all exist (every one at the bench shapes) takes no branch per
+      // column: each batch's 8 pairs are one block the compiler interleaves.
+      const bool all_cols = n0 + kWsBN <= args.n_extent;
       auto load = [&](int b, __nv_bfloat162(&g)[8], __nv_bfloat162(&u)[8]) {
         const int64_t row = row0 + cw * 64 + w * 16 + (lane >> 2) + (b >> 2) * 8;
         if (row >= row_end) return;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           const int col = n0 + ((b & 3) * 8 + j) * 8 + (lane & 3) * 2;
-          if (col < args.n_extent) {
+          if (all_cols || col < args.n_extent) {
             g[j] = *reinterpret_cast<const __nv_bfloat162*>(args.g + row * args.ldo + col);
             u[j] = *reinterpret_cast<const __nv_bfloat162*>(args.u + row * args.ldo + col);
           }
@@ -631,12 +650,26 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         const int h = b >> 2;
         const int64_t row = row0 + cw * 64 + w * 16 + (lane >> 2) + h * 8;
         if (row >= row_end) return;
+        const int64_t o = row * args.ldo + n0 + (b & 3) * 64 + (lane & 3) * 2;
+        if (all_cols) {
+          uint32_t dg[8], du[8];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const int nb = (b & 3) * 8 + j;
+            dswiglu_pair(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1], g[j], u[j], dg[j], du[j]);
+          }
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            *reinterpret_cast<uint32_t*>(args.out0 + o + 8 * j) = dg[j];
+            *reinterpret_cast<uint32_t*>(args.out1 + o + 8 * j) = du[j];
+          }
+          return;
+        }
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const int nb = (b & 3) * 8 + j, col = n0 + nb * 8 + (lane & 3) * 2;
-          if (col >= args.n_extent) continue;
-          const int64_t o = row * args.ldo + col;
-          store_dswiglu_pair(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1], g[j], u[j], args.out0 + o, args.out1 + o);
+          const int nb = (b & 3) * 8 + j;
+          if (n0 + nb * 8 + (lane & 3) * 2 >= args.n_extent) continue;
+          store_dswiglu_pair(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1], g[j], u[j], args.out0 + o + 8 * j, args.out1 + o + 8 * j);
         }
       };
       load(0, gb[0], ub[0]);
