@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Where the GPU sits idle: reads a kernel_timeline trace (tools/kernel_timeline) and prints
+the busy and idle time of a window of it, the idle gaps grouped by the activities on either
+side, and the busy time per kernel.
+
+    python3 tools/timeline_gaps.py run.tsv [--skip-ms 2000] [--window-ms 1000] [--top 25]
+
+The window starts --skip-ms after the first activity (skip start-up and warm-up)."""
+import argparse
+import collections
+import re
+
+
+def short(name):
+    name = re.sub(r"\(.*", "", name)
+    name = re.sub(r"^void ", "", name)
+    name = name.replace("moetrain::", "").replace("<unnamed>::", "").replace("(anonymous namespace)::", "")
+    return name[:70]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace")
+    ap.add_argument("--skip-ms", type=float, default=0.0)
+    ap.add_argument("--window-ms", type=float, default=0.0, help="0: to the end")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    acts = []
+    for line in open(args.trace):
+        parts = line.rstrip("\n").split("\t")
+        if len(parts) < 5:
+            continue
+        acts.append((int(parts[0]), int(parts[1]), parts[2], parts[3], short(parts[4])))
+    acts.sort()
+    t0 = acts[0][0] + args.skip_ms * 1e6
+    t1 = t0 + args.window_ms * 1e6 if args.window_ms > 0 else max(a[1] for a in acts)
+    acts = [a for a in acts if a[0] >= t0 and a[1] <= t1]
+    if not acts:
+        raise SystemExit("no activity in the window")
+    span = acts[-1][1] - acts[0][0]
+    busy = 0
+    gaps = collections.defaultdict(lambda: [0, 0])
+    per_kernel = collections.defaultdict(lambda: [0, 0])
+    cur_end, prev = acts[0][0], None
+    for s, e, stream, kind, name in acts:
+        per_kernel[name][0] += e - s
+        per_kernel[name][1] += 1
+        if s > cur_end and prev is not None:
+            g = gaps[(prev, name)]
+            g[0] += s - cur_end
+            g[1] += 1
+        if e > cur_end:
+            busy += e - max(s, cur_end)
+            cur_end = e
+            prev = name
+    idle = span - busy
+    print(f"window {span / 1e6:.2f} ms: busy {busy / 1e6:.2f} ms, idle {idle / 1e6:.2f} ms "
+          f"({100.0 * idle / span:.1f}%), {len(acts)} activities")
+    print(f"\nidle gaps by the activities before and after (top {args.top}):")
+    print(f"{'ms':>9} {'count':>6}  before -> after")
+    for (a, b), (t, n) in sorted(gaps.items(), key=lambda x: -x[1][0])[: args.top]:
+        print(f"{t / 1e6:9.3f} {n:6d}  {a} -> {b}")
+    print(f"\nbusy time per activity (top {args.top}; overlapping activities both count):")
+    for name, (t, n) in sorted(per_kernel.items(), key=lambda x: -x[1][0])[: args.top]:
+        print(f"{t / 1e6:9.3f} {n:6d}  {name}")
+
+
+if __name__ == "__main__":
+    main()
