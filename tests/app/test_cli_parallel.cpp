@@ -210,8 +210,8 @@ TEST_F(ParallelCli, TooFewMicroBatchesForDualPipeVIsNamed) {
 }
 
 // On two GPUs (NCCL, one process each): the tiny model in bf16 under dp2 and ep2 (ZeRO-3,
-// experts exchanged by all-to-all-v on a communication stream) against one GPU with twice the
-// micro-batch. bf16 activations round differently when cuBLASLt picks other kernels for other
+// experts exchanged by all-to-all-v on a communication stream) and dp2 with ZeRO-2 against
+// one GPU with twice the micro-batch. bf16 activations round differently when cuBLASLt picks other kernels for other
 // row counts, so the bound is 2e-2 (the CPU layouts above are held to 1e-5).
 TEST_F(ParallelCli, TwoGpusMatchOneGpu) {
   if (!cuda::available() || cuda::device_count() < 2) {
@@ -221,7 +221,10 @@ TEST_F(ParallelCli, TwoGpusMatchOneGpu) {
   ASSERT_EQ(one.status, 0) << one.output;
   for (const auto& [name, flags] : std::vector<std::pair<std::string, std::string>>{
            {"gpu_dp2", "--training.device=cuda --parallel.dp=2"},
-           {"gpu_ep2", "--training.device=cuda --parallel.ep=2"}}) {
+           {"gpu_ep2", "--training.device=cuda --parallel.ep=2"},
+           // ZeRO-2: whole gradients live across the micro-batches, so the experts' weight
+           // gradients of both micro-batches come from one grouped pass on each GPU.
+           {"gpu_dp2_zero2", "--training.device=cuda --parallel.dp=2 --parallel.shard_weights=false"}}) {
     SCOPED_TRACE(name);
     Result r = launch(2, train_args(name, 2, flags));
     ASSERT_EQ(r.status, 0) << r.output;
