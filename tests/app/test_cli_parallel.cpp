@@ -211,8 +211,9 @@ TEST_F(ParallelCli, TooFewMicroBatchesForDualPipeVIsNamed) {
 
 // On two GPUs (NCCL, one process each): the tiny model in bf16 under dp2 and ep2 (ZeRO-3,
 // experts exchanged by all-to-all-v on a communication stream) and dp2 with ZeRO-2 against
-// one GPU with twice the micro-batch. bf16 activations round differently when cuBLASLt picks other kernels for other
-// row counts, so the bound is 2e-2 (the CPU layouts above are held to 1e-5).
+// one GPU with twice the micro-batch. bf16 activations round differently when cuBLASLt
+// picks other kernels for other row counts, so the bound is 2e-2 (the CPU layouts above are
+// held to 1e-5).
 TEST_F(ParallelCli, TwoGpusMatchOneGpu) {
   if (!cuda::available() || cuda::device_count() < 2) {
     GTEST_SKIP() << "needs 2 GPUs: " << (cuda::available() ? "this machine has fewer" : cuda::unavailable_reason());
