@@ -1248,6 +1248,65 @@ void launch_swiglu_backward_input(const void* dy, const int64_t* counts, const v
   }
 }
 
+namespace {
+// The Hopper weight-gradient pass over n sources (1 <= n <= kWgradSources, each with rows):
+// the maps of dW_down's (wd) and of dW_gate/dW_up's (wgu) launches; false when the driver
+// refuses one.
+bool make_wgrad_maps(const SwigluWgradSource* src, int n, int H, int I, int E, float* dw_gate, float* dw_up,
+                     float* dw_down, hopper::WgradMaps& wd, hopper::WgradMaps& wgu) {
+  const uint64_t h = H, i = I, e = E;
+  wd = {};
+  wgu = {};
+  for (int k = 0; k < n; ++k) {
+    const uint64_t rows = src[k].N;
+    CUtensorMap* da = k == 0 ? wd.m.a : wd.xa[k - 1];
+    CUtensorMap* db = k == 0 ? &wd.m.b[0] : &wd.xb[k - 1];
+    CUtensorMap* ga = k == 0 ? wgu.m.a : wgu.xa[k - 1];
+    CUtensorMap* gb = k == 0 ? &wgu.m.b[0] : &wgu.xb[k - 1];
+    if (!make_map(&da[0], src[k].dy, {h, rows}, {64, 64}) || !make_map(db, src[k].act, {i, rows}, {64, 64}) ||
+        !make_map(&ga[0], src[k].dgate, {i, rows}, {64, 64}) || !make_map(&ga[1], src[k].dup, {i, rows}, {64, 64}) ||
+        !make_map(gb, src[k].x, {h, rows}, {64, 64})) {
+      return false;
+    }
+    da[1] = da[0];
+  }
+  if (!make_map(&wd.m.c[0], dw_down, {i, h, e}, {32, 64, 1}, true) ||
+      !make_map(&wgu.m.c[0], dw_gate, {h, i, e}, {32, 64, 1}, true) ||
+      !make_map(&wgu.m.c[1], dw_up, {h, i, e}, {32, 64, 1}, true)) {
+    return false;
+  }
+  wd.m.c[1] = wd.m.c[0];
+  wd.m.b[1] = wd.m.b[0];
+  wgu.m.b[1] = wgu.m.b[0];
+  return true;
+}
+
+// ... and its launches (s: the first source's schedule, which drives the tile queues):
+// dW_down, then dW_gate and dW_up, each tile's k loop over every source's rows of its expert
+// in turn; with squares_result, their sum of squares from the epilogue.
+void launch_wgrad_hopper(const hopper::WgradMaps& wd, const hopper::WgradMaps& wgu, const SwigluWgradSource* src,
+                         int n, const Schedule& s, int H, int I, int E, bool accumulate, double* squares_scratch,
+                         double* squares_result, cudaStream_t stream) {
+  WgradArgs w{};
+  w.offsets = s.offsets;
+  w.n_more = n - 1;  // the other sources give only their offsets
+  for (int k = 1; k < n; ++k) {
+    w.offsets_more[k - 1] = make_schedule(src[k].counts, src[k].N, E, src[k].workspace, false, stream).offsets;
+  }
+  w.accumulate = accumulate ? 1 : 0;
+  w.c_stride = static_cast<int64_t>(H) * I;
+  if (squares_result) w.squares = squares_scratch;  // dW_down's slots first, then gate/up's
+  w.M = H;  // dWd[e] [H, I] (+)= dy_e^T act_e over every source
+  w.Nc = I;
+  const int64_t down_slots = launch_wgrad_ws<1>(wd, w, E, s, 0, stream);
+  w.squares_base = down_slots;
+  w.M = I;  // dWg[e], dWu[e] [I, H] (+)= dgate_e^T x_e, dup_e^T x_e
+  w.Nc = H;
+  const int64_t gu_slots = launch_wgrad_ws<2>(wgu, w, E, s, 1, stream);
+  if (squares_result) launch_sum_doubles(squares_scratch, down_slots + gu_slots, squares_result, stream);
+}
+}  // namespace
+
 void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t* counts, const void* gate,
                                    const void* up, const void* dgate, const void* dup, int64_t N, int H, int I,
                                    int E, void* act, bool act_ready, float* dw_gate, float* dw_up, float* dw_down,
@@ -1270,6 +1329,12 @@ void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t*
     swiglu_act_kernel<<<static_cast<unsigned>((n_act / 8 + 255) / 256), 256, 0, stream>>>(cb(gate), cb(up), mb(act),
                                                                                            n_act);
   }
+  const SwigluWgradSource one{dy, x, dgate, dup, act, counts, N, workspace};
+  hopper::WgradMaps wd, wgu;
+  if (use_hopper() && make_wgrad_maps(&one, 1, H, I, E, dw_gate, dw_up, dw_down, wd, wgu)) {
+    launch_wgrad_hopper(wd, wgu, &one, 1, s, H, I, E, accumulate, squares_scratch, squares_result, stream);
+    return;
+  }
   WgradArgs w{};
   w.offsets = s.offsets;
   w.accumulate = accumulate ? 1 : 0;
@@ -1282,23 +1347,7 @@ void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t*
   w.c_stride = static_cast<int64_t>(H) * I;
   w.M = H;
   w.Nc = I;
-  const uint64_t n = N, h = H, i = I, e = E;
-  hopper::Maps wd{}, wgu{};
-  const bool hop = use_hopper() && make_map(&wd.a[0], dy, {h, n}, {64, 64}) &&
-                   make_map(&wd.b[0], act, {i, n}, {64, 64}) && make_map(&wgu.a[0], dgate, {i, n}, {64, 64}) &&
-                   make_map(&wgu.a[1], dup, {i, n}, {64, 64}) && make_map(&wgu.b[0], x, {h, n}, {64, 64}) &&
-                   make_map(&wd.c[0], dw_down, {i, h, e}, {32, 64, 1}, true) &&
-                   make_map(&wgu.c[0], dw_gate, {h, i, e}, {32, 64, 1}, true) &&
-                   make_map(&wgu.c[1], dw_up, {h, i, e}, {32, 64, 1}, true);
-  wd.c[1] = wd.c[0];
-  wd.a[1] = wd.a[0];
-  wd.b[1] = wd.b[0];
-  wgu.b[1] = wgu.b[0];
-  int64_t down_slots = 0, gu_slots = 0;
-  if (hop && squares_result) w.squares = squares_scratch;  // dW_down's slots first, then gate/up's
-  if (hop) down_slots = launch_wgrad_ws<1>(hopper::WgradMaps{wd, {}, {}}, w, E, s, 0, stream);
-  else launch_wgrad<1>(w, E, stream);
-  w.squares_base = down_slots;
+  launch_wgrad<1>(w, E, stream);
   // dWg[e], dWu[e] [I, H] += dgate_e^T x_e, dup_e^T x_e
   w.a0 = cb(dgate);
   w.a1 = cb(dup);
@@ -1310,16 +1359,11 @@ void launch_swiglu_backward_weight(const void* dy, const void* x, const int64_t*
   w.c_stride = static_cast<int64_t>(I) * H;
   w.M = I;
   w.Nc = H;
-  if (hop) gu_slots = launch_wgrad_ws<2>(hopper::WgradMaps{wgu, {}, {}}, w, E, s, 1, stream);
-  else launch_wgrad<2>(w, E, stream);
+  launch_wgrad<2>(w, E, stream);
   if (!squares_result) return;
-  if (hop) {
-    launch_sum_doubles(squares_scratch, down_slots + gu_slots, squares_result, stream);
-  } else {
-    const int64_t n = static_cast<int64_t>(E) * H * I;
-    const SquaresSegment segs[3] = {{dw_gate, n}, {dw_up, n}, {dw_down, n}};
-    launch_sum_squares_segments(segs, 3, squares_scratch, stream, squares_result);
-  }
+  const int64_t n = static_cast<int64_t>(E) * H * I;
+  const SquaresSegment segs[3] = {{dw_gate, n}, {dw_up, n}, {dw_down, n}};
+  launch_sum_squares_segments(segs, 3, squares_scratch, stream, squares_result);
 }
 
 bool launch_swiglu_backward_weight_group(const SwigluWgradSource* src, int n, int H, int I, int E, float* dw_gate,
@@ -1330,48 +1374,10 @@ bool launch_swiglu_backward_weight_group(const SwigluWgradSource* src, int n, in
   for (int k = 0; k < n; ++k) {
     if (src[k].N == 0) return false;
   }
-  const uint64_t h = H, i = I, e = E;
-  hopper::WgradMaps wd{}, wgu{};
-  for (int k = 0; k < n; ++k) {
-    const uint64_t rows = src[k].N;
-    CUtensorMap* da = k == 0 ? wd.m.a : wd.xa[k - 1];
-    CUtensorMap* db = k == 0 ? &wd.m.b[0] : &wd.xb[k - 1];
-    CUtensorMap* ga = k == 0 ? wgu.m.a : wgu.xa[k - 1];
-    CUtensorMap* gb = k == 0 ? &wgu.m.b[0] : &wgu.xb[k - 1];
-    if (!make_map(&da[0], src[k].dy, {h, rows}, {64, 64}) || !make_map(db, src[k].act, {i, rows}, {64, 64}) ||
-        !make_map(&ga[0], src[k].dgate, {i, rows}, {64, 64}) || !make_map(&ga[1], src[k].dup, {i, rows}, {64, 64}) ||
-        !make_map(gb, src[k].x, {h, rows}, {64, 64})) {
-      return false;
-    }
-    da[1] = da[0];
-  }
-  if (!make_map(&wd.m.c[0], dw_down, {i, h, e}, {32, 64, 1}, true) ||
-      !make_map(&wgu.m.c[0], dw_gate, {h, i, e}, {32, 64, 1}, true) ||
-      !make_map(&wgu.m.c[1], dw_up, {h, i, e}, {32, 64, 1}, true)) {
-    return false;
-  }
-  wd.m.c[1] = wd.m.c[0];
-  wd.m.b[1] = wd.m.b[0];
-  wgu.m.b[1] = wgu.m.b[0];
-  // The first source's schedule drives the tile queues; the others give only their offsets.
+  hopper::WgradMaps wd, wgu;
+  if (!make_wgrad_maps(src, n, H, I, E, dw_gate, dw_up, dw_down, wd, wgu)) return false;
   const Schedule s = make_schedule(src[0].counts, src[0].N, E, src[0].workspace, false, stream);
-  WgradArgs w{};
-  w.offsets = s.offsets;
-  w.n_more = n - 1;
-  for (int k = 1; k < n; ++k) {
-    w.offsets_more[k - 1] = make_schedule(src[k].counts, src[k].N, E, src[k].workspace, false, stream).offsets;
-  }
-  w.accumulate = accumulate ? 1 : 0;
-  w.c_stride = static_cast<int64_t>(H) * I;
-  if (squares_result) w.squares = squares_scratch;  // dW_down's slots first, then gate/up's
-  w.M = H;  // dWd[e] [H, I] (+)= dy_e^T act_e over every source
-  w.Nc = I;
-  const int64_t down_slots = launch_wgrad_ws<1>(wd, w, E, s, 0, stream);
-  w.squares_base = down_slots;
-  w.M = I;  // dWg[e], dWu[e] [I, H] (+)= dgate_e^T x_e, dup_e^T x_e
-  w.Nc = H;
-  const int64_t gu_slots = launch_wgrad_ws<2>(wgu, w, E, s, 1, stream);
-  if (squares_result) launch_sum_doubles(squares_scratch, down_slots + gu_slots, squares_result, stream);
+  launch_wgrad_hopper(wd, wgu, src, n, s, H, I, E, accumulate, squares_scratch, squares_result, stream);
   return true;
 }
 
