@@ -510,7 +510,19 @@ __device__ __forceinline__ char* setup_smem(char* raw, uint64_t*& full, uint64_t
 //                every k-tile of every tile into a 4-stage ring (48 KB a stage), running
 //                ahead into the next tile while the consumers are in their epilogue;
 //   warpgroups 1, 2  the consumers: 64 rows x 256 columns each (wgmma m64n256k16, 128 f32
-//                accumulators a thread), then the epilogue straight from registers.
+//                accumulators a thread), then the epilogue: when all 64 of a warpgroup's
+//                rows are the expert's, its outputs go through two 8 KB staging boxes by
+//                TMA stores that drain while the next tile's MMAs run; a warpgroup whose
+//                rows cross the expert's end (a TMA box would write the next expert's
+//                rows) stores straight from registers, row by row.
+// The stores from registers took the consumers longer than the ring could cover: the
+// producer runs at most 4 k-tiles ahead, so the L2 reads, which these kernels wait for,
+// stopped during every epilogue. Nsight (bench_ops, H100): gate/up 833 us, 646 us with no
+// epilogue at all, 800 us with no MMAs; down 471 / 310 / 452. With the TMA stores: gate/up
+// 811 -> 707 us, down 462 -> 357, dx 758 -> 669, da 525 -> 496 (2026-11-26).
+// Tried and slower: clusters of two blocks sharing each stage by TMA multicast (two row
+// tiles of one expert, half the weight tile loaded by each block): a third fewer L2 reads,
+// but gate/up 824 -> 1240 us with the L2 fabric busier (docs/perf.md, twelfth session).
 // Tiles come from two queues, each a run of row tiles taken row tile by row tile (all the
 // column tiles of a row tile, then the next): queue 0 holds row tiles [0, split), queue 1
 // [split, real tiles), split in proportion to the multiprocessors of each L2 half. A block
@@ -527,11 +539,21 @@ constexpr int kWsThreads = 384, kWsStages = 4, kWsBN = 256;
 constexpr int kWsBTile = kWsBN * 64 * 2;  // 32 KB
 constexpr int kWsStage = kTile + kWsBTile;
 constexpr int ws_tile_cols(int epi) { return epi == kEpiGateUp ? kWsBN / 2 : kWsBN; }  // output columns a tile
+// The epilogue's staging: per consumer warpgroup two boxes of 64 rows x 64 bf16 columns
+// (128-byte rows, swizzled), each stored by a TMA copy while the next is written; behind
+// the ring and its barriers (1024 bytes, for the alignment).
+constexpr int kOutBox = 64 * 64 * 2;
+constexpr int kRowsSmem = smem_bytes(kWsStages, kWsStage) + 1024 + 4 * kOutBox;
+static_assert(kRowsSmem <= 232448 - 64, "shared memory of the rows kernel");
+// The bf16 outputs of a rows launch (box 64 columns x 64 rows): store / gate, up, act.
+struct OutMaps {
+  CUtensorMap o[3];
+};
 
 template <bool kBKMajor, int kEpi>
 __global__ void __launch_bounds__(kWsThreads, 1)
-    rows_kernel(const __grid_constant__ Maps maps, const RowsArgs args, int ktiles_src, int nsrc, int col_tiles,
-                int max_tiles) {
+    rows_kernel(const __grid_constant__ Maps maps, const __grid_constant__ OutMaps out, const RowsArgs args,
+                int ktiles_src, int nsrc, int col_tiles, int max_tiles) {
 #if MT_SM90A
   constexpr bool kGateUp = kEpi == kEpiGateUp;
   constexpr int S = kWsStages;
@@ -585,6 +607,36 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
   setmaxnreg_inc<232>();
   const int cw = wg - 1, tid = threadIdx.x & 127, lane = tid & 31, w = tid >> 5;
+  char* staging = smem + S * kWsStage + 1024 + cw * 2 * kOutBox;  // this warpgroup's two boxes
+  int boxes = 0;  // boxes this warpgroup has stored: the next one goes to buffer boxes % 2
+  // Stores the warpgroup's 64 rows x 64 columns col0.. of output `o` through the next
+  // staging box; value(j, h) is the bf16 pair of column block j (8 columns), row half h.
+  auto store_box = [&](const CUtensorMap* map, int col0, int row, auto value) {
+    char* buf = staging + (boxes++ & 1) * kOutBox;
+    if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");  // its last copy has read it
+    named_barrier(2 + cw, 128);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 16 * w + (lane >> 2) + 8 * h;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        *reinterpret_cast<uint32_t*>(buf + r * 128 + ((j ^ (r & 7)) << 4) + (lane & 3) * 4) = value(j, h);
+      }
+    }
+    fence_proxy_async();  // generic writes -> copy engine reads
+    named_barrier(2 + cw, 128);
+    if (tid == 0) {
+      asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+                       reinterpret_cast<uint64_t>(map)),
+                   "r"(smem_u32(buf)), "r"(col0), "r"(row)
+                   : "memory");
+      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    }
+  };
+  auto pack = [](float a, float b) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  };
   int it = 0;
   // Bounded (a block never gets more than every tile): with an endless loop the compiler
   // keeps acc in local memory in the dSwiGLU kernel and serialises its wgmmas.
@@ -630,10 +682,62 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       // stores: the compiler may not move the loads above stores that could alias them, and
       // one batch at a time left the tensor cores idle for a memory round trip per batch
       // (this kernel ran at 331 TFLOP/s against 430-540 for the other row GEMMs).
-      __nv_bfloat162 gb[2][8], ub[2][8];
       // A tile whose columns all exist (every one at the bench shapes) takes no branch per
       // column: each batch's 8 pairs are one block the compiler interleaves.
       const bool all_cols = n0 + kWsBN <= args.n_extent;
+      if (all_cols && row0 + cw * 64 + 64 <= row_end) {
+        // The warpgroup's 64 rows are the expert's: four boxes of 64 columns, dgate in one
+        // staging buffer and dup in the other, each half of the rows computed in place from
+        // g and u (the next half's loads issued first), then both boxes go out by TMA.
+        const int r0 = row0 + cw * 64;
+        uint32_t gv[2][8], uv[2][8];  // [batch parity][column block]
+        auto load = [&](int b, uint32_t(&g)[8], uint32_t(&u)[8]) {  // batch b: box b / 2, row half b % 2
+          const int64_t o = static_cast<int64_t>(r0 + 16 * w + (lane >> 2) + 8 * (b & 1)) * args.ldo + n0 +
+                            64 * (b >> 1) + (lane & 3) * 2;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            g[j] = *reinterpret_cast<const uint32_t*>(args.g + o + 8 * j);
+            u[j] = *reinterpret_cast<const uint32_t*>(args.u + o + 8 * j);
+          }
+        };
+        load(0, gv[0], uv[0]);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // both buffers read
+          named_barrier(2 + cw, 128);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int b = 2 * q + h;
+            if (b + 1 < 8) load(b + 1, gv[(b + 1) & 1], uv[(b + 1) & 1]);
+            uint32_t(&g)[8] = gv[b & 1];
+            uint32_t(&u)[8] = uv[b & 1];
+            const int r = 16 * w + (lane >> 2) + 8 * h;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              const int nb = 8 * q + j;
+              dswiglu_pair(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1], *reinterpret_cast<__nv_bfloat162*>(&g[j]),
+                           *reinterpret_cast<__nv_bfloat162*>(&u[j]), g[j], u[j]);
+              const int off = r * 128 + ((j ^ (r & 7)) << 4) + (lane & 3) * 4;
+              *reinterpret_cast<uint32_t*>(staging + off) = g[j];
+              *reinterpret_cast<uint32_t*>(staging + kOutBox + off) = u[j];
+            }
+          }
+          fence_proxy_async();  // generic writes -> copy engine reads
+          named_barrier(2 + cw, 128);
+          if (tid == 0) {
+#pragma unroll
+            for (int o = 0; o < 2; ++o) {
+              asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+                               reinterpret_cast<uint64_t>(&out.o[o])),
+                           "r"(smem_u32(staging + o * kOutBox)), "r"(n0 + 64 * q), "r"(r0)
+                           : "memory");
+            }
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+          }
+        }
+        continue;
+      }
+      __nv_bfloat162 gb[2][8], ub[2][8];
       auto load = [&](int b, __nv_bfloat162(&g)[8], __nv_bfloat162(&u)[8]) {
         const int64_t row = row0 + cw * 64 + w * 16 + (lane >> 2) + (b >> 2) * 8;
         if (row >= row_end) return;
@@ -678,6 +782,37 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         if (b + 1 < 8) load(b + 1, gb[(b + 1) & 1], ub[(b + 1) & 1]);
         finish(b, gb[b & 1], ub[b & 1]);
       }
+    } else if (row0 + cw * 64 + 64 <= row_end) {
+      // All 64 of the warpgroup's rows are the expert's: the boxes go out by TMA (columns
+      // past n_extent are clipped by the map) while the next tile's MMAs run.
+      const int r0 = row0 + cw * 64;
+      if constexpr (kGateUp) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          store_box(&out.o[0], n0 + 64 * q, r0, [&](int j, int h) {
+            const int nb = 8 * q + j;
+            return pack(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
+          });
+          store_box(&out.o[1], n0 + 64 * q, r0, [&](int j, int h) {
+            const int nb = 8 * q + j + 16;
+            return pack(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
+          });
+          store_box(&out.o[2], n0 + 64 * q, r0, [&](int j, int h) {
+            const int nb = 8 * q + j;
+            const float g0 = acc[nb * 4 + h * 2], g1 = acc[nb * 4 + h * 2 + 1];
+            const float u0 = acc[(nb + 16) * 4 + h * 2], u1 = acc[(nb + 16) * 4 + h * 2 + 1];
+            return pack(g0 * sigmoidf_(g0) * u0, g1 * sigmoidf_(g1) * u1);
+          });
+        }
+      } else {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          store_box(&out.o[0], n0 + 64 * q, r0, [&](int j, int h) {
+            const int nb = 8 * q + j;
+            return pack(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
+          });
+        }
+      }
     } else {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -708,6 +843,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       }
     }
   }
+  if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // staging read before exit
 #endif
 }
 
@@ -1075,16 +1211,17 @@ void prepare_hopper(Kernel kernel, int smem) {
 }
 
 // n_cols: output columns of the launch (gate/up: I, each tile takes 128 of gate and of up).
+// out: the maps of the bf16 outputs (box 64 x 64), see OutMaps.
 template <bool kBKMajor, int kEpi>
-void launch_rows_hopper(const hopper::Maps& maps, const RowsArgs& args, int ktiles_src, int nsrc, int n_cols,
-                        int max_tiles, cudaStream_t stream) {
+void launch_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out, const RowsArgs& args, int ktiles_src,
+                        int nsrc, int n_cols, int max_tiles, cudaStream_t stream) {
   if (n_cols == 0 || max_tiles == 0) return;
   auto kernel = hopper::rows_kernel<kBKMajor, kEpi>;
-  constexpr int smem = hopper::smem_bytes(hopper::kWsStages, hopper::kWsStage);
+  constexpr int smem = hopper::kRowsSmem;
   prepare_hopper(kernel, smem);
   const int col_tiles = (n_cols + hopper::ws_tile_cols(kEpi) - 1) / hopper::ws_tile_cols(kEpi);
   const int grid = persistent_grid(static_cast<int64_t>(col_tiles) * max_tiles);
-  kernel<<<grid, hopper::kWsThreads, smem, stream>>>(maps, args, ktiles_src, nsrc, col_tiles, max_tiles);
+  kernel<<<grid, hopper::kWsThreads, smem, stream>>>(maps, out, args, ktiles_src, nsrc, col_tiles, max_tiles);
 }
 
 static_assert(sizeof(hopper::WgradMaps) + sizeof(WgradArgs) + 3 * sizeof(int) <= 4096,
@@ -1162,14 +1299,17 @@ void launch_swiglu_forward(const void* x, const int64_t* counts, const void* w_g
   a.ldo = I;
   const uint64_t n = N, h = H, i = I, e = E;
   hopper::Maps gu{}, dn{};
+  hopper::OutMaps gu_out{}, dn_out{};
   const bool hop = hopper && make_map(&gu.a[0], x, {h, n}, {64, 128}) &&
                    make_map(&gu.b[0], w_gate, {h, i, e}, {64, 128, 1}) &&
                    make_map(&gu.b[1], w_up, {h, i, e}, {64, 128, 1}) && make_map(&dn.a[0], act, {i, n}, {64, 128}) &&
-                   make_map(&dn.b[0], w_down, {i, h, e}, {64, 128, 1});
+                   make_map(&dn.b[0], w_down, {i, h, e}, {64, 128, 1}) &&
+                   make_map(&gu_out.o[0], gate, {i, n}, {64, 64}) && make_map(&gu_out.o[1], up, {i, n}, {64, 64}) &&
+                   make_map(&gu_out.o[2], act, {i, n}, {64, 64}) && make_map(&dn_out.o[0], y, {h, n}, {64, 64});
   gu.a[1] = gu.a[0];
   dn.a[1] = dn.a[0];
   dn.b[1] = dn.b[0];
-  if (hop) launch_rows_hopper<true, kEpiGateUp>(gu, a, (H + kBK - 1) / kBK, 1, I, s.max_tiles, stream);
+  if (hop) launch_rows_hopper<true, kEpiGateUp>(gu, gu_out, a, (H + kBK - 1) / kBK, 1, I, s.max_tiles, stream);
   else launch_rows<true, kEpiGateUp>(a, (I + 63) / 64, s.max_tiles, stream);
   // y = act Wd^T
   set_queues(a, s, 1);
@@ -1183,7 +1323,7 @@ void launch_swiglu_forward(const void* x, const int64_t* counts, const void* w_g
   a.out0 = mb(y);
   a.out1 = a.out2 = nullptr;
   a.ldo = H;
-  if (hop) launch_rows_hopper<true, kEpiStore>(dn, a, (I + kBK - 1) / kBK, 1, H, s.max_tiles, stream);
+  if (hop) launch_rows_hopper<true, kEpiStore>(dn, dn_out, a, (I + kBK - 1) / kBK, 1, H, s.max_tiles, stream);
   else launch_rows<true, kEpiStore>(a, (H + kBN - 1) / kBN, s.max_tiles, stream);
 }
 
@@ -1213,15 +1353,18 @@ void launch_swiglu_backward_input(const void* dy, const int64_t* counts, const v
   a.u = cb(up);
   const uint64_t n = N, h = H, i = I, e = E;
   hopper::Maps da{}, dx_maps{};
+  hopper::OutMaps da_out{}, dx_out{};
   const bool hop = hopper && make_map(&da.a[0], dy, {h, n}, {64, 128}) &&
                    make_map(&da.b[0], w_down, {i, h, e}, {64, 64, 1}) &&
                    make_map(&dx_maps.a[0], dgate, {i, n}, {64, 128}) && make_map(&dx_maps.a[1], dup, {i, n}, {64, 128}) &&
                    make_map(&dx_maps.b[0], w_gate, {h, i, e}, {64, 64, 1}) &&
-                   make_map(&dx_maps.b[1], w_up, {h, i, e}, {64, 64, 1});
+                   make_map(&dx_maps.b[1], w_up, {h, i, e}, {64, 64, 1}) &&
+                   make_map(&da_out.o[0], dgate, {i, n}, {64, 64}) && make_map(&da_out.o[1], dup, {i, n}, {64, 64}) &&
+                   make_map(&dx_out.o[0], dx, {h, n}, {64, 64});
   da.a[1] = da.a[0];
   da.b[1] = da.b[0];
   if (hop) {
-    launch_rows_hopper<false, kEpiDSwiglu>(da, a, (H + kBK - 1) / kBK, 1, I, s.max_tiles, stream);
+    launch_rows_hopper<false, kEpiDSwiglu>(da, da_out, a, (H + kBK - 1) / kBK, 1, I, s.max_tiles, stream);
   } else {
     launch_rows<false, kEpiDSwiglu>(a, (I + kBN - 1) / kBN, s.max_tiles, stream);
   }
@@ -1242,7 +1385,7 @@ void launch_swiglu_backward_input(const void* dy, const int64_t* counts, const v
   a.ldo = H;
   a.g = a.u = nullptr;
   if (hop) {
-    launch_rows_hopper<false, kEpiStore>(dx_maps, a, (I + kBK - 1) / kBK, 2, H, s.max_tiles, stream);
+    launch_rows_hopper<false, kEpiStore>(dx_maps, dx_out, a, (I + kBK - 1) / kBK, 2, H, s.max_tiles, stream);
   } else {
     launch_rows<false, kEpiStore>(a, (H + kBN - 1) / kBN, s.max_tiles, stream);
   }
