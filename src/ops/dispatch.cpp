@@ -215,6 +215,10 @@ Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const
   return MT_ROUTE(logits, cross_entropy_backward, logits, targets, lse, scale);
 }
 
+CrossEntropyOut cross_entropy_forward_backward_(Tensor& logits, const Tensor& targets, double scale) {
+  return MT_ROUTE(logits, cross_entropy_forward_backward_, logits, targets, scale);
+}
+
 void load_balance_accumulate(const Tensor& probs, const Tensor& topk_idx, Tensor& selections, Tensor& prob_sum) {
   MT_ROUTE(probs, load_balance_accumulate, probs, topk_idx, selections, prob_sum);
 }

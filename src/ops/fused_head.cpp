@@ -3,6 +3,8 @@
 // own and the per-op backend tests cover its parts. Per chunk of rows r:
 //   logits_r = x_r W^T;  loss += sum CE(logits_r);  dlogits_r = scale (softmax - onehot)
 //   dx_r = dlogits_r W;  dW += dlogits_r^T x_r
+// With the backward, the loss and dlogits_r come from one op that writes dlogits_r over the
+// logits (cross_entropy_forward_backward_: one read of them on the GPU, no second buffer).
 // The loss sums stay on the device (one f32 [1] accumulator): no host wait per chunk.
 #include "ops/ops.h"
 
@@ -25,22 +27,25 @@ LinearCrossEntropyOut linear_cross_entropy(const Tensor& x, const Tensor& w, con
   chunk_rows = std::min(chunk_rows, std::max<int64_t>(T, 1));
 
   LinearCrossEntropyOut out;
-  if (dx) *dx = Tensor::empty(x.shape(), x.dtype(), x.device());
+  if (dx && !(T > 0 && chunk_rows >= T)) *dx = Tensor::empty(x.shape(), x.dtype(), x.device());  // else one chunk's
   for (int64_t r0 = 0; r0 < T; r0 += chunk_rows) {
     const int64_t r1 = std::min(T, r0 + chunk_rows);
     const Tensor xr = x.slice(r0, r1), tr = targets.slice(r0, r1);
     Tensor logits = linear_forward(xr, w);
-    CrossEntropyOut ce = cross_entropy_forward(logits, tr);
+    // With the backward, the logits become their gradient in the same pass (read once).
+    CrossEntropyOut ce = dx ? cross_entropy_forward_backward_(logits, tr, scale) : cross_entropy_forward(logits, tr);
     if (out.loss_sum.defined()) {
       add_(out.loss_sum, ce.loss_sum);
     } else {
       out.loss_sum = ce.loss_sum;
     }
     if (!dx) continue;
-    Tensor dlogits = cross_entropy_backward(logits, tr, ce.lse, scale);
-    logits = Tensor();  // free before the next chunk's logits
-    Tensor dxr = dx->slice(r0, r1);
-    dxr.copy_from(linear_backward_input(dlogits, w));
+    const Tensor& dlogits = logits;
+    if (r0 == 0 && r1 == T) {
+      *dx = linear_backward_input(dlogits, w);  // one chunk: no copy
+    } else {
+      dx->slice(r0, r1).copy_from(linear_backward_input(dlogits, w));
+    }
     if (dw) linear_backward_weight(dlogits, xr, *dw, accumulate_dw || r0 > 0);
   }
   if (!out.loss_sum.defined()) out.loss_sum = Tensor::zeros({1}, DType::F32, x.device());

@@ -226,6 +226,9 @@ constexpr int32_t kIgnoreIndex = -100;
 CrossEntropyOut cross_entropy_forward(const Tensor& logits, const Tensor& targets);
 // dlogits = scale * (softmax(logits) - onehot(target)); zero rows where ignored.
 Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, double scale);
+// Both in one pass over the logits, which are overwritten by their gradient (the values of
+// cross_entropy_backward with the forward's lse): the output head reads its logits once.
+CrossEntropyOut cross_entropy_forward_backward_(Tensor& logits, const Tensor& targets, double scale);
 
 // ---- output head: linear + cross-entropy, fused over row chunks ------------------------
 // loss_sum [1] = cross-entropy sum of logits = x W^T against targets, computed chunk_rows

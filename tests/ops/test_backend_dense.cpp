@@ -312,6 +312,20 @@ TEST(BackendDense, CrossEntropy) {
     Tensor dgot = ops::cross_entropy_backward(glogits, gtargets, on_gpu(ref.lse, DType::F32), scale);
     EXPECT_EQ(dgot.dtype(), DType::BF16);
     expect_backend_close(dgot, dref, kBf16Tol, op + "_backward", "dlogits");
+    // Both in one pass, over the logits: against the CPU, and bit for bit the two kernels
+    // (with the GPU's own lse), whether the row fits the fused kernel (V <= 32768) or not.
+    Tensor fused = glogits.clone();
+    auto f = ops::cross_entropy_forward_backward_(fused, gtargets, scale);
+    expect_backend_close(f.loss_sum, ref.loss_sum, kF32Tol, op + "_forward_backward_", "loss_sum");
+    expect_backend_close(f.lse, ref.lse, kF32Tol, op + "_forward_backward_", "lse");
+    expect_backend_close(fused, dref, kBf16Tol, op + "_forward_backward_", "dlogits");
+    Tensor two = ops::cross_entropy_backward(glogits, gtargets, a.lse, scale);
+    EXPECT_TRUE(same_bits(f.loss_sum, a.loss_sum) && same_bits(f.lse, a.lse) && same_bits(fused, two))
+        << op << ": one pass differs from the two kernels";
+    // The CPU's version of the op: the forward, then the backward over the logits.
+    Tensor cpu_fused = logits.clone();
+    auto cf = ops::cross_entropy_forward_backward_(cpu_fused, targets, scale);
+    EXPECT_TRUE(same_bits(cf.loss_sum, ref.loss_sum) && same_bits(cpu_fused, dref)) << op << ": CPU one pass";
   }
 }
 

@@ -555,6 +555,21 @@ TEST(DenseCrossEntropy, GradCheck) {
   }
 }
 
+// The one-pass op: the forward's outputs and, over the logits, the backward's gradient.
+TEST(DenseCrossEntropy, ForwardBackwardInPlaceEqualsTheTwo) {
+  const int64_t T = 9, V = 23;
+  Tensor logits = random_tensor({T, V}, DType::F64, 3, 2.0);
+  Tensor targets = random_targets(T, V, 4);
+  auto fwd = ops::cross_entropy_forward(logits, targets);
+  Tensor d = ops::cross_entropy_backward(logits, targets, fwd.lse, 0.25);
+  Tensor x = logits.clone();
+  auto both = ops::cross_entropy_forward_backward_(x, targets, 0.25);
+  EXPECT_EQ(both.loss_sum.item(), fwd.loss_sum.item());
+  EXPECT_EQ(rel_error(both.lse, fwd.lse), 0.0);
+  EXPECT_EQ(rel_error(x, d), 0.0);
+  EXPECT_GT(rel_error(x, logits), 0.5);  // the logits were overwritten
+}
+
 TEST(DenseCrossEntropy, ForwardNaiveAndF32) {
   const int64_t T = 11, V = 37;
   Tensor logits = random_tensor({T, V}, DType::F64, 1, 3.0);
