@@ -110,6 +110,8 @@ struct AttentionOut {
 };
 AttentionOut attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_ids,
                                const AttentionShape& shape);
+// dq has q's dtype, except after the GPU's one-pass backward (ops::deterministic() false,
+// the Hopper kernels): f32, the sums as the kernel left them, for the next op to read.
 struct AttentionGrads {
   Tensor dq, dk, dv;
 };

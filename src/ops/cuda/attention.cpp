@@ -116,12 +116,12 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
   if (!ops::deterministic() && attention_hopper_applies(d, seg_ptr(segment_ids))) {
     dq_acc = Tensor::empty(q.shape(), DType::F32, q.device());
   }
-  launch_attention_backward(bf16_ptr(dout), bf16_ptr(q), bf16_ptr(k), bf16_ptr(v), seg_ptr(segment_ids),
-                            bf16_ptr(out), lse.data<float>(), delta.data<float>(),
-                            splits > 1 ? partial.data<float>() : nullptr, splits,
-                            dq_acc.defined() ? dq_acc.data<float>() : nullptr, bf16_ptr(g.dq), bf16_ptr(g.dk),
-                            bf16_ptr(g.dv), d, stream());
+  const bool dq_in_acc = launch_attention_backward(
+      bf16_ptr(dout), bf16_ptr(q), bf16_ptr(k), bf16_ptr(v), seg_ptr(segment_ids), bf16_ptr(out), lse.data<float>(),
+      delta.data<float>(), splits > 1 ? partial.data<float>() : nullptr, splits,
+      dq_acc.defined() ? dq_acc.data<float>() : nullptr, bf16_ptr(g.dq), bf16_ptr(g.dk), bf16_ptr(g.dv), d, stream());
   check_launch("attention_bwd kernels (delta, dkdv, dkdv_reduce, dq)");
+  if (dq_in_acc) g.dq = dq_acc;  // the one-pass kernel's f32 sums (see ops.h)
   return g;
 }
 

@@ -907,8 +907,9 @@ void dkdv_reduce(const Params& p, cudaStream_t s) {
   attention_bwd_dkdv_reduce_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(p);
 }
 
+// true when dQ was left in p.dq_acc (the one-pass Hopper kernel ran).
 template <int D>
-void backward(const Params& p, const AttentionDims& d, cudaStream_t s) {
+bool backward(const Params& p, const AttentionDims& d, cudaStream_t s) {
   const int64_t rows = static_cast<int64_t>(p.batch) * p.seq * p.q_heads;
   if (D == 128 && p.q_stride % 8 == 0 && aligned16(p.dout) && aligned16(p.out)) {
     attention_bwd_delta128_kernel<<<static_cast<unsigned>((rows + 2 * kDeltaWarps - 1) / (2 * kDeltaWarps)),
@@ -921,13 +922,14 @@ void backward(const Params& p, const AttentionDims& d, cudaStream_t s) {
       launch_attention_backward_hopper(p.dout, p.q, p.k, p.v, p.seg, p.delta, p.lse2, p.dk_part, p.dv_part, p.splits,
                                        p.dq_acc, p.dq, p.dk, p.dv, d, s)) {
     if (p.splits > 1) dkdv_reduce(p, s);
-    return;
+    return p.dq_acc != nullptr;
   }
 
   dkdv_tiled<D, 32, kDkdvWarps, 2, 3>(p, s);
   if (p.splits > 1) dkdv_reduce(p, s);
 
   dq_tiled<D, 1, 64, 4, 2, 2>(p, s);
+  return false;
 }
 
 }  // namespace
@@ -963,12 +965,12 @@ void launch_attention_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, co
   }
 }
 
-void launch_attention_backward(const __nv_bfloat16* dout, const __nv_bfloat16* q, const __nv_bfloat16* k,
+bool launch_attention_backward(const __nv_bfloat16* dout, const __nv_bfloat16* q, const __nv_bfloat16* k,
                                const __nv_bfloat16* v, const int32_t* seg, const __nv_bfloat16* out,
                                const float* lse, float* workspace, float* dkdv_partial, int split_count,
                                float* dq_acc, __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv,
                                const AttentionDims& d, cudaStream_t s) {
-  if (d.batch == 0 || d.seq == 0) return;
+  if (d.batch == 0 || d.seq == 0) return false;
   Params p = make_params(d);
   p.dq_acc = dq_acc;
   p.splits = split_count;
@@ -987,10 +989,10 @@ void launch_attention_backward(const __nv_bfloat16* dout, const __nv_bfloat16* q
   p.dk = dk;
   p.dv = dv;
   switch (d.head_dim) {
-    case 32: backward<32>(p, d, s); break;
-    case 64: backward<64>(p, d, s); break;
-    case 128: backward<128>(p, d, s); break;
-    default: break;
+    case 32: return backward<32>(p, d, s);
+    case 64: return backward<64>(p, d, s);
+    case 128: return backward<128>(p, d, s);
+    default: return false;
   }
 }
 

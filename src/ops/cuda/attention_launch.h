@@ -36,8 +36,9 @@ int attention_dkdv_splits(const AttentionDims& d, int num_sms);
 // No atomics: every output element is written once by one thread, in a fixed order.
 // dq_acc (f32 [B*S, Hq*D], or null) asks for the one-pass backward where the Hopper kernels
 // apply: the dK/dV blocks also add dQ into it with f32 atomics (not bitwise repeatable),
-// then it is converted into dq; elsewhere it is ignored.
-void launch_attention_backward(const __nv_bfloat16* dout, const __nv_bfloat16* q, const __nv_bfloat16* k,
+// and it is left there (dq is not written; the next op reads the f32 sums): returns true
+// then. Elsewhere dq_acc is ignored, dq written, and it returns false.
+bool launch_attention_backward(const __nv_bfloat16* dout, const __nv_bfloat16* q, const __nv_bfloat16* k,
                                const __nv_bfloat16* v, const int32_t* seg, const __nv_bfloat16* out,
                                const float* lse, float* workspace, float* dkdv_partial, int split_count,
                                float* dq_acc, __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv,
@@ -53,6 +54,7 @@ bool launch_attention_forward_hopper(const __nv_bfloat16* q, const __nv_bfloat16
                                      const int32_t* seg, __nv_bfloat16* out, float* lse, const AttentionDims& d,
                                      cudaStream_t s);
 int attention_backward_hopper_key_tile();
+// With dq_acc, dQ (scaled) is left in it and dq is not written.
 bool launch_attention_backward_hopper(const __nv_bfloat16* dout, const __nv_bfloat16* q, const __nv_bfloat16* k,
                                       const __nv_bfloat16* v, const int32_t* seg, const float* delta,
                                       const float* lse2, float* dk_part, float* dv_part, int splits, float* dq_acc,

@@ -114,12 +114,16 @@ RmsNormOut rmsnorm_rope_forward(const Tensor& x, const Tensor& w, double eps, co
 RmsNormRopeGrads rmsnorm_rope_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                                        const Tensor& positions, int64_t head_dim, double theta) {
   check_cuda_tensors("rmsnorm_rope_backward", {&dy, &rstd});
+  // dy bf16, or f32 as the attention backward's one-pass dQ comes (read as it is).
+  const bool dy_f32 = dy.defined() && dy.dtype() == DType::F32;
   const bool one_pass = fusable(x, w, positions, head_dim, "rmsnorm_rope_backward") && dy.defined() &&
-                        dy.dtype() == DType::BF16 && rmsnorm_rope_fusable(bf(dy), bf(w), bf(dy), w.numel(), head_dim);
+                        (dy.dtype() == DType::BF16 || dy_f32) &&
+                        rmsnorm_rope_fusable(bf(x), bf(w), static_cast<const __nv_bfloat16*>(dy.raw()), w.numel(),
+                                             head_dim);
   RmsNormRopeGrads g;
   g.dw = Tensor::zeros({w.defined() ? w.numel() : 0}, DType::F32, x.device());
   if (!one_pass) {
-    const Tensor dn = rope_backward(dy, positions, head_dim, theta);
+    const Tensor dn = rope_backward(dy_f32 ? dy.to(DType::BF16) : dy, positions, head_dim, theta);
     g.dx = rmsnorm_backward_input(dn, x, w, rstd, Tensor());
     rmsnorm_backward_weight(dn, x, rstd, g.dw);
     return g;
@@ -132,9 +136,15 @@ RmsNormRopeGrads rmsnorm_rope_backward(const Tensor& dy, const Tensor& x, const 
   g.dx = Tensor::empty(x.shape(), DType::BF16, x.device());
   if (R == 0) return g;
   Tensor scratch = Tensor::empty({rmsnorm_rope_backward_scratch_floats(R)}, DType::F32, x.device());
-  launch_rmsnorm_rope_backward(bf(dy), bf(x), bf(w), rstd.data<float>(), positions.data<int32_t>(), bf_mut(g.dx),
-                               g.dw.data<float>(), R, heads, static_cast<float>(theta), scratch.data<float>(),
-                               stream());
+  if (dy_f32) {
+    launch_rmsnorm_rope_backward(dy.data<float>(), bf(x), bf(w), rstd.data<float>(), positions.data<int32_t>(),
+                                 bf_mut(g.dx), g.dw.data<float>(), R, heads, static_cast<float>(theta),
+                                 scratch.data<float>(), stream());
+  } else {
+    launch_rmsnorm_rope_backward(bf(dy), bf(x), bf(w), rstd.data<float>(), positions.data<int32_t>(), bf_mut(g.dx),
+                                 g.dw.data<float>(), R, heads, static_cast<float>(theta), scratch.data<float>(),
+                                 stream());
+  }
   check_launch("rmsnorm_rope_backward");
   return g;
 }

@@ -253,6 +253,31 @@ __global__ void __launch_bounds__(kColTile* kPass2Lanes) rmsnorm_dw_pass2(const 
   dw[c] = static_cast<float>(static_cast<double>(dw[c]) + sum);
 }
 
+// Many chunks (the per-head norms of q: one per 16 rows, 16,384 at the bench shape) are first
+// summed in groups of kGroupChunks by rmsnorm_dw_groups, a block per (column tile, group),
+// into f32 partials of the groups that rmsnorm_dw_pass2 then adds: with only D / 32 blocks
+// for every chunk, pass 2 took 45 us for q's norm.
+constexpr int64_t kGroupChunks = 512;
+__global__ void __launch_bounds__(kColTile* kPass2Lanes) rmsnorm_dw_groups(const float* __restrict__ partial,
+                                                                          float* __restrict__ groups, int64_t D,
+                                                                          int64_t chunks) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kColTile + threadIdx.x;
+  const int64_t b0 = static_cast<int64_t>(blockIdx.y) * kGroupChunks;
+  const int64_t b1 = b0 + kGroupChunks < chunks ? b0 + kGroupChunks : chunks;
+  double t = 0.0;
+  if (c < D) {
+    for (int64_t b = b0 + threadIdx.y; b < b1; b += kPass2Lanes) t += static_cast<double>(partial[b * D + c]);
+  }
+  __shared__ double lanes[kPass2Lanes][kColTile];
+  lanes[threadIdx.y][threadIdx.x] = t;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= D) return;
+  double sum = 0.0;
+#pragma unroll 8
+  for (int k = 0; k < kPass2Lanes; ++k) sum += lanes[k][threadIdx.x];
+  groups[blockIdx.y * D + c] = static_cast<float>(sum);
+}
+
 // ---- per-head norm + RoPE, head_dim 128 ----
 // A row is one head of one token: 16 threads, 8 elements each (thread v holds 8v..8v+7),
 // 16 rows a 256-thread block. RoPE pairs element i with i + 64, which thread v ^ 8 holds:
@@ -329,8 +354,9 @@ __global__ void __launch_bounds__(kBlock) rmsnorm_rope_forward_kernel(const bf16
 // dn = rope_backward(dy) in registers; dx = rstd * (w*dn - x * rstd^2 * mean(w*dn*x)); and
 // this block's 16 rows of dn * x * rstd summed per column in row order into partial[block]
 // (rmsnorm_dw_pass2 adds the blocks in order: deterministic).
+template <typename DY>
 __global__ void __launch_bounds__(kBlock) rmsnorm_rope_backward_kernel(
-    const bf16* __restrict__ dy, const bf16* __restrict__ x, const bf16* __restrict__ w,
+    const DY* __restrict__ dy, const bf16* __restrict__ x, const bf16* __restrict__ w,
     const float* __restrict__ rstd, const int32_t* __restrict__ positions, bf16* __restrict__ dx,
     float* __restrict__ partial, int64_t R, int64_t heads, float theta) {
   __shared__ RopeTable tab;
@@ -381,7 +407,10 @@ bool rmsnorm_rope_fusable(const bf16* x, const bf16* w, const bf16* y, int64_t D
   return D == kRopeHd && head_dim == kRopeHd && aligned16(x) && aligned16(w) && aligned16(y);
 }
 
-int64_t rmsnorm_rope_backward_scratch_floats(int64_t R) { return (R + kRopeRows - 1) / kRopeRows * kRopeHd; }
+int64_t rmsnorm_rope_backward_scratch_floats(int64_t R) {
+  const int64_t chunks = (R + kRopeRows - 1) / kRopeRows;
+  return (chunks + (chunks + kGroupChunks - 1) / kGroupChunks) * kRopeHd;  // the chunks', then the groups' partials
+}
 
 void launch_rmsnorm_rope_forward(const bf16* x, const bf16* w, const int32_t* positions, bf16* y, float* rstd,
                                  int64_t R, int64_t heads, float eps, float theta, cudaStream_t s) {
@@ -391,15 +420,35 @@ void launch_rmsnorm_rope_forward(const bf16* x, const bf16* w, const int32_t* po
                                                                         theta);
 }
 
-void launch_rmsnorm_rope_backward(const bf16* dy, const bf16* x, const bf16* w, const float* rstd,
+template <typename DY>
+void rope_backward_passes(const DY* dy, const bf16* x, const bf16* w, const float* rstd,
                                   const int32_t* positions, bf16* dx, float* dw, int64_t R, int64_t heads, float theta,
                                   float* scratch, cudaStream_t s) {
   if (R == 0) return;
   const int64_t blocks = (R + kRopeRows - 1) / kRopeRows;
-  rmsnorm_rope_backward_kernel<<<static_cast<unsigned>(blocks), dim3(kRopeTPR, kRopeRows), 0, s>>>(
+  rmsnorm_rope_backward_kernel<DY><<<static_cast<unsigned>(blocks), dim3(kRopeTPR, kRopeRows), 0, s>>>(
       dy, x, w, rstd, positions, dx, scratch, R, heads, theta);
-  rmsnorm_dw_pass2<<<static_cast<unsigned>(kRopeHd / kColTile), dim3(kColTile, kPass2Lanes), 0, s>>>(scratch, dw,
-                                                                                                   kRopeHd, blocks);
+  const unsigned col_tiles = kRopeHd / kColTile;
+  if (blocks <= kGroupChunks) {
+    rmsnorm_dw_pass2<<<col_tiles, dim3(kColTile, kPass2Lanes), 0, s>>>(scratch, dw, kRopeHd, blocks);
+    return;
+  }
+  const int64_t groups = (blocks + kGroupChunks - 1) / kGroupChunks;
+  float* group_partial = scratch + blocks * kRopeHd;
+  rmsnorm_dw_groups<<<dim3(col_tiles, static_cast<unsigned>(groups)), dim3(kColTile, kPass2Lanes), 0, s>>>(
+      scratch, group_partial, kRopeHd, blocks);
+  rmsnorm_dw_pass2<<<col_tiles, dim3(kColTile, kPass2Lanes), 0, s>>>(group_partial, dw, kRopeHd, groups);
+}
+
+void launch_rmsnorm_rope_backward(const bf16* dy, const bf16* x, const bf16* w, const float* rstd,
+                                  const int32_t* positions, bf16* dx, float* dw, int64_t R, int64_t heads, float theta,
+                                  float* scratch, cudaStream_t s) {
+  rope_backward_passes(dy, x, w, rstd, positions, dx, dw, R, heads, theta, scratch, s);
+}
+void launch_rmsnorm_rope_backward(const float* dy, const bf16* x, const bf16* w, const float* rstd,
+                                  const int32_t* positions, bf16* dx, float* dw, int64_t R, int64_t heads, float theta,
+                                  float* scratch, cudaStream_t s) {
+  rope_backward_passes(dy, x, w, rstd, positions, dx, dw, R, heads, theta, scratch, s);
 }
 
 void launch_rmsnorm_forward(const bf16* x, const bf16* w, bf16* y, float* rstd, int64_t R, int64_t D, float eps,

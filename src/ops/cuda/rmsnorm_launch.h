@@ -32,8 +32,12 @@ void launch_rmsnorm_rope_forward(const __nv_bfloat16* x, const __nv_bfloat16* w,
                                  cudaStream_t s);
 // Floats of device scratch launch_rmsnorm_rope_backward needs.
 int64_t rmsnorm_rope_backward_scratch_floats(int64_t R);
-// dx, and dw += sum_r rope_backward(dy)[r] * x[r] * rstd[r] (two deterministic passes).
+// dx, and dw += sum_r rope_backward(dy)[r] * x[r] * rstd[r] (two deterministic passes);
+// dy bf16, or f32 (the attention backward's one-pass dQ sums, read as they are).
 void launch_rmsnorm_rope_backward(const __nv_bfloat16* dy, const __nv_bfloat16* x, const __nv_bfloat16* w,
+                                  const float* rstd, const int32_t* positions, __nv_bfloat16* dx, float* dw,
+                                  int64_t R, int64_t heads, float theta, float* scratch, cudaStream_t s);
+void launch_rmsnorm_rope_backward(const float* dy, const __nv_bfloat16* x, const __nv_bfloat16* w,
                                   const float* rstd, const int32_t* positions, __nv_bfloat16* dx, float* dw,
                                   int64_t R, int64_t heads, float theta, float* scratch, cudaStream_t s);
 
