@@ -153,11 +153,11 @@ Tensor Qwen3MoeDecoderLayer::mlp_backward_input(const Tensor& d_rows_out, Qwen3M
 
 // Backward of stage 1, in reverse: router -> ln2 (+ residual) -> o_proj -> attention ->
 // RoPE -> q/k norms -> q/k/v projections -> ln1 (+ residual).
-Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, const Tensor& d_mlp_in,
+Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, Tensor d_mlp_in,
                                                  const Tensor& d_topk_weight, const Tensor& d_probs_extra,
                                                  const Tensor& d_logits_extra, const Tensor& positions,
                                                  const BatchShape& b, Qwen3MoeLayerState& s) const {
-  s.d_ln2_out = d_mlp_in.clone();
+  s.d_ln2_out = std::move(d_mlp_in);  // no copy (a [T, H] pass): the caller lets go of it
   if (moe_) {
     StageScope t(Stage::kRouterPermute);
     s.d_router_logits = ops::router_backward(d_topk_weight, d_probs_extra, s.route, cfg_.norm_topk_prob);
@@ -497,8 +497,8 @@ bool Qwen3MoeModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
               s.route.probs, s.z.lse, cfg_.router_z_loss_coef * g.aux_scale / static_cast<double>(g.a.totals.rows));
         }
       }
-      g.dx = layer.attn_backward_input(g.dx, g.d_mlp_in, g.d_topk_weight, d_probs, d_logits_z, g.batch.positions, g.b,
-                                       s);  // 1
+      g.dx = layer.attn_backward_input(g.dx, std::move(g.d_mlp_in), g.d_topk_weight, d_probs, d_logits_z,
+                                       g.batch.positions, g.b, s);  // 1
       g.d_mlp_in = g.d_topk_weight = Tensor();
       if (g.weights_now) {
         const bool writes = layer.writes_expert_grads(g.accumulate, defer_expert_weights_);

@@ -164,9 +164,10 @@ class Qwen3MoeDecoderLayer {
   AggregateGrads aggregate_backward(const Tensor& dy, Qwen3MoeLayerState& s) const;
   // Backward of stage 3: d rows -> d expert_in rows.
   Tensor mlp_backward_input(const Tensor& d_rows_out, Qwen3MoeLayerState& s) const;
-  // Backward of stage 1: given d h (residual + aggregate), d mlp_in (from dispatch backward),
-  // d topk_weight and the router's extra d probs (aux losses, may be undefined), returns d x.
-  Tensor attn_backward_input(const Tensor& dy_residual, const Tensor& d_mlp_in, const Tensor& d_topk_weight,
+  // Backward of stage 1: given d h (residual + aggregate), d mlp_in (from dispatch backward;
+  // taken over: the router's input gradient is added into it in place), d topk_weight and
+  // the router's extra d probs (aux losses, may be undefined), returns d x.
+  Tensor attn_backward_input(const Tensor& dy_residual, Tensor d_mlp_in, const Tensor& d_topk_weight,
                              const Tensor& d_probs_extra, const Tensor& d_logits_extra, const Tensor& positions,
                              const BatchShape& b, Qwen3MoeLayerState& s) const;
   // Every weight gradient of the layer, from what backward_input saved; added into the
