@@ -54,6 +54,18 @@ __device__ __forceinline__ void absorb(MaxSum& acc, const float (&f)[N]) {
   for (int k = 0; k < N; ++k) acc.s += __expf(f[k] - acc.m);
 }
 
+// The gradient of 8 logits f starting at index i0 of their row, in place: scale * softmax
+// (mul = scale, 0 for an ignored row, NaN for an invalid target), minus scale at the target.
+__device__ __forceinline__ void softmax_grad8(float (&f)[8], int64_t i0, int32_t tg, float mul, float l, float scale,
+                                              bool ignored) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    float g = mul * __expf(f[k] - l);
+    if (i0 + k == tg) g -= scale;
+    f[k] = ignored ? 0.f : g;
+  }
+}
+
 __device__ __forceinline__ MaxSum block_merge(MaxSum v) {
   __shared__ MaxSum part[kThreads / 32];
 #pragma unroll
@@ -126,12 +138,7 @@ __global__ void __launch_bounds__(kThreads) ce_backward_kernel(const bf16* __res
     for (int64_t v = threadIdx.x; v < V / 8; v += kThreads) {
       float f[8];
       load8(x + v * 8, f);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        float g = mul * __expf(f[k] - l);
-        if (v * 8 + k == tg) g -= scale;
-        f[k] = ignored ? 0.f : g;
-      }
+      softmax_grad8(f, v * 8, tg, mul, l, scale, ignored);
       store8(d + v * 8, f);
     }
   } else {
@@ -184,12 +191,7 @@ __global__ void __launch_bounds__(kThreads) ce_fused_kernel(bf16* __restrict__ l
   for (int64_t v = threadIdx.x; v < nv; v += kThreads) {
     float f[8];
     load8(reinterpret_cast<const bf16*>(&s_row[v]), f);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      float g = mul * __expf(f[k] - l);
-      if (v * 8 + k == tg) g -= scale;
-      f[k] = ignored ? 0.f : g;
-    }
+    softmax_grad8(f, v * 8, tg, mul, l, scale, ignored);
     store8(x + v * 8, f);
   }
 }

@@ -235,21 +235,31 @@ __global__ void __launch_bounds__(kColTile* kRowLanes) rmsnorm_dw_pass1(const bf
 // its column in order, then the lanes are added in fixed order. A thread per column adding
 // every chunk took ~50 us for the per-head norms (D = 128: 512 chunks, one block).
 constexpr int kPass2Lanes = 32;
-__global__ void __launch_bounds__(kColTile* kPass2Lanes) rmsnorm_dw_pass2(const float* __restrict__ partial,
-                                                                         float* __restrict__ dw, int64_t D,
-                                                                         int64_t chunks) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kColTile + threadIdx.x;
+// Chunks [first, last) of column c summed as above; the result is meant for row lane 0
+// (threadIdx.y == 0). Every thread of the block calls it.
+__device__ __forceinline__ double sum_chunks(const float* __restrict__ partial, int64_t D, int64_t c, int64_t first,
+                                             int64_t last) {
   double t = 0.0;
   if (c < D) {
-    for (int64_t b = threadIdx.y; b < chunks; b += kPass2Lanes) t += static_cast<double>(partial[b * D + c]);
+    for (int64_t b = first + threadIdx.y; b < last; b += kPass2Lanes) t += static_cast<double>(partial[b * D + c]);
   }
   __shared__ double lanes[kPass2Lanes][kColTile];
   lanes[threadIdx.y][threadIdx.x] = t;
   __syncthreads();
-  if (threadIdx.y != 0 || c >= D) return;
   double sum = 0.0;
+  if (threadIdx.y == 0) {
 #pragma unroll 8
-  for (int k = 0; k < kPass2Lanes; ++k) sum += lanes[k][threadIdx.x];
+    for (int k = 0; k < kPass2Lanes; ++k) sum += lanes[k][threadIdx.x];
+  }
+  return sum;
+}
+
+__global__ void __launch_bounds__(kColTile* kPass2Lanes) rmsnorm_dw_pass2(const float* __restrict__ partial,
+                                                                         float* __restrict__ dw, int64_t D,
+                                                                         int64_t chunks) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kColTile + threadIdx.x;
+  const double sum = sum_chunks(partial, D, c, 0, chunks);
+  if (threadIdx.y != 0 || c >= D) return;
   dw[c] = static_cast<float>(static_cast<double>(dw[c]) + sum);
 }
 
@@ -263,18 +273,8 @@ __global__ void __launch_bounds__(kColTile* kPass2Lanes) rmsnorm_dw_groups(const
                                                                           int64_t chunks) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * kColTile + threadIdx.x;
   const int64_t b0 = static_cast<int64_t>(blockIdx.y) * kGroupChunks;
-  const int64_t b1 = b0 + kGroupChunks < chunks ? b0 + kGroupChunks : chunks;
-  double t = 0.0;
-  if (c < D) {
-    for (int64_t b = b0 + threadIdx.y; b < b1; b += kPass2Lanes) t += static_cast<double>(partial[b * D + c]);
-  }
-  __shared__ double lanes[kPass2Lanes][kColTile];
-  lanes[threadIdx.y][threadIdx.x] = t;
-  __syncthreads();
+  const double sum = sum_chunks(partial, D, c, b0, b0 + kGroupChunks < chunks ? b0 + kGroupChunks : chunks);
   if (threadIdx.y != 0 || c >= D) return;
-  double sum = 0.0;
-#pragma unroll 8
-  for (int k = 0; k < kPass2Lanes; ++k) sum += lanes[k][threadIdx.x];
   groups[blockIdx.y * D + c] = static_cast<float>(sum);
 }
 
