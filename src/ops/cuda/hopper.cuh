@@ -67,6 +67,16 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
                : "memory");
 }
 
+// The box at src (laid out as tma_load_2d writes one) to the tensor at coordinates (c0, c1);
+// the parts of a box past the tensor's end are not written. Then cp.async.bulk.commit_group,
+// and cp.async.bulk.wait_group.read before src is written again.
+__device__ __forceinline__ void tma_store_2d(const void* map, const void* src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_u32(src)), "r"(c0), "r"(c1)
+               : "memory");
+}
+
 // Shared-memory matrix descriptor of a 128-byte-swizzled operand (tiles 1024-byte aligned),
 // as TMA writes a box whose inner dimension is 64 bf16. sbo: bytes between groups of 8 rows
 // (K-major) or 8 k (MN-major): 1024 for such boxes. lbo: MN-major only, bytes between the

@@ -609,6 +609,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int cw = wg - 1, tid = threadIdx.x & 127, lane = tid & 31, w = tid >> 5;
   char* staging = smem + S * kWsStage + 1024 + cw * 2 * kOutBox;  // this warpgroup's two boxes
   int boxes = 0;  // boxes this warpgroup has stored: the next one goes to buffer boxes % 2
+  // Where column block j (8 bf16, 16 bytes) of row r lands in a 128-byte-swizzled box, plus
+  // this lane's pair.
+  auto box_offset = [&](int r, int j) { return r * 128 + ((j ^ (r & 7)) << 4) + (lane & 3) * 4; };
   // Stores the warpgroup's 64 rows x 64 columns col0.. of output `o` through the next
   // staging box; value(j, h) is the bf16 pair of column block j (8 columns), row half h.
   auto store_box = [&](const CUtensorMap* map, int col0, int row, auto value) {
@@ -619,17 +622,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     for (int h = 0; h < 2; ++h) {
       const int r = 16 * w + (lane >> 2) + 8 * h;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        *reinterpret_cast<uint32_t*>(buf + r * 128 + ((j ^ (r & 7)) << 4) + (lane & 3) * 4) = value(j, h);
-      }
+      for (int j = 0; j < 8; ++j) *reinterpret_cast<uint32_t*>(buf + box_offset(r, j)) = value(j, h);
     }
     fence_proxy_async();  // generic writes -> copy engine reads
     named_barrier(2 + cw, 128);
     if (tid == 0) {
-      asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
-                       reinterpret_cast<uint64_t>(map)),
-                   "r"(smem_u32(buf)), "r"(col0), "r"(row)
-                   : "memory");
+      tma_store_2d(map, buf, col0, row);
       asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
     }
   };
@@ -717,7 +715,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
               const int nb = 8 * q + j;
               dswiglu_pair(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1], *reinterpret_cast<__nv_bfloat162*>(&g[j]),
                            *reinterpret_cast<__nv_bfloat162*>(&u[j]), g[j], u[j]);
-              const int off = r * 128 + ((j ^ (r & 7)) << 4) + (lane & 3) * 4;
+              const int off = box_offset(r, j);
               *reinterpret_cast<uint32_t*>(staging + off) = g[j];
               *reinterpret_cast<uint32_t*>(staging + kOutBox + off) = u[j];
             }
@@ -725,13 +723,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           fence_proxy_async();  // generic writes -> copy engine reads
           named_barrier(2 + cw, 128);
           if (tid == 0) {
-#pragma unroll
-            for (int o = 0; o < 2; ++o) {
-              asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
-                               reinterpret_cast<uint64_t>(&out.o[o])),
-                           "r"(smem_u32(staging + o * kOutBox)), "r"(n0 + 64 * q), "r"(r0)
-                           : "memory");
-            }
+            tma_store_2d(&out.o[0], staging, n0 + 64 * q, r0);            // dgate
+            tma_store_2d(&out.o[1], staging + kOutBox, n0 + 64 * q, r0);  // dup
             asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
           }
         }
