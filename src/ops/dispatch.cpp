@@ -215,8 +215,18 @@ Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const
   return MT_ROUTE(logits, cross_entropy_backward, logits, targets, lse, scale);
 }
 
+// The GPU's one pass where its kernel takes the rows; elsewhere (the CPU has no pass to save)
+// the forward, the backward, the gradient over the logits: the same values.
 CrossEntropyOut cross_entropy_forward_backward_(Tensor& logits, const Tensor& targets, double scale) {
-  return MT_ROUTE(logits, cross_entropy_forward_backward_, logits, targets, scale);
+#if MOETRAIN_WITH_CUDA
+  CrossEntropyOut o;
+  if (on_cuda(logits, "cross_entropy_forward_backward_") && cuda::cross_entropy_one_pass(logits, targets, scale, o)) {
+    return o;
+  }
+#endif
+  CrossEntropyOut f = cross_entropy_forward(logits, targets);
+  logits.copy_from(cross_entropy_backward(logits, targets, f.lse, scale));
+  return f;
 }
 
 void load_balance_accumulate(const Tensor& probs, const Tensor& topk_idx, Tensor& selections, Tensor& prob_sum) {

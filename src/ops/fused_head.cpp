@@ -27,7 +27,8 @@ LinearCrossEntropyOut linear_cross_entropy(const Tensor& x, const Tensor& w, con
   chunk_rows = std::min(chunk_rows, std::max<int64_t>(T, 1));
 
   LinearCrossEntropyOut out;
-  if (dx && !(T > 0 && chunk_rows >= T)) *dx = Tensor::empty(x.shape(), x.dtype(), x.device());  // else one chunk's
+  const bool one_chunk = T > 0 && chunk_rows >= T;  // then dx is that chunk's, not a copy of it
+  if (dx && !one_chunk) *dx = Tensor::empty(x.shape(), x.dtype(), x.device());
   for (int64_t r0 = 0; r0 < T; r0 += chunk_rows) {
     const int64_t r1 = std::min(T, r0 + chunk_rows);
     const Tensor xr = x.slice(r0, r1), tr = targets.slice(r0, r1);
@@ -41,8 +42,8 @@ LinearCrossEntropyOut linear_cross_entropy(const Tensor& x, const Tensor& w, con
     }
     if (!dx) continue;
     const Tensor& dlogits = logits;
-    if (r0 == 0 && r1 == T) {
-      *dx = linear_backward_input(dlogits, w);  // one chunk: no copy
+    if (one_chunk) {
+      *dx = linear_backward_input(dlogits, w);
     } else {
       dx->slice(r0, r1).copy_from(linear_backward_input(dlogits, w));
     }

@@ -38,7 +38,6 @@ SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& c
 void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate, const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down, bool accumulate, SumSquaresInto squares, const Tensor& act);
 CrossEntropyOut cross_entropy_forward(const Tensor& logits, const Tensor& targets);
 Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, double scale);
-CrossEntropyOut cross_entropy_forward_backward_(Tensor& logits, const Tensor& targets, double scale);
 void load_balance_accumulate(const Tensor& probs, const Tensor& topk_idx, Tensor& selections, Tensor& prob_sum);
 Tensor load_balance_backward(const Tensor& selections, int64_t rows, int64_t total_rows, double coef);
 ZLossOut router_z_loss_forward(const Tensor& logits);

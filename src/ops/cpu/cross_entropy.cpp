@@ -88,11 +88,4 @@ Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const
   return dlogits;
 }
 
-// The CPU has no pass to save: the forward, the backward, the gradient over the logits.
-CrossEntropyOut cross_entropy_forward_backward_(Tensor& logits, const Tensor& targets, double scale) {
-  CrossEntropyOut o = cross_entropy_forward(logits, targets);
-  logits.copy_from(cross_entropy_backward(logits, targets, o.lse, scale));
-  return o;
-}
-
 }  // namespace moetrain::ops::cpu

@@ -49,23 +49,19 @@ Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const
   return dlogits;
 }
 
-CrossEntropyOut cross_entropy_forward_backward_(Tensor& logits, const Tensor& targets, double scale) {
+bool cross_entropy_one_pass(Tensor& logits, const Tensor& targets, double scale, CrossEntropyOut& out) {
   check_args(logits, targets, "cross_entropy_forward_backward_");
   const int64_t T = logits.size(0), V = logits.size(1);
   CrossEntropyOut o{Tensor::empty({1}, DType::F32, logits.device()), Tensor::empty({T}, DType::F32, logits.device())};
   Tensor row_loss = Tensor::empty({T}, DType::F32, logits.device());
-  auto* x = static_cast<__nv_bfloat16*>(logits.raw());
-  if (launch_cross_entropy_fused(x, targets.data<int32_t>(), o.lse.data<float>(), row_loss.data<float>(),
-                                 o.loss_sum.data<float>(), T, V, static_cast<float>(scale), stream())) {
-    check_launch("cross_entropy_forward_backward_");
-    return o;
+  if (!launch_cross_entropy_fused(static_cast<__nv_bfloat16*>(logits.raw()), targets.data<int32_t>(),
+                                  o.lse.data<float>(), row_loss.data<float>(), o.loss_sum.data<float>(), T, V,
+                                  static_cast<float>(scale), stream())) {
+    return false;
   }
-  // Rows too long for one block's registers: the two kernels, the gradient copied back.
-  launch_cross_entropy_forward(x, targets.data<int32_t>(), o.lse.data<float>(), row_loss.data<float>(),
-                               o.loss_sum.data<float>(), T, V, stream());
-  check_launch("cross_entropy_forward_backward_ (forward)");
-  logits.copy_from(cross_entropy_backward(logits, targets, o.lse, scale));
-  return o;
+  check_launch("cross_entropy_forward_backward_");
+  out = std::move(o);
+  return true;
 }
 
 }  // namespace moetrain::ops::cuda

@@ -19,7 +19,7 @@ void launch_cross_entropy_forward(const __nv_bfloat16* logits, const int32_t* ta
 void launch_cross_entropy_backward(const __nv_bfloat16* logits, const int32_t* targets, const float* lse,
                                    __nv_bfloat16* dlogits, int64_t T, int64_t V, float scale, cudaStream_t s);
 // Both in one pass, the gradient written over the logits (the same values, bit for bit):
-// one block a row holding its logits in registers. false, with nothing launched, where a
+// one block a row holding its logits in shared memory. false, with nothing launched, where a
 // row does not fit (V % 8 != 0, an unaligned pointer, or V > kCrossEntropyFusedMaxV).
 constexpr int64_t kCrossEntropyFusedMaxV = 32768;
 bool launch_cross_entropy_fused(__nv_bfloat16* logits, const int32_t* targets, float* lse, float* row_loss,

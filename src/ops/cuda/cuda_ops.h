@@ -41,7 +41,9 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
 bool grouped_swiglu_backward_weight_group(const std::vector<SwigluWgradRows>& rows, Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down, bool accumulate, SumSquaresInto squares);
 CrossEntropyOut cross_entropy_forward(const Tensor& logits, const Tensor& targets);
 Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, double scale);
-CrossEntropyOut cross_entropy_forward_backward_(Tensor& logits, const Tensor& targets, double scale);
+// ops::cross_entropy_forward_backward_ in one pass; false (nothing done) where the rows do not
+// fit the kernel (the caller then runs the two ops).
+bool cross_entropy_one_pass(Tensor& logits, const Tensor& targets, double scale, CrossEntropyOut& out);
 void load_balance_accumulate(const Tensor& probs, const Tensor& topk_idx, Tensor& selections, Tensor& prob_sum);
 Tensor load_balance_backward(const Tensor& selections, int64_t rows, int64_t total_rows, double coef);
 ZLossOut router_z_loss_forward(const Tensor& logits);
