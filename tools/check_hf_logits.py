@@ -10,6 +10,16 @@ saves it with save_pretrained, scores the same random tokens with transformers a
 converts the folder to a moetrain checkpoint and back (`moetrain convert`), checks that every
 tensor of the round trip is bitwise equal to the original, that transformers loads the
 exported folder, and that moetrain scores the moetrain checkpoint the same.
+
+The cases are chosen so that a config key moetrain fails to read shows: every value differs
+from moetrain's default and from transformers' (booleans take each value in some case),
+head_dim is not hidden_size / num_attention_heads, and the same weights are scored under
+config.json files in both spellings: as the installed transformers writes it (5.x:
+num_local_experts, rope_parameters, dtype), rewritten by hand in the older spelling of
+published checkpoints (num_experts, rope_theta, torch_dtype, rope_scaling null), and with
+keys omitted so that transformers' defaults apply (transformers reloads each rewritten folder
+first, to prove the file means the same model to it). Last, a config with a key moetrain does
+not know must be refused, naming the key.
 Prints one line per check and PASS/FAIL at the end; exits non-zero on failure.
 """
 import argparse
@@ -48,7 +58,34 @@ def run(cmd):
     return r.stdout
 
 
-def check_case(name, cfg_kwargs, moetrain, work, seed):
+def rewrite_config(hf_dir, how):
+    """Rewrites hf_dir/config.json: 'old' = the older spelling, 'omit' = also without the keys
+    whose value is transformers' default (norm_topk_prob false, head_dim = hidden / heads, ...)."""
+    path = os.path.join(hf_dir, "config.json")
+    with open(path) as f:
+        j = json.load(f)
+    if how in ("old", "omit"):
+        j["num_experts"] = j.pop("num_local_experts")
+        rope = j.pop("rope_parameters")
+        assert rope.get("rope_type", "default") == "default", rope
+        j["rope_theta"] = rope["rope_theta"]
+        j["rope_scaling"] = None
+        j["torch_dtype"] = j.pop("dtype", "float32")
+        j["transformers_version"] = "4.51.0"
+    if how == "omit":
+        defaults = dict(norm_topk_prob=False, tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[],
+                        rms_norm_eps=1e-6, attention_bias=False, use_sliding_window=False)
+        for k, v in defaults.items():
+            if j.get(k) == v:
+                del j[k]
+        if j.get("head_dim") == j["hidden_size"] // j["num_attention_heads"]:
+            del j["head_dim"]
+    with open(path, "w") as f:
+        json.dump(j, f, indent=2)
+    return sorted(j)
+
+
+def check_case(name, cfg_kwargs, moetrain, work, seed, rewrite=None):
     ok = True
     torch.manual_seed(seed)
     cfg = Qwen3MoeConfig(**cfg_kwargs)
@@ -60,6 +97,18 @@ def check_case(name, cfg_kwargs, moetrain, work, seed):
     hf_dir = os.path.join(work, name, "hf")
     shutil.rmtree(os.path.join(work, name), ignore_errors=True)
     model.save_pretrained(hf_dir, safe_serialization=True)
+    if rewrite:
+        keys = rewrite_config(hf_dir, rewrite)
+        print(f"[{name}] config.json rewritten ({rewrite}): {keys}")
+        with torch.no_grad():  # the rewritten file is the same model to transformers
+            again = Qwen3MoeForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+            e = rel_err(again(input_ids=torch.arange(16)[None] % cfg.vocab_size).logits,
+                        model(input_ids=torch.arange(16)[None] % cfg.vocab_size).logits)
+        ok &= e == 0.0
+        print(f"[{name}] transformers reloads the rewritten folder: logits rel err {e:.3e} {'ok' if e == 0.0 else 'FAIL'}")
+    else:
+        with open(os.path.join(hf_dir, "config.json")) as f:
+            print(f"[{name}] config.json as transformers wrote it: {sorted(json.load(f))}")
     keys = sorted(folder_tensors(hf_dir).keys())
     fused = any(k.endswith("experts.gate_up_proj") or "gate_up_proj" in k for k in keys)
     print(f"[{name}] saved {len(keys)} tensors ({'fused' if fused else 'per-expert'} experts), e.g. {keys[:3]}")
@@ -116,7 +165,7 @@ def check_case(name, cfg_kwargs, moetrain, work, seed):
     ok &= same
     print(f"[{name}] round trip HF -> moetrain -> HF: {len(back)} tensors {'bitwise equal' if same else 'DIFFER'}")
 
-    reloaded = Qwen3MoeForCausalLM.from_pretrained(back_dir, torch_dtype=torch.float32).eval()
+    reloaded = Qwen3MoeForCausalLM.from_pretrained(back_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         e = rel_err(reloaded(input_ids=ids).logits[0].float(), hf_logits)
     ok &= e == 0.0
@@ -131,19 +180,48 @@ def main():
     args = ap.parse_args()
     import transformers
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
-    base = dict(vocab_size=384, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-                mlp_only_layers=[], rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=512,
-                tie_word_embeddings=False, output_router_logits=False, attention_bias=False)
+    # moetrain's defaults: vocab 257, hidden 128, intermediate 256, moe 128, 4 layers, 4 heads,
+    # 2 kv heads, head_dim 32, 8 experts, top-2, norm_topk true, sparse step 1, no dense layers,
+    # theta 1e4, eps 1e-6, untied, 4096 positions, aux 0.001. transformers': vocab 151936,
+    # hidden 2048, ..., 128 experts, top-8, norm_topk false, theta 1e4, eps 1e-6, untied.
+    a = dict(vocab_size=384, hidden_size=96, intermediate_size=160, moe_intermediate_size=40,
+             num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=3, head_dim=24,
+             num_experts=6, num_experts_per_tok=3, norm_topk_prob=True, decoder_sparse_step=1,
+             mlp_only_layers=[0], rope_theta=5e5, rms_norm_eps=1e-5, max_position_embeddings=777,
+             tie_word_embeddings=True, router_aux_loss_coef=0.004, initializer_range=0.05)
+    b = dict(vocab_size=300, hidden_size=80, intermediate_size=112, moe_intermediate_size=24,
+             num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=1, head_dim=28,
+             num_experts=5, num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=2,
+             mlp_only_layers=[], rope_theta=2.5e4, rms_norm_eps=3e-6, max_position_embeddings=900,
+             tie_word_embeddings=False, router_aux_loss_coef=0.02, initializer_range=0.04)
     cases = [
-        ("moe", base, 1),
-        ("dense-first-tied-unnormed", dict(base, mlp_only_layers=[0], tie_word_embeddings=True,
-                                           norm_topk_prob=False, num_experts_per_tok=3), 2),
+        ("t5-written-a", a, 1, None),
+        ("t5-written-b", b, 2, None),
+        ("old-spelling-a", a, 3, "old"),
+        ("old-spelling-b-defaults-omitted", b, 4, "omit"),
+        ("old-spelling-c-head-dim-omitted", dict(b, hidden_size=72, num_attention_heads=3, head_dim=24,
+                                                 num_experts=7, num_experts_per_tok=1), 5, "omit"),
     ]
     ok = True
-    for name, kw, seed in cases:
-        ok &= check_case(name, kw, args.moetrain, args.work, seed)
+    for name, kw, seed, rewrite in cases:
+        ok &= check_case(name, kw, args.moetrain, args.work, seed, rewrite)
+
+    # A key moetrain does not know is refused, naming it, rather than skipped.
+    bad_dir = os.path.join(args.work, "unknown-key")
+    shutil.rmtree(bad_dir, ignore_errors=True)
+    shutil.copytree(os.path.join(args.work, "t5-written-a", "hf"), bad_dir)
+    with open(os.path.join(bad_dir, "config.json")) as f:
+        j = json.load(f)
+    j["moe_layer_freq"] = 2
+    with open(os.path.join(bad_dir, "config.json"), "w") as f:
+        json.dump(j, f)
+    tok_file = os.path.join(args.work, "t5-written-a", "tokens.json")
+    r = subprocess.run([args.moetrain, "score", "--model", bad_dir, "--tokens-file", tok_file],
+                       capture_output=True, text=True)
+    refused = r.returncode != 0 and "moe_layer_freq" in r.stderr
+    ok &= refused
+    print(f"[unknown-key] moetrain score refuses a config with \"moe_layer_freq\": "
+          f"{'ok' if refused else 'FAIL'} ({r.stderr.strip().splitlines()[-1] if r.stderr.strip() else 'no error'})")
     print("PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)
 

@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <toml++/toml.h>
 
 #include "core/error.h"
@@ -396,6 +397,169 @@ TEST(Qwen3MoeConfig, LoadHfJson) {
   Qwen3MoeConfig d;
   d.load_hf_json(dir.file("nohead.json", j));
   EXPECT_EQ(d.head_dim, 16);
+}
+
+// One model in the two spellings transformers has written. Every value differs from
+// moetrain's default and from transformers' (booleans: from moetrain's, and the test below
+// checks that an omitted one takes transformers'), so a key that is not read shows.
+const char* kOldSpelling = R"({
+  "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "torch_dtype": "float32",
+  "vocab_size": 1000, "hidden_size": 96, "intermediate_size": 160, "moe_intermediate_size": 40,
+  "num_hidden_layers": 5, "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 24,
+  "num_experts": 6, "num_experts_per_tok": 3, "norm_topk_prob": false, "decoder_sparse_step": 2,
+  "mlp_only_layers": [3], "rope_theta": 500000.0, "rope_scaling": null, "rms_norm_eps": 1e-05,
+  "tie_word_embeddings": true, "initializer_range": 0.013, "max_position_embeddings": 3000,
+  "router_aux_loss_coef": 0.004, "hidden_act": "silu", "attention_bias": false, "attention_dropout": 0.0,
+  "use_sliding_window": false, "sliding_window": 4096, "max_window_layers": 5, "use_cache": true,
+  "output_router_logits": false, "bos_token_id": 151643, "eos_token_id": 151645, "transformers_version": "4.51.0"
+})";
+// As transformers 5.17's save_pretrained writes it (num_local_experts, rope_parameters, dtype).
+const char* kNewSpelling = R"({
+  "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "dtype": "float32",
+  "vocab_size": 1000, "hidden_size": 96, "intermediate_size": 160, "moe_intermediate_size": 40,
+  "num_hidden_layers": 5, "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 24,
+  "num_local_experts": 6, "num_experts_per_tok": 3, "norm_topk_prob": false, "decoder_sparse_step": 2,
+  "mlp_only_layers": [3], "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+  "rms_norm_eps": 1e-05, "tie_word_embeddings": true, "initializer_range": 0.013,
+  "max_position_embeddings": 3000, "router_aux_loss_coef": 0.004, "hidden_act": "silu",
+  "attention_bias": false, "attention_dropout": 0.0, "use_sliding_window": false, "sliding_window": null,
+  "use_cache": true, "output_router_logits": false, "pad_token_id": null, "bos_token_id": null,
+  "eos_token_id": null, "transformers_version": "5.17.0"
+})";
+
+void expect_spelling_model(const Qwen3MoeConfig& c, const std::string& what) {
+  SCOPED_TRACE(what);
+  EXPECT_EQ(c.model_type, "qwen3_moe");
+  EXPECT_EQ(c.vocab_size, 1000);
+  EXPECT_EQ(c.hidden_size, 96);
+  EXPECT_EQ(c.intermediate_size, 160);
+  EXPECT_EQ(c.moe_intermediate_size, 40);
+  EXPECT_EQ(c.num_hidden_layers, 5);
+  EXPECT_EQ(c.num_attention_heads, 6);
+  EXPECT_EQ(c.num_key_value_heads, 3);
+  EXPECT_EQ(c.head_dim, 24);
+  EXPECT_EQ(c.num_experts, 6);
+  EXPECT_EQ(c.num_experts_per_tok, 3);
+  EXPECT_FALSE(c.norm_topk_prob);
+  EXPECT_EQ(c.decoder_sparse_step, 2);
+  EXPECT_EQ(c.mlp_only_layers, std::vector<int64_t>{3});
+  EXPECT_EQ(c.rope_theta, 5e5);
+  EXPECT_EQ(c.rms_norm_eps, 1e-5);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.initializer_range, 0.013);
+  EXPECT_EQ(c.max_position_embeddings, 3000);
+  EXPECT_EQ(c.router_aux_loss_coef, 0.004);
+  c.validate(what);
+}
+
+TEST(Qwen3MoeConfig, BothHfSpellingsGiveOneModel) {
+  TempDir dir;
+  Qwen3MoeConfig older, newer;
+  older.load_hf_json(dir.file("old.json", kOldSpelling));
+  newer.load_hf_json(dir.file("new.json", kNewSpelling));
+  expect_spelling_model(older, "older spelling (num_experts, rope_theta, torch_dtype)");
+  expect_spelling_model(newer, "transformers 5 spelling (num_local_experts, rope_parameters, dtype)");
+
+  // What moetrain writes is the transformers 5 spelling, and reads back as the same model.
+  const std::string written = older.to_hf_json();
+  const auto j = nlohmann::json::parse(written);
+  EXPECT_EQ(j.at("num_local_experts"), 6);
+  EXPECT_FALSE(j.contains("num_experts"));
+  EXPECT_EQ(j.at("rope_parameters").at("rope_theta"), 5e5);
+  EXPECT_EQ(j.at("rope_parameters").at("rope_type"), "default");
+  EXPECT_FALSE(j.contains("rope_theta"));
+  EXPECT_TRUE(j.contains("dtype"));
+  EXPECT_FALSE(j.contains("torch_dtype"));
+  Qwen3MoeConfig back;
+  back.load_hf_json(dir.file("back.json", written));
+  expect_spelling_model(back, "moetrain's own config.json");
+}
+
+// A key the file omits takes transformers' default, not moetrain's: the two differ in every
+// field (moetrain's describe a tiny model), so an omitted key that kept moetrain's shows.
+TEST(Qwen3MoeConfig, OmittedHfKeysTakeTransformersDefaults) {
+  TempDir dir;
+  Qwen3MoeConfig c;  // moetrain's defaults to start with
+  c.router_z_loss_coef = 0.25;  // moetrain's own key: not an HF key, kept
+  c.load_hf_json(dir.file("config.json", R"({"model_type": "qwen3_moe"})"));
+  EXPECT_EQ(c.vocab_size, 151936);
+  EXPECT_EQ(c.hidden_size, 2048);
+  EXPECT_EQ(c.intermediate_size, 6144);
+  EXPECT_EQ(c.moe_intermediate_size, 768);
+  EXPECT_EQ(c.num_hidden_layers, 24);
+  EXPECT_EQ(c.num_attention_heads, 32);
+  EXPECT_EQ(c.num_key_value_heads, 4);
+  EXPECT_EQ(c.head_dim, 64);  // hidden_size / num_attention_heads
+  EXPECT_EQ(c.num_experts, 128);
+  EXPECT_EQ(c.num_experts_per_tok, 8);
+  EXPECT_FALSE(c.norm_topk_prob);
+  EXPECT_EQ(c.decoder_sparse_step, 1);
+  EXPECT_TRUE(c.mlp_only_layers.empty());
+  EXPECT_EQ(c.rope_theta, 10000.0);
+  EXPECT_EQ(c.rms_norm_eps, 1e-6);
+  EXPECT_FALSE(c.tie_word_embeddings);
+  EXPECT_EQ(c.initializer_range, 0.02);
+  EXPECT_EQ(c.max_position_embeddings, 32768);
+  EXPECT_EQ(c.router_aux_loss_coef, 0.001);
+  EXPECT_EQ(c.router_z_loss_coef, 0.25);
+  // null means the default too (head_dim null: hidden / heads; mlp_only_layers null: none).
+  Qwen3MoeConfig d;
+  d.load_hf_json(dir.file("nulls.json", R"({"model_type": "qwen3_moe", "hidden_size": 96, "num_attention_heads": 4,
+                                             "head_dim": null, "mlp_only_layers": null})"));
+  EXPECT_EQ(d.head_dim, 24);
+  EXPECT_TRUE(d.mlp_only_layers.empty());
+}
+
+TEST(Qwen3MoeConfig, UnknownOrUnsupportedHfKeysAreErrors) {
+  TempDir dir;
+  auto error_with = [&](const std::string& from, const std::string& to) {
+    std::string j = kNewSpelling;
+    const size_t at = j.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    j.replace(at, from.size(), to);
+    const std::string p = dir.file("config.json", j);
+    Qwen3MoeConfig c;
+    const std::string e = error_of([&] { c.load_hf_json(p); });
+    EXPECT_NE(e.find(p), std::string::npos) << e;
+    return e;
+  };
+  // A key nobody told moetrain about: named with its value, not skipped.
+  std::string e = error_with("\"use_cache\": true", "\"use_cache\": true, \"moe_layer_freq\": 2");
+  EXPECT_NE(e.find("unknown key \"moe_layer_freq\" = 2"), std::string::npos) << e;
+  e = error_with("\"use_cache\": true", "\"use_cache\": true, \"quantization_config\": {\"quant_method\": \"fp8\"}");
+  EXPECT_NE(e.find("\"quantization_config\" = {\"quant_method\":\"fp8\"}"), std::string::npos) << e;
+  // Two spellings that disagree.
+  e = error_with("\"num_local_experts\": 6", "\"num_local_experts\": 6, \"num_experts\": 8");
+  EXPECT_NE(e.find("keys \"num_experts\" = 8 and \"num_local_experts\" = 6 are two spellings"), std::string::npos) << e;
+  e = error_with("\"hidden_act\"", "\"rope_theta\": 10000, \"hidden_act\"");
+  EXPECT_NE(e.find("disagree"), std::string::npos) << e;
+  // RoPE variants moetrain does not implement, in either spelling.
+  e = error_with("\"rope_type\": \"default\"", "\"rope_type\": \"yarn\", \"factor\": 4.0");
+  EXPECT_NE(e.find("unsupported architecture key \"rope_parameters\""), std::string::npos) << e;
+  e = error_with("\"rope_type\": \"default\"", "\"rope_type\": \"default\", \"partial_rotary_factor\": 0.5");
+  EXPECT_NE(e.find("\"partial_rotary_factor\""), std::string::npos) << e;
+  e = error_with("\"hidden_act\"", "\"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}, \"hidden_act\"");
+  EXPECT_NE(e.find("unsupported architecture key \"rope_scaling\""), std::string::npos) << e;
+  e = error_with("\"attention_dropout\": 0.0", "\"attention_dropout\": 0.1");
+  EXPECT_NE(e.find("unsupported architecture key \"attention_dropout\" = 0.1"), std::string::npos) << e;
+  e = error_with("\"use_cache\": true", "\"use_cache\": true, \"layer_types\": [\"full_attention\", "
+                 "\"sliding_attention\"]");
+  EXPECT_NE(e.find("\"layer_types\""), std::string::npos) << e;
+  e = error_with("\"model_type\": \"qwen3_moe\", ", "");
+  EXPECT_NE(e.find("no \"model_type\" key"), std::string::npos) << e;
+  e = error_with("\"model_type\": \"qwen3_moe\"", "\"model_type\": \"qwen2_moe\"");
+  EXPECT_NE(e.find("\"model_type\" = \"qwen2_moe\""), std::string::npos) << e;
+  e = error_with("\"dtype\": \"float32\"", "\"dtype\": \"float32\", \"torch_dtype\": \"bfloat16\"");
+  EXPECT_NE(e.find("disagree"), std::string::npos) << e;
+  // The harmless ones load: generation defaults, auto_map, token ids, an all-full layer_types.
+  std::string j = kNewSpelling;
+  j.replace(j.find("\"use_cache\": true"), 17,
+            "\"use_cache\": true, \"temperature\": 0.7, \"auto_map\": {}, \"sep_token_id\": 3, "
+            "\"layer_types\": [\"full_attention\", \"full_attention\"], \"is_encoder_decoder\": false, "
+            "\"pruned_heads\": {}, \"max_window_layers\": 28");
+  Qwen3MoeConfig ok;
+  ok.load_hf_json(dir.file("ok.json", j));
+  expect_spelling_model(ok, "with harmless keys");
 }
 
 TEST(Qwen3MoeConfig, HfJsonErrors) {

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "engine/models/hf_config.h"
 
 namespace moetrain {
 
@@ -69,15 +70,38 @@ void Qwen3MoeConfig::validate(const std::string& origin) const {
 
 namespace {
 
-const char* json_type_name(const nlohmann::json& j) {
-  if (j.is_number_integer()) return "integer";
-  if (j.is_number_float()) return "float";
-  return j.type_name();
+// transformers' Qwen3MoeConfig defaults (5.x, the same values as 4.51+): what a config.json
+// that omits a key means. They differ from moetrain's own defaults (a tiny model), so a
+// config.json is read on top of these, never on top of moetrain's.
+Qwen3MoeConfig hf_defaults() {
+  Qwen3MoeConfig c;
+  c.vocab_size = 151936;
+  c.hidden_size = 2048;
+  c.intermediate_size = 6144;
+  c.moe_intermediate_size = 768;
+  c.num_hidden_layers = 24;
+  c.num_attention_heads = 32;
+  c.num_key_value_heads = 4;
+  c.head_dim = 0;  // absent: hidden_size / num_attention_heads, after the other keys
+  c.num_experts = 128;
+  c.num_experts_per_tok = 8;
+  c.norm_topk_prob = false;
+  c.decoder_sparse_step = 1;
+  c.mlp_only_layers = {};
+  c.rope_theta = 10000.0;
+  c.rms_norm_eps = 1e-6;
+  c.tie_word_embeddings = false;
+  c.initializer_range = 0.02;
+  c.max_position_embeddings = 32768;
+  c.router_aux_loss_coef = 0.001;
+  return c;
 }
 
 }  // namespace
 
 std::string Qwen3MoeConfig::to_hf_json() const {
+  // The spelling transformers 5 writes (num_local_experts, rope_parameters, dtype); it also
+  // reads the older one (num_experts, rope_theta, torch_dtype), and so does load_hf_json.
   nlohmann::ordered_json j;
   j["architectures"] = {"Qwen3MoeForCausalLM"};
   j["model_type"] = model_type;
@@ -89,13 +113,12 @@ std::string Qwen3MoeConfig::to_hf_json() const {
   j["num_attention_heads"] = num_attention_heads;
   j["num_key_value_heads"] = num_key_value_heads;
   j["head_dim"] = head_dim;
-  j["num_experts"] = num_experts;
+  j["num_local_experts"] = num_experts;
   j["num_experts_per_tok"] = num_experts_per_tok;
   j["norm_topk_prob"] = norm_topk_prob;
   j["decoder_sparse_step"] = decoder_sparse_step;
   j["mlp_only_layers"] = mlp_only_layers;
-  j["rope_theta"] = rope_theta;
-  j["rope_scaling"] = nullptr;
+  j["rope_parameters"] = {{"rope_theta", rope_theta}, {"rope_type", "default"}};
   j["rms_norm_eps"] = rms_norm_eps;
   j["tie_word_embeddings"] = tie_word_embeddings;
   j["initializer_range"] = initializer_range;
@@ -108,93 +131,64 @@ std::string Qwen3MoeConfig::to_hf_json() const {
   j["use_sliding_window"] = false;
   j["sliding_window"] = nullptr;
   j["use_cache"] = true;
-  j["torch_dtype"] = "bfloat16";
+  j["dtype"] = "bfloat16";
   return j.dump(2) + "\n";
 }
 
 void Qwen3MoeConfig::load_hf_json(const std::string& path) {
-  std::ifstream in(path);
-  MT_CHECK(in.good(), "HF config '{}' cannot be opened (does it exist?)", path);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
-    MT_THROW("{}: invalid JSON: {}", path, e.what());
-  }
-  MT_CHECK(j.is_object(), "{}: expected a JSON object at the top, got {}", path, j.type_name());
+  HfConfigReader r(path);
+  r.require_model_type("qwen3_moe");
+
+  // Every key below is one that Qwen3MoeForCausalLM reads; what a file omits takes
+  // transformers' default. moetrain's own keys (config_json, router_z_loss_coef) stay.
+  Qwen3MoeConfig c = hf_defaults();
+  c.config_json = config_json;
+  c.router_z_loss_coef = router_z_loss_coef;
+  r.read({"vocab_size"}, c.vocab_size);
+  r.read({"hidden_size"}, c.hidden_size);
+  r.read({"intermediate_size"}, c.intermediate_size);
+  r.read({"moe_intermediate_size"}, c.moe_intermediate_size);
+  r.read({"num_hidden_layers"}, c.num_hidden_layers);
+  r.read({"num_attention_heads"}, c.num_attention_heads);
+  r.read({"num_key_value_heads"}, c.num_key_value_heads);
+  const bool has_head_dim = r.read({"head_dim"}, c.head_dim);
+  r.read({"num_experts", "num_local_experts"}, c.num_experts);
+  r.read({"num_experts_per_tok"}, c.num_experts_per_tok);
+  r.read({"norm_topk_prob"}, c.norm_topk_prob);
+  r.read({"decoder_sparse_step"}, c.decoder_sparse_step);
+  r.read({"mlp_only_layers"}, c.mlp_only_layers);
+  r.read_plain_rope(c.rope_theta);
+  r.read({"rms_norm_eps"}, c.rms_norm_eps);
+  r.read({"tie_word_embeddings"}, c.tie_word_embeddings);
+  r.read({"initializer_range"}, c.initializer_range);
+  r.read({"max_position_embeddings"}, c.max_position_embeddings);
+  r.read({"router_aux_loss_coef"}, c.router_aux_loss_coef);
+  // HF: head_dim absent or null means hidden_size / num_attention_heads.
+  if (!has_head_dim) c.head_dim = c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0;
 
   // Keys that would change the architecture in ways moetrain does not implement.
-  auto unsupported = [&](const std::string& key, const std::string& why) {
-    MT_THROW("{}: unsupported architecture key \"{}\" = {}: {}", path, key, j.at(key).dump(), why);
-  };
-  if (j.contains("model_type") && j["model_type"] != "qwen3_moe") {
-    unsupported("model_type", "moetrain reads qwen3_moe configs here");
-  }
-  if (j.contains("attention_bias") && !(j["attention_bias"].is_boolean() && !j["attention_bias"].get<bool>())) {
-    unsupported("attention_bias", "Qwen3-MoE attention has no biases in moetrain");
-  }
-  if (j.contains("hidden_act") && j["hidden_act"] != "silu") {
-    unsupported("hidden_act", "only silu (SwiGLU) is implemented");
-  }
-  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
-    unsupported("rope_scaling", "RoPE scaling (YaRN, linear, dynamic) is not implemented");
-  }
-  if (j.contains("use_sliding_window") && !(j["use_sliding_window"].is_boolean() && !j["use_sliding_window"].get<bool>())) {
-    unsupported("use_sliding_window", "sliding-window attention is not implemented");
-  }
-  if (j.contains("qkv_bias") && !(j["qkv_bias"].is_boolean() && !j["qkv_bias"].get<bool>())) {
-    unsupported("qkv_bias", "Qwen3-MoE attention has no biases in moetrain");
-  }
-
-  ConfigFields fields("model");
-  describe(fields);
-  bool has_head_dim = false;
-  for (auto it = j.begin(); it != j.end(); ++it) {
-    const std::string& key = it.key();
-    const nlohmann::json& v = it.value();
-    if (key == "config_json") continue;
-    const ConfigFields::Field* f = fields.find(key);
-    if (f == nullptr) continue;  // other HF keys (architectures, torch_dtype, ...) do not concern us
-    if (key == "head_dim") has_head_dim = true;
-    auto fail = [&](const char* expected) {
-      MT_THROW("{}: key \"{}\" expects {}, got {} {}", path, key, expected, json_type_name(v), v.dump());
-    };
-    if (auto p = std::get_if<int64_t*>(&f->target)) {
-      if (!v.is_number_integer()) fail("an integer");
-      **p = v.get<int64_t>();
-    } else if (auto p = std::get_if<double*>(&f->target)) {
-      if (!v.is_number()) fail("a number");
-      **p = v.get<double>();
-    } else if (auto p = std::get_if<bool*>(&f->target)) {
-      if (!v.is_boolean()) fail("a boolean");
-      **p = v.get<bool>();
-    } else if (auto p = std::get_if<std::string*>(&f->target)) {
-      if (!v.is_string()) fail("a string");
-      **p = v.get<std::string>();
-    } else if (auto p = std::get_if<std::vector<int64_t>*>(&f->target)) {
-      if (v.is_null()) {
-        (*p)->clear();
-        continue;
-      }
-      if (!v.is_array()) fail("a list of integers");
-      std::vector<int64_t> out;
-      for (const auto& item : v) {
-        if (!item.is_number_integer()) fail("a list of integers");
-        out.push_back(item.get<int64_t>());
-      }
-      **p = std::move(out);
-    } else if (auto p = std::get_if<std::vector<std::string>*>(&f->target)) {
-      if (!v.is_array()) fail("a list of strings");
-      std::vector<std::string> out;
-      for (const auto& item : v) {
-        if (!item.is_string()) fail("a list of strings");
-        out.push_back(item.get<std::string>());
-      }
-      **p = std::move(out);
+  r.require("hidden_act", "silu", "only silu (SwiGLU) is implemented");
+  r.require("attention_bias", false, "Qwen3-MoE attention has no biases in moetrain");
+  r.require("qkv_bias", false, "Qwen3-MoE attention has no biases in moetrain");
+  r.require("use_sliding_window", false, "sliding-window attention is not implemented");
+  r.require("attention_dropout", 0.0, "moetrain has no attention dropout");
+  r.require("pretraining_tp", 1, "moetrain computes the plain (non-sliced) projections");
+  if (const nlohmann::json* types = r.take({"layer_types"}); types != nullptr && !types->is_null()) {
+    const bool all_full = types->is_array() && std::all_of(types->begin(), types->end(), [](const nlohmann::json& t) {
+                            return t == "full_attention";
+                          });
+    if (!all_full) {
+      MT_THROW("{}: unsupported architecture key \"layer_types\" = {}: every layer must be \"full_attention\" "
+               "(sliding-window attention is not implemented)",
+               path, types->dump());
     }
   }
-  // HF: head_dim defaults to hidden_size / num_attention_heads.
-  if (!has_head_dim && num_attention_heads > 0) head_dim = hidden_size / num_attention_heads;
+  // sliding_window and max_window_layers only matter when use_sliding_window is true (refused
+  // above); output_router_logits only says whether transformers' forward adds the aux loss.
+  r.pass_over({"sliding_window", "max_window_layers", "output_router_logits"});
+  r.pass_over_common();
+  r.finish();
+  *this = std::move(c);
 }
 
 bool Qwen3MoeConfig::is_moe_layer(int64_t i) const {

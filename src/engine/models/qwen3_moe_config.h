@@ -37,13 +37,15 @@ struct Qwen3MoeConfig {
   void describe(ConfigFields& f);
   // Cross-field checks (heads divide, experts_per_tok <= experts, ...). Throws naming the key.
   void validate(const std::string& origin) const;
-  // Reads an HF config.json: known keys set, keys that change the architecture in ways
-  // moetrain does not support (attention_bias = true, hidden_act other than silu,
-  // rope_scaling, use_sliding_window = true) are errors; other HF keys are ignored.
+  // Reads an HF config.json as transformers does: each key Qwen3MoeForCausalLM reads, in
+  // either spelling (num_experts / num_local_experts, rope_theta / rope_parameters,
+  // torch_dtype / dtype); a key the file omits takes transformers' default, not moetrain's.
+  // A key that changes the architecture in a way moetrain does not implement, or any key
+  // not on the lists of read and harmless keys, is an error naming it and its value.
   void load_hf_json(const std::string& path);
-  // The HF config.json text of this shape (Qwen3MoeForCausalLM, every key above but
-  // config_json and moetrain's router_z_loss_coef, plus the fixed ones transformers needs:
-  // hidden_act silu, no attention bias, no sliding window).
+  // The HF config.json text of this shape in transformers 5's spelling (Qwen3MoeForCausalLM,
+  // every key above but config_json and moetrain's router_z_loss_coef, plus the fixed ones
+  // transformers needs: hidden_act silu, no attention bias, no sliding window).
   std::string to_hf_json() const;
 
   // Whether layer `i` has a routed MoE MLP (HF: not in mlp_only_layers, num_experts > 0,
