@@ -49,7 +49,7 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
   std::unique_ptr<TrainContext> ctx = TrainContext::build(cfg, std::move(connected));
   const ParallelContext& par = ctx->par;
   const Device device = par.device;
-  Qwen3MoeModel& model = *ctx->model;
+  Model& model = *ctx->model;
   const OptimizerConfig& oc = cfg.optimizer;
   // Every pipeline stage of a data rank draws the same tokens.
   Rng rng(stream_key(static_cast<uint64_t>(tc.seed), fmt::format("bench/{}", par.data_rank)));
@@ -74,7 +74,7 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
   auto batches = [&] {
     std::vector<Batch> bs;
     for (int64_t m = 0; m < tc.grad_accum_steps; ++m) {
-      bs.push_back(synthetic_batch(tc.micro_batch_size, tc.seq_len, cfg.model.vocab_size, rng, device));
+      bs.push_back(synthetic_batch(tc.micro_batch_size, tc.seq_len, cfg.model->shape().vocab_size, rng, device));
     }
     return bs;
   };

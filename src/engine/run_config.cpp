@@ -175,7 +175,7 @@ struct Sections {
   std::vector<ConfigFields> list;
   explicit Sections(RunConfig& c) {
     list.emplace_back("model");
-    c.model.describe(list.back());
+    c.model->describe(list.back());
     list.emplace_back("parallel");
     c.parallel.describe(list.back());
     list.emplace_back("training");
@@ -251,7 +251,58 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
     MT_THROW("{}:{}:{}: TOML parse error: {}", path, e.source().begin.line, e.source().begin.column, e.description());
   }
 
+  std::vector<Override> parsed;
+  for (const auto& text : overrides) parsed.push_back(parse_override(text));
+
+  // [model] may point at an HF config.json: read it first, so that the other [model] keys
+  // (and overrides) win over it. A run initialised from a model folder takes its shape from
+  // the folder's config.json unless [model].config_json names another one.
+  const toml::table* model_table = root["model"].as_table();
+  const std::filesystem::path toml_dir = std::filesystem::path(path).parent_path();
+  // A string key of [model], the command line's value winning; a path relative to the TOML
+  // file's folder (command line: the working folder) is made absolute.
+  std::string origin = path;  // of the last key model_string read, for errors
+  auto model_string = [&](const std::string& key, bool is_path) {
+    std::string value;
+    origin = path;
+    if (model_table != nullptr) {
+      if (const toml::node* n = model_table->get(key)) {
+        const auto v = n->value<std::string>();
+        MT_CHECK(v.has_value(), "{}:{}: [model].{} must be a string", path, n->source().begin.line, key);
+        value = is_path ? absolute_from(toml_dir, *v) : *v;
+      }
+    }
+    for (const auto& o : parsed) {
+      if (o.section == "model" && o.key == key) {
+        value = is_path ? absolute_from({}, o.value) : o.value;
+        origin = o.origin();
+      }
+    }
+    return value;
+  };
+  std::string json_path = model_string("config_json", true);
+  if (json_path.empty()) {
+    std::string init_from;
+    if (const toml::table* ck = root["checkpoint"].as_table()) {
+      if (auto v = (*ck)["init_from"].value<std::string>()) init_from = absolute_from(toml_dir, *v);
+    }
+    for (const auto& o : parsed) {
+      if (o.section == "checkpoint" && o.key == "init_from") init_from = absolute_from({}, o.value);
+    }
+    if (!init_from.empty() && std::filesystem::exists(std::filesystem::path(init_from) / "config.json")) {
+      json_path = (std::filesystem::path(init_from) / "config.json").string();
+    }
+  }
+  // The family: [model].model_type (file or command line), else the HF config's, else the default.
+  std::string family = model_string("model_type", false);
+  if (family.empty() && !json_path.empty()) {
+    family = hf_model_type(json_path);
+    origin = json_path;
+  }
+  if (family.empty()) family = default_model_family();
+
   RunConfig cfg;
+  cfg.model = ModelSection(make_model_config(family, origin));
   Sections sections(cfg);
   const std::vector<std::string> known = sections.names();
 
@@ -266,55 +317,18 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
              node.is_array() ? "list" : "plain");
   }
 
-  std::vector<Override> parsed;
-  for (const auto& text : overrides) {
-    Override o = parse_override(text);
-    ConfigFields* s = sections.find(o.section);
-    if (s == nullptr) {
+  for (const Override& o : parsed) {
+    if (sections.find(o.section) == nullptr) {
       MT_THROW("{}: unknown section [{}]{}", o.origin(), o.section, unknown_section_hint(o.section, known));
     }
-    parsed.push_back(std::move(o));
   }
 
-  // [model] may point at an HF config.json: read it first, so that the other [model] keys
-  // (and overrides) win over it.
-  std::string json_path;
-  if (const toml::table* model = root["model"].as_table()) {
-    Qwen3MoeConfig probe;
-    ConfigFields f("model");
-    probe.describe(f);
-    f.load(*model, path);
-    json_path = absolute_from(std::filesystem::path(path).parent_path(), probe.config_json);
-  }
-  for (const auto& o : parsed) {
-    if (o.section == "model" && o.key == "config_json") {
-      Qwen3MoeConfig probe;
-      ConfigFields f("model");
-      probe.describe(f);
-      f.set_from_string(o.key, o.value, o.origin());
-      json_path = absolute_from({}, probe.config_json);  // command line: from the working folder
-    }
-  }
-  // A run initialised from a model folder takes its shape from the folder's config.json
-  // unless [model].config_json names another one.
-  if (json_path.empty()) {
-    std::string init_from;
-    if (const toml::table* ck = root["checkpoint"].as_table()) {
-      if (auto v = (*ck)["init_from"].value<std::string>()) init_from = absolute_from(std::filesystem::path(path).parent_path(), *v);
-    }
-    for (const auto& o : parsed) {
-      if (o.section == "checkpoint" && o.key == "init_from") init_from = absolute_from({}, o.value);
-    }
-    if (!init_from.empty() && std::filesystem::exists(std::filesystem::path(init_from) / "config.json")) {
-      json_path = (std::filesystem::path(init_from) / "config.json").string();
-    }
-  }
-  if (!json_path.empty()) cfg.model.load_hf_json(json_path);
+  if (!json_path.empty()) cfg.model->load_hf_json(json_path);
 
   for (auto& s : sections.list) {
     if (const toml::table* t = root[s.section()].as_table()) s.load(*t, path);
   }
-  cfg.model.config_json = json_path;
+  cfg.model->config_json = json_path;
 
   // Validation errors name the line of the key in the file, or the command line when the
   // key was overridden there.
@@ -339,25 +353,26 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
       }
     }
   }
-  cfg.model.validate(path);
+  cfg.model->validate(path);
+  const ModelShape shape = cfg.model->shape();
 
   // Cross-section checks.
   const auto& t = cfg.training;
   const auto& o = cfg.optimizer;
   MT_CHECK(o.warmup_steps <= t.steps, "{}: [optimizer].warmup_steps ({}) must be <= [training].steps ({})", path,
            o.warmup_steps, t.steps);
-  MT_CHECK(cfg.model.num_experts == 0 || cfg.model.num_experts % cfg.parallel.ep == 0,
-           "{}: [model].num_experts ({}) must be a multiple of [parallel].ep ({}): experts are split evenly", path,
-           cfg.model.num_experts, cfg.parallel.ep);
+  MT_CHECK(shape.num_experts == 0 || shape.num_experts % cfg.parallel.ep == 0,
+           "{}: [model] has {} experts, which must be a multiple of [parallel].ep ({}): experts are split evenly",
+           path, shape.num_experts, cfg.parallel.ep);
   MT_CHECK(o.min_lr <= o.lr, "{}: [optimizer].min_lr ({}) must be <= [optimizer].lr ({})", path, o.min_lr, o.lr);
-  MT_CHECK(t.seq_len <= cfg.model.max_position_embeddings,
+  MT_CHECK(t.seq_len <= shape.max_positions,
            "{}: [training].seq_len ({}) must be <= [model].max_position_embeddings ({})", path, t.seq_len,
-           cfg.model.max_position_embeddings);
+           shape.max_positions);
   if (cfg.data.tokenizer == "byte") {
-    MT_CHECK(cfg.model.vocab_size >= 257,
+    MT_CHECK(shape.vocab_size >= 257,
              "{}: [model].vocab_size ({}) is too small for the byte tokenizer, which needs 257 (256 bytes + "
              "end-of-text)",
-             path, cfg.model.vocab_size);
+             path, shape.vocab_size);
   }
   return cfg;
 }

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "engine/config.h"
-#include "engine/models/qwen3_moe_config.h"
+#include "engine/models/model_config.h"
 
 namespace moetrain {
 
@@ -110,7 +110,7 @@ struct MetricsConfig {
 };
 
 struct RunConfig {
-  Qwen3MoeConfig model;
+  ModelSection model;  // the family named by [model].model_type (default: default_model_family())
   ParallelConfig parallel;
   TrainingConfig training;
   OptimizerConfig optimizer;

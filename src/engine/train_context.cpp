@@ -40,7 +40,7 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
                cfg.parallel.schedule, par.pp, tc.grad_accum_steps, e.what());
     }
     c.pipe_val = std::make_unique<PipelineSchedule>(make_forward_only(par.pp, static_cast<int>(tc.eval_batches), v));
-    c.chunks = partition_layers(cfg.model.num_hidden_layers, c.pipe_train->num_chunks);
+    c.chunks = partition_layers(cfg.model->shape().num_layers, c.pipe_train->num_chunks);
     placement = pipeline_placement(c.chunks, *c.pipe_train, par.pp_rank, placement);
     std::string layout;
     for (size_t i = 0; i < c.chunks.size(); ++i) {
@@ -57,7 +57,7 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   // Model, dispatcher, optimizer. On the GPU: bf16 weights and activations, f32 masters,
   // gradients and optimizer state. Many ranks: this rank's experts and layers, and the
   // optimizer state sharded over the data ranks (FsdpContext).
-  c.model = std::make_unique<Qwen3MoeModel>(cfg.model, gpu ? DType::BF16 : DType::F32, par.device, placement);
+  c.model = build_model(*cfg.model, gpu ? DType::BF16 : DType::F32, par.device, placement);
   c.model->init_weights(static_cast<uint64_t>(tc.seed));
   c.model->set_expert_wgrad_group(tc.expert_wgrad_group);
   if (par.ep == 1) {

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "core/cuda_runtime.h"
-#include "engine/models/qwen3_moe.h"
+#include "engine/models/model.h"
 #include "engine/optim/adamw.h"
 #include "engine/optim/layerwise.h"
 #include "engine/parallel/fsdp.h"
@@ -31,7 +31,7 @@ struct TrainContext {
   } comm_stream;
   std::unique_ptr<PipelineSchedule> pipe_train, pipe_val;  // pp > 1: a step, a validation pass
   std::vector<ChunkSpec> chunks;                           // pp > 1: the model cut for them
-  std::unique_ptr<Qwen3MoeModel> model;                    // this rank's part, initialised
+  std::unique_ptr<Model> model;                            // this rank's part, initialised
   std::unique_ptr<ExpertDispatcher> dispatcher;            // local, or all-to-all over ep
   std::unique_ptr<FsdpContext> fsdp;                       // several ranks: sharded optimizer
   std::unique_ptr<AdamW> single_opt;                       // one rank

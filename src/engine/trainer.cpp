@@ -15,7 +15,7 @@
 #include "engine/checkpoint/checkpointer.h"
 #include "engine/data/data_context.h"
 #include "engine/data/loader.h"
-#include "engine/models/qwen3_moe.h"
+#include "engine/models/model.h"
 #include "engine/optim/adamw.h"
 #include "engine/optim/layerwise.h"
 #include "engine/optim/lr_schedule.h"
@@ -49,7 +49,7 @@ Batch on_device(Batch b, Device device) {
 
 // Mean cross-entropy over the validation set's first eval_batches micro-batches, summed
 // over the data ranks (`group`, or one process).
-double validation_loss(Qwen3MoeModel& model, ExpertDispatcher& d, DataLoader& val, int64_t batches, Device device,
+double validation_loss(Model& model, ExpertDispatcher& d, DataLoader& val, int64_t batches, Device device,
                        Communicator* group = nullptr) {
   val.reset();
   std::vector<double> sums{0, 0};  // cross-entropy, targets
@@ -64,13 +64,13 @@ double validation_loss(Qwen3MoeModel& model, ExpertDispatcher& d, DataLoader& va
 
 // Samples `n` tokens after `prompt` at `temperature`, each from the logits of the last
 // position over a window of at most seq_len tokens.
-std::string sample_text(Qwen3MoeModel& model, ExpertDispatcher& d, const Tokenizer& tok, const std::string& prompt,
+std::string sample_text(Model& model, ExpertDispatcher& d, const Tokenizer& tok, const std::string& prompt,
                         int64_t n, int64_t seq_len, double temperature, uint64_t seed, Device device) {
   std::vector<int32_t> ids = tok.encode(prompt);
   if (ids.empty()) ids.push_back(tok.eos_id());
   Rng rng(seed);
   // Only ids the tokenizer has (a model's embedding is often padded beyond its vocabulary).
-  const int64_t V = std::min<int64_t>(model.config().vocab_size, tok.vocab_size());
+  const int64_t V = std::min<int64_t>(model.model_config().shape().vocab_size, tok.vocab_size());
   for (int64_t i = 0; i < n; ++i) {
     const int64_t S = std::min<int64_t>(static_cast<int64_t>(ids.size()), seq_len);
     std::vector<int32_t> window(ids.end() - S, ids.end()), pos(S);
@@ -126,10 +126,10 @@ namespace {
 // Per MoE layer of this rank, the tokens routed to every expert (global ids) summed over the
 // data group: each rank puts its local experts' counts at their global index and the sum
 // over ranks fills in the rest. `also_sum` rides in the same all-reduce (one collective).
-std::vector<std::vector<int64_t>> global_expert_counts(const Qwen3MoeModel& model,
+std::vector<std::vector<int64_t>> global_expert_counts(const Model& model,
                                                        const std::vector<std::vector<int64_t>>& local,
                                                        Communicator& data_group, std::vector<double>& also_sum) {
-  const int64_t E = model.config().num_experts, first = model.placement().ep_rank * E / model.placement().ep_size;
+  const int64_t E = model.model_config().shape().num_experts, first = model.placement().ep_rank * E / model.placement().ep_size;
   std::vector<double> sums = also_sum;
   const size_t base = also_sum.size();
   for (const auto& layer : local) {
@@ -167,7 +167,17 @@ void sharded_optimizer_step(FsdpContext& fsdp, StepResult& r, double lr, double 
 
 }  // namespace
 
-bool groups_expert_weight_grads(const Qwen3MoeModel& model, const FsdpContext* fsdp) {
+LossTerms in_model_order(const Model& model, const LossTerms& have) {
+  LossTerms out = model.loss_terms();
+  for (LossTerm& t : out) {
+    for (const LossTerm& h : have) {
+      if (h.name == t.name) t.value = h.value;
+    }
+  }
+  return out;
+}
+
+bool groups_expert_weight_grads(const Model& model, const FsdpContext* fsdp) {
   return model.expert_wgrad_group() > 1 && (fsdp == nullptr || fsdp->keeps_whole_grads());
 }
 
@@ -175,10 +185,10 @@ namespace {
 
 // Forward and backward of a step's micro-batches, the gradients accumulated in the model.
 // `targets`: of the whole step over all data ranks (the loss is their mean). Returns the
-// cross-entropy sum in r.loss, the load-balancing loss (already global) and this rank's
-// z-loss share in r.aux_loss / z.
-StepResult accumulate_micro_batches(Qwen3MoeModel& model, ExpertDispatcher& dispatcher,
-                                    const std::vector<Batch>& batches, double targets, double& z,
+// cross-entropy sum in r.loss and the loss terms' means over the micro-batches in r.terms
+// (this rank's: a term that is not global still needs its sum over the data ranks).
+StepResult accumulate_micro_batches(Model& model, ExpertDispatcher& dispatcher,
+                                    const std::vector<Batch>& batches, double targets,
                                     FsdpContext* fsdp = nullptr, LayerwiseOptimizer* layerwise = nullptr) {
   StepResult r;
   const double n = static_cast<double>(batches.size());
@@ -194,8 +204,7 @@ StepResult accumulate_micro_batches(Qwen3MoeModel& model, ExpertDispatcher& disp
     const bool defer = groups && static_cast<int64_t>(i + 1) % group != 0 && i + 1 < batches.size();
     MicroBatchLoss l = model.forward_backward(batches[i], dispatcher, 1.0 / targets, 1.0 / n, accumulate, defer);
     r.loss += l.ce_sum;
-    r.aux_loss += l.aux_loss / n;
-    z += l.z_loss / n;
+    for (const LossTerm& t : l.terms) add_loss_term(r.terms, t, n);
     if (r.expert_counts.empty()) r.expert_counts = l.expert_counts;
     else {
       for (size_t k = 0; k < l.expert_counts.size(); ++k) {
@@ -208,15 +217,15 @@ StepResult accumulate_micro_batches(Qwen3MoeModel& model, ExpertDispatcher& disp
 
 }  // namespace
 
-StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, LayerwiseOptimizer& opt,
+StepResult train_step(Model& model, ExpertDispatcher& dispatcher, LayerwiseOptimizer& opt,
                       const std::vector<Batch>& batches, double lr, double grad_clip) {
   int64_t targets = 0;
   for (const Batch& b : batches) targets += b.num_targets;
   MT_CHECK(targets > 0, "no token of the step's batches has a target");
-  double z = 0;
-  StepResult r = accumulate_micro_batches(model, dispatcher, batches, static_cast<double>(targets), z, nullptr, &opt);
+  StepResult r = accumulate_micro_batches(model, dispatcher, batches, static_cast<double>(targets), nullptr, &opt);
   r.loss /= static_cast<double>(targets);
-  r.aux_loss += z;
+  r.terms = in_model_order(model, r.terms);
+  r.aux_loss = total_of(r.terms);
   StageScope t(Stage::kOptimizer);
   MT_CHECK(std::isfinite(r.loss), "training loss is not finite ({})", r.loss);
   const GradNorm g = opt.step(lr, grad_clip);
@@ -224,22 +233,31 @@ StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, Layerw
   return r;
 }
 
-StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, AdamW& opt, const std::vector<Batch>& batches,
+StepResult train_step(Model& model, ExpertDispatcher& dispatcher, AdamW& opt, const std::vector<Batch>& batches,
                       double lr, double grad_clip) {
   LayerwiseOptimizer in_line(model, opt, LayerwiseConfig{.overlap = false});
   return train_step(model, dispatcher, in_line, batches, lr, grad_clip);
 }
 
-StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, FsdpContext& fsdp, Communicator& data_group,
+StepResult train_step(Model& model, ExpertDispatcher& dispatcher, FsdpContext& fsdp, Communicator& data_group,
                       const std::vector<Batch>& batches, double lr, double grad_clip) {
   const Device device = model.parameters().front().grad.device();
   const std::vector<double> targets{global_targets(batches, data_group, device)};
-  double z = 0;
-  StepResult r = accumulate_micro_batches(model, dispatcher, batches, targets[0], z, &fsdp);
-  std::vector<double> sums{r.loss, z};
+  StepResult r = accumulate_micro_batches(model, dispatcher, batches, targets[0], &fsdp);
+  r.terms = in_model_order(model, r.terms);
+  // The cross-entropy and the terms that are rank shares sum over the data ranks (global
+  // terms are the batch's already), in the one all-reduce that sums the expert counts.
+  std::vector<double> sums{r.loss};
+  for (const LossTerm& t : r.terms) {
+    if (!t.global) sums.push_back(t.value);
+  }
   r.expert_counts = global_expert_counts(model, r.expert_counts, data_group, sums);
   r.loss = sums[0] / targets[0];
-  r.aux_loss += sums[1];
+  size_t at = 1;
+  for (LossTerm& t : r.terms) {
+    if (!t.global) t.value = sums[at++];
+  }
+  r.aux_loss = total_of(r.terms);
   sharded_optimizer_step(fsdp, r, lr, grad_clip);
   return r;
 }
@@ -273,7 +291,7 @@ double pipeline_validation_loss(PipelineExecutor& ex, const PipelineSchedule& fo
 
 }  // namespace
 
-StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, const Qwen3MoeModel& model,
+StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, const Model& model,
                       FsdpContext& fsdp, Communicator& data_group, Communicator& world,
                       const std::vector<Batch>& batches, double lr, double grad_clip) {
   const Device device = model.device();
@@ -281,9 +299,14 @@ StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, co
   const double n = static_cast<double>(batches.size());
   PipelineExecutor::Result pr = ex.train(schedule, batches, 1.0 / targets[0], 1.0 / n);
   // Only the ranks holding the head have losses; each data rank's head rank adds its share
-  // (the load-balancing loss is already global on each, so each adds 1 / data ranks of it).
+  // (a global term is the batch's on each, so each adds 1 / data ranks of it). Every rank
+  // sends the model's terms in its one order, zero where it has none.
   StepResult r;
-  std::vector<double> sums{pr.ce_sum, pr.z_loss / n, pr.aux_loss / n / static_cast<double>(data_group.size())};
+  r.terms = in_model_order(model, pr.terms);
+  std::vector<double> sums{pr.ce_sum};
+  for (const LossTerm& t : r.terms) {
+    sums.push_back(t.global ? t.value / n / static_cast<double>(data_group.size()) : t.value / n);
+  }
   // Expert loads: this stage's layers over the data ranks; the imbalance of the worst layer
   // anywhere is the max over the world.
   std::vector<double> none;  // the losses sum over the world below, not the data group
@@ -292,7 +315,8 @@ StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, co
   sum_then_max(world, sums, imbalance, device);
   r.expert_imbalance = imbalance;
   r.loss = sums[0] / targets[0];
-  r.aux_loss = sums[1] + sums[2];
+  for (size_t k = 0; k < r.terms.size(); ++k) r.terms[k].value = sums[k + 1];
+  r.aux_loss = total_of(r.terms);
   sharded_optimizer_step(fsdp, r, lr, grad_clip);
   return r;
 }
@@ -322,7 +346,7 @@ TrainSummary train(const RunConfig& cfg_in) {
 
   const bool gpu = tc.device == "cuda";
   const Device device = par.device;
-  Qwen3MoeModel& model = *ctx->model;
+  Model& model = *ctx->model;
   ExpertDispatcher& dispatcher = *ctx->dispatcher;
   FsdpContext* fsdp = ctx->fsdp.get();
   PipelineExecutor* pipeline = ctx->pipeline.get();
@@ -332,8 +356,9 @@ TrainSummary train(const RunConfig& cfg_in) {
   LrSchedule schedule{oc.schedule, oc.lr, oc.min_lr, oc.warmup_steps, tc.steps, oc.decay_fraction};
   const int64_t tokens_per_step = ctx->tokens_per_step(tc);
   const double flops_per_token = model.flops_per_token(tc.seq_len);
-  spdlog::info("model: qwen3_moe, {} layers, {} experts (top-{}), {:.2f}M parameters{} ({:.2f}M active in matmuls)",
-               cfg.model.num_hidden_layers, cfg.model.num_experts, cfg.model.num_experts_per_tok,
+  const ModelShape shape = cfg.model->shape();
+  spdlog::info("model: {}, {} layers, {} experts (top-{}), {:.2f}M parameters{} ({:.2f}M active in matmuls)",
+               cfg.model->model_type, shape.num_layers, shape.num_experts, shape.experts_per_token,
                count_elements(params) / 1e6, par.ep > 1 ? " on this rank" : "", model.active_matmul_params() / 1e6);
   spdlog::info("training: {} steps x {} tokens on {}{}", tc.steps, tokens_per_step,
                gpu ? cuda::device_name(device.index) + " (bf16)"
@@ -418,7 +443,7 @@ TrainSummary train(const RunConfig& cfg_in) {
                       {"dp_replicate", cfg.parallel.dp_replicate}};
     st["moetrain_version"] = MOETRAIN_VERSION;
     st["config"] = cfg.to_toml();
-    st["hf_config"] = nlohmann::json::parse(cfg.model.to_hf_json());
+    st["hf_config"] = nlohmann::json::parse(cfg.model->to_hf_json());
     return st;
   };
 

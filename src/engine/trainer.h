@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "engine/data/loader.h"
-#include "engine/models/qwen3_moe.h"
+#include "engine/models/model.h"
 #include "engine/optim/adamw.h"
 #include "engine/run_config.h"
 
@@ -29,17 +29,18 @@ TrainSummary train(const RunConfig& cfg);
 // accumulated), global-norm clipping, AdamW at `lr`.
 struct StepResult {
   double loss = 0;       // mean cross-entropy over the step's targets
-  double aux_loss = 0;   // router losses (load balancing + z), mean over micro-batches
+  double aux_loss = 0;   // the model's loss terms summed (router losses: load balancing + z)
+  LossTerms terms;       // each term, mean over micro-batches, summed over data ranks where a share
   double grad_norm = 0;  // before clipping
   std::vector<std::vector<int64_t>> expert_counts;  // [MoE layer][expert], summed over micro-batches
   double expert_imbalance = -1;  // set when computed over ranks (pipeline); else from expert_counts
 };
-StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, AdamW& opt, const std::vector<Batch>& batches,
+StepResult train_step(Model& model, ExpertDispatcher& dispatcher, AdamW& opt, const std::vector<Batch>& batches,
                       double lr, double grad_clip);
 // The same step with the optimizer taken layer by layer (optim/layerwise.h): on a GPU its
 // updates may still be running when this returns, under the next forward.
 class LayerwiseOptimizer;
-StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, LayerwiseOptimizer& opt,
+StepResult train_step(Model& model, ExpertDispatcher& dispatcher, LayerwiseOptimizer& opt,
                       const std::vector<Batch>& batches, double lr, double grad_clip);
 // The same step on one of many ranks: `batches` are this rank's share; losses and token
 // counts are summed over `data_group`, gradients reduced and the optimizer stepped by fsdp.
@@ -47,19 +48,23 @@ class FsdpContext;
 // Whether the micro-batch steps (train_step without a pipeline) make the experts' weight
 // gradients in groups of model.expert_wgrad_group(): not where FSDP reduces each layer's
 // gradients after every micro-batch (sharded weights). `fsdp`: null in one data rank.
-bool groups_expert_weight_grads(const Qwen3MoeModel& model, const FsdpContext* fsdp);
-StepResult train_step(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, FsdpContext& fsdp, Communicator& data_group,
+bool groups_expert_weight_grads(const Model& model, const FsdpContext* fsdp);
+StepResult train_step(Model& model, ExpertDispatcher& dispatcher, FsdpContext& fsdp, Communicator& data_group,
                       const std::vector<Batch>& batches, double lr, double grad_clip);
 
 // The same step through a pipeline schedule (pipeline/executor.h): `world` gathers the loss
 // from the ranks holding the head and the expert-load imbalance from every stage.
 class PipelineExecutor;
 struct PipelineSchedule;
-StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, const Qwen3MoeModel& model,
+StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, const Model& model,
                       FsdpContext& fsdp, Communicator& data_group, Communicator& world,
                       const std::vector<Batch>& batches, double lr, double grad_clip);
 
 // The busiest expert's load over the mean load, for the worst MoE layer (0 without MoE).
 double expert_imbalance(const std::vector<std::vector<int64_t>>& counts);
+
+// The model's loss terms (Model::loss_terms: one order on every rank) with the values of
+// those in `have`, zero for the others.
+LossTerms in_model_order(const Model& model, const LossTerms& have);
 
 }  // namespace moetrain

@@ -189,7 +189,7 @@ TEST(RunConfig, DefaultsValidate) {
   RunConfig cfg = RunConfig::load(dir.file("empty.toml", ""), {});
   EXPECT_EQ(cfg.training.steps, TrainingConfig{}.steps);
   EXPECT_EQ(cfg.optimizer.schedule, "cosine");
-  EXPECT_EQ(cfg.model.model_type, "qwen3_moe");
+  EXPECT_EQ(cfg.model->model_type, "qwen3_moe");
 }
 
 TEST(RunConfig, LoadOverridePrintRoundTrip) {
@@ -197,15 +197,15 @@ TEST(RunConfig, LoadOverridePrintRoundTrip) {
   std::string path = dir.file("run.toml", kRunToml);
   RunConfig cfg = RunConfig::load(path, {"training.steps=100", "--optimizer.lr=2e-3", "data.paths=c.txt,d",
                                          "metrics.progress=false", "model.mlp_only_layers=[0]"});
-  EXPECT_EQ(cfg.model.hidden_size, 64);
-  EXPECT_EQ(cfg.model.num_experts, 4);
+  EXPECT_EQ(cfg.model.as<Qwen3MoeConfig>().hidden_size, 64);
+  EXPECT_EQ(cfg.model.as<Qwen3MoeConfig>().num_experts, 4);
   EXPECT_EQ(cfg.training.steps, 100);
   EXPECT_EQ(cfg.training.seq_len, 32);
   EXPECT_EQ(cfg.optimizer.lr, 2e-3);
   EXPECT_EQ(cfg.optimizer.warmup_steps, 5);
   EXPECT_EQ(cfg.data.paths, (std::vector<std::string>{"c.txt", "d"}));
   EXPECT_FALSE(cfg.metrics.progress);
-  EXPECT_EQ(cfg.model.mlp_only_layers, (std::vector<int64_t>{0}));
+  EXPECT_EQ(cfg.model.as<Qwen3MoeConfig>().mlp_only_layers, (std::vector<int64_t>{0}));
 
   std::string printed = cfg.to_toml();
   for (const char* s : {"[model]\n", "[parallel]\n", "[training]\n", "[optimizer]\n", "[data]\n", "[metrics]\n",
@@ -335,7 +335,10 @@ TEST(RunConfig, SectionChecks) {
             std::string::npos);
   EXPECT_NE(err({"model.mlp_only_layers=[4]"}).find("[model].mlp_only_layers holds layer 4"), std::string::npos);
   EXPECT_NE(err({"model.head_dim=31"}).find("[model].head_dim must be even"), std::string::npos);
-  EXPECT_NE(err({"model.model_type=llama"}).find("[model].model_type must be one of qwen3_moe"), std::string::npos);
+  EXPECT_NE(err({"model.model_type=llama"})
+                .find("command line override 'model.model_type=llama': [model].model_type \"llama\" is not a family "
+                      "moetrain builds (it builds qwen3_moe)"),
+            std::string::npos);
   EXPECT_NE(err({"model.vocab_size=200"}).find("byte tokenizer"), std::string::npos);
 }
 
@@ -597,11 +600,11 @@ TEST(Qwen3MoeConfig, ConfigJsonInToml) {
   // Relative to the TOML file's folder; the TOML's own [model] keys win over the JSON.
   std::string path = dir.file("run.toml", "[model]\nconfig_json = \"config.json\"\nnum_experts_per_tok = 2\n");
   RunConfig cfg = RunConfig::load(path, {"model.num_hidden_layers=2"});
-  EXPECT_EQ(cfg.model.hidden_size, 96);
-  EXPECT_EQ(cfg.model.num_experts, 16);
-  EXPECT_EQ(cfg.model.num_experts_per_tok, 2);
-  EXPECT_EQ(cfg.model.num_hidden_layers, 2);
-  EXPECT_EQ(fs::path(cfg.model.config_json), fs::absolute(dir.path() / "config.json"));
+  EXPECT_EQ(cfg.model.as<Qwen3MoeConfig>().hidden_size, 96);
+  EXPECT_EQ(cfg.model.as<Qwen3MoeConfig>().num_experts, 16);
+  EXPECT_EQ(cfg.model.as<Qwen3MoeConfig>().num_experts_per_tok, 2);
+  EXPECT_EQ(cfg.model.as<Qwen3MoeConfig>().num_hidden_layers, 2);
+  EXPECT_EQ(fs::path(cfg.model->config_json), fs::absolute(dir.path() / "config.json"));
 }
 
 TEST(Qwen3MoeConfig, IsMoeLayer) {

@@ -15,6 +15,7 @@
 #include "engine/data/shard_loader.h"
 #include "engine/data/tokenize.h"
 #include "engine/data/tokenizer_factory.h"
+#include "engine/models/qwen3_moe_config.h"
 #include "engine/scratch_dir.h"
 #include "engine/tiny_bpe.h"
 #include "test_files.h"
@@ -298,7 +299,7 @@ TEST_F(ShardLoaderTest, TokenizerMustFitTheModel) {
   RunConfig cfg;
   cfg.data.kind = "shards";
   cfg.data.paths = {write_shards(numbered_docs(10), 100)};
-  cfg.model.vocab_size = 200;
+  cfg.model.as<Qwen3MoeConfig>().vocab_size = 200;
   const std::string e = error_of([&] { make_data_context(cfg, 0, 1); });
   EXPECT_NE(e.find("[model].vocab_size = 200 is smaller than the vocabulary"), std::string::npos) << e;
 }

@@ -55,7 +55,7 @@ void expect_schedule_matches_whole_model(const PipelineSchedule& s, bool tied, b
   for (size_t m = 0; m < batches.size(); ++m) {
     MicroBatchLoss l = whole.forward_backward(batches[m], d, 1.0 / targets, 1.0 / n, m > 0);
     ce += l.ce_sum;
-    aux += l.aux_loss;
+    aux += l.term("aux_loss");
   }
 
   const std::vector<ChunkSpec> chunks = partition_layers(c.num_hidden_layers, s.num_chunks);
@@ -67,7 +67,7 @@ void expect_schedule_matches_whole_model(const PipelineSchedule& s, bool tied, b
   const PipelineExecutor::Result r = ex.train(s, batches, 1.0 / targets, 1.0 / n);
   EXPECT_TRUE(r.has_head);
   EXPECT_NEAR(r.ce_sum, ce, 1e-12 * ce);
-  EXPECT_NEAR(r.aux_loss, aux, 1e-12 * aux);
+  EXPECT_NEAR(term_value(r.terms, "aux_loss"), aux, 1e-12 * aux);
   EXPECT_EQ(r.expert_counts.size(), 4u);  // MoE layers 0, 2, 3, 4
 
   ASSERT_EQ(piped.parameters().size(), whole.parameters().size());

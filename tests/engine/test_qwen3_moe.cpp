@@ -19,7 +19,7 @@ using testing::random_batch;
 
 double total_loss(Qwen3MoeModel& m, const Batch& b, ExpertDispatcher& d) {
   MicroBatchLoss l = m.forward_loss(b, d);
-  return l.ce_sum / static_cast<double>(l.targets) + l.aux_loss + l.z_loss;
+  return l.ce_sum / static_cast<double>(l.targets) + l.term("aux_loss") + l.term("z_loss");
 }
 
 // Finite differences on a few elements of every parameter (all of them for small ones).

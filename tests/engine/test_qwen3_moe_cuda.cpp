@@ -98,7 +98,7 @@ StepPair run_both(const Qwen3MoeConfig& c) {
   r.gpu = gpu.forward_backward(bg, d, 1.0 / (B * S), 1.0, /*accumulate_grads=*/false);
   std::printf("E=%lld k=%lld: loss cpu %.6f gpu %.6f | aux cpu %.6f gpu %.6f\n",
               static_cast<long long>(c.num_experts), static_cast<long long>(c.num_experts_per_tok),
-              r.cpu.ce_sum / (B * S), r.gpu.ce_sum / (B * S), r.cpu.aux_loss, r.gpu.aux_loss);
+              r.cpu.ce_sum / (B * S), r.gpu.ce_sum / (B * S), r.cpu.term("aux_loss"), r.gpu.term("aux_loss"));
   for (size_t i = 0; i < cpu.parameters().size(); ++i) {
     r.names.push_back(cpu.parameters()[i].name);
     r.grad_errors.push_back(testing::rel_error(gpu.parameters()[i].grad.to(Device::cpu()), cpu.parameters()[i].grad));
@@ -113,8 +113,8 @@ TEST(Qwen3MoeCuda, TrainingStepMatchesCpuEveryGradient) {
     SCOPED_TRACE("head_dim " + std::to_string(head_dim));
     StepPair r = run_both(step_config(/*experts=*/4, /*top_k=*/4, head_dim));
     EXPECT_NEAR(r.gpu.ce_sum / r.cpu.ce_sum, 1.0, 1e-2);
-    EXPECT_NEAR(r.gpu.aux_loss / r.cpu.aux_loss, 1.0, 1e-2);
-    EXPECT_NEAR(r.gpu.z_loss / r.cpu.z_loss, 1.0, 2e-2);
+    EXPECT_NEAR(r.gpu.term("aux_loss") / r.cpu.term("aux_loss"), 1.0, 1e-2);
+    EXPECT_NEAR(r.gpu.term("z_loss") / r.cpu.term("z_loss"), 1.0, 2e-2);
     EXPECT_EQ(r.gpu.expert_counts, r.cpu.expert_counts);
     double worst = 0;
     for (size_t i = 0; i < r.names.size(); ++i) {
@@ -130,7 +130,7 @@ TEST(Qwen3MoeCuda, TopKStepMatchesCpuUpToRoutingFlips) {
   if (!cuda::available()) GTEST_SKIP() << "SKIPPED: GPU test needs a CUDA device: " << cuda::unavailable_reason();
   StepPair r = run_both(step_config(/*experts=*/8, /*top_k=*/2));
   EXPECT_NEAR(r.gpu.ce_sum / r.cpu.ce_sum, 1.0, 1e-2);
-  EXPECT_NEAR(r.gpu.aux_loss / r.cpu.aux_loss, 1.0, 2e-2);
+  EXPECT_NEAR(r.gpu.term("aux_loss") / r.cpu.term("aux_loss"), 1.0, 2e-2);
   ASSERT_EQ(r.gpu.expert_counts.size(), r.cpu.expert_counts.size());
   int64_t moved = 0, total = 0;
   for (size_t l = 0; l < r.cpu.expert_counts.size(); ++l) {
@@ -174,10 +174,10 @@ TEST(Qwen3MoeCuda, MicroBatchWaitsForTheDeviceOnce) {
   EXPECT_EQ(cuda::host_waits() - before, 1);
   // What was read is the pass's: the same weights and tokens give the same terms.
   EXPECT_EQ(l.ce_sum, first.ce_sum);
-  EXPECT_EQ(l.aux_loss, first.aux_loss);
-  EXPECT_GT(l.aux_loss, 0);
-  EXPECT_EQ(l.z_loss, first.z_loss);
-  EXPECT_GT(l.z_loss, 0);
+  EXPECT_EQ(l.term("aux_loss"), first.term("aux_loss"));
+  EXPECT_GT(l.term("aux_loss"), 0);
+  EXPECT_EQ(l.term("z_loss"), first.term("z_loss"));
+  EXPECT_GT(l.term("z_loss"), 0);
   EXPECT_EQ(l.expert_counts, first.expert_counts);
   ASSERT_EQ(l.expert_counts.size(), 2u);  // layers 1 and 2 (layer 0 is dense)
   for (const auto& layer : l.expert_counts) {

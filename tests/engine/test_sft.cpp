@@ -61,7 +61,7 @@ class SftTest : public ScratchDirTest {
 
   RunConfig sft_config(const std::vector<std::string>& paths) {
     RunConfig cfg;
-    cfg.model.vocab_size = 320;
+    cfg.model.as<Qwen3MoeConfig>().vocab_size = 320;
     cfg.data.kind = "sft";
     cfg.data.tokenizer = tokenizer_path_;
     cfg.data.paths = paths;

@@ -9,7 +9,7 @@
 
 #include "core/log.h"
 #include "engine/checkpoint/checkpoint_format.h"
-#include "engine/models/qwen3_moe_config.h"
+#include "engine/models/model_config.h"
 
 namespace moetrain {
 namespace fs = std::filesystem;
@@ -66,8 +66,8 @@ std::string resolve_step_dir(const std::string& dir) {
 void import_hf(const std::string& hf_dir, const std::string& out_dir) {
   const fs::path config_path = fs::path(hf_dir) / "config.json";
   MT_CHECK(fs::exists(config_path), "'{}' has no config.json: not a Hugging Face model folder", hf_dir);
-  Qwen3MoeConfig shape;
-  shape.load_hf_json(config_path.string());  // refuses architectures moetrain cannot train
+  std::unique_ptr<ModelConfig> shape = make_model_config(hf_model_type(config_path.string()), config_path.string());
+  shape->load_hf_json(config_path.string());  // refuses architectures moetrain cannot train
   const nlohmann::json hf_config = read_json_file(config_path);
 
   std::vector<std::string> files;

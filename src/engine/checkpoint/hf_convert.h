@@ -1,4 +1,4 @@
-// Conversion between Hugging Face Qwen3-MoE model folders and moetrain checkpoints.
+// Conversion between Hugging Face model folders (every family moetrain builds) and moetrain checkpoints.
 //
 // Names are the same on both sides (moetrain's canonical names are HF's), so conversion is
 // a copy of each tensor under its name, with a dtype change only when asked. Import also

@@ -86,10 +86,10 @@ void make_sft(DataContext& d, const RunConfig& cfg, int rank, int world) {
 DataContext make_data_context(const RunConfig& cfg, int data_rank, int data_world) {
   DataContext d;
   d.tokenizer = make_tokenizer(cfg.data.tokenizer);
-  MT_CHECK(cfg.model.vocab_size >= d.tokenizer->vocab_size(),
+  MT_CHECK(cfg.model->shape().vocab_size >= d.tokenizer->vocab_size(),
            "[model].vocab_size = {} is smaller than the vocabulary of [data].tokenizer ({}): token ids would fall "
            "outside the embedding",
-           cfg.model.vocab_size, d.tokenizer->describe());
+           cfg.model->shape().vocab_size, d.tokenizer->describe());
   if (cfg.data.kind == "text") {
     make_text(d, cfg, data_rank, data_world);
   } else if (cfg.data.kind == "shards") {

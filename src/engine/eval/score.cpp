@@ -7,26 +7,28 @@
 #include "engine/checkpoint/checkpoint_format.h"
 #include "engine/checkpoint/checkpointer.h"
 #include "engine/checkpoint/hf_convert.h"
-#include "engine/models/qwen3_moe.h"
+#include "engine/models/model.h"
 
 namespace moetrain {
 
 ScoreResult score_tokens(const std::string& model_dir_in, const std::vector<int32_t>& ids, const std::string& device) {
   const std::string model_dir = is_hf_model_dir(model_dir_in) ? model_dir_in : resolve_step_dir(model_dir_in);
   const auto config = std::filesystem::path(model_dir) / "config.json";
-  Qwen3MoeConfig cfg;
-  cfg.load_hf_json(config.string());
-  cfg.validate(config.string());
+  std::unique_ptr<ModelConfig> cfg = make_model_config(hf_model_type(config.string()), config.string());
+  cfg->load_hf_json(config.string());
+  cfg->validate(config.string());
+  const int64_t vocab = cfg->shape().vocab_size;
   const int64_t S = static_cast<int64_t>(ids.size());
   MT_CHECK(S >= 2, "score: need at least 2 tokens, got {}", S);
   for (int32_t id : ids) {
-    MT_CHECK(id >= 0 && id < cfg.vocab_size, "score: token id {} is outside the vocabulary [0, {})", id, cfg.vocab_size);
+    MT_CHECK(id >= 0 && id < vocab, "score: token id {} is outside the vocabulary [0, {})", id, vocab);
   }
   const bool gpu = device == "cuda";
   MT_CHECK(gpu || device == "cpu", "score: device must be cpu or cuda, got '{}'", device);
   MT_CHECK(!gpu || cuda::available(), "score: no GPU: {}", cuda::unavailable_reason());
   const Device dev = gpu ? Device::cuda(0) : Device::cpu();
-  Qwen3MoeModel model(cfg, gpu ? DType::BF16 : DType::F32, dev);
+  std::unique_ptr<Model> built = build_model(*cfg, gpu ? DType::BF16 : DType::F32, dev, {});
+  Model& model = *built;
   CheckpointReader reader(model_dir);
   load_model_weights(reader, model.parameters());
 
@@ -38,7 +40,7 @@ ScoreResult score_tokens(const std::string& model_dir_in, const std::vector<int3
                  .to(Device::cpu())
                  .to(DType::F32);
   const float* l = r.logits.data<float>();
-  const int64_t V = cfg.vocab_size;
+  const int64_t V = vocab;
   double sum = 0;
   for (int64_t t = 0; t + 1 < S; ++t) {
     const float* row = l + t * V;

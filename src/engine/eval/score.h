@@ -1,5 +1,5 @@
 // Scoring a token sequence with a saved model: the logits of every position and the mean
-// next-token cross-entropy, as `Qwen3MoeForCausalLM(input_ids, labels=input_ids)` reports
+// next-token cross-entropy, as `XxxForCausalLM(input_ids, labels=input_ids)` reports
 // it. Used by `moetrain score` to check moetrain's forward against transformers' on the
 // same weights (tools/check_hf_logits.py).
 #pragma once

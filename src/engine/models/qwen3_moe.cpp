@@ -83,7 +83,8 @@ ops::AttentionShape Qwen3MoeDecoderLayer::attn_shape(const BatchShape& b) const 
 // Stage 1. h = x + Wo·attn(rope(qnorm(Wq·n1)), rope(knorm(Wk·n1)), Wv·n1) with n1 = rms(x);
 // the MLP input is rms(h), and the router picks top-k experts from softmax(Wg·rms(h)).
 void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions, const BatchShape& b,
-                                        Qwen3MoeLayerState& s) const {
+                                        LayerState& state) const {
+  auto& s = static_cast<Qwen3MoeLayerState&>(state);
   const double eps = cfg_.rms_norm_eps;
   s.x = x;
   {
@@ -111,6 +112,7 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
   {
     StageScope t(Stage::kNorms);
     s.ln2 = ops::rmsnorm_forward(s.h, ln2_w_, eps);
+    s.mlp_in = s.ln2.y;
   }
   if (moe_) {
     StageScope t(Stage::kRouterPermute);
@@ -120,14 +122,17 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
 }
 
 // Stage 3. Per expert e over its rows: W_down[e] (silu(W_gate[e] x) * W_up[e] x).
-void Qwen3MoeDecoderLayer::mlp_forward(Qwen3MoeLayerState& s) const {
+Tensor Qwen3MoeDecoderLayer::mlp_forward(LayerState& state) const {
+  auto& s = static_cast<Qwen3MoeLayerState&>(state);
   StageScope t(Stage::kExpertGemm);
   s.mlp = ops::grouped_swiglu_forward(s.expert_in.rows, s.expert_in.counts, w_gate_, w_up_, w_down_);
+  return s.mlp.y;
 }
 
 // Stage 5. y = h + sum_k w[t,k] * expert_out[t,k] (dense: y = h + mlp); expert_out read in
 // expert order through expert_order where the dispatcher left it there.
-Tensor Qwen3MoeDecoderLayer::aggregate_forward(Qwen3MoeLayerState& s) const {
+Tensor Qwen3MoeDecoderLayer::aggregate_forward(LayerState& state) const {
+  auto& s = static_cast<Qwen3MoeLayerState&>(state);
   StageScope t(Stage::kCombine);
   if (moe_) return ops::combine_forward(s.expert_out, s.route.topk_weight, s.h, s.expert_order);
   Tensor y = s.expert_out.clone();
@@ -135,15 +140,15 @@ Tensor Qwen3MoeDecoderLayer::aggregate_forward(Qwen3MoeLayerState& s) const {
   return y;
 }
 
-Qwen3MoeDecoderLayer::AggregateGrads Qwen3MoeDecoderLayer::aggregate_backward(const Tensor& dy,
-                                                                              Qwen3MoeLayerState& s) const {
+DecoderLayer::AggregateGrads Qwen3MoeDecoderLayer::aggregate_backward(const Tensor& dy, LayerState& s) const {
   StageScope t(Stage::kCombine);
   if (!moe_) return {dy, Tensor()};
   ops::CombineGrads g = ops::combine_backward(dy, s.expert_out, s.route.topk_weight, s.expert_order);
   return {g.dexpert_out, g.dweight};
 }
 
-Tensor Qwen3MoeDecoderLayer::mlp_backward_input(const Tensor& d_rows_out, Qwen3MoeLayerState& s) const {
+Tensor Qwen3MoeDecoderLayer::mlp_backward_input(const Tensor& d_rows_out, LayerState& state) const {
+  auto& s = static_cast<Qwen3MoeLayerState&>(state);
   StageScope t(Stage::kExpertGemm);
   s.d_mlp_out = d_rows_out;
   s.d_mlp = ops::grouped_swiglu_backward_input(d_rows_out, s.expert_in.counts, s.mlp.gate, s.mlp.up, w_gate_,
@@ -156,7 +161,8 @@ Tensor Qwen3MoeDecoderLayer::mlp_backward_input(const Tensor& d_rows_out, Qwen3M
 Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, Tensor d_mlp_in,
                                                  const Tensor& d_topk_weight, const Tensor& d_probs_extra,
                                                  const Tensor& d_logits_extra, const Tensor& positions,
-                                                 const BatchShape& b, Qwen3MoeLayerState& s) const {
+                                                 const BatchShape& b, LayerState& state) const {
+  auto& s = static_cast<Qwen3MoeLayerState&>(state);
   s.d_ln2_out = std::move(d_mlp_in);  // no copy (a [T, H] pass): the caller lets go of it
   if (moe_) {
     StageScope t(Stage::kRouterPermute);
@@ -199,8 +205,9 @@ Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, Tens
   return ops::rmsnorm_backward_input(s.d_ln1_out, s.x, ln1_w_, s.ln1.rstd, s.d_h);
 }
 
-void Qwen3MoeDecoderLayer::backward_weight(Qwen3MoeLayerState& s, bool accumulate, ops::SumSquaresInto squares,
+void Qwen3MoeDecoderLayer::backward_weight(LayerState& state, bool accumulate, ops::SumSquaresInto squares,
                                            bool defer_experts) {
+  auto& s = static_cast<Qwen3MoeLayerState&>(state);
   if (moe_) {
     StageScope t(Stage::kRouterPermute);
     ops::linear_backward_weight(s.d_router_logits, s.ln2.y, g_gate_w_, accumulate);
@@ -280,467 +287,30 @@ Tensor Qwen3MoeDecoderLayer::reference_forward(const Tensor& x, const Tensor& po
 
 // ---- model -------------------------------------------------------------------------------
 
-Tensor RouterTotals::pack() const {
-  const std::vector<Tensor> host = to_host({selections, prob_sum, z_sum});
-  std::vector<double> v = host[0].to_double_vector(), p = host[1].to_double_vector();
-  v.insert(v.end(), p.begin(), p.end());
-  v.push_back(static_cast<double>(rows));
-  v.push_back(host[2].item());
-  return Tensor::from_vector(v, {static_cast<int64_t>(v.size())});
+namespace {
+
+DecoderSpec decoder_spec(const Qwen3MoeConfig& c) {
+  DecoderSpec s;
+  s.vocab_size = c.vocab_size;
+  s.hidden_size = c.hidden_size;
+  s.num_layers = c.num_hidden_layers;
+  s.num_experts = c.num_experts;
+  s.rms_norm_eps = c.rms_norm_eps;
+  s.initializer_range = c.initializer_range;
+  s.tie_word_embeddings = c.tie_word_embeddings;
+  s.router_aux_loss_coef = c.router_aux_loss_coef;
+  s.router_z_loss_coef = c.router_z_loss_coef;
+  return s;
 }
 
-RouterTotals RouterTotals::unpack(const Tensor& packed, int64_t E, DType stat, Device device) {
-  MT_CHECK(packed.numel() == 2 * E + 2, "router totals message holds {} values, expected 2 * {} experts + 2",
-           packed.numel(), E);
-  MT_CHECK(packed.dtype() == DType::F64, "router totals message is {}, expected f64", dtype_name(packed.dtype()));
-  const Tensor host = packed.device().is_cpu() ? packed : packed.to(Device::cpu());
-  RouterTotals t;
-  t.selections = host.slice(0, E).to(stat).to(device);  // to() copies
-  t.prob_sum = host.slice(E, 2 * E).to(stat).to(device);
-  t.rows = static_cast<int64_t>(std::llround(host.item(2 * E)));
-  t.z_sum = host.slice(2 * E + 1, 2 * E + 2).to(stat).to(device);
-  return t;
-}
+}  // namespace
 
 Qwen3MoeModel::Qwen3MoeModel(Qwen3MoeConfig cfg, DType dtype, Device device, ModelPlacement placement)
-    : cfg_(std::move(cfg)), dtype_(dtype), device_(device), placement_(std::move(placement)) {
+    : MoeDecoderModel(decoder_spec(cfg), dtype, device, std::move(placement)), cfg_(std::move(cfg)) {
   cfg_.validate("model");
-  MT_CHECK(placement_.ep_size >= 1 && placement_.ep_rank >= 0 && placement_.ep_rank < placement_.ep_size,
-           "expert-parallel rank {} of {} is not a valid placement", placement_.ep_rank, placement_.ep_size);
-  std::vector<int64_t>& ids = placement_.layers;
-  if (ids.empty()) {
-    for (int64_t i = 0; i < cfg_.num_hidden_layers; ++i) ids.push_back(i);
-  }
-  for (size_t i = 0; i < ids.size(); ++i) {
-    MT_CHECK(ids[i] >= 0 && ids[i] < cfg_.num_hidden_layers && (i == 0 || ids[i] > ids[i - 1]),
-             "placement: layer ids must ascend within [0, num_hidden_layers = {}), got {} at position {}",
-             cfg_.num_hidden_layers, ids[i], i);
-  }
-  const bool embed = placement_.embed, head = placement_.head;
-  MT_CHECK(!cfg_.tie_word_embeddings || embed == head,
-           "[model].tie_word_embeddings needs the embedding and the head on one rank, but this pipeline rank holds "
-           "only the {}: use the dualpipev schedule (its V puts both on rank 0) or untied embeddings",
-           embed ? "embedding" : "head");
-  const int64_t V = cfg_.vocab_size, H = cfg_.hidden_size;
-  const double std = cfg_.initializer_range;
-  // The embedding, final norm and head share one bucket; each layer brings its own.
-  if (embed || head) {
-    BucketBuilder outer("model.embed_norm_head", false);
-    if (embed) outer.add(&embed_, &g_embed_, {V, H});
-    if (head) outer.add(&final_norm_w_, &g_final_norm_w_, {H});
-    if (head && !cfg_.tie_word_embeddings) outer.add(&lm_head_, &g_lm_head_, {V, H});
-    buckets_.push_back(outer.build(dtype, device, placement_.bucket_pad));
-  }
-  if (embed) params_.push_back({"model.embed_tokens.weight", embed_, g_embed_, true, std});
-  for (const int64_t i : ids) {
-    layers_.push_back(std::make_unique<Qwen3MoeDecoderLayer>(cfg_, i, dtype, device, placement_));
-    layers_.back()->collect_parameters(params_);
-    for (ParamBucket& b : layers_.back()->buckets()) {
-      b.layer = i;
-      buckets_.push_back(std::move(b));
-    }
-    layers_.back()->buckets().clear();
-  }
-  if (head) params_.push_back({"model.norm.weight", final_norm_w_, g_final_norm_w_, false, 0.0});
-  if (head && cfg_.tie_word_embeddings) {
-    lm_head_ = embed_;
-    g_lm_head_ = g_embed_;
-  } else if (head) {
-    params_.push_back({"lm_head.weight", lm_head_, g_lm_head_, true, std});
-  }
-  index_buckets(buckets_, params_);
-  attach_masters(params_);
-}
-
-size_t Qwen3MoeModel::local_layer(int64_t id) const {
-  const std::vector<int64_t>& ids = placement_.layers;
-  auto it = std::lower_bound(ids.begin(), ids.end(), id);
-  MT_CHECK(it != ids.end() && *it == id, "decoder layer {} is not held by this rank (it holds {} layers)", id,
-           ids.size());
-  return static_cast<size_t>(it - ids.begin());
-}
-
-ChunkSpec Qwen3MoeModel::whole() const {
-  const std::vector<int64_t>& ids = placement_.layers;
-  ChunkSpec c{ids.empty() ? 0 : ids.front(), ids.empty() ? 0 : ids.back() + 1, placement_.embed, placement_.head};
-  MT_CHECK(c.last_layer - c.first_layer == static_cast<int64_t>(ids.size()),
-           "this rank's layers are not one contiguous chunk: run them chunk by chunk");
-  return c;
-}
-
-const Tensor& Qwen3MoeModel::dense_counts(int64_t tokens) const {
-  Tensor& t = dense_counts_[tokens];
-  if (!t.defined()) t = Tensor::full({1}, static_cast<double>(tokens), DType::I64, device_);
-  return t;
-}
-
-RouterTotals Qwen3MoeModel::new_totals() const {
-  const DType stat = grad_dtype_for(dtype_);  // router statistics are f32 on the GPU
-  const int64_t E = cfg_.num_experts;
-  return {Tensor::zeros({E}, stat, device_), Tensor::zeros({E}, stat, device_), 0, Tensor::zeros({1}, stat, device_)};
-}
-
-// A chunk pass cut at the expert exchanges: each call of forward_piece / backward_piece runs
-// the compute between two exchanges and starts the next one (with a dispatcher that defers
-// its waits, the exchange is still in flight when the call returns).
-struct Qwen3MoeModel::ForwardCursor {
-  const ChunkSpec& c;
-  const Batch& batch;
-  BatchShape b;
-  ChunkActivations& a;
-  RouterTotals& totals;
-  ChunkPass pass;
-  Tensor x;        // the hidden state between layers
-  int64_t j = 0;   // the layer (within the chunk) being run
-  int piece = 0;   // 0: attn + dispatch, 1: mlp + combine, 2: aggregate
-};
-
-struct Qwen3MoeModel::BackwardCursor {
-  const ChunkSpec& c;
-  const Batch& batch;
-  BatchShape b;
-  ChunkActivations& a;
-  double aux_scale;
-  bool weights_now, accumulate;
-  Tensor dx;       // the gradient between layers
-  int64_t j;       // the layer (within the chunk) being run, counting down
-  int piece = 0;   // 0: aggregate + combine backward, 1: mlp + dispatch backward, 2: attn
-  Tensor d_rows, d_mlp_in, d_topk_weight;
-};
-
-bool Qwen3MoeModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) const {
-  const int64_t n = f.c.last_layer - f.c.first_layer;
-  if (f.j == n) return false;
-  const int64_t id = f.c.first_layer + f.j;
-  const Qwen3MoeDecoderLayer& layer = *layers_[local_layer(id)];
-  Qwen3MoeLayerState& s = f.a.layers[f.j];
-  switch (f.piece) {
-    case 0:
-      if (hooks_) hooks_->before_forward(id);
-      layer.attn_forward(f.x, f.batch.positions, f.b, s);  // 1: attn
-      if (layer.is_moe()) {
-        s.expert_in = d.dispatch(s.ln2.y, s.route.topk_idx, cfg_.num_experts, s.dispatch);  // 2: dispatch
-      } else {
-        s.expert_in = {s.ln2.y, dense_counts(f.b.tokens())};
-      }
-      break;
-    case 1:
-      if (layer.is_moe()) d.wait(s.dispatch);
-      layer.mlp_forward(s);                                                    // 3: mlp
-      if (layer.is_moe()) {  // 4: combine (rows left in expert order where the dispatcher can)
-        ExpertDispatcher::PlacedRows placed = d.combine_in_place(s.mlp.y, s.dispatch);
-        s.expert_out = placed.rows;
-        s.expert_order = placed.order;
-      } else {
-        s.expert_out = s.mlp.y;
-      }
-      break;
-    case 2:
-      if (layer.is_moe()) d.wait(s.dispatch);
-      f.x = layer.aggregate_forward(s);  // 5: aggregate
-      if (layer.is_moe() && f.pass.router_stats) {  // this layer's share of the router totals (see RouterTotals)
-        StageScope t(Stage::kLoss);
-        ops::load_balance_accumulate(s.route.probs, s.route.topk_idx, f.totals.selections, f.totals.prob_sum);
-        f.totals.rows += s.route.probs.size(0);
-        if (cfg_.router_z_loss_coef > 0) {
-          s.z = ops::router_z_loss_forward(s.router_logits);
-          ops::add_(f.totals.z_sum, s.z.loss_sum);
-        }
-        f.a.expert_counts.push_back(s.expert_in.counts);  // read after the pass (no host wait here)
-      }
-      if (hooks_) hooks_->after_forward(id, f.pass.training && f.c.head && f.j + 1 == n);
-      ++f.j;
-      break;
-  }
-  f.piece = (f.piece + 1) % 3;
-  return true;
-}
-
-bool Qwen3MoeModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
-  if (g.j < 0) return false;
-  const int64_t id = g.c.first_layer + g.j;
-  Qwen3MoeDecoderLayer& layer = *layers_[local_layer(id)];
-  Qwen3MoeLayerState& s = g.a.layers[g.j];
-  switch (g.piece) {
-    case 0: {
-      if (hooks_) hooks_->before_backward(id);
-      auto ag = layer.aggregate_backward(g.dx, s);  // 5
-      g.d_topk_weight = ag.d_topk_weight;
-      if (!layer.is_moe()) {
-        g.d_rows = ag.d_expert_out;
-      } else if (s.expert_order.defined()) {  // the gradient is in the placed rows' order already
-        g.d_rows = d.combine_in_place_backward(ag.d_expert_out, s.dispatch);  // 4
-      } else {
-        g.d_rows = d.combine_backward(ag.d_expert_out, s.dispatch);  // 4
-      }
-      break;
-    }
-    case 1: {
-      if (layer.is_moe()) d.wait(s.dispatch);
-      Tensor d_in_rows = layer.mlp_backward_input(g.d_rows, s);                                  // 3
-      g.d_mlp_in = layer.is_moe() ? d.dispatch_backward(d_in_rows, s.dispatch) : d_in_rows;  // 2
-      g.d_rows = Tensor();
-      break;
-    }
-    case 2: {
-      if (layer.is_moe()) d.wait(s.dispatch);
-      const int64_t T = g.b.tokens();
-      Tensor d_probs, d_logits_z;
-      if (layer.is_moe()) {
-        StageScope t(Stage::kRouterPermute);
-        if (cfg_.router_aux_loss_coef > 0) {
-          d_probs = ops::load_balance_backward(g.a.totals.selections, T, g.a.totals.rows,
-                                               cfg_.router_aux_loss_coef * g.aux_scale);
-        }
-        if (cfg_.router_z_loss_coef > 0) {
-          d_logits_z = ops::router_z_loss_backward(
-              s.route.probs, s.z.lse, cfg_.router_z_loss_coef * g.aux_scale / static_cast<double>(g.a.totals.rows));
-        }
-      }
-      g.dx = layer.attn_backward_input(g.dx, std::move(g.d_mlp_in), g.d_topk_weight, d_probs, d_logits_z,
-                                       g.batch.positions, g.b, s);  // 1
-      g.d_mlp_in = g.d_topk_weight = Tensor();
-      if (g.weights_now) {
-        const bool writes = layer.writes_expert_grads(g.accumulate, defer_expert_weights_);
-        layer.backward_weight(s, g.accumulate, expert_squares(id, !writes), defer_expert_weights_);
-        s = Qwen3MoeLayerState();
-        if (hooks_) hooks_->after_backward(id);
-      }
-      --g.j;
-      break;
-    }
-  }
-  g.piece = (g.piece + 1) % 3;
-  return true;
-}
-
-Qwen3MoeModel::ForwardCursor Qwen3MoeModel::begin_forward(const ChunkSpec& c, const Batch& batch, const Tensor& x,
-                                                          ChunkActivations& a, RouterTotals& totals,
-                                                          const ChunkPass& pass) {
-  a.layers.assign(static_cast<size_t>(c.last_layer - c.first_layer), {});
-  ForwardCursor f{c, batch, BatchShape{batch.batch, batch.seq, batch.segment_ids}, a, totals, pass, x};
-  if (c.embed) {
-    MT_CHECK(placement_.embed, "an embed chunk on a rank without the embedding");
-    if (hooks_) hooks_->before_forward(-1);
-    f.x = ops::embedding_forward(batch.inputs, embed_);
-  }
-  return f;
-}
-
-Tensor Qwen3MoeModel::end_forward(ForwardCursor& f, const ChunkPass& pass, MicroBatchLoss* loss) {
-  if (!f.c.head) return f.x;
-  MT_CHECK(placement_.head && loss != nullptr, "a head chunk needs the head and somewhere to put the loss");
-  ChunkActivations& a = f.a;
-  const Batch& batch = f.batch;
-  MicroBatchLoss& out = *loss;
-  a.final_in = f.x;
-  {
-    StageScope t(Stage::kNorms);
-    a.final_norm = ops::rmsnorm_forward(f.x, final_norm_w_, cfg_.rms_norm_eps);
-  }
-  out.targets = batch.num_targets;
-  router_losses(f.totals, out);
-  a.totals = f.totals;
-  const Tensor& h = a.final_norm.y;
-  if (!pass.training) {
-    StageScope t(Stage::kLoss);
-    out.on_device.ce_sum = ops::linear_cross_entropy(h, lm_head_, batch.targets, 1.0, nullptr, nullptr).loss_sum;
-    if (hooks_) hooks_->after_forward(-1, false);
-    return Tensor();
-  }
-  // Head: logits = norm(x) W^T and cross-entropy, forward and backward in one chunked pass,
-  // so the head's gradients are made here and the chunk's backward starts from a.d_out.
-  if (hooks_) hooks_->before_backward(-1);
-  Tensor d_norm;
-  {
-    StageScope t(Stage::kLoss);
-    ops::LinearCrossEntropyOut head = ops::linear_cross_entropy(h, lm_head_, batch.targets, pass.ce_scale, &d_norm,
-                                                                &g_lm_head_, /*chunk_rows=*/0, pass.head_accumulate);
-    out.on_device.ce_sum = head.loss_sum;
-  }
-  {
-    StageScope t(Stage::kNorms);
-    ops::rmsnorm_backward_weight(d_norm, a.final_in, a.final_norm.rstd, g_final_norm_w_, pass.head_accumulate);
-    a.d_out = ops::rmsnorm_backward_input(d_norm, a.final_in, final_norm_w_, a.final_norm.rstd);
-  }
-  return Tensor();
-}
-
-Qwen3MoeModel::BackwardCursor Qwen3MoeModel::begin_backward(const ChunkSpec& c, const Batch& batch, const Tensor& dy,
-                                                            ChunkActivations& a, double aux_scale, bool weights_now,
-                                                            bool accumulate) {
-  BackwardCursor g{c, batch, BatchShape{batch.batch, batch.seq, batch.segment_ids}, a, aux_scale, weights_now,
-                   accumulate, c.head ? a.d_out : dy, c.last_layer - c.first_layer - 1};
-  MT_CHECK(g.dx.defined(), "backward of layers [{}, {}): no output gradient", c.first_layer, c.last_layer);
-  a.d_out = Tensor();
-  return g;
-}
-
-Tensor Qwen3MoeModel::end_backward(BackwardCursor& g) {
-  if (!g.c.embed) return g.dx;
-  g.a.d_embed_out = g.dx;
-  if (g.weights_now) {
-    backward_chunk_weight(ChunkSpec{g.c.first_layer, g.c.first_layer, true, false}, g.batch, g.a, g.accumulate);
-    if (hooks_) hooks_->after_backward(-1);
-  }
-  return Tensor();
-}
-
-Tensor Qwen3MoeModel::forward_chunk(const ChunkSpec& c, const Batch& batch, const Tensor& x, ExpertDispatcher& d,
-                                    ChunkActivations& a, RouterTotals& totals, const ChunkPass& pass,
-                                    MicroBatchLoss* loss) {
-  ForwardCursor f = begin_forward(c, batch, x, a, totals, pass);
-  while (forward_piece(f, d)) {
-  }
-  return end_forward(f, pass, loss);
-}
-
-Tensor Qwen3MoeModel::backward_chunk(const ChunkSpec& c, const Batch& batch, const Tensor& dy, ExpertDispatcher& d,
-                                     ChunkActivations& a, double aux_scale, bool weights_now, bool accumulate) {
-  BackwardCursor g = begin_backward(c, batch, dy, a, aux_scale, weights_now, accumulate);
-  while (backward_piece(g, d)) {
-  }
-  return end_backward(g);
-}
-
-std::pair<Tensor, Tensor> Qwen3MoeModel::forward_backward_overlapped(
-    const ChunkSpec& fc, const Batch& fbatch, const Tensor& x, ChunkActivations& fa, RouterTotals& totals,
-    const ChunkPass& pass, MicroBatchLoss* loss, const ChunkSpec& bc, const Batch& bbatch, const Tensor& dy,
-    ChunkActivations& ba, ExpertDispatcher& d) {
-  ForwardCursor f = begin_forward(fc, fbatch, x, fa, totals, pass);
-  BackwardCursor g = begin_backward(bc, bbatch, dy, ba, pass.aux_scale, /*weights_now=*/false, false);
-  // Alternate: each piece computes while the other pass's exchange, started by its last
-  // piece, is in flight.
-  for (bool more_f = true, more_b = true; more_f || more_b;) {
-    if (more_f) more_f = forward_piece(f, d);
-    if (more_b) more_b = backward_piece(g, d);
-  }
-  Tensor out = end_forward(f, pass, loss);
-  return {out, end_backward(g)};
-}
-
-void Qwen3MoeModel::backward_chunk_weight(const ChunkSpec& c, const Batch& batch, ChunkActivations& a,
-                                          bool accumulate) {
-  for (int64_t j = c.last_layer - c.first_layer; j-- > 0;) {
-    const int64_t id = c.first_layer + j;
-    layers_[local_layer(id)]->backward_weight(a.layers[j], accumulate, expert_squares(id, accumulate));
-    a.layers[j] = Qwen3MoeLayerState();
-  }
-  if (c.embed) {
-    // Tied: the head has already written (or added to) this gradient.
-    ops::embedding_backward_weight(batch.inputs, a.d_embed_out, g_embed_, accumulate || cfg_.tie_word_embeddings);
-    a.d_embed_out = Tensor();
-  }
-}
-
-Tensor Qwen3MoeModel::forward_logits(const Tensor& ids, const Tensor& positions, const BatchShape& b,
-                                     ExpertDispatcher& dispatcher) {
-  Batch batch;
-  batch.inputs = ids;
-  batch.positions = positions;
-  batch.segment_ids = b.segment_ids;
-  batch.batch = b.batch;
-  batch.seq = b.seq;
-  ChunkSpec c = whole();
-  c.head = false;
-  ChunkActivations a;
-  RouterTotals totals = new_totals();
-  ChunkPass logits_only;
-  logits_only.training = false;
-  logits_only.router_stats = false;  // no loss reads them here
-  Tensor x = forward_chunk(c, batch, Tensor(), dispatcher, a, totals, logits_only, nullptr);
-  a = ChunkActivations();
-  Tensor h;
-  {
-    StageScope t(Stage::kNorms);
-    h = ops::rmsnorm_forward(x, final_norm_w_, cfg_.rms_norm_eps).y;
-  }
-  StageScope t(Stage::kLoss);
-  Tensor logits = ops::linear_forward(h, lm_head_);
-  if (hooks_) hooks_->after_forward(-1, false);
-  return logits;
-}
-
-Tensor Qwen3MoeModel::reference_forward(const Tensor& ids, const Tensor& positions, const BatchShape& b) const {
-  Tensor x = ops::embedding_forward(ids, embed_);
-  for (const auto& layer : layers_) x = layer->reference_forward(x, positions, b);
-  Tensor n = ops::rmsnorm_forward(x, final_norm_w_, cfg_.rms_norm_eps).y;
-  return ops::linear_forward(n, lm_head_);
-}
-
-// The router losses over the rows of all MoE layers (HF concatenates every layer's gate
-// logits before computing the load-balancing loss, so n_e and P_e are totals over layers
-// and R = moe_layers * T). The cross-entropy is the head's (linear_cross_entropy).
-void Qwen3MoeModel::router_losses(RouterTotals& totals, MicroBatchLoss& out) const {
-  StageScope t(Stage::kLoss);
-  const int64_t E = cfg_.num_experts;
-  if (data_group_ != nullptr) {
-    // The load-balancing loss is a product of batch means: every rank needs the global ones.
-    data_group_->all_reduce(totals.selections);
-    data_group_->all_reduce(totals.prob_sum);
-    Tensor r = Tensor::full({1}, static_cast<double>(totals.rows), DType::F64);
-    if (!device_.is_cpu() && data_group_->backend() != "gloo") r = r.to(device_);
-    data_group_->all_reduce(r);
-    totals.rows = static_cast<int64_t>(std::llround(r.item()));
-  }
-  if (totals.rows > 0) {
-    const double R = static_cast<double>(totals.rows);
-    out.on_device.selections = totals.selections;  // final: the backward only reads them
-    out.on_device.prob_sum = totals.prob_sum;
-    out.on_device.aux_factor = cfg_.router_aux_loss_coef * static_cast<double>(E) / (R * R);
-    if (cfg_.router_z_loss_coef > 0) {
-      out.on_device.z_sum = totals.z_sum;
-      out.on_device.z_factor = cfg_.router_z_loss_coef / R;
-    }
-  }
-}
-
-void MicroBatchLoss::read_device_values() {
-  OnDevice& d = on_device;
-  std::vector<Tensor> pending{d.ce_sum, d.selections, d.prob_sum, d.z_sum};
-  pending.insert(pending.end(), d.expert_counts.begin(), d.expert_counts.end());
-  const std::vector<Tensor> host = to_host(pending);
-  if (host[0].defined()) ce_sum += host[0].item();
-  if (host[1].defined()) {
-    const std::vector<double> n = host[1].to_double_vector(), p = host[2].to_double_vector();
-    double dotp = 0;
-    for (size_t e = 0; e < n.size(); ++e) dotp += n[e] * p[e];
-    aux_loss += d.aux_factor * dotp;
-  }
-  if (host[3].defined()) z_loss += d.z_factor * host[3].item();
-  for (size_t k = 4; k < host.size(); ++k) expert_counts.push_back(host[k].to_vector<int64_t>());
-  d = OnDevice();
-}
-
-MicroBatchLoss Qwen3MoeModel::forward_loss(const Batch& batch, ExpertDispatcher& dispatcher) {
-  ChunkActivations a;
-  RouterTotals totals = new_totals();
-  MicroBatchLoss out;
-  forward_chunk(whole(), batch, Tensor(), dispatcher, a, totals, ChunkPass{false}, &out);
-  out.on_device.expert_counts = std::move(a.expert_counts);
-  out.read_device_values();
-  return out;
-}
-
-MicroBatchLoss Qwen3MoeModel::forward_backward(const Batch& batch, ExpertDispatcher& d, double ce_scale,
-                                               double aux_scale, bool accumulate_grads, bool defer_expert_weights) {
-  const ChunkSpec c = whole();
-  ChunkActivations a;
-  RouterTotals totals = new_totals();
-  MicroBatchLoss out;
-  forward_chunk(c, batch, Tensor(), d, a, totals, ChunkPass{true, ce_scale, aux_scale, accumulate_grads}, &out);
-  defer_expert_weights_ = defer_expert_weights;
-  try {
-    backward_chunk(c, batch, Tensor(), d, a, aux_scale, /*weights_now=*/true, accumulate_grads);
-  } catch (...) {  // a broken micro-batch: nothing it or the ones before it kept is to be paired
-    defer_expert_weights_ = false;
-    for (auto& layer : layers_) layer->drop_deferred_expert_weights();
-    throw;
-  }
-  defer_expert_weights_ = false;
-  out.on_device.expert_counts = std::move(a.expert_counts);
-  out.read_device_values();  // the micro-batch's one host wait, its work all queued
-  return out;
+  build([&](int64_t id) {
+    return std::make_unique<Qwen3MoeDecoderLayer>(cfg_, id, this->dtype(), this->device(), this->placement());
+  });
 }
 
 int64_t Qwen3MoeModel::active_matmul_params() const {

@@ -1,6 +1,7 @@
 #include "engine/models/qwen3_moe_config.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <fstream>
@@ -12,7 +13,8 @@
 namespace moetrain {
 
 void Qwen3MoeConfig::describe(ConfigFields& f) {
-  f.add("model_type", &model_type, "model family; only qwen3_moe", one_of(&model_type, {"qwen3_moe"}));
+  f.add("model_type", &model_type, fmt::format("model family ({})", fmt::join(model_families(), ", ")),
+        one_of(&model_type, {"qwen3_moe"}));
   f.add("vocab_size", &vocab_size, "rows of the embedding and the LM head", positive(&vocab_size));
   f.add("hidden_size", &hidden_size, "width of the residual stream", positive(&hidden_size));
   f.add("intermediate_size", &intermediate_size, "FFN width of the dense (non-MoE) MLP layers",
@@ -189,6 +191,10 @@ void Qwen3MoeConfig::load_hf_json(const std::string& path) {
   r.pass_over_common();
   r.finish();
   *this = std::move(c);
+}
+
+ModelShape Qwen3MoeConfig::shape() const {
+  return {vocab_size, hidden_size, num_hidden_layers, num_experts, num_experts_per_tok, max_position_embeddings};
 }
 
 bool Qwen3MoeConfig::is_moe_layer(int64_t i) const {

@@ -7,11 +7,14 @@
 #include <vector>
 
 #include "engine/config.h"
+#include "engine/models/model_config.h"
 
 namespace moetrain {
 
-struct Qwen3MoeConfig {
-  std::string model_type = "qwen3_moe";
+struct Qwen3MoeConfig : ModelConfig {
+  Qwen3MoeConfig() : ModelConfig("qwen3_moe") {}
+  std::unique_ptr<ModelConfig> clone() const override { return std::make_unique<Qwen3MoeConfig>(*this); }
+
   int64_t vocab_size = 257;  // the byte tokenizer: 256 bytes + end-of-text
   int64_t hidden_size = 128;
   int64_t intermediate_size = 256;      // dense MLP layers (mlp_only_layers, sparse step)
@@ -32,21 +35,21 @@ struct Qwen3MoeConfig {
   int64_t max_position_embeddings = 4096;
   double router_aux_loss_coef = 0.001;
   double router_z_loss_coef = 0.0;  // moetrain extra: ST-MoE z-loss, off by default
-  std::string config_json;          // optional HF config.json whose keys are read first
 
-  void describe(ConfigFields& f);
+  void describe(ConfigFields& f) override;
   // Cross-field checks (heads divide, experts_per_tok <= experts, ...). Throws naming the key.
-  void validate(const std::string& origin) const;
+  void validate(const std::string& origin) const override;
   // Reads an HF config.json as transformers does: each key Qwen3MoeForCausalLM reads, in
   // either spelling (num_experts / num_local_experts, rope_theta / rope_parameters,
   // torch_dtype / dtype); a key the file omits takes transformers' default, not moetrain's.
   // A key that changes the architecture in a way moetrain does not implement, or any key
   // not on the lists of read and harmless keys, is an error naming it and its value.
-  void load_hf_json(const std::string& path);
+  void load_hf_json(const std::string& path) override;
   // The HF config.json text of this shape in transformers 5's spelling (Qwen3MoeForCausalLM,
   // every key above but config_json and moetrain's router_z_loss_coef, plus the fixed ones
   // transformers needs: hidden_act silu, no attention bias, no sliding window).
-  std::string to_hf_json() const;
+  std::string to_hf_json() const override;
+  ModelShape shape() const override;
 
   // Whether layer `i` has a routed MoE MLP (HF: not in mlp_only_layers, num_experts > 0,
   // and (i + 1) % decoder_sparse_step == 0).

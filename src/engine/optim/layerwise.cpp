@@ -9,7 +9,7 @@
 
 namespace moetrain {
 
-LayerwiseOptimizer::LayerwiseOptimizer(Qwen3MoeModel& model, AdamW& opt, LayerwiseConfig cfg)
+LayerwiseOptimizer::LayerwiseOptimizer(Model& model, AdamW& opt, LayerwiseConfig cfg)
     : model_(model), opt_(opt), cfg_(cfg) {
   MT_CHECK(model.weight_hooks() == nullptr, "LayerwiseOptimizer: the model already has weight hooks (FSDP)");
   const std::vector<ParamBucket>& buckets = model.buckets();

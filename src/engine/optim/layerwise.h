@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "core/cuda_runtime.h"
-#include "engine/models/qwen3_moe.h"
+#include "engine/models/model.h"
 #include "engine/optim/adamw.h"
 
 namespace moetrain {
@@ -40,7 +40,7 @@ struct LayerwiseConfig {
 class LayerwiseOptimizer : public WeightHooks {
  public:
   // Installs itself as the model's weight hooks (the model must have none).
-  LayerwiseOptimizer(Qwen3MoeModel& model, AdamW& opt, LayerwiseConfig cfg);
+  LayerwiseOptimizer(Model& model, AdamW& opt, LayerwiseConfig cfg);
   ~LayerwiseOptimizer() override;
   LayerwiseOptimizer(const LayerwiseOptimizer&) = delete;
   LayerwiseOptimizer& operator=(const LayerwiseOptimizer&) = delete;
@@ -78,7 +78,7 @@ class LayerwiseOptimizer : public WeightHooks {
   void make_stream();  // GPU: the second stream and its events, once
   void sum_bucket(size_t b);  // bucket b's squared norm into norms_[b]
 
-  Qwen3MoeModel& model_;
+  Model& model_;
   AdamW& opt_;
   LayerwiseConfig cfg_;
   std::vector<Group> groups_;  // forward order: -1 first, then ascending layer ids

@@ -17,7 +17,7 @@ void all_reduce_doubles(Communicator& group, std::vector<double>& values, Device
   values = t.to_double_vector();
 }
 
-FsdpContext::FsdpContext(Qwen3MoeModel& model, Communicator& dense_group, Communicator& expert_group,
+FsdpContext::FsdpContext(Model& model, Communicator& dense_group, Communicator& expert_group,
                          Communicator& world, AdamWConfig adamw, bool shard_weights, Communicator* replicate)
     : model_(model),
       world_(world),

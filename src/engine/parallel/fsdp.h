@@ -27,7 +27,7 @@
 
 #include "comm/communicator.h"
 #include "core/cuda_runtime.h"
-#include "engine/models/qwen3_moe.h"
+#include "engine/models/model.h"
 #include "engine/optim/adamw.h"
 
 namespace moetrain {
@@ -40,7 +40,7 @@ class FsdpContext final : public WeightHooks {
   // The model's f32 masters (if any; their low halves) move into the shards and leave the model,
   // so construct this after the model's weights are initialised. With shard_weights the
   // model's whole weights are released here and gathered on use.
-  FsdpContext(Qwen3MoeModel& model, Communicator& dense_group, Communicator& expert_group, Communicator& world,
+  FsdpContext(Model& model, Communicator& dense_group, Communicator& expert_group, Communicator& world,
               AdamWConfig adamw, bool shard_weights, Communicator* replicate = nullptr);
   ~FsdpContext() override;
 
@@ -99,7 +99,7 @@ class FsdpContext final : public WeightHooks {
   void prefetch(int64_t layer);
   void release(Shard& sh);
 
-  Qwen3MoeModel& model_;
+  Model& model_;
   Communicator& world_;
   Communicator* replicate_;
   bool shard_weights_;

@@ -125,13 +125,13 @@ std::vector<OrderedTransport::Message> pipeline_message_order(const PipelineSche
   return out;
 }
 
-PipelineExecutor::PipelineExecutor(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, Communicator* pp_group,
+PipelineExecutor::PipelineExecutor(Model& model, ExpertDispatcher& dispatcher, Communicator* pp_group,
                                    std::vector<ChunkSpec> chunks)
     : model_(model), dispatcher_(dispatcher), pp_(pp_group), chunks_(std::move(chunks)) {
   rank_ = pp_ ? pp_->rank() : 0;
   if (pp_ && pp_->backend() != "gloo") {
-    ordered_ = std::make_unique<OrderedTransport>(*pp_, model_.device(), model_.config().hidden_size, model_.dtype(),
-                                                  2 * model_.config().num_experts + 2);
+    ordered_ = std::make_unique<OrderedTransport>(*pp_, model_.device(), model_.model_config().shape().hidden_size,
+                                                  model_.dtype(), model_.totals_message_size());
   }
 }
 
@@ -151,17 +151,16 @@ PipelineExecutor::Handoff PipelineExecutor::take(std::map<Key, Handoff>& local, 
   const int from = rank_of(backward ? key.first + 1 : key.first - 1);
   MT_CHECK(pp_ != nullptr && from != rank_, "no {} was handed over for chunk {} micro-batch {}",
            backward ? "output gradient" : "input", key.first, key.second);
-  const int64_t E = model_.config().num_experts;
-  const DType stat = grad_dtype_for(model_.dtype());  // the router statistics' dtype
   if (ordered_) {
     auto [hidden, packed] = ordered_->receive(tag(backward ? kGradient : kActivation, key.first, key.second));
     mark_inputs_in();
-    return {hidden, RouterTotals::unpack(packed, E, stat, model_.device())};
+    return {hidden, model_.unpack_totals(packed)};
   }
   const bool on_host = pp_->backend() == "gloo";
   const Device where = on_host ? Device::cpu() : model_.device();
-  Tensor hidden = Tensor::empty({batch.batch * batch.seq, model_.config().hidden_size}, model_.dtype(), where);
-  Tensor packed = Tensor::empty({2 * E + 2}, DType::F64, where);
+  Tensor hidden = Tensor::empty({batch.batch * batch.seq, model_.model_config().shape().hidden_size}, model_.dtype(),
+                                where);
+  Tensor packed = Tensor::empty({model_.totals_message_size()}, DType::F64, where);
   auto rh = pp_->irecv(hidden, from, tag(backward ? kGradient : kActivation, key.first, key.second));
   auto rt = pp_->irecv(packed, from, tag(backward ? kGradientTotals : kActivationTotals, key.first, key.second));
   rh->wait();
@@ -169,7 +168,7 @@ PipelineExecutor::Handoff PipelineExecutor::take(std::map<Key, Handoff>& local, 
   mark_inputs_in();
   Handoff h;
   h.hidden = where == model_.device() ? hidden : hidden.to(model_.device());
-  h.totals = RouterTotals::unpack(packed, E, stat, model_.device());
+  h.totals = model_.unpack_totals(packed);
   return h;
 }
 
@@ -184,11 +183,11 @@ void PipelineExecutor::give(std::map<Key, Handoff>& local, Key key, bool backwar
   const uint32_t hidden_tag = tag(backward ? kGradient : kActivation, key.first, key.second);
   sent_.push_back({to, hidden_tag});
   if (ordered_) {
-    ordered_->send(to, hidden_tag, for_comm(h.hidden), for_comm(h.totals.pack()));
+    ordered_->send(to, hidden_tag, for_comm(h.hidden), for_comm(model_.pack_totals(h.totals)));
     return;
   }
   sends_.push_back(pp_->isend(for_comm(h.hidden), to, hidden_tag));
-  sends_.push_back(pp_->isend(for_comm(h.totals.pack()), to,
+  sends_.push_back(pp_->isend(for_comm(model_.pack_totals(h.totals)), to,
                               tag(backward ? kGradientTotals : kActivationTotals, key.first, key.second)));
 }
 
@@ -216,8 +215,7 @@ void PipelineExecutor::forward_output(int chunk, int mb, Handoff out, const Micr
   if (chunks_[chunk].head) {
     r.has_head = true;
     r.ce_sum += read.ce_sum;
-    r.aux_loss += read.aux_loss;
-    r.z_loss += read.z_loss;
+    for (const LossTerm& t : read.terms) add_loss_term(r.terms, t);
     head_written_ = training;
     return;
   }

@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
-#include "engine/models/qwen3_moe.h"
+#include "engine/models/model.h"
 #include "engine/pipeline/nccl_transport.h"
 #include "engine/pipeline/schedule.h"
 
@@ -55,15 +55,14 @@ uint32_t pipeline_message_tag(bool gradient, int chunk, int mb);
 class PipelineExecutor {
  public:
   // `pp_group`: the pipeline group (rank r of it is pipeline rank r); nullptr for pp = 1.
-  PipelineExecutor(Qwen3MoeModel& model, ExpertDispatcher& dispatcher, Communicator* pp_group,
+  PipelineExecutor(Model& model, ExpertDispatcher& dispatcher, Communicator* pp_group,
                    std::vector<ChunkSpec> chunks);
 
   // Loss terms of the head chunks this rank ran (zero on ranks without the head).
   struct Result {
     bool has_head = false;
     double ce_sum = 0;     // sum of token cross-entropies over the micro-batches
-    double aux_loss = 0;   // load-balancing loss, summed over micro-batches (times coef)
-    double z_loss = 0;     // this data rank's z-loss share, summed over micro-batches
+    LossTerms terms;       // the model's other loss terms, summed over micro-batches
     // Per MoE layer this rank holds (ascending id), tokens routed to each local expert,
     // summed over the micro-batches.
     std::vector<std::vector<int64_t>> expert_counts;
@@ -118,7 +117,7 @@ class PipelineExecutor {
   int rank_of(int chunk) const { return schedule_->rank_of_chunk(chunk); }
   Tensor for_comm(const Tensor& t) const;  // where the pipeline group's backend reads tensors
 
-  Qwen3MoeModel& model_;
+  Model& model_;
   ExpertDispatcher& dispatcher_;
   Communicator* pp_;
   std::vector<ChunkSpec> chunks_;

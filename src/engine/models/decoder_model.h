@@ -1,0 +1,135 @@
+// MoeDecoderModel: what every decoder-only MoE family shares, written once: the embedding,
+// the final RMSNorm and the LM head (Hugging Face's model.embed_tokens, model.norm, lm_head),
+// the for-loop over the decoder layers this rank holds, and the chunk passes of the pipeline
+// cut into pieces at the expert exchanges (so that one micro-batch's exchange runs while
+// another computes). A family derives from it, builds its DecoderLayers in its constructor
+// and says what its FLOPs are; its router losses default to Hugging Face's load-balancing
+// loss over all MoE layers (+ the optional z-loss), which a family may replace.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "engine/models/model.h"
+
+namespace moetrain {
+
+// The parts of a family's config that the shared skeleton reads.
+struct DecoderSpec {
+  int64_t vocab_size = 0, hidden_size = 0, num_layers = 0;
+  int64_t num_experts = 0;  // routed experts per MoE layer (the router totals' length)
+  double rms_norm_eps = 1e-6;
+  double initializer_range = 0.02;
+  bool tie_word_embeddings = false;
+  double router_aux_loss_coef = 0;  // HF load-balancing loss
+  double router_z_loss_coef = 0;    // ST-MoE router z-loss
+};
+
+class MoeDecoderModel : public Model {
+ public:
+  const ModelPlacement& placement() const override { return placement_; }
+  DType dtype() const override { return dtype_; }
+  Device device() const override { return device_; }
+  ParameterList& parameters() override { return params_; }
+  std::vector<ParamBucket>& buckets() override { return buckets_; }
+  void set_data_group(Communicator* group) override { data_group_ = group; }
+  void set_weight_hooks(WeightHooks* hooks) override { hooks_ = hooks; }
+  WeightHooks* weight_hooks() const override { return hooks_; }
+
+  MicroBatchLoss forward_backward(const Batch& batch, ExpertDispatcher& dispatcher, double ce_scale,
+                                  double aux_scale, bool accumulate_grads = true,
+                                  bool defer_expert_weights = false) override;
+  int64_t expert_wgrad_group() const override { return expert_wgrad_group_; }
+  void set_expert_wgrad_group(int64_t n) override { expert_wgrad_group_ = n; }
+  MicroBatchLoss forward_loss(const Batch& batch, ExpertDispatcher& dispatcher) override;
+  Tensor forward_logits(const Tensor& ids, const Tensor& positions, const BatchShape& b,
+                        ExpertDispatcher& dispatcher) override;
+  Tensor reference_forward(const Tensor& ids, const Tensor& positions, const BatchShape& b) const override;
+  // aux_loss (HF load balancing, global: a loss of batch totals), z_loss when its
+  // coefficient is set (this rank's rows: a share).
+  LossTerms loss_terms() const override;
+
+  ChunkSpec whole() const override;
+  RouterTotals new_totals() const override;
+  int64_t totals_message_size() const override { return 2 * spec_.num_experts + 2; }
+  Tensor pack_totals(const RouterTotals& t) const override { return t.pack(); }
+  RouterTotals unpack_totals(const Tensor& packed) const override;
+  // F. `x`: the chunk input [T, H] (ignored by an embed chunk, which reads batch.inputs).
+  // Adds the chunk's router statistics to `totals`. Returns the chunk output; a head chunk
+  // instead fills *loss (its router losses use the totals summed over the data group) and,
+  // when training, a.d_out and the head's weight gradients, and returns an undefined tensor.
+  Tensor forward_chunk(const ChunkSpec& c, const Batch& batch, const Tensor& x, ExpertDispatcher& d,
+                       ChunkActivations& a, RouterTotals& totals, const ChunkPass& pass,
+                       MicroBatchLoss* loss) override;
+  // B: the gradient at the chunk input from `dy`, the gradient at its output (a head chunk
+  // starts from a.d_out); a.totals must hold the micro-batch's final totals. With
+  // `weights_now`, each layer's weight gradients follow its input gradient at once (written
+  // or added per `accumulate`) and its state is dropped; otherwise backward_chunk_weight does
+  // them later. An embed chunk returns an undefined tensor.
+  Tensor backward_chunk(const ChunkSpec& c, const Batch& batch, const Tensor& dy, ExpertDispatcher& d,
+                        ChunkActivations& a, double aux_scale, bool weights_now, bool accumulate) override;
+  // W: every weight gradient of the chunk from what its B kept.
+  void backward_chunk_weight(const ChunkSpec& c, const Batch& batch, ChunkActivations& a, bool accumulate) override;
+  // F of chunk `fc` and B of chunk `bc` (another micro-batch), interleaved at the
+  // dispatch / combine boundaries: with a dispatcher that defers its waits (AllToAllOptions:
+  // a communication stream), one pass's all-to-all is in flight while the other computes.
+  // The same results as forward_chunk then backward_chunk (B without weights); returns
+  // {F's output, B's input gradient}.
+  std::pair<Tensor, Tensor> forward_backward_overlapped(const ChunkSpec& fc, const Batch& fbatch, const Tensor& x,
+                                                        ChunkActivations& fa, RouterTotals& totals,
+                                                        const ChunkPass& pass, MicroBatchLoss* loss,
+                                                        const ChunkSpec& bc, const Batch& bbatch, const Tensor& dy,
+                                                        ChunkActivations& ba, ExpertDispatcher& d) override;
+
+ protected:
+  MoeDecoderModel(DecoderSpec spec, DType dtype, Device device, ModelPlacement placement);
+  // Called once by the family's constructor: makes the embedding, final norm and head this
+  // rank holds, and the layers it holds (make_layer(global id)), and indexes every parameter.
+  void build(const std::function<std::unique_ptr<DecoderLayer>(int64_t id)>& make_layer);
+  const DecoderSpec& spec() const { return spec_; }
+  DecoderLayer& layer(int64_t id) const { return *layers_[local_layer(id)]; }
+
+ private:
+  // The local index of global layer `id` (an Error when this rank does not hold it).
+  size_t local_layer(int64_t id) const;
+  // What layer `id`'s weight gradients should do with their sum of squares (the hooks').
+  ops::SumSquaresInto expert_squares(int64_t id, bool accumulate) const {
+    return hooks_ && !accumulate ? hooks_->expert_grad_squares(id) : ops::SumSquaresInto{};
+  }
+  // A dense layer's "expert counts" (one expert taking all `tokens` rows), i64 [1] on the
+  // model's device: made once per token count, not copied over from the host every pass.
+  const Tensor& dense_counts(int64_t tokens) const;
+  // The head's router losses from the micro-batch's totals (summed over the data group).
+  void router_losses(RouterTotals& totals, MicroBatchLoss& out) const;
+  // Chunk passes in pieces cut at the expert exchanges (decoder_model.cpp).
+  struct ForwardCursor;
+  struct BackwardCursor;
+  ForwardCursor begin_forward(const ChunkSpec& c, const Batch& batch, const Tensor& x, ChunkActivations& a,
+                              RouterTotals& totals, const ChunkPass& pass);
+  bool forward_piece(ForwardCursor& f, ExpertDispatcher& d) const;  // false when no layer is left
+  Tensor end_forward(ForwardCursor& f, const ChunkPass& pass, MicroBatchLoss* loss);
+  BackwardCursor begin_backward(const ChunkSpec& c, const Batch& batch, const Tensor& dy, ChunkActivations& a,
+                                double aux_scale, bool weights_now, bool accumulate);
+  bool backward_piece(BackwardCursor& g, ExpertDispatcher& d);
+  Tensor end_backward(BackwardCursor& g);
+
+  DecoderSpec spec_;
+  DType dtype_;
+  Device device_;
+  ModelPlacement placement_;
+  Communicator* data_group_ = nullptr;
+  WeightHooks* hooks_ = nullptr;
+  int64_t expert_wgrad_group_ = 1;
+  bool defer_expert_weights_ = false;  // during a forward_backward that defers them
+  std::vector<ParamBucket> buckets_;
+  Tensor embed_, final_norm_w_, lm_head_;  // lm_head_ aliases embed_ when tied
+  Tensor g_embed_, g_final_norm_w_, g_lm_head_;
+  std::vector<std::unique_ptr<DecoderLayer>> layers_;  // the layers held, ascending id
+  ParameterList params_;
+  mutable std::map<int64_t, Tensor> dense_counts_;  // dense_counts(), by token count
+};
+
+}  // namespace moetrain

@@ -1,0 +1,58 @@
+// The one place that maps a model_type to its family's config and model: adding a family
+// adds a line to each function here (docs/howto/add-a-model.md).
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "engine/models/model.h"
+#include "engine/models/model_config.h"
+#include "engine/models/qwen3_moe.h"
+#include "engine/models/qwen3_moe_config.h"
+
+namespace moetrain {
+
+const std::vector<std::string>& model_families() {
+  static const std::vector<std::string> families{"qwen3_moe"};
+  return families;
+}
+
+const std::string& default_model_family() { return model_families().front(); }
+
+std::unique_ptr<ModelConfig> make_model_config(const std::string& model_type, const std::string& origin) {
+  if (model_type == "qwen3_moe") return std::make_unique<Qwen3MoeConfig>();
+  MT_THROW("{}: [model].model_type \"{}\" is not a family moetrain builds (it builds {})", origin, model_type,
+           fmt::join(model_families(), ", "));
+}
+
+std::string hf_model_type(const std::string& path) {
+  std::ifstream in(path);
+  MT_CHECK(in.good(), "HF config '{}' cannot be opened (does it exist?)", path);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::parse_error& e) {
+    MT_THROW("{}: invalid JSON: {}", path, e.what());
+  }
+  MT_CHECK(j.is_object() && j.contains("model_type") && j["model_type"].is_string(),
+           "{}: no \"model_type\" string; a Hugging Face config names its family there (one of {})", path,
+           fmt::join(model_families(), ", "));
+  return j["model_type"].get<std::string>();
+}
+
+std::unique_ptr<Model> build_model(const ModelConfig& cfg, DType dtype, Device device, ModelPlacement placement) {
+  if (const auto* q = dynamic_cast<const Qwen3MoeConfig*>(&cfg)) {
+    return std::make_unique<Qwen3MoeModel>(*q, dtype, device, std::move(placement));
+  }
+  MT_THROW("no model family builds model_type \"{}\"", cfg.model_type);
+}
+
+ModelSection::ModelSection() : c_(make_model_config(default_model_family(), "the default [model]")) {}
+
+void ModelSection::wrong_family() const {
+  MT_THROW("[model] is a {} config, not the family this code asked for", c_->model_type);
+}
+
+}  // namespace moetrain

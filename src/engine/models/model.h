@@ -1,0 +1,300 @@
+// The model contract (DESIGN.md section 3): what the trainer, the pipeline executor, FSDP,
+// the optimizers, checkpoints, `score` and `bench` know of a model, whatever its family.
+//
+// A model is a for-loop over decoder layers between an optional embedding (first pipeline
+// chunk) and an optional final norm + head (last chunk). Each decoder layer is cut into the
+// five stages of the contract at the expert exchanges; the family implements stages 1, 3
+// and 5 (DecoderLayer), the engine owns 2 and 4 (ExpertDispatcher). What every family
+// shares (batch shapes, placement, chunk specs, router totals, loss terms, the pieces a chunk
+// pass is cut into) lives here and in decoder_model.h, once; a family is its own
+// models/<family>.{h,cpp} plus its config (docs/howto/add-a-model.md).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/data/loader.h"
+#include "engine/models/model_config.h"
+#include "engine/parallel/expert_dispatch.h"
+#include "engine/parameters.h"
+#include "ops/ops.h"
+
+namespace moetrain {
+
+// Shapes of the current micro-batch that every stage needs.
+struct BatchShape {
+  int64_t batch = 0, seq = 0;
+  Tensor segment_ids;  // i32 [batch * seq]: attention within each packed document; undefined: causal
+  int64_t tokens() const { return batch * seq; }
+};
+
+// What part of the model this process holds and how its weights are laid out.
+struct ModelPlacement {
+  // Expert parallelism: this rank holds experts [ep_rank * E/ep_size, (ep_rank+1) * E/ep_size)
+  // of every MoE layer, under their global ids (names stay HF names).
+  int64_t ep_size = 1, ep_rank = 0;
+  // Each parameter bucket is padded to a multiple of this many elements, so the sharded
+  // optimizer can cut it into equal shards (the size of the largest sharding group).
+  int64_t bucket_pad = 1;
+  // Pipeline parallelism: the decoder layers this rank holds (global ids, ascending; empty:
+  // all), and whether it holds the embedding (first chunk) and the final norm + head (last).
+  std::vector<int64_t> layers;
+  bool embed = true, head = true;
+};
+
+// A pipeline chunk: decoder layers [first_layer, last_layer) (global ids), after the
+// embedding when `embed`, followed by the final norm, head and loss when `head`.
+struct ChunkSpec {
+  int64_t first_layer = 0, last_layer = 0;
+  bool embed = false, head = false;
+};
+
+// Router statistics a micro-batch carries from chunk to chunk. HF's load-balancing loss is
+// E * sum_e (n_e / R)(P_e / R) over the rows of EVERY MoE layer, which does not split into
+// per-layer terms: each chunk adds its layers' picks n_e, probability sums P_e and rows R,
+// and the head turns the totals (summed over the data ranks too) into the loss. The
+// backward of every MoE layer needs the final n_e and R, so they travel back with the
+// gradients. The pipeline carries them as the model's opaque message (Model::pack_totals).
+struct RouterTotals {
+  Tensor selections, prob_sum;  // [E], the router statistic dtype, on the model's device
+  int64_t rows = 0;
+  Tensor z_sum;                 // [1] sum over rows of logsumexp(logits)^2 (router z-loss), as selections
+  Tensor pack() const;          // f64 [2E + 2] on the CPU
+  static RouterTotals unpack(const Tensor& packed, int64_t num_experts, DType stat, Device device);
+};
+
+// How a chunk's forward runs.
+struct ChunkPass {
+  bool training = true;          // keep state for backward; the head computes its gradient
+  double ce_scale = 1.0;         // head: d loss / d (sum of token cross-entropies)
+  double aux_scale = 1.0;        // scale of the router losses (1 / micro-batches)
+  bool head_accumulate = false;  // head: add to the head's weight gradients (else write)
+  bool router_stats = true;      // add the router totals and expert counts (false: logits only)
+};
+
+// Told by the model when weights are about to be used and when their gradients are final,
+// so a sharded-weight scheme (FsdpContext) can gather weights just in time, drop them after
+// use, and reduce gradients as soon as a layer's exist. `layer` -1 is the embedding, final
+// norm and head (used at both ends of a pass).
+class WeightHooks {
+ public:
+  virtual ~WeightHooks() = default;
+  virtual void before_forward(int64_t layer) = 0;
+  // backward_follows: the layer's weights are needed again soon (the last layer of a training pass).
+  virtual void after_forward(int64_t layer, bool backward_follows) = 0;
+  virtual void before_backward(int64_t layer) = 0;
+  virtual void after_backward(int64_t layer) = 0;
+  // Where the expert weight-gradient op of `layer` should leave the sum of the squares of
+  // the gradients it writes, when it writes them (not adds to them); {} when not wanted.
+  virtual ops::SumSquaresInto expert_grad_squares(int64_t /*layer*/) { return {}; }
+};
+
+// A loss term besides the cross-entropy (load balancing, z-loss, ...), already times its
+// coefficient. The trainer, the executor and the metrics carry terms by name without
+// knowing them. `global`: every data rank holds the whole batch's value (a loss of batch
+// totals summed over the data group), so ranks must not add theirs up; otherwise the value
+// is this rank's share and the step's term is the sum over the data ranks.
+struct LossTerm {
+  std::string name;
+  double value = 0;
+  bool global = false;
+};
+using LossTerms = std::vector<LossTerm>;
+// Adds t.value / divisor into the term of the same name in `into` (appended when new).
+void add_loss_term(LossTerms& into, const LossTerm& t, double divisor = 1.0);
+// The sum of the terms' values (the metrics' aux_loss).
+double total_of(const LossTerms& terms);
+// The value of the term called `name` (0 when absent).
+double term_value(const LossTerms& terms, const std::string& name);
+
+// Loss terms of one micro-batch, as sums the trainer normalises.
+//
+// The model leaves what it computed on the device in `on_device` and fills the fields from
+// it in read_device_values(), one host wait once the micro-batch's forward and backward are
+// queued: the host never waits for the device inside a pass (a wait per layer would drain
+// the launch queue, and with pipeline parallelism stall the other micro-batch's work).
+struct MicroBatchLoss {
+  double ce_sum = 0;      // sum of token cross-entropies
+  int64_t targets = 0;    // tokens with a target
+  LossTerms terms;        // the model's other loss terms (RouterTotals for Qwen3-MoE: aux, z)
+  std::vector<std::vector<int64_t>> expert_counts;  // per MoE layer, tokens routed to each expert
+
+  // A term still on the device: its value is value(host copies of inputs), once read.
+  struct DeviceTerm {
+    std::string name;
+    bool global = false;
+    std::vector<Tensor> inputs;
+    std::function<double(const std::vector<Tensor>& host)> value;
+  };
+  struct OnDevice {
+    Tensor ce_sum;                      // [1]
+    std::vector<DeviceTerm> terms;
+    std::vector<Tensor> expert_counts;  // per MoE layer, [local experts]
+  } on_device;
+  // Moves what on_device holds into the fields above (adds nothing twice: on_device is emptied).
+  void read_device_values();
+  // The value of the term called `name` (0 when absent).
+  double term(const std::string& name) const;
+};
+
+// What one decoder layer's stages leave at the expert-exchange boundaries: the engine's part
+// of a layer's saved state (the cursors in decoder_model.cpp read and write these); a
+// family's layer state derives from it and adds what its own math saves.
+struct LayerState {
+  virtual ~LayerState() = default;
+  Tensor mlp_in;            // stage 1's output the experts take, [T, H]
+  ops::RouterOut route;     // MoE layers: top-k experts and weights, router probabilities
+  Tensor router_logits;
+  ops::ZLossOut z;          // router z-loss terms (when its coefficient is set)
+  DispatchState dispatch;   // stages 2-4
+  DispatchOut expert_in;    // rows grouped by expert (dense layer: mlp_in, one group)
+  Tensor expert_out;        // [T*K, H] (t, k) order, or expert order with expert_order; dense: [T, H]
+  Tensor expert_order;      // i32 [T*K]: (t, k)'s row of expert_out (undefined: (t, k) order)
+};
+
+// One decoder layer of a family: its weights and the math of stages 1, 3 and 5, forward and
+// backward (backward_input now, backward_weight deferrable), per DESIGN.md section 3.
+class DecoderLayer {
+ public:
+  virtual ~DecoderLayer() = default;
+  virtual int64_t layer_id() const = 0;
+  virtual bool is_moe() const = 0;
+  // A fresh state of this family's kind for one micro-batch's pass.
+  virtual std::unique_ptr<LayerState> new_state() const = 0;
+  // The layer's flat weight buffers until the model takes them over.
+  virtual std::vector<ParamBucket>& buckets() = 0;
+  // This layer's parameters under canonical names (experts as per-expert views).
+  virtual void collect_parameters(ParameterList& out) = 0;
+
+  // Stage 1: fills s.mlp_in and, for an MoE layer, s.route (and s.router_logits).
+  virtual void attn_forward(const Tensor& x, const Tensor& positions, const BatchShape& b, LayerState& s) const = 0;
+  // Stage 3: the MLP over s.expert_in (grouped by expert); returns its output rows.
+  virtual Tensor mlp_forward(LayerState& s) const = 0;
+  // Stage 5: the layer output from s.expert_out (and the residual).
+  virtual Tensor aggregate_forward(LayerState& s) const = 0;
+  struct AggregateGrads {
+    Tensor d_expert_out;   // [T*K, H] in expert_out's layout, or [T, H] for dense
+    Tensor d_topk_weight;  // [T, K] (undefined for dense)
+  };
+  virtual AggregateGrads aggregate_backward(const Tensor& dy, LayerState& s) const = 0;
+  // Backward of stage 3: d rows out -> d expert_in rows.
+  virtual Tensor mlp_backward_input(const Tensor& d_rows_out, LayerState& s) const = 0;
+  // Backward of stage 1: given d h (residual), d mlp_in (taken over), d topk_weight and the
+  // router's extra d probs / d logits (aux losses, may be undefined), returns d x.
+  virtual Tensor attn_backward_input(const Tensor& dy_residual, Tensor d_mlp_in, const Tensor& d_topk_weight,
+                                     const Tensor& d_probs_extra, const Tensor& d_logits_extra,
+                                     const Tensor& positions, const BatchShape& b, LayerState& s) const = 0;
+  // Every weight gradient of the layer from what backward_input saved; added, or written
+  // over when !accumulate. squares: see WeightHooks::expert_grad_squares. defer_experts
+  // (MoE layers): keep the experts' weight-gradient inputs and make them in one pass with
+  // those of the next micro-batches, up to the first call that does not defer.
+  virtual void backward_weight(LayerState& s, bool accumulate, ops::SumSquaresInto squares,
+                               bool defer_experts) = 0;
+  // Forgets deferred micro-batches' expert inputs (a step abandoned half-way).
+  virtual void drop_deferred_expert_weights() = 0;
+  // Whether backward_weight(accumulate, defer_experts) writes the experts' weight gradients
+  // (rather than adds to them or defers them): then it can pass on their sum of squares.
+  virtual bool writes_expert_grads(bool accumulate, bool defer_experts) const = 0;
+  // The plain path used to validate every layout (no dispatcher); returns the layer output.
+  virtual Tensor reference_forward(const Tensor& x, const Tensor& positions, const BatchShape& b) const = 0;
+};
+
+// What one micro-batch's pass through a chunk keeps for its backward.
+struct ChunkActivations {
+  std::vector<std::unique_ptr<LayerState>> layers;  // the chunk's decoder layers, in order
+  Tensor final_in;                                  // head: the final norm's input, its output, and
+  ops::RmsNormOut final_norm;                       //   the loss gradient at the chunk output,
+  Tensor d_out;                                     //   computed with the loss in the forward
+  Tensor d_embed_out;                               // embed: gradient at the embedding output (for W)
+  RouterTotals totals;                              // the micro-batch's final totals (for backward)
+  // Per MoE layer of the chunk, tokens routed to each of this rank's experts (i64, on the
+  // model's device: read once the pass is queued, see MicroBatchLoss::read_device_values).
+  std::vector<Tensor> expert_counts;
+};
+
+// A non-gradient tensor of the model's state (e.g. a routing bias), checkpointed by name
+// with the weights and sent whole to a recovering replica.
+struct NamedBuffer {
+  std::string name;
+  Tensor value;
+};
+
+// The engine's view of a model of any family.
+class Model {
+ public:
+  virtual ~Model() = default;
+
+  virtual const ModelConfig& model_config() const = 0;
+  virtual const ModelPlacement& placement() const = 0;
+  virtual DType dtype() const = 0;
+  virtual Device device() const = 0;
+  virtual ParameterList& parameters() = 0;
+  // Every parameter lies in exactly one bucket (members indexed into parameters()).
+  virtual std::vector<ParamBucket>& buckets() = 0;
+  // Non-gradient state by canonical name (none for Qwen3-MoE).
+  virtual std::vector<NamedBuffer> buffers() { return {}; }
+  // Data parallelism: the group over which the ranks hold different tokens of one global
+  // batch; losses of batch totals are summed over it (nullptr: one process).
+  virtual void set_data_group(Communicator* group) = 0;
+  // nullptr: every weight is always whole (one process, or weights replicated).
+  virtual void set_weight_hooks(WeightHooks* hooks) = 0;
+  virtual WeightHooks* weight_hooks() const = 0;
+  // Draws every parameter from the stream keyed by (seed, canonical name).
+  void init_weights(uint64_t seed) { init_parameters(parameters(), seed); }
+
+  // Forward and backward of one micro-batch. Gradients ACCUMULATE into the parameters'
+  // grads, or, with accumulate_grads false (a step's first micro-batch), overwrite them. The
+  // cross-entropy sum is scaled by ce_scale (1 / targets of the whole step) and the other
+  // loss terms by aux_scale (1 / micro-batches). defer_expert_weights: see DecoderLayer.
+  virtual MicroBatchLoss forward_backward(const Batch& batch, ExpertDispatcher& dispatcher, double ce_scale,
+                                          double aux_scale, bool accumulate_grads = true,
+                                          bool defer_expert_weights = false) = 0;
+  // How many micro-batches the trainer groups for one pass of the experts' weight gradients
+  // (the run config's [training].expert_wgrad_group; 1: none).
+  virtual int64_t expert_wgrad_group() const = 0;
+  virtual void set_expert_wgrad_group(int64_t n) = 0;
+  // Forward only: loss terms without touching gradients.
+  virtual MicroBatchLoss forward_loss(const Batch& batch, ExpertDispatcher& dispatcher) = 0;
+  // Logits [T, V] for ids/positions, through the staged path.
+  virtual Tensor forward_logits(const Tensor& ids, const Tensor& positions, const BatchShape& b,
+                                ExpertDispatcher& dispatcher) = 0;
+  // Logits through each layer's reference_forward (no dispatcher, no saved state).
+  virtual Tensor reference_forward(const Tensor& ids, const Tensor& positions, const BatchShape& b) const = 0;
+
+  // ---- pipeline pieces: a chunk's F, B (input gradient) and W (weight gradient) ----
+  virtual ChunkSpec whole() const = 0;  // the chunk of everything this rank holds
+  virtual RouterTotals new_totals() const = 0;
+  // The totals as the f64 message pipeline ranks exchange, its length, and back.
+  virtual int64_t totals_message_size() const = 0;
+  virtual Tensor pack_totals(const RouterTotals& t) const = 0;
+  virtual RouterTotals unpack_totals(const Tensor& packed) const = 0;
+  virtual Tensor forward_chunk(const ChunkSpec& c, const Batch& batch, const Tensor& x, ExpertDispatcher& d,
+                               ChunkActivations& a, RouterTotals& totals, const ChunkPass& pass,
+                               MicroBatchLoss* loss) = 0;
+  virtual Tensor backward_chunk(const ChunkSpec& c, const Batch& batch, const Tensor& dy, ExpertDispatcher& d,
+                                ChunkActivations& a, double aux_scale, bool weights_now, bool accumulate) = 0;
+  virtual void backward_chunk_weight(const ChunkSpec& c, const Batch& batch, ChunkActivations& a,
+                                     bool accumulate) = 0;
+  virtual std::pair<Tensor, Tensor> forward_backward_overlapped(const ChunkSpec& fc, const Batch& fbatch,
+                                                                const Tensor& x, ChunkActivations& fa,
+                                                                RouterTotals& totals, const ChunkPass& pass,
+                                                                MicroBatchLoss* loss, const ChunkSpec& bc,
+                                                                const Batch& bbatch, const Tensor& dy,
+                                                                ChunkActivations& ba, ExpertDispatcher& d) = 0;
+
+  // The loss terms this model reports besides the cross-entropy, zero-valued, in the one
+  // order every rank uses to sum them (whether or not it holds the head).
+  virtual LossTerms loss_terms() const = 0;
+
+  // Training FLOPs per token of the whole model (whatever part this rank holds).
+  virtual double flops_per_token(int64_t seq) const = 0;
+  virtual int64_t active_matmul_params() const = 0;
+};
+
+// The model of `cfg`'s family (models/factory.cpp): this rank's part, weights uninitialised.
+std::unique_ptr<Model> build_model(const ModelConfig& cfg, DType dtype, Device device, ModelPlacement placement);
+
+}  // namespace moetrain
