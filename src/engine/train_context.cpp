@@ -96,13 +96,13 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   return ctx;
 }
 
-StepResult TrainContext::step(const std::vector<Batch>& batches, double lr, double grad_clip) {
+StepResult TrainContext::step(const std::vector<Batch>& batches, double lr, double grad_clip, const CommitFn& commit) {
   if (pipeline) {
     return train_step(*pipeline, *pipe_train, *model, *fsdp, *par.data_group(), *par.comms->world, batches, lr,
-                      grad_clip);
+                      grad_clip, commit);
   }
-  if (fsdp) return train_step(*model, *dispatcher, *fsdp, *par.data_group(), batches, lr, grad_clip);
-  return train_step(*model, *dispatcher, *layerwise, batches, lr, grad_clip);
+  if (fsdp) return train_step(*model, *dispatcher, *fsdp, *par.data_group(), batches, lr, grad_clip, commit);
+  return train_step(*model, *dispatcher, *layerwise, batches, lr, grad_clip, commit);
 }
 
 }  // namespace moetrain

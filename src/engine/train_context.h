@@ -44,7 +44,8 @@ struct TrainContext {
 
   AdamW& optimizer() { return fsdp ? fsdp->optimizer() : *single_opt; }
   // One optimizer step over this rank's micro-batches (on the model's device).
-  StepResult step(const std::vector<Batch>& batches, double lr, double grad_clip);
+  // `commit`: asked once the gradients are complete (trainer.h's CommitFn).
+  StepResult step(const std::vector<Batch>& batches, double lr, double grad_clip, const CommitFn& commit = {});
   // Makes later work on the current stream follow every optimizer update still running (one
   // rank on a GPU: see optim/layerwise.h); before reading weights or optimizer state other
   // than through the model's forward (checkpoints, the end of the run).

@@ -12,6 +12,7 @@
 #include "core/cuda_runtime.h"
 #include "core/log.h"
 #include "core/rng.h"
+#include "engine/checkpoint/checkpoint_context.h"
 #include "engine/checkpoint/checkpointer.h"
 #include "engine/data/data_context.h"
 #include "engine/data/loader.h"
@@ -155,14 +156,16 @@ double global_targets(const std::vector<Batch>& batches, Communicator& data_grou
   return targets[0];
 }
 
-// The end of a sharded step: gradients reduced, the global norm, AdamW on the shards.
-void sharded_optimizer_step(FsdpContext& fsdp, StepResult& r, double lr, double grad_clip) {
+// The end of a sharded step: gradients reduced, the global norm, then (if committed)
+// AdamW on the shards.
+void sharded_optimizer_step(FsdpContext& fsdp, StepResult& r, double lr, double grad_clip, const CommitFn& commit) {
   StageScope t(Stage::kOptimizer);
   MT_CHECK(std::isfinite(r.loss), "training loss is not finite ({})", r.loss);
   fsdp.reduce_scatter_grads();
   const GradNorm g = fsdp.grad_norm(grad_clip);
   r.grad_norm = g.norm;
-  fsdp.step(lr, g.clip_scale);
+  r.committed = !commit || commit();
+  if (r.committed) fsdp.step(lr, g.clip_scale);
 }
 
 }  // namespace
@@ -218,7 +221,7 @@ StepResult accumulate_micro_batches(Model& model, ExpertDispatcher& dispatcher,
 }  // namespace
 
 StepResult train_step(Model& model, ExpertDispatcher& dispatcher, LayerwiseOptimizer& opt,
-                      const std::vector<Batch>& batches, double lr, double grad_clip) {
+                      const std::vector<Batch>& batches, double lr, double grad_clip, const CommitFn& commit) {
   int64_t targets = 0;
   for (const Batch& b : batches) targets += b.num_targets;
   MT_CHECK(targets > 0, "no token of the step's batches has a target");
@@ -228,19 +231,24 @@ StepResult train_step(Model& model, ExpertDispatcher& dispatcher, LayerwiseOptim
   r.aux_loss = total_of(r.terms);
   StageScope t(Stage::kOptimizer);
   MT_CHECK(std::isfinite(r.loss), "training loss is not finite ({})", r.loss);
+  if (commit && !commit()) {
+    r.committed = false;
+    r.grad_norm = opt.discard();
+    return r;
+  }
   const GradNorm g = opt.step(lr, grad_clip);
   r.grad_norm = g.norm;
   return r;
 }
 
 StepResult train_step(Model& model, ExpertDispatcher& dispatcher, AdamW& opt, const std::vector<Batch>& batches,
-                      double lr, double grad_clip) {
+                      double lr, double grad_clip, const CommitFn& commit) {
   LayerwiseOptimizer in_line(model, opt, LayerwiseConfig{.overlap = false});
-  return train_step(model, dispatcher, in_line, batches, lr, grad_clip);
+  return train_step(model, dispatcher, in_line, batches, lr, grad_clip, commit);
 }
 
 StepResult train_step(Model& model, ExpertDispatcher& dispatcher, FsdpContext& fsdp, Communicator& data_group,
-                      const std::vector<Batch>& batches, double lr, double grad_clip) {
+                      const std::vector<Batch>& batches, double lr, double grad_clip, const CommitFn& commit) {
   const Device device = model.parameters().front().grad.device();
   const std::vector<double> targets{global_targets(batches, data_group, device)};
   StepResult r = accumulate_micro_batches(model, dispatcher, batches, targets[0], &fsdp);
@@ -258,7 +266,7 @@ StepResult train_step(Model& model, ExpertDispatcher& dispatcher, FsdpContext& f
     if (!t.global) t.value = sums[at++];
   }
   r.aux_loss = total_of(r.terms);
-  sharded_optimizer_step(fsdp, r, lr, grad_clip);
+  sharded_optimizer_step(fsdp, r, lr, grad_clip, commit);
   return r;
 }
 
@@ -293,7 +301,7 @@ double pipeline_validation_loss(PipelineExecutor& ex, const PipelineSchedule& fo
 
 StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, const Model& model,
                       FsdpContext& fsdp, Communicator& data_group, Communicator& world,
-                      const std::vector<Batch>& batches, double lr, double grad_clip) {
+                      const std::vector<Batch>& batches, double lr, double grad_clip, const CommitFn& commit) {
   const Device device = model.device();
   const std::vector<double> targets{global_targets(batches, data_group, device)};
   const double n = static_cast<double>(batches.size());
@@ -317,9 +325,112 @@ StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, co
   r.loss = sums[0] / targets[0];
   for (size_t k = 0; k < r.terms.size(); ++k) r.terms[k].value = sums[k + 1];
   r.aux_loss = total_of(r.terms);
-  sharded_optimizer_step(fsdp, r, lr, grad_clip);
+  sharded_optimizer_step(fsdp, r, lr, grad_clip, commit);
   return r;
 }
+
+namespace {
+
+// The text sampled at the end of the run (printed by rank 0), or empty.
+std::string end_of_run_sample(const RunConfig& cfg, TrainContext& ctx, const Tokenizer& tok) {
+  const TrainingConfig& tc = cfg.training;
+  if (tc.sample_tokens <= 0) return "";
+  if (ctx.pipeline) {
+    spdlog::info("sample: skipped (token-by-token sampling runs the whole model in one process; under pipeline "
+                 "parallelism convert the checkpoint and sample from it)");
+    return "";
+  }
+  std::string text = sample_text(*ctx.model, *ctx.dispatcher, tok, tc.sample_prompt, tc.sample_tokens, tc.seq_len,
+                                 tc.sample_temperature, stream_key(static_cast<uint64_t>(tc.seed), "sample"),
+                                 ctx.par.device);
+  return ctx.par.rank == 0 ? text : "";  // every rank samples (experts are spread), one prints
+}
+
+// The step's micro-batches, on the model's device.
+std::vector<Batch> next_batches(DataLoader& loader, const TrainingConfig& tc, Device device) {
+  std::vector<Batch> batches;
+  for (int64_t m = 0; m < tc.grad_accum_steps; ++m) batches.push_back(on_device(loader.next(), device));
+  return batches;
+}
+
+// Validation loss of the layout: through the pipeline, or the model's forward on each rank.
+double validate(TrainContext& ctx, DataLoader& val, const TrainingConfig& tc) {
+  const ParallelContext& par = ctx.par;
+  if (ctx.pipeline) return pipeline_validation_loss(*ctx.pipeline, *ctx.pipe_val, val, *par.comms->world, par.device);
+  return validation_loss(*ctx.model, *ctx.dispatcher, val, tc.eval_batches, par.device, par.data_group());
+}
+
+void log_run(const RunConfig& cfg, TrainContext& ctx) {
+  const TrainingConfig& tc = cfg.training;
+  const ParallelContext& par = ctx.par;
+  const ModelShape shape = cfg.model->shape();
+  spdlog::info("model: {}, {} layers, {} experts (top-{}), {:.2f}M parameters{} ({:.2f}M active in matmuls)",
+               cfg.model->model_type, shape.num_layers, shape.num_experts, shape.experts_per_token,
+               count_elements(ctx.model->parameters()) / 1e6, par.ep > 1 ? " on this rank" : "",
+               ctx.model->active_matmul_params() / 1e6);
+  spdlog::info("training: {} steps x {} tokens on {}{}", tc.steps, ctx.tokens_per_step(tc),
+               tc.device == "cuda" ? cuda::device_name(par.device.index) + " (bf16)"
+                                   : fmt::format("the CPU, {} threads (f32)", ops::cpu_threads()),
+               par.distributed() ? fmt::format(", {} ranks", par.world) : "");
+}
+
+// Rank 0's record of the run: one metrics.jsonl line per step (appended to when resuming)
+// and the human line every log_every steps, on validations, saves and the first step.
+class RunLog {
+ public:
+  RunLog(const RunConfig& cfg, TrainContext& ctx, int64_t start_step, int64_t end_step)
+      : cfg_(cfg),
+        ctx_(ctx),
+        tokens_per_step_(ctx.tokens_per_step(cfg.training)),
+        flops_per_token_(ctx.model->flops_per_token(cfg.training.seq_len)),
+        start_step_(start_step),
+        progress_(end_step - start_step, cfg.metrics.progress && ctx.par.rank == 0) {
+    if (ctx.par.rank != 0) return;
+    std::filesystem::create_directories(cfg.metrics.dir);
+    std::ofstream(std::filesystem::path(cfg.metrics.dir) / "config.toml") << RunConfig(cfg).to_toml();
+    writer_ = std::make_unique<MetricsWriter>(cfg.metrics.dir, /*append=*/start_step > 0);
+    spdlog::info("metrics: {}/metrics.jsonl", cfg.metrics.dir);
+  }
+
+  // The metrics of step `step` (1-based), from its result and wall time.
+  StepMetrics of(const StepResult& r, int64_t step, double lr, double seconds) const {
+    StepMetrics m;
+    m.step = step;
+    m.loss = r.loss;
+    m.aux_loss = r.aux_loss;
+    m.lr = lr;
+    m.grad_norm = r.grad_norm;
+    m.step_time_s = seconds;
+    m.tokens = tokens_per_step_ * step;
+    m.tokens_per_s = static_cast<double>(tokens_per_step_) / seconds;
+    m.tflops = flops_per_token_ * m.tokens_per_s / 1e12;
+    m.expert_load_max_over_mean = r.expert_imbalance >= 0 ? r.expert_imbalance : expert_imbalance(r.expert_counts);
+    m.peak_memory_bytes = ctx_.par.device.is_cpu() ? host_memory_stats().peak_bytes
+                                                   : cuda::device_memory_stats().peak_bytes;
+    return m;
+  }
+
+  void write(const StepMetrics& m) {
+    if (writer_) writer_->write(m);
+    if (m.val_loss || m.checkpoint_stall_s || m.step % cfg_.metrics.log_every == 0 || m.step == start_step_ + 1) {
+      progress_.clear();
+      spdlog::info("{}", human_line(m, cfg_.training.steps));
+    }
+    progress_.update(m.step, fmt::format("loss {:.3f}", m.loss));
+  }
+  void finish() { progress_.finish(); }
+
+ private:
+  const RunConfig& cfg_;
+  TrainContext& ctx_;
+  const int64_t tokens_per_step_;
+  const double flops_per_token_;
+  const int64_t start_step_;
+  ProgressBar progress_;
+  std::unique_ptr<MetricsWriter> writer_;
+};
+
+}  // namespace
 
 TrainSummary train(const RunConfig& cfg_in) {
   RunConfig cfg = cfg_in;
@@ -330,213 +441,68 @@ TrainSummary train(const RunConfig& cfg_in) {
   // Ranks: rank 0 speaks for the job (logs, metrics, progress); the others only warn.
   ParallelContext connected = ParallelContext::build(cfg);
   if (connected.rank != 0) spdlog::set_level(spdlog::level::warn);
-
   // Data: tokenizer and loaders of [data].kind (data/data_context.h); each data rank gets
   // its rows of the same global micro-batches.
   DataContext data = make_data_context(cfg, connected.data_rank, connected.data_world);
-  const Tokenizer& tok = *data.tokenizer;
-  DataLoader& train_loader = *data.train;
-  DataLoader& val_loader = *data.val;
-  const uint64_t seed = static_cast<uint64_t>(tc.seed);
   spdlog::info("data: {}", data.summary);
-
   // Model, dispatcher, optimizer, pipeline: train_context.h.
   std::unique_ptr<TrainContext> ctx = TrainContext::build(cfg, std::move(connected));
-  const ParallelContext& par = ctx->par;
-
-  const bool gpu = tc.device == "cuda";
-  const Device device = par.device;
-  Model& model = *ctx->model;
-  ExpertDispatcher& dispatcher = *ctx->dispatcher;
-  FsdpContext* fsdp = ctx->fsdp.get();
-  PipelineExecutor* pipeline = ctx->pipeline.get();
-  ParameterList& params = model.parameters();
-  AdamW& opt = ctx->optimizer();
+  log_run(cfg, *ctx);
+  // Where the run starts (checkpoint_context.h), and the state it carries from step to step.
+  CheckpointContext checkpoints(cfg, *ctx);
+  TrainState state = checkpoints.restore();
+  if (!state.data_position.is_null()) data.train->set_position(state.data_position);
+  const int64_t start_step = state.step;
+  const int64_t end_step = tc.stop_after_steps > 0 ? std::min(tc.steps, start_step + tc.stop_after_steps) : tc.steps;
   const OptimizerConfig& oc = cfg.optimizer;
-  LrSchedule schedule{oc.schedule, oc.lr, oc.min_lr, oc.warmup_steps, tc.steps, oc.decay_fraction};
-  const int64_t tokens_per_step = ctx->tokens_per_step(tc);
-  const double flops_per_token = model.flops_per_token(tc.seq_len);
-  const ModelShape shape = cfg.model->shape();
-  spdlog::info("model: {}, {} layers, {} experts (top-{}), {:.2f}M parameters{} ({:.2f}M active in matmuls)",
-               cfg.model->model_type, shape.num_layers, shape.num_experts, shape.experts_per_token,
-               count_elements(params) / 1e6, par.ep > 1 ? " on this rank" : "", model.active_matmul_params() / 1e6);
-  spdlog::info("training: {} steps x {} tokens on {}{}", tc.steps, tokens_per_step,
-               gpu ? cuda::device_name(device.index) + " (bf16)"
-                   : fmt::format("the CPU, {} threads (f32)", ops::cpu_threads()),
-               par.distributed() ? fmt::format(", {} ranks", par.world) : "");
-
-  // Checkpoints: resume from the newest committed one (or the one named), else take the
-  // weights from init_from, else keep the seeded initialisation.
-  const CheckpointConfig& cc = cfg.checkpoint;
-  const std::string ckpt_dir = cc.resolved_dir(cfg.metrics.dir);
-  const std::string resume_from = resolve_resume(ckpt_dir, cc.resume, par.rank == 0);
-  if (par.comms) par.comms->world->barrier();  // rank 0 removed stale partial saves before anyone saves
-  // Many ranks load and save only their shards of the weights and optimizer state.
-  auto load_state = [&](CheckpointReader& reader, bool optimizer_too) {
-    if (fsdp) {
-      load_sharded_state(reader, params, fsdp->shard_params(), fsdp->segments(), optimizer_too ? &opt : nullptr);
-      fsdp->gather_values();
-    } else {
-      load_model_weights(reader, params);
-      if (optimizer_too) load_optimizer_state(reader, params, opt);
-    }
-  };
-  auto checkpoint_state = [&] {
-    if (fsdp && !fsdp->writes_checkpoint()) return CheckpointItems{};  // HSDP: another replica group writes
-    return fsdp ? sharded_checkpoint_items(params, fsdp->shard_params(), fsdp->segments(), opt)
-                : checkpoint_items(params, &opt);
-  };
-  int64_t start_step = 0;
-  if (!resume_from.empty()) {
-    const auto load_start = Clock::now();
-    CheckpointReader reader(resume_from);
-    const nlohmann::json& st = reader.trainer_state();
-    MT_CHECK(st.contains("step") && st.contains("data") && st.contains("optimizer"),
-             "checkpoint {}: trainer_state.json lacks step, data or optimizer: not a training checkpoint (use "
-             "[checkpoint].init_from for weights only)",
-             resume_from);
-    load_state(reader, true);
-    start_step = st["step"].get<int64_t>();
-    opt.set_steps_taken(st["optimizer"]["steps_taken"].get<int64_t>());
-    train_loader.set_position(st["data"]["train_position"]);
-    MT_CHECK(start_step <= tc.steps, "checkpoint {} is at step {}, beyond [training].steps = {}", resume_from,
-             start_step, tc.steps);
-    for (const auto& [s, path] : Checkpointer::committed(ckpt_dir)) {
-      MT_CHECK(s <= start_step,
-               "resuming from step {} ({}) would later collide with the committed {}: move it away or resume from it",
-               start_step, resume_from, path);
-    }
-    const double load_s = seconds_since(load_start);
-    const double mb = static_cast<double>(reader.total_bytes()) / 1e6;
-    spdlog::info("checkpoint: resumed from {} (step {}; {:.1f} MB read and verified in {:.2f} s, {:.0f} MB/s)",
-                 resume_from, start_step, mb, load_s, mb / std::max(load_s, 1e-9));
-  } else if (!cc.init_from.empty()) {
-    CheckpointReader reader(cc.init_from);
-    load_state(reader, false);
-    spdlog::info("checkpoint: weights from {}{}", cc.init_from, reader.is_hf() ? " (Hugging Face folder)" : "");
-  }
-  const int64_t end_step =
-      tc.stop_after_steps > 0 ? std::min(tc.steps, start_step + tc.stop_after_steps) : tc.steps;
-  std::unique_ptr<Checkpointer> checkpointer;
-  if (cc.every > 0 || cc.save_final) {
-    const auto t0 = Clock::now();
-    checkpointer = std::make_unique<Checkpointer>(ckpt_dir, cc.keep, cc.async, par.rank, par.world);
-    checkpointer->prepare(checkpoint_state());
-    const std::string when = cc.every > 0 ? fmt::format("every {} steps{}", cc.every, cc.save_final ? " and at the end" : "")
-                                          : std::string("at the end");
-    spdlog::info("checkpoint: saving to {} ({}), host snapshot buffers ready in {:.2f} s", ckpt_dir, when,
-                 seconds_since(t0));
-  }
-  auto trainer_state = [&](int64_t step) {
-    nlohmann::json st;
-    st["step"] = step;
-    st["tokens"] = tokens_per_step * step;
-    st["optimizer"] = {{"name", oc.name}, {"steps_taken", opt.steps_taken()}};
-    st["data"] = {
-        {"train_position", train_loader.position()}, {"kind", cfg.data.kind}, {"tokenizer", cfg.data.tokenizer}};
-    st["seed"] = tc.seed;
-    st["device"] = tc.device;
-    st["model_dtype"] = std::string(dtype_name(params.front().value.dtype()));
-    st["world_size"] = par.world;
-    st["parallel"] = {{"pp", cfg.parallel.pp}, {"dp", par.world / (cfg.parallel.pp * cfg.parallel.cp * par.ep)},
-                      {"cp", cfg.parallel.cp}, {"ep", par.ep}, {"schedule", cfg.parallel.schedule},
-                      {"dp_replicate", cfg.parallel.dp_replicate}};
-    st["moetrain_version"] = MOETRAIN_VERSION;
-    st["config"] = cfg.to_toml();
-    st["hf_config"] = nlohmann::json::parse(cfg.model->to_hf_json());
-    return st;
-  };
-
-  // Metrics (rank 0): a resumed run appends to the file it started.
-  std::unique_ptr<MetricsWriter> metrics;
-  if (par.rank == 0) {
-    std::filesystem::create_directories(cfg.metrics.dir);
-    std::ofstream f(std::filesystem::path(cfg.metrics.dir) / "config.toml");
-    f << cfg.to_toml();
-    metrics = std::make_unique<MetricsWriter>(cfg.metrics.dir, /*append=*/start_step > 0);
-    spdlog::info("metrics: {}/metrics.jsonl", cfg.metrics.dir);
-  }
-  auto validate = [&] {
-    if (pipeline) return pipeline_validation_loss(*pipeline, *ctx->pipe_val, val_loader, *par.comms->world, device);
-    return validation_loss(model, dispatcher, val_loader, tc.eval_batches, device, par.data_group());
-  };
+  const LrSchedule schedule{oc.schedule, oc.lr, oc.min_lr, oc.warmup_steps, tc.steps, oc.decay_fraction};
+  RunLog log(cfg, *ctx, start_step, end_step);
+  StepHooks hooks;  // where fault tolerance plugs in (train_state.h): empty, so every step commits
 
   TrainSummary summary;
-  summary.parameters = count_elements(params);
-  summary.first_val_loss = validate();
-  summary.last_val_loss = summary.first_val_loss;
+  summary.parameters = count_elements(ctx->model->parameters());
+  summary.first_val_loss = summary.last_val_loss = validate(*ctx, *data.val, tc);
   spdlog::info("step {} | val loss {:.4f}", start_step, summary.first_val_loss);
-
-  ProgressBar progress(end_step - start_step, cfg.metrics.progress && par.rank == 0);
   double train_seconds = 0;
-  for (int64_t step = start_step; step < end_step; ++step) {
+  while (state.step < end_step) {
+    if (hooks.before_step) hooks.before_step(state);
     const auto t0 = Clock::now();
-    std::vector<Batch> batches;
-    for (int64_t m = 0; m < tc.grad_accum_steps; ++m) {
-      batches.push_back(on_device(train_loader.next(), device));
-    }
-    const double lr = schedule.at(step);
+    const std::vector<Batch> batches = next_batches(*data.train, tc, ctx->par.device);
+    const double lr = schedule.at(state.step);
     StepResult r;
     try {
-      r = ctx->step(batches, lr, tc.grad_clip);
+      r = ctx->step(batches, lr, tc.grad_clip, [&] { return hooks.commit(&state); });
     } catch (const Error& e) {
-      MT_THROW("step {}: {}", step + 1, e.what());
+      MT_THROW("step {}: {}", state.step + 1, e.what());
     }
-    const double loss = r.loss;
     const double dt = seconds_since(t0);
     train_seconds += dt;
+    if (!r.committed) continue;  // discarded: the same step again, with the next batches
+    state.step += 1;
+    state.optimizer_steps = ctx->optimizer().steps_taken();
+    state.data_position = data.train->position();
 
-    StepMetrics m;
-    m.step = step + 1;
-    m.loss = loss;
-    m.aux_loss = r.aux_loss;
-    m.lr = lr;
-    m.grad_norm = r.grad_norm;
-    m.step_time_s = dt;
-    m.tokens = tokens_per_step * (step + 1);
-    m.tokens_per_s = static_cast<double>(tokens_per_step) / dt;
-    m.tflops = flops_per_token * m.tokens_per_s / 1e12;
-    m.expert_load_max_over_mean = r.expert_imbalance >= 0 ? r.expert_imbalance : expert_imbalance(r.expert_counts);
-    m.peak_memory_bytes = gpu ? cuda::device_memory_stats().peak_bytes : host_memory_stats().peak_bytes;
-    const bool last = step + 1 == tc.steps;
-    if (last || (tc.eval_every > 0 && (step + 1) % tc.eval_every == 0)) {
-      m.val_loss = validate();
-      summary.last_val_loss = *m.val_loss;
+    StepMetrics m = log.of(r, state.step, lr, dt);
+    if (state.step == tc.steps || (tc.eval_every > 0 && state.step % tc.eval_every == 0)) {
+      m.val_loss = summary.last_val_loss = validate(*ctx, *data.val, tc);
     }
-    if (checkpointer && ((cc.every > 0 && (step + 1) % cc.every == 0) || (cc.save_final && step + 1 == end_step))) {
-      ctx->settle();
-      const SaveStats st = checkpointer->save(step + 1, checkpoint_state(), trainer_state(step + 1));
-      m.checkpoint_stall_s = st.stall_s;
-      spdlog::debug("checkpoint: step {} snapshot of {:.1f} MB, training waited {:.3f} s", step + 1, st.bytes / 1e6,
-                    st.stall_s);
-    }
-    if (metrics) metrics->write(m);
-    if (step == start_step) summary.first_train_loss = loss;
-    summary.last_train_loss = loss;
-    if (m.val_loss || m.checkpoint_stall_s || (step + 1) % cfg.metrics.log_every == 0 || step == start_step) {
-      progress.clear();
-      spdlog::info("{}", human_line(m, tc.steps));
-    }
-    progress.update(step + 1, fmt::format("loss {:.3f}", loss));
+    m.checkpoint_stall_s = checkpoints.after_step(state, state.step == end_step);
+    log.write(m);
+    if (state.step == start_step + 1) summary.first_train_loss = r.loss;
+    summary.last_train_loss = r.loss;
   }
-  progress.finish();
+  log.finish();
   {  // the last step's optimizer updates may still run (optim/layerwise.h): count them as training
     const auto t0 = Clock::now();
     ctx->settle();
-    if (gpu) cuda::stream_synchronize(cuda::current_stream());
+    if (!ctx->par.device.is_cpu()) cuda::stream_synchronize(cuda::current_stream());
     train_seconds += seconds_since(t0);
   }
-  if (checkpointer) checkpointer->wait();  // the run ends with its last save committed
+  checkpoints.finish();  // the run ends with its last save committed
   summary.steps = end_step - start_step;
-  summary.tokens_per_s = static_cast<double>(tokens_per_step * summary.steps) / std::max(train_seconds, 1e-9);
-  if (tc.sample_tokens > 0 && pipeline) {
-    spdlog::info("sample: skipped (token-by-token sampling runs the whole model in one process; under pipeline "
-                 "parallelism convert the checkpoint and sample from it)");
-  } else if (tc.sample_tokens > 0) {
-    summary.sample = sample_text(model, dispatcher, tok, tc.sample_prompt, tc.sample_tokens, tc.seq_len,
-                                 tc.sample_temperature, stream_key(seed, "sample"), device);
-    if (par.rank != 0) summary.sample.clear();  // every rank samples (experts are spread), one prints
-  }
+  summary.tokens_per_s =
+      static_cast<double>(ctx->tokens_per_step(tc) * summary.steps) / std::max(train_seconds, 1e-9);
+  summary.sample = end_of_run_sample(cfg, *ctx, *data.tokenizer);
   summary.seconds = seconds_since(run_start);
   return summary;
 }

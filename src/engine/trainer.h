@@ -10,6 +10,7 @@
 #include "engine/models/model.h"
 #include "engine/optim/adamw.h"
 #include "engine/run_config.h"
+#include "engine/train_state.h"
 
 namespace moetrain {
 
@@ -26,8 +27,12 @@ struct TrainSummary {
 TrainSummary train(const RunConfig& cfg);
 
 // One optimizer step: gradients of the mean loss over `batches` (micro-batches,
-// accumulated), global-norm clipping, AdamW at `lr`.
+// accumulated), global-norm clipping, AdamW at `lr`. Every overload takes `commit`, asked
+// once the step's gradients are complete and reduced, before the optimizer: false discards
+// the step (no update, the optimizer's state and step count unchanged); empty commits.
+using CommitFn = std::function<bool()>;
 struct StepResult {
+  bool committed = true;  // false: `commit` discarded the step
   double loss = 0;       // mean cross-entropy over the step's targets
   double aux_loss = 0;   // the model's loss terms summed (router losses: load balancing + z)
   LossTerms terms;       // each term, mean over micro-batches, summed over data ranks where a share
@@ -36,12 +41,12 @@ struct StepResult {
   double expert_imbalance = -1;  // set when computed over ranks (pipeline); else from expert_counts
 };
 StepResult train_step(Model& model, ExpertDispatcher& dispatcher, AdamW& opt, const std::vector<Batch>& batches,
-                      double lr, double grad_clip);
+                      double lr, double grad_clip, const CommitFn& commit = {});
 // The same step with the optimizer taken layer by layer (optim/layerwise.h): on a GPU its
 // updates may still be running when this returns, under the next forward.
 class LayerwiseOptimizer;
 StepResult train_step(Model& model, ExpertDispatcher& dispatcher, LayerwiseOptimizer& opt,
-                      const std::vector<Batch>& batches, double lr, double grad_clip);
+                      const std::vector<Batch>& batches, double lr, double grad_clip, const CommitFn& commit = {});
 // The same step on one of many ranks: `batches` are this rank's share; losses and token
 // counts are summed over `data_group`, gradients reduced and the optimizer stepped by fsdp.
 class FsdpContext;
@@ -50,7 +55,7 @@ class FsdpContext;
 // gradients after every micro-batch (sharded weights). `fsdp`: null in one data rank.
 bool groups_expert_weight_grads(const Model& model, const FsdpContext* fsdp);
 StepResult train_step(Model& model, ExpertDispatcher& dispatcher, FsdpContext& fsdp, Communicator& data_group,
-                      const std::vector<Batch>& batches, double lr, double grad_clip);
+                      const std::vector<Batch>& batches, double lr, double grad_clip, const CommitFn& commit = {});
 
 // The same step through a pipeline schedule (pipeline/executor.h): `world` gathers the loss
 // from the ranks holding the head and the expert-load imbalance from every stage.
@@ -58,7 +63,7 @@ class PipelineExecutor;
 struct PipelineSchedule;
 StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, const Model& model,
                       FsdpContext& fsdp, Communicator& data_group, Communicator& world,
-                      const std::vector<Batch>& batches, double lr, double grad_clip);
+                      const std::vector<Batch>& batches, double lr, double grad_clip, const CommitFn& commit = {});
 
 // The busiest expert's load over the mean load, for the worst MoE layer (0 without MoE).
 double expert_imbalance(const std::vector<std::vector<int64_t>>& counts);

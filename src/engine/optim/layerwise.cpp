@@ -1,5 +1,6 @@
 #include "engine/optim/layerwise.h"
 
+#include <cmath>
 #include <map>
 #include <optional>
 
@@ -113,9 +114,8 @@ ops::SumSquaresInto LayerwiseOptimizer::expert_grad_squares(int64_t layer) {
   return {};
 }
 
-GradNorm LayerwiseOptimizer::step(double lr, double max_norm) {
+double LayerwiseOptimizer::finish_norm() {
   const bool overlap = overlapping();
-  ParameterList& params = model_.parameters();
   if (overlap) {  // everything below follows the whole backward
     cuda::record_event(grads_ready_, cuda::current_stream());
     cuda::stream_wait_event(stream_, grads_ready_);
@@ -134,6 +134,13 @@ GradNorm LayerwiseOptimizer::step(double lr, double max_norm) {
   for (double x : sq) total += x;  // bucket order, whatever order the parts finished in
   armed_ = false;
   summed_.assign(summed_.size(), false);
+  return total;
+}
+
+GradNorm LayerwiseOptimizer::step(double lr, double max_norm) {
+  const bool overlap = overlapping();
+  ParameterList& params = model_.parameters();
+  const double total = finish_norm();
   const GradNorm g = grad_norm_of(total, params, max_norm);
 
   opt_.advance();
@@ -151,6 +158,10 @@ GradNorm LayerwiseOptimizer::step(double lr, double max_norm) {
     gr.pending = true;
   }
   return g;
+}
+
+double LayerwiseOptimizer::discard() {
+  return std::sqrt(finish_norm());  // the current stream follows the sums: the next step may write
 }
 
 void LayerwiseOptimizer::before_forward(int64_t layer) {

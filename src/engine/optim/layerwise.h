@@ -54,6 +54,9 @@ class LayerwiseOptimizer : public WeightHooks {
   // After the step's backward: the global gradient norm (one host wait), then every
   // bucket's AdamW update at lr with the clipping factor (launched; see the top).
   GradNorm step(double lr, double max_norm);
+  // Instead of step(): the step is abandoned (no update, the optimizer's count unchanged);
+  // returns the gradient norm it had, for the log. The next step starts afresh.
+  double discard();
   // Work on the current stream from now on follows every update launched so far.
   void drain();
 
@@ -77,6 +80,9 @@ class LayerwiseOptimizer : public WeightHooks {
   Group* group_of(int64_t layer);
   void make_stream();  // GPU: the second stream and its events, once
   void sum_bucket(size_t b);  // bucket b's squared norm into norms_[b]
+  // The step's squared gradient norm: every bucket's part summed (the step's one host wait);
+  // disarms the hooks for the next step.
+  double finish_norm();
 
   Model& model_;
   AdamW& opt_;

@@ -1,0 +1,131 @@
+#include "engine/checkpoint/checkpoint_context.h"
+
+#include <chrono>
+
+#include "core/log.h"
+
+namespace moetrain {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+}  // namespace
+
+CheckpointContext::CheckpointContext(const RunConfig& cfg, TrainContext& ctx)
+    : cfg_(cfg), ctx_(ctx), dir_(cfg.checkpoint.resolved_dir(cfg.metrics.dir)) {
+  const ParallelContext& par = ctx.par;
+  resume_from_ = resolve_resume(dir_, cfg.checkpoint.resume, par.rank == 0);
+  if (par.comms) par.comms->world->barrier();  // rank 0 removed stale partial saves before anyone saves
+}
+
+CheckpointItems CheckpointContext::items() {
+  FsdpContext* fsdp = ctx_.fsdp.get();
+  ParameterList& params = ctx_.model->parameters();
+  if (fsdp && !fsdp->writes_checkpoint()) return CheckpointItems{};  // HSDP: another replica group writes
+  CheckpointItems items = fsdp ? sharded_checkpoint_items(params, fsdp->shard_params(), fsdp->segments(),
+                                                          ctx_.optimizer())
+                               : checkpoint_items(params, &ctx_.optimizer());
+  // Buffers are whole on every data rank of a pipeline stage: the first writes them.
+  if (ctx_.par.data_rank == 0) {
+    for (const NamedBuffer& b : ctx_.model->buffers()) items.model.push_back({b.name, b.value});
+  }
+  return items;
+}
+
+TrainState CheckpointContext::restore() {
+  TrainState state;
+  state.buffers = ctx_.model->buffers();
+  FsdpContext* fsdp = ctx_.fsdp.get();
+  ParameterList& params = ctx_.model->parameters();
+  AdamW& opt = ctx_.optimizer();
+  // Many ranks load only their shards of the weights and optimizer state.
+  auto load = [&](CheckpointReader& reader, bool optimizer_too) {
+    if (fsdp) {
+      load_sharded_state(reader, params, fsdp->shard_params(), fsdp->segments(), optimizer_too ? &opt : nullptr);
+      fsdp->gather_values();
+    } else {
+      load_model_weights(reader, params);
+      if (optimizer_too) load_optimizer_state(reader, params, opt);
+    }
+    std::vector<CheckpointItem> buffers;
+    for (const NamedBuffer& b : state.buffers) {
+      if (reader.has(b.name)) buffers.push_back({b.name, b.value});
+    }
+    load_slices(reader, buffers);
+  };
+  const CheckpointConfig& cc = cfg_.checkpoint;
+  if (!resume_from_.empty()) {
+    const auto load_start = Clock::now();
+    CheckpointReader reader(resume_from_);
+    state.read_json(reader.trainer_state(), resume_from_);
+    load(reader, true);
+    opt.set_steps_taken(state.optimizer_steps);
+    MT_CHECK(state.step <= cfg_.training.steps, "checkpoint {} is at step {}, beyond [training].steps = {}",
+             resume_from_, state.step, cfg_.training.steps);
+    for (const auto& [s, path] : Checkpointer::committed(dir_)) {
+      MT_CHECK(s <= state.step,
+               "resuming from step {} ({}) would later collide with the committed {}: move it away or resume from it",
+               state.step, resume_from_, path);
+    }
+    const double load_s = seconds_since(load_start);
+    const double mb = static_cast<double>(reader.total_bytes()) / 1e6;
+    spdlog::info("checkpoint: resumed from {} (step {}; {:.1f} MB read and verified in {:.2f} s, {:.0f} MB/s)",
+                 resume_from_, state.step, mb, load_s, mb / std::max(load_s, 1e-9));
+  } else if (!cc.init_from.empty()) {
+    CheckpointReader reader(cc.init_from);
+    load(reader, false);
+    spdlog::info("checkpoint: weights from {}{}", cc.init_from, reader.is_hf() ? " (Hugging Face folder)" : "");
+  }
+  if (cc.every > 0 || cc.save_final) {
+    const auto t0 = Clock::now();
+    checkpointer_ = std::make_unique<Checkpointer>(dir_, cc.keep, cc.async, ctx_.par.rank, ctx_.par.world);
+    checkpointer_->prepare(items());
+    const std::string when = cc.every > 0 ? fmt::format("every {} steps{}", cc.every, cc.save_final ? " and at the end" : "")
+                                          : std::string("at the end");
+    spdlog::info("checkpoint: saving to {} ({}), host snapshot buffers ready in {:.2f} s", dir_, when,
+                 seconds_since(t0));
+  }
+  return state;
+}
+
+nlohmann::json CheckpointContext::trainer_state(const TrainState& state) const {
+  const ParallelContext& par = ctx_.par;
+  const TrainingConfig& tc = cfg_.training;
+  nlohmann::json st;
+  state.write_json(st);
+  st["tokens"] = ctx_.tokens_per_step(tc) * state.step;
+  st["optimizer"]["name"] = cfg_.optimizer.name;
+  st["data"]["kind"] = cfg_.data.kind;
+  st["data"]["tokenizer"] = cfg_.data.tokenizer;
+  st["seed"] = tc.seed;
+  st["device"] = tc.device;
+  st["model_dtype"] = std::string(dtype_name(ctx_.model->parameters().front().value.dtype()));
+  st["world_size"] = par.world;
+  const ParallelConfig& pc = cfg_.parallel;
+  st["parallel"] = {{"pp", pc.pp}, {"dp", par.world / (pc.pp * pc.cp * par.ep)}, {"cp", pc.cp}, {"ep", par.ep},
+                    {"schedule", pc.schedule}, {"dp_replicate", pc.dp_replicate}};
+  st["moetrain_version"] = MOETRAIN_VERSION;
+  st["config"] = RunConfig(cfg_).to_toml();
+  st["hf_config"] = nlohmann::json::parse(cfg_.model->to_hf_json());
+  return st;
+}
+
+std::optional<double> CheckpointContext::after_step(const TrainState& state, bool last) {
+  const CheckpointConfig& cc = cfg_.checkpoint;
+  if (!checkpointer_ || !((cc.every > 0 && state.step % cc.every == 0) || (cc.save_final && last))) {
+    return std::nullopt;
+  }
+  ctx_.settle();
+  const SaveStats st = checkpointer_->save(state.step, items(), trainer_state(state));
+  spdlog::debug("checkpoint: step {} snapshot of {:.1f} MB, training waited {:.3f} s", state.step, st.bytes / 1e6,
+                st.stall_s);
+  return st.stall_s;
+}
+
+void CheckpointContext::finish() {
+  if (checkpointer_) checkpointer_->wait();
+}
+
+}  // namespace moetrain
