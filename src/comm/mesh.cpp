@@ -6,58 +6,70 @@
 
 namespace moetrain {
 
-Mesh::Mesh(int64_t world, int64_t pp, int64_t dp, int64_t cp, int64_t ep) {
+const char* axis_name(MeshAxis a) {
+  static const char* names[kMeshAxes] = {"pp", "dp", "cp", "tp", "ep"};
+  return names[static_cast<int>(a)];
+}
+
+int MeshCoord::at(MeshAxis a) const {
+  const int v[kMeshAxes] = {pp, dp, cp, tp, ep};
+  return v[static_cast<int>(a)];
+}
+
+Mesh::Mesh(int64_t world, int64_t pp, int64_t dp, int64_t cp, int64_t ep, int64_t tp) {
   MT_CHECK(world >= 1, "mesh: world size {} must be at least 1", world);
-  for (auto [name, v] : {std::pair{"pp", pp}, {"cp", cp}, {"ep", ep}}) {
+  for (auto [name, v] : {std::pair{"pp", pp}, {"cp", cp}, {"tp", tp}, {"ep", ep}}) {
     MT_CHECK(v >= 1, "mesh: {} = {} must be at least 1", name, v);
   }
-  const int64_t inner = pp * cp * ep;
+  const int64_t inner = pp * cp * tp * ep;
   if (dp == -1) {
     MT_CHECK(world % inner == 0,
-             "mesh: world size {} is not divisible by pp * cp * ep = {} * {} * {} = {}, so dp cannot be inferred",
-             world, pp, cp, ep, inner);
+             "mesh: world size {} is not divisible by pp * cp * tp * ep = {} * {} * {} * {} = {}, so dp cannot be "
+             "inferred",
+             world, pp, cp, tp, ep, inner);
     dp = world / inner;
   } else {
     MT_CHECK(dp >= 1, "mesh: dp = {} must be at least 1 (or -1 to infer it)", dp);
-    MT_CHECK(pp * dp * cp * ep == world, "mesh: pp * dp * cp * ep = {} * {} * {} * {} = {} but the world size is {}",
-             pp, dp, cp, ep, pp * dp * cp * ep, world);
+    MT_CHECK(dp * inner == world, "mesh: pp * dp * cp * tp * ep = {} * {} * {} * {} * {} = {} but the world size is {}",
+             pp, dp, cp, tp, ep, dp * inner, world);
   }
   world_ = static_cast<int>(world);
-  sizes_[0] = static_cast<int>(pp);
-  sizes_[1] = static_cast<int>(dp);
-  sizes_[2] = static_cast<int>(cp);
-  sizes_[3] = static_cast<int>(ep);
+  const int64_t sizes[kMeshAxes] = {pp, dp, cp, tp, ep};
+  for (int a = 0; a < kMeshAxes; ++a) sizes_[a] = static_cast<int>(sizes[a]);
 }
 
 MeshCoord Mesh::coord(int rank) const {
   MT_CHECK(rank >= 0 && rank < world_, "mesh: rank {} is outside the world of {}", rank, world_);
-  MeshCoord c;
-  c.ep = rank % ep();
-  rank /= ep();
-  c.cp = rank % cp();
-  rank /= cp();
-  c.dp = rank % dp();
-  c.pp = rank / dp();
-  return c;
+  int v[kMeshAxes];
+  for (int a = kMeshAxes - 1; a >= 0; --a) {  // the innermost axis varies fastest
+    v[a] = rank % sizes_[a];
+    rank /= sizes_[a];
+  }
+  return {v[0], v[1], v[2], v[3], v[4]};
 }
 
 int Mesh::rank_of(const MeshCoord& c) const {
-  MT_CHECK(c.pp >= 0 && c.pp < pp() && c.dp >= 0 && c.dp < dp() && c.cp >= 0 && c.cp < cp() && c.ep >= 0 &&
-               c.ep < ep(),
-           "mesh: coordinate (pp {}, dp {}, cp {}, ep {}) is outside {}", c.pp, c.dp, c.cp, c.ep, str());
-  return ((c.pp * dp() + c.dp) * cp() + c.cp) * ep() + c.ep;
+  int rank = 0;
+  for (int a = 0; a < kMeshAxes; ++a) {
+    const int x = c.at(static_cast<MeshAxis>(a));
+    MT_CHECK(x >= 0 && x < sizes_[a], "mesh: coordinate (pp {}, dp {}, cp {}, tp {}, ep {}) is outside {}", c.pp, c.dp,
+             c.cp, c.tp, c.ep, str());
+    rank = rank * sizes_[a] + x;
+  }
+  return rank;
 }
 
 std::vector<int> Mesh::group(int rank, std::initializer_list<MeshAxis> axes) const {
   const MeshCoord me = coord(rank);
-  bool free_axis[4] = {false, false, false, false};
+  bool free_axis[kMeshAxes] = {};
   for (MeshAxis a : axes) free_axis[static_cast<int>(a)] = true;
   std::vector<int> out;
   for (int r = 0; r < world_; ++r) {
-    MeshCoord c = coord(r);
-    int mine[4] = {me.pp, me.dp, me.cp, me.ep}, theirs[4] = {c.pp, c.dp, c.cp, c.ep};
+    const MeshCoord c = coord(r);
     bool same = true;
-    for (int a = 0; a < 4; ++a) same = same && (free_axis[a] || mine[a] == theirs[a]);
+    for (int a = 0; a < kMeshAxes; ++a) {
+      same = same && (free_axis[a] || me.at(static_cast<MeshAxis>(a)) == c.at(static_cast<MeshAxis>(a)));
+    }
     if (same) out.push_back(r);
   }
   return out;
@@ -66,7 +78,7 @@ std::vector<int> Mesh::group(int rank, std::initializer_list<MeshAxis> axes) con
 int Mesh::group_color(int rank, std::initializer_list<MeshAxis> axes) const { return group(rank, axes).front(); }
 
 std::string Mesh::str() const {
-  return fmt::format("pp {} x dp {} x cp {} x ep {} ({} ranks)", pp(), dp(), cp(), ep(), world_);
+  return fmt::format("pp {} x dp {} x cp {} x tp {} x ep {} ({} ranks)", pp(), dp(), cp(), tp(), ep(), world_);
 }
 
 MeshComms MeshComms::build(std::shared_ptr<Communicator> world, const Mesh& mesh, int dp_replicate) {
@@ -99,10 +111,13 @@ MeshComms MeshComms::build(std::shared_ptr<Communicator> world, const Mesh& mesh
   m.replicas = dp_replicate;
   const int shard = c.dp % S;
   const int pp_rep = c.pp * dp_replicate + m.replica;
-  m.shard_experts = std::shared_ptr<Communicator>(world->split((pp_rep * mesh.ep() + c.ep), r, "shard_experts"));
-  m.shard_dense = std::shared_ptr<Communicator>(world->split(pp_rep, r, "shard_dense"));
-  m.replicate = std::shared_ptr<Communicator>(
-      world->split(((c.pp * S + shard) * mesh.cp() + c.cp) * mesh.ep() + c.ep, r, "replicate"));
+  // Experts shard over (dp shard, cp) of one replica, tp and ep fixed; other weights over
+  // (dp shard, cp, ep), tp fixed; the replicas of one shard meet in `replicate`.
+  m.shard_experts = std::shared_ptr<Communicator>(
+      world->split((pp_rep * mesh.tp() + c.tp) * mesh.ep() + c.ep, r, "shard_experts"));
+  m.shard_dense = std::shared_ptr<Communicator>(world->split(pp_rep * mesh.tp() + c.tp, r, "shard_dense"));
+  m.replicate = std::shared_ptr<Communicator>(world->split(
+      (((c.pp * S + shard) * mesh.cp() + c.cp) * mesh.tp() + c.tp) * mesh.ep() + c.ep, r, "replicate"));
   return m;
 }
 

@@ -1,8 +1,10 @@
-// Mesh: the ranks of a job laid out on four axes, outer to inner PP, DP, CP, EP:
-//   rank = ((pp * DP + dp) * CP + cp) * EP + ep
-// CP and EP are innermost so their frequent collectives (ring K/V, MoE all-to-all) stay
-// among neighbouring ranks, i.e. inside a node. DP is inferred as world / (pp * cp * ep)
-// when not given. A layout that does not fit the world size is an Error naming the numbers.
+// Mesh: the ranks of a job laid out on five named axes, outer to inner PP, DP, CP, TP, EP:
+//   rank = (((pp * DP + dp) * CP + cp) * TP + tp) * EP + ep
+// CP, TP and EP are innermost so their frequent collectives (ring K/V, TP gathers, MoE
+// all-to-all) stay among neighbouring ranks, i.e. inside a node. DP is inferred as
+// world / (pp * cp * tp * ep) when not given. A layout that does not fit the world size is
+// an Error naming the numbers. (TP is 1 until tensor parallelism exists; the axis is here so
+// that every layout question has one answer.)
 //
 // MeshComms holds one sub-communicator per axis plus the two combined groups FSDP shards
 // over: dp x cp (expert weights) and dp x cp x ep (every other weight).
@@ -18,23 +20,27 @@
 
 namespace moetrain {
 
-enum class MeshAxis { PP, DP, CP, EP };
+enum class MeshAxis { PP, DP, CP, TP, EP };
+inline constexpr int kMeshAxes = 5;
+const char* axis_name(MeshAxis a);  // "pp", "dp", "cp", "tp", "ep"
 
 struct MeshCoord {
-  int pp = 0, dp = 0, cp = 0, ep = 0;
+  int pp = 0, dp = 0, cp = 0, tp = 0, ep = 0;
+  int at(MeshAxis a) const;
   bool operator==(const MeshCoord&) const = default;
 };
 
 class Mesh {
  public:
-  // dp = -1: inferred. Every size must be >= 1 and pp * dp * cp * ep == world.
-  Mesh(int64_t world, int64_t pp, int64_t dp, int64_t cp, int64_t ep);
+  // dp = -1: inferred. Every size must be >= 1 and pp * dp * cp * tp * ep == world.
+  Mesh(int64_t world, int64_t pp, int64_t dp, int64_t cp, int64_t ep, int64_t tp = 1);
 
   int world_size() const { return world_; }
   int size(MeshAxis a) const { return sizes_[static_cast<int>(a)]; }
   int pp() const { return size(MeshAxis::PP); }
   int dp() const { return size(MeshAxis::DP); }
   int cp() const { return size(MeshAxis::CP); }
+  int tp() const { return size(MeshAxis::TP); }
   int ep() const { return size(MeshAxis::EP); }
 
   MeshCoord coord(int rank) const;
@@ -45,11 +51,11 @@ class Mesh {
   // Which group of that family `rank` is in: the smallest rank of its group (a split color).
   int group_color(int rank, std::initializer_list<MeshAxis> axes) const;
 
-  std::string str() const;  // "pp 2 x dp 2 x cp 1 x ep 2 (8 ranks)"
+  std::string str() const;  // "pp 2 x dp 2 x cp 1 x tp 1 x ep 2 (8 ranks)"
 
  private:
   int world_;
-  int sizes_[4];
+  int sizes_[kMeshAxes];
 };
 
 struct MeshComms {

@@ -52,7 +52,7 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
   Model& model = *ctx->model;
   const OptimizerConfig& oc = cfg.optimizer;
   // Every pipeline stage of a data rank draws the same tokens.
-  Rng rng(stream_key(static_cast<uint64_t>(tc.seed), fmt::format("bench/{}", par.data_rank)));
+  Rng rng(stream_key(static_cast<uint64_t>(tc.seed), fmt::format("bench/{}", par.layout.data_rank())));
   auto step = [&](const std::vector<Batch>& bs) { ctx->step(bs, oc.lr, tc.grad_clip); };
 
   BenchReport r;

@@ -24,34 +24,34 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   c.par = std::move(par_in);
   const ParallelContext& par = c.par;
   const bool gpu = tc.device == "cuda";
-  const int64_t shard_ranks = par.comms ? par.comms->dp_cp_ep->size() : 1;
-  ModelPlacement placement{par.ep, par.ep_rank, shard_ranks};
+  const Layout& layout = par.layout;
+  ModelPlacement placement = layout.placement();
 
   // Pipeline: the schedule of a training step and of a validation pass, the model cut into
   // its chunks, and this rank's share of them (pipeline/executor.h).
-  if (par.pp > 1) {
+  if (layout.pp() > 1) {
     const bool v = cfg.parallel.schedule == "dualpipev";
     const int M = static_cast<int>(tc.grad_accum_steps);
     try {
-      c.pipe_train = std::make_unique<PipelineSchedule>(v ? make_dualpipev(par.pp, M) : make_1f1b(par.pp, M));
+      c.pipe_train = std::make_unique<PipelineSchedule>(v ? make_dualpipev(layout.pp(), M) : make_1f1b(layout.pp(), M));
       validate(*c.pipe_train);
     } catch (const Error& e) {
       MT_THROW("[parallel].schedule = \"{}\" with pp = {} and [training].grad_accum_steps = {} micro-batches: {}",
-               cfg.parallel.schedule, par.pp, tc.grad_accum_steps, e.what());
+               cfg.parallel.schedule, layout.pp(), tc.grad_accum_steps, e.what());
     }
-    c.pipe_val = std::make_unique<PipelineSchedule>(make_forward_only(par.pp, static_cast<int>(tc.eval_batches), v));
+    c.pipe_val = std::make_unique<PipelineSchedule>(make_forward_only(layout.pp(), static_cast<int>(tc.eval_batches), v));
     c.chunks = partition_layers(cfg.model->shape().num_layers, c.pipe_train->num_chunks);
-    placement = pipeline_placement(c.chunks, *c.pipe_train, par.pp_rank, placement);
-    std::string layout;
+    placement = pipeline_placement(c.chunks, *c.pipe_train, layout.pp_rank(), placement);
+    std::string chunk_list;
     for (size_t i = 0; i < c.chunks.size(); ++i) {
       const ChunkSpec& s = c.chunks[i];
-      layout += fmt::format("{}{}:[{},{}){}", i ? " " : "", i, s.first_layer, s.last_layer,
+      chunk_list += fmt::format("{}{}:[{},{}){}", i ? " " : "", i, s.first_layer, s.last_layer,
                             s.embed ? "+embed" : s.head ? "+head" : "");
     }
     const ScheduleTimes t = simulate(*c.pipe_train, 1.0, 1.0, 1.0);
     spdlog::info("pipeline: {} over {} ranks, {} micro-batches per step; chunks (layers) {}; bubble {:.1f}% at equal "
                  "F/B/W times",
-                 c.pipe_train->name, par.pp, tc.grad_accum_steps, layout, 100.0 * t.bubble_fraction);
+                 c.pipe_train->name, layout.pp(), tc.grad_accum_steps, chunk_list, 100.0 * t.bubble_fraction);
   }
 
   // Model, dispatcher, optimizer. On the GPU: bf16 weights and activations, f32 masters,
@@ -60,7 +60,7 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   c.model = build_model(*cfg.model, gpu ? DType::BF16 : DType::F32, par.device, placement);
   c.model->init_weights(static_cast<uint64_t>(tc.seed));
   c.model->set_expert_wgrad_group(tc.expert_wgrad_group);
-  if (par.ep == 1) {
+  if (layout.ep() == 1) {
     c.dispatcher = std::make_unique<LocalDispatcher>();
   } else {
     // On GPUs the exchanges run on their own stream and return before they finish; the model
@@ -80,14 +80,14 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
     c.model->set_data_group(par.data_group());
     // Under a pipeline many micro-batches are in flight at once, so weights stay whole
     // (ZeRO-2): gathering them per micro-batch and chunk would multiply the traffic.
-    const bool shard_weights = cfg.parallel.shard_weights && par.pp == 1;
+    const bool shard_weights = cfg.parallel.shard_weights && layout.pp() == 1;
     if (cfg.parallel.shard_weights && !shard_weights) {
       spdlog::info("parallel: weights kept whole under pipeline parallelism (ZeRO-2: gradients and optimizer "
                    "state sharded)");
     }
     c.fsdp = std::make_unique<FsdpContext>(*c.model, *par.comms->shard_dense, *par.comms->shard_experts,
                                            *par.comms->world, adamw, shard_weights, par.comms->replicate.get());
-    if (par.pp > 1) c.pipeline = std::make_unique<PipelineExecutor>(*c.model, *c.dispatcher, par.pp_group(), c.chunks);
+    if (layout.pp() > 1) c.pipeline = std::make_unique<PipelineExecutor>(*c.model, *c.dispatcher, par.pp_group(), c.chunks);
   } else {
     c.single_opt = std::make_unique<AdamW>(c.model->parameters(), adamw);
     const LayerwiseConfig lc{oc.overlap && gpu, static_cast<int>(oc.overlap_sms)};

@@ -54,7 +54,7 @@ struct TrainContext {
   }
   // Tokens of one step over all data ranks.
   int64_t tokens_per_step(const TrainingConfig& tc) const {
-    return tc.micro_batch_size * par.data_world * tc.seq_len * tc.grad_accum_steps;
+    return tc.micro_batch_size * par.layout.data_world() * tc.seq_len * tc.grad_accum_steps;
   }
 };
 

@@ -130,7 +130,8 @@ namespace {
 std::vector<std::vector<int64_t>> global_expert_counts(const Model& model,
                                                        const std::vector<std::vector<int64_t>>& local,
                                                        Communicator& data_group, std::vector<double>& also_sum) {
-  const int64_t E = model.model_config().shape().num_experts, first = model.placement().ep_rank * E / model.placement().ep_size;
+  const int64_t E = model.model_config().shape().num_experts;
+  const int64_t first = expert_range(E, model.placement().ep_size, model.placement().ep_rank).first;
   std::vector<double> sums = also_sum;
   const size_t base = also_sum.size();
   for (const auto& layer : local) {
@@ -366,7 +367,7 @@ void log_run(const RunConfig& cfg, TrainContext& ctx) {
   const ModelShape shape = cfg.model->shape();
   spdlog::info("model: {}, {} layers, {} experts (top-{}), {:.2f}M parameters{} ({:.2f}M active in matmuls)",
                cfg.model->model_type, shape.num_layers, shape.num_experts, shape.experts_per_token,
-               count_elements(ctx.model->parameters()) / 1e6, par.ep > 1 ? " on this rank" : "",
+               count_elements(ctx.model->parameters()) / 1e6, par.layout.ep() > 1 ? " on this rank" : "",
                ctx.model->active_matmul_params() / 1e6);
   spdlog::info("training: {} steps x {} tokens on {}{}", tc.steps, ctx.tokens_per_step(tc),
                tc.device == "cuda" ? cuda::device_name(par.device.index) + " (bf16)"
@@ -443,7 +444,7 @@ TrainSummary train(const RunConfig& cfg_in) {
   if (connected.rank != 0) spdlog::set_level(spdlog::level::warn);
   // Data: tokenizer and loaders of [data].kind (data/data_context.h); each data rank gets
   // its rows of the same global micro-batches.
-  DataContext data = make_data_context(cfg, connected.data_rank, connected.data_world);
+  DataContext data = make_data_context(cfg, connected.layout.data_rank(), connected.layout.data_world());
   spdlog::info("data: {}", data.summary);
   // Model, dispatcher, optimizer, pipeline: train_context.h.
   std::unique_ptr<TrainContext> ctx = TrainContext::build(cfg, std::move(connected));

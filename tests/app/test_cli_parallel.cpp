@@ -143,7 +143,7 @@ TEST_F(ParallelCli, ALayoutThatDoesNotFitTheWorldIsNamed) {
   Result r = launch(2, train_args("bad", 2, "--parallel.ep=4"));
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("[parallel] does not fit"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("pp * cp * ep = 1 * 1 * 4"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("pp * cp * tp * ep = 1 * 1 * 1 * 4"), std::string::npos) << r.output;
 }
 
 // Pipelines: 8 layers (DualPipeV over 4 ranks has 8 chunks), 8 micro-batches per step

@@ -28,7 +28,7 @@ CheckpointItems CheckpointContext::items() {
                                                           ctx_.optimizer())
                                : checkpoint_items(params, &ctx_.optimizer());
   // Buffers are whole on every data rank of a pipeline stage: the first writes them.
-  if (ctx_.par.data_rank == 0) {
+  if (ctx_.par.layout.data_rank() == 0) {
     for (const NamedBuffer& b : ctx_.model->buffers()) items.model.push_back({b.name, b.value});
   }
   return items;
@@ -104,7 +104,8 @@ nlohmann::json CheckpointContext::trainer_state(const TrainState& state) const {
   st["model_dtype"] = std::string(dtype_name(ctx_.model->parameters().front().value.dtype()));
   st["world_size"] = par.world;
   const ParallelConfig& pc = cfg_.parallel;
-  st["parallel"] = {{"pp", pc.pp}, {"dp", par.world / (pc.pp * pc.cp * par.ep)}, {"cp", pc.cp}, {"ep", par.ep},
+  const Layout& l = par.layout;
+  st["parallel"] = {{"pp", l.pp()}, {"dp", l.size(MeshAxis::DP)}, {"cp", l.size(MeshAxis::CP)}, {"ep", l.ep()},
                     {"schedule", pc.schedule}, {"dp_replicate", pc.dp_replicate}};
   st["moetrain_version"] = MOETRAIN_VERSION;
   st["config"] = RunConfig(cfg_).to_toml();

@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "engine/parallel/layout.h"
 #include "engine/telemetry/stage_timer.h"
 
 namespace moetrain {
@@ -18,11 +19,9 @@ Qwen3MoeDecoderLayer::Qwen3MoeDecoderLayer(const Qwen3MoeConfig& cfg, int64_t la
   const int64_t qd = cfg.num_attention_heads * hd, kvd = cfg.num_key_value_heads * hd;
   int64_t E = 1;
   if (moe_) {
-    MT_CHECK(cfg.num_experts % placement.ep_size == 0,
-             "[model].num_experts = {} cannot be split evenly over [parallel].ep = {} expert-parallel ranks",
-             cfg.num_experts, placement.ep_size);
-    E = cfg.num_experts / placement.ep_size;
-    first_expert_ = placement.ep_rank * E;
+    const Layout::ExpertRange mine = expert_range(cfg.num_experts, placement.ep_size, placement.ep_rank);
+    E = mine.count;
+    first_expert_ = mine.first;
   }
   inter_ = moe_ ? cfg.moe_intermediate_size : cfg.intermediate_size;
   // Attention and router weights are replicated over expert-parallel ranks, experts are

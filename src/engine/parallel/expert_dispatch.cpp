@@ -2,6 +2,7 @@
 
 #include <chrono>
 
+#include "engine/parallel/layout.h"
 #include "engine/telemetry/stage_timer.h"
 
 namespace moetrain {
@@ -74,11 +75,13 @@ AllToAllDispatcher::~AllToAllDispatcher() {
   if (done_event_) destroy_event_quietly(done_event_);
 }
 
+int64_t AllToAllDispatcher::first_local_expert(int64_t num_experts) const {
+  return expert_range(num_experts, ep_.size(), ep_.rank()).first;
+}
+
 int64_t AllToAllDispatcher::num_local_experts(int64_t num_experts) const {
-  MT_CHECK(num_experts > 0 && num_experts % ep_.size() == 0,
-           "expert parallelism on {}: {} experts do not split evenly over {} EP ranks", ep_.name(), num_experts,
-           ep_.size());
-  return num_experts / ep_.size();
+  MT_CHECK(num_experts > 0, "expert parallelism on {}: no experts to split", ep_.name());
+  return expert_range(num_experts, ep_.size(), ep_.rank()).count;
 }
 
 std::string AllToAllDispatcher::where(const DispatchState& st) const {

@@ -139,8 +139,8 @@ class AllToAllDispatcher final : public ExpertDispatcher {
 
   // E / P; an Error naming both numbers when P does not divide E.
   int64_t num_local_experts(int64_t num_experts) const override;
-  // The first global expert this rank holds: rank * num_local_experts.
-  int64_t first_local_expert(int64_t num_experts) const { return ep_.rank() * num_local_experts(num_experts); }
+  // The first global expert this rank holds (parallel/layout.h's split).
+  int64_t first_local_expert(int64_t num_experts) const;
   DispatchOut dispatch(const Tensor& x, const Tensor& topk_idx, int64_t num_experts, DispatchState& st) override;
   Tensor combine(const Tensor& expert_rows, DispatchState& st) override;
   // The rows back from the experts' ranks as they arrive (this rank's copies grouped by

@@ -38,10 +38,7 @@ ParallelContext ParallelContext::build(const RunConfig& cfg) {
     p.device = Device::cuda(gpu_for_local_rank(p.env.local_rank, cuda::device_count()));
     cuda::set_device(p.device.index);  // before this rank's first allocation, stream or handle
   }
-  p.ep = mesh.ep();
-  p.ep_rank = mesh.coord(p.rank).ep;
-  p.pp = mesh.pp();
-  p.pp_rank = mesh.coord(p.rank).pp;
+  p.layout = Layout(mesh, p.rank, static_cast<int>(pc.dp_replicate));
   if (p.world == 1) return p;
 
   CommOptions opt = default_comm_options(p.env);
@@ -50,8 +47,9 @@ ParallelContext ParallelContext::build(const RunConfig& cfg) {
       gpu ? std::shared_ptr<Communicator>(connect_nccl(store, p.rank, p.world, p.device.index, opt))
           : std::shared_ptr<Communicator>(GlooCommunicator::connect(store, p.rank, p.world, opt));
   p.comms = std::make_unique<MeshComms>(MeshComms::build(world, mesh, static_cast<int>(pc.dp_replicate)));
-  p.data_rank = p.comms->dp_cp_ep->rank();
-  p.data_world = p.comms->dp_cp_ep->size();
+  MT_CHECK(p.comms->dp_cp_ep->rank() == p.layout.data_rank() && p.comms->dp_cp_ep->size() == p.layout.data_world(),
+           "parallel: the data group's rank {} of {} is not the layout's {} of {}", p.comms->dp_cp_ep->rank(),
+           p.comms->dp_cp_ep->size(), p.layout.data_rank(), p.layout.data_world());
   spdlog::info("parallel: {} as {}{} ({} collectives)", p.env.str(), mesh.str(),
                p.comms->replicas > 1 ? fmt::format(", HSDP: {} replica groups of dp {}", p.comms->replicas,
                                                    mesh.dp() / p.comms->replicas)

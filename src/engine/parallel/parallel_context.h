@@ -8,6 +8,7 @@
 #include "comm/launch_env.h"
 #include "comm/mesh.h"
 #include "core/device.h"
+#include "engine/parallel/layout.h"
 #include "engine/run_config.h"
 
 namespace moetrain {
@@ -22,17 +23,14 @@ struct ParallelContext {
   std::unique_ptr<MeshComms> comms;  // null for a world of one
   Device device = Device::cpu();     // this rank's device: the CPU, or gpu_for_local_rank's GPU
   int rank = 0, world = 1;
-  // Ranks that see different tokens of one global batch: dp x ep of this pipeline stage
-  // (no cp yet). The ranks of one pipeline group see the same tokens.
-  int data_rank = 0, data_world = 1;
-  int ep_rank = 0, ep = 1;
-  int pp_rank = 0, pp = 1;
+  // Where this rank is and what it holds: experts, rows of a micro-batch, sharding groups.
+  Layout layout;
 
   bool distributed() const { return world > 1; }
   // The group over which the ranks hold different data: summed losses and token counts.
   Communicator* data_group() const { return comms ? comms->dp_cp_ep.get() : nullptr; }
   // The pipeline stages of this rank's replica (nullptr: pp = 1).
-  Communicator* pp_group() const { return comms && pp > 1 ? comms->pp.get() : nullptr; }
+  Communicator* pp_group() const { return comms && layout.pp() > 1 ? comms->pp.get() : nullptr; }
 
   // Reads the environment, checks [parallel] against the world size (an error names the
   // numbers), connects the world (NCCL for [training].device = "cuda", else Gloo) and
