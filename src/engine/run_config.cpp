@@ -46,6 +46,9 @@ void ParallelConfig::describe(ConfigFields& f) {
   f.add("shard_weights", &shard_weights,
         "many ranks: shard the weights too and gather each layer's when used (ZeRO-3); false keeps them whole "
         "(ZeRO-2: gradients and optimizer state sharded)");
+  f.add("check_exchange", &check_exchange,
+        "debug: check token conservation over the EP group at every expert dispatch (one all-gather and host wait "
+        "each)");
 }
 
 void TrainingConfig::describe(ConfigFields& f) {

@@ -23,6 +23,9 @@ struct ParallelConfig {
   // HSDP: dp splits into dp_replicate replica groups; sharding stays inside a group (one node,
   // say) and the groups all-reduce gradient shards. 1: plain FSDP over all dp ranks.
   int64_t dp_replicate = 1;
+  // Debugging expert parallelism: every dispatch checks over the EP group that each rank
+  // receives exactly the rows sent to it (an all-gather and a host wait per dispatch).
+  bool check_exchange = false;
   void describe(ConfigFields& f);
 };
 

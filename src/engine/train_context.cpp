@@ -67,6 +67,7 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
     // waits where it uses a result (its chunk pieces), so DualPipeV's paired micro-batch
     // computes meanwhile.
     AllToAllOptions o;
+    o.check_conservation = cfg.parallel.check_exchange;
     if (gpu) {
       c.comm_stream.stream = cuda::create_stream();
       o.comm_stream = c.comm_stream.stream;

@@ -48,6 +48,10 @@ struct Layer {
   Tensor all_dout, ref_drows;    // combine_backward of the concatenated dout
   Tensor all_drows, ref_dx;      // dispatch_backward of random row gradients
   std::vector<int64_t> expert_offset;  // first reference row of each expert
+  // The weighted combine (the exchange's own): per rank the routing weights, the residual
+  // and dy; the reference's output, d weights and d expert rows of the concatenation.
+  std::vector<Tensor> weight, residual, dy;
+  Tensor ref_y, ref_dweight, ref_weighted_drows;
 };
 
 Tensor concat(const std::vector<Tensor>& parts, int64_t cols, DType dtype) {
@@ -125,6 +129,31 @@ Layer make_layer(const Case& c, uint64_t seed) {
   L.ref_drows = local.combine_backward(L.all_dout, st);
   L.all_drows = testing::random_tensor(out.rows.shape(), DType::F32, seed * 3000);
   L.ref_dx = local.dispatch_backward(L.all_drows, st);
+  // The weighted combine on the concatenation, in one process: y = residual + sum_k w * out.
+  for (int r = 0; r < c.ep; ++r) {
+    const int64_t T = c.tokens[r];
+    L.weight.push_back(testing::random_tensor({T, c.top_k}, DType::F32, seed * 4000 + r));
+    L.residual.push_back(testing::random_tensor({T, c.hidden}, DType::F32, seed * 5000 + r));
+    L.dy.push_back(testing::random_tensor({T, c.hidden}, DType::F32, seed * 6000 + r));
+  }
+  DispatchState wst;
+  local.dispatch(L.all_x, L.all_topk, concat(L.weight, c.top_k, DType::F32), c.experts, wst);
+  local.combine_start(times_expert(out.rows, counts, 0), wst);
+  L.ref_y = local.combine_finish(concat(L.residual, c.hidden, DType::F32), wst);
+  ExpertDispatcher::CombineGrads g = local.combine_backward_weighted(concat(L.dy, c.hidden, DType::F32), wst);
+  L.ref_dweight = g.d_weight;
+  L.ref_weighted_drows = g.d_rows;
+  // The same by hand, from the unweighted routes: the exchange's combine adds nothing else.
+  const std::vector<float> rc = L.ref_combined.to_vector<float>(), w = concat(L.weight, c.top_k, DType::F32).to_vector<float>();
+  const std::vector<float> res = concat(L.residual, c.hidden, DType::F32).to_vector<float>(), y = L.ref_y.to_vector<float>();
+  const int64_t all_t = L.all_x.size(0);
+  for (int64_t t = 0; t < all_t; ++t) {
+    for (int64_t h = 0; h < c.hidden; ++h) {
+      double want = res[t * c.hidden + h];
+      for (int64_t k = 0; k < c.top_k; ++k) want += w[t * c.top_k + k] * rc[(t * c.top_k + k) * c.hidden + h];
+      EXPECT_NEAR(y[t * c.hidden + h], want, 1e-5 * (1 + std::abs(want))) << "token " << t << " h " << h;
+    }
+  }
   return L;
 }
 
@@ -195,6 +224,24 @@ struct RankRun {
     d.wait(st);
     expect_same(dx.to(Device::cpu()), L.ref_dx.slice(t0, t0 + T), where + " dispatch_backward");
   }
+  // The exchange's weighted combine: dispatch with the weights, combine_start/finish and its
+  // backward, against the one-process reference.
+  void weighted_combine(ExpertDispatcher& d) {
+    const std::string where = "rank " + std::to_string(rank) + " of " + std::to_string(ep);
+    const int64_t T = L.x[rank].size(0), t0 = L.token_offset[rank];
+    DispatchState ws;
+    DispatchOut in = d.dispatch(L.x[rank].to(device), L.topk[rank].to(device), L.weight[rank].to(device), L.E, ws);
+    d.wait(ws);
+    const std::vector<int64_t> counts = in.counts.to_vector<int64_t>();
+    d.combine_start(times_expert(in.rows.to(Device::cpu()), counts, rank * El()).to(device), ws);
+    Tensor y = d.combine_finish(L.residual[rank].to(device), ws);
+    expect_same(y.to(Device::cpu()), L.ref_y.slice(t0, t0 + T), where + " combine_finish");
+    ExpertDispatcher::CombineGrads g = d.combine_backward_weighted(L.dy[rank].to(device), ws);
+    d.wait(ws);
+    expect_same(g.d_weight.to(Device::cpu()), L.ref_dweight.slice(t0, t0 + T), where + " d weight");
+    expect_same(g.d_rows.to(Device::cpu()), L.ref_weighted_drows.slice(first_row(), end_row()),
+                where + " combine_backward_weighted");
+  }
 };
 
 // Two layers per rank, interleaved as a forward then a backward pass would run them, so
@@ -206,9 +253,17 @@ void run_two_layers(RankRun& a, RankRun& b, ExpertDispatcher& d) {
   b.check_dispatch();
   b.combine_and_backward(d);
   a.combine_and_backward(d);
+  a.weighted_combine(d);
+  b.weighted_combine(d);
 }
 
-void run_case(const Case& c, AllToAllOptions options = {}) {
+AllToAllOptions checked() {
+  AllToAllOptions o;
+  o.check_conservation = true;  // the group-wide check runs (and must pass) in these cases
+  return o;
+}
+
+void run_case(const Case& c, AllToAllOptions options = checked()) {
   const Layer L0 = make_layer(c, 1), L1 = make_layer(c, 2);
   run_ranks(c.ep, [&](Communicator& comm) {
     AllToAllDispatcher d(comm, options);
@@ -274,7 +329,7 @@ TEST(ExpertParallel, ConservationViolationStopsEveryRankNamingTheNumbers) {
   const Layer L = make_layer(c, 3);
   std::vector<std::string> errors(2);
   run_ranks(2, [&](Communicator& comm) {
-    AllToAllOptions o;
+    AllToAllOptions o = checked();
     // Rank 1 miscounts what rank 0 sends its first expert.
     if (comm.rank() == 1) o.tamper_received_counts = [](std::vector<int64_t>& got) { got[0] += 1; };
     AllToAllDispatcher d(comm, o);
@@ -314,7 +369,7 @@ void run_case_nccl(const Case& c, bool defer, DType dtype) {
       try {
         comm = connect_nccl(store, r, 2, r, testing::test_options(std::chrono::seconds(60)));
         stream = cuda::create_stream();
-        AllToAllOptions o;
+        AllToAllOptions o = checked();
         o.comm_stream = stream;
         o.defer_wait = defer;
         AllToAllDispatcher d(*comm, o);

@@ -152,26 +152,30 @@ bool MoeDecoderModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) const
       if (hooks_) hooks_->before_forward(id);
       layer.attn_forward(f.x, f.batch.positions, f.b, s);  // 1: attn
       if (layer.is_moe()) {
-        s.expert_in = d.dispatch(s.mlp_in, s.route.topk_idx, spec_.num_experts, s.dispatch);  // 2: dispatch
+        s.expert_in = d.dispatch(s.mlp_in, s.route.topk_idx, s.route.topk_weight, spec_.num_experts,
+                                 s.dispatch);  // 2: dispatch
       } else {
         s.expert_in = {s.mlp_in, dense_counts(f.b.tokens())};
       }
       break;
     case 1: {
       if (layer.is_moe()) d.wait(s.dispatch);
-      Tensor rows = layer.mlp_forward(s);                                      // 3: mlp
-      if (layer.is_moe()) {  // 4: combine (rows left in expert order where the dispatcher can)
-        ExpertDispatcher::PlacedRows placed = d.combine_in_place(rows, s.dispatch);
-        s.expert_out = placed.rows;
-        s.expert_order = placed.order;
+      Tensor rows = layer.mlp_forward(s);  // 3: mlp
+      if (layer.is_moe()) {
+        d.combine_start(rows, s.dispatch);  // 4: combine, under way
       } else {
-        s.expert_out = rows;
+        s.mlp_out = rows;
       }
       break;
     }
     case 2:
-      if (layer.is_moe()) d.wait(s.dispatch);
-      f.x = layer.aggregate_forward(s);  // 5: aggregate
+      if (layer.is_moe()) {
+        f.x = d.combine_finish(s.residual, s.dispatch);  // 4 + 5: residual + the weighted sum
+      } else {
+        StageScope t(Stage::kCombine);  // 5: residual + MLP
+        f.x = s.mlp_out.clone();
+        ops::add_(f.x, s.residual);
+      }
       if (layer.is_moe() && f.pass.router_stats) {  // this layer's share of the router totals (see RouterTotals)
         StageScope t(Stage::kLoss);
         ops::load_balance_accumulate(s.route.probs, s.route.topk_idx, f.totals.selections, f.totals.prob_sum);
@@ -198,14 +202,12 @@ bool MoeDecoderModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
   switch (g.piece) {
     case 0: {
       if (hooks_) hooks_->before_backward(id);
-      auto ag = layer.aggregate_backward(g.dx, s);  // 5
-      g.d_topk_weight = ag.d_topk_weight;
-      if (!layer.is_moe()) {
-        g.d_rows = ag.d_expert_out;
-      } else if (s.expert_order.defined()) {  // the gradient is in the placed rows' order already
-        g.d_rows = d.combine_in_place_backward(ag.d_expert_out, s.dispatch);  // 4
+      if (layer.is_moe()) {  // 5 + 4: d weights, and d rows on their way back to the experts
+        ExpertDispatcher::CombineGrads cg = d.combine_backward_weighted(g.dx, s.dispatch);
+        g.d_rows = std::move(cg.d_rows);
+        g.d_topk_weight = std::move(cg.d_weight);
       } else {
-        g.d_rows = d.combine_backward(ag.d_expert_out, s.dispatch);  // 4
+        g.d_rows = g.dx;  // 5: d mlp_out = d residual = dy
       }
       break;
     }

@@ -146,13 +146,13 @@ struct MicroBatchLoss {
 struct LayerState {
   virtual ~LayerState() = default;
   Tensor mlp_in;            // stage 1's output the experts take, [T, H]
+  Tensor residual;          // stage 1's residual stream, which stage 5 adds the MLP's output to
   ops::RouterOut route;     // MoE layers: top-k experts and weights, router probabilities
   Tensor router_logits;
   ops::ZLossOut z;          // router z-loss terms (when its coefficient is set)
-  DispatchState dispatch;   // stages 2-4
+  DispatchState dispatch;   // stages 2-4 (MoE layers: the routing weights and the placed outputs too)
   DispatchOut expert_in;    // rows grouped by expert (dense layer: mlp_in, one group)
-  Tensor expert_out;        // [T*K, H] (t, k) order, or expert order with expert_order; dense: [T, H]
-  Tensor expert_order;      // i32 [T*K]: (t, k)'s row of expert_out (undefined: (t, k) order)
+  Tensor mlp_out;           // dense layers: the MLP's output [T, H]
 };
 
 // One decoder layer of a family: its weights and the math of stages 1, 3 and 5, forward and
@@ -169,17 +169,13 @@ class DecoderLayer {
   // This layer's parameters under canonical names (experts as per-expert views).
   virtual void collect_parameters(ParameterList& out) = 0;
 
-  // Stage 1: fills s.mlp_in and, for an MoE layer, s.route (and s.router_logits).
+  // Stage 1: fills s.mlp_in, s.residual and, for an MoE layer, s.route (and s.router_logits).
   virtual void attn_forward(const Tensor& x, const Tensor& positions, const BatchShape& b, LayerState& s) const = 0;
   // Stage 3: the MLP over s.expert_in (grouped by expert); returns its output rows.
   virtual Tensor mlp_forward(LayerState& s) const = 0;
-  // Stage 5: the layer output from s.expert_out (and the residual).
-  virtual Tensor aggregate_forward(LayerState& s) const = 0;
-  struct AggregateGrads {
-    Tensor d_expert_out;   // [T*K, H] in expert_out's layout, or [T, H] for dense
-    Tensor d_topk_weight;  // [T, K] (undefined for dense)
-  };
-  virtual AggregateGrads aggregate_backward(const Tensor& dy, LayerState& s) const = 0;
+  // Stage 5 is residual + MLP output: for an MoE layer the dispatcher's weighted combine adds
+  // into s.residual (ExpertDispatcher::combine_finish), for a dense one the engine adds
+  // s.mlp_out; d residual is the layer output's gradient either way. No family code.
   // Backward of stage 3: d rows out -> d expert_in rows.
   virtual Tensor mlp_backward_input(const Tensor& d_rows_out, LayerState& s) const = 0;
   // Backward of stage 1: given d h (residual), d mlp_in (taken over), d topk_weight and the

@@ -112,6 +112,7 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
     StageScope t(Stage::kNorms);
     s.ln2 = ops::rmsnorm_forward(s.h, ln2_w_, eps);
     s.mlp_in = s.ln2.y;
+    s.residual = s.h;
   }
   if (moe_) {
     StageScope t(Stage::kRouterPermute);
@@ -126,24 +127,6 @@ Tensor Qwen3MoeDecoderLayer::mlp_forward(LayerState& state) const {
   StageScope t(Stage::kExpertGemm);
   s.mlp = ops::grouped_swiglu_forward(s.expert_in.rows, s.expert_in.counts, w_gate_, w_up_, w_down_);
   return s.mlp.y;
-}
-
-// Stage 5. y = h + sum_k w[t,k] * expert_out[t,k] (dense: y = h + mlp); expert_out read in
-// expert order through expert_order where the dispatcher left it there.
-Tensor Qwen3MoeDecoderLayer::aggregate_forward(LayerState& state) const {
-  auto& s = static_cast<Qwen3MoeLayerState&>(state);
-  StageScope t(Stage::kCombine);
-  if (moe_) return ops::combine_forward(s.expert_out, s.route.topk_weight, s.h, s.expert_order);
-  Tensor y = s.expert_out.clone();
-  ops::add_(y, s.h);
-  return y;
-}
-
-DecoderLayer::AggregateGrads Qwen3MoeDecoderLayer::aggregate_backward(const Tensor& dy, LayerState& s) const {
-  StageScope t(Stage::kCombine);
-  if (!moe_) return {dy, Tensor()};
-  ops::CombineGrads g = ops::combine_backward(dy, s.expert_out, s.route.topk_weight, s.expert_order);
-  return {g.dexpert_out, g.dweight};
 }
 
 Tensor Qwen3MoeDecoderLayer::mlp_backward_input(const Tensor& d_rows_out, LayerState& state) const {

@@ -60,15 +60,11 @@ class Qwen3MoeDecoderLayer : public DecoderLayer {
   std::vector<ParamBucket>& buckets() override { return buckets_; }
   void collect_parameters(ParameterList& out) override;
 
-  // Stage 1: fills s.h (residual stream) and s.ln2.y (= s.mlp_in, the MLP input) and, for an
-  // MoE layer, s.route (top-k experts and weights).
+  // Stage 1: fills s.h (= s.residual, the residual stream) and s.ln2.y (= s.mlp_in, the MLP
+  // input) and, for an MoE layer, s.route (top-k experts and weights).
   void attn_forward(const Tensor& x, const Tensor& positions, const BatchShape& b, LayerState& s) const override;
   // Stage 3: SwiGLU over s.expert_in (grouped by expert), into s.mlp; returns s.mlp.y.
   Tensor mlp_forward(LayerState& s) const override;
-  // Stage 5: returns the layer output h + sum_k w_k * expert_k (or h + mlp for dense).
-  Tensor aggregate_forward(LayerState& s) const override;
-  // Backward of stage 5: d expert_out and d topk_weight.
-  AggregateGrads aggregate_backward(const Tensor& dy, LayerState& s) const override;
   // Backward of stage 3: d rows -> d expert_in rows.
   Tensor mlp_backward_input(const Tensor& d_rows_out, LayerState& s) const override;
   // Backward of stage 1: given d h (residual + aggregate), d mlp_in (from dispatch backward;

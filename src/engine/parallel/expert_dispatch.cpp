@@ -7,6 +7,38 @@
 
 namespace moetrain {
 
+DispatchOut ExpertDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight,
+                                       int64_t num_experts, DispatchState& st) {
+  st.weight = topk_weight;
+  return dispatch(x, topk_idx, num_experts, st);
+}
+
+void ExpertDispatcher::combine_start(const Tensor& expert_rows, DispatchState& st) {
+  PlacedRows placed = combine_in_place(expert_rows, st);
+  st.placed = std::move(placed.rows);
+  st.order = std::move(placed.order);
+}
+
+// y = residual + sum_k w[t,k] * out[t,k], out read through the order where combine_in_place
+// left the rows in its own order.
+Tensor ExpertDispatcher::combine_finish(const Tensor& residual, DispatchState& st) {
+  wait(st);
+  MT_CHECK(st.weight.defined(), "combine_finish of layer {}: the dispatch was given no routing weights", st.layer);
+  StageScope t(Stage::kCombine);
+  return ops::combine_forward(st.placed, st.weight, residual, st.order);
+}
+
+ExpertDispatcher::CombineGrads ExpertDispatcher::combine_backward_weighted(const Tensor& dy, DispatchState& st) {
+  ops::CombineGrads g;
+  {
+    StageScope t(Stage::kCombine);
+    g = ops::combine_backward(dy, st.placed, st.weight, st.order);
+  }
+  // The gradient is in the placed rows' order already when they came with one.
+  Tensor d_rows = st.order.defined() ? combine_in_place_backward(g.dexpert_out, st) : combine_backward(g.dexpert_out, st);
+  return {std::move(d_rows), std::move(g.dweight)};
+}
+
 DispatchOut LocalDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx, int64_t num_experts,
                                       DispatchState& st) {
   StageScope t(Stage::kRouterPermute);

@@ -1,11 +1,14 @@
 // ExpertDispatcher: stages 2 (dispatch) and 4 (combine) of the decoder layer contract.
 //
 // Dispatch sends every routed (token, slot) copy to the rank holding its expert, grouped
-// by expert; combine brings the expert outputs back in (token, slot) order (or, with
-// combine_in_place, back to this rank with the order to read them through). The engine
-// owns these stages so a schedule can run them on a communication stream while another
-// micro-batch computes. With one process they are local permutations (LocalDispatcher);
-// with expert parallelism, all-to-alls over the EP group (AllToAllDispatcher).
+// by expert; combine brings the expert outputs back and sums each token's copies weighted
+// by its routing weights (the exchange owns the weighted combine, so that a dispatcher may
+// weight and sum on the experts' side and send back one row per token instead of K). The
+// engine owns these stages so a schedule can run them on a communication stream while
+// another micro-batch computes. With one process they are local permutations
+// (LocalDispatcher); with expert parallelism, all-to-alls over the EP group
+// (AllToAllDispatcher). Below the weighted combine are the routes it is made of
+// (combine, combine_in_place and their backwards), which tests check one by one.
 #pragma once
 
 #include <functional>
@@ -31,6 +34,10 @@ struct DispatchState {
   // Unused when the two orders coincide (one local expert, one peer sending).
   ops::Permutation regroup;
   bool regroup_identity = true;
+  // The weighted combine: the routing weights [T, K] given to dispatch, and the expert
+  // outputs as combine_start placed them (rows, and the order to read them through).
+  Tensor weight;
+  Tensor placed, order;
   // CUDA, communication stream, deferred waits: the event after this state's last exchange
   // and the caller's tensors the communication stream may still read (see wait()).
   std::shared_ptr<void> ready;
@@ -48,6 +55,25 @@ class ExpertDispatcher {
   virtual int64_t num_local_experts(int64_t num_experts) const = 0;
   // x [T, H], topk_idx i32 [T, K] -> rows grouped by expert.
   virtual DispatchOut dispatch(const Tensor& x, const Tensor& topk_idx, int64_t num_experts, DispatchState& st) = 0;
+
+  // ---- the layer's exchange: dispatch with the routing weights, the weighted combine ----
+  // dispatch(), keeping topk_weight [T, K] in `st` for the combine.
+  DispatchOut dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight, int64_t num_experts,
+                       DispatchState& st);
+  // Starts the expert outputs [N, H] on their way home (with deferred waits, still in flight
+  // when this returns).
+  void combine_start(const Tensor& expert_rows, DispatchState& st);
+  // Waits for them and returns residual + sum_k w[t,k] * out[t,k] ([T, H]; the residual add
+  // fused into the weighted sum: stage 5 hands its residual stream in).
+  Tensor combine_finish(const Tensor& residual, DispatchState& st);
+  // Backward of combine_finish and combine_start: d topk_weight [T, K] and the expert rows'
+  // gradient [N, H] started on its way back to the experts (wait(st) before reading it).
+  struct CombineGrads {
+    Tensor d_rows, d_weight;
+  };
+  CombineGrads combine_backward_weighted(const Tensor& dy, DispatchState& st);
+
+  // ---- the routes ----
   // Expert outputs [N, H] -> [T*K, H] in (t, k) order.
   virtual Tensor combine(const Tensor& expert_rows, DispatchState& st) = 0;
   // The same rows where the weighted combine can read them: `rows` in (t, k) order with
@@ -79,6 +105,7 @@ class ExpertDispatcher {
 // One process: every expert is local; dispatch and combine are permutations.
 class LocalDispatcher final : public ExpertDispatcher {
  public:
+  using ExpertDispatcher::dispatch;
   int64_t num_local_experts(int64_t num_experts) const override { return num_experts; }
   DispatchOut dispatch(const Tensor& x, const Tensor& topk_idx, int64_t num_experts, DispatchState& st) override;
   Tensor combine(const Tensor& expert_rows, DispatchState& st) override;
@@ -91,9 +118,9 @@ class LocalDispatcher final : public ExpertDispatcher {
 struct AllToAllOptions {
   // At every dispatch, check over the EP group that each rank expects from each peer
   // exactly the rows that peer sends it and that every (token, slot) copy is sent: one
-  // all_gather of 2 ep + 1 counts per rank (on CUDA one more host sync). Off: only the
-  // local check that the counts add up to T*K remains.
-  bool check_conservation = true;
+  // all_gather of 2 ep + 1 counts per rank (on CUDA one more host sync). Off (training,
+  // unless [parallel].check_exchange): only the local check that the counts add up to T*K.
+  bool check_conservation = false;
   // CUDA: the stream the dispatcher's work runs on, so that it can overlap compute. Each call
   // makes it wait for the caller's current (compute) stream, runs there, and then makes
   // the compute stream wait for it. nullptr: everything on the current stream. Ignored for
@@ -137,6 +164,7 @@ class AllToAllDispatcher final : public ExpertDispatcher {
   AllToAllDispatcher(const AllToAllDispatcher&) = delete;
   AllToAllDispatcher& operator=(const AllToAllDispatcher&) = delete;
 
+  using ExpertDispatcher::dispatch;
   // E / P; an Error naming both numbers when P does not divide E.
   int64_t num_local_experts(int64_t num_experts) const override;
   // The first global expert this rank holds (parallel/layout.h's split).
