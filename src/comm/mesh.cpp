@@ -101,6 +101,7 @@ MeshComms MeshComms::build(std::shared_ptr<Communicator> world, const Mesh& mesh
   if (dp_replicate == 1) {
     m.shard_experts = m.dp_cp;
     m.shard_dense = m.dp_cp_ep;
+    m.replica_world = world;
     return m;
   }
   // dp coordinate = replica * S + shard, S = dp / R: replicas outer (across nodes), the
@@ -118,6 +119,7 @@ MeshComms MeshComms::build(std::shared_ptr<Communicator> world, const Mesh& mesh
   m.shard_dense = std::shared_ptr<Communicator>(world->split(pp_rep * mesh.tp() + c.tp, r, "shard_dense"));
   m.replicate = std::shared_ptr<Communicator>(world->split(
       (((c.pp * S + shard) * mesh.cp() + c.cp) * mesh.tp() + c.tp) * mesh.ep() + c.ep, r, "replicate"));
+  m.replica_world = std::shared_ptr<Communicator>(world->split(m.replica, r, "replica_world"));
   return m;
 }
 

@@ -69,6 +69,9 @@ struct MeshComms {
   // and the replicas all-reduce their gradient shards over `replicate` (R ranks).
   std::shared_ptr<Communicator> shard_experts, shard_dense, replicate;
   int replica = 0, replicas = 1;  // this rank's replica group, and how many there are
+  // Every rank of this rank's replica group (pp x dp / R x cp x tp x ep; the world when R
+  // is 1): what a step's collectives inside one replica span. Only `replicate` crosses.
+  std::shared_ptr<Communicator> replica_world;
 
   // Splits `world` along the mesh; collective over world. Each sub-communicator's rank is
   // this rank's index in Mesh::group. dp_replicate must divide dp (an Error names both).

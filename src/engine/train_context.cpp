@@ -78,7 +78,7 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   const OptimizerConfig& oc = cfg.optimizer;
   const AdamWConfig adamw{oc.beta1, oc.beta2, oc.eps, oc.weight_decay, oc.moments == "bf16"};
   if (par.distributed()) {
-    c.model->set_data_group(par.data_group());
+    c.model->set_data_group(par.data_group(), par.bridge.get());
     // Under a pipeline many micro-batches are in flight at once, so weights stay whole
     // (ZeRO-2): gathering them per micro-batch and chunk would multiply the traffic.
     const bool shard_weights = cfg.parallel.shard_weights && layout.pp() == 1;
@@ -87,7 +87,7 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
                    "state sharded)");
     }
     c.fsdp = std::make_unique<FsdpContext>(*c.model, *par.comms->shard_dense, *par.comms->shard_experts,
-                                           *par.comms->world, adamw, shard_weights, par.comms->replicate.get());
+                                           *par.comms->replica_world, adamw, shard_weights, par.bridge.get());
     if (layout.pp() > 1) c.pipeline = std::make_unique<PipelineExecutor>(*c.model, *c.dispatcher, par.pp_group(), c.chunks);
   } else {
     c.single_opt = std::make_unique<AdamW>(c.model->parameters(), adamw);
@@ -99,7 +99,7 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
 
 StepResult TrainContext::step(const std::vector<Batch>& batches, double lr, double grad_clip, const CommitFn& commit) {
   if (pipeline) {
-    return train_step(*pipeline, *pipe_train, *model, *fsdp, *par.data_group(), *par.comms->world, batches, lr,
+    return train_step(*pipeline, *pipe_train, *model, *fsdp, *par.data_group(), *par.comms->replica_world, batches, lr,
                       grad_clip, commit);
   }
   if (fsdp) return train_step(*model, *dispatcher, *fsdp, *par.data_group(), batches, lr, grad_clip, commit);

@@ -49,9 +49,9 @@ Batch on_device(Batch b, Device device) {
 }
 
 // Mean cross-entropy over the validation set's first eval_batches micro-batches, summed
-// over the data ranks (`group`, or one process).
+// over the data ranks (`group` of this replica group and the bridge across them, or one process).
 double validation_loss(Model& model, ExpertDispatcher& d, DataLoader& val, int64_t batches, Device device,
-                       Communicator* group = nullptr) {
+                       Communicator* group = nullptr, ReplicaBridge* bridge = nullptr) {
   val.reset();
   std::vector<double> sums{0, 0};  // cross-entropy, targets
   for (int64_t i = 0; i < batches; ++i) {
@@ -59,7 +59,7 @@ double validation_loss(Model& model, ExpertDispatcher& d, DataLoader& val, int64
     sums[0] += l.ce_sum;
     sums[1] += static_cast<double>(l.targets);
   }
-  if (group != nullptr) all_reduce_doubles(*group, sums, device);
+  sum_over_data(group, bridge, sums, device);
   return sums[0] / std::max(sums[1], 1.0);
 }
 
@@ -129,7 +129,8 @@ namespace {
 // over ranks fills in the rest. `also_sum` rides in the same all-reduce (one collective).
 std::vector<std::vector<int64_t>> global_expert_counts(const Model& model,
                                                        const std::vector<std::vector<int64_t>>& local,
-                                                       Communicator& data_group, std::vector<double>& also_sum) {
+                                                       Communicator& data_group, ReplicaBridge* bridge,
+                                                       std::vector<double>& also_sum) {
   const int64_t E = model.model_config().shape().num_experts;
   const int64_t first = expert_range(E, model.placement().ep_size, model.placement().ep_rank).first;
   std::vector<double> sums = also_sum;
@@ -139,7 +140,7 @@ std::vector<std::vector<int64_t>> global_expert_counts(const Model& model,
     for (size_t e = 0; e < layer.size(); ++e) global[first + e] = static_cast<double>(layer[e]);
     sums.insert(sums.end(), global.begin(), global.end());
   }
-  all_reduce_doubles(data_group, sums, model.device());
+  sum_over_data(&data_group, bridge, sums, model.device());
   std::copy(sums.begin(), sums.begin() + static_cast<std::ptrdiff_t>(base), also_sum.begin());
   std::vector<std::vector<int64_t>> out(local.size(), std::vector<int64_t>(static_cast<size_t>(E)));
   for (size_t k = 0; k < local.size(); ++k) {
@@ -149,10 +150,11 @@ std::vector<std::vector<int64_t>> global_expert_counts(const Model& model,
 }
 
 // The targets of the step's micro-batches on all data ranks (the loss is their mean).
-double global_targets(const std::vector<Batch>& batches, Communicator& data_group, Device device) {
+double global_targets(const std::vector<Batch>& batches, Communicator& data_group, ReplicaBridge* bridge,
+                      Device device) {
   std::vector<double> targets{0};
   for (const Batch& b : batches) targets[0] += static_cast<double>(b.num_targets);
-  all_reduce_doubles(data_group, targets, device);
+  sum_over_data(&data_group, bridge, targets, device);
   MT_CHECK(targets[0] > 0, "no token of the step's batches has a target on any rank");
   return targets[0];
 }
@@ -251,7 +253,7 @@ StepResult train_step(Model& model, ExpertDispatcher& dispatcher, AdamW& opt, co
 StepResult train_step(Model& model, ExpertDispatcher& dispatcher, FsdpContext& fsdp, Communicator& data_group,
                       const std::vector<Batch>& batches, double lr, double grad_clip, const CommitFn& commit) {
   const Device device = model.parameters().front().grad.device();
-  const std::vector<double> targets{global_targets(batches, data_group, device)};
+  const std::vector<double> targets{global_targets(batches, data_group, fsdp.bridge(), device)};
   StepResult r = accumulate_micro_batches(model, dispatcher, batches, targets[0], &fsdp);
   r.terms = in_model_order(model, r.terms);
   // The cross-entropy and the terms that are rank shares sum over the data ranks (global
@@ -260,7 +262,7 @@ StepResult train_step(Model& model, ExpertDispatcher& dispatcher, FsdpContext& f
   for (const LossTerm& t : r.terms) {
     if (!t.global) sums.push_back(t.value);
   }
-  r.expert_counts = global_expert_counts(model, r.expert_counts, data_group, sums);
+  r.expert_counts = global_expert_counts(model, r.expert_counts, data_group, fsdp.bridge(), sums);
   r.loss = sums[0] / targets[0];
   size_t at = 1;
   for (LossTerm& t : r.terms) {
@@ -273,18 +275,22 @@ StepResult train_step(Model& model, ExpertDispatcher& dispatcher, FsdpContext& f
 
 namespace {
 
-// Sums over `group` a few doubles and takes the max of the last one (in place).
-void sum_then_max(Communicator& group, std::vector<double>& sums, double& max_value, Device device) {
-  all_reduce_doubles(group, sums, device);
+// Sums over `group` and the bridge a few doubles and takes the max of another (in place).
+void sum_then_max(Communicator& group, ReplicaBridge* bridge, std::vector<double>& sums, double& max_value,
+                  Device device) {
+  sum_over_data(&group, bridge, sums, device);
   Tensor m = Tensor::full({1}, max_value, DType::F64);
   if (group.backend() != "gloo" && !device.is_cpu()) m = m.to(device);
   group.all_reduce(m, ReduceOp::Max);
-  max_value = m.item();
+  std::vector<double> most{m.item()};
+  if (bridge != nullptr) bridge->all_reduce_doubles(most, device, ReduceOp::Max);
+  max_value = most[0];
 }
 
 // Validation through the pipeline: the head ranks hold the cross-entropy and the targets.
+// `replica_world`: every rank of this replica group; the bridge crosses to the others.
 double pipeline_validation_loss(PipelineExecutor& ex, const PipelineSchedule& forward, DataLoader& val,
-                                Communicator& world, Device device) {
+                                Communicator& replica_world, ReplicaBridge* bridge, Device device) {
   val.reset();
   std::vector<Batch> batches;
   for (int m = 0; m < forward.micro_batches; ++m) batches.push_back(on_device(val.next(), device));
@@ -294,17 +300,17 @@ double pipeline_validation_loss(PipelineExecutor& ex, const PipelineSchedule& fo
     sums[0] = r.ce_sum;
     for (const Batch& b : batches) sums[1] += static_cast<double>(b.num_targets);
   }
-  all_reduce_doubles(world, sums, device);
+  sum_over_data(&replica_world, bridge, sums, device);
   return sums[0] / std::max(sums[1], 1.0);
 }
 
 }  // namespace
 
 StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, const Model& model,
-                      FsdpContext& fsdp, Communicator& data_group, Communicator& world,
+                      FsdpContext& fsdp, Communicator& data_group, Communicator& replica_world,
                       const std::vector<Batch>& batches, double lr, double grad_clip, const CommitFn& commit) {
   const Device device = model.device();
-  const std::vector<double> targets{global_targets(batches, data_group, device)};
+  const std::vector<double> targets{global_targets(batches, data_group, fsdp.bridge(), device)};
   const double n = static_cast<double>(batches.size());
   PipelineExecutor::Result pr = ex.train(schedule, batches, 1.0 / targets[0], 1.0 / n);
   // Only the ranks holding the head have losses; each data rank's head rank adds its share
@@ -314,14 +320,15 @@ StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, co
   r.terms = in_model_order(model, pr.terms);
   std::vector<double> sums{pr.ce_sum};
   for (const LossTerm& t : r.terms) {
-    sums.push_back(t.global ? t.value / n / static_cast<double>(data_group.size()) : t.value / n);
+    const double data_ranks = static_cast<double>(data_group.size()) * (fsdp.bridge() ? fsdp.bridge()->replicas() : 1);
+    sums.push_back(t.global ? t.value / n / data_ranks : t.value / n);
   }
   // Expert loads: this stage's layers over the data ranks; the imbalance of the worst layer
   // anywhere is the max over the world.
   std::vector<double> none;  // the losses sum over the world below, not the data group
-  r.expert_counts = global_expert_counts(model, pr.expert_counts, data_group, none);
+  r.expert_counts = global_expert_counts(model, pr.expert_counts, data_group, fsdp.bridge(), none);
   double imbalance = expert_imbalance(r.expert_counts);
-  sum_then_max(world, sums, imbalance, device);
+  sum_then_max(replica_world, fsdp.bridge(), sums, imbalance, device);
   r.expert_imbalance = imbalance;
   r.loss = sums[0] / targets[0];
   for (size_t k = 0; k < r.terms.size(); ++k) r.terms[k].value = sums[k + 1];
@@ -357,8 +364,12 @@ std::vector<Batch> next_batches(DataLoader& loader, const TrainingConfig& tc, De
 // Validation loss of the layout: through the pipeline, or the model's forward on each rank.
 double validate(TrainContext& ctx, DataLoader& val, const TrainingConfig& tc) {
   const ParallelContext& par = ctx.par;
-  if (ctx.pipeline) return pipeline_validation_loss(*ctx.pipeline, *ctx.pipe_val, val, *par.comms->world, par.device);
-  return validation_loss(*ctx.model, *ctx.dispatcher, val, tc.eval_batches, par.device, par.data_group());
+  if (ctx.pipeline) {
+    return pipeline_validation_loss(*ctx.pipeline, *ctx.pipe_val, val, *par.comms->replica_world, par.bridge.get(),
+                                    par.device);
+  }
+  return validation_loss(*ctx.model, *ctx.dispatcher, val, tc.eval_batches, par.device, par.data_group(),
+                         par.bridge.get());
 }
 
 void log_run(const RunConfig& cfg, TrainContext& ctx) {

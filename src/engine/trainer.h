@@ -48,7 +48,8 @@ class LayerwiseOptimizer;
 StepResult train_step(Model& model, ExpertDispatcher& dispatcher, LayerwiseOptimizer& opt,
                       const std::vector<Batch>& batches, double lr, double grad_clip, const CommitFn& commit = {});
 // The same step on one of many ranks: `batches` are this rank's share; losses and token
-// counts are summed over `data_group`, gradients reduced and the optimizer stepped by fsdp.
+// counts are summed over `data_group` (this replica group's data ranks) and fsdp's bridge
+// (the other replica groups), gradients reduced and the optimizer stepped by fsdp.
 class FsdpContext;
 // Whether the micro-batch steps (train_step without a pipeline) make the experts' weight
 // gradients in groups of model.expert_wgrad_group(): not where FSDP reduces each layer's
@@ -57,12 +58,13 @@ bool groups_expert_weight_grads(const Model& model, const FsdpContext* fsdp);
 StepResult train_step(Model& model, ExpertDispatcher& dispatcher, FsdpContext& fsdp, Communicator& data_group,
                       const std::vector<Batch>& batches, double lr, double grad_clip, const CommitFn& commit = {});
 
-// The same step through a pipeline schedule (pipeline/executor.h): `world` gathers the loss
-// from the ranks holding the head and the expert-load imbalance from every stage.
+// The same step through a pipeline schedule (pipeline/executor.h): `replica_world` (and
+// fsdp's bridge across replica groups) gathers the loss from the ranks holding the head and
+// the expert-load imbalance from every stage.
 class PipelineExecutor;
 struct PipelineSchedule;
 StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, const Model& model,
-                      FsdpContext& fsdp, Communicator& data_group, Communicator& world,
+                      FsdpContext& fsdp, Communicator& data_group, Communicator& replica_world,
                       const std::vector<Batch>& batches, double lr, double grad_clip, const CommitFn& commit = {});
 
 // The busiest expert's load over the mean load, for the worst MoE layer (0 without MoE).

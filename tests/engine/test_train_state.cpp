@@ -9,6 +9,7 @@
 #include "comm/comm_test_util.h"
 #include "engine/checkpoint/checkpoint_context.h"
 #include "engine/parallel/fsdp.h"
+#include "engine/parallel/replica_bridge.h"
 #include "engine/train_context.h"
 #include "engine/train_state.h"
 #include "engine/trainer.h"
@@ -197,6 +198,48 @@ TEST_F(CheckpointContextTest, SavesAndRestoresTheStateWithTheBuffers) {
     EXPECT_TRUE(same_bits(again->model->parameters()[i].value, ctx->model->parameters()[i].value))
         << ctx->model->parameters()[i].name;
   }
+}
+
+}  // namespace
+}  // namespace moetrain
+
+namespace moetrain {
+namespace {
+
+// The bridge across replica groups: sums over it, becomes a no-op with one replica group,
+// and is rebuilt in place (the components holding it see the new group at their next use).
+TEST(ReplicaBridge, SumsAcrossReplicasAndIsRebuiltInPlace) {
+  testing::run_ranks(4, [](Communicator& world) {
+    // Replica group = rank / 2; a rank's peers in the other group hold the same shard.
+    std::shared_ptr<Communicator> peers(world.split(world.rank() % 2, world.rank(), "replicate"));
+    std::shared_ptr<Communicator> inside(world.split(world.rank() / 2, world.rank(), "replica_data"));
+    ReplicaBridge bridge(peers);
+    EXPECT_TRUE(bridge.crosses());
+    EXPECT_EQ(bridge.replicas(), 2);
+    EXPECT_EQ(bridge.index(), world.rank() / 2);
+    std::vector<double> v{static_cast<double>(world.rank() + 1)};
+    bridge.all_reduce_doubles(v, Device::cpu());
+    EXPECT_EQ(v[0], world.rank() % 2 == 0 ? 1 + 3 : 2 + 4);
+    // Inside the group, then across: every rank of every group holds the batch-wide sum.
+    std::vector<double> all{static_cast<double>(world.rank() + 1)};
+    sum_over_data(inside.get(), &bridge, all, Device::cpu());
+    EXPECT_EQ(all[0], 10);
+    std::vector<double> most{static_cast<double>(world.rank())};
+    bridge.all_reduce_doubles(most, Device::cpu(), ReduceOp::Max);
+    EXPECT_EQ(most[0], world.rank() % 2 == 0 ? 2 : 3);
+    // Replica group 1 leaves: the bridge holds no peer, and sums stay inside the group.
+    bridge.rebuild(nullptr);
+    EXPECT_FALSE(bridge.crosses());
+    EXPECT_EQ(bridge.replicas(), 1);
+    std::vector<double> alone{static_cast<double>(world.rank() + 1)};
+    sum_over_data(inside.get(), &bridge, alone, Device::cpu());
+    EXPECT_EQ(alone[0], world.rank() / 2 == 0 ? 1 + 2 : 3 + 4);
+    // ... and back: a new communicator, the same bridge object.
+    bridge.rebuild(std::shared_ptr<Communicator>(world.split(world.rank() % 2, world.rank(), "replicate2")));
+    std::vector<double> again{1.0};
+    bridge.all_reduce_doubles(again, Device::cpu());
+    EXPECT_EQ(again[0], 2.0);
+  });
 }
 
 }  // namespace

@@ -418,6 +418,11 @@ void MoeDecoderModel::router_losses(RouterTotals& totals, MicroBatchLoss& out) c
     Tensor r = Tensor::full({1}, static_cast<double>(totals.rows), DType::F64);
     if (!device_.is_cpu() && data_group_->backend() != "gloo") r = r.to(device_);
     data_group_->all_reduce(r);
+    if (bridge_ != nullptr && bridge_->crosses()) {  // and over the other replica groups
+      bridge_->all_reduce(totals.selections);
+      bridge_->all_reduce(totals.prob_sum);
+      bridge_->all_reduce(r);
+    }
     totals.rows = static_cast<int64_t>(std::llround(r.item()));
   }
   if (totals.rows > 0) {

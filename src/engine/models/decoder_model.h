@@ -35,7 +35,10 @@ class MoeDecoderModel : public Model {
   Device device() const override { return device_; }
   ParameterList& parameters() override { return params_; }
   std::vector<ParamBucket>& buckets() override { return buckets_; }
-  void set_data_group(Communicator* group) override { data_group_ = group; }
+  void set_data_group(Communicator* group, ReplicaBridge* bridge = nullptr) override {
+    data_group_ = group;
+    bridge_ = bridge;
+  }
   void set_weight_hooks(WeightHooks* hooks) override { hooks_ = hooks; }
   WeightHooks* weight_hooks() const override { return hooks_; }
 
@@ -121,6 +124,7 @@ class MoeDecoderModel : public Model {
   Device device_;
   ModelPlacement placement_;
   Communicator* data_group_ = nullptr;
+  ReplicaBridge* bridge_ = nullptr;
   WeightHooks* hooks_ = nullptr;
   int64_t expert_wgrad_group_ = 1;
   bool defer_expert_weights_ = false;  // during a forward_backward that defers them

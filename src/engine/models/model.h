@@ -19,6 +19,7 @@
 #include "engine/data/loader.h"
 #include "engine/models/model_config.h"
 #include "engine/parallel/expert_dispatch.h"
+#include "engine/parallel/replica_bridge.h"
 #include "engine/parameters.h"
 #include "ops/ops.h"
 
@@ -232,9 +233,10 @@ class Model {
   virtual std::vector<ParamBucket>& buckets() = 0;
   // Non-gradient state by canonical name (none for Qwen3-MoE).
   virtual std::vector<NamedBuffer> buffers() { return {}; }
-  // Data parallelism: the group over which the ranks hold different tokens of one global
-  // batch; losses of batch totals are summed over it (nullptr: one process).
-  virtual void set_data_group(Communicator* group) = 0;
+  // Data parallelism: the ranks of this replica group that hold different tokens of one
+  // global batch, and the bridge to the other replica groups; losses of batch totals are
+  // summed over both (nullptr: one process, one replica group).
+  virtual void set_data_group(Communicator* group, ReplicaBridge* bridge = nullptr) = 0;
   // nullptr: every weight is always whole (one process, or weights replicated).
   virtual void set_weight_hooks(WeightHooks* hooks) = 0;
   virtual WeightHooks* weight_hooks() const = 0;

@@ -18,10 +18,10 @@ void all_reduce_doubles(Communicator& group, std::vector<double>& values, Device
 }
 
 FsdpContext::FsdpContext(Model& model, Communicator& dense_group, Communicator& expert_group,
-                         Communicator& world, AdamWConfig adamw, bool shard_weights, Communicator* replicate)
+                         Communicator& replica_world, AdamWConfig adamw, bool shard_weights, ReplicaBridge* bridge)
     : model_(model),
-      world_(world),
-      replicate_(replicate && replicate->size() > 1 ? replicate : nullptr),
+      replica_world_(replica_world),
+      bridge_(bridge),
       shard_weights_(shard_weights),
       opt_(ParameterList{}, adamw) {
   ParameterList& params = model.parameters();
@@ -208,7 +208,7 @@ void FsdpContext::reduce_scatter_grads() {
   for (Shard& sh : shards_) {
     // With shard_weights each layer's were reduced right after its backward.
     if (!shard_weights_ && sh.group->size() > 1) sh.group->reduce_scatter(sh.bucket->grads, sh.grad);
-    if (replicate_) replicate_->all_reduce(sh.grad);
+    if (bridge_) bridge_->all_reduce(sh.grad);
   }
 }
 
@@ -216,15 +216,14 @@ GradNorm FsdpContext::grad_norm(double max_norm) {
   std::vector<Tensor> grads;
   for (const Parameter& s : shard_params_) grads.push_back(s.grad);
   std::vector<double> sq{grads.empty() ? 0.0 : ops::sum_squares_all(grads)};
-  all_reduce_doubles(world_, sq, shards_.front().grad.device());
-  // HSDP: every element is owned once per replica group, and the replicas hold equal bits.
-  if (replicate_) sq[0] /= static_cast<double>(replicate_->size());
+  // Every element is owned by one rank of the replica group (the replicas hold equal bits).
+  all_reduce_doubles(replica_world_, sq, shards_.front().grad.device());
   GradNorm r;
   r.norm = std::sqrt(sq[0]);
   if (!std::isfinite(r.norm)) {
     for (const Parameter& s : shard_params_) {
       MT_CHECK(ops::all_finite(s.grad), "gradient of {} is not finite (NaN or Inf) on rank {}", s.name,
-               world_.rank());
+               replica_world_.rank());
     }
     MT_THROW("global gradient norm is not finite ({}): another rank holds the bad gradient", r.norm);
   }

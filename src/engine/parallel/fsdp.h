@@ -29,19 +29,21 @@
 #include "core/cuda_runtime.h"
 #include "engine/models/model.h"
 #include "engine/optim/adamw.h"
+#include "engine/parallel/replica_bridge.h"
 
 namespace moetrain {
 
 class FsdpContext final : public WeightHooks {
  public:
-  // `dense_group` shards non-expert buckets, `expert_group` expert buckets, `world` sums the
-  // gradient norm. HSDP: `replicate` (or nullptr) is the group of ranks holding the same
-  // shards in other replica groups; their gradient shards are summed over it once a step.
+  // `dense_group` shards non-expert buckets, `expert_group` expert buckets, `replica_world`
+  // (every rank of this replica group) sums the gradient norm. HSDP: `bridge` (or nullptr)
+  // crosses to the ranks holding the same shards in the other replica groups; their gradient
+  // shards are summed over it once a step, at the time of the step (it can be rebuilt).
   // The model's f32 masters (if any; their low halves) move into the shards and leave the model,
   // so construct this after the model's weights are initialised. With shard_weights the
   // model's whole weights are released here and gathered on use.
-  FsdpContext(Model& model, Communicator& dense_group, Communicator& expert_group, Communicator& world,
-              AdamWConfig adamw, bool shard_weights, Communicator* replicate = nullptr);
+  FsdpContext(Model& model, Communicator& dense_group, Communicator& expert_group, Communicator& replica_world,
+              AdamWConfig adamw, bool shard_weights, ReplicaBridge* bridge = nullptr);
   ~FsdpContext() override;
 
   // Before each micro-batch's forward_backward: the first one writes the gradient shards,
@@ -60,7 +62,9 @@ class FsdpContext final : public WeightHooks {
   void reduce_scatter_grads();
   // HSDP: every replica group holds the same shards, so only the first writes them to a
   // checkpoint.
-  bool writes_checkpoint() const { return replicate_ == nullptr || replicate_->rank() == 0; }
+  bool writes_checkpoint() const { return bridge_ == nullptr || bridge_->index() == 0; }
+  // What crosses to the other replica groups (nullptr: none).
+  ReplicaBridge* bridge() const { return bridge_; }
   GradNorm grad_norm(double max_norm);
   void step(double lr, double grad_scale);
 
@@ -100,8 +104,8 @@ class FsdpContext final : public WeightHooks {
   void release(Shard& sh);
 
   Model& model_;
-  Communicator& world_;
-  Communicator* replicate_;
+  Communicator& replica_world_;
+  ReplicaBridge* bridge_;
   bool shard_weights_;
   bool first_micro_batch_ = true;
   std::vector<int64_t> units_;           // the layer ids of the buckets, ascending (-1 first)

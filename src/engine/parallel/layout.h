@@ -1,8 +1,7 @@
 // Layout: every question about where things are in a job, answered in one place, from the
 // mesh (comm/mesh.h: pp, dp, cp, tp, ep, outer to inner) and this rank's place in it:
 // which experts the rank holds, which rows of a global micro-batch it takes, over how many
-// ranks each kind of weight bucket is sharded, what the model part it builds is, and what
-// a pipeline hand-off carries. Nothing else computes these: a new axis (cp, tp) or a
+// ranks each kind of weight bucket is sharded, and what the model part it builds is. Nothing else computes these: a new axis (cp, tp) or a
 // smaller world after a failure changes this object, not the files that ask it.
 #pragma once
 
@@ -56,8 +55,6 @@ class Layout {
 
   // The part of the model this rank builds (before the pipeline cuts it into chunks).
   ModelPlacement placement() const;
-  // A pipeline hand-off of micro-batch `b`: the hidden state (or its gradient) [T, hidden].
-  Shape handoff_shape(const Batch& b, int64_t hidden) const { return {b.batch * b.seq, hidden}; }
 
   std::string str() const;
 

@@ -47,6 +47,7 @@ ParallelContext ParallelContext::build(const RunConfig& cfg) {
       gpu ? std::shared_ptr<Communicator>(connect_nccl(store, p.rank, p.world, p.device.index, opt))
           : std::shared_ptr<Communicator>(GlooCommunicator::connect(store, p.rank, p.world, opt));
   p.comms = std::make_unique<MeshComms>(MeshComms::build(world, mesh, static_cast<int>(pc.dp_replicate)));
+  p.bridge->rebuild(p.comms->replicate);
   MT_CHECK(p.comms->dp_cp_ep->rank() == p.layout.data_rank() && p.comms->dp_cp_ep->size() == p.layout.data_world(),
            "parallel: the data group's rank {} of {} is not the layout's {} of {}", p.comms->dp_cp_ep->rank(),
            p.comms->dp_cp_ep->size(), p.layout.data_rank(), p.layout.data_world());

@@ -9,6 +9,7 @@
 #include "comm/mesh.h"
 #include "core/device.h"
 #include "engine/parallel/layout.h"
+#include "engine/parallel/replica_bridge.h"
 #include "engine/run_config.h"
 
 namespace moetrain {
@@ -27,8 +28,12 @@ struct ParallelContext {
   Layout layout;
 
   bool distributed() const { return world > 1; }
-  // The group over which the ranks hold different data: summed losses and token counts.
-  Communicator* data_group() const { return comms ? comms->dp_cp_ep.get() : nullptr; }
+  // What crosses replica groups (HSDP's gradient all-reduce, the batch-wide sums): one
+  // object, rebuilt when a replica group leaves or joins; a no-op with one replica group.
+  std::unique_ptr<ReplicaBridge> bridge = std::make_unique<ReplicaBridge>();
+  // This replica group's ranks that hold different data (dp x cp x ep of a pipeline stage,
+  // within the replica group): summed losses and token counts, then over the bridge.
+  Communicator* data_group() const { return comms ? comms->shard_dense.get() : nullptr; }
   // The pipeline stages of this rank's replica (nullptr: pp = 1).
   Communicator* pp_group() const { return comms && layout.pp() > 1 ? comms->pp.get() : nullptr; }
 
