@@ -33,7 +33,16 @@ class BpeTest : public ScratchDirTest {
   std::string error_of_loading(const json& j) {
     return error_of([&] { load(j); });
   }
+  // The tiny tokenizer with `normalizer` in place of its NFC.
+  std::unique_ptr<BpeTokenizer> with_normalizer(const json& normalizer) {
+    json j = tiny_bpe::tokenizer_json();
+    j["normalizer"] = normalizer;
+    return load(j);
+  }
 };
+
+// What the tokenizer makes of `text` before the merges, read back through the ids.
+std::string normalized(const BpeTokenizer& tok, const std::string& text) { return tok.decode(tok.encode(text)); }
 
 Ids repeat(int32_t id, int n) { return Ids(static_cast<size_t>(n), id); }
 Ids cat(std::initializer_list<Ids> parts) {
@@ -227,6 +236,137 @@ TEST_F(BpeTest, AddedTokenStripAndSingleWord) {
   EXPECT_EQ(tok->encode("a<w> <w>"), (Ids{'a', '<', 'w', '>', ' ', 306}));
 }
 
+// ---- normalizers: each test's ids or text would differ were the normalizer skipped -------
+
+TEST_F(BpeTest, NfcComposesBeforeTheSplit) {
+  json j = tiny_bpe::tokenizer_json();  // NFC, as Qwen2/Qwen3
+  // A decomposed accent (e + U+0301) is the same text as é once composed: one "café".
+  j["added_tokens"].push_back(tiny_bpe::added_token(305, "<e\xcc\x81>", false));  // normalized = true
+  j["added_tokens"].push_back({{"id", 306}, {"content", "<o\xcc\x88>"}, {"normalized", false}, {"special", true}});
+  auto tok = load(j);
+  EXPECT_EQ(tok->encode("cafe\xcc\x81"), (Ids{271}));
+  EXPECT_EQ(tok->encode("caf\xc3\xa9"), (Ids{271}));
+  EXPECT_EQ(normalized(*tok, " e\xcc\x81 a\xcc\x8a"), " \xc3\xa9 \xc3\xa5");
+  // Normalized text between long ASCII runs, then a decomposed accent further on.
+  const std::string a(100, 'a'), b(70, 'b');
+  EXPECT_EQ(normalized(*tok, a + " \xc3\xa9 " + b + " \xe4\xbd\xa0 " + a + " e\xcc\x81" + b),
+            a + " \xc3\xa9 " + b + " \xe4\xbd\xa0 " + a + " \xc3\xa9" + b);
+  // A normalized token matches what the normalizer makes of its content, so either spelling.
+  EXPECT_EQ(tok->encode("x<e\xcc\x81>y"), (Ids{'x', 305, 'y'}));
+  EXPECT_EQ(tok->encode("x<\xc3\xa9>y"), (Ids{'x', 305, 'y'}));
+  // It decodes as the library's byte-level decoder takes its normalized text "<é>": every
+  // character is in the byte table (é stands for byte E9), so the bytes 3C E9 3E (which
+  // the library then shows as "<\xEF\xBF\xBD>").
+  EXPECT_EQ(tok->decode(Ids{305}), "<\xe9>");
+  // A raw one (normalized = false) matches the text as given, before NFC.
+  EXPECT_EQ(tok->encode("<o\xcc\x88>"), (Ids{306}));
+  EXPECT_EQ(tok->encode("<\xc3\xb6>"), (Ids{'<', 0xC3, 0xB6, '>'}));
+
+  // Without a normalizer the accent is a piece of its own (U+0301 is not a letter).
+  j["normalizer"] = nullptr;
+  EXPECT_EQ(load(j)->encode("cafe\xcc\x81"), (Ids{270, 'e', 0xCC, 0x81}));
+}
+
+TEST_F(BpeTest, NfdAndNfkdDecompose) {
+  auto nfd = with_normalizer({{"type", "NFD"}});
+  EXPECT_EQ(nfd->encode("caf\xc3\xa9"), (Ids{270, 'e', 0xCC, 0x81}));
+  EXPECT_EQ(normalized(*nfd, "\xc3\xa9\xef\xac\x81"), "e\xcc\x81\xef\xac\x81");  // é -> e + U+0301; ﬁ stays
+  auto nfkd = with_normalizer({{"type", "NFKD"}});
+  EXPECT_EQ(normalized(*nfkd, "\xc3\xa9\xef\xac\x81"), "e\xcc\x81" "fi");  // and ﬁ -> fi
+  EXPECT_EQ(nfkd->encode("\xef\xac\x81"), (Ids{'f', 'i'}));
+}
+
+TEST_F(BpeTest, NfkcFoldsCompatibilityCharacters) {
+  auto tok = with_normalizer({{"type", "NFKC"}});
+  EXPECT_EQ(tok->encode("\xef\xac\x81ne"), (Ids{'f', 259, 'e'}));              // ﬁne -> fine
+  EXPECT_EQ(tok->encode("\xef\xbc\xb4\xef\xbd\x88\xef\xbd\x85"), (Ids{'T', 257}));  // full-width Ｔｈｅ
+  EXPECT_EQ(tok->encode("x\xc2\xb2"), (Ids{'x', '2'}));                        // x² -> x2
+  EXPECT_EQ(tok->encode("cafe\xcc\x81"), (Ids{271}));                          // and it composes
+  EXPECT_EQ(with_normalizer(nullptr)->encode("\xef\xac\x81ne"), (Ids{0xEF, 0xAC, 0x81, 'n', 'e'}));
+}
+
+TEST_F(BpeTest, LowercaseIsUnicodeOneCharacterAtATime) {
+  json j = tiny_bpe::tokenizer_json();
+  j["normalizer"] = {{"type", "Lowercase"}};
+  j["added_tokens"].push_back(tiny_bpe::added_token(305, "<Tok>", false));  // normalized: looked for as "<tok>"
+  j["added_tokens"].push_back({{"id", 306}, {"content", "<Raw>"}, {"normalized", false}, {"special", true}});
+  auto tok = load(j);
+  EXPECT_EQ(tok->encode("THE THING"), (Ids{'t', 257, 256, 'h', 260}));
+  EXPECT_EQ(tok->encode("CAF\xc3\x89"), (Ids{271}));  // CAFÉ
+  // As the library (Rust's char::to_lowercase): no final-sigma rule, so ΟΔΟΣ -> οδοσ,
+  // not οδος; and İ takes its full mapping, i + U+0307.
+  EXPECT_EQ(normalized(*tok, "\xce\x9f\xce\x94\xce\x9f\xce\xa3 \xce\xa3"), "\xce\xbf\xce\xb4\xce\xbf\xcf\x83 \xcf\x83");
+  EXPECT_EQ(normalized(*tok, "\xc4\xb0Z"), "i\xcc\x87z");
+  EXPECT_EQ(tok->encode("<TOK><tok><Tok>"), (Ids{305, 305, 305}));
+  // As in the library, the token decodes as what the normalizer made of it.
+  EXPECT_EQ(tok->decode(Ids{305}), "<tok>");
+  EXPECT_EQ(tok->encode("a<THINK>"), (Ids{'a', tiny_bpe::kThink}));
+  EXPECT_EQ(tok->encode("<Raw>"), (Ids{306}));
+  EXPECT_NE(tok->encode("<RAW>"), (Ids{306}));
+}
+
+TEST_F(BpeTest, StripRemovesWhiteSpaceAtTheEndsOfEachSpan) {
+  auto both = with_normalizer({{"type", "Strip"}, {"strip_left", true}, {"strip_right", true}});
+  EXPECT_EQ(both->encode(" the "), (Ids{'t', 257}));
+  // Unicode White_Space: tab, ideographic space, NBSP.
+  EXPECT_EQ(normalized(*both, "\t \xe3\x80\x80the\xc2\xa0\n"), "the");
+  EXPECT_EQ(both->encode(" \n "), Ids{});
+  // Raw added tokens are cut out first; the spans around them are stripped each.
+  EXPECT_EQ(normalized(*both, " a <|im_end|> b "), "a<|im_end|>b");
+  EXPECT_EQ(normalized(*with_normalizer({{"type", "Strip"}, {"strip_left", true}, {"strip_right", false}}), "  a  "),
+            "a  ");
+  EXPECT_EQ(normalized(*with_normalizer({{"type", "Strip"}, {"strip_left", false}, {"strip_right", true}}), "  a  "),
+            "  a");
+}
+
+TEST_F(BpeTest, ReplaceStringOrRegex) {
+  auto replace = [&](const json& pattern, const std::string& content) {
+    return with_normalizer({{"type", "Replace"}, {"pattern", pattern}, {"content", content}});
+  };
+  // SentencePiece-style: spaces become U+2581.
+  auto sp = replace({{"String", " "}}, "\xe2\x96\x81");
+  EXPECT_EQ(normalized(*sp, "a b  c"), "a\xe2\x96\x81" "b\xe2\x96\x81\xe2\x96\x81" "c");
+  EXPECT_EQ(sp->encode("a b"), (Ids{'a', 0xE2, 0x96, 0x81, 'b'}));
+  // A String pattern is literal: "." is a dot.
+  EXPECT_EQ(normalized(*replace({{"String", "a.c"}}, "X"), "abc a.c"), "abc X");
+  EXPECT_EQ(normalized(*replace({{"Regex", "\\s+"}}, " "), "a \t\n\xe3\x80\x80 b"), "a b");
+  EXPECT_EQ(normalized(*replace({{"Regex", "\\p{Mn}"}}, ""), "cafe\xcc\x81"), "cafe");
+  // A pattern that matches the empty string is refused (the library's Replace panics on
+  // it), when the file is loaded or, for what PCRE2 cannot tell beforehand, when it does.
+  auto lookahead = replace({{"Regex", "(?=b)"}}, "-");
+  const std::string e = error_of([&] { lookahead->encode("abc"); });
+  EXPECT_NE(e.find("normalizer.pattern /(?=b)/ matched the empty string"), std::string::npos) << e;
+}
+
+TEST_F(BpeTest, PrependPrefixesEachNonEmptySpan) {
+  auto tok = with_normalizer({{"type", "Prepend"}, {"prepend", "\xe2\x96\x81"}});
+  EXPECT_EQ(tok->encode("a"), (Ids{0xE2, 0x96, 0x81, 'a'}));
+  EXPECT_EQ(normalized(*tok, "a<|im_end|>b"), "\xe2\x96\x81" "a<|im_end|>\xe2\x96\x81" "b");
+  EXPECT_EQ(tok->encode("<|im_end|>"), (Ids{tiny_bpe::kImEnd}));
+  EXPECT_EQ(tok->encode(""), Ids{});
+}
+
+TEST_F(BpeTest, SequenceRunsItsStepsInOrder) {
+  auto seq = [&](std::initializer_list<json> steps) {
+    json list = json::array();
+    for (const json& s : steps) list.push_back(s);
+    return with_normalizer({{"type", "Sequence"}, {"normalizers", list}});
+  };
+  // Accents stripped (NFKD, then marks removed), then lowercase.
+  auto fold = seq({{{"type", "NFKD"}},
+                   {{"type", "Replace"}, {"pattern", {{"Regex", "\\p{Mn}"}}}, {"content", ""}},
+                   {{"type", "Lowercase"}}});
+  EXPECT_EQ(normalized(*fold, "CAF\xc3\x89 \xef\xac\x81"), "cafe fi");
+  EXPECT_EQ(normalized(*seq({{{"type", "Prepend"}, {"prepend", "X"}}, {{"type", "Lowercase"}}}), "a"), "xa");
+  EXPECT_EQ(normalized(*seq({{{"type", "Lowercase"}}, {{"type", "Prepend"}, {"prepend", "X"}}}), "a"), "Xa");
+  // Nested sequences run as one.
+  auto nested = seq({{{"type", "Sequence"}, {"normalizers", json::array({{{"type", "Lowercase"}}})}},
+                     {{"type", "Strip"}, {"strip_left", true}, {"strip_right", true}}});
+  EXPECT_EQ(normalized(*nested, " AB "), "ab");
+  // An empty sequence (DeepSeek-V3's) changes nothing.
+  EXPECT_EQ(seq({})->encode("cafe\xcc\x81"), (Ids{270, 'e', 0xCC, 0x81}));
+}
+
 TEST_F(BpeTest, EndOfTextToken) {
   json j = tiny_bpe::tokenizer_json();
   EXPECT_EQ(load(j, "<|im_end|>")->eos_id(), tiny_bpe::kImEnd);
@@ -299,7 +439,32 @@ TEST_F(BpeTest, BadFilesAreNamed) {
       {[](json& j) { j["model"]["merges"][2] = json::array({1, 2}); }, "model.merges[2]"},
       {[](json& j) { j["model"]["dropout"] = 0.1; }, "model.dropout"},
       {[](json& j) { j["model"]["continuing_subword_prefix"] = "##"; }, "model.continuing_subword_prefix"},
-      {[](json& j) { j["normalizer"] = {{"type", "NFKC"}}; }, "normalizer.type is \"NFKC\""},
+      {[](json& j) {
+         j["model"]["byte_fallback"] = true;
+         j["model"]["vocab"].erase(tiny_bpe::byte_char(1));
+       },
+       "model.byte_fallback is true and the vocabulary has no symbol for byte 0x01"},
+      {[](json& j) { j["normalizer"] = {{"type", "BertNormalizer"}}; }, "normalizer.type is \"BertNormalizer\""},
+      {[](json& j) {
+         j["normalizer"] = {{"type", "Sequence"},
+                            {"normalizers", json::array({{{"type", "NFC"}}, {{"type", "Precompiled"}}})}};
+       },
+       "normalizer.normalizers[1].type is \"Precompiled\""},
+      {[](json& j) { j["normalizer"] = {{"type", "Strip"}, {"strip_right", true}}; },
+       "normalizer has no \"strip_left\" key"},
+      {[](json& j) {
+         j["normalizer"] = {{"type", "Replace"}, {"pattern", {{"Regex", "(a)(b)"}}}, {"content", "$2$1"}};
+       },
+       "normalizer.content is \"$2$1\""},
+      {[](json& j) { j["normalizer"] = {{"type", "Replace"}, {"pattern", "a"}, {"content", "b"}}; },
+       "normalizer.pattern must be"},
+      {[](json& j) { j["normalizer"] = {{"type", "Replace"}, {"pattern", {{"Regex", "(a"}}}, {"content", "b"}}; },
+       "normalizer.pattern: cannot compile the regex"},
+      {[](json& j) { j["normalizer"] = {{"type", "Prepend"}}; }, "normalizer has no \"prepend\" key"},
+      {[](json& j) { j["normalizer"] = {{"type", "Replace"}, {"pattern", {{"Regex", "x*"}}}, {"content", "-"}}; },
+       "normalizer.pattern {\"Regex\":\"x*\"} can match the empty string"},
+      {[](json& j) { j["normalizer"] = {{"type", "Replace"}, {"pattern", {{"String", ""}}}, {"content", "-"}}; },
+       "normalizer.pattern {\"String\":\"\"} can match the empty string"},
       {[](json& j) { j["pre_tokenizer"] = {{"type", "Metaspace"}}; }, "pre_tokenizer.type is \"Metaspace\""},
       {[](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["type"] = "Whitespace"; },
        "pre_tokenizer.pretokenizers[0].type is \"Whitespace\""},
@@ -308,7 +473,12 @@ TEST_F(BpeTest, BadFilesAreNamed) {
       {[](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "(unclosed"; },
        "cannot compile the regex"},
       {[](json& j) { j["pre_tokenizer"]["pretokenizers"].erase(1); }, "no ByteLevel step"},
-      {[](json& j) { j["decoder"] = {{"type", "Metaspace"}}; }, "decoder.type"},
+      {[](json& j) { j["decoder"] = {{"type", "Metaspace"}}; }, "decoder.type is \"Metaspace\""},
+      {[](json& j) {
+         j["decoder"] = {{"type", "Sequence"},
+                         {"decoders", json::array({{{"type", "ByteLevel"}}, {{"type", "Fuse"}}})}};
+       },
+       "decoder.decoders[1].type is \"Fuse\""},
       {[](json& j) { j["added_tokens"][1]["id"] = "x"; }, "added_tokens[1].id"},
   };
   for (const Case& c : cases) {

@@ -1,8 +1,5 @@
 #include "engine/data/bpe_tokenizer.h"
 
-#define PCRE2_CODE_UNIT_WIDTH 8
-#include <pcre2.h>
-
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -17,6 +14,9 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "core/rng.h"
+#include "engine/data/json_keys.h"
+#include "engine/data/normalizer.h"
+#include "engine/data/regex.h"
 #include "engine/data/utf8.h"
 
 namespace fs = std::filesystem;
@@ -24,6 +24,10 @@ using nlohmann::json;
 
 namespace moetrain {
 namespace {
+
+using json_keys::bool_or;
+using json_keys::member;
+using json_keys::string_at;
 
 // A non-owning reference to a callable: the pre-tokenizer's stages call each other through
 // these, a level per Split, without allocating.
@@ -95,50 +99,6 @@ bool is_white_space(uint32_t c) {
   return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 ||
          (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
 }
-
-// Start of the character that ends at s[end - 1].
-size_t char_start_before(std::string_view s, size_t end) {
-  size_t i = end - 1;
-  while (i > 0 && (static_cast<unsigned char>(s[i]) & 0xC0) == 0x80) --i;
-  return i;
-}
-
-std::string pcre2_message(int code) {
-  PCRE2_UCHAR buf[256];
-  pcre2_get_error_message(code, buf, sizeof(buf));
-  return reinterpret_cast<const char*>(buf);
-}
-
-// One compiled pattern. PCRE2 code is read-only once compiled and JIT-compiled, so one
-// Regex serves every thread; match data lives in the thread's state.
-class Regex {
- public:
-  // `where` names the file and key, for errors.
-  Regex(const std::string& pattern, bool literal, const std::string& where) : pattern_(pattern) {
-    int err = 0;
-    PCRE2_SIZE offset = 0;
-    // PCRE2 refuses UCP together with LITERAL, and a literal needs no character classes.
-    const uint32_t options = PCRE2_UTF | (literal ? PCRE2_LITERAL : PCRE2_UCP);
-    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), options, &err, &offset,
-                          nullptr);
-    MT_CHECK(code_ != nullptr, "{}: cannot compile the regex /{}/ (PCRE2, at offset {}): {}", where, pattern, offset,
-             pcre2_message(err));
-    // Without a JIT (some platforms) the interpreter gives the same matches, slower.
-    jit_ = pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE) == 0;
-  }
-  ~Regex() { pcre2_code_free(code_); }
-  Regex(const Regex&) = delete;
-  Regex& operator=(const Regex&) = delete;
-
-  const pcre2_code* code() const { return code_; }
-  const std::string& pattern() const { return pattern_; }
-  bool jit() const { return jit_; }
-
- private:
-  pcre2_code* code_ = nullptr;
-  std::string pattern_;
-  bool jit_ = false;
-};
 
 struct StringHash {
   using is_transparent = void;
@@ -269,29 +229,16 @@ class MergeTable {
 // (not shareable between threads) and the merge cache.
 struct ThreadState {
   uint64_t owner = 0;  // BpeTokenizer instance the cache belongs to
-  pcre2_match_data* match = nullptr;
-  pcre2_match_context* context = nullptr;
-  pcre2_jit_stack* jit_stack = nullptr;
+  RegexScratch rx;
   PieceCache cache;
   std::vector<int32_t> symbols;
-
-  ThreadState() {
-    match = pcre2_match_data_create(16, nullptr);
-    context = pcre2_match_context_create(nullptr);
-    // The default 32 KiB JIT stack can run out on long runs of one character class.
-    jit_stack = pcre2_jit_stack_create(32 * 1024, 16 * 1024 * 1024, nullptr);
-    MT_CHECK(match && context && jit_stack, "BpeTokenizer: out of memory for PCRE2 match data");
-    pcre2_jit_stack_assign(context, nullptr, jit_stack);
-  }
-  ~ThreadState() {
-    pcre2_jit_stack_free(jit_stack);
-    pcre2_match_context_free(context);
-    pcre2_match_data_free(match);
-  }
 };
 
 struct AddedToken {
   std::string content;
+  // What the matcher looks for: the content, or for a token with normalized = true what
+  // the normalizer makes of it (as the library builds its second matcher).
+  std::string match;
   int32_t id = 0;
   bool special = false, lstrip = false, rstrip = false, single_word = false, normalized = true;
 };
@@ -301,15 +248,17 @@ struct AddedToken {
 // nearly always start with '<' or '[', so a first-byte table skips most of the text.
 class AddedTokenMatcher {
  public:
+  // `t->match` is not empty.
   void add(const AddedToken* t) {
-    auto& bucket = by_first_[static_cast<unsigned char>(t->content[0])];
+    const auto first = static_cast<unsigned char>(t->match[0]);
+    auto& bucket = by_first_[first];
     bucket.push_back(t);
     std::stable_sort(bucket.begin(), bucket.end(),
-                     [](const AddedToken* a, const AddedToken* b) { return a->content.size() > b->content.size(); });
-    if (!is_first_[static_cast<unsigned char>(t->content[0])]) {
-      is_first_[static_cast<unsigned char>(t->content[0])] = true;
+                     [](const AddedToken* a, const AddedToken* b) { return a->match.size() > b->match.size(); });
+    if (!is_first_[first]) {
+      is_first_[first] = true;
       ++num_first_;
-      only_first_ = static_cast<unsigned char>(t->content[0]);
+      only_first_ = first;
     }
   }
   bool empty() const { return num_first_ == 0; }
@@ -325,7 +274,7 @@ class AddedTokenMatcher {
         continue;
       }
       for (const AddedToken* t : by_first_[static_cast<unsigned char>(s[i])]) {
-        if (s.compare(i, t->content.size(), t->content) == 0) {
+        if (s.compare(i, t->match.size(), t->match) == 0) {
           start = i;
           return t;
         }
@@ -340,27 +289,6 @@ class AddedTokenMatcher {
   int num_first_ = 0;
   unsigned char only_first_ = 0;
 };
-
-// Small JSON helpers whose errors name the file and the key path.
-const json& member(const json& obj, const char* key, const std::string& file, const std::string& where) {
-  MT_CHECK(obj.is_object(), "{}: {} must be a JSON object", file, where);
-  auto it = obj.find(key);
-  MT_CHECK(it != obj.end(), "{}: {} has no \"{}\" key", file, where, key);
-  return *it;
-}
-
-std::string string_at(const json& obj, const char* key, const std::string& file, const std::string& where) {
-  const json& v = member(obj, key, file, where);
-  MT_CHECK(v.is_string(), "{}: {}.{} must be a string, not {}", file, where, key, v.type_name());
-  return v.get<std::string>();
-}
-
-bool bool_or(const json& obj, const char* key, bool fallback, const std::string& file, const std::string& where) {
-  auto it = obj.find(key);
-  if (it == obj.end() || it->is_null()) return fallback;
-  MT_CHECK(it->is_boolean(), "{}: {}.{} must be true or false, not {}", file, where, key, it->dump());
-  return it->get<bool>();
-}
 
 json read_json_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -403,12 +331,16 @@ struct BpeTokenizer::Impl {
   bool prefix_space = false;
   std::unique_ptr<Regex> byte_level_regex;
 
+  // Normalizer; null when the file has none or one that changes nothing.
+  std::unique_ptr<Normalizer> normalizer;
+
   // Added tokens; raw: matched on the text as given; normalized: on what the normalizer
-  // makes of it (the same text here, since NFC is passed through).
+  // makes of it.
   std::vector<AddedToken> added;
   AddedTokenMatcher raw_matcher, normalized_matcher;
   std::unique_ptr<Regex> word_char;  // for single_word tokens
   std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>> added_ids;
+  std::unordered_map<int32_t, const AddedToken*> added_by_id;
 
   // Decoding: the bytes of every id; has_id marks ids that exist.
   std::vector<std::string> id_bytes;
@@ -417,13 +349,12 @@ struct BpeTokenizer::Impl {
 
   int32_t eos = -1;
   std::string eos_text;
-  bool nfc = false;
-  mutable std::atomic<bool> nfc_warned{false};
 
   void load(const json& j);
   void load_model(const json& model);
   void load_normalizer(const json& j);
   void load_pre_tokenizer(const json& j);
+  void load_decoder(const json& j, const std::string& where);
   void add_pre_tokenizer_stage(const json& stage, const std::string& where, bool& saw_byte_level);
   void load_added_tokens(const json& j);
   void resolve_eos(const std::string& requested);
@@ -453,7 +384,6 @@ struct BpeTokenizer::Impl {
   void merge(std::vector<int32_t>& sym) const;
   void merge_long(std::vector<int32_t>& sym) const;
   const Merge* find_merge(int32_t a, int32_t b) const { return merges.find(a, b); }
-  void warn_if_decomposed(std::string_view piece) const;
 };
 
 // ---- loading ----------------------------------------------------------------------------
@@ -463,16 +393,7 @@ void BpeTokenizer::Impl::load(const json& j) {
   load_model(member(j, "model", path, "the file"));
   load_normalizer(j.contains("normalizer") ? j["normalizer"] : json());
   load_pre_tokenizer(member(j, "pre_tokenizer", path, "the file"));
-  if (j.contains("decoder") && !j["decoder"].is_null()) {
-    const json& d = j["decoder"];
-    const std::string type = string_at(d, "type", path, "decoder");
-    bool ok = type == "ByteLevel";
-    if (type == "Sequence" && d.contains("decoders") && d["decoders"].is_array()) {
-      ok = std::all_of(d["decoders"].begin(), d["decoders"].end(),
-                       [](const json& x) { return x.is_object() && x.value("type", "") == "ByteLevel"; });
-    }
-    MT_CHECK(ok, "{}: decoder.type is \"{}\"; a byte-level BPE tokenizer decodes with ByteLevel", path, type);
-  }
+  if (j.contains("decoder") && !j["decoder"].is_null()) load_decoder(j["decoder"], "decoder");
   load_added_tokens(j.contains("added_tokens") ? j["added_tokens"] : json::array());
 
   // Ids for decoding.
@@ -486,8 +407,11 @@ void BpeTokenizer::Impl::load(const json& j) {
     id_bytes[id] = vocab_entry_bytes(text);
     has_id[id] = 1;
   }
+  // An added token decodes as in the library: the text it keeps for the token (for one
+  // with normalized = true, what the normalizer made of it) goes through the byte-level
+  // decoder like a vocabulary entry; "<|im_end|>" is itself either way.
   for (const AddedToken& t : added) {
-    id_bytes[t.id] = t.content;
+    id_bytes[t.id] = vocab_entry_bytes(t.match);
     has_id[t.id] = 1;
   }
 }
@@ -534,6 +458,15 @@ void BpeTokenizer::Impl::load_model(const json& model) {
     auto it = vocab.find(byte_level_text(std::string(1, static_cast<char>(b))));
     byte_ids[b] = it == vocab.end() ? -1 : it->second;
   }
+  // byte_fallback spells a byte with no symbol as a <0xNN> token; with all 256 byte-level
+  // symbols in the vocabulary (as byte-level BPEs have) it never applies.
+  if (bool_or(model, "byte_fallback", false, path, "model")) {
+    const auto missing = std::find(byte_ids.begin(), byte_ids.end(), -1);
+    MT_CHECK(missing == byte_ids.end(),
+             "{}: model.byte_fallback is true and the vocabulary has no symbol for byte 0x{:02X}: byte fallback "
+             "(<0xNN> tokens) is not implemented",
+             path, static_cast<int>(missing - byte_ids.begin()));
+  }
 
   const json& m = member(model, "merges", path, "model");
   MT_CHECK(m.is_array(), "{}: model.merges must be an array, not {}", path, m.type_name());
@@ -564,29 +497,24 @@ void BpeTokenizer::Impl::load_model(const json& model) {
 }
 
 void BpeTokenizer::Impl::load_normalizer(const json& n) {
-  if (n.is_null()) return;
-  const std::string type = string_at(n, "type", path, "normalizer");
-  auto refuse = [&](const std::string& what) {
-    MT_THROW("{}: {} is \"{}\"; moetrain supports no normalizer or NFC (passed through: see docs/choices.md)", path,
-             what, type);
-  };
-  if (type == "NFC") {
-    nfc = true;
-  } else if (type == "Sequence") {
-    const json& list = member(n, "normalizers", path, "normalizer");
-    MT_CHECK(list.is_array(), "{}: normalizer.normalizers must be an array", path);
-    for (size_t i = 0; i < list.size(); ++i) {
-      const std::string t = string_at(list[i], "type", path, fmt::format("normalizer.normalizers[{}]", i));
-      if (t != "NFC") {
-        MT_THROW("{}: normalizer.normalizers[{}].type is \"{}\"; moetrain supports no normalizer or NFC (passed "
-                 "through: see docs/choices.md)",
-                 path, i, t);
-      }
-      nfc = true;
-    }
-  } else {
-    refuse("normalizer.type");
+  auto norm = std::make_unique<Normalizer>(n, path);
+  if (!norm->empty()) normalizer = std::move(norm);
+}
+
+void BpeTokenizer::Impl::load_decoder(const json& d, const std::string& where) {
+  // ByteLevel decoding maps the byte-level characters back to bytes; the library's
+  // ByteLevel decoder ignores its add_prefix_space, trim_offsets and use_regex options.
+  const std::string type = string_at(d, "type", path, where);
+  if (type == "Sequence") {
+    const json& list = member(d, "decoders", path, where);
+    MT_CHECK(list.is_array(), "{}: {}.decoders must be an array, not {}", path, where, list.type_name());
+    for (size_t i = 0; i < list.size(); ++i) load_decoder(list[i], fmt::format("{}.decoders[{}]", where, i));
+    return;
   }
+  MT_CHECK(type == "ByteLevel",
+           "{}: {}.type is \"{}\"; moetrain implements the ByteLevel decoder (and Sequence of it) that byte-level "
+           "BPE tokenizers use",
+           path, where, type);
 }
 
 void BpeTokenizer::Impl::load_pre_tokenizer(const json& p) {
@@ -666,9 +594,13 @@ void BpeTokenizer::Impl::load_added_tokens(const json& list) {
       added.push_back(t);
     }
   }
-  for (const AddedToken& t : added) {
-    (t.normalized ? normalized_matcher : raw_matcher).add(&t);
+  for (AddedToken& t : added) {
     added_ids[t.content] = t.id;
+    added_by_id[t.id] = &t;
+    t.match = t.content;
+    if (t.normalized && normalizer) normalizer->apply(t.content, t.match);
+    // A token that normalizes to nothing (" " under Strip) matches nowhere.
+    if (!t.match.empty()) (t.normalized ? normalized_matcher : raw_matcher).add(&t);
     if (t.single_word && !word_char) {
       // The library's \w (Rust regex, Unicode): alphabetic, marks, decimal digits,
       // connector punctuation, joiners.
@@ -713,13 +645,16 @@ void BpeTokenizer::Impl::resolve_eos(const std::string& requested) {
 // ---- encoding ---------------------------------------------------------------------------
 
 void BpeTokenizer::Impl::walk(std::string_view text, ThreadState& st, PieceFn on_piece, IdFn on_added) const {
+  // As the library: tokens with normalized = false are cut out of the raw text first;
+  // each non-empty span between them is normalized on its own (so Prepend prefixes each
+  // span, Strip strips each), then tokens with normalized = true are cut out of what the
+  // normalizer made, then the rest is pre-tokenized.
   auto pre = [&](std::string_view span) { pre_tokenize(span, 0, st, on_piece); };
-  if (raw_matcher.empty() && normalized_matcher.empty()) {
-    pre(text);
-    return;
-  }
-  // Tokens matched on the raw text first, then those matched on the normalized text.
-  auto second = [&](std::string_view span) { split_added(span, normalized_matcher, pre, on_added); };
+  auto second = [&](std::string_view span) {
+    std::string normalized;  // written only when the normalizer changes the span
+    if (normalizer && normalizer->apply(span, normalized)) span = normalized;
+    split_added(span, normalized_matcher, pre, on_added);
+  };
   split_added(text, raw_matcher, second, on_added);
 }
 
@@ -733,7 +668,7 @@ void BpeTokenizer::Impl::split_added(std::string_view s, const AddedTokenMatcher
   size_t from = 0, done = 0;  // search from `from`; text before `done` is handed out
   size_t start = 0;
   while (const AddedToken* t = m.find(s, from, start)) {
-    size_t stop = start + t->content.size();
+    size_t stop = start + t->match.size();
     from = stop;
     if (t->single_word) {
       if (st == nullptr) st = &state();
@@ -741,7 +676,7 @@ void BpeTokenizer::Impl::split_added(std::string_view s, const AddedTokenMatcher
     }
     if (t->lstrip) {
       while (start > done) {
-        const size_t c = char_start_before(s, start);
+        const size_t c = utf8_char_start_before(s, start);
         size_t k = c;
         if (!is_white_space(utf8_next(s, k))) break;
         start = c;
@@ -767,10 +702,10 @@ bool BpeTokenizer::Impl::single_word_ok(std::string_view s, size_t start, size_t
     size_t end = at;
     utf8_next(s, end);
     const int rc = pcre2_match(word_char->code(), reinterpret_cast<PCRE2_SPTR>(s.data() + at), end - at, 0,
-                               PCRE2_NO_UTF_CHECK, st.match, st.context);
+                               PCRE2_NO_UTF_CHECK, st.rx.match, st.rx.context);
     return rc >= 0;
   };
-  if (start > 0 && is_word(char_start_before(s, start))) return false;
+  if (start > 0 && is_word(utf8_char_start_before(s, start))) return false;
   if (stop < s.size() && is_word(stop)) return false;
   return true;
 }
@@ -802,11 +737,11 @@ void BpeTokenizer::Impl::regex_split(const Regex& re, bool drop_matches, std::st
   const auto* subject = reinterpret_cast<PCRE2_SPTR>(s.data());
   size_t pos = 0, done = 0;
   while (pos < s.size()) {
-    const int rc = pcre2_match(re.code(), subject, s.size(), pos, PCRE2_NO_UTF_CHECK, st.match, st.context);
+    const int rc = pcre2_match(re.code(), subject, s.size(), pos, PCRE2_NO_UTF_CHECK, st.rx.match, st.rx.context);
     if (rc == PCRE2_ERROR_NOMATCH) break;
     MT_CHECK(rc >= 0, "{}: the pre-tokenizer regex /{}/ failed on a text of {} bytes: {}", path, re.pattern(),
              s.size(), pcre2_message(rc));
-    const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(st.match);
+    const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(st.rx.match);
     const size_t a = ov[0], b = ov[1];
     if (b == a) {  // an empty match splits nothing: look again one character on
       if (a >= s.size()) break;
@@ -906,24 +841,6 @@ void BpeTokenizer::Impl::merge_long(std::vector<int32_t>& sym) const {
   for (int32_t i = 0; i >= 0; i = nodes[i].next) sym.push_back(nodes[i].id);
 }
 
-void BpeTokenizer::Impl::warn_if_decomposed(std::string_view piece) const {
-  // U+0300..U+036F (UTF-8 CC 80 .. CD AF): combining accents, which NFC would mostly fold
-  // into the letter before them. Text that has them may not be NFC.
-  for (size_t i = 0; i + 1 < piece.size(); ++i) {
-    const auto c0 = static_cast<unsigned char>(piece[i]), c1 = static_cast<unsigned char>(piece[i + 1]);
-    if ((c0 == 0xCC && c1 >= 0x80 && c1 <= 0xBF) || (c0 == 0xCD && c1 >= 0x80 && c1 <= 0xAF)) {
-      if (!nfc_warned.exchange(true)) {
-        spdlog::warn(
-            "{}: the text has combining accents (U+0300..U+036F); this tokenizer's NFC normalizer is not applied "
-            "by moetrain, so text that is not in NFC tokenizes differently from Hugging Face (normalize it to NFC "
-            "first)",
-            path);
-      }
-      return;
-    }
-  }
-}
-
 void BpeTokenizer::Impl::encode_piece(std::string_view piece, ThreadState& st, std::vector<int32_t>& out) const {
   if (piece.size() == 1 && !ignore_merges && byte_ids[static_cast<unsigned char>(piece[0])] >= 0) {
     out.push_back(byte_ids[static_cast<unsigned char>(piece[0])]);
@@ -938,7 +855,6 @@ void BpeTokenizer::Impl::encode_piece(std::string_view piece, ThreadState& st, s
       return;
     }
   }
-  if (nfc) warn_if_decomposed(piece);
   std::vector<int32_t>& sym = st.symbols;
   std::optional<int32_t> whole;
   if (ignore_merges) {
@@ -967,8 +883,9 @@ BpeTokenizer::BpeTokenizer(const std::string& path, const std::string& eos_token
   impl_->hash = file_hash(path);
   const bool jit = impl_->splits.empty() ? (impl_->byte_level_regex && impl_->byte_level_regex->jit())
                                          : impl_->splits[0].regex->jit();
-  spdlog::debug("{}: {} ids, {} merges, {} added tokens, {} split regexes (PCRE2 JIT {})", path, impl_->size,
-                impl_->merges.size(), impl_->added.size(), impl_->splits.size(), jit ? "on" : "off");
+  spdlog::debug("{}: {} ids, {} merges, {} added tokens, normalizer {}, {} split regexes (PCRE2 JIT {})", path,
+                impl_->size, impl_->merges.size(), impl_->added.size(),
+                impl_->normalizer ? impl_->normalizer->describe() : "none", impl_->splits.size(), jit ? "on" : "off");
 }
 
 BpeTokenizer::~BpeTokenizer() = default;
@@ -992,7 +909,7 @@ std::vector<std::string> BpeTokenizer::pre_tokenize(std::string_view text) const
   std::vector<std::string> pieces;
   impl_->walk(
       text, impl_->state(), [&](std::string_view piece) { pieces.emplace_back(piece); },
-      [&](int32_t id) { pieces.push_back(impl_->id_bytes[id]); });
+      [&](int32_t id) { pieces.push_back(impl_->added_by_id.at(id)->match); });
   return pieces;
 }
 

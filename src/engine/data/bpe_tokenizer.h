@@ -1,18 +1,21 @@
 // BpeTokenizer: a Hugging Face tokenizer.json whose model is a byte-level BPE (Qwen2 and
 // Qwen3, Llama 3, DeepSeek-V3, GPT-2 style), encoding exactly as the `tokenizers` library:
 //
-//   1. Added tokens are cut out of the text first, leftmost and longest match first (those
-//      with normalized = false, then the others); each becomes its id and is never merged.
-//   2. Every other span goes through the pre-tokenizer: its Split regexes in order (PCRE2
+//   1. Added tokens with normalized = false are cut out of the text first, leftmost and
+//      longest match first; each becomes its id and is never merged.
+//   2. Each span between them goes through the normalizer (normalizer.h: NFC for Qwen,
+//      ICU's tables), then the added tokens with normalized = true are cut out of it.
+//   3. Every other span goes through the pre-tokenizer: its Split regexes in order (PCRE2
 //      with UTF and Unicode properties, JIT-compiled where the library has a JIT), then
 //      ByteLevel (GPT-2's regex when use_regex is set).
-//   3. Each piece's bytes become byte-level symbols, and adjacent pairs are merged by rank,
+//   4. Each piece's bytes become byte-level symbols, and adjacent pairs are merged by rank,
 //      lowest first (leftmost among equal ranks), until no pair has a merge.
 //
 // Decoding maps tokens back through the byte-level table; added tokens decode to their
-// content. What the library does that this class does not (normalizers other than NFC,
-// which is passed through: see docs/choices.md, post-processors, BPE dropout, other models)
-// is refused when the file is loaded, naming the key.
+// content. What the library does that this class does not (other normalizers,
+// pre-tokenizers and decoders, BPE dropout, other models; see docs/choices.md) is refused
+// when the file is loaded, naming the file, the key and the type. The post-processor is
+// not applied: encode adds no special tokens.
 //
 // The merges of each distinct piece are cached per thread, so that the regex split is most
 // of the cost of encoding.
@@ -48,7 +51,8 @@ class BpeTokenizer final : public Tokenizer {
   uint64_t fingerprint() const override;
 
   // The pieces the merges run on, added tokens included as pieces of their own: what
-  // steps 1 and 2 above make of `text`. For tests and for looking into a tokenization.
+  // steps 1 to 3 above make of `text` (normalized). For tests and for looking into a
+  // tokenization.
   std::vector<std::string> pre_tokenize(std::string_view text) const;
 
   const std::string& path() const;

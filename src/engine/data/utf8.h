@@ -22,6 +22,13 @@ inline size_t utf8_char_length(unsigned char lead) {
   return lead < 0x80 ? 1 : lead < 0xE0 ? 2 : lead < 0xF0 ? 3 : 4;
 }
 
+// The start of the character that ends at s[end - 1], in a well-formed string (end > 0).
+inline size_t utf8_char_start_before(std::string_view s, size_t end) {
+  size_t i = end - 1;
+  while (i > 0 && (static_cast<unsigned char>(s[i]) & 0xC0) == 0x80) --i;
+  return i;
+}
+
 // Decodes the character at s[i] of a well-formed string and advances i past it.
 uint32_t utf8_next(std::string_view s, size_t& i);
 
