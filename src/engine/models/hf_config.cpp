@@ -57,40 +57,37 @@ const nlohmann::json* HfConfigReader::take(std::initializer_list<std::string_vie
   return found;
 }
 
-bool HfConfigReader::read(std::initializer_list<std::string_view> spellings, int64_t& out) {
-  const nlohmann::json* v = take(spellings);
+namespace {
+
+// One scalar key: absent or null leaves `out` (the HF default); a value of another JSON type
+// is an error saying what was expected.
+template <typename T, typename IsType>
+bool read_scalar(HfConfigReader& r, std::initializer_list<std::string_view> spellings, T& out, IsType is_type,
+                 const char* expected) {
+  const nlohmann::json* v = r.take(spellings);
   if (v == nullptr || v->is_null()) return false;
-  if (!v->is_number_integer()) {
-    fail(*spellings.begin(), fmt::format("expects an integer, got {} {}", json_type_name(*v), v->dump()));
-  }
-  out = v->get<int64_t>();
+  if (!is_type(*v)) r.fail(*spellings.begin(), fmt::format("expects {}, got {} {}", expected, json_type_name(*v), v->dump()));
+  out = v->get<T>();
   return true;
+}
+
+}  // namespace
+
+bool HfConfigReader::read(std::initializer_list<std::string_view> spellings, int64_t& out) {
+  return read_scalar(*this, spellings, out, [](const nlohmann::json& v) { return v.is_number_integer(); },
+                     "an integer");
 }
 
 bool HfConfigReader::read(std::initializer_list<std::string_view> spellings, double& out) {
-  const nlohmann::json* v = take(spellings);
-  if (v == nullptr || v->is_null()) return false;
-  if (!v->is_number()) fail(*spellings.begin(), fmt::format("expects a number, got {} {}", json_type_name(*v), v->dump()));
-  out = v->get<double>();
-  return true;
+  return read_scalar(*this, spellings, out, [](const nlohmann::json& v) { return v.is_number(); }, "a number");
 }
 
 bool HfConfigReader::read(std::initializer_list<std::string_view> spellings, bool& out) {
-  const nlohmann::json* v = take(spellings);
-  if (v == nullptr || v->is_null()) return false;
-  if (!v->is_boolean()) {
-    fail(*spellings.begin(), fmt::format("expects a boolean, got {} {}", json_type_name(*v), v->dump()));
-  }
-  out = v->get<bool>();
-  return true;
+  return read_scalar(*this, spellings, out, [](const nlohmann::json& v) { return v.is_boolean(); }, "a boolean");
 }
 
 bool HfConfigReader::read(std::initializer_list<std::string_view> spellings, std::string& out) {
-  const nlohmann::json* v = take(spellings);
-  if (v == nullptr || v->is_null()) return false;
-  if (!v->is_string()) fail(*spellings.begin(), fmt::format("expects a string, got {} {}", json_type_name(*v), v->dump()));
-  out = v->get<std::string>();
-  return true;
+  return read_scalar(*this, spellings, out, [](const nlohmann::json& v) { return v.is_string(); }, "a string");
 }
 
 bool HfConfigReader::read(std::initializer_list<std::string_view> spellings, std::vector<int64_t>& out) {
