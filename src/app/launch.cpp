@@ -26,6 +26,7 @@ struct LaunchArgs {
   std::string store_dir;
   double grace_s = 10;
   int master_port = 0;
+  int max_restarts = 0;
   std::string command;  // the worker's subcommand; its arguments come in remaining()
 };
 
@@ -75,6 +76,11 @@ void time_collectives(Communicator& world, Device dev, double mb) {
   }
 }
 
+// Runs the workers; when one fails (not when the launcher itself is stopped), stops the
+// others and starts them all again, up to max_restarts times, each time as a new restart
+// generation with a fresh rendezvous: the workers resume from the newest committed
+// checkpoint ([checkpoint].resume = "auto"). They see the generation as
+// TORCHELASTIC_RESTART_COUNT, as under torchrun.
 int run_launch(const LaunchArgs& a, const std::vector<std::string>& worker_args) {
   MT_CHECK(!worker_args.empty(), "launch: no worker command: moetrain launch -n N -- train --config X ...");
   LaunchSpec spec;
@@ -82,13 +88,27 @@ int run_launch(const LaunchArgs& a, const std::vector<std::string>& worker_args)
   spec.argv = {std::filesystem::read_symlink("/proc/self/exe").string()};
   spec.argv.insert(spec.argv.end(), worker_args.begin(), worker_args.end());
   spec.store_parent = a.store_dir;
-  spec.master_port = a.master_port;
   spec.grace = std::chrono::milliseconds(static_cast<int64_t>(a.grace_s * 1000));
-  LaunchResult r = launch_workers(spec);
-  if (r.exit_code != 0) {
-    std::fprintf(stderr, "moetrain: error: launch: %s\n", r.message.c_str());
+  for (int generation = 0;; ++generation) {
+    spec.master_port = generation == 0 ? a.master_port : 0;  // a fresh port: the old one may linger
+    spec.env = {{"TORCHELASTIC_RESTART_COUNT", std::to_string(generation)},
+                {"TORCHELASTIC_MAX_RESTARTS", std::to_string(a.max_restarts)}};
+    const auto started = std::chrono::steady_clock::now();
+    LaunchResult r = launch_workers(spec);
+    if (r.exit_code == 0) return 0;
+    const double ran_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    if (r.interrupted || generation >= a.max_restarts) {
+      const std::string why = r.interrupted || a.max_restarts == 0
+                                  ? std::string()
+                                  : fmt::format(" (after {} restarts: --max-restarts {} reached)", generation,
+                                                a.max_restarts);
+      std::fprintf(stderr, "moetrain: error: launch: %s%s\n", r.message.c_str(), why.c_str());
+      return r.exit_code;
+    }
+    spdlog::warn("launch: {} after {:.1f} s; every worker stopped {:.2f} s after it; restarting every worker "
+                 "(restart {} of at most {}, generation {})",
+                 r.message, ran_s, r.stop_s, generation + 1, a.max_restarts, generation + 1);
   }
-  return r.exit_code;
 }
 
 // Every collective once, on values whose result is known, then a barrier.
@@ -155,6 +175,11 @@ std::function<int()> add_launch_commands(CLI::App& app) {
   launch->add_option("--grace", la->grace_s, "seconds between SIGTERM and SIGKILL when stopping workers")
       ->capture_default_str();
   launch->add_option("--master-port", la->master_port, "MASTER_PORT for the workers (default: a free port)");
+  launch->add_option("--max-restarts", la->max_restarts,
+                     "when a worker fails, stop the others and start them all again (resuming from the newest "
+                     "committed checkpoint) up to N times")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   // Everything after the first word of the worker command (or after "--") is the worker's.
   launch->add_option("command", la->command, "the moetrain subcommand each worker runs, then its arguments");
   launch->prefix_command();

@@ -172,6 +172,11 @@ LaunchEnv LaunchEnv::parse(const Lookup& lookup) {
     }
     run_parts = {r.text("SLURM_JOB_ID"), r.text("SLURM_STEP_ID")};
   }
+  if (r.has("TORCHELASTIC_RESTART_COUNT")) {
+    e.restart_generation = parse_int("TORCHELASTIC_RESTART_COUNT", r.text("TORCHELASTIC_RESTART_COUNT"), 0, INT32_MAX);
+  } else if (r.has("SLURM_RESTART_COUNT")) {
+    e.restart_generation = parse_int("SLURM_RESTART_COUNT", r.text("SLURM_RESTART_COUNT"), 0, INT32_MAX);
+  }
   std::vector<std::string> id{e.launcher};
   for (const std::string& p : run_parts) {
     if (!p.empty()) id.push_back(sanitize(p));

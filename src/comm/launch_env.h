@@ -30,6 +30,9 @@ struct LaunchEnv {
   // Identifies this run among others on the same machines (job id, restart count), so the
   // default file store of one run never meets another run's keys.
   std::string run_id;
+  // How many times the job was restarted before this start (TORCHELASTIC_RESTART_COUNT,
+  // set by torchrun and by `moetrain launch --max-restarts`; SLURM_RESTART_COUNT).
+  int restart_generation = 0;
 
   bool single_node() const { return local_world_size == world_size; }
   std::string str() const;  // "rank 3 of 8 (local 3 of 4, torchrun)"

@@ -254,7 +254,8 @@ LaunchResult launch_workers(const LaunchSpec& spec) {
     }
     signal_all(ws, sig);
   };
-  int running = spec.nproc;
+  int running = spec.nproc, exited_clean = 0;
+  std::optional<Clock::time_point> failed_at;
   std::optional<Clock::time_point> drain_until;
   while (true) {
     std::vector<pollfd> fds{{wake[0], POLLIN, 0}};
@@ -273,6 +274,7 @@ LaunchResult launch_workers(const LaunchSpec& spec) {
       char sig = 0;
       while (::read(wake[0], &sig, 1) == 1) {
         if (sig == SIGCHLD) continue;  // the reaping below handles it
+        result.interrupted = true;
         if (result.exit_code == 0) {
           result.exit_code = 128 + sig;
           result.message = fmt::format("launch got {}; stopped the workers", signal_name(sig));
@@ -295,11 +297,13 @@ LaunchResult launch_workers(const LaunchSpec& spec) {
       w.running = false;
       --running;
       bool failed = !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+      if (!failed) ++exited_clean;
       if (failed && !stopping) {
         drain_to_eof(spec, w, std::chrono::milliseconds(200));  // its last words before ours
         result.failed_rank = w.rank;
         result.exit_code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
         result.message = describe_status(w, status);
+        failed_at = Clock::now();
         spdlog::error("launch: {}; stopping the other workers", result.message);
         stop(SIGTERM);
       } else {
@@ -323,6 +327,13 @@ LaunchResult launch_workers(const LaunchSpec& spec) {
   ::close(wake[0]);
   ::close(wake[1]);
   fs::remove_all(store_dir, ec);
+  if (failed_at) result.stop_s = std::chrono::duration<double>(Clock::now() - *failed_at).count();
+  // Stopped by a signal that every worker answered by exiting 0 (a preempted run that
+  // saved and stopped): the job ended cleanly.
+  if (result.interrupted && result.failed_rank < 0 && exited_clean == spec.nproc) {
+    spdlog::info("launch: {}; every worker exited 0", result.message);
+    result.exit_code = 0;
+  }
   return result;
 }
 

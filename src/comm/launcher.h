@@ -4,7 +4,8 @@
 // Each worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 // and MOETRAIN_STORE (a fresh store directory made for this launch and removed after it),
 // stdin from /dev/null, and its own process group. Their output comes back line by line.
-// SIGINT/SIGTERM to the launcher go to every worker (a second one: SIGKILL). When a worker
+// SIGINT/SIGTERM to the launcher go to every worker (a second one: SIGKILL); when every
+// worker then exits 0 (a training run saves and stops on SIGTERM) the launch succeeds. When a worker
 // exits non-zero or is killed, the others get SIGTERM, then SIGKILL after the grace period;
 // the result names the first worker that failed and how. Workers die with the launcher
 // (PR_SET_PDEATHSIG), so none outlives a killed launcher.
@@ -39,6 +40,8 @@ struct LaunchResult {
   int exit_code = 0;
   int failed_rank = -1;  // the first worker that failed; -1 when none did
   std::string message;   // "rank 1 (pid 4242) was killed by signal 9 (SIGKILL)", or empty
+  bool interrupted = false;  // the launcher itself got SIGINT/SIGTERM (not a worker's failure)
+  double stop_s = 0;         // from the first failure seen to the last worker gone
 };
 
 LaunchResult launch_workers(const LaunchSpec& spec);

@@ -16,6 +16,8 @@
 #include "engine/checkpoint/checkpointer.h"
 #include "engine/data/data_context.h"
 #include "engine/data/loader.h"
+#include "engine/ft/fault.h"
+#include "engine/ft/preemption.h"
 #include "engine/models/model.h"
 #include "engine/optim/adamw.h"
 #include "engine/optim/layerwise.h"
@@ -354,6 +356,14 @@ std::string end_of_run_sample(const RunConfig& cfg, TrainContext& ctx, const Tok
   return ctx.par.rank == 0 ? text : "";  // every rank samples (experts are spread), one prints
 }
 
+// "SIGTERM", "SIGUSR1", or "the signal" when another rank got it.
+std::string signal_name_of(const PreemptionWatch& w) {
+  const int sig = w.signal_received();
+  if (sig == 0) return "the signal";
+  const char* abbrev = sigabbrev_np(sig);
+  return abbrev ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
+}
+
 // The step's micro-batches, on the model's device.
 std::vector<Batch> next_batches(DataLoader& loader, const TrainingConfig& tc, Device device) {
   std::vector<Batch> batches;
@@ -419,6 +429,8 @@ class RunLog {
     m.expert_load_max_over_mean = r.expert_imbalance >= 0 ? r.expert_imbalance : expert_imbalance(r.expert_counts);
     m.peak_memory_bytes = ctx_.par.device.is_cpu() ? host_memory_stats().peak_bytes
                                                    : cuda::device_memory_stats().peak_bytes;
+    m.restart_generation = ctx_.par.env.restart_generation;
+    m.world_size = ctx_.par.world;
     return m;
   }
 
@@ -470,6 +482,9 @@ TrainSummary train(const RunConfig& cfg_in) {
   const LrSchedule schedule{oc.schedule, oc.lr, oc.min_lr, oc.warmup_steps, tc.steps, oc.decay_fraction};
   RunLog log(cfg, *ctx, start_step, end_step);
   StepHooks hooks;  // where fault tolerance plugs in (train_state.h): empty, so every step commits
+  const PreemptionWatch preemption;  // SIGTERM / SIGUSR1: save and stop after the step (ft/preemption.h)
+  Communicator* world = ctx->par.comms ? ctx->par.comms->world.get() : nullptr;
+  bool preempted = false;
 
   TrainSummary summary;
   summary.parameters = count_elements(ctx->model->parameters());
@@ -478,6 +493,7 @@ TrainSummary train(const RunConfig& cfg_in) {
   double train_seconds = 0;
   while (state.step < end_step) {
     if (hooks.before_step) hooks.before_step(state);
+    fault_point("step_begin", state.step + 1);
     const auto t0 = Clock::now();
     const std::vector<Batch> batches = next_batches(*data.train, tc, ctx->par.device);
     const double lr = schedule.at(state.step);
@@ -498,10 +514,15 @@ TrainSummary train(const RunConfig& cfg_in) {
     if (state.step == tc.steps || (tc.eval_every > 0 && state.step % tc.eval_every == 0)) {
       m.val_loss = summary.last_val_loss = validate(*ctx, *data.val, tc);
     }
-    m.checkpoint_stall_s = checkpoints.after_step(state, state.step == end_step);
+    preempted = preemption.stop_requested(world, ctx->par.device);
+    m.checkpoint_stall_s = checkpoints.after_step(state, state.step == end_step, /*force=*/preempted);
     log.write(m);
     if (state.step == start_step + 1) summary.first_train_loss = r.loss;
     summary.last_train_loss = r.loss;
+    if (preempted) {
+      spdlog::warn("preempted (a rank got {}): step {} is saved; stopping", signal_name_of(preemption), state.step);
+      break;
+    }
   }
   log.finish();
   {  // the last step's optimizer updates may still run (optim/layerwise.h): count them as training
@@ -511,10 +532,10 @@ TrainSummary train(const RunConfig& cfg_in) {
     train_seconds += seconds_since(t0);
   }
   checkpoints.finish();  // the run ends with its last save committed
-  summary.steps = end_step - start_step;
+  summary.steps = state.step - start_step;
   summary.tokens_per_s =
       static_cast<double>(ctx->tokens_per_step(tc) * summary.steps) / std::max(train_seconds, 1e-9);
-  summary.sample = end_of_run_sample(cfg, *ctx, *data.tokenizer);
+  if (!preempted) summary.sample = end_of_run_sample(cfg, *ctx, *data.tokenizer);
   summary.seconds = seconds_since(run_start);
   return summary;
 }

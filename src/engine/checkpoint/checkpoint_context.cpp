@@ -3,6 +3,7 @@
 #include <chrono>
 
 #include "core/log.h"
+#include "engine/ft/fault.h"
 
 namespace moetrain {
 
@@ -78,16 +79,20 @@ TrainState CheckpointContext::restore() {
     load(reader, false);
     spdlog::info("checkpoint: weights from {}{}", cc.init_from, reader.is_hf() ? " (Hugging Face folder)" : "");
   }
-  if (cc.every > 0 || cc.save_final) {
-    const auto t0 = Clock::now();
-    checkpointer_ = std::make_unique<Checkpointer>(dir_, cc.keep, cc.async, ctx_.par.rank, ctx_.par.world);
-    checkpointer_->prepare(items());
-    const std::string when = cc.every > 0 ? fmt::format("every {} steps{}", cc.every, cc.save_final ? " and at the end" : "")
-                                          : std::string("at the end");
-    spdlog::info("checkpoint: saving to {} ({}), host snapshot buffers ready in {:.2f} s", dir_, when,
-                 seconds_since(t0));
-  }
+  if (cc.every > 0 || cc.save_final) make_checkpointer();
   return state;
+}
+
+void CheckpointContext::make_checkpointer() {
+  const CheckpointConfig& cc = cfg_.checkpoint;
+  const auto t0 = Clock::now();
+  checkpointer_ = std::make_unique<Checkpointer>(dir_, cc.keep, cc.async, ctx_.par.rank, ctx_.par.world);
+  checkpointer_->prepare(items());
+  const std::string when = cc.every > 0   ? fmt::format("every {} steps{}", cc.every, cc.save_final ? " and at the end" : "")
+                           : cc.save_final ? std::string("at the end")
+                                           : std::string("on preemption");
+  spdlog::info("checkpoint: saving to {} ({}), host snapshot buffers ready in {:.2f} s", dir_, when,
+               seconds_since(t0));
 }
 
 nlohmann::json CheckpointContext::trainer_state(const TrainState& state) const {
@@ -113,12 +118,14 @@ nlohmann::json CheckpointContext::trainer_state(const TrainState& state) const {
   return st;
 }
 
-std::optional<double> CheckpointContext::after_step(const TrainState& state, bool last) {
+std::optional<double> CheckpointContext::after_step(const TrainState& state, bool last, bool force) {
   const CheckpointConfig& cc = cfg_.checkpoint;
-  if (!checkpointer_ || !((cc.every > 0 && state.step % cc.every == 0) || (cc.save_final && last))) {
+  if (!force && (!checkpointer_ || !((cc.every > 0 && state.step % cc.every == 0) || (cc.save_final && last)))) {
     return std::nullopt;
   }
+  if (!checkpointer_) make_checkpointer();
   ctx_.settle();
+  fault_point("save", state.step);
   const SaveStats st = checkpointer_->save(state.step, items(), trainer_state(state));
   spdlog::debug("checkpoint: step {} snapshot of {:.1f} MB, training waited {:.3f} s", state.step, st.bytes / 1e6,
                 st.stall_s);

@@ -28,13 +28,14 @@ class CheckpointContext {
   // An error names the checkpoint when it does not fit the run.
   TrainState restore();
   // After `state.step` steps: saves when it is a save step (every N, or `last` with
-  // save_final); returns the training's wait for the save, else nothing.
-  std::optional<double> after_step(const TrainState& state, bool last);
+  // save_final) or `force` (preemption); returns the training's wait for the save, else nothing.
+  std::optional<double> after_step(const TrainState& state, bool last, bool force = false);
   // The run ends with its last save committed (rethrows its error).
   void finish();
 
  private:
   CheckpointItems items();
+  void make_checkpointer();
   nlohmann::json trainer_state(const TrainState& state) const;
 
   const RunConfig& cfg_;

@@ -12,6 +12,7 @@
 
 #include "core/cuda_runtime.h"
 #include "core/log.h"
+#include "engine/ft/fault.h"
 #include "ops/ops.h"
 #include <fmt/ranges.h>
 
@@ -35,6 +36,7 @@ void fsync_dir(const fs::path& dir) {
 // files (rank files written, no index), index (index written, not renamed),
 // rename (renamed, latest not moved), latest (latest moved, old ones not pruned).
 void crash_point(const char* point, int64_t step) {
+  fault_point(point, step);  // the chaos tests' faults (ft/fault.h) at the same points
   const char* spec = std::getenv("MOETRAIN_CHECKPOINT_CRASH");
   if (spec == nullptr) return;
   if (std::string(spec) == fmt::format("{}@{}", point, step)) {

@@ -34,6 +34,8 @@ std::string metrics_json(const StepMetrics& m) {
   j["tokens"] = m.tokens;
   j["val_loss"] = m.val_loss ? nlohmann::json(*m.val_loss) : nlohmann::json(nullptr);
   if (m.checkpoint_stall_s) j["checkpoint_stall_s"] = *m.checkpoint_stall_s;
+  j["restart_generation"] = m.restart_generation;
+  j["world_size"] = m.world_size;
   return j.dump();  // non-finite numbers become null
 }
 

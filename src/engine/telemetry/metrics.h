@@ -19,6 +19,8 @@ struct StepMetrics {
   int64_t tokens = 0;  // tokens trained on so far
   std::optional<double> val_loss;  // written as null when absent
   std::optional<double> checkpoint_stall_s;  // only on steps that saved: the step's wait for the save
+  int64_t restart_generation = 0;  // `moetrain launch --max-restarts`: how many times the job was restarted
+  int64_t world_size = 1;          // ranks of the job (smaller after an elastic restart on fewer nodes)
 };
 
 // Appends StepMetrics to <dir>/metrics.jsonl, one line each, flushed at once so that a

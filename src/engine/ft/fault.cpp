@@ -1,0 +1,100 @@
+#include "engine/ft/fault.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "core/log.h"
+
+namespace moetrain {
+namespace {
+
+struct Fault {
+  std::string action, point;
+  double stall_s = 0;
+  int64_t rank = -1, step = -1, generation = -1;  // -1: any
+};
+
+int64_t env_int(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::strtoll(v, nullptr, 10) : 0;
+}
+
+std::vector<Fault> parse(const std::string& text) {
+  std::vector<Fault> out;
+  size_t start = 0;
+  while (start <= text.size()) {
+    size_t end = text.find(';', start);
+    if (end == std::string::npos) end = text.size();
+    const std::string one = text.substr(start, end - start);
+    start = end + 1;
+    if (one.empty()) continue;
+    Fault f;
+    const size_t at = one.find('@');
+    MT_CHECK(at != std::string::npos, "MOETRAIN_FAULT: '{}' is not ACTION@POINT[:key=value...]", one);
+    f.action = one.substr(0, at);
+    std::string rest = one.substr(at + 1);
+    size_t colon = rest.find(':');
+    f.point = rest.substr(0, colon);
+    while (colon != std::string::npos) {
+      const size_t next = rest.find(':', colon + 1);
+      const std::string kv = rest.substr(colon + 1, next == std::string::npos ? std::string::npos : next - colon - 1);
+      colon = next;
+      const size_t eq = kv.find('=');
+      MT_CHECK(eq != std::string::npos, "MOETRAIN_FAULT: '{}' in '{}' is not key=value", kv, one);
+      const std::string k = kv.substr(0, eq);
+      const int64_t v = std::strtoll(kv.c_str() + eq + 1, nullptr, 10);
+      if (k == "rank") f.rank = v;
+      else if (k == "step") f.step = v;
+      else if (k == "generation") f.generation = v;
+      else MT_THROW("MOETRAIN_FAULT: unknown key '{}' in '{}' (rank, step, generation)", k, one);
+    }
+    if (f.action.rfind("stall=", 0) == 0) {
+      f.stall_s = std::strtod(f.action.c_str() + 6, nullptr);
+      f.action = "stall";
+    }
+    MT_CHECK(f.action == "kill" || f.action == "exit" || f.action == "stall" || f.action == "term",
+             "MOETRAIN_FAULT: unknown action '{}' in '{}' (kill, exit, stall=SECONDS, term)", f.action, one);
+    const bool known = f.point == "step_begin" || f.point == "save" || f.point == "files" || f.point == "index" ||
+                       f.point == "rename" || f.point == "latest";
+    MT_CHECK(known, "MOETRAIN_FAULT: unknown point '{}' in '{}' (step_begin, save, files, index, rename, latest)",
+             f.point, one);
+    out.push_back(f);
+  }
+  return out;
+}
+
+const std::vector<Fault>* faults() {
+  static const std::vector<Fault>* parsed = [] {
+    const char* v = std::getenv("MOETRAIN_FAULT");
+    return v && *v ? new std::vector<Fault>(parse(v)) : nullptr;
+  }();
+  return parsed;
+}
+
+}  // namespace
+
+void fault_point(std::string_view point, int64_t step) {
+  const std::vector<Fault>* all = faults();
+  if (all == nullptr) return;
+  const int64_t rank = env_int("RANK"), generation = env_int("TORCHELASTIC_RESTART_COUNT");
+  for (const Fault& f : *all) {
+    if (f.point != point || (f.rank >= 0 && f.rank != rank) || (f.step >= 0 && f.step != step) ||
+        (f.generation >= 0 && f.generation != generation)) {
+      continue;
+    }
+    spdlog::warn("fault injected: {} at {} (rank {}, step {}, generation {})", f.action, point, rank, step, generation);
+    if (f.action == "kill") ::kill(::getpid(), SIGKILL);
+    if (f.action == "exit") ::_exit(3);
+    if (f.action == "term") ::kill(::getpid(), SIGTERM);
+    if (f.action == "stall") std::this_thread::sleep_for(std::chrono::duration<double>(f.stall_s));
+  }
+}
+
+}  // namespace moetrain

@@ -1,0 +1,26 @@
+// Fault injection for the chaos tests: named points in the engine where a fault that the
+// environment variable MOETRAIN_FAULT names fires. When the variable is unset a point costs
+// one test of a flag read once.
+//
+//   MOETRAIN_FAULT="ACTION@POINT[:rank=R][:step=S][:generation=G]" (several: ';'-separated)
+//     ACTION  kill (SIGKILL to itself: no cleanup, as a machine failure), exit (status 3),
+//             stall=SECONDS (sleeps there), term (SIGTERM to itself: a preemption notice)
+//     POINT   step_begin (before a step's batches; step = the step about to run, 1-based),
+//             save (before a checkpoint's snapshot; step = the step saved),
+//             files, index, rename, latest (the commit of a step, in that order: this
+//             rank's files written; rank 0: the index written, the directory renamed, the
+//             `latest` pointer moved; the points of MOETRAIN_CHECKPOINT_CRASH too)
+//     rank, step, generation: fire only there (RANK, the step, TORCHELASTIC_RESTART_COUNT as
+//             `moetrain launch --max-restarts` sets it); omitted: everywhere.
+//
+// A malformed value is an error naming it, at the first point reached.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+namespace moetrain {
+
+void fault_point(std::string_view point, int64_t step);
+
+}  // namespace moetrain
