@@ -9,11 +9,14 @@
 //   - a preemption notice (SIGTERM) reaching one worker: every worker stops after the same
 //     step with it committed and exits 0; the run started again finishes bitwise as the
 //     fault-free one;
-//   - without --max-restarts a killed worker still brings the job down, naming it.
+//   - without --max-restarts a killed worker still brings the job down, naming it;
+//   - a damaged newest checkpoint (a flipped byte in one rank's file) is reported by name,
+//     moved aside, and the run resumes from the step before it, ending bitwise as without.
 // The faults are fixed, not drawn, so every run of these tests is the same run.
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <fstream>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -51,10 +54,11 @@ class Chaos : public ::testing::Test {
            (dir_ / name);
   }
   // `moetrain launch -n 4 ...` with MOETRAIN_FAULT set to `fault` (none when empty).
-  moetrain::testing::CliResult launch(const std::string& name, const std::string& fault, int max_restarts) {
+  moetrain::testing::CliResult launch(const std::string& name, const std::string& fault, int max_restarts,
+                                      const std::string& extra = "") {
     const std::string env = fault.empty() ? "" : "MOETRAIN_FAULT='" + fault + "' ";
     const std::string cmd = env + moetrain::testing::moetrain_binary() + " launch -n 4 --grace 5 --max-restarts " +
-                            std::to_string(max_restarts) + " " + run_args(name) + " 2>&1";
+                            std::to_string(max_restarts) + " " + run_args(name) + " " + extra + " 2>&1";
     FILE* p = popen(cmd.c_str(), "r");
     std::string out;
     char buf[4096];
@@ -148,6 +152,36 @@ TEST_F(Chaos, WithoutRestartsAKilledWorkerStopsTheJobNamingIt) {
   EXPECT_NE(r.output.find("rank 1"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("SIGKILL"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("restarting"), std::string::npos) << r.output;
+}
+
+TEST_F(Chaos, ADamagedNewestCheckpointIsMovedAsideAndTheStepBeforeResumes) {
+  const auto clean = launch("clean", "", 0);
+  ASSERT_EQ(clean.status, 0) << clean.output;
+  const auto first = launch("damaged", "", 0, "--training.stop_after_steps=5");
+  ASSERT_EQ(first.status, 0) << first.output;
+  // One byte of rank 1's optimizer file of step 5 flipped, in the middle (its tensor data).
+  const std::string step5 = ckpt("damaged") + "/" + Checkpointer::step_dir_name(5);
+  const std::string file = step5 + "/optimizer-r00001.safetensors";
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    ASSERT_TRUE(f.good()) << file;
+    f.seekg(0, std::ios::end);
+    const std::streamoff mid = f.tellg() / 2;
+    f.seekg(mid);
+    char c = 0;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x5a);
+    f.seekp(mid);
+    f.write(&c, 1);
+  }
+  const auto again = launch("damaged", "", 0);
+  ASSERT_EQ(again.status, 0) << again.output;
+  EXPECT_NE(again.output.find("optimizer-r00001.safetensors"), std::string::npos) << again.output;
+  EXPECT_NE(again.output.find("is damaged; moved to"), std::string::npos) << again.output;
+  EXPECT_NE(again.output.find("step 4;"), std::string::npos) << again.output;  // resumed from step 4
+  EXPECT_TRUE(fs::exists(ckpt("damaged") + "/damaged-" + Checkpointer::step_dir_name(5)));
+  expect_every_step_committed_once("damaged");
+  expect_bitwise_same_step("clean", "damaged", kSteps);
 }
 
 }  // namespace

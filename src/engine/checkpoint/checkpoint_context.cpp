@@ -1,6 +1,7 @@
 #include "engine/checkpoint/checkpoint_context.h"
 
 #include <chrono>
+#include <filesystem>
 
 #include "core/log.h"
 #include "engine/ft/fault.h"
@@ -57,11 +58,49 @@ TrainState CheckpointContext::restore() {
     load_slices(reader, buffers);
   };
   const CheckpointConfig& cc = cfg_.checkpoint;
-  if (!resume_from_.empty()) {
+  // The newest committed step first; when it turns out damaged on any rank (a checksum or
+  // size that does not match its index), every rank falls back to the one before, and rank 0
+  // moves the damaged one aside (damaged-step-N: kept, never loaded, never overwritten).
+  std::vector<std::string> candidates;
+  if (cc.resume == "auto") {
+    const auto all = Checkpointer::committed(dir_);
+    for (auto it = all.rbegin(); it != all.rend(); ++it) candidates.push_back(it->second);
+  } else if (!resume_from_.empty()) {
+    candidates.push_back(resume_from_);
+  }
+  Communicator* world = ctx_.par.comms ? ctx_.par.comms->world.get() : nullptr;
+  resume_from_.clear();
+  for (const std::string& candidate : candidates) {
     const auto load_start = Clock::now();
-    CheckpointReader reader(resume_from_);
-    state.read_json(reader.trainer_state(), resume_from_);
-    load(reader, true);
+    std::string damage;
+    uint64_t bytes = 0;
+    try {
+      CheckpointReader reader(candidate);
+      state.read_json(reader.trainer_state(), candidate);
+      load(reader, true);
+      bytes = reader.total_bytes();
+    } catch (const Error& e) {
+      damage = e.what();
+    }
+    std::vector<double> bad{damage.empty() ? 0.0 : 1.0};
+    if (world != nullptr) all_reduce_doubles(*world, bad, ctx_.par.device);
+    if (bad[0] > 0) {
+      if (!damage.empty()) spdlog::error("checkpoint: cannot resume from {}: {}", candidate, damage);
+      MT_CHECK(cc.resume == "auto", "checkpoint {} named by [checkpoint].resume cannot be loaded on {} rank(s){}",
+               candidate, bad[0], damage.empty() ? "" : ": " + damage);
+      if (ctx_.par.rank == 0) {
+        const std::filesystem::path p(candidate);
+        const std::filesystem::path aside = p.parent_path() / ("damaged-" + p.filename().string());
+        std::filesystem::rename(p, aside);
+        spdlog::warn("checkpoint: {} is damaged; moved to {} and resuming from the step before it", candidate,
+                     aside.string());
+      }
+      if (world != nullptr) world->barrier();
+      state = TrainState();
+      state.buffers = ctx_.model->buffers();
+      continue;
+    }
+    resume_from_ = candidate;
     opt.set_steps_taken(state.optimizer_steps);
     MT_CHECK(state.step <= cfg_.training.steps, "checkpoint {} is at step {}, beyond [training].steps = {}",
              resume_from_, state.step, cfg_.training.steps);
@@ -71,10 +110,17 @@ TrainState CheckpointContext::restore() {
                state.step, resume_from_, path);
     }
     const double load_s = seconds_since(load_start);
-    const double mb = static_cast<double>(reader.total_bytes()) / 1e6;
+    const double mb = static_cast<double>(bytes) / 1e6;
     spdlog::info("checkpoint: resumed from {} (step {}; {:.1f} MB read and verified in {:.2f} s, {:.0f} MB/s)",
                  resume_from_, state.step, mb, load_s, mb / std::max(load_s, 1e-9));
-  } else if (!cc.init_from.empty()) {
+    break;
+  }
+  // Weights half loaded from a damaged step are no start: never train from them.
+  MT_CHECK(candidates.empty() || !resume_from_.empty(),
+           "checkpoint: none of the {} committed steps in {} could be loaded (each moved aside as damaged-step-N); "
+           "nothing to resume from",
+           candidates.size(), dir_);
+  if (resume_from_.empty() && !cc.init_from.empty()) {
     CheckpointReader reader(cc.init_from);
     load(reader, false);
     spdlog::info("checkpoint: weights from {}{}", cc.init_from, reader.is_hf() ? " (Hugging Face folder)" : "");
