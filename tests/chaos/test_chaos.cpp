@@ -11,7 +11,10 @@
 //     fault-free one;
 //   - without --max-restarts a killed worker still brings the job down, naming it;
 //   - a damaged newest checkpoint (a flipped byte in one rank's file) is reported by name,
-//     moved aside, and the run resumes from the step before it, ending bitwise as without.
+//     moved aside, and the run resumes from the step before it, ending bitwise as without;
+//   - storage that stalls (one rank's writer held 4 s, background saves): no step waits for
+//     it (the saves due meanwhile are skipped, all ranks alike), the saves resume after it,
+//     and the last one commits.
 // The faults are fixed, not drawn, so every run of these tests is the same run.
 #include <gtest/gtest.h>
 
@@ -182,6 +185,31 @@ TEST_F(Chaos, ADamagedNewestCheckpointIsMovedAsideAndTheStepBeforeResumes) {
   EXPECT_TRUE(fs::exists(ckpt("damaged") + "/damaged-" + Checkpointer::step_dir_name(5)));
   expect_every_step_committed_once("damaged");
   expect_bitwise_same_step("clean", "damaged", kSteps);
+}
+
+TEST_F(Chaos, StalledStorageHoldsNoStepUpAndTheLastSaveCommits) {
+  const std::string async = "--checkpoint.async=true";
+  const auto clean = launch("clean", "", 0, async);
+  ASSERT_EQ(clean.status, 0) << clean.output;
+  const auto r = launch("stalled", "stall=4@files:rank=1:step=2", 0, async);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("fault injected: stall at files (rank 1, step 2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("not saved: the previous save is still being written"), std::string::npos) << r.output;
+  // No step waited for the 4 s stall (a step here takes well under a second).
+  const auto m = moetrain::testing::read_metrics(dir_ / "stalled");
+  ASSERT_EQ(m.size(), static_cast<size_t>(kSteps));
+  for (const auto& row : m) {
+    EXPECT_LT(row["step_time_s"].get<double>() + row.value("checkpoint_stall_s", 0.0), 2.0) << row.dump();
+  }
+  // Step 2 committed once the storage came back, some later ones were skipped, the last is there.
+  const auto committed = Checkpointer::committed(ckpt("stalled"));
+  ASSERT_FALSE(committed.empty());
+  EXPECT_EQ(committed.back().first, kSteps);
+  EXPECT_LT(committed.size(), static_cast<size_t>(kSteps));
+  bool has2 = false;
+  for (const auto& [s, path] : committed) has2 = has2 || s == 2;
+  EXPECT_TRUE(has2);
+  expect_bitwise_same_step("clean", "stalled", kSteps);
 }
 
 }  // namespace

@@ -170,6 +170,19 @@ std::optional<double> CheckpointContext::after_step(const TrainState& state, boo
     return std::nullopt;
   }
   if (!checkpointer_) make_checkpointer();
+  // Slow or stalled storage must not hold training up: while the last save is still being
+  // written on any rank, a regular save is skipped (the ranks agree, so none writes a step
+  // the others do not); the run's last save and a preemption's wait for it.
+  if (!force && !last) {
+    std::vector<double> busy{checkpointer_->busy() ? 1.0 : 0.0};
+    if (ctx_.par.comms) all_reduce_doubles(*ctx_.par.comms->world, busy, ctx_.par.device);
+    if (busy[0] > 0) {
+      spdlog::warn("checkpoint: step {} not saved: the previous save is still being written on {} rank(s) (slow "
+                   "storage?); training goes on",
+                   state.step, busy[0]);
+      return std::nullopt;
+    }
+  }
   ctx_.settle();
   fault_point("save", state.step);
   const SaveStats st = checkpointer_->save(state.step, items(), trainer_state(state));

@@ -266,6 +266,11 @@ Checkpointer::~Checkpointer() {
   if (thread_.joinable()) thread_.join();
 }
 
+bool Checkpointer::busy() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return busy_;
+}
+
 void Checkpointer::wait() {
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [this] { return !busy_; });

@@ -109,6 +109,8 @@ class Checkpointer {
   // Blocks until the last save is done and rethrows its error: on rank 0 until it is
   // committed, on the others until this rank's files are written (the commit is rank 0's).
   void wait();
+  // Whether the last save is still being written (its background writer has not finished).
+  bool busy();
   const std::string& dir() const { return dir_; }
 
   // The committed checkpoint directories under `dir`, oldest first (step-N with an index).
