@@ -305,7 +305,10 @@ LaunchResult launch_workers(const LaunchSpec& spec) {
         result.message = describe_status(w, status);
         failed_at = Clock::now();
         spdlog::error("launch: {}; stopping the other workers", result.message);
-        stop(SIGTERM);
+        // SIGINT, not SIGTERM: a training worker takes SIGTERM as a preemption notice and
+        // would try to finish its step with a dead peer; after a failure the survivors'
+        // state is of no use (the job resumes from its last committed step), so they stop now.
+        stop(SIGINT);
       } else {
         spdlog::debug("launch: {}", describe_status(w, status));
       }

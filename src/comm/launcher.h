@@ -6,7 +6,8 @@
 // stdin from /dev/null, and its own process group. Their output comes back line by line.
 // SIGINT/SIGTERM to the launcher go to every worker (a second one: SIGKILL); when every
 // worker then exits 0 (a training run saves and stops on SIGTERM) the launch succeeds. When a worker
-// exits non-zero or is killed, the others get SIGTERM, then SIGKILL after the grace period;
+// exits non-zero or is killed, the others get SIGINT (SIGTERM is a training worker's
+// preemption notice: finish the step, save, exit), then SIGKILL after the grace period;
 // the result names the first worker that failed and how. Workers die with the launcher
 // (PR_SET_PDEATHSIG), so none outlives a killed launcher.
 //

@@ -18,11 +18,13 @@
 // The faults are fixed, not drawn, so every run of these tests is the same run.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 #include <string>
 
 #include "app/cli_run.h"
@@ -125,6 +127,14 @@ TEST_F(Chaos, KilledWorkersAreRestartedAndTheRunEndsBitwiseAsWithoutFaults) {
   }
   expect_every_step_committed_once("faulty");
   expect_bitwise_same_step("clean", "faulty", kSteps);
+  // The restarts' timings, for scripts/chaos-repeat: the launcher's stop, the loads.
+  std::istringstream lines(r.output);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.find("every worker stopped") != std::string::npos ||
+        (line.find("[rank 0]") != std::string::npos && line.find("resumed from") != std::string::npos)) {
+      std::printf("%s\n", line.c_str());
+    }
+  }
   // The metrics say which generation made each step, and the world size.
   const auto m = moetrain::testing::read_metrics(dir_ / "faulty");
   ASSERT_FALSE(m.empty());

@@ -96,11 +96,12 @@ TEST(CommLauncher, OneKilledWorkerStopsTheOthersQuickly) {
   }
 }
 
-// A worker that ignores SIGTERM gets SIGKILL after the grace period.
-TEST(CommLauncher, WorkersIgnoringSigtermAreKilledAfterTheGrace) {
+// After a failure the others get SIGINT (SIGTERM is a training worker's preemption notice);
+// one that ignores it gets SIGKILL after the grace period.
+TEST(CommLauncher, WorkersIgnoringTheStopSignalAreKilledAfterTheGrace) {
   Output out;
   LaunchSpec spec = shell_workers(
-      2, "if [ \"$RANK\" = 1 ]; then sleep 0.3; exit 3; fi; trap '' TERM; while true; do sleep 0.1; done", out);
+      2, "if [ \"$RANK\" = 1 ]; then sleep 0.3; exit 3; fi; trap '' INT; while true; do sleep 0.1; done", out);
   spec.grace = 1s;
   auto start = Clock::now();
   LaunchResult r = launch_workers(spec);
@@ -126,6 +127,22 @@ TEST(CommLauncher, SigtermToTheLauncherReachesTheWorkers) {
   EXPECT_EQ(r.exit_code, 128 + SIGTERM);
   EXPECT_EQ(r.failed_rank, -1);
   EXPECT_NE(r.message.find("launch got SIGTERM"), std::string::npos) << r.message;
+}
+
+// A preempted job: SIGTERM to the launcher, every worker saves and exits 0: a clean end.
+TEST(CommLauncher, SigtermThatEveryWorkerAnswersWithExit0EndsCleanly) {
+  Output out;
+  LaunchSpec spec = shell_workers(2, "trap 'exit 0' TERM; echo ready; while true; do sleep 0.1; done", out);
+  int ready = 0;
+  auto collect = spec.on_line;
+  spec.on_line = [&](int rank, int stream, const std::string& line) {
+    collect(rank, stream, line);
+    if (line == "ready" && ++ready == 2) ::kill(::getpid(), SIGTERM);
+  };
+  LaunchResult r = launch_workers(spec);
+  EXPECT_TRUE(r.interrupted);
+  EXPECT_EQ(r.exit_code, 0) << r.message;
+  EXPECT_EQ(r.failed_rank, -1);
 }
 
 TEST(CommLauncher, AMissingCommandFailsWithStatus127) {
