@@ -27,6 +27,7 @@ struct LaunchArgs {
   double grace_s = 10;
   int master_port = 0;
   int max_restarts = 0;
+  double heartbeat_timeout_s = 0;
   std::string command;  // the worker's subcommand; its arguments come in remaining()
 };
 
@@ -89,6 +90,7 @@ int run_launch(const LaunchArgs& a, const std::vector<std::string>& worker_args)
   spec.argv.insert(spec.argv.end(), worker_args.begin(), worker_args.end());
   spec.store_parent = a.store_dir;
   spec.grace = std::chrono::milliseconds(static_cast<int64_t>(a.grace_s * 1000));
+  spec.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat_timeout_s * 1000));
   for (int generation = 0;; ++generation) {
     spec.master_port = generation == 0 ? a.master_port : 0;  // a fresh port: the old one may linger
     spec.env = {{"TORCHELASTIC_RESTART_COUNT", std::to_string(generation)},
@@ -178,6 +180,11 @@ std::function<int()> add_launch_commands(CLI::App& app) {
   launch->add_option("--max-restarts", la->max_restarts,
                      "when a worker fails, stop the others and start them all again (resuming from the newest "
                      "committed checkpoint) up to N times")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  launch->add_option("--heartbeat-timeout", la->heartbeat_timeout_s,
+                     "seconds without a training step after which a worker counts as hung and is stopped like a "
+                     "failed one (0: off; set it above a step plus a validation and a save)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   // Everything after the first word of the worker command (or after "--") is the worker's.

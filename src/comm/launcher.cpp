@@ -165,7 +165,7 @@ LaunchResult launch_workers(const LaunchSpec& spec) {
   std::vector<std::string> base_env;
   auto overridden = [&](const std::string& entry) {
     static const char* kOurs[] = {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=", "MASTER_ADDR=",
-                                  "MASTER_PORT=", "MOETRAIN_STORE="};
+                                  "MASTER_PORT=", "MOETRAIN_STORE=", "MOETRAIN_HEARTBEAT="};
     for (const char* k : kOurs) {
       if (entry.rfind(k, 0) == 0) return true;
     }
@@ -200,7 +200,8 @@ LaunchResult launch_workers(const LaunchSpec& spec) {
                         {"LOCAL_WORLD_SIZE", std::to_string(spec.nproc)},
                         {"MASTER_ADDR", spec.master_addr},
                         {"MASTER_PORT", std::to_string(port)},
-                        {"MOETRAIN_STORE", store_dir}}) {
+                        {"MOETRAIN_STORE", store_dir},
+                        {"MOETRAIN_HEARTBEAT", store_dir + "/heartbeat-" + std::to_string(r)}}) {
       env.push_back(k + "=" + v);
     }
     std::vector<char*> envp;
@@ -311,6 +312,26 @@ LaunchResult launch_workers(const LaunchSpec& spec) {
         stop(SIGINT);
       } else {
         spdlog::debug("launch: {}", describe_status(w, status));
+      }
+    }
+    // A rank that stopped beating (hung in a collective, a dead device) fails the launch as
+    // an exit would.
+    if (spec.heartbeat_timeout.count() > 0 && !stopping) {
+      for (Worker& w : ws) {
+        if (!w.running) continue;
+        std::error_code hec;
+        const auto beat = fs::last_write_time(store_dir + "/heartbeat-" + std::to_string(w.rank), hec);
+        if (hec) continue;  // no beat yet: still starting
+        const auto age = fs::file_time_type::clock::now() - beat;
+        if (age < spec.heartbeat_timeout) continue;
+        result.failed_rank = w.rank;
+        result.exit_code = 1;
+        result.message = fmt::format("rank {} (pid {}) sent no heartbeat for {:.1f} s", w.rank, w.pid,
+                                     std::chrono::duration<double>(age).count());
+        failed_at = Clock::now();
+        spdlog::error("launch: {}; stopping every worker", result.message);
+        stop(SIGINT);
+        break;
       }
     }
     if (stopping && !killed && running > 0 && Clock::now() > kill_at) {

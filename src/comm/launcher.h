@@ -11,6 +11,9 @@
 // the result names the first worker that failed and how. Workers die with the launcher
 // (PR_SET_PDEATHSIG), so none outlives a killed launcher.
 //
+// Each worker also gets MOETRAIN_HEARTBEAT, a file in the store directory it may touch to
+// say it is alive (see LaunchSpec::heartbeat_timeout).
+//
 // One launch at a time per process (it owns SIGINT/SIGTERM while it runs).
 #pragma once
 
@@ -30,6 +33,10 @@ struct LaunchSpec {
   std::string master_addr = "127.0.0.1";
   int master_port = 0;            // 0: a free port
   std::chrono::milliseconds grace{std::chrono::seconds(10)};  // SIGTERM -> SIGKILL
+  // > 0: a worker whose heartbeat file (MOETRAIN_HEARTBEAT, which the training loop touches
+  // at every step) has not been touched for this long, once it has been touched at all,
+  // counts as failed: a hung rank is stopped like a dead one.
+  std::chrono::milliseconds heartbeat_timeout{0};
   // Each complete line a worker writes (without its newline); stream 1 = stdout, 2 = stderr.
   // Default: the line, prefixed "[rank R] ", on this process's stdout or stderr.
   std::function<void(int rank, int stream, const std::string& line)> on_line;

@@ -17,6 +17,7 @@
 #include "engine/data/data_context.h"
 #include "engine/data/loader.h"
 #include "engine/ft/fault.h"
+#include "engine/ft/heartbeat.h"
 #include "engine/ft/preemption.h"
 #include "engine/models/model.h"
 #include "engine/optim/adamw.h"
@@ -483,6 +484,7 @@ TrainSummary train(const RunConfig& cfg_in) {
   RunLog log(cfg, *ctx, start_step, end_step);
   StepHooks hooks;  // where fault tolerance plugs in (train_state.h): empty, so every step commits
   const PreemptionWatch preemption;  // SIGTERM / SIGUSR1: save and stop after the step (ft/preemption.h)
+  Heartbeat heartbeat;               // for `moetrain launch --heartbeat-timeout` (ft/heartbeat.h)
   Communicator* world = ctx->par.comms ? ctx->par.comms->world.get() : nullptr;
   bool preempted = false;
 
@@ -494,6 +496,7 @@ TrainSummary train(const RunConfig& cfg_in) {
   while (state.step < end_step) {
     if (hooks.before_step) hooks.before_step(state);
     fault_point("step_begin", state.step + 1);
+    heartbeat.beat();
     const auto t0 = Clock::now();
     const std::vector<Batch> batches = next_batches(*data.train, tc, ctx->par.device);
     const double lr = schedule.at(state.step);

@@ -12,12 +12,15 @@
 //   - without --max-restarts a killed worker still brings the job down, naming it;
 //   - a damaged newest checkpoint (a flipped byte in one rank's file) is reported by name,
 //     moved aside, and the run resumes from the step before it, ending bitwise as without;
+//   - a worker that hangs (sleeps 60 s as a step begins): `--heartbeat-timeout` finds it by
+//     its stale heartbeat, names it, stops every worker and restarts; the run ends bitwise;
 //   - storage that stalls (one rank's writer held 4 s, background saves): no step waits for
 //     it (the saves due meanwhile are skipped, all ranks alike), the saves resume after it,
 //     and the last one commits.
 // The faults are fixed, not drawn, so every run of these tests is the same run.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -60,10 +63,11 @@ class Chaos : public ::testing::Test {
   }
   // `moetrain launch -n 4 ...` with MOETRAIN_FAULT set to `fault` (none when empty).
   moetrain::testing::CliResult launch(const std::string& name, const std::string& fault, int max_restarts,
-                                      const std::string& extra = "") {
+                                      const std::string& extra = "", const std::string& launch_extra = "") {
     const std::string env = fault.empty() ? "" : "MOETRAIN_FAULT='" + fault + "' ";
     const std::string cmd = env + moetrain::testing::moetrain_binary() + " launch -n 4 --grace 5 --max-restarts " +
-                            std::to_string(max_restarts) + " " + run_args(name) + " " + extra + " 2>&1";
+                            std::to_string(max_restarts) + " " + launch_extra + " " + run_args(name) + " " + extra +
+                            " 2>&1";
     FILE* p = popen(cmd.c_str(), "r");
     std::string out;
     char buf[4096];
@@ -195,6 +199,20 @@ TEST_F(Chaos, ADamagedNewestCheckpointIsMovedAsideAndTheStepBeforeResumes) {
   EXPECT_TRUE(fs::exists(ckpt("damaged") + "/damaged-" + Checkpointer::step_dir_name(5)));
   expect_every_step_committed_once("damaged");
   expect_bitwise_same_step("clean", "damaged", kSteps);
+}
+
+TEST_F(Chaos, AHungWorkerIsFoundByItsHeartbeatAndTheJobRestarts) {
+  const auto clean = launch("clean", "", 0);
+  ASSERT_EQ(clean.status, 0) << clean.output;
+  const auto start = std::chrono::steady_clock::now();
+  const auto r = launch("hung", "stall=60@step_begin:rank=1:step=4:generation=0", 1, "", "--heartbeat-timeout 3");
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("rank 1 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("sent no heartbeat for"), std::string::npos) << r.output;
+  EXPECT_LT(took, 40.0) << "the hung worker's 60 s were waited out";
+  expect_every_step_committed_once("hung");
+  expect_bitwise_same_step("clean", "hung", kSteps);
 }
 
 TEST_F(Chaos, StalledStorageHoldsNoStepUpAndTheLastSaveCommits) {
