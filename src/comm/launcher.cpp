@@ -316,22 +316,29 @@ LaunchResult launch_workers(const LaunchSpec& spec) {
     }
     // A rank that stopped beating (hung in a collective, a dead device) fails the launch as
     // an exit would.
+    // The stalest is named: the ranks waiting for a hung one in a collective stop beating too.
     if (spec.heartbeat_timeout.count() > 0 && !stopping) {
-      for (Worker& w : ws) {
+      const Worker* stalest = nullptr;
+      fs::file_time_type::duration oldest{};
+      for (const Worker& w : ws) {
         if (!w.running) continue;
         std::error_code hec;
         const auto beat = fs::last_write_time(store_dir + "/heartbeat-" + std::to_string(w.rank), hec);
         if (hec) continue;  // no beat yet: still starting
         const auto age = fs::file_time_type::clock::now() - beat;
-        if (age < spec.heartbeat_timeout) continue;
-        result.failed_rank = w.rank;
+        if (age >= spec.heartbeat_timeout && (stalest == nullptr || age > oldest)) {
+          stalest = &w;
+          oldest = age;
+        }
+      }
+      if (stalest != nullptr) {
+        result.failed_rank = stalest->rank;
         result.exit_code = 1;
-        result.message = fmt::format("rank {} (pid {}) sent no heartbeat for {:.1f} s", w.rank, w.pid,
-                                     std::chrono::duration<double>(age).count());
+        result.message = fmt::format("rank {} (pid {}) sent no heartbeat for {:.1f} s", stalest->rank, stalest->pid,
+                                     std::chrono::duration<double>(oldest).count());
         failed_at = Clock::now();
         spdlog::error("launch: {}; stopping every worker", result.message);
         stop(SIGINT);
-        break;
       }
     }
     if (stopping && !killed && running > 0 && Clock::now() > kill_at) {
