@@ -34,11 +34,6 @@ void on_signal(int sig) {
   errno = saved;
 }
 
-std::string signal_name(int sig) {
-  const char* abbrev = sigabbrev_np(sig);
-  return abbrev ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
-}
-
 struct Worker {
   int rank = 0;
   pid_t pid = -1;

@@ -6,4 +6,6 @@
 namespace moetrain {
 // Sets the format ("[time] level message") and the level ("info", "debug", ...).
 void init_logging(const std::string& level = "info");
+// "SIGTERM", "SIGKILL", ... for log lines ("signal N" when the system has no name for it).
+std::string signal_name(int sig);
 }  // namespace moetrain

@@ -360,9 +360,7 @@ std::string end_of_run_sample(const RunConfig& cfg, TrainContext& ctx, const Tok
 // "SIGTERM", "SIGUSR1", or "the signal" when another rank got it.
 std::string signal_name_of(const PreemptionWatch& w) {
   const int sig = w.signal_received();
-  if (sig == 0) return "the signal";
-  const char* abbrev = sigabbrev_np(sig);
-  return abbrev ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
+  return sig == 0 ? "the signal" : signal_name(sig);
 }
 
 // The step's micro-batches, on the model's device.
