@@ -151,4 +151,12 @@ std::unique_ptr<P2pRequest> Communicator::irecv(Tensor& t, int peer, uint32_t, c
   return std::make_unique<DoneRequest>();
 }
 
+void all_reduce_doubles(Communicator& group, std::vector<double>& values, Device device, ReduceOp op) {
+  if (values.empty() || group.size() == 1) return;
+  Tensor t = Tensor::from_vector(values, {static_cast<int64_t>(values.size())});
+  if (group.backend() != "gloo" && !device.is_cpu()) t = t.to(device);
+  group.all_reduce(t, op);
+  values = t.to_double_vector();
+}
+
 }  // namespace moetrain

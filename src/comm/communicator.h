@@ -130,4 +130,10 @@ class Communicator {
 struct LaunchEnv;
 CommOptions default_comm_options(const LaunchEnv& env);
 
+// Sums (or takes the max of) a few doubles over `group`, in place, on the device its backend
+// reads (`device` for NCCL, the host for Gloo): the small all-reduces of losses, counts and
+// flags.
+void all_reduce_doubles(Communicator& group, std::vector<double>& values, Device device,
+                        ReduceOp op = ReduceOp::Sum);
+
 }  // namespace moetrain

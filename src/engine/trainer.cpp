@@ -282,10 +282,8 @@ namespace {
 void sum_then_max(Communicator& group, ReplicaBridge* bridge, std::vector<double>& sums, double& max_value,
                   Device device) {
   sum_over_data(&group, bridge, sums, device);
-  Tensor m = Tensor::full({1}, max_value, DType::F64);
-  if (group.backend() != "gloo" && !device.is_cpu()) m = m.to(device);
-  group.all_reduce(m, ReduceOp::Max);
-  std::vector<double> most{m.item()};
+  std::vector<double> most{max_value};
+  all_reduce_doubles(group, most, device, ReduceOp::Max);
   if (bridge != nullptr) bridge->all_reduce_doubles(most, device, ReduceOp::Max);
   max_value = most[0];
 }

@@ -2,7 +2,6 @@
 
 #include <vector>
 
-#include "engine/parallel/fsdp.h"
 
 namespace moetrain {
 namespace {

@@ -9,14 +9,6 @@
 
 namespace moetrain {
 
-void all_reduce_doubles(Communicator& group, std::vector<double>& values, Device device) {
-  if (values.empty() || group.size() == 1) return;
-  Tensor t = Tensor::from_vector(values, {static_cast<int64_t>(values.size())});
-  if (group.backend() != "gloo" && !device.is_cpu()) t = t.to(device);
-  group.all_reduce(t);
-  values = t.to_double_vector();
-}
-
 FsdpContext::FsdpContext(Model& model, Communicator& dense_group, Communicator& expert_group,
                          Communicator& replica_world, AdamWConfig adamw, bool shard_weights, ReplicaBridge* bridge)
     : model_(model),

@@ -117,7 +117,4 @@ class FsdpContext final : public WeightHooks {
   AdamW opt_;
 };
 
-// Sums a few doubles over `group` (on the device its backend needs), in place.
-void all_reduce_doubles(Communicator& group, std::vector<double>& values, Device device);
-
 }  // namespace moetrain

@@ -1,6 +1,5 @@
 #include "engine/parallel/replica_bridge.h"
 
-#include "engine/parallel/fsdp.h"
 
 namespace moetrain {
 
@@ -13,11 +12,7 @@ void ReplicaBridge::all_reduce(Tensor& t, ReduceOp op) {
 }
 
 void ReplicaBridge::all_reduce_doubles(std::vector<double>& values, Device device, ReduceOp op) {
-  if (!comm_ || values.empty()) return;
-  Tensor t = Tensor::from_vector(values, {static_cast<int64_t>(values.size())});
-  if (comm_->backend() != "gloo" && !device.is_cpu()) t = t.to(device);
-  comm_->all_reduce(t, op);
-  values = t.to_double_vector();
+  if (comm_) moetrain::all_reduce_doubles(*comm_, values, device, op);
 }
 
 void sum_over_data(Communicator* group, ReplicaBridge* bridge, std::vector<double>& values, Device device) {
