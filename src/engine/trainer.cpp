@@ -11,6 +11,7 @@
 #include "core/allocator.h"
 #include "core/cuda_runtime.h"
 #include "core/log.h"
+#include "core/timer.h"
 #include "core/rng.h"
 #include "engine/checkpoint/checkpoint_context.h"
 #include "engine/checkpoint/checkpointer.h"
@@ -38,8 +39,7 @@
 namespace moetrain {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+using Clock = SteadyClock;
 
 // The batch with its tensors on `device`.
 Batch on_device(Batch b, Device device) {

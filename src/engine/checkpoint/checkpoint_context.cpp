@@ -4,16 +4,10 @@
 #include <filesystem>
 
 #include "core/log.h"
+#include "core/timer.h"
 #include "engine/ft/fault.h"
 
 namespace moetrain {
-
-namespace {
-
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-}  // namespace
 
 CheckpointContext::CheckpointContext(const RunConfig& cfg, TrainContext& ctx)
     : cfg_(cfg), ctx_(ctx), dir_(cfg.checkpoint.resolved_dir(cfg.metrics.dir)) {
@@ -37,8 +31,12 @@ CheckpointItems CheckpointContext::items() {
 }
 
 TrainState CheckpointContext::restore() {
-  TrainState state;
-  state.buffers = ctx_.model->buffers();
+  auto fresh = [&] {  // step 0, with the model's buffers as the state's live views
+    TrainState s;
+    s.buffers = ctx_.model->buffers();
+    return s;
+  };
+  TrainState state = fresh();
   FsdpContext* fsdp = ctx_.fsdp.get();
   ParameterList& params = ctx_.model->parameters();
   AdamW& opt = ctx_.optimizer();
@@ -71,7 +69,7 @@ TrainState CheckpointContext::restore() {
   Communicator* world = ctx_.par.comms ? ctx_.par.comms->world.get() : nullptr;
   resume_from_.clear();
   for (const std::string& candidate : candidates) {
-    const auto load_start = Clock::now();
+    const auto load_start = SteadyClock::now();
     std::string damage;
     uint64_t bytes = 0;
     try {
@@ -96,8 +94,7 @@ TrainState CheckpointContext::restore() {
                      aside.string());
       }
       if (world != nullptr) world->barrier();
-      state = TrainState();
-      state.buffers = ctx_.model->buffers();
+      state = fresh();
       continue;
     }
     resume_from_ = candidate;
@@ -131,7 +128,7 @@ TrainState CheckpointContext::restore() {
 
 void CheckpointContext::make_checkpointer() {
   const CheckpointConfig& cc = cfg_.checkpoint;
-  const auto t0 = Clock::now();
+  const auto t0 = SteadyClock::now();
   checkpointer_ = std::make_unique<Checkpointer>(dir_, cc.keep, cc.async, ctx_.par.rank, ctx_.par.world);
   checkpointer_->prepare(items());
   const std::string when = cc.every > 0   ? fmt::format("every {} steps{}", cc.every, cc.save_final ? " and at the end" : "")

@@ -12,6 +12,7 @@
 
 #include "core/cuda_runtime.h"
 #include "core/log.h"
+#include "core/timer.h"
 #include "engine/ft/fault.h"
 #include "ops/ops.h"
 #include <fmt/ranges.h>
@@ -20,8 +21,7 @@ namespace moetrain {
 namespace fs = std::filesystem;
 namespace {
 
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+using Clock = SteadyClock;
 
 void fsync_dir(const fs::path& dir) {
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);

@@ -3,10 +3,10 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "engine/models/hf_config.h"
 #include "engine/models/model.h"
 #include "engine/models/model_config.h"
 #include "engine/models/qwen3_moe.h"
@@ -28,15 +28,9 @@ std::unique_ptr<ModelConfig> make_model_config(const std::string& model_type, co
 }
 
 std::string hf_model_type(const std::string& path) {
-  std::ifstream in(path);
-  MT_CHECK(in.good(), "HF config '{}' cannot be opened (does it exist?)", path);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
-    MT_THROW("{}: invalid JSON: {}", path, e.what());
-  }
-  MT_CHECK(j.is_object() && j.contains("model_type") && j["model_type"].is_string(),
+  const HfConfigReader r(path);  // opens and parses, errors naming the file
+  const nlohmann::json& j = r.json();
+  MT_CHECK(j.contains("model_type") && j["model_type"].is_string(),
            "{}: no \"model_type\" string; a Hugging Face config names its family there (one of {})", path,
            fmt::join(model_families(), ", "));
   return j["model_type"].get<std::string>();
