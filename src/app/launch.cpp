@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <csignal>
 #include <chrono>
 #include <functional>
 #include <filesystem>
@@ -10,11 +11,13 @@
 #include <string>
 #include <vector>
 
+#include "comm/elastic_agent.h"
 #include "comm/gloo_communicator.h"
 #include "comm/launch_env.h"
 #include "comm/launcher.h"
 #include "comm/nccl_communicator.h"
 #include "comm/store.h"
+#include "comm/tcp_store.h"
 #include "core/error.h"
 #include "core/log.h"
 
@@ -23,6 +26,14 @@ namespace {
 
 struct LaunchArgs {
   int nproc = 0;
+  // Many nodes (an elastic agent per node): torchrun's options.
+  std::string nnodes = "1";         // N or MIN:MAX
+  std::string rdzv_backend = "c10d";
+  std::string rdzv_endpoint;        // host:port; empty: one node, no agents
+  std::string rdzv_id = "none";
+  std::string rdzv_conf;            // key=value,...: join_timeout, last_call_timeout, keep_alive_timeout, journal
+  double monitor_interval_s = 0.1;
+  std::string local_addr;
   std::string store_dir;
   double grace_s = 10;
   int master_port = 0;
@@ -77,6 +88,68 @@ void time_collectives(Communicator& world, Device dev, double mb) {
   }
 }
 
+// "4" -> (4, 4); "2:4" -> (2, 4).
+std::pair<int, int> parse_nnodes(const std::string& text) {
+  auto number = [&](const std::string& t) {
+    size_t used = 0;
+    int v = -1;
+    try {
+      v = std::stoi(t, &used);
+    } catch (const std::exception&) {
+    }
+    MT_CHECK(v >= 1 && used == t.size(), "launch: --nnodes '{}' is not N or MIN:MAX (positive integers)", text);
+    return v;
+  };
+  const size_t colon = text.find(':');
+  if (colon == std::string::npos) return {number(text), number(text)};
+  const int lo = number(text.substr(0, colon)), hi = number(text.substr(colon + 1));
+  MT_CHECK(lo <= hi, "launch: --nnodes {}: MIN is above MAX", text);
+  return {lo, hi};
+}
+
+// --rdzv-conf "join_timeout=600,last_call_timeout=30,keep_alive_timeout=30,journal=FILE".
+RendezvousConfig rendezvous_config(const LaunchArgs& a, int min_nodes, int max_nodes) {
+  RendezvousConfig c;
+  c.backend = a.rdzv_backend;
+  c.endpoint = a.rdzv_endpoint;
+  c.run_id = a.rdzv_id;
+  c.min_nodes = min_nodes;
+  c.max_nodes = max_nodes;
+  c.poll = std::chrono::milliseconds(std::max<int64_t>(10, static_cast<int64_t>(a.monitor_interval_s * 1000)));
+  std::string rest = a.rdzv_conf;
+  while (!rest.empty()) {
+    const size_t comma = rest.find(',');
+    const std::string item = rest.substr(0, comma);
+    rest = comma == std::string::npos ? "" : rest.substr(comma + 1);
+    const size_t eq = item.find('=');
+    MT_CHECK(eq != std::string::npos, "launch: --rdzv-conf item '{}' is not KEY=VALUE", item);
+    const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
+    if (key == "journal") {
+      c.journal = value;
+      continue;
+    }
+    double seconds = -1;
+    try {
+      seconds = std::stod(value);
+    } catch (const std::exception&) {
+    }
+    MT_CHECK(seconds >= 0, "launch: --rdzv-conf {}={}: not a number of seconds", key, value);
+    const auto ms = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+    if (key == "join_timeout") {
+      c.join_timeout = ms;
+    } else if (key == "last_call_timeout") {
+      c.last_call = ms;
+    } else if (key == "keep_alive_timeout") {
+      c.keep_alive_timeout = ms;
+    } else {
+      MT_THROW("launch: --rdzv-conf key '{}' is not one of join_timeout, last_call_timeout, keep_alive_timeout, "
+               "journal",
+               key);
+    }
+  }
+  return c;
+}
+
 // Runs the workers; when one fails (not when the launcher itself is stopped), stops the
 // others and starts them all again, up to max_restarts times, each time as a new restart
 // generation with a fresh rendezvous: the workers resume from the newest committed
@@ -91,13 +164,26 @@ int run_launch(const LaunchArgs& a, const std::vector<std::string>& worker_args)
   spec.store_parent = a.store_dir;
   spec.grace = std::chrono::milliseconds(static_cast<int64_t>(a.grace_s * 1000));
   spec.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat_timeout_s * 1000));
+  spec.monitor_interval = std::chrono::milliseconds(static_cast<int64_t>(a.monitor_interval_s * 1000));
+  const auto [min_nodes, max_nodes] = parse_nnodes(a.nnodes);
+  if (!a.rdzv_endpoint.empty()) {
+    ElasticConfig ec;
+    ec.rendezvous = rendezvous_config(a, min_nodes, max_nodes);
+    ec.max_restarts = a.max_restarts;
+    ec.local_addr = a.local_addr;
+    return run_elastic_agent(ec, spec);
+  }
+  MT_CHECK(max_nodes == 1, "launch: --nnodes {} needs --rdzv-endpoint HOST:PORT where the nodes' agents meet", a.nnodes);
+  double failure_at = 0;  // of the failure that ended the previous generation
   for (int generation = 0;; ++generation) {
     spec.master_port = generation == 0 ? a.master_port : 0;  // a fresh port: the old one may linger
     spec.env = {{"TORCHELASTIC_RESTART_COUNT", std::to_string(generation)},
-                {"TORCHELASTIC_MAX_RESTARTS", std::to_string(a.max_restarts)}};
+                {"TORCHELASTIC_MAX_RESTARTS", std::to_string(a.max_restarts)},
+                {"MOETRAIN_FAILURE_AT", fmt::format("{:.6f}", failure_at)}};
     const auto started = std::chrono::steady_clock::now();
     LaunchResult r = launch_workers(spec);
     if (r.exit_code == 0) return 0;
+    failure_at = r.failed_at;
     const double ran_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     if (r.interrupted || generation >= a.max_restarts) {
       const std::string why = r.interrupted || a.max_restarts == 0
@@ -111,6 +197,23 @@ int run_launch(const LaunchArgs& a, const std::vector<std::string>& worker_args)
                  "(restart {} of at most {}, generation {})",
                  r.message, ran_s, r.stop_s, generation + 1, a.max_restarts, generation + 1);
   }
+}
+
+// Serves the store until SIGINT or SIGTERM.
+int run_rdzv_server(int port, const std::string& journal) {
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGINT);
+  sigaddset(&stop, SIGTERM);
+  ::pthread_sigmask(SIG_BLOCK, &stop, nullptr);  // before the server's thread starts: it inherits the mask
+  TcpStoreServer s(port, journal);
+  std::printf("rdzv-server: serving the TCP store on port %d (%zu keys%s)\n", s.port(), s.keys(),
+              journal.empty() ? "" : (", journal " + journal).c_str());
+  std::fflush(stdout);
+  int sig = 0;
+  ::sigwait(&stop, &sig);
+  std::printf("rdzv-server: stopped by %s\n", signal_name(sig).c_str());
+  return 0;
 }
 
 // Every collective once, on values whose result is known, then a barrier.
@@ -172,7 +275,27 @@ int run_selftest(const SelftestArgs& a) {
 std::function<int()> add_launch_commands(CLI::App& app) {
   auto la = std::make_shared<LaunchArgs>();
   CLI::App* launch = app.add_subcommand("launch", "run N workers of a moetrain command on this machine");
-  launch->add_option("-n,--nproc", la->nproc, "number of workers (ranks)")->required()->check(CLI::PositiveNumber);
+  launch->add_option("-n,--nproc,--nproc-per-node", la->nproc, "number of workers (ranks) on this node")
+      ->required()
+      ->check(CLI::PositiveNumber);
+  launch->add_option("--nnodes", la->nnodes,
+                     "nodes in the job: N, or MIN:MAX for an elastic job that goes on with at least MIN when nodes "
+                     "are lost (needs --rdzv-endpoint)")
+      ->capture_default_str();
+  launch->add_option("--rdzv-endpoint", la->rdzv_endpoint,
+                     "HOST:PORT where every node's agent meets (c10d: the TCP store, served by the agent on HOST "
+                     "or by `moetrain rdzv-server`; etcd: its client URL)");
+  launch->add_option("--rdzv-backend", la->rdzv_backend, "c10d (the TCP store) or etcd")->capture_default_str();
+  launch->add_option("--rdzv-id", la->rdzv_id, "the job's id: its keys in the store (use the scheduler's job id)")
+      ->capture_default_str();
+  launch->add_option("--rdzv-conf", la->rdzv_conf,
+                     "KEY=VALUE,...: join_timeout, last_call_timeout, keep_alive_timeout (seconds), journal (a file "
+                     "for the TCP store this agent serves)");
+  launch->add_option("--monitor-interval", la->monitor_interval_s,
+                     "seconds between the agent's checks of the round (another node's failure) while workers run")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  launch->add_option("--local-addr", la->local_addr, "address the other nodes reach this one at (default: hostname)");
   launch->add_option("--store-dir", la->store_dir, "where the fresh rendezvous directory is made (default: the temp dir)");
   launch->add_option("--grace", la->grace_s, "seconds between SIGTERM and SIGKILL when stopping workers")
       ->capture_default_str();
@@ -194,6 +317,13 @@ std::function<int()> add_launch_commands(CLI::App& app) {
                  "Each worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and "
                  "MOETRAIN_STORE; when one fails, the others are stopped.");
 
+  auto server_port = std::make_shared<int>(0);
+  auto server_journal = std::make_shared<std::string>();
+  CLI::App* server = app.add_subcommand("rdzv-server", "serve the TCP rendezvous store on its own (elastic jobs)");
+  server->add_option("--port", *server_port, "port to listen on, all interfaces")->required();
+  server->add_option("--journal", *server_journal,
+                     "keep every key in this file too: a server restarted on it comes back with them");
+
   auto sa = std::make_shared<SelftestArgs>();
   CLI::App* selftest = app.add_subcommand("comm-selftest", "check rendezvous and collectives across the ranks");
   selftest->group("");  // hidden: a diagnostic, and the launcher tests' worker
@@ -202,7 +332,8 @@ std::function<int()> add_launch_commands(CLI::App& app) {
   selftest->add_option("--bandwidth", sa->bandwidth_mb,
                        "also time all-to-all-v, all-reduce and all-gather on this many MB (bf16) per rank");
 
-  return [launch, selftest, la, sa]() -> int {
+  return [launch, selftest, server, server_port, server_journal, la, sa]() -> int {
+    if (server->parsed()) return run_rdzv_server(*server_port, *server_journal);
     if (launch->parsed()) {
       // CLI11 keeps a "--" before the command among the remaining arguments: not the worker's.
       std::vector<std::string> rest = launch->remaining();

@@ -177,6 +177,13 @@ LaunchEnv LaunchEnv::parse(const Lookup& lookup) {
   } else if (r.has("SLURM_RESTART_COUNT")) {
     e.restart_generation = parse_int("SLURM_RESTART_COUNT", r.text("SLURM_RESTART_COUNT"), 0, INT32_MAX);
   }
+  if (r.has("MOETRAIN_FAILURE_AT")) {
+    const std::string t = r.text("MOETRAIN_FAILURE_AT");
+    char* end = nullptr;
+    e.failure_at = std::strtod(t.c_str(), &end);
+    MT_CHECK(end != t.c_str() && *end == '\0' && e.failure_at >= 0,
+             "MOETRAIN_FAILURE_AT='{}' is not a time in seconds since the epoch", t);
+  }
   std::vector<std::string> id{e.launcher};
   for (const std::string& p : run_parts) {
     if (!p.empty()) id.push_back(sanitize(p));

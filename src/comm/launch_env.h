@@ -33,6 +33,9 @@ struct LaunchEnv {
   // How many times the job was restarted before this start (TORCHELASTIC_RESTART_COUNT,
   // set by torchrun and by `moetrain launch --max-restarts`; SLURM_RESTART_COUNT).
   int restart_generation = 0;
+  // When the failure that ended the previous generation happened (seconds since the epoch;
+  // MOETRAIN_FAILURE_AT, set by `moetrain launch`); 0 when unknown or none.
+  double failure_at = 0;
 
   bool single_node() const { return local_world_size == world_size; }
   std::string str() const;  // "rank 3 of 8 (local 3 of 4, torchrun)"

@@ -35,7 +35,8 @@ void on_signal(int sig) {
 }
 
 struct Worker {
-  int rank = 0;
+  int rank = 0;   // global
+  int local = 0;  // index on this machine
   pid_t pid = -1;
   int fd[3] = {-1, -1, -1};  // [1] stdout, [2] stderr read ends; -1 once closed
   std::string partial[3];
@@ -159,8 +160,9 @@ LaunchResult launch_workers(const LaunchSpec& spec) {
   // async-signal-safe calls.
   std::vector<std::string> base_env;
   auto overridden = [&](const std::string& entry) {
-    static const char* kOurs[] = {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=", "MASTER_ADDR=",
-                                  "MASTER_PORT=", "MOETRAIN_STORE=", "MOETRAIN_HEARTBEAT="};
+    static const char* kOurs[] = {"RANK=",        "WORLD_SIZE=",  "LOCAL_RANK=",     "LOCAL_WORLD_SIZE=",
+                                  "GROUP_RANK=",  "MASTER_ADDR=", "MASTER_PORT=",    "MOETRAIN_STORE=",
+                                  "MOETRAIN_HEARTBEAT="};
     for (const char* k : kOurs) {
       if (entry.rfind(k, 0) == 0) return true;
     }
@@ -183,19 +185,24 @@ LaunchResult launch_workers(const LaunchSpec& spec) {
   SignalScope signals(wake[1]);
   const pid_t launcher = ::getpid();
 
+  const int world = spec.world_size > 0 ? spec.world_size : spec.nproc;
+  MT_CHECK(spec.rank_offset >= 0 && spec.rank_offset + spec.nproc <= world,
+           "launch: ranks {}..{} do not fit a world of {}", spec.rank_offset, spec.rank_offset + spec.nproc - 1, world);
   std::vector<Worker> ws(spec.nproc);
   LaunchResult result;
   for (int r = 0; r < spec.nproc; ++r) {
     Worker& w = ws[r];
-    w.rank = r;
+    w.rank = spec.rank_offset + r;
+    w.local = r;
     std::vector<std::string> env = base_env;
-    for (auto [k, v] : {std::pair<std::string, std::string>{"RANK", std::to_string(r)},
-                        {"WORLD_SIZE", std::to_string(spec.nproc)},
+    for (auto [k, v] : {std::pair<std::string, std::string>{"RANK", std::to_string(w.rank)},
+                        {"WORLD_SIZE", std::to_string(world)},
                         {"LOCAL_RANK", std::to_string(r)},
                         {"LOCAL_WORLD_SIZE", std::to_string(spec.nproc)},
+                        {"GROUP_RANK", std::to_string(spec.node_rank)},
                         {"MASTER_ADDR", spec.master_addr},
                         {"MASTER_PORT", std::to_string(port)},
-                        {"MOETRAIN_STORE", store_dir},
+                        {"MOETRAIN_STORE", spec.worker_store.empty() ? store_dir : spec.worker_store},
                         {"MOETRAIN_HEARTBEAT", store_dir + "/heartbeat-" + std::to_string(r)}}) {
       env.push_back(k + "=" + v);
     }
@@ -239,7 +246,9 @@ LaunchResult launch_workers(const LaunchSpec& spec) {
     w.running = true;
   }
   if (devnull >= 0) ::close(devnull);
-  spdlog::info("launch: {} workers of '{}' (store {}, MASTER_PORT {})", spec.nproc, spec.argv[0], store_dir, port);
+  spdlog::info("launch: {} workers of '{}' (ranks {}..{} of {}, store {}, MASTER_PORT {})", spec.nproc, spec.argv[0],
+               spec.rank_offset, spec.rank_offset + spec.nproc - 1, world,
+               spec.worker_store.empty() ? store_dir : spec.worker_store, port);
 
   bool stopping = false, killed = false;
   Clock::time_point kill_at;
@@ -253,14 +262,19 @@ LaunchResult launch_workers(const LaunchSpec& spec) {
   int running = spec.nproc, exited_clean = 0;
   std::optional<Clock::time_point> failed_at;
   std::optional<Clock::time_point> drain_until;
+  Clock::time_point next_monitor = Clock::now() + spec.monitor_interval;
+  auto mark_failed = [&] {
+    failed_at = Clock::now();
+    result.failed_at = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  };
   while (true) {
     std::vector<pollfd> fds{{wake[0], POLLIN, 0}};
-    std::vector<std::pair<int, int>> who;  // (worker, stream) of fds[i + 1]
+    std::vector<std::pair<int, int>> who;  // (worker's local index, stream) of fds[i + 1]
     for (Worker& w : ws) {
       for (int s : {1, 2}) {
         if (w.fd[s] >= 0) {
           fds.push_back({w.fd[s], POLLIN, 0});
-          who.emplace_back(w.rank, s);
+          who.emplace_back(w.local, s);
         }
       }
     }
@@ -299,7 +313,7 @@ LaunchResult launch_workers(const LaunchSpec& spec) {
         result.failed_rank = w.rank;
         result.exit_code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
         result.message = describe_status(w, status);
-        failed_at = Clock::now();
+        mark_failed();
         spdlog::error("launch: {}; stopping the other workers", result.message);
         // SIGINT, not SIGTERM: a training worker takes SIGTERM as a preemption notice and
         // would try to finish its step with a dead peer; after a failure the survivors'
@@ -318,7 +332,7 @@ LaunchResult launch_workers(const LaunchSpec& spec) {
       for (const Worker& w : ws) {
         if (!w.running) continue;
         std::error_code hec;
-        const auto beat = fs::last_write_time(store_dir + "/heartbeat-" + std::to_string(w.rank), hec);
+        const auto beat = fs::last_write_time(store_dir + "/heartbeat-" + std::to_string(w.local), hec);
         if (hec) continue;  // no beat yet: still starting
         const auto age = fs::file_time_type::clock::now() - beat;
         if (age >= spec.heartbeat_timeout && (stalest == nullptr || age > oldest)) {
@@ -331,8 +345,19 @@ LaunchResult launch_workers(const LaunchSpec& spec) {
         result.exit_code = 1;
         result.message = fmt::format("rank {} (pid {}) sent no heartbeat for {:.1f} s", stalest->rank, stalest->pid,
                                      std::chrono::duration<double>(oldest).count());
-        failed_at = Clock::now();
+        mark_failed();
         spdlog::error("launch: {}; stopping every worker", result.message);
+        stop(SIGINT);
+      }
+    }
+    if (spec.monitor && !stopping && running > 0 && Clock::now() >= next_monitor) {
+      next_monitor = Clock::now() + spec.monitor_interval;
+      if (std::optional<std::string> why = spec.monitor()) {
+        result.stopped_by_monitor = true;
+        result.exit_code = 1;
+        result.message = *why;
+        mark_failed();
+        spdlog::error("launch: {}; stopping this node's workers", *why);
         stop(SIGINT);
       }
     }

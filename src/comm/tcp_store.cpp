@@ -9,16 +9,23 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <thread>
 
 #include "core/error.h"
+#include "core/log.h"
 
 // Wire format, one request at a time per connection (integers in host byte order: every
 // machine of a job shares one architecture):
 //   set: 'S' u32 key_len key u32 value_len value  ->  'K' (stored) or 'E' (already set)
 //   get: 'G' u32 key_len key                      ->  'F' u32 value_len value, or 'N'
+//   add: 'A' u32 key_len key u32 8 i64 delta      ->  'F' u32 8 i64 sum
+// A counter's value is its decimal text, so a get reads it as any other key.
+// Journal (TcpStoreServer with a path): records u32 key_len key u32 value_len value, each the
+// key's value after a change, appended; replayed in order at start (a torn last record,
+// from a server killed mid-write, is dropped).
 namespace moetrain {
 namespace {
 
@@ -57,9 +64,10 @@ bool read_all(int fd, char* p, size_t n) {
 
 }  // namespace
 
-class TcpStore::Server {
+class TcpStoreServer::Impl {
  public:
-  explicit Server(int port) {
+  Impl(int port, const std::string& journal_path) {
+    if (!journal_path.empty()) replay(journal_path);
     // Dual-stack where the machine has IPv6, IPv4 only where it does not.
     fd_ = ::socket(AF_INET6, SOCK_STREAM, 0);
     int one = 1, zero = 0;
@@ -91,7 +99,8 @@ class TcpStore::Server {
     thread_ = std::thread([this] { run(); });
   }
 
-  ~Server() {
+  ~Impl() {
+    if (journal_fd_ >= 0) ::close(journal_fd_);
     char c = 0;
     (void)!::write(wake_[1], &c, 1);
     thread_.join();
@@ -102,13 +111,56 @@ class TcpStore::Server {
   }
 
   int port() const { return port_; }
+  size_t keys() {
+    std::lock_guard<std::mutex> lock(table_mu_);
+    return table_.size();
+  }
 
  private:
+  void replay(const std::string& path) {
+    std::FILE* f = std::fopen(path.c_str(), "rb");
+    if (f != nullptr) {
+      while (true) {
+        uint32_t klen, vlen;
+        if (std::fread(&klen, 4, 1, f) != 1 || klen > kMaxKey) break;
+        std::string key(klen, '\0');
+        if (std::fread(key.data(), 1, klen, f) != klen || std::fread(&vlen, 4, 1, f) != 1 || vlen > kMaxValue) break;
+        std::vector<char> value(vlen);
+        if (std::fread(value.data(), 1, vlen, f) != vlen) break;
+        table_[key] = std::move(value);
+      }
+      std::fclose(f);
+    }
+    // Rewritten whole from the table: drops a torn record and old values of counters.
+    const std::string tmp = path + ".tmp";
+    journal_fd_ = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    MT_CHECK(journal_fd_ >= 0, "tcp store: cannot write the journal {}: {}", tmp, std::strerror(errno));
+    for (const auto& [k, v] : table_) journal(k, v);
+    MT_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, "tcp store: cannot rename {} to {}: {}", tmp, path,
+             std::strerror(errno));
+  }
+
+  // Appends the key's new value to the journal (when there is one). A write that fails is
+  // reported once: the store keeps serving from memory.
+  void journal(const std::string& key, const std::vector<char>& value) {
+    if (journal_fd_ < 0) return;
+    std::string rec;
+    put_u32(rec, static_cast<uint32_t>(key.size()));
+    rec += key;
+    put_u32(rec, static_cast<uint32_t>(value.size()));
+    rec.append(value.data(), value.size());
+    if (::write(journal_fd_, rec.data(), rec.size()) != static_cast<ssize_t>(rec.size()) && !journal_failed_) {
+      journal_failed_ = true;
+      std::fprintf(stderr, "tcp store: writing the journal failed (%s); keys from now on live in memory only\n",
+                   std::strerror(errno));
+    }
+  }
+
   [[noreturn]] void fail_bind(int port) {
     int err = errno;
     ::close(fd_);
-    MT_THROW("tcp store: rank 0 cannot listen on port {}: {} (another job on this port? choose another "
-             "MASTER_PORT)",
+    MT_THROW("tcp store: cannot listen on port {}: {} (another job or store on this port? choose another "
+             "MASTER_PORT or --rdzv-endpoint port)",
              port, std::strerror(err));
   }
 
@@ -134,6 +186,7 @@ class TcpStore::Server {
       }
       for (size_t i = 2; i < fds.size(); ++i) {
         if (fds[i].revents == 0) continue;
+          std::lock_guard<std::mutex> lock(table_mu_);
         if (!serve(fds[i].fd)) {
           ::close(fds[i].fd);
           conns_.erase(fds[i].fd);
@@ -153,13 +206,13 @@ class TcpStore::Server {
       if (buf.size() < 5) return true;
       char op = buf[0];
       uint32_t klen = get_u32(buf.data() + 1);
-      if (klen > kMaxKey || (op != 'S' && op != 'G')) return false;
+      if (klen > kMaxKey || (op != 'S' && op != 'G' && op != 'A')) return false;
       size_t need = 5 + klen;
       uint32_t vlen = 0;
-      if (op == 'S') {
+      if (op == 'S' || op == 'A') {
         if (buf.size() < need + 4) return true;
         vlen = get_u32(buf.data() + need);
-        if (vlen > kMaxValue) return false;
+        if (vlen > kMaxValue || (op == 'A' && vlen != 8)) return false;
         need += 4 + vlen;
       }
       if (buf.size() < need) return true;
@@ -168,6 +221,18 @@ class TcpStore::Server {
       if (op == 'S') {
         auto [it, fresh] = table_.try_emplace(key, buf.begin() + 9 + klen, buf.begin() + need);
         reply.push_back(fresh ? 'K' : 'E');
+        if (fresh) journal(key, it->second);
+      } else if (op == 'A') {
+        int64_t delta;
+        std::memcpy(&delta, buf.data() + 9 + klen, 8);
+        std::vector<char>& v = table_[key];
+        int64_t sum = (v.empty() ? 0 : std::stoll(std::string(v.begin(), v.end()))) + delta;
+        std::string text = std::to_string(sum);
+        v.assign(text.begin(), text.end());
+        journal(key, v);
+        reply.push_back('F');
+        put_u32(reply, 8);
+        reply.append(reinterpret_cast<const char*>(&sum), 8);
       } else if (auto it = table_.find(key); it != table_.end()) {
         reply.push_back('F');
         put_u32(reply, static_cast<uint32_t>(it->second.size()));
@@ -182,30 +247,45 @@ class TcpStore::Server {
 
   int fd_ = -1, port_ = 0;
   int wake_[2] = {-1, -1};
+  int journal_fd_ = -1;
+  bool journal_failed_ = false;
   std::map<int, std::string> conns_;  // fd -> bytes received and not yet answered
+  std::mutex table_mu_;               // the table: the serving thread writes, keys() reads
   std::map<std::string, std::vector<char>> table_;
   std::thread thread_;
 };
 
+TcpStoreServer::TcpStoreServer(int port, const std::string& journal)
+    : impl_(std::make_unique<Impl>(port, journal)) {}
+TcpStoreServer::~TcpStoreServer() = default;
+int TcpStoreServer::port() const { return impl_->port(); }
+size_t TcpStoreServer::keys() const { return impl_->keys(); }
+
 TcpStore::TcpStore(const std::string& host, int port, bool serve, std::chrono::milliseconds timeout)
     : host_(host), port_(port), timeout_(timeout) {
   if (serve) {
-    server_ = std::make_unique<Server>(port);
+    server_ = std::make_unique<TcpStoreServer>(port);
     port_ = server_->port();
   }
+  connect();
+}
+
+void TcpStore::connect() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
-  auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto deadline = std::chrono::steady_clock::now() + timeout_;
   std::string last_error = "no address";
   while (fd_ < 0) {
     addrinfo* res = nullptr;
-    int rc = ::getaddrinfo(host.c_str(), std::to_string(port_).c_str(), &hints, &res);
+    int rc = ::getaddrinfo(host_.c_str(), std::to_string(port_).c_str(), &hints, &res);
     if (rc != 0) {
       last_error = gai_strerror(rc);
     } else {
       for (addrinfo* a = res; a && fd_ < 0; a = a->ai_next) {
-        int fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+        int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
         if (fd < 0) continue;
         if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
           fd_ = fd;
@@ -221,19 +301,32 @@ TcpStore::TcpStore(const std::string& host, int port, bool serve, std::chrono::m
     MT_CHECK(std::chrono::steady_clock::now() < deadline,
              "tcp store {}:{}: cannot connect within {} s: {} (is rank 0 running, and MASTER_ADDR/MASTER_PORT "
              "right?)",
-             host, port_, timeout.count() / 1000.0, last_error);
+             host_, port_, timeout_.count() / 1000.0, last_error);
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   int one = 1;
   ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   // A server that stops answering (rank 0 hung) must not hang a client forever.
-  timeval tv{static_cast<time_t>(timeout.count() / 1000), static_cast<suseconds_t>(timeout.count() % 1000 * 1000)};
+  timeval tv{static_cast<time_t>(timeout_.count() / 1000), static_cast<suseconds_t>(timeout_.count() % 1000 * 1000)};
   ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   ::setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
 }
 
 TcpStore::~TcpStore() {
   if (fd_ >= 0) ::close(fd_);
+}
+
+bool TcpStore::request_once(const std::string& msg, char* status, std::vector<char>* out) {
+  bool ok = fd_ >= 0 && write_all(fd_, msg.data(), msg.size()) && read_all(fd_, status, 1);
+  if (ok && *status == 'F') {
+    char len[4];
+    ok = read_all(fd_, len, 4);
+    if (ok) {
+      out->resize(get_u32(len));
+      ok = read_all(fd_, out->data(), out->size());
+    }
+  }
+  return ok;
 }
 
 bool TcpStore::request(char op, const std::string& key, const std::vector<char>* value, std::vector<char>* out) {
@@ -249,19 +342,39 @@ bool TcpStore::request(char op, const std::string& key, const std::vector<char>*
   }
   std::lock_guard<std::mutex> lock(mu_);
   char status = 0;
-  bool ok = write_all(fd_, msg.data(), msg.size()) && read_all(fd_, &status, 1);
-  if (ok && status == 'F') {
-    char len[4];
-    ok = read_all(fd_, len, 4);
-    if (ok) {
-      out->resize(get_u32(len));
-      ok = read_all(fd_, out->data(), out->size());
-    }
+  bool ok = request_once(msg, &status, out);
+  if (!ok && reconnect_) {
+    const int err = errno;
+    spdlog::warn("tcp store {}:{}: lost the connection during key '{}' ({}); connecting again", host_, port_, key,
+                 err ? std::strerror(err) : "closed");
+    connect();  // throws after the timeout
+    ok = request_once(msg, &status, out);
   }
   MT_CHECK(ok, "tcp store {}:{}: lost the connection to the server (rank 0) during key '{}': {}", host_, port_, key,
            errno ? std::strerror(errno) : "closed");
-  if (status == 'E') MT_THROW("tcp store {}:{}: key '{}' is already set", host_, port_, key);
+  if (status == 'E' && op == 'S' && out == nullptr) MT_THROW("tcp store {}:{}: key '{}' is already set", host_, port_, key);
   return status == 'F' || status == 'K';
+}
+
+bool TcpStore::set_once(const std::string& key, const std::vector<char>& data) {
+  std::vector<char> ignored;
+  return request('S', key, &data, &ignored);
+}
+
+std::optional<std::vector<char>> TcpStore::try_get(const std::string& key) {
+  std::vector<char> out;
+  if (!request('G', key, nullptr, &out)) return std::nullopt;
+  return out;
+}
+
+int64_t TcpStore::add(const std::string& key, int64_t delta) {
+  std::vector<char> d(8), out;
+  std::memcpy(d.data(), &delta, 8);
+  request('A', key, &d, &out);
+  MT_CHECK(out.size() == 8, "tcp store {}:{}: add to '{}' got a reply of {} bytes, not 8", host_, port_, key, out.size());
+  int64_t sum;
+  std::memcpy(&sum, out.data(), 8);
+  return sum;
 }
 
 void TcpStore::set(const std::string& key, const std::vector<char>& data) { request('S', key, &data, nullptr); }

@@ -6,7 +6,9 @@
 #include <map>
 #include <toml++/toml.h>
 
+#include "comm/mesh.h"
 #include "core/error.h"
+#include "core/log.h"
 
 namespace moetrain {
 namespace {
@@ -46,9 +48,77 @@ void ParallelConfig::describe(ConfigFields& f) {
   f.add("shard_weights", &shard_weights,
         "many ranks: shard the weights too and gather each layer's when used (ZeRO-3); false keeps them whole "
         "(ZeRO-2: gradients and optimizer state sharded)");
+  f.add("fallbacks", &fallbacks,
+        "layouts to use, in order, when this one does not fit the ranks there are (an elastic restart on fewer "
+        "nodes): each \"key=value ...\" over pp, dp, cp, ep, dp_replicate, schedule, shard_weights; e.g. [\"ep=2\"]",
+        [this]() -> std::optional<std::string> {
+          for (const std::string& fb : fallbacks) {
+            try {
+              (void)with(fb);
+            } catch (const Error& e) {
+              return fmt::format("entry '{}': {}", fb, e.what());
+            }
+          }
+          return std::nullopt;
+        });
   f.add("check_exchange", &check_exchange,
         "debug: check token conservation over the EP group at every expert dispatch (one all-gather and host wait "
         "each)");
+}
+
+ParallelConfig ParallelConfig::with(const std::string& fallback) const {
+  ParallelConfig c = *this;
+  c.fallbacks.clear();
+  ConfigFields f("parallel");
+  c.describe(f);
+  const std::string origin = fmt::format("[parallel].fallbacks entry '{}'", fallback);
+  std::string rest = fallback;
+  int keys = 0;
+  for (char& ch : rest) {
+    if (ch == ',') ch = ' ';
+  }
+  size_t at = 0;
+  while ((at = rest.find_first_not_of(' ', at)) != std::string::npos) {
+    const size_t end = rest.find(' ', at);
+    const std::string item = rest.substr(at, end == std::string::npos ? std::string::npos : end - at);
+    at = end;
+    const size_t eq = item.find('=');
+    MT_CHECK(eq != std::string::npos && eq > 0, "{}: '{}' is not key=value", origin, item);
+    const std::string key = item.substr(0, eq);
+    MT_CHECK(key != "fallbacks", "{}: a fallback cannot list fallbacks", origin);
+    f.set_from_string(key, item.substr(eq + 1), origin);
+    ++keys;
+  }
+  MT_CHECK(keys > 0, "{}: sets no key (write e.g. \"ep=2\")", origin);
+  f.validate(origin);
+  return c;
+}
+
+bool ParallelConfig::fits(int64_t world) const {
+  try {
+    Mesh(world, pp, dp, cp, ep);
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+ParallelConfig ParallelConfig::for_world(int64_t world) const {
+  if (fits(world)) return *this;
+  std::string tried = fmt::format("pp={} dp={} cp={} ep={}", pp, dp, cp, ep);
+  for (const std::string& fb : fallbacks) {
+    ParallelConfig c = with(fb);
+    if (c.fits(world)) {
+      spdlog::warn("parallel: [parallel] (pp={} dp={} cp={} ep={}) does not fit {} ranks; using fallback '{}'", pp, dp,
+                   cp, ep, world, fb);
+      c.fallbacks = fallbacks;
+      return c;
+    }
+    tried += "; " + fb;
+  }
+  MT_CHECK(fallbacks.empty(), "[parallel]: neither the layout nor any of its fallbacks fits {} ranks (tried {})", world,
+           tried);
+  return *this;  // ParallelContext::build says why it does not fit
 }
 
 void TrainingConfig::describe(ConfigFields& f) {
@@ -367,6 +437,12 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
   MT_CHECK(shape.num_experts == 0 || shape.num_experts % cfg.parallel.ep == 0,
            "{}: [model] has {} experts, which must be a multiple of [parallel].ep ({}): experts are split evenly",
            path, shape.num_experts, cfg.parallel.ep);
+  for (const std::string& fb : cfg.parallel.fallbacks) {
+    const int64_t ep = cfg.parallel.with(fb).ep;
+    MT_CHECK(shape.num_experts == 0 || shape.num_experts % ep == 0,
+             "{}: [parallel].fallbacks entry '{}': [model] has {} experts, not a multiple of ep = {}", path, fb,
+             shape.num_experts, ep);
+  }
   MT_CHECK(o.min_lr <= o.lr, "{}: [optimizer].min_lr ({}) must be <= [optimizer].lr ({})", path, o.min_lr, o.lr);
   MT_CHECK(t.seq_len <= shape.max_positions,
            "{}: [training].seq_len ({}) must be <= [model].max_position_embeddings ({})", path, t.seq_len,

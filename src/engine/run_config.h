@@ -26,7 +26,18 @@ struct ParallelConfig {
   // Debugging expert parallelism: every dispatch checks over the EP group that each rank
   // receives exactly the rows sent to it (an all-gather and a host wait per dispatch).
   bool check_exchange = false;
+  // Layouts to fall back on, in order, when this one does not fit the world (an elastic job
+  // restarted on fewer nodes): each "key=value ..." over the keys above, e.g. "ep=2" or
+  // "pp=1 ep=2". dp = -1 (inferred) already follows the world; these cover the rest.
+  std::vector<std::string> fallbacks;
   void describe(ConfigFields& f);
+  // This layout with one fallback's keys set (errors name the entry and key).
+  ParallelConfig with(const std::string& fallback) const;
+  // Whether pp x dp x cp x ep fits `world` ranks.
+  bool fits(int64_t world) const;
+  // This layout when it fits `world`, else the first fallback that does; an error listing
+  // what was tried when none does.
+  ParallelConfig for_world(int64_t world) const;
 };
 
 struct TrainingConfig {

@@ -428,6 +428,10 @@ class RunLog {
                                                    : cuda::device_memory_stats().peak_bytes;
     m.restart_generation = ctx_.par.env.restart_generation;
     m.world_size = ctx_.par.world;
+    if (step == start_step_ + 1 && ctx_.par.env.failure_at > 0) {
+      const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+      m.restart_downtime_s = now - seconds - ctx_.par.env.failure_at;
+    }
     return m;
   }
 
@@ -459,7 +463,9 @@ TrainSummary train(const RunConfig& cfg_in) {
   const TrainingConfig& tc = cfg.training;
   ops::set_cpu_threads(static_cast<int>(tc.threads));
   ops::set_deterministic(tc.deterministic);
-  // Ranks: rank 0 speaks for the job (logs, metrics, progress); the others only warn.
+  // Ranks: rank 0 speaks for the job (logs, metrics, progress); the others only warn. A
+  // world the layout does not fit (an elastic restart on fewer nodes) takes a fallback.
+  cfg.parallel = cfg.parallel.for_world(LaunchEnv::from_environment().world_size);
   ParallelContext connected = ParallelContext::build(cfg);
   if (connected.rank != 0) spdlog::set_level(spdlog::level::warn);
   // Data: tokenizer and loaders of [data].kind (data/data_context.h); each data rank gets

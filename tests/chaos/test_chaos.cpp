@@ -123,9 +123,9 @@ TEST_F(Chaos, KilledWorkersAreRestartedAndTheRunEndsBitwiseAsWithoutFaults) {
       "kill@files:rank=0:step=6:generation=2";
   const auto r = launch("faulty", faults, 3);
   ASSERT_EQ(r.status, 0) << r.output;
-  for (const char* want : {"fault injected: kill at step_begin (rank 2, step 3, generation 0)",
-                           "fault injected: kill at save (rank 1, step 4, generation 1)",
-                           "fault injected: kill at files (rank 0, step 6, generation 2)",
+  for (const char* want : {"fault injected: kill at step_begin (rank 2, step 3, generation 0",
+                           "fault injected: kill at save (rank 1, step 4, generation 1",
+                           "fault injected: kill at files (rank 0, step 6, generation 2",
                            "restart 3 of at most 3, generation 3"}) {
     EXPECT_NE(r.output.find(want), std::string::npos) << want << "\n" << r.output;
   }

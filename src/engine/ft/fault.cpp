@@ -59,8 +59,9 @@ std::vector<Fault> parse(const std::string& text) {
       f.stall_s = std::strtod(f.action.c_str() + 6, nullptr);
       f.action = "stall";
     }
-    MT_CHECK(f.action == "kill" || f.action == "exit" || f.action == "stall" || f.action == "term",
-             "MOETRAIN_FAULT: unknown action '{}' in '{}' (kill, exit, stall=SECONDS, term)", f.action, one);
+    MT_CHECK(f.action == "kill" || f.action == "kill_node" || f.action == "exit" || f.action == "stall" ||
+                 f.action == "term",
+             "MOETRAIN_FAULT: unknown action '{}' in '{}' (kill, kill_node, exit, stall=SECONDS, term)", f.action, one);
     const bool known = f.point == "step_begin" || f.point == "save" || f.point == "files" || f.point == "index" ||
                        f.point == "rename" || f.point == "latest";
     MT_CHECK(known, "MOETRAIN_FAULT: unknown point '{}' in '{}' (step_begin, save, files, index, rename, latest)",
@@ -89,8 +90,10 @@ void fault_point(std::string_view point, int64_t step) {
         (f.generation >= 0 && f.generation != generation)) {
       continue;
     }
-    spdlog::warn("fault injected: {} at {} (rank {}, step {}, generation {})", f.action, point, rank, step, generation);
-    if (f.action == "kill") ::kill(::getpid(), SIGKILL);
+    spdlog::warn("fault injected: {} at {} (rank {}, step {}, generation {}, t={:.6f})", f.action, point, rank, step,
+                 generation, std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
+    if (f.action == "kill_node") ::kill(::getppid(), SIGKILL);  // the agent; its workers die with it
+    if (f.action == "kill" || f.action == "kill_node") ::kill(::getpid(), SIGKILL);
     if (f.action == "exit") ::_exit(3);
     if (f.action == "term") ::kill(::getpid(), SIGTERM);
     if (f.action == "stall") std::this_thread::sleep_for(std::chrono::duration<double>(f.stall_s));

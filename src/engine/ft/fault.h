@@ -3,7 +3,9 @@
 // one test of a flag read once.
 //
 //   MOETRAIN_FAULT="ACTION@POINT[:rank=R][:step=S][:generation=G]" (several: ';'-separated)
-//     ACTION  kill (SIGKILL to itself: no cleanup, as a machine failure), exit (status 3),
+//     ACTION  kill (SIGKILL to itself: no cleanup, as a machine failure), kill_node (SIGKILL
+//             to its launcher, then to itself: the launcher's other workers die with it, a
+//             node lost for good), exit (status 3),
 //             stall=SECONDS (sleeps there), term (SIGTERM to itself: a preemption notice)
 //     POINT   step_begin (before a step's batches; step = the step about to run, 1-based),
 //             save (before a checkpoint's snapshot; step = the step saved),

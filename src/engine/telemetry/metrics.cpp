@@ -36,6 +36,7 @@ std::string metrics_json(const StepMetrics& m) {
   if (m.checkpoint_stall_s) j["checkpoint_stall_s"] = *m.checkpoint_stall_s;
   j["restart_generation"] = m.restart_generation;
   j["world_size"] = m.world_size;
+  if (m.restart_downtime_s) j["restart_downtime_s"] = *m.restart_downtime_s;
   return j.dump();  // non-finite numbers become null
 }
 
@@ -65,6 +66,10 @@ std::string human_line(const StepMetrics& m, int64_t total_steps) {
   if (m.peak_memory_bytes > 0) {
     const double mb = static_cast<double>(m.peak_memory_bytes) / 1e6;
     s += mb < 10000 ? fmt::format(" | mem {:.0f} MB", mb) : fmt::format(" | mem {:.1f} GB", mb / 1e3);
+  }
+  if (m.restart_downtime_s) {
+    s += fmt::format(" | resumed {:.2f} s after the failure (restart {}, {} ranks)", *m.restart_downtime_s,
+                     m.restart_generation, m.world_size);
   }
   return s;
 }

@@ -21,6 +21,10 @@ struct StepMetrics {
   std::optional<double> checkpoint_stall_s;  // only on steps that saved: the step's wait for the save
   int64_t restart_generation = 0;  // `moetrain launch --max-restarts`: how many times the job was restarted
   int64_t world_size = 1;          // ranks of the job (smaller after an elastic restart on fewer nodes)
+  // Only on the first step after a restart: seconds from the failure to this step's start
+  // (detection, stop, rendezvous, start, checkpoint load: the training time the failure cost,
+  // besides the steps since the last committed one, which are trained again).
+  std::optional<double> restart_downtime_s;
 };
 
 // Appends StepMetrics to <dir>/metrics.jsonl, one line each, flushed at once so that a
