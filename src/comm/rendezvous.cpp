@@ -260,8 +260,7 @@ RoundAssignment Rendezvous::join() {
       if (static_cast<int>(a.nodes.size()) == final_nodes) {
         seen_beats_.assign(final_nodes, -1);
         seen_at_.assign(final_nodes, Clock::now());
-        next_round_ = r + 1;  // after this round, the next one
-        return a;
+        return a;  // the next join starts here: it counts how this round ended
       }
     } else if (final_nodes >= 0) {
       // Too late for round r: a spare. With room in the group, end the round now so that

@@ -63,6 +63,7 @@ struct NodeInfo {
   int nproc = 0;          // workers on it
   int store_port = 0;     // a free port for the workers' store, used when this node is rank 0
   std::string agent;      // "host:pid", unique per agent
+  bool operator==(const NodeInfo&) const = default;
 };
 
 struct RoundAssignment {

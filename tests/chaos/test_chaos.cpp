@@ -22,94 +22,42 @@
 
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <fstream>
-#include <filesystem>
-#include <nlohmann/json.hpp>
-#include <set>
 #include <sstream>
 #include <string>
 
-#include "app/cli_run.h"
-#include "engine/checkpoint/checkpoint_format.h"
-#include "engine/checkpoint/checkpointer.h"
-#include "test_files.h"
+#include "chaos_run.h"
 
 namespace moetrain {
 namespace {
 
 namespace fs = std::filesystem;
+using namespace moetrain::testing;
 
 class Chaos : public ::testing::Test {
  protected:
-  void SetUp() override {
-    std::string text;
-    for (int i = 0; i < 200; ++i) text += "The quick brown fox " + std::to_string(i * 11 % 17) + " jumps.\n%\n";
-    dir_.file("corpus.txt", text);
-  }
+  void SetUp() override { corpus_ = write_chaos_corpus(dir_); }
 
   static constexpr int kSteps = 7;
 
-  // 4 workers, ep2 x dp2, a checkpoint every step (synchronous writes: the kill points then
-  // fall where they are named).
-  std::string run_args(const std::string& name) {
-    return "-- train --config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml --data.paths=" +
-           (dir_ / "corpus.txt") + " --training.steps=" + std::to_string(kSteps) +
-           " --training.seq_len=32 --training.micro_batch_size=1 --training.grad_accum_steps=2"
-           " --training.eval_every=100 --training.eval_batches=1 --training.sample_tokens=0 --training.threads=1"
-           " --optimizer.warmup_steps=1 --parallel.ep=2 --metrics.progress=false --checkpoint.every=1"
-           " --checkpoint.keep=0 --checkpoint.async=false --metrics.dir=" +
-           (dir_ / name);
-  }
-  // `moetrain launch -n 4 ...` with MOETRAIN_FAULT set to `fault` (none when empty).
-  moetrain::testing::CliResult launch(const std::string& name, const std::string& fault, int max_restarts,
-                                      const std::string& extra = "", const std::string& launch_extra = "") {
+  // `moetrain launch -n 4 ...` (ep2 x dp2) with MOETRAIN_FAULT set to `fault` (none when empty).
+  CliResult launch(const std::string& name, const std::string& fault, int max_restarts, const std::string& extra = "",
+                   const std::string& launch_extra = "") {
     const std::string env = fault.empty() ? "" : "MOETRAIN_FAULT='" + fault + "' ";
-    const std::string cmd = env + moetrain::testing::moetrain_binary() + " launch -n 4 --grace 5 --max-restarts " +
-                            std::to_string(max_restarts) + " " + launch_extra + " " + run_args(name) + " " + extra +
-                            " 2>&1";
-    FILE* p = popen(cmd.c_str(), "r");
-    std::string out;
-    char buf[4096];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-    const int status = pclose(p);
-    return {WEXITSTATUS(status), out};
+    return run_shell(env + moetrain_binary() + " launch -n 4 --grace 5 --max-restarts " + std::to_string(max_restarts) +
+                     " " + launch_extra + " -- " + chaos_train_args(corpus_, dir_ / name, kSteps) + " " + extra);
   }
 
-  std::string ckpt(const std::string& name) const { return dir_ / (name + "/checkpoints"); }
-
-  // Every tensor (weights, masters, Adam moments) of the two runs' step `step`, bitwise.
+  std::string ckpt(const std::string& name) const { return checkpoints_of(dir_ / name); }
   void expect_bitwise_same_step(const std::string& a, const std::string& b, int64_t step) {
-    CheckpointReader ra(ckpt(a) + "/" + Checkpointer::step_dir_name(step));
-    CheckpointReader rb(ckpt(b) + "/" + Checkpointer::step_dir_name(step));
-    ASSERT_EQ(ra.names(), rb.names());
-    int compared = 0;
-    for (const std::string& name : ra.names()) {
-      const Tensor x = ra.read_whole(name), y = rb.read_whole(name);
-      ASSERT_EQ(x.nbytes(), y.nbytes()) << name;
-      EXPECT_EQ(std::memcmp(x.raw(), y.raw(), x.nbytes()), 0) << name << " differs at step " << step;
-      ++compared;
-    }
-    EXPECT_GT(compared, 100);  // the model's tensors and their optimizer state
-    EXPECT_EQ(ra.trainer_state()["step"], rb.trainer_state()["step"]);
-    EXPECT_EQ(ra.trainer_state()["data"]["train_position"], rb.trainer_state()["data"]["train_position"]);
+    moetrain::testing::expect_bitwise_same_step(dir_ / a, dir_ / b, step);
   }
-  // Steps 1..kSteps committed, each once.
   void expect_every_step_committed_once(const std::string& name) {
-    std::set<int64_t> steps;
-    for (const auto& [s, path] : Checkpointer::committed(ckpt(name))) EXPECT_TRUE(steps.insert(s).second) << s;
-    EXPECT_EQ(steps.size(), static_cast<size_t>(kSteps));
-    if (!steps.empty()) {
-      EXPECT_EQ(*steps.begin(), 1);
-      EXPECT_EQ(*steps.rbegin(), kSteps);
-    }
-    for (const auto& e : fs::directory_iterator(ckpt(name))) {
-      EXPECT_NE(e.path().filename().string().rfind(".tmp-", 0), 0u) << "a save left behind: " << e.path();
-    }
+    moetrain::testing::expect_every_step_committed_once(dir_ / name, kSteps);
   }
 
-  moetrain::testing::ScratchDir dir_;
+  ScratchDir dir_;
+  std::string corpus_;
 };
 
 TEST_F(Chaos, KilledWorkersAreRestartedAndTheRunEndsBitwiseAsWithoutFaults) {
@@ -140,7 +88,7 @@ TEST_F(Chaos, KilledWorkersAreRestartedAndTheRunEndsBitwiseAsWithoutFaults) {
     }
   }
   // The metrics say which generation made each step, and the world size.
-  const auto m = moetrain::testing::read_metrics(dir_ / "faulty");
+  const auto m = read_metrics(dir_ / "faulty");
   ASSERT_FALSE(m.empty());
   EXPECT_EQ(m.back()["restart_generation"], 3);
   EXPECT_EQ(m.back()["world_size"], 4);
@@ -226,7 +174,7 @@ TEST_F(Chaos, StalledStorageHoldsNoStepUpAndTheLastSaveCommits) {
   EXPECT_NE(r.output.find("fault injected: stall at files (rank 1, step 2"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("not saved: the previous save is still being written"), std::string::npos) << r.output;
   // No step waited for the 4 s stall (a step here takes well under a second).
-  const auto m = moetrain::testing::read_metrics(dir_ / "stalled");
+  const auto m = read_metrics(dir_ / "stalled");
   ASSERT_EQ(m.size(), static_cast<size_t>(kSteps));
   for (const auto& row : m) {
     EXPECT_LT(row["step_time_s"].get<double>() + row.value("checkpoint_stall_s", 0.0), 2.0) << row.dump();
