@@ -96,22 +96,24 @@ int run_elastic_agent(const ElasticConfig& cfg, LaunchSpec workers) {
     }
     // This node's failure, or one seen by the monitor (another node's, or a silent member):
     // the round ends for every agent. The first to end it says why, for all.
-    RoundEnd end = seen_end ? *seen_end : rdzv.end(a.round, "failure", fmt::format("node {} ({}): {}", a.node_rank, self.host, r.message));
+    RoundEnd end = seen_end ? *seen_end
+                            : rdzv.end(a.round, "failure", fmt::format("node {} ({}): {}", a.node_rank, self.host, r.message),
+                                       r.failed_at);
     if (end.reason == "done") {  // the job had finished elsewhere before this node's workers failed
       std::fprintf(stderr, "moetrain: error: launch: %s (after the job finished on another node)\n", r.message.c_str());
       rdzv.leave(a.round, /*member=*/true);
       return r.exit_code;
     }
-    if (end.reason == "failure") failure_at = end.at > 0 ? end.at : r.failed_at;
+    if (end.reason == "failure") failure_at = end.at;
     const int failures = a.failures + (end.reason == "failure" ? 1 : 0);
     if (failures > cfg.max_restarts) {
       std::fprintf(stderr, "moetrain: error: launch: %s (after %d restarts: --max-restarts %d reached)\n",
                    end.message.c_str(), failures - 1, cfg.max_restarts);
       return r.exit_code;
     }
-    spdlog::warn("launch: round {} ended ({} by {}: {}); this node's workers stopped {:.2f} s after; joining round {} "
-                 "({} failures of at most {} so far)",
-                 a.round, end.reason, end.by, end.message, r.stop_s, a.round + 1, failures, cfg.max_restarts);
+    spdlog::warn("launch: round {} ended ({} by {}: {}; seen at t={:.6f}); this node's workers stopped {:.2f} s after; "
+                 "joining round {} ({} failures of at most {} so far)",
+                 a.round, end.reason, end.by, end.message, end.at, r.stop_s, a.round + 1, failures, cfg.max_restarts);
   }
 }
 

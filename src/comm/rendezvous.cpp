@@ -187,9 +187,10 @@ std::optional<RoundEnd> Rendezvous::ended(int round) {
   return round_end_from_json(*v);
 }
 
-RoundEnd Rendezvous::end(int round, const std::string& reason, const std::string& message) {
-  const std::string rec =
-      nlohmann::json{{"reason", reason}, {"by", self_.agent}, {"message", message}, {"at", now_epoch_s()}}.dump();
+RoundEnd Rendezvous::end(int round, const std::string& reason, const std::string& message, double at) {
+  const std::string rec = nlohmann::json{
+      {"reason", reason}, {"by", self_.agent}, {"message", message}, {"at", at > 0 ? at : now_epoch_s()}}
+                              .dump();
   store_->set_once(key(round, "end"), rec);
   return *ended(round);
 }

@@ -93,8 +93,9 @@ class Rendezvous {
   RoundAssignment join();
   // How `round` ended, once it has (polled by the agent while its workers run).
   std::optional<RoundEnd> ended(int round);
-  // Ends `round` (no-op when another agent ended it first); returns how it ended.
-  RoundEnd end(int round, const std::string& reason, const std::string& message);
+  // Ends `round` (no-op when another agent ended it first); returns how it ended. `at`:
+  // when the cause was seen (seconds since the epoch; 0: now).
+  RoundEnd end(int round, const std::string& reason, const std::string& message, double at = 0);
   // Says this agent is alive and checks the others: the message naming a member that has
   // not beaten for keep_alive_timeout, or nullopt. Call it every poll while workers run.
   std::optional<std::string> beat(const RoundAssignment& a);

@@ -16,6 +16,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <regex>
 #include <string>
 #include <thread>
 
@@ -76,6 +77,40 @@ class ElasticChaos : public ::testing::Test {
     }
   }
 
+  // The first restart's timeline, from the fault's and the agents' log lines and the
+  // metrics (scripts/chaos-repeat averages these lines): the kill; its detection (the round's
+  // end record: when the agent saw the worker gone); this node's workers stopped; the next
+  // round formed; the workers started and connected; the checkpoint loaded; the first step.
+  static void print_restart_breakdown(const std::string& logs, const std::vector<nlohmann::json>& m) {
+    auto first = [&](const std::string& pattern) -> double {
+      std::smatch hit;
+      return std::regex_search(logs, hit, std::regex(pattern)) ? std::stod(hit[1]) : -1;
+    };
+    auto largest = [&](const std::string& pattern) -> double {
+      double v = -1;
+      const std::regex re(pattern);
+      for (std::sregex_iterator it(logs.begin(), logs.end(), re), end; it != end; ++it) {
+        v = std::max(v, std::stod((*it)[1]));
+      }
+      return v;
+    };
+    const double kill_t = first(R"(fault injected: kill at \S+ \(rank \d+, step \d+, generation 0, t=([0-9.]+)\))");
+    const double seen_t = first(R"(round 0 ended \(failure by [^;]*; seen at t=([0-9.]+)\))");
+    const double stop = largest(R"(round 0 ended [^\n]*workers stopped ([0-9.]+) s after)");
+    const double rdzv = largest(R"(round 1: node [^\n]*rendezvous took ([0-9.]+) s)");
+    const double load = first(R"(checkpoint: resumed from [^\n]*verified in ([0-9.]+) s)");
+    double downtime = -1;
+    for (const auto& row : m) {
+      if (row["restart_generation"] == 1 && row.contains("restart_downtime_s")) downtime = row["restart_downtime_s"];
+    }
+    EXPECT_GT(kill_t, 0);
+    EXPECT_GE(seen_t, kill_t);
+    EXPECT_GE(downtime, stop + rdzv + load - 0.05);
+    std::printf("restart breakdown: detection %.3f s, stop %.3f s, rendezvous %.3f s, start %.3f s, checkpoint load "
+                "%.3f s, kill to resumed %.3f s\n",
+                seen_t - kill_t, stop, rdzv, downtime - stop - rdzv - load, load, seen_t - kill_t + downtime);
+  }
+
   ScratchDir dir_;
   std::string corpus_;
 };
@@ -110,6 +145,7 @@ TEST_F(ElasticChaos, AKilledWorkerOnEitherNodeRestartsBothAndTheRunEndsAsOnOneNo
     }
   }
   EXPECT_EQ(downtimes, 2) << "the first step after each restart says how long the job was down";
+  print_restart_breakdown(a->output() + b.output(), m);
 }
 
 TEST_F(ElasticChaos, ANodeLostForGoodLeavesTheSurvivorTrainingOnTheFallbackLayout) {
