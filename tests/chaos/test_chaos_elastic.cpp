@@ -40,13 +40,15 @@ class ElasticChaos : public ::testing::Test {
   std::string run(const std::string& name) const { return dir_ / name; }
 
   // One node's agent: 2 workers of the chaos run `name` (extra: more worker arguments).
+  // With MIN < MAX nodes, the last call (3 s) must cover the other agent's start on a busy
+  // machine, or round 0 forms without it.
   std::string agent_cmd(const std::string& name, const std::string& endpoint, const std::string& nnodes,
                         const std::string& fault, const std::string& backend = "c10d",
                         const std::string& extra = "") const {
     const std::string env = fault.empty() ? "" : "MOETRAIN_FAULT='" + fault + "' ";
     return env + moetrain_binary() + " launch -n 2 --nnodes " + nnodes + " --rdzv-backend " + backend +
            " --rdzv-endpoint " + endpoint + " --rdzv-id " + name +
-           " --rdzv-conf last_call_timeout=1,keep_alive_timeout=20 --local-addr 127.0.0.1 --max-restarts 3 --grace 5 "
+           " --rdzv-conf last_call_timeout=3,keep_alive_timeout=20 --local-addr 127.0.0.1 --max-restarts 3 --grace 5 "
            "-- " +
            chaos_train_args(corpus_, run(name), kSteps) + " " + extra;
   }
@@ -67,6 +69,17 @@ class ElasticChaos : public ::testing::Test {
     auto a = std::make_unique<Background>(cmd, log);
     EXPECT_TRUE(wait_for_text(log, "joined round 0 as node 0", 20s)) << a->output();
     return a;
+  }
+  // Two agents started together; whichever joins second is node 1, which the node-loss
+  // faults (rank 2) take down. Returns (survivor, lost) once one of them has exited.
+  static std::pair<Background*, Background*> survivor_and_lost(Background& x, Background& y) {
+    for (int i = 0; i < 6000; ++i) {
+      if (x.wait(std::chrono::milliseconds(0)) >= 0) return {&y, &x};
+      if (y.wait(std::chrono::milliseconds(0)) >= 0) return {&x, &y};
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    ADD_FAILURE() << "neither node was lost within 120 s";
+    return {&x, &y};
   }
   void expect_world_sizes(const std::string& name, const std::vector<int>& want) const {
     const auto m = read_metrics(run(name));
@@ -94,7 +107,7 @@ class ElasticChaos : public ::testing::Test {
       }
       return v;
     };
-    const double kill_t = first(R"(fault injected: kill at \S+ \(rank \d+, step \d+, generation 0, t=([0-9.]+)\))");
+    const double kill_t = first(R"(fault injected: kill(?:_node)? at \S+ \(rank \d+, step \d+, generation 0, t=([0-9.]+)\))");
     const double seen_t = first(R"(round 0 ended \(failure by [^;]*; seen at t=([0-9.]+)\))");
     const double stop = largest(R"(round 0 ended [^\n]*workers stopped ([0-9.]+) s after)");
     const double rdzv = largest(R"(round 1: node [^\n]*rendezvous took ([0-9.]+) s)");
@@ -156,8 +169,10 @@ TEST_F(ElasticChaos, ANodeLostForGoodLeavesTheSurvivorTrainingOnTheFallbackLayou
   const std::string layout = "--parallel.ep=4 --parallel.fallbacks=ep=2";
   // Rank 2 (node 1) takes its agent down with it as step 4 begins: node 1 is gone.
   const std::string fault = "kill_node@step_begin:rank=2:step=4:generation=0";
-  auto a = first_agent(agent_cmd("lost", ep, "1:2", fault, "c10d", layout), dir_ / "a.log");
-  Background b(agent_cmd("lost", ep, "1:2", fault, "c10d", layout), dir_ / "b.log");
+  Background x(agent_cmd("lost", ep, "1:2", fault, "c10d", layout), dir_ / "x.log");
+  Background y(agent_cmd("lost", ep, "1:2", fault, "c10d", layout), dir_ / "y.log");
+  auto [a, lost] = survivor_and_lost(x, y);
+  Background& b = *lost;
   ASSERT_EQ(a->wait(), 0) << a->output() << "\n---\n" << b.output();
   EXPECT_EQ(b.wait(), 137) << "node 1's agent was killed: " << b.output();
   EXPECT_NE(a->output().find("round 1: node 0 of 1 (2 workers, ranks 0..1 of 2)"), std::string::npos) << a->output();
@@ -175,6 +190,7 @@ TEST_F(ElasticChaos, ANodeLostForGoodLeavesTheSurvivorTrainingOnTheFallbackLayou
   EXPECT_EQ(want[0]["step"], 4);
   EXPECT_EQ(got[3]["loss"], want[0]["loss"]) << "the first loss after the restart is a fresh resume's";
   expect_bitwise_same_step(run("fresh"), run("lost"), kSteps);
+  print_restart_breakdown(a->output() + b.output(), got);
 }
 
 // The store goes down and comes back (on its journal / data directory) while the workers
@@ -237,8 +253,9 @@ TEST_F(ElasticChaos, AReplacementNodeScalesTheJobBackUp) {
   // 4 s: the replacement arrives then.
   const std::string faults =
       "kill_node@step_begin:rank=2:step=4:generation=0;stall=4@step_begin:rank=0:step=6:generation=1";
-  auto a = first_agent(agent_cmd("grown", ep, "1:2", faults), dir_ / "a.log");
-  auto b = std::make_unique<Background>(agent_cmd("grown", ep, "1:2", faults), dir_ / "b.log");
+  Background x(agent_cmd("grown", ep, "1:2", faults), dir_ / "x.log");
+  Background y(agent_cmd("grown", ep, "1:2", faults), dir_ / "y.log");
+  auto [a, b] = survivor_and_lost(x, y);
   ASSERT_TRUE(wait_for_text(a->log(), "fault injected: stall at step_begin (rank 0, step 6, generation 1", 60s))
       << a->output();
   EXPECT_EQ(b->wait(), 137) << b->output();

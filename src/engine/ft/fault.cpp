@@ -92,7 +92,12 @@ void fault_point(std::string_view point, int64_t step) {
     }
     spdlog::warn("fault injected: {} at {} (rank {}, step {}, generation {}, t={:.6f})", f.action, point, rank, step,
                  generation, std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
-    if (f.action == "kill_node") ::kill(::getppid(), SIGKILL);  // the agent; its workers die with it
+    if (f.action == "kill_node") {
+      // A moment for the line above to reach the launcher's log; then the launcher, whose
+      // other workers die with it (PR_SET_PDEATHSIG).
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      ::kill(::getppid(), SIGKILL);
+    }
     if (f.action == "kill" || f.action == "kill_node") ::kill(::getpid(), SIGKILL);
     if (f.action == "exit") ::_exit(3);
     if (f.action == "term") ::kill(::getpid(), SIGTERM);
