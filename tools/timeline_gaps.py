@@ -23,6 +23,7 @@ def main():
     ap.add_argument("trace")
     ap.add_argument("--skip-ms", type=float, default=0.0)
     ap.add_argument("--window-ms", type=float, default=0.0, help="0: to the end")
+    ap.add_argument("--last-ms", type=float, default=0.0, help="> 0: the window is the trace's last this many ms")
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
     acts = []
@@ -34,6 +35,9 @@ def main():
     acts.sort()
     t0 = acts[0][0] + args.skip_ms * 1e6
     t1 = t0 + args.window_ms * 1e6 if args.window_ms > 0 else max(a[1] for a in acts)
+    if args.last_ms > 0:
+        t1 = max(a[1] for a in acts)
+        t0 = t1 - args.last_ms * 1e6
     acts = [a for a in acts if a[0] >= t0 and a[1] <= t1]
     if not acts:
         raise SystemExit("no activity in the window")
@@ -60,6 +64,34 @@ def main():
     print(f"{'ms':>9} {'count':>6}  before -> after")
     for (a, b), (t, n) in sorted(gaps.items(), key=lambda x: -x[1][0])[: args.top]:
         print(f"{t / 1e6:9.3f} {n:6d}  {a} -> {b}")
+    # Per stream, and the NCCL kernels' time against the union of everything else (the
+    # exchange's time on the GPU, and how much of it ran under other work).
+    per_stream = collections.defaultdict(int)
+    for s, e, stream, kind, name in acts:
+        per_stream[stream] += e - s
+    print("\nbusy time per stream: " + ", ".join(f"{k}: {v / 1e6:.1f} ms" for k, v in sorted(per_stream.items())))
+    def union(iv):
+        out = []
+        for s, e in sorted(iv):
+            if out and s <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], e)
+            else:
+                out.append([s, e])
+        return out
+    nccl = union([(s, e) for s, e, _, _, n in acts if "nccl" in n.lower()])
+    other = union([(s, e) for s, e, _, _, n in acts if "nccl" not in n.lower()])
+    nccl_total = sum(e - s for s, e in nccl)
+    hidden, j = 0, 0
+    for s, e in nccl:
+        while j < len(other) and other[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(other) and other[k][0] < e:
+            hidden += max(0, min(e, other[k][1]) - max(s, other[k][0]))
+            k += 1
+    if nccl_total:
+        print(f"NCCL kernels: {nccl_total / 1e6:.2f} ms in the window, {100.0 * hidden / nccl_total:.1f}% of it "
+              f"under other kernels")
     print(f"\nbusy time per activity (top {args.top}; overlapping activities both count):")
     for name, (t, n) in sorted(per_kernel.items(), key=lambda x: -x[1][0])[: args.top]:
         print(f"{t / 1e6:9.3f} {n:6d}  {name}")

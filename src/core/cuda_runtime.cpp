@@ -67,6 +67,12 @@ std::string device_name(int device) {
   return p.name;
 }
 
+int64_t device_total_memory(int device) {
+  cudaDeviceProp p{};
+  MT_CUDA_CHECK(cudaGetDeviceProperties(&p, device));
+  return static_cast<int64_t>(p.totalGlobalMem);
+}
+
 namespace {
 // One stream per host thread, created on first use; the pool's release threshold is
 // raised once so freed memory stays cached in the pool.
@@ -229,6 +235,7 @@ bool available() { return false; }
 std::string unavailable_reason() { return "this moetrain was built without CUDA"; }
 int device_count() { return 0; }
 std::string device_name(int) { no_cuda(); }
+int64_t device_total_memory(int) { no_cuda(); }
 int current_device() { no_cuda(); }
 void set_device(int) { no_cuda(); }
 Stream current_stream() { no_cuda(); }

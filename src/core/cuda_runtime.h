@@ -20,6 +20,7 @@ bool available();
 std::string unavailable_reason();
 int device_count();
 std::string device_name(int device = 0);
+int64_t device_total_memory(int device);  // bytes
 // The calling thread's current device (cudaGetDevice / cudaSetDevice): where its
 // allocations, streams and kernels go.
 int current_device();

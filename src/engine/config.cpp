@@ -251,6 +251,11 @@ void ConfigFields::load(const toml::table& table, const std::string& origin) con
         *p = node.as_boolean()->get();
       }
       void operator()(std::string* p) const {
+        // A key of a few named values may take true/false among them (shard_weights = true).
+        if (node.is_boolean()) {
+          *p = node.as_boolean()->get() ? "true" : "false";
+          return;
+        }
         if (!node.is_string()) fail(got);
         *p = node.as_string()->get();
       }

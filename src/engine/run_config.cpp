@@ -46,8 +46,10 @@ void ParallelConfig::describe(ConfigFields& f) {
         "HSDP: replica groups the dp ranks split into (shard within a group, all-reduce gradients across); 1 = FSDP",
         positive(&dp_replicate));
   f.add("shard_weights", &shard_weights,
-        "many ranks: shard the weights too and gather each layer's when used (ZeRO-3); false keeps them whole "
-        "(ZeRO-2: gradients and optimizer state sharded)");
+        "many ranks: true shards the weights too and gathers each layer's when used, every micro-batch (ZeRO-3); "
+        "false keeps weights and gradients whole between one gather and one reduce-scatter a step (ZeRO-2); auto: "
+        "ZeRO-2 when a rank's whole weights and f32 gradients fit in a quarter of its memory",
+        one_of(&shard_weights, {"auto", "true", "false"}));
   f.add("fallbacks", &fallbacks,
         "layouts to use, in order, when this one does not fit the ranks there are (an elastic restart on fewer "
         "nodes): each \"key=value ...\" over pp, dp, cp, ep, dp_replicate, schedule, shard_weights; e.g. [\"ep=2\"]",

@@ -19,7 +19,9 @@ struct ParallelConfig {
   std::string schedule = "dualpipev";  // pipeline schedule when pp > 1: "dualpipev" or "1f1b"
   // Data-parallel sharding (ZeRO): gradients and optimizer state are always sharded over
   // the data ranks; with shard_weights the weights too, gathered per layer when used (ZeRO-3).
-  bool shard_weights = true;
+  // "auto": ZeRO-2 (whole weights and gradients, one gather and one reduce-scatter a step)
+  // when they fit in a quarter of a rank's memory, ZeRO-3 when they do not; "true"/"false".
+  std::string shard_weights = "auto";
   // HSDP: dp splits into dp_replicate replica groups; sharding stays inside a group (one node,
   // say) and the groups all-reduce gradient shards. 1: plain FSDP over all dp ranks.
   int64_t dp_replicate = 1;

@@ -1,5 +1,7 @@
 #include "engine/train_context.h"
 
+#include <unistd.h>
+
 #include <fmt/format.h>
 
 #include "core/cuda_runtime.h"
@@ -79,13 +81,7 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   const AdamWConfig adamw{oc.beta1, oc.beta2, oc.eps, oc.weight_decay, oc.moments == "bf16"};
   if (par.distributed()) {
     c.model->set_data_group(par.data_group(), par.bridge.get());
-    // Under a pipeline many micro-batches are in flight at once, so weights stay whole
-    // (ZeRO-2): gathering them per micro-batch and chunk would multiply the traffic.
-    const bool shard_weights = cfg.parallel.shard_weights && layout.pp() == 1;
-    if (cfg.parallel.shard_weights && !shard_weights) {
-      spdlog::info("parallel: weights kept whole under pipeline parallelism (ZeRO-2: gradients and optimizer "
-                   "state sharded)");
-    }
+    const bool shard_weights = choose_shard_weights(cfg.parallel.shard_weights, *c.model, par.device, layout.pp());
     c.fsdp = std::make_unique<FsdpContext>(*c.model, *par.comms->shard_dense, *par.comms->shard_experts,
                                            *par.comms->replica_world, adamw, shard_weights, par.bridge.get());
     if (layout.pp() > 1) c.pipeline = std::make_unique<PipelineExecutor>(*c.model, *c.dispatcher, par.pp_group(), c.chunks);
@@ -95,6 +91,34 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
     c.layerwise = std::make_unique<LayerwiseOptimizer>(*c.model, *c.single_opt, lc);
   }
   return ctx;
+}
+
+bool choose_shard_weights(const std::string& setting, Model& model, const Device& device, int pp, int64_t memory) {
+  // Under a pipeline many micro-batches are in flight at once, so weights stay whole
+  // (ZeRO-2): gathering them per micro-batch and chunk would multiply the traffic.
+  if (pp > 1) {
+    if (setting == "true") {
+      spdlog::info("parallel: weights kept whole under pipeline parallelism (ZeRO-2: gradients and optimizer "
+                   "state sharded)");
+    }
+    return false;
+  }
+  if (setting != "auto") return setting == "true";
+  // ZeRO-3 gathers every layer's weights and reduce-scatters its gradients once per
+  // micro-batch; ZeRO-2 once per step, for whole weights and f32 gradients held meanwhile.
+  int64_t whole = 0;
+  for (const Parameter& p : model.parameters()) whole += p.value.nbytes() + 4 * p.value.numel();
+  if (memory <= 0) {
+    memory = device.is_cpu() ? static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGE_SIZE)
+                             : cuda::device_total_memory(device.index);
+  }
+  const bool shard = whole > memory / 4;
+  spdlog::info("parallel: [parallel].shard_weights = \"auto\": this rank's whole weights and f32 gradients take "
+               "{:.2f} GB of {:.1f} GB: {}",
+               whole / 1e9, memory / 1e9,
+               shard ? "sharded (ZeRO-3: gathered per layer and micro-batch)"
+                     : "kept whole (ZeRO-2: one gather and one reduce-scatter a step)");
+  return shard;
 }
 
 StepResult TrainContext::step(const std::vector<Batch>& batches, double lr, double grad_clip, const CommitFn& commit) {

@@ -21,6 +21,12 @@
 
 namespace moetrain {
 
+// Whether data parallelism shards the weights too (ZeRO-3) for [parallel].shard_weights =
+// `setting` ("auto", "true", "false"): never under a pipeline; with "auto", only when this
+// rank's whole weights and f32 gradients would take more than a quarter of its memory (the
+// choice is logged with the numbers). `memory`: the rank's bytes (0: the device's, or the host's).
+bool choose_shard_weights(const std::string& setting, Model& model, const Device& device, int pp, int64_t memory = 0);
+
 struct TrainContext {
   ParallelContext par;
   // CUDA with ep > 1: the stream the all-to-alls run on, so one micro-batch's exchange

@@ -104,10 +104,13 @@ TEST_F(ParallelCli, EveryLayoutMatchesOneProcess) {
     int ranks, data_ranks;
     const char* flags;
   };
-  for (const Layout& l : {Layout{"dp2", 2, 2, "--parallel.dp=2"}, Layout{"ep2", 2, 2, "--parallel.ep=2"},
-                          Layout{"ep2dp2", 4, 4, "--parallel.ep=2 --parallel.dp=2"},
+  // shard_weights = "auto" keeps these tiny weights whole (ZeRO-2); the ZeRO-3 path is
+  // named where it must run.
+  for (const Layout& l : {Layout{"dp2", 2, 2, "--parallel.dp=2 --parallel.shard_weights=true"},
+                          Layout{"dp2_auto", 2, 2, "--parallel.dp=2"}, Layout{"ep2", 2, 2, "--parallel.ep=2"},
+                          Layout{"ep2dp2", 4, 4, "--parallel.ep=2 --parallel.dp=2 --parallel.shard_weights=true"},
                           Layout{"ep4", 4, 4, "--parallel.ep=4"},
-                          Layout{"hsdp", 4, 4, "--parallel.dp_replicate=2"},
+                          Layout{"hsdp", 4, 4, "--parallel.dp_replicate=2 --parallel.shard_weights=true"},
                           Layout{"hsdp_ep2_zero2", 4, 4,
                                  "--parallel.dp_replicate=2 --parallel.ep=2 --parallel.shard_weights=false"}}) {
     SCOPED_TRACE(l.name);
@@ -221,8 +224,8 @@ TEST_F(ParallelCli, TwoGpusMatchOneGpu) {
   Result one = launch(1, train_args("gpu1", 1, "--training.device=cuda"));
   ASSERT_EQ(one.status, 0) << one.output;
   for (const auto& [name, flags] : std::vector<std::pair<std::string, std::string>>{
-           {"gpu_dp2", "--training.device=cuda --parallel.dp=2"},
-           {"gpu_ep2", "--training.device=cuda --parallel.ep=2"},
+           {"gpu_dp2", "--training.device=cuda --parallel.dp=2 --parallel.shard_weights=true"},
+           {"gpu_ep2", "--training.device=cuda --parallel.ep=2 --parallel.shard_weights=true"},
            // ZeRO-2: whole gradients live across the micro-batches, so the experts' weight
            // gradients of both micro-batches come from one grouped pass on each GPU.
            {"gpu_dp2_zero2", "--training.device=cuda --parallel.dp=2 --parallel.shard_weights=false"}}) {

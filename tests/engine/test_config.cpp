@@ -192,6 +192,39 @@ TEST(RunConfig, DefaultsValidate) {
   EXPECT_EQ(cfg.model->model_type, "qwen3_moe");
 }
 
+TEST(RunConfig, ShardWeightsTakesAutoOrABooleanOfEitherSpelling) {
+  TempDir dir;
+  EXPECT_EQ(RunConfig::load(dir.file("a.toml", ""), {}).parallel.shard_weights, "auto");
+  EXPECT_EQ(RunConfig::load(dir.file("b.toml", "[parallel]\nshard_weights = false\n"), {}).parallel.shard_weights,
+            "false");
+  EXPECT_EQ(RunConfig::load(dir.file("c.toml", "[parallel]\nshard_weights = \"true\"\n"), {}).parallel.shard_weights,
+            "true");
+  EXPECT_EQ(RunConfig::load(dir.file("d.toml", ""), {"parallel.shard_weights=true"}).parallel.shard_weights, "true");
+  const std::string e = error_of([&] { RunConfig::load(dir.file("e.toml", "[parallel]\nshard_weights = \"maybe\"\n"), {}); });
+  EXPECT_NE(e.find("[parallel].shard_weights"), std::string::npos) << e;
+  EXPECT_NE(e.find("maybe"), std::string::npos) << e;
+}
+
+TEST(RunConfig, FallbackLayoutsApplyInOrderToTheWorldTheLayoutDoesNotFit) {
+  TempDir dir;
+  RunConfig cfg = RunConfig::load(dir.file("f.toml", "[parallel]\nep = 4\nfallbacks = [\"ep=2\", \"pp=1 ep=1\"]\n"), {});
+  EXPECT_EQ(cfg.parallel.for_world(8).ep, 4) << "the layout itself when it fits (dp 2)";
+  EXPECT_EQ(cfg.parallel.for_world(2).ep, 2);
+  EXPECT_EQ(cfg.parallel.for_world(1).ep, 1);
+  EXPECT_EQ(cfg.parallel.for_world(2).fallbacks, cfg.parallel.fallbacks) << "a fallback keeps the list";
+  // Bad entries are named at load.
+  std::string e = error_of([&] { RunConfig::load(dir.file("g.toml", "[parallel]\nfallbacks = [\"ep:2\"]\n"), {}); });
+  EXPECT_NE(e.find("entry 'ep:2'"), std::string::npos) << e;
+  e = error_of([&] { RunConfig::load(dir.file("h.toml", "[parallel]\nfallbacks = [\"epp=2\"]\n"), {}); });
+  EXPECT_NE(e.find("epp"), std::string::npos) << e;
+  e = error_of([&] { RunConfig::load(dir.file("i.toml", "[parallel]\nfallbacks = [\"ep=3\"]\n"), {}); });
+  EXPECT_NE(e.find("not a multiple of ep = 3"), std::string::npos) << e;
+  // None fits: the error lists what was tried.
+  RunConfig odd = RunConfig::load(dir.file("j.toml", "[parallel]\nep = 4\nfallbacks = [\"ep=2\"]\n"), {});
+  e = error_of([&] { odd.parallel.for_world(3); });
+  EXPECT_NE(e.find("neither the layout nor any of its fallbacks fits 3 ranks"), std::string::npos) << e;
+}
+
 TEST(RunConfig, LoadOverridePrintRoundTrip) {
   TempDir dir;
   std::string path = dir.file("run.toml", kRunToml);

@@ -2,9 +2,11 @@
 // layer's use, the next layer's gather starts when a layer is gathered (prefetch, forward and
 // backward order), and a sharded forward gives the loss of the unsharded model.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include "comm/comm_test_util.h"
 #include "engine/parallel/fsdp.h"
+#include "engine/train_context.h"
 #include "model_batches.h"
 #include "test_util.h"
 
@@ -24,6 +26,19 @@ Qwen3MoeConfig three_layers() {
   c.num_experts = 4;
   c.num_experts_per_tok = 2;
   return c;
+}
+
+TEST(Fsdp, AutoShardsWeightsOnlyWhenWholeOnesWouldCrowdTheMemory) {
+  Qwen3MoeModel small(three_layers(), DType::F32);
+  EXPECT_FALSE(choose_shard_weights("auto", small, Device::cpu(), 1)) << "a few KB: ZeRO-2";
+  EXPECT_TRUE(choose_shard_weights("true", small, Device::cpu(), 1));
+  EXPECT_FALSE(choose_shard_weights("false", small, Device::cpu(), 1));
+  EXPECT_FALSE(choose_shard_weights("true", small, Device::cpu(), 2)) << "a pipeline keeps weights whole";
+  // The same model on a rank with less than 4x its weights and gradients in memory.
+  int64_t whole = 0;
+  for (const Parameter& p : small.parameters()) whole += 8 * p.value.numel();  // f32 value + f32 gradient
+  EXPECT_TRUE(choose_shard_weights("auto", small, Device::cpu(), 1, 4 * whole - 4)) << "ZeRO-3";
+  EXPECT_FALSE(choose_shard_weights("auto", small, Device::cpu(), 1, 4 * whole)) << "ZeRO-2 at the quarter";
 }
 
 TEST(Fsdp, ShardedWeightsAreGatheredJustInTimeWithTheNextLayerPrefetched) {
