@@ -12,7 +12,8 @@
 //                           (every element is owned by exactly one rank);
 //   step()                  AdamW on the shards (masters and moments exist only there), the
 //                           updated weight shards all-gathered back into the whole buckets.
-// With shard_weights (ZeRO stage 3, the default) the whole weights exist only while a layer
+// With shard_weights (ZeRO stage 3; [parallel].shard_weights = "auto" picks it only for weights
+// too large to keep whole) the whole weights exist only while a layer
 // runs: the model's WeightHooks gather a layer's buckets before its forward and backward
 // and drop them after; when a layer is gathered, the gather of the next one (in the pass's
 // order) starts, on a communication stream under NCCL so it overlaps the layer's compute
