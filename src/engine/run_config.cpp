@@ -50,6 +50,9 @@ void ParallelConfig::describe(ConfigFields& f) {
         "false keeps weights and gradients whole between one gather and one reduce-scatter a step (ZeRO-2); auto: "
         "ZeRO-2 when a rank's whole weights and f32 gradients fit in a quarter of its memory",
         one_of(&shard_weights, {"auto", "true", "false"}));
+  f.add("ep_overlap", &ep_overlap,
+        "ep > 1, pp = 1: run the micro-batches as DualPipeV on one rank (two chunks, overlapped forward/backward "
+        "pairs) so one micro-batch's expert exchange hides under another's compute; grad_accum_steps >= 2");
   f.add("fallbacks", &fallbacks,
         "layouts to use, in order, when this one does not fit the ranks there are (an elastic restart on fewer "
         "nodes): each \"key=value ...\" over pp, dp, cp, ep, dp_replicate, schedule, shard_weights; e.g. [\"ep=2\"]",

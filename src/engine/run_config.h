@@ -22,6 +22,10 @@ struct ParallelConfig {
   // "auto": ZeRO-2 (whole weights and gradients, one gather and one reduce-scatter a step)
   // when they fit in a quarter of a rank's memory, ZeRO-3 when they do not; "true"/"false".
   std::string shard_weights = "auto";
+  // Expert parallelism without a pipeline: run a step's micro-batches as DualPipeV on one
+  // rank (the model in two chunks, forward/backward pairs overlapped) so that one
+  // micro-batch's all-to-alls run under another's compute. Needs grad_accum_steps >= 2.
+  bool ep_overlap = false;
   // HSDP: dp splits into dp_replicate replica groups; sharding stays inside a group (one node,
   // say) and the groups all-reduce gradient shards. 1: plain FSDP over all dp ranks.
   int64_t dp_replicate = 1;

@@ -30,9 +30,12 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   ModelPlacement placement = layout.placement();
 
   // Pipeline: the schedule of a training step and of a validation pass, the model cut into
-  // its chunks, and this rank's share of them (pipeline/executor.h).
-  if (layout.pp() > 1) {
-    const bool v = cfg.parallel.schedule == "dualpipev";
+  // its chunks, and this rank's share of them (pipeline/executor.h). Expert parallelism with
+  // ep_overlap runs as a pipeline of one rank: DualPipeV's two chunks, whose overlapped
+  // forward/backward pairs hide one micro-batch's exchange under another's compute.
+  const bool pipelined = layout.pp() > 1 || (layout.ep() > 1 && cfg.parallel.ep_overlap);
+  if (pipelined) {
+    const bool v = cfg.parallel.schedule == "dualpipev" || layout.pp() == 1;
     const int M = static_cast<int>(tc.grad_accum_steps);
     try {
       c.pipe_train = std::make_unique<PipelineSchedule>(v ? make_dualpipev(layout.pp(), M) : make_1f1b(layout.pp(), M));
@@ -81,10 +84,10 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   const AdamWConfig adamw{oc.beta1, oc.beta2, oc.eps, oc.weight_decay, oc.moments == "bf16"};
   if (par.distributed()) {
     c.model->set_data_group(par.data_group(), par.bridge.get());
-    const bool shard_weights = choose_shard_weights(cfg.parallel.shard_weights, *c.model, par.device, layout.pp());
+    const bool shard_weights = choose_shard_weights(cfg.parallel.shard_weights, *c.model, par.device, pipelined ? 2 : 1);
     c.fsdp = std::make_unique<FsdpContext>(*c.model, *par.comms->shard_dense, *par.comms->shard_experts,
                                            *par.comms->replica_world, adamw, shard_weights, par.bridge.get());
-    if (layout.pp() > 1) c.pipeline = std::make_unique<PipelineExecutor>(*c.model, *c.dispatcher, par.pp_group(), c.chunks);
+    if (pipelined) c.pipeline = std::make_unique<PipelineExecutor>(*c.model, *c.dispatcher, par.pp_group(), c.chunks);
   } else {
     c.single_opt = std::make_unique<AdamW>(c.model->parameters(), adamw);
     const LayerwiseConfig lc{oc.overlap && gpu, static_cast<int>(oc.overlap_sms)};

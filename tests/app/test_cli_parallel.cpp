@@ -108,6 +108,8 @@ TEST_F(ParallelCli, EveryLayoutMatchesOneProcess) {
   // named where it must run.
   for (const Layout& l : {Layout{"dp2", 2, 2, "--parallel.dp=2 --parallel.shard_weights=true"},
                           Layout{"dp2_auto", 2, 2, "--parallel.dp=2"}, Layout{"ep2", 2, 2, "--parallel.ep=2"},
+                          // The micro-batches as DualPipeV on one rank (two chunks, paired F/B).
+                          Layout{"ep2_overlap", 2, 2, "--parallel.ep=2 --parallel.ep_overlap=true"},
                           Layout{"ep2dp2", 4, 4, "--parallel.ep=2 --parallel.dp=2 --parallel.shard_weights=true"},
                           Layout{"ep4", 4, 4, "--parallel.ep=4"},
                           Layout{"hsdp", 4, 4, "--parallel.dp_replicate=2 --parallel.shard_weights=true"},
