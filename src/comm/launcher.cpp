@@ -145,6 +145,9 @@ int free_tcp_port() {
 LaunchResult launch_workers(const LaunchSpec& spec) {
   MT_CHECK(spec.nproc >= 1, "launch: -n {} must be at least 1", spec.nproc);
   MT_CHECK(!spec.argv.empty(), "launch: no worker command given (moetrain launch -n N -- COMMAND ...)");
+  const int world = spec.world_size > 0 ? spec.world_size : spec.nproc;
+  MT_CHECK(spec.rank_offset >= 0 && spec.rank_offset + spec.nproc <= world,
+           "launch: ranks {}..{} do not fit a world of {}", spec.rank_offset, spec.rank_offset + spec.nproc - 1, world);
   const int port = spec.master_port != 0 ? spec.master_port : free_tcp_port();
 
   namespace fs = std::filesystem;
@@ -185,9 +188,6 @@ LaunchResult launch_workers(const LaunchSpec& spec) {
   SignalScope signals(wake[1]);
   const pid_t launcher = ::getpid();
 
-  const int world = spec.world_size > 0 ? spec.world_size : spec.nproc;
-  MT_CHECK(spec.rank_offset >= 0 && spec.rank_offset + spec.nproc <= world,
-           "launch: ranks {}..{} do not fit a world of {}", spec.rank_offset, spec.rank_offset + spec.nproc - 1, world);
   std::vector<Worker> ws(spec.nproc);
   LaunchResult result;
   for (int r = 0; r < spec.nproc; ++r) {

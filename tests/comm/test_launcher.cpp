@@ -12,6 +12,7 @@
 
 #include "comm/launch_env.h"
 #include "comm/launcher.h"
+#include "test_util.h"
 #include "comm_test_util.h"
 
 namespace moetrain {
@@ -94,6 +95,40 @@ TEST(CommLauncher, OneKilledWorkerStopsTheOthersQuickly) {
     pid_t pid = std::atoi(out.lines[1][rank][0].c_str() + 4);
     EXPECT_FALSE(alive(pid)) << "rank " << rank << " (pid " << pid << ") still runs";
   }
+}
+
+// An elastic agent's node: its workers are ranks 4 and 5 of 8, on the store it names; its
+// monitor (another node's failure, say) stops them as a failure would.
+TEST(CommLauncher, AMonitorStopsTheWorkersAndANodesRanksStartAtItsOffset) {
+  Output out;
+  LaunchSpec spec = shell_workers(
+      2, "echo \"$RANK $WORLD_SIZE $LOCAL_RANK $GROUP_RANK $MOETRAIN_STORE\"; exec sleep 60", out);
+  spec.rank_offset = 4;
+  spec.world_size = 8;
+  spec.node_rank = 2;
+  spec.worker_store = "tcp://node2:4242";
+  spec.monitor_interval = 50ms;
+  int calls = 0;
+  const auto start = Clock::now();
+  spec.monitor = [&]() -> std::optional<std::string> {
+    ++calls;
+    if (Clock::now() - start < 500ms) return std::nullopt;
+    return std::string("round 3 ended elsewhere");
+  };
+  LaunchResult r = launch_workers(spec);
+  EXPECT_LT(Clock::now() - start, 10s);
+  EXPECT_TRUE(r.stopped_by_monitor);
+  EXPECT_EQ(r.message, "round 3 ended elsewhere");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_GT(r.failed_at, 1e9) << "seconds since the epoch";
+  EXPECT_GE(calls, 5) << "polled about every 50 ms";
+  ASSERT_EQ(out.lines[1][4].size(), 1u) << out.all();
+  EXPECT_EQ(out.lines[1][4][0], "4 8 0 2 tcp://node2:4242");
+  ASSERT_EQ(out.lines[1][5].size(), 1u) << out.all();
+  EXPECT_EQ(out.lines[1][5][0], "5 8 1 2 tcp://node2:4242");
+  // Ranks that do not fit the world are refused.
+  spec.rank_offset = 7;
+  EXPECT_NE(testing::error_of([&] { launch_workers(spec); }).find("do not fit a world of 8"), std::string::npos);
 }
 
 // After a failure the others get SIGINT (SIGTERM is a training worker's preemption notice);
