@@ -100,10 +100,10 @@ class TcpStoreServer::Impl {
   }
 
   ~Impl() {
-    if (journal_fd_ >= 0) ::close(journal_fd_);
     char c = 0;
     (void)!::write(wake_[1], &c, 1);
     thread_.join();
+    if (journal_fd_ >= 0) ::close(journal_fd_);  // after the thread: it writes there
     for (auto& [fd, buf] : conns_) ::close(fd);
     ::close(fd_);
     ::close(wake_[0]);
