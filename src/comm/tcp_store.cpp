@@ -347,8 +347,14 @@ bool TcpStore::request(char op, const std::string& key, const std::vector<char>*
     const int err = errno;
     spdlog::warn("tcp store {}:{}: lost the connection during key '{}' ({}); connecting again", host_, port_, key,
                  err ? std::strerror(err) : "closed");
-    connect();  // throws after the timeout
-    ok = request_once(msg, &status, out);
+    // A server being killed may still complete a connection and then reset it: connect and
+    // ask again until the timeout.
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    while (!ok && std::chrono::steady_clock::now() < deadline) {
+      connect();  // throws after the timeout
+      ok = request_once(msg, &status, out);
+      if (!ok) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
   }
   MT_CHECK(ok, "tcp store {}:{}: lost the connection to the server (rank 0) during key '{}': {}", host_, port_, key,
            errno ? std::strerror(errno) : "closed");
