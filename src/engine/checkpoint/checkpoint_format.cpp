@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include <fcntl.h>
 #include <unistd.h>
 
 namespace moetrain {
@@ -303,6 +304,14 @@ void write_index(const std::string& dir, int world, const nlohmann::json& traine
     write_text_synced(fs::path(dir) / "config.json", trainer_state["hf_config"].dump(2) + "\n");
   }
   write_text_synced(fs::path(dir) / "index.json", index.dump(1));
+}
+
+void fsync_dir(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  MT_CHECK(fd >= 0, "{}: cannot open directory to sync: {}", dir, std::strerror(errno));
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  MT_CHECK(rc == 0, "{}: fsync failed: {}", dir, std::strerror(errno));
 }
 
 // ---- reading ----
