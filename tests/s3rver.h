@@ -8,6 +8,7 @@
 //   s3.env()  "AWS_ENDPOINT_URL=http://127.0.0.1:PORT AWS_ACCESS_KEY_ID=S3RVER ..." for a command
 #pragma once
 
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -67,6 +68,8 @@ class S3rver {
     std::filesystem::create_directories(data_dir_);
     pid_ = ::fork();
     if (pid_ == 0) {
+      const int null = ::open("/dev/null", O_WRONLY);  // its "listening on" line
+      if (null >= 0) ::dup2(null, 1);
       const std::string port = std::to_string(port_);
       ::execlp("node", "node", main_.c_str(), "-d", data_dir_.c_str(), "-a", "127.0.0.1", "-p", port.c_str(),
                "--silent", "--configure-bucket", kBucket, static_cast<char*>(nullptr));

@@ -119,6 +119,8 @@ class CheckpointReader {
   nlohmann::json trainer_state_;
 };
 
+// A JSON file; an error names the file (missing, or not valid JSON).
+nlohmann::json read_json(const std::string& path);
 // fsyncs a directory (its entries: a rename into it, a file created in it).
 void fsync_dir(const std::string& dir);
 

@@ -495,7 +495,7 @@ std::string resolve_resume(const std::string& dir, const std::string& resume, bo
   if (remove_stale && fs::is_directory(dir)) {
     for (const auto& e : fs::directory_iterator(dir)) {
       const std::string n = e.path().filename().string();
-      if (n.rfind(".tmp-", 0) == 0) {
+      if (n.rfind(".tmp-", 0) == 0 || n.rfind(".download-", 0) == 0) {  // a download from the remote tier too
         spdlog::warn("checkpoint: removing {} (a save that never committed)", e.path().string());
         fs::remove_all(e.path());
       }

@@ -6,7 +6,6 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -43,12 +42,6 @@ FileSum file_sum(const fs::path& path) {
   XXH3_freeState(st);
   MT_CHECK(ok, "{}: read failed", path.string());
   return out;
-}
-
-std::string read_text(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  MT_CHECK(in.good(), "{}: cannot open", path.string());
-  return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
 }  // namespace
@@ -98,7 +91,7 @@ std::vector<int64_t> RemoteTier::committed() {
 
 uint64_t RemoteTier::upload(int64_t step, const std::string& step_dir) {
   const fs::path dir(step_dir);
-  const nlohmann::json index = nlohmann::json::parse(read_text(dir / "index.json"));
+  const nlohmann::json index = read_json((dir / "index.json").string());
   nlohmann::json marker = {{"format", "moetrain-remote-step"}, {"step", step}, {"files", nlohmann::json::object()}};
   std::vector<std::string> names;
   for (const auto& e : fs::directory_iterator(dir)) {
@@ -165,7 +158,13 @@ void RemoteTier::prune(int64_t newest) {
 std::string RemoteTier::download(int64_t step, const std::string& local_root) {
   const auto t0 = SteadyClock::now();
   const std::string key = step_key(step);
-  const nlohmann::json marker = nlohmann::json::parse(client_.get(loc_.bucket, key + kMarker));
+  nlohmann::json marker;
+  try {
+    marker = nlohmann::json::parse(client_.get(loc_.bucket, key + kMarker));
+    MT_CHECK(marker.contains("files") && marker["files"].is_object(), "no \"files\" object");
+  } catch (const nlohmann::json::exception& e) {
+    MT_THROW("{}: not a commit marker: {}", loc_.url(key + kMarker), e.what());
+  }
   const fs::path root(local_root);
   const fs::path final_dir = root / Checkpointer::step_dir_name(step);
   MT_CHECK(!fs::exists(final_dir), "checkpoint {} already exists: the download of step {} from {} never overwrites it",
