@@ -6,9 +6,11 @@
 //   - the local disk lost: a run mirrors its steps, the next one is killed, the checkpoint
 //     folder is deleted; the run started again (a fresh node) downloads the newest remote
 //     step and ends bitwise as the fault-free run;
-//   - the S3 server down at the start and during the saves, then back: training goes on at
-//     full speed, the uploads fail, are tried again, and the last step commits remotely;
-//   - S3 answering 503 and an upload failing: retried, the steps commit remotely;
+//   - the S3 server down at the start and during the saves, back only once the last step's
+//     upload has failed: training goes on at full speed, every step commits locally, the
+//     uploader tries the last step again and it commits remotely before the run ends;
+//   - S3 answering 503 (the client retries: the listing at start gets through) and an
+//     upload failing: the mirror goes on, the last step commits remotely;
 //   - the uploader stalled 10 s: no step waits for it, the steps committed meanwhile are
 //     replaced by the newest, the last one commits remotely;
 //   - a full disk (ENOSPC) in one rank's writer: the save of that step fails with a clear
@@ -151,16 +153,19 @@ TEST_F(ChaosRemote, ALostLocalDiskResumesFromTheRemoteTierBitwise) {
 
 TEST_F(ChaosRemote, AnS3ServerDownThenBackHoldsNoStepUpAndTheLastStepCommitsRemotely) {
   s3_->stop();
-  // The server comes back once an upload has failed for it.
+  // The server comes back once the upload of the last step has failed for it: the uploader
+  // must try that step again (the run's end waits for it).
   bool restarted = false;
+  const std::string last_failed = fmt::format("step {} was not mirrored to {}", kSteps, url("down"));
   const auto r = launch("down", "", "", [&](const std::string& line) {
-    if (!restarted && has(line, "was not mirrored to")) {
+    if (!restarted && has(line, last_failed)) {
       s3_->start();
       restarted = true;
     }
   });
   ASSERT_EQ(r.status, 0) << r.output;
   ASSERT_TRUE(restarted) << r.output;
+  EXPECT_TRUE(has(r.output, fmt::format("checkpoint: step {} mirrored to", kSteps))) << r.output;
   ASSERT_TRUE(s3_->ok()) << s3_->why();
   EXPECT_TRUE(has(r.output, "cannot be read")) << r.output;  // at the start: resumed from the local tier
   EXPECT_TRUE(has(r.output, "no answer from " + s3_->endpoint())) << r.output;
@@ -171,12 +176,15 @@ TEST_F(ChaosRemote, AnS3ServerDownThenBackHoldsNoStepUpAndTheLastStepCommitsRemo
   EXPECT_EQ(remote.back(), kSteps);
 }
 
-TEST_F(ChaosRemote, S3ErrorsAndAFailedUploadAreRetriedAndTheStepsCommitRemotely) {
-  // The first three S3 requests answer 503 (the client retries them); the whole upload of
-  // step 2 fails once (the uploader tries it again, unless step 3 replaced it).
+TEST_F(ChaosRemote, S3ErrorsAreRetriedAndAFailedUploadDoesNotStopTheMirror) {
+  // The first three S3 requests (the listing at start) answer 503: the client retries them;
+  // the whole upload of step 2 fails once (the uploader tries it again, unless a newer step
+  // replaced it meanwhile).
   const auto r = launch("errors", "error@s3:count=3;error@upload:step=2:count=1");
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_TRUE(has(r.output, "fault injected: error at s3")) << r.output;
+  EXPECT_FALSE(has(r.output, "cannot be read")) << r.output;  // the listing at start got through on its 4th try
+  EXPECT_TRUE(has(r.output, "checkpoint: newest committed step: none locally")) << r.output;
   EXPECT_TRUE(has(r.output, "step 2 was not mirrored to " + url("errors"))) << r.output;
   expect_no_slow_step("errors");
   const auto remote = remote_steps("errors");

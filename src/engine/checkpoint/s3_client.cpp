@@ -272,9 +272,9 @@ S3Client::Response S3Client::attempt(Request& req) {
   curl_easy_setopt(c, CURLOPT_XFERINFOFUNCTION, progress);
   curl_easy_setopt(c, CURLOPT_XFERINFODATA, const_cast<std::atomic<bool>*>(opt_.cancel));
   // The payload is not hashed (UNSIGNED-PAYLOAD: libcurl signs this header's value as the
-  // payload hash); no "Expect: 100-continue" round trip.
+  // payload hash). libcurl signs every header given here, so none is given that is not sent
+  // (an "Expect:" that removes one would be signed and break the signature).
   curl_slist* headers = curl_slist_append(nullptr, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
-  headers = curl_slist_append(headers, "Expect:");
   if (!opt_.session_token.empty()) {
     headers = curl_slist_append(headers, ("x-amz-security-token: " + opt_.session_token).c_str());
   }
