@@ -241,7 +241,7 @@ std::optional<double> CheckpointContext::after_step(const TrainState& state, boo
   // next save tries again. The run's last save and a preemption's rethrow it.
   try {
     checkpointer_->wait();  // idle here, except before a last or preemption save
-  } catch (const std::exception& e) {
+  } catch (const std::exception&) {
     spdlog::warn("checkpoint: the save before step {} failed (above); training went on and saves again now",
                  state.step);
   }

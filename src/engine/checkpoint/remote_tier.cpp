@@ -1,5 +1,8 @@
 #include "engine/checkpoint/remote_tier.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <xxhash.h>
 
 #include <algorithm>
@@ -265,6 +268,9 @@ bool Uploader::drain(double timeout_s) {
 }
 
 void Uploader::worker() {
+  // Uploading yields the cores to training: this thread's nice value is raised (per thread
+  // on Linux); best effort.
+  ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 10);
   std::unique_lock<std::mutex> lock(mu_);
   double retry_s = 1.0;
   while (true) {
