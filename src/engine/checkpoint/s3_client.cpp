@@ -387,11 +387,13 @@ uint64_t S3Client::put_file(const std::string& bucket, const std::string& key, c
     put(bucket, key, all);
     return file.size;
   }
+  // S3 takes at most 10,000 parts: a file larger than that many parts gets larger parts.
+  const uint64_t part = std::max<uint64_t>(opt_.part_size, (file.size + 9999) / 10000);
   const std::string id = create_multipart(bucket, key);
   try {
     std::vector<std::string> etags;
-    for (uint64_t at = 0; at < file.size; at += opt_.part_size) {
-      etags.push_back(upload_part(bucket, key, id, static_cast<int>(etags.size()) + 1, all.substr(at, opt_.part_size)));
+    for (uint64_t at = 0; at < file.size; at += part) {
+      etags.push_back(upload_part(bucket, key, id, static_cast<int>(etags.size()) + 1, all.substr(at, part)));
     }
     complete_multipart(bucket, key, id, etags);
   } catch (...) {

@@ -83,8 +83,8 @@ class S3Client {
   void create_bucket(const std::string& bucket);  // an existing bucket of ours is no error
   void put(const std::string& bucket, const std::string& key, std::string_view body);
   // Uploads a local file: one PUT up to part_size, else a multipart upload in parts of
-  // part_size (aborted when a part fails for good, so no parts are left behind). Returns
-  // the bytes sent.
+  // part_size (larger where the file would need more than S3's 10,000 parts; aborted when a
+  // part fails for good, so no parts are left behind). Returns the bytes sent.
   uint64_t put_file(const std::string& bucket, const std::string& key, const std::string& path);
   std::string get(const std::string& bucket, const std::string& key);
   // Downloads into `path` (created or truncated); returns its size and XXH3-64 of the bytes.
