@@ -1,7 +1,7 @@
-// Chaos scenarios of the remote checkpoint tier (ctest -L chaos): whole training runs of 4
-// workers (`moetrain launch`, Gloo on the CPU, ep2 x dp2, a checkpoint every step) whose
-// rank 0 mirrors each committed step to a real S3-compatible server (s3rver on a free
-// localhost port, tests/s3rver.h), with faults injected through MOETRAIN_FAULT
+// Chaos scenarios of the remote checkpoint tier (ctest -L chaos): the chaos run of
+// chaos_run.h (4 workers, `moetrain launch`, Gloo on the CPU, ep2 x dp2, a checkpoint every
+// step) whose rank 0 mirrors each committed step to a real S3-compatible server (s3rver on
+// a free localhost port, tests/s3rver.h), with faults injected through MOETRAIN_FAULT
 // (engine/ft/fault.h), each against one run without faults:
 //   - the local disk lost: a run mirrors its steps, the next one is killed, the checkpoint
 //     folder is deleted; the run started again (a fresh node) downloads the newest remote
@@ -21,18 +21,13 @@
 
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
-#include <nlohmann/json.hpp>
-#include <set>
+#include <memory>
 #include <string>
 
-#include "app/cli_run.h"
-#include "engine/checkpoint/checkpoint_format.h"
-#include "engine/checkpoint/checkpointer.h"
+#include "chaos_run.h"
 #include "engine/checkpoint/remote_tier.h"
 #include "s3rver.h"
-#include "test_files.h"
 
 namespace moetrain {
 namespace {
@@ -45,29 +40,20 @@ class ChaosRemote : public ::testing::Test {
   static constexpr int kSteps = 7;
 
   void SetUp() override {
-    std::string text;
-    for (int i = 0; i < 200; ++i) text += "The quick brown fox " + std::to_string(i * 11 % 17) + " jumps.\n%\n";
-    dir_.file("corpus.txt", text);
+    corpus_ = moetrain::testing::write_chaos_corpus(dir_);
     s3_ = std::make_unique<S3rver>(dir_ / "s3");
     if (!s3_->ok()) GTEST_SKIP() << s3_->why();
   }
 
-  // The run of test_chaos.cpp: 4 workers, ep2 x dp2, a checkpoint every step, written
-  // synchronously; here mirrored to s3://moetrain-test/<name>.
-  std::string run_args(const std::string& name, bool remote = true) {
-    return "-- train --config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml --data.paths=" +
-           (dir_ / "corpus.txt") + " --training.steps=" + std::to_string(kSteps) +
-           " --training.seq_len=32 --training.micro_batch_size=1 --training.grad_accum_steps=2"
-           " --training.eval_every=100 --training.eval_batches=1 --training.sample_tokens=0 --training.threads=1"
-           " --optimizer.warmup_steps=1 --parallel.ep=2 --metrics.progress=false --checkpoint.every=1"
-           " --checkpoint.keep=0 --checkpoint.async=false --checkpoint.remote_wait_s=120 --metrics.dir=" +
-           (dir_ / name) + (remote ? " --checkpoint.remote=" + url(name) : "");
-  }
+  std::string run_dir(const std::string& name) const { return dir_ / name; }
   std::string url(const std::string& name) const { return std::string("s3://") + S3rver::kBucket + "/" + name; }
+  // The chaos run (chaos_run.h: 4 workers, ep2 x dp2, a synchronous checkpoint every step),
+  // mirrored to s3://moetrain-test/<name> unless !remote.
   std::string command(const std::string& name, const std::string& fault, const std::string& extra, bool remote) {
     const std::string env = (fault.empty() ? "" : "MOETRAIN_FAULT='" + fault + "' ") + s3_->env();
-    return env + moetrain::testing::moetrain_binary() + " launch -n 4 --grace 5 " + run_args(name, remote) + " " +
-           extra + " 2>&1";
+    return env + moetrain::testing::moetrain_binary() + " launch -n 4 --grace 5 -- " +
+           moetrain::testing::chaos_train_args(corpus_, run_dir(name), kSteps) + " --checkpoint.remote_wait_s=120" +
+           (remote ? " --checkpoint.remote=" + url(name) : "") + " " + extra + " 2>&1";
   }
   // `moetrain launch -n 4 ...`; on_line sees each line of its output as it comes.
   template <typename OnLine>
@@ -88,7 +74,7 @@ class ChaosRemote : public ::testing::Test {
     return launch(name, fault, extra, [](const std::string&) {}, remote);
   }
 
-  std::string ckpt(const std::string& name) const { return dir_ / (name + "/checkpoints"); }
+  std::string ckpt(const std::string& name) const { return moetrain::testing::checkpoints_of(run_dir(name)); }
   std::vector<int64_t> remote_steps(const std::string& name) {
     return RemoteTier(url(name), s3_->options(), 0).committed();
   }
@@ -97,25 +83,12 @@ class ChaosRemote : public ::testing::Test {
     for (const auto& [s, path] : Checkpointer::committed(ckpt(name))) out.push_back(s);
     return out;
   }
-
-  // Every tensor (weights, masters, Adam moments) of the two runs' last step, bitwise.
   void expect_bitwise_same_end(const std::string& a, const std::string& b) {
-    CheckpointReader ra(ckpt(a) + "/" + Checkpointer::step_dir_name(kSteps));
-    CheckpointReader rb(ckpt(b) + "/" + Checkpointer::step_dir_name(kSteps));
-    ASSERT_EQ(ra.names(), rb.names());
-    int compared = 0;
-    for (const std::string& name : ra.names()) {
-      const Tensor x = ra.read_whole(name), y = rb.read_whole(name);
-      ASSERT_EQ(x.nbytes(), y.nbytes()) << name;
-      EXPECT_EQ(std::memcmp(x.raw(), y.raw(), x.nbytes()), 0) << name << " differs";
-      ++compared;
-    }
-    EXPECT_GT(compared, 100);
-    EXPECT_EQ(ra.trainer_state()["data"]["train_position"], rb.trainer_state()["data"]["train_position"]);
+    moetrain::testing::expect_bitwise_same_step(run_dir(a), run_dir(b), kSteps);
   }
   // No step of the run waited for the storage (a step here takes well under a second).
   void expect_no_slow_step(const std::string& name) {
-    const auto m = moetrain::testing::read_metrics(dir_ / name);
+    const auto m = moetrain::testing::read_metrics(run_dir(name));
     ASSERT_FALSE(m.empty());
     for (const auto& row : m) {
       EXPECT_LT(row["step_time_s"].get<double>() + row.value("checkpoint_stall_s", 0.0), 2.0) << row.dump();
@@ -124,6 +97,7 @@ class ChaosRemote : public ::testing::Test {
   static bool has(const std::string& text, const std::string& what) { return text.find(what) != std::string::npos; }
 
   moetrain::testing::ScratchDir dir_;
+  std::string corpus_;
   std::unique_ptr<S3rver> s3_;
 };
 
