@@ -84,8 +84,9 @@ TrainState CheckpointContext::restore() {
   // Many ranks load only their shards of the weights and optimizer state.
   auto load = [&](CheckpointReader& reader, bool optimizer_too) {
     if (fsdp) {
+      // The weights are gathered (a collective) only once every rank has loaded: a rank that
+      // finds a damaged file must not leave the others waiting in the gather.
       load_sharded_state(reader, params, fsdp->shard_params(), fsdp->segments(), optimizer_too ? &opt : nullptr);
-      fsdp->gather_values();
     } else {
       load_model_weights(reader, params);
       if (optimizer_too) load_optimizer_state(reader, params, opt);
@@ -138,6 +139,7 @@ TrainState CheckpointContext::restore() {
       state = fresh();
       continue;
     }
+    if (fsdp) fsdp->gather_values();
     resume_from_ = candidate;
     opt.set_steps_taken(state.optimizer_steps);
     MT_CHECK(state.step <= cfg_.training.steps, "checkpoint {} is at step {}, beyond [training].steps = {}",
@@ -161,6 +163,7 @@ TrainState CheckpointContext::restore() {
   if (resume_from_.empty() && !cc.init_from.empty()) {
     CheckpointReader reader(cc.init_from);
     load(reader, false);
+    if (fsdp) fsdp->gather_values();
     spdlog::info("checkpoint: weights from {}{}", cc.init_from, reader.is_hf() ? " (Hugging Face folder)" : "");
   }
   if (cc.every > 0 || cc.save_final) make_checkpointer();
