@@ -231,6 +231,22 @@ void CheckpointConfig::describe(ConfigFields& f) {
           return std::nullopt;
         });
   f.add("init_from", &init_from, "Hugging Face model folder or moetrain checkpoint to take the weights from");
+  f.add("remote", &remote,
+        "s3://bucket/prefix: mirror each committed step there in the background (credentials from AWS_*); "
+        "empty = local only",
+        [this]() -> std::optional<std::string> {
+          if (!remote.empty() && (remote.rfind("s3://", 0) != 0 || remote.size() <= 5 || remote[5] == '/')) {
+            return "must be empty or s3://bucket[/prefix]";
+          }
+          return std::nullopt;
+        });
+  f.add("remote_endpoint", &remote_endpoint,
+        "S3 endpoint URL (http://host:port for MinIO and the like); empty = $AWS_ENDPOINT_URL, else AWS");
+  f.add("remote_keep", &remote_keep, "committed steps kept on the remote tier; 0 keeps all", non_negative(&remote_keep));
+  f.add("remote_part_mb", &remote_part_mb, "files above this many MB go up in parts of it (multipart upload)",
+        in_range(&remote_part_mb, 5, 5120));
+  f.add("remote_wait_s", &remote_wait_s, "seconds the end of a run waits for its last upload",
+        non_negative(&remote_wait_s));
 }
 
 std::string CheckpointConfig::resolved_dir(const std::string& metrics_dir) const {

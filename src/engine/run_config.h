@@ -117,6 +117,13 @@ struct CheckpointConfig {
   bool async = true;                // write in a background thread after a copy to host
   std::string resume = "auto";      // "auto" | "never" | path of a step directory
   std::string init_from;            // HF model folder or moetrain checkpoint: weights only
+  // The remote tier (docs/checkpoints.md#the-remote-tier): committed steps mirrored to
+  // "s3://bucket/prefix" in the background; resume takes the newest step of either tier.
+  std::string remote;
+  std::string remote_endpoint;      // "" = $AWS_ENDPOINT_URL (else AWS)
+  int64_t remote_keep = 3;          // committed remote steps kept; 0 keeps all
+  int64_t remote_part_mb = 64;      // multipart upload above this size, in parts of it
+  double remote_wait_s = 600;       // the run's end waits this long for the last upload
   void describe(ConfigFields& f);
   // The directory checkpoints go to, given the metrics folder.
   std::string resolved_dir(const std::string& metrics_dir) const;

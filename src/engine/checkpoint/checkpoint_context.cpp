@@ -13,7 +13,48 @@ CheckpointContext::CheckpointContext(const RunConfig& cfg, TrainContext& ctx)
     : cfg_(cfg), ctx_(ctx), dir_(cfg.checkpoint.resolved_dir(cfg.metrics.dir)) {
   const ParallelContext& par = ctx.par;
   resume_from_ = resolve_resume(dir_, cfg.checkpoint.resume, par.rank == 0);
+  if (par.rank == 0 && !cfg.checkpoint.remote.empty()) fetch_remote();
   if (par.comms) par.comms->world->barrier();  // rank 0 removed stale partial saves before anyone saves
+  // Every rank must resume from the same step: they read one shared folder (a node-local
+  // folder per node is not supported yet), which is checked here in one tiny all-reduce.
+  if (par.comms) {
+    const auto all = Checkpointer::committed(dir_);
+    const double newest = all.empty() ? -1.0 : static_cast<double>(all.back().first);
+    std::vector<double> v{newest, -newest};
+    all_reduce_doubles(*par.comms->world, v, par.device, ReduceOp::Max);
+    MT_CHECK(v[0] == -v[1],
+             "checkpoint: the ranks see different newest steps in {} ({} to {}): [checkpoint].dir must be one folder "
+             "all ranks share", dir_, -v[1], v[0]);
+  }
+}
+
+void CheckpointContext::fetch_remote() {
+  const CheckpointConfig& cc = cfg_.checkpoint;
+  try {
+    RemoteTier tier(cc.remote, S3Options::from_env(cc.remote_endpoint), cc.remote_keep);
+    const std::vector<int64_t> remote = tier.committed();
+    remote_listed_ = true;
+    remote_newest_ = remote.empty() ? -1 : remote.back();
+    if (cc.resume != "auto") return;
+    const auto local = Checkpointer::committed(dir_);
+    const int64_t local_newest = local.empty() ? -1 : local.back().first;
+    spdlog::info("checkpoint: newest committed step: {} locally ({}), {} on {}",
+                 local_newest < 0 ? std::string("none") : std::to_string(local_newest), dir_,
+                 remote_newest_ < 0 ? std::string("none") : std::to_string(remote_newest_), cc.remote);
+    // The newest remote step newer than every local one, as on a fresh node; when its
+    // download fails (checked against its marker), the one before it.
+    for (auto it = remote.rbegin(); it != remote.rend() && *it > local_newest; ++it) {
+      try {
+        tier.download(*it, dir_);
+        return;
+      } catch (const std::exception& e) {
+        spdlog::error("checkpoint: cannot download step {} from {}: {}", *it, cc.remote, e.what());
+      }
+    }
+  } catch (const std::exception& e) {
+    spdlog::error("checkpoint: the remote tier {} cannot be read ({}); resuming from the local tier only", cc.remote,
+                  e.what());
+  }
 }
 
 CheckpointItems CheckpointContext::items() {
@@ -43,8 +84,9 @@ TrainState CheckpointContext::restore() {
   // Many ranks load only their shards of the weights and optimizer state.
   auto load = [&](CheckpointReader& reader, bool optimizer_too) {
     if (fsdp) {
+      // The weights are gathered (a collective) only once every rank has loaded: a rank that
+      // finds a damaged file must not leave the others waiting in the gather.
       load_sharded_state(reader, params, fsdp->shard_params(), fsdp->segments(), optimizer_too ? &opt : nullptr);
-      fsdp->gather_values();
     } else {
       load_model_weights(reader, params);
       if (optimizer_too) load_optimizer_state(reader, params, opt);
@@ -97,6 +139,7 @@ TrainState CheckpointContext::restore() {
       state = fresh();
       continue;
     }
+    if (fsdp) fsdp->gather_values();
     resume_from_ = candidate;
     opt.set_steps_taken(state.optimizer_steps);
     MT_CHECK(state.step <= cfg_.training.steps, "checkpoint {} is at step {}, beyond [training].steps = {}",
@@ -120,6 +163,7 @@ TrainState CheckpointContext::restore() {
   if (resume_from_.empty() && !cc.init_from.empty()) {
     CheckpointReader reader(cc.init_from);
     load(reader, false);
+    if (fsdp) fsdp->gather_values();
     spdlog::info("checkpoint: weights from {}{}", cc.init_from, reader.is_hf() ? " (Hugging Face folder)" : "");
   }
   if (cc.every > 0 || cc.save_final) make_checkpointer();
@@ -130,6 +174,19 @@ void CheckpointContext::make_checkpointer() {
   const CheckpointConfig& cc = cfg_.checkpoint;
   const auto t0 = SteadyClock::now();
   checkpointer_ = std::make_unique<Checkpointer>(dir_, cc.keep, cc.async, ctx_.par.rank, ctx_.par.world);
+  if (ctx_.par.rank == 0 && !cc.remote.empty()) {
+    S3Options opt = S3Options::from_env(cc.remote_endpoint);
+    opt.part_size = cc.remote_part_mb << 20;
+    uploader_ = std::make_unique<Uploader>(cc.remote, std::move(opt), cc.remote_keep, dir_);
+    checkpointer_->set_on_commit([this](int64_t step, const std::string& dir) { uploader_->submit(step, dir); });
+    // A step committed locally but not mirrored (the last run stopped first) goes up now.
+    const auto local = Checkpointer::committed(dir_);
+    if (!local.empty() && (!remote_listed_ || local.back().first > remote_newest_)) {
+      uploader_->submit(local.back().first, local.back().second);
+    }
+    spdlog::info("checkpoint: mirroring committed steps to {} (keeping {})", cc.remote,
+                 cc.remote_keep > 0 ? std::to_string(cc.remote_keep) : std::string("all"));
+  }
   checkpointer_->prepare(items());
   const std::string when = cc.every > 0   ? fmt::format("every {} steps{}", cc.every, cc.save_final ? " and at the end" : "")
                            : cc.save_final ? std::string("at the end")
@@ -182,7 +239,24 @@ std::optional<double> CheckpointContext::after_step(const TrainState& state, boo
   }
   ctx_.settle();
   fault_point("save", state.step);
-  const SaveStats st = checkpointer_->save(state.step, items(), trainer_state(state));
+  // A save that fails (a full disk) costs that step's checkpoint, not the run: the error is
+  // logged (by the writer, at once), the last committed step stays, training goes on and the
+  // next save tries again. The run's last save and a preemption's rethrow it.
+  try {
+    checkpointer_->wait();  // idle here, except before a last or preemption save
+  } catch (const std::exception&) {
+    spdlog::warn("checkpoint: the save before step {} failed (above); training went on and saves again now",
+                 state.step);
+  }
+  SaveStats st;
+  try {
+    st = checkpointer_->save(state.step, items(), trainer_state(state));
+  } catch (const std::exception& e) {
+    if (force || last) throw;
+    spdlog::error("checkpoint: step {} was not committed: {}; the last committed step stays and training goes on",
+                  state.step, e.what());
+    return std::nullopt;
+  }
   spdlog::debug("checkpoint: step {} snapshot of {:.1f} MB, training waited {:.3f} s", state.step, st.bytes / 1e6,
                 st.stall_s);
   return st.stall_s;
@@ -190,6 +264,11 @@ std::optional<double> CheckpointContext::after_step(const TrainState& state, boo
 
 void CheckpointContext::finish() {
   if (checkpointer_) checkpointer_->wait();
+  if (uploader_ && !uploader_->drain(cfg_.checkpoint.remote_wait_s)) {
+    spdlog::error("checkpoint: the last step is not mirrored to {} after {} s ([checkpoint].remote_wait_s); it is "
+                  "committed locally in {} and goes up when a run resumes from this folder",
+                  cfg_.checkpoint.remote, cfg_.checkpoint.remote_wait_s, dir_);
+  }
 }
 
 }  // namespace moetrain

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include <fcntl.h>
 #include <unistd.h>
 
 namespace moetrain {
@@ -14,15 +15,6 @@ namespace {
 constexpr int kFormatVersion = 1;
 
 
-nlohmann::json read_json(const fs::path& path) {
-  std::ifstream f(path);
-  MT_CHECK(f.is_open(), "{}: cannot open", path.string());
-  try {
-    return nlohmann::json::parse(f);
-  } catch (const nlohmann::json::exception& e) {
-    MT_THROW("{}: not valid JSON: {}", path.string(), e.what());
-  }
-}
 
 // Writes `text` to `path` and fsyncs it.
 void write_text_synced(const fs::path& path, const std::string& text) {
@@ -303,6 +295,24 @@ void write_index(const std::string& dir, int world, const nlohmann::json& traine
     write_text_synced(fs::path(dir) / "config.json", trainer_state["hf_config"].dump(2) + "\n");
   }
   write_text_synced(fs::path(dir) / "index.json", index.dump(1));
+}
+
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream f(path);
+  MT_CHECK(f.is_open(), "{}: cannot open", path);
+  try {
+    return nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception& e) {
+    MT_THROW("{}: not valid JSON: {}", path, e.what());
+  }
+}
+
+void fsync_dir(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  MT_CHECK(fd >= 0, "{}: cannot open directory to sync: {}", dir, std::strerror(errno));
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  MT_CHECK(rc == 0, "{}: fsync failed: {}", dir, std::strerror(errno));
 }
 
 // ---- reading ----

@@ -119,6 +119,11 @@ class CheckpointReader {
   nlohmann::json trainer_state_;
 };
 
+// A JSON file; an error names the file (missing, or not valid JSON).
+nlohmann::json read_json(const std::string& path);
+// fsyncs a directory (its entries: a rename into it, a file created in it).
+void fsync_dir(const std::string& dir);
+
 // Throws naming the directory when `dir` is not a moetrain checkpoint or HF model folder.
 bool is_checkpoint_dir(const std::string& dir);
 bool is_hf_model_dir(const std::string& dir);

@@ -23,14 +23,6 @@ namespace {
 
 using Clock = SteadyClock;
 
-void fsync_dir(const fs::path& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  MT_CHECK(fd >= 0, "{}: cannot open directory to sync: {}", dir.string(), std::strerror(errno));
-  const int rc = ::fsync(fd);
-  ::close(fd);
-  MT_CHECK(rc == 0, "{}: fsync failed: {}", dir.string(), std::strerror(errno));
-}
-
 // Test hook: MOETRAIN_CHECKPOINT_CRASH=<point>@<step> kills the process (no unwinding, no
 // flushing: like a power cut) at that point of step's commit. Points, in order:
 // files (rank files written, no index), index (index written, not renamed),
@@ -44,15 +36,6 @@ void crash_point(const char* point, int64_t step) {
                  static_cast<long long>(step));
     std::_Exit(86);
   }
-}
-
-bool parse_step_dir(const std::string& name, int64_t* step) {
-  if (name.rfind("step-", 0) != 0 || name.size() <= 5) return false;
-  for (size_t i = 5; i < name.size(); ++i) {
-    if (name[i] < '0' || name[i] > '9') return false;
-  }
-  *step = std::stoll(name.substr(5));
-  return true;
 }
 
 }  // namespace
@@ -231,12 +214,21 @@ void load_optimizer_state(CheckpointReader& reader, ParameterList& params, AdamW
 
 std::string Checkpointer::step_dir_name(int64_t step) { return fmt::format("step-{:08d}", step); }
 
+bool Checkpointer::parse_step_dir_name(const std::string& name, int64_t* step) {
+  if (name.rfind("step-", 0) != 0 || name.size() <= 5 || name.size() > 5 + 18) return false;
+  for (size_t i = 5; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return false;
+  }
+  *step = std::stoll(name.substr(5));
+  return true;
+}
+
 std::vector<std::pair<int64_t, std::string>> Checkpointer::committed(const std::string& dir) {
   std::vector<std::pair<int64_t, std::string>> out;
   if (!fs::is_directory(dir)) return out;
   for (const auto& e : fs::directory_iterator(dir)) {
     int64_t step = 0;
-    if (e.is_directory() && parse_step_dir(e.path().filename().string(), &step) &&
+    if (e.is_directory() && parse_step_dir_name(e.path().filename().string(), &step) &&
         fs::exists(e.path() / "index.json")) {
       out.push_back({step, e.path().string()});
     }
@@ -416,14 +408,36 @@ void Checkpointer::commit(int64_t step, const Host& host, const nlohmann::json& 
   const fs::path tmp = root / (".tmp-" + step_dir_name(step));
   if (world_ == 1) fs::remove_all(tmp);  // many ranks share it: stale ones go at start (resolve_resume)
   fs::create_directories(tmp);
-  write_rank_files(tmp.string(), rank_, host.model, host.optimizer);
+  try {
+    // Fault injection: `error@write` is a full disk.
+    if (fault_point("write", step)) {
+      MT_THROW("{}: write failed: {} (injected by MOETRAIN_FAULT)",
+               (tmp / rank_file_name("model", rank_, "safetensors")).string(), std::strerror(ENOSPC));
+    }
+    write_rank_files(tmp.string(), rank_, host.model, host.optimizer);
+  } catch (const std::exception& e) {
+    // Tell rank 0, which would otherwise wait commit_timeout for this rank's manifest (best
+    // effort: on a full disk this small file may fail too).
+    if (std::FILE* f = std::fopen((tmp / rank_file_name("failed", rank_, "txt")).c_str(), "wb")) {
+      std::fputs(e.what(), f);
+      std::fclose(f);
+    }
+    throw;
+  }
   crash_point("files", step);
   if (rank_ != 0) return;  // rank 0 commits
   // Every rank's manifest is written last and atomically: once all exist, all files are complete.
   for (const auto deadline = Clock::now() + commit_timeout_;;) {
     std::vector<int> missing;
     for (int r = 0; r < world_; ++r) {
-      if (!fs::exists(tmp / rank_file_name("manifest", r, "json"))) missing.push_back(r);
+      if (fs::exists(tmp / rank_file_name("manifest", r, "json"))) continue;
+      missing.push_back(r);
+      const fs::path failed = tmp / rank_file_name("failed", r, "txt");
+      if (r != rank_ && fs::exists(failed)) {
+        std::ifstream in(failed);
+        const std::string why((std::istreambuf_iterator<char>(in)), {});
+        MT_THROW("checkpoint step {} is not committed: rank {} could not write its files: {}", step, r, why);
+      }
     }
     if (missing.empty()) break;
     if (Clock::now() >= deadline) {
@@ -456,6 +470,13 @@ void Checkpointer::commit(int64_t step, const Host& host, const nlohmann::json& 
     fsync_dir(root);
   }
   crash_point("latest", step);
+  if (on_commit_) {
+    try {
+      on_commit_(step, final_dir.string());
+    } catch (const std::exception& e) {
+      spdlog::error("checkpoint: step {} committed, but handing it on failed: {}", step, e.what());
+    }
+  }
   uint64_t bytes = 0;
   for (const auto& e : fs::directory_iterator(final_dir)) bytes += e.file_size();
   if (keep_ > 0) {
@@ -474,7 +495,7 @@ std::string resolve_resume(const std::string& dir, const std::string& resume, bo
   if (remove_stale && fs::is_directory(dir)) {
     for (const auto& e : fs::directory_iterator(dir)) {
       const std::string n = e.path().filename().string();
-      if (n.rfind(".tmp-", 0) == 0) {
+      if (n.rfind(".tmp-", 0) == 0 || n.rfind(".download-", 0) == 0) {  // a download from the remote tier too
         spdlog::warn("checkpoint: removing {} (a save that never committed)", e.path().string());
         fs::remove_all(e.path());
       }

@@ -20,6 +20,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -91,6 +92,8 @@ struct SaveStats {
 // prune; their next save may start (into another .tmp-step-M) while rank 0 still commits.
 // A rank that never writes fails rank 0's commit after commit_timeout with an error naming
 // its rank and manifest (thrown by rank 0's next save or wait); earlier committed steps stay.
+// A rank whose writer fails (a full disk) says so in `failed-rNNNNN.txt` in the step's
+// temporary directory, and rank 0's commit fails at once naming it instead of waiting.
 // Every rank must save the same steps; `trainer_state` is written by rank 0 only.
 class Checkpointer {
  public:
@@ -112,11 +115,17 @@ class Checkpointer {
   // Whether the last save is still being written (its background writer has not finished).
   bool busy();
   const std::string& dir() const { return dir_; }
+  // Called on rank 0 by the writer right after each commit (before pruning), with the
+  // step and its directory: the remote tier's uploader takes it from there. It must return
+  // quickly; an error it throws is logged and does not undo the commit.
+  void set_on_commit(std::function<void(int64_t step, const std::string& step_dir)> f) { on_commit_ = std::move(f); }
 
   // The committed checkpoint directories under `dir`, oldest first (step-N with an index).
   static std::vector<std::pair<int64_t, std::string>> committed(const std::string& dir);
   // The directory name of step N ("step-00000100").
   static std::string step_dir_name(int64_t step);
+  // The step of a directory name step_dir_name gives; false for any other name.
+  static bool parse_step_dir_name(const std::string& name, int64_t* step);
 
  private:
   struct Host {  // the snapshot: host copies of every item
@@ -130,6 +139,7 @@ class Checkpointer {
   bool async_;
   int rank_, world_;
   std::chrono::seconds commit_timeout_;
+  std::function<void(int64_t, const std::string&)> on_commit_;
   Host host_;  // reused across saves while the shapes stay the same
   // Device f32: split masters are joined here on their way to the host, at most this many
   // elements at a time (64 MB).

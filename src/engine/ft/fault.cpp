@@ -5,6 +5,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,6 +20,7 @@ struct Fault {
   std::string action, point;
   double stall_s = 0;
   int64_t rank = -1, step = -1, generation = -1;  // -1: any
+  int64_t count = -1;                              // -1: every time
 };
 
 int64_t env_int(const char* name) {
@@ -53,26 +55,31 @@ std::vector<Fault> parse(const std::string& text) {
       if (k == "rank") f.rank = v;
       else if (k == "step") f.step = v;
       else if (k == "generation") f.generation = v;
-      else MT_THROW("MOETRAIN_FAULT: unknown key '{}' in '{}' (rank, step, generation)", k, one);
+      else if (k == "count") f.count = v;
+      else MT_THROW("MOETRAIN_FAULT: unknown key '{}' in '{}' (rank, step, generation, count)", k, one);
     }
     if (f.action.rfind("stall=", 0) == 0) {
       f.stall_s = std::strtod(f.action.c_str() + 6, nullptr);
       f.action = "stall";
     }
     MT_CHECK(f.action == "kill" || f.action == "kill_node" || f.action == "exit" || f.action == "stall" ||
-                 f.action == "term",
-             "MOETRAIN_FAULT: unknown action '{}' in '{}' (kill, kill_node, exit, stall=SECONDS, term)", f.action, one);
+                 f.action == "term" || f.action == "error",
+             "MOETRAIN_FAULT: unknown action '{}' in '{}' (kill, kill_node, exit, stall=SECONDS, term, error)",
+             f.action, one);
     const bool known = f.point == "step_begin" || f.point == "save" || f.point == "files" || f.point == "index" ||
-                       f.point == "rename" || f.point == "latest";
-    MT_CHECK(known, "MOETRAIN_FAULT: unknown point '{}' in '{}' (step_begin, save, files, index, rename, latest)",
+                       f.point == "rename" || f.point == "latest" || f.point == "write" || f.point == "upload" ||
+                       f.point == "s3";
+    MT_CHECK(known,
+             "MOETRAIN_FAULT: unknown point '{}' in '{}' (step_begin, save, files, index, rename, latest, write, "
+             "upload, s3)",
              f.point, one);
     out.push_back(f);
   }
   return out;
 }
 
-const std::vector<Fault>* faults() {
-  static const std::vector<Fault>* parsed = [] {
+std::vector<Fault>* faults() {
+  static std::vector<Fault>* parsed = [] {
     const char* v = std::getenv("MOETRAIN_FAULT");
     return v && *v ? new std::vector<Fault>(parse(v)) : nullptr;
   }();
@@ -81,14 +88,21 @@ const std::vector<Fault>* faults() {
 
 }  // namespace
 
-void fault_point(std::string_view point, int64_t step) {
-  const std::vector<Fault>* all = faults();
-  if (all == nullptr) return;
+bool fault_point(std::string_view point, int64_t step) {
+  std::vector<Fault>* all = faults();
+  if (all == nullptr) return false;
+  static std::mutex mu;  // points fire from the training, writer and uploader threads
   const int64_t rank = env_int("RANK"), generation = env_int("TORCHELASTIC_RESTART_COUNT");
-  for (const Fault& f : *all) {
+  bool error = false;
+  for (Fault& f : *all) {
     if (f.point != point || (f.rank >= 0 && f.rank != rank) || (f.step >= 0 && f.step != step) ||
         (f.generation >= 0 && f.generation != generation)) {
       continue;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (f.count == 0) continue;
+      if (f.count > 0) --f.count;
     }
     spdlog::warn("fault injected: {} at {} (rank {}, step {}, generation {}, t={:.6f})", f.action, point, rank, step,
                  generation, std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
@@ -102,7 +116,9 @@ void fault_point(std::string_view point, int64_t step) {
     if (f.action == "exit") ::_exit(3);
     if (f.action == "term") ::kill(::getpid(), SIGTERM);
     if (f.action == "stall") std::this_thread::sleep_for(std::chrono::duration<double>(f.stall_s));
+    if (f.action == "error") error = true;
   }
+  return error;
 }
 
 }  // namespace moetrain

@@ -6,14 +6,20 @@
 //     ACTION  kill (SIGKILL to itself: no cleanup, as a machine failure), kill_node (SIGKILL
 //             to its launcher, then to itself: the launcher's other workers die with it, a
 //             node lost for good), exit (status 3),
-//             stall=SECONDS (sleeps there), term (SIGTERM to itself: a preemption notice)
+//             stall=SECONDS (sleeps there), term (SIGTERM to itself: a preemption notice),
+//             error (fault_point returns true: the caller fails as that point's storage
+//             would: `write` with ENOSPC, `s3` with HTTP 503)
 //     POINT   step_begin (before a step's batches; step = the step about to run, 1-based),
 //             save (before a checkpoint's snapshot; step = the step saved),
 //             files, index, rename, latest (the commit of a step, in that order: this
 //             rank's files written; rank 0: the index written, the directory renamed, the
-//             `latest` pointer moved; the points of MOETRAIN_CHECKPOINT_CRASH too)
+//             `latest` pointer moved; the points of MOETRAIN_CHECKPOINT_CRASH too),
+//             write (a rank's writer, before its files of the step),
+//             upload (rank 0's uploader to the remote tier, before it mirrors the step),
+//             s3 (every try of an S3 request; no step: a step filter never matches it)
 //     rank, step, generation: fire only there (RANK, the step, TORCHELASTIC_RESTART_COUNT as
 //             `moetrain launch --max-restarts` sets it); omitted: everywhere.
+//     count=N: fire only the first N times the point matches in this process.
 //
 // A malformed value is an error naming it, at the first point reached.
 #pragma once
@@ -23,6 +29,7 @@
 
 namespace moetrain {
 
-void fault_point(std::string_view point, int64_t step);
+// Fires the faults named for this point; returns whether one of them was `error`.
+bool fault_point(std::string_view point, int64_t step);
 
 }  // namespace moetrain
