@@ -6,6 +6,9 @@
 //   - the local disk lost: a run mirrors its steps, the next one is killed, the checkpoint
 //     folder is deleted; the run started again (a fresh node) downloads the newest remote
 //     step and ends bitwise as the fault-free run;
+//   - rank 0 killed in the middle of an upload (its 13th S3 request) and the job started again:
+//     no half-uploaded step counts as committed remotely, the run ends bitwise as the
+//     fault-free one and its last step is mirrored;
 //   - the S3 server down at the start and during the saves, back only once the last step's
 //     upload has failed: training goes on at full speed, every step commits locally, the
 //     uploader tries the last step again and it commits remotely before the run ends;
@@ -123,6 +126,27 @@ TEST_F(ChaosRemote, ALostLocalDiskResumesFromTheRemoteTierBitwise) {
   expect_bitwise_same_end("clean", "lost");
   EXPECT_EQ(remote_steps("lost").back(), kSteps);
   EXPECT_EQ(remote_steps("lost").size(), 3u);  // remote_keep = 3
+}
+
+TEST_F(ChaosRemote, AKillInTheMiddleOfAnUploadLeavesNoHalfStepAndTheRunEndsBitwise) {
+  const auto clean = launch("clean", "", "", false);
+  ASSERT_EQ(clean.status, 0) << clean.output;
+  // Rank 0's 13th S3 request: after the listing at the start, within the first steps' files.
+  const auto killed = launch("midway", "kill@s3:rank=0:skip=12");
+  EXPECT_NE(killed.status, 0) << killed.output;
+  EXPECT_TRUE(has(killed.output, "fault injected: kill at s3 (rank 0")) << killed.output;
+  // Whatever was committed remotely is whole (RemoteTier::committed checks every marker's files).
+  const auto before = remote_steps("midway");
+  for (int64_t s : before) EXPECT_LE(s, static_cast<int64_t>(local_steps("midway").back())) << s;
+  // The job started again resumes from its newest local step and mirrors on.
+  const auto again = launch("midway");
+  ASSERT_EQ(again.status, 0) << again.output;
+  expect_bitwise_same_end("clean", "midway");
+  const auto remote = remote_steps("midway");
+  ASSERT_FALSE(remote.empty());
+  EXPECT_EQ(remote.back(), kSteps);
+  EXPECT_TRUE(has(again.output, fmt::format("checkpoint: step {} mirrored to {}", kSteps, url("midway"))))
+      << again.output;
 }
 
 TEST_F(ChaosRemote, AnS3ServerDownThenBackHoldsNoStepUpAndTheLastStepCommitsRemotely) {

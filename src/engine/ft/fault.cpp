@@ -21,6 +21,7 @@ struct Fault {
   double stall_s = 0;
   int64_t rank = -1, step = -1, generation = -1;  // -1: any
   int64_t count = -1;                              // -1: every time
+  int64_t skip = 0;                                // matches passed over before it fires
 };
 
 int64_t env_int(const char* name) {
@@ -56,7 +57,8 @@ std::vector<Fault> parse(const std::string& text) {
       else if (k == "step") f.step = v;
       else if (k == "generation") f.generation = v;
       else if (k == "count") f.count = v;
-      else MT_THROW("MOETRAIN_FAULT: unknown key '{}' in '{}' (rank, step, generation, count)", k, one);
+      else if (k == "skip") f.skip = v;
+      else MT_THROW("MOETRAIN_FAULT: unknown key '{}' in '{}' (rank, step, generation, count, skip)", k, one);
     }
     if (f.action.rfind("stall=", 0) == 0) {
       f.stall_s = std::strtod(f.action.c_str() + 6, nullptr);
@@ -101,6 +103,10 @@ bool fault_point(std::string_view point, int64_t step) {
     }
     {
       std::lock_guard<std::mutex> lock(mu);
+      if (f.skip > 0) {
+        --f.skip;
+        continue;
+      }
       if (f.count == 0) continue;
       if (f.count > 0) --f.count;
     }

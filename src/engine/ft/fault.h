@@ -20,6 +20,8 @@
 //     rank, step, generation: fire only there (RANK, the step, TORCHELASTIC_RESTART_COUNT as
 //             `moetrain launch --max-restarts` sets it); omitted: everywhere.
 //     count=N: fire only the first N times the point matches in this process.
+//     skip=N: pass over the first N matches in this process (`kill@s3:rank=0:skip=12`: the
+//             13th S3 request of rank 0, in the middle of some step's upload).
 //
 // A malformed value is an error naming it, at the first point reached.
 #pragma once
