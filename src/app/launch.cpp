@@ -275,32 +275,32 @@ int run_selftest(const SelftestArgs& a) {
 std::function<int()> add_launch_commands(CLI::App& app) {
   auto la = std::make_shared<LaunchArgs>();
   CLI::App* launch = app.add_subcommand("launch", "run N workers of a moetrain command on this machine");
-  launch->add_option("-n,--nproc,--nproc-per-node", la->nproc, "number of workers (ranks) on this node")
+  launch->add_option("-n,--nproc,--nproc-per-node,--nproc_per_node", la->nproc, "number of workers (ranks) on this node")
       ->required()
       ->check(CLI::PositiveNumber);
   launch->add_option("--nnodes", la->nnodes,
                      "nodes in the job: N, or MIN:MAX for an elastic job that goes on with at least MIN when nodes "
                      "are lost (needs --rdzv-endpoint)")
       ->capture_default_str();
-  launch->add_option("--rdzv-endpoint", la->rdzv_endpoint,
+  launch->add_option("--rdzv-endpoint,--rdzv_endpoint", la->rdzv_endpoint,
                      "HOST:PORT where every node's agent meets (c10d: the TCP store, served by the agent on HOST "
                      "or by `moetrain rdzv-server`; etcd: its client URL)");
-  launch->add_option("--rdzv-backend", la->rdzv_backend, "c10d (the TCP store) or etcd")->capture_default_str();
-  launch->add_option("--rdzv-id", la->rdzv_id, "the job's id: its keys in the store (use the scheduler's job id)")
+  launch->add_option("--rdzv-backend,--rdzv_backend", la->rdzv_backend, "c10d (the TCP store) or etcd")->capture_default_str();
+  launch->add_option("--rdzv-id,--rdzv_id", la->rdzv_id, "the job's id: its keys in the store (use the scheduler's job id)")
       ->capture_default_str();
-  launch->add_option("--rdzv-conf", la->rdzv_conf,
+  launch->add_option("--rdzv-conf,--rdzv_conf", la->rdzv_conf,
                      "KEY=VALUE,...: join_timeout, last_call_timeout, keep_alive_timeout (seconds), journal (a file "
                      "for the TCP store this agent serves)");
-  launch->add_option("--monitor-interval", la->monitor_interval_s,
+  launch->add_option("--monitor-interval,--monitor_interval", la->monitor_interval_s,
                      "seconds between the agent's checks of the round (another node's failure) while workers run")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  launch->add_option("--local-addr", la->local_addr, "address the other nodes reach this one at (default: hostname)");
+  launch->add_option("--local-addr,--local_addr", la->local_addr, "address the other nodes reach this one at (default: hostname)");
   launch->add_option("--store-dir", la->store_dir, "where the fresh rendezvous directory is made (default: the temp dir)");
   launch->add_option("--grace", la->grace_s, "seconds between SIGTERM and SIGKILL when stopping workers")
       ->capture_default_str();
   launch->add_option("--master-port", la->master_port, "MASTER_PORT for the workers (default: a free port)");
-  launch->add_option("--max-restarts", la->max_restarts,
+  launch->add_option("--max-restarts,--max_restarts", la->max_restarts,
                      "when a worker fails, stop the others and start them all again (resuming from the newest "
                      "committed checkpoint) up to N times")
       ->check(CLI::NonNegativeNumber)
@@ -314,8 +314,11 @@ std::function<int()> add_launch_commands(CLI::App& app) {
   launch->add_option("command", la->command, "the moetrain subcommand each worker runs, then its arguments");
   launch->prefix_command();
   launch->footer("Example: moetrain launch -n 4 -- train --config configs/tiny.toml\n"
-                 "Each worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and "
-                 "MOETRAIN_STORE; when one fails, the others are stopped.");
+                 "Many nodes (run on each): moetrain launch -n 8 --nnodes 2:4 --rdzv-endpoint node0:29400 "
+                 "--rdzv-id JOB --max-restarts 5 -- train --config C\n"
+                 "Each worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT "
+                 "and MOETRAIN_STORE; when one fails, the others are stopped. torchrun's underscore spellings "
+                 "(--nproc_per_node, --rdzv_endpoint, ...) are accepted too.");
 
   auto server_port = std::make_shared<int>(0);
   auto server_journal = std::make_shared<std::string>();

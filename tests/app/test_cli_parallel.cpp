@@ -151,6 +151,17 @@ TEST_F(ParallelCli, ALayoutThatDoesNotFitTheWorldIsNamed) {
   EXPECT_NE(r.output.find("pp * cp * tp * ep = 1 * 1 * 1 * 4"), std::string::npos) << r.output;
 }
 
+// torchrun's spellings carry over: --nproc_per_node and the other underscore forms.
+TEST_F(ParallelCli, TorchrunSpellingsOfTheLaunchOptionsAreAccepted) {
+  Result r = run("launch --nproc_per_node 2 --max_restarts 0 --monitor_interval 0.2 -- comm-selftest");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("rank 1 of 2 ok"), std::string::npos) << r.output;
+  // --nnodes above 1 without a rendezvous endpoint says what is missing.
+  Result bad = run("launch --nproc-per-node 1 --nnodes 2:4 -- comm-selftest");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.output.find("--nnodes 2:4 needs --rdzv-endpoint"), std::string::npos) << bad.output;
+}
+
 // Pipelines: 8 layers (DualPipeV over 4 ranks has 8 chunks), 8 micro-batches per step
 // (DualPipeV needs at least 2 pp).
 const char* kPipe = "--model.num_hidden_layers=8 --training.grad_accum_steps=8 --training.sample_tokens=0";
