@@ -104,7 +104,8 @@ int run_elastic_agent(const ElasticConfig& cfg, LaunchSpec workers) {
       rdzv.leave(a.round, /*member=*/true);
       return r.exit_code;
     }
-    if (end.reason == "failure") failure_at = end.at;
+    // The next round's workers measure their downtime from a failure; a scale-up is none.
+    failure_at = end.reason == "failure" ? end.at : 0;
     const int failures = a.failures + (end.reason == "failure" ? 1 : 0);
     if (failures > cfg.max_restarts) {
       std::fprintf(stderr, "moetrain: error: launch: %s (after %d restarts: --max-restarts %d reached)\n",

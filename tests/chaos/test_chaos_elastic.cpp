@@ -267,6 +267,10 @@ TEST_F(ElasticChaos, AReplacementNodeScalesTheJobBackUp) {
   EXPECT_NE(a->output().find("round 2: node"), std::string::npos) << a->output();
   EXPECT_NE(a->output().find("of 2 (2 workers"), std::string::npos) << a->output();
   expect_world_sizes("grown", {4, 4, 4, 2, 2, 4, 4});
+  // Downtime is reported after the node loss (step 4); the scale-up (step 6) was no failure.
+  const auto m = read_metrics(run("grown"));
+  EXPECT_TRUE(m[3].contains("restart_downtime_s")) << m[3].dump();
+  EXPECT_FALSE(m[5].contains("restart_downtime_s")) << m[5].dump();
   expect_every_step_committed_once(run("grown"), kSteps);
   // The reference: the same three legs as single-node runs.
   ASSERT_EQ(launch(4, "legs", "--training.stop_after_steps=3").status, 0);
