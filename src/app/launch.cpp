@@ -20,6 +20,7 @@
 #include "comm/tcp_store.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/timer.h"
 
 namespace moetrain::app {
 namespace {
@@ -180,11 +181,11 @@ int run_launch(const LaunchArgs& a, const std::vector<std::string>& worker_args)
     spec.env = {{"TORCHELASTIC_RESTART_COUNT", std::to_string(generation)},
                 {"TORCHELASTIC_MAX_RESTARTS", std::to_string(a.max_restarts)},
                 {"MOETRAIN_FAILURE_AT", fmt::format("{:.6f}", failure_at)}};
-    const auto started = std::chrono::steady_clock::now();
+    const auto started = SteadyClock::now();
     LaunchResult r = launch_workers(spec);
     if (r.exit_code == 0) return 0;
     failure_at = r.failed_at;
-    const double ran_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    const double ran_s = seconds_since(started);
     if (r.interrupted || generation >= a.max_restarts) {
       const std::string why = r.interrupted || a.max_restarts == 0
                                   ? std::string()

@@ -17,6 +17,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/timer.h"
 
 extern char** environ;
 
@@ -265,7 +266,7 @@ LaunchResult launch_workers(const LaunchSpec& spec) {
   Clock::time_point next_monitor = Clock::now() + spec.monitor_interval;
   auto mark_failed = [&] {
     failed_at = Clock::now();
-    result.failed_at = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    result.failed_at = epoch_seconds();
   };
   while (true) {
     std::vector<pollfd> fds{{wake[0], POLLIN, 0}};

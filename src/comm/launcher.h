@@ -32,9 +32,9 @@ struct LaunchSpec {
   // Many nodes (the elastic agent, comm/rendezvous.h): this node's place in the job. Worker i
   // here is global rank rank_offset + i of world_size (0: nproc), with GROUP_RANK = node_rank.
   int rank_offset = 0, world_size = 0, node_rank = 0;
-  // MOETRAIN_STORE for the workers; empty: the fresh store directory (one machine).
   std::vector<std::string> argv;  // the worker command; argv[0] is looked up in PATH
   std::vector<std::pair<std::string, std::string>> env;  // more variables for the workers
+  // MOETRAIN_STORE for the workers; empty: the fresh store directory (one machine).
   std::string worker_store;
   std::string store_parent;       // where the fresh store directory goes; empty: the temp dir
   std::string master_addr = "127.0.0.1";

@@ -11,37 +11,16 @@
 #include <thread>
 
 #include "comm/etcd_store.h"
+#include "comm/store.h"
 #include "comm/tcp_store.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/timer.h"
 
 namespace moetrain {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double now_epoch_s() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
-// host:port -> (host, port); "[v6]:port" too. Errors name the option.
-std::pair<std::string, int> split_endpoint(const std::string& endpoint) {
-  const size_t colon = endpoint.rfind(':');
-  MT_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < endpoint.size(),
-           "--rdzv-endpoint '{}' is not HOST:PORT", endpoint);
-  std::string host = endpoint.substr(0, colon);
-  if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
-  int port = 0;
-  try {
-    size_t used = 0;
-    port = std::stoi(endpoint.substr(colon + 1), &used);
-    MT_CHECK(used == endpoint.size() - colon - 1, "");
-  } catch (const std::exception&) {
-    port = -1;
-  }
-  MT_CHECK(port > 0 && port < 65536, "--rdzv-endpoint '{}': the port is not a number in 1..65535", endpoint);
-  return {host, port};
-}
 
 // Whether `host` names this machine: its name, a loopback address or one of its interfaces'.
 bool is_this_machine(const std::string& host) {
@@ -78,7 +57,7 @@ bool is_this_machine(const std::string& host) {
 class TcpRendezvousStore : public RendezvousStore {
  public:
   explicit TcpRendezvousStore(const RendezvousConfig& cfg) {
-    auto [host, port] = split_endpoint(cfg.endpoint);
+    auto [host, port] = split_host_port(fmt::format("--rdzv-endpoint '{}'", cfg.endpoint), cfg.endpoint, 0);
     if (is_this_machine(host)) {
       try {
         server_ = std::make_unique<TcpStoreServer>(port, cfg.journal);
@@ -189,7 +168,7 @@ std::optional<RoundEnd> Rendezvous::ended(int round) {
 
 RoundEnd Rendezvous::end(int round, const std::string& reason, const std::string& message, double at) {
   const std::string rec = nlohmann::json{
-      {"reason", reason}, {"by", self_.agent}, {"message", message}, {"at", at > 0 ? at : now_epoch_s()}}
+      {"reason", reason}, {"by", self_.agent}, {"message", message}, {"at", at > 0 ? at : epoch_seconds()}}
                               .dump();
   store_->set_once(key(round, "end"), rec);
   return *ended(round);

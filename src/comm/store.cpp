@@ -39,25 +39,20 @@ class Store::GlooView : public gloo::rendezvous::Store {
   moetrain::Store* owner_;
 };
 
-namespace {
-
-// "host:port" -> (host, port); the port is required unless `default_port` > 0.
-std::pair<std::string, int> host_port(const std::string& spec, const std::string& rest, int default_port) {
-  size_t colon = rest.rfind(':');
-  std::string host = colon == std::string::npos ? rest : rest.substr(0, colon);
+std::pair<std::string, int> split_host_port(const std::string& what, const std::string& text, int default_port) {
+  size_t colon = text.rfind(':');
+  std::string host = colon == std::string::npos ? text : text.substr(0, colon);
   int port = default_port;
   if (colon != std::string::npos) {
-    std::string p = rest.substr(colon + 1);
+    std::string p = text.substr(colon + 1);
     auto [end, ec] = std::from_chars(p.data(), p.data() + p.size(), port);
     MT_CHECK(ec == std::errc() && end == p.data() + p.size() && port > 0 && port < 65536,
-             "store '{}': port '{}' is not a number from 1 to 65535", spec, p);
+             "{}: port '{}' is not a number from 1 to 65535", what, p);
   }
   if (host.size() > 1 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
-  MT_CHECK(!host.empty() && port > 0, "store '{}': expected HOST:PORT", spec);
+  MT_CHECK(!host.empty() && port > 0, "{}: expected HOST:PORT", what);
   return {host, port};
 }
-
-}  // namespace
 
 Store::Store(std::shared_ptr<Backend> backend, std::string prefix, std::chrono::milliseconds timeout)
     : backend_(std::move(backend)), prefix_(std::move(prefix)), timeout_(timeout),
@@ -72,11 +67,11 @@ std::shared_ptr<Store> Store::open(const std::string& spec, int rank, std::chron
       b->store = std::make_shared<gloo::rendezvous::HashStore>();
       b->description = "memory store";
     } else if (spec.rfind("redis://", 0) == 0) {
-      auto [host, port] = host_port(spec, spec.substr(8), 6379);
+      auto [host, port] = split_host_port(fmt::format("store '{}'", spec), spec.substr(8), 6379);
       b->store = std::make_shared<gloo::rendezvous::RedisStore>(host, port);
       b->description = "redis store " + spec.substr(8);
     } else if (spec.rfind("tcp://", 0) == 0) {
-      auto [host, port] = host_port(spec, spec.substr(6), 0);
+      auto [host, port] = split_host_port(fmt::format("store '{}'", spec), spec.substr(6), 0);
       b->store = std::make_shared<TcpStore>(host, port, rank == 0, timeout);
       b->description = "tcp store " + spec.substr(6);
     } else {

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace gloo::rendezvous {
@@ -70,5 +71,9 @@ class Store {
 //      on this machine;
 //   otherwise an Error saying what to set.
 std::string default_store_spec(const LaunchEnv& env);
+
+// "host:port" (or "[v6]:port") -> (host, port); without a port, `default_port` when it is
+// > 0, else an error. Errors begin with `what` ("store 'tcp://x'", "--rdzv-endpoint 'x'").
+std::pair<std::string, int> split_host_port(const std::string& what, const std::string& text, int default_port);
 
 }  // namespace moetrain

@@ -84,7 +84,7 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   const AdamWConfig adamw{oc.beta1, oc.beta2, oc.eps, oc.weight_decay, oc.moments == "bf16"};
   if (par.distributed()) {
     c.model->set_data_group(par.data_group(), par.bridge.get());
-    const bool shard_weights = choose_shard_weights(cfg.parallel.shard_weights, *c.model, par.device, pipelined ? 2 : 1);
+    const bool shard_weights = choose_shard_weights(cfg.parallel.shard_weights, *c.model, par.device, pipelined);
     c.fsdp = std::make_unique<FsdpContext>(*c.model, *par.comms->shard_dense, *par.comms->shard_experts,
                                            *par.comms->replica_world, adamw, shard_weights, par.bridge.get());
     if (pipelined) c.pipeline = std::make_unique<PipelineExecutor>(*c.model, *c.dispatcher, par.pp_group(), c.chunks);
@@ -96,10 +96,11 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   return ctx;
 }
 
-bool choose_shard_weights(const std::string& setting, Model& model, const Device& device, int pp, int64_t memory) {
+bool choose_shard_weights(const std::string& setting, Model& model, const Device& device, bool pipelined,
+                          int64_t memory) {
   // Under a pipeline many micro-batches are in flight at once, so weights stay whole
   // (ZeRO-2): gathering them per micro-batch and chunk would multiply the traffic.
-  if (pp > 1) {
+  if (pipelined) {
     if (setting == "true") {
       spdlog::info("parallel: weights kept whole under pipeline parallelism (ZeRO-2: gradients and optimizer "
                    "state sharded)");

@@ -1,6 +1,6 @@
 // TrainContext: the live state one rank trains with, built from a RunConfig in one call for
 // `train` and `bench` alike: the rank's place in the mesh (ParallelContext), the pipeline
-// schedules and chunks when pp > 1, the part of the model the rank holds, the expert
+// schedules and chunks when pp > 1 (or ep_overlap), the part of the model the rank holds, the expert
 // dispatcher, the optimizer (sharded over the data ranks when there are several) and the
 // pipeline executor. step() runs one optimizer step the way the layout needs.
 #pragma once
@@ -25,7 +25,8 @@ namespace moetrain {
 // `setting` ("auto", "true", "false"): never under a pipeline; with "auto", only when this
 // rank's whole weights and f32 gradients would take more than a quarter of its memory (the
 // choice is logged with the numbers). `memory`: the rank's bytes (0: the device's, or the host's).
-bool choose_shard_weights(const std::string& setting, Model& model, const Device& device, int pp, int64_t memory = 0);
+bool choose_shard_weights(const std::string& setting, Model& model, const Device& device, bool pipelined,
+                          int64_t memory = 0);
 
 struct TrainContext {
   ParallelContext par;
@@ -35,8 +36,8 @@ struct TrainContext {
     cuda::Stream stream = nullptr;
     ~StreamHolder();
   } comm_stream;
-  std::unique_ptr<PipelineSchedule> pipe_train, pipe_val;  // pp > 1: a step, a validation pass
-  std::vector<ChunkSpec> chunks;                           // pp > 1: the model cut for them
+  std::unique_ptr<PipelineSchedule> pipe_train, pipe_val;  // pipelined: a step, a validation pass
+  std::vector<ChunkSpec> chunks;                           // pipelined: the model cut for them
   std::unique_ptr<Model> model;                            // this rank's part, initialised
   std::unique_ptr<ExpertDispatcher> dispatcher;            // local, or all-to-all over ep
   std::unique_ptr<FsdpContext> fsdp;                       // several ranks: sharded optimizer

@@ -429,8 +429,7 @@ class RunLog {
     m.restart_generation = ctx_.par.env.restart_generation;
     m.world_size = ctx_.par.world;
     if (step == start_step_ + 1 && ctx_.par.env.failure_at > 0) {
-      const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-      m.restart_downtime_s = now - seconds - ctx_.par.env.failure_at;
+      m.restart_downtime_s = epoch_seconds() - seconds - ctx_.par.env.failure_at;
     }
     return m;
   }

@@ -1,6 +1,8 @@
 // launch_workers: the environment workers see, their output, and fail-fast: one worker
 // dying brings the others down within seconds and the result names it.
 #include <gtest/gtest.h>
+
+#include <memory>
 #include <signal.h>
 #include <unistd.h>
 
@@ -49,6 +51,16 @@ LaunchSpec shell_workers(int n, const std::string& script, Output& out) {
 }
 
 bool alive(pid_t pid) { return ::kill(pid, 0) == 0; }
+
+// SIGTERM to this process (the launcher: its own handler catches it) once every worker of
+// `spec` has printed "ready".
+void term_launcher_when_ready(LaunchSpec& spec) {
+  auto ready = std::make_shared<int>(0);
+  spec.on_line = [collect = spec.on_line, ready, n = spec.nproc](int rank, int stream, const std::string& line) {
+    collect(rank, stream, line);
+    if (line == "ready" && ++*ready == n) ::kill(::getpid(), SIGTERM);
+  };
+}
 
 TEST(CommLauncher, WorkersSeeTheirRankStoreAndPort) {
   Output out;
@@ -150,12 +162,7 @@ TEST(CommLauncher, WorkersIgnoringTheStopSignalAreKilledAfterTheGrace) {
 TEST(CommLauncher, SigtermToTheLauncherReachesTheWorkers) {
   Output out;
   LaunchSpec spec = shell_workers(2, "echo ready; exec sleep 60", out);
-  int ready = 0;
-  auto collect = spec.on_line;
-  spec.on_line = [&](int rank, int stream, const std::string& line) {
-    collect(rank, stream, line);
-    if (line == "ready" && ++ready == 2) ::kill(::getpid(), SIGTERM);  // the launcher's own handler catches it
-  };
+  term_launcher_when_ready(spec);
   auto start = Clock::now();
   LaunchResult r = launch_workers(spec);
   EXPECT_LT(Clock::now() - start, 8s);
@@ -168,12 +175,7 @@ TEST(CommLauncher, SigtermToTheLauncherReachesTheWorkers) {
 TEST(CommLauncher, SigtermThatEveryWorkerAnswersWithExit0EndsCleanly) {
   Output out;
   LaunchSpec spec = shell_workers(2, "trap 'exit 0' TERM; echo ready; while true; do sleep 0.1; done", out);
-  int ready = 0;
-  auto collect = spec.on_line;
-  spec.on_line = [&](int rank, int stream, const std::string& line) {
-    collect(rank, stream, line);
-    if (line == "ready" && ++ready == 2) ::kill(::getpid(), SIGTERM);
-  };
+  term_launcher_when_ready(spec);
   LaunchResult r = launch_workers(spec);
   EXPECT_TRUE(r.interrupted);
   EXPECT_EQ(r.exit_code, 0) << r.message;

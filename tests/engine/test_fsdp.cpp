@@ -30,15 +30,15 @@ Qwen3MoeConfig three_layers() {
 
 TEST(Fsdp, AutoShardsWeightsOnlyWhenWholeOnesWouldCrowdTheMemory) {
   Qwen3MoeModel small(three_layers(), DType::F32);
-  EXPECT_FALSE(choose_shard_weights("auto", small, Device::cpu(), 1)) << "a few KB: ZeRO-2";
-  EXPECT_TRUE(choose_shard_weights("true", small, Device::cpu(), 1));
-  EXPECT_FALSE(choose_shard_weights("false", small, Device::cpu(), 1));
-  EXPECT_FALSE(choose_shard_weights("true", small, Device::cpu(), 2)) << "a pipeline keeps weights whole";
+  EXPECT_FALSE(choose_shard_weights("auto", small, Device::cpu(), false)) << "a few KB: ZeRO-2";
+  EXPECT_TRUE(choose_shard_weights("true", small, Device::cpu(), false));
+  EXPECT_FALSE(choose_shard_weights("false", small, Device::cpu(), false));
+  EXPECT_FALSE(choose_shard_weights("true", small, Device::cpu(), true)) << "a pipeline keeps weights whole";
   // The same model on a rank with less than 4x its weights and gradients in memory.
   int64_t whole = 0;
   for (const Parameter& p : small.parameters()) whole += 8 * p.value.numel();  // f32 value + f32 gradient
-  EXPECT_TRUE(choose_shard_weights("auto", small, Device::cpu(), 1, 4 * whole - 4)) << "ZeRO-3";
-  EXPECT_FALSE(choose_shard_weights("auto", small, Device::cpu(), 1, 4 * whole)) << "ZeRO-2 at the quarter";
+  EXPECT_TRUE(choose_shard_weights("auto", small, Device::cpu(), false, 4 * whole - 4)) << "ZeRO-3";
+  EXPECT_FALSE(choose_shard_weights("auto", small, Device::cpu(), false, 4 * whole)) << "ZeRO-2 at the quarter";
 }
 
 TEST(Fsdp, ShardedWeightsAreGatheredJustInTimeWithTheNextLayerPrefetched) {

@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/timer.h"
 
 namespace moetrain {
 namespace {
@@ -111,7 +112,7 @@ bool fault_point(std::string_view point, int64_t step) {
       if (f.count > 0) --f.count;
     }
     spdlog::warn("fault injected: {} at {} (rank {}, step {}, generation {}, t={:.6f})", f.action, point, rank, step,
-                 generation, std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
+                 generation, epoch_seconds());
     if (f.action == "kill_node") {
       // A moment for the line above to reach the launcher's log; then the launcher, whose
       // other workers die with it (PR_SET_PDEATHSIG).
