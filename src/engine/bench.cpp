@@ -9,6 +9,7 @@
 #include "core/cuda_runtime.h"
 #include "core/log.h"
 #include "core/rng.h"
+#include "engine/parallel/all_gather_dispatch.h"
 #include "engine/train_context.h"
 #include "engine/trainer.h"
 #include "ops/ops.h"
@@ -96,10 +97,10 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
   // steps and the world (pipeline/executor.h Timing).
   std::vector<double> pipe(8, 0.0);  // step, busy, f ms, f n, b ms, b n, w ms, w n
   if (ctx->pipeline) ctx->pipeline->set_timing(true);
-  auto* a2a = dynamic_cast<AllToAllDispatcher*>(ctx->dispatcher.get());
-  if (a2a) {
-    a2a->take_timing();  // drop what the warm-up left
-    a2a->set_timing(true);
+  const bool exchanges = dynamic_cast<LocalDispatcher*>(ctx->dispatcher.get()) == nullptr;
+  if (exchanges) {
+    ctx->dispatcher->take_timing();  // drop what the warm-up left
+    ctx->dispatcher->set_timing(true);
   }
   auto t0 = std::chrono::steady_clock::now();
   for (int64_t i = 0; i < opt.steps; ++i) {
@@ -118,15 +119,16 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
       for (int k = 0; k < 8; ++k) pipe[k] += add[k];
     }
   }
-  if (a2a) {
-    a2a->set_timing(false);
-    const AllToAllDispatcher::ExchangeTiming t = a2a->take_timing();
-    std::vector<double> sums{t.total_ms, t.stalled_ms, static_cast<double>(t.exchanges)};
+  if (exchanges) {
+    ctx->dispatcher->set_timing(false);
+    const ExchangeTiming t = ctx->dispatcher->take_timing();
+    std::vector<double> sums{t.total_ms, t.stalled_ms, static_cast<double>(t.exchanges), t.bytes_sent};
     all_reduce_doubles(*par.comms->world, sums, device);
     const double per_rank_step = static_cast<double>(par.world) * static_cast<double>(opt.steps);
-    r.all_to_all = fmt::format("{:.2f} ms per step per rank in {:.0f} exchanges, {:.1f}% hidden behind compute "
-                               "({:.2f} ms stalled)",
-                               sums[0] / per_rank_step, sums[2] / per_rank_step,
+    r.exchange = fmt::format("{}: {:.2f} ms per step per rank in {:.0f} exchanges sending {:.1f} MB, {:.1f}% "
+                               "hidden behind compute ({:.2f} ms stalled)",
+                               dynamic_cast<AllGatherDispatcher*>(ctx->dispatcher.get()) ? "all-gather" : "all-to-all",
+                               sums[0] / per_rank_step, sums[2] / per_rank_step, sums[3] / per_rank_step / 1e6,
                                sums[0] > 0 ? 100.0 * (1.0 - sums[1] / sums[0]) : 0.0, sums[1] / per_rank_step);
   }
   if (ctx->pipeline) {
@@ -181,7 +183,7 @@ std::string format_bench(const BenchReport& r) {
                      r.ranks > 1 ? " per rank" : "");
   out += fmt::format("peak memory       {:.2f} GiB\n", r.peak_memory_bytes / 1073741824.0);
   if (!r.pipeline.empty()) out += fmt::format("pipeline          {}\n", r.pipeline);
-  if (!r.all_to_all.empty()) out += fmt::format("all-to-all        {}\n", r.all_to_all);
+  if (!r.exchange.empty()) out += fmt::format("expert exchange   {}\n", r.exchange);
   double total = 0;
   for (double v : r.stage_ms) total += v;
   out += "stage             ms/step   share\n";

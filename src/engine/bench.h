@@ -36,7 +36,7 @@ struct BenchReport {
   bool optimizer_overlapped = false;  // the step time had the optimizer on its own stream
   double peak_tflops = 0;
   std::string pipeline;    // pp > 1: the measured and the simulated bubble
-  std::string all_to_all;  // ep > 1: exchange time per step and how much compute hid
+  std::string exchange;  // ep > 1: the expert exchange's time and bytes per step, and how much compute hid
 };
 
 BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt);

@@ -53,6 +53,11 @@ void ParallelConfig::describe(ConfigFields& f) {
   f.add("ep_overlap", &ep_overlap,
         "ep > 1, pp = 1: run the micro-batches as DualPipeV on one rank (two chunks, overlapped forward/backward "
         "pairs) so one micro-batch's expert exchange hides under another's compute; grad_accum_steps >= 2");
+  f.add("ep_dispatch", &ep_dispatch,
+        "ep > 1: all_to_all sends each (token, routed expert) copy to its expert's rank; all_gather sends each token "
+        "once to every EP rank and combines on the experts' side (top_k / ep times fewer bytes); auto: all_gather "
+        "when ep < top_k",
+        one_of(&ep_dispatch, {"auto", "all_to_all", "all_gather"}));
   f.add("fallbacks", &fallbacks,
         "layouts to use, in order, when this one does not fit the ranks there are (an elastic restart on fewer "
         "nodes): each \"key=value ...\" over pp, dp, cp, ep, dp_replicate, schedule, shard_weights; e.g. [\"ep=2\"]",

@@ -26,6 +26,11 @@ struct ParallelConfig {
   // rank (the model in two chunks, forward/backward pairs overlapped) so that one
   // micro-batch's all-to-alls run under another's compute. Needs grad_accum_steps >= 2.
   bool ep_overlap = false;
+  // How expert parallelism moves tokens: "all_to_all" sends each (token, routed expert) copy
+  // to the expert's rank; "all_gather" sends each token once to every EP rank and sums the
+  // expert outputs on the experts' side (K / ep times fewer bytes with top-K routing);
+  // "auto": all_gather when ep < top_k.
+  std::string ep_dispatch = "auto";
   // HSDP: dp splits into dp_replicate replica groups; sharding stays inside a group (one node,
   // say) and the groups all-reduce gradient shards. 1: plain FSDP over all dp ranks.
   int64_t dp_replicate = 1;

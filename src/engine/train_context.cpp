@@ -6,6 +6,7 @@
 
 #include "core/cuda_runtime.h"
 #include "core/log.h"
+#include "engine/parallel/all_gather_dispatch.h"
 
 namespace moetrain {
 
@@ -71,14 +72,24 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
     // On GPUs the exchanges run on their own stream and return before they finish; the model
     // waits where it uses a result (its chunk pieces), so DualPipeV's paired micro-batch
     // computes meanwhile.
-    AllToAllOptions o;
+    ExchangeOptions o;
     o.check_conservation = cfg.parallel.check_exchange;
     if (gpu) {
       c.comm_stream.stream = cuda::create_stream();
       o.comm_stream = c.comm_stream.stream;
       o.defer_wait = true;
     }
-    c.dispatcher = std::make_unique<AllToAllDispatcher>(*par.comms->ep, o);
+    const int64_t top_k = cfg.model->shape().experts_per_token;
+    const bool gather = cfg.parallel.ep_dispatch == "all_gather" ||
+                        (cfg.parallel.ep_dispatch == "auto" && layout.ep() < top_k);
+    if (gather) {
+      c.dispatcher = std::make_unique<AllGatherDispatcher>(*par.comms->ep, o);
+    } else {
+      c.dispatcher = std::make_unique<AllToAllDispatcher>(*par.comms->ep, o);
+    }
+    spdlog::info("parallel: experts over {} ranks, tokens moved by {} ([parallel].ep_dispatch = \"{}\", top-{} "
+                 "routing)",
+                 layout.ep(), gather ? "all-gather / reduce-scatter" : "all-to-all", cfg.parallel.ep_dispatch, top_k);
   }
   const OptimizerConfig& oc = cfg.optimizer;
   const AdamWConfig adamw{oc.beta1, oc.beta2, oc.eps, oc.weight_decay, oc.moments == "bf16"};

@@ -112,6 +112,12 @@ Permutation permutation_by_expert(const Tensor& topk_idx, int64_t num_experts) {
   return MT_ROUTE(topk_idx, permutation_by_expert, topk_idx, num_experts);
 }
 
+Tensor expert_ids_in_range(const Tensor& topk_idx, int64_t first, int64_t count) {
+  MT_CHECK(first >= 0 && count >= 1 && first + count <= INT32_MAX,
+           "expert_ids_in_range: the range [{}, {} + {}) must be non-empty and of i32 expert ids", first, first, count);
+  return MT_ROUTE(topk_idx, expert_ids_in_range, topk_idx, first, count);
+}
+
 Tensor permute_forward(const Tensor& x, const Permutation& p) {
   return MT_ROUTE(x, permute_forward, x, p);
 }
@@ -130,14 +136,19 @@ Tensor unpermute_backward(const Tensor& dy, const Permutation& p) {
 
 // `order` must be a permutation of [0, T*K) on the expert outputs' device: a permutation
 // checked on the host when it lives there; on the GPU it is the routing's slot_row, and the
-// kernels only skip rows outside the range.
+// kernels only skip rows outside the range. Without an order expert_out holds T*K rows; with
+// one, at most T*K (a partial permutation's rows; the slots beyond are absent).
 void check_combine_order(const Tensor& order, const Tensor& weight, const Tensor& expert_out, const char* op) {
-  if (!order.defined()) return;
   const int64_t n = weight.defined() && weight.ndim() == 2 ? weight.size(0) * weight.size(1) : -1;
+  MT_CHECK(expert_out.defined() && expert_out.ndim() == 2 &&
+               (order.defined() ? expert_out.size(0) <= n : expert_out.size(0) == n),
+           "{}: expert_out must be [{}T*K = {}, H] for weight {}, got {}", op, order.defined() ? "at most " : "", n,
+           weight.str(), expert_out.str());
+  if (!order.defined()) return;
   MT_CHECK(order.dtype() == DType::I32 && order.ndim() == 1 && order.numel() == n,
            "{}: order must be i32 [T*K = {}] (a permutation of the expert-output rows), got {}", op, n, order.str());
-  MT_CHECK(expert_out.defined() && order.device() == expert_out.device(), "{}: order {} must be on {} with expert_out",
-           op, order.str(), expert_out.defined() ? expert_out.device().str() : std::string("undefined"));
+  MT_CHECK(order.device() == expert_out.device(), "{}: order {} must be on {} with expert_out", op, order.str(),
+           expert_out.device().str());
   if (order.device().is_cpu()) {
     std::vector<bool> seen(static_cast<size_t>(n), false);
     const int32_t* o = order.data<int32_t>();

@@ -137,31 +137,45 @@ Tensor router_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const R
 // ---- token permutation by expert ------------------------------------------------------
 // The T*K (token, slot) pairs sorted stably by expert: rows of expert 0 first, and within
 // an expert in (t, k) order.
+//
+// A partial permutation keeps only its first `rows` permuted rows: the pairs of the experts
+// that matter here (sorted first, see expert_ids_in_range), the others absent. Their
+// slot_row is >= rows; the ops below skip them (permute_backward and the combine leave them
+// out of the sums, unpermute_forward gives them zero rows, unpermute_backward drops them).
 struct Permutation {
   Tensor expert_counts;  // i64 [E]
   Tensor source_token;   // i32 [T*K]: the token feeding permuted row r
   Tensor slot_row;       // i32 [T*K]: for pair t*K+k, its row in permuted order
   int64_t num_tokens = 0;
   int64_t top_k = 0;
+  int64_t rows = -1;  // permuted rows kept; -1: all T*K
+  int64_t permuted_rows() const { return rows < 0 ? num_tokens * top_k : rows; }
 };
 Permutation permutation_by_expert(const Tensor& topk_idx, int64_t num_experts);
-// x [T, H] -> [T*K, H], row r = x[source_token[r]]
+// topk_idx i32 [T, K] -> i32 [T, K]: ids in [first, first + count) become id - first, every
+// other id becomes `count` (one group past the last: sorted after the range by
+// permutation_by_expert(.., count + 1), so a partial permutation keeps the range's rows).
+Tensor expert_ids_in_range(const Tensor& topk_idx, int64_t first, int64_t count);
+// x [T, H] -> [R, H] (R = permuted_rows()), row r = x[source_token[r]]
 Tensor permute_forward(const Tensor& x, const Permutation& p);
-// [T*K, H] -> dx [T, H], dx[t] = sum of the rows that copied token t
+// [R, H] -> dx [T, H], dx[t] = sum of the rows that copied token t
 Tensor permute_backward(const Tensor& dxp, const Permutation& p);
-// expert-ordered [T*K, H] -> (t, k)-ordered [T*K, H]; row t*K+k = yp[slot_row[t*K+k]]
+// expert-ordered [R, H] -> (t, k)-ordered [T*K, H]; row t*K+k = yp[slot_row[t*K+k]] (zero
+// for absent pairs)
 Tensor unpermute_forward(const Tensor& yp, const Permutation& p);
-// the inverse gather, (t, k)-ordered gradients -> expert order
+// the inverse, (t, k)-ordered gradients [T*K, H] -> expert order [R, H]
 Tensor unpermute_backward(const Tensor& dy, const Permutation& p);
 
 // ---- weighted combine: y[t] = residual[t] + sum_k w[t,k] * e[row(t, k)] ---------------
 // expert_out [T*K, H], weight [T, K], residual [T, H] or undefined. row(t, k) = t*K + k, or
 // with `order` (i32 [T*K], a permutation: Permutation::slot_row) order[t*K + k]: the expert
 // outputs stay in expert order and the combine reads them there, with no unpermute copy.
+// With an order, expert_out may hold fewer rows R (a partial permutation's): slots whose
+// row is >= R are absent, left out of the sum, their dweight 0.
 Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Tensor& residual,
                        const Tensor& order = Tensor());
 struct CombineGrads {
-  Tensor dexpert_out;  // [T*K, H], row(t, k) = w[t,k] * dy[t] (expert_out's layout)
+  Tensor dexpert_out;  // expert_out's shape, row(t, k) = w[t,k] * dy[t] (expert_out's layout)
   Tensor dweight;      // [T, K]   = <dy[t], e[row(t, k)]>
 };
 // d(residual) is dy itself.

@@ -112,6 +112,11 @@ TEST_F(ParallelCli, EveryLayoutMatchesOneProcess) {
                           Layout{"ep2_overlap", 2, 2, "--parallel.ep=2 --parallel.ep_overlap=true"},
                           Layout{"ep2dp2", 4, 4, "--parallel.ep=2 --parallel.dp=2 --parallel.shard_weights=true"},
                           Layout{"ep4", 4, 4, "--parallel.ep=4"},
+                          // Tokens gathered to every EP rank, combined on the experts' side
+                          // (top-2 here, so "auto" keeps the all-to-all).
+                          Layout{"ep2_gather", 2, 2, "--parallel.ep=2 --parallel.ep_dispatch=all_gather"},
+                          Layout{"ep4_gather_overlap", 4, 4,
+                                 "--parallel.ep=4 --parallel.ep_dispatch=all_gather --parallel.ep_overlap=true"},
                           Layout{"hsdp", 4, 4, "--parallel.dp_replicate=2 --parallel.shard_weights=true"},
                           Layout{"hsdp_ep2_zero2", 4, 4,
                                  "--parallel.dp_replicate=2 --parallel.ep=2 --parallel.shard_weights=false"}}) {
@@ -226,7 +231,8 @@ TEST_F(ParallelCli, TooFewMicroBatchesForDualPipeVIsNamed) {
 }
 
 // On two GPUs (NCCL, one process each): the tiny model in bf16 under dp2 and ep2 (ZeRO-3,
-// experts exchanged by all-to-all-v on a communication stream) and dp2 with ZeRO-2 against
+// experts exchanged by all-to-all-v on a communication stream; then by all-gather, also
+// with the micro-batches overlapped) and dp2 with ZeRO-2 against
 // one GPU with twice the micro-batch. bf16 activations round differently when cuBLASLt
 // picks other kernels for other row counts, so the bound is 2e-2 (the CPU layouts above are
 // held to 1e-5).
@@ -239,6 +245,9 @@ TEST_F(ParallelCli, TwoGpusMatchOneGpu) {
   for (const auto& [name, flags] : std::vector<std::pair<std::string, std::string>>{
            {"gpu_dp2", "--training.device=cuda --parallel.dp=2 --parallel.shard_weights=true"},
            {"gpu_ep2", "--training.device=cuda --parallel.ep=2 --parallel.shard_weights=true"},
+           {"gpu_ep2_gather", "--training.device=cuda --parallel.ep=2 --parallel.ep_dispatch=all_gather"},
+           {"gpu_ep2_gather_overlap",
+            "--training.device=cuda --parallel.ep=2 --parallel.ep_dispatch=all_gather --parallel.ep_overlap=true"},
            // ZeRO-2: whole gradients live across the micro-batches, so the experts' weight
            // gradients of both micro-batches come from one grouped pass on each GPU.
            {"gpu_dp2_zero2", "--training.device=cuda --parallel.dp=2 --parallel.shard_weights=false"}}) {

@@ -1,10 +1,12 @@
-// AllToAllDispatcher (expert parallelism) against LocalDispatcher on the concatenated batch.
+// AllToAllDispatcher and AllGatherDispatcher (expert parallelism) against LocalDispatcher
+// on the concatenated batch.
 //
 // EP ranks run as threads of this process, each with its own Gloo communicator. Each rank
 // routes its own tokens; the reference is one LocalDispatcher over every rank's tokens
-// concatenated in rank order. By the dispatcher's order contract, rank r's grouped rows
+// concatenated in rank order. By the dispatchers' order contract, rank r's grouped rows
 // are exactly the reference's rows for experts [r E/P, (r+1) E/P), bitwise, and so are the
-// gradients (the same copies, the same sums in the same order).
+// routes' copies. The sums: bitwise for the all-to-all (the same sums in the same order),
+// within rounding for the all-gather (partial sums per rank, then over the ranks).
 //
 // The routings include an expert that gets no token, a rank that sends no row to the
 // last rank, a rank with no token at all, and one local expert per rank (where arrival
@@ -20,7 +22,7 @@
 #include "comm/comm_test_util.h"
 #include "comm/nccl_communicator.h"
 #include "core/cuda_runtime.h"
-#include "engine/parallel/expert_dispatch.h"
+#include "engine/parallel/all_gather_dispatch.h"
 #include "test_util.h"
 
 namespace moetrain {
@@ -183,8 +185,16 @@ struct RankRun {
   const Layer& L;
   int rank, ep;
   Device device;
+  bool exact_sums = true;  // false: the all-gather's sums, compared within rounding
   DispatchState st;
   DispatchOut out;
+
+  // A sum of copies: bitwise where exact_sums, else within f32 rounding (GPU: bf16 rows are
+  // compared by the caller).
+  void check_sum(const Tensor& got, const Tensor& want, const std::string& what) const {
+    if (exact_sums) expect_same(got, want, what);
+    else expect_close(got.to(DType::F32), want, 1e-5, what);
+  }
 
   int64_t El() const { return L.E / ep; }
   int64_t first_row() const { return L.expert_offset[rank * El()]; }
@@ -217,7 +227,18 @@ struct RankRun {
     // gradient given in their order goes back as combine_backward's.
     ExpertDispatcher::PlacedRows placed = d.combine_in_place(y, st);
     d.wait(st);
-    ASSERT_TRUE(placed.order.defined()) << where;
+    if (!placed.order.defined()) {  // the all-gather's: combine() itself
+      expect_same(placed.rows.to(Device::cpu()), L.ref_combined.slice(t0 * L.K, (t0 + T) * L.K),
+                  where + " combine_in_place");
+    } else {
+      check_in_place(d, placed, T, t0, where);
+    }
+    Tensor dx = d.dispatch_backward(L.all_drows.slice(first_row(), end_row()).to(device), st);
+    d.wait(st);
+    check_sum(dx.to(Device::cpu()), L.ref_dx.slice(t0, t0 + T), where + " dispatch_backward");
+  }
+  void check_in_place(ExpertDispatcher& d, const ExpertDispatcher::PlacedRows& placed, int64_t T, int64_t t0,
+                      const std::string& where) {
     const std::vector<int32_t> order = placed.order.to(Device::cpu()).to_vector<int32_t>();
     const Tensor home = placed.rows.to(Device::cpu());
     ASSERT_EQ(static_cast<int64_t>(order.size()), T * L.K) << where;
@@ -231,9 +252,6 @@ struct RankRun {
     d.wait(st);
     expect_same(drows_placed.to(Device::cpu()), L.ref_drows.slice(first_row(), end_row()),
                 where + " combine_in_place_backward");
-    Tensor dx = d.dispatch_backward(L.all_drows.slice(first_row(), end_row()).to(device), st);
-    d.wait(st);
-    expect_same(dx.to(Device::cpu()), L.ref_dx.slice(t0, t0 + T), where + " dispatch_backward");
   }
   // The exchange's weighted combine: dispatch with the weights, combine_start/finish and its
   // backward, against the one-process reference.
@@ -247,7 +265,7 @@ struct RankRun {
     d.combine_start(times_expert(in.rows.to(Device::cpu()), counts, rank * El()).to(device), ws);
     // On the CPU the same ops in the same order: bitwise; on a GPU its kernels' rounding.
     auto check = [&](const Tensor& got, const Tensor& want, const std::string& what) {
-      if (device.is_cpu()) expect_same(got.to(Device::cpu()), want, where + what);
+      if (device.is_cpu()) check_sum(got.to(Device::cpu()), want, where + what);
       else expect_close(got.to(Device::cpu()).to(DType::F32), want, 1e-5, where + what);
     };
     Tensor y = d.combine_finish(L.residual[rank].to(device), ws);
@@ -272,21 +290,39 @@ void run_two_layers(RankRun& a, RankRun& b, ExpertDispatcher& d) {
   b.weighted_combine(d);
 }
 
-AllToAllOptions checked() {
-  AllToAllOptions o;
+ExchangeOptions checked() {
+  ExchangeOptions o;
   o.check_conservation = true;  // the group-wide check runs (and must pass) in these cases
   return o;
 }
 
-void run_case(const Case& c, AllToAllOptions options = checked()) {
+enum class Kind { kAllToAll, kAllGather };
+const Kind kKinds[] = {Kind::kAllToAll, Kind::kAllGather};
+const char* name(Kind k) { return k == Kind::kAllToAll ? "all-to-all" : "all-gather"; }
+
+std::unique_ptr<ExpertDispatcher> make_dispatcher(Kind kind, Communicator& comm, const ExchangeOptions& o) {
+  if (kind == Kind::kAllToAll) return std::make_unique<AllToAllDispatcher>(comm, o);
+  return std::make_unique<AllGatherDispatcher>(comm, o);
+}
+
+int64_t first_expert_of(ExpertDispatcher& d, int64_t E) {
+  if (auto* a = dynamic_cast<AllToAllDispatcher*>(&d)) return a->first_local_expert(E);
+  return dynamic_cast<AllGatherDispatcher&>(d).first_local_expert(E);
+}
+
+void run_case(const Case& c, ExchangeOptions options = checked()) {
   const Layer L0 = make_layer(c, 1), L1 = make_layer(c, 2);
-  run_ranks(c.ep, [&](Communicator& comm) {
-    AllToAllDispatcher d(comm, options);
-    EXPECT_EQ(d.num_local_experts(c.experts), c.experts / c.ep);
-    EXPECT_EQ(d.first_local_expert(c.experts), comm.rank() * (c.experts / c.ep));
-    RankRun a{L0, comm.rank(), c.ep, Device::cpu()}, b{L1, comm.rank(), c.ep, Device::cpu()};
-    run_two_layers(a, b, d);
-  });
+  for (Kind kind : kKinds) {
+    SCOPED_TRACE(name(kind));
+    run_ranks(c.ep, [&](Communicator& comm) {
+      std::unique_ptr<ExpertDispatcher> d = make_dispatcher(kind, comm, options);
+      EXPECT_EQ(d->num_local_experts(c.experts), c.experts / c.ep);
+      EXPECT_EQ(first_expert_of(*d, c.experts), comm.rank() * (c.experts / c.ep));
+      const bool exact = kind == Kind::kAllToAll;
+      RankRun a{L0, comm.rank(), c.ep, Device::cpu(), exact}, b{L1, comm.rank(), c.ep, Device::cpu(), exact};
+      run_two_layers(a, b, *d);
+    });
+  }
 }
 
 TEST(ExpertParallel, TwoRanksMatchOneProcess) { run_case({2, 8, 2, 16, {37, 23}}); }
@@ -300,31 +336,42 @@ TEST(ExpertParallel, OneRankIsTheLocalPermutation) { run_case({1, 4, 2, 8, {21}}
 TEST(ExpertParallel, OneLocalExpertPerRankNeedsNoRegroup) { run_case({4, 4, 2, 8, {9, 14, 6, 11}}); }
 
 TEST(ExpertParallel, CheckOffAndStreamOptionsAreHarmlessOnTheCpu) {
-  AllToAllOptions o;
+  ExchangeOptions o;
   o.check_conservation = false;
   o.defer_wait = true;  // no stream on the CPU: wait() is a no-op
   run_case({2, 8, 2, 16, {12, 17}}, o);
 }
 
-// Exchange timing (bench): every exchange counted; on Gloo all of it is stalled time.
-TEST(ExpertParallel, ExchangeTimingCountsEveryExchange) {
-  run_ranks(2, [](Communicator& comm) {
-    AllToAllDispatcher d(comm);
-    d.set_timing(true);
-    const int64_t T = 9, K = 2, H = 4, E = 4;
-    Tensor x = testing::random_tensor({T, H}, DType::F32, 3 + comm.rank());
-    Tensor idx = testing::random_ints({T, K}, 0, static_cast<int32_t>(E), 5 + comm.rank());
-    for (int64_t t = 0; t < T; ++t) idx.data<int32_t>()[t * K + 1] = (idx.data<int32_t>()[t * K] + 1) % E;
-    DispatchState st;
-    DispatchOut in = d.dispatch(x, idx, E, st);
-    Tensor back = d.combine(in.rows, st);
-    EXPECT_EQ(back.size(0), T * K);
-    const AllToAllDispatcher::ExchangeTiming t = d.take_timing();
-    EXPECT_GE(t.exchanges, 2);
-    EXPECT_GT(t.total_ms, 0.0);
-    EXPECT_DOUBLE_EQ(t.stalled_ms, t.total_ms);
-    EXPECT_EQ(d.take_timing().exchanges, 0);  // taken: reset
-  });
+// Exchange timing (bench): every exchange counted; on Gloo all of it is stalled time. The
+// all-gather's bytes are known exactly: (P - 1) x each gathered block, and (P - 1) / P of
+// each reduce-scattered one.
+TEST(ExpertParallel, ExchangeTimingCountsEveryExchangeAndItsBytes) {
+  for (Kind kind : kKinds) {
+    SCOPED_TRACE(name(kind));
+    run_ranks(2, [&](Communicator& comm) {
+      std::unique_ptr<ExpertDispatcher> d = make_dispatcher(kind, comm, {});
+      d->set_timing(true);
+      const int64_t T = 9, K = 2, H = 4, E = 4;
+      Tensor x = testing::random_tensor({T, H}, DType::F32, 3 + comm.rank());
+      Tensor idx = testing::random_ints({T, K}, 0, static_cast<int32_t>(E), 5 + comm.rank());
+      for (int64_t t = 0; t < T; ++t) idx.data<int32_t>()[t * K + 1] = (idx.data<int32_t>()[t * K] + 1) % E;
+      DispatchState st;
+      DispatchOut in = d->dispatch(x, idx, E, st);
+      Tensor back = d->combine(in.rows, st);
+      EXPECT_EQ(back.size(0), T * K);
+      const ExchangeTiming t = d->take_timing();
+      EXPECT_GE(t.exchanges, 2);
+      EXPECT_GT(t.total_ms, 0.0);
+      EXPECT_DOUBLE_EQ(t.stalled_ms, t.total_ms);
+      if (kind == Kind::kAllGather) {
+        // token counts (i64), ids (i32 [T, K]), x (f32 [T, H]); combine: [T K, H] f32 home
+        EXPECT_DOUBLE_EQ(t.bytes_sent, 8.0 + T * K * 4 + T * H * 4 + T * K * H * 4);
+      } else {
+        EXPECT_GT(t.bytes_sent, 0.0);
+      }
+      EXPECT_EQ(d->take_timing().exchanges, 0);  // taken: reset
+    });
+  }
 }
 
 TEST(ExpertParallel, ExpertsMustSplitEvenly) {
@@ -344,7 +391,7 @@ TEST(ExpertParallel, ConservationViolationStopsEveryRankNamingTheNumbers) {
   const Layer L = make_layer(c, 3);
   std::vector<std::string> errors(2);
   run_ranks(2, [&](Communicator& comm) {
-    AllToAllOptions o = checked();
+    ExchangeOptions o = checked();
     // Rank 1 miscounts what rank 0 sends its first expert.
     if (comm.rank() == 1) o.tamper_received_counts = [](std::vector<int64_t>& got) { got[0] += 1; };
     AllToAllDispatcher d(comm, o);
@@ -367,11 +414,38 @@ TEST(ExpertParallel, ConservationViolationStopsEveryRankNamingTheNumbers) {
   }
 }
 
+// The all-gather's group-wide check: an expert id no rank holds is a copy no expert takes.
+TEST(ExpertParallel, AllGatherConservationViolationStopsEveryRank) {
+  const Case c{2, 8, 2, 8, {10, 12}};
+  const Layer L = make_layer(c, 3);
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](Communicator& comm) {
+    AllGatherDispatcher d(comm, checked());
+    DispatchState st;
+    st.layer = 4;
+    Tensor idx = L.topk[comm.rank()].clone();
+    if (comm.rank() == 1) idx.data<int32_t>()[3] = static_cast<int32_t>(c.experts);  // out of range
+    try {
+      d.dispatch(L.x[comm.rank()], idx, c.experts, st);
+    } catch (const Error& e) {
+      errors[comm.rank()] = e.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    expect_contains(errors[r],
+                    fmt::format("expert dispatch (all-gather) of layer 4 on world: token conservation violated: the 2 "
+                                "ranks' experts took {} (token, expert) copies of the 22 tokens' {}",
+                                22 * 2 - 1, 22 * 2),
+                    "rank " + std::to_string(r));
+  }
+}
+
 // ---- NCCL, two GPUs ---------------------------------------------------------------------
 
 bool two_gpus() { return nccl_built() && cuda::available() && cuda::device_count() >= 2; }
 
-void run_case_nccl(const Case& c, bool defer, DType dtype) {
+void run_case_nccl(const Case& c, bool defer, DType dtype, Kind kind) {
+  SCOPED_TRACE(name(kind));
   const Layer L0 = make_layer(c, 4), L1 = make_layer(c, 5);
   auto store = Store::open("memory", 0, std::chrono::seconds(60));
   std::vector<std::string> errors(2);
@@ -384,11 +458,13 @@ void run_case_nccl(const Case& c, bool defer, DType dtype) {
       try {
         comm = connect_nccl(store, r, 2, r, testing::test_options(std::chrono::seconds(60)));
         stream = cuda::create_stream();
-        AllToAllOptions o = checked();
+        ExchangeOptions o = checked();
         o.comm_stream = stream;
         o.defer_wait = defer;
-        AllToAllDispatcher d(*comm, o);
-        RankRun a{L0, r, 2, Device::cuda(r)}, b{L1, r, 2, Device::cuda(r)};
+        std::unique_ptr<ExpertDispatcher> dp = make_dispatcher(kind, *comm, o);
+        ExpertDispatcher& d = *dp;
+        const bool exact = kind == Kind::kAllToAll;
+        RankRun a{L0, r, 2, Device::cuda(r), exact}, b{L1, r, 2, Device::cuda(r), exact};
         run_two_layers(a, b, d);
         // bf16 rows: the copies are exact, so the rows equal the f32 reference rounded.
         DispatchState st;
@@ -411,12 +487,12 @@ void run_case_nccl(const Case& c, bool defer, DType dtype) {
 
 TEST(ExpertParallelNccl, TwoGpusOnACommStreamMatchOneProcess) {
   if (!two_gpus()) GTEST_SKIP() << "needs NCCL and 2 GPUs";
-  run_case_nccl({2, 8, 2, 64, {300, 257}}, /*defer=*/false, DType::BF16);
+  for (Kind kind : kKinds) run_case_nccl({2, 8, 2, 64, {300, 257}}, /*defer=*/false, DType::BF16, kind);
 }
 
 TEST(ExpertParallelNccl, DeferredWaitsMatchOneProcess) {
   if (!two_gpus()) GTEST_SKIP() << "needs NCCL and 2 GPUs";
-  run_case_nccl({2, 16, 4, 64, {129, 0}}, /*defer=*/true, DType::BF16);
+  for (Kind kind : kKinds) run_case_nccl({2, 16, 4, 64, {129, 0}}, /*defer=*/true, DType::BF16, kind);
 }
 
 }  // namespace

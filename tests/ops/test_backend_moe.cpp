@@ -355,6 +355,46 @@ TEST(BackendMoe, PermuteAndUnpermute) {
   }
 }
 
+// A partial permutation (one range of experts kept, the other pairs absent: expert
+// parallelism by all-gather) on both backends: the range's ids, the kept rows' copies and
+// sums, zero rows for absent pairs in unpermute, and the combine over the kept rows.
+TEST(BackendMoe, PartialPermutation) {
+  MT_REQUIRE_GPU();
+  const int64_t T = 700, K = 8, E = 64, H = 2048, first = 16, count = 16;
+  const std::string name = "partial_permutation[T=700,K=8,E=64,H=2048,experts 16..31]";
+  Tensor ids = skewed_ids(T, K, E, 20, 77);
+  Tensor local_ref = ops::expert_ids_in_range(ids, first, count);
+  ops::Permutation pr = ops::permutation_by_expert(local_ref, count + 1);
+  const std::vector<int64_t> counts = pr.expert_counts.to_vector<int64_t>();
+  int64_t R = 0;
+  for (int64_t e = 0; e < count; ++e) R += counts[e];
+  ASSERT_GT(R, 0);
+  ASSERT_LT(R, T * K);
+  pr.rows = R;
+  Tensor x = random_bf16_values({T, H}, 1), dxp = random_bf16_values({R, H}, 2);
+  Tensor yp = random_bf16_values({R, H}, 3), dy = random_bf16_values({T * K, H}, 4);
+  Tensor w = random_tensor({T, K}, DType::F32, 5), dyt = random_bf16_values({T, H}, 6);
+  PoisonScope poison;
+  Tensor local = ops::expert_ids_in_range(ids.to(kGpu), first, count);
+  expect_same_values<int32_t>(local, local_ref, name + " ids");
+  ops::Permutation pg = ops::permutation_by_expert(local, count + 1);
+  pg.rows = R;
+  expect_backend_close(ops::permute_forward(on_gpu(x, DType::BF16), pg), ops::permute_forward(x, pr), 1e-30, name, "xp");
+  expect_backend_close(ops::permute_backward(on_gpu(dxp, DType::BF16), pg), ops::permute_backward(dxp, pr), kBf16Tol,
+                       name, "dx");
+  expect_backend_close(ops::unpermute_forward(on_gpu(yp, DType::BF16), pg), ops::unpermute_forward(yp, pr), 1e-30, name,
+                       "y (absent pairs zero)");
+  expect_backend_close(ops::unpermute_backward(on_gpu(dy, DType::BF16), pg), ops::unpermute_backward(dy, pr), 1e-30,
+                       name, "dyp");
+  Tensor yg = on_gpu(yp, DType::BF16), wg = w.to(kGpu);
+  expect_backend_close(ops::combine_forward(yg, wg, Tensor(), pg.slot_row), ops::combine_forward(yp, w, Tensor(), pr.slot_row),
+                       kBf16Tol, name, "combine y");
+  const ops::CombineGrads g = ops::combine_backward(on_gpu(dyt, DType::BF16), yg, wg, pg.slot_row);
+  const ops::CombineGrads g_ref = ops::combine_backward(dyt, yp, w, pr.slot_row);
+  expect_backend_close(g.dexpert_out, g_ref.dexpert_out, kBf16Tol, name, "combine dexpert_out");
+  expect_backend_close(g.dweight, g_ref.dweight, kF32Tol, name, "combine dweight (absent slots zero)");
+}
+
 // ---- combine ----------------------------------------------------------------------------
 
 TEST(BackendMoe, Combine) {

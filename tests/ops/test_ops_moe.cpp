@@ -271,6 +271,67 @@ TEST(OpsMoe, CombineWithOrderEqualsUnpermuteThenCombine) {
   expect_error([&] { ops::combine_forward(rows, w, res, Tensor::zeros({T}, DType::I32)); }, "order must be i32");
 }
 
+// A partial permutation (experts [first, first + count) of E, the other pairs absent), as
+// expert parallelism by all-gather builds it: the kept rows are the full permutation's rows
+// of those experts; the ops skip absent pairs, and their backwards are still the adjoints.
+TEST(OpsMoe, PartialPermutationKeepsOneRangeOfExperts) {
+  const int64_t T = 11, E = 6, K = 3, H = 4, first = 2, count = 3;
+  Tensor idx = ops::router_forward(random_tensor({T, E}, DType::F64, 80), K, false).topk_idx;
+  const std::vector<int32_t> iv = idx.to_vector<int32_t>();
+  Tensor local = ops::expert_ids_in_range(idx, first, count);
+  const std::vector<int32_t> lv = local.to_vector<int32_t>();
+  for (size_t i = 0; i < iv.size(); ++i) {
+    EXPECT_EQ(lv[i], iv[i] >= first && iv[i] < first + count ? iv[i] - first : count) << "pair " << i;
+  }
+  Permutation full = ops::permutation_by_expert(idx, E);
+  Permutation p = ops::permutation_by_expert(local, count + 1);
+  const std::vector<int64_t> fc = full.expert_counts.to_vector<int64_t>(), pc = p.expert_counts.to_vector<int64_t>();
+  int64_t before = 0, R = 0;
+  for (int64_t e = 0; e < first; ++e) before += fc[e];
+  for (int64_t e = 0; e < count; ++e) R += pc[e];
+  for (int64_t e = 0; e < count; ++e) EXPECT_EQ(pc[e], fc[first + e]) << "expert " << first + e;
+  p.rows = R;
+  ASSERT_GT(R, 0);
+  ASSERT_LT(R, T * K);
+
+  Tensor x = random_tensor({T, H}, DType::F64, 81);
+  Tensor xp = ops::permute_forward(x, p);
+  ASSERT_EQ(xp.shape(), (Shape{R, H}));
+  EXPECT_TRUE(testing::bytes_equal(xp, ops::permute_forward(x, full).slice(before, before + R)));
+  // unpermute: the kept rows where their pairs are, zero for the absent ones
+  Tensor yp = random_tensor({R, H}, DType::F64, 82);
+  Tensor y = ops::unpermute_forward(yp, p);
+  ASSERT_EQ(y.shape(), (Shape{T * K, H}));
+  const std::vector<int32_t> slot = p.slot_row.to_vector<int32_t>();
+  for (int64_t i = 0; i < T * K; ++i) {
+    for (int64_t h = 0; h < H; ++h) {
+      EXPECT_EQ(y.item(i * H + h), slot[i] < R ? yp.item(slot[i] * H + h) : 0.0) << "pair " << i;
+    }
+  }
+  // the backwards are the adjoints of the forwards (float64 finite differences)
+  Tensor r = random_tensor({R, H}, DType::F64, 83), ry = random_tensor({T * K, H}, DType::F64, 84);
+  report("permute[partial]", "x", gradcheck(x, ops::permute_backward(r, p), [&] { return dot(r, ops::permute_forward(x, p)); }));
+  report("unpermute[partial]", "yp",
+         gradcheck(yp, ops::unpermute_backward(ry, p), [&] { return dot(ry, ops::unpermute_forward(yp, p)); }));
+  // combine over the kept rows: absent slots add nothing and get a zero d weight
+  Tensor w = random_tensor({T, K}, DType::F64, 85), res = random_tensor({T, H}, DType::F64, 86);
+  Tensor dy = random_tensor({T, H}, DType::F64, 87);
+  EXPECT_TRUE(testing::bytes_equal(ops::combine_forward(yp, w, res, p.slot_row), ops::combine_forward(y, w, res)));
+  const CombineGrads g = ops::combine_backward(dy, yp, w, p.slot_row);
+  ASSERT_EQ(g.dexpert_out.shape(), (Shape{R, H}));
+  for (int64_t i = 0; i < T * K; ++i) {
+    if (slot[i] >= R) {
+      EXPECT_EQ(g.dweight.item(i), 0.0) << "absent pair " << i;
+    }
+  }
+  auto loss = [&] { return dot(dy, ops::combine_forward(yp, w, res, p.slot_row)); };
+  report("combine[partial]", "expert_out", gradcheck(yp, g.dexpert_out, loss));
+  report("combine[partial]", "weight", gradcheck(w, g.dweight, loss));
+  // more rows than pairs: an error naming the shapes
+  expect_error([&] { ops::combine_forward(random_tensor({T * K + 1, H}, DType::F64, 88), w, res, p.slot_row); },
+               "expert_out must be [at most T*K");
+}
+
 // ---------------------------------------------------------------------------------------
 // Grouped SwiGLU
 

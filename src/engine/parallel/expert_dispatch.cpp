@@ -1,7 +1,5 @@
 #include "engine/parallel/expert_dispatch.h"
 
-#include <chrono>
-
 #include "engine/parallel/layout.h"
 #include "engine/telemetry/stage_timer.h"
 
@@ -89,83 +87,71 @@ void destroy_event_quietly(void* e) {
   }
 }
 
-// In deferred mode the caller's stream may free or reuse what the communication stream
-// still reads or writes until wait(): the state keeps those tensors alive.
-void keep(std::vector<Tensor>& v, const Tensor& t) { v.push_back(t); }
-void keep(std::vector<Tensor>& v, const DispatchOut& o) {
-  v.push_back(o.rows);
-  v.push_back(o.counts);
-}
-
 }  // namespace
 
-AllToAllDispatcher::AllToAllDispatcher(Communicator& ep, AllToAllOptions options)
-    : ep_(ep), opt_(std::move(options)), nccl_(ep.backend() == "nccl") {}
+// ---- ExchangeStream ----
 
-AllToAllDispatcher::~AllToAllDispatcher() {
+ExchangeStream::~ExchangeStream() {
   if (ready_event_) destroy_event_quietly(ready_event_);
   if (done_event_) destroy_event_quietly(done_event_);
-}
-
-int64_t AllToAllDispatcher::first_local_expert(int64_t num_experts) const {
-  return expert_range(num_experts, ep_.size(), ep_.rank()).first;
-}
-
-int64_t AllToAllDispatcher::num_local_experts(int64_t num_experts) const {
-  MT_CHECK(num_experts > 0, "expert parallelism on {}: no experts to split", ep_.name());
-  return expert_range(num_experts, ep_.size(), ep_.rank()).count;
-}
-
-std::string AllToAllDispatcher::where(const DispatchState& st) const {
-  if (st.layer >= 0) return fmt::format("expert dispatch of layer {} on {}", st.layer, ep_.name());
-  return fmt::format("expert dispatch on {}", ep_.name());
-}
-
-template <typename F>
-auto AllToAllDispatcher::on_comm_stream(const Device& device, DispatchState& st, std::initializer_list<Tensor> inputs,
-                                        F&& body) {
-  if (device.is_cpu() || opt_.comm_stream == nullptr) {
-    if (!timing_ || !device.is_cpu()) return body();
-    const auto t0 = std::chrono::steady_clock::now();
-    auto out = body();
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    host_timing_.total_ms += ms;
-    host_timing_.stalled_ms += ms;  // Gloo: the caller waited for all of it
-    ++host_timing_.exchanges;
-    return out;
+  for (auto* list : {&exchange_events_, &stall_events_}) {
+    for (auto& [a, b] : *list) {
+      destroy_event_quietly(a);
+      destroy_event_quietly(b);
+    }
   }
-  const cuda::Stream compute = cuda::current_stream(), comm = opt_.comm_stream;
+}
+
+void* ExchangeStream::before(cuda::Stream compute) {
   if (!ready_event_) ready_event_ = cuda::create_sync_event();
   cuda::record_event(ready_event_, compute);  // the inputs are ready here
-  cuda::stream_wait_event(comm, ready_event_);
+  cuda::stream_wait_event(comm_, ready_event_);
   if (timing_) {
     exchange_events_.push_back({cuda::create_event(), cuda::create_event()});
-    cuda::record_event(exchange_events_.back().first, comm);
+    cuda::record_event(exchange_events_.back().first, comm_);
   }
-  auto out = [&] {
-    // Allocations and copies inside go to the communication stream, and the temporaries
-    // are freed there, after their last use.
-    cuda::CurrentStreamScope scope(comm);
-    return body();
-  }();
-  if (timing_) cuda::record_event(exchange_events_.back().second, comm);
+  return ready_event_;
+}
+
+void* ExchangeStream::after(DispatchState& st, std::initializer_list<Tensor> inputs) {
+  if (timing_) cuda::record_event(exchange_events_.back().second, comm_);
   void* done;
-  if (opt_.defer_wait) {
+  if (defer_) {
+    // Until wait() the caller's stream may free or reuse what the communication stream still
+    // reads or writes: the state keeps those tensors alive.
     if (!st.ready) st.ready = std::shared_ptr<void>(cuda::create_sync_event(), destroy_event_quietly);
     done = st.ready.get();
-    for (const Tensor& t : inputs) keep(st.in_flight, t);
-    keep(st.in_flight, out);
+    for (const Tensor& t : inputs) keep(st, t);
   } else {
     if (!done_event_) done_event_ = cuda::create_sync_event();
     done = done_event_;
   }
-  cuda::record_event(done, comm);
+  cuda::record_event(done, comm_);
   // From here the compute stream may use the results and free the inputs (stream order).
-  if (!opt_.defer_wait) stall_on(compute, done);
-  return out;
+  if (!defer_) stall_on(cuda::current_stream(), done);
+  return done;
 }
 
-void AllToAllDispatcher::stall_on(cuda::Stream compute, void* done) {
+void ExchangeStream::keep(DispatchState& st, const DispatchOut& o) {
+  keep(st, o.rows);
+  keep(st, o.counts);
+}
+void ExchangeStream::keep(DispatchState& st, const ExpertDispatcher::CombineGrads& g) {
+  keep(st, g.d_rows);
+  keep(st, g.d_weight);
+}
+void ExchangeStream::keep(DispatchState& st, const ExpertDispatcher::PlacedRows& p) {
+  keep(st, p.rows);
+  keep(st, p.order);
+}
+
+void ExchangeStream::count_host(double ms) {
+  host_timing_.total_ms += ms;
+  host_timing_.stalled_ms += ms;  // Gloo: the caller waited for all of it
+  ++host_timing_.exchanges;
+}
+
+void ExchangeStream::stall_on(cuda::Stream compute, void* done) {
   if (timing_) {
     stall_events_.push_back({cuda::create_event(), cuda::create_event()});
     cuda::record_event(stall_events_.back().first, compute);
@@ -174,12 +160,12 @@ void AllToAllDispatcher::stall_on(cuda::Stream compute, void* done) {
   if (timing_) cuda::record_event(stall_events_.back().second, compute);
 }
 
-void AllToAllDispatcher::wait(DispatchState& st) {
+void ExchangeStream::wait(DispatchState& st) {
   if (st.ready) stall_on(cuda::current_stream(), st.ready.get());
   st.in_flight.clear();  // freed on the current stream, after the wait
 }
 
-AllToAllDispatcher::ExchangeTiming AllToAllDispatcher::take_timing() {
+ExchangeTiming ExchangeStream::take_timing() {
   ExchangeTiming t = host_timing_;
   for (auto& [a, b] : exchange_events_) {
     t.total_ms += cuda::elapsed_ms(a, b);
@@ -197,8 +183,29 @@ AllToAllDispatcher::ExchangeTiming AllToAllDispatcher::take_timing() {
   return t;
 }
 
+// ---- AllToAllDispatcher ----
+
+AllToAllDispatcher::AllToAllDispatcher(Communicator& ep, ExchangeOptions options)
+    : ep_(ep), opt_(std::move(options)), nccl_(ep.backend() == "nccl"), stream_(opt_.comm_stream, opt_.defer_wait) {}
+
+int64_t AllToAllDispatcher::first_local_expert(int64_t num_experts) const {
+  return expert_range(num_experts, ep_.size(), ep_.rank()).first;
+}
+
+int64_t AllToAllDispatcher::num_local_experts(int64_t num_experts) const {
+  MT_CHECK(num_experts > 0, "expert parallelism on {}: no experts to split", ep_.name());
+  return expert_range(num_experts, ep_.size(), ep_.rank()).count;
+}
+
+std::string AllToAllDispatcher::where(const DispatchState& st) const {
+  if (st.layer >= 0) return fmt::format("expert dispatch of layer {} on {}", st.layer, ep_.name());
+  return fmt::format("expert dispatch on {}", ep_.name());
+}
+
 void AllToAllDispatcher::all_to_all(const Tensor& in, const std::vector<int64_t>& send, Tensor& out,
                                     const std::vector<int64_t>& recv) {
+  const double row_bytes = in.numel() == 0 ? 0.0 : static_cast<double>(in.nbytes()) / static_cast<double>(in.size(0));
+  stream_.count_bytes(static_cast<double>(sum(send) - send[static_cast<size_t>(ep_.rank())]) * row_bytes);
   if (in.device().is_cpu() || nccl_) {
     // NCCL: on the current stream (the communication stream inside on_comm_stream), never
     // the communicator's own default, which is not ordered after the kernels made `in`.
@@ -264,7 +271,7 @@ DispatchOut AllToAllDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx
            "{}: x must be [T, H] and topk_idx [T, K] on one device, got {} and {}", where(st), x.str(), topk_idx.str());
   const Device dev = x.device();
   const int64_t pairs = topk_idx.numel();
-  return on_comm_stream(dev, st, {x, topk_idx}, [&] {
+  return stream_.run(dev, st, {x, topk_idx}, [&] {
     st.perm = ops::permutation_by_expert(topk_idx, E);  // grouped by global expert: peer p's experts are one block
     // The counts this rank sends (E, peer-major) and those it receives ([peer][local expert])
     // share one buffer, so one copy brings both to the host.
@@ -365,34 +372,34 @@ Tensor AllToAllDispatcher::rows_back_to_experts(const Tensor& d_home, DispatchSt
 Tensor AllToAllDispatcher::combine(const Tensor& expert_rows, DispatchState& st) {
   StageScope timer(Stage::kCombine);
   check_dispatched(st, expert_rows, sum(st.recv_rows), "combine");
-  return on_comm_stream(expert_rows.device(), st, {expert_rows},
+  return stream_.run(expert_rows.device(), st, {expert_rows},
                         [&] { return ops::unpermute_forward(rows_home(expert_rows, st), st.perm); });
 }
 
 ExpertDispatcher::PlacedRows AllToAllDispatcher::combine_in_place(const Tensor& expert_rows, DispatchState& st) {
   StageScope timer(Stage::kCombine);
   check_dispatched(st, expert_rows, sum(st.recv_rows), "combine_in_place");
-  Tensor home = on_comm_stream(expert_rows.device(), st, {expert_rows}, [&] { return rows_home(expert_rows, st); });
+  Tensor home = stream_.run(expert_rows.device(), st, {expert_rows}, [&] { return rows_home(expert_rows, st); });
   return {home, st.perm.slot_row};
 }
 
 Tensor AllToAllDispatcher::combine_in_place_backward(const Tensor& d_home, DispatchState& st) {
   StageScope timer(Stage::kCombine);
   check_dispatched(st, d_home, st.perm.num_tokens * st.perm.top_k, "combine_in_place_backward");
-  return on_comm_stream(d_home.device(), st, {d_home}, [&] { return rows_back_to_experts(d_home, st); });
+  return stream_.run(d_home.device(), st, {d_home}, [&] { return rows_back_to_experts(d_home, st); });
 }
 
 Tensor AllToAllDispatcher::combine_backward(const Tensor& dout, DispatchState& st) {
   StageScope timer(Stage::kCombine);
   check_dispatched(st, dout, st.perm.num_tokens * st.perm.top_k, "combine_backward");
-  return on_comm_stream(dout.device(), st, {dout},
+  return stream_.run(dout.device(), st, {dout},
                         [&] { return rows_back_to_experts(ops::unpermute_backward(dout, st.perm), st); });
 }
 
 Tensor AllToAllDispatcher::dispatch_backward(const Tensor& drows, DispatchState& st) {
   StageScope timer(Stage::kRouterPermute);
   check_dispatched(st, drows, sum(st.recv_rows), "dispatch_backward");
-  return on_comm_stream(drows.device(), st, {drows}, [&] {
+  return stream_.run(drows.device(), st, {drows}, [&] {
     Tensor arrived = st.regroup_identity ? drows : ops::unpermute_forward(drows, st.regroup);
     Tensor mine = exchange(arrived, st.recv_rows, st.send_rows);
     return ops::permute_backward(mine, st.perm);  // sums each token's K copies, in k order

@@ -7,10 +7,13 @@
 // engine owns these stages so a schedule can run them on a communication stream while
 // another micro-batch computes. With one process they are local permutations
 // (LocalDispatcher); with expert parallelism, all-to-alls over the EP group
-// (AllToAllDispatcher). Below the weighted combine are the routes it is made of
-// (combine, combine_in_place and their backwards), which tests check one by one.
+// (AllToAllDispatcher) or an all-gather of the tokens and a reduce-scatter of the
+// expert-side sums (AllGatherDispatcher, engine/parallel/all_gather_dispatch.h). Below the
+// weighted combine are the routes it is made of (combine, combine_in_place and their
+// backwards), which tests check one by one.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <initializer_list>
 #include <memory>
@@ -18,6 +21,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "core/cuda_runtime.h"
 #include "ops/ops.h"
 
 namespace moetrain {
@@ -34,10 +38,16 @@ struct DispatchState {
   // Unused when the two orders coincide (one local expert, one peer sending).
   ops::Permutation regroup;
   bool regroup_identity = true;
-  // The weighted combine: the routing weights [T, K] given to dispatch, and the expert
-  // outputs as combine_start placed them (rows, and the order to read them through).
+  // The weighted combine: the routing weights [T, K] given to dispatch (AllGatherDispatcher:
+  // every EP rank's, gathered), and the expert outputs as combine_start placed them (rows,
+  // and the order to read them through).
   Tensor weight;
   Tensor placed, order;
+  // AllGatherDispatcher: each EP rank's token count, the rows every rank's block is padded
+  // to in the gathered batch, and the reduce-scattered sums combine_start started home.
+  std::vector<int64_t> tokens;
+  int64_t padded_tokens = 0;
+  Tensor combined;
   // CUDA, communication stream, deferred waits: the event after this state's last exchange
   // and the caller's tensors the communication stream may still read (see wait()).
   std::shared_ptr<void> ready;
@@ -49,6 +59,14 @@ struct DispatchOut {
   Tensor counts;  // i64 [local experts], rows per expert
 };
 
+// Timing (bench): how long a dispatcher's exchanges took and how long the compute stream
+// stalled waiting for them, so total - stalled is the exchange time hidden behind compute.
+struct ExchangeTiming {
+  double total_ms = 0, stalled_ms = 0;
+  int exchanges = 0;
+  double bytes_sent = 0;  // to other ranks, by this one (counted on the host)
+};
+
 class ExpertDispatcher {
  public:
   virtual ~ExpertDispatcher() = default;
@@ -58,20 +76,21 @@ class ExpertDispatcher {
 
   // ---- the layer's exchange: dispatch with the routing weights, the weighted combine ----
   // dispatch(), keeping topk_weight [T, K] in `st` for the combine.
-  DispatchOut dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight, int64_t num_experts,
-                       DispatchState& st);
+  virtual DispatchOut dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight,
+                               int64_t num_experts, DispatchState& st);
   // Starts the expert outputs [N, H] on their way home (with deferred waits, still in flight
-  // when this returns).
-  void combine_start(const Tensor& expert_rows, DispatchState& st);
+  // when this returns). These three default to the routes below: the rows go home and the
+  // token's rank sums them; a dispatcher may sum on the experts' side instead.
+  virtual void combine_start(const Tensor& expert_rows, DispatchState& st);
   // Waits for them and returns residual + sum_k w[t,k] * out[t,k] ([T, H]; the residual add
   // fused into the weighted sum: stage 5 hands its residual stream in).
-  Tensor combine_finish(const Tensor& residual, DispatchState& st);
+  virtual Tensor combine_finish(const Tensor& residual, DispatchState& st);
   // Backward of combine_finish and combine_start: d topk_weight [T, K] and the expert rows'
   // gradient [N, H] started on its way back to the experts (wait(st) before reading it).
   struct CombineGrads {
     Tensor d_rows, d_weight;
   };
-  CombineGrads combine_backward_weighted(const Tensor& dy, DispatchState& st);
+  virtual CombineGrads combine_backward_weighted(const Tensor& dy, DispatchState& st);
 
   // ---- the routes ----
   // Expert outputs [N, H] -> [T*K, H] in (t, k) order.
@@ -98,8 +117,12 @@ class ExpertDispatcher {
   // Gradient of dispatch: d rows [N, H] -> dx [T, H].
   virtual Tensor dispatch_backward(const Tensor& drows, DispatchState& st) = 0;
   // Makes the caller's current stream wait for the last call on `st` to finish. Needed only
-  // with a dispatcher that defers waits (AllToAllOptions::defer_wait); a no-op otherwise.
+  // with a dispatcher that defers waits (ExchangeOptions::defer_wait); a no-op otherwise.
   virtual void wait(DispatchState& st) {}
+
+  // Exchange timing (bench); nothing to time in one process.
+  virtual void set_timing(bool on) {}
+  virtual ExchangeTiming take_timing() { return {}; }
 };
 
 // One process: every expert is local; dispatch and combine are permutations.
@@ -115,11 +138,12 @@ class LocalDispatcher final : public ExpertDispatcher {
   Tensor dispatch_backward(const Tensor& drows, DispatchState& st) override;
 };
 
-struct AllToAllOptions {
-  // At every dispatch, check over the EP group that each rank expects from each peer
-  // exactly the rows that peer sends it and that every (token, slot) copy is sent: one
-  // all_gather of 2 ep + 1 counts per rank (on CUDA one more host sync). Off (training,
-  // unless [parallel].check_exchange): only the local check that the counts add up to T*K.
+struct ExchangeOptions {
+  // At every dispatch, check over the EP group that every (token, slot) copy goes to
+  // exactly one expert (all-to-all: that each rank expects from each peer exactly the rows
+  // that peer sends it): one all_gather of a few counts per rank (on CUDA one more host
+  // sync). Off (training, unless [parallel].check_exchange): only what a rank can check
+  // alone (all-to-all: that its counts add up to T*K).
   bool check_conservation = false;
   // CUDA: the stream the dispatcher's work runs on, so that it can overlap compute. Each call
   // makes it wait for the caller's current (compute) stream, runs there, and then makes
@@ -133,8 +157,56 @@ struct AllToAllOptions {
   // results alive (the compute stream must not reuse their memory): wait before dropping it.
   bool defer_wait = false;
   // Tests: edits the row counts received in the count exchange ([peer][local expert])
-  // before they are checked, to provoke a conservation violation.
+  // before they are checked, to provoke a conservation violation (all-to-all only).
   std::function<void(std::vector<int64_t>& received_counts)> tamper_received_counts;
+};
+
+// Where a multi-rank dispatcher's exchanges run (ExchangeOptions::comm_stream and
+// defer_wait) and how long they take: the part AllToAllDispatcher and AllGatherDispatcher
+// share.
+class ExchangeStream {
+ public:
+  ExchangeStream(cuda::Stream comm_stream, bool defer_wait) : comm_(comm_stream), defer_(defer_wait) {}
+  ~ExchangeStream();
+  ExchangeStream(const ExchangeStream&) = delete;
+  ExchangeStream& operator=(const ExchangeStream&) = delete;
+
+  // Runs `body` where the dispatcher's work goes: on the communication stream after the
+  // caller's stream (the inputs are ready there), then either making the caller's stream
+  // wait for it or, deferred, keeping `inputs` and the result alive in `st` until wait().
+  // On the CPU, or with no communication stream, `body` runs in place.
+  template <typename F>
+  auto run(const Device& device, DispatchState& st, std::initializer_list<Tensor> inputs, F&& body);
+  // The caller's stream waits for the last deferred call on `st`.
+  void wait(DispatchState& st);
+
+  // GPU: from events on both streams (read in take_timing, which synchronises); CPU (Gloo,
+  // synchronous): the host clock, all of it stalled.
+  void set_timing(bool on) { timing_ = on; }
+  ExchangeTiming take_timing();
+  // A collective about to send `bytes` to other ranks (counted while timing).
+  void count_bytes(double bytes) {
+    if (timing_) host_timing_.bytes_sent += bytes;
+  }
+
+ private:
+  // Returns the event after the work just enqueued on the communication stream.
+  void* before(cuda::Stream compute);
+  void* after(DispatchState& st, std::initializer_list<Tensor> inputs);
+  void keep(DispatchState& st, const Tensor& t) { st.in_flight.push_back(t); }
+  void keep(DispatchState& st, const DispatchOut& o);
+  void keep(DispatchState& st, const ExpertDispatcher::CombineGrads& g);
+  void keep(DispatchState& st, const ExpertDispatcher::PlacedRows& p);
+  void stall_on(cuda::Stream compute, void* done);  // compute waits for `done`, timed
+  void count_host(double ms);
+
+  cuda::Stream comm_;
+  bool defer_;
+  void* ready_event_ = nullptr;  // cuda::Event, created on first use
+  void* done_event_ = nullptr;
+  bool timing_ = false;
+  ExchangeTiming host_timing_;                                                       // CPU, and the GPU count
+  std::vector<std::pair<cuda::Event, cuda::Event>> exchange_events_, stall_events_;  // GPU
 };
 
 // Expert parallelism over the EP group `ep` (size P, rank r; E experts, E divisible by P):
@@ -159,8 +231,7 @@ struct AllToAllOptions {
 // in the same order (they are collectives).
 class AllToAllDispatcher final : public ExpertDispatcher {
  public:
-  explicit AllToAllDispatcher(Communicator& ep, AllToAllOptions options = {});
-  ~AllToAllDispatcher() override;
+  explicit AllToAllDispatcher(Communicator& ep, ExchangeOptions options = {});
   AllToAllDispatcher(const AllToAllDispatcher&) = delete;
   AllToAllDispatcher& operator=(const AllToAllDispatcher&) = delete;
 
@@ -178,23 +249,11 @@ class AllToAllDispatcher final : public ExpertDispatcher {
   Tensor combine_in_place_backward(const Tensor& d_placed, DispatchState& st) override;
   Tensor combine_backward(const Tensor& dout, DispatchState& st) override;
   Tensor dispatch_backward(const Tensor& drows, DispatchState& st) override;
-  void wait(DispatchState& st) override;
-
-  // Timing (bench): how long the exchanges took and how long the compute stream stalled
-  // waiting for them, so total - stalled is the exchange time hidden behind compute. On the
-  // GPU from events on both streams (read in take_timing, which synchronises); on the CPU
-  // (Gloo, synchronous) from the host clock, all of it stalled.
-  struct ExchangeTiming {
-    double total_ms = 0, stalled_ms = 0;
-    int exchanges = 0;
-  };
-  void set_timing(bool on) { timing_ = on; }
-  ExchangeTiming take_timing();
+  void wait(DispatchState& st) override { stream_.wait(st); }
+  void set_timing(bool on) override { stream_.set_timing(on); }
+  ExchangeTiming take_timing() override { return stream_.take_timing(); }
 
  private:
-  // Runs `body` where the dispatcher's work goes (see AllToAllOptions::comm_stream).
-  template <typename F>
-  auto on_comm_stream(const Device& device, DispatchState& st, std::initializer_list<Tensor> inputs, F&& body);
   // The all-to-all-v of `in` (send[p] rows for peer p, back to back) into `out`.
   void all_to_all(const Tensor& in, const std::vector<int64_t>& send, Tensor& out, const std::vector<int64_t>& recv);
   // rows -> a new tensor with what the peers send back.
@@ -210,14 +269,32 @@ class AllToAllDispatcher final : public ExpertDispatcher {
   std::string where(const DispatchState& st) const;
 
   Communicator& ep_;
-  AllToAllOptions opt_;
+  ExchangeOptions opt_;
   bool nccl_;  // the backend moves device tensors
-  void* ready_event_ = nullptr;  // cuda::Event, created on first use
-  void* done_event_ = nullptr;
-  bool timing_ = false;
-  ExchangeTiming host_timing_;                                   // CPU, and the GPU count
-  std::vector<std::pair<cuda::Event, cuda::Event>> exchange_events_, stall_events_;  // GPU
-  void stall_on(cuda::Stream compute, void* done);  // compute waits for `done`, timed
+  ExchangeStream stream_;
 };
+
+// ---- ExchangeStream::run ----
+
+template <typename F>
+auto ExchangeStream::run(const Device& device, DispatchState& st, std::initializer_list<Tensor> inputs, F&& body) {
+  if (device.is_cpu() || comm_ == nullptr) {
+    if (!timing_ || !device.is_cpu()) return body();
+    const auto t0 = std::chrono::steady_clock::now();
+    auto out = body();
+    count_host(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    return out;
+  }
+  before(cuda::current_stream());
+  auto out = [&] {
+    // Allocations and copies inside go to the communication stream, and the temporaries
+    // are freed there, after their last use.
+    cuda::CurrentStreamScope scope(comm_);
+    return body();
+  }();
+  if (defer_) keep(st, out);
+  after(st, inputs);
+  return out;
+}
 
 }  // namespace moetrain

@@ -1,6 +1,7 @@
 // Weighted combine of the K expert outputs of each token, plus an optional residual.
 //
 // Forward:  y[t] = residual[t] + sum_k w[t,k] * e[r]   r = t*K+k, or order[t*K+k] ([T*K, H])
+//           (with an order, e may hold R < T*K rows: slots with r >= R are absent)
 // Backward: de[r] = w[t,k] * dy[t]
 //           dw[t,k]   = <dy[t], e[r]>                          (accumulated in double)
 //           dresidual = dy                                     (the caller reuses dy)
@@ -10,22 +11,22 @@
 namespace moetrain::ops::cpu {
 namespace {
 
-// Checks weight [T, K] and expert_out [T*K, H]; returns {T, K, H}.
+// Checks weight [T, K] (expert_out's rows are checked with the order, in ops/dispatch.cpp);
+// returns {T, K, H, R}.
 struct Dims {
-  int64_t T, K, H;
+  int64_t T, K, H, R;
 };
 Dims check_combine(const char* op, const Tensor& expert_out, const Tensor& weight) {
   MT_CHECK(weight.defined() && weight.ndim() == 2, "{}: weight must be [T, K], got {}", op, weight.str());
-  const int64_t T = weight.size(0), K = weight.size(1);
-  MT_CHECK(expert_out.defined() && expert_out.ndim() == 2 && expert_out.size(0) == T * K,
-           "{}: expert_out must be [T*K = {}, H], got {}", op, T * K, expert_out.str());
-  return {T, K, expert_out.size(1)};
+  MT_CHECK(expert_out.defined() && expert_out.ndim() == 2, "{}: expert_out must be [R, H], got {}", op,
+           expert_out.str());
+  return {weight.size(0), weight.size(1), expert_out.size(1), expert_out.size(0)};
 }
 
 }  // namespace
 
 Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Tensor& residual, const Tensor& order) {
-  const auto [T, K, H] = check_combine("combine_forward", expert_out, weight);
+  const auto [T, K, H, R] = check_combine("combine_forward", expert_out, weight);
   if (residual.defined()) check_shape(residual, {T, H}, "combine_forward residual");
   check_same_dtype("combine_forward", expert_out.dtype(), {&weight, &residual});
   Tensor y = Tensor::empty({T, H}, expert_out.dtype());
@@ -42,7 +43,9 @@ Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Ten
       for (int64_t h = 0; h < H; ++h) o[h] = res ? res[t * H + h] : F(0);
       for (int64_t k = 0; k < K; ++k) {
         const F wk = w[t * K + k];
-        const F* row = e + (ord ? ord[t * K + k] : t * K + k) * H;
+        const int64_t at = ord ? ord[t * K + k] : t * K + k;
+        if (at >= R) continue;  // absent
+        const F* row = e + at * H;
         for (int64_t h = 0; h < H; ++h) o[h] += wk * row[h];
       }
     }
@@ -51,11 +54,11 @@ Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Ten
 }
 
 CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& weight, const Tensor& order) {
-  const auto [T, K, H] = check_combine("combine_backward", expert_out, weight);
+  const auto [T, K, H, R] = check_combine("combine_backward", expert_out, weight);
   check_shape(dy, {T, H}, "combine_backward dy");
   check_same_dtype("combine_backward", dy.dtype(), {&expert_out, &weight});
   CombineGrads g;
-  g.dexpert_out = Tensor::empty({T * K, H}, dy.dtype());
+  g.dexpert_out = Tensor::empty({R, H}, dy.dtype());
   g.dweight = Tensor::empty({T, K}, dy.dtype());
   dispatch_float(dy.dtype(), "combine_backward", [&](auto tag) {
     using F = decltype(tag);
@@ -72,6 +75,10 @@ CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const 
         const int64_t r = t * K + k;
         const F wk = w[r];
         const int64_t at = ord ? ord[r] : r;
+        if (at >= R) {  // absent
+          dw[r] = F(0);
+          continue;
+        }
         const F* row = e + at * H;
         F* drow = de + at * H;
         double acc = 0;

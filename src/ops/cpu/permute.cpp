@@ -7,6 +7,8 @@
 //   (the backward gathers the K rows of each token in k order: deterministic, no atomics)
 // unpermute: y[t*K+k] = yp[slot_row[t*K+k]]        backward: dyp[slot_row[i]] = dy[i]
 //   (slot_row is a bijection, so this scatter writes each row exactly once)
+// A partial permutation (Permutation::rows) keeps rows [0, R): pairs with slot_row >= R
+// are absent, skipped in the sums and scatters, zero in unpermute_forward.
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -17,15 +19,17 @@
 namespace moetrain::ops::cpu {
 namespace {
 
-// Checks that `p` is a complete permutation and `t` is [T*K, H] (or [T, H] when
-// per_token); returns H.
-int64_t check_rows(const Permutation& p, const Tensor& t, bool per_token, const char* op, const char* name) {
+// Checks that `p` is a complete permutation and `t` is [R, H] (R: the permuted rows
+// kept), [T, H] when per_token or [T*K, H] when pairwise; returns H.
+enum class RowsOf { kTokens, kPermuted, kPairs };
+int64_t check_rows(const Permutation& p, const Tensor& t, RowsOf of, const char* op, const char* name) {
   const int64_t NK = p.num_tokens * p.top_k;
   MT_CHECK(p.source_token.defined() && p.slot_row.defined() && p.source_token.numel() == NK &&
-               p.slot_row.numel() == NK,
-           "{}: permutation is incomplete: source_token {} and slot_row {} must hold T*K = {} rows", op,
-           p.source_token.str(), p.slot_row.str(), NK);
-  const int64_t rows = per_token ? p.num_tokens : NK;
+               p.slot_row.numel() == NK && p.permuted_rows() <= NK,
+           "{}: permutation is incomplete: source_token {} and slot_row {} must hold T*K = {} rows, of which {} "
+           "kept",
+           op, p.source_token.str(), p.slot_row.str(), NK, p.permuted_rows());
+  const int64_t rows = of == RowsOf::kTokens ? p.num_tokens : of == RowsOf::kPairs ? NK : p.permuted_rows();
   MT_CHECK(t.defined() && t.ndim() == 2 && t.size(0) == rows, "{}: {} must be [{}, H], got {}", op, name, rows,
            t.str());
   return t.size(1);
@@ -79,16 +83,30 @@ Permutation permutation_by_expert(const Tensor& topk_idx, int64_t num_experts) {
   return p;
 }
 
+Tensor expert_ids_in_range(const Tensor& topk_idx, int64_t first, int64_t count) {
+  MT_CHECK(topk_idx.defined() && topk_idx.ndim() == 2, "expert_ids_in_range: topk_idx must be [T, K], got {}",
+           topk_idx.str());
+  check_dtype(topk_idx, DType::I32, "expert_ids_in_range topk_idx");
+  Tensor out = Tensor::empty(topk_idx.shape(), DType::I32);
+  const int32_t* in = topk_idx.data<int32_t>();
+  int32_t* o = out.data<int32_t>();
+  for (int64_t i = 0; i < topk_idx.numel(); ++i) {
+    const int64_t e = in[i];
+    o[i] = static_cast<int32_t>(e >= first && e < first + count ? e - first : count);
+  }
+  return out;
+}
+
 Tensor permute_forward(const Tensor& x, const Permutation& p) {
-  const int64_t H = check_rows(p, x, /*per_token=*/true, "permute_forward", "x");
-  Tensor xp = Tensor::empty({p.num_tokens * p.top_k, H}, x.dtype());
-  gather_rows(x, p.source_token.data<int32_t>(), p.num_tokens * p.top_k, xp);
+  const int64_t H = check_rows(p, x, RowsOf::kTokens, "permute_forward", "x");
+  Tensor xp = Tensor::empty({p.permuted_rows(), H}, x.dtype());
+  gather_rows(x, p.source_token.data<int32_t>(), p.permuted_rows(), xp);
   return xp;
 }
 
 Tensor permute_backward(const Tensor& dxp, const Permutation& p) {
-  const int64_t H = check_rows(p, dxp, /*per_token=*/false, "permute_backward", "dxp");
-  const int64_t T = p.num_tokens, K = p.top_k;
+  const int64_t H = check_rows(p, dxp, RowsOf::kPermuted, "permute_backward", "dxp");
+  const int64_t T = p.num_tokens, K = p.top_k, R = p.permuted_rows();
   Tensor dx = Tensor::empty({T, H}, dxp.dtype());
   dispatch_float(dxp.dtype(), "permute_backward", [&](auto tag) {
     using F = decltype(tag);
@@ -100,6 +118,7 @@ Tensor permute_backward(const Tensor& dxp, const Permutation& p) {
       F* o = out + t * H;
       for (int64_t h = 0; h < H; ++h) o[h] = F(0);
       for (int64_t k = 0; k < K; ++k) {
+        if (slot[t * K + k] >= R) continue;  // absent
         const F* row = g + static_cast<int64_t>(slot[t * K + k]) * H;
         for (int64_t h = 0; h < H; ++h) o[h] += row[h];
       }
@@ -109,25 +128,39 @@ Tensor permute_backward(const Tensor& dxp, const Permutation& p) {
 }
 
 Tensor unpermute_forward(const Tensor& yp, const Permutation& p) {
-  const int64_t H = check_rows(p, yp, /*per_token=*/false, "unpermute_forward", "yp");
-  Tensor y = Tensor::empty({p.num_tokens * p.top_k, H}, yp.dtype());
-  gather_rows(yp, p.slot_row.data<int32_t>(), p.num_tokens * p.top_k, y);
+  const int64_t H = check_rows(p, yp, RowsOf::kPermuted, "unpermute_forward", "yp");
+  const int64_t NK = p.num_tokens * p.top_k, R = p.permuted_rows();
+  if (R == NK) {
+    Tensor y = Tensor::empty({NK, H}, yp.dtype());
+    gather_rows(yp, p.slot_row.data<int32_t>(), NK, y);
+    return y;
+  }
+  Tensor y = Tensor::zeros({NK, H}, yp.dtype());
+  const int64_t row_bytes = H * static_cast<int64_t>(dtype_size(yp.dtype()));
+  const int32_t* slot = p.slot_row.data<int32_t>();
+  const char* s = static_cast<const char*>(yp.raw());
+  char* d = static_cast<char*>(y.raw());
+  for (int64_t i = 0; i < NK; ++i) {
+    if (slot[i] < R) std::memcpy(d + i * row_bytes, s + slot[i] * row_bytes, row_bytes);
+  }
   return y;
 }
 
 Tensor unpermute_backward(const Tensor& dy, const Permutation& p) {
-  const int64_t H = check_rows(p, dy, /*per_token=*/false, "unpermute_backward", "dy");
-  const int64_t NK = p.num_tokens * p.top_k;
+  const int64_t H = check_rows(p, dy, RowsOf::kPairs, "unpermute_backward", "dy");
+  const int64_t NK = p.num_tokens * p.top_k, R = p.permuted_rows();
   // The gather by the inverse of slot_row: row r of expert order is pair
   // (source_token[r], k) with slot_row of that pair equal to r. Scatter through slot_row
-  // is the same map and touches each row once.
-  Tensor dyp = Tensor::empty({NK, H}, dy.dtype());
+  // is the same map and touches each kept row once.
+  Tensor dyp = Tensor::empty({R, H}, dy.dtype());
   const int64_t row_bytes = H * static_cast<int64_t>(dtype_size(dy.dtype()));
   const int32_t* slot = p.slot_row.data<int32_t>();
   const char* s = static_cast<const char*>(dy.raw());
   char* d = static_cast<char*>(dyp.raw());
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < NK; ++i) std::memcpy(d + slot[i] * row_bytes, s + i * row_bytes, row_bytes);
+  for (int64_t i = 0; i < NK; ++i) {
+    if (slot[i] < R) std::memcpy(d + slot[i] * row_bytes, s + i * row_bytes, row_bytes);
+  }
   return dyp;
 }
 

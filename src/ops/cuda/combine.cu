@@ -18,16 +18,16 @@ constexpr int kWarps = 4;
 template <typename T, bool kVec8>
 __global__ void __launch_bounds__(kWarps * 32)
     combine_forward_kernel(const T* __restrict__ eo, const float* __restrict__ weight, const T* __restrict__ residual,
-                           const int32_t* __restrict__ order, int64_t T_, int K, int64_t H, T* __restrict__ y) {
+                           const int32_t* __restrict__ order, int64_t T_, int K, int64_t R, int64_t H,
+                           T* __restrict__ y) {
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (t >= T_) return;
   const float* w = weight + t * K;
-  const int64_t NK = T_ * K;
-  // Expert-output row of slot k of this token (-1: outside the tensor, skipped).
+  // Expert-output row of slot k of this token (-1: outside the R rows, absent, skipped).
   auto row_of = [&](int k) -> int64_t {
     const int64_t r = order ? order[t * K + k] : t * K + k;
-    return r >= 0 && r < NK ? r : -1;
+    return r >= 0 && r < R ? r : -1;
   };
   T* out = y + t * H;
   if constexpr (kVec8) {
@@ -60,17 +60,16 @@ __global__ void __launch_bounds__(kWarps * 32)
 template <typename T, bool kVec8>
 __global__ void __launch_bounds__(kWarps * 32)
     combine_backward_kernel(const T* __restrict__ dy, const T* __restrict__ eo, const float* __restrict__ weight,
-                            const int32_t* __restrict__ order, int64_t T_, int K, int64_t H, T* __restrict__ deo,
-                            float* __restrict__ dweight) {
+                            const int32_t* __restrict__ order, int64_t T_, int K, int64_t R, int64_t H,
+                            T* __restrict__ deo, float* __restrict__ dweight) {
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (t >= T_) return;
   const T* d = dy + t * H;
-  const int64_t NK = T_ * K;
   for (int k = 0; k < K; ++k) {
     const int64_t r = t * K + k;
     const int64_t at = order ? order[r] : r;  // the expert-output row (and its gradient's)
-    if (at < 0 || at >= NK) {
+    if (at < 0 || at >= R) {  // absent
       if (lane == 0) dweight[r] = 0.f;
       continue;
     }
@@ -120,7 +119,7 @@ bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 ==
 }  // namespace
 
 void launch_combine_forward(const void* expert_out, const float* weight, const void* residual, const int32_t* order,
-                            int64_t T, int K, int64_t H, void* y, bool is_bf16, cudaStream_t stream) {
+                            int64_t T, int K, int64_t R, int64_t H, void* y, bool is_bf16, cudaStream_t stream) {
   if (T == 0 || H == 0) return;
   const unsigned blocks = static_cast<unsigned>((T + kWarps - 1) / kWarps);
   const bool vec = H % 8 == 0 && is_aligned16(expert_out) && is_aligned16(y) && (!residual || is_aligned16(residual));
@@ -129,16 +128,16 @@ void launch_combine_forward(const void* expert_out, const float* weight, const v
     auto eo = static_cast<const E*>(expert_out);
     auto res = static_cast<const E*>(residual);
     auto out = static_cast<E*>(y);
-    if (vec) combine_forward_kernel<E, true><<<blocks, kWarps * 32, 0, stream>>>(eo, weight, res, order, T, K, H, out);
-    else combine_forward_kernel<E, false><<<blocks, kWarps * 32, 0, stream>>>(eo, weight, res, order, T, K, H, out);
+    if (vec) combine_forward_kernel<E, true><<<blocks, kWarps * 32, 0, stream>>>(eo, weight, res, order, T, K, R, H, out);
+    else combine_forward_kernel<E, false><<<blocks, kWarps * 32, 0, stream>>>(eo, weight, res, order, T, K, R, H, out);
   };
   if (is_bf16) go(__nv_bfloat16{});
   else go(float{});
 }
 
 void launch_combine_backward(const void* dy, const void* expert_out, const float* weight, const int32_t* order,
-                             int64_t T, int K, int64_t H, void* dexpert_out, float* dweight, bool is_bf16,
-                             cudaStream_t stream) {
+                             int64_t T, int K, int64_t R, int64_t H, void* dexpert_out, float* dweight,
+                             bool is_bf16, cudaStream_t stream) {
   if (T == 0 || K == 0) return;
   const unsigned blocks = static_cast<unsigned>((T + kWarps - 1) / kWarps);
   const bool vec = H % 8 == 0 && is_aligned16(dy) && is_aligned16(expert_out) && is_aligned16(dexpert_out);
@@ -148,9 +147,9 @@ void launch_combine_backward(const void* dy, const void* expert_out, const float
     auto eo = static_cast<const E*>(expert_out);
     auto de = static_cast<E*>(dexpert_out);
     if (vec) {
-      combine_backward_kernel<E, true><<<blocks, kWarps * 32, 0, stream>>>(d, eo, weight, order, T, K, H, de, dweight);
+      combine_backward_kernel<E, true><<<blocks, kWarps * 32, 0, stream>>>(d, eo, weight, order, T, K, R, H, de, dweight);
     } else {
-      combine_backward_kernel<E, false><<<blocks, kWarps * 32, 0, stream>>>(d, eo, weight, order, T, K, H, de, dweight);
+      combine_backward_kernel<E, false><<<blocks, kWarps * 32, 0, stream>>>(d, eo, weight, order, T, K, R, H, de, dweight);
     }
   };
   if (is_bf16) go(__nv_bfloat16{});

@@ -27,6 +27,7 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
 RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob);
 Tensor router_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const RouterOut& fwd, bool norm_topk_prob);
 Permutation permutation_by_expert(const Tensor& topk_idx, int64_t num_experts);
+Tensor expert_ids_in_range(const Tensor& topk_idx, int64_t first, int64_t count);
 Tensor permute_forward(const Tensor& x, const Permutation& p);
 Tensor permute_backward(const Tensor& dxp, const Permutation& p);
 Tensor unpermute_forward(const Tensor& yp, const Permutation& p);

@@ -8,17 +8,19 @@
 namespace moetrain::ops::cuda {
 namespace {
 
-// Checks that `p` is a complete permutation on the device and `t` is [T*K, H] (or [T, H]
-// when per_token); returns H.
-int64_t check_rows(const Permutation& p, const Tensor& t, bool per_token, const char* op, const char* name) {
+// Checks that `p` is a complete permutation on the device and `t` is [R, H] (R: the
+// permuted rows kept), [T, H] when per_token or [T*K, H] when pairwise; returns H.
+enum class RowsOf { kTokens, kPermuted, kPairs };
+int64_t check_rows(const Permutation& p, const Tensor& t, RowsOf of, const char* op, const char* name) {
   const int64_t NK = p.num_tokens * p.top_k;
   MT_CHECK(p.source_token.defined() && p.slot_row.defined() && p.source_token.numel() == NK &&
-               p.slot_row.numel() == NK,
-           "{}: permutation is incomplete: source_token {} and slot_row {} must hold T*K = {} rows", op,
-           p.source_token.str(), p.slot_row.str(), NK);
+               p.slot_row.numel() == NK && p.permuted_rows() <= NK,
+           "{}: permutation is incomplete: source_token {} and slot_row {} must hold T*K = {} rows, of which {} "
+           "kept",
+           op, p.source_token.str(), p.slot_row.str(), NK, p.permuted_rows());
   check_dtype(p.source_token, DType::I32, "permutation source_token");
   check_dtype(p.slot_row, DType::I32, "permutation slot_row");
-  const int64_t rows = per_token ? p.num_tokens : NK;
+  const int64_t rows = of == RowsOf::kTokens ? p.num_tokens : of == RowsOf::kPairs ? NK : p.permuted_rows();
   MT_CHECK(t.defined() && t.ndim() == 2 && t.size(0) == rows, "{}: {} must be [{}, H], got {}", op, name, rows,
            t.str());
   check_cuda_tensors(op, {&t, &p.source_token, &p.slot_row});
@@ -51,44 +53,57 @@ Permutation permutation_by_expert(const Tensor& topk_idx, int64_t num_experts) {
   return p;  // the workspace is freed in stream order, after the kernels
 }
 
+Tensor expert_ids_in_range(const Tensor& topk_idx, int64_t first, int64_t count) {
+  const char* op = "expert_ids_in_range";
+  MT_CHECK(topk_idx.defined() && topk_idx.ndim() == 2, "{}: topk_idx must be [T, K], got {}", op, topk_idx.str());
+  check_dtype(topk_idx, DType::I32, "expert_ids_in_range topk_idx");
+  check_cuda_tensors(op, {&topk_idx});
+  Tensor out = Tensor::empty(topk_idx.shape(), DType::I32, topk_idx.device());
+  launch_expert_ids_in_range(topk_idx.data<int32_t>(), topk_idx.numel(), static_cast<int32_t>(first),
+                             static_cast<int32_t>(count), out.data<int32_t>(), stream());
+  check_launch("expert_ids_in_range_kernel");
+  return out;
+}
+
 Tensor permute_forward(const Tensor& x, const Permutation& p) {
-  const int64_t H = check_rows(p, x, /*per_token=*/true, "permute_forward", "x");
-  const int64_t NK = p.num_tokens * p.top_k;
-  Tensor xp = Tensor::empty({NK, H}, x.dtype(), x.device());
-  launch_copy_rows(x.raw(), xp.raw(), p.source_token.data<int32_t>(), NK, p.num_tokens,
+  const int64_t H = check_rows(p, x, RowsOf::kTokens, "permute_forward", "x");
+  const int64_t R = p.permuted_rows();
+  Tensor xp = Tensor::empty({R, H}, x.dtype(), x.device());
+  launch_copy_rows(x.raw(), xp.raw(), p.source_token.data<int32_t>(), R, p.num_tokens,
                    H * static_cast<int64_t>(dtype_size(x.dtype())), /*scatter=*/false, stream());
   check_launch("copy_rows_kernel (permute_forward)");
   return xp;
 }
 
 Tensor permute_backward(const Tensor& dxp, const Permutation& p) {
-  const int64_t H = check_rows(p, dxp, /*per_token=*/false, "permute_backward", "dxp");
+  const int64_t H = check_rows(p, dxp, RowsOf::kPermuted, "permute_backward", "dxp");
   MT_CHECK(dxp.dtype() == DType::BF16 || dxp.dtype() == DType::F32, "permute_backward: dxp must be bf16 or f32, got {}",
            dxp.str());
   MT_CHECK(p.top_k <= INT32_MAX, "permute_backward: top_k = {} is out of range", p.top_k);
   Tensor dx = Tensor::empty({p.num_tokens, H}, dxp.dtype(), dxp.device());
-  launch_permute_backward(dxp.raw(), p.slot_row.data<int32_t>(), p.num_tokens, static_cast<int>(p.top_k), H, dx.raw(),
-                          dxp.dtype() == DType::BF16, stream());
+  launch_permute_backward(dxp.raw(), p.slot_row.data<int32_t>(), p.num_tokens, static_cast<int>(p.top_k),
+                          p.permuted_rows(), H, dx.raw(), dxp.dtype() == DType::BF16, stream());
   check_launch("permute_backward_kernel");
   return dx;
 }
 
 Tensor unpermute_forward(const Tensor& yp, const Permutation& p) {
-  const int64_t H = check_rows(p, yp, /*per_token=*/false, "unpermute_forward", "yp");
-  const int64_t NK = p.num_tokens * p.top_k;
-  Tensor y = Tensor::empty({NK, H}, yp.dtype(), yp.device());
-  launch_copy_rows(yp.raw(), y.raw(), p.slot_row.data<int32_t>(), NK, NK,
+  const int64_t H = check_rows(p, yp, RowsOf::kPermuted, "unpermute_forward", "yp");
+  const int64_t NK = p.num_tokens * p.top_k, R = p.permuted_rows();
+  // Absent pairs' rows are zero: the gather skips them.
+  Tensor y = R == NK ? Tensor::empty({NK, H}, yp.dtype(), yp.device()) : Tensor::zeros({NK, H}, yp.dtype(), yp.device());
+  launch_copy_rows(yp.raw(), y.raw(), p.slot_row.data<int32_t>(), NK, R,
                    H * static_cast<int64_t>(dtype_size(yp.dtype())), /*scatter=*/false, stream());
   check_launch("copy_rows_kernel (unpermute_forward)");
   return y;
 }
 
 Tensor unpermute_backward(const Tensor& dy, const Permutation& p) {
-  const int64_t H = check_rows(p, dy, /*per_token=*/false, "unpermute_backward", "dy");
-  const int64_t NK = p.num_tokens * p.top_k;
-  // slot_row is a bijection: the scatter writes each expert-order row exactly once.
-  Tensor dyp = Tensor::empty({NK, H}, dy.dtype(), dy.device());
-  launch_copy_rows(dy.raw(), dyp.raw(), p.slot_row.data<int32_t>(), NK, NK,
+  const int64_t H = check_rows(p, dy, RowsOf::kPairs, "unpermute_backward", "dy");
+  const int64_t NK = p.num_tokens * p.top_k, R = p.permuted_rows();
+  // slot_row is a bijection: the scatter writes each kept expert-order row exactly once.
+  Tensor dyp = Tensor::empty({R, H}, dy.dtype(), dy.device());
+  launch_copy_rows(dy.raw(), dyp.raw(), p.slot_row.data<int32_t>(), NK, R,
                    H * static_cast<int64_t>(dtype_size(dy.dtype())), /*scatter=*/true, stream());
   check_launch("copy_rows_kernel (unpermute_backward)");
   return dyp;

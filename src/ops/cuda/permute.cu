@@ -135,12 +135,11 @@ __global__ void __launch_bounds__(kCopyWarps * 32)
 template <typename T, bool kVec8>
 __global__ void __launch_bounds__(kCopyWarps * 32)
     permute_backward_kernel(const T* __restrict__ dxp, const int32_t* __restrict__ slot_row, int64_t T_, int K,
-                            int64_t H, T* __restrict__ dx) {
+                            int64_t NK, int64_t H, T* __restrict__ dx) {
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kCopyWarps + (threadIdx.x >> 5);
   if (t >= T_) return;
-  const int64_t NK = T_ * K;
-  const int32_t* slots = slot_row + t * K;
+  const int32_t* slots = slot_row + t * K;  // rows outside [0, NK) (NK: the kept rows) skipped
   T* out = dx + t * H;
   if constexpr (kVec8) {
     for (int64_t h = static_cast<int64_t>(lane) * 8; h < H; h += 32 * 8) {
@@ -165,6 +164,14 @@ __global__ void __launch_bounds__(kCopyWarps * 32)
       out[h] = from_float<T>(acc);
     }
   }
+}
+
+__global__ void expert_ids_in_range_kernel(const int32_t* __restrict__ idx, int64_t n, int32_t first, int32_t count,
+                                           int32_t* __restrict__ out) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int32_t e = idx[i];
+  out[i] = e >= first && e - first < count ? e - first : count;
 }
 
 bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
@@ -207,8 +214,8 @@ void launch_copy_rows(const void* src, void* dst, const int32_t* index, int64_t 
   else go(uint8_t{});
 }
 
-void launch_permute_backward(const void* dxp, const int32_t* slot_row, int64_t T, int K, int64_t H, void* dx,
-                             bool is_bf16, cudaStream_t stream) {
+void launch_permute_backward(const void* dxp, const int32_t* slot_row, int64_t T, int K, int64_t R, int64_t H,
+                             void* dx, bool is_bf16, cudaStream_t stream) {
   if (T == 0 || H == 0) return;
   const unsigned blocks = static_cast<unsigned>((T + kCopyWarps - 1) / kCopyWarps);
   const bool vec = H % 8 == 0 && aligned(dxp, 16) && aligned(dx, 16);
@@ -216,11 +223,17 @@ void launch_permute_backward(const void* dxp, const int32_t* slot_row, int64_t T
     using E = decltype(tag);
     const E* in = static_cast<const E*>(dxp);
     E* out = static_cast<E*>(dx);
-    if (vec) permute_backward_kernel<E, true><<<blocks, kCopyWarps * 32, 0, stream>>>(in, slot_row, T, K, H, out);
-    else permute_backward_kernel<E, false><<<blocks, kCopyWarps * 32, 0, stream>>>(in, slot_row, T, K, H, out);
+    if (vec) permute_backward_kernel<E, true><<<blocks, kCopyWarps * 32, 0, stream>>>(in, slot_row, T, K, R, H, out);
+    else permute_backward_kernel<E, false><<<blocks, kCopyWarps * 32, 0, stream>>>(in, slot_row, T, K, R, H, out);
   };
   if (is_bf16) go(__nv_bfloat16{});
   else go(float{});
+}
+
+void launch_expert_ids_in_range(const int32_t* idx, int64_t n, int32_t first, int32_t count, int32_t* out,
+                                cudaStream_t stream) {
+  if (n == 0) return;
+  expert_ids_in_range_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(idx, n, first, count, out);
 }
 
 }  // namespace moetrain::ops::cuda

@@ -25,9 +25,12 @@ void launch_permutation(const int32_t* topk_idx, int64_t NK, int K, int E, int64
 void launch_copy_rows(const void* src, void* dst, const int32_t* index, int64_t rows, int64_t index_rows,
                       int64_t row_bytes, bool scatter, cudaStream_t stream);
 
-// dx[t] = sum_k dxp[slot_row[t*K + k]] over k in order, f32 accumulation; dxp [T*K, H],
-// dx [T, H], both bf16 (is_bf16) or f32.
-void launch_permute_backward(const void* dxp, const int32_t* slot_row, int64_t T, int K, int64_t H, void* dx,
-                             bool is_bf16, cudaStream_t stream);
+// dx[t] = sum_k dxp[slot_row[t*K + k]] over k in order, f32 accumulation, rows outside
+// [0, R) skipped (absent); dxp [R, H], dx [T, H], both bf16 (is_bf16) or f32.
+void launch_permute_backward(const void* dxp, const int32_t* slot_row, int64_t T, int K, int64_t R, int64_t H,
+                             void* dx, bool is_bf16, cudaStream_t stream);
+// out[i] = idx[i] - first for ids in [first, first + count), else count; n ids.
+void launch_expert_ids_in_range(const int32_t* idx, int64_t n, int32_t first, int32_t count, int32_t* out,
+                                cudaStream_t stream);
 
 }  // namespace moetrain::ops::cuda

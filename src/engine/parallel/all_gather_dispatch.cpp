@@ -1,0 +1,212 @@
+#include "engine/parallel/all_gather_dispatch.h"
+
+#include <algorithm>
+
+#include "engine/parallel/layout.h"
+#include "engine/telemetry/stage_timer.h"
+
+namespace moetrain {
+namespace {
+
+Tensor on(const Device& device, Tensor host) { return device.is_cpu() ? host : host.to(device); }
+
+// The first `rows` rows of t: t itself when it has no more.
+Tensor first_rows(const Tensor& t, int64_t rows) { return t.size(0) == rows ? t : t.slice(0, rows); }
+
+}  // namespace
+
+AllGatherDispatcher::AllGatherDispatcher(Communicator& ep, ExchangeOptions options)
+    : ep_(ep), opt_(std::move(options)), nccl_(ep.backend() == "nccl"), stream_(opt_.comm_stream, opt_.defer_wait) {}
+
+int64_t AllGatherDispatcher::first_local_expert(int64_t num_experts) const {
+  return expert_range(num_experts, ep_.size(), ep_.rank()).first;
+}
+
+int64_t AllGatherDispatcher::num_local_experts(int64_t num_experts) const {
+  MT_CHECK(num_experts > 0, "expert parallelism on {}: no experts to split", ep_.name());
+  return expert_range(num_experts, ep_.size(), ep_.rank()).count;
+}
+
+std::string AllGatherDispatcher::where(const DispatchState& st) const {
+  if (st.layer >= 0) return fmt::format("expert dispatch (all-gather) of layer {} on {}", st.layer, ep_.name());
+  return fmt::format("expert dispatch (all-gather) on {}", ep_.name());
+}
+
+Tensor AllGatherDispatcher::padded(const Tensor& t, int64_t rows_padded, int32_t fill_id) const {
+  if (t.size(0) == rows_padded) return t;
+  Tensor out;
+  if (fill_id == 0) {
+    out = Tensor::zeros({rows_padded, t.size(1)}, t.dtype(), t.device());
+  } else {
+    const std::vector<int32_t> fill(static_cast<size_t>(rows_padded * t.size(1)), fill_id);
+    out = on(t.device(), Tensor::from_vector(fill, {rows_padded, t.size(1)}));
+  }
+  if (t.size(0) > 0) out.slice(0, t.size(0)).copy_from(t);
+  return out;
+}
+
+Tensor AllGatherDispatcher::gather(const Tensor& block) {
+  const int64_t P = ep_.size();
+  Tensor out = Tensor::empty({P * block.size(0), block.size(1)}, block.dtype(), block.device());
+  stream_.count_bytes(static_cast<double>((P - 1) * block.nbytes()));
+  if (block.device().is_cpu() || nccl_) {
+    // NCCL: on the current stream (the communication stream inside ExchangeStream::run).
+    ep_.all_gather(block, out, block.device().is_cpu() ? nullptr : cuda::current_stream());
+    return out;
+  }
+  Tensor host_out = Tensor::empty(out.shape(), out.dtype());  // Gloo moves host tensors only
+  ep_.all_gather(block.to(Device::cpu()), host_out);
+  out.copy_from(host_out);
+  return out;
+}
+
+Tensor AllGatherDispatcher::reduce_scatter(const Tensor& blocks) {
+  const int64_t P = ep_.size();
+  Tensor out = Tensor::empty({blocks.size(0) / P, blocks.size(1)}, blocks.dtype(), blocks.device());
+  stream_.count_bytes(static_cast<double>((P - 1) * out.nbytes()));
+  if (blocks.device().is_cpu() || nccl_) {
+    ep_.reduce_scatter(blocks, out, ReduceOp::Sum, blocks.device().is_cpu() ? nullptr : cuda::current_stream());
+    return out;
+  }
+  Tensor host_out = Tensor::empty(out.shape(), out.dtype());
+  ep_.reduce_scatter(blocks.to(Device::cpu()), host_out, ReduceOp::Sum);
+  out.copy_from(host_out);
+  return out;
+}
+
+void AllGatherDispatcher::check_conservation_over_group(const DispatchState& st, const Device& device, int64_t rows,
+                                                        int64_t top_k) {
+  const int P = ep_.size();
+  const Device comm_device = nccl_ ? device : Device::cpu();
+  Tensor mine = on(comm_device, Tensor::from_vector(std::vector<int64_t>{rows}, {1, 1}));
+  const std::vector<int64_t> all = gather(mine).to_vector<int64_t>();  // host sync (CUDA)
+  int64_t kept = 0, tokens = 0;
+  for (int q = 0; q < P; ++q) {
+    kept += all[static_cast<size_t>(q)];
+    tokens += st.tokens[static_cast<size_t>(q)];
+  }
+  MT_CHECK(kept == tokens * top_k,
+           "{}: token conservation violated: the {} ranks' experts took {} (token, expert) copies of the {} tokens' "
+           "{} (an expert id out of range?)",
+           where(st), P, kept, tokens, tokens * top_k);
+}
+
+DispatchOut AllGatherDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx, int64_t num_experts,
+                                          DispatchState& st) {
+  return dispatch_rows(x, topk_idx, Tensor(), num_experts, st);
+}
+
+DispatchOut AllGatherDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight,
+                                          int64_t num_experts, DispatchState& st) {
+  MT_CHECK(topk_weight.defined() && topk_weight.shape() == topk_idx.shape() && topk_weight.device() == x.device(),
+           "{}: topk_weight must be [T, K] like topk_idx {} on {}, got {}", where(st), topk_idx.str(),
+           x.device().str(), topk_weight.str());
+  return dispatch_rows(x, topk_idx, topk_weight, num_experts, st);
+}
+
+DispatchOut AllGatherDispatcher::dispatch_rows(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight,
+                                               int64_t num_experts, DispatchState& st) {
+  StageScope timer(Stage::kRouterPermute);
+  const int P = ep_.size();
+  const int64_t E = num_experts, El = num_local_experts(E), first = first_local_expert(E);
+  MT_CHECK(x.defined() && x.ndim() == 2 && topk_idx.defined() && topk_idx.ndim() == 2 &&
+               topk_idx.size(0) == x.size(0) && topk_idx.device() == x.device(),
+           "{}: x must be [T, H] and topk_idx [T, K] on one device, got {} and {}", where(st), x.str(), topk_idx.str());
+  const Device dev = x.device();
+  const int64_t T = x.size(0), K = topk_idx.size(1);
+  return stream_.run(dev, st, {x, topk_idx, topk_weight}, [&] {
+    // Every rank's token count: the gathered blocks are padded to the largest.
+    const Device comm_device = nccl_ ? dev : Device::cpu();
+    st.tokens = gather(on(comm_device, Tensor::from_vector(std::vector<int64_t>{T}, {1, 1}))).to_vector<int64_t>();
+    const int64_t Tp = *std::max_element(st.tokens.begin(), st.tokens.end());
+    st.padded_tokens = Tp;
+    MT_CHECK(P * Tp * K <= INT32_MAX, "{}: {} gathered (token, expert) copies exceed the i32 row index range",
+             where(st), P * Tp * K);
+    // This rank's experts' copies of the gathered tokens, sorted first; every other copy
+    // (another rank's expert, or a padding row's id E) goes to group El, past the kept rows.
+    Tensor ids = ops::expert_ids_in_range(gather(padded(topk_idx, Tp, static_cast<int32_t>(E))), first, El);
+    st.perm = ops::permutation_by_expert(ids, El + 1);
+    const std::vector<int64_t> counts = st.perm.expert_counts.to_vector<int64_t>();  // the one host sync for rows
+    int64_t N = 0;
+    for (int64_t e = 0; e < El; ++e) N += counts[static_cast<size_t>(e)];
+    st.perm.rows = N;
+    st.perm.expert_counts = st.perm.expert_counts.slice(0, El);
+    if (opt_.check_conservation) check_conservation_over_group(st, dev, N, K);
+    st.weight = topk_weight.defined() ? gather(padded(topk_weight, Tp)) : Tensor();
+    Tensor rows = ops::permute_forward(gather(padded(x, Tp)), st.perm);
+    return DispatchOut{rows, st.perm.expert_counts};
+  });
+}
+
+void AllGatherDispatcher::check_dispatched(const DispatchState& st, const Tensor& t, int64_t rows,
+                                           const char* what) const {
+  MT_CHECK(static_cast<int>(st.tokens.size()) == ep_.size() && st.perm.rows >= 0, "{}: {} before dispatch",
+           where(st), what);
+  MT_CHECK(t.defined() && t.ndim() == 2 && t.size(0) == rows, "{}: {} takes [{}, H] rows, got {}", where(st), what,
+           rows, t.str());
+}
+
+// Each gathered token's weighted sum over this rank's experts, then over the ranks.
+void AllGatherDispatcher::combine_start(const Tensor& expert_rows, DispatchState& st) {
+  StageScope timer(Stage::kCombine);
+  check_dispatched(st, expert_rows, st.perm.rows, "combine_start");
+  MT_CHECK(st.weight.defined(), "{}: combine_start of a dispatch given no routing weights", where(st));
+  st.placed = expert_rows;
+  st.order = st.perm.slot_row;
+  st.combined = stream_.run(expert_rows.device(), st, {expert_rows}, [&] {
+    return reduce_scatter(ops::combine_forward(expert_rows, st.weight, Tensor(), st.order));
+  });
+}
+
+Tensor AllGatherDispatcher::combine_finish(const Tensor& residual, DispatchState& st) {
+  wait(st);
+  MT_CHECK(st.combined.defined(), "{}: combine_finish before combine_start", where(st));
+  StageScope timer(Stage::kCombine);
+  Tensor y = first_rows(st.combined, my_tokens(st));
+  st.combined = Tensor();
+  ops::add_(y, residual);
+  return y;
+}
+
+ExpertDispatcher::CombineGrads AllGatherDispatcher::combine_backward_weighted(const Tensor& dy, DispatchState& st) {
+  StageScope timer(Stage::kCombine);
+  MT_CHECK(st.placed.defined() && st.weight.defined(), "{}: combine_backward_weighted before combine_start",
+           where(st));
+  check_dispatched(st, dy, my_tokens(st), "combine_backward_weighted");
+  return stream_.run(dy.device(), st, {dy}, [&] {
+    ops::CombineGrads g = ops::combine_backward(gather(padded(dy, st.padded_tokens)), st.placed, st.weight, st.order);
+    // d weight of a slot is non-zero on its expert's rank only: the sum is that value.
+    return CombineGrads{g.dexpert_out, first_rows(reduce_scatter(g.dweight), my_tokens(st))};
+  });
+}
+
+Tensor AllGatherDispatcher::combine(const Tensor& expert_rows, DispatchState& st) {
+  StageScope timer(Stage::kCombine);
+  check_dispatched(st, expert_rows, st.perm.rows, "combine");
+  const int64_t K = st.perm.top_k, T = my_tokens(st);
+  return stream_.run(expert_rows.device(), st, {expert_rows}, [&] {
+    // [P Tp K, H]: each gathered copy's output where this rank holds its expert, else zero;
+    // a gathered row is [Tp K, H] wide per rank as [Tp, K, H] flattened.
+    Tensor mine = ops::unpermute_forward(expert_rows, st.perm);
+    return first_rows(reduce_scatter(mine), T * K);
+  });
+}
+
+Tensor AllGatherDispatcher::combine_backward(const Tensor& dout, DispatchState& st) {
+  StageScope timer(Stage::kCombine);
+  const int64_t K = st.perm.top_k;
+  check_dispatched(st, dout, my_tokens(st) * K, "combine_backward");
+  return stream_.run(dout.device(), st, {dout}, [&] {
+    return ops::unpermute_backward(gather(padded(dout, st.padded_tokens * K)), st.perm);
+  });
+}
+
+Tensor AllGatherDispatcher::dispatch_backward(const Tensor& drows, DispatchState& st) {
+  StageScope timer(Stage::kRouterPermute);
+  check_dispatched(st, drows, st.perm.rows, "dispatch_backward");
+  return stream_.run(drows.device(), st, {drows}, [&] {
+    return first_rows(reduce_scatter(ops::permute_backward(drows, st.perm)), my_tokens(st));
+  });
+}
+
+}  // namespace moetrain

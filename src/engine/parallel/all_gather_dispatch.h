@@ -1,0 +1,80 @@
+// AllGatherDispatcher: expert parallelism that sends each token once to every EP rank
+// instead of once per routed expert.
+//
+// dispatch all-gathers the tokens, their top-k ids and routing weights over the EP group
+// (P ranks), and each rank permutes, out of the gathered batch, the (token, slot) copies of
+// its own experts (a partial permutation: the other copies are absent, ops/ops.h). The
+// weighted combine then runs on the experts' side: each rank sums the weighted outputs of
+// its experts per gathered token (ops::combine_forward with absent slots left out) and one
+// reduce-scatter brings every token's sum of partial sums home. The backward mirrors it:
+// all-gather dy, combine_backward on the experts' side (d weight reduce-scattered home: a
+// slot's is non-zero on one rank only), permute_backward into partial dx, reduce-scatter.
+//
+// Bytes: each exchange moves (P - 1) rows per token per rank where the all-to-all moves
+// K (P - 1) / P (top-K routing, experts spread evenly), so it sends K / P times less: 4x at
+// ep2, 2x at ep4 with top-8; from P = K on the all-to-all is the cheaper one
+// ([parallel].ep_dispatch = "auto" picks by that). No exchange needs a count exchange
+// first: the sizes are the token counts.
+//
+// Order contract: as AllToAllDispatcher's (the rows of local expert e are every source
+// rank's copies in rank order, each in (t, k) order: the one-process order of the batch
+// concatenated in rank order), so the experts see exactly the rows one process would. The
+// combine's and dx's sums differ from one process's in rounding only: partial sums per rank,
+// then added over the ranks. Ranks may have different token counts: the gathered blocks are
+// padded to the largest (one more host sync a dispatch to learn it).
+#pragma once
+
+#include "engine/parallel/expert_dispatch.h"
+
+namespace moetrain {
+
+class AllGatherDispatcher final : public ExpertDispatcher {
+ public:
+  explicit AllGatherDispatcher(Communicator& ep, ExchangeOptions options = {});
+  AllGatherDispatcher(const AllGatherDispatcher&) = delete;
+  AllGatherDispatcher& operator=(const AllGatherDispatcher&) = delete;
+
+  int64_t num_local_experts(int64_t num_experts) const override;
+  int64_t first_local_expert(int64_t num_experts) const;
+  DispatchOut dispatch(const Tensor& x, const Tensor& topk_idx, int64_t num_experts, DispatchState& st) override;
+  DispatchOut dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight, int64_t num_experts,
+                       DispatchState& st) override;
+
+  // The weighted combine on the experts' side (see above).
+  void combine_start(const Tensor& expert_rows, DispatchState& st) override;
+  Tensor combine_finish(const Tensor& residual, DispatchState& st) override;
+  CombineGrads combine_backward_weighted(const Tensor& dy, DispatchState& st) override;
+
+  // The routes, for the same contract as the other dispatchers: combine gives each copy its
+  // expert's output at home ([T*K, H], (t, k) order: the expert side scatters its rows into
+  // the gathered pairs, zero elsewhere, and a reduce-scatter brings each rank its own);
+  // combine_backward all-gathers the gradient and keeps the local copies'.
+  Tensor combine(const Tensor& expert_rows, DispatchState& st) override;
+  Tensor combine_backward(const Tensor& dout, DispatchState& st) override;
+  Tensor dispatch_backward(const Tensor& drows, DispatchState& st) override;
+
+  void wait(DispatchState& st) override { stream_.wait(st); }
+  void set_timing(bool on) override { stream_.set_timing(on); }
+  ExchangeTiming take_timing() override { return stream_.take_timing(); }
+
+ private:
+  DispatchOut dispatch_rows(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight, int64_t num_experts,
+                            DispatchState& st);
+  // [rows, C] -> [rows_padded, C] (padding rows filled with `fill`: 0, or an id of no expert).
+  Tensor padded(const Tensor& t, int64_t rows_padded, int32_t fill_id = 0) const;
+  // [n, C] on every rank -> [P n, C] in rank order; [P n, C] -> this rank's sum [n, C].
+  Tensor gather(const Tensor& block);
+  Tensor reduce_scatter(const Tensor& blocks);
+  // The group-wide check that every (token, slot) copy found exactly one rank's expert.
+  void check_conservation_over_group(const DispatchState& st, const Device& device, int64_t rows, int64_t top_k);
+  void check_dispatched(const DispatchState& st, const Tensor& t, int64_t rows, const char* what) const;
+  int64_t my_tokens(const DispatchState& st) const { return st.tokens[static_cast<size_t>(ep_.rank())]; }
+  std::string where(const DispatchState& st) const;
+
+  Communicator& ep_;
+  ExchangeOptions opt_;
+  bool nccl_;  // the backend moves device tensors
+  ExchangeStream stream_;
+};
+
+}  // namespace moetrain
