@@ -1,6 +1,7 @@
 #include "core/cuda_runtime.h"
 
 #include <atomic>
+#include <cstring>
 
 #include "core/error.h"
 
@@ -223,6 +224,43 @@ bool event_done(Event e) {
   return true;
 }
 
+void* shareable_alloc(size_t bytes) {
+  void* p = nullptr;
+  MT_CUDA_CHECK(cudaMalloc(&p, bytes));
+  return p;
+}
+void shareable_free(void* p) { MT_CUDA_CHECK(cudaFree(p)); }
+std::string ipc_handle(void* p) {
+  static_assert(sizeof(cudaIpcMemHandle_t) == kIpcHandleBytes);
+  cudaIpcMemHandle_t h;
+  MT_CUDA_CHECK(cudaIpcGetMemHandle(&h, p));
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+void* open_ipc_handle(const std::string& handle) {
+  MT_CHECK(handle.size() == sizeof(cudaIpcMemHandle_t), "open_ipc_handle: a handle is {} bytes, got {}",
+           sizeof(cudaIpcMemHandle_t), handle.size());
+  cudaIpcMemHandle_t h;
+  std::memcpy(&h, handle.data(), sizeof(h));
+  void* p = nullptr;
+  MT_CUDA_CHECK(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
+  return p;
+}
+void close_ipc_handle(void* p) { MT_CUDA_CHECK(cudaIpcCloseMemHandle(p)); }
+bool enable_peer_access(int peer) {
+  int me = 0, can = 0;
+  MT_CUDA_CHECK(cudaGetDevice(&me));
+  if (peer == me) return true;
+  MT_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, me, peer));
+  if (!can) return false;
+  const cudaError_t r = cudaDeviceEnablePeerAccess(peer, 0);
+  if (r == cudaErrorPeerAccessAlreadyEnabled) {
+    (void)cudaGetLastError();  // clear it
+    return true;
+  }
+  MT_CUDA_CHECK(r);
+  return true;
+}
+
 #else  // a build without CUDA
 
 namespace {
@@ -261,6 +299,12 @@ float elapsed_ms(Event, Event) { no_cuda(); }
 Event create_sync_event() { no_cuda(); }
 void stream_wait_event(Stream, Event) { no_cuda(); }
 bool event_done(Event) { no_cuda(); }
+void* shareable_alloc(size_t) { no_cuda(); }
+void shareable_free(void*) { no_cuda(); }
+std::string ipc_handle(void*) { no_cuda(); }
+void* open_ipc_handle(const std::string&) { no_cuda(); }
+void close_ipc_handle(void*) { no_cuda(); }
+bool enable_peer_access(int) { no_cuda(); }
 
 #endif
 

@@ -59,6 +59,22 @@ void* pinned_alloc(size_t bytes);
 void pinned_free(void* p);
 void memset_device(void* dst, int value, size_t bytes);
 
+// Device memory that other processes of this host can map (cudaMalloc, outside the pool),
+// and peers' memory: for copies straight into another GPU's buffers over NVLink, which the
+// copy engines run without taking SMs (engine/parallel/peer_arena.h).
+void* shareable_alloc(size_t bytes);
+void shareable_free(void* p);
+constexpr size_t kIpcHandleBytes = 64;  // cudaIpcMemHandle_t
+// The handle of a shareable allocation, as bytes another process opens.
+std::string ipc_handle(void* p);
+// The pointer in this process to a peer process's allocation (peer access enabled); close
+// it with close_ipc_handle before the peer frees it.
+void* open_ipc_handle(const std::string& handle);
+void close_ipc_handle(void* p);
+// Lets the current device read and write device `peer`'s memory directly; false when the
+// hardware cannot (already enabled counts as done).
+bool enable_peer_access(int peer);
+
 // Timing events (cudaEvent_t as an opaque handle).
 using Event = void*;
 Event create_event();

@@ -66,6 +66,9 @@ class Storage {
   Storage(size_t bytes, Device device, bool pinned = false) : bytes_(bytes), device_(device), pinned_(pinned) {
     allocate();
   }
+  // Memory someone else owns (Tensor::borrowed): never freed here.
+  Storage(void* borrowed, size_t bytes, Device device)
+      : ptr_(borrowed), bytes_(bytes), device_(device), pinned_(false), owned_(false) {}
   ~Storage() { free(); }
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
@@ -74,6 +77,7 @@ class Storage {
   bool resident() const { return ptr_ != nullptr || bytes_ == 0; }
   void release() {
     MT_CHECK(!pinned_, "pinned host memory cannot be released while its tensors live");
+    MT_CHECK(owned_, "borrowed memory cannot be released by its tensors");
     free();
     ptr_ = nullptr;
   }
@@ -96,7 +100,7 @@ class Storage {
     }
   }
   void free() {
-    if (ptr_ == nullptr) return;
+    if (ptr_ == nullptr || !owned_) return;
     if (pinned_) {
       try {
         cuda::pinned_free(ptr_);
@@ -116,7 +120,17 @@ class Storage {
   size_t bytes_;
   Device device_;
   bool pinned_;
+  bool owned_ = true;
 };
+
+Tensor Tensor::borrowed(void* data, const Shape& shape, DType dtype, Device device) {
+  Tensor t;
+  t.shape_ = shape;
+  t.numel_ = shape_numel(shape);
+  t.dtype_ = dtype;
+  t.storage_ = std::make_shared<Storage>(data, t.nbytes(), device);
+  return t;
+}
 
 Tensor Tensor::empty_pinned(const Shape& shape, DType dtype) {
   if (!cuda::available()) return empty(shape, dtype);

@@ -32,6 +32,9 @@ class Tensor {
   // from the device), else an ordinary host tensor.
   static Tensor empty_pinned(const Shape& shape, DType dtype);
   static Tensor zeros(const Shape& shape, DType dtype, Device device = Device::cpu());
+  // A tensor over memory it does not own (a peer GPU's buffer mapped here, say): the owner
+  // keeps it alive past every use; restore/release do not apply.
+  static Tensor borrowed(void* data, const Shape& shape, DType dtype, Device device);
   static Tensor full(const Shape& shape, double value, DType dtype, Device device = Device::cpu());
   // A CPU tensor holding a copy of `values`.
   template <typename T>

@@ -58,6 +58,10 @@ void ParallelConfig::describe(ConfigFields& f) {
         "once to every EP rank and combines on the experts' side (top_k / ep times fewer bytes); auto: all_gather "
         "when ep < top_k",
         one_of(&ep_dispatch, {"auto", "all_to_all", "all_gather"}));
+  f.add("ep_transport", &ep_transport,
+        "ep_dispatch = all_gather on GPUs: auto copies token rows straight into the peer GPUs' memory over NVLink "
+        "(copy engines, no SMs) when every EP rank shares this host, else NCCL; nccl: always NCCL",
+        one_of(&ep_transport, {"auto", "nccl"}));
   f.add("fallbacks", &fallbacks,
         "layouts to use, in order, when this one does not fit the ranks there are (an elastic restart on fewer "
         "nodes): each \"key=value ...\" over pp, dp, cp, ep, dp_replicate, schedule, shard_weights; e.g. [\"ep=2\"]",

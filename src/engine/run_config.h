@@ -31,6 +31,10 @@ struct ParallelConfig {
   // expert outputs on the experts' side (K / ep times fewer bytes with top-K routing);
   // "auto": all_gather when ep < top_k.
   std::string ep_dispatch = "auto";
+  // How the all-gather dispatch moves token rows among the GPUs of one host: "auto" copies
+  // them straight into the peers' memory on the copy engines (no SMs) when every EP rank
+  // can, else NCCL; "nccl" always NCCL.
+  std::string ep_transport = "auto";
   // HSDP: dp splits into dp_replicate replica groups; sharding stays inside a group (one node,
   // say) and the groups all-reduce gradient shards. 1: plain FSDP over all dp ranks.
   int64_t dp_replicate = 1;

@@ -74,10 +74,12 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
     // computes meanwhile.
     ExchangeOptions o;
     o.check_conservation = cfg.parallel.check_exchange;
+    o.max_tokens = tc.micro_batch_size * tc.seq_len;  // every micro-batch is B x S, on every rank
     if (gpu) {
       c.comm_stream.stream = cuda::create_stream();
       o.comm_stream = c.comm_stream.stream;
       o.defer_wait = true;
+      o.peer_copies = cfg.parallel.ep_transport == "auto";
     }
     const int64_t top_k = cfg.model->shape().experts_per_token;
     const bool gather = cfg.parallel.ep_dispatch == "all_gather" ||

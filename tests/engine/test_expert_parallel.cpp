@@ -14,6 +14,7 @@
 // go over NCCL with a communication stream (immediate and deferred waits).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <latch>
 #include <set>
@@ -296,12 +297,17 @@ ExchangeOptions checked() {
   return o;
 }
 
-enum class Kind { kAllToAll, kAllGather };
+// kAllGatherPeerCopies: the all-gather with its token rows copied into the peers' memory
+// (GPUs only; on the CPU the same as kAllGather).
+enum class Kind { kAllToAll, kAllGather, kAllGatherPeerCopies };
 const Kind kKinds[] = {Kind::kAllToAll, Kind::kAllGather};
-const char* name(Kind k) { return k == Kind::kAllToAll ? "all-to-all" : "all-gather"; }
+const char* name(Kind k) {
+  return k == Kind::kAllToAll ? "all-to-all" : k == Kind::kAllGather ? "all-gather" : "all-gather, peer copies";
+}
 
-std::unique_ptr<ExpertDispatcher> make_dispatcher(Kind kind, Communicator& comm, const ExchangeOptions& o) {
+std::unique_ptr<ExpertDispatcher> make_dispatcher(Kind kind, Communicator& comm, ExchangeOptions o) {
   if (kind == Kind::kAllToAll) return std::make_unique<AllToAllDispatcher>(comm, o);
+  o.peer_copies = kind == Kind::kAllGatherPeerCopies;
   return std::make_unique<AllGatherDispatcher>(comm, o);
 }
 
@@ -312,10 +318,16 @@ int64_t first_expert_of(ExpertDispatcher& d, int64_t E) {
 
 void run_case(const Case& c, ExchangeOptions options = checked()) {
   const Layer L0 = make_layer(c, 1), L1 = make_layer(c, 2);
-  for (Kind kind : kKinds) {
-    SCOPED_TRACE(name(kind));
+  // The all-gather twice: learning the token counts at each dispatch, and told a bound
+  // (every block padded to it).
+  const int64_t most = *std::max_element(c.tokens.begin(), c.tokens.end());
+  for (auto [kind, max_tokens] : {std::pair{Kind::kAllToAll, int64_t{0}}, std::pair{Kind::kAllGather, int64_t{0}},
+                                  std::pair{Kind::kAllGather, most + 3}}) {
+    SCOPED_TRACE(fmt::format("{}, max_tokens {}", name(kind), max_tokens));
     run_ranks(c.ep, [&](Communicator& comm) {
-      std::unique_ptr<ExpertDispatcher> d = make_dispatcher(kind, comm, options);
+      ExchangeOptions o = options;
+      o.max_tokens = max_tokens;
+      std::unique_ptr<ExpertDispatcher> d = make_dispatcher(kind, comm, o);
       EXPECT_EQ(d->num_local_experts(c.experts), c.experts / c.ep);
       EXPECT_EQ(first_expert_of(*d, c.experts), comm.rank() * (c.experts / c.ep));
       const bool exact = kind == Kind::kAllToAll;
@@ -414,6 +426,24 @@ TEST(ExpertParallel, ConservationViolationStopsEveryRankNamingTheNumbers) {
   }
 }
 
+// Told a bound on the tokens, the all-gather refuses a batch beyond it, naming both.
+TEST(ExpertParallel, AllGatherRefusesMoreTokensThanItsBound) {
+  run_ranks(2, [](Communicator& comm) {
+    ExchangeOptions o;
+    o.max_tokens = 8;
+    AllGatherDispatcher d(comm, o);
+    DispatchState st;
+    Tensor x = testing::random_tensor({9, 4}, DType::F32, 1);
+    Tensor idx = Tensor::zeros({9, 2}, DType::I32);
+    try {
+      d.dispatch(x, idx, 4, st);
+      ADD_FAILURE() << "9 tokens accepted under max_tokens = 8";
+    } catch (const Error& e) {
+      expect_contains(e.what(), "9 tokens, more than the 8 every rank was said to dispatch at most");
+    }
+  });
+}
+
 // The all-gather's group-wide check: an expert id no rank holds is a copy no expert takes.
 TEST(ExpertParallel, AllGatherConservationViolationStopsEveryRank) {
   const Case c{2, 8, 2, 8, {10, 12}};
@@ -466,6 +496,9 @@ void run_case_nccl(const Case& c, bool defer, DType dtype, Kind kind) {
         const bool exact = kind == Kind::kAllToAll;
         RankRun a{L0, r, 2, Device::cuda(r), exact}, b{L1, r, 2, Device::cuda(r), exact};
         run_two_layers(a, b, d);
+        if (kind == Kind::kAllGatherPeerCopies) {  // two GPUs of one host: the copies did run
+          EXPECT_TRUE(dynamic_cast<AllGatherDispatcher&>(d).uses_peer_copies()) << "rank " << r;
+        }
         // bf16 rows: the copies are exact, so the rows equal the f32 reference rounded.
         DispatchState st;
         DispatchOut out = d.dispatch(L0.x[r].to(dtype).to(Device::cuda(r)), L0.topk[r].to(Device::cuda(r)), c.experts, st);
@@ -487,12 +520,16 @@ void run_case_nccl(const Case& c, bool defer, DType dtype, Kind kind) {
 
 TEST(ExpertParallelNccl, TwoGpusOnACommStreamMatchOneProcess) {
   if (!two_gpus()) GTEST_SKIP() << "needs NCCL and 2 GPUs";
-  for (Kind kind : kKinds) run_case_nccl({2, 8, 2, 64, {300, 257}}, /*defer=*/false, DType::BF16, kind);
+  for (Kind kind : {Kind::kAllToAll, Kind::kAllGather, Kind::kAllGatherPeerCopies}) {
+    run_case_nccl({2, 8, 2, 64, {300, 257}}, /*defer=*/false, DType::BF16, kind);
+  }
 }
 
 TEST(ExpertParallelNccl, DeferredWaitsMatchOneProcess) {
   if (!two_gpus()) GTEST_SKIP() << "needs NCCL and 2 GPUs";
-  for (Kind kind : kKinds) run_case_nccl({2, 16, 4, 64, {129, 0}}, /*defer=*/true, DType::BF16, kind);
+  for (Kind kind : {Kind::kAllToAll, Kind::kAllGather, Kind::kAllGatherPeerCopies}) {
+    run_case_nccl({2, 16, 4, 64, {129, 0}}, /*defer=*/true, DType::BF16, kind);
+  }
 }
 
 }  // namespace

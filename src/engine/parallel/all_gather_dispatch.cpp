@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "core/log.h"
 #include "engine/parallel/layout.h"
 #include "engine/telemetry/stage_timer.h"
 
@@ -45,10 +46,21 @@ Tensor AllGatherDispatcher::padded(const Tensor& t, int64_t rows_padded, int32_t
   return out;
 }
 
-Tensor AllGatherDispatcher::gather(const Tensor& block) {
+PeerArena* AllGatherDispatcher::arena(const Tensor& t) {
+  if (!arena_decided_ && nccl_ && !t.device().is_cpu()) {
+    arena_decided_ = true;  // every rank reaches its first exchange of rows at the same call
+    if (opt_.peer_copies && PeerArena::usable(ep_)) arena_ = std::make_unique<PeerArena>(ep_);
+    spdlog::info("expert exchange on {}: token rows by {}", ep_.name(),
+                 arena_ ? "copies into the peers' memory (copy engines over NVLink)" : "NCCL");
+  }
+  return arena_.get();
+}
+
+Tensor AllGatherDispatcher::gather(const Tensor& block, bool rows) {
   const int64_t P = ep_.size();
-  Tensor out = Tensor::empty({P * block.size(0), block.size(1)}, block.dtype(), block.device());
   stream_.count_bytes(static_cast<double>((P - 1) * block.nbytes()));
+  if (rows && arena(block)) return arena_->all_gather(block);
+  Tensor out = Tensor::empty({P * block.size(0), block.size(1)}, block.dtype(), block.device());
   if (block.device().is_cpu() || nccl_) {
     // NCCL: on the current stream (the communication stream inside ExchangeStream::run).
     ep_.all_gather(block, out, block.device().is_cpu() ? nullptr : cuda::current_stream());
@@ -60,10 +72,11 @@ Tensor AllGatherDispatcher::gather(const Tensor& block) {
   return out;
 }
 
-Tensor AllGatherDispatcher::reduce_scatter(const Tensor& blocks) {
+Tensor AllGatherDispatcher::reduce_scatter(const Tensor& blocks, bool rows) {
   const int64_t P = ep_.size();
+  stream_.count_bytes(static_cast<double>(blocks.nbytes() / static_cast<size_t>(P) * static_cast<size_t>(P - 1)));
+  if (rows && arena(blocks)) return arena_->reduce_scatter_sum(blocks);
   Tensor out = Tensor::empty({blocks.size(0) / P, blocks.size(1)}, blocks.dtype(), blocks.device());
-  stream_.count_bytes(static_cast<double>((P - 1) * out.nbytes()));
   if (blocks.device().is_cpu() || nccl_) {
     ep_.reduce_scatter(blocks, out, ReduceOp::Sum, blocks.device().is_cpu() ? nullptr : cuda::current_stream());
     return out;
@@ -74,21 +87,24 @@ Tensor AllGatherDispatcher::reduce_scatter(const Tensor& blocks) {
   return out;
 }
 
+std::vector<int64_t> AllGatherDispatcher::token_counts(int64_t mine, const Device& device) {
+  const Device comm_device = nccl_ ? device : Device::cpu();
+  return gather(on(comm_device, Tensor::from_vector(std::vector<int64_t>{mine}, {1, 1}))).to_vector<int64_t>();
+}
+
 void AllGatherDispatcher::check_conservation_over_group(const DispatchState& st, const Device& device, int64_t rows,
                                                         int64_t top_k) {
   const int P = ep_.size();
-  const Device comm_device = nccl_ ? device : Device::cpu();
-  Tensor mine = on(comm_device, Tensor::from_vector(std::vector<int64_t>{rows}, {1, 1}));
-  const std::vector<int64_t> all = gather(mine).to_vector<int64_t>();  // host sync (CUDA)
-  int64_t kept = 0, tokens = 0;
+  const std::vector<int64_t> kept = token_counts(rows, device), tokens = token_counts(st.tokens, device);
+  int64_t all_kept = 0, all_tokens = 0;
   for (int q = 0; q < P; ++q) {
-    kept += all[static_cast<size_t>(q)];
-    tokens += st.tokens[static_cast<size_t>(q)];
+    all_kept += kept[static_cast<size_t>(q)];
+    all_tokens += tokens[static_cast<size_t>(q)];
   }
-  MT_CHECK(kept == tokens * top_k,
+  MT_CHECK(all_kept == all_tokens * top_k,
            "{}: token conservation violated: the {} ranks' experts took {} (token, expert) copies of the {} tokens' "
            "{} (an expert id out of range?)",
-           where(st), P, kept, tokens, tokens * top_k);
+           where(st), P, all_kept, all_tokens, all_tokens * top_k);
 }
 
 DispatchOut AllGatherDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx, int64_t num_experts,
@@ -115,11 +131,17 @@ DispatchOut AllGatherDispatcher::dispatch_rows(const Tensor& x, const Tensor& to
   const Device dev = x.device();
   const int64_t T = x.size(0), K = topk_idx.size(1);
   return stream_.run(dev, st, {x, topk_idx, topk_weight}, [&] {
-    // Every rank's token count: the gathered blocks are padded to the largest.
-    const Device comm_device = nccl_ ? dev : Device::cpu();
-    st.tokens = gather(on(comm_device, Tensor::from_vector(std::vector<int64_t>{T}, {1, 1}))).to_vector<int64_t>();
-    const int64_t Tp = *std::max_element(st.tokens.begin(), st.tokens.end());
-    st.padded_tokens = Tp;
+    // The gathered blocks are padded to max_tokens, or else to the largest count.
+    st.tokens = T;
+    if (opt_.max_tokens > 0) {
+      MT_CHECK(T <= opt_.max_tokens, "{}: {} tokens, more than the {} every rank was said to dispatch at most",
+               where(st), T, opt_.max_tokens);
+      st.padded_tokens = opt_.max_tokens;
+    } else {
+      const std::vector<int64_t> counts = token_counts(T, dev);
+      st.padded_tokens = *std::max_element(counts.begin(), counts.end());
+    }
+    const int64_t Tp = st.padded_tokens;
     MT_CHECK(P * Tp * K <= INT32_MAX, "{}: {} gathered (token, expert) copies exceed the i32 row index range",
              where(st), P * Tp * K);
     // This rank's experts' copies of the gathered tokens, sorted first; every other copy
@@ -133,15 +155,14 @@ DispatchOut AllGatherDispatcher::dispatch_rows(const Tensor& x, const Tensor& to
     st.perm.expert_counts = st.perm.expert_counts.slice(0, El);
     if (opt_.check_conservation) check_conservation_over_group(st, dev, N, K);
     st.weight = topk_weight.defined() ? gather(padded(topk_weight, Tp)) : Tensor();
-    Tensor rows = ops::permute_forward(gather(padded(x, Tp)), st.perm);
+    Tensor rows = ops::permute_forward(gather(padded(x, Tp), /*rows=*/true), st.perm);
     return DispatchOut{rows, st.perm.expert_counts};
   });
 }
 
 void AllGatherDispatcher::check_dispatched(const DispatchState& st, const Tensor& t, int64_t rows,
                                            const char* what) const {
-  MT_CHECK(static_cast<int>(st.tokens.size()) == ep_.size() && st.perm.rows >= 0, "{}: {} before dispatch",
-           where(st), what);
+  MT_CHECK(st.perm.rows >= 0, "{}: {} before dispatch", where(st), what);
   MT_CHECK(t.defined() && t.ndim() == 2 && t.size(0) == rows, "{}: {} takes [{}, H] rows, got {}", where(st), what,
            rows, t.str());
 }
@@ -154,7 +175,7 @@ void AllGatherDispatcher::combine_start(const Tensor& expert_rows, DispatchState
   st.placed = expert_rows;
   st.order = st.perm.slot_row;
   st.combined = stream_.run(expert_rows.device(), st, {expert_rows}, [&] {
-    return reduce_scatter(ops::combine_forward(expert_rows, st.weight, Tensor(), st.order));
+    return reduce_scatter(ops::combine_forward(expert_rows, st.weight, Tensor(), st.order), /*rows=*/true);
   });
 }
 
@@ -162,7 +183,7 @@ Tensor AllGatherDispatcher::combine_finish(const Tensor& residual, DispatchState
   wait(st);
   MT_CHECK(st.combined.defined(), "{}: combine_finish before combine_start", where(st));
   StageScope timer(Stage::kCombine);
-  Tensor y = first_rows(st.combined, my_tokens(st));
+  Tensor y = first_rows(st.combined, st.tokens);
   st.combined = Tensor();
   ops::add_(y, residual);
   return y;
@@ -172,32 +193,32 @@ ExpertDispatcher::CombineGrads AllGatherDispatcher::combine_backward_weighted(co
   StageScope timer(Stage::kCombine);
   MT_CHECK(st.placed.defined() && st.weight.defined(), "{}: combine_backward_weighted before combine_start",
            where(st));
-  check_dispatched(st, dy, my_tokens(st), "combine_backward_weighted");
+  check_dispatched(st, dy, st.tokens, "combine_backward_weighted");
   return stream_.run(dy.device(), st, {dy}, [&] {
-    ops::CombineGrads g = ops::combine_backward(gather(padded(dy, st.padded_tokens)), st.placed, st.weight, st.order);
+    ops::CombineGrads g =
+        ops::combine_backward(gather(padded(dy, st.padded_tokens), /*rows=*/true), st.placed, st.weight, st.order);
     // d weight of a slot is non-zero on its expert's rank only: the sum is that value.
-    return CombineGrads{g.dexpert_out, first_rows(reduce_scatter(g.dweight), my_tokens(st))};
+    return CombineGrads{g.dexpert_out, first_rows(reduce_scatter(g.dweight), st.tokens)};
   });
 }
 
 Tensor AllGatherDispatcher::combine(const Tensor& expert_rows, DispatchState& st) {
   StageScope timer(Stage::kCombine);
   check_dispatched(st, expert_rows, st.perm.rows, "combine");
-  const int64_t K = st.perm.top_k, T = my_tokens(st);
+  const int64_t K = st.perm.top_k, T = st.tokens;
   return stream_.run(expert_rows.device(), st, {expert_rows}, [&] {
     // [P Tp K, H]: each gathered copy's output where this rank holds its expert, else zero;
-    // a gathered row is [Tp K, H] wide per rank as [Tp, K, H] flattened.
-    Tensor mine = ops::unpermute_forward(expert_rows, st.perm);
-    return first_rows(reduce_scatter(mine), T * K);
+    // rank q's block is its tokens' copies in (t, k) order.
+    return first_rows(reduce_scatter(ops::unpermute_forward(expert_rows, st.perm), /*rows=*/true), T * K);
   });
 }
 
 Tensor AllGatherDispatcher::combine_backward(const Tensor& dout, DispatchState& st) {
   StageScope timer(Stage::kCombine);
   const int64_t K = st.perm.top_k;
-  check_dispatched(st, dout, my_tokens(st) * K, "combine_backward");
+  check_dispatched(st, dout, st.tokens * K, "combine_backward");
   return stream_.run(dout.device(), st, {dout}, [&] {
-    return ops::unpermute_backward(gather(padded(dout, st.padded_tokens * K)), st.perm);
+    return ops::unpermute_backward(gather(padded(dout, st.padded_tokens * K), /*rows=*/true), st.perm);
   });
 }
 
@@ -205,7 +226,7 @@ Tensor AllGatherDispatcher::dispatch_backward(const Tensor& drows, DispatchState
   StageScope timer(Stage::kRouterPermute);
   check_dispatched(st, drows, st.perm.rows, "dispatch_backward");
   return stream_.run(drows.device(), st, {drows}, [&] {
-    return first_rows(reduce_scatter(ops::permute_backward(drows, st.perm)), my_tokens(st));
+    return first_rows(reduce_scatter(ops::permute_backward(drows, st.perm), /*rows=*/true), st.tokens);
   });
 }
 

@@ -21,10 +21,19 @@
 // concatenated in rank order), so the experts see exactly the rows one process would. The
 // combine's and dx's sums differ from one process's in rounding only: partial sums per rank,
 // then added over the ranks. Ranks may have different token counts: the gathered blocks are
-// padded to the largest (one more host sync a dispatch to learn it).
+// padded to ExchangeOptions::max_tokens, or where that is not given to the largest count
+// (one more collective and host sync a dispatch to learn it).
+//
+// Transport: NCCL's all-gather and reduce-scatter, or, among the GPUs of one host
+// (ExchangeOptions::peer_copies), copies straight into the peers' memory on the copy
+// engines (PeerArena) for the token rows; the small exchanges (counts, ids, weights) stay
+// on NCCL.
 #pragma once
 
+#include <memory>
+
 #include "engine/parallel/expert_dispatch.h"
+#include "engine/parallel/peer_arena.h"
 
 namespace moetrain {
 
@@ -53,6 +62,9 @@ class AllGatherDispatcher final : public ExpertDispatcher {
   Tensor combine_backward(const Tensor& dout, DispatchState& st) override;
   Tensor dispatch_backward(const Tensor& drows, DispatchState& st) override;
 
+  // Whether token rows move by copies into the peers' memory (known after the first dispatch).
+  bool uses_peer_copies() const { return arena_ != nullptr; }
+
   void wait(DispatchState& st) override { stream_.wait(st); }
   void set_timing(bool on) override { stream_.set_timing(on); }
   ExchangeTiming take_timing() override { return stream_.take_timing(); }
@@ -63,18 +75,26 @@ class AllGatherDispatcher final : public ExpertDispatcher {
   // [rows, C] -> [rows_padded, C] (padding rows filled with `fill`: 0, or an id of no expert).
   Tensor padded(const Tensor& t, int64_t rows_padded, int32_t fill_id = 0) const;
   // [n, C] on every rank -> [P n, C] in rank order; [P n, C] -> this rank's sum [n, C].
-  Tensor gather(const Tensor& block);
-  Tensor reduce_scatter(const Tensor& blocks);
+  // Token rows (`rows`) go through the peer arena where there is one; the result of a
+  // gather through it must be consumed before the exchange after next (peer_arena.h).
+  Tensor gather(const Tensor& block, bool rows = false);
+  Tensor reduce_scatter(const Tensor& blocks, bool rows = false);
+  // The arena, made at the first exchange of rows when ExchangeOptions::peer_copies and
+  // every rank can use one (a collective decision); nullptr otherwise.
+  PeerArena* arena(const Tensor& t);
   // The group-wide check that every (token, slot) copy found exactly one rank's expert.
   void check_conservation_over_group(const DispatchState& st, const Device& device, int64_t rows, int64_t top_k);
+  // Every rank's token count (a collective and a host sync).
+  std::vector<int64_t> token_counts(int64_t mine, const Device& device);
   void check_dispatched(const DispatchState& st, const Tensor& t, int64_t rows, const char* what) const;
-  int64_t my_tokens(const DispatchState& st) const { return st.tokens[static_cast<size_t>(ep_.rank())]; }
   std::string where(const DispatchState& st) const;
 
   Communicator& ep_;
   ExchangeOptions opt_;
   bool nccl_;  // the backend moves device tensors
   ExchangeStream stream_;
+  std::unique_ptr<PeerArena> arena_;
+  bool arena_decided_ = false;
 };
 
 }  // namespace moetrain

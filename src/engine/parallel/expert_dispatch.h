@@ -43,10 +43,9 @@ struct DispatchState {
   // and the order to read them through).
   Tensor weight;
   Tensor placed, order;
-  // AllGatherDispatcher: each EP rank's token count, the rows every rank's block is padded
-  // to in the gathered batch, and the reduce-scattered sums combine_start started home.
-  std::vector<int64_t> tokens;
-  int64_t padded_tokens = 0;
+  // AllGatherDispatcher: this rank's token count, the rows every rank's block is padded to
+  // in the gathered batch, and the reduce-scattered sums combine_start started home.
+  int64_t tokens = 0, padded_tokens = 0;
   Tensor combined;
   // CUDA, communication stream, deferred waits: the event after this state's last exchange
   // and the caller's tensors the communication stream may still read (see wait()).
@@ -156,6 +155,15 @@ struct ExchangeOptions {
   // micro-batch's) overlaps the exchange. Until then `st` keeps the call's inputs and
   // results alive (the compute stream must not reuse their memory): wait before dropping it.
   bool defer_wait = false;
+  // AllGatherDispatcher on GPUs of one host: move the token rows with copies straight into
+  // the peers' memory over NVLink (PeerArena: copy engines, no SMs) instead of NCCL's
+  // kernels, when every rank of the group can (decided once, by all together).
+  bool peer_copies = false;
+  // AllGatherDispatcher: no rank dispatches more tokens than this (a micro-batch's B x S,
+  // the same config on every rank), so every rank's gathered block is padded to it without
+  // first asking the others for their counts (a collective and a host wait a dispatch).
+  // 0: ask at every dispatch.
+  int64_t max_tokens = 0;
   // Tests: edits the row counts received in the count exchange ([peer][local expert])
   // before they are checked, to provoke a conservation violation (all-to-all only).
   std::function<void(std::vector<int64_t>& received_counts)> tamper_received_counts;
