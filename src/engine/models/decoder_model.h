@@ -77,7 +77,7 @@ class MoeDecoderModel : public Model {
   // W: every weight gradient of the chunk from what its B kept.
   void backward_chunk_weight(const ChunkSpec& c, const Batch& batch, ChunkActivations& a, bool accumulate) override;
   // F of chunk `fc` and B of chunk `bc` (another micro-batch), interleaved at the
-  // dispatch / combine boundaries: with a dispatcher that defers its waits (AllToAllOptions:
+  // dispatch / combine boundaries: with a dispatcher that defers its waits (ExchangeOptions:
   // a communication stream), one pass's all-to-all is in flight while the other computes.
   // The same results as forward_chunk then backward_chunk (B without weights); returns
   // {F's output, B's input gradient}.

@@ -270,7 +270,7 @@ class AllToAllDispatcher final : public ExpertDispatcher {
   // the gradient of those back (the two routes of combine and its backward).
   Tensor rows_home(const Tensor& expert_rows, DispatchState& st);
   Tensor rows_back_to_experts(const Tensor& d_home, DispatchState& st);
-  // The group-wide token conservation check (AllToAllOptions::check_conservation).
+  // The group-wide token conservation check (ExchangeOptions::check_conservation).
   void check_conservation_over_group(const DispatchState& st, const Device& device, int64_t pairs);
   // That `st` holds a dispatch and `t` has `rows` rows.
   void check_dispatched(const DispatchState& st, const Tensor& t, int64_t rows, const char* what) const;

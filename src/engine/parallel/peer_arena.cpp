@@ -57,7 +57,11 @@ PeerArena::PeerArena(Communicator& group) : group_(group), P_(group.size()), ran
 PeerArena::~PeerArena() {
   try {
     cuda::stream_synchronize(cuda::current_stream());
+    for (void* l : lanes_) cuda::stream_synchronize(l);
     release();
+    for (void* l : lanes_) cuda::destroy_stream(l);
+    for (void* e : joins_) cuda::destroy_event(e);
+    if (fork_) cuda::destroy_event(fork_);
   } catch (const std::exception& e) {
     spdlog::error("peer arena on {}: releasing: {}", group_.name(), e.what());
   }
@@ -110,6 +114,25 @@ void PeerArena::reserve(size_t block_bytes) {
   cuda::stream_synchronize(cuda::current_stream());
 }
 
+void PeerArena::copy_all(const std::vector<Copy>& copies) {
+  const cuda::Stream current = cuda::current_stream();
+  if (!fork_) fork_ = cuda::create_sync_event();
+  while (lanes_.size() < copies.size()) {
+    lanes_.push_back(cuda::create_stream());
+    joins_.push_back(cuda::create_sync_event());
+  }
+  cuda::record_event(fork_, current);
+  for (size_t i = 0; i < copies.size(); ++i) {
+    cuda::stream_wait_event(lanes_[i], fork_);
+    {
+      cuda::CurrentStreamScope on_lane(lanes_[i]);
+      if (copies[i].bytes > 0) cuda::copy_device_to_device(copies[i].dst, copies[i].src, copies[i].bytes);
+    }
+    cuda::record_event(joins_[i], lanes_[i]);
+  }
+  for (size_t i = 0; i < copies.size(); ++i) cuda::stream_wait_event(current, joins_[i]);
+}
+
 void PeerArena::barrier() { group_.all_reduce(flag_, ReduceOp::Sum, cuda::current_stream()); }
 
 char* PeerArena::slot_of(int rank) const {
@@ -121,9 +144,9 @@ Tensor PeerArena::all_gather(const Tensor& block) {
   const size_t bytes = block.nbytes();
   reserve(bytes);
   // The blocks sit back to back (at this call's size), so the slot is one [P n, C] tensor.
-  for (int q = 0; q < P_; ++q) {
-    if (bytes > 0) cuda::copy_device_to_device(slot_of(q) + static_cast<size_t>(rank_) * bytes, block.raw(), bytes);
-  }
+  std::vector<Copy> copies;
+  for (int q = 0; q < P_; ++q) copies.push_back({slot_of(q) + static_cast<size_t>(rank_) * bytes, block.raw(), bytes});
+  copy_all(copies);
   barrier();
   Tensor out = Tensor::borrowed(slot_of(rank_), {P_ * block.size(0), block.size(1)}, block.dtype(), block.device());
   slot_ ^= 1;
@@ -135,12 +158,11 @@ Tensor PeerArena::reduce_scatter_sum(const Tensor& blocks) {
   const size_t bytes = blocks.nbytes() / static_cast<size_t>(P_);
   reserve(bytes);
   // Peer q's block of this rank's rows goes to q's slot, at this rank's place.
+  std::vector<Copy> copies;
   for (int q = 0; q < P_; ++q) {
-    if (q != rank_ && bytes > 0) {
-      cuda::copy_device_to_device(slot_of(q) + static_cast<size_t>(rank_) * bytes, blocks.slice(q * n, (q + 1) * n).raw(),
-                                  bytes);
-    }
+    if (q != rank_) copies.push_back({slot_of(q) + static_cast<size_t>(rank_) * bytes, blocks.slice(q * n, (q + 1) * n).raw(), bytes});
   }
+  copy_all(copies);
   barrier();
   // Into this rank's own block (no new tensor), then the peers' in rank order.
   char* mine = slot_of(rank_);

@@ -12,7 +12,8 @@
 // barrier of exchange s - 1, which no peer passes before it has consumed exchange s - 2 (its
 // reads come before its next barrier in stream order). So what an exchange returns must be
 // consumed on the same stream before the exchange after next: all_gather's result is a
-// view of the arena.
+// view of the arena. The copies of one exchange (one per peer, and this rank's own block)
+// run at once on side streams, so that several copy engines share them.
 //
 // Every call is a collective over the group, made in the same order with the same sizes on
 // every rank (the arena grows, for all together, to the largest block seen). Processes map
@@ -51,6 +52,14 @@ class PeerArena {
   void reserve(size_t block_bytes);  // collective
   void release();
   void barrier();
+  // Runs the copies (dst, src, bytes) at once, each on its own stream (a GPU has several
+  // copy engines), after the current stream's work so far; the current stream waits for all.
+  struct Copy {
+    void* dst;
+    const void* src;
+    size_t bytes;
+  };
+  void copy_all(const std::vector<Copy>& copies);
   char* slot_of(int rank) const;  // this exchange's slot in `rank`'s arena
 
   Communicator& group_;
@@ -61,6 +70,9 @@ class PeerArena {
   std::vector<bool> mapped_;      // opened through IPC (closed on release)
   int slot_ = 0;
   Tensor flag_;
+  std::vector<void*> lanes_;   // cuda::Stream, one per concurrent copy
+  void* fork_ = nullptr;       // cuda::Event
+  std::vector<void*> joins_;   // cuda::Event, one per lane
 };
 
 }  // namespace moetrain
