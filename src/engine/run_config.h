@@ -142,6 +142,7 @@ struct MetricsConfig {
   std::string dir = "runs/default";  // metrics.jsonl and the run's printed config go here
   int64_t log_every = 10;            // human log line every N steps
   bool progress = true;              // progress bar on a terminal
+  bool tensorboard = true;           // rank 0 also writes TensorBoard event files to <dir>/tb
   void describe(ConfigFields& f);
 };
 

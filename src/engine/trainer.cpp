@@ -32,6 +32,7 @@
 #include "engine/telemetry/metrics.h"
 #include "engine/telemetry/progress.h"
 #include "engine/telemetry/stage_timer.h"
+#include "engine/telemetry/tensorboard.h"
 #include "engine/train_context.h"
 #include "ops/ops.h"
 #include "ops/threads.h"
@@ -409,6 +410,10 @@ class RunLog {
     std::ofstream(std::filesystem::path(cfg.metrics.dir) / "config.toml") << RunConfig(cfg).to_toml();
     writer_ = std::make_unique<MetricsWriter>(cfg.metrics.dir, /*append=*/start_step > 0);
     spdlog::info("metrics: {}/metrics.jsonl", cfg.metrics.dir);
+    if (cfg.metrics.tensorboard) {
+      tensorboard_ = std::make_unique<TensorBoardWriter>((std::filesystem::path(cfg.metrics.dir) / "tb").string());
+      spdlog::info("metrics: TensorBoard event file {}", tensorboard_->path());
+    }
   }
 
   // The metrics of step `step` (1-based), from its result and wall time.
@@ -424,6 +429,7 @@ class RunLog {
     m.tokens_per_s = static_cast<double>(tokens_per_step_) / seconds;
     m.tflops = flops_per_token_ * m.tokens_per_s / 1e12;
     m.expert_load_max_over_mean = r.expert_imbalance >= 0 ? r.expert_imbalance : expert_imbalance(r.expert_counts);
+    m.expert_tokens = r.expert_counts;
     m.peak_memory_bytes = ctx_.par.device.is_cpu() ? host_memory_stats().peak_bytes
                                                    : cuda::device_memory_stats().peak_bytes;
     m.restart_generation = ctx_.par.env.restart_generation;
@@ -436,6 +442,13 @@ class RunLog {
 
   void write(const StepMetrics& m) {
     if (writer_) writer_->write(m);
+    if (tensorboard_) {
+      tensorboard_->scalars(m.step, metrics_scalars(m));
+      for (size_t i = 0; i < m.expert_tokens.size(); ++i) {
+        const std::vector<double> tokens(m.expert_tokens[i].begin(), m.expert_tokens[i].end());
+        tensorboard_->histogram(m.step, fmt::format("moe/layer{}/tokens_per_expert", i), tokens);
+      }
+    }
     if (m.val_loss || m.checkpoint_stall_s || m.step % cfg_.metrics.log_every == 0 || m.step == start_step_ + 1) {
       progress_.clear();
       spdlog::info("{}", human_line(m, cfg_.training.steps));
@@ -452,6 +465,7 @@ class RunLog {
   const int64_t start_step_;
   ProgressBar progress_;
   std::unique_ptr<MetricsWriter> writer_;
+  std::unique_ptr<TensorBoardWriter> tensorboard_;
 };
 
 }  // namespace

@@ -11,8 +11,11 @@
 #include <sstream>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "engine/checkpoint/checkpoint_format.h"
 #include "cli_run.h"
+#include "tensorboard_reader.h"
 #include "engine/checkpoint/checkpointer.h"
 
 namespace {
@@ -111,6 +114,37 @@ TEST_F(CliTest, ShortRunTrainsAndIsBitwiseRepeatable) {
   std::string la = losses(dir_ / "a" / "metrics.jsonl");
   EXPECT_FALSE(la.empty());
   EXPECT_EQ(la, losses(dir_ / "b" / "metrics.jsonl"));
+
+  // The TensorBoard event file of run a: the format version, then per step the scalars (the
+  // same loss as metrics.jsonl) and a histogram of tokens per expert for each MoE layer.
+  const std::vector<moetrain::tb::Event> ev =
+      moetrain::testing::read_tensorboard_events(moetrain::testing::only_event_file(dir_ / "a" / "tb"));
+  ASSERT_FALSE(ev.empty());
+  EXPECT_EQ(ev[0].file_version(), "brain.Event:2");
+  std::map<int64_t, std::map<std::string, double>> scalars;
+  std::map<int64_t, int> histograms;
+  for (size_t i = 1; i < ev.size(); ++i) {
+    for (const auto& v : ev[i].summary().value()) {
+      if (v.has_histo()) {
+        ++histograms[ev[i].step()];
+        EXPECT_EQ(v.tag().rfind("moe/layer", 0), 0u) << v.tag();
+        EXPECT_EQ(v.histo().num(), 8) << v.tag();  // tiny.toml: 8 experts
+      } else {
+        scalars[ev[i].step()][v.tag()] = v.simple_value();
+      }
+    }
+  }
+  ASSERT_EQ(scalars.size(), 6u);
+  std::ifstream lines(dir_ / "a" / "metrics.jsonl");
+  std::string line;
+  while (std::getline(lines, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    const int64_t step = j["step"];
+    EXPECT_FLOAT_EQ(static_cast<float>(scalars[step]["train/loss"]), static_cast<float>(j["loss"].get<double>()));
+    EXPECT_EQ(scalars[step].count("moe/layer0/load_max_over_mean"), 1u) << "step " << step;
+    EXPECT_EQ(histograms[step], static_cast<int>(j["moe"].size())) << "step " << step;
+    EXPECT_EQ(scalars[step].count("val/loss"), j["val_loss"].is_null() ? 0u : 1u) << "step " << step;
+  }
 }
 
 // "loss" and "grad_norm" of each metrics line, by step (the last line of a step wins: a

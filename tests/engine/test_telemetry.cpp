@@ -9,6 +9,8 @@
 #include "core/error.h"
 #include "engine/telemetry/metrics.h"
 #include "engine/telemetry/progress.h"
+#include "engine/telemetry/tensorboard.h"
+#include "tensorboard_reader.h"
 
 namespace fs = std::filesystem;
 using namespace moetrain;
@@ -120,3 +122,102 @@ TEST(Progress, SilentWhenNotATerminal) {
   ProgressBar on(10, true);
   EXPECT_EQ(on.active(), isatty(STDERR_FILENO) == 1);
 }
+
+namespace moetrain {
+namespace {
+
+// ---- TensorBoard -------------------------------------------------------------------------
+
+TEST(TensorBoard, Crc32cOfTheStandardCheckString) {
+  EXPECT_EQ(crc32c("123456789", 9), 0xE3069283u);  // CRC-32C's published check value
+  EXPECT_EQ(crc32c("", 0), 0u);
+  const uint32_t c = crc32c("a", 1);
+  EXPECT_EQ(masked_crc32c("a", 1), ((c >> 15) | (c << 17)) + 0xa282ead8u);
+}
+
+TEST(TensorBoard, ScalarsAndHistogramsReadBack) {
+  const auto dir = std::filesystem::temp_directory_path() / ("moetrain_tb_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::string path;
+  {
+    TensorBoardWriter w((dir / "tb").string());
+    path = w.path();
+    w.scalars(7, {{"train/loss", 2.5}, {"train/lr", 3e-4}, {"skipped", std::nan("")}});
+    w.histogram(7, "moe/layer0/tokens_per_expert", {0, 3, 3, 10, 41});
+    w.scalars(8, {{"train/loss", 2.25}});
+  }
+  EXPECT_EQ(testing::only_event_file(dir / "tb"), path);
+  const std::vector<tb::Event> ev = testing::read_tensorboard_events(path);
+  ASSERT_EQ(ev.size(), 4u);
+  EXPECT_EQ(ev[0].file_version(), "brain.Event:2");
+  EXPECT_GT(ev[0].wall_time(), 1.7e9);
+  ASSERT_TRUE(ev[1].has_summary());
+  EXPECT_EQ(ev[1].step(), 7);
+  ASSERT_EQ(ev[1].summary().value_size(), 2);  // the NaN is left out
+  EXPECT_EQ(ev[1].summary().value(0).tag(), "train/loss");
+  EXPECT_FLOAT_EQ(ev[1].summary().value(0).simple_value(), 2.5f);
+  EXPECT_EQ(ev[1].summary().value(1).tag(), "train/lr");
+  EXPECT_FLOAT_EQ(ev[1].summary().value(1).simple_value(), 3e-4f);
+  const tb::HistogramProto& h = ev[2].summary().value(0).histo();
+  EXPECT_EQ(ev[2].summary().value(0).tag(), "moe/layer0/tokens_per_expert");
+  EXPECT_EQ(h.min(), 0);
+  EXPECT_EQ(h.max(), 41);
+  EXPECT_EQ(h.num(), 5);
+  EXPECT_EQ(h.sum(), 57);
+  EXPECT_EQ(h.sum_squares(), 0 + 9 + 9 + 100 + 1681);
+  ASSERT_EQ(h.bucket_size(), h.bucket_limit_size());
+  ASSERT_GT(h.bucket_size(), 1);
+  double counted = 0;
+  for (int i = 0; i < h.bucket_size(); ++i) {
+    counted += h.bucket(i);
+    if (i > 0) {
+      EXPECT_GT(h.bucket_limit(i), h.bucket_limit(i - 1));
+    }
+  }
+  EXPECT_EQ(counted, 5);
+  EXPECT_GE(h.bucket_limit(h.bucket_limit_size() - 1), 41);
+  EXPECT_EQ(h.bucket(0), 1);  // the 0 alone below the first limit
+  EXPECT_EQ(ev[3].step(), 8);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(TensorBoard, UnwritableDirIsNamed) {
+  try {
+    TensorBoardWriter w("/proc/moetrain_no_such/tb");
+    ADD_FAILURE() << "writer made a folder under /proc";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("/proc/moetrain_no_such/tb"), std::string::npos) << e.what();
+  }
+}
+
+// The per-layer expert load: max/mean, coefficient of variation, idle experts; and the
+// scalars' names.
+TEST(Metrics, ExpertLoadAndScalarNames) {
+  const ExpertLoad l = expert_load({0, 2, 2, 4});
+  EXPECT_DOUBLE_EQ(l.max_over_mean, 2.0);
+  EXPECT_NEAR(l.cv, std::sqrt(2.0) / 2.0, 1e-12);
+  EXPECT_EQ(l.idle, 1);
+  StepMetrics m;
+  m.loss = 1.5;
+  m.expert_tokens = {{1, 1}, {0, 2}};
+  m.val_loss = 1.75;
+  const auto v = metrics_scalars(m);
+  auto find = [&](const std::string& tag) -> double {
+    for (const auto& [t, x] : v) {
+      if (t == tag) return x;
+    }
+    ADD_FAILURE() << "no scalar " << tag;
+    return -1;
+  };
+  EXPECT_EQ(find("train/loss"), 1.5);
+  EXPECT_EQ(find("val/loss"), 1.75);
+  EXPECT_EQ(find("moe/layer0/load_max_over_mean"), 1.0);
+  EXPECT_EQ(find("moe/layer1/idle_experts"), 1.0);
+  const nlohmann::json j = nlohmann::json::parse(metrics_json(m));
+  ASSERT_EQ(j["moe"].size(), 2u);
+  EXPECT_EQ(j["moe"][1]["idle_experts"], 1);
+  EXPECT_EQ(j["moe"][1]["tokens_per_expert"], nlohmann::json({0, 2}));
+}
+
+}  // namespace
+}  // namespace moetrain

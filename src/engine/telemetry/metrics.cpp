@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -37,7 +38,62 @@ std::string metrics_json(const StepMetrics& m) {
   j["restart_generation"] = m.restart_generation;
   j["world_size"] = m.world_size;
   if (m.restart_downtime_s) j["restart_downtime_s"] = *m.restart_downtime_s;
+  if (!m.expert_tokens.empty()) {
+    nlohmann::json layers = nlohmann::json::array();
+    for (size_t i = 0; i < m.expert_tokens.size(); ++i) {
+      const ExpertLoad l = expert_load(m.expert_tokens[i]);
+      layers.push_back({{"moe_layer", i}, {"load_max_over_mean", l.max_over_mean}, {"load_cv", l.cv},
+                        {"idle_experts", l.idle}, {"tokens_per_expert", m.expert_tokens[i]}});
+    }
+    j["moe"] = std::move(layers);
+  }
   return j.dump();  // non-finite numbers become null
+}
+
+ExpertLoad expert_load(const std::vector<int64_t>& tokens) {
+  ExpertLoad l;
+  if (tokens.empty()) return l;
+  double total = 0, most = 0;
+  for (int64_t c : tokens) {
+    total += static_cast<double>(c);
+    most = std::max(most, static_cast<double>(c));
+    l.idle += c == 0;
+  }
+  const double n = static_cast<double>(tokens.size()), mean = total / n;
+  if (mean <= 0) return l;
+  double var = 0;
+  for (int64_t c : tokens) var += (static_cast<double>(c) - mean) * (static_cast<double>(c) - mean);
+  l.max_over_mean = most / mean;
+  l.cv = std::sqrt(var / n) / mean;
+  return l;
+}
+
+std::vector<std::pair<std::string, double>> metrics_scalars(const StepMetrics& m) {
+  std::vector<std::pair<std::string, double>> v{
+      {"train/loss", m.loss},
+      {"train/aux_loss", m.aux_loss},
+      {"train/lr", m.lr},
+      {"train/grad_norm", m.grad_norm},
+      {"train/tokens", static_cast<double>(m.tokens)},
+      {"perf/tokens_per_s", m.tokens_per_s},
+      {"perf/tflops", m.tflops},
+      {"perf/step_time_s", m.step_time_s},
+      {"memory/peak_bytes", static_cast<double>(m.peak_memory_bytes)},
+      {"moe/load_max_over_mean", m.expert_load_max_over_mean},
+      {"infra/world_size", static_cast<double>(m.world_size)},
+      {"infra/restart_generation", static_cast<double>(m.restart_generation)},
+  };
+  if (m.val_loss) v.emplace_back("val/loss", *m.val_loss);
+  if (m.checkpoint_stall_s) v.emplace_back("infra/checkpoint_stall_s", *m.checkpoint_stall_s);
+  if (m.restart_downtime_s) v.emplace_back("infra/restart_downtime_s", *m.restart_downtime_s);
+  for (size_t i = 0; i < m.expert_tokens.size(); ++i) {
+    const ExpertLoad l = expert_load(m.expert_tokens[i]);
+    const std::string p = fmt::format("moe/layer{}/", i);
+    v.emplace_back(p + "load_max_over_mean", l.max_over_mean);
+    v.emplace_back(p + "load_cv", l.cv);
+    v.emplace_back(p + "idle_experts", static_cast<double>(l.idle));
+  }
+  return v;
 }
 
 void MetricsWriter::write(const StepMetrics& m) {

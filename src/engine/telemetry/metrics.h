@@ -6,8 +6,18 @@
 #include <fstream>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace moetrain {
+
+// How evenly one MoE layer's experts were loaded in a step.
+struct ExpertLoad {
+  double max_over_mean = 0;  // busiest expert's tokens / the mean (1: perfectly even)
+  double cv = 0;             // coefficient of variation of the tokens per expert
+  int64_t idle = 0;          // experts that got no token
+};
+ExpertLoad expert_load(const std::vector<int64_t>& tokens_per_expert);
 
 struct StepMetrics {
   int64_t step = 0;
@@ -25,7 +35,14 @@ struct StepMetrics {
   // (detection, stop, rendezvous, start, checkpoint load: the training time the failure cost,
   // besides the steps since the last committed one, which are trained again).
   std::optional<double> restart_downtime_s;
+  // Tokens routed to each expert in the step, per MoE layer (the layers rank 0 holds: all of
+  // them, but under a pipeline its stage's), summed over the data ranks.
+  std::vector<std::vector<int64_t>> expert_tokens;
 };
+
+// Every number of a step as (tag, value), the one list of names the TensorBoard scalars use
+// ("train/loss", "moe/layer0/load_max_over_mean", ...); optional fields only when set.
+std::vector<std::pair<std::string, double>> metrics_scalars(const StepMetrics& m);
 
 // Appends StepMetrics to <dir>/metrics.jsonl, one line each, flushed at once so that a
 // crash loses nothing already written.
