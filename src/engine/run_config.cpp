@@ -272,6 +272,15 @@ void MetricsConfig::describe(ConfigFields& f) {
   f.add("tensorboard", &tensorboard,
         "rank 0 also writes every metric, and per MoE layer a histogram of tokens per expert, as TensorBoard event "
         "files in <dir>/tb (tensorboard --logdir <dir>/tb)");
+  f.add("prometheus_port", &prometheus_port,
+        "> 0: rank 0 serves the latest step's metrics for Prometheus at http://<prometheus_bind>:<port>/metrics; 0: "
+        "off",
+        [this]() -> std::optional<std::string> {
+          if (prometheus_port >= 0 && prometheus_port <= 65535) return std::nullopt;
+          return fmt::format("must be a TCP port in [0, 65535] (0: off), got {}", prometheus_port);
+        });
+  f.add("prometheus_bind", &prometheus_bind,
+        "the address the Prometheus endpoint listens on (0.0.0.0: every interface; 127.0.0.1: this machine only)");
 }
 
 namespace {

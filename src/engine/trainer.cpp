@@ -31,6 +31,7 @@
 #include "engine/pipeline/schedule.h"
 #include "engine/telemetry/metrics.h"
 #include "engine/telemetry/progress.h"
+#include "engine/telemetry/prometheus.h"
 #include "engine/telemetry/stage_timer.h"
 #include "engine/telemetry/tensorboard.h"
 #include "engine/train_context.h"
@@ -410,6 +411,11 @@ class RunLog {
     std::ofstream(std::filesystem::path(cfg.metrics.dir) / "config.toml") << RunConfig(cfg).to_toml();
     writer_ = std::make_unique<MetricsWriter>(cfg.metrics.dir, /*append=*/start_step > 0);
     spdlog::info("metrics: {}/metrics.jsonl", cfg.metrics.dir);
+    if (cfg.metrics.prometheus_port > 0) {
+      prometheus_ = std::make_unique<PrometheusExporter>(cfg.metrics.prometheus_bind,
+                                                         static_cast<int>(cfg.metrics.prometheus_port), cfg.metrics.dir);
+      spdlog::info("metrics: Prometheus endpoint http://{}:{}/metrics", cfg.metrics.prometheus_bind, prometheus_->port());
+    }
     if (cfg.metrics.tensorboard) {
       tensorboard_ = std::make_unique<TensorBoardWriter>((std::filesystem::path(cfg.metrics.dir) / "tb").string());
       spdlog::info("metrics: TensorBoard event file {}", tensorboard_->path());
@@ -442,6 +448,7 @@ class RunLog {
 
   void write(const StepMetrics& m) {
     if (writer_) writer_->write(m);
+    if (prometheus_) prometheus_->publish(m);
     if (tensorboard_) {
       tensorboard_->scalars(m.step, metrics_scalars(m));
       for (size_t i = 0; i < m.expert_tokens.size(); ++i) {
@@ -466,6 +473,7 @@ class RunLog {
   ProgressBar progress_;
   std::unique_ptr<MetricsWriter> writer_;
   std::unique_ptr<TensorBoardWriter> tensorboard_;
+  std::unique_ptr<PrometheusExporter> prometheus_;
 };
 
 }  // namespace

@@ -15,7 +15,15 @@
 
 #include "engine/checkpoint/checkpoint_format.h"
 #include "cli_run.h"
+#include "comm/launcher.h"
 #include "tensorboard_reader.h"
+
+#include <httplib.h>
+
+#include <atomic>
+#include <chrono>
+#include <regex>
+#include <thread>
 #include "engine/checkpoint/checkpointer.h"
 
 namespace {
@@ -144,6 +152,49 @@ TEST_F(CliTest, ShortRunTrainsAndIsBitwiseRepeatable) {
     EXPECT_EQ(scalars[step].count("moe/layer0/load_max_over_mean"), 1u) << "step " << step;
     EXPECT_EQ(histograms[step], static_cast<int>(j["moe"].size())) << "step " << step;
     EXPECT_EQ(scalars[step].count("val/loss"), j["val_loss"].is_null() ? 0u : 1u) << "step " << step;
+  }
+}
+
+// A run with [metrics].prometheus_port serves its latest step while it trains: a scraper
+// polling the endpoint sees steps go by, each page's loss that step's metrics.jsonl loss.
+TEST_F(CliTest, PrometheusEndpointIsScrapedDuringARun) {
+  const int port = moetrain::free_tcp_port();
+  std::atomic<bool> done{false};
+  std::map<int64_t, double> seen;  // step -> loss, as scraped
+  std::thread scraper([&] {
+    httplib::Client c("127.0.0.1", port);
+    c.set_connection_timeout(0, 200000);
+    while (!done) {
+      if (auto r = c.Get("/metrics"); r && r->status == 200) {
+        std::smatch step, loss;
+        static const std::regex step_re(R"(moetrain_train_step\{[^}]*\} (\S+))"),
+            loss_re(R"(moetrain_train_loss\{[^}]*\} (\S+))");
+        if (std::regex_search(r->body, step, step_re) && std::regex_search(r->body, loss, loss_re)) {
+          seen[std::stoll(step[1])] = std::stod(loss[1]);
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  Result r = run(small_run("p", "--training.steps=40 --training.eval_every=40 --metrics.prometheus_bind=127.0.0.1 "
+                                "--metrics.prometheus_port=" + std::to_string(port)));
+  done = true;
+  scraper.join();
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("Prometheus endpoint http://127.0.0.1:" + std::to_string(port) + "/metrics"),
+            std::string::npos)
+      << r.output;
+  ASSERT_GE(seen.size(), 2u) << "the scraper saw fewer than two steps";
+  std::map<int64_t, double> logged;
+  std::ifstream lines(dir_ / "p" / "metrics.jsonl");
+  std::string line;
+  while (std::getline(lines, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    logged[j["step"].get<int64_t>()] = j["loss"].get<double>();
+  }
+  for (const auto& [step, loss] : seen) {
+    ASSERT_TRUE(logged.count(step)) << "scraped step " << step;
+    EXPECT_DOUBLE_EQ(loss, logged[step]) << "step " << step;
   }
 }
 

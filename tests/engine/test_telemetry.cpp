@@ -3,14 +3,21 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <set>
+#include <sstream>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "engine/telemetry/metrics.h"
 #include "engine/telemetry/progress.h"
+#include "engine/telemetry/prometheus.h"
 #include "engine/telemetry/tensorboard.h"
 #include "tensorboard_reader.h"
+
+#include <httplib.h>
+
+#include <regex>
 
 namespace fs = std::filesystem;
 using namespace moetrain;
@@ -217,6 +224,75 @@ TEST(Metrics, ExpertLoadAndScalarNames) {
   ASSERT_EQ(j["moe"].size(), 2u);
   EXPECT_EQ(j["moe"][1]["idle_experts"], 1);
   EXPECT_EQ(j["moe"][1]["tokens_per_expert"], nlohmann::json({0, 2}));
+}
+
+// ---- Prometheus ---------------------------------------------------------------------------
+
+// Every sample line is `name{labels} value` with a valid metric name; every name has its HELP
+// and TYPE lines before its samples.
+void expect_exposition_format(const std::string& text) {
+  const std::regex sample(R"(^[a-zA-Z_:][a-zA-Z0-9_:]*\{([a-zA-Z_][a-zA-Z0-9_]*="([^"\\]|\\.)*",?)*\} \S+$)");
+  std::set<std::string> typed;
+  std::istringstream in(text);
+  std::string line;
+  int samples = 0;
+  while (std::getline(in, line)) {
+    if (line.rfind("# TYPE ", 0) == 0) {
+      typed.insert(line.substr(7, line.find(' ', 7) - 7));
+      continue;
+    }
+    if (line.rfind("# HELP ", 0) == 0) continue;
+    EXPECT_TRUE(std::regex_match(line, sample)) << "not a sample line: " << line;
+    EXPECT_TRUE(typed.count(line.substr(0, line.find('{')))) << "no TYPE before: " << line;
+    ++samples;
+  }
+  EXPECT_GT(samples, 10);
+}
+
+TEST(Prometheus, ServesTheLatestStepInTheExpositionFormat) {
+  PrometheusExporter p("127.0.0.1", 0, "runs/a\"b");
+  ASSERT_GT(p.port(), 0);
+  StepMetrics m;
+  m.step = 12;
+  m.loss = 2.375;
+  m.tokens_per_s = 1234.5;
+  m.expert_tokens = {{3, 1}, {0, 4}};
+  p.publish(m);
+  httplib::Client c("127.0.0.1", p.port());
+  auto r = c.Get("/metrics");
+  ASSERT_TRUE(r) << "no answer from the endpoint";
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(r->get_header_value("Content-Type").rfind("text/plain; version=0.0.4", 0), 0u);
+  const std::string& t = r->body;
+  expect_exposition_format(t);
+  EXPECT_NE(t.find("moetrain_train_step{run=\"runs/a\\\"b\"} 12\n"), std::string::npos) << t;
+  EXPECT_NE(t.find("moetrain_train_loss{run=\"runs/a\\\"b\"} 2.375\n"), std::string::npos) << t;
+  EXPECT_NE(t.find("moetrain_perf_tokens_per_s{run=\"runs/a\\\"b\"} 1234.5\n"), std::string::npos) << t;
+  EXPECT_NE(t.find("moetrain_moe_idle_experts{run=\"runs/a\\\"b\",moe_layer=\"1\"} 1\n"), std::string::npos) << t;
+  EXPECT_NE(t.find("moetrain_moe_load_max_over_mean{run=\"runs/a\\\"b\",moe_layer=\"0\"} 1.5\n"), std::string::npos)
+      << t;
+  // One HELP/TYPE block for the two layers' samples.
+  size_t types = 0;
+  for (size_t at = 0; (at = t.find("# TYPE moetrain_moe_load_cv ", at)) != std::string::npos; ++at) ++types;
+  EXPECT_EQ(types, 1u);
+  // A newer step replaces the page.
+  m.step = 13;
+  p.publish(m);
+  r = c.Get("/metrics");
+  ASSERT_TRUE(r);
+  EXPECT_NE(r->body.find("moetrain_train_step{run=\"runs/a\\\"b\"} 13\n"), std::string::npos);
+  EXPECT_EQ(c.Get("/other")->status, 404);
+}
+
+TEST(Prometheus, ATakenPortIsNamed) {
+  PrometheusExporter first("127.0.0.1", 0, "a");
+  try {
+    PrometheusExporter second("127.0.0.1", first.port(), "b");
+    ADD_FAILURE() << "two exporters on port " << first.port();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(fmt::format("127.0.0.1:{}", first.port())), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("[metrics].prometheus_port"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
