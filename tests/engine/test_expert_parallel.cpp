@@ -311,10 +311,7 @@ std::unique_ptr<ExpertDispatcher> make_dispatcher(Kind kind, Communicator& comm,
   return std::make_unique<AllGatherDispatcher>(comm, o);
 }
 
-int64_t first_expert_of(ExpertDispatcher& d, int64_t E) {
-  if (auto* a = dynamic_cast<AllToAllDispatcher*>(&d)) return a->first_local_expert(E);
-  return dynamic_cast<AllGatherDispatcher&>(d).first_local_expert(E);
-}
+int64_t first_expert_of(ExpertDispatcher& d, int64_t E) { return dynamic_cast<GroupDispatcher&>(d).first_local_expert(E); }
 
 void run_case(const Case& c, ExchangeOptions options = checked()) {
   const Layer L0 = make_layer(c, 1), L1 = make_layer(c, 2);

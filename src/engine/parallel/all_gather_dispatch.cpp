@@ -17,21 +17,7 @@ Tensor first_rows(const Tensor& t, int64_t rows) { return t.size(0) == rows ? t 
 }  // namespace
 
 AllGatherDispatcher::AllGatherDispatcher(Communicator& ep, ExchangeOptions options)
-    : ep_(ep), opt_(std::move(options)), nccl_(ep.backend() == "nccl"), stream_(opt_.comm_stream, opt_.defer_wait) {}
-
-int64_t AllGatherDispatcher::first_local_expert(int64_t num_experts) const {
-  return expert_range(num_experts, ep_.size(), ep_.rank()).first;
-}
-
-int64_t AllGatherDispatcher::num_local_experts(int64_t num_experts) const {
-  MT_CHECK(num_experts > 0, "expert parallelism on {}: no experts to split", ep_.name());
-  return expert_range(num_experts, ep_.size(), ep_.rank()).count;
-}
-
-std::string AllGatherDispatcher::where(const DispatchState& st) const {
-  if (st.layer >= 0) return fmt::format("expert dispatch (all-gather) of layer {} on {}", st.layer, ep_.name());
-  return fmt::format("expert dispatch (all-gather) on {}", ep_.name());
-}
+    : GroupDispatcher(ep, std::move(options), " (all-gather)") {}
 
 Tensor AllGatherDispatcher::padded(const Tensor& t, int64_t rows_padded, int32_t fill_id) const {
   if (t.size(0) == rows_padded) return t;

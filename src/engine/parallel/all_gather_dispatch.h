@@ -37,14 +37,12 @@
 
 namespace moetrain {
 
-class AllGatherDispatcher final : public ExpertDispatcher {
+class AllGatherDispatcher final : public GroupDispatcher {
  public:
   explicit AllGatherDispatcher(Communicator& ep, ExchangeOptions options = {});
   AllGatherDispatcher(const AllGatherDispatcher&) = delete;
   AllGatherDispatcher& operator=(const AllGatherDispatcher&) = delete;
 
-  int64_t num_local_experts(int64_t num_experts) const override;
-  int64_t first_local_expert(int64_t num_experts) const;
   DispatchOut dispatch(const Tensor& x, const Tensor& topk_idx, int64_t num_experts, DispatchState& st) override;
   DispatchOut dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight, int64_t num_experts,
                        DispatchState& st) override;
@@ -65,10 +63,6 @@ class AllGatherDispatcher final : public ExpertDispatcher {
   // Whether token rows move by copies into the peers' memory (known after the first dispatch).
   bool uses_peer_copies() const { return arena_ != nullptr; }
 
-  void wait(DispatchState& st) override { stream_.wait(st); }
-  void set_timing(bool on) override { stream_.set_timing(on); }
-  ExchangeTiming take_timing() override { return stream_.take_timing(); }
-
  private:
   DispatchOut dispatch_rows(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight, int64_t num_experts,
                             DispatchState& st);
@@ -87,12 +81,7 @@ class AllGatherDispatcher final : public ExpertDispatcher {
   // Every rank's token count (a collective and a host sync).
   std::vector<int64_t> token_counts(int64_t mine, const Device& device);
   void check_dispatched(const DispatchState& st, const Tensor& t, int64_t rows, const char* what) const;
-  std::string where(const DispatchState& st) const;
 
-  Communicator& ep_;
-  ExchangeOptions opt_;
-  bool nccl_;  // the backend moves device tensors
-  ExchangeStream stream_;
   std::unique_ptr<PeerArena> arena_;
   bool arena_decided_ = false;
 };

@@ -183,24 +183,31 @@ ExchangeTiming ExchangeStream::take_timing() {
   return t;
 }
 
-// ---- AllToAllDispatcher ----
+// ---- GroupDispatcher, AllToAllDispatcher ----
 
-AllToAllDispatcher::AllToAllDispatcher(Communicator& ep, ExchangeOptions options)
-    : ep_(ep), opt_(std::move(options)), nccl_(ep.backend() == "nccl"), stream_(opt_.comm_stream, opt_.defer_wait) {}
+GroupDispatcher::GroupDispatcher(Communicator& ep, ExchangeOptions options, const char* kind)
+    : ep_(ep),
+      opt_(std::move(options)),
+      nccl_(ep.backend() == "nccl"),
+      stream_(opt_.comm_stream, opt_.defer_wait),
+      kind_(kind) {}
 
-int64_t AllToAllDispatcher::first_local_expert(int64_t num_experts) const {
+int64_t GroupDispatcher::first_local_expert(int64_t num_experts) const {
   return expert_range(num_experts, ep_.size(), ep_.rank()).first;
 }
 
-int64_t AllToAllDispatcher::num_local_experts(int64_t num_experts) const {
+int64_t GroupDispatcher::num_local_experts(int64_t num_experts) const {
   MT_CHECK(num_experts > 0, "expert parallelism on {}: no experts to split", ep_.name());
   return expert_range(num_experts, ep_.size(), ep_.rank()).count;
 }
 
-std::string AllToAllDispatcher::where(const DispatchState& st) const {
-  if (st.layer >= 0) return fmt::format("expert dispatch of layer {} on {}", st.layer, ep_.name());
-  return fmt::format("expert dispatch on {}", ep_.name());
+std::string GroupDispatcher::where(const DispatchState& st) const {
+  if (st.layer >= 0) return fmt::format("expert dispatch{} of layer {} on {}", kind_, st.layer, ep_.name());
+  return fmt::format("expert dispatch{} on {}", kind_, ep_.name());
 }
+
+AllToAllDispatcher::AllToAllDispatcher(Communicator& ep, ExchangeOptions options)
+    : GroupDispatcher(ep, std::move(options), "") {}
 
 void AllToAllDispatcher::all_to_all(const Tensor& in, const std::vector<int64_t>& send, Tensor& out,
                                     const std::vector<int64_t>& recv) {

@@ -217,6 +217,33 @@ class ExchangeStream {
   std::vector<std::pair<cuda::Event, cuda::Event>> exchange_events_, stall_events_;  // GPU
 };
 
+// What the multi-rank dispatchers share: the EP group and its options, the stream their
+// exchanges run on (with the deferred waits and timing), and which experts this rank holds.
+class GroupDispatcher : public ExpertDispatcher {
+ public:
+  // E / P; an Error naming both numbers when P does not divide E.
+  int64_t num_local_experts(int64_t num_experts) const override;
+  // The first global expert this rank holds (parallel/layout.h's split).
+  int64_t first_local_expert(int64_t num_experts) const;
+  void wait(DispatchState& st) override { stream_.wait(st); }
+  void set_timing(bool on) override { stream_.set_timing(on); }
+  ExchangeTiming take_timing() override { return stream_.take_timing(); }
+
+ protected:
+  // `kind` names the dispatcher in errors ("" or " (all-gather)").
+  GroupDispatcher(Communicator& ep, ExchangeOptions options, const char* kind);
+  // "expert dispatch[ (kind)] of layer L on <group>", for errors.
+  std::string where(const DispatchState& st) const;
+
+  Communicator& ep_;
+  ExchangeOptions opt_;
+  bool nccl_;  // the backend moves device tensors
+  ExchangeStream stream_;
+
+ private:
+  const char* kind_;
+};
+
 // Expert parallelism over the EP group `ep` (size P, rank r; E experts, E divisible by P):
 // rank r holds global experts [r E/P, (r+1) E/P).
 //
@@ -237,17 +264,13 @@ class ExchangeStream {
 // combine_backward routes gradients as dispatch does and dispatch_backward as combine, then
 // sums each token's K copies (in k order, as LocalDispatcher does). Every rank of `ep` calls the same methods
 // in the same order (they are collectives).
-class AllToAllDispatcher final : public ExpertDispatcher {
+class AllToAllDispatcher final : public GroupDispatcher {
  public:
   explicit AllToAllDispatcher(Communicator& ep, ExchangeOptions options = {});
   AllToAllDispatcher(const AllToAllDispatcher&) = delete;
   AllToAllDispatcher& operator=(const AllToAllDispatcher&) = delete;
 
   using ExpertDispatcher::dispatch;
-  // E / P; an Error naming both numbers when P does not divide E.
-  int64_t num_local_experts(int64_t num_experts) const override;
-  // The first global expert this rank holds (parallel/layout.h's split).
-  int64_t first_local_expert(int64_t num_experts) const;
   DispatchOut dispatch(const Tensor& x, const Tensor& topk_idx, int64_t num_experts, DispatchState& st) override;
   Tensor combine(const Tensor& expert_rows, DispatchState& st) override;
   // The rows back from the experts' ranks as they arrive (this rank's copies grouped by
@@ -257,9 +280,6 @@ class AllToAllDispatcher final : public ExpertDispatcher {
   Tensor combine_in_place_backward(const Tensor& d_placed, DispatchState& st) override;
   Tensor combine_backward(const Tensor& dout, DispatchState& st) override;
   Tensor dispatch_backward(const Tensor& drows, DispatchState& st) override;
-  void wait(DispatchState& st) override { stream_.wait(st); }
-  void set_timing(bool on) override { stream_.set_timing(on); }
-  ExchangeTiming take_timing() override { return stream_.take_timing(); }
 
  private:
   // The all-to-all-v of `in` (send[p] rows for peer p, back to back) into `out`.
@@ -274,12 +294,6 @@ class AllToAllDispatcher final : public ExpertDispatcher {
   void check_conservation_over_group(const DispatchState& st, const Device& device, int64_t pairs);
   // That `st` holds a dispatch and `t` has `rows` rows.
   void check_dispatched(const DispatchState& st, const Tensor& t, int64_t rows, const char* what) const;
-  std::string where(const DispatchState& st) const;
-
-  Communicator& ep_;
-  ExchangeOptions opt_;
-  bool nccl_;  // the backend moves device tensors
-  ExchangeStream stream_;
 };
 
 // ---- ExchangeStream::run ----
