@@ -1,6 +1,8 @@
 #include "core/cuda_runtime.h"
 
 #include <atomic>
+#include <mutex>
+#include <unordered_map>
 #include <cstring>
 
 #include "core/error.h"
@@ -14,6 +16,9 @@ namespace {
 std::atomic<int64_t> g_live{0}, g_peak{0};
 std::atomic<bool> g_poison{false};
 std::atomic<int64_t> g_host_waits{0};
+std::atomic<int64_t> g_pinned{0};
+std::mutex g_pinned_mutex;
+std::unordered_map<void*, size_t> g_pinned_sizes;
 
 void track_alloc(int64_t bytes) {
   int64_t live = g_live.fetch_add(bytes) + bytes;
@@ -27,6 +32,7 @@ DeviceMemoryStats device_memory_stats() { return {g_live.load(), g_peak.load()};
 void reset_device_peak() { g_peak.store(g_live.load()); }
 void set_poison_allocations(bool on) { g_poison = on; }
 int64_t host_waits() { return g_host_waits.load(); }
+int64_t pinned_host_bytes() { return g_pinned.load(); }
 
 #if MOETRAIN_WITH_CUDA
 
@@ -179,10 +185,31 @@ void copy_device_to_host_async(void* dst, const void* src, size_t bytes) {
 void* pinned_alloc(size_t bytes) {
   void* p = nullptr;
   MT_CUDA_CHECK(cudaMallocHost(&p, bytes));
+  std::lock_guard<std::mutex> lock(g_pinned_mutex);
+  g_pinned_sizes[p] = bytes;
+  g_pinned += static_cast<int64_t>(bytes);
   return p;
 }
 void pinned_free(void* p) {
-  if (p) MT_CUDA_CHECK(cudaFreeHost(p));
+  if (!p) return;
+  {
+    std::lock_guard<std::mutex> lock(g_pinned_mutex);
+    auto it = g_pinned_sizes.find(p);
+    if (it != g_pinned_sizes.end()) {
+      g_pinned -= static_cast<int64_t>(it->second);
+      g_pinned_sizes.erase(it);
+    }
+  }
+  MT_CUDA_CHECK(cudaFreeHost(p));
+}
+int64_t device_reserved_bytes() {
+  int dev = 0;
+  MT_CUDA_CHECK(cudaGetDevice(&dev));
+  cudaMemPool_t pool;
+  MT_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+  uint64_t reserved = 0;
+  MT_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved));
+  return static_cast<int64_t>(reserved);
 }
 
 void copy_device_to_device(void* dst, const void* src, size_t bytes) {
@@ -291,6 +318,7 @@ void copy_device_to_device(void*, const void*, size_t) { no_cuda(); }
 void copy_device_to_host_async(void*, const void*, size_t) { no_cuda(); }
 void* pinned_alloc(size_t) { no_cuda(); }
 void pinned_free(void*) { no_cuda(); }
+int64_t device_reserved_bytes() { return 0; }
 void memset_device(void*, int, size_t) { no_cuda(); }
 Event create_event() { no_cuda(); }
 void destroy_event(Event) { no_cuda(); }

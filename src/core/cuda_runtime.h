@@ -112,6 +112,11 @@ struct DeviceMemoryStats {
 };
 DeviceMemoryStats device_memory_stats();
 void reset_device_peak();
+// What the current device's memory pool holds from the driver (live tensors, freed blocks
+// kept for reuse, fragmentation): what the process takes on the card. 0 without CUDA.
+int64_t device_reserved_bytes();
+// Page-locked host memory this process holds (pinned_alloc).
+int64_t pinned_host_bytes();
 
 // Throws moetrain::Error naming `what` when `status` (a cudaError_t) is not success.
 void check(int status, const char* what, const char* file, int line);

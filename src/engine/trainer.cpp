@@ -436,8 +436,14 @@ class RunLog {
     m.tflops = flops_per_token_ * m.tokens_per_s / 1e12;
     m.expert_load_max_over_mean = r.expert_imbalance >= 0 ? r.expert_imbalance : expert_imbalance(r.expert_counts);
     m.expert_tokens = r.expert_counts;
-    m.peak_memory_bytes = ctx_.par.device.is_cpu() ? host_memory_stats().peak_bytes
-                                                   : cuda::device_memory_stats().peak_bytes;
+    const bool cpu = ctx_.par.device.is_cpu();
+    m.peak_memory_bytes = cpu ? host_memory_stats().peak_bytes : cuda::device_memory_stats().peak_bytes;
+    m.live_memory_bytes = cpu ? host_memory_stats().live_bytes : cuda::device_memory_stats().live_bytes;
+    m.reserved_memory_bytes = cpu ? m.live_memory_bytes : cuda::device_reserved_bytes();
+    m.memory_growth_bytes = last_live_ < 0 ? 0 : m.live_memory_bytes - last_live_;
+    last_live_ = m.live_memory_bytes;
+    m.pinned_host_bytes = cuda::pinned_host_bytes();
+    m.layout = ctx_.par.layout.mesh().str();
     m.restart_generation = ctx_.par.env.restart_generation;
     m.world_size = ctx_.par.world;
     if (step == start_step_ + 1 && ctx_.par.env.failure_at > 0) {
@@ -474,6 +480,7 @@ class RunLog {
   std::unique_ptr<MetricsWriter> writer_;
   std::unique_ptr<TensorBoardWriter> tensorboard_;
   std::unique_ptr<PrometheusExporter> prometheus_;
+  mutable int64_t last_live_ = -1;  // the live bytes at the previous step's end
 };
 
 }  // namespace

@@ -152,6 +152,13 @@ TEST_F(CliTest, ShortRunTrainsAndIsBitwiseRepeatable) {
     EXPECT_EQ(scalars[step].count("moe/layer0/load_max_over_mean"), 1u) << "step " << step;
     EXPECT_EQ(histograms[step], static_cast<int>(j["moe"].size())) << "step " << step;
     EXPECT_EQ(scalars[step].count("val/loss"), j["val_loss"].is_null() ? 0u : 1u) << "step " << step;
+    // The memory group: live tensors at the step's end, within the peak; the one-process layout.
+    EXPECT_GT(j["memory"]["live_bytes"].get<int64_t>(), 0) << "step " << step;
+    EXPECT_LE(j["memory"]["live_bytes"].get<int64_t>(), j["memory"]["peak_bytes"].get<int64_t>()) << "step " << step;
+    if (step == 1) {
+      EXPECT_EQ(j["memory"]["growth_bytes"], 0);
+    }
+    EXPECT_EQ(j["infra"]["layout"], "pp 1 x dp 1 x cp 1 x tp 1 x ep 1 (1 ranks)");
   }
 }
 

@@ -224,6 +224,15 @@ TEST(Metrics, ExpertLoadAndScalarNames) {
   ASSERT_EQ(j["moe"].size(), 2u);
   EXPECT_EQ(j["moe"][1]["idle_experts"], 1);
   EXPECT_EQ(j["moe"][1]["tokens_per_expert"], nlohmann::json({0, 2}));
+  // The memory and infra groups.
+  m.reserved_memory_bytes = 7;
+  m.memory_growth_bytes = -3;
+  m.layout = "pp 1 x dp 2";
+  const nlohmann::json k = nlohmann::json::parse(metrics_json(m));
+  EXPECT_EQ(k["memory"]["reserved_bytes"], 7);
+  EXPECT_EQ(k["memory"]["growth_bytes"], -3);
+  EXPECT_EQ(k["infra"]["layout"], "pp 1 x dp 2");
+  EXPECT_EQ(k["infra"]["world_size"], 1);
 }
 
 // ---- Prometheus ---------------------------------------------------------------------------

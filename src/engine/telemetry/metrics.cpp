@@ -38,6 +38,12 @@ std::string metrics_json(const StepMetrics& m) {
   j["restart_generation"] = m.restart_generation;
   j["world_size"] = m.world_size;
   if (m.restart_downtime_s) j["restart_downtime_s"] = *m.restart_downtime_s;
+  j["memory"] = {{"peak_bytes", m.peak_memory_bytes},
+                 {"live_bytes", m.live_memory_bytes},
+                 {"reserved_bytes", m.reserved_memory_bytes},
+                 {"growth_bytes", m.memory_growth_bytes},
+                 {"pinned_host_bytes", m.pinned_host_bytes}};
+  j["infra"] = {{"world_size", m.world_size}, {"restart_generation", m.restart_generation}, {"layout", m.layout}};
   if (!m.expert_tokens.empty()) {
     nlohmann::json layers = nlohmann::json::array();
     for (size_t i = 0; i < m.expert_tokens.size(); ++i) {
@@ -79,6 +85,10 @@ std::vector<std::pair<std::string, double>> metrics_scalars(const StepMetrics& m
       {"perf/tflops", m.tflops},
       {"perf/step_time_s", m.step_time_s},
       {"memory/peak_bytes", static_cast<double>(m.peak_memory_bytes)},
+      {"memory/live_bytes", static_cast<double>(m.live_memory_bytes)},
+      {"memory/reserved_bytes", static_cast<double>(m.reserved_memory_bytes)},
+      {"memory/growth_bytes", static_cast<double>(m.memory_growth_bytes)},
+      {"memory/pinned_host_bytes", static_cast<double>(m.pinned_host_bytes)},
       {"moe/load_max_over_mean", m.expert_load_max_over_mean},
       {"infra/world_size", static_cast<double>(m.world_size)},
       {"infra/restart_generation", static_cast<double>(m.restart_generation)},

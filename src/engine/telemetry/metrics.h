@@ -26,6 +26,11 @@ struct StepMetrics {
   double tokens_per_s = 0, tflops = 0, step_time_s = 0;  // tflops: achieved TFLOP/s
   double expert_load_max_over_mean = 0;                  // busiest expert's tokens / mean
   int64_t peak_memory_bytes = 0;
+  // Memory at the step's end: tensors live (device, or host on the CPU), what the device's
+  // pool holds from the driver (the host's live bytes on the CPU), the change of the live bytes
+  // since the previous step (a leak grows it step after step), page-locked host memory.
+  int64_t live_memory_bytes = 0, reserved_memory_bytes = 0, memory_growth_bytes = 0, pinned_host_bytes = 0;
+  std::string layout;  // "pp 1 x dp 2 x cp 1 x tp 1 x ep 2 (4 ranks)" (Mesh::str)
   int64_t tokens = 0;  // tokens trained on so far
   std::optional<double> val_loss;  // written as null when absent
   std::optional<double> checkpoint_stall_s;  // only on steps that saved: the step's wait for the save
