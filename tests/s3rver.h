@@ -9,9 +9,7 @@
 #pragma once
 
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -21,6 +19,7 @@
 #include <string>
 #include <thread>
 
+#include "comm/launcher.h"
 #include "engine/checkpoint/s3_client.h"
 
 namespace moetrain::testing {
@@ -38,7 +37,7 @@ class S3rver {
       why_ = "s3rver is not installed (" + main_ + "): run scripts/fetch-s3rver";
       return;
     }
-    port_ = port > 0 ? port : free_port();
+    port_ = port > 0 ? port : free_tcp_port();
     start();
   }
   ~S3rver() { stop(); }
@@ -104,20 +103,6 @@ class S3rver {
   }
 
  private:
-  static int free_port() {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    a.sin_port = 0;
-    ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-    socklen_t len = sizeof a;
-    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-    const int port = ntohs(a.sin_port);
-    ::close(fd);
-    return port;
-  }
-
   std::string data_dir_, main_, why_;
   int port_ = 0;
   pid_t pid_ = -1;

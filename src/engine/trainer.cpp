@@ -116,14 +116,7 @@ std::string sample_text(Model& model, ExpertDispatcher& d, const Tokenizer& tok,
 
 double expert_imbalance(const std::vector<std::vector<int64_t>>& counts) {
   double worst = 0;
-  for (const auto& layer : counts) {
-    int64_t total = 0, most = 0;
-    for (int64_t c : layer) {
-      total += c;
-      most = std::max(most, c);
-    }
-    if (total > 0) worst = std::max(worst, static_cast<double>(most) * layer.size() / static_cast<double>(total));
-  }
+  for (const auto& layer : counts) worst = std::max(worst, expert_load(layer).max_over_mean);
   return worst;
 }
 
@@ -437,8 +430,10 @@ class RunLog {
     m.expert_load_max_over_mean = r.expert_imbalance >= 0 ? r.expert_imbalance : expert_imbalance(r.expert_counts);
     m.expert_tokens = r.expert_counts;
     const bool cpu = ctx_.par.device.is_cpu();
-    m.peak_memory_bytes = cpu ? host_memory_stats().peak_bytes : cuda::device_memory_stats().peak_bytes;
-    m.live_memory_bytes = cpu ? host_memory_stats().live_bytes : cuda::device_memory_stats().live_bytes;
+    const MemoryStats host = cpu ? host_memory_stats() : MemoryStats{};
+    const cuda::DeviceMemoryStats device = cpu ? cuda::DeviceMemoryStats{} : cuda::device_memory_stats();
+    m.peak_memory_bytes = cpu ? host.peak_bytes : device.peak_bytes;
+    m.live_memory_bytes = cpu ? host.live_bytes : device.live_bytes;
     m.reserved_memory_bytes = cpu ? m.live_memory_bytes : cuda::device_reserved_bytes();
     m.memory_growth_bytes = last_live_ < 0 ? 0 : m.live_memory_bytes - last_live_;
     last_live_ = m.live_memory_bytes;
@@ -454,9 +449,11 @@ class RunLog {
 
   void write(const StepMetrics& m) {
     if (writer_) writer_->write(m);
-    if (prometheus_) prometheus_->publish(m);
+    const std::vector<std::pair<std::string, double>> scalars =
+        prometheus_ || tensorboard_ ? metrics_scalars(m) : std::vector<std::pair<std::string, double>>{};
+    if (prometheus_) prometheus_->publish(m.step, scalars);
     if (tensorboard_) {
-      tensorboard_->scalars(m.step, metrics_scalars(m));
+      tensorboard_->scalars(m.step, scalars);
       for (size_t i = 0; i < m.expert_tokens.size(); ++i) {
         const std::vector<double> tokens(m.expert_tokens[i].begin(), m.expert_tokens[i].end());
         tensorboard_->histogram(m.step, fmt::format("moe/layer{}/tokens_per_expert", i), tokens);

@@ -118,19 +118,43 @@ Tensor expert_ids_in_range(const Tensor& topk_idx, int64_t first, int64_t count)
   return MT_ROUTE(topk_idx, expert_ids_in_range, topk_idx, first, count);
 }
 
+namespace {
+
+// Checks, for both backends, that `p` is a complete permutation (of which the first
+// permuted_rows() rows are kept) and that `t` is [T, H] (kTokens), [T*K, H] (kPairs) or
+// [R, H] with R the kept rows (kPermuted).
+enum class RowsOf { kTokens, kPermuted, kPairs };
+void check_permuted(const Permutation& p, const Tensor& t, RowsOf of, const char* op, const char* name) {
+  const int64_t NK = p.num_tokens * p.top_k;
+  MT_CHECK(p.source_token.defined() && p.slot_row.defined() && p.source_token.numel() == NK &&
+               p.slot_row.numel() == NK && p.permuted_rows() <= NK,
+           "{}: permutation is incomplete: source_token {} and slot_row {} must hold T*K = {} rows, of which {} "
+           "kept",
+           op, p.source_token.str(), p.slot_row.str(), NK, p.permuted_rows());
+  const int64_t rows = of == RowsOf::kTokens ? p.num_tokens : of == RowsOf::kPairs ? NK : p.permuted_rows();
+  MT_CHECK(t.defined() && t.ndim() == 2 && t.size(0) == rows, "{}: {} must be [{}, H], got {}", op, name, rows,
+           t.str());
+}
+
+}  // namespace
+
 Tensor permute_forward(const Tensor& x, const Permutation& p) {
+  check_permuted(p, x, RowsOf::kTokens, "permute_forward", "x");
   return MT_ROUTE(x, permute_forward, x, p);
 }
 
 Tensor permute_backward(const Tensor& dxp, const Permutation& p) {
+  check_permuted(p, dxp, RowsOf::kPermuted, "permute_backward", "dxp");
   return MT_ROUTE(dxp, permute_backward, dxp, p);
 }
 
 Tensor unpermute_forward(const Tensor& yp, const Permutation& p) {
+  check_permuted(p, yp, RowsOf::kPermuted, "unpermute_forward", "yp");
   return MT_ROUTE(yp, unpermute_forward, yp, p);
 }
 
 Tensor unpermute_backward(const Tensor& dy, const Permutation& p) {
+  check_permuted(p, dy, RowsOf::kPairs, "unpermute_backward", "dy");
   return MT_ROUTE(dy, unpermute_backward, dy, p);
 }
 

@@ -266,7 +266,7 @@ TEST(Prometheus, ServesTheLatestStepInTheExpositionFormat) {
   m.loss = 2.375;
   m.tokens_per_s = 1234.5;
   m.expert_tokens = {{3, 1}, {0, 4}};
-  p.publish(m);
+  p.publish(m.step, metrics_scalars(m));
   httplib::Client c("127.0.0.1", p.port());
   auto r = c.Get("/metrics");
   ASSERT_TRUE(r) << "no answer from the endpoint";
@@ -286,7 +286,7 @@ TEST(Prometheus, ServesTheLatestStepInTheExpositionFormat) {
   EXPECT_EQ(types, 1u);
   // A newer step replaces the page.
   m.step = 13;
-  p.publish(m);
+  p.publish(m.step, metrics_scalars(m));
   r = c.Get("/metrics");
   ASSERT_TRUE(r);
   EXPECT_NE(r->body.find("moetrain_train_step{run=\"runs/a\\\"b\"} 13\n"), std::string::npos);

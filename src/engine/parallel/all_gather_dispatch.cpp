@@ -9,8 +9,6 @@
 namespace moetrain {
 namespace {
 
-Tensor on(const Device& device, Tensor host) { return device.is_cpu() ? host : host.to(device); }
-
 // The first `rows` rows of t: t itself when it has no more.
 Tensor first_rows(const Tensor& t, int64_t rows) { return t.size(0) == rows ? t : t.slice(0, rows); }
 
@@ -47,14 +45,7 @@ Tensor AllGatherDispatcher::gather(const Tensor& block, bool rows) {
   stream_.count_bytes(static_cast<double>((P - 1) * block.nbytes()));
   if (rows && arena(block)) return arena_->all_gather(block);
   Tensor out = Tensor::empty({P * block.size(0), block.size(1)}, block.dtype(), block.device());
-  if (block.device().is_cpu() || nccl_) {
-    // NCCL: on the current stream (the communication stream inside ExchangeStream::run).
-    ep_.all_gather(block, out, block.device().is_cpu() ? nullptr : cuda::current_stream());
-    return out;
-  }
-  Tensor host_out = Tensor::empty(out.shape(), out.dtype());  // Gloo moves host tensors only
-  ep_.all_gather(block.to(Device::cpu()), host_out);
-  out.copy_from(host_out);
+  collective(block, out, [&](const Tensor& i, Tensor& o, cuda::Stream s) { ep_.all_gather(i, o, s); });
   return out;
 }
 
@@ -63,13 +54,7 @@ Tensor AllGatherDispatcher::reduce_scatter(const Tensor& blocks, bool rows) {
   stream_.count_bytes(static_cast<double>(blocks.nbytes() / static_cast<size_t>(P) * static_cast<size_t>(P - 1)));
   if (rows && arena(blocks)) return arena_->reduce_scatter_sum(blocks);
   Tensor out = Tensor::empty({blocks.size(0) / P, blocks.size(1)}, blocks.dtype(), blocks.device());
-  if (blocks.device().is_cpu() || nccl_) {
-    ep_.reduce_scatter(blocks, out, ReduceOp::Sum, blocks.device().is_cpu() ? nullptr : cuda::current_stream());
-    return out;
-  }
-  Tensor host_out = Tensor::empty(out.shape(), out.dtype());
-  ep_.reduce_scatter(blocks.to(Device::cpu()), host_out, ReduceOp::Sum);
-  out.copy_from(host_out);
+  collective(blocks, out, [&](const Tensor& i, Tensor& o, cuda::Stream s) { ep_.reduce_scatter(i, o, ReduceOp::Sum, s); });
   return out;
 }
 

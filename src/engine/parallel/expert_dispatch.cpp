@@ -77,9 +77,6 @@ int64_t sum(const std::vector<int64_t>& v, size_t begin, size_t end) {
 }
 int64_t sum(const std::vector<int64_t>& v) { return sum(v, 0, v.size()); }
 
-// A host tensor moved to `device` (no copy when that is the host).
-Tensor on(const Device& device, Tensor host) { return device.is_cpu() ? host : host.to(device); }
-
 void destroy_event_quietly(void* e) {
   try {
     cuda::destroy_event(e);
@@ -213,16 +210,7 @@ void AllToAllDispatcher::all_to_all(const Tensor& in, const std::vector<int64_t>
                                     const std::vector<int64_t>& recv) {
   const double row_bytes = in.numel() == 0 ? 0.0 : static_cast<double>(in.nbytes()) / static_cast<double>(in.size(0));
   stream_.count_bytes(static_cast<double>(sum(send) - send[static_cast<size_t>(ep_.rank())]) * row_bytes);
-  if (in.device().is_cpu() || nccl_) {
-    // NCCL: on the current stream (the communication stream inside on_comm_stream), never
-    // the communicator's own default, which is not ordered after the kernels made `in`.
-    ep_.all_to_all_v(in, send, out, recv, in.device().is_cpu() ? nullptr : cuda::current_stream());
-    return;
-  }
-  // Gloo moves host tensors only: stage device rows through the host.
-  Tensor host_out = Tensor::empty(out.shape(), out.dtype());
-  ep_.all_to_all_v(in.to(Device::cpu()), send, host_out, recv);
-  out.copy_from(host_out);
+  collective(in, out, [&](const Tensor& i, Tensor& o, cuda::Stream s) { ep_.all_to_all_v(i, send, o, recv, s); });
 }
 
 Tensor AllToAllDispatcher::exchange(const Tensor& rows, const std::vector<int64_t>& send,

@@ -234,6 +234,23 @@ class GroupDispatcher : public ExpertDispatcher {
   GroupDispatcher(Communicator& ep, ExchangeOptions options, const char* kind);
   // "expert dispatch[ (kind)] of layer L on <group>", for errors.
   std::string where(const DispatchState& st) const;
+  // A host tensor moved to `device` (no copy when that is the host).
+  static Tensor on(const Device& device, Tensor host) { return device.is_cpu() ? host : host.to(device); }
+  // Runs a collective of the EP group, call(in, out, stream), into `out`: on the tensors
+  // themselves where the backend moves them (CPU tensors; NCCL on the current stream, the
+  // communication stream inside ExchangeStream::run, never the communicator's own default,
+  // which is not ordered after the kernels that made `in`), else (Gloo with device tensors)
+  // through host copies.
+  template <typename F>
+  void collective(const Tensor& in, Tensor& out, F&& call) {
+    if (in.device().is_cpu() || nccl_) {
+      call(in, out, in.device().is_cpu() ? nullptr : cuda::current_stream());
+      return;
+    }
+    Tensor host_out = Tensor::empty(out.shape(), out.dtype());
+    call(in.to(Device::cpu()), host_out, nullptr);
+    out.copy_from(host_out);
+  }
 
   Communicator& ep_;
   ExchangeOptions opt_;

@@ -47,12 +47,13 @@ std::pair<std::string, std::string> metric_name(const std::string& tag) {
 
 }  // namespace
 
-std::string prometheus_text(const StepMetrics& m, const std::string& run) {
+std::string prometheus_text(int64_t step, const std::vector<std::pair<std::string, double>>& scalars,
+                            const std::string& run) {
   // Samples grouped by metric name (one HELP/TYPE block each), in first-seen order.
   std::vector<std::string> order;
   std::map<std::string, std::vector<std::string>> samples;
-  std::vector<std::pair<std::string, double>> values = metrics_scalars(m);
-  values.insert(values.begin(), {"train/step", static_cast<double>(m.step)});
+  std::vector<std::pair<std::string, double>> values{{"train/step", static_cast<double>(step)}};
+  values.insert(values.end(), scalars.begin(), scalars.end());
   const std::string run_label = fmt::format("run=\"{}\"", escape_label(run));
   for (const auto& [tag, v] : values) {
     const auto [name, layer] = metric_name(tag);
@@ -102,8 +103,8 @@ PrometheusExporter::~PrometheusExporter() {
   if (thread_.joinable()) thread_.join();
 }
 
-void PrometheusExporter::publish(const StepMetrics& m) {
-  std::string page = prometheus_text(m, run_);
+void PrometheusExporter::publish(int64_t step, const std::vector<std::pair<std::string, double>>& scalars) {
+  std::string page = prometheus_text(step, scalars, run_);
   std::lock_guard<std::mutex> lock(mutex_);
   page_ = std::move(page);
 }

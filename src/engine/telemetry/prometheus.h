@@ -14,8 +14,8 @@
 #include <mutex>
 #include <string>
 #include <thread>
-
-#include "engine/telemetry/metrics.h"
+#include <utility>
+#include <vector>
 
 namespace httplib {
 class Server;
@@ -32,7 +32,9 @@ class PrometheusExporter {
   PrometheusExporter(const PrometheusExporter&) = delete;
   PrometheusExporter& operator=(const PrometheusExporter&) = delete;
 
-  void publish(const StepMetrics& m);
+  // The page of step `step`'s metrics (metrics_scalars(m), computed once by the caller for
+  // every sink).
+  void publish(int64_t step, const std::vector<std::pair<std::string, double>>& scalars);
   int port() const { return port_; }
 
  private:
@@ -45,6 +47,7 @@ class PrometheusExporter {
 };
 
 // The exposition text of one step's metrics (labels: run, and moe_layer for per-layer ones).
-std::string prometheus_text(const StepMetrics& m, const std::string& run);
+std::string prometheus_text(int64_t step, const std::vector<std::pair<std::string, double>>& scalars,
+                            const std::string& run);
 
 }  // namespace moetrain

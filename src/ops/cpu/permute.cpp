@@ -19,22 +19,6 @@
 namespace moetrain::ops::cpu {
 namespace {
 
-// Checks that `p` is a complete permutation and `t` is [R, H] (R: the permuted rows
-// kept), [T, H] when per_token or [T*K, H] when pairwise; returns H.
-enum class RowsOf { kTokens, kPermuted, kPairs };
-int64_t check_rows(const Permutation& p, const Tensor& t, RowsOf of, const char* op, const char* name) {
-  const int64_t NK = p.num_tokens * p.top_k;
-  MT_CHECK(p.source_token.defined() && p.slot_row.defined() && p.source_token.numel() == NK &&
-               p.slot_row.numel() == NK && p.permuted_rows() <= NK,
-           "{}: permutation is incomplete: source_token {} and slot_row {} must hold T*K = {} rows, of which {} "
-           "kept",
-           op, p.source_token.str(), p.slot_row.str(), NK, p.permuted_rows());
-  const int64_t rows = of == RowsOf::kTokens ? p.num_tokens : of == RowsOf::kPairs ? NK : p.permuted_rows();
-  MT_CHECK(t.defined() && t.ndim() == 2 && t.size(0) == rows, "{}: {} must be [{}, H], got {}", op, name, rows,
-           t.str());
-  return t.size(1);
-}
-
 // dst[i] = src[index[i]] for rows of H elements (any element type).
 void gather_rows(const Tensor& src, const int32_t* index, int64_t n, Tensor& dst) {
   const int64_t row_bytes = src.size(1) * static_cast<int64_t>(dtype_size(src.dtype()));
@@ -98,14 +82,14 @@ Tensor expert_ids_in_range(const Tensor& topk_idx, int64_t first, int64_t count)
 }
 
 Tensor permute_forward(const Tensor& x, const Permutation& p) {
-  const int64_t H = check_rows(p, x, RowsOf::kTokens, "permute_forward", "x");
+  const int64_t H = x.size(1);  // shapes checked in ops/dispatch.cpp
   Tensor xp = Tensor::empty({p.permuted_rows(), H}, x.dtype());
   gather_rows(x, p.source_token.data<int32_t>(), p.permuted_rows(), xp);
   return xp;
 }
 
 Tensor permute_backward(const Tensor& dxp, const Permutation& p) {
-  const int64_t H = check_rows(p, dxp, RowsOf::kPermuted, "permute_backward", "dxp");
+  const int64_t H = dxp.size(1);  // shapes checked in ops/dispatch.cpp
   const int64_t T = p.num_tokens, K = p.top_k, R = p.permuted_rows();
   Tensor dx = Tensor::empty({T, H}, dxp.dtype());
   dispatch_float(dxp.dtype(), "permute_backward", [&](auto tag) {
@@ -128,7 +112,7 @@ Tensor permute_backward(const Tensor& dxp, const Permutation& p) {
 }
 
 Tensor unpermute_forward(const Tensor& yp, const Permutation& p) {
-  const int64_t H = check_rows(p, yp, RowsOf::kPermuted, "unpermute_forward", "yp");
+  const int64_t H = yp.size(1);  // shapes checked in ops/dispatch.cpp
   const int64_t NK = p.num_tokens * p.top_k, R = p.permuted_rows();
   if (R == NK) {
     Tensor y = Tensor::empty({NK, H}, yp.dtype());
@@ -147,7 +131,7 @@ Tensor unpermute_forward(const Tensor& yp, const Permutation& p) {
 }
 
 Tensor unpermute_backward(const Tensor& dy, const Permutation& p) {
-  const int64_t H = check_rows(p, dy, RowsOf::kPairs, "unpermute_backward", "dy");
+  const int64_t H = dy.size(1);  // shapes checked in ops/dispatch.cpp
   const int64_t NK = p.num_tokens * p.top_k, R = p.permuted_rows();
   // The gather by the inverse of slot_row: row r of expert order is pair
   // (source_token[r], k) with slot_row of that pair equal to r. Scatter through slot_row

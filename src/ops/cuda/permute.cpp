@@ -8,21 +8,11 @@
 namespace moetrain::ops::cuda {
 namespace {
 
-// Checks that `p` is a complete permutation on the device and `t` is [R, H] (R: the
-// permuted rows kept), [T, H] when per_token or [T*K, H] when pairwise; returns H.
-enum class RowsOf { kTokens, kPermuted, kPairs };
-int64_t check_rows(const Permutation& p, const Tensor& t, RowsOf of, const char* op, const char* name) {
-  const int64_t NK = p.num_tokens * p.top_k;
-  MT_CHECK(p.source_token.defined() && p.slot_row.defined() && p.source_token.numel() == NK &&
-               p.slot_row.numel() == NK && p.permuted_rows() <= NK,
-           "{}: permutation is incomplete: source_token {} and slot_row {} must hold T*K = {} rows, of which {} "
-           "kept",
-           op, p.source_token.str(), p.slot_row.str(), NK, p.permuted_rows());
+// The backend's part of the checks (shapes: ops/dispatch.cpp): i32 indices, everything on
+// the device; returns H.
+int64_t check_rows(const Permutation& p, const Tensor& t, const char* op) {
   check_dtype(p.source_token, DType::I32, "permutation source_token");
   check_dtype(p.slot_row, DType::I32, "permutation slot_row");
-  const int64_t rows = of == RowsOf::kTokens ? p.num_tokens : of == RowsOf::kPairs ? NK : p.permuted_rows();
-  MT_CHECK(t.defined() && t.ndim() == 2 && t.size(0) == rows, "{}: {} must be [{}, H], got {}", op, name, rows,
-           t.str());
   check_cuda_tensors(op, {&t, &p.source_token, &p.slot_row});
   return t.size(1);
 }
@@ -66,7 +56,7 @@ Tensor expert_ids_in_range(const Tensor& topk_idx, int64_t first, int64_t count)
 }
 
 Tensor permute_forward(const Tensor& x, const Permutation& p) {
-  const int64_t H = check_rows(p, x, RowsOf::kTokens, "permute_forward", "x");
+  const int64_t H = check_rows(p, x, "permute_forward");
   const int64_t R = p.permuted_rows();
   Tensor xp = Tensor::empty({R, H}, x.dtype(), x.device());
   launch_copy_rows(x.raw(), xp.raw(), p.source_token.data<int32_t>(), R, p.num_tokens,
@@ -76,7 +66,7 @@ Tensor permute_forward(const Tensor& x, const Permutation& p) {
 }
 
 Tensor permute_backward(const Tensor& dxp, const Permutation& p) {
-  const int64_t H = check_rows(p, dxp, RowsOf::kPermuted, "permute_backward", "dxp");
+  const int64_t H = check_rows(p, dxp, "permute_backward");
   MT_CHECK(dxp.dtype() == DType::BF16 || dxp.dtype() == DType::F32, "permute_backward: dxp must be bf16 or f32, got {}",
            dxp.str());
   MT_CHECK(p.top_k <= INT32_MAX, "permute_backward: top_k = {} is out of range", p.top_k);
@@ -88,7 +78,7 @@ Tensor permute_backward(const Tensor& dxp, const Permutation& p) {
 }
 
 Tensor unpermute_forward(const Tensor& yp, const Permutation& p) {
-  const int64_t H = check_rows(p, yp, RowsOf::kPermuted, "unpermute_forward", "yp");
+  const int64_t H = check_rows(p, yp, "unpermute_forward");
   const int64_t NK = p.num_tokens * p.top_k, R = p.permuted_rows();
   // Absent pairs' rows are zero: the gather skips them.
   Tensor y = R == NK ? Tensor::empty({NK, H}, yp.dtype(), yp.device()) : Tensor::zeros({NK, H}, yp.dtype(), yp.device());
@@ -99,7 +89,7 @@ Tensor unpermute_forward(const Tensor& yp, const Permutation& p) {
 }
 
 Tensor unpermute_backward(const Tensor& dy, const Permutation& p) {
-  const int64_t H = check_rows(p, dy, RowsOf::kPairs, "unpermute_backward", "dy");
+  const int64_t H = check_rows(p, dy, "unpermute_backward");
   const int64_t NK = p.num_tokens * p.top_k, R = p.permuted_rows();
   // slot_row is a bijection: the scatter writes each kept expert-order row exactly once.
   Tensor dyp = Tensor::empty({R, H}, dy.dtype(), dy.device());
