@@ -18,6 +18,7 @@
 #include "comm/nccl_communicator.h"
 #include "comm/store.h"
 #include "comm/tcp_store.h"
+#include "engine/ft/lighthouse.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/timer.h"
@@ -217,6 +218,25 @@ int run_rdzv_server(int port, const std::string& journal) {
   return 0;
 }
 
+// The lighthouse of live fault tolerance until SIGINT or SIGTERM (engine/ft/lighthouse.h).
+int run_lighthouse(const LighthouseOptions& opt) {
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGINT);
+  sigaddset(&stop, SIGTERM);
+  ::pthread_sigmask(SIG_BLOCK, &stop, nullptr);  // before gRPC's threads start: they inherit the mask
+  LighthouseServer s(opt);
+  spdlog::info("lighthouse: listening on {}:{}, replica groups' store on port {}; min_replicas {}, join_timeout {} "
+               "ms, heartbeat_timeout {} ms",
+               opt.bind, s.port(), s.store_port(), opt.rules.min_replicas, opt.rules.join_timeout.count(),
+               opt.rules.heartbeat_timeout.count());
+  int sig = 0;
+  ::sigwait(&stop, &sig);
+  spdlog::info("lighthouse: stopped by {}", signal_name(sig));
+  s.shutdown();
+  return 0;
+}
+
 // Every collective once, on values whose result is known, then a barrier.
 int run_selftest(const SelftestArgs& a) {
   MT_CHECK(a.backend == "gloo" || a.backend == "nccl", "comm-selftest: --backend '{}' is not gloo or nccl",
@@ -328,6 +348,31 @@ std::function<int()> add_launch_commands(CLI::App& app) {
   server->add_option("--journal", *server_journal,
                      "keep every key in this file too: a server restarted on it comes back with them");
 
+  auto lh = std::make_shared<LighthouseOptions>();
+  auto lh_join_ms = std::make_shared<int64_t>(100), lh_heartbeat_ms = std::make_shared<int64_t>(5000);
+  CLI::App* lighthouse =
+      app.add_subcommand("lighthouse", "serve the quorum of live fault tolerance's replica groups ([fault_tolerance])");
+  lighthouse->add_option("--port", lh->port, "gRPC port the replica groups' [fault_tolerance].lighthouse names")
+      ->required();
+  lighthouse->add_option("--bind", lh->bind, "address to listen on")->capture_default_str();
+  lighthouse->add_option("--store-port", lh->store_port,
+                         "port of the store where a quorum's groups connect (0: any free port)")
+      ->capture_default_str();
+  lighthouse->add_option("--min-replicas", lh->rules.min_replicas, "fewest replica groups a quorum may have")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  lighthouse->add_option("--join-timeout-ms", *lh_join_ms,
+                         "how long a quorum waits for alive groups that have not asked yet (a group that failed and "
+                         "still heartbeats, a slow one)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  lighthouse->add_option("--heartbeat-timeout-ms", *lh_heartbeat_ms,
+                         "a group not heard from for this long is dead: quorums stop waiting for it")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  lighthouse->footer("Example: moetrain lighthouse --port 29510 --min-replicas 1, then each replica group: moetrain launch -n 8 "
+                     "-- train -c run.toml --fault_tolerance.lighthouse=HOST:29510 --fault_tolerance.replica_id=I");
+
   auto sa = std::make_shared<SelftestArgs>();
   CLI::App* selftest = app.add_subcommand("comm-selftest", "check rendezvous and collectives across the ranks");
   selftest->group("");  // hidden: a diagnostic, and the launcher tests' worker
@@ -336,8 +381,14 @@ std::function<int()> add_launch_commands(CLI::App& app) {
   selftest->add_option("--bandwidth", sa->bandwidth_mb,
                        "also time all-to-all-v, all-reduce and all-gather on this many MB (bf16) per rank");
 
-  return [launch, selftest, server, server_port, server_journal, la, sa]() -> int {
+  return [launch, selftest, server, server_port, server_journal, la, sa, lighthouse, lh, lh_join_ms,
+          lh_heartbeat_ms]() -> int {
     if (server->parsed()) return run_rdzv_server(*server_port, *server_journal);
+    if (lighthouse->parsed()) {
+      lh->rules.join_timeout = std::chrono::milliseconds(*lh_join_ms);
+      lh->rules.heartbeat_timeout = std::chrono::milliseconds(*lh_heartbeat_ms);
+      return run_lighthouse(*lh);
+    }
     if (launch->parsed()) {
       // CLI11 keeps a "--" before the command among the remaining arguments: not the worker's.
       std::vector<std::string> rest = launch->remaining();

@@ -1,5 +1,7 @@
 #include "comm/communicator.h"
 
+#include <cstring>
+
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <sys/socket.h>
@@ -157,6 +159,20 @@ void all_reduce_doubles(Communicator& group, std::vector<double>& values, Device
   if (group.backend() != "gloo" && !device.is_cpu()) t = t.to(device);
   group.all_reduce(t, op);
   values = t.to_double_vector();
+}
+
+void broadcast_bytes(Communicator& group, std::string& bytes, int root, Device device) {
+  if (group.size() == 1) return;
+  const Device where = group.backend() == "gloo" ? Device::cpu() : device;
+  Tensor n = Tensor::from_vector(std::vector<int64_t>{static_cast<int64_t>(bytes.size())}, {1}).to(where);
+  group.broadcast(n, root);
+  const int64_t len = n.to(Device::cpu()).data<int64_t>()[0];
+  std::vector<int32_t> words(static_cast<size_t>((len + 3) / 4), 0);
+  if (group.rank() == root) std::memcpy(words.data(), bytes.data(), bytes.size());
+  Tensor t = Tensor::from_vector(words, {static_cast<int64_t>(words.size())}).to(where);
+  if (!words.empty()) group.broadcast(t, root);
+  const Tensor host = t.to(Device::cpu());
+  bytes.assign(reinterpret_cast<const char*>(host.raw()), static_cast<size_t>(len));
 }
 
 }  // namespace moetrain

@@ -135,5 +135,8 @@ CommOptions default_comm_options(const LaunchEnv& env);
 // flags.
 void all_reduce_doubles(Communicator& group, std::vector<double>& values, Device device,
                         ReduceOp op = ReduceOp::Sum);
+// `root`'s bytes to every rank of `group` (any length; two broadcasts: the length, then the
+// bytes), on the device its backend reads.
+void broadcast_bytes(Communicator& group, std::string& bytes, int root, Device device);
 
 }  // namespace moetrain

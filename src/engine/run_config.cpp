@@ -262,6 +262,27 @@ std::string CheckpointConfig::resolved_dir(const std::string& metrics_dir) const
   return dir.empty() ? (std::filesystem::path(metrics_dir) / "checkpoints").string() : dir;
 }
 
+void FaultToleranceConfig::describe(ConfigFields& f) {
+  f.add("lighthouse", &lighthouse,
+        "HOST:PORT of `moetrain lighthouse`: train as one of several replica groups that agree on a quorum each "
+        "step, drop a failed group and heal a returning one from a peer; empty = off");
+  f.add("replica_id", &replica_id, "this replica group's id, 0 .. replica_groups - 1 (one per launched group)",
+        non_negative(&replica_id));
+  f.add("replica_groups", &replica_groups,
+        "replica groups the run is planned for: each global batch is cut into that many parts, one per group "
+        "(a missing group's part is not trained on)",
+        positive(&replica_groups));
+  f.add("quorum_timeout_s", &quorum_timeout_s,
+        "longest wait for a quorum, the lighthouse being down included; then the group stops with an error",
+        positive(&quorum_timeout_s));
+  f.add("timeout_s", &timeout_s,
+        "longest wait for another replica group in a collective or a state copy; then the step is discarded and "
+        "a new quorum formed",
+        positive(&timeout_s));
+  f.add("heartbeat_interval_ms", &heartbeat_interval_ms, "how often the group tells the lighthouse it is alive",
+        positive(&heartbeat_interval_ms));
+}
+
 void MetricsConfig::describe(ConfigFields& f) {
   f.add("dir", &dir, "folder for metrics.jsonl and the run's printed config", [this]() -> std::optional<std::string> {
     if (dir.empty()) return "must not be empty";
@@ -301,6 +322,8 @@ struct Sections {
     c.data.describe(list.back());
     list.emplace_back("checkpoint");
     c.checkpoint.describe(list.back());
+    list.emplace_back("fault_tolerance");
+    c.fault_tolerance.describe(list.back());
     list.emplace_back("metrics");
     c.metrics.describe(list.back());
   }
@@ -485,6 +508,9 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
              "{}: [parallel].fallbacks entry '{}': [model] has {} experts, not a multiple of ep = {}", path, fb,
              shape.num_experts, ep);
   }
+  MT_CHECK(cfg.fault_tolerance.replica_id < cfg.fault_tolerance.replica_groups,
+           "{}: [fault_tolerance].replica_id ({}) must be below [fault_tolerance].replica_groups ({})", path,
+           cfg.fault_tolerance.replica_id, cfg.fault_tolerance.replica_groups);
   MT_CHECK(o.min_lr <= o.lr, "{}: [optimizer].min_lr ({}) must be <= [optimizer].lr ({})", path, o.min_lr, o.lr);
   MT_CHECK(t.seq_len <= shape.max_positions,
            "{}: [training].seq_len ({}) must be <= [model].max_position_embeddings ({})", path, t.seq_len,

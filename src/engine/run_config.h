@@ -1,8 +1,7 @@
 // RunConfig: everything one training run is told, one TOML file with sections
-// [model] [parallel] [training] [optimizer] [data] [checkpoint] [metrics], each a *Config
-// that can describe its keys (see config.h). Any key can be overridden on the command line
-// as --section.key=value. [fault_tolerance] arrives with its subsystem; until then it is
-// rejected as an unknown section.
+// [model] [parallel] [training] [optimizer] [data] [checkpoint] [fault_tolerance] [metrics],
+// each a *Config that can describe its keys (see config.h). Any key can be overridden on the
+// command line as --section.key=value.
 #pragma once
 
 #include <string>
@@ -138,6 +137,21 @@ struct CheckpointConfig {
   std::string resolved_dir(const std::string& metrics_dir) const;
 };
 
+// Live fault tolerance (engine/ft/replica_manager.h, docs/fault-tolerance.md): the run trains
+// as `replica_groups` data-parallel replica groups, each its own job (`moetrain launch` with
+// the same config but its own replica_id), that agree on a quorum every step through the
+// lighthouse. Off while `lighthouse` is empty.
+struct FaultToleranceConfig {
+  std::string lighthouse;           // "HOST:PORT" of `moetrain lighthouse`; "" = off
+  int64_t replica_id = 0;           // this group's id, 0 .. replica_groups - 1
+  int64_t replica_groups = 1;       // groups the run is planned for: each reads its part of a batch
+  double quorum_timeout_s = 60;     // longest wait for a quorum (the lighthouse down included)
+  double timeout_s = 30;            // longest wait for another group in a collective or a state copy
+  int64_t heartbeat_interval_ms = 100;
+  bool enabled() const { return !lighthouse.empty(); }
+  void describe(ConfigFields& f);
+};
+
 struct MetricsConfig {
   std::string dir = "runs/default";  // metrics.jsonl and the run's printed config go here
   int64_t log_every = 10;            // human log line every N steps
@@ -155,6 +169,7 @@ struct RunConfig {
   OptimizerConfig optimizer;
   DataConfig data;
   CheckpointConfig checkpoint;
+  FaultToleranceConfig fault_tolerance;
   MetricsConfig metrics;
 
   // Loads `path` (TOML), then applies overrides of the form "section.key=value" (the

@@ -95,7 +95,7 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   }
   const OptimizerConfig& oc = cfg.optimizer;
   const AdamWConfig adamw{oc.beta1, oc.beta2, oc.eps, oc.weight_decay, oc.moments == "bf16"};
-  if (par.distributed()) {
+  if (par.comms) {  // several ranks, or a replica group of live fault tolerance
     c.model->set_data_group(par.data_group(), par.bridge.get());
     const bool shard_weights = choose_shard_weights(cfg.parallel.shard_weights, *c.model, par.device, pipelined);
     c.fsdp = std::make_unique<FsdpContext>(*c.model, *par.comms->shard_dense, *par.comms->shard_experts,

@@ -20,6 +20,7 @@
 #include "engine/ft/fault.h"
 #include "engine/ft/heartbeat.h"
 #include "engine/ft/preemption.h"
+#include "engine/ft/replica_manager.h"
 #include "engine/models/model.h"
 #include "engine/optim/adamw.h"
 #include "engine/optim/layerwise.h"
@@ -207,6 +208,7 @@ StepResult accumulate_micro_batches(Model& model, ExpertDispatcher& dispatcher,
     const int64_t group = model.expert_wgrad_group();
     const bool defer = groups && static_cast<int64_t>(i + 1) % group != 0 && i + 1 < batches.size();
     MicroBatchLoss l = model.forward_backward(batches[i], dispatcher, 1.0 / targets, 1.0 / n, accumulate, defer);
+    fault_point("micro_batch", -1);  // for the chaos tests: a fault between forward/backward passes (count, skip)
     r.loss += l.ce_sum;
     for (const LossTerm& t : l.terms) add_loss_term(r.terms, t, n);
     if (r.expert_counts.empty()) r.expert_counts = l.expert_counts;
@@ -402,7 +404,10 @@ class RunLog {
     if (ctx.par.rank != 0) return;
     std::filesystem::create_directories(cfg.metrics.dir);
     std::ofstream(std::filesystem::path(cfg.metrics.dir) / "config.toml") << RunConfig(cfg).to_toml();
-    writer_ = std::make_unique<MetricsWriter>(cfg.metrics.dir, /*append=*/start_step > 0);
+    // Live fault tolerance: a restarted replica group starts at step 0 and heals, but its
+    // record goes on in the same file.
+    writer_ = std::make_unique<MetricsWriter>(cfg.metrics.dir,
+                                              /*append=*/start_step > 0 || cfg.fault_tolerance.enabled());
     spdlog::info("metrics: {}/metrics.jsonl", cfg.metrics.dir);
     if (cfg.metrics.prometheus_port > 0) {
       prometheus_ = std::make_unique<PrometheusExporter>(cfg.metrics.prometheus_bind,
@@ -482,6 +487,19 @@ class RunLog {
 
 }  // namespace
 
+namespace {
+
+// Live fault tolerance: each replica group keeps its own metrics and checkpoints (any one
+// of them can restart the run alone), in replica-<id> under the configured folders.
+void separate_replica_folders(RunConfig& cfg) {
+  const std::string sub = fmt::format("replica-{}", cfg.fault_tolerance.replica_id);
+  cfg.metrics.dir = (std::filesystem::path(cfg.metrics.dir) / sub).string();
+  if (!cfg.checkpoint.dir.empty()) cfg.checkpoint.dir = (std::filesystem::path(cfg.checkpoint.dir) / sub).string();
+  if (!cfg.checkpoint.remote.empty()) cfg.checkpoint.remote += "/" + sub;
+}
+
+}  // namespace
+
 TrainSummary train(const RunConfig& cfg_in) {
   RunConfig cfg = cfg_in;
   const auto run_start = Clock::now();
@@ -491,11 +509,14 @@ TrainSummary train(const RunConfig& cfg_in) {
   // Ranks: rank 0 speaks for the job (logs, metrics, progress); the others only warn. A
   // world the layout does not fit (an elastic restart on fewer nodes) takes a fallback.
   cfg.parallel = cfg.parallel.for_world(LaunchEnv::from_environment().world_size);
+  if (cfg.fault_tolerance.enabled()) separate_replica_folders(cfg);
   ParallelContext connected = ParallelContext::build(cfg);
   if (connected.rank != 0) spdlog::set_level(spdlog::level::warn);
   // Data: tokenizer and loaders of [data].kind (data/data_context.h); each data rank gets
-  // its rows of the same global micro-batches.
-  DataContext data = make_data_context(cfg, connected.layout.data_rank(), connected.layout.data_world());
+  // its rows of the same global micro-batches (of every replica group's, under live FT).
+  const DataShare share =
+      replica_data_share(cfg.fault_tolerance, connected.layout.data_rank(), connected.layout.data_world());
+  DataContext data = make_data_context(cfg, share.rank, share.world);
   spdlog::info("data: {}", data.summary);
   // Model, dispatcher, optimizer, pipeline: train_context.h.
   std::unique_ptr<TrainContext> ctx = TrainContext::build(cfg, std::move(connected));
@@ -504,12 +525,22 @@ TrainSummary train(const RunConfig& cfg_in) {
   CheckpointContext checkpoints(cfg, *ctx);
   TrainState state = checkpoints.restore();
   if (!state.data_position.is_null()) data.train->set_position(state.data_position);
+  state.data_position = data.train->position();  // where a discarded step rewinds to
   const int64_t start_step = state.step;
   const int64_t end_step = tc.stop_after_steps > 0 ? std::min(tc.steps, start_step + tc.stop_after_steps) : tc.steps;
   const OptimizerConfig& oc = cfg.optimizer;
   const LrSchedule schedule{oc.schedule, oc.lr, oc.min_lr, oc.warmup_steps, tc.steps, oc.decay_fraction};
   RunLog log(cfg, *ctx, start_step, end_step);
-  StepHooks hooks;  // where fault tolerance plugs in (train_state.h): empty, so every step commits
+  // Live fault tolerance (ft/replica_manager.h): a quorum before each step, a vote before
+  // each optimizer step. Without it the hooks are empty and every step commits.
+  std::unique_ptr<ReplicaManager> replicas;
+  StepHooks hooks;
+  int64_t discarded = 0;
+  if (cfg.fault_tolerance.enabled()) {
+    replicas = std::make_unique<ReplicaManager>(cfg.fault_tolerance, *ctx);
+    hooks.before_step = [&](TrainState& s) { replicas->begin_step(s, *data.train); };
+    hooks.after_gradients = [&](const TrainState&) { return replicas->should_commit(); };
+  }
   const PreemptionWatch preemption;  // SIGTERM / SIGUSR1: save and stop after the step (ft/preemption.h)
   Heartbeat heartbeat;               // for `moetrain launch --heartbeat-timeout` (ft/heartbeat.h)
   Communicator* world = ctx->par.comms ? ctx->par.comms->world.get() : nullptr;
@@ -535,12 +566,22 @@ TrainSummary train(const RunConfig& cfg_in) {
     }
     const double dt = seconds_since(t0);
     train_seconds += dt;
-    if (!r.committed) continue;  // discarded: the same step again, with the next batches
+    if (!r.committed) {  // discarded: the same step again, on the same batches
+      data.train->set_position(state.data_position);
+      ++discarded;
+      continue;
+    }
     state.step += 1;
     state.optimizer_steps = ctx->optimizer().steps_taken();
     state.data_position = data.train->position();
 
     StepMetrics m = log.of(r, state.step, lr, dt);
+    if (replicas) {
+      const ReplicaManager::StepReport& q = replicas->report();
+      m.replicas = StepMetrics::Replicas{q.replicas, q.quorum_id, q.quorum_ms, q.recovered_from, q.heal_bytes,
+                                         q.heal_s, discarded};
+      discarded = 0;
+    }
     if (state.step == tc.steps || (tc.eval_every > 0 && state.step % tc.eval_every == 0)) {
       m.val_loss = summary.last_val_loss = validate(*ctx, *data.val, tc);
     }

@@ -296,8 +296,16 @@ TEST(RunConfig, UnknownSection) {
   TempDir dir;
   std::string e = error_of([&] { RunConfig::load(dir.file("a.toml", "[trainig]\nsteps = 1\n"), {}); });
   EXPECT_NE(e.find("unknown section [trainig] (did you mean 'training'?)"), std::string::npos) << e;
-  e = error_of([&] { RunConfig::load(dir.file("b.toml", "[fault_tolerance]\nreplicas = 1\n"), {}); });
-  EXPECT_NE(e.find("unknown section [fault_tolerance] (known sections: model, parallel"), std::string::npos) << e;
+  e = error_of([&] { RunConfig::load(dir.file("b.toml", "[metric]\ndir = \"x\"\n"), {}); });
+  EXPECT_NE(e.find("unknown section [metric] (did you mean 'metrics'?)"), std::string::npos) << e;
+  e = error_of([&] { RunConfig::load(dir.file("b2.toml", "[fault_tolerance]\nreplicas = 1\n"), {}); });
+  EXPECT_NE(e.find("[fault_tolerance]"), std::string::npos) << e;
+  EXPECT_NE(e.find("replicas"), std::string::npos) << e;
+  e = error_of([&] {
+    RunConfig::load(dir.file("b3.toml", "[fault_tolerance]\nlighthouse = \"h:1\"\nreplica_id = 2\nreplica_groups = 2\n"), {});
+  });
+  EXPECT_NE(e.find("[fault_tolerance].replica_id (2) must be below [fault_tolerance].replica_groups (2)"),
+            std::string::npos) << e;
   e = error_of([&] { RunConfig::load(dir.file("c.toml", "steps = 5\n"), {}); });
   EXPECT_NE(e.find("unknown section [steps]"), std::string::npos) << e;
   e = error_of([&] { RunConfig::load(dir.file("d.toml", "training = 5\n"), {}); });

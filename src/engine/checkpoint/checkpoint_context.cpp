@@ -60,7 +60,8 @@ void CheckpointContext::fetch_remote() {
 CheckpointItems CheckpointContext::items() {
   FsdpContext* fsdp = ctx_.fsdp.get();
   ParameterList& params = ctx_.model->parameters();
-  if (fsdp && !fsdp->writes_checkpoint()) return CheckpointItems{};  // HSDP: another replica group writes
+  // HSDP: another replica group writes. Live fault tolerance: every group keeps its own.
+  if (fsdp && !fsdp->writes_checkpoint() && !cfg_.fault_tolerance.enabled()) return CheckpointItems{};
   CheckpointItems items = fsdp ? sharded_checkpoint_items(params, fsdp->shard_params(), fsdp->segments(),
                                                           ctx_.optimizer())
                                : checkpoint_items(params, &ctx_.optimizer());

@@ -1,5 +1,10 @@
 #include "engine/ft/fault.h"
 
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <vector>
+
 #include <unistd.h>
 
 #include <chrono>
@@ -69,13 +74,12 @@ std::vector<Fault> parse(const std::string& text) {
                  f.action == "term" || f.action == "error",
              "MOETRAIN_FAULT: unknown action '{}' in '{}' (kill, kill_node, exit, stall=SECONDS, term, error)",
              f.action, one);
-    const bool known = f.point == "step_begin" || f.point == "save" || f.point == "files" || f.point == "index" ||
-                       f.point == "rename" || f.point == "latest" || f.point == "write" || f.point == "upload" ||
-                       f.point == "s3";
-    MT_CHECK(known,
-             "MOETRAIN_FAULT: unknown point '{}' in '{}' (step_begin, save, files, index, rename, latest, write, "
-             "upload, s3)",
-             f.point, one);
+    static const std::vector<std::string_view> points{"step_begin", "save",      "files",        "index",
+                                                      "rename",     "latest",    "write",        "upload",
+                                                      "s3",         "micro_batch", "ft_quorum",  "ft_step",
+                                                      "ft_heal_send", "ft_allreduce", "ft_commit"};
+    MT_CHECK(std::find(points.begin(), points.end(), f.point) != points.end(),
+             "MOETRAIN_FAULT: unknown point '{}' in '{}' ({})", f.point, one, fmt::join(points, ", "));
     out.push_back(f);
   }
   return out;

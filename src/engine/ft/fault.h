@@ -16,7 +16,13 @@
 //             `latest` pointer moved; the points of MOETRAIN_CHECKPOINT_CRASH too),
 //             write (a rank's writer, before its files of the step),
 //             upload (rank 0's uploader to the remote tier, before it mirrors the step),
-//             s3 (every try of an S3 request; no step: a step filter never matches it)
+//             s3 (every try of an S3 request; no step: a step filter never matches it),
+//             micro_batch (after each micro-batch's forward and backward; no step),
+//             live fault tolerance (ft/replica_manager.h): ft_quorum (rank 0, the lighthouse's
+//             answer received, before the group has it), ft_step (after the quorum and any
+//             healing, before the batches), ft_heal_send (a group sending its state to one
+//             behind, some tensors posted), ft_allreduce (every gradient all-reduce across
+//             replica groups; no step), ft_commit (before the vote on the step)
 //     rank, step, generation: fire only there (RANK, the step, TORCHELASTIC_RESTART_COUNT as
 //             `moetrain launch --max-restarts` sets it); omitted: everywhere.
 //     count=N: fire only the first N times the point matches in this process.

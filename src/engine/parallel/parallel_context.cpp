@@ -39,10 +39,13 @@ ParallelContext ParallelContext::build(const RunConfig& cfg) {
     cuda::set_device(p.device.index);  // before this rank's first allocation, stream or handle
   }
   p.layout = Layout(mesh, p.rank, static_cast<int>(pc.dp_replicate));
-  if (p.world == 1) return p;
+  // A replica group of live fault tolerance is a world even with one rank: its optimizer is
+  // FSDP's, whose gradients the ReplicaBridge sums across the groups.
+  const bool replica_group = cfg.fault_tolerance.enabled();
+  if (p.world == 1 && !replica_group) return p;
 
   CommOptions opt = default_comm_options(p.env);
-  auto store = Store::open(default_store_spec(p.env), p.rank, opt.timeout)->prefixed("train");
+  auto store = Store::open(p.world == 1 ? "memory" : default_store_spec(p.env), p.rank, opt.timeout)->prefixed("train");
   std::shared_ptr<Communicator> world =
       gpu ? std::shared_ptr<Communicator>(connect_nccl(store, p.rank, p.world, p.device.index, opt))
           : std::shared_ptr<Communicator>(GlooCommunicator::connect(store, p.rank, p.world, opt));

@@ -21,7 +21,7 @@ int gpu_for_local_rank(int local_rank, int visible);
 
 struct ParallelContext {
   LaunchEnv env;
-  std::unique_ptr<MeshComms> comms;  // null for a world of one
+  std::unique_ptr<MeshComms> comms;  // null for a world of one (unless a replica group of live FT)
   Device device = Device::cpu();     // this rank's device: the CPU, or gpu_for_local_rank's GPU
   int rank = 0, world = 1;
   // Where this rank is and what it holds: experts, rows of a micro-batch, sharding groups.

@@ -1,18 +1,40 @@
 #include "engine/parallel/replica_bridge.h"
 
+#include "core/error.h"
+#include "core/log.h"
+#include "engine/ft/fault.h"
 
 namespace moetrain {
 
 void ReplicaBridge::rebuild(std::shared_ptr<Communicator> replicas) {
   comm_ = replicas && replicas->size() > 1 ? std::move(replicas) : nullptr;
+  failure_.clear();
+}
+
+void ReplicaBridge::fail(std::string why) {
+  failure_ = std::move(why);
+  spdlog::warn("replica groups: {}; this step will be discarded", failure_);
+  comm_.reset();
+}
+
+template <typename F>
+void ReplicaBridge::guarded(F&& op) {
+  if (!comm_) return;
+  if (!tolerant_) return op(*comm_);
+  try {
+    op(*comm_);
+  } catch (const Error& e) {
+    fail(e.what());
+  }
 }
 
 void ReplicaBridge::all_reduce(Tensor& t, ReduceOp op) {
-  if (comm_) comm_->all_reduce(t, op);
+  if (comm_) fault_point("ft_allreduce", -1);  // for the chaos tests (count, skip)
+  guarded([&](Communicator& c) { c.all_reduce(t, op); });
 }
 
 void ReplicaBridge::all_reduce_doubles(std::vector<double>& values, Device device, ReduceOp op) {
-  if (comm_) moetrain::all_reduce_doubles(*comm_, values, device, op);
+  guarded([&](Communicator& c) { moetrain::all_reduce_doubles(c, values, device, op); });
 }
 
 void sum_over_data(Communicator* group, ReplicaBridge* bridge, std::vector<double>& values, Device device) {

@@ -30,6 +30,18 @@ class ReplicaBridge {
   int index() const { return comm_ ? comm_->rank() : 0; }  // this replica group's, among them
   bool crosses() const { return comm_ != nullptr; }
 
+  // Live fault tolerance (engine/ft/replica_manager.h): a collective that fails (another
+  // group died or timed out) does not throw but marks the bridge failed and drops its
+  // communicator, closing its connections so that the other groups fail at once too rather
+  // than wait out their timeout; the calls after it do nothing until rebuild(). The step
+  // then goes on inside the group and is discarded at its commit.
+  void set_tolerant(bool on) { tolerant_ = on; }
+  bool failed() const { return !failure_.empty(); }
+  void fail(std::string why);  // marks it failed (and drops the communicator), as a failed collective
+  const std::string& failure() const { return failure_; }
+  // The communicator now (nullptr: one replica group, or failed).
+  Communicator* comm() const { return comm_.get(); }
+
   // Over the replica groups, in place (no-ops with one group).
   void all_reduce(Tensor& t, ReduceOp op = ReduceOp::Sum);
   // A few doubles, summed (or the max) over the replica groups, on the device the
@@ -37,7 +49,13 @@ class ReplicaBridge {
   void all_reduce_doubles(std::vector<double>& values, Device device, ReduceOp op = ReduceOp::Sum);
 
  private:
+  // Runs `op` on the communicator; in tolerant mode turns its Error into failed().
+  template <typename F>
+  void guarded(F&& op);
+
   std::shared_ptr<Communicator> comm_;
+  bool tolerant_ = false;
+  std::string failure_;
 };
 
 // `values` summed over a replica group's `group` (nullptr: one rank), then over the

@@ -44,6 +44,14 @@ std::string metrics_json(const StepMetrics& m) {
                  {"growth_bytes", m.memory_growth_bytes},
                  {"pinned_host_bytes", m.pinned_host_bytes}};
   j["infra"] = {{"world_size", m.world_size}, {"restart_generation", m.restart_generation}, {"layout", m.layout}};
+  if (m.replicas) {
+    const StepMetrics::Replicas& r = *m.replicas;
+    j["replicas_in_quorum"] = r.in_quorum;
+    j["quorum_ms"] = r.quorum_ms;
+    j["recovered_from"] = r.recovered_from ? nlohmann::json(*r.recovered_from) : nlohmann::json(nullptr);
+    j["fault_tolerance"] = {{"quorum_id", r.quorum_id}, {"heal_bytes", r.heal_bytes}, {"heal_s", r.heal_s},
+                            {"discarded_steps", r.discarded_steps}};
+  }
   if (!m.expert_tokens.empty()) {
     nlohmann::json layers = nlohmann::json::array();
     for (size_t i = 0; i < m.expert_tokens.size(); ++i) {
@@ -96,6 +104,11 @@ std::vector<std::pair<std::string, double>> metrics_scalars(const StepMetrics& m
   if (m.val_loss) v.emplace_back("val/loss", *m.val_loss);
   if (m.checkpoint_stall_s) v.emplace_back("infra/checkpoint_stall_s", *m.checkpoint_stall_s);
   if (m.restart_downtime_s) v.emplace_back("infra/restart_downtime_s", *m.restart_downtime_s);
+  if (m.replicas) {
+    v.emplace_back("ft/replicas_in_quorum", static_cast<double>(m.replicas->in_quorum));
+    v.emplace_back("ft/quorum_ms", m.replicas->quorum_ms);
+    v.emplace_back("ft/discarded_steps", static_cast<double>(m.replicas->discarded_steps));
+  }
   for (size_t i = 0; i < m.expert_tokens.size(); ++i) {
     const ExpertLoad l = expert_load(m.expert_tokens[i]);
     const std::string p = fmt::format("moe/layer{}/", i);
@@ -132,6 +145,11 @@ std::string human_line(const StepMetrics& m, int64_t total_steps) {
   if (m.peak_memory_bytes > 0) {
     const double mb = static_cast<double>(m.peak_memory_bytes) / 1e6;
     s += mb < 10000 ? fmt::format(" | mem {:.0f} MB", mb) : fmt::format(" | mem {:.1f} GB", mb / 1e3);
+  }
+  if (m.replicas && (m.replicas->recovered_from || m.replicas->discarded_steps > 0)) {
+    s += fmt::format(" | {} replica groups", m.replicas->in_quorum);
+    if (m.replicas->recovered_from) s += fmt::format(", healed from group {}", *m.replicas->recovered_from);
+    if (m.replicas->discarded_steps) s += fmt::format(", {} step(s) discarded before", m.replicas->discarded_steps);
   }
   if (m.restart_downtime_s) {
     s += fmt::format(" | resumed {:.2f} s after the failure (restart {}, {} ranks)", *m.restart_downtime_s,

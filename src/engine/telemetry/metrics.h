@@ -40,6 +40,20 @@ struct StepMetrics {
   // (detection, stop, rendezvous, start, checkpoint load: the training time the failure cost,
   // besides the steps since the last committed one, which are trained again).
   std::optional<double> restart_downtime_s;
+  // Live fault tolerance ([fault_tolerance]), only when it is on: the replica groups in this
+  // step's quorum, the time to get the quorum, the group this one copied its state from
+  // (only on the step it healed) with the bytes and seconds of the copy, and the steps
+  // discarded since the previous committed one (a collective across groups failed).
+  struct Replicas {
+    int in_quorum = 1;
+    int64_t quorum_id = 0;
+    double quorum_ms = 0;
+    std::optional<std::string> recovered_from;
+    int64_t heal_bytes = 0;
+    double heal_s = 0;
+    int64_t discarded_steps = 0;
+  };
+  std::optional<Replicas> replicas;
   // Tokens routed to each expert in the step, per MoE layer (the layers rank 0 holds: all of
   // them, but under a pipeline its stage's), summed over the data ranks.
   std::vector<std::vector<int64_t>> expert_tokens;

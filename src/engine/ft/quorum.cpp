@@ -1,0 +1,89 @@
+#include "engine/ft/quorum.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace moetrain {
+
+int Quorum::index_of(const std::string& replica_id) const {
+  for (size_t i = 0; i < members.size(); ++i) {
+    if (members[i].replica_id == replica_id) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+std::vector<int> Quorum::recover_to(int index) const {
+  std::vector<int> out;
+  for (size_t i = 0; i < recover_from.size(); ++i) {
+    if (recover_from[i] == index) out.push_back(static_cast<int>(i));
+  }
+  return out;
+}
+
+void QuorumState::heartbeat(const std::string& replica_id, Clock::time_point now) { seen_[replica_id] = now; }
+
+void QuorumState::request(const QuorumMember& m, Clock::time_point now) {
+  heartbeat(m.replica_id, now);
+  if (pending_.empty()) round_start_ = now;
+  pending_[m.replica_id] = m;
+}
+
+void QuorumState::withdraw(const std::string& replica_id) {
+  pending_.erase(replica_id);
+  if (pending_.empty()) round_start_.reset();
+}
+
+int QuorumState::alive(Clock::time_point now) const {
+  int n = 0;
+  for (const auto& [id, t] : seen_) n += now - t <= rules_.heartbeat_timeout ? 1 : 0;
+  return n;
+}
+
+std::optional<Quorum> QuorumState::try_form(Clock::time_point now, std::string* why) {
+  auto wait = [&](std::string reason) -> std::optional<Quorum> {
+    if (why) *why = std::move(reason);
+    return std::nullopt;
+  };
+  const int asking = static_cast<int>(pending_.size());
+  const int live = alive(now);
+  if (asking < rules_.min_replicas) return wait(fmt::format("{} of min_replicas {} asking", asking, rules_.min_replicas));
+  if (2 * asking <= live) return wait(fmt::format("{} asking of {} alive: not a majority", asking, live));
+  bool previous_all_back = !last_.members.empty();
+  for (const QuorumMember& m : last_.members) previous_all_back = previous_all_back && pending_.count(m.replica_id);
+  bool every_live_asking = true;
+  for (const auto& [id, t] : seen_) {
+    if (now - t <= rules_.heartbeat_timeout && !pending_.count(id)) every_live_asking = false;
+  }
+  const bool timed_out = round_start_ && now - *round_start_ >= rules_.join_timeout;
+  if (!previous_all_back && !every_live_asking && !timed_out) {
+    return wait(fmt::format("{} asking of {} alive, waiting up to join_timeout for the others", asking, live));
+  }
+
+  Quorum q;
+  for (const auto& [id, m] : pending_) q.members.push_back(m);
+  // The same groups in the same incarnations keep the id (and their communicator); their
+  // steps advance every round.
+  auto same_groups = [](const std::vector<QuorumMember>& a, const std::vector<QuorumMember>& b) {
+    return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](const auto& x, const auto& y) {
+             return x.replica_id == y.replica_id && x.incarnation == y.incarnation;
+           });
+  };
+  q.id = last_.id + (same_groups(q.members, last_.members) ? 0 : 1);
+  for (const QuorumMember& m : q.members) q.max_step = std::max(q.max_step, m.step);
+  std::vector<int> up_to_date;
+  for (size_t i = 0; i < q.members.size(); ++i) {
+    if (q.members[i].step == q.max_step) up_to_date.push_back(static_cast<int>(i));
+  }
+  size_t next = 0;
+  for (const QuorumMember& m : q.members) {
+    q.recover_from.push_back(m.step == q.max_step ? -1 : up_to_date[next++ % up_to_date.size()]);
+  }
+  pending_.clear();
+  round_start_.reset();
+  last_ = q;
+  if (why) why->clear();
+  return q;
+}
+
+}  // namespace moetrain

@@ -1,0 +1,77 @@
+// Quorum: how the lighthouse decides, from the replica groups that ask and those that are
+// alive, which groups train the next step together. Pure logic with the clock passed in, so
+// every rule is tested without a network (the gRPC server in lighthouse.h wraps it).
+//
+// Rules, checked every time something changes:
+//   - alive: a group heard from (a heartbeat or a request) within heartbeat_timeout;
+//   - a quorum needs at least min_replicas asking groups, and more than half of the alive
+//     ones (two halves of a partitioned job can never both train);
+//   - it forms at once when every member of the previous quorum asks again (the fast path
+//     of a healthy run) or when every alive group asks; otherwise once join_timeout has
+//     passed since the first request of the round;
+//   - its id is the previous id + 1 when the members (or an incarnation) changed, else the same
+//     (steps advance every round and do not count);
+//   - the members at the highest step are up to date; each member below it copies its state
+//     from one of them, spread round-robin in replica_id order.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace moetrain {
+
+struct QuorumMember {
+  std::string replica_id;
+  uint64_t incarnation = 0;
+  int64_t step = 0;
+  int32_t group_size = 0;
+  bool operator==(const QuorumMember&) const = default;
+};
+
+struct QuorumRules {
+  int min_replicas = 1;
+  std::chrono::milliseconds join_timeout{100};
+  std::chrono::milliseconds heartbeat_timeout{5000};
+};
+
+struct Quorum {
+  int64_t id = 0;
+  std::vector<QuorumMember> members;  // sorted by replica_id
+  int64_t max_step = 0;
+  std::vector<int> recover_from;      // per member: the index it copies from, or -1
+
+  int index_of(const std::string& replica_id) const;  // -1 when not a member
+  std::vector<int> recover_to(int index) const;       // the members that copy from `index`
+};
+
+class QuorumState {
+ public:
+  using Clock = std::chrono::steady_clock;
+  explicit QuorumState(QuorumRules rules) : rules_(rules) {}
+
+  void heartbeat(const std::string& replica_id, Clock::time_point now);
+  // A group asks for the next quorum (also a heartbeat). Asking again replaces its request.
+  void request(const QuorumMember& m, Clock::time_point now);
+  // A request withdrawn (its caller gave up).
+  void withdraw(const std::string& replica_id);
+  // Forms the quorum when the rules allow: the asking groups become its members and stop
+  // asking. nullopt: not yet (`why` says what it waits for).
+  std::optional<Quorum> try_form(Clock::time_point now, std::string* why = nullptr);
+
+  const Quorum& last() const { return last_; }
+  bool asking(const std::string& replica_id) const { return pending_.count(replica_id) > 0; }
+  int alive(Clock::time_point now) const;
+
+ private:
+  QuorumRules rules_;
+  std::map<std::string, Clock::time_point> seen_;   // last heard from
+  std::map<std::string, QuorumMember> pending_;     // this round's requests (sorted by id)
+  std::optional<Clock::time_point> round_start_;    // the round's first request
+  Quorum last_;
+};
+
+}  // namespace moetrain

@@ -1,0 +1,267 @@
+#include "engine/ft/replica_manager.h"
+
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "comm/gloo_communicator.h"
+#include "comm/nccl_communicator.h"
+#include "comm/store.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "core/timer.h"
+#include "engine/ft/fault.h"
+
+namespace moetrain {
+
+DataShare replica_data_share(const FaultToleranceConfig& ft, int data_rank, int data_world) {
+  if (!ft.enabled()) return {data_rank, data_world};
+  return {static_cast<int>(ft.replica_id) * data_world + data_rank, static_cast<int>(ft.replica_groups) * data_world};
+}
+
+namespace {
+
+std::chrono::milliseconds millis(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+nlohmann::json to_json(const QuorumAnswer& a) {
+  nlohmann::json members = nlohmann::json::array();
+  for (const QuorumMember& m : a.quorum.members) members.push_back({m.replica_id, m.incarnation, m.step});
+  return {{"id", a.quorum.id},         {"members", members},         {"max_step", a.quorum.max_step},
+          {"index", a.index},          {"recover_from", a.recover_from}, {"recover_to", a.recover_to},
+          {"store", a.store},          {"prefix", a.store_prefix}};
+}
+
+QuorumAnswer from_json(const nlohmann::json& j) {
+  QuorumAnswer a;
+  a.quorum.id = j["id"];
+  for (const auto& m : j["members"]) a.quorum.members.push_back({m[0], m[1], m[2], 0});
+  a.quorum.max_step = j["max_step"];
+  a.index = j["index"];
+  a.recover_from = j["recover_from"];
+  a.recover_to = j["recover_to"].get<std::vector<int>>();
+  a.store = j["store"];
+  a.store_prefix = j["prefix"];
+  return a;
+}
+
+// The step, the optimizer's count and the loader's position, as one i64 header and the
+// position's text in i32 words (what a healing peer is sent before the tensors).
+struct StateHeader {
+  int64_t step = 0, optimizer_steps = 0, position_bytes = 0, tensors = 0;
+};
+
+}  // namespace
+
+ReplicaManager::ReplicaManager(const FaultToleranceConfig& cfg, TrainContext& ctx)
+    : cfg_(cfg), ctx_(ctx), group_(*ctx.par.comms->world) {
+  MT_CHECK(ctx.fsdp != nullptr, "fault tolerance: the replica group has no sharded optimizer to heal");
+  std::random_device rd;
+  incarnation_ = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  ctx.par.bridge->set_tolerant(true);
+  if (group_.rank() == 0) {
+    client_ = std::make_unique<LighthouseClient>(cfg.lighthouse, std::to_string(cfg.replica_id),
+                                                 std::chrono::milliseconds(cfg.heartbeat_interval_ms));
+  }
+  spdlog::info("fault tolerance: replica group {} of {} planned, lighthouse {}", cfg.replica_id, cfg.replica_groups,
+               cfg.lighthouse);
+}
+
+ReplicaManager::~ReplicaManager() {
+  for (auto& r : sends_) {
+    try {
+      r->wait();
+    } catch (const std::exception& e) {
+      spdlog::warn("fault tolerance: a state copy to another group failed at exit: {}", e.what());
+    }
+  }
+}
+
+QuorumAnswer ReplicaManager::ask(int64_t step) {
+  std::string text;
+  if (client_) {
+    const QuorumAnswer a = client_->quorum(incarnation_, step, group_.size(), millis(cfg_.quorum_timeout_s));
+    text = to_json(a).dump();
+    fault_point("ft_quorum", step + 1);  // the lighthouse counts this group in; the others will look for it
+  }
+  broadcast_bytes(group_, text, 0, ctx_.par.device);
+  return from_json(nlohmann::json::parse(text));
+}
+
+void ReplicaManager::begin_step(TrainState& state, DataLoader& loader) {
+  const auto t0 = SteadyClock::now();
+  step_ = state.step + 1;
+  ReplicaBridge& bridge = *ctx_.par.bridge;
+  // After a failure this group asks as a new member, so that the quorum (and every group's
+  // communicator) is made anew.
+  if (rejoin_ || bridge.failed()) ++incarnation_;
+  rejoin_ = false;
+  const QuorumAnswer a = ask(state.step);
+  report_ = StepReport{};
+  report_.replicas = static_cast<int>(a.quorum.members.size());
+  report_.quorum_id = a.quorum.id;
+  if (a.store_prefix != prefix_ || bridge.failed()) connect(a);
+  report_.quorum_ms = seconds_since(t0) * 1e3;
+  if (a.recover_from >= 0) {
+    heal_from(a.recover_from, state, loader);
+    report_.recovered_from = a.quorum.members[a.recover_from].replica_id;
+  } else if (!a.recover_to.empty()) {
+    send_to(a.recover_to, state, loader);
+  }
+  fault_point("ft_step", step_);
+}
+
+void ReplicaManager::connect(const QuorumAnswer& a) {
+  ReplicaBridge& bridge = *ctx_.par.bridge;
+  bridge.rebuild(nullptr);  // the old communicator closes first: its peers are gone or moving on
+  prefix_ = a.store_prefix;
+  const int n = static_cast<int>(a.quorum.members.size());
+  if (n == 1) return;
+  CommOptions opt = default_comm_options(ctx_.par.env);
+  opt.timeout = millis(cfg_.timeout_s);
+  opt.abort_process_on_error = false;
+  const std::string name = fmt::format("replicas(q{})", a.quorum.id);
+  try {
+    auto store = Store::open(a.store, /*rank=*/1, opt.timeout)->prefixed(fmt::format("{}/r{}", a.store_prefix, group_.rank()));
+    std::shared_ptr<Communicator> comm =
+        ctx_.par.device.is_cpu()
+            ? std::shared_ptr<Communicator>(GlooCommunicator::connect(store, a.index, n, opt, name))
+            : std::shared_ptr<Communicator>(connect_nccl(store, a.index, n, ctx_.par.device.index, opt, name));
+    bridge.rebuild(comm);
+  } catch (const Error& e) {
+    bridge.fail(fmt::format("connecting the replica groups of quorum {}: {}", a.quorum.id, e.what()));
+  }
+  spdlog::info("fault tolerance: quorum {}: {} replica groups, this one index {}{}", a.quorum.id, n, a.index,
+               bridge.failed() ? " (connection failed: the step will be discarded)" : "");
+}
+
+std::vector<Tensor> ReplicaManager::state_tensors() {
+  std::vector<Tensor> out;
+  FsdpContext& f = *ctx_.fsdp;
+  for (const Parameter& p : f.shard_params()) {
+    out.push_back(p.value);
+    if (p.has_master()) out.push_back(p.master_low);
+  }
+  for (const Tensor& m : f.optimizer().exp_avg()) out.push_back(m);
+  for (const Tensor& v : f.optimizer().exp_avg_sq()) out.push_back(v);
+  for (const NamedBuffer& b : ctx_.model->buffers()) out.push_back(b.value);
+  return out;
+}
+
+void ReplicaManager::send_to(const std::vector<int>& peers, const TrainState& state, const DataLoader& loader) {
+  Communicator* comm = ctx_.par.bridge->comm();
+  if (comm == nullptr) return;  // the connection failed: the step is discarded anyway
+  ctx_.settle();
+  const std::string position = loader.position().dump();
+  std::vector<int32_t> words((position.size() + 3) / 4, 0);
+  std::memcpy(words.data(), position.data(), position.size());
+  const std::vector<Tensor> tensors = state_tensors();
+  const Device where = comm->backend() == "gloo" ? Device::cpu() : ctx_.par.device;
+  send_buffers_.clear();
+  send_buffers_.push_back(Tensor::from_vector(std::vector<int64_t>{state.step, ctx_.optimizer().steps_taken(),
+                                                                   static_cast<int64_t>(position.size()),
+                                                                   static_cast<int64_t>(tensors.size())},
+                                              {4})
+                              .to(where));
+  send_buffers_.push_back(Tensor::from_vector(words, {static_cast<int64_t>(words.size())}).to(where));
+  try {
+    for (int peer : peers) {
+      uint32_t tag = 0;
+      for (const Tensor& t : send_buffers_) sends_.push_back(comm->isend(t, peer, tag++));
+      for (const Tensor& t : tensors) {
+        sends_.push_back(comm->isend(t, peer, tag++));
+        if (tag == 3) fault_point("ft_heal_send", step_);
+      }
+      spdlog::info("fault tolerance: sending this group's state at step {} to replica group index {}", state.step,
+                   peer);
+    }
+  } catch (const Error& e) {
+    send_failed_ = true;
+    spdlog::warn("fault tolerance: sending the state to a group behind: {}", e.what());
+  }
+}
+
+void ReplicaManager::heal_from(int peer, TrainState& state, DataLoader& loader) {
+  Communicator* comm = ctx_.par.bridge->comm();
+  const auto t0 = SteadyClock::now();
+  std::string failure = comm == nullptr ? ctx_.par.bridge->failure() : "";
+  StateHeader h;
+  std::string position;
+  int64_t bytes = 0;
+  if (comm != nullptr) {
+    try {
+      const Device where = comm->backend() == "gloo" ? Device::cpu() : ctx_.par.device;
+      Tensor header = Tensor::zeros({4}, DType::I64, where);
+      comm->irecv(header, peer, 0)->wait();
+      const std::vector<double> hv = header.to_double_vector();
+      h = {static_cast<int64_t>(hv[0]), static_cast<int64_t>(hv[1]), static_cast<int64_t>(hv[2]),
+           static_cast<int64_t>(hv[3])};
+      Tensor words = Tensor::zeros({(h.position_bytes + 3) / 4}, DType::I32, where);
+      comm->irecv(words, peer, 1)->wait();
+      const Tensor host = words.to(Device::cpu());
+      position.assign(reinterpret_cast<const char*>(host.raw()), static_cast<size_t>(h.position_bytes));
+      std::vector<Tensor> tensors = state_tensors();
+      MT_CHECK(static_cast<int64_t>(tensors.size()) == h.tensors,
+               "the peer sends {} state tensors, this rank holds {}: replica groups need the same layout", h.tensors,
+               tensors.size());
+      uint32_t tag = 2;
+      for (Tensor& t : tensors) {
+        comm->irecv(t, peer, tag++)->wait();
+        bytes += static_cast<int64_t>(t.nbytes());
+      }
+    } catch (const Error& e) {
+      failure = e.what();
+    }
+  }
+  // Every rank of the group healed, or none may train on: half-copied shards are not a model.
+  std::vector<double> failed{failure.empty() ? 0.0 : 1.0};
+  all_reduce_doubles(group_, failed, ctx_.par.device);
+  MT_CHECK(failed[0] == 0,
+           "fault tolerance: replica group {} could not copy its state from a peer ({} rank(s) failed{}); stopping so "
+           "that its launcher restarts it",
+           cfg_.replica_id, failed[0], failure.empty() ? "" : ": " + failure);
+  ctx_.fsdp->gather_values();
+  ctx_.optimizer().set_steps_taken(h.optimizer_steps);
+  state.step = h.step;
+  state.optimizer_steps = h.optimizer_steps;
+  state.data_position = nlohmann::json::parse(position);
+  loader.set_position(state.data_position);
+  report_.heal_s = seconds_since(t0);
+  report_.heal_bytes = bytes;
+  spdlog::info("fault tolerance: healed from replica group index {}: step {}, {:.1f} MB in {:.3f} s ({:.2f} GB/s)", peer,
+               state.step, bytes / 1e6, report_.heal_s, bytes / 1e9 / std::max(report_.heal_s, 1e-9));
+}
+
+bool ReplicaManager::should_commit() {
+  double failed = send_failed_ ? 1.0 : 0.0;
+  send_failed_ = false;
+  // The peers behind read this group's state: it may change only once they have it.
+  for (auto& r : sends_) {
+    try {
+      r->wait();
+    } catch (const Error& e) {
+      spdlog::warn("fault tolerance: sending the state to a group behind: {}", e.what());
+      failed = 1.0;
+    }
+  }
+  sends_.clear();
+  send_buffers_.clear();
+  ReplicaBridge& bridge = *ctx_.par.bridge;
+  if (bridge.failed()) failed = 1.0;
+  fault_point("ft_commit", step_);
+  // Two rounds inside the group around one across the groups, so that all ranks of a group
+  // decide alike even when only some of them saw the cross-group vote fail.
+  std::vector<double> v{failed};
+  all_reduce_doubles(group_, v, ctx_.par.device);
+  bridge.all_reduce_doubles(v, ctx_.par.device);
+  if (bridge.failed()) v[0] += 1;
+  all_reduce_doubles(group_, v, ctx_.par.device);
+  const bool commit = v[0] == 0;
+  if (!commit) {
+    rejoin_ = true;
+    spdlog::warn("fault tolerance: step discarded ({} failure(s) across the quorum's ranks)", v[0]);
+  }
+  return commit;
+}
+
+}  // namespace moetrain
