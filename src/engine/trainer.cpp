@@ -536,6 +536,7 @@ TrainSummary train(const RunConfig& cfg_in) {
   std::unique_ptr<ReplicaManager> replicas;
   StepHooks hooks;
   int64_t discarded = 0;
+  bool healed_to_end = false;
   if (cfg.fault_tolerance.enabled()) {
     replicas = std::make_unique<ReplicaManager>(cfg.fault_tolerance, *ctx);
     hooks.before_step = [&](TrainState& s) { replicas->begin_step(s, *data.train); };
@@ -553,6 +554,11 @@ TrainSummary train(const RunConfig& cfg_in) {
   double train_seconds = 0;
   while (state.step < end_step) {
     if (hooks.before_step) hooks.before_step(state);
+    if (state.step >= end_step) {  // healed from a replica group that ended the run: no step left
+      replicas->should_commit();   // this round's vote, which the others wait for
+      healed_to_end = true;
+      break;
+    }
     fault_point("step_begin", state.step + 1);
     heartbeat.beat();
     const auto t0 = Clock::now();
@@ -595,6 +601,8 @@ TrainSummary train(const RunConfig& cfg_in) {
       break;
     }
   }
+  if (replicas && !preempted) replicas->finish(state, *data.train);  // until every alive group has the last step
+  if (healed_to_end) checkpoints.after_step(state, /*last=*/true);
   log.finish();
   {  // the last step's optimizer updates may still run (optim/layerwise.h): count them as training
     const auto t0 = Clock::now();

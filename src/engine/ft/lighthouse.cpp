@@ -147,6 +147,7 @@ class LighthouseServer::Impl final : public pb::Lighthouse::Service {
     for (int i : q.recover_to(index)) r->add_recover_to(i);
     r->set_store_port(store_.port());
     r->set_store_prefix(fmt::format("lh-{}/q{}", incarnation_, q.id));
+    r->set_alive(q.alive);
   }
 
   // Join timeouts expire without a request arriving: look again every few milliseconds.
@@ -190,7 +191,13 @@ class LighthouseClient::Impl {
   Impl(const std::string& address, std::string replica_id, std::chrono::milliseconds interval)
       : address_(address), replica_id_(std::move(replica_id)), interval_(interval) {
     host_ = split_host_port(fmt::format("[fault_tolerance].lighthouse '{}'", address), address, 0).first;
-    stub_ = pb::Lighthouse::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    // A lighthouse that restarts is reached again within half a second, not after gRPC's
+    // default backoff (up to two minutes): a group that is late to it may miss quorums.
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
+    stub_ = pb::Lighthouse::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
     beater_ = std::thread([this] { beat(); });
   }
   ~Impl() {
@@ -233,6 +240,7 @@ class LighthouseClient::Impl {
       a.quorum.members.push_back({m.replica_id(), m.incarnation(), m.step(), m.group_size()});
     }
     a.quorum.max_step = r.max_step();
+    a.quorum.alive = r.alive();
     a.index = r.index();
     a.recover_from = r.recover_from();
     a.recover_to.assign(r.recover_to().begin(), r.recover_to().end());

@@ -79,6 +79,7 @@ std::optional<Quorum> QuorumState::try_form(Clock::time_point now, std::string* 
   for (const QuorumMember& m : q.members) {
     q.recover_from.push_back(m.step == q.max_step ? -1 : up_to_date[next++ % up_to_date.size()]);
   }
+  q.alive = live;
   pending_.clear();
   round_start_.reset();
   last_ = q;

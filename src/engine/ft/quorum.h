@@ -43,6 +43,7 @@ struct Quorum {
   std::vector<QuorumMember> members;  // sorted by replica_id
   int64_t max_step = 0;
   std::vector<int> recover_from;      // per member: the index it copies from, or -1
+  int alive = 0;                      // groups alive when it formed (members or not)
 
   int index_of(const std::string& replica_id) const;  // -1 when not a member
   std::vector<int> recover_to(int index) const;       // the members that copy from `index`

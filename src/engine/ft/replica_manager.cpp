@@ -2,10 +2,12 @@
 
 #include <nlohmann/json.hpp>
 #include <random>
+#include <thread>
 
 #include "comm/gloo_communicator.h"
 #include "comm/nccl_communicator.h"
 #include "comm/store.h"
+#include "core/cuda_runtime.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/timer.h"
@@ -27,7 +29,7 @@ std::chrono::milliseconds millis(double seconds) {
 nlohmann::json to_json(const QuorumAnswer& a) {
   nlohmann::json members = nlohmann::json::array();
   for (const QuorumMember& m : a.quorum.members) members.push_back({m.replica_id, m.incarnation, m.step});
-  return {{"id", a.quorum.id},         {"members", members},         {"max_step", a.quorum.max_step},
+  return {{"id", a.quorum.id},         {"members", members},         {"max_step", a.quorum.max_step}, {"alive", a.quorum.alive},
           {"index", a.index},          {"recover_from", a.recover_from}, {"recover_to", a.recover_to},
           {"store", a.store},          {"prefix", a.store_prefix}};
 }
@@ -37,6 +39,7 @@ QuorumAnswer from_json(const nlohmann::json& j) {
   a.quorum.id = j["id"];
   for (const auto& m : j["members"]) a.quorum.members.push_back({m[0], m[1], m[2], 0});
   a.quorum.max_step = j["max_step"];
+  a.quorum.alive = j["alive"];
   a.index = j["index"];
   a.recover_from = j["recover_from"];
   a.recover_to = j["recover_to"].get<std::vector<int>>();
@@ -97,6 +100,7 @@ void ReplicaManager::begin_step(TrainState& state, DataLoader& loader) {
   if (rejoin_ || bridge.failed()) ++incarnation_;
   rejoin_ = false;
   const QuorumAnswer a = ask(state.step);
+  last_ = a;
   report_ = StepReport{};
   report_.replicas = static_cast<int>(a.quorum.members.size());
   report_.quorum_id = a.quorum.id;
@@ -148,6 +152,41 @@ std::vector<Tensor> ReplicaManager::state_tensors() {
   return out;
 }
 
+namespace {
+
+// A rank's state goes as few messages: every tensor of at least kAlone bytes on its own,
+// the many small ones (norm gains, biases, their moments) packed into one buffer.
+constexpr size_t kAlone = 1 << 20;
+
+size_t padded(size_t bytes) { return (bytes + 3) / 4 * 4; }
+
+// The small tensors' bytes back to back (each padded to 4), as i32 words on `where`.
+Tensor pack_small(const std::vector<Tensor>& tensors, Device where) {
+  size_t total = 0;
+  for (const Tensor& t : tensors) total += t.nbytes() < kAlone ? padded(t.nbytes()) : 0;
+  Tensor out = Tensor::zeros({static_cast<int64_t>(total / 4)}, DType::I32, where);
+  char* dst = static_cast<char*>(out.raw());
+  for (const Tensor& t : tensors) {
+    if (t.nbytes() >= kAlone) continue;
+    if (where.is_cpu()) std::memcpy(dst, t.to(Device::cpu()).raw(), t.nbytes());
+    else cuda::copy_device_to_device(dst, t.raw(), t.nbytes());
+    dst += padded(t.nbytes());
+  }
+  return out;
+}
+
+void unpack_small(const Tensor& packed, std::vector<Tensor>& tensors) {
+  const char* src = static_cast<const char*>(packed.raw());
+  for (Tensor& t : tensors) {
+    if (t.nbytes() >= kAlone) continue;
+    if (t.device().is_cpu()) std::memcpy(t.raw(), src, t.nbytes());
+    else cuda::copy_device_to_device(t.raw(), src, t.nbytes());
+    src += padded(t.nbytes());
+  }
+}
+
+}  // namespace
+
 void ReplicaManager::send_to(const std::vector<int>& peers, const TrainState& state, const DataLoader& loader) {
   Communicator* comm = ctx_.par.bridge->comm();
   if (comm == nullptr) return;  // the connection failed: the step is discarded anyway
@@ -164,13 +203,14 @@ void ReplicaManager::send_to(const std::vector<int>& peers, const TrainState& st
                                               {4})
                               .to(where));
   send_buffers_.push_back(Tensor::from_vector(words, {static_cast<int64_t>(words.size())}).to(where));
+  send_buffers_.push_back(pack_small(tensors, where));
   try {
     for (int peer : peers) {
       uint32_t tag = 0;
       for (const Tensor& t : send_buffers_) sends_.push_back(comm->isend(t, peer, tag++));
+      fault_point("ft_heal_send", step_);
       for (const Tensor& t : tensors) {
-        sends_.push_back(comm->isend(t, peer, tag++));
-        if (tag == 3) fault_point("ft_heal_send", step_);
+        if (t.nbytes() >= kAlone) sends_.push_back(comm->isend(t, peer, tag++));
       }
       spdlog::info("fault tolerance: sending this group's state at step {} to replica group index {}", state.step,
                    peer);
@@ -196,19 +236,25 @@ void ReplicaManager::heal_from(int peer, TrainState& state, DataLoader& loader) 
       const std::vector<double> hv = header.to_double_vector();
       h = {static_cast<int64_t>(hv[0]), static_cast<int64_t>(hv[1]), static_cast<int64_t>(hv[2]),
            static_cast<int64_t>(hv[3])};
-      Tensor words = Tensor::zeros({(h.position_bytes + 3) / 4}, DType::I32, where);
-      comm->irecv(words, peer, 1)->wait();
-      const Tensor host = words.to(Device::cpu());
-      position.assign(reinterpret_cast<const char*>(host.raw()), static_cast<size_t>(h.position_bytes));
       std::vector<Tensor> tensors = state_tensors();
       MT_CHECK(static_cast<int64_t>(tensors.size()) == h.tensors,
                "the peer sends {} state tensors, this rank holds {}: replica groups need the same layout", h.tensors,
                tensors.size());
-      uint32_t tag = 2;
+      // Every receive posted before the first wait: the messages stream back to back.
+      Tensor words = Tensor::zeros({(h.position_bytes + 3) / 4}, DType::I32, where);
+      Tensor small = pack_small(tensors, where);
+      std::vector<std::unique_ptr<P2pRequest>> recvs;
+      recvs.push_back(comm->irecv(words, peer, 1));
+      recvs.push_back(comm->irecv(small, peer, 2));
+      uint32_t tag = 3;
       for (Tensor& t : tensors) {
-        comm->irecv(t, peer, tag++)->wait();
+        if (t.nbytes() >= kAlone) recvs.push_back(comm->irecv(t, peer, tag++));
         bytes += static_cast<int64_t>(t.nbytes());
       }
+      for (auto& r : recvs) r->wait();
+      unpack_small(small, tensors);
+      const Tensor host = words.to(Device::cpu());
+      position.assign(reinterpret_cast<const char*>(host.raw()), static_cast<size_t>(h.position_bytes));
     } catch (const Error& e) {
       failure = e.what();
     }
@@ -232,20 +278,43 @@ void ReplicaManager::heal_from(int peer, TrainState& state, DataLoader& loader) 
                state.step, bytes / 1e6, report_.heal_s, bytes / 1e9 / std::max(report_.heal_s, 1e-9));
 }
 
-bool ReplicaManager::should_commit() {
-  double failed = send_failed_ ? 1.0 : 0.0;
+bool ReplicaManager::wait_sends() {
+  bool ok = !send_failed_;
   send_failed_ = false;
-  // The peers behind read this group's state: it may change only once they have it.
   for (auto& r : sends_) {
     try {
       r->wait();
     } catch (const Error& e) {
       spdlog::warn("fault tolerance: sending the state to a group behind: {}", e.what());
-      failed = 1.0;
+      ok = false;
     }
   }
   sends_.clear();
   send_buffers_.clear();
+  return ok;
+}
+
+void ReplicaManager::finish(TrainState& state, DataLoader& loader) {
+  // This group is done; groups still alive but behind (a restart that came back late, one
+  // that lost a quorum) heal from it in rounds like a step's, without the step, so that every
+  // group ends the run with the same state.
+  const auto until = SteadyClock::now() + millis(cfg_.quorum_timeout_s);
+  while (SteadyClock::now() < until) {
+    begin_step(state, loader);
+    const bool ok = should_commit();
+    bool all_done = ok && last_.quorum.members.size() >= static_cast<size_t>(last_.quorum.alive);
+    for (const QuorumMember& m : last_.quorum.members) all_done = all_done && m.step == state.step;
+    if (all_done) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  spdlog::warn("fault tolerance: the run ends while other replica groups may still be behind (none caught up within "
+               "[fault_tolerance].quorum_timeout_s = {})",
+               cfg_.quorum_timeout_s);
+}
+
+bool ReplicaManager::should_commit() {
+  // The peers behind read this group's state: it may change only once they have it.
+  double failed = wait_sends() ? 0.0 : 1.0;
   ReplicaBridge& bridge = *ctx_.par.bridge;
   if (bridge.failed()) failed = 1.0;
   fault_point("ft_commit", step_);

@@ -57,6 +57,10 @@ class ReplicaManager {
   void begin_step(TrainState& state, DataLoader& loader);
   // After the step's gradients: whether every rank of every group in the quorum succeeded.
   bool should_commit();
+  // After the last step: stays in the quorums (training nothing: begin_step and the vote)
+  // until every alive group has reached this step, sending its state to those behind.
+  // Bounded by quorum_timeout_s.
+  void finish(TrainState& state, DataLoader& loader);
 
   // What the last step saw, for metrics.jsonl.
   struct StepReport {
@@ -75,6 +79,7 @@ class ReplicaManager {
   void heal_from(int peer, TrainState& state, DataLoader& loader);
   void send_to(const std::vector<int>& peers, const TrainState& state, const DataLoader& loader);
   std::vector<Tensor> state_tensors();
+  bool wait_sends();  // false when a send to a peer failed
 
   FaultToleranceConfig cfg_;
   TrainContext& ctx_;
@@ -88,6 +93,7 @@ class ReplicaManager {
   bool rejoin_ = false;                       // the last step was discarded
   int64_t step_ = 0;                          // the step being trained (1-based)
   StepReport report_;
+  QuorumAnswer last_;                         // the last quorum's answer
 };
 
 }  // namespace moetrain
