@@ -28,6 +28,7 @@ struct Fault {
   int64_t rank = -1, step = -1, generation = -1;  // -1: any
   int64_t count = -1;                              // -1: every time
   int64_t skip = 0;                                // matches passed over before it fires
+  int64_t from_step = -1;                          // -1: any; else steps >= it only
 };
 
 int64_t env_int(const char* name) {
@@ -64,7 +65,8 @@ std::vector<Fault> parse(const std::string& text) {
       else if (k == "generation") f.generation = v;
       else if (k == "count") f.count = v;
       else if (k == "skip") f.skip = v;
-      else MT_THROW("MOETRAIN_FAULT: unknown key '{}' in '{}' (rank, step, generation, count, skip)", k, one);
+      else if (k == "from_step") f.from_step = v;
+      else MT_THROW("MOETRAIN_FAULT: unknown key '{}' in '{}' (rank, step, from_step, generation, count, skip)", k, one);
     }
     if (f.action.rfind("stall=", 0) == 0) {
       f.stall_s = std::strtod(f.action.c_str() + 6, nullptr);
@@ -103,7 +105,7 @@ bool fault_point(std::string_view point, int64_t step) {
   bool error = false;
   for (Fault& f : *all) {
     if (f.point != point || (f.rank >= 0 && f.rank != rank) || (f.step >= 0 && f.step != step) ||
-        (f.generation >= 0 && f.generation != generation)) {
+        (f.from_step >= 0 && step < f.from_step) || (f.generation >= 0 && f.generation != generation)) {
       continue;
     }
     {

@@ -2,7 +2,7 @@
 // environment variable MOETRAIN_FAULT names fires. When the variable is unset a point costs
 // one test of a flag read once.
 //
-//   MOETRAIN_FAULT="ACTION@POINT[:rank=R][:step=S][:generation=G]" (several: ';'-separated)
+//   MOETRAIN_FAULT="ACTION@POINT[:rank=R][:step=S][:from_step=S][:generation=G]" (several: ';'-separated)
 //     ACTION  kill (SIGKILL to itself: no cleanup, as a machine failure), kill_node (SIGKILL
 //             to its launcher, then to itself: the launcher's other workers die with it, a
 //             node lost for good), exit (status 3),
@@ -23,6 +23,7 @@
 //             healing, before the batches), ft_heal_send (a group sending its state to one
 //             behind, some tensors posted), ft_allreduce (every gradient all-reduce across
 //             replica groups; no step), ft_commit (before the vote on the step)
+//     from_step=S: fire only at step S or later (a point without a step never matches it).
 //     rank, step, generation: fire only there (RANK, the step, TORCHELASTIC_RESTART_COUNT as
 //             `moetrain launch --max-restarts` sets it); omitted: everywhere.
 //     count=N: fire only the first N times the point matches in this process.

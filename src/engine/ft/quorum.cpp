@@ -56,7 +56,10 @@ std::optional<Quorum> QuorumState::try_form(Clock::time_point now, std::string* 
     if (now - t <= rules_.heartbeat_timeout && !pending_.count(id)) every_live_asking = false;
   }
   const bool timed_out = round_start_ && now - *round_start_ >= rules_.join_timeout;
-  if (!previous_all_back && !every_live_asking && !timed_out) {
+  // A lighthouse that has formed no quorum yet (it just started) does not know every group
+  // that is alive: its first quorum waits out the join timeout.
+  const bool first = last_.members.empty();
+  if (!previous_all_back && !(every_live_asking && !first) && !timed_out) {
     return wait(fmt::format("{} asking of {} alive, waiting up to join_timeout for the others", asking, live));
   }
 

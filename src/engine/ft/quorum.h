@@ -8,7 +8,8 @@
 //     ones (two halves of a partitioned job can never both train);
 //   - it forms at once when every member of the previous quorum asks again (the fast path
 //     of a healthy run) or when every alive group asks; otherwise once join_timeout has
-//     passed since the first request of the round;
+//     passed since the first request of the round; the first quorum of a lighthouse (just
+//     started or restarted, it has not heard from every group yet) always waits join_timeout;
 //   - its id is the previous id + 1 when the members (or an incarnation) changed, else the same
 //     (steps advance every round and do not count);
 //   - the members at the highest step are up to date; each member below it copies its state
