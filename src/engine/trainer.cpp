@@ -446,9 +446,12 @@ class RunLog {
     m.layout = ctx_.par.layout.mesh().str();
     m.restart_generation = ctx_.par.env.restart_generation;
     m.world_size = ctx_.par.world;
-    if (step == start_step_ + 1 && ctx_.par.env.failure_at > 0) {
+    // The first step this process commits (under live FT, after healing: later than
+    // start_step + 1).
+    if (first_step_ && ctx_.par.env.failure_at > 0) {
       m.restart_downtime_s = epoch_seconds() - seconds - ctx_.par.env.failure_at;
     }
+    first_step_ = false;
     return m;
   }
 
@@ -483,6 +486,7 @@ class RunLog {
   std::unique_ptr<TensorBoardWriter> tensorboard_;
   std::unique_ptr<PrometheusExporter> prometheus_;
   mutable int64_t last_live_ = -1;  // the live bytes at the previous step's end
+  mutable bool first_step_ = true;  // of() not yet called
 };
 
 }  // namespace

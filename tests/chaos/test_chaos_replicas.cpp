@@ -23,6 +23,7 @@
 
 #include "chaos_run.h"
 #include "comm/launcher.h"
+#include "core/cuda_runtime.h"
 
 namespace moetrain {
 namespace {
@@ -47,8 +48,8 @@ class ReplicaChaos : public ::testing::Test {
 
   // Replica group `id` of run `name`: `ranks` workers, restarted up to 10 times.
   std::unique_ptr<Background> group(const std::string& name, int id, int ranks, const std::string& layout,
-                                    const std::string& fault, int steps) {
-    const std::string env = fault.empty() ? "" : "MOETRAIN_FAULT='" + fault + "' ";
+                                    const std::string& fault, int steps, const std::string& more_env = "") {
+    const std::string env = more_env + " " + (fault.empty() ? "" : "MOETRAIN_FAULT='" + fault + "' ");
     const std::string cmd =
         env + moetrain_binary() + " launch -n " + std::to_string(ranks) + " --grace 5 --max-restarts 10 -- " +
         chaos_train_args(corpus_, dir_ / name, steps) + " " + layout +
@@ -145,6 +146,15 @@ TEST_P(ReplicaChaosLayouts, GroupsKilledEverywhereHealAndAllEndBitwiseEqual) {
   EXPECT_GE(count(out1, "healed from replica group"), 4) << out1;
   EXPECT_GE(count(out2, "healed from replica group"), 1) << out2;
   EXPECT_GT(m2.front()["step"].get<int64_t>(), 30);
+  // From each kill of group 1 to its first step committed after healing (restart, quorum, copy, one step).
+  for (const auto& line : m1) {
+    if (line.contains("restart_downtime_s")) {
+      std::printf("group 1, restart %d: back %.2f s after the failure, healing %.1f MB in %.3f s\n",
+                  line["restart_generation"].get<int>(), line["restart_downtime_s"].get<double>(),
+                  line["fault_tolerance"]["heal_bytes"].get<double>() / 1e6,
+                  line["fault_tolerance"]["heal_s"].get<double>());
+    }
+  }
   int partial = 0;
   for (const auto& line : m0) partial += line["replicas_in_quorum"].get<int>() < 3 ? 1 : 0;
   EXPECT_GT(partial, 0);  // group 0 trained on while others were missing
@@ -215,6 +225,39 @@ TEST_F(ReplicaChaos, ARestartedLighthouseAndAGroupJoiningMidRunLoseNothing) {
   EXPECT_EQ(count(g0->output(), "restarting every worker"), 0);
   expect_bitwise_same_step(run_of("run", 0), run_of("run", 1), kSteps);
   expect_bitwise_same_step(run_of("run", 0), run_of("run", 2), kSteps);
+}
+
+// On GPUs (NCCL across the groups): one replica group per GPU; group 1 is killed in a
+// forward/backward and then in the gradient all-reduce, group 0 trains on alone meanwhile
+// and group 1 heals from it each time; both end bitwise equal.
+TEST_F(ReplicaChaos, OneGroupPerGpuFailsAndHealsUnderNccl) {
+  if (!cuda::available() || cuda::device_count() < 2) {
+    GTEST_SKIP() << "needs 2 GPUs: " << (cuda::available() ? "this machine has fewer" : cuda::unavailable_reason());
+  }
+  constexpr int kSteps = 30;
+  start_lighthouse();
+  const std::string gpu = "--parallel.ep=1 --training.device=cuda";
+  auto g0 = group("gpu", 0, 1, gpu, "", kSteps, "CUDA_VISIBLE_DEVICES=0");
+  auto g1 = group("gpu", 1, 1, gpu,
+                  "kill@micro_batch:rank=0:generation=0:skip=9;kill@ft_allreduce:rank=0:generation=1:skip=6", kSteps,
+                  "CUDA_VISIBLE_DEVICES=1");
+  for (auto* g : {g0.get(), g1.get()}) EXPECT_EQ(g->wait(300s), 0) << g->output();
+  const std::string out0 = g0->output(), out1 = g1->output();
+  EXPECT_NE(out0.find("nccl collectives"), std::string::npos) << out0;
+  EXPECT_EQ(count(out0, "restarting every worker"), 0) << out0;
+  EXPECT_EQ(count(out1, "restarting every worker"), 2) << out1;
+  EXPECT_GE(count(out1, "healed from replica group"), 2) << out1;
+  checked_metrics("gpu", 0, kSteps);
+  checked_metrics("gpu", 1, kSteps);
+  for (const std::string& line : {out1}) {
+    std::istringstream lines(line);
+    for (std::string l; std::getline(lines, l);) {
+      if (l.find("healed from") != std::string::npos || l.find("fault injected") != std::string::npos) {
+        std::printf("%s\n", l.c_str());
+      }
+    }
+  }
+  expect_bitwise_same_step(run_of("gpu", 0), run_of("gpu", 1), kSteps);
 }
 
 }  // namespace

@@ -71,13 +71,7 @@ ReplicaManager::ReplicaManager(const FaultToleranceConfig& cfg, TrainContext& ct
 }
 
 ReplicaManager::~ReplicaManager() {
-  for (auto& r : sends_) {
-    try {
-      r->wait();
-    } catch (const std::exception& e) {
-      spdlog::warn("fault tolerance: a state copy to another group failed at exit: {}", e.what());
-    }
-  }
+  if (!wait_sends()) spdlog::warn("fault tolerance: a state copy to another group failed at exit");
 }
 
 QuorumAnswer ReplicaManager::ask(int64_t step) {
@@ -188,7 +182,8 @@ void unpack_small(const Tensor& packed, std::vector<Tensor>& tensors) {
 }  // namespace
 
 void ReplicaManager::send_to(const std::vector<int>& peers, const TrainState& state, const DataLoader& loader) {
-  Communicator* comm = ctx_.par.bridge->comm();
+  send_comm_ = ctx_.par.bridge->shared();
+  Communicator* comm = send_comm_.get();
   if (comm == nullptr) return;  // the connection failed: the step is discarded anyway
   ctx_.settle();
   const std::string position = loader.position().dump();
@@ -252,6 +247,7 @@ void ReplicaManager::heal_from(int peer, TrainState& state, DataLoader& loader) 
         bytes += static_cast<int64_t>(t.nbytes());
       }
       for (auto& r : recvs) r->wait();
+      comm->synchronize();  // NCCL: the receives done (or their failure reported), not only enqueued
       unpack_small(small, tensors);
       const Tensor host = words.to(Device::cpu());
       position.assign(reinterpret_cast<const char*>(host.raw()), static_cast<size_t>(h.position_bytes));
@@ -281,16 +277,16 @@ void ReplicaManager::heal_from(int peer, TrainState& state, DataLoader& loader) 
 bool ReplicaManager::wait_sends() {
   bool ok = !send_failed_;
   send_failed_ = false;
-  for (auto& r : sends_) {
-    try {
-      r->wait();
-    } catch (const Error& e) {
-      spdlog::warn("fault tolerance: sending the state to a group behind: {}", e.what());
-      ok = false;
-    }
+  try {
+    for (auto& r : sends_) r->wait();
+    if (send_comm_ && !sends_.empty()) send_comm_->synchronize();  // NCCL: sent, not only enqueued
+  } catch (const Error& e) {
+    spdlog::warn("fault tolerance: sending the state to a group behind: {}", e.what());
+    ok = false;
   }
   sends_.clear();
   send_buffers_.clear();
+  send_comm_.reset();
   return ok;
 }
 

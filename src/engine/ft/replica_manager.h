@@ -87,6 +87,7 @@ class ReplicaManager {
   std::unique_ptr<LighthouseClient> client_;  // rank 0 only
   uint64_t incarnation_;
   std::string prefix_;                        // the quorum the communicator belongs to
+  std::shared_ptr<Communicator> send_comm_;   // the sends' communicator, alive until they are waited for
   std::vector<std::unique_ptr<P2pRequest>> sends_;
   std::vector<Tensor> send_buffers_;          // alive until the sends are waited for
   bool send_failed_ = false;

@@ -34,7 +34,12 @@ void ReplicaBridge::all_reduce(Tensor& t, ReduceOp op) {
 }
 
 void ReplicaBridge::all_reduce_doubles(std::vector<double>& values, Device device, ReduceOp op) {
-  guarded([&](Communicator& c) { moetrain::all_reduce_doubles(c, values, device, op); });
+  guarded([&](Communicator& c) {
+    moetrain::all_reduce_doubles(c, values, device, op);
+    // NCCL reports a failure (a peer gone, a timeout) at the call after it: ask now, so
+    // that values read after a failure are never taken for a result.
+    if (tolerant_) c.synchronize();
+  });
 }
 
 void sum_over_data(Communicator* group, ReplicaBridge* bridge, std::vector<double>& values, Device device) {

@@ -39,8 +39,10 @@ class ReplicaBridge {
   bool failed() const { return !failure_.empty(); }
   void fail(std::string why);  // marks it failed (and drops the communicator), as a failed collective
   const std::string& failure() const { return failure_; }
-  // The communicator now (nullptr: one replica group, or failed).
+  // The communicator now (nullptr: one replica group, or failed); shared(): kept alive by
+  // the caller past a rebuild (transfers in flight on it).
   Communicator* comm() const { return comm_.get(); }
+  std::shared_ptr<Communicator> shared() const { return comm_; }
 
   // Over the replica groups, in place (no-ops with one group).
   void all_reduce(Tensor& t, ReduceOp op = ReduceOp::Sum);
