@@ -93,6 +93,11 @@ class Communicator {
   // Waits for the ops enqueued on `stream` (nullptr: the default stream) to finish, up to
   // the timeout. A no-op for Gloo.
   virtual void synchronize(cuda::Stream stream = nullptr) = 0;
+  // Ends the communicator at once, waiting for no peer (NCCL: ncclCommAbort; ops in flight
+  // fail, every later call throws), for one whose peers may be gone, before it is dropped:
+  // its destructor would otherwise wait (up to the timeout) for them to finalize. Gloo:
+  // nothing (its destructor closes the sockets at once).
+  virtual void abort() {}
 
   // A sub-communicator: ranks that pass the same color form a group, ordered by key (then
   // by rank here). Collective over this communicator: every rank calls it, in the same

@@ -94,6 +94,19 @@ class NcclCommunicator final : public Communicator {
 
   std::string_view backend() const override { return "nccl"; }
 
+  void abort() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (failure_.empty()) failure_ = fmt::format("{} was aborted by its owner", name());
+    }
+    std::lock_guard<std::mutex> lock(api_mu_);
+    if (!aborted_) {
+      aborted_ = true;
+      cudaSetDevice(device_);
+      ncclCommAbort(comm_);
+    }
+  }
+
   void all_reduce(Tensor& t, ReduceOp op, cuda::Stream stream) override {
     check_device("all_reduce", t, "tensor");
     enqueue("all_reduce", -1, stream, [&](cudaStream_t s) {

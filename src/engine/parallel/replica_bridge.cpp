@@ -7,6 +7,8 @@
 namespace moetrain {
 
 void ReplicaBridge::rebuild(std::shared_ptr<Communicator> replicas) {
+  // Live FT: the old groups may hold a dead one; NCCL would wait for it to finalize.
+  if (tolerant_ && comm_) comm_->abort();
   comm_ = replicas && replicas->size() > 1 ? std::move(replicas) : nullptr;
   failure_.clear();
 }
@@ -14,6 +16,7 @@ void ReplicaBridge::rebuild(std::shared_ptr<Communicator> replicas) {
 void ReplicaBridge::fail(std::string why) {
   failure_ = std::move(why);
   spdlog::warn("replica groups: {}; this step will be discarded", failure_);
+  if (comm_) comm_->abort();
   comm_.reset();
 }
 
