@@ -370,6 +370,8 @@ std::function<int()> add_launch_commands(CLI::App& app) {
                          "a group not heard from for this long is dead: quorums stop waiting for it")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  auto lh_verbose = std::make_shared<bool>(false);
+  lighthouse->add_flag("--verbose", *lh_verbose, "log every request and why a quorum waits");
   lighthouse->footer("Example: moetrain lighthouse --port 29510 --min-replicas 1, then each replica group: moetrain launch -n 8 "
                      "-- train -c run.toml --fault_tolerance.lighthouse=HOST:29510 --fault_tolerance.replica_id=I");
 
@@ -382,11 +384,12 @@ std::function<int()> add_launch_commands(CLI::App& app) {
                        "also time all-to-all-v, all-reduce and all-gather on this many MB (bf16) per rank");
 
   return [launch, selftest, server, server_port, server_journal, la, sa, lighthouse, lh, lh_join_ms,
-          lh_heartbeat_ms]() -> int {
+          lh_heartbeat_ms, lh_verbose]() -> int {
     if (server->parsed()) return run_rdzv_server(*server_port, *server_journal);
     if (lighthouse->parsed()) {
       lh->rules.join_timeout = std::chrono::milliseconds(*lh_join_ms);
       lh->rules.heartbeat_timeout = std::chrono::milliseconds(*lh_heartbeat_ms);
+      if (*lh_verbose) spdlog::set_level(spdlog::level::debug);
       return run_lighthouse(*lh);
     }
     if (launch->parsed()) {

@@ -559,7 +559,7 @@ TrainSummary train(const RunConfig& cfg_in) {
   while (state.step < end_step) {
     if (hooks.before_step) hooks.before_step(state);
     if (state.step >= end_step) {  // healed from a replica group that ended the run: no step left
-      replicas->should_commit();   // this round's vote, which the others wait for
+      replicas->vote_without_step(state);  // this round's vote, which the others wait for
       healed_to_end = true;
       break;
     }

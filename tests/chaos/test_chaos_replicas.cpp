@@ -39,10 +39,19 @@ class ReplicaChaos : public ::testing::Test {
     port_ = free_tcp_port();
   }
 
+  // A failed scenario prints what the lighthouse said (the groups' logs are in the failures).
+  void TearDown() override {
+    if (!HasFailure()) return;
+    for (int i = 0; i < lighthouse_starts_; ++i) {
+      std::printf("---- lighthouse %d\n%s\n", i, read_text(dir_ / ("lighthouse" + std::to_string(i) + ".log")).c_str());
+    }
+  }
+
   void start_lighthouse(int min_replicas = 1) {
     lighthouse_ = std::make_unique<Background>(
         moetrain_binary() + " lighthouse --bind 127.0.0.1 --port " + std::to_string(port_) +
-            " --min-replicas " + std::to_string(min_replicas) + " --join-timeout-ms 500 --heartbeat-timeout-ms 2000",
+            " --min-replicas " + std::to_string(min_replicas) +
+            " --join-timeout-ms 500 --heartbeat-timeout-ms 2000 --verbose",
         dir_ / ("lighthouse" + std::to_string(lighthouse_starts_++) + ".log"));
   }
 
@@ -106,7 +115,7 @@ class ReplicaChaos : public ::testing::Test {
 class ReplicaChaosLayouts : public ReplicaChaos, public ::testing::WithParamInterface<const char*> {};
 
 TEST_P(ReplicaChaosLayouts, GroupsKilledEverywhereHealAndAllEndBitwiseEqual) {
-  constexpr int kSteps = 40;
+  constexpr int kSteps = 60;  // group 2 joins after step 30, well before the end
   const std::string layout = GetParam();
   start_lighthouse();
   // Groups 0 and 1 start; group 1 dies in the quorum of step 3, then (each time soon after it
@@ -145,6 +154,7 @@ TEST_P(ReplicaChaosLayouts, GroupsKilledEverywhereHealAndAllEndBitwiseEqual) {
   // Every restart healed from a peer (a heal the next kill cut short has no committed step).
   EXPECT_GE(count(out1, "healed from replica group"), 4) << out1;
   EXPECT_GE(count(out2, "healed from replica group"), 1) << out2;
+  ASSERT_FALSE(m2.empty()) << out2;
   EXPECT_GT(m2.front()["step"].get<int64_t>(), 30);
   // From each kill of group 1 to its first step committed after healing (restart, quorum, copy, one step).
   for (const auto& line : m1) {
@@ -219,6 +229,7 @@ TEST_F(ReplicaChaos, ARestartedLighthouseAndAGroupJoiningMidRunLoseNothing) {
   const auto m0 = checked_metrics("run", 0, kSteps);
   checked_metrics("run", 1, kSteps);
   const auto m2 = checked_metrics("run", 2, kSteps);
+  ASSERT_FALSE(m2.empty()) << g2->output();
   EXPECT_FALSE(m2.front()["recovered_from"].is_null());  // its first step came after healing
   EXPECT_GT(m2.front()["step"].get<int64_t>(), 12);
   EXPECT_EQ(m0.back()["replicas_in_quorum"], 3);

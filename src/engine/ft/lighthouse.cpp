@@ -222,14 +222,29 @@ class LighthouseClient::Impl {
       grpc::ClientContext ctx;
       ctx.set_deadline(until);
       ctx.set_wait_for_ready(true);  // a lighthouse that restarts: wait for it, up to the deadline
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (cancelled_) break;
+        active_ = &ctx;
+      }
       pb::QuorumReply r;
       last = stub_->Quorum(&ctx, req, &r);
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        active_ = nullptr;
+      }
       if (last.ok()) return answer(r);
       if (last.error_code() != grpc::StatusCode::UNAVAILABLE) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     MT_THROW("fault tolerance: replica group {} got no quorum from the lighthouse at {} within {} ms: {} ({})",
              replica_id_, address_, timeout.count(), last.error_message(), static_cast<int>(last.error_code()));
+  }
+
+  void cancel() {
+    std::lock_guard<std::mutex> lk(mu_);
+    cancelled_ = true;
+    if (active_) active_->TryCancel();
   }
 
  private:
@@ -272,9 +287,11 @@ class LighthouseClient::Impl {
   std::string address_, host_, replica_id_;
   std::chrono::milliseconds interval_;
   std::unique_ptr<pb::Lighthouse::Stub> stub_;
-  std::mutex mu_;
+  std::mutex mu_;  // stopping_, cancelled_, active_
   std::condition_variable cv_;
   bool stopping_ = false;
+  bool cancelled_ = false;
+  grpc::ClientContext* active_ = nullptr;  // the quorum call in flight
   std::thread beater_;
 };
 
@@ -286,5 +303,6 @@ QuorumAnswer LighthouseClient::quorum(uint64_t incarnation, int64_t step, int32_
                                       std::chrono::milliseconds timeout) {
   return impl_->quorum(incarnation, step, group_size, timeout);
 }
+void LighthouseClient::cancel() { impl_->cancel(); }
 
 }  // namespace moetrain

@@ -69,6 +69,8 @@ class LighthouseClient {
   // Asks for the next quorum and waits for it. While the lighthouse cannot be reached (it
   // restarts), asks again until `timeout`; then an Error naming the lighthouse's address.
   QuorumAnswer quorum(uint64_t incarnation, int64_t step, int32_t group_size, std::chrono::milliseconds timeout);
+  // Makes a quorum() waiting in another thread return at once with an Error (the run ends).
+  void cancel();
 
  private:
   class Impl;

@@ -1,6 +1,7 @@
 #include "engine/ft/replica_manager.h"
 
 #include <nlohmann/json.hpp>
+#include <future>
 #include <random>
 #include <thread>
 
@@ -72,12 +73,20 @@ ReplicaManager::ReplicaManager(const FaultToleranceConfig& cfg, TrainContext& ct
 
 ReplicaManager::~ReplicaManager() {
   if (!wait_sends()) spdlog::warn("fault tolerance: a state copy to another group failed at exit");
+  if (client_) discard_early();
 }
 
 QuorumAnswer ReplicaManager::ask(int64_t step) {
   std::string text;
   if (client_) {
-    const QuorumAnswer a = client_->quorum(incarnation_, step, group_.size(), millis(cfg_.quorum_timeout_s));
+    // Asked when the last step committed (formed by now, as a rule), else now. The early
+    // answer is followed even were its step not this one: the other groups follow it too.
+    if (early_.valid() && early_step_ != step) {
+      spdlog::warn("fault tolerance: the quorum was asked for at step {}, the group is at step {}", early_step_, step);
+    }
+    const QuorumAnswer a = early_.valid() ? early_.get()
+                                          : client_->quorum(incarnation_, step, group_.size(),
+                                                            millis(cfg_.quorum_timeout_s));
     text = to_json(a).dump();
     fault_point("ft_quorum", step + 1);  // the lighthouse counts this group in; the others will look for it
   }
@@ -102,6 +111,7 @@ void ReplicaManager::begin_step(TrainState& state, DataLoader& loader) {
   report_.quorum_ms = seconds_since(t0) * 1e3;
   if (a.recover_from >= 0) {
     heal_from(a.recover_from, state, loader);
+    step_ = state.step + 1;  // the step this group trains now is the peer's next
     report_.recovered_from = a.quorum.members[a.recover_from].replica_id;
   } else if (!a.recover_to.empty()) {
     send_to(a.recover_to, state, loader);
@@ -297,10 +307,9 @@ void ReplicaManager::finish(TrainState& state, DataLoader& loader) {
   const auto until = SteadyClock::now() + millis(cfg_.quorum_timeout_s);
   while (SteadyClock::now() < until) {
     begin_step(state, loader);
-    const bool ok = should_commit();
-    bool all_done = ok && last_.quorum.members.size() >= static_cast<size_t>(last_.quorum.alive);
-    for (const QuorumMember& m : last_.quorum.members) all_done = all_done && m.step == state.step;
-    if (all_done) return;
+    bool all_there = last_.quorum.members.size() >= static_cast<size_t>(last_.quorum.alive);
+    for (const QuorumMember& m : last_.quorum.members) all_there = all_there && m.step == state.step;
+    if (vote_without_step(state, /*ask_next=*/!all_there) && all_there) return;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   spdlog::warn("fault tolerance: the run ends while other replica groups may still be behind (none caught up within "
@@ -308,7 +317,7 @@ void ReplicaManager::finish(TrainState& state, DataLoader& loader) {
                cfg_.quorum_timeout_s);
 }
 
-bool ReplicaManager::should_commit() {
+bool ReplicaManager::should_commit(bool ask_next) {
   // The peers behind read this group's state: it may change only once they have it.
   double failed = wait_sends() ? 0.0 : 1.0;
   ReplicaBridge& bridge = *ctx_.par.bridge;
@@ -325,8 +334,30 @@ bool ReplicaManager::should_commit() {
   if (!commit) {
     rejoin_ = true;
     spdlog::warn("fault tolerance: step discarded ({} failure(s) across the quorum's ranks)", v[0]);
+  } else if (ask_next && client_) {
+    // The next quorum is asked for now, in the background: the groups vote together, so they
+    // all ask at once and it forms while they log, validate, save and load their batches.
+    early_step_ = step_;
+    early_ = std::async(std::launch::async, [this, step = step_, incarnation = incarnation_] {
+      return client_->quorum(incarnation, step, group_.size(), millis(cfg_.quorum_timeout_s));
+    });
   }
   return commit;
+}
+
+bool ReplicaManager::vote_without_step(const TrainState& state, bool ask_next) {
+  step_ = state.step;  // nothing was trained: the next quorum is asked with the step the group is at
+  return should_commit(ask_next);
+}
+
+void ReplicaManager::discard_early() {  // at the end: the client is done
+  if (!early_.valid()) return;
+  client_->cancel();
+  try {
+    early_.get();
+  } catch (const std::exception&) {
+    // cancelled, or the lighthouse gone: nothing waits for this answer
+  }
 }
 
 }  // namespace moetrain

@@ -23,6 +23,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <optional>
 #include <string>
@@ -56,7 +57,11 @@ class ReplicaManager {
   // the loader's position when this group was behind).
   void begin_step(TrainState& state, DataLoader& loader);
   // After the step's gradients: whether every rank of every group in the quorum succeeded.
-  bool should_commit();
+  // When it did (and `ask_next`), rank 0 asks for the next step's quorum in the background.
+  bool should_commit(bool ask_next = true);
+  // The vote of a round in which this group trained nothing (it healed to the run's end, or
+  // it has finished): the others wait for it.
+  bool vote_without_step(const TrainState& state, bool ask_next = true);
   // After the last step: stays in the quorums (training nothing: begin_step and the vote)
   // until every alive group has reached this step, sending its state to those behind.
   // Bounded by quorum_timeout_s.
@@ -80,6 +85,7 @@ class ReplicaManager {
   void send_to(const std::vector<int>& peers, const TrainState& state, const DataLoader& loader);
   std::vector<Tensor> state_tensors();
   bool wait_sends();  // false when a send to a peer failed
+  void discard_early();  // cancels and forgets the quorum asked for in advance
 
   FaultToleranceConfig cfg_;
   TrainContext& ctx_;
@@ -95,6 +101,8 @@ class ReplicaManager {
   int64_t step_ = 0;                          // the step being trained (1-based)
   StepReport report_;
   QuorumAnswer last_;                         // the last quorum's answer
+  std::future<QuorumAnswer> early_;           // rank 0: the next quorum, asked at the last commit
+  int64_t early_step_ = -1;                   // the step it was asked with
 };
 
 }  // namespace moetrain
