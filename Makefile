@@ -21,6 +21,7 @@ build: deps $(BUILD)/build.ninja
 train: deps $(BUILD)/build.ninja
 	cmake --build $(BUILD) -j $(JOBS) --target moetrain
 	$(BUILD)/moetrain train --config $(CONFIG)
+	$(BUILD)/moetrain plot $$($(BUILD)/moetrain train --config $(CONFIG) --print-config | sed -n '/^\[metrics\]/,/^\[/s/^dir = "\(.*\)"/\1/p')
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)

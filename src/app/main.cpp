@@ -13,6 +13,7 @@
 
 #include "app/checkpoint_commands.h"
 #include "app/launch.h"
+#include "engine/telemetry/dashboard.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/bench.h"
@@ -123,6 +124,12 @@ int main(int argc, char** argv) {
   tokenize->add_option("--encode-text", tok_encode, "print the ids of FILE's text as a JSON array, and exit");
   tokenize->add_option("--decode-ids", tok_decode, "print the text of FILE's JSON array of ids, and exit");
 
+  std::vector<std::string> plot_runs;
+  std::string plot_out;
+  CLI::App* plot = app.add_subcommand("plot", "draw runs' metrics.jsonl as one PNG dashboard (several runs overlaid)");
+  plot->add_option("runs", plot_runs, "metrics folders ([metrics].dir of each run)")->required();
+  plot->add_option("-o,--out", plot_out, "the PNG to write (default: <first run>/dashboard.png)");
+
   // launch (N local workers) and the hidden comm-selftest: src/app/launch.cpp.
   std::function<int()> run_launch_commands = moetrain::app::add_launch_commands(app);
   // convert and score: src/app/checkpoint_commands.cpp.
@@ -142,6 +149,14 @@ int main(int argc, char** argv) {
       return run_train(config_path, extras, print_config);
     }
     if (bench->parsed()) return run_bench(bench_config, bench->remaining(), bench_opt);
+    if (plot->parsed()) {
+      std::vector<moetrain::RunSeries> runs;
+      for (const std::string& dir : plot_runs) runs.push_back(moetrain::read_run(dir));
+      const std::string out = plot_out.empty() ? plot_runs.front() + "/dashboard.png" : plot_out;
+      moetrain::write_dashboard(runs, out);
+      std::printf("plot: %s (%zu run%s)\n", out.c_str(), runs.size(), runs.size() == 1 ? "" : "s");
+      return 0;
+    }
     if (tokenize->parsed()) {
       tok_opt.progress = !tok_no_progress;
       return run_tokenize(tok_opt, tok_spec, tok_eos, tok_encode, tok_decode);

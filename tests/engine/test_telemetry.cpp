@@ -1,4 +1,5 @@
 // Tests of the metrics writer (JSON lines), the human log line and the progress bar.
+#include <cairo.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -9,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "engine/telemetry/dashboard.h"
 #include "engine/telemetry/metrics.h"
 #include "engine/telemetry/progress.h"
 #include "engine/telemetry/prometheus.h"
@@ -306,3 +308,60 @@ TEST(Prometheus, ATakenPortIsNamed) {
 
 }  // namespace
 }  // namespace moetrain
+
+// `moetrain plot`: two runs written by the real MetricsWriter, read back and drawn; the PNG
+// has the dashboard's size and both runs' colours, the heatmap shows the skewed layer, and
+// a damaged record is named by file and line.
+TEST(Dashboard, TwoRunsAreDrawnFromTheirMetrics) {
+  const fs::path root = temp_dir("dashboard");
+  fs::remove_all(root);
+  for (const char* name : {"a", "b"}) {
+    MetricsWriter w((root / name).string());
+    for (int s = 1; s <= 30; ++s) {
+      StepMetrics m = sample();
+      m.step = s;
+      m.loss = 5.0 / s + (name[0] == 'b' ? 0.3 : 0.0);
+      if (s % 10 == 0) m.val_loss = m.loss + 0.1;
+      m.expert_tokens = {{10, 10, 10, 10}, {40, 0, 0, 0}};  // layer 1 collapsed onto one expert
+      w.write(m);
+    }
+  }
+  const RunSeries a = read_run((root / "a").string());
+  EXPECT_EQ(a.name, "a");
+  ASSERT_EQ(a.step.size(), 30u);
+  EXPECT_EQ(a.val_step, (std::vector<double>{10, 20, 30}));
+  ASSERT_EQ(a.layer_load[0].size(), 2u);
+  EXPECT_DOUBLE_EQ(a.layer_load[0][1], 4.0);
+  const std::string png = (root / "dash.png").string();
+  write_dashboard({a, read_run((root / "b").string())}, png);
+  cairo_surface_t* s = cairo_image_surface_create_from_png(png.c_str());
+  ASSERT_EQ(cairo_surface_status(s), CAIRO_STATUS_SUCCESS);
+  EXPECT_EQ(cairo_image_surface_get_width(s), 40 + 2 * (760 + 40));
+  EXPECT_EQ(cairo_image_surface_get_height(s), 70 + 4 * (380 + 40));
+  // Count pixels near each run's colour (blue, red) and the heatmap's darkest red.
+  cairo_surface_flush(s);
+  const unsigned char* px = cairo_image_surface_get_data(s);
+  const int stride = cairo_image_surface_get_stride(s);
+  auto count = [&](int r, int g, int b) {
+    int n = 0;
+    for (int y = 0; y < cairo_image_surface_get_height(s); ++y) {
+      for (int x = 0; x < cairo_image_surface_get_width(s); ++x) {
+        const unsigned char* p = px + y * stride + 4 * x;  // BGRx
+        n += std::abs(p[2] - r) < 12 && std::abs(p[1] - g) < 12 && std::abs(p[0] - b) < 12 ? 1 : 0;
+      }
+    }
+    return n;
+  };
+  EXPECT_GT(count(31, 120, 181), 500);   // run a
+  EXPECT_GT(count(214, 38, 41), 500);    // run b
+  EXPECT_GT(count(166, 13, 13), 10000);  // the collapsed layer's row of the heatmap
+  cairo_surface_destroy(s);
+  std::ofstream(root / "a" / "metrics.jsonl", std::ios::app) << "{not json\n";
+  try {
+    read_run((root / "a").string());
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("metrics.jsonl:31 is not a JSON record"), std::string::npos) << e.what();
+  }
+  fs::remove_all(root);
+}
