@@ -511,6 +511,10 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
   MT_CHECK(cfg.fault_tolerance.replica_id < cfg.fault_tolerance.replica_groups,
            "{}: [fault_tolerance].replica_id ({}) must be below [fault_tolerance].replica_groups ({})", path,
            cfg.fault_tolerance.replica_id, cfg.fault_tolerance.replica_groups);
+  MT_CHECK(!cfg.fault_tolerance.enabled() || cfg.parallel.dp_replicate == 1,
+           "{}: [parallel].dp_replicate = {} with [fault_tolerance]: the replica groups of live fault tolerance "
+           "replace HSDP's; shard inside each group (dp_replicate = 1) and run more groups instead",
+           path, cfg.parallel.dp_replicate);
   MT_CHECK(o.min_lr <= o.lr, "{}: [optimizer].min_lr ({}) must be <= [optimizer].lr ({})", path, o.min_lr, o.lr);
   MT_CHECK(t.seq_len <= shape.max_positions,
            "{}: [training].seq_len ({}) must be <= [model].max_position_embeddings ({})", path, t.seq_len,

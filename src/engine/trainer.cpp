@@ -594,6 +594,10 @@ TrainSummary train(const RunConfig& cfg_in) {
     }
     if (state.step == tc.steps || (tc.eval_every > 0 && state.step % tc.eval_every == 0)) {
       m.val_loss = summary.last_val_loss = validate(*ctx, *data.val, tc);
+      if (replicas && ctx->par.bridge->failed()) {  // a group died meanwhile: this group's share only
+        spdlog::warn("step {}: validation lost a replica group midway; its loss is not recorded", state.step);
+        m.val_loss.reset();
+      }
     }
     preempted = preemption.stop_requested(world, ctx->par.device);
     m.checkpoint_stall_s = checkpoints.after_step(state, state.step == end_step, /*force=*/preempted);

@@ -306,6 +306,10 @@ TEST(RunConfig, UnknownSection) {
   });
   EXPECT_NE(e.find("[fault_tolerance].replica_id (2) must be below [fault_tolerance].replica_groups (2)"),
             std::string::npos) << e;
+  e = error_of([&] {
+    RunConfig::load(dir.file("b4.toml", "[parallel]\ndp_replicate = 2\n[fault_tolerance]\nlighthouse = \"h:1\"\n"), {});
+  });
+  EXPECT_NE(e.find("[parallel].dp_replicate = 2 with [fault_tolerance]"), std::string::npos) << e;
   e = error_of([&] { RunConfig::load(dir.file("c.toml", "steps = 5\n"), {}); });
   EXPECT_NE(e.find("unknown section [steps]"), std::string::npos) << e;
   e = error_of([&] { RunConfig::load(dir.file("d.toml", "training = 5\n"), {}); });

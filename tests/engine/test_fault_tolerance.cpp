@@ -94,6 +94,19 @@ TEST(QuorumRules, JoinTimeoutFastPathAndDeadGroups) {
   EXPECT_TRUE(s.try_form(t));
 }
 
+TEST(QuorumRules, AfterALighthouseRestartThePlannedGroupsSetTheMajority) {
+  // A restarted lighthouse has heard only from group a: a alone is every alive group, but not
+  // more than half of the 3 the run plans, so it must not train apart from b and c.
+  QuorumState s({.min_replicas = 1, .join_timeout = 100ms, .heartbeat_timeout = 5s});
+  const auto t = Clock::now();
+  s.request(member("a", 7), t, /*planned_groups=*/3);
+  std::string why;
+  EXPECT_FALSE(s.try_form(t + 1s, &why));
+  EXPECT_NE(why.find("1 asking of 1 alive and 3 planned: not a majority"), std::string::npos) << why;
+  s.request(member("b", 7), t + 1s, 3);
+  EXPECT_TRUE(s.try_form(t + 1s + 100ms));  // 2 of 3 planned
+}
+
 TEST(QuorumRules, ANewIncarnationIsANewQuorum) {
   QuorumState s({.min_replicas = 1, .join_timeout = 0ms, .heartbeat_timeout = 1000ms});
   const auto t = Clock::now();

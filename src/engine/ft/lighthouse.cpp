@@ -85,7 +85,8 @@ class LighthouseServer::Impl final : public pb::Lighthouse::Service {
     const uint64_t ticket = ++tickets_;
     if (auto old = waiting_.find(req->replica_id()); old != waiting_.end()) superseded_.insert(old->second);
     waiting_[req->replica_id()] = ticket;
-    state_.request({req->replica_id(), req->incarnation(), req->step(), req->group_size()}, Clock::now());
+    state_.request({req->replica_id(), req->incarnation(), req->step(), req->group_size()}, Clock::now(),
+                   req->planned_groups());
     spdlog::debug("lighthouse: {} asks (step {}, incarnation {})", req->replica_id(), req->step(), req->incarnation());
     form_if_ready();
     while (true) {
@@ -98,7 +99,10 @@ class LighthouseServer::Impl final : public pb::Lighthouse::Service {
         return {grpc::StatusCode::ABORTED, fmt::format("a newer request of replica group {} replaced this one",
                                                        req->replica_id())};
       }
-      if (stopping_ || ctx->IsCancelled() || std::chrono::system_clock::now() > ctx->deadline()) {
+      if (stopping_) {  // a lighthouse stopped on purpose: the group asks again, as after a crash
+        return {grpc::StatusCode::UNAVAILABLE, "the lighthouse is stopping"};
+      }
+      if (ctx->IsCancelled() || std::chrono::system_clock::now() > ctx->deadline()) {
         if (auto w = waiting_.find(req->replica_id()); w != waiting_.end() && w->second == ticket) {
           waiting_.erase(w);
           state_.withdraw(req->replica_id());
@@ -188,8 +192,8 @@ void LighthouseServer::shutdown() { impl_->shutdown(); }
 
 class LighthouseClient::Impl {
  public:
-  Impl(const std::string& address, std::string replica_id, std::chrono::milliseconds interval)
-      : address_(address), replica_id_(std::move(replica_id)), interval_(interval) {
+  Impl(const std::string& address, std::string replica_id, std::chrono::milliseconds interval, int planned_groups)
+      : address_(address), replica_id_(std::move(replica_id)), interval_(interval), planned_groups_(planned_groups) {
     host_ = split_host_port(fmt::format("[fault_tolerance].lighthouse '{}'", address), address, 0).first;
     // A lighthouse that restarts is reached again within half a second, not after gRPC's
     // default backoff (up to two minutes): a group that is late to it may miss quorums.
@@ -216,6 +220,7 @@ class LighthouseClient::Impl {
     req.set_incarnation(incarnation);
     req.set_step(step);
     req.set_group_size(group_size);
+    req.set_planned_groups(planned_groups_);
     const auto until = std::chrono::system_clock::now() + timeout;
     grpc::Status last;
     while (std::chrono::system_clock::now() < until) {
@@ -286,6 +291,7 @@ class LighthouseClient::Impl {
 
   std::string address_, host_, replica_id_;
   std::chrono::milliseconds interval_;
+  int planned_groups_;
   std::unique_ptr<pb::Lighthouse::Stub> stub_;
   std::mutex mu_;  // stopping_, cancelled_, active_
   std::condition_variable cv_;
@@ -296,8 +302,8 @@ class LighthouseClient::Impl {
 };
 
 LighthouseClient::LighthouseClient(const std::string& address, std::string replica_id,
-                                   std::chrono::milliseconds heartbeat_interval)
-    : impl_(std::make_unique<Impl>(address, std::move(replica_id), heartbeat_interval)) {}
+                                   std::chrono::milliseconds heartbeat_interval, int planned_groups)
+    : impl_(std::make_unique<Impl>(address, std::move(replica_id), heartbeat_interval, planned_groups)) {}
 LighthouseClient::~LighthouseClient() = default;
 QuorumAnswer LighthouseClient::quorum(uint64_t incarnation, int64_t step, int32_t group_size,
                                       std::chrono::milliseconds timeout) {

@@ -58,10 +58,12 @@ struct QuorumAnswer {
 };
 
 // A replica group's connection to the lighthouse at "HOST:PORT". A background thread sends
-// a heartbeat every `heartbeat_interval` from construction to destruction.
+// a heartbeat every `heartbeat_interval` from construction to destruction. `planned_groups`:
+// the run's [fault_tolerance].replica_groups (0: unknown), sent with every request.
 class LighthouseClient {
  public:
-  LighthouseClient(const std::string& address, std::string replica_id, std::chrono::milliseconds heartbeat_interval);
+  LighthouseClient(const std::string& address, std::string replica_id, std::chrono::milliseconds heartbeat_interval,
+                   int planned_groups = 0);
   ~LighthouseClient();
   LighthouseClient(const LighthouseClient&) = delete;
   LighthouseClient& operator=(const LighthouseClient&) = delete;

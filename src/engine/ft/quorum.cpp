@@ -23,8 +23,9 @@ std::vector<int> Quorum::recover_to(int index) const {
 
 void QuorumState::heartbeat(const std::string& replica_id, Clock::time_point now) { seen_[replica_id] = now; }
 
-void QuorumState::request(const QuorumMember& m, Clock::time_point now) {
+void QuorumState::request(const QuorumMember& m, Clock::time_point now, int planned_groups) {
   heartbeat(m.replica_id, now);
+  planned_ = std::max(planned_, planned_groups);
   if (pending_.empty()) round_start_ = now;
   pending_[m.replica_id] = m;
 }
@@ -48,7 +49,9 @@ std::optional<Quorum> QuorumState::try_form(Clock::time_point now, std::string* 
   const int asking = static_cast<int>(pending_.size());
   const int live = alive(now);
   if (asking < rules_.min_replicas) return wait(fmt::format("{} of min_replicas {} asking", asking, rules_.min_replicas));
-  if (2 * asking <= live) return wait(fmt::format("{} asking of {} alive: not a majority", asking, live));
+  if (2 * asking <= std::max(live, planned_)) {
+    return wait(fmt::format("{} asking of {} alive and {} planned: not a majority", asking, live, planned_));
+  }
   bool previous_all_back = !last_.members.empty();
   for (const QuorumMember& m : last_.members) previous_all_back = previous_all_back && pending_.count(m.replica_id);
   bool every_live_asking = true;

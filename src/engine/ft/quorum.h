@@ -5,7 +5,9 @@
 // Rules, checked every time something changes:
 //   - alive: a group heard from (a heartbeat or a request) within heartbeat_timeout;
 //   - a quorum needs at least min_replicas asking groups, and more than half of the alive
-//     ones (two halves of a partitioned job can never both train);
+//     ones or of the groups the run is planned for, whichever is more (two halves of a
+//     partitioned job, or of a job whose lighthouse just restarted and has not heard from
+//     everyone, can never both train);
 //   - it forms at once when every member of the previous quorum asks again (the fast path
 //     of a healthy run) or when every alive group asks; otherwise once join_timeout has
 //     passed since the first request of the round; the first quorum of a lighthouse (just
@@ -57,7 +59,8 @@ class QuorumState {
 
   void heartbeat(const std::string& replica_id, Clock::time_point now);
   // A group asks for the next quorum (also a heartbeat). Asking again replaces its request.
-  void request(const QuorumMember& m, Clock::time_point now);
+  // `planned_groups`: the run's planned replica groups as the group knows them (0: unknown).
+  void request(const QuorumMember& m, Clock::time_point now, int planned_groups = 0);
   // A request withdrawn (its caller gave up).
   void withdraw(const std::string& replica_id);
   // Forms the quorum when the rules allow: the asking groups become its members and stop
@@ -73,6 +76,7 @@ class QuorumState {
   std::map<std::string, Clock::time_point> seen_;   // last heard from
   std::map<std::string, QuorumMember> pending_;     // this round's requests (sorted by id)
   std::optional<Clock::time_point> round_start_;    // the round's first request
+  int planned_ = 0;                                 // the most planned groups any request said
   Quorum last_;
 };
 

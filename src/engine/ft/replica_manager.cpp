@@ -1,6 +1,7 @@
 #include "engine/ft/replica_manager.h"
 
 #include <nlohmann/json.hpp>
+#include <cstring>
 #include <future>
 #include <random>
 #include <thread>
@@ -65,7 +66,8 @@ ReplicaManager::ReplicaManager(const FaultToleranceConfig& cfg, TrainContext& ct
   ctx.par.bridge->set_tolerant(true);
   if (group_.rank() == 0) {
     client_ = std::make_unique<LighthouseClient>(cfg.lighthouse, std::to_string(cfg.replica_id),
-                                                 std::chrono::milliseconds(cfg.heartbeat_interval_ms));
+                                                 std::chrono::milliseconds(cfg.heartbeat_interval_ms),
+                                                 static_cast<int>(cfg.replica_groups));
   }
   spdlog::info("fault tolerance: replica group {} of {} planned, lighthouse {}", cfg.replica_id, cfg.replica_groups,
                cfg.lighthouse);
@@ -76,9 +78,15 @@ ReplicaManager::~ReplicaManager() {
   if (client_) discard_early();
 }
 
-QuorumAnswer ReplicaManager::ask(int64_t step) {
+QuorumAnswer ReplicaManager::ask(int64_t step, bool fresh) {
   std::string text;
   if (client_) {
+    if (fresh && early_.valid()) {  // asked with the incarnation that failed: answered, but not followed
+      try {
+        early_.get();
+      } catch (const std::exception&) {
+      }
+    }
     // Asked when the last step committed (formed by now, as a rule), else now. The early
     // answer is followed even were its step not this one: the other groups follow it too.
     if (early_.valid() && early_step_ != step) {
@@ -99,10 +107,14 @@ void ReplicaManager::begin_step(TrainState& state, DataLoader& loader) {
   step_ = state.step + 1;
   ReplicaBridge& bridge = *ctx_.par.bridge;
   // After a failure this group asks as a new member, so that the quorum (and every group's
-  // communicator) is made anew.
-  if (rejoin_ || bridge.failed()) ++incarnation_;
+  // communicator) is made anew. A failure after the vote (in validation) may have reached
+  // only some ranks: the group agrees first.
+  std::vector<double> failed{bridge.failed() ? 1.0 : 0.0};
+  all_reduce_doubles(group_, failed, ctx_.par.device);
+  const bool fresh = rejoin_ || failed[0] > 0;
+  if (fresh) ++incarnation_;
   rejoin_ = false;
-  const QuorumAnswer a = ask(state.step);
+  const QuorumAnswer a = ask(state.step, fresh);
   last_ = a;
   report_ = StepReport{};
   report_.replicas = static_cast<int>(a.quorum.members.size());
@@ -305,7 +317,11 @@ void ReplicaManager::finish(TrainState& state, DataLoader& loader) {
   // that lost a quorum) heal from it in rounds like a step's, without the step, so that every
   // group ends the run with the same state.
   const auto until = SteadyClock::now() + millis(cfg_.quorum_timeout_s);
-  while (SteadyClock::now() < until) {
+  while (true) {
+    // Rank 0's clock decides for the group, so that no rank leaves while another asks again.
+    std::vector<double> expired{SteadyClock::now() >= until ? 1.0 : 0.0};
+    broadcast_doubles(expired);
+    if (expired[0] > 0) break;
     begin_step(state, loader);
     bool all_there = last_.quorum.members.size() >= static_cast<size_t>(last_.quorum.alive);
     for (const QuorumMember& m : last_.quorum.members) all_there = all_there && m.step == state.step;
@@ -343,6 +359,12 @@ bool ReplicaManager::should_commit(bool ask_next) {
     });
   }
   return commit;
+}
+
+void ReplicaManager::broadcast_doubles(std::vector<double>& v) {
+  std::string bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(double));
+  broadcast_bytes(group_, bytes, 0, ctx_.par.device);
+  std::memcpy(v.data(), bytes.data(), bytes.size());
 }
 
 bool ReplicaManager::vote_without_step(const TrainState& state, bool ask_next) {
