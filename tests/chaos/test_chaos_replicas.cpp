@@ -150,12 +150,17 @@ TEST_P(ReplicaChaosLayouts, GroupsKilledEverywhereHealAndAllEndBitwiseEqual) {
   EXPECT_EQ(count(out2, "restarting every worker"), failed2) << out2;
   const auto m0 = checked_metrics("run", 0, kSteps);
   const auto m1 = checked_metrics("run", 1, kSteps);
-  const auto m2 = checked_metrics("run", 2, kSteps);
   // Every restart healed from a peer (a heal the next kill cut short has no committed step).
   EXPECT_GE(count(out1, "healed from replica group"), 4) << out1;
   EXPECT_GE(count(out2, "healed from replica group"), 1) << out2;
-  ASSERT_FALSE(m2.empty()) << out2;
-  EXPECT_GT(m2.front()["step"].get<int64_t>(), 30);
+  // Group 2 trains from past step 30, unless the copy group 0's death cut short held it up
+  // (timeout_s) until the others had finished: then it healed straight to the last step.
+  if (read_metrics(run_of("run", 2)).empty()) {
+    EXPECT_NE(out2.find(": step " + std::to_string(kSteps) + ", "), std::string::npos) << out2;
+  } else {
+    const auto m2 = checked_metrics("run", 2, kSteps);
+    EXPECT_GT(m2.front()["step"].get<int64_t>(), 30);
+  }
   // From each kill of group 1 to its first step committed after healing (restart, quorum, copy, one step).
   for (const auto& line : m1) {
     if (line.contains("restart_downtime_s")) {
