@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cstdlib>
 #include <numeric>
@@ -167,12 +168,20 @@ void broadcast_bytes(Communicator& group, std::string& bytes, int root, Device d
   Tensor n = Tensor::from_vector(std::vector<int64_t>{static_cast<int64_t>(bytes.size())}, {1}).to(where);
   group.broadcast(n, root);
   const int64_t len = n.to(Device::cpu()).data<int64_t>()[0];
+  Tensor t = bytes_as_words(group.rank() == root ? bytes : std::string(), len, where);
+  if (t.numel() > 0) group.broadcast(t, root);
+  bytes = words_as_bytes(t, len);
+}
+
+Tensor bytes_as_words(const std::string& bytes, int64_t len, Device device) {
   std::vector<int32_t> words(static_cast<size_t>((len + 3) / 4), 0);
-  if (group.rank() == root) std::memcpy(words.data(), bytes.data(), bytes.size());
-  Tensor t = Tensor::from_vector(words, {static_cast<int64_t>(words.size())}).to(where);
-  if (!words.empty()) group.broadcast(t, root);
-  const Tensor host = t.to(Device::cpu());
-  bytes.assign(reinterpret_cast<const char*>(host.raw()), static_cast<size_t>(len));
+  std::memcpy(words.data(), bytes.data(), std::min(bytes.size(), static_cast<size_t>(len)));
+  return Tensor::from_vector(words, {static_cast<int64_t>(words.size())}).to(device);
+}
+
+std::string words_as_bytes(const Tensor& words, int64_t len) {
+  const Tensor host = words.to(Device::cpu());
+  return std::string(reinterpret_cast<const char*>(host.raw()), static_cast<size_t>(len));
 }
 
 }  // namespace moetrain

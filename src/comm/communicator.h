@@ -143,5 +143,9 @@ void all_reduce_doubles(Communicator& group, std::vector<double>& values, Device
 // `root`'s bytes to every rank of `group` (any length; two broadcasts: the length, then the
 // bytes), on the device its backend reads.
 void broadcast_bytes(Communicator& group, std::string& bytes, int root, Device device);
+// Bytes (a JSON text, say) as a tensor collectives can move: `len` bytes in i32 words (the
+// last one zero-padded), on `device`; `bytes` empty: zeros, to receive into. And back.
+Tensor bytes_as_words(const std::string& bytes, int64_t len, Device device);
+std::string words_as_bytes(const Tensor& words, int64_t len);
 
 }  // namespace moetrain

@@ -209,8 +209,6 @@ void ReplicaManager::send_to(const std::vector<int>& peers, const TrainState& st
   if (comm == nullptr) return;  // the connection failed: the step is discarded anyway
   ctx_.settle();
   const std::string position = loader.position().dump();
-  std::vector<int32_t> words((position.size() + 3) / 4, 0);
-  std::memcpy(words.data(), position.data(), position.size());
   const std::vector<Tensor> tensors = state_tensors();
   const Device where = comm->backend() == "gloo" ? Device::cpu() : ctx_.par.device;
   send_buffers_.clear();
@@ -219,7 +217,7 @@ void ReplicaManager::send_to(const std::vector<int>& peers, const TrainState& st
                                                                    static_cast<int64_t>(tensors.size())},
                                               {4})
                               .to(where));
-  send_buffers_.push_back(Tensor::from_vector(words, {static_cast<int64_t>(words.size())}).to(where));
+  send_buffers_.push_back(bytes_as_words(position, static_cast<int64_t>(position.size()), where));
   send_buffers_.push_back(pack_small(tensors, where));
   try {
     for (int peer : peers) {
@@ -258,7 +256,7 @@ void ReplicaManager::heal_from(int peer, TrainState& state, DataLoader& loader) 
                "the peer sends {} state tensors, this rank holds {}: replica groups need the same layout", h.tensors,
                tensors.size());
       // Every receive posted before the first wait: the messages stream back to back.
-      Tensor words = Tensor::zeros({(h.position_bytes + 3) / 4}, DType::I32, where);
+      Tensor words = bytes_as_words("", h.position_bytes, where);
       Tensor small = pack_small(tensors, where);
       std::vector<std::unique_ptr<P2pRequest>> recvs;
       recvs.push_back(comm->irecv(words, peer, 1));
@@ -271,8 +269,7 @@ void ReplicaManager::heal_from(int peer, TrainState& state, DataLoader& loader) 
       for (auto& r : recvs) r->wait();
       comm->synchronize();  // NCCL: the receives done (or their failure reported), not only enqueued
       unpack_small(small, tensors);
-      const Tensor host = words.to(Device::cpu());
-      position.assign(reinterpret_cast<const char*>(host.raw()), static_cast<size_t>(h.position_bytes));
+      position = words_as_bytes(words, h.position_bytes);
     } catch (const Error& e) {
       failure = e.what();
     }
@@ -318,9 +315,10 @@ void ReplicaManager::finish(TrainState& state, DataLoader& loader) {
   // group ends the run with the same state.
   const auto until = SteadyClock::now() + millis(cfg_.quorum_timeout_s);
   while (true) {
-    // Rank 0's clock decides for the group, so that no rank leaves while another asks again.
+    // The group leaves together (the first rank whose clock says so decides), so that no rank
+    // leaves while another asks again.
     std::vector<double> expired{SteadyClock::now() >= until ? 1.0 : 0.0};
-    broadcast_doubles(expired);
+    all_reduce_doubles(group_, expired, ctx_.par.device, ReduceOp::Max);
     if (expired[0] > 0) break;
     begin_step(state, loader);
     bool all_there = last_.quorum.members.size() >= static_cast<size_t>(last_.quorum.alive);
@@ -359,12 +357,6 @@ bool ReplicaManager::should_commit(bool ask_next) {
     });
   }
   return commit;
-}
-
-void ReplicaManager::broadcast_doubles(std::vector<double>& v) {
-  std::string bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(double));
-  broadcast_bytes(group_, bytes, 0, ctx_.par.device);
-  std::memcpy(v.data(), bytes.data(), bytes.size());
 }
 
 bool ReplicaManager::vote_without_step(const TrainState& state, bool ask_next) {

@@ -81,7 +81,6 @@ class ReplicaManager {
  private:
   // fresh: a new incarnation, so any quorum asked for in advance is not followed.
   QuorumAnswer ask(int64_t step, bool fresh = false);
-  void broadcast_doubles(std::vector<double>& v);  // rank 0's values to the group
   void connect(const QuorumAnswer& a);
   void heal_from(int peer, TrainState& state, DataLoader& loader);
   void send_to(const std::vector<int>& peers, const TrainState& state, const DataLoader& loader);
