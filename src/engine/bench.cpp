@@ -98,10 +98,10 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
   std::vector<double> pipe(8, 0.0);  // step, busy, f ms, f n, b ms, b n, w ms, w n
   if (ctx->pipeline) ctx->pipeline->set_timing(true);
   const bool exchanges = dynamic_cast<LocalDispatcher*>(ctx->dispatcher.get()) == nullptr;
-  if (exchanges) {
-    ctx->dispatcher->take_timing();  // drop what the warm-up left
-    ctx->dispatcher->set_timing(true);
-  }
+  // Collectives by kind (telemetry/collective_timer.h): events around each, read after the steps.
+  CollectiveTimer collectives(device);
+  CollectiveTimer* run_timer = CollectiveTimer::active();  // the trainer's, if any
+  CollectiveTimer::activate(&collectives);
   auto t0 = std::chrono::steady_clock::now();
   for (int64_t i = 0; i < opt.steps; ++i) {
     step(timed_batches[static_cast<size_t>(i)]);
@@ -119,17 +119,34 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
       for (int k = 0; k < 8; ++k) pipe[k] += add[k];
     }
   }
-  if (exchanges) {
-    ctx->dispatcher->set_timing(false);
-    const ExchangeTiming t = ctx->dispatcher->take_timing();
-    std::vector<double> sums{t.total_ms, t.stalled_ms, static_cast<double>(t.exchanges), t.bytes_sent};
+  CollectiveTimer::activate(run_timer);
+  if (par.comms) {
+    // Per kind: ms, exposed ms, count, bytes, summed over the world, then per rank and step.
+    const std::array<CollectiveTotals, kNumCollectives> t = collectives.take();
+    std::vector<double> sums;
+    for (const CollectiveTotals& c : t) sums.insert(sums.end(), {c.ms, c.exposed_ms, double(c.count), c.bytes});
     all_reduce_doubles(*par.comms->world, sums, device);
     const double per_rank_step = static_cast<double>(par.world) * static_cast<double>(opt.steps);
-    r.exchange = fmt::format("{}: {:.2f} ms per step per rank in {:.0f} exchanges sending {:.1f} MB, {:.1f}% "
-                               "hidden behind compute ({:.2f} ms stalled)",
-                               dynamic_cast<AllGatherDispatcher*>(ctx->dispatcher.get()) ? "all-gather" : "all-to-all",
-                               sums[0] / per_rank_step, sums[2] / per_rank_step, sums[3] / per_rank_step / 1e6,
-                               sums[0] > 0 ? 100.0 * (1.0 - sums[1] / sums[0]) : 0.0, sums[1] / per_rank_step);
+    auto at = [&](Collective k, int field) { return sums[static_cast<size_t>(4 * static_cast<int>(k) + field)]; };
+    if (exchanges) {
+      const double ms = at(Collective::kDispatch, 0) + at(Collective::kCombine, 0);
+      const double exposed = at(Collective::kDispatch, 1) + at(Collective::kCombine, 1);
+      r.exchange = fmt::format(
+          "{}: {:.2f} ms per step per rank in {:.0f} exchanges sending {:.1f} MB, {:.1f}% hidden behind compute "
+          "({:.2f} ms stalled)",
+          dynamic_cast<AllGatherDispatcher*>(ctx->dispatcher.get()) ? "all-gather" : "all-to-all", ms / per_rank_step,
+          (at(Collective::kDispatch, 2) + at(Collective::kCombine, 2)) / per_rank_step,
+          (at(Collective::kDispatch, 3) + at(Collective::kCombine, 3)) / per_rank_step / 1e6,
+          ms > 0 ? 100.0 * (1.0 - exposed / ms) : 0.0, exposed / per_rank_step);
+    }
+    for (int k = 0; k < kNumCollectives; ++k) {
+      const Collective c = static_cast<Collective>(k);
+      if (at(c, 2) == 0) continue;
+      r.collectives += fmt::format("{}{} {:.2f} ms ({:.0f}% hidden, {:.1f} MB)", r.collectives.empty() ? "" : "; ",
+                                   collective_name(c), at(c, 0) / per_rank_step,
+                                   at(c, 0) > 0 ? 100.0 * (1.0 - std::min(at(c, 1), at(c, 0)) / at(c, 0)) : 100.0,
+                                   at(c, 3) / per_rank_step / 1e6);
+    }
   }
   if (ctx->pipeline) {
     ctx->pipeline->set_timing(false);
@@ -184,6 +201,7 @@ std::string format_bench(const BenchReport& r) {
   out += fmt::format("peak memory       {:.2f} GiB\n", r.peak_memory_bytes / 1073741824.0);
   if (!r.pipeline.empty()) out += fmt::format("pipeline          {}\n", r.pipeline);
   if (!r.exchange.empty()) out += fmt::format("expert exchange   {}\n", r.exchange);
+  if (!r.collectives.empty()) out += fmt::format("collectives       per step per rank: {}\n", r.collectives);
   double total = 0;
   for (double v : r.stage_ms) total += v;
   out += "stage             ms/step   share\n";

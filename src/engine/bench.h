@@ -37,6 +37,7 @@ struct BenchReport {
   double peak_tflops = 0;
   std::string pipeline;    // pp > 1: the measured and the simulated bubble
   std::string exchange;  // ep > 1: the expert exchange's time and bytes per step, and how much compute hid
+  std::string collectives;  // every kind of collective that ran: ms and bytes per step, share hidden
 };
 
 BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt);

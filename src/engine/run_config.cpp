@@ -290,6 +290,9 @@ void MetricsConfig::describe(ConfigFields& f) {
   });
   f.add("log_every", &log_every, "human log line every N steps", positive(&log_every));
   f.add("progress", &progress, "progress bar on a terminal");
+  f.add("detailed", &detailed,
+        "the record's costlier parts: each kind of collective's time and hidden share (CUDA events around every "
+        "collective) and every MoE layer's router entropy (a reduction per layer and micro-batch)");
   f.add("tensorboard", &tensorboard,
         "rank 0 also writes every metric, and per MoE layer a histogram of tokens per expert, as TensorBoard event "
         "files in <dir>/tb (tensorboard --logdir <dir>/tb)");

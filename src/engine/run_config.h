@@ -157,6 +157,7 @@ struct MetricsConfig {
   int64_t log_every = 10;            // human log line every N steps
   bool progress = true;              // progress bar on a terminal
   bool tensorboard = true;           // rank 0 also writes TensorBoard event files to <dir>/tb
+  bool detailed = true;              // collective times by kind and router entropy in the record
   int64_t prometheus_port = 0;       // > 0: rank 0 serves the latest step at http://<bind>:<port>/metrics
   std::string prometheus_bind = "0.0.0.0";
   void describe(ConfigFields& f);

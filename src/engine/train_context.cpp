@@ -93,6 +93,7 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
                  "routing)",
                  layout.ep(), gather ? "all-gather / reduce-scatter" : "all-to-all", cfg.parallel.ep_dispatch, top_k);
   }
+  c.model->set_detailed_telemetry(cfg.metrics.detailed);
   const OptimizerConfig& oc = cfg.optimizer;
   const AdamWConfig adamw{oc.beta1, oc.beta2, oc.eps, oc.weight_decay, oc.moments == "bf16"};
   if (par.comms) {  // several ranks, or a replica group of live fault tolerance
@@ -139,12 +140,17 @@ bool choose_shard_weights(const std::string& setting, Model& model, const Device
 }
 
 StepResult TrainContext::step(const std::vector<Batch>& batches, double lr, double grad_clip, const CommitFn& commit) {
+  StepResult r;
   if (pipeline) {
-    return train_step(*pipeline, *pipe_train, *model, *fsdp, *par.data_group(), *par.comms->replica_world, batches, lr,
-                      grad_clip, commit);
+    r = train_step(*pipeline, *pipe_train, *model, *fsdp, *par.data_group(), *par.comms->replica_world, batches, lr,
+                   grad_clip, commit);
+  } else if (fsdp) {
+    r = train_step(*model, *dispatcher, *fsdp, *par.data_group(), batches, lr, grad_clip, commit);
+  } else {
+    r = train_step(*model, *dispatcher, *layerwise, batches, lr, grad_clip, commit);
   }
-  if (fsdp) return train_step(*model, *dispatcher, *fsdp, *par.data_group(), batches, lr, grad_clip, commit);
-  return train_step(*model, *dispatcher, *layerwise, batches, lr, grad_clip, commit);
+  if (r.committed) model->balance_experts(r.expert_counts);  // the loads are every data rank's: all move alike
+  return r;
 }
 
 }  // namespace moetrain

@@ -125,22 +125,26 @@ namespace {
 
 // Per MoE layer of this rank, the tokens routed to every expert (global ids) summed over the
 // data group: each rank puts its local experts' counts at their global index and the sum
-// over ranks fills in the rest. `also_sum` rides in the same all-reduce (one collective).
+// over ranks fills in the rest. `also_sum` rides in the same all-reduce (one collective), and
+// so does the router entropy (per layer, summed in place).
 std::vector<std::vector<int64_t>> global_expert_counts(const Model& model,
                                                        const std::vector<std::vector<int64_t>>& local,
-                                                       Communicator& data_group, ReplicaBridge* bridge,
-                                                       std::vector<double>& also_sum) {
+                                                       std::vector<double>& entropy, Communicator& data_group,
+                                                       ReplicaBridge* bridge, std::vector<double>& also_sum) {
   const int64_t E = model.model_config().shape().num_experts;
   const int64_t first = expert_range(E, model.placement().ep_size, model.placement().ep_rank).first;
   std::vector<double> sums = also_sum;
-  const size_t base = also_sum.size();
+  sums.insert(sums.end(), entropy.begin(), entropy.end());
+  const size_t base = sums.size();
   for (const auto& layer : local) {
     std::vector<double> global(static_cast<size_t>(E), 0.0);
     for (size_t e = 0; e < layer.size(); ++e) global[first + e] = static_cast<double>(layer[e]);
     sums.insert(sums.end(), global.begin(), global.end());
   }
   sum_over_data(&data_group, bridge, sums, model.device());
-  std::copy(sums.begin(), sums.begin() + static_cast<std::ptrdiff_t>(base), also_sum.begin());
+  std::copy(sums.begin(), sums.begin() + static_cast<std::ptrdiff_t>(also_sum.size()), also_sum.begin());
+  std::copy(sums.begin() + static_cast<std::ptrdiff_t>(also_sum.size()), sums.begin() + static_cast<std::ptrdiff_t>(base),
+            entropy.begin());
   std::vector<std::vector<int64_t>> out(local.size(), std::vector<int64_t>(static_cast<size_t>(E)));
   for (size_t k = 0; k < local.size(); ++k) {
     for (int64_t e = 0; e < E; ++e) out[k][e] = std::llround(sums[base + k * E + e]);
@@ -211,10 +215,13 @@ StepResult accumulate_micro_batches(Model& model, ExpertDispatcher& dispatcher,
     fault_point("micro_batch", -1);  // for the chaos tests: a fault between forward/backward passes (count, skip)
     r.loss += l.ce_sum;
     for (const LossTerm& t : l.terms) add_loss_term(r.terms, t, n);
-    if (r.expert_counts.empty()) r.expert_counts = l.expert_counts;
-    else {
+    if (r.expert_counts.empty()) {
+      r.expert_counts = l.expert_counts;
+      r.router_entropy = l.router_entropy;
+    } else {
       for (size_t k = 0; k < l.expert_counts.size(); ++k) {
         for (size_t e = 0; e < l.expert_counts[k].size(); ++e) r.expert_counts[k][e] += l.expert_counts[k][e];
+        if (k < r.router_entropy.size() && k < l.router_entropy.size()) r.router_entropy[k] += l.router_entropy[k];
       }
     }
   }
@@ -262,7 +269,7 @@ StepResult train_step(Model& model, ExpertDispatcher& dispatcher, FsdpContext& f
   for (const LossTerm& t : r.terms) {
     if (!t.global) sums.push_back(t.value);
   }
-  r.expert_counts = global_expert_counts(model, r.expert_counts, data_group, fsdp.bridge(), sums);
+  r.expert_counts = global_expert_counts(model, r.expert_counts, r.router_entropy, data_group, fsdp.bridge(), sums);
   r.loss = sums[0] / targets[0];
   size_t at = 1;
   for (LossTerm& t : r.terms) {
@@ -324,7 +331,8 @@ StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, co
   // Expert loads: this stage's layers over the data ranks; the imbalance of the worst layer
   // anywhere is the max over the world.
   std::vector<double> none;  // the losses sum over the world below, not the data group
-  r.expert_counts = global_expert_counts(model, pr.expert_counts, data_group, fsdp.bridge(), none);
+  r.router_entropy = pr.router_entropy;
+  r.expert_counts = global_expert_counts(model, pr.expert_counts, r.router_entropy, data_group, fsdp.bridge(), none);
   double imbalance = expert_imbalance(r.expert_counts);
   sum_then_max(replica_world, fsdp.bridge(), sums, imbalance, device);
   r.expert_imbalance = imbalance;
@@ -434,6 +442,13 @@ class RunLog {
     m.tflops = flops_per_token_ * m.tokens_per_s / 1e12;
     m.expert_load_max_over_mean = r.expert_imbalance >= 0 ? r.expert_imbalance : expert_imbalance(r.expert_counts);
     m.expert_tokens = r.expert_counts;
+    // Mean entropy per token: each token made top-k selections, so a layer's counts add up to k x its tokens.
+    const double k = static_cast<double>(ctx_.model->model_config().shape().experts_per_token);
+    for (size_t i = 0; i < r.router_entropy.size() && i < r.expert_counts.size(); ++i) {
+      double selections = 0;
+      for (int64_t c : r.expert_counts[i]) selections += static_cast<double>(c);
+      m.router_entropy.push_back(selections > 0 ? r.router_entropy[i] * k / selections : 0.0);
+    }
     const bool cpu = ctx_.par.device.is_cpu();
     const MemoryStats host = cpu ? host_memory_stats() : MemoryStats{};
     const cuda::DeviceMemoryStats device = cpu ? cuda::DeviceMemoryStats{} : cuda::device_memory_stats();
@@ -471,6 +486,11 @@ class RunLog {
       progress_.clear();
       spdlog::info("{}", human_line(m, cfg_.training.steps));
     }
+    const std::string skewed = load_watch_.observe(m);
+    if (!skewed.empty()) {
+      progress_.clear();
+      spdlog::warn("{}", skewed);
+    }
     progress_.update(m.step, fmt::format("loss {:.3f}", m.loss));
   }
   void finish() { progress_.finish(); }
@@ -482,6 +502,7 @@ class RunLog {
   const double flops_per_token_;
   const int64_t start_step_;
   ProgressBar progress_;
+  ExpertLoadWatch load_watch_;  // warns when a router stays collapsed
   std::unique_ptr<MetricsWriter> writer_;
   std::unique_ptr<TensorBoardWriter> tensorboard_;
   std::unique_ptr<PrometheusExporter> prometheus_;
@@ -556,6 +577,10 @@ TrainSummary train(const RunConfig& cfg_in) {
   summary.first_val_loss = summary.last_val_loss = validate(*ctx, *data.val, tc);
   spdlog::info("step {} | val loss {:.4f}", start_step, summary.first_val_loss);
   double train_seconds = 0;
+  // [metrics].detailed: every collective timed by kind for the step's record.
+  std::unique_ptr<CollectiveTimer> collectives;
+  if (cfg.metrics.detailed && ctx->par.comms) collectives = std::make_unique<CollectiveTimer>(ctx->par.device);
+  CollectiveTimer::activate(collectives.get());
   while (state.step < end_step) {
     if (hooks.before_step) hooks.before_step(state);
     if (state.step >= end_step) {  // healed from a replica group that ended the run: no step left
@@ -565,6 +590,7 @@ TrainSummary train(const RunConfig& cfg_in) {
     }
     fault_point("step_begin", state.step + 1);
     heartbeat.beat();
+    if (collectives) collectives->take();  // drops what a validation or a healing left
     const auto t0 = Clock::now();
     const std::vector<Batch> batches = next_batches(*data.train, tc, ctx->par.device);
     const double lr = schedule.at(state.step);
@@ -576,6 +602,8 @@ TrainSummary train(const RunConfig& cfg_in) {
     }
     const double dt = seconds_since(t0);
     train_seconds += dt;
+    std::optional<std::array<CollectiveTotals, kNumCollectives>> step_collectives;
+    if (collectives) step_collectives = collectives->take();
     if (!r.committed) {  // discarded: the same step again, on the same batches
       data.train->set_position(state.data_position);
       ++discarded;
@@ -586,6 +614,7 @@ TrainSummary train(const RunConfig& cfg_in) {
     state.data_position = data.train->position();
 
     StepMetrics m = log.of(r, state.step, lr, dt);
+    if (step_collectives) m.collectives = *step_collectives;
     if (replicas) {
       const ReplicaManager::StepReport& q = replicas->report();
       m.replicas = StepMetrics::Replicas{q.replicas, q.quorum_id, q.quorum_ms, q.recovered_from, q.heal_bytes,
@@ -601,6 +630,9 @@ TrainSummary train(const RunConfig& cfg_in) {
     }
     preempted = preemption.stop_requested(world, ctx->par.device);
     m.checkpoint_stall_s = checkpoints.after_step(state, state.step == end_step, /*force=*/preempted);
+    if (const std::optional<CommitStats> c = checkpoints.take_commit()) {
+      m.checkpoint_commit = StepMetrics::Commit{c->step, c->seconds, c->bytes};
+    }
     log.write(m);
     if (state.step == start_step + 1) summary.first_train_loss = r.loss;
     summary.last_train_loss = r.loss;
@@ -611,6 +643,7 @@ TrainSummary train(const RunConfig& cfg_in) {
   }
   if (replicas && !preempted) replicas->finish(state, *data.train);  // until every alive group has the last step
   if (healed_to_end) checkpoints.after_step(state, /*last=*/true);
+  CollectiveTimer::activate(nullptr);
   log.finish();
   {  // the last step's optimizer updates may still run (optim/layerwise.h): count them as training
     const auto t0 = Clock::now();

@@ -38,6 +38,7 @@ struct StepResult {
   LossTerms terms;       // each term, mean over micro-batches, summed over data ranks where a share
   double grad_norm = 0;  // before clipping
   std::vector<std::vector<int64_t>> expert_counts;  // [MoE layer][expert], summed over micro-batches
+  std::vector<double> router_entropy;  // [MoE layer] sum over the tokens of expert_counts of the router's entropy
   double expert_imbalance = -1;  // set when computed over ranks (pipeline); else from expert_counts
 };
 StepResult train_step(Model& model, ExpertDispatcher& dispatcher, AdamW& opt, const std::vector<Batch>& batches,

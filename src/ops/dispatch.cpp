@@ -100,8 +100,8 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
   return MT_ROUTE(dout, attention_backward, dout, q, k, v, segment_ids, out, lse, shape);
 }
 
-RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob) {
-  return MT_ROUTE(logits, router_forward, logits, k, norm_topk_prob);
+RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob, const Tensor& selection_bias) {
+  return MT_ROUTE(logits, router_forward, logits, k, norm_topk_prob, selection_bias);
 }
 
 Tensor router_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const RouterOut& fwd, bool norm_topk_prob) {
@@ -271,6 +271,8 @@ void load_balance_accumulate(const Tensor& probs, const Tensor& topk_idx, Tensor
 Tensor load_balance_backward(const Tensor& selections, int64_t rows, int64_t total_rows, double coef) {
   return MT_ROUTE(selections, load_balance_backward, selections, rows, total_rows, coef);
 }
+
+Tensor router_entropy_sum(const Tensor& probs) { return MT_ROUTE(probs, router_entropy_sum, probs); }
 
 ZLossOut router_z_loss_forward(const Tensor& logits) {
   return MT_ROUTE(logits, router_z_loss_forward, logits);

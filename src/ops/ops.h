@@ -125,10 +125,14 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
 // logits [T, E] -> probs [T, E] = softmax(logits); topk_idx i32 [T, K] (descending prob,
 // ties to the lower expert id); topk_weight [T, K] = probs at topk_idx, divided by their
 // sum when norm_topk_prob.
+// selection_bias (f32 [E], optional: DeepSeek-V3's aux-loss-free balancing) steers only the
+// choice: the K experts of largest probs + bias are taken (ties to the lower id), and their
+// weights are still their probs. The backward does not change (the choice is a constant).
 struct RouterOut {
   Tensor probs, topk_idx, topk_weight;
 };
-RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob);
+RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob,
+                         const Tensor& selection_bias = Tensor());
 // dlogits from d(topk_weight) [T, K] and, if defined, an extra d(probs) [T, E] (from the
 // load-balancing loss); both flow through the softmax.
 Tensor router_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const RouterOut& fwd,
@@ -269,6 +273,10 @@ void load_balance_accumulate(const Tensor& probs, const Tensor& topk_idx, Tensor
 // The gradient w.r.t. each row of probs is the same vector coef * E * n_e / R^2: returns
 // dprobs [rows, E] filled with it.
 Tensor load_balance_backward(const Tensor& selections, int64_t rows, int64_t total_rows, double coef);
+// Router entropy (telemetry): sum over the rows of probs [R, E] of -sum_e p log p (0 log 0
+// = 0), as [1] (probs' dtype; f32 on CUDA). Its mean over rows is log E for a router that
+// cannot tell experts apart and 0 for one certain of a single expert.
+Tensor router_entropy_sum(const Tensor& probs);
 // Router z-loss (ST-MoE): sum over rows of lse(logits[r])^2, as loss_sum [1], plus lse [R].
 struct ZLossOut {
   Tensor loss_sum;

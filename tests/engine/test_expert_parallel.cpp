@@ -351,34 +351,49 @@ TEST(ExpertParallel, CheckOffAndStreamOptionsAreHarmlessOnTheCpu) {
   run_case({2, 8, 2, 16, {12, 17}}, o);
 }
 
-// Exchange timing (bench): every exchange counted; on Gloo all of it is stalled time. The
-// all-gather's bytes are known exactly: (P - 1) x each gathered block, and (P - 1) / P of
-// each reduce-scattered one.
+// Exchange timing (the collective timer of bench and the metrics record): every exchange
+// counted as its layer's dispatch or combine; on Gloo all of it is exposed. The all-gather's
+// bytes are known exactly: (P - 1) x each gathered block, and (P - 1) / P of each
+// reduce-scattered one. Without an active timer nothing is recorded.
 TEST(ExpertParallel, ExchangeTimingCountsEveryExchangeAndItsBytes) {
   for (Kind kind : kKinds) {
     SCOPED_TRACE(name(kind));
     run_ranks(2, [&](Communicator& comm) {
       std::unique_ptr<ExpertDispatcher> d = make_dispatcher(kind, comm, {});
-      d->set_timing(true);
+      CollectiveTimer timer(Device::cpu());
       const int64_t T = 9, K = 2, H = 4, E = 4;
       Tensor x = testing::random_tensor({T, H}, DType::F32, 3 + comm.rank());
       Tensor idx = testing::random_ints({T, K}, 0, static_cast<int32_t>(E), 5 + comm.rank());
       for (int64_t t = 0; t < T; ++t) idx.data<int32_t>()[t * K + 1] = (idx.data<int32_t>()[t * K] + 1) % E;
-      DispatchState st;
-      DispatchOut in = d->dispatch(x, idx, E, st);
-      Tensor back = d->combine(in.rows, st);
-      EXPECT_EQ(back.size(0), T * K);
-      const ExchangeTiming t = d->take_timing();
-      EXPECT_GE(t.exchanges, 2);
-      EXPECT_GT(t.total_ms, 0.0);
-      EXPECT_DOUBLE_EQ(t.stalled_ms, t.total_ms);
-      if (kind == Kind::kAllGather) {
-        // token counts (i64), ids (i32 [T, K]), x (f32 [T, H]); combine: [T K, H] f32 home
-        EXPECT_DOUBLE_EQ(t.bytes_sent, 8.0 + T * K * 4 + T * H * 4 + T * K * H * 4);
-      } else {
-        EXPECT_GT(t.bytes_sent, 0.0);
+      auto exchange = [&] {
+        DispatchState st;
+        DispatchOut in = d->dispatch(x, idx, E, st);
+        Tensor back = d->combine(in.rows, st);
+        EXPECT_EQ(back.size(0), T * K);
+      };
+      exchange();  // no timer active: not counted
+      CollectiveTimer::activate(&timer);
+      exchange();
+      CollectiveTimer::activate(nullptr);
+      const auto t = timer.take();
+      const CollectiveTotals& dispatch = t[static_cast<int>(Collective::kDispatch)];
+      const CollectiveTotals& combine = t[static_cast<int>(Collective::kCombine)];
+      EXPECT_EQ(dispatch.count, 1);
+      EXPECT_EQ(combine.count, 1);
+      for (const CollectiveTotals* c : {&dispatch, &combine}) {
+        EXPECT_GT(c->ms, 0.0);
+        EXPECT_DOUBLE_EQ(c->exposed_ms, c->ms);
+        EXPECT_DOUBLE_EQ(c->hidden(), 0.0);
       }
-      EXPECT_EQ(d->take_timing().exchanges, 0);  // taken: reset
+      if (kind == Kind::kAllGather) {
+        // dispatch: token counts (i64), ids (i32 [T, K]), x (f32 [T, H]); combine: [T K, H] f32 home
+        EXPECT_DOUBLE_EQ(dispatch.bytes, 8.0 + T * K * 4 + T * H * 4);
+        EXPECT_DOUBLE_EQ(combine.bytes, T * K * H * 4.0);
+      } else {
+        EXPECT_GT(dispatch.bytes, 0.0);
+        EXPECT_GT(combine.bytes, 0.0);
+      }
+      for (const CollectiveTotals& c : timer.take()) EXPECT_EQ(c.count, 0);  // taken: reset
     });
   }
 }

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <functional>
 
 #include "engine/models/qwen3_moe.h"
 #include "model_batches.h"
@@ -23,9 +24,12 @@ double total_loss(Qwen3MoeModel& m, const Batch& b, ExpertDispatcher& d) {
 }
 
 // Finite differences on a few elements of every parameter (all of them for small ones).
-void check_model_gradients(const Qwen3MoeConfig& cfg, const char* label) {
+// `prepare`: what to do to the model after its initialisation.
+void check_model_gradients(const Qwen3MoeConfig& cfg, const char* label,
+                           const std::function<void(Qwen3MoeModel&)>& prepare = {}) {
   Qwen3MoeModel model(cfg, DType::F64);
   model.init_weights(7);
+  if (prepare) prepare(model);
   LocalDispatcher d;
   Batch b = random_batch(2, 5, static_cast<int32_t>(cfg.vocab_size), 11, /*ignored=*/1);
   zero_grads(model.parameters());
@@ -231,6 +235,53 @@ TEST(Qwen3Moe, FirstMicroBatchOverwritesGradients) {
       for (int64_t n : layer) idle += n == 0;
     if (!tied) std::printf("experts without tokens in the overwrite test: %d\n", idle);
   }
+}
+
+// Aux-loss-free balancing: each MoE layer holds a routing bias (a named buffer), which
+// balance_experts moves against the load error, and the router picks by it: a bias that
+// has been pushed up far enough puts its expert in every token's top-k; the gradients
+// still match finite differences with a bias in place.
+TEST(Qwen3Moe, RoutingBiasMovesAgainstTheLoadAndSteersTheChoice) {
+  Qwen3MoeConfig c = tiny_config();
+  EXPECT_TRUE(Qwen3MoeModel(c, DType::F64).buffers().empty());  // off by default: no buffer
+  c.router_bias_update_speed = 0.25;
+  Qwen3MoeModel model(c, DType::F64);
+  model.init_weights(5);
+  const std::vector<NamedBuffer> buffers = model.buffers();
+  ASSERT_EQ(buffers.size(), 2u);
+  EXPECT_EQ(buffers[0].name, "model.layers.0.mlp.gate.e_score_correction_bias");
+  EXPECT_EQ(buffers[1].name, "model.layers.1.mlp.gate.e_score_correction_bias");
+  // Layer 0: expert 0 over the mean (10), experts 1 and 2 under, expert 3 at it.
+  model.balance_experts({{19, 5, 6, 10}, {10, 10, 10, 10}});
+  EXPECT_EQ(buffers[0].value.to_double_vector(), (std::vector<double>{-0.25, 0.25, 0.25, 0}));
+  EXPECT_EQ(buffers[1].value.to_double_vector(), (std::vector<double>{0, 0, 0, 0}));
+  try {
+    model.balance_experts({{1, 2, 3, 4}});
+    ADD_FAILURE() << "loads for one of two MoE layers were taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("MoE layers"), std::string::npos) << e.what();
+  }
+
+  // Expert 3 of layer 1 loaded least, four steps running: its bias reaches +1 (> any prob gap).
+  for (int i = 0; i < 4; ++i) model.balance_experts({{10, 10, 10, 10}, {12, 12, 12, 4}});
+  EXPECT_EQ(buffers[1].value.to_double_vector(), (std::vector<double>{-1, -1, -1, 1}));
+  LocalDispatcher d;
+  Batch b = random_batch(2, 7, static_cast<int32_t>(c.vocab_size), 13);
+  MicroBatchLoss l = model.forward_loss(b, d);
+  ASSERT_EQ(l.expert_counts.size(), 2u);
+  EXPECT_EQ(l.expert_counts[1][3], 14) << "every token takes the expert whose bias was raised";
+  // The staged path and the reference path route alike with the bias.
+  BatchShape s{b.batch, b.seq};
+  EXPECT_LT(testing::rel_error(model.forward_logits(b.inputs, b.positions, s, d),
+                               model.reference_forward(b.inputs, b.positions, s)), 1e-12);
+}
+
+TEST(Qwen3Moe, GradientsWithRoutingBias) {
+  Qwen3MoeConfig c = tiny_config();
+  c.router_bias_update_speed = 0.3;
+  check_model_gradients(c, "routing bias", [](Qwen3MoeModel& m) {  // expert 2 favoured in both layers
+    m.balance_experts({{5, 5, 1, 5}, {5, 5, 1, 5}});
+  });
 }
 
 TEST(Qwen3Moe, FlopsPerTokenCountsActiveParameters) {

@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
+#include <thread>
 #include <set>
 #include <sstream>
 #include <fstream>
@@ -364,4 +366,90 @@ TEST(Dashboard, TwoRunsAreDrawnFromTheirMetrics) {
     EXPECT_NE(std::string(e.what()).find("metrics.jsonl:31 is not a JSON record"), std::string::npos) << e.what();
   }
   fs::remove_all(root);
+}
+
+// The record's detailed groups: collectives by kind (kinds that did not run left out), the
+// router entropy per MoE layer, the checkpoint's stall and commit; each also as a scalar.
+TEST(Metrics, CollectivesEntropyAndCommitInTheRecord) {
+  StepMetrics m = sample();
+  std::array<CollectiveTotals, kNumCollectives> c{};
+  c[static_cast<int>(Collective::kDispatch)] = {8.0, 2.0, 4, 1e6};
+  c[static_cast<int>(Collective::kReduceScatter)] = {3.0, 3.0, 2, 5e5};
+  m.collectives = c;
+  m.expert_tokens = {{3, 1, 0, 4}, {2, 2, 2, 2}};
+  m.router_entropy = {0.25, 1.3};
+  m.checkpoint_stall_s = 0.012;
+  m.checkpoint_commit = StepMetrics::Commit{30, 1.5, 4096};
+  const nlohmann::json j = nlohmann::json::parse(metrics_json(m));
+  ASSERT_TRUE(j.contains("collective"));
+  EXPECT_EQ(j["collective"].size(), 2u);  // dispatch and reduce_scatter only
+  EXPECT_DOUBLE_EQ(j["collective"]["dispatch"]["ms"].get<double>(), 8.0);
+  EXPECT_DOUBLE_EQ(j["collective"]["dispatch"]["exposed_ms"].get<double>(), 2.0);
+  EXPECT_DOUBLE_EQ(j["collective"]["dispatch"]["hidden"].get<double>(), 0.75);
+  EXPECT_EQ(j["collective"]["dispatch"]["count"], 4);
+  EXPECT_DOUBLE_EQ(j["collective"]["reduce_scatter"]["hidden"].get<double>(), 0.0);
+  EXPECT_DOUBLE_EQ(j["moe"][0]["router_entropy"].get<double>(), 0.25);
+  EXPECT_DOUBLE_EQ(j["moe"][1]["router_entropy"].get<double>(), 1.3);
+  EXPECT_DOUBLE_EQ(j["infra"]["checkpoint_stall_ms"].get<double>(), 12.0);
+  EXPECT_EQ(j["infra"]["checkpoint_commit"]["saved_step"], 30);
+  EXPECT_DOUBLE_EQ(j["infra"]["checkpoint_commit"]["ms"].get<double>(), 1500.0);
+  EXPECT_EQ(j["infra"]["checkpoint_commit"]["bytes"], 4096);
+  std::set<std::string> tags;
+  for (const auto& [tag, value] : metrics_scalars(m)) tags.insert(tag);
+  for (const char* want : {"collective/dispatch/ms", "collective/dispatch/hidden", "collective/reduce_scatter/ms",
+                           "moe/layer1/router_entropy", "infra/checkpoint_commit_ms"}) {
+    EXPECT_TRUE(tags.count(want)) << want;
+  }
+  EXPECT_FALSE(tags.count("collective/combine/ms"));
+  // Without them: no group at all.
+  const nlohmann::json plain = nlohmann::json::parse(metrics_json(sample()));
+  EXPECT_FALSE(plain.contains("collective"));
+  EXPECT_FALSE(plain["infra"].contains("checkpoint_commit"));
+}
+
+// A layer whose busiest expert stays at 2x the mean or more for `steps` steps in a row is
+// named once per stretch; a balanced step ends the stretch.
+TEST(Metrics, ExpertLoadWatchWarnsOnceAStretch) {
+  ExpertLoadWatch watch(2.0, 3);
+  StepMetrics m = sample();
+  m.expert_tokens = {{10, 10, 10, 10}, {40, 0, 0, 0}};  // layer 1: 4x the mean
+  EXPECT_EQ(watch.observe(m), "");
+  EXPECT_EQ(watch.observe(m), "");
+  const std::string w = watch.observe(m);
+  EXPECT_NE(w.find("MoE layer 1 "), std::string::npos) << w;
+  EXPECT_NE(w.find("router_bias_update_speed"), std::string::npos) << w;
+  EXPECT_EQ(watch.observe(m), "");  // said once
+  m.expert_tokens[1] = {10, 10, 10, 10};
+  EXPECT_EQ(watch.observe(m), "");
+  m.expert_tokens = {{40, 0, 0, 0}, {40, 0, 0, 0}};
+  EXPECT_EQ(watch.observe(m), "");
+  EXPECT_EQ(watch.observe(m), "");
+  const std::string both = watch.observe(m);
+  EXPECT_NE(both.find("MoE layers 0, 1 "), std::string::npos) << both;
+}
+
+// The collective timer on the CPU: spans timed by the host clock, all exposed (Gloo is
+// synchronous), counted by kind; take() resets; with no active timer a scope does nothing.
+TEST(CollectiveTimer, CpuSpansByKind) {
+  CollectiveTimer t(Device::cpu());
+  { CollectiveScope s(Collective::kAllGather, nullptr, false); }  // not active: nothing
+  CollectiveTimer::activate(&t);
+  {
+    CollectiveScope s(Collective::kAllGather, nullptr, false);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  { CollectiveScope s(Collective::kPipeline, nullptr, true); }
+  t.add_bytes(Collective::kAllGather, 123);
+  CollectiveTimer::activate(nullptr);
+  auto totals = t.take();
+  const CollectiveTotals& g = totals[static_cast<int>(Collective::kAllGather)];
+  EXPECT_EQ(g.count, 1);
+  EXPECT_GE(g.ms, 4.0);
+  EXPECT_DOUBLE_EQ(g.exposed_ms, g.ms);
+  EXPECT_DOUBLE_EQ(g.bytes, 123.0);
+  EXPECT_EQ(totals[static_cast<int>(Collective::kPipeline)].count, 1);
+  EXPECT_EQ(totals[static_cast<int>(Collective::kDispatch)].count, 0);
+  EXPECT_DOUBLE_EQ(totals[static_cast<int>(Collective::kDispatch)].hidden(), 1.0);
+  for (const CollectiveTotals& c : t.take()) EXPECT_EQ(c.count, 0);
+  EXPECT_EQ(collective_name(Collective::kReduceScatter), "reduce_scatter");
 }

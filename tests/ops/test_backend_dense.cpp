@@ -797,6 +797,23 @@ TEST(BackendDense, RouterZLoss) {
   }
 }
 
+// Router entropy (telemetry): softmax probs of spread and peaked logits, and rows with exact zeros.
+TEST(BackendDense, RouterEntropySum) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  for (auto [R, E] : {std::pair<int64_t, int64_t>{37, 5}, {4096, 128}, {100, 60}}) {
+    for (double spread : {0.5, 30.0}) {
+      Tensor probs = ops::router_forward(random_bf16_values({R, E}, 7 + R, spread), 1, false).probs;
+      probs.data<float>()[0] = 0.0f;  // a zero prob adds nothing (0 log 0 = 0), not NaN
+      const std::string op = fmt::format("router_entropy_sum[{}, {}]_spread{}", R, E, spread);
+      Tensor got = ops::router_entropy_sum(probs.to(kGpu));
+      EXPECT_EQ(got.dtype(), DType::F32);
+      expect_backend_close(got, ops::router_entropy_sum(probs), kF32Tol, op, "sum");
+      EXPECT_TRUE(same_bits(got, ops::router_entropy_sum(probs.to(kGpu)))) << op << ": two runs differ";
+    }
+  }
+}
+
 // ---- argument checks ----------------------------------------------------------------
 
 TEST(BackendDense, Errors) {

@@ -218,10 +218,12 @@ TEST(BackendMoe, LinearF32) {
 
 // ---- router -------------------------------------------------------------------------------
 
-void check_router_forward(const Tensor& logits, int64_t K, bool norm, DType dt, const std::string& name) {
-  const ops::RouterOut ref = ops::router_forward(logits, K, norm);
+void check_router_forward(const Tensor& logits, int64_t K, bool norm, DType dt, const std::string& name,
+                          const Tensor& bias = Tensor()) {
+  const ops::RouterOut ref = ops::router_forward(logits, K, norm, bias);
   PoisonScope poison;
-  const ops::RouterOut got = ops::router_forward(on_gpu(logits, dt), K, norm);
+  const ops::RouterOut got =
+      ops::router_forward(on_gpu(logits, dt), K, norm, bias.defined() ? bias.to(kGpu) : Tensor());
   EXPECT_EQ(got.probs.dtype(), DType::F32);
   EXPECT_EQ(got.topk_weight.dtype(), DType::F32);
   expect_same_values<int32_t>(got.topk_idx, ref.topk_idx, name + " topk_idx");
@@ -243,6 +245,25 @@ TEST(BackendMoe, RouterForward) {
       const std::string name = tag("router_forward", {{"T", T}, {"E", E}, {"K", K}, {"norm", norm}});
       check_router_forward(logits, K, norm, DType::BF16, name);
       if (E == 128) check_router_forward(logits, K, norm, DType::F32, name + "f32");
+    }
+  }
+}
+
+// With a selection bias (aux-loss-free balancing): picks by prob + bias, weights the probs.
+TEST(BackendMoe, RouterForwardWithSelectionBias) {
+  MT_REQUIRE_GPU();
+  for (auto [T, E, K] : kRouterCases) {
+    Tensor logits = gapped_logits(T, E, 5 * T + E);
+    Tensor bias = random_tensor({E}, DType::F32, 17 + E);
+    ops::scale_(bias, 0.3 / static_cast<double>(E));  // the size of the probs' gaps: it moves picks
+    for (bool norm : {false, true}) {
+      const std::string name = tag("router_forward_bias", {{"T", T}, {"E", E}, {"K", K}, {"norm", norm}});
+      check_router_forward(logits, K, norm, DType::BF16, name, bias);
+      const ops::RouterOut plain = ops::router_forward(logits, K, norm);
+      const ops::RouterOut biased = ops::router_forward(logits, K, norm, bias);
+      if (K < E) {
+        EXPECT_NE(plain.topk_idx.to_vector<int32_t>(), biased.topk_idx.to_vector<int32_t>()) << name;
+      }
     }
   }
 }

@@ -125,6 +125,47 @@ TEST(OpsMoe, RouterTiesGoToLowerExpert) {
   EXPECT_NEAR(f.topk_weight.item(0), 1.0 / 3, 1e-7);
 }
 
+// A selection bias (aux-loss-free balancing) changes which experts are taken, ranked by
+// prob + bias, but not their weights: still the probs (renormalised over the picks).
+TEST(OpsMoe, RouterSelectionBiasSteersChoiceNotWeights) {
+  for (auto [T, E, K] : kRouterShapes) {
+    Tensor logits = gapped_logits(T, E, 23 + T);
+    std::vector<float> b(static_cast<size_t>(E));
+    Rng rng(mix64(99 + E));
+    for (auto& v : b) v = static_cast<float>(0.6 * (rng.uniform() - 0.5));
+    b[E - 1] = 2.0f;  // above any prob gap: expert E-1 is in every row's top-k
+    Tensor bias = Tensor::from_vector(b, {E});
+    for (bool norm : {false, true}) {
+      RouterOut f = ops::router_forward(logits, K, norm, bias);
+      RouterOut plain = ops::router_forward(logits, K, norm);
+      EXPECT_EQ(f.probs.to_double_vector(), plain.probs.to_double_vector());
+      auto p = f.probs.to_double_vector();
+      int64_t rows_changed = 0;
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<std::pair<double, int>> order;
+        for (int64_t e = 0; e < E; ++e) order.push_back({-(p[t * E + e] + b[e]), static_cast<int>(e)});
+        std::sort(order.begin(), order.end());
+        double s = 0;
+        for (int64_t k = 0; k < K; ++k) s += p[t * E + order[k].second];
+        bool has_last = false, same = true;
+        for (int64_t k = 0; k < K; ++k) {
+          const int e = order[k].second;
+          EXPECT_EQ(f.topk_idx.item(t * K + k), e);
+          EXPECT_NEAR(f.topk_weight.item(t * K + k), p[t * E + e] / (norm ? s : 1.0), 1e-15);
+          has_last |= e == E - 1;
+          same &= plain.topk_idx.item(t * K + k) == e;
+        }
+        EXPECT_TRUE(has_last) << "row " << t;
+        rows_changed += !same;
+      }
+      EXPECT_GT(rows_changed, 0);  // the bias did change choices
+    }
+  }
+  Tensor logits = gapped_logits(3, 6, 1);
+  expect_error([&] { ops::router_forward(logits, 2, true, Tensor::zeros({5}, DType::F32)); }, "selection_bias");
+  expect_error([&] { ops::router_forward(logits, 2, true, Tensor::zeros({6}, DType::F64)); }, "selection_bias");
+}
+
 TEST(OpsMoe, RouterGradcheck) {
   for (auto [T, E, K] : kRouterShapes) {
     const std::string tag = shape_tag("", {{"T", T}, {"E", E}, {"K", K}});
@@ -521,6 +562,23 @@ TEST(OpsMoe, LoadBalanceLossMatchesHfAndGradcheck) {
              "logits_layer" + std::to_string(i), err);
     }
   }
+}
+
+// Router entropy: log E per row for uniform probs, 0 for one-hot rows, and -sum p log p of
+// each row of random softmax probs, summed.
+TEST(OpsMoe, RouterEntropySum) {
+  const int64_t R = 7, E = 5;
+  Tensor uniform = Tensor::full({R, E}, 1.0 / E, DType::F64);
+  EXPECT_NEAR(ops::router_entropy_sum(uniform).item(0), R * std::log(5.0), 1e-12);
+  Tensor one_hot = Tensor::zeros({R, E}, DType::F64);
+  for (int64_t r = 0; r < R; ++r) one_hot.data<double>()[r * E + r % E] = 1.0;
+  EXPECT_EQ(ops::router_entropy_sum(one_hot).item(0), 0.0);
+  Tensor probs = ops::router_forward(random_tensor({R, E}, DType::F64, 3, 2.0), 1, false).probs;
+  const std::vector<double> p = probs.to_double_vector();
+  double want = 0;
+  for (double v : p) want -= v * std::log(v);
+  EXPECT_NEAR(ops::router_entropy_sum(probs).item(0), want, 1e-12);
+  expect_error([&] { ops::router_entropy_sum(Tensor::zeros({5}, DType::F32)); }, "probs must be [R, E]");
 }
 
 TEST(OpsMoe, RouterZLossForwardAndGradcheck) {

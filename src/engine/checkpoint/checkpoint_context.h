@@ -34,6 +34,8 @@ class CheckpointContext {
   // After `state.step` steps: saves when it is a save step (every N, or `last` with
   // save_final) or `force` (preemption); returns the training's wait for the save, else nothing.
   std::optional<double> after_step(const TrainState& state, bool last, bool force = false);
+  // The commit (rank 0) finished since the last call, if any: the metrics report it once.
+  std::optional<CommitStats> take_commit() { return checkpointer_ ? checkpointer_->take_commit() : std::nullopt; }
   // The run ends with its last save committed (rethrows its error) and, with a remote tier,
   // waits up to remote_wait_s for its upload.
   void finish();

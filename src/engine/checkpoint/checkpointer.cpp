@@ -370,7 +370,9 @@ SaveStats Checkpointer::save(int64_t step, const CheckpointItems& items, const n
     pending_state_ = trainer_state;
     cv_.notify_all();
   } else {
-    commit(step, host_, trainer_state);
+    std::optional<CommitStats> done = commit(step, host_, trainer_state);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done) committed_ = done;
   }
   stats.stall_s = seconds_since(t0);
   return stats;
@@ -386,20 +388,29 @@ void Checkpointer::worker() {
     pending_step_ = -1;
     lock.unlock();
     std::exception_ptr err;
+    std::optional<CommitStats> done;
     try {
-      commit(step, host_, state);
+      done = commit(step, host_, state);
     } catch (const std::exception& e) {
       spdlog::error("checkpoint: step {} was not committed: {}", step, e.what());
       err = std::current_exception();
     }
     lock.lock();
     error_ = err;
+    if (done) committed_ = done;
     busy_ = false;
     cv_.notify_all();
   }
 }
 
-void Checkpointer::commit(int64_t step, const Host& host, const nlohmann::json& state) {
+std::optional<CommitStats> Checkpointer::take_commit() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::optional<CommitStats> c = committed_;
+  committed_.reset();
+  return c;
+}
+
+std::optional<CommitStats> Checkpointer::commit(int64_t step, const Host& host, const nlohmann::json& state) {
   const auto t0 = Clock::now();
   const fs::path root(dir_);
   const fs::path final_dir = root / step_dir_name(step);
@@ -425,7 +436,7 @@ void Checkpointer::commit(int64_t step, const Host& host, const nlohmann::json& 
     throw;
   }
   crash_point("files", step);
-  if (rank_ != 0) return;  // rank 0 commits
+  if (rank_ != 0) return std::nullopt;  // rank 0 commits
   // Every rank's manifest is written last and atomically: once all exist, all files are complete.
   for (const auto deadline = Clock::now() + commit_timeout_;;) {
     std::vector<int> missing;
@@ -489,6 +500,7 @@ void Checkpointer::commit(int64_t step, const Host& host, const nlohmann::json& 
   const double s = seconds_since(t0);
   spdlog::info("checkpoint: step {} committed to {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s)", step, final_dir.string(),
                bytes / 1e6, s, bytes / 1e6 / std::max(s, 1e-9));
+  return CommitStats{step, s, bytes};
 }
 
 std::string resolve_resume(const std::string& dir, const std::string& resume, bool remove_stale) {

@@ -23,6 +23,7 @@
 #include <functional>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -86,6 +87,15 @@ struct SaveStats {
   uint64_t bytes = 0;
 };
 
+// A commit done (rank 0): the step, the time from the snapshot to the commit (this rank's
+// files written, every rank's manifest seen, the index and `latest` written and synced,
+// older steps pruned), the step directory's bytes.
+struct CommitStats {
+  int64_t step = 0;
+  double seconds = 0;
+  uint64_t bytes = 0;
+};
+
 // Many ranks: each writes its own files into the step's temporary directory; rank 0 waits
 // (in its writer thread, polling the directory, up to commit_timeout) until every rank's
 // manifest is there, then writes the index and commits. The other ranks never commit or
@@ -114,6 +124,8 @@ class Checkpointer {
   void wait();
   // Whether the last save is still being written (its background writer has not finished).
   bool busy();
+  // The commit finished since the last call, if any (rank 0 only: the others never commit).
+  std::optional<CommitStats> take_commit();
   const std::string& dir() const { return dir_; }
   // Called on rank 0 by the writer right after each commit (before pruning), with the
   // step and its directory: the remote tier's uploader takes it from there. It must return
@@ -131,7 +143,8 @@ class Checkpointer {
   struct Host {  // the snapshot: host copies of every item
     std::vector<TensorSlice> model, optimizer;
   };
-  void commit(int64_t step, const Host& host, const nlohmann::json& state);
+  // Rank 0 returns what it committed; the other ranks return nothing once their files are written.
+  std::optional<CommitStats> commit(int64_t step, const Host& host, const nlohmann::json& state);
   void worker();
 
   std::string dir_;
@@ -152,6 +165,7 @@ class Checkpointer {
   int64_t pending_step_ = -1;
   nlohmann::json pending_state_;
   std::exception_ptr error_;
+  std::optional<CommitStats> committed_;  // the last commit not yet taken
   std::thread thread_;
 };
 

@@ -142,6 +142,10 @@ void export_hf(const std::string& ckpt_in, const std::string& out_dir, const HfE
              "checkpoint {} has neither config.json nor hf_config in trainer_state.json", ckpt);
     config = reader.trainer_state()["hf_config"];
   }
+  // Qwen3MoeForCausalLM has no routing bias: a model balanced by one (router_bias_update_speed)
+  // is exported without it and routes by its router's probabilities alone.
+  const bool drops_routing_bias = config.value("model_type", "") == "qwen3_moe";
+  int64_t dropped = 0;
   // Plan the shards: tensors in name order, a new file when the next would overflow.
   std::vector<std::vector<std::string>> shards(1);
   std::vector<uint64_t> shard_bytes(1, 0);
@@ -149,6 +153,10 @@ void export_hf(const std::string& ckpt_in, const std::string& out_dir, const HfE
   for (const std::string& name : reader.names()) {
     const auto& info = reader.info(name);
     if (info.kind != "model") continue;
+    if (drops_routing_bias && name.ends_with(".mlp.gate.e_score_correction_bias")) {
+      ++dropped;
+      continue;
+    }
     const uint64_t bytes = static_cast<uint64_t>(shape_numel(info.shape)) * dtype_size(opt.dtype.value_or(info.dtype));
     if (!shards.back().empty() && shard_bytes.back() + bytes > opt.max_shard_bytes) {
       shards.emplace_back();
@@ -188,6 +196,11 @@ void export_hf(const std::string& ckpt_in, const std::string& out_dir, const HfE
     }
     std::ofstream(tmp / "config.json") << config.dump(2) << "\n";
   });
+  if (dropped > 0) {
+    spdlog::warn("convert: {} routing biases (aux-loss-free balancing) left out: Hugging Face's Qwen3-MoE has no "
+                 "such tensor, so the exported model picks its experts by the router's probabilities alone",
+                 dropped);
+  }
   size_t count = 0;
   for (const auto& s : shards) count += s.size();
   spdlog::info("convert: {} model tensors ({:.1f} MB, {} file{}) from {} into {}", count, total / 1e6,

@@ -185,6 +185,7 @@ bool MoeDecoderModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) const
           ops::add_(f.totals.z_sum, s.z.loss_sum);
         }
         f.a.expert_counts.push_back(s.expert_in.counts);  // read after the pass (no host wait here)
+        if (router_entropy_) f.a.router_entropy.push_back(ops::router_entropy_sum(s.route.probs));
       }
       if (hooks_) hooks_->after_forward(id, f.pass.training && f.c.head && f.j + 1 == n);
       ++f.j;
@@ -453,12 +454,54 @@ LossTerms MoeDecoderModel::loss_terms() const {
   return t;
 }
 
+std::vector<NamedBuffer> MoeDecoderModel::buffers() {
+  std::vector<NamedBuffer> out;
+  for (auto& l : layers_) {
+    if (Tensor* b = l->routing_bias()) {
+      out.push_back({fmt::format("model.layers.{}.mlp.gate.e_score_correction_bias", l->layer_id()), *b});
+    }
+  }
+  return out;
+}
+
+// Aux-loss-free balancing (DeepSeek-V3 §2.1.2): an expert that got more than the mean load
+// is chosen less from the next step on, one that got less is chosen more; the weights a
+// token gives its experts stay the router's, so the gradient never sees the bias.
+void MoeDecoderModel::balance_experts(const std::vector<std::vector<int64_t>>& expert_counts) {
+  const double speed = spec_.router_bias_update_speed;
+  if (speed <= 0) return;
+  size_t k = 0;
+  for (auto& l : layers_) {
+    if (!l->is_moe()) continue;
+    MT_CHECK(k < expert_counts.size(), "balance_experts: {} expert loads for more MoE layers (layer {})",
+             expert_counts.size(), l->layer_id());
+    const std::vector<int64_t>& load = expert_counts[k++];
+    Tensor* bias = l->routing_bias();
+    if (bias == nullptr) continue;
+    MT_CHECK(static_cast<int64_t>(load.size()) == bias->numel(),
+             "balance_experts: layer {} has {} experts' loads for a routing bias of {}", l->layer_id(), load.size(),
+             bias->numel());
+    double total = 0;
+    for (int64_t c : load) total += static_cast<double>(c);
+    const double mean = total / static_cast<double>(load.size());
+    std::vector<float> step(load.size());
+    for (size_t e = 0; e < load.size(); ++e) {
+      const double c = static_cast<double>(load[e]);
+      step[e] = static_cast<float>(c < mean ? speed : c > mean ? -speed : 0.0);
+    }
+    ops::add_(*bias, Tensor::from_vector(step, {bias->numel()}).to(bias->device()));
+  }
+  MT_CHECK(k == expert_counts.size(), "balance_experts: {} expert loads for {} MoE layers", expert_counts.size(), k);
+}
+
 void MicroBatchLoss::read_device_values() {
   OnDevice& d = on_device;
   std::vector<Tensor> pending{d.ce_sum};
   for (const DeviceTerm& t : d.terms) pending.insert(pending.end(), t.inputs.begin(), t.inputs.end());
   const size_t counts_at = pending.size();
   pending.insert(pending.end(), d.expert_counts.begin(), d.expert_counts.end());
+  const size_t entropy_at = pending.size();
+  pending.insert(pending.end(), d.router_entropy.begin(), d.router_entropy.end());
   const std::vector<Tensor> host = to_host(pending);  // one wait for everything
   if (host[0].defined()) ce_sum += host[0].item();
   size_t at = 1;
@@ -468,7 +511,8 @@ void MicroBatchLoss::read_device_values() {
     at += t.inputs.size();
     add_loss_term(terms, {t.name, t.value(in), t.global});
   }
-  for (size_t k = counts_at; k < host.size(); ++k) expert_counts.push_back(host[k].to_vector<int64_t>());
+  for (size_t k = counts_at; k < entropy_at; ++k) expert_counts.push_back(host[k].to_vector<int64_t>());
+  for (size_t k = entropy_at; k < host.size(); ++k) router_entropy.push_back(host[k].item());
   d = OnDevice();
 }
 
@@ -503,6 +547,7 @@ MicroBatchLoss MoeDecoderModel::forward_loss(const Batch& batch, ExpertDispatche
   MicroBatchLoss out;
   forward_chunk(whole(), batch, Tensor(), dispatcher, a, totals, ChunkPass{false}, &out);
   out.on_device.expert_counts = std::move(a.expert_counts);
+  out.on_device.router_entropy = std::move(a.router_entropy);
   out.read_device_values();
   return out;
 }
@@ -524,6 +569,7 @@ MicroBatchLoss MoeDecoderModel::forward_backward(const Batch& batch, ExpertDispa
   }
   defer_expert_weights_ = false;
   out.on_device.expert_counts = std::move(a.expert_counts);
+  out.on_device.router_entropy = std::move(a.router_entropy);
   out.read_device_values();  // the micro-batch's one host wait, its work all queued
   return out;
 }

@@ -26,6 +26,9 @@ struct DecoderSpec {
   bool tie_word_embeddings = false;
   double router_aux_loss_coef = 0;  // HF load-balancing loss
   double router_z_loss_coef = 0;    // ST-MoE router z-loss
+  // Aux-loss-free balancing (DeepSeek-V3): after each step every routing bias moves by this
+  // times sign(mean load - expert's load). 0: off.
+  double router_bias_update_speed = 0;
 };
 
 class MoeDecoderModel : public Model {
@@ -54,6 +57,12 @@ class MoeDecoderModel : public Model {
   // aux_loss (HF load balancing, global: a loss of batch totals), z_loss when its
   // coefficient is set (this rank's rows: a share).
   LossTerms loss_terms() const override;
+  // Each held MoE layer's routing bias as model.layers.<id>.mlp.gate.e_score_correction_bias
+  // (DeepSeek-V3's Hugging Face name).
+  std::vector<NamedBuffer> buffers() override;
+  // b_e += speed * sign(mean load - load_e), per held MoE layer with a routing bias.
+  void balance_experts(const std::vector<std::vector<int64_t>>& expert_counts) override;
+  void set_detailed_telemetry(bool on) override { router_entropy_ = on; }
 
   ChunkSpec whole() const override;
   RouterTotals new_totals() const override;
@@ -128,6 +137,7 @@ class MoeDecoderModel : public Model {
   WeightHooks* hooks_ = nullptr;
   int64_t expert_wgrad_group_ = 1;
   bool defer_expert_weights_ = false;  // during a forward_backward that defers them
+  bool router_entropy_ = true;         // measure each MoE layer's router entropy (set_detailed_telemetry)
   std::vector<ParamBucket> buckets_;
   Tensor embed_, final_norm_w_, lm_head_;  // lm_head_ aliases embed_ when tied
   Tensor g_embed_, g_final_norm_w_, g_lm_head_;

@@ -122,6 +122,7 @@ struct MicroBatchLoss {
   int64_t targets = 0;    // tokens with a target
   LossTerms terms;        // the model's other loss terms (RouterTotals for Qwen3-MoE: aux, z)
   std::vector<std::vector<int64_t>> expert_counts;  // per MoE layer, tokens routed to each expert
+  std::vector<double> router_entropy;  // per MoE layer, sum over the tokens of the router's entropy (nats)
 
   // A term still on the device: its value is value(host copies of inputs), once read.
   struct DeviceTerm {
@@ -134,6 +135,7 @@ struct MicroBatchLoss {
     Tensor ce_sum;                      // [1]
     std::vector<DeviceTerm> terms;
     std::vector<Tensor> expert_counts;  // per MoE layer, [local experts]
+    std::vector<Tensor> router_entropy; // per MoE layer, [1]
   } on_device;
   // Moves what on_device holds into the fields above (adds nothing twice: on_device is emptied).
   void read_device_values();
@@ -197,6 +199,9 @@ class DecoderLayer {
   virtual bool writes_expert_grads(bool accumulate, bool defer_experts) const = 0;
   // The plain path used to validate every layout (no dispatcher); returns the layer output.
   virtual Tensor reference_forward(const Tensor& x, const Tensor& positions, const BatchShape& b) const = 0;
+  // The router's selection bias (f32 [num_experts], every expert's, on the layer's device),
+  // which aux-loss-free balancing moves after each step; nullptr when the layer has none.
+  virtual Tensor* routing_bias() { return nullptr; }
 };
 
 // What one micro-batch's pass through a chunk keeps for its backward.
@@ -210,6 +215,7 @@ struct ChunkActivations {
   // Per MoE layer of the chunk, tokens routed to each of this rank's experts (i64, on the
   // model's device: read once the pass is queued, see MicroBatchLoss::read_device_values).
   std::vector<Tensor> expert_counts;
+  std::vector<Tensor> router_entropy;  // per MoE layer, [1]: sum over the tokens (telemetry)
 };
 
 // A non-gradient tensor of the model's state (e.g. a routing bias), checkpointed by name
@@ -231,8 +237,16 @@ class Model {
   virtual ParameterList& parameters() = 0;
   // Every parameter lies in exactly one bucket (members indexed into parameters()).
   virtual std::vector<ParamBucket>& buckets() = 0;
-  // Non-gradient state by canonical name (none for Qwen3-MoE).
+  // Non-gradient state by canonical name (the routers' selection biases, where balanced
+  // without an auxiliary loss).
   virtual std::vector<NamedBuffer> buffers() { return {}; }
+  // After a committed optimizer step: aux-loss-free balancing moves each routing bias by
+  // the step's expert loads (tokens per expert of the MoE layers this rank holds, in order,
+  // summed over the step and every data rank, so that all ranks move it alike). Nothing
+  // when the model has no routing bias.
+  virtual void balance_experts(const std::vector<std::vector<int64_t>>& expert_counts) { (void)expert_counts; }
+  // Whether passes also measure what only telemetry reads (the router entropy; [metrics].detailed).
+  virtual void set_detailed_telemetry(bool on) { (void)on; }
   // Data parallelism: the ranks of this replica group that hold different tokens of one
   // global batch, and the bridge to the other replica groups; losses of batch totals are
   // summed over both (nullptr: one process, one replica group).

@@ -41,6 +41,7 @@ Qwen3MoeDecoderLayer::Qwen3MoeDecoderLayer(const Qwen3MoeConfig& cfg, int64_t la
   mlp.add(&w_gate_, &g_w_gate_, {E, inter_, H});
   mlp.add(&w_up_, &g_w_up_, {E, inter_, H});
   mlp.add(&w_down_, &g_w_down_, {E, H, inter_});
+  if (moe_ && cfg.router_bias_update_speed > 0) score_bias_ = Tensor::zeros({cfg.num_experts}, DType::F32, device);
   buckets_.push_back(dense.build(dtype, device, placement.bucket_pad));
   if (moe_) buckets_.push_back(experts.build(dtype, device, placement.bucket_pad));
 }
@@ -117,7 +118,7 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
   if (moe_) {
     StageScope t(Stage::kRouterPermute);
     s.router_logits = ops::linear_forward(s.ln2.y, gate_w_);
-    s.route = ops::router_forward(s.router_logits, cfg_.num_experts_per_tok, cfg_.norm_topk_prob);
+    s.route = ops::router_forward(s.router_logits, cfg_.num_experts_per_tok, cfg_.norm_topk_prob, score_bias_);
   }
 }
 
@@ -282,6 +283,7 @@ DecoderSpec decoder_spec(const Qwen3MoeConfig& c) {
   s.tie_word_embeddings = c.tie_word_embeddings;
   s.router_aux_loss_coef = c.router_aux_loss_coef;
   s.router_z_loss_coef = c.router_z_loss_coef;
+  s.router_bias_update_speed = c.router_bias_update_speed;
   return s;
 }
 

@@ -92,6 +92,8 @@ class Qwen3MoeDecoderLayer : public DecoderLayer {
   // The plain path used to validate every layout: no dispatcher, each token's experts
   // evaluated directly. Returns the layer output.
   Tensor reference_forward(const Tensor& x, const Tensor& positions, const BatchShape& b) const override;
+  // Defined when the config balances without an auxiliary loss (router_bias_update_speed).
+  Tensor* routing_bias() override { return score_bias_.defined() ? &score_bias_ : nullptr; }
 
  private:
   Qwen3MoeConfig cfg_;
@@ -104,6 +106,7 @@ class Qwen3MoeDecoderLayer : public DecoderLayer {
   // weights (HF names in collect_parameters) and their gradients
   Tensor ln1_w_, ln2_w_, wq_, wk_, wv_, wo_, q_norm_w_, k_norm_w_, gate_w_;
   Tensor w_gate_, w_up_, w_down_;  // [E, I, H], [E, I, H], [E, H, I]; E = 1 for dense
+  Tensor score_bias_;              // f32 [num_experts]: the router's selection bias, or undefined
   Tensor g_ln1_w_, g_ln2_w_, g_wq_, g_wk_, g_wv_, g_wo_, g_q_norm_w_, g_k_norm_w_, g_gate_w_;
   Tensor g_w_gate_, g_w_up_, g_w_down_;
   // Deferred micro-batches' expert weight-gradient inputs (backward_weight's defer_experts)

@@ -44,6 +44,10 @@ void Qwen3MoeConfig::describe(ConfigFields& f) {
         non_negative(&router_aux_loss_coef));
   f.add("router_z_loss_coef", &router_z_loss_coef, "weight of the router z-loss (moetrain extra; 0 = off)",
         non_negative(&router_z_loss_coef));
+  f.add("router_bias_update_speed", &router_bias_update_speed,
+        "aux-loss-free balancing: each step a router's selection bias moves this far against its expert's load "
+        "error (DeepSeek-V3; moetrain extra for Qwen3-MoE; 0 = off)",
+        non_negative(&router_bias_update_speed));
   f.add("config_json", &config_json,
         "HF config.json read before the other [model] keys (relative to the TOML file's folder)");
 }
@@ -142,10 +146,12 @@ void Qwen3MoeConfig::load_hf_json(const std::string& path) {
   r.require_model_type("qwen3_moe");
 
   // Every key below is one that Qwen3MoeForCausalLM reads; what a file omits takes
-  // transformers' default. moetrain's own keys (config_json, router_z_loss_coef) stay.
+  // transformers' default. moetrain's own keys (config_json, router_z_loss_coef,
+  // router_bias_update_speed) stay.
   Qwen3MoeConfig c = hf_defaults();
   c.config_json = config_json;
   c.router_z_loss_coef = router_z_loss_coef;
+  c.router_bias_update_speed = router_bias_update_speed;
   r.read({"vocab_size"}, c.vocab_size);
   r.read({"hidden_size"}, c.hidden_size);
   r.read({"intermediate_size"}, c.intermediate_size);

@@ -35,6 +35,10 @@ struct Qwen3MoeConfig : ModelConfig {
   int64_t max_position_embeddings = 4096;
   double router_aux_loss_coef = 0.001;
   double router_z_loss_coef = 0.0;  // moetrain extra: ST-MoE z-loss, off by default
+  // moetrain extra: DeepSeek-V3's aux-loss-free balancing for Qwen3-MoE's softmax router (a
+  // selection bias per expert, moved after each step; 0 = off). Hugging Face's
+  // Qwen3MoeForCausalLM has no such bias: an exported model routes without it.
+  double router_bias_update_speed = 0.0;
 
   void describe(ConfigFields& f) override;
   // Cross-field checks (heads divide, experts_per_tok <= experts, ...). Throws naming the key.
@@ -46,7 +50,7 @@ struct Qwen3MoeConfig : ModelConfig {
   // not on the lists of read and harmless keys, is an error naming it and its value.
   void load_hf_json(const std::string& path) override;
   // The HF config.json text of this shape in transformers 5's spelling (Qwen3MoeForCausalLM,
-  // every key above but config_json and moetrain's router_z_loss_coef, plus the fixed ones
+  // every key above but config_json and moetrain's router_z_loss_coef and router_bias_update_speed, plus the fixed ones
   // transformers needs: hidden_act silu, no attention bias, no sliding window).
   std::string to_hf_json() const override;
   ModelShape shape() const override;

@@ -101,7 +101,7 @@ DispatchOut AllGatherDispatcher::dispatch_rows(const Tensor& x, const Tensor& to
            "{}: x must be [T, H] and topk_idx [T, K] on one device, got {} and {}", where(st), x.str(), topk_idx.str());
   const Device dev = x.device();
   const int64_t T = x.size(0), K = topk_idx.size(1);
-  return stream_.run(dev, st, {x, topk_idx, topk_weight}, [&] {
+  return stream_.run(Collective::kDispatch, dev, st, {x, topk_idx, topk_weight}, [&] {
     // The gathered blocks are padded to max_tokens, or else to the largest count.
     st.tokens = T;
     if (opt_.max_tokens > 0) {
@@ -145,7 +145,7 @@ void AllGatherDispatcher::combine_start(const Tensor& expert_rows, DispatchState
   MT_CHECK(st.weight.defined(), "{}: combine_start of a dispatch given no routing weights", where(st));
   st.placed = expert_rows;
   st.order = st.perm.slot_row;
-  st.combined = stream_.run(expert_rows.device(), st, {expert_rows}, [&] {
+  st.combined = stream_.run(Collective::kCombine, expert_rows.device(), st, {expert_rows}, [&] {
     return reduce_scatter(ops::combine_forward(expert_rows, st.weight, Tensor(), st.order), /*rows=*/true);
   });
 }
@@ -165,7 +165,7 @@ ExpertDispatcher::CombineGrads AllGatherDispatcher::combine_backward_weighted(co
   MT_CHECK(st.placed.defined() && st.weight.defined(), "{}: combine_backward_weighted before combine_start",
            where(st));
   check_dispatched(st, dy, st.tokens, "combine_backward_weighted");
-  return stream_.run(dy.device(), st, {dy}, [&] {
+  return stream_.run(Collective::kCombine, dy.device(), st, {dy}, [&] {
     ops::CombineGrads g =
         ops::combine_backward(gather(padded(dy, st.padded_tokens), /*rows=*/true), st.placed, st.weight, st.order);
     // d weight of a slot is non-zero on its expert's rank only: the sum is that value.
@@ -177,7 +177,7 @@ Tensor AllGatherDispatcher::combine(const Tensor& expert_rows, DispatchState& st
   StageScope timer(Stage::kCombine);
   check_dispatched(st, expert_rows, st.perm.rows, "combine");
   const int64_t K = st.perm.top_k, T = st.tokens;
-  return stream_.run(expert_rows.device(), st, {expert_rows}, [&] {
+  return stream_.run(Collective::kCombine, expert_rows.device(), st, {expert_rows}, [&] {
     // [P Tp K, H]: each gathered copy's output where this rank holds its expert, else zero;
     // rank q's block is its tokens' copies in (t, k) order.
     return first_rows(reduce_scatter(ops::unpermute_forward(expert_rows, st.perm), /*rows=*/true), T * K);
@@ -188,7 +188,7 @@ Tensor AllGatherDispatcher::combine_backward(const Tensor& dout, DispatchState& 
   StageScope timer(Stage::kCombine);
   const int64_t K = st.perm.top_k;
   check_dispatched(st, dout, st.tokens * K, "combine_backward");
-  return stream_.run(dout.device(), st, {dout}, [&] {
+  return stream_.run(Collective::kCombine, dout.device(), st, {dout}, [&] {
     return ops::unpermute_backward(gather(padded(dout, st.padded_tokens * K), /*rows=*/true), st.perm);
   });
 }
@@ -196,7 +196,7 @@ Tensor AllGatherDispatcher::combine_backward(const Tensor& dout, DispatchState& 
 Tensor AllGatherDispatcher::dispatch_backward(const Tensor& drows, DispatchState& st) {
   StageScope timer(Stage::kRouterPermute);
   check_dispatched(st, drows, st.perm.rows, "dispatch_backward");
-  return stream_.run(drows.device(), st, {drows}, [&] {
+  return stream_.run(Collective::kDispatch, drows.device(), st, {drows}, [&] {
     return first_rows(reduce_scatter(ops::permute_backward(drows, st.perm), /*rows=*/true), st.tokens);
   });
 }

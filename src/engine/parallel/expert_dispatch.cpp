@@ -91,27 +91,16 @@ void destroy_event_quietly(void* e) {
 ExchangeStream::~ExchangeStream() {
   if (ready_event_) destroy_event_quietly(ready_event_);
   if (done_event_) destroy_event_quietly(done_event_);
-  for (auto* list : {&exchange_events_, &stall_events_}) {
-    for (auto& [a, b] : *list) {
-      destroy_event_quietly(a);
-      destroy_event_quietly(b);
-    }
-  }
 }
 
 void* ExchangeStream::before(cuda::Stream compute) {
   if (!ready_event_) ready_event_ = cuda::create_sync_event();
   cuda::record_event(ready_event_, compute);  // the inputs are ready here
   cuda::stream_wait_event(comm_, ready_event_);
-  if (timing_) {
-    exchange_events_.push_back({cuda::create_event(), cuda::create_event()});
-    cuda::record_event(exchange_events_.back().first, comm_);
-  }
   return ready_event_;
 }
 
 void* ExchangeStream::after(DispatchState& st, std::initializer_list<Tensor> inputs) {
-  if (timing_) cuda::record_event(exchange_events_.back().second, comm_);
   void* done;
   if (defer_) {
     // Until wait() the caller's stream may free or reuse what the communication stream still
@@ -125,7 +114,7 @@ void* ExchangeStream::after(DispatchState& st, std::initializer_list<Tensor> inp
   }
   cuda::record_event(done, comm_);
   // From here the compute stream may use the results and free the inputs (stream order).
-  if (!defer_) stall_on(cuda::current_stream(), done);
+  if (!defer_) CollectiveTimer::wait(kind_, cuda::current_stream(), done);
   return done;
 }
 
@@ -142,42 +131,9 @@ void ExchangeStream::keep(DispatchState& st, const ExpertDispatcher::PlacedRows&
   keep(st, p.order);
 }
 
-void ExchangeStream::count_host(double ms) {
-  host_timing_.total_ms += ms;
-  host_timing_.stalled_ms += ms;  // Gloo: the caller waited for all of it
-  ++host_timing_.exchanges;
-}
-
-void ExchangeStream::stall_on(cuda::Stream compute, void* done) {
-  if (timing_) {
-    stall_events_.push_back({cuda::create_event(), cuda::create_event()});
-    cuda::record_event(stall_events_.back().first, compute);
-  }
-  cuda::stream_wait_event(compute, done);
-  if (timing_) cuda::record_event(stall_events_.back().second, compute);
-}
-
 void ExchangeStream::wait(DispatchState& st) {
-  if (st.ready) stall_on(cuda::current_stream(), st.ready.get());
+  if (st.ready) CollectiveTimer::wait(st.kind, cuda::current_stream(), st.ready.get());
   st.in_flight.clear();  // freed on the current stream, after the wait
-}
-
-ExchangeTiming ExchangeStream::take_timing() {
-  ExchangeTiming t = host_timing_;
-  for (auto& [a, b] : exchange_events_) {
-    t.total_ms += cuda::elapsed_ms(a, b);
-    ++t.exchanges;
-  }
-  for (auto& [a, b] : stall_events_) t.stalled_ms += cuda::elapsed_ms(a, b);
-  for (auto* list : {&exchange_events_, &stall_events_}) {
-    for (auto& [a, b] : *list) {
-      cuda::destroy_event(a);
-      cuda::destroy_event(b);
-    }
-    list->clear();
-  }
-  host_timing_ = ExchangeTiming();
-  return t;
 }
 
 // ---- GroupDispatcher, AllToAllDispatcher ----
@@ -266,7 +222,7 @@ DispatchOut AllToAllDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx
            "{}: x must be [T, H] and topk_idx [T, K] on one device, got {} and {}", where(st), x.str(), topk_idx.str());
   const Device dev = x.device();
   const int64_t pairs = topk_idx.numel();
-  return stream_.run(dev, st, {x, topk_idx}, [&] {
+  return stream_.run(Collective::kDispatch, dev, st, {x, topk_idx}, [&] {
     st.perm = ops::permutation_by_expert(topk_idx, E);  // grouped by global expert: peer p's experts are one block
     // The counts this rank sends (E, peer-major) and those it receives ([peer][local expert])
     // share one buffer, so one copy brings both to the host.
@@ -367,34 +323,34 @@ Tensor AllToAllDispatcher::rows_back_to_experts(const Tensor& d_home, DispatchSt
 Tensor AllToAllDispatcher::combine(const Tensor& expert_rows, DispatchState& st) {
   StageScope timer(Stage::kCombine);
   check_dispatched(st, expert_rows, sum(st.recv_rows), "combine");
-  return stream_.run(expert_rows.device(), st, {expert_rows},
+  return stream_.run(Collective::kCombine, expert_rows.device(), st, {expert_rows},
                         [&] { return ops::unpermute_forward(rows_home(expert_rows, st), st.perm); });
 }
 
 ExpertDispatcher::PlacedRows AllToAllDispatcher::combine_in_place(const Tensor& expert_rows, DispatchState& st) {
   StageScope timer(Stage::kCombine);
   check_dispatched(st, expert_rows, sum(st.recv_rows), "combine_in_place");
-  Tensor home = stream_.run(expert_rows.device(), st, {expert_rows}, [&] { return rows_home(expert_rows, st); });
+  Tensor home = stream_.run(Collective::kCombine, expert_rows.device(), st, {expert_rows}, [&] { return rows_home(expert_rows, st); });
   return {home, st.perm.slot_row};
 }
 
 Tensor AllToAllDispatcher::combine_in_place_backward(const Tensor& d_home, DispatchState& st) {
   StageScope timer(Stage::kCombine);
   check_dispatched(st, d_home, st.perm.num_tokens * st.perm.top_k, "combine_in_place_backward");
-  return stream_.run(d_home.device(), st, {d_home}, [&] { return rows_back_to_experts(d_home, st); });
+  return stream_.run(Collective::kCombine, d_home.device(), st, {d_home}, [&] { return rows_back_to_experts(d_home, st); });
 }
 
 Tensor AllToAllDispatcher::combine_backward(const Tensor& dout, DispatchState& st) {
   StageScope timer(Stage::kCombine);
   check_dispatched(st, dout, st.perm.num_tokens * st.perm.top_k, "combine_backward");
-  return stream_.run(dout.device(), st, {dout},
+  return stream_.run(Collective::kCombine, dout.device(), st, {dout},
                         [&] { return rows_back_to_experts(ops::unpermute_backward(dout, st.perm), st); });
 }
 
 Tensor AllToAllDispatcher::dispatch_backward(const Tensor& drows, DispatchState& st) {
   StageScope timer(Stage::kRouterPermute);
   check_dispatched(st, drows, sum(st.recv_rows), "dispatch_backward");
-  return stream_.run(drows.device(), st, {drows}, [&] {
+  return stream_.run(Collective::kDispatch, drows.device(), st, {drows}, [&] {
     Tensor arrived = st.regroup_identity ? drows : ops::unpermute_forward(drows, st.regroup);
     Tensor mine = exchange(arrived, st.recv_rows, st.send_rows);
     return ops::permute_backward(mine, st.perm);  // sums each token's K copies, in k order

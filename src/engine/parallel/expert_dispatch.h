@@ -23,6 +23,7 @@
 #include "comm/communicator.h"
 #include "core/cuda_runtime.h"
 #include "ops/ops.h"
+#include "engine/telemetry/collective_timer.h"
 
 namespace moetrain {
 
@@ -50,20 +51,13 @@ struct DispatchState {
   // CUDA, communication stream, deferred waits: the event after this state's last exchange
   // and the caller's tensors the communication stream may still read (see wait()).
   std::shared_ptr<void> ready;
+  Collective kind = Collective::kDispatch;  // of the last exchange on this state (for its wait's timing)
   std::vector<Tensor> in_flight;
 };
 
 struct DispatchOut {
   Tensor rows;    // [N, H] token copies grouped by local expert
   Tensor counts;  // i64 [local experts], rows per expert
-};
-
-// Timing (bench): how long a dispatcher's exchanges took and how long the compute stream
-// stalled waiting for them, so total - stalled is the exchange time hidden behind compute.
-struct ExchangeTiming {
-  double total_ms = 0, stalled_ms = 0;
-  int exchanges = 0;
-  double bytes_sent = 0;  // to other ranks, by this one (counted on the host)
 };
 
 class ExpertDispatcher {
@@ -118,10 +112,6 @@ class ExpertDispatcher {
   // Makes the caller's current stream wait for the last call on `st` to finish. Needed only
   // with a dispatcher that defers waits (ExchangeOptions::defer_wait); a no-op otherwise.
   virtual void wait(DispatchState& st) {}
-
-  // Exchange timing (bench); nothing to time in one process.
-  virtual void set_timing(bool on) {}
-  virtual ExchangeTiming take_timing() { return {}; }
 };
 
 // One process: every expert is local; dispatch and combine are permutations.
@@ -170,8 +160,8 @@ struct ExchangeOptions {
 };
 
 // Where a multi-rank dispatcher's exchanges run (ExchangeOptions::comm_stream and
-// defer_wait) and how long they take: the part AllToAllDispatcher and AllGatherDispatcher
-// share.
+// defer_wait), timed on the active CollectiveTimer (telemetry/collective_timer.h) as the
+// dispatch's or the combine's: the part AllToAllDispatcher and AllGatherDispatcher share.
 class ExchangeStream {
  public:
   ExchangeStream(cuda::Stream comm_stream, bool defer_wait) : comm_(comm_stream), defer_(defer_wait) {}
@@ -182,19 +172,16 @@ class ExchangeStream {
   // Runs `body` where the dispatcher's work goes: on the communication stream after the
   // caller's stream (the inputs are ready there), then either making the caller's stream
   // wait for it or, deferred, keeping `inputs` and the result alive in `st` until wait().
-  // On the CPU, or with no communication stream, `body` runs in place.
+  // On the CPU, or with no communication stream, `body` runs in place. `kind`: the
+  // dispatch's collectives (forward and backward) or the combine's.
   template <typename F>
-  auto run(const Device& device, DispatchState& st, std::initializer_list<Tensor> inputs, F&& body);
+  auto run(Collective kind, const Device& device, DispatchState& st, std::initializer_list<Tensor> inputs, F&& body);
   // The caller's stream waits for the last deferred call on `st`.
   void wait(DispatchState& st);
 
-  // GPU: from events on both streams (read in take_timing, which synchronises); CPU (Gloo,
-  // synchronous): the host clock, all of it stalled.
-  void set_timing(bool on) { timing_ = on; }
-  ExchangeTiming take_timing();
-  // A collective about to send `bytes` to other ranks (counted while timing).
+  // A collective of the running body about to send `bytes` to other ranks.
   void count_bytes(double bytes) {
-    if (timing_) host_timing_.bytes_sent += bytes;
+    if (CollectiveTimer* t = CollectiveTimer::active()) t->add_bytes(kind_, bytes);
   }
 
  private:
@@ -205,16 +192,12 @@ class ExchangeStream {
   void keep(DispatchState& st, const DispatchOut& o);
   void keep(DispatchState& st, const ExpertDispatcher::CombineGrads& g);
   void keep(DispatchState& st, const ExpertDispatcher::PlacedRows& p);
-  void stall_on(cuda::Stream compute, void* done);  // compute waits for `done`, timed
-  void count_host(double ms);
 
   cuda::Stream comm_;
   bool defer_;
   void* ready_event_ = nullptr;  // cuda::Event, created on first use
   void* done_event_ = nullptr;
-  bool timing_ = false;
-  ExchangeTiming host_timing_;                                                       // CPU, and the GPU count
-  std::vector<std::pair<cuda::Event, cuda::Event>> exchange_events_, stall_events_;  // GPU
+  Collective kind_ = Collective::kDispatch;  // of the body running
 };
 
 // What the multi-rank dispatchers share: the EP group and its options, the stream their
@@ -226,8 +209,6 @@ class GroupDispatcher : public ExpertDispatcher {
   // The first global expert this rank holds (parallel/layout.h's split).
   int64_t first_local_expert(int64_t num_experts) const;
   void wait(DispatchState& st) override { stream_.wait(st); }
-  void set_timing(bool on) override { stream_.set_timing(on); }
-  ExchangeTiming take_timing() override { return stream_.take_timing(); }
 
  protected:
   // `kind` names the dispatcher in errors ("" or " (all-gather)").
@@ -316,19 +297,20 @@ class AllToAllDispatcher final : public GroupDispatcher {
 // ---- ExchangeStream::run ----
 
 template <typename F>
-auto ExchangeStream::run(const Device& device, DispatchState& st, std::initializer_list<Tensor> inputs, F&& body) {
-  if (device.is_cpu() || comm_ == nullptr) {
-    if (!timing_ || !device.is_cpu()) return body();
-    const auto t0 = std::chrono::steady_clock::now();
-    auto out = body();
-    count_host(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    return out;
+auto ExchangeStream::run(Collective kind, const Device& device, DispatchState& st, std::initializer_list<Tensor> inputs,
+                         F&& body) {
+  kind_ = kind;
+  st.kind = kind;
+  if (device.is_cpu() || comm_ == nullptr) {  // in place: on the compute stream, or synchronous (Gloo)
+    CollectiveScope timed(kind);
+    return body();
   }
   before(cuda::current_stream());
   auto out = [&] {
     // Allocations and copies inside go to the communication stream, and the temporaries
     // are freed there, after their last use.
     cuda::CurrentStreamScope scope(comm_);
+    CollectiveScope timed(kind, comm_, /*on_compute=*/false);
     return body();
   }();
   if (defer_) keep(st, out);

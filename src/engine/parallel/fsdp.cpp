@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/log.h"
+#include "engine/telemetry/collective_timer.h"
 #include "engine/telemetry/stage_timer.h"
 #include "ops/ops.h"
 
@@ -122,8 +123,13 @@ void FsdpContext::prefetch(int64_t layer) {
   cuda::CurrentStreamScope on_comm(comm_stream_);  // the gathered buffer is allocated there too
   for (Shard* sh : todo) {
     sh->bucket->values.restore_memory();
-    if (sh->group->size() == 1) sh->bucket->values.copy_from(sh->value);
-    else sh->group->all_gather(sh->value, sh->bucket->values, comm_stream_);
+    if (sh->group->size() == 1) {
+      sh->bucket->values.copy_from(sh->value);
+    } else {
+      CollectiveScope timed(Collective::kAllGather, comm_stream_, /*on_compute=*/false);
+      count_gather_bytes(*sh);
+      sh->group->all_gather(sh->value, sh->bucket->values, comm_stream_);
+    }
     cuda::record_event(sh->ready, comm_stream_);
     sh->in_flight = true;
   }
@@ -140,7 +146,7 @@ std::vector<FsdpContext::Shard*> FsdpContext::unit(int64_t layer) {
 // Whole weights from the shards (the bucket's padding gathers too: it is never read).
 void FsdpContext::gather(Shard& sh) {
   if (sh.in_flight) {  // prefetched on the communication stream
-    cuda::stream_wait_event(cuda::current_stream(), sh.ready);
+    CollectiveTimer::wait(Collective::kAllGather, cuda::current_stream(), sh.ready);
     sh.in_flight = false;
     return;
   }
@@ -149,13 +155,29 @@ void FsdpContext::gather(Shard& sh) {
   if (sh.group->size() == 1) {
     sh.bucket->values.copy_from(sh.value);
   } else {
+    CollectiveScope timed(Collective::kAllGather);
+    count_gather_bytes(sh);
     sh.group->all_gather(sh.value, sh.bucket->values);
   }
 }
 
+void FsdpContext::count_gather_bytes(const Shard& sh) const {
+  if (CollectiveTimer* t = CollectiveTimer::active()) {
+    t->add_bytes(Collective::kAllGather, static_cast<double>(sh.value.nbytes()) * (sh.group->size() - 1));
+  }
+}
+
+void FsdpContext::reduce_scatter(Shard& sh, Tensor& into) {
+  CollectiveScope timed(Collective::kReduceScatter);
+  if (CollectiveTimer* t = CollectiveTimer::active()) {
+    t->add_bytes(Collective::kReduceScatter, static_cast<double>(into.nbytes()) * (sh.group->size() - 1));
+  }
+  sh.group->reduce_scatter(sh.bucket->grads, into);
+}
+
 void FsdpContext::release(Shard& sh) {
   if (sh.in_flight) {  // prefetched and never used: the gather must end before the memory goes
-    cuda::stream_wait_event(cuda::current_stream(), sh.ready);
+    CollectiveTimer::wait(Collective::kAllGather, cuda::current_stream(), sh.ready);
     sh.in_flight = false;
   }
   sh.bucket->values.release_memory();
@@ -189,7 +211,7 @@ void FsdpContext::after_backward(int64_t layer) {
     if (sh->group->size() == 1) {
       into.copy_from(sh->bucket->grads);
     } else {
-      sh->group->reduce_scatter(sh->bucket->grads, into);
+      reduce_scatter(*sh, into);
     }
     if (!first_micro_batch_) ops::add_(sh->grad, sh->scratch);
     release(*sh);
@@ -199,8 +221,11 @@ void FsdpContext::after_backward(int64_t layer) {
 void FsdpContext::reduce_scatter_grads() {
   for (Shard& sh : shards_) {
     // With shard_weights each layer's were reduced right after its backward.
-    if (!shard_weights_ && sh.group->size() > 1) sh.group->reduce_scatter(sh.bucket->grads, sh.grad);
-    if (bridge_) bridge_->all_reduce(sh.grad);
+    if (!shard_weights_ && sh.group->size() > 1) reduce_scatter(sh, sh.grad);
+    if (bridge_) {
+      CollectiveScope timed(Collective::kAllReduce);
+      bridge_->all_reduce(sh.grad);
+    }
   }
 }
 
@@ -234,6 +259,8 @@ void FsdpContext::gather_values() {
     if (sh.group->size() == 1) continue;
     // The shard is part of the output buffer: gather from a copy.
     Tensor mine = sh.value.clone();
+    CollectiveScope timed(Collective::kAllGather);
+    count_gather_bytes(sh);
     sh.group->all_gather(mine, sh.bucket->values);
   }
 }

@@ -103,6 +103,10 @@ class FsdpContext final : public WeightHooks {
   void gather(Shard& sh);
   void prefetch(int64_t layer);
   void release(Shard& sh);
+  // Gradients of the shard's bucket reduced into `into` (its shard), timed as a reduce-scatter.
+  void reduce_scatter(Shard& sh, Tensor& into);
+  // The bytes a gather of the shard sends, on the active collective timer.
+  void count_gather_bytes(const Shard& sh) const;
 
   Model& model_;
   Communicator& replica_world_;

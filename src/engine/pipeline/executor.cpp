@@ -11,6 +11,7 @@
 #include "core/cuda_runtime.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "engine/telemetry/collective_timer.h"
 
 namespace moetrain {
 
@@ -161,10 +162,13 @@ PipelineExecutor::Handoff PipelineExecutor::take(std::map<Key, Handoff>& local, 
   Tensor hidden = Tensor::empty({batch.batch * batch.seq, model_.model_config().shape().hidden_size}, model_.dtype(),
                                 where);
   Tensor packed = Tensor::empty({model_.totals_message_size()}, DType::F64, where);
-  auto rh = pp_->irecv(hidden, from, tag(backward ? kGradient : kActivation, key.first, key.second));
-  auto rt = pp_->irecv(packed, from, tag(backward ? kGradientTotals : kActivationTotals, key.first, key.second));
-  rh->wait();
-  rt->wait();
+  {  // waited for on the host: all of it exposed (with the bubble)
+    CollectiveScope timed(Collective::kPipeline);
+    auto rh = pp_->irecv(hidden, from, tag(backward ? kGradient : kActivation, key.first, key.second));
+    auto rt = pp_->irecv(packed, from, tag(backward ? kGradientTotals : kActivationTotals, key.first, key.second));
+    rh->wait();
+    rt->wait();
+  }
   mark_inputs_in();
   Handoff h;
   h.hidden = where == model_.device() ? hidden : hidden.to(model_.device());
@@ -202,13 +206,19 @@ void PipelineExecutor::forward_output(int chunk, int mb, Handoff out, const Micr
   MicroBatchLoss read;  // this chunk's expert counts (and, at the head, the loss terms)
   if (chunks_[chunk].head) read = loss;
   read.on_device.expert_counts = std::move(a.expert_counts);
+  read.on_device.router_entropy = std::move(a.router_entropy);
   a.expert_counts.clear();
+  a.router_entropy.clear();
   read.read_device_values();
   auto& counts = counts_[chunk];
-  if (counts.empty()) counts = std::move(read.expert_counts);
-  else {
+  auto& entropy = entropy_[chunk];
+  if (counts.empty()) {
+    counts = std::move(read.expert_counts);
+    entropy = std::move(read.router_entropy);
+  } else {
     for (size_t k = 0; k < counts.size(); ++k) {
       for (size_t e = 0; e < counts[k].size(); ++e) counts[k][e] += read.expert_counts[k][e];
+      if (k < entropy.size() && k < read.router_entropy.size()) entropy[k] += read.router_entropy[k];
     }
   }
   if (!training) acts_.erase({chunk, mb});  // nothing to go back through
@@ -298,6 +308,7 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
   weights_written_.assign(chunks_.size(), false);
   head_written_ = false;
   counts_.clear();
+  entropy_.clear();
   Result r;
   // Timing (bench): an event pair per op on the GPU, read once at the end of the step.
   const bool gpu_clock = timing_on_ && !model_.device().is_cpu();
@@ -373,6 +384,7 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
            inputs_.size() + grads_.size());
   for (auto& [chunk, counts] : counts_) {
     for (auto& layer : counts) r.expert_counts.push_back(std::move(layer));
+    for (double h : entropy_[chunk]) r.router_entropy.push_back(h);
   }
   schedule_ = nullptr;
   return r;

@@ -66,6 +66,7 @@ class PipelineExecutor {
     // Per MoE layer this rank holds (ascending id), tokens routed to each local expert,
     // summed over the micro-batches.
     std::vector<std::vector<int64_t>> expert_counts;
+    std::vector<double> router_entropy;  // per MoE layer as expert_counts: sum over the tokens
   };
 
   // One optimizer step's forward and backward: `batches[m]` is micro-batch m. The head
@@ -136,6 +137,7 @@ class PipelineExecutor {
   std::chrono::steady_clock::time_point inputs_in_;
   cuda::Event inputs_in_event_ = nullptr;
   std::map<int, std::vector<std::vector<int64_t>>> counts_;  // per chunk, summed over mbs
+  std::map<int, std::vector<double>> entropy_;                // per chunk, summed over mbs
 };
 
 }  // namespace moetrain

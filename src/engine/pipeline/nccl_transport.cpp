@@ -4,6 +4,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "engine/telemetry/collective_timer.h"
 
 namespace moetrain {
 
@@ -95,11 +96,18 @@ void OrderedTransport::issue_ready() {
     if (s.m.sending) {
       if (!s.handed) return;
       cuda::stream_wait_event(stream_, s.ready);
+      CollectiveScope timed(Collective::kPipeline, stream_, /*on_compute=*/false);
+      if (CollectiveTimer* t = CollectiveTimer::active()) {
+        t->add_bytes(Collective::kPipeline, static_cast<double>(s.hidden.nbytes() + s.totals.nbytes()));
+      }
       pp_.send(s.hidden, s.m.peer, stream_);
       pp_.send(s.totals, s.m.peer, stream_);
     } else {
-      pp_.recv(s.hidden, s.m.peer, stream_);
-      pp_.recv(s.totals, s.m.peer, stream_);
+      {  // on the stream, a receive also waits for its peer to send: the time includes the bubble
+        CollectiveScope timed(Collective::kPipeline, stream_, /*on_compute=*/false);
+        pp_.recv(s.hidden, s.m.peer, stream_);
+        pp_.recv(s.totals, s.m.peer, stream_);
+      }
       cuda::record_event(s.ready, stream_);
     }
     s.issued = true;
@@ -118,7 +126,7 @@ std::pair<Tensor, Tensor> OrderedTransport::receive(uint32_t tag) {
   MT_CHECK(s.issued, "pipeline transport: message tag {} is needed before this rank's send of tag {}, which comes "
            "before it in the order, was handed over (the order does not fit the schedule)", tag, slots_[next_].m.tag);
   s.used = true;
-  cuda::stream_wait_event(cuda::current_stream(), s.ready);
+  CollectiveTimer::wait(Collective::kPipeline, cuda::current_stream(), s.ready);
   return {s.hidden, s.totals};
 }
 

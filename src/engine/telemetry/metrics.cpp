@@ -44,6 +44,12 @@ std::string metrics_json(const StepMetrics& m) {
                  {"growth_bytes", m.memory_growth_bytes},
                  {"pinned_host_bytes", m.pinned_host_bytes}};
   j["infra"] = {{"world_size", m.world_size}, {"restart_generation", m.restart_generation}, {"layout", m.layout}};
+  if (m.checkpoint_stall_s) j["infra"]["checkpoint_stall_ms"] = *m.checkpoint_stall_s * 1e3;
+  if (m.checkpoint_commit) {
+    j["infra"]["checkpoint_commit"] = {{"saved_step", m.checkpoint_commit->step},
+                                       {"ms", m.checkpoint_commit->seconds * 1e3},
+                                       {"bytes", m.checkpoint_commit->bytes}};
+  }
   if (m.replicas) {
     const StepMetrics::Replicas& r = *m.replicas;
     j["replicas_in_quorum"] = r.in_quorum;
@@ -52,12 +58,24 @@ std::string metrics_json(const StepMetrics& m) {
     j["fault_tolerance"] = {{"quorum_id", r.quorum_id}, {"heal_bytes", r.heal_bytes}, {"heal_s", r.heal_s},
                             {"discarded_steps", r.discarded_steps}};
   }
+  if (m.collectives) {
+    nlohmann::json c = nlohmann::json::object();
+    for (int k = 0; k < kNumCollectives; ++k) {
+      const CollectiveTotals& t = (*m.collectives)[static_cast<size_t>(k)];
+      if (t.count == 0) continue;
+      c[std::string(collective_name(static_cast<Collective>(k)))] = {
+          {"ms", t.ms}, {"exposed_ms", t.exposed_ms}, {"hidden", t.hidden()}, {"count", t.count}, {"bytes", t.bytes}};
+    }
+    j["collective"] = std::move(c);
+  }
   if (!m.expert_tokens.empty()) {
     nlohmann::json layers = nlohmann::json::array();
     for (size_t i = 0; i < m.expert_tokens.size(); ++i) {
       const ExpertLoad l = expert_load(m.expert_tokens[i]);
-      layers.push_back({{"moe_layer", i}, {"load_max_over_mean", l.max_over_mean}, {"load_cv", l.cv},
-                        {"idle_experts", l.idle}, {"tokens_per_expert", m.expert_tokens[i]}});
+      nlohmann::json layer = {{"moe_layer", i}, {"load_max_over_mean", l.max_over_mean}, {"load_cv", l.cv},
+                              {"idle_experts", l.idle}, {"tokens_per_expert", m.expert_tokens[i]}};
+      if (i < m.router_entropy.size()) layer["router_entropy"] = m.router_entropy[i];
+      layers.push_back(std::move(layer));
     }
     j["moe"] = std::move(layers);
   }
@@ -82,6 +100,35 @@ ExpertLoad expert_load(const std::vector<int64_t>& tokens) {
   return l;
 }
 
+std::string ExpertLoadWatch::observe(const StepMetrics& m) {
+  const size_t n = m.expert_tokens.size();
+  run_.resize(n, 0);
+  warned_.resize(n, false);
+  std::vector<std::string> layers;
+  double worst = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double skew = expert_load(m.expert_tokens[i]).max_over_mean;
+    if (skew < threshold_) {
+      run_[i] = 0;
+      warned_[i] = false;
+      continue;
+    }
+    if (++run_[i] >= steps_ && !warned_[i]) {
+      warned_[i] = true;
+      layers.push_back(std::to_string(i));
+      worst = std::max(worst, skew);
+    }
+  }
+  if (layers.empty()) return {};
+  std::string list;
+  for (size_t i = 0; i < layers.size(); ++i) list += (i ? ", " : "") + layers[i];
+  return fmt::format("expert load: MoE layer{} {} of this rank {} had the busiest expert at {:.1f}x or more of the mean "
+                     "for {} steps running (now up to {:.2f}x): the router is collapsing onto a few experts. "
+                     "Balance it with [model].router_bias_update_speed (aux-loss-free, e.g. 0.001) or a larger "
+                     "[model].router_aux_loss_coef",
+                     layers.size() > 1 ? "s" : "", list, layers.size() > 1 ? "have" : "has", threshold_, steps_, worst);
+}
+
 std::vector<std::pair<std::string, double>> metrics_scalars(const StepMetrics& m) {
   std::vector<std::pair<std::string, double>> v{
       {"train/loss", m.loss},
@@ -103,11 +150,21 @@ std::vector<std::pair<std::string, double>> metrics_scalars(const StepMetrics& m
   };
   if (m.val_loss) v.emplace_back("val/loss", *m.val_loss);
   if (m.checkpoint_stall_s) v.emplace_back("infra/checkpoint_stall_s", *m.checkpoint_stall_s);
+  if (m.checkpoint_commit) v.emplace_back("infra/checkpoint_commit_ms", m.checkpoint_commit->seconds * 1e3);
   if (m.restart_downtime_s) v.emplace_back("infra/restart_downtime_s", *m.restart_downtime_s);
   if (m.replicas) {
     v.emplace_back("ft/replicas_in_quorum", static_cast<double>(m.replicas->in_quorum));
     v.emplace_back("ft/quorum_ms", m.replicas->quorum_ms);
     v.emplace_back("ft/discarded_steps", static_cast<double>(m.replicas->discarded_steps));
+  }
+  if (m.collectives) {
+    for (int k = 0; k < kNumCollectives; ++k) {
+      const CollectiveTotals& t = (*m.collectives)[static_cast<size_t>(k)];
+      if (t.count == 0) continue;
+      const std::string p = fmt::format("collective/{}/", collective_name(static_cast<Collective>(k)));
+      v.emplace_back(p + "ms", t.ms);
+      v.emplace_back(p + "hidden", t.hidden());
+    }
   }
   for (size_t i = 0; i < m.expert_tokens.size(); ++i) {
     const ExpertLoad l = expert_load(m.expert_tokens[i]);
@@ -115,6 +172,7 @@ std::vector<std::pair<std::string, double>> metrics_scalars(const StepMetrics& m
     v.emplace_back(p + "load_max_over_mean", l.max_over_mean);
     v.emplace_back(p + "load_cv", l.cv);
     v.emplace_back(p + "idle_experts", static_cast<double>(l.idle));
+    if (i < m.router_entropy.size()) v.emplace_back(p + "router_entropy", m.router_entropy[i]);
   }
   return v;
 }

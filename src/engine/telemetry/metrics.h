@@ -2,12 +2,15 @@
 // and tools), and a short human-readable line for the log.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <fstream>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "engine/telemetry/collective_timer.h"
 
 namespace moetrain {
 
@@ -34,6 +37,14 @@ struct StepMetrics {
   int64_t tokens = 0;  // tokens trained on so far
   std::optional<double> val_loss;  // written as null when absent
   std::optional<double> checkpoint_stall_s;  // only on steps that saved: the step's wait for the save
+  // Only on the first step after a save's commit finished (rank 0 commits, in the background):
+  // which step it was, the seconds from the start of writing to the commit, its bytes.
+  struct Commit {
+    int64_t step = 0;
+    double seconds = 0;
+    uint64_t bytes = 0;
+  };
+  std::optional<Commit> checkpoint_commit;
   int64_t restart_generation = 0;  // `moetrain launch --max-restarts`: how many times the job was restarted
   int64_t world_size = 1;          // ranks of the job (smaller after an elastic restart on fewer nodes)
   // Only on the first step after a restart: seconds from the failure to this step's start
@@ -57,6 +68,29 @@ struct StepMetrics {
   // Tokens routed to each expert in the step, per MoE layer (the layers rank 0 holds: all of
   // them, but under a pipeline its stage's), summed over the data ranks.
   std::vector<std::vector<int64_t>> expert_tokens;
+  // Per MoE layer as expert_tokens: the router's entropy, mean over the step's tokens, in
+  // nats (log num_experts: it cannot tell the experts apart; 0: certain of one expert).
+  std::vector<double> router_entropy;
+  // Several ranks with [metrics].detailed: this rank's collectives of the step by kind (ms
+  // they ran, ms the compute waited for them, count, bytes sent); kinds that did not run
+  // are left out of the record.
+  std::optional<std::array<CollectiveTotals, kNumCollectives>> collectives;
+};
+
+// Watches the per-layer expert loads step after step and says when a layer's has stayed
+// badly skewed (busiest expert at `threshold` x the mean or more) for `steps` steps in a
+// row: a router collapsing onto a few experts. Says it once per stretch.
+class ExpertLoadWatch {
+ public:
+  explicit ExpertLoadWatch(double threshold = 2.0, int64_t steps = 100) : threshold_(threshold), steps_(steps) {}
+  // The warning to log after this step, or empty.
+  std::string observe(const StepMetrics& m);
+
+ private:
+  double threshold_;
+  int64_t steps_;
+  std::vector<int64_t> run_;   // per layer: consecutive skewed steps
+  std::vector<bool> warned_;   // per layer: said for the current stretch
 };
 
 // Every number of a step as (tag, value), the one list of names the TensorBoard scalars use

@@ -83,6 +83,29 @@ Tensor load_balance_backward(const Tensor& selections, int64_t rows, int64_t tot
   return dprobs;
 }
 
+Tensor router_entropy_sum(const Tensor& probs) {
+  MT_CHECK(probs.defined() && probs.ndim() == 2, "router_entropy_sum: probs must be [R, E], got {}", probs.str());
+  const int64_t R = probs.size(0), E = probs.size(1);
+  Tensor out = Tensor::empty({1}, probs.dtype());
+  dispatch_float(probs.dtype(), "router_entropy_sum", [&](auto tag) {
+    using F = decltype(tag);
+    const F* P = probs.data<F>();
+    std::vector<double> h(static_cast<size_t>(R));
+    for (int64_t r = 0; r < R; ++r) {  // serial: R x E logs are cheap, a parallel region here is not
+      double s = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        const double p = static_cast<double>(P[r * E + e]);
+        if (p > 0) s -= p * std::log(p);
+      }
+      h[r] = s;
+    }
+    double total = 0;  // in row order: deterministic
+    for (int64_t r = 0; r < R; ++r) total += h[r];
+    out.data<F>()[0] = static_cast<F>(total);
+  });
+  return out;
+}
+
 ZLossOut router_z_loss_forward(const Tensor& logits) {
   MT_CHECK(logits.defined() && logits.ndim() == 2, "router_z_loss_forward: logits must be [R, E], got {}",
            logits.str());

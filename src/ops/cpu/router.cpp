@@ -2,7 +2,8 @@
 //
 // Forward, per row t of logits [T, E]:
 //   p = softmax(l)                     (max-subtracted, accumulated in double)
-//   idx[t, :] = the K experts of largest p, descending, ties to the lower expert id
+//   idx[t, :] = the K experts of largest p (+ bias, when a selection bias is given),
+//               descending, ties to the lower expert id
 //   w[t, k] = p[idx_k]                 or, when norm_topk_prob, p[idx_k] / S, S = sum_j p[idx_j]
 // Backward (top-k selection is piecewise constant, so idx is a constant):
 //   without norm: dp[idx_k] += dw_k
@@ -19,10 +20,15 @@
 
 namespace moetrain::ops::cpu {
 
-RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob) {
+RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob, const Tensor& selection_bias) {
   MT_CHECK(logits.defined() && logits.ndim() == 2, "router_forward: logits must be [T, E], got {}", logits.str());
   const int64_t T = logits.size(0), E = logits.size(1);
   MT_CHECK(k >= 1 && k <= E, "router_forward: top_k = {} must be in [1, num_experts = {}]", k, E);
+  if (selection_bias.defined()) {
+    check_shape(selection_bias, {E}, "router_forward selection_bias");
+    check_dtype(selection_bias, DType::F32, "router_forward selection_bias");
+  }
+  const float* bias = selection_bias.defined() ? selection_bias.data<float>() : nullptr;
   RouterOut out;
   out.probs = Tensor::empty({T, E}, logits.dtype());
   out.topk_idx = Tensor::empty({T, k}, DType::I32);
@@ -36,6 +42,7 @@ RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob) {
 #pragma omp parallel
     {
       std::vector<int32_t> order(static_cast<size_t>(E));
+      std::vector<double> score(static_cast<size_t>(E));  // what the choice ranks: p (+ bias)
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T; ++t) {
         const F* l = L + t * E;
@@ -45,9 +52,10 @@ RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob) {
         double sum = 0;
         for (int64_t e = 0; e < E; ++e) sum += std::exp(static_cast<double>(l[e]) - mx);
         for (int64_t e = 0; e < E; ++e) p[e] = static_cast<F>(std::exp(static_cast<double>(l[e]) - mx) / sum);
+        for (int64_t e = 0; e < E; ++e) score[e] = static_cast<double>(p[e]) + (bias ? static_cast<double>(bias[e]) : 0.0);
         std::iota(order.begin(), order.end(), 0);
         std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
-          return p[a] > p[b] || (p[a] == p[b] && a < b);
+          return score[a] > score[b] || (score[a] == score[b] && a < b);
         });
         double s = 0;
         for (int64_t j = 0; j < k; ++j) s += static_cast<double>(p[order[j]]);

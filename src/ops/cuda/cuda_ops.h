@@ -24,7 +24,7 @@ RmsNormRopeGrads rmsnorm_rope_backward(const Tensor& dy, const Tensor& x, const 
                                        const Tensor& positions, int64_t head_dim, double theta);
 AttentionOut attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_ids, const AttentionShape& shape);
 AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_ids, const Tensor& out, const Tensor& lse, const AttentionShape& shape);
-RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob);
+RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob, const Tensor& selection_bias);
 Tensor router_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const RouterOut& fwd, bool norm_topk_prob);
 Permutation permutation_by_expert(const Tensor& topk_idx, int64_t num_experts);
 Tensor expert_ids_in_range(const Tensor& topk_idx, int64_t first, int64_t count);
@@ -47,6 +47,7 @@ Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const
 bool cross_entropy_one_pass(Tensor& logits, const Tensor& targets, double scale, CrossEntropyOut& out);
 void load_balance_accumulate(const Tensor& probs, const Tensor& topk_idx, Tensor& selections, Tensor& prob_sum);
 Tensor load_balance_backward(const Tensor& selections, int64_t rows, int64_t total_rows, double coef);
+Tensor router_entropy_sum(const Tensor& probs);
 ZLossOut router_z_loss_forward(const Tensor& logits);
 Tensor router_z_loss_backward(const Tensor& probs, const Tensor& lse, double scale);
 void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWStep& s);

@@ -51,6 +51,18 @@ Tensor load_balance_backward(const Tensor& selections, int64_t rows, int64_t tot
   return dprobs;
 }
 
+Tensor router_entropy_sum(const Tensor& probs) {
+  check_cuda_tensors("router_entropy_sum", {&probs});
+  MT_CHECK(probs.defined() && probs.ndim() == 2, "router_entropy_sum: probs must be [R, E], got {}", probs.str());
+  check_dtype(probs, DType::F32, "router_entropy_sum probs");
+  const int64_t R = probs.size(0), E = probs.size(1);
+  Tensor out = Tensor::empty({1}, DType::F32, probs.device());
+  Tensor h = Tensor::empty({R}, DType::F32, probs.device());
+  launch_router_entropy_sum(probs.data<float>(), h.data<float>(), out.data<float>(), R, E, stream());
+  check_launch("router_entropy_sum");
+  return out;
+}
+
 ZLossOut router_z_loss_forward(const Tensor& logits) {
   check_cuda_tensors("router_z_loss_forward", {&logits});
   MT_CHECK(logits.defined() && logits.ndim() == 2, "router_z_loss_forward: logits must be [R, E], got {}",

@@ -154,6 +154,23 @@ __global__ void z_loss_backward_kernel(const float* __restrict__ probs, const fl
     d[i] = __float2bfloat16(scale2 * lse[i / E] * probs[i]);
 }
 
+// One warp per row: h[r] = -sum_e p log p (p = 0 adds nothing).
+__global__ void __launch_bounds__(32 * kZRowsPerBlock) router_entropy_kernel(const float* __restrict__ probs,
+                                                                             float* __restrict__ h, int64_t R,
+                                                                             int64_t E) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kZRowsPerBlock + (threadIdx.x >> 5);
+  if (r >= R) return;  // whole warps leave together
+  const int lane = threadIdx.x & 31;
+  const float* p = probs + r * E;
+  float s = 0.f;
+  for (int64_t e = lane; e < E; e += 32) {
+    const float v = p[e];
+    if (v > 0.f) s -= v * logf(v);
+  }
+  s = warp_sum(s);
+  if (lane == 0) h[r] = s;
+}
+
 int grid_for(int64_t n, int threads) {
   int64_t b = (n + threads - 1) / threads;
   if (b < 1) b = 1;
@@ -171,6 +188,14 @@ void z_forward_impl(const T* logits, float* lse, float* sq, float* loss_sum, int
 }
 
 }  // namespace
+
+void launch_router_entropy_sum(const float* probs, float* h, float* out, int64_t R, int64_t E, cudaStream_t s) {
+  if (R > 0) {
+    const auto grid = static_cast<unsigned>((R + kZRowsPerBlock - 1) / kZRowsPerBlock);
+    router_entropy_kernel<<<grid, 32 * kZRowsPerBlock, 0, s>>>(probs, h, R, E);
+  }
+  launch_sum_fixed_order(h, R, out, s);
+}
 
 size_t load_balance_scratch_bytes(int64_t R, int64_t E) {
   return counts_bytes(E) + static_cast<size_t>(row_split(R, E).chunks * E) * sizeof(double);

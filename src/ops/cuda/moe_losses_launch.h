@@ -21,6 +21,8 @@ void launch_load_balance_accumulate(const float* probs, const int32_t* topk_idx,
 void launch_load_balance_backward(const float* selections, float* dprobs, int64_t rows, int64_t E,
                                   int64_t total_rows, double coef, cudaStream_t s);
 
+// out[0] = sum_r -sum_e probs[r, e] log probs[r, e] (fixed order); h is caller scratch [R].
+void launch_router_entropy_sum(const float* probs, float* h, float* out, int64_t R, int64_t E, cudaStream_t s);
 // lse[r] = log sum_e exp(logits[r, e]); loss_sum[0] = sum_r lse[r]^2 (fixed order);
 // sq is caller scratch [R].
 void launch_router_z_loss_forward(const float* logits, float* lse, float* sq, float* loss_sum, int64_t R,

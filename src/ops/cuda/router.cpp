@@ -8,22 +8,27 @@
 
 namespace moetrain::ops::cuda {
 
-RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob) {
+RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob, const Tensor& selection_bias) {
   const char* op = "router_forward";
   MT_CHECK(logits.defined() && logits.ndim() == 2, "{}: logits must be [T, E], got {}", op, logits.str());
   MT_CHECK(logits.dtype() == DType::BF16 || logits.dtype() == DType::F32, "{}: logits must be bf16 or f32, got {}",
            op, logits.str());
-  check_cuda_tensors(op, {&logits});
+  check_cuda_tensors(op, {&logits, &selection_bias});
   const int64_t T = logits.size(0), E = logits.size(1);
   MT_CHECK(k >= 1 && k <= E, "{}: top_k = {} must be in [1, num_experts = {}]", op, k, E);
+  if (selection_bias.defined()) {
+    check_shape(selection_bias, {E}, "router_forward selection_bias");
+    check_dtype(selection_bias, DType::F32, "router_forward selection_bias");
+  }
   MT_CHECK(E <= kRouterMaxExperts, "{}: logits {} has {} experts; the CUDA router takes at most {}", op,
            logits.str(), E, kRouterMaxExperts);
   RouterOut out;
   out.probs = Tensor::empty({T, E}, DType::F32, logits.device());
   out.topk_idx = Tensor::empty({T, k}, DType::I32, logits.device());
   out.topk_weight = Tensor::empty({T, k}, DType::F32, logits.device());
-  launch_router_forward(logits.raw(), logits.dtype() == DType::BF16, T, static_cast<int>(E), static_cast<int>(k),
-                        norm_topk_prob, out.probs.data<float>(), out.topk_idx.data<int32_t>(),
+  launch_router_forward(logits.raw(), logits.dtype() == DType::BF16,
+                        selection_bias.defined() ? selection_bias.data<float>() : nullptr, T, static_cast<int>(E),
+                        static_cast<int>(k), norm_topk_prob, out.probs.data<float>(), out.topk_idx.data<int32_t>(),
                         out.topk_weight.data<float>(), stream());
   check_launch("router_forward_kernel");
   return out;

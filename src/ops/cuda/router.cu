@@ -2,9 +2,10 @@
 // (VPT = ceil(E/32) of them, a compile-time count so the arrays stay in registers).
 //
 // Forward: softmax in f32 (max-subtracted), then K rounds of a warp arg-max over the
-// experts not yet taken, ordered by (prob descending, expert id ascending): the CPU's
-// order, ties to the lower id. Lane j%32 writes pick j, and with norm_topk_prob divides
-// its own picks by their sum afterwards.
+// experts not yet taken, ordered by (score descending, expert id ascending), the score being
+// the prob plus the selection bias when one is given: the CPU's order, ties to the lower id.
+// Lane j%32 writes pick j with its prob, and with norm_topk_prob divides its own picks by
+// their sum afterwards.
 // Backward: dp = dprobs (or 0) plus the top-k weight gradients (through the
 // renormalisation's quotient rule when on), then dlogits = p * (dp - <p, dp>).
 #include <climits>
@@ -20,8 +21,9 @@ constexpr int kWarpsPerBlock = 4;
 
 template <int VPT, typename TIn>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
-    router_forward_kernel(const TIn* __restrict__ logits, int64_t T, int E, int K, bool norm, float* __restrict__ probs,
-                          int32_t* __restrict__ idx, float* __restrict__ weight) {
+    router_forward_kernel(const TIn* __restrict__ logits, const float* __restrict__ bias, int64_t T, int E, int K,
+                          bool norm, float* __restrict__ probs, int32_t* __restrict__ idx,
+                          float* __restrict__ weight) {
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (t >= T) return;
@@ -44,33 +46,38 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   }
   sum = warp_sum(sum);
   float* p = probs + t * E;
+  float sc[VPT];  // what the choice ranks
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int e = lane + 32 * i;
     if (e < E) {
       v[i] = v[i] / sum;
       p[e] = v[i];
+      sc[i] = bias ? v[i] + bias[e] : v[i];
     } else {
-      v[i] = -1.f;  // below every probability: never picked
+      sc[i] = -INFINITY;  // padding: below every score, never picked
     }
   }
   unsigned taken = 0;
   float s = 0.f;
   for (int j = 0; j < K; ++j) {
-    float bv = -1.f;  // padding (-1) never wins, every probability (>= 0) does
+    float bs = -INFINITY, bv = 0.f;  // the best score and its prob
     int be = INT_MAX;
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {  // ids ascend with i: strict > keeps the lower id on ties
-      if (!((taken >> i) & 1u) && v[i] > bv) {
+      if (!((taken >> i) & 1u) && sc[i] > bs) {
+        bs = sc[i];
         bv = v[i];
         be = lane + 32 * i;
       }
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
+      const float os = __shfl_xor_sync(0xffffffffu, bs, o);
       const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
       const int oe = __shfl_xor_sync(0xffffffffu, be, o);
-      if (ov > bv || (ov == bv && oe < be)) {
+      if (os > bs || (os == bs && oe < be)) {
+        bs = os;
         bv = ov;
         be = oe;
       }
@@ -150,18 +157,18 @@ void with_vpt(int E, F&& f) {
 
 }  // namespace
 
-void launch_router_forward(const void* logits, bool logits_bf16, int64_t T, int E, int K, bool norm_topk_prob,
-                           float* probs, int32_t* idx, float* weight, cudaStream_t stream) {
+void launch_router_forward(const void* logits, bool logits_bf16, const float* bias, int64_t T, int E, int K,
+                           bool norm_topk_prob, float* probs, int32_t* idx, float* weight, cudaStream_t stream) {
   if (T == 0) return;
   const unsigned blocks = static_cast<unsigned>((T + kWarpsPerBlock - 1) / kWarpsPerBlock);
   with_vpt(E, [&](auto vpt) {
     constexpr int V = decltype(vpt)::value;
     if (logits_bf16) {
       router_forward_kernel<V, __nv_bfloat16><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
-          static_cast<const __nv_bfloat16*>(logits), T, E, K, norm_topk_prob, probs, idx, weight);
+          static_cast<const __nv_bfloat16*>(logits), bias, T, E, K, norm_topk_prob, probs, idx, weight);
     } else {
       router_forward_kernel<V, float><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
-          static_cast<const float*>(logits), T, E, K, norm_topk_prob, probs, idx, weight);
+          static_cast<const float*>(logits), bias, T, E, K, norm_topk_prob, probs, idx, weight);
     }
   });
 }

@@ -11,9 +11,10 @@ namespace moetrain::ops::cuda {
 constexpr int kRouterMaxExperts = 512;
 
 // logits [T, E] (bf16 when logits_bf16, else f32) -> probs f32 [T, E], idx i32 [T, K],
-// weight f32 [T, K]. 1 <= K <= E <= kRouterMaxExperts.
-void launch_router_forward(const void* logits, bool logits_bf16, int64_t T, int E, int K, bool norm_topk_prob,
-                           float* probs, int32_t* idx, float* weight, cudaStream_t stream);
+// weight f32 [T, K]; bias: f32 [E] added to the probs for the choice only, or nullptr.
+// 1 <= K <= E <= kRouterMaxExperts.
+void launch_router_forward(const void* logits, bool logits_bf16, const float* bias, int64_t T, int E, int K,
+                           bool norm_topk_prob, float* probs, int32_t* idx, float* weight, cudaStream_t stream);
 // dlogits [T, E] (bf16 when out_bf16, else f32) from dweight f32 [T, K], optional dprobs
 // f32 [T, E] (nullptr when absent), probs f32 [T, E], idx i32 [T, K].
 void launch_router_backward(const float* dweight, const float* dprobs, const float* probs, const int32_t* idx,
