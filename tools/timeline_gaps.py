@@ -3,11 +3,12 @@
 the busy and idle time of a window of it, the idle gaps grouped by the activities on either
 side, and the busy time per kernel.
 
-    python3 tools/timeline_gaps.py run.tsv [--skip-ms 2000] [--window-ms 1000] [--top 25]
+    python3 tools/timeline_gaps.py run.tsv [--skip-ms 2000] [--window-ms 1000] [--top 25] [--json out.json]
 
 The window starts --skip-ms after the first activity (skip start-up and warm-up)."""
 import argparse
 import collections
+import json
 import re
 
 
@@ -25,6 +26,7 @@ def main():
     ap.add_argument("--window-ms", type=float, default=0.0, help="0: to the end")
     ap.add_argument("--last-ms", type=float, default=0.0, help="> 0: the window is the trace's last this many ms")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--json", help="also write the window's totals here (for scripts/profile-step)")
     args = ap.parse_args()
     acts = []
     for line in open(args.trace):
@@ -95,6 +97,17 @@ def main():
     print(f"\nbusy time per activity (top {args.top}; overlapping activities both count):")
     for name, (t, n) in sorted(per_kernel.items(), key=lambda x: -x[1][0])[: args.top]:
         print(f"{t / 1e6:9.3f} {n:6d}  {name}")
+    if args.json:
+        top_gap = max(gaps.items(), key=lambda x: x[1][0], default=(("", ""), [0, 0]))
+        with open(args.json, "w") as f:
+            json.dump({"window_ms": span / 1e6, "busy_ms": busy / 1e6, "idle_ms": idle / 1e6,
+                       "idle_share": idle / span, "activities": len(acts),
+                       "nccl_ms": nccl_total / 1e6, "nccl_hidden_share": hidden / nccl_total if nccl_total else 1.0,
+                       "largest_gap": {"before": top_gap[0][0], "after": top_gap[0][1], "ms": top_gap[1][0] / 1e6,
+                                       "count": top_gap[1][1]},
+                       "top_kernels": [{"name": n, "ms": t / 1e6, "count": c}
+                                       for n, (t, c) in sorted(per_kernel.items(), key=lambda x: -x[1][0])[:10]]},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

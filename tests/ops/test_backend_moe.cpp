@@ -254,8 +254,11 @@ TEST(BackendMoe, RouterForwardWithSelectionBias) {
   MT_REQUIRE_GPU();
   for (auto [T, E, K] : kRouterCases) {
     Tensor logits = gapped_logits(T, E, 5 * T + E);
-    Tensor bias = random_tensor({E}, DType::F32, 17 + E);
-    ops::scale_(bias, 0.3 / static_cast<double>(E));  // the size of the probs' gaps: it moves picks
+    // Two tiers: every third expert raised by 1.5, more than any prob, so a raised expert
+    // beats every other one and, within a tier, the probs' gaps order the picks: no score
+    // comes near a tie (random biases would, at f32's resolution), and the picks move.
+    Tensor bias = Tensor::zeros({E}, DType::F32);
+    for (int64_t e = 1; e < E; e += 3) bias.data<float>()[e] = 1.5f;
     for (bool norm : {false, true}) {
       const std::string name = tag("router_forward_bias", {{"T", T}, {"E", E}, {"K", K}, {"norm", norm}});
       check_router_forward(logits, K, norm, DType::BF16, name, bias);

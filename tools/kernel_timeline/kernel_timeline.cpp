@@ -6,7 +6,8 @@
 //   python3 tools/timeline_gaps.py run.tsv
 //
 // One line per activity: start_ns, end_ns, stream, kind (K kernel, S memset, C memcpy), name.
-// Written when the process exits.
+// Written when the process exits. A "%r" in KERNEL_TIMELINE_OUT becomes the process's RANK
+// (as `moetrain launch` and torchrun set it), so each rank of a job writes its own file.
 #include <cupti.h>
 
 #include <cstdio>
@@ -64,10 +65,15 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
 
 void write_out() {
   cuptiActivityFlushAll(1);
-  const char* path = std::getenv("KERNEL_TIMELINE_OUT");
-  FILE* f = std::fopen(path != nullptr ? path : "kernel_timeline.tsv", "w");
+  const char* env = std::getenv("KERNEL_TIMELINE_OUT");
+  std::string path = env != nullptr ? env : "kernel_timeline.tsv";
+  if (const size_t at = path.find("%r"); at != std::string::npos) {
+    const char* rank = std::getenv("RANK");
+    path.replace(at, 2, rank != nullptr ? rank : "0");
+  }
+  FILE* f = std::fopen(path.c_str(), "w");
   if (f == nullptr) {
-    std::fprintf(stderr, "kernel_timeline: cannot write %s\n", path != nullptr ? path : "kernel_timeline.tsv");
+    std::fprintf(stderr, "kernel_timeline: cannot write %s\n", path.c_str());
     return;
   }
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -88,8 +94,13 @@ extern "C" __attribute__((visibility("default"))) int InitializeInjection() {
     std::fprintf(stderr, "kernel_timeline: CUPTI refused the activity trace\n");
     return 0;
   }
-  cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET);
-  cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY);
+  // KERNEL_TIMELINE_KINDS=kernels leaves copies and memsets out: tracing copies into a peer
+  // GPU's memory slows them several times over.
+  const char* kinds = std::getenv("KERNEL_TIMELINE_KINDS");
+  if (kinds == nullptr || std::string(kinds) != "kernels") {
+    cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET);
+    cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY);
+  }
   std::atexit(write_out);
   return 1;
 }
