@@ -168,7 +168,7 @@ Tensor Tensor::from_vector(const std::vector<T>& values, const Shape& shape) {
   Tensor t = empty(shape, dtype_of<T>());
   MT_CHECK(static_cast<int64_t>(values.size()) == t.numel(), "from_vector: {} values for shape {}",
            values.size(), shape_str(shape));
-  std::memcpy(t.raw(), values.data(), t.nbytes());
+  if (t.nbytes() > 0) std::memcpy(t.raw(), values.data(), t.nbytes());  // an empty vector's data() may be null
   return t;
 }
 template Tensor Tensor::from_vector(const std::vector<float>&, const Shape&);
@@ -347,7 +347,7 @@ std::vector<double> Tensor::to_double_vector() const {
   std::vector<double> v(numel_);
   Tensor t = Tensor::empty(shape_, DType::F64);
   t.copy_from(*this);
-  std::memcpy(v.data(), t.raw(), t.nbytes());
+  if (t.nbytes() > 0) std::memcpy(v.data(), t.raw(), t.nbytes());
   return v;
 }
 
