@@ -43,13 +43,15 @@ test-asan: deps
 
 # The threaded parts under ThreadSanitizer: the checkpoint writer, tokenize's workers, the
 # launcher and rendezvous stores, the Gloo communicator, the metrics endpoint, the replica
-# manager. OpenMP runs one thread (libgomp is not instrumented).
-TSAN_TESTS = Checkpoint|Tokeniz|Launcher|Launch|Store|Rendezvous|Gloo|Prometheus|Lighthouse|Quorum|FaultTolerance
+# manager's bridge; unit tests only (whole runs of several processes are make test's and
+# test-asan's). OpenMP runs one thread (libgomp is not instrumented). Not the lighthouse:
+# gRPC's threads synchronise inside uninstrumented libgrpc, where TSan sees only races.
+TSAN_TESTS = Checkpoint|Tokeniz|Launcher|Launch|Store|Rendezvous|Gloo|Prometheus|Quorum|ReplicaBridge
 test-tsan: deps
 	cmake -S . -B build-tsan $(SANITIZER_CMAKE) -DMOETRAIN_SANITIZE=thread
 	cmake --build build-tsan -j $(JOBS) --target $(SANITIZER_TARGETS)
 	cd build-tsan && OMP_NUM_THREADS=1 $(SANITIZER_ENV) ctest --output-on-failure -j $(JOBS) --timeout 1500 \
-	  -R '$(TSAN_TESTS)'
+	  -R '$(TSAN_TESTS)' -E 'ParallelCli|Chaos|CliTest|TokenizeCli|Lighthouse'
 
 clean:
 	rm -rf $(BUILD)
