@@ -222,11 +222,17 @@ TEST(S3, TheUploaderMirrorsInTheBackgroundAndTheNewestReplacesAWaitingStep) {
   const std::string local = dir / "local";
   {
     Uploader up(url, s3.options(), 0, local);
-    // Three steps submitted at once: 1 starts (16 MB: it takes a while), 2 waits and is
-    // replaced by 3.
+    // Step 1 starts (16 MB: it takes a while); once it is in flight, 2 and 3 are submitted
+    // at once: 2 waits and is replaced by 3. (Submitting all three at once left the order to
+    // the uploader thread's start: on a loaded machine 2 could replace 1 instead.)
     std::vector<std::string> steps;
     for (int64_t s : {1, 2, 3}) steps.push_back(fake_step(dir, local, s, s == 1 ? 8 << 20 : 1000));
-    for (int64_t s : {1, 2, 3}) up.submit(s, steps[s - 1]);
+    up.submit(1, steps[0]);
+    for (int i = 0; i < 10000 && up.in_flight() != 1 && up.mirrored() != 1; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ASSERT_EQ(up.in_flight(), 1) << "step 1 was not taken, or was mirrored before steps 2 and 3 came";
+    for (int64_t s : {2, 3}) up.submit(s, steps[s - 1]);
     // The submitted steps may leave the local tier at once (retention): hard links upload.
     fs::remove_all(fs::path(local) / "step-00000003");
     ASSERT_TRUE(up.drain(60));

@@ -250,10 +250,16 @@ void Uploader::submit(int64_t step, const std::string& step_dir) {
   cv_.notify_all();
   if (replaced >= 0 && replaced != step) {
     fs::remove_all(staging(replaced));
-    spdlog::warn("checkpoint: step {} is not mirrored to {}: step {} replaced it while the uploader was busy with "
-                 "step {} (it stays committed locally)",
-                 replaced, url_, step, busy_with);
+    spdlog::warn("checkpoint: step {} is not mirrored to {}: step {} replaced it {} (it stays committed locally)",
+                 replaced, url_, step,
+                 busy_with >= 0 ? fmt::format("while the uploader was busy with step {}", busy_with)
+                                : std::string("before the uploader took it"));
   }
+}
+
+int64_t Uploader::in_flight() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return in_flight_;
 }
 
 int64_t Uploader::mirrored() {

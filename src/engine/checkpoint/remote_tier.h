@@ -79,6 +79,8 @@ class Uploader {
   bool drain(double timeout_s);
   // The newest step mirrored by this uploader (-1: none yet).
   int64_t mirrored();
+  // The step being uploaded now (-1: none).
+  int64_t in_flight();
   const std::string& url() const { return url_; }
 
  private:
