@@ -5,7 +5,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CONFIG ?= configs/tiny.toml
 
-.PHONY: all deps build train test test-asan test-tsan clean
+.PHONY: all deps build train test test-asan test-tsan fuzz clean
 
 all: build
 
@@ -52,6 +52,24 @@ test-tsan: deps
 	cmake --build build-tsan -j $(JOBS) --target $(SANITIZER_TARGETS)
 	cd build-tsan && OMP_NUM_THREADS=1 $(SANITIZER_ENV) ctest --output-on-failure -j $(JOBS) --timeout 1500 \
 	  -R '$(TSAN_TESTS)' -E 'ParallelCli|Chaos|CliTest|TokenizeCli|Lighthouse'
+
+# libFuzzer harnesses (fuzz/fuzz_*.cpp, clang's ASan + UBSan + libFuzzer), each run for
+# FUZZ_SECONDS from its committed seed corpus (fuzz/corpus/<name>); no single allocation may
+# exceed FUZZ_MALLOC_MB (a hostile header must not make moetrain allocate more). A crash
+# leaves its input as build-fuzz/crash-* and fails the target.
+FUZZ_SECONDS ?= 30
+FUZZ_MALLOC_MB ?= 512
+fuzz: deps
+	CXX=clang++ cmake -S . -B build-fuzz $(SANITIZER_CMAKE) -DMOETRAIN_SANITIZE=fuzzer-no-link,address,undefined \
+	  -DMOETRAIN_FUZZ=ON
+	cmake --build build-fuzz -j $(JOBS) --target $$(cd fuzz && ls fuzz_*.cpp | sed 's/\.cpp$$//')
+	@for h in $$(cd fuzz && ls fuzz_*.cpp | sed 's/\.cpp$$//'); do \
+	  c=fuzz/corpus/$${h#fuzz_}; mkdir -p build-fuzz/corpus-$${h#fuzz_}; \
+	  echo "fuzz: $$h for $(FUZZ_SECONDS) s (seeds $$c)"; \
+	  (cd build-fuzz && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	    ./$$h -max_total_time=$(FUZZ_SECONDS) -malloc_limit_mb=$(FUZZ_MALLOC_MB) -rss_limit_mb=2048 \
+	    -print_final_stats=1 corpus-$${h#fuzz_} ../$$c 2>&1 | tail -n 12) || exit 1; \
+	done
 
 clean:
 	rm -rf $(BUILD)

@@ -295,7 +295,7 @@ json read_json_file(const std::string& path) {
   MT_CHECK(in.good(), "{}: cannot open the tokenizer file", path);
   try {
     return json::parse(in);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number too large
     MT_THROW("{}: malformed JSON: {}", path, e.what());
   }
 }
@@ -618,7 +618,7 @@ void BpeTokenizer::Impl::resolve_eos(const std::string& requested) {
     try {
       std::ifstream in(config);
       c = json::parse(in);
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {  // parse_error, or out_of_range for a number too large
       MT_THROW("{}: malformed JSON: {}", config.string(), e.what());
     }
     if (c.is_object() && c.contains("eos_token")) {

@@ -26,7 +26,7 @@ std::vector<ChatMessage> parse_chat_line(std::string_view line, const std::strin
   json j;
   try {
     j = json::parse(line);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number too large
     MT_THROW("{}: malformed JSON line: {}", where, json_error(e));
   }
   MT_CHECK(j.is_object() && j.contains("messages") && j["messages"].is_array(),

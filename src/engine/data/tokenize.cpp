@@ -258,7 +258,7 @@ class Pipeline {
     json j;
     try {
       j = json::parse(l);
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {  // parse_error, or out_of_range for a number too large
       MT_THROW("{}:{}: malformed JSON line: {}", path, line, json_error(e));
     }
     MT_CHECK(j.is_object(), "{}:{}: expected a JSON object with a \"{}\" string, got {}", path, line,
@@ -466,7 +466,7 @@ std::string decode_json_file(const Tokenizer& tok, const std::string& path) {
   json j;
   try {
     j = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number too large
     MT_THROW("{}: malformed JSON: {}", path, json_error(e));
   }
   MT_CHECK(j.is_array(), "{}: expected a JSON array of token ids, got {}", path, j.type_name());

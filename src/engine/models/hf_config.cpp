@@ -29,7 +29,7 @@ HfConfigReader::HfConfigReader(std::string path) : path_(std::move(path)) {
   MT_CHECK(in.good(), "HF config '{}' cannot be opened (does it exist?)", path_);
   try {
     j_ = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for a number too large
     MT_THROW("{}: invalid JSON: {}", path_, e.what());
   }
   MT_CHECK(j_.is_object(), "{}: expected a JSON object at the top, got {}", path_, j_.type_name());

@@ -26,7 +26,8 @@ Dims check_combine(const char* op, const Tensor& expert_out, const Tensor& weigh
 }  // namespace
 
 Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Tensor& residual, const Tensor& order) {
-  const auto [T, K, H, R] = check_combine("combine_forward", expert_out, weight);
+  const Dims d = check_combine("combine_forward", expert_out, weight);
+  const int64_t T = d.T, K = d.K, H = d.H, R = d.R;  // plain variables: lambdas capture them (clang 14 cannot capture bindings)
   if (residual.defined()) check_shape(residual, {T, H}, "combine_forward residual");
   check_same_dtype("combine_forward", expert_out.dtype(), {&weight, &residual});
   Tensor y = Tensor::empty({T, H}, expert_out.dtype());
@@ -54,7 +55,8 @@ Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Ten
 }
 
 CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& weight, const Tensor& order) {
-  const auto [T, K, H, R] = check_combine("combine_backward", expert_out, weight);
+  const Dims d = check_combine("combine_backward", expert_out, weight);
+  const int64_t T = d.T, K = d.K, H = d.H, R = d.R;  // plain variables: lambdas capture them (clang 14 cannot capture bindings)
   check_shape(dy, {T, H}, "combine_backward dy");
   check_same_dtype("combine_backward", dy.dtype(), {&expert_out, &weight});
   CombineGrads g;
