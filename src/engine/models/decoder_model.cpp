@@ -470,6 +470,9 @@ std::vector<NamedBuffer> MoeDecoderModel::buffers() {
 void MoeDecoderModel::balance_experts(const std::vector<std::vector<int64_t>>& expert_counts) {
   const double speed = spec_.router_bias_update_speed;
   if (speed <= 0) return;
+  // Every layer's steps in one host vector, uploaded once (one copy a step, not one a layer).
+  std::vector<Tensor*> biases;
+  std::vector<float> steps;
   size_t k = 0;
   for (auto& l : layers_) {
     if (!l->is_moe()) continue;
@@ -484,14 +487,20 @@ void MoeDecoderModel::balance_experts(const std::vector<std::vector<int64_t>>& e
     double total = 0;
     for (int64_t c : load) total += static_cast<double>(c);
     const double mean = total / static_cast<double>(load.size());
-    std::vector<float> step(load.size());
-    for (size_t e = 0; e < load.size(); ++e) {
-      const double c = static_cast<double>(load[e]);
-      step[e] = static_cast<float>(c < mean ? speed : c > mean ? -speed : 0.0);
+    for (int64_t c : load) {
+      const double d = static_cast<double>(c);
+      steps.push_back(static_cast<float>(d < mean ? speed : d > mean ? -speed : 0.0));
     }
-    ops::add_(*bias, Tensor::from_vector(step, {bias->numel()}).to(bias->device()));
+    biases.push_back(bias);
   }
   MT_CHECK(k == expert_counts.size(), "balance_experts: {} expert loads for {} MoE layers", expert_counts.size(), k);
+  if (biases.empty()) return;
+  const Tensor all = Tensor::from_vector(steps, {static_cast<int64_t>(steps.size())}).to(biases.front()->device());
+  int64_t at = 0;
+  for (Tensor* bias : biases) {
+    ops::add_(*bias, all.slice(at, at + bias->numel()));
+    at += bias->numel();
+  }
 }
 
 void MicroBatchLoss::read_device_values() {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "core/log.h"
 #include "engine/telemetry/collective_timer.h"
@@ -223,7 +224,9 @@ void FsdpContext::reduce_scatter_grads() {
     // With shard_weights each layer's were reduced right after its backward.
     if (!shard_weights_ && sh.group->size() > 1) reduce_scatter(sh, sh.grad);
     if (bridge_) {
-      CollectiveScope timed(Collective::kAllReduce);
+      // Timed only where it crosses to another group (one group: the bridge does nothing).
+      std::optional<CollectiveScope> timed;
+      if (bridge_->crosses()) timed.emplace(Collective::kAllReduce);
       bridge_->all_reduce(sh.grad);
     }
   }

@@ -91,7 +91,7 @@ std::array<CollectiveTotals, kNumCollectives> CollectiveTimer::take() {
     CollectiveTotals& t = out[static_cast<int>(s.kind)];
     double ms = 0;
     if (device_.is_cpu()) {
-      ms = ms_between(s.t0, s.t1);
+      ms = s.t1 > s.t0 ? ms_between(s.t0, s.t1) : 0.0;  // a span never ended (an exception) counts nothing
     } else if (s.stop != nullptr) {
       ms = cuda::elapsed_ms(s.start, s.stop);
     }
