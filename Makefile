@@ -68,7 +68,9 @@ fuzz: deps
 	  echo "fuzz: $$h for $(FUZZ_SECONDS) s (seeds $$c)"; \
 	  (cd build-fuzz && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	    ./$$h -max_total_time=$(FUZZ_SECONDS) -malloc_limit_mb=$(FUZZ_MALLOC_MB) -rss_limit_mb=2048 \
-	    -print_final_stats=1 corpus-$${h#fuzz_} ../$$c 2>&1 | tail -n 12) || exit 1; \
+	    -print_final_stats=1 corpus-$${h#fuzz_} ../$$c > $$h.log 2>&1); status=$$?; \
+	  tail -n 12 build-fuzz/$$h.log; \
+	  [ $$status -eq 0 ] || { echo "fuzz: $$h FAILED (build-fuzz/$$h.log, the input in build-fuzz/crash-*)"; exit 1; }; \
 	done
 
 clean:
