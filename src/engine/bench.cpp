@@ -127,25 +127,28 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
     for (const CollectiveTotals& c : t) sums.insert(sums.end(), {c.ms, c.exposed_ms, double(c.count), c.bytes});
     all_reduce_doubles(*par.comms->world, sums, device);
     const double per_rank_step = static_cast<double>(par.world) * static_cast<double>(opt.steps);
-    auto at = [&](Collective k, int field) { return sums[static_cast<size_t>(4 * static_cast<int>(k) + field)]; };
+    std::array<CollectiveTotals, kNumCollectives> world{};  // summed over the ranks
+    for (int k = 0; k < kNumCollectives; ++k) {
+      const double* s = &sums[static_cast<size_t>(4 * k)];
+      world[static_cast<size_t>(k)] = {s[0], s[1], static_cast<int64_t>(s[2]), s[3]};
+    }
     if (exchanges) {
-      const double ms = at(Collective::kDispatch, 0) + at(Collective::kCombine, 0);
-      const double exposed = at(Collective::kDispatch, 1) + at(Collective::kCombine, 1);
+      const CollectiveTotals &d = world[static_cast<int>(Collective::kDispatch)],
+                             &c = world[static_cast<int>(Collective::kCombine)];
+      const CollectiveTotals both{d.ms + c.ms, d.exposed_ms + c.exposed_ms, d.count + c.count, d.bytes + c.bytes};
       r.exchange = fmt::format(
           "{}: {:.2f} ms per step per rank in {:.0f} exchanges sending {:.1f} MB, {:.1f}% hidden behind compute "
           "({:.2f} ms stalled)",
-          dynamic_cast<AllGatherDispatcher*>(ctx->dispatcher.get()) ? "all-gather" : "all-to-all", ms / per_rank_step,
-          (at(Collective::kDispatch, 2) + at(Collective::kCombine, 2)) / per_rank_step,
-          (at(Collective::kDispatch, 3) + at(Collective::kCombine, 3)) / per_rank_step / 1e6,
-          ms > 0 ? 100.0 * (1.0 - exposed / ms) : 0.0, exposed / per_rank_step);
+          dynamic_cast<AllGatherDispatcher*>(ctx->dispatcher.get()) ? "all-gather" : "all-to-all",
+          both.ms / per_rank_step, both.count / per_rank_step, both.bytes / per_rank_step / 1e6,
+          both.ms > 0 ? 100.0 * both.hidden() : 0.0, both.exposed_ms / per_rank_step);
     }
     for (int k = 0; k < kNumCollectives; ++k) {
-      const Collective c = static_cast<Collective>(k);
-      if (at(c, 2) == 0) continue;
+      const CollectiveTotals& t = world[static_cast<size_t>(k)];
+      if (t.count == 0) continue;
       r.collectives += fmt::format("{}{} {:.2f} ms ({:.0f}% hidden, {:.1f} MB)", r.collectives.empty() ? "" : "; ",
-                                   collective_name(c), at(c, 0) / per_rank_step,
-                                   at(c, 0) > 0 ? 100.0 * (1.0 - std::min(at(c, 1), at(c, 0)) / at(c, 0)) : 100.0,
-                                   at(c, 3) / per_rank_step / 1e6);
+                                   collective_name(static_cast<Collective>(k)), t.ms / per_rank_step,
+                                   100.0 * t.hidden(), t.bytes / per_rank_step / 1e6);
     }
   }
   if (ctx->pipeline) {

@@ -439,8 +439,9 @@ TEST(CollectiveTimer, CpuSpansByKind) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   { CollectiveScope s(Collective::kPipeline, nullptr, true); }
-  t.add_bytes(Collective::kAllGather, 123);
+  CollectiveTimer::count_bytes(Collective::kAllGather, 123);
   CollectiveTimer::activate(nullptr);
+  CollectiveTimer::count_bytes(Collective::kAllGather, 1000);  // not active: not counted
   auto totals = t.take();
   const CollectiveTotals& g = totals[static_cast<int>(Collective::kAllGather)];
   EXPECT_EQ(g.count, 1);

@@ -163,16 +163,12 @@ void FsdpContext::gather(Shard& sh) {
 }
 
 void FsdpContext::count_gather_bytes(const Shard& sh) const {
-  if (CollectiveTimer* t = CollectiveTimer::active()) {
-    t->add_bytes(Collective::kAllGather, static_cast<double>(sh.value.nbytes()) * (sh.group->size() - 1));
-  }
+  CollectiveTimer::count_bytes(Collective::kAllGather, static_cast<double>(sh.value.nbytes()) * (sh.group->size() - 1));
 }
 
 void FsdpContext::reduce_scatter(Shard& sh, Tensor& into) {
   CollectiveScope timed(Collective::kReduceScatter);
-  if (CollectiveTimer* t = CollectiveTimer::active()) {
-    t->add_bytes(Collective::kReduceScatter, static_cast<double>(into.nbytes()) * (sh.group->size() - 1));
-  }
+  CollectiveTimer::count_bytes(Collective::kReduceScatter, static_cast<double>(into.nbytes()) * (sh.group->size() - 1));
   sh.group->reduce_scatter(sh.bucket->grads, into);
 }
 

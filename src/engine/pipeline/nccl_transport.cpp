@@ -97,9 +97,7 @@ void OrderedTransport::issue_ready() {
       if (!s.handed) return;
       cuda::stream_wait_event(stream_, s.ready);
       CollectiveScope timed(Collective::kPipeline, stream_, /*on_compute=*/false);
-      if (CollectiveTimer* t = CollectiveTimer::active()) {
-        t->add_bytes(Collective::kPipeline, static_cast<double>(s.hidden.nbytes() + s.totals.nbytes()));
-      }
+      CollectiveTimer::count_bytes(Collective::kPipeline, static_cast<double>(s.hidden.nbytes() + s.totals.nbytes()));
       pp_.send(s.hidden, s.m.peer, stream_);
       pp_.send(s.totals, s.m.peer, stream_);
     } else {

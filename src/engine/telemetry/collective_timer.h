@@ -62,7 +62,10 @@ class CollectiveTimer {
   // the wait is timed as exposed. Makes the stream wait (with or without a timer: callers
   // use this in place of cuda::stream_wait_event).
   static void wait(Collective k, void* compute, void* done);
-  void add_bytes(Collective k, double bytes) { totals_[static_cast<int>(k)].bytes += bytes; }
+  // Bytes a kind-k collective sends to other ranks, on the active timer (nothing without one).
+  static void count_bytes(Collective k, double bytes) {
+    if (CollectiveTimer* t = active()) t->totals_[static_cast<int>(k)].bytes += bytes;
+  }
   // The thread's current stream on a GPU, nullptr on the CPU.
   void* compute_stream() const;
 
@@ -110,7 +113,7 @@ class CollectiveScope {
 
  private:
   CollectiveTimer* timer_;
-  void* stream_;
+  void* stream_ = nullptr;
   int64_t handle_ = -1;
 };
 
