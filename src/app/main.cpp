@@ -5,6 +5,7 @@
 //   moetrain convert SRC DST        (HF folder <-> moetrain checkpoint)
 //   moetrain score --model DIR --tokens "[...]"   (logits and loss)
 //   moetrain tokenize --tokenizer TOKENIZER --out DIR INPUTS...
+#include <csignal>
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -80,6 +81,10 @@ int run_tokenize(moetrain::TokenizeOptions opt, const std::string& spec, const s
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A peer that died closes its sockets: a write to one must fail as an error (EPIPE) that the
+  // communicator reports and fault tolerance handles, not kill this process with SIGPIPE
+  // (seen once in the replica chaos suite: a surviving rank killed by SIGPIPE mid-heal).
+  std::signal(SIGPIPE, SIG_IGN);
   moetrain::init_logging();
   CLI::App app{"moetrain: train Mixture-of-Experts language models"};
   app.require_subcommand(1);
