@@ -11,7 +11,12 @@
 namespace moetrain::fuzz {
 
 inline std::string input_file(const uint8_t* data, size_t size, const char* suffix) {
-  static const std::string path = "/dev/shm/moetrain-fuzz-" + std::to_string(::getpid()) + suffix;
+  struct Scratch {
+    std::string path;
+    ~Scratch() { std::remove(path.c_str()); }
+  };
+  static const Scratch scratch{"/dev/shm/moetrain-fuzz-" + std::to_string(::getpid()) + suffix};
+  const std::string& path = scratch.path;
   std::FILE* f = std::fopen(path.c_str(), "wb");
   if (f == nullptr) std::abort();  // no scratch file: the harness cannot run
   if (size > 0 && std::fwrite(data, 1, size, f) != size) std::abort();

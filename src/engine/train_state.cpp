@@ -17,8 +17,13 @@ void TrainState::read_json(const nlohmann::json& st, const std::string& origin) 
            origin);
   MT_CHECK(st["optimizer"].contains("steps_taken") && st["data"].contains("train_position"),
            "checkpoint {}: trainer_state.json lacks optimizer.steps_taken or data.train_position", origin);
-  step = st["step"].get<int64_t>();
-  optimizer_steps = st["optimizer"]["steps_taken"].get<int64_t>();
+  try {
+    step = st["step"].get<int64_t>();
+    optimizer_steps = st["optimizer"]["steps_taken"].get<int64_t>();
+  } catch (const nlohmann::json::exception& e) {
+    MT_THROW("checkpoint {}: trainer_state.json: step and optimizer.steps_taken must be integers ({})", origin,
+             e.what());
+  }
   data_position = st["data"]["train_position"];
 }
 

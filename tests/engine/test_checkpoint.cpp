@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <thread>
 #include <nlohmann/json.hpp>
 
@@ -198,6 +199,56 @@ TEST(Checkpoint, IndexRefusesAMissingRankOrOverlappingSlices) {
   write_rank_files(dir.path().string(), 3, {box_of("a", fx.a, 9, 10, 0, 6)}, {});
   const std::string e = error_of([&] { write_index(dir.path().string(), 4, {}); });
   EXPECT_TRUE(has(e, "tensor 'a': slices cover 54 of its 60 elements")) << e;
+}
+
+// An index.json is a file anyone may hand us (a downloaded checkpoint). Each edit below once
+// escaped the reader as nlohmann's type_error (no file named), walked out of the folder, or
+// made a tensor larger than the files that hold it (an allocation the disk does not back).
+TEST(Checkpoint, AHostileIndexIsRefusedNamingTheIndex) {
+  ScratchDir dir;
+  ShardedFixture fx;
+  fx.write(dir.path().string());
+  write_index(dir.path().string(), 4, {{"step", 3}});
+  const fs::path idx = dir.path() / "index.json";
+  const nlohmann::json good = nlohmann::json::parse(std::ifstream(idx));
+  auto refused = [&](const std::function<void(nlohmann::json&)>& edit, const std::string& expected) {
+    SCOPED_TRACE(expected);
+    nlohmann::json j = good;
+    edit(j);
+    std::ofstream(idx) << j.dump();
+    const std::string e = error_of([&] { CheckpointReader r(dir.path().string()); });
+    EXPECT_TRUE(has(e, idx.string())) << e;
+    EXPECT_TRUE(has(e, expected)) << e;
+  };
+  refused([](nlohmann::json& j) { j["files"] = 7; }, "'files' and 'tensors' must be JSON objects");
+  refused([](nlohmann::json& j) { j["tensors"]["a"]["shape"] = "ten by six"; }, "malformed checkpoint index");
+  refused([](nlohmann::json& j) { j["tensors"]["c"]["slices"][0].erase("start"); }, "malformed checkpoint index");
+  refused([](nlohmann::json& j) { j["files"]["model-r00000.safetensors"]["bytes"] = "356"; }, "malformed checkpoint index");
+  refused([](nlohmann::json& j) { j["files"]["../outside.safetensors"] = j["files"]["model-r00000.safetensors"]; },
+          "file '../outside.safetensors' must be a plain file name inside the checkpoint directory");
+  refused(
+      [](nlohmann::json& j) {
+        j["tensors"]["c"]["shape"] = {int64_t{1} << 40};
+        j["tensors"]["c"]["slices"][0]["shape"] = {int64_t{1} << 40};
+      },
+      "tensor 'c': a slice of shape [1099511627776] at element 0 does not fit in model-r00000.safetensors");
+  refused(
+      [](nlohmann::json& j) {  // 20 slices that all read the same 7 elements: 560 bytes from a 356-byte file
+        j["tensors"]["c"]["shape"] = {140};
+        for (int i = 1; i < 20; ++i) {
+          j["tensors"]["c"]["slices"].push_back({{"file", "model-r00000.safetensors"}, {"start", {7 * i}}, {"shape", {7}}});
+        }
+      },
+      "tensor 'c': a slice of shape [7] at element 0 does not fit in model-r00000.safetensors (356 bytes)");
+  refused([](nlohmann::json& j) { j["tensors"]["c"]["shape"] = {int64_t{1} << 40, int64_t{1} << 40, 0}; },
+          "tensor 'c' has an impossible shape");
+  refused(
+      [](nlohmann::json& j) {  // start + shape overflows int64: the tensor holds no such box
+        j["tensors"]["a"]["slices"][0]["start"] = {INT64_MAX, 0};
+      },
+      "lies outside the tensor's shape");
+  std::ofstream(idx) << good.dump();
+  EXPECT_TRUE(bytes_equal(CheckpointReader(dir.path().string()).read_whole("c"), fx.c));  // the edits were all
 }
 
 // ---- the committing writer ----

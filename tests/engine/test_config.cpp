@@ -634,12 +634,12 @@ TEST(Qwen3MoeConfig, HfJsonErrors) {
   EXPECT_NE(e.find("key \"hidden_size\" expects an integer, got string"), std::string::npos) << e;
   p = dir.file("broken.json", "{\"hidden_size\": 96,");
   e = error_of([&] { c.load_hf_json(p); });
-  EXPECT_NE(e.find(p + ": invalid JSON"), std::string::npos) << e;
+  EXPECT_NE(e.find(p + ": not valid JSON"), std::string::npos) << e;
   // Found by fuzz/fuzz_hf_config: a number too large for a double is nlohmann's
   // out_of_range, not its parse_error; it escaped as an uncaught exception.
   p = dir.file("huge.json", "{\"hidden_size\": 8E888888888888888888}");
   e = error_of([&] { c.load_hf_json(p); });
-  EXPECT_NE(e.find(p + ": invalid JSON"), std::string::npos) << e;
+  EXPECT_NE(e.find(p + ": not valid JSON"), std::string::npos) << e;
   std::string missing = (dir.path() / "none.json").string();
   EXPECT_NE(error_of([&] { c.load_hf_json(missing); }).find(missing), std::string::npos);
 }

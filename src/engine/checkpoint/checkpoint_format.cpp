@@ -1,5 +1,7 @@
 #include "engine/checkpoint/checkpoint_format.h"
 
+#include "engine/json_file.h"
+
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
@@ -90,7 +92,7 @@ void check_tiling(const std::string& where, const std::string& name, const Check
              "{}: tensor '{}': slice in {} has rank {} for a tensor of rank {}", where, name, s.file, s.shape.size(),
              t.shape.size());
     for (size_t d = 0; d < t.shape.size(); ++d) {
-      MT_CHECK(s.start[d] >= 0 && s.shape[d] >= 0 && s.start[d] + s.shape[d] <= t.shape[d],
+      MT_CHECK(s.start[d] >= 0 && s.shape[d] >= 0 && s.shape[d] <= t.shape[d] && s.start[d] <= t.shape[d] - s.shape[d],
                "{}: tensor '{}': slice in {} (start {}, shape {}) lies outside the tensor's shape {}", where, name,
                s.file, shape_str(s.start), shape_str(s.shape), shape_str(t.shape));
     }
@@ -234,7 +236,7 @@ void write_index(const std::string& dir, int world, const nlohmann::json& traine
   for (int r = 0; r < world; ++r) {
     const fs::path mpath = fs::path(dir) / rank_file_name("manifest", r, "json");
     MT_CHECK(fs::exists(mpath), "checkpoint {}: rank {} wrote no manifest ({})", dir, r, mpath.string());
-    const nlohmann::json m = read_json(mpath);
+    const nlohmann::json m = read_json_file(mpath);
     for (auto it = m["files"].begin(); it != m["files"].end(); ++it) {
       // The rank wrote (and fsynced) its files before its manifest: they must be all there.
       const fs::path fpath = fs::path(dir) / it.key();
@@ -297,16 +299,6 @@ void write_index(const std::string& dir, int world, const nlohmann::json& traine
   write_text_synced(fs::path(dir) / "index.json", index.dump(1));
 }
 
-nlohmann::json read_json(const std::string& path) {
-  std::ifstream f(path);
-  MT_CHECK(f.is_open(), "{}: cannot open", path);
-  try {
-    return nlohmann::json::parse(f);
-  } catch (const nlohmann::json::exception& e) {
-    MT_THROW("{}: not valid JSON: {}", path, e.what());
-  }
-}
-
 void fsync_dir(const std::string& dir) {
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   MT_CHECK(fd >= 0, "{}: cannot open directory to sync: {}", dir, std::strerror(errno));
@@ -328,40 +320,15 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir) {
   trainer_state_ = nlohmann::json::object();
   const fs::path idx = fs::path(dir) / "index.json";
   if (fs::exists(idx)) {
-    const nlohmann::json index = read_json(idx);
-    MT_CHECK(index.contains("metadata") && index["metadata"].value("format", "") == "moetrain-checkpoint",
-             "{}: not a moetrain checkpoint index (metadata.format must be \"moetrain-checkpoint\")", idx.string());
-    const int version = index["metadata"].value("format_version", 0);
-    MT_CHECK(version == kFormatVersion, "{}: format_version {} is not one this moetrain reads ({})", idx.string(),
-             version, kFormatVersion);
-    for (auto it = index["files"].begin(); it != index["files"].end(); ++it) {
-      file_bytes_[it.key()] = it.value()["bytes"].get<uint64_t>();
-      file_xxh3_[it.key()] = it.value()["xxh3_64"].get<std::string>();
-    }
-    for (auto it = index["tensors"].begin(); it != index["tensors"].end(); ++it) {
-      TensorInfo t;
-      t.kind = it.value().value("kind", "model");
-      const std::string dts = it.value()["dtype"];
-      MT_CHECK(parse_safetensors_dtype(dts, &t.dtype), "{}: tensor '{}' has unknown dtype {}", idx.string(), it.key(),
-               dts);
-      t.shape = it.value()["shape"].get<Shape>();
-      for (const auto& s : it.value()["slices"]) {
-        const std::string file = s["file"];
-        MT_CHECK(file_bytes_.count(file), "{}: tensor '{}' lives in {}, which the index does not list", idx.string(),
-                 it.key(), file);
-        t.slices.push_back({file, s["start"].get<Shape>(), s["shape"].get<Shape>(), s.value("offset", int64_t{0})});
-      }
-      check_tiling(idx.string(), it.key(), t);
-      tensors_[it.key()] = std::move(t);
-    }
+    read_index(idx.string());
     const fs::path ts = fs::path(dir) / "trainer_state.json";
-    if (fs::exists(ts)) trainer_state_ = read_json(ts);
+    if (fs::exists(ts)) trainer_state_ = read_json_file(ts);
   } else {
     hf_ = true;
     std::vector<std::string> files;
     const fs::path hf_index = fs::path(dir) / "model.safetensors.index.json";
     if (fs::exists(hf_index)) {
-      const nlohmann::json index = read_json(hf_index);
+      const nlohmann::json index = read_json_file(hf_index);
       MT_CHECK(index.contains("weight_map") && index["weight_map"].is_object(), "{}: no weight_map object",
                hf_index.string());
       for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) {
@@ -399,6 +366,69 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir) {
 }
 
 CheckpointReader::~CheckpointReader() = default;
+
+// The index is a file anyone may hand us (a downloaded checkpoint): every value is checked
+// for its type and range, every file it names must be a plain name inside the directory, and
+// every slice must fit in the bytes its file has (and a tensor's slices together too), so that
+// reading a tensor never allocates more than the checkpoint's files hold.
+void CheckpointReader::read_index(const std::string& idx) {
+  const nlohmann::json index = read_json_file(idx);
+  try {
+    MT_CHECK(index.is_object() && index.contains("metadata") && index["metadata"].is_object() &&
+                 index["metadata"].value("format", "") == "moetrain-checkpoint",
+             "{}: not a moetrain checkpoint index (metadata.format must be \"moetrain-checkpoint\")", idx);
+    const int version = index["metadata"].value("format_version", 0);
+    MT_CHECK(version == kFormatVersion, "{}: format_version {} is not one this moetrain reads ({})", idx, version,
+             kFormatVersion);
+    MT_CHECK(index.contains("files") && index["files"].is_object() && index.contains("tensors") &&
+                 index["tensors"].is_object(),
+             "{}: 'files' and 'tensors' must be JSON objects", idx);
+    for (auto it = index["files"].begin(); it != index["files"].end(); ++it) {
+      const std::string& file = it.key();
+      MT_CHECK(!file.empty() && file.find('/') == std::string::npos && file != "." && file != "..",
+               "{}: file '{}' must be a plain file name inside the checkpoint directory", idx, file);
+      file_bytes_[file] = it.value().at("bytes").get<uint64_t>();
+      file_xxh3_[file] = it.value().at("xxh3_64").get<std::string>();
+    }
+    for (auto it = index["tensors"].begin(); it != index["tensors"].end(); ++it) {
+      TensorInfo t;
+      t.kind = it.value().value("kind", "model");
+      const std::string dts = it.value().at("dtype");
+      MT_CHECK(parse_safetensors_dtype(dts, &t.dtype), "{}: tensor '{}' has unknown dtype {}", idx, it.key(), dts);
+      const uint64_t elem = dtype_size(t.dtype);
+      t.shape = it.value().at("shape").get<Shape>();
+      std::map<std::string, uint64_t> bytes_in;  // this tensor's bytes in each file
+      for (const auto& s : it.value().at("slices")) {
+        TensorInfo::Slice slice{s.at("file"), s.at("start").get<Shape>(), s.at("shape").get<Shape>(),
+                                s.value("offset", int64_t{0})};
+        auto bytes = file_bytes_.find(slice.file);
+        MT_CHECK(bytes != file_bytes_.end(), "{}: tensor '{}' lives in {}, which the index does not list", idx,
+                 it.key(), slice.file);
+        // Element counts checked for overflow before anything multiplies them.
+        uint64_t count = 1;
+        bool ok = slice.offset >= 0;
+        for (int64_t d : slice.shape) ok = ok && d >= 0 && !__builtin_mul_overflow(count, uint64_t(d), &count);
+        uint64_t end = 0;
+        uint64_t& in_file = bytes_in[slice.file];
+        ok = ok && !__builtin_add_overflow(count, uint64_t(slice.offset), &end) &&
+             !__builtin_mul_overflow(end, elem, &end) && end <= bytes->second &&
+             !__builtin_mul_overflow(count, elem, &count) && (in_file += count) <= bytes->second;
+        MT_CHECK(ok, "{}: tensor '{}': a slice of shape {} at element {} does not fit in {} ({} bytes)", idx, it.key(),
+                 shape_str(slice.shape), slice.offset, slice.file, bytes->second);
+        t.slices.push_back(std::move(slice));
+      }
+      int64_t numel = 1;
+      for (int64_t d : t.shape) {
+        MT_CHECK(d >= 0 && !__builtin_mul_overflow(numel, d, &numel), "{}: tensor '{}' has an impossible shape {}",
+                 idx, it.key(), shape_str(t.shape));
+      }
+      check_tiling(idx, it.key(), t);
+      tensors_[it.key()] = std::move(t);
+    }
+  } catch (const nlohmann::json::exception& e) {  // a key missing or of the wrong type
+    MT_THROW("{}: malformed checkpoint index: {}", idx, e.what());
+  }
+}
 
 const CheckpointReader::TensorInfo& CheckpointReader::info(const std::string& name) const {
   auto it = tensors_.find(name);

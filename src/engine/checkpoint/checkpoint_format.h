@@ -108,6 +108,7 @@ class CheckpointReader {
   Tensor read_whole(const std::string& name);
 
  private:
+  void read_index(const std::string& idx);
   const SafetensorsFile& open_file(const std::string& file);
 
   std::string dir_;
@@ -119,8 +120,6 @@ class CheckpointReader {
   nlohmann::json trainer_state_;
 };
 
-// A JSON file; an error names the file (missing, or not valid JSON).
-nlohmann::json read_json(const std::string& path);
 // fsyncs a directory (its entries: a rename into it, a file created in it).
 void fsync_dir(const std::string& dir);
 

@@ -9,21 +9,12 @@
 
 #include "core/log.h"
 #include "engine/checkpoint/checkpoint_format.h"
+#include "engine/json_file.h"
 #include "engine/models/model_config.h"
 
 namespace moetrain {
 namespace fs = std::filesystem;
 namespace {
-
-nlohmann::json read_json_file(const fs::path& p) {
-  std::ifstream f(p);
-  MT_CHECK(f.is_open(), "{}: cannot open", p.string());
-  try {
-    return nlohmann::json::parse(f);
-  } catch (const nlohmann::json::exception& e) {
-    MT_THROW("{}: not valid JSON: {}", p.string(), e.what());
-  }
-}
 
 void refuse_existing(const std::string& out_dir) {
   MT_CHECK(!fs::exists(out_dir), "'{}' already exists: conversion writes a new folder and never overwrites", out_dir);

@@ -18,6 +18,7 @@
 #include "engine/checkpoint/checkpoint_format.h"
 #include "engine/checkpoint/checkpointer.h"
 #include "engine/ft/fault.h"
+#include "engine/json_file.h"
 
 namespace moetrain {
 namespace fs = std::filesystem;
@@ -94,7 +95,7 @@ std::vector<int64_t> RemoteTier::committed() {
 
 uint64_t RemoteTier::upload(int64_t step, const std::string& step_dir) {
   const fs::path dir(step_dir);
-  const nlohmann::json index = read_json((dir / "index.json").string());
+  const nlohmann::json index = read_json_file((dir / "index.json").string());
   nlohmann::json marker = {{"format", "moetrain-remote-step"}, {"step", step}, {"files", nlohmann::json::object()}};
   std::vector<std::string> names;
   for (const auto& e : fs::directory_iterator(dir)) {

@@ -15,6 +15,7 @@
 #include "core/log.h"
 #include "core/rng.h"
 #include "engine/data/json_keys.h"
+#include "engine/json_file.h"
 #include "engine/data/normalizer.h"
 #include "engine/data/regex.h"
 #include "engine/data/utf8.h"
@@ -289,16 +290,6 @@ class AddedTokenMatcher {
   int num_first_ = 0;
   unsigned char only_first_ = 0;
 };
-
-json read_json_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  MT_CHECK(in.good(), "{}: cannot open the tokenizer file", path);
-  try {
-    return json::parse(in);
-  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number too large
-    MT_THROW("{}: malformed JSON: {}", path, e.what());
-  }
-}
 
 uint64_t file_hash(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -614,13 +605,7 @@ void BpeTokenizer::Impl::resolve_eos(const std::string& requested) {
   const fs::path config = fs::path(path).parent_path() / "tokenizer_config.json";
   if (name.empty() && lookup("<|endoftext|>")) name = "<|endoftext|>";
   if (name.empty() && fs::exists(config)) {
-    json c;
-    try {
-      std::ifstream in(config);
-      c = json::parse(in);
-    } catch (const json::exception& e) {  // parse_error, or out_of_range for a number too large
-      MT_THROW("{}: malformed JSON: {}", config.string(), e.what());
-    }
+    const json c = read_json_file(config.string());
     if (c.is_object() && c.contains("eos_token")) {
       const json& e = c["eos_token"];
       if (e.is_string()) name = e.get<std::string>();

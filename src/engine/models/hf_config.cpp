@@ -5,6 +5,7 @@
 #include <fstream>
 
 #include "core/error.h"
+#include "engine/json_file.h"
 
 namespace moetrain {
 
@@ -25,13 +26,7 @@ bool same_value(const nlohmann::json& a, const nlohmann::json& b) {
 }  // namespace
 
 HfConfigReader::HfConfigReader(std::string path) : path_(std::move(path)) {
-  std::ifstream in(path_);
-  MT_CHECK(in.good(), "HF config '{}' cannot be opened (does it exist?)", path_);
-  try {
-    j_ = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for a number too large
-    MT_THROW("{}: invalid JSON: {}", path_, e.what());
-  }
+  j_ = read_json_file(path_);
   MT_CHECK(j_.is_object(), "{}: expected a JSON object at the top, got {}", path_, j_.type_name());
 }
 
