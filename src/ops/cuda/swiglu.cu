@@ -641,7 +641,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int last = max_tiles * col_tiles;
   for (int n = 0; n < last; ++n) {
     mbar_wait(&full[it % S], (it / S) & 1);  // the tile's first k-tile, or the end
-    const int t = tile_of[it % S];
+    // Read by lane 0 only, which is the lane that releases the stage: its read is then
+    // ordered before the release by program order, which compute-sanitizer's racecheck can
+    // follow (a read by every lane, with lane 0 arriving for the warp, it reported as a
+    // write-after-read hazard against the producer's next tile_of write).
+    const int t = __shfl_sync(0xffffffffu, lane == 0 ? tile_of[it % S] : 0, 0);
     if (t < 0) break;
     const int rt = t / col_tiles, e = args.tile_expert[rt];
     const int row0 = args.tile_row[rt], row_end = args.offsets[e + 1];
@@ -945,8 +949,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   int it = 0, boxes = 0;  // stages consumed; boxes this warpgroup has stored
   for (int n = 0; n < tiles; ++n) {  // bounded, as in rows_kernel
     mbar_wait(&full[it % S], (it / S) & 1);
-    const int2 info = tile_of[it % S];
-    const int t = info.x, ktiles = info.y;
+    // tile_of and valid_of are read by lane 0 only, the lane that releases the stage (as
+    // rows_kernel's tile_of).
+    const int2 info = lane == 0 ? tile_of[it % S] : int2{0, 0};
+    const int t = __shfl_sync(0xffffffffu, info.x, 0), ktiles = __shfl_sync(0xffffffffu, info.y, 0);
     if (t < 0) break;
     const int bz = t / (gx * gy), e = bz / kProblems, prob = bz % kProblems;
     const int m0 = ((t / gx) % gy) * kBM, n0 = (t % gx) * kWgN;
@@ -961,7 +967,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       const int s = it % S;
       mbar_wait(&full[s], (it / S) & 1);
       char* st = smem + s * kWgStage;
-      const int valid = valid_of[s];
+      const int valid = __shfl_sync(0xffffffffu, lane == 0 ? valid_of[s] : 0, 0);
       if (valid < kBK) {
         // The last k-tile (of each micro-batch) runs past the expert's rows into the next
         // expert's: zero those rows of B (whole 128-byte rows, so the swizzle does not
