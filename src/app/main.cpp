@@ -15,6 +15,7 @@
 #include "app/checkpoint_commands.h"
 #include "app/launch.h"
 #include "engine/telemetry/dashboard.h"
+#include "core/allocator.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "engine/bench.h"
@@ -85,6 +86,7 @@ int main(int argc, char** argv) {
   // communicator reports and fault tolerance handles, not kill this process with SIGPIPE
   // (seen once in the replica chaos suite: a surviving rank killed by SIGPIPE mid-heal).
   std::signal(SIGPIPE, SIG_IGN);
+  moetrain::keep_host_heap();
   moetrain::init_logging();
   CLI::App app{"moetrain: train Mixture-of-Experts language models"};
   app.require_subcommand(1);

@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <malloc.h>
+
 #include <cmath>
 
 #include "core/allocator.h"
@@ -123,6 +125,30 @@ TEST(Allocator, TracksPeak) {
   }
   EXPECT_EQ(host_memory_stats().live_bytes, before);
   EXPECT_GE(host_memory_stats().peak_bytes, before + (4 << 20));
+}
+
+// keep_host_heap: a large block freed stays in the heap for the next step (glibc would have
+// served it by mmap and unmapped it on free, so that the next allocation faults its pages in
+// again). Read through glibc's own accounting, which the sanitizers replace.
+TEST(Allocator, KeptHeapHoldsFreedLargeBlocks) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "the sanitizers replace malloc: glibc's heap settings do not apply";
+#else
+  keep_host_heap();
+  const size_t bytes = 64u << 20;
+  const struct mallinfo2 start = mallinfo2();
+  void* p = host_alloc(bytes);
+  const struct mallinfo2 held = mallinfo2();
+  EXPECT_EQ(held.hblkhd, start.hblkhd);              // not mmapped
+  EXPECT_GE(held.arena, start.arena + bytes);        // but from the heap
+  host_free(p, bytes);
+  const struct mallinfo2 freed = mallinfo2();
+  EXPECT_GE(freed.arena, start.arena + bytes);       // still there: not trimmed
+  EXPECT_GE(freed.fordblks, start.fordblks + bytes);  // free, for the next allocation
+  void* again = host_alloc(bytes);
+  EXPECT_EQ(mallinfo2().arena, freed.arena);  // reused: the heap did not grow
+  host_free(again, bytes);
+#endif
 }
 
 }  // namespace

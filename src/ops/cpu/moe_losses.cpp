@@ -90,17 +90,15 @@ Tensor router_entropy_sum(const Tensor& probs) {
   dispatch_float(probs.dtype(), "router_entropy_sum", [&](auto tag) {
     using F = decltype(tag);
     const F* P = probs.data<F>();
-    std::vector<double> h(static_cast<size_t>(R));
+    double total = 0;  // rows added in order: deterministic
     for (int64_t r = 0; r < R; ++r) {  // serial: R x E logs are cheap, a parallel region here is not
       double s = 0;
       for (int64_t e = 0; e < E; ++e) {
         const double p = static_cast<double>(P[r * E + e]);
         if (p > 0) s -= p * std::log(p);
       }
-      h[r] = s;
+      total += s;
     }
-    double total = 0;  // in row order: deterministic
-    for (int64_t r = 0; r < R; ++r) total += h[r];
     out.data<F>()[0] = static_cast<F>(total);
   });
   return out;
