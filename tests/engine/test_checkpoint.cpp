@@ -249,6 +249,13 @@ TEST(Checkpoint, AHostileIndexIsRefusedNamingTheIndex) {
       "lies outside the tensor's shape");
   std::ofstream(idx) << good.dump();
   EXPECT_TRUE(bytes_equal(CheckpointReader(dir.path().string()).read_whole("c"), fx.c));  // the edits were all
+
+  // A Hugging Face folder's shard index may not name a file outside the folder either.
+  ScratchDir hf;
+  const fs::path hf_index = hf.path() / "model.safetensors.index.json";
+  std::ofstream(hf_index) << nlohmann::json{{"weight_map", {{"w", "../model-r00000.safetensors"}}}}.dump();
+  const std::string e = error_of([&] { CheckpointReader r(hf.path().string()); });
+  EXPECT_TRUE(has(e, hf_index.string() + ": file '../model-r00000.safetensors' must be a plain file name")) << e;
 }
 
 // ---- the committing writer ----

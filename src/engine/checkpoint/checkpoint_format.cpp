@@ -83,6 +83,12 @@ int64_t copy_intersection(const uint8_t* src, const Shape& s_start, const Shape&
   return copied;
 }
 
+// A file an index names must be inside the checkpoint's folder: a name, not a path.
+void check_plain_file_name(const std::string& index, const std::string& file) {
+  MT_CHECK(!file.empty() && file.find('/') == std::string::npos && file != "." && file != "..",
+           "{}: file '{}' must be a plain file name inside the checkpoint directory", index, file);
+}
+
 // Checks that the slices of tensor `name` tile its global shape.
 void check_tiling(const std::string& where, const std::string& name, const CheckpointReader::TensorInfo& t) {
   int64_t covered = 0;
@@ -334,6 +340,7 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir) {
       for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) {
         MT_CHECK(it.value().is_string(), "{}: weight_map[{}] must be a file name", hf_index.string(), it.key());
         const std::string f = it.value();
+        check_plain_file_name(hf_index.string(), f);
         if (std::find(files.begin(), files.end(), f) == files.end()) files.push_back(f);
       }
     } else {
@@ -385,8 +392,7 @@ void CheckpointReader::read_index(const std::string& idx) {
              "{}: 'files' and 'tensors' must be JSON objects", idx);
     for (auto it = index["files"].begin(); it != index["files"].end(); ++it) {
       const std::string& file = it.key();
-      MT_CHECK(!file.empty() && file.find('/') == std::string::npos && file != "." && file != "..",
-               "{}: file '{}' must be a plain file name inside the checkpoint directory", idx, file);
+      check_plain_file_name(idx, file);
       file_bytes_[file] = it.value().at("bytes").get<uint64_t>();
       file_xxh3_[file] = it.value().at("xxh3_64").get<std::string>();
     }
