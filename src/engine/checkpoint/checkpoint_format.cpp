@@ -1,14 +1,13 @@
 #include "engine/checkpoint/checkpoint_format.h"
 
-#include "engine/json_file.h"
-
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 
 #include <fcntl.h>
 #include <unistd.h>
+
+#include "engine/json_file.h"
 
 namespace moetrain {
 namespace fs = std::filesystem;
@@ -410,15 +409,17 @@ void CheckpointReader::read_index(const std::string& idx) {
         auto bytes = file_bytes_.find(slice.file);
         MT_CHECK(bytes != file_bytes_.end(), "{}: tensor '{}' lives in {}, which the index does not list", idx,
                  it.key(), slice.file);
-        // Element counts checked for overflow before anything multiplies them.
-        uint64_t count = 1;
+        // Every product checked for overflow: the slice's elements, its bytes, and the byte
+        // where it ends in the file's entry (offset elements in), then this tensor's bytes
+        // in the file so far.
+        uint64_t elems = 1, slice_bytes = 0, end_bytes = 0;
         bool ok = slice.offset >= 0;
-        for (int64_t d : slice.shape) ok = ok && d >= 0 && !__builtin_mul_overflow(count, uint64_t(d), &count);
-        uint64_t end = 0;
+        for (int64_t d : slice.shape) ok = ok && d >= 0 && !__builtin_mul_overflow(elems, uint64_t(d), &elems);
         uint64_t& in_file = bytes_in[slice.file];
-        ok = ok && !__builtin_add_overflow(count, uint64_t(slice.offset), &end) &&
-             !__builtin_mul_overflow(end, elem, &end) && end <= bytes->second &&
-             !__builtin_mul_overflow(count, elem, &count) && (in_file += count) <= bytes->second;
+        ok = ok && !__builtin_mul_overflow(elems, elem, &slice_bytes) &&
+             !__builtin_add_overflow(elems, uint64_t(slice.offset), &end_bytes) &&
+             !__builtin_mul_overflow(end_bytes, elem, &end_bytes) && end_bytes <= bytes->second &&
+             (in_file += slice_bytes) <= bytes->second;
         MT_CHECK(ok, "{}: tensor '{}': a slice of shape {} at element {} does not fit in {} ({} bytes)", idx, it.key(),
                  shape_str(slice.shape), slice.offset, slice.file, bytes->second);
         t.slices.push_back(std::move(slice));

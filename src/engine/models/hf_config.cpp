@@ -2,8 +2,6 @@
 
 #include <fmt/format.h>
 
-#include <fstream>
-
 #include "core/error.h"
 #include "engine/json_file.h"
 
