@@ -221,9 +221,20 @@ TEST(Checkpoint, AHostileIndexIsRefusedNamingTheIndex) {
     EXPECT_TRUE(has(e, expected)) << e;
   };
   refused([](nlohmann::json& j) { j["files"] = 7; }, "'files' and 'tensors' must be JSON objects");
-  refused([](nlohmann::json& j) { j["tensors"]["a"]["shape"] = "ten by six"; }, "malformed checkpoint index");
+  refused([](nlohmann::json& j) { j["tensors"]["a"]["shape"] = "ten by six"; },
+          "tensors.a.shape must be an array of integers, got string");
   refused([](nlohmann::json& j) { j["tensors"]["c"]["slices"][0].erase("start"); }, "malformed checkpoint index");
-  refused([](nlohmann::json& j) { j["files"]["model-r00000.safetensors"]["bytes"] = "356"; }, "malformed checkpoint index");
+  refused([](nlohmann::json& j) { j["files"]["model-r00000.safetensors"]["bytes"] = "356"; },
+          "files.model-r00000.safetensors.bytes must be an integer, got \"356\"");
+  // Found by fuzz_checkpoint_index: a float where an integer belongs was converted by a C++
+  // cast, undefined beyond the integer's range (UBSan: 1.4e86 as unsigned long).
+  refused([](nlohmann::json& j) { j["files"]["model-r00000.safetensors"]["bytes"] = 1.4e86; },
+          "files.model-r00000.safetensors.bytes must be an integer, got 1.4e+86");
+  refused([](nlohmann::json& j) { j["tensors"]["c"]["slices"][0]["shape"] = {7.5}; },
+          "tensors.c.slices[].shape must be an integer, got 7.5");
+  refused([](nlohmann::json& j) { j["tensors"]["c"]["slices"][0]["offset"] = -1e30; },
+          "tensors.c.slices[].offset must be an integer");
+  refused([](nlohmann::json& j) { j["metadata"]["format_version"] = 1e300; }, "format_version must be an integer");
   refused([](nlohmann::json& j) { j["files"]["../outside.safetensors"] = j["files"]["model-r00000.safetensors"]; },
           "file '../outside.safetensors' must be a plain file name inside the checkpoint directory");
   refused(

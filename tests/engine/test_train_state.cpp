@@ -50,6 +50,12 @@ TEST(TrainState, JsonRoundTripAndMissingKeys) {
   no_steps["optimizer"].erase("steps_taken");
   e = error_of([&] { back.read_json(no_steps, "step-5"); });
   EXPECT_NE(e.find("optimizer.steps_taken"), std::string::npos) << e;
+  nlohmann::json float_step = st;  // a float would be cast to int64: undefined beyond its range
+  float_step["step"] = 1e300;
+  e = error_of([&] { back.read_json(float_step, "step-5"); });
+  EXPECT_NE(e.find("checkpoint step-5: trainer_state.json: step and optimizer.steps_taken must be integers (got 1e+300"),
+            std::string::npos)
+      << e;
 }
 
 std::vector<Batch> step_batches(int step, int64_t vocab) {

@@ -82,6 +82,22 @@ int64_t copy_intersection(const uint8_t* src, const Shape& s_start, const Shape&
   return copied;
 }
 
+// An integer of the index. nlohmann's get<> turns a JSON float into an integer by a C++ cast,
+// which is undefined beyond the type's range (UBSan, fuzz_checkpoint_index: "bytes": 1.4e86),
+// so only JSON integers are taken.
+int64_t index_int(const nlohmann::json& v, const std::string& index, const std::string& what) {
+  MT_CHECK(v.is_number_integer(), "{}: {} must be an integer, got {}", index, what,
+           v.is_primitive() ? v.dump() : std::string(v.type_name()));
+  return v.get<int64_t>();
+}
+
+Shape index_shape(const nlohmann::json& v, const std::string& index, const std::string& what) {
+  MT_CHECK(v.is_array(), "{}: {} must be an array of integers, got {}", index, what, v.type_name());
+  Shape out;
+  for (const auto& d : v) out.push_back(index_int(d, index, what));
+  return out;
+}
+
 // A file an index names must be inside the checkpoint's folder: a name, not a path.
 void check_plain_file_name(const std::string& index, const std::string& file) {
   MT_CHECK(!file.empty() && file.find('/') == std::string::npos && file != "." && file != "..",
@@ -383,7 +399,8 @@ void CheckpointReader::read_index(const std::string& idx) {
     MT_CHECK(index.is_object() && index.contains("metadata") && index["metadata"].is_object() &&
                  index["metadata"].value("format", "") == "moetrain-checkpoint",
              "{}: not a moetrain checkpoint index (metadata.format must be \"moetrain-checkpoint\")", idx);
-    const int version = index["metadata"].value("format_version", 0);
+    const auto& meta = index["metadata"];
+    const int64_t version = meta.contains("format_version") ? index_int(meta["format_version"], idx, "format_version") : 0;
     MT_CHECK(version == kFormatVersion, "{}: format_version {} is not one this moetrain reads ({})", idx, version,
              kFormatVersion);
     MT_CHECK(index.contains("files") && index["files"].is_object() && index.contains("tensors") &&
@@ -392,7 +409,9 @@ void CheckpointReader::read_index(const std::string& idx) {
     for (auto it = index["files"].begin(); it != index["files"].end(); ++it) {
       const std::string& file = it.key();
       check_plain_file_name(idx, file);
-      file_bytes_[file] = it.value().at("bytes").get<uint64_t>();
+      const int64_t bytes = index_int(it.value().at("bytes"), idx, "files." + file + ".bytes");
+      MT_CHECK(bytes >= 0, "{}: files.{}.bytes is negative ({})", idx, file, bytes);
+      file_bytes_[file] = static_cast<uint64_t>(bytes);
       file_xxh3_[file] = it.value().at("xxh3_64").get<std::string>();
     }
     for (auto it = index["tensors"].begin(); it != index["tensors"].end(); ++it) {
@@ -401,11 +420,13 @@ void CheckpointReader::read_index(const std::string& idx) {
       const std::string dts = it.value().at("dtype");
       MT_CHECK(parse_safetensors_dtype(dts, &t.dtype), "{}: tensor '{}' has unknown dtype {}", idx, it.key(), dts);
       const uint64_t elem = dtype_size(t.dtype);
-      t.shape = it.value().at("shape").get<Shape>();
+      const std::string where = "tensors." + it.key();
+      t.shape = index_shape(it.value().at("shape"), idx, where + ".shape");
       std::map<std::string, uint64_t> bytes_in;  // this tensor's bytes in each file
       for (const auto& s : it.value().at("slices")) {
-        TensorInfo::Slice slice{s.at("file"), s.at("start").get<Shape>(), s.at("shape").get<Shape>(),
-                                s.value("offset", int64_t{0})};
+        TensorInfo::Slice slice{s.at("file"), index_shape(s.at("start"), idx, where + ".slices[].start"),
+                                index_shape(s.at("shape"), idx, where + ".slices[].shape"),
+                                s.contains("offset") ? index_int(s["offset"], idx, where + ".slices[].offset") : 0};
         auto bytes = file_bytes_.find(slice.file);
         MT_CHECK(bytes != file_bytes_.end(), "{}: tensor '{}' lives in {}, which the index does not list", idx,
                  it.key(), slice.file);
