@@ -251,6 +251,11 @@ bool event_done(Event e) {
   return true;
 }
 
+void event_synchronize(Event e) {
+  ++g_host_waits;
+  MT_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(e)));
+}
+
 void* shareable_alloc(size_t bytes) {
   void* p = nullptr;
   MT_CUDA_CHECK(cudaMalloc(&p, bytes));
@@ -327,6 +332,7 @@ float elapsed_ms(Event, Event) { no_cuda(); }
 Event create_sync_event() { no_cuda(); }
 void stream_wait_event(Stream, Event) { no_cuda(); }
 bool event_done(Event) { no_cuda(); }
+void event_synchronize(Event) { no_cuda(); }
 void* shareable_alloc(size_t) { no_cuda(); }
 void shareable_free(void*) { no_cuda(); }
 std::string ipc_handle(void*) { no_cuda(); }

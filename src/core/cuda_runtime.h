@@ -89,6 +89,8 @@ Event create_sync_event();
 void stream_wait_event(Stream s, Event e);
 // Whether the work before the event's last record has finished (never waits).
 bool event_done(Event e);
+// The host waits until the work before the event's last record has finished (a host wait).
+void event_synchronize(Event e);
 
 // Makes `s` the calling thread's current stream for a scope, so the ops, copies and
 // allocations inside it go to `s`; restores the previous one at exit.

@@ -52,7 +52,10 @@ void ParallelConfig::describe(ConfigFields& f) {
         one_of(&shard_weights, {"auto", "true", "false"}));
   f.add("ep_overlap", &ep_overlap,
         "ep > 1, pp = 1: run the micro-batches as DualPipeV on one rank (two chunks, overlapped forward/backward "
-        "pairs) so one micro-batch's expert exchange hides under another's compute; grad_accum_steps >= 2");
+        "pairs) so one micro-batch's expert exchange hides under another's compute; grad_accum_steps >= 2, weights "
+        "kept whole (ZeRO-2); auto: on GPUs with >= 2 micro-batches when shard_weights is not true and whole "
+        "weights fit",
+        one_of(&ep_overlap, {"auto", "true", "false"}));
   f.add("ep_dispatch", &ep_dispatch,
         "ep > 1: all_to_all sends each (token, routed expert) copy to its expert's rank; all_gather sends each token "
         "once to every EP rank and combines on the experts' side (top_k / ep times fewer bytes); auto: all_gather "

@@ -23,8 +23,10 @@ struct ParallelConfig {
   std::string shard_weights = "auto";
   // Expert parallelism without a pipeline: run a step's micro-batches as DualPipeV on one
   // rank (the model in two chunks, forward/backward pairs overlapped) so that one
-  // micro-batch's all-to-alls run under another's compute. Needs grad_accum_steps >= 2.
-  bool ep_overlap = false;
+  // micro-batch's exchanges run under another's compute. Needs grad_accum_steps >= 2 and
+  // keeps weights whole (ZeRO-2). "auto": on GPUs when there are >= 2 micro-batches, the
+  // weights are not asked to be sharded and whole weights fit (shard_weights' test).
+  std::string ep_overlap = "auto";
   // How expert parallelism moves tokens: "all_to_all" sends each (token, routed expert) copy
   // to the expert's rank; "all_gather" sends each token once to every EP rank and sums the
   // expert outputs on the experts' side (K / ep times fewer bytes with top-K routing);

@@ -33,9 +33,10 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   // Pipeline: the schedule of a training step and of a validation pass, the model cut into
   // its chunks, and this rank's share of them (pipeline/executor.h). Expert parallelism with
   // ep_overlap runs as a pipeline of one rank: DualPipeV's two chunks, whose overlapped
-  // forward/backward pairs hide one micro-batch's exchange under another's compute.
-  const bool pipelined = layout.pp() > 1 || (layout.ep() > 1 && cfg.parallel.ep_overlap);
-  if (pipelined) {
+  // forward/backward pairs hide one micro-batch's exchange under another's compute (that
+  // rank holds both chunks, the whole model as without a pipeline, so the choice can wait
+  // for the model: "auto" needs its size).
+  auto make_pipeline = [&] {
     const bool v = cfg.parallel.schedule == "dualpipev" || layout.pp() == 1;
     const int M = static_cast<int>(tc.grad_accum_steps);
     try {
@@ -52,19 +53,27 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
     for (size_t i = 0; i < c.chunks.size(); ++i) {
       const ChunkSpec& s = c.chunks[i];
       chunk_list += fmt::format("{}{}:[{},{}){}", i ? " " : "", i, s.first_layer, s.last_layer,
-                            s.embed ? "+embed" : s.head ? "+head" : "");
+                                s.embed ? "+embed" : s.head ? "+head" : "");
     }
     const ScheduleTimes t = simulate(*c.pipe_train, 1.0, 1.0, 1.0);
     spdlog::info("pipeline: {} over {} ranks, {} micro-batches per step; chunks (layers) {}; bubble {:.1f}% at equal "
                  "F/B/W times",
                  c.pipe_train->name, layout.pp(), tc.grad_accum_steps, chunk_list, 100.0 * t.bubble_fraction);
-  }
+  };
+  if (layout.pp() > 1) make_pipeline();
 
   // Model, dispatcher, optimizer. On the GPU: bf16 weights and activations, f32 masters,
   // gradients and optimizer state. Many ranks: this rank's experts and layers, and the
   // optimizer state sharded over the data ranks (FsdpContext).
   c.model = build_model(*cfg.model, gpu ? DType::BF16 : DType::F32, par.device, placement);
   c.model->init_weights(static_cast<uint64_t>(tc.seed));
+  if (layout.pp() == 1 && layout.ep() > 1 && choose_ep_overlap(cfg, *c.model, par.device)) {
+    make_pipeline();
+    const int64_t L = cfg.model->shape().num_layers;
+    MT_CHECK(static_cast<int64_t>(placement.layers.size()) == L && placement.embed && placement.head,
+             "ep_overlap: the one-rank pipeline must hold the whole model ({} of {} layers)", placement.layers.size(), L);
+  }
+  const bool pipelined = c.pipe_train != nullptr;
   c.model->set_expert_wgrad_group(tc.expert_wgrad_group);
   if (layout.ep() == 1) {
     c.dispatcher = std::make_unique<LocalDispatcher>();
@@ -77,7 +86,9 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
     o.max_tokens = tc.micro_batch_size * tc.seq_len;  // every micro-batch is B x S, on every rank
     if (gpu) {
       c.comm_stream.stream = cuda::create_stream();
+      c.comm_stream_backward.stream = cuda::create_stream();
       o.comm_stream = c.comm_stream.stream;
+      o.comm_stream_backward = c.comm_stream_backward.stream;
       o.defer_wait = true;
       o.peer_copies = cfg.parallel.ep_transport == "auto";
     }
@@ -110,6 +121,43 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   return ctx;
 }
 
+namespace {
+
+// This rank's whole weights and f32 gradients (bytes), and the memory they are held against.
+struct WholeWeights {
+  int64_t bytes = 0, memory = 0;
+  bool fit() const { return bytes <= memory / 4; }
+};
+WholeWeights whole_weights(Model& model, const Device& device, int64_t memory) {
+  WholeWeights w;
+  for (const Parameter& p : model.parameters()) w.bytes += p.value.nbytes() + 4 * p.value.numel();
+  w.memory = memory > 0 ? memory
+             : device.is_cpu() ? static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGE_SIZE)
+                               : cuda::device_total_memory(device.index);
+  return w;
+}
+
+}  // namespace
+
+bool choose_ep_overlap(const RunConfig& cfg, Model& model, const Device& device, int64_t memory) {
+  const std::string& setting = cfg.parallel.ep_overlap;
+  if (setting != "auto") return setting == "true";
+  std::string why;
+  if (cfg.training.device != "cuda") {
+    why = "off: not on GPUs (nothing runs beside an exchange on the CPU)";
+  } else if (cfg.training.grad_accum_steps < 2) {
+    why = "off: one micro-batch a step, none to pair";
+  } else if (cfg.parallel.shard_weights == "true") {
+    why = "off: [parallel].shard_weights = true (the pairs keep weights whole)";
+  } else if (const WholeWeights w = whole_weights(model, device, memory); !w.fit()) {
+    why = fmt::format("off: whole weights and f32 gradients take {:.2f} GB of {:.1f} GB (ZeRO-3 then)", w.bytes / 1e9,
+                      w.memory / 1e9);
+  }
+  spdlog::info("parallel: [parallel].ep_overlap = \"auto\": {}",
+               why.empty() ? "on (micro-batches in overlapped forward/backward pairs, weights kept whole)" : why);
+  return why.empty();
+}
+
 bool choose_shard_weights(const std::string& setting, Model& model, const Device& device, bool pipelined,
                           int64_t memory) {
   // Under a pipeline many micro-batches are in flight at once, so weights stay whole
@@ -124,16 +172,11 @@ bool choose_shard_weights(const std::string& setting, Model& model, const Device
   if (setting != "auto") return setting == "true";
   // ZeRO-3 gathers every layer's weights and reduce-scatters its gradients once per
   // micro-batch; ZeRO-2 once per step, for whole weights and f32 gradients held meanwhile.
-  int64_t whole = 0;
-  for (const Parameter& p : model.parameters()) whole += p.value.nbytes() + 4 * p.value.numel();
-  if (memory <= 0) {
-    memory = device.is_cpu() ? static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGE_SIZE)
-                             : cuda::device_total_memory(device.index);
-  }
-  const bool shard = whole > memory / 4;
+  const WholeWeights w = whole_weights(model, device, memory);
+  const bool shard = !w.fit();
   spdlog::info("parallel: [parallel].shard_weights = \"auto\": this rank's whole weights and f32 gradients take "
                "{:.2f} GB of {:.1f} GB: {}",
-               whole / 1e9, memory / 1e9,
+               w.bytes / 1e9, w.memory / 1e9,
                shard ? "sharded (ZeRO-3: gathered per layer and micro-batch)"
                      : "kept whole (ZeRO-2: one gather and one reduce-scatter a step)");
   return shard;

@@ -27,15 +27,19 @@ namespace moetrain {
 // choice is logged with the numbers). `memory`: the rank's bytes (0: the device's, or the host's).
 bool choose_shard_weights(const std::string& setting, Model& model, const Device& device, bool pipelined,
                           int64_t memory = 0);
+// Whether plain expert parallelism runs its micro-batches in overlapped pairs
+// ([parallel].ep_overlap; "auto" is logged with its reason). Called with ep > 1 and pp = 1.
+bool choose_ep_overlap(const RunConfig& cfg, Model& model, const Device& device, int64_t memory = 0);
 
 struct TrainContext {
   ParallelContext par;
-  // CUDA with ep > 1: the stream the all-to-alls run on, so one micro-batch's exchange
-  // overlaps another's compute (owned; outlives the dispatcher, declared before it).
+  // CUDA with ep > 1: the streams the expert exchanges run on (the forward's, and the
+  // backward's where the transport takes two), so one micro-batch's exchange overlaps
+  // another's compute (owned; outlive the dispatcher, declared before it).
   struct StreamHolder {
     cuda::Stream stream = nullptr;
     ~StreamHolder();
-  } comm_stream;
+  } comm_stream, comm_stream_backward;
   std::unique_ptr<PipelineSchedule> pipe_train, pipe_val;  // pipelined: a step, a validation pass
   std::vector<ChunkSpec> chunks;                           // pipelined: the model cut for them
   std::unique_ptr<Model> model;                            // this rank's part, initialised

@@ -352,4 +352,13 @@ void master_join_into(Tensor& master, const Tensor& high, const Tensor& low);
 // NaN, which comes back as the canonical NaN (its payload is not kept).
 void master_split_into(const Tensor& master, Tensor& high, Tensor& low);
 
+// ---- a signal between the GPUs of one host (engine/parallel/peer_arena.h) -------------
+// On the current stream: once the stream's work before it is done, writes `value` into word
+// `rank` of every other rank's signal words (peer_words[q]: rank q's words as this GPU
+// addresses them; entry `rank` unused), then waits until every other rank q has written a
+// value at least `value` (cyclic compare) into word q of its own words (peer_words[rank]).
+// One warp, no shared memory and few registers: it sits beside the compute kernels instead
+// of taking a multiprocessor from them. At most 32 ranks. CUDA builds only.
+void signal_peers_and_wait(const std::vector<void*>& peer_words, int rank, uint32_t value);
+
 }  // namespace moetrain::ops

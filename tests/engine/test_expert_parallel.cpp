@@ -205,6 +205,14 @@ struct RankRun {
     out = d.dispatch(L.x[rank].to(device), L.topk[rank].to(device), L.E, st);
     d.wait(st);
   }
+  // The same in two calls (other work, here another layer's dispatch, may come between).
+  void dispatch_start(ExpertDispatcher& d) {
+    d.dispatch_start(L.x[rank].to(device), L.topk[rank].to(device), Tensor(), L.E, st);
+  }
+  void dispatch_finish(ExpertDispatcher& d) {
+    out = d.dispatch_finish(st);
+    d.wait(st);
+  }
   void check_dispatch() {
     const std::string where = "rank " + std::to_string(rank) + " of " + std::to_string(ep);
     expect_same(out.rows.to(Device::cpu()), L.ref_rows.slice(first_row(), end_row()), where + " rows");
@@ -279,9 +287,15 @@ struct RankRun {
 };
 
 // Two layers per rank, interleaved as a forward then a backward pass would run them, so
-// one dispatcher serves several states at once.
+// one dispatcher serves several states at once (two dispatches started before either
+// finishes, as paired micro-batches do; then one in a single call).
 void run_two_layers(RankRun& a, RankRun& b, ExpertDispatcher& d) {
-  a.dispatch(d);
+  a.dispatch_start(d);
+  b.dispatch_start(d);
+  a.dispatch_finish(d);
+  b.dispatch_finish(d);
+  a.check_dispatch();
+  b.check_dispatch();
   b.dispatch(d);
   a.check_dispatch();
   b.check_dispatch();
@@ -496,13 +510,17 @@ void run_case_nccl(const Case& c, bool defer, DType dtype, Kind kind) {
   for (int r = 0; r < 2; ++r) {
     threads.emplace_back([&, r] {
       std::unique_ptr<Communicator> comm;
-      cuda::Stream stream = nullptr;
+      cuda::Stream stream = nullptr, back = nullptr;
       try {
         comm = connect_nccl(store, r, 2, r, testing::test_options(std::chrono::seconds(60)));
         stream = cuda::create_stream();
         ExchangeOptions o = checked();
         o.comm_stream = stream;
         o.defer_wait = defer;
+        if (defer) {  // the backward's exchanges on a stream of their own (the peer copies take it)
+          back = cuda::create_stream();
+          o.comm_stream_backward = back;
+        }
         std::unique_ptr<ExpertDispatcher> dp = make_dispatcher(kind, *comm, o);
         ExpertDispatcher& d = *dp;
         const bool exact = kind == Kind::kAllToAll;
@@ -524,6 +542,7 @@ void run_case_nccl(const Case& c, bool defer, DType dtype, Kind kind) {
       }
       done.arrive_and_wait();
       if (stream) cuda::destroy_stream(stream);
+      if (back) cuda::destroy_stream(back);
     });
   }
   for (auto& t : threads) t.join();

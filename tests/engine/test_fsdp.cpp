@@ -41,6 +41,33 @@ TEST(Fsdp, AutoShardsWeightsOnlyWhenWholeOnesWouldCrowdTheMemory) {
   EXPECT_FALSE(choose_shard_weights("auto", small, Device::cpu(), false, 4 * whole)) << "ZeRO-2 at the quarter";
 }
 
+// ep_overlap "auto": the paired micro-batches keep weights whole, so it is on only on GPUs,
+// with two micro-batches or more, where whole weights fit and nobody asked for ZeRO-3.
+TEST(Fsdp, AutoEpOverlapOnlyWherePairsCanRunAndWholeWeightsFit) {
+  Qwen3MoeModel small(three_layers(), DType::F32);
+  int64_t whole = 0;
+  for (const Parameter& p : small.parameters()) whole += 8 * p.value.numel();
+  RunConfig cfg;
+  cfg.training.device = "cuda";
+  cfg.training.grad_accum_steps = 2;
+  const int64_t roomy = 4 * whole;
+  EXPECT_TRUE(choose_ep_overlap(cfg, small, Device::cpu(), roomy));
+  EXPECT_FALSE(choose_ep_overlap(cfg, small, Device::cpu(), roomy - 4)) << "whole weights crowd the memory";
+  cfg.parallel.shard_weights = "true";
+  EXPECT_FALSE(choose_ep_overlap(cfg, small, Device::cpu(), roomy)) << "ZeRO-3 asked for";
+  cfg.parallel.shard_weights = "auto";
+  cfg.training.grad_accum_steps = 1;
+  EXPECT_FALSE(choose_ep_overlap(cfg, small, Device::cpu(), roomy)) << "one micro-batch";
+  cfg.training.grad_accum_steps = 2;
+  cfg.training.device = "cpu";
+  EXPECT_FALSE(choose_ep_overlap(cfg, small, Device::cpu(), roomy)) << "the CPU";
+  cfg.parallel.ep_overlap = "true";
+  EXPECT_TRUE(choose_ep_overlap(cfg, small, Device::cpu(), roomy)) << "asked for";
+  cfg.parallel.ep_overlap = "false";
+  cfg.training.device = "cuda";
+  EXPECT_FALSE(choose_ep_overlap(cfg, small, Device::cpu(), roomy)) << "turned off";
+}
+
 TEST(Fsdp, ShardedWeightsAreGatheredJustInTimeWithTheNextLayerPrefetched) {
   const Qwen3MoeConfig c = three_layers();
   Qwen3MoeModel whole(c, DType::F32);

@@ -125,7 +125,7 @@ struct MoeDecoderModel::ForwardCursor {
   ChunkPass pass;
   Tensor x;        // the hidden state between layers
   int64_t j = 0;   // the layer (within the chunk) being run
-  int piece = 0;   // 0: attn + dispatch, 1: mlp + combine, 2: aggregate
+  int piece = 0;   // 0: attn + dispatch start, 1: dispatch finish + mlp + combine, 2: aggregate
 };
 
 struct MoeDecoderModel::BackwardCursor {
@@ -151,15 +151,17 @@ bool MoeDecoderModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) const
     case 0:
       if (hooks_) hooks_->before_forward(id);
       layer.attn_forward(f.x, f.batch.positions, f.b, s);  // 1: attn
-      if (layer.is_moe()) {
-        s.expert_in = d.dispatch(s.mlp_in, s.route.topk_idx, s.route.topk_weight, spec_.num_experts,
-                                 s.dispatch);  // 2: dispatch
+      if (layer.is_moe()) {  // 2: dispatch, the part that needs no host wait
+        d.dispatch_start(s.mlp_in, s.route.topk_idx, s.route.topk_weight, spec_.num_experts, s.dispatch);
       } else {
         s.expert_in = {s.mlp_in, dense_counts(f.b.tokens())};
       }
       break;
     case 1: {
-      if (layer.is_moe()) d.wait(s.dispatch);
+      if (layer.is_moe()) {  // 2: the rows (the host waits for their count here)
+        s.expert_in = d.dispatch_finish(s.dispatch);
+        d.wait(s.dispatch);
+      }
       Tensor rows = layer.mlp_forward(s);  // 3: mlp
       if (layer.is_moe()) {
         d.combine_start(rows, s.dispatch);  // 4: combine, under way
@@ -347,11 +349,27 @@ std::pair<Tensor, Tensor> MoeDecoderModel::forward_backward_overlapped(
     ChunkActivations& ba, ExpertDispatcher& d) {
   ForwardCursor f = begin_forward(fc, fbatch, x, fa, totals, pass);
   BackwardCursor g = begin_backward(bc, bbatch, dy, ba, pass.aux_scale, /*weights_now=*/false, false);
-  // Alternate: each piece computes while the other pass's exchange, started by its last
-  // piece, is in flight.
-  for (bool more_f = true, more_b = true; more_f || more_b;) {
-    if (more_f) more_f = forward_piece(f, d);
-    if (more_b) more_b = backward_piece(g, d);
+  // Alternate steps of the two passes, each step's compute running while the exchange that
+  // the other pass's last step started is in flight. A step ends where it starts an
+  // exchange: the forward's at the dispatch (after attention) and the combine (after the
+  // MLP), the backward's at the dispatch backward (after the MLP) and the combine backward
+  // (after attention, starting the next layer); a piece that starts none (the forward's
+  // residual sum, the backward's attention) runs on into the next. So the GPU runs the
+  // forward's attention, the backward's MLP, the forward's MLP, the backward's attention,
+  // and so on, and the host waits for a dispatch's row count (dispatch_finish, at the
+  // forward's MLP step) with the backward's MLP queued ahead of it.
+  bool more_f = true, more_b = backward_piece(g, d);  // the first combine backward starts
+  auto forward_step = [&] {
+    do more_f = forward_piece(f, d);
+    while (more_f && f.piece == 0);
+  };
+  auto backward_step = [&] {
+    do more_b = backward_piece(g, d);
+    while (more_b && g.piece == 0);
+  };
+  while (more_f || more_b) {
+    if (more_f) forward_step();
+    if (more_b) backward_step();
   }
   Tensor out = end_forward(f, pass, loss);
   return {out, end_backward(g)};

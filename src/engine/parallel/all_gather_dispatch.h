@@ -26,8 +26,15 @@
 //
 // Transport: NCCL's all-gather and reduce-scatter, or, among the GPUs of one host
 // (ExchangeOptions::peer_copies), copies straight into the peers' memory on the copy
-// engines (PeerArena) for the token rows; the small exchanges (counts, ids, weights) stay
-// on NCCL.
+// engines (PeerArena) for every exchange (the ids and weights in one): no NCCL kernel then
+// runs beside the compute, and the backward's exchanges run on a second stream with their
+// own arena (ExchangeOptions::comm_stream_backward). Only the counts of the optional checks
+// (and of a dispatch without max_tokens) go by NCCL, on the forward's stream.
+//
+// dispatch_start gathers the ids and weights and sorts this rank's copies, and starts the
+// per-expert counts to the host; dispatch_finish waits for them (the one host wait of a
+// dispatch: the rows' count sizes the rows) and gathers the token rows. Between the two the
+// caller enqueues other work (a paired micro-batch's), so the host wait finds the GPU busy.
 #pragma once
 
 #include <memory>
@@ -46,6 +53,9 @@ class AllGatherDispatcher final : public GroupDispatcher {
   DispatchOut dispatch(const Tensor& x, const Tensor& topk_idx, int64_t num_experts, DispatchState& st) override;
   DispatchOut dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight, int64_t num_experts,
                        DispatchState& st) override;
+  void dispatch_start(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight, int64_t num_experts,
+                      DispatchState& st) override;
+  DispatchOut dispatch_finish(DispatchState& st) override;
 
   // The weighted combine on the experts' side (see above).
   void combine_start(const Tensor& expert_rows, DispatchState& st) override;
@@ -64,26 +74,41 @@ class AllGatherDispatcher final : public GroupDispatcher {
   bool uses_peer_copies() const { return arena_ != nullptr; }
 
  private:
-  DispatchOut dispatch_rows(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight, int64_t num_experts,
-                            DispatchState& st);
   // [rows, C] -> [rows_padded, C] (padding rows filled with `fill`: 0, or an id of no expert).
   Tensor padded(const Tensor& t, int64_t rows_padded, int32_t fill_id = 0) const;
   // [n, C] on every rank -> [P n, C] in rank order; [P n, C] -> this rank's sum [n, C].
-  // Token rows (`rows`) go through the peer arena where there is one; the result of a
-  // gather through it must be consumed before the exchange after next (peer_arena.h).
-  Tensor gather(const Tensor& block, bool rows = false);
-  Tensor reduce_scatter(const Tensor& blocks, bool rows = false);
-  // The arena, made at the first exchange of rows when ExchangeOptions::peer_copies and
-  // every rank can use one (a collective decision); nullptr otherwise.
-  PeerArena* arena(const Tensor& t);
+  // Through `via` where given (the result of a gather through an arena must be consumed
+  // before that arena's exchange after next: peer_arena.h), else NCCL.
+  Tensor gather(const Tensor& block, PeerArena* via);
+  Tensor reduce_scatter(const Tensor& blocks, PeerArena* via);
+  // At the first dispatch (all ranks together): whether the exchanges go through peer
+  // arenas (ExchangeOptions::peer_copies and every rank can), and then whether the backward
+  // gets its own stream and arena.
+  void choose_transport(const Tensor& t);
+  // Where the backward's exchanges run: their own stream and arena where there are two.
+  ExchangeStream& back() { return back_arena_ ? back_stream_ : stream_; }
+  PeerArena* back_arena() { return back_arena_ ? back_arena_.get() : arena_.get(); }
+  // The stream whose exchange goes through `via` (for the bytes' count).
+  ExchangeStream& stream_of(const PeerArena* via) { return via && via == back_arena_.get() ? back_stream_ : stream_; }
+  // A pinned host buffer for a dispatch's counts (and its event), held until dispatch_finish.
+  int take_counts_buffer(int64_t entries);
   // The group-wide check that every (token, slot) copy found exactly one rank's expert.
   void check_conservation_over_group(const DispatchState& st, const Device& device, int64_t rows, int64_t top_k);
   // Every rank's token count (a collective and a host sync).
   std::vector<int64_t> token_counts(int64_t mine, const Device& device);
   void check_dispatched(const DispatchState& st, const Tensor& t, int64_t rows, const char* what) const;
 
-  std::unique_ptr<PeerArena> arena_;
-  bool arena_decided_ = false;
+  std::unique_ptr<PeerArena> arena_, back_arena_;
+  bool transport_chosen_ = false;
+  struct CountsBuffer {
+    Tensor host;  // pinned
+    void* event = nullptr;
+    bool busy = false;
+  };
+  std::vector<CountsBuffer> counts_buffers_;
+
+ public:
+  ~AllGatherDispatcher() override;
 };
 
 }  // namespace moetrain

@@ -11,6 +11,19 @@ DispatchOut ExpertDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx, 
   return dispatch(x, topk_idx, num_experts, st);
 }
 
+void ExpertDispatcher::dispatch_start(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight,
+                                      int64_t num_experts, DispatchState& st) {
+  st.started = topk_weight.defined() ? dispatch(x, topk_idx, topk_weight, num_experts, st)
+                                     : dispatch(x, topk_idx, num_experts, st);
+  st.dispatch_pending = true;
+}
+
+DispatchOut ExpertDispatcher::dispatch_finish(DispatchState& st) {
+  MT_CHECK(st.dispatch_pending, "dispatch_finish of layer {} without dispatch_start", st.layer);
+  st.dispatch_pending = false;
+  return std::move(st.started);
+}
+
 void ExpertDispatcher::combine_start(const Tensor& expert_rows, DispatchState& st) {
   PlacedRows placed = combine_in_place(expert_rows, st);
   st.placed = std::move(placed.rows);
@@ -143,6 +156,7 @@ GroupDispatcher::GroupDispatcher(Communicator& ep, ExchangeOptions options, cons
       opt_(std::move(options)),
       nccl_(ep.backend() == "nccl"),
       stream_(opt_.comm_stream, opt_.defer_wait),
+      back_stream_(opt_.comm_stream_backward, opt_.defer_wait),
       kind_(kind) {}
 
 int64_t GroupDispatcher::first_local_expert(int64_t num_experts) const {

@@ -27,6 +27,11 @@
 
 namespace moetrain {
 
+struct DispatchOut {
+  Tensor rows;    // [N, H] token copies grouped by local expert
+  Tensor counts;  // i64 [local experts], rows per expert
+};
+
 // What a dispatch remembers for its combine and for both backwards.
 struct DispatchState {
   ops::Permutation perm;  // this rank's (token, slot) copies -> rows grouped by global expert
@@ -48,16 +53,18 @@ struct DispatchState {
   // in the gathered batch, and the reduce-scattered sums combine_start started home.
   int64_t tokens = 0, padded_tokens = 0;
   Tensor combined;
+  // Between dispatch_start and dispatch_finish: the result where a dispatcher does all of it
+  // at the start (the default), else (AllGatherDispatcher) the rows still to send and the
+  // pinned buffer the per-expert counts are on their way into (-1: none, read them directly).
+  DispatchOut started;
+  bool dispatch_pending = false;
+  Tensor pending_x;
+  int counts_buffer = -1;
   // CUDA, communication stream, deferred waits: the event after this state's last exchange
   // and the caller's tensors the communication stream may still read (see wait()).
   std::shared_ptr<void> ready;
   Collective kind = Collective::kDispatch;  // of the last exchange on this state (for its wait's timing)
   std::vector<Tensor> in_flight;
-};
-
-struct DispatchOut {
-  Tensor rows;    // [N, H] token copies grouped by local expert
-  Tensor counts;  // i64 [local experts], rows per expert
 };
 
 class ExpertDispatcher {
@@ -71,6 +78,13 @@ class ExpertDispatcher {
   // dispatch(), keeping topk_weight [T, K] in `st` for the combine.
   virtual DispatchOut dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight,
                                int64_t num_experts, DispatchState& st);
+  // The same dispatch in two calls, so that the caller can enqueue other work in between:
+  // dispatch_start starts what needs no host wait, dispatch_finish (where the host waits for
+  // the row count, if it must) sends the rows and returns what dispatch() returns (with
+  // deferred waits, still in flight). The default does it all at the start.
+  virtual void dispatch_start(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight,
+                              int64_t num_experts, DispatchState& st);
+  virtual DispatchOut dispatch_finish(DispatchState& st);
   // Starts the expert outputs [N, H] on their way home (with deferred waits, still in flight
   // when this returns). These three default to the routes below: the rows go home and the
   // token's rank sums them; a dispatcher may sum on the experts' side instead.
@@ -140,6 +154,12 @@ struct ExchangeOptions {
   // CPU tensors (Gloo collectives finish before they return). Not owned: it must outlive
   // the dispatcher's work.
   cuda::Stream comm_stream = nullptr;
+  // CUDA: a second stream for the backward's exchanges (combine_backward*, dispatch_backward),
+  // used where the transport allows two streams at once (AllGatherDispatcher through the peer
+  // arenas, one per stream, no NCCL kernel on either), so that under paired micro-batches
+  // one's forward exchange never queues behind the other's backward exchange. nullptr, or
+  // another transport: comm_stream for all.
+  cuda::Stream comm_stream_backward = nullptr;
   // With comm_stream: calls return without making the compute stream wait; the caller
   // calls wait(st) before it uses a call's result, so compute enqueued in between (another
   // micro-batch's) overlaps the exchange. Until then `st` keeps the call's inputs and
@@ -174,8 +194,12 @@ class ExchangeStream {
   // wait for it or, deferred, keeping `inputs` and the result alive in `st` until wait().
   // On the CPU, or with no communication stream, `body` runs in place. `kind`: the
   // dispatch's collectives (forward and backward) or the combine's.
+  // after_compute = false: the body continues this stream's last call (the rest of one
+  // exchange), needing nothing the caller's stream made since, so the communication stream
+  // does not wait for the caller's stream again, and the timer counts no new exchange.
   template <typename F>
-  auto run(Collective kind, const Device& device, DispatchState& st, std::initializer_list<Tensor> inputs, F&& body);
+  auto run(Collective kind, const Device& device, DispatchState& st, std::initializer_list<Tensor> inputs, F&& body,
+           bool after_compute = true);
   // The caller's stream waits for the last deferred call on `st`.
   void wait(DispatchState& st);
 
@@ -237,6 +261,7 @@ class GroupDispatcher : public ExpertDispatcher {
   ExchangeOptions opt_;
   bool nccl_;  // the backend moves device tensors
   ExchangeStream stream_;
+  ExchangeStream back_stream_;  // on comm_stream_backward (used only where a dispatcher says so)
 
  private:
   const char* kind_;
@@ -298,19 +323,19 @@ class AllToAllDispatcher final : public GroupDispatcher {
 
 template <typename F>
 auto ExchangeStream::run(Collective kind, const Device& device, DispatchState& st, std::initializer_list<Tensor> inputs,
-                         F&& body) {
+                         F&& body, bool after_compute) {
   kind_ = kind;
   st.kind = kind;
   if (device.is_cpu() || comm_ == nullptr) {  // in place: on the compute stream, or synchronous (Gloo)
-    CollectiveScope timed(kind);
+    CollectiveScope timed(kind, /*continues=*/!after_compute);
     return body();
   }
-  before(cuda::current_stream());
+  if (after_compute) before(cuda::current_stream());
   auto out = [&] {
     // Allocations and copies inside go to the communication stream, and the temporaries
     // are freed there, after their last use.
     cuda::CurrentStreamScope scope(comm_);
-    CollectiveScope timed(kind, comm_, /*on_compute=*/false);
+    CollectiveScope timed(kind, comm_, /*on_compute=*/false, /*continues=*/!after_compute);
     return body();
   }();
   if (defer_) keep(st, out);

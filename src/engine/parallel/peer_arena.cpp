@@ -2,6 +2,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -16,6 +19,15 @@ namespace {
 // What a rank tells the others about itself: [pid, host, device, arena pointer, IPC handle].
 constexpr int64_t kHandleWords = static_cast<int64_t>(cuda::kIpcHandleBytes / 8);
 constexpr int64_t kWords = 4 + kHandleWords;
+// The signal words' room at the start of each arena (one u32 per rank), keeping the slots
+// aligned for any element type.
+constexpr size_t kSignalBytes = 4096;
+
+// MOETRAIN_PEER_BARRIER=nccl: the barrier as a one-element NCCL all-reduce (for comparison).
+bool env_nccl_barrier() {
+  const char* v = std::getenv("MOETRAIN_PEER_BARRIER");
+  return v != nullptr && std::string(v) == "nccl";
+}
 
 int64_t host_id() {
   char name[256] = {};
@@ -50,7 +62,13 @@ bool PeerArena::usable(Communicator& group) {
   return flag[0] == static_cast<double>(P);
 }
 
-PeerArena::PeerArena(Communicator& group) : group_(group), P_(group.size()), rank_(group.rank()) {
+PeerArena::PeerArena(Communicator& group)
+    : group_(group),
+      P_(group.size()),
+      rank_(group.rank()),
+      signals_(!env_nccl_barrier() && P_ <= 32) {
+  MT_CHECK(static_cast<size_t>(P_) * 4 <= kSignalBytes, "peer arena on {}: {} ranks are more than its {} signal words",
+           group_.name(), P_, kSignalBytes / 4);
   flag_ = Tensor::zeros({1}, DType::F32, Device::cuda(cuda::current_device()));
 }
 
@@ -81,12 +99,17 @@ void PeerArena::release() {
 void PeerArena::reserve(size_t block_bytes) {
   if (block_bytes <= block_capacity_) return;
   // Every rank asks for the same size at the same call: all grow together. Nobody may still
-  // be writing into or reading from the old arenas.
-  barrier();
+  // be writing into or reading from the old arenas: this rank's work so far is done, then
+  // every rank's (the NCCL barrier runs alone: no other stream of this rank still has work
+  // that could wait on it).
   cuda::device_synchronize();
+  nccl_barrier();
+  cuda::stream_synchronize(cuda::current_stream());
   release();
   block_capacity_ = std::max<size_t>(block_bytes, size_t{1} << 20);
-  mine_ = cuda::shareable_alloc(2 * static_cast<size_t>(P_) * block_capacity_);
+  mine_ = cuda::shareable_alloc(kSignalBytes + 2 * static_cast<size_t>(P_) * block_capacity_);
+  cuda::memset_device(mine_, 0, kSignalBytes);  // no signal yet (done before the records go out)
+  barriers_ = 0;
   std::vector<int64_t> rec{static_cast<int64_t>(getpid()), host_id(), cuda::current_device(),
                            static_cast<int64_t>(reinterpret_cast<intptr_t>(mine_))};
   const std::string handle = cuda::ipc_handle(mine_);
@@ -110,45 +133,76 @@ void PeerArena::reserve(size_t block_bytes) {
     }
   }
   slot_ = 0;
-  barrier();  // every rank has mapped every arena before anyone writes
+  nccl_barrier();  // every rank has mapped every arena before anyone writes
   cuda::stream_synchronize(cuda::current_stream());
 }
 
 void PeerArena::copy_all(const std::vector<Copy>& copies) {
   const cuda::Stream current = cuda::current_stream();
   if (!fork_) fork_ = cuda::create_sync_event();
-  while (lanes_.size() < copies.size()) {
+  size_t lanes = 0;
+  for (const Copy& c : copies) lanes = std::max(lanes, static_cast<size_t>(c.lane) + 1);
+  while (lanes_.size() < lanes) {
     lanes_.push_back(cuda::create_stream());
     joins_.push_back(cuda::create_sync_event());
   }
   cuda::record_event(fork_, current);
-  for (size_t i = 0; i < copies.size(); ++i) {
-    cuda::stream_wait_event(lanes_[i], fork_);
-    {
-      cuda::CurrentStreamScope on_lane(lanes_[i]);
-      if (copies[i].bytes > 0) cuda::copy_device_to_device(copies[i].dst, copies[i].src, copies[i].bytes);
-    }
-    cuda::record_event(joins_[i], lanes_[i]);
+  for (size_t l = 0; l < lanes; ++l) cuda::stream_wait_event(lanes_[l], fork_);
+  for (const Copy& c : copies) {
+    if (c.bytes == 0) continue;
+    cuda::CurrentStreamScope on_lane(lanes_[static_cast<size_t>(c.lane)]);
+    cuda::copy_device_to_device(c.dst, c.src, c.bytes);
   }
-  for (size_t i = 0; i < copies.size(); ++i) cuda::stream_wait_event(current, joins_[i]);
+  for (size_t l = 0; l < lanes; ++l) {
+    cuda::record_event(joins_[l], lanes_[l]);
+    cuda::stream_wait_event(current, joins_[l]);
+  }
 }
 
-void PeerArena::barrier() { group_.all_reduce(flag_, ReduceOp::Sum, cuda::current_stream()); }
+void PeerArena::nccl_barrier() { group_.all_reduce(flag_, ReduceOp::Sum, cuda::current_stream()); }
+
+// Signal every peer that this rank's copies of the exchange are done (the signal follows
+// them in stream order), then wait until every peer has signalled this rank: one warp
+// (ops::signal_peers_and_wait). The numbers only grow (cyclic compare), so a signal of a
+// later exchange also passes the wait.
+void PeerArena::barrier() {
+  if (!signals_) return nccl_barrier();
+  ops::signal_peers_and_wait(arenas_, rank_, ++barriers_);
+}
 
 char* PeerArena::slot_of(int rank) const {
-  return static_cast<char*>(arenas_[static_cast<size_t>(rank)]) +
+  return static_cast<char*>(arenas_[static_cast<size_t>(rank)]) + kSignalBytes +
          static_cast<size_t>(slot_) * static_cast<size_t>(P_) * block_capacity_;
 }
 
-Tensor PeerArena::all_gather(const Tensor& block) {
-  const size_t bytes = block.nbytes();
+Tensor PeerArena::all_gather(const Tensor& block) { return all_gather(std::vector<Tensor>{block})[0]; }
+
+std::vector<Tensor> PeerArena::all_gather(const std::vector<Tensor>& blocks) {
+  // Tensor i's P blocks sit back to back (at this call's size) from offset P * at[i], so each
+  // result is one [P n_i, C_i] tensor; the offsets keep 256-byte alignment.
+  std::vector<size_t> at;
+  size_t bytes = 0;
+  for (const Tensor& b : blocks) {
+    at.push_back(bytes);
+    bytes += (b.nbytes() + 255) / 256 * 256;
+  }
   reserve(bytes);
-  // The blocks sit back to back (at this call's size), so the slot is one [P n, C] tensor.
   std::vector<Copy> copies;
-  for (int q = 0; q < P_; ++q) copies.push_back({slot_of(q) + static_cast<size_t>(rank_) * bytes, block.raw(), bytes});
+  for (int q = 0; q < P_; ++q) {
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      const size_t n = blocks[i].nbytes();
+      copies.push_back(
+          {slot_of(q) + static_cast<size_t>(P_) * at[i] + static_cast<size_t>(rank_) * n, blocks[i].raw(), n, q});
+    }
+  }
   copy_all(copies);
   barrier();
-  Tensor out = Tensor::borrowed(slot_of(rank_), {P_ * block.size(0), block.size(1)}, block.dtype(), block.device());
+  std::vector<Tensor> out;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const Tensor& b = blocks[i];
+    out.push_back(Tensor::borrowed(slot_of(rank_) + static_cast<size_t>(P_) * at[i], {P_ * b.size(0), b.size(1)},
+                                   b.dtype(), b.device()));
+  }
   slot_ ^= 1;
   return out;
 }
@@ -160,7 +214,10 @@ Tensor PeerArena::reduce_scatter_sum(const Tensor& blocks) {
   // Peer q's block of this rank's rows goes to q's slot, at this rank's place.
   std::vector<Copy> copies;
   for (int q = 0; q < P_; ++q) {
-    if (q != rank_) copies.push_back({slot_of(q) + static_cast<size_t>(rank_) * bytes, blocks.slice(q * n, (q + 1) * n).raw(), bytes});
+    if (q != rank_) {
+      copies.push_back(
+          {slot_of(q) + static_cast<size_t>(rank_) * bytes, blocks.slice(q * n, (q + 1) * n).raw(), bytes, q});
+    }
   }
   copy_all(copies);
   barrier();

@@ -7,8 +7,13 @@
 //
 // Each rank's arena holds two slots of P blocks. An exchange copies this rank's block(s)
 // into the peers' current slot (cudaMemcpyAsync to the peer's mapped memory), then passes a
-// one-element all-reduce over the group as a barrier: once it completes, every rank's copies
-// into this slot are done. Two slots suffice: a rank writes slot s % 2 only after the
+// barrier: once it completes, every rank's copies into this slot are done. The barrier is a
+// signal per peer: each rank writes the exchange's number into a word of every peer's arena
+// and waits until every peer has written it into its own, in one warp of one kernel
+// (ops::signal_peers_and_wait: no shared memory, so it runs beside the compute's kernels
+// instead of taking a multiprocessor from them, as NCCL's all-reduce does while it waits
+// for the slowest rank; that all-reduce is the fallback past 32 ranks or with
+// MOETRAIN_PEER_BARRIER=nccl). Two slots suffice: a rank writes slot s % 2 only after the
 // barrier of exchange s - 1, which no peer passes before it has consumed exchange s - 2 (its
 // reads come before its next barrier in stream order). So what an exchange returns must be
 // consumed on the same stream before the exchange after next: all_gather's result is a
@@ -43,6 +48,8 @@ class PeerArena {
   // [n, C] on every rank -> [P n, C], the blocks in rank order, on the current stream. A
   // view of the arena: consume it on this stream before the exchange after next.
   Tensor all_gather(const Tensor& block);
+  // Several tensors in one exchange (one barrier): tensor i [n_i, C_i] -> [P n_i, C_i].
+  std::vector<Tensor> all_gather(const std::vector<Tensor>& blocks);
   // [P n, C] on every rank -> the sum over the ranks of their block r ([n, C]): summed in
   // place into this rank's block of `blocks` (a view of it is returned), the peers' blocks
   // added in rank order.
@@ -51,13 +58,16 @@ class PeerArena {
  private:
   void reserve(size_t block_bytes);  // collective
   void release();
-  void barrier();
-  // Runs the copies (dst, src, bytes) at once, each on its own stream (a GPU has several
-  // copy engines), after the current stream's work so far; the current stream waits for all.
+  void barrier();       // after this rank's copies of an exchange (signals, or NCCL)
+  void nccl_barrier();  // a one-element all-reduce on the current stream
+  // Runs the copies (dst, src, bytes) after the current stream's work so far, those of one
+  // lane in order and the lanes at once, each on its own stream (a GPU has several copy
+  // engines; one lane per destination rank); the current stream waits for all.
   struct Copy {
     void* dst;
     const void* src;
     size_t bytes;
+    int lane;
   };
   void copy_all(const std::vector<Copy>& copies);
   char* slot_of(int rank) const;  // this exchange's slot in `rank`'s arena
@@ -70,6 +80,11 @@ class PeerArena {
   std::vector<bool> mapped_;      // opened through IPC (closed on release)
   int slot_ = 0;
   Tensor flag_;
+  // The barrier by signals (else NCCL), the signal words sitting at the start of every arena
+  // (word q: written by rank q), and the number of the last barrier (restarted at 0 with
+  // every new arena, whose words start zeroed).
+  bool signals_;
+  uint32_t barriers_ = 0;
   std::vector<void*> lanes_;   // cuda::Stream, one per concurrent copy
   void* fork_ = nullptr;       // cuda::Event
   std::vector<void*> joins_;   // cuda::Event, one per lane

@@ -48,8 +48,8 @@ void* CollectiveTimer::event() {
   return e;
 }
 
-int64_t CollectiveTimer::begin(Collective k, void* stream, bool on_compute) {
-  Span s{k, on_compute || device_.is_cpu(), false, nullptr, nullptr, {}, {}};
+int64_t CollectiveTimer::begin(Collective k, void* stream, bool on_compute, bool continues) {
+  Span s{k, on_compute || device_.is_cpu(), false, continues, nullptr, nullptr, {}, {}};
   if (device_.is_cpu()) {
     s.t0 = std::chrono::steady_clock::now();
   } else {
@@ -77,7 +77,7 @@ void CollectiveTimer::wait(Collective k, void* compute, void* done) {
     cuda::stream_wait_event(compute, done);
     return;
   }
-  Span s{k, false, true, t->event(), nullptr, {}, {}};
+  Span s{k, false, true, false, t->event(), nullptr, {}, {}};
   cuda::record_event(s.start, compute);
   cuda::stream_wait_event(compute, done);
   s.stop = t->event();
@@ -99,7 +99,7 @@ std::array<CollectiveTotals, kNumCollectives> CollectiveTimer::take() {
       t.exposed_ms += ms;
     } else {
       t.ms += ms;
-      ++t.count;
+      if (!s.continues) ++t.count;
       if (s.exposed_all) t.exposed_ms += ms;
     }
     for (void* e : {s.start, s.stop}) {

@@ -55,8 +55,10 @@ class CollectiveTimer {
 
   // A collective of kind k enqueued on `stream` (a cuda::Stream; ignored on the CPU) from
   // begin() to end(); `on_compute`: the compute stream runs it, so all of it is exposed.
-  // Returns a handle for end().
-  int64_t begin(Collective k, void* stream, bool on_compute);
+  // Returns a handle for end(). `continues`: the second half of a collective already
+  // counted (a dispatch started in one call and finished in another): its time adds, its
+  // count does not.
+  int64_t begin(Collective k, void* stream, bool on_compute, bool continues = false);
   void end(int64_t handle, void* stream);
   // The compute stream `compute` is about to wait for event `done` of a kind-k collective:
   // the wait is timed as exposed. Makes the stream wait (with or without a timer: callers
@@ -77,6 +79,7 @@ class CollectiveTimer {
     Collective kind;
     bool exposed_all;  // ran on the compute stream (or the CPU)
     bool is_wait;      // a wait of the compute stream, not a run
+    bool continues;    // the rest of a collective counted before
     void *start, *stop;
     std::chrono::steady_clock::time_point t0, t1;
   };
@@ -91,15 +94,15 @@ class CollectiveTimer {
 class CollectiveScope {
  public:
   // On `stream` (a GPU's communication stream).
-  CollectiveScope(Collective k, void* stream, bool on_compute)
+  CollectiveScope(Collective k, void* stream, bool on_compute, bool continues = false)
       : timer_(CollectiveTimer::active()), stream_(stream) {
-    if (timer_) handle_ = timer_->begin(k, stream, on_compute);
+    if (timer_) handle_ = timer_->begin(k, stream, on_compute, continues);
   }
   // On the compute stream (the current one on a GPU; the host clock on the CPU): all exposed.
-  explicit CollectiveScope(Collective k) : timer_(CollectiveTimer::active()) {
+  explicit CollectiveScope(Collective k, bool continues = false) : timer_(CollectiveTimer::active()) {
     if (timer_) {
       stream_ = timer_->compute_stream();
-      handle_ = timer_->begin(k, stream_, /*on_compute=*/true);
+      handle_ = timer_->begin(k, stream_, /*on_compute=*/true, continues);
     }
   }
   ~CollectiveScope() {

@@ -1,0 +1,19 @@
+#include "ops/cuda/common.h"
+#include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/peer_signal_launch.h"
+
+namespace moetrain::ops::cuda {
+
+void signal_peers_and_wait(const std::vector<void*>& peer_words, int rank, uint32_t value) {
+  MT_CHECK(peer_words.size() <= static_cast<size_t>(kMaxSignalRanks), "signal_peers_and_wait: {} ranks, at most {}",
+           peer_words.size(), kMaxSignalRanks);
+  SignalArgs a{};
+  a.ranks = static_cast<int>(peer_words.size());
+  a.rank = rank;
+  a.value = value;
+  for (int q = 0; q < a.ranks; ++q) a.words[q] = static_cast<unsigned*>(peer_words[static_cast<size_t>(q)]);
+  launch_signal_peers_and_wait(a, stream());
+  check_launch("signal_wait_kernel");
+}
+
+}  // namespace moetrain::ops::cuda

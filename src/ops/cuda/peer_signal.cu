@@ -1,0 +1,30 @@
+// The signal between the GPUs of one host (ops.h: signal_peers_and_wait), as one warp.
+#include "ops/cuda/peer_signal_launch.h"
+
+namespace moetrain::ops::cuda {
+namespace {
+
+// Lane q writes rank q's word `rank`, then waits for its own word q. The release store
+// (system scope) orders what this stream finished before the kernel (the exchange's copies)
+// ahead of the signal; the acquire load orders the peers' copies ahead of what follows.
+__global__ void signal_wait_kernel(SignalArgs a) {
+  const int q = static_cast<int>(threadIdx.x);
+  if (q >= a.ranks || q == a.rank) return;
+  unsigned* theirs = a.words[q] + a.rank;
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(theirs), "r"(a.value) : "memory");
+  const unsigned* mine = a.words[a.rank] + q;
+  for (;;) {
+    unsigned v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(mine) : "memory");
+    if (static_cast<int>(v - a.value) >= 0) break;
+    __nanosleep(32);
+  }
+}
+
+}  // namespace
+
+void launch_signal_peers_and_wait(const SignalArgs& a, cudaStream_t stream) {
+  signal_wait_kernel<<<1, 32, 0, stream>>>(a);
+}
+
+}  // namespace moetrain::ops::cuda

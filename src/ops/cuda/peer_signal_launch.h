@@ -1,0 +1,19 @@
+// Launcher of the signal between the GPUs of one host (peer_signal.cu); the host side, with
+// the checks, is peer_signal.cpp (ops.h: signal_peers_and_wait).
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace moetrain::ops::cuda {
+
+constexpr int kMaxSignalRanks = 32;
+
+struct SignalArgs {
+  unsigned* words[kMaxSignalRanks];  // rank q's signal words, as this GPU addresses them
+  int ranks, rank;
+  unsigned value;
+};
+
+void launch_signal_peers_and_wait(const SignalArgs& a, cudaStream_t stream);
+
+}  // namespace moetrain::ops::cuda
