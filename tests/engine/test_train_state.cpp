@@ -143,6 +143,37 @@ TEST(StepHooks, DiscardedStepChangesNothingUnderFsdp) {
   });
 }
 
+// The router losses over data ranks take the global row count as this rank's times the
+// ranks (no host wait inside a pass); ranks whose micro-batches differ in tokens break that,
+// and the loss terms, read at the step's end, say so instead of using a wrong count.
+TEST(StepHooks, RouterLossesRefuseDataRanksOfUnequalTokens) {
+  Qwen3MoeConfig c = testing::tiny_moe_config(40, 2);
+  c.router_aux_loss_coef = 0.01;
+  std::vector<std::string> errors(2);
+  testing::run_ranks(2, [&](Communicator& world) {
+    Qwen3MoeModel m(c, DType::F32, Device::cpu(), ModelPlacement{1, 0, 2});
+    m.init_weights(4);
+    m.set_data_group(&world);
+    LocalDispatcher d;
+    // Equal tokens on both ranks: the same aux loss on each, as the reduced counts say.
+    MicroBatchLoss equal = m.forward_loss(testing::random_batch(1, 6, 40, 7 + world.rank()), d);
+    equal.read_device_values();
+    EXPECT_GT(equal.term("aux_loss"), 0.0);
+    try {  // 2 layers x (6 + 5) tokens routed; rank 0 assumed 2 x 6 x 2, rank 1 2 x 5 x 2
+      MicroBatchLoss unequal = m.forward_loss(testing::random_batch(1, world.rank() == 0 ? 6 : 5, 40, 9), d);
+      unequal.read_device_values();
+    } catch (const Error& e) {
+      errors[static_cast<size_t>(world.rank())] = e.what();
+    }
+  });
+  EXPECT_NE(errors[0].find("router losses: the data ranks routed 22 rows in all, but 24 were assumed"),
+            std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[1].find("router losses: the data ranks routed 22 rows in all, but 20 were assumed"),
+            std::string::npos)
+      << errors[1];
+}
+
 // A family with a non-gradient buffer (as DeepSeek-V3's routing bias will be): the
 // checkpoint context saves it by name with the weights and restores it with the state.
 class BufferedModel : public Qwen3MoeModel {

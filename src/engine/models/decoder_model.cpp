@@ -430,19 +430,27 @@ Tensor MoeDecoderModel::reference_forward(const Tensor& ids, const Tensor& posit
 void MoeDecoderModel::router_losses(RouterTotals& totals, MicroBatchLoss& out) const {
   StageScope t(Stage::kLoss);
   const int64_t E = spec_.num_experts;
+  int64_t assumed_rows = 0;  // with a data group: the global count, checked at the step's end
   if (data_group_ != nullptr) {
     // The load-balancing loss is a product of batch means: every rank needs the global ones.
-    data_group_->all_reduce(totals.selections);
-    data_group_->all_reduce(totals.prob_sum);
-    Tensor r = Tensor::full({1}, static_cast<double>(totals.rows), DType::F64);
-    if (!device_.is_cpu() && data_group_->backend() != "gloo") r = r.to(device_);
-    data_group_->all_reduce(r);
+    // One all-reduce of both statistics and no host wait (the host never waits inside a
+    // pass: MicroBatchLoss). The global row count is this rank's times the data ranks: every
+    // data rank runs micro-batches of the same B x S tokens through the same layers; the
+    // reduced selections (K per row) say at the step's end whether that held.
+    Tensor both = Tensor::empty({2 * E}, totals.selections.dtype(), totals.selections.device());
+    Tensor sel = both.slice(0, E), prob = both.slice(E, 2 * E);
+    sel.copy_from(totals.selections);
+    prob.copy_from(totals.prob_sum);
+    data_group_->all_reduce(both);
+    int64_t ranks = data_group_->size();
     if (bridge_ != nullptr && bridge_->crosses()) {  // and over the other replica groups
-      bridge_->all_reduce(totals.selections);
-      bridge_->all_reduce(totals.prob_sum);
-      bridge_->all_reduce(r);
+      bridge_->all_reduce(both);
+      ranks *= bridge_->replicas();
     }
-    totals.rows = static_cast<int64_t>(std::llround(r.item()));
+    totals.selections.copy_from(sel);
+    totals.prob_sum.copy_from(prob);
+    totals.rows *= ranks;
+    assumed_rows = totals.rows;
   }
   if (totals.rows > 0) {
     const double R = static_cast<double>(totals.rows);
@@ -450,12 +458,22 @@ void MoeDecoderModel::router_losses(RouterTotals& totals, MicroBatchLoss& out) c
     // same on every data rank); the z-loss sums over this rank's rows, a share of the batch's.
     // The totals are final here: the backward only reads them.
     const double aux_factor = spec_.router_aux_loss_coef * static_cast<double>(E) / (R * R);
+    const int64_t K = spec_.experts_per_token;
     out.on_device.terms.push_back({"aux_loss", /*global=*/true, {totals.selections, totals.prob_sum},
-                                   [aux_factor](const std::vector<Tensor>& host) {
+                                   [aux_factor, assumed_rows, K](const std::vector<Tensor>& host) {
                                      const std::vector<double> n = host[0].to_double_vector();
                                      const std::vector<double> p = host[1].to_double_vector();
-                                     double dotp = 0;
-                                     for (size_t e = 0; e < n.size(); ++e) dotp += n[e] * p[e];
+                                     double dotp = 0, selected = 0;
+                                     for (size_t e = 0; e < n.size(); ++e) {
+                                       dotp += n[e] * p[e];
+                                       selected += n[e];
+                                     }
+                                     // (f32 counts are exact below 2^24 per expert; past that, within rounding)
+                                     const double want = static_cast<double>(assumed_rows * K);
+                                     MT_CHECK(assumed_rows == 0 || std::abs(selected - want) <= 1e-6 * want,
+                                              "router losses: the data ranks routed {} rows in all, but {} were "
+                                              "assumed (the same micro-batch tokens on every data rank)",
+                                              selected / static_cast<double>(K), assumed_rows);
                                      return aux_factor * dotp;
                                    }});
     if (spec_.router_z_loss_coef > 0) {

@@ -21,6 +21,7 @@ namespace moetrain {
 struct DecoderSpec {
   int64_t vocab_size = 0, hidden_size = 0, num_layers = 0;
   int64_t num_experts = 0;  // routed experts per MoE layer (the router totals' length)
+  int64_t experts_per_token = 0;  // top-k: each routed row selects this many
   double rms_norm_eps = 1e-6;
   double initializer_range = 0.02;
   bool tie_word_embeddings = false;

@@ -278,6 +278,7 @@ DecoderSpec decoder_spec(const Qwen3MoeConfig& c) {
   s.hidden_size = c.hidden_size;
   s.num_layers = c.num_hidden_layers;
   s.num_experts = c.num_experts;
+  s.experts_per_token = c.num_experts_per_tok;
   s.rms_norm_eps = c.rms_norm_eps;
   s.initializer_range = c.initializer_range;
   s.tie_word_embeddings = c.tie_word_embeddings;
