@@ -105,6 +105,18 @@ TEST(PipelineSchedule, RejectsDeadlock) {
   }
   one.ops[0] = ops;
   EXPECT_HAS(error_of([&] { validate(one); }), "rank 0 blocked at op 1 (F1.0+B1.0) waiting for F1.0");
+
+  // So can two forwards (two backwards) of one micro-batch, the second needing the first.
+  one = make_dualpipev(1, 2);
+  ASSERT_EQ(to_string(one.ops[0][1]), "F1.0+F0.1");
+  one.ops[0][0] = PipeOp{PipeOpKind::FF, 0, 0, 1, 0};
+  one.ops[0][1] = PipeOp{PipeOpKind::F, 0, 1};
+  EXPECT_HAS(error_of([&] { validate(one); }), "rank 0 blocked at op 0 (F0.0+F1.0) waiting for F0.0");
+  one = make_dualpipev(1, 2);
+  ASSERT_EQ(to_string(one.ops[0][4]), "B1.1+B0.0");
+  one.ops[0][4] = PipeOp{PipeOpKind::BB, 1, 1, 0, 1};
+  one.ops[0][7] = PipeOp{PipeOpKind::B, 0, 0};
+  EXPECT_HAS(error_of([&] { validate(one); }), "rank 0 blocked at op 4 (B1.1+B0.1) waiting for B1.1");
 }
 
 TEST(PipelineSchedule, RejectsMissingOrRepeatedOrMisplacedOps) {
@@ -209,7 +221,11 @@ TEST(PipelineSchedule, DescribeMatchesHandWrittenOrders) {
   EXPECT_EQ(v.describe(1),
             "F1.0 F2.0 F1.1 F2.1 F1.2 B2.0 W2.0 F2.2+B1.0 W1.0 F1.3+B2.1 W2.1 F2.3+B1.1 W1.1 "
             "B2.2 W2.2 B1.2 W1.2 B2.3 B1.3 W2.3 W1.3");
-  EXPECT_EQ(make_dualpipev(1, 2).describe(0), "F0.0 F1.0 F0.1 B1.0 W1.0 F1.1+B0.0 W0.0 B1.1 W1.1 B0.1 W0.1");
+  // One rank: every step paired but the first and the last.
+  EXPECT_EQ(make_dualpipev(1, 2).describe(0), "F0.0 F1.0+F0.1 F1.1+B1.0 W1.0 B1.1+B0.0 W1.1 W0.0 B0.1 W0.1");
+  EXPECT_EQ(make_dualpipev(1, 4).describe(0),
+            "F0.0 F1.0+F0.1 F1.1+B1.0 W1.0 F0.2+B0.0 W0.0 F1.2+B1.1 W1.1 F0.3+B0.1 W0.1 F1.3+B1.2 W1.2 "
+            "B1.3+B0.2 W1.3 W0.2 B0.3 W0.3");
   EXPECT_EQ(make_forward_only(2, 3, true).describe(0), "F0.0 F0.1 F0.2 F3.0 F3.1 F3.2");
   EXPECT_EQ(make_forward_only(2, 3, true).describe(1), "F1.0 F2.0 F1.1 F2.1 F1.2 F2.2");
 }
@@ -235,9 +251,9 @@ TEST(PipelineSchedule, EachChunkRunsMicroBatchesInOrder) {
             << s.name << " pp=" << s.pp << " M=" << s.micro_batches << " rank " << r << ": " << s.describe(r);
       };
       for (const PipeOp& op : s.ops[r]) {
-        if (op.kind == PipeOpKind::FB) {
-          see(PipeOpKind::F, op.chunk, op.mb);
-          see(PipeOpKind::B, op.chunk2, op.mb2);
+        if (op.paired()) {  // the halves in order: FB, FF, BB
+          see(op.kind == PipeOpKind::BB ? PipeOpKind::B : PipeOpKind::F, op.chunk, op.mb);
+          see(op.kind == PipeOpKind::FF ? PipeOpKind::F : PipeOpKind::B, op.chunk2, op.mb2);
         } else {
           see(op.kind, op.chunk, op.mb);
         }

@@ -359,20 +359,66 @@ std::pair<Tensor, Tensor> MoeDecoderModel::forward_backward_overlapped(
   // and so on, and the host waits for a dispatch's row count (dispatch_finish, at the
   // forward's MLP step) with the backward's MLP queued ahead of it.
   bool more_f = true, more_b = backward_piece(g, d);  // the first combine backward starts
-  auto forward_step = [&] {
-    do more_f = forward_piece(f, d);
-    while (more_f && f.piece == 0);
-  };
-  auto backward_step = [&] {
-    do more_b = backward_piece(g, d);
-    while (more_b && g.piece == 0);
-  };
   while (more_f || more_b) {
-    if (more_f) forward_step();
-    if (more_b) backward_step();
+    if (more_f) more_f = forward_step(f, d);
+    if (more_b) more_b = backward_step(g, d);
   }
   Tensor out = end_forward(f, pass, loss);
   return {out, end_backward(g)};
+}
+
+// A forward step ends at the dispatch (after attention) or the combine (after the MLP); the
+// residual sum, which starts none, runs on into the next layer's attention.
+bool MoeDecoderModel::forward_step(ForwardCursor& f, ExpertDispatcher& d) const {
+  bool more;
+  do more = forward_piece(f, d);
+  while (more && f.piece == 0);
+  return more;
+}
+
+// A backward step ends at the dispatch backward (after the MLP) or, the attention done, at
+// the next layer's combine backward.
+bool MoeDecoderModel::backward_step(BackwardCursor& g, ExpertDispatcher& d) {
+  bool more;
+  do more = backward_piece(g, d);
+  while (more && g.piece == 0);
+  return more;
+}
+
+// Two forwards in turn, step by step: each one's exchange in flight under the other's
+// attention or MLP (the first's dispatch host wait with the second's attention queued).
+std::pair<Tensor, Tensor> MoeDecoderModel::forwards_overlapped(const ChunkSpec& c1, const Batch& b1, const Tensor& x1,
+                                                               ChunkActivations& a1, RouterTotals& t1,
+                                                               MicroBatchLoss* loss1, const ChunkSpec& c2,
+                                                               const Batch& b2, const Tensor& x2, ChunkActivations& a2,
+                                                               RouterTotals& t2, MicroBatchLoss* loss2,
+                                                               const ChunkPass& pass, ExpertDispatcher& d) {
+  ForwardCursor f1 = begin_forward(c1, b1, x1, a1, t1, pass);
+  ForwardCursor f2 = begin_forward(c2, b2, x2, a2, t2, pass);
+  for (bool more1 = true, more2 = true; more1 || more2;) {
+    if (more1) more1 = forward_step(f1, d);
+    if (more2) more2 = forward_step(f2, d);
+  }
+  Tensor out1 = end_forward(f1, pass, loss1);
+  return {out1, end_forward(f2, pass, loss2)};
+}
+
+// Two input gradients in turn, as two forwards: both first combine backwards start, then
+// each one's MLP and attention alternate with the other's.
+std::pair<Tensor, Tensor> MoeDecoderModel::backwards_overlapped(const ChunkSpec& c1, const Batch& b1,
+                                                                const Tensor& dy1, ChunkActivations& a1,
+                                                                const ChunkSpec& c2, const Batch& b2,
+                                                                const Tensor& dy2, ChunkActivations& a2,
+                                                                double aux_scale, ExpertDispatcher& d) {
+  BackwardCursor g1 = begin_backward(c1, b1, dy1, a1, aux_scale, /*weights_now=*/false, false);
+  BackwardCursor g2 = begin_backward(c2, b2, dy2, a2, aux_scale, /*weights_now=*/false, false);
+  bool more1 = backward_piece(g1, d), more2 = backward_piece(g2, d);
+  while (more1 || more2) {
+    if (more1) more1 = backward_step(g1, d);
+    if (more2) more2 = backward_step(g2, d);
+  }
+  Tensor dx1 = end_backward(g1);
+  return {dx1, end_backward(g2)};
 }
 
 void MoeDecoderModel::backward_chunk_weight(const ChunkSpec& c, const Batch& batch, ChunkActivations& a,

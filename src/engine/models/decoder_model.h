@@ -96,6 +96,16 @@ class MoeDecoderModel : public Model {
                                                         const ChunkPass& pass, MicroBatchLoss* loss,
                                                         const ChunkSpec& bc, const Batch& bbatch, const Tensor& dy,
                                                         ChunkActivations& ba, ExpertDispatcher& d) override;
+  // Two forwards, and two input gradients (B without weights), interleaved the same way.
+  std::pair<Tensor, Tensor> forwards_overlapped(const ChunkSpec& c1, const Batch& b1, const Tensor& x1,
+                                                ChunkActivations& a1, RouterTotals& t1, MicroBatchLoss* loss1,
+                                                const ChunkSpec& c2, const Batch& b2, const Tensor& x2,
+                                                ChunkActivations& a2, RouterTotals& t2, MicroBatchLoss* loss2,
+                                                const ChunkPass& pass, ExpertDispatcher& d) override;
+  std::pair<Tensor, Tensor> backwards_overlapped(const ChunkSpec& c1, const Batch& b1, const Tensor& dy1,
+                                                 ChunkActivations& a1, const ChunkSpec& c2, const Batch& b2,
+                                                 const Tensor& dy2, ChunkActivations& a2, double aux_scale,
+                                                 ExpertDispatcher& d) override;
 
  protected:
   MoeDecoderModel(DecoderSpec spec, DType dtype, Device device, ModelPlacement placement);
@@ -128,6 +138,10 @@ class MoeDecoderModel : public Model {
                                 double aux_scale, bool weights_now, bool accumulate);
   bool backward_piece(BackwardCursor& g, ExpertDispatcher& d);
   Tensor end_backward(BackwardCursor& g);
+  // A paired pass's step: pieces up to the next one that starts an exchange (false when the
+  // pass has no layer left); see forward_backward_overlapped.
+  bool forward_step(ForwardCursor& f, ExpertDispatcher& d) const;
+  bool backward_step(BackwardCursor& g, ExpertDispatcher& d);
 
   DecoderSpec spec_;
   DType dtype_;

@@ -296,6 +296,17 @@ class Model {
                                                                 MicroBatchLoss* loss, const ChunkSpec& bc,
                                                                 const Batch& bbatch, const Tensor& dy,
                                                                 ChunkActivations& ba, ExpertDispatcher& d) = 0;
+  // Two forwards (of different micro-batches), and two input gradients, interleaved the same
+  // way: {first's output, second's output}. At most one of the forwards holds the head.
+  virtual std::pair<Tensor, Tensor> forwards_overlapped(const ChunkSpec& c1, const Batch& b1, const Tensor& x1,
+                                                        ChunkActivations& a1, RouterTotals& t1, MicroBatchLoss* loss1,
+                                                        const ChunkSpec& c2, const Batch& b2, const Tensor& x2,
+                                                        ChunkActivations& a2, RouterTotals& t2, MicroBatchLoss* loss2,
+                                                        const ChunkPass& pass, ExpertDispatcher& d) = 0;
+  virtual std::pair<Tensor, Tensor> backwards_overlapped(const ChunkSpec& c1, const Batch& b1, const Tensor& dy1,
+                                                         ChunkActivations& a1, const ChunkSpec& c2, const Batch& b2,
+                                                         const Tensor& dy2, ChunkActivations& a2, double aux_scale,
+                                                         ExpertDispatcher& d) = 0;
 
   // The loss terms this model reports besides the cross-entropy, zero-valued, in the one
   // order every rank uses to sum them (whether or not it holds the head).

@@ -72,12 +72,7 @@ uint32_t tag(uint32_t what, int chunk, int mb) {
   return (what << 30) | (static_cast<uint32_t>(chunk) << 19) | static_cast<uint32_t>(mb);
 }
 
-std::string op_name(const PipeOp& op) {
-  const char* k = op.kind == PipeOpKind::F ? "F" : op.kind == PipeOpKind::B ? "B" : op.kind == PipeOpKind::W ? "W" : "F";
-  std::string s = fmt::format("{}{}.{}", k, op.chunk, op.mb);
-  if (op.kind == PipeOpKind::FB) s += fmt::format("+B{}.{}", op.chunk2, op.mb2);
-  return s;
-}
+std::string op_name(const PipeOp& op) { return to_string(op); }
 
 }  // namespace
 
@@ -110,9 +105,14 @@ std::vector<OrderedTransport::Message> pipeline_message_order(const PipelineSche
           all.push_back({t, p, i, 1, s.rank_of_chunk(c - 1), tag(kGradient, c - 1, m), m});
         }
       };
-      if (op.kind == PipeOpKind::F || op.kind == PipeOpKind::FB) forward(op.chunk, op.mb);
-      if (op.kind == PipeOpKind::B) backward(op.chunk, op.mb);
-      if (op.kind == PipeOpKind::FB) backward(op.chunk2, op.mb2);
+      switch (op.kind) {  // a pair's first half's message first
+        case PipeOpKind::F: forward(op.chunk, op.mb); break;
+        case PipeOpKind::B: backward(op.chunk, op.mb); break;
+        case PipeOpKind::W: break;
+        case PipeOpKind::FB: forward(op.chunk, op.mb), backward(op.chunk2, op.mb2); break;
+        case PipeOpKind::FF: forward(op.chunk, op.mb), forward(op.chunk2, op.mb2); break;
+        case PipeOpKind::BB: backward(op.chunk, op.mb), backward(op.chunk2, op.mb2); break;
+      }
     }
   }
   std::stable_sort(all.begin(), all.end(), [](const Sent& a, const Sent& b) {
@@ -282,6 +282,34 @@ void PipelineExecutor::overlapped_step(const PipeOp& op, const std::vector<Batch
   backward_output(op.chunk2, op.mb2, std::move(dx), *ba);
 }
 
+void PipelineExecutor::forwards_overlapped_step(const PipeOp& op, const std::vector<Batch>& batches, ChunkPass pass,
+                                                Result& r) {
+  Handoff in1 = forward_input(op.chunk, op.mb, batches[op.mb]);
+  Handoff in2 = forward_input(op.chunk2, op.mb2, batches[op.mb2]);
+  ChunkActivations& a1 = acts_[{op.chunk, op.mb}];
+  ChunkActivations& a2 = acts_[{op.chunk2, op.mb2}];
+  pass.head_accumulate = head_written_;
+  MicroBatchLoss loss1, loss2;
+  const ChunkSpec &c1 = chunks_[op.chunk], &c2 = chunks_[op.chunk2];
+  MT_CHECK(!(c1.head && c2.head), "pipeline: two forwards of the head chunk paired ({})", op_name(op));
+  auto [out1, out2] = model_.forwards_overlapped(c1, batches[op.mb], in1.hidden, a1, in1.totals,
+                                                 c1.head ? &loss1 : nullptr, c2, batches[op.mb2], in2.hidden, a2,
+                                                 in2.totals, c2.head ? &loss2 : nullptr, pass, dispatcher_);
+  forward_output(op.chunk, op.mb, {out1, in1.totals}, loss1, pass.training, r);
+  forward_output(op.chunk2, op.mb2, {out2, in2.totals}, loss2, pass.training, r);
+}
+
+void PipelineExecutor::backwards_overlapped_step(const PipeOp& op, const std::vector<Batch>& batches,
+                                                 double aux_scale) {
+  ChunkActivations *a1 = nullptr, *a2 = nullptr;
+  Tensor dy1 = backward_input(op.chunk, op.mb, batches[op.mb], a1);
+  Tensor dy2 = backward_input(op.chunk2, op.mb2, batches[op.mb2], a2);
+  auto [dx1, dx2] = model_.backwards_overlapped(chunks_[op.chunk], batches[op.mb], dy1, *a1, chunks_[op.chunk2],
+                                                batches[op.mb2], dy2, *a2, aux_scale, dispatcher_);
+  backward_output(op.chunk, op.mb, std::move(dx1), *a1);
+  backward_output(op.chunk2, op.mb2, std::move(dx2), *a2);
+}
+
 void PipelineExecutor::weight_step(int chunk, int mb, const Batch& batch) {
   auto it = acts_.find({chunk, mb});
   MT_CHECK(it != acts_.end(), "W before F for chunk {} micro-batch {}", chunk, mb);
@@ -353,6 +381,20 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
             input_grad_step(op.chunk2, op.mb2, batches[op.mb2], pass.aux_scale);
           }
           break;
+        case PipeOpKind::FF:
+          if (overlap_) forwards_overlapped_step(op, batches, pass, r);
+          else {
+            forward_step(op.chunk, op.mb, batches[op.mb], pass, r);
+            forward_step(op.chunk2, op.mb2, batches[op.mb2], pass, r);
+          }
+          break;
+        case PipeOpKind::BB:
+          if (overlap_) backwards_overlapped_step(op, batches, pass.aux_scale);
+          else {
+            input_grad_step(op.chunk, op.mb, batches[op.mb], pass.aux_scale);
+            input_grad_step(op.chunk2, op.mb2, batches[op.mb2], pass.aux_scale);
+          }
+          break;
       }
     } catch (const Error& e) {
       MT_THROW("pipeline rank {} of {}, step {} of schedule {}: {}", rank_, s.pp, op_name(op), s.name, e.what());
@@ -404,6 +446,8 @@ void PipelineExecutor::add_time(PipeOpKind kind, double ms) {
     case PipeOpKind::B: timing_.b_ms += ms, ++timing_.b; break;
     case PipeOpKind::W: timing_.w_ms += ms, ++timing_.w; break;
     case PipeOpKind::FB: timing_.fb_ms += ms, ++timing_.fb; break;
+    case PipeOpKind::FF: timing_.f_ms += ms, timing_.f += 2; break;  // two forwards' time
+    case PipeOpKind::BB: timing_.b_ms += ms, timing_.b += 2; break;
   }
 }
 

@@ -76,8 +76,8 @@ class PipelineExecutor {
                double aux_scale);
   // Forward only (validation): `schedule` from make_forward_only.
   Result forward(const PipelineSchedule& schedule, const std::vector<Batch>& batches);
-  // FB steps: interleave the pair's pieces (the default; the point of DualPipeV), or run the F
-  // then the B (same results; for comparison).
+  // Paired steps (FB, FF, BB): interleave the pair's pieces (the default; the point of
+  // DualPipeV), or run one half then the other (same results; for comparison).
   void set_overlap(bool on) { overlap_ = on; }
   // Timing of each step's ops (bench): compute time per op kind on this rank and the step's
   // wall time, so busy / wall gives the rank's measured bubble. Host clock on the CPU, CUDA
@@ -85,7 +85,7 @@ class PipelineExecutor {
   struct Timing {
     double step_ms = 0;
     double f_ms = 0, b_ms = 0, w_ms = 0, fb_ms = 0;  // summed over the step's ops
-    int f = 0, b = 0, w = 0, fb = 0;                  // how many of each
+    int f = 0, b = 0, w = 0, fb = 0;                  // how many of each (an FF is two F, a BB two B)
     double busy_ms() const { return f_ms + b_ms + w_ms + fb_ms; }
   };
   void set_timing(bool on) { timing_on_ = on; }
@@ -105,6 +105,8 @@ class PipelineExecutor {
   void forward_step(int chunk, int mb, const Batch& batch, ChunkPass pass, Result& r);
   void input_grad_step(int chunk, int mb, const Batch& batch, double aux_scale);
   void overlapped_step(const PipeOp& op, const std::vector<Batch>& batches, ChunkPass pass, Result& r);
+  void forwards_overlapped_step(const PipeOp& op, const std::vector<Batch>& batches, ChunkPass pass, Result& r);
+  void backwards_overlapped_step(const PipeOp& op, const std::vector<Batch>& batches, double aux_scale);
   // The halves of F and B around the model's work: taking the input, handing on the output.
   Handoff forward_input(int chunk, int mb, const Batch& batch);
   void forward_output(int chunk, int mb, Handoff out, const MicroBatchLoss& loss, bool training, Result& r);

@@ -19,7 +19,7 @@ std::string prefix(const PipelineSchedule& s) {
 
 char kind_letter(PipeOpKind k) { return k == PipeOpKind::F ? 'F' : k == PipeOpKind::B ? 'B' : 'W'; }
 
-// An event is one half-step: F, B or W of one (chunk, mb). An FB op is two events.
+// An event is one half-step: F, B or W of one (chunk, mb). A pair (FB, FF, BB) is two events.
 struct Event {
   PipeOpKind kind;
   int chunk, mb;
@@ -27,14 +27,14 @@ struct Event {
 
 std::string to_string(const Event& e) { return fmt::format("{}{}.{}", kind_letter(e.kind), e.chunk, e.mb); }
 
-// The events an op performs: one, or two for an FB (its F half first).
+// The events an op performs: one, or two for a pair (its first half first).
 int events_of(const PipeOp& op, Event out[2]) {
-  if (op.kind != PipeOpKind::FB) {
+  if (!op.paired()) {
     out[0] = {op.kind, op.chunk, op.mb};
     return 1;
   }
-  out[0] = {PipeOpKind::F, op.chunk, op.mb};
-  out[1] = {PipeOpKind::B, op.chunk2, op.mb2};
+  out[0] = {op.kind == PipeOpKind::BB ? PipeOpKind::B : PipeOpKind::F, op.chunk, op.mb};
+  out[1] = {op.kind == PipeOpKind::FF ? PipeOpKind::F : PipeOpKind::B, op.chunk2, op.mb2};
   return 2;
 }
 
@@ -102,8 +102,8 @@ Walk walk(const PipelineSchedule& s, double f, double b, double w, bool w_in_pai
   auto finish = [&](const Event& e) -> double& {
     return end[static_cast<int>(e.kind)][static_cast<size_t>(e.chunk) * M + e.mb];
   };
-  // What an event needs (at most two events). An FB's halves are marked done together when
-  // it ends, so an FB whose B half needs its own F half (F3.1+B3.1) never starts: a deadlock.
+  // What an event needs (at most two events). A pair's halves are marked done together when
+  // it ends, so a pair whose second half needs its first (F3.1+B3.1) never starts: a deadlock.
   auto needs = [&](const Event& e, Event out[2]) -> int {
     switch (e.kind) {
       case PipeOpKind::F:
@@ -121,7 +121,15 @@ Walk walk(const PipelineSchedule& s, double f, double b, double w, bool w_in_pai
     }
   };
   auto cost = [&](PipeOpKind k) {
-    return k == PipeOpKind::F ? f : k == PipeOpKind::B ? b : k == PipeOpKind::W ? w : f + b;
+    switch (k) {
+      case PipeOpKind::F: return f;
+      case PipeOpKind::B: return b;
+      case PipeOpKind::W: return w;
+      case PipeOpKind::FB: return f + b;
+      case PipeOpKind::FF: return 2 * f;
+      case PipeOpKind::BB: return 2 * b;
+    }
+    return 0.0;
   };
 
   std::vector<size_t> next(s.pp, 0);
@@ -208,8 +216,9 @@ ScheduleTimes run_times(const PipelineSchedule& s, double f, double b, double w,
 }  // namespace
 
 std::string to_string(const PipeOp& op) {
-  if (op.kind == PipeOpKind::FB) return fmt::format("F{}.{}+B{}.{}", op.chunk, op.mb, op.chunk2, op.mb2);
-  return fmt::format("{}{}.{}", kind_letter(op.kind), op.chunk, op.mb);
+  Event ev[2];
+  if (events_of(op, ev) == 2) return to_string(ev[0]) + "+" + to_string(ev[1]);
+  return to_string(ev[0]);
 }
 
 int PipelineSchedule::rank_of_chunk(int chunk) const {
@@ -304,6 +313,32 @@ PipelineSchedule make_dualpipev(int pp, int micro_batches) {
   const int P = pp, M = micro_batches;
   PipelineSchedule s{"dualpipev", P, M, 2 * P, true, {}};
   s.ops.resize(P);
+  if (P == 1) {
+    // One rank holds both chunks and nothing waits on other ranks, so every step but the
+    // first and the last can be a pair (expert parallelism's exchanges of one micro-batch
+    // under another's compute): F0.0, then F1.0 with F0.1, then in turn a forward of chunk 1
+    // with the backward of chunk 1 one micro-batch behind and a forward of chunk 0 with the
+    // backward of chunk 0 two behind; the two backwards left, then the last one.
+    std::vector<PipeOp>& ops = s.ops[0];
+    auto pair = [&](PipeOpKind k, int c1, int m1, int c2, int m2) { ops.push_back(PipeOp{k, c1, m1, c2, m2}); };
+    auto w = [&](int c, int m) { ops.push_back(make_op(PipeOpKind::W, c, m)); };
+    ops.push_back(make_op(PipeOpKind::F, 0, 0));
+    pair(PipeOpKind::FF, 1, 0, 0, 1);
+    for (int k = 1; k < M; ++k) {
+      pair(PipeOpKind::FB, 1, k, 1, k - 1);
+      w(1, k - 1);
+      if (k + 1 < M) {
+        pair(PipeOpKind::FB, 0, k + 1, 0, k - 1);
+        w(0, k - 1);
+      }
+    }
+    pair(PipeOpKind::BB, 1, M - 1, 0, M - 2);
+    w(1, M - 1);
+    w(0, M - 2);
+    ops.push_back(make_op(PipeOpKind::B, 0, M - 1));
+    w(0, M - 1);
+    return s;
+  }
   // The eight steps of DeepSeek's DualPipeV (dualpipe/dualpipev.py). Phase 0 is the chunk
   // on the way down, phase 1 the one on the way back up; `below` = ranks after r.
   for (int r = 0; r < P; ++r) {

@@ -14,12 +14,14 @@ namespace moetrain {
 // F: forward of (chunk, micro-batch). B: input gradient (dgrad) of (chunk, mb). W: weight
 // gradient (wgrad) of (chunk, mb), deferrable after its B. FB: the F of (chunk, mb) run
 // overlapped with the B of (chunk2, mb2) (DualPipeV's paired steps: one micro-batch's
-// compute hides the other's all-to-all).
-enum class PipeOpKind { F, B, W, FB };
+// compute hides the other's all-to-all). FF, BB: two forwards, two input gradients, paired
+// the same way (the one-rank DualPipeV's first and last steps).
+enum class PipeOpKind { F, B, W, FB, FF, BB };
 struct PipeOp {
   PipeOpKind kind = PipeOpKind::F;
-  int chunk = -1, mb = -1;    // F, B, W; for FB the forward half
-  int chunk2 = -1, mb2 = -1;  // FB only: the backward half
+  int chunk = -1, mb = -1;    // F, B, W; for a pair its first half (FB: the forward)
+  int chunk2 = -1, mb2 = -1;  // pairs only: the second half (FB: the backward)
+  bool paired() const { return kind == PipeOpKind::FB || kind == PipeOpKind::FF || kind == PipeOpKind::BB; }
 };
 
 struct PipelineSchedule {
