@@ -385,11 +385,11 @@ void master_split_into(const Tensor& master, Tensor& high, Tensor& low) {
   MT_ROUTE(master, master_split_into, master, high, low);
 }
 
-void signal_peers_and_wait(const std::vector<void*>& peer_words, int rank, uint32_t value) {
+void signal_peers_and_wait(const std::vector<void*>& peer_words, int rank, uint32_t value, double timeout_s) {
   MT_CHECK(rank >= 0 && rank < static_cast<int>(peer_words.size()), "signal_peers_and_wait: rank {} of {} ranks",
            rank, peer_words.size());
 #if MOETRAIN_WITH_CUDA
-  cuda::signal_peers_and_wait(peer_words, rank, value);
+  cuda::signal_peers_and_wait(peer_words, rank, value, timeout_s);
 #else
   MT_THROW("signal_peers_and_wait: this moetrain was built without CUDA");
 #endif

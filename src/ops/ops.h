@@ -358,7 +358,9 @@ void master_split_into(const Tensor& master, Tensor& high, Tensor& low);
 // addresses them; entry `rank` unused), then waits until every other rank q has written a
 // value at least `value` (cyclic compare) into word q of its own words (peer_words[rank]).
 // One warp, no shared memory and few registers: it sits beside the compute kernels instead
-// of taking a multiprocessor from them. At most 32 ranks. CUDA builds only.
-void signal_peers_and_wait(const std::vector<void*>& peer_words, int rank, uint32_t value);
+// of taking a multiprocessor from them. A wait past `timeout_s` prints which rank it waited
+// for and stops the kernel (a CUDA error at the host's next call: never a silent hang). At
+// most 32 ranks. CUDA builds only.
+void signal_peers_and_wait(const std::vector<void*>& peer_words, int rank, uint32_t value, double timeout_s);
 
 }  // namespace moetrain::ops

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 
 #include <cstdlib>
 #include <cstring>
@@ -167,7 +168,8 @@ void PeerArena::nccl_barrier() { group_.all_reduce(flag_, ReduceOp::Sum, cuda::c
 // later exchange also passes the wait.
 void PeerArena::barrier() {
   if (!signals_) return nccl_barrier();
-  ops::signal_peers_and_wait(arenas_, rank_, ++barriers_);
+  const double timeout_s = std::chrono::duration<double>(group_.options().timeout).count();
+  ops::signal_peers_and_wait(arenas_, rank_, ++barriers_, timeout_s);
 }
 
 char* PeerArena::slot_of(int rank) const {

@@ -1,6 +1,8 @@
 // The signal between the GPUs of one host (ops.h: signal_peers_and_wait), as one warp.
 #include "ops/cuda/peer_signal_launch.h"
 
+#include <cstdio>
+
 namespace moetrain::ops::cuda {
 namespace {
 
@@ -13,11 +15,20 @@ __global__ void signal_wait_kernel(SignalArgs a) {
   unsigned* theirs = a.words[q] + a.rank;
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(theirs), "r"(a.value) : "memory");
   const unsigned* mine = a.words[a.rank] + q;
+  unsigned long long start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
   for (;;) {
     unsigned v;
     asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(mine) : "memory");
     if (static_cast<int>(v - a.value) >= 0) break;
     __nanosleep(32);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start > a.timeout_ns) {  // a peer that never signals: stop, never hang
+      printf("moetrain: peer exchange barrier %u: rank %d waited more than %llu s for rank %d's signal "
+             "(MOETRAIN_COMM_TIMEOUT); stopping the kernel\n",
+             a.value, a.rank, a.timeout_ns / 1000000000ull, q);
+      __trap();
+    }
   }
 }
 

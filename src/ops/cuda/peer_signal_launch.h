@@ -12,6 +12,7 @@ struct SignalArgs {
   unsigned* words[kMaxSignalRanks];  // rank q's signal words, as this GPU addresses them
   int ranks, rank;
   unsigned value;
+  unsigned long long timeout_ns;  // a wait longer than this stops the kernel (a trap)
 };
 
 void launch_signal_peers_and_wait(const SignalArgs& a, cudaStream_t stream);
