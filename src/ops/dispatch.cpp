@@ -108,6 +108,16 @@ Tensor router_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const R
   return MT_ROUTE(dtopk_weight, router_backward, dtopk_weight, dprobs, fwd, norm_topk_prob);
 }
 
+RouterOut router_sigmoid_forward(const Tensor& logits, const Tensor& bias, int64_t k, int64_t n_group,
+                                 int64_t topk_group, bool norm_topk_prob, double scaling) {
+  return MT_ROUTE(logits, router_sigmoid_forward, logits, bias, k, n_group, topk_group, norm_topk_prob, scaling);
+}
+
+Tensor router_sigmoid_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const RouterOut& fwd,
+                               bool norm_topk_prob, double scaling) {
+  return MT_ROUTE(dtopk_weight, router_sigmoid_backward, dtopk_weight, dprobs, fwd, norm_topk_prob, scaling);
+}
+
 Permutation permutation_by_expert(const Tensor& topk_idx, int64_t num_experts) {
   return MT_ROUTE(topk_idx, permutation_by_expert, topk_idx, num_experts);
 }

@@ -138,6 +138,26 @@ RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob,
 Tensor router_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const RouterOut& fwd,
                        bool norm_topk_prob);
 
+// ---- router, DeepSeek-V3: sigmoid scores -> group-limited top-k ------------------------
+// Per row of logits [T, E] (HF DeepseekV3's gate, transformers 5.x):
+//   s = sigmoid(l)                          (probs holds s)
+//   c = s + bias                            (e_score_correction_bias [E] f32; undefined: 0)
+//   the E experts form n_group groups of E / n_group (>= 2); a group's score is the sum of
+//   its two largest c; the topk_group best groups stay (ties to the lower group) and every
+//   other expert's c becomes 0 (HF masks with 0, not -inf);
+//   idx = the K experts of largest c, descending, ties to the lower id;
+//   w[k] = scaling * s[idx_k]               or, with norm_topk_prob,
+//   w[k] = scaling * s[idx_k] / (sum_j s[idx_j] + 1e-20).
+// n_group = topk_group = 1: a plain top-k of c. The bias steers the choice only: the
+// weights are the unbiased scores.
+RouterOut router_sigmoid_forward(const Tensor& logits, const Tensor& bias, int64_t k, int64_t n_group,
+                                 int64_t topk_group, bool norm_topk_prob, double scaling);
+// dlogits from d(topk_weight) [T, K] and, if defined, an extra d(probs) [T, E] (DeepSeek's
+// sequence-wise auxiliary loss), through the weights and the sigmoid; the choice (and the
+// bias, which only moves it) gets no gradient.
+Tensor router_sigmoid_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const RouterOut& fwd,
+                               bool norm_topk_prob, double scaling);
+
 // ---- token permutation by expert ------------------------------------------------------
 // The T*K (token, slot) pairs sorted stably by expert: rows of expert 0 first, and within
 // an expert in (t, k) order.

@@ -301,6 +301,69 @@ TEST(BackendMoe, RouterBackward) {
   }
 }
 
+// DeepSeek-V3's router: sigmoid scores, group-limited top-k. The logits are scaled so that
+// no score saturates (a sigmoid of 20 is 1 in f32) and rounded to bf16 for the reference too,
+// so both sides rank the same values; a bias on every fifth expert moves the picks.
+struct SigmoidRouterCase {
+  int64_t T, E, K, groups, keep;
+};
+// DeepSeek-V3 (256 experts, 8 groups keep 4, top-8), Moonlight (64, one group, top-6), groups
+// of an odd size with padded lanes (60 = 4 x 15), every expert picked (8 of 8).
+const SigmoidRouterCase kSigmoidRouterCases[] = {
+    {300, 256, 8, 8, 4}, {517, 64, 6, 1, 1}, {77, 60, 4, 4, 2}, {64, 6, 2, 3, 2}, {33, 8, 8, 2, 2}};
+
+Tensor sigmoid_router_logits(int64_t T, int64_t E, uint64_t seed) {
+  Tensor l = gapped_logits(T, E, seed);
+  ops::scale_(l, 0.05);
+  return l.to(DType::BF16).to(DType::F32);
+}
+
+TEST(BackendMoe, RouterSigmoidForward) {
+  MT_REQUIRE_GPU();
+  for (auto [T, E, K, G, TG] : kSigmoidRouterCases) {
+    Tensor logits = sigmoid_router_logits(T, E, 11 * T + E);
+    Tensor bias = Tensor::zeros({E}, DType::F32);
+    for (int64_t e = 2; e < E; e += 5) bias.data<float>()[e] = 0.03f;
+    for (bool norm : {false, true}) {
+      for (bool with_bias : {false, true}) {
+        const std::string name = tag("router_sigmoid_forward",
+                                     {{"T", T}, {"E", E}, {"K", K}, {"G", G}, {"TG", TG}, {"norm", norm}, {"bias", with_bias}});
+        const Tensor b = with_bias ? bias : Tensor();
+        const ops::RouterOut ref = ops::router_sigmoid_forward(logits, b, K, G, TG, norm, 2.5);
+        PoisonScope poison;
+        const ops::RouterOut got = ops::router_sigmoid_forward(on_gpu(logits, DType::BF16),
+                                                               with_bias ? bias.to(kGpu) : Tensor(), K, G, TG, norm, 2.5);
+        EXPECT_EQ(got.topk_weight.dtype(), DType::F32);
+        expect_same_values<int32_t>(got.topk_idx, ref.topk_idx, name + " topk_idx");
+        expect_backend_close(got.probs, ref.probs, kF32Tol, name, "probs");
+        expect_backend_close(got.topk_weight, ref.topk_weight, kF32Tol, name, "topk_weight");
+      }
+    }
+  }
+}
+
+TEST(BackendMoe, RouterSigmoidBackward) {
+  MT_REQUIRE_GPU();
+  for (auto [T, E, K, G, TG] : kSigmoidRouterCases) {
+    Tensor logits = sigmoid_router_logits(T, E, 13 * T + E);
+    Tensor dw = random_tensor({T, K}, DType::F32, T + 3);
+    Tensor dprobs = random_tensor({T, E}, DType::F32, T + 4, 0.1);
+    for (bool norm : {false, true}) {
+      for (bool extra : {false, true}) {
+        const std::string name = tag("router_sigmoid_backward",
+                                     {{"T", T}, {"E", E}, {"K", K}, {"G", G}, {"norm", norm}, {"dprobs", extra}});
+        const ops::RouterOut fwd_ref = ops::router_sigmoid_forward(logits, Tensor(), K, G, TG, norm, 2.5);
+        Tensor ref = ops::router_sigmoid_backward(dw, extra ? dprobs : Tensor(), fwd_ref, norm, 2.5);
+        PoisonScope poison;
+        const ops::RouterOut fwd = ops::router_sigmoid_forward(on_gpu(logits, DType::BF16), Tensor(), K, G, TG, norm, 2.5);
+        Tensor got = ops::router_sigmoid_backward(dw.to(kGpu), extra ? dprobs.to(kGpu) : Tensor(), fwd, norm, 2.5);
+        EXPECT_EQ(got.dtype(), DType::BF16);
+        expect_backend_close(got, ref, kBf16Tol, name, "dlogits");
+      }
+    }
+  }
+}
+
 // ---- permutation ------------------------------------------------------------------------
 
 void check_permutation(const Tensor& ids, int64_t E, const std::string& name) {

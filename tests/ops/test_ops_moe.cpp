@@ -195,6 +195,112 @@ TEST(OpsMoe, RouterGradcheck) {
 }
 
 // ---------------------------------------------------------------------------------------
+// DeepSeek-V3's router: sigmoid scores, group-limited top-k
+
+// A hand-worked row: 8 experts in 4 groups of 2, keep 2 groups, pick 3.
+TEST(OpsMoe, RouterSigmoidHandWorkedRow) {
+  // Scores s (by logit) chosen so that group sums and the picks are clear:
+  //   group 0: 0.9, 0.1 (sum 1.0)   group 1: 0.6, 0.5 (1.1)
+  //   group 2: 0.8, 0.05 (0.85)     group 3: 0.7, 0.45 (1.15)
+  // kept: groups 3 and 1; picks by c: 0.7 (e6), 0.6 (e2), 0.5 (e3); expert 0 (0.9) is masked.
+  const std::vector<double> s = {0.9, 0.1, 0.6, 0.5, 0.8, 0.05, 0.7, 0.45};
+  Tensor logits = Tensor::empty({1, 8}, DType::F64);
+  for (int e = 0; e < 8; ++e) logits.data<double>()[e] = std::log(s[e] / (1 - s[e]));
+  for (bool norm : {false, true}) {
+    RouterOut f = ops::router_sigmoid_forward(logits, Tensor(), 3, 4, 2, norm, 2.5);
+    EXPECT_EQ(f.topk_idx.to_vector<int32_t>(), (std::vector<int32_t>{6, 2, 3}));
+    const double sum = norm ? 0.7 + 0.6 + 0.5 : 1.0;
+    const std::vector<double> w = f.topk_weight.to_vector<double>();
+    EXPECT_NEAR(w[0], 2.5 * 0.7 / sum, 1e-12);
+    EXPECT_NEAR(w[1], 2.5 * 0.6 / sum, 1e-12);
+    EXPECT_NEAR(w[2], 2.5 * 0.5 / sum, 1e-12);
+    EXPECT_NEAR(f.probs.to_vector<double>()[0], 0.9, 1e-12);
+  }
+  // A bias on expert 5 lifts group 2 (0.8 + 0.05 + 0.4 = 1.25) over group 1 and picks it
+  // first, while its weight stays its unbiased score.
+  Tensor bias = Tensor::zeros({8}, DType::F32);
+  bias.data<float>()[5] = 0.4f;
+  RouterOut f = ops::router_sigmoid_forward(logits, bias, 3, 4, 2, false, 1.0);
+  EXPECT_EQ(f.topk_idx.to_vector<int32_t>(), (std::vector<int32_t>{4, 6, 5}));
+  EXPECT_NEAR(f.topk_weight.to_vector<double>()[2], 0.05, 1e-7);
+  // One group: a plain top-k over s.
+  f = ops::router_sigmoid_forward(logits, Tensor(), 3, 1, 1, false, 1.0);
+  EXPECT_EQ(f.topk_idx.to_vector<int32_t>(), (std::vector<int32_t>{0, 4, 6}));
+  // As HF, the other groups' choices become 0, not -inf: with every kept score biased below
+  // 0, a masked expert (the lowest id among them) is picked before them.
+  Tensor low = Tensor::full({8}, -2.0, DType::F32);
+  f = ops::router_sigmoid_forward(logits, low, 1, 4, 2, false, 1.0);
+  EXPECT_EQ(f.topk_idx.to_vector<int32_t>(), (std::vector<int32_t>{0}));
+  expect_error([&] { ops::router_sigmoid_forward(logits, Tensor(), 3, 3, 2, false, 1.0); }, "n_group = 3");
+  expect_error([&] { ops::router_sigmoid_forward(logits, Tensor(), 3, 4, 5, false, 1.0); }, "topk_group = 5");
+  expect_error([&] { ops::router_sigmoid_forward(logits, Tensor::zeros({7}, DType::F32), 3, 4, 2, false, 1.0); },
+               "bias");
+}
+
+// On random rows: the picks are the K largest biased scores of the kept groups, which are
+// the groups of the largest top-2 sums (checked from the definition, row by row).
+TEST(OpsMoe, RouterSigmoidPicksTheBestOfTheBestGroups) {
+  const int64_t T = 40, E = 16, G = 4, TG = 2, K = 4, per = E / G;
+  Tensor logits = gapped_logits(T, E, 71);
+  Tensor bias = random_tensor({E}, DType::F32, 72);
+  ops::scale_(bias, 0.1);
+  RouterOut f = ops::router_sigmoid_forward(logits, bias, K, G, TG, true, 1.0);
+  const std::vector<double> s = f.probs.to_vector<double>();
+  const std::vector<float> b = bias.to_vector<float>();
+  const std::vector<int32_t> idx = f.topk_idx.to_vector<int32_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<double> c(E), gsum(G);
+    for (int64_t e = 0; e < E; ++e) c[e] = s[t * E + e] + b[e];
+    for (int64_t g = 0; g < G; ++g) {
+      std::vector<double> v(c.begin() + g * per, c.begin() + (g + 1) * per);
+      std::sort(v.rbegin(), v.rend());
+      gsum[g] = v[0] + v[1];
+    }
+    std::vector<double> sorted = gsum;
+    std::sort(sorted.rbegin(), sorted.rend());
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t e = idx[t * K + k];
+      EXPECT_GE(gsum[e / per], sorted[TG - 1]) << "row " << t << ": expert " << e << " of a dropped group";
+      for (int64_t o = 0; o < E; ++o) {  // nothing kept and not picked beats a pick
+        bool picked = false;
+        for (int64_t j = 0; j < K; ++j) picked |= idx[t * K + j] == o;
+        if (!picked && gsum[o / per] >= sorted[TG - 1]) {
+          EXPECT_LE(c[o], c[e]) << "row " << t;
+        }
+      }
+      if (k > 0) {
+        EXPECT_GE(c[idx[t * K + k - 1]], c[e]) << "row " << t << ": descending";
+      }
+    }
+  }
+}
+
+TEST(OpsMoe, RouterSigmoidGradcheck) {
+  for (auto [T, E, K] : kRouterShapes) {
+    const std::string tag = shape_tag("", {{"T", T}, {"E", E}, {"K", K}});
+    Tensor logits = gapped_logits(T, E, 400 + T);
+    Tensor bias = random_tensor({E}, DType::F32, 500 + T);
+    ops::scale_(bias, 0.05);
+    Tensor r_w = random_tensor({T, K}, DType::F64, 600 + T);
+    Tensor r_p = random_tensor({T, E}, DType::F64, 700 + T);
+    const int64_t G = 2, TG = 1;  // both shapes' E are even; K fits one group of E / 2
+    for (bool norm : {false, true}) {
+      auto fwd = [&] { return ops::router_sigmoid_forward(logits, bias, K, G, TG, norm, 2.5); };
+      RouterOut f = fwd();
+      Tensor g = ops::router_sigmoid_backward(r_w, Tensor(), f, norm, 2.5);
+      double err = gradcheck(logits, g, [&] { return dot(r_w, fwd().topk_weight); });
+      report(std::string(norm ? "router_sigmoid_norm" : "router_sigmoid_nonorm") + tag, "logits", err);
+      g = ops::router_sigmoid_backward(r_w, r_p, f, norm, 2.5);
+      err = gradcheck(logits, g, [&] {
+        RouterOut o = fwd();
+        return dot(r_w, o.topk_weight) + dot(r_p, o.probs);
+      });
+      report(std::string(norm ? "router_sigmoid_both_norm" : "router_sigmoid_both_nonorm") + tag, "logits", err);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
 // Permutation
 
 struct PermShape {

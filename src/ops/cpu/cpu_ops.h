@@ -26,6 +26,10 @@ AttentionOut attention_forward(const Tensor& q, const Tensor& k, const Tensor& v
 AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_ids, const Tensor& out, const Tensor& lse, const AttentionShape& shape);
 RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob, const Tensor& selection_bias);
 Tensor router_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const RouterOut& fwd, bool norm_topk_prob);
+RouterOut router_sigmoid_forward(const Tensor& logits, const Tensor& bias, int64_t k, int64_t n_group,
+                                 int64_t topk_group, bool norm_topk_prob, double scaling);
+Tensor router_sigmoid_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const RouterOut& fwd,
+                               bool norm_topk_prob, double scaling);
 Permutation permutation_by_expert(const Tensor& topk_idx, int64_t num_experts);
 Tensor expert_ids_in_range(const Tensor& topk_idx, int64_t first, int64_t count);
 Tensor permute_forward(const Tensor& x, const Permutation& p);

@@ -63,4 +63,66 @@ Tensor router_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const R
   return dlogits;
 }
 
+RouterOut router_sigmoid_forward(const Tensor& logits, const Tensor& bias, int64_t k, int64_t n_group,
+                                 int64_t topk_group, bool norm_topk_prob, double scaling) {
+  const char* op = "router_sigmoid_forward";
+  MT_CHECK(logits.defined() && logits.ndim() == 2, "{}: logits must be [T, E], got {}", op, logits.str());
+  MT_CHECK(logits.dtype() == DType::BF16 || logits.dtype() == DType::F32, "{}: logits must be bf16 or f32, got {}",
+           op, logits.str());
+  check_cuda_tensors(op, {&logits, &bias});
+  const int64_t T = logits.size(0), E = logits.size(1);
+  MT_CHECK(n_group >= 1 && n_group <= 32 && E % n_group == 0 && (n_group == 1 || E / n_group >= 2),
+           "{}: n_group = {} must divide num_experts = {} into groups of 2 or more (at most 32 groups)", op, n_group,
+           E);
+  MT_CHECK(topk_group >= 1 && topk_group <= n_group, "{}: topk_group = {} must be in [1, n_group = {}]", op,
+           topk_group, n_group);
+  MT_CHECK(k >= 1 && k <= E, "{}: top_k = {} must be in [1, num_experts = {}]", op, k, E);
+  if (bias.defined()) {
+    check_shape(bias, {E}, "router_sigmoid_forward bias");
+    check_dtype(bias, DType::F32, "router_sigmoid_forward bias");
+  }
+  MT_CHECK(E <= kRouterMaxExperts, "{}: logits {} has {} experts; the CUDA router takes at most {}", op,
+           logits.str(), E, kRouterMaxExperts);
+  RouterOut out;
+  out.probs = Tensor::empty({T, E}, DType::F32, logits.device());
+  out.topk_idx = Tensor::empty({T, k}, DType::I32, logits.device());
+  out.topk_weight = Tensor::empty({T, k}, DType::F32, logits.device());
+  launch_router_sigmoid_forward(logits.raw(), logits.dtype() == DType::BF16, bias.defined() ? bias.data<float>() : nullptr,
+                                T, static_cast<int>(E), static_cast<int>(k), static_cast<int>(n_group),
+                                static_cast<int>(topk_group), norm_topk_prob, static_cast<float>(scaling),
+                                out.probs.data<float>(), out.topk_idx.data<int32_t>(), out.topk_weight.data<float>(),
+                                stream());
+  check_launch("router_sigmoid_forward_kernel");
+  return out;
+}
+
+Tensor router_sigmoid_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const RouterOut& fwd,
+                               bool norm_topk_prob, double scaling) {
+  const char* op = "router_sigmoid_backward";
+  MT_CHECK(fwd.probs.defined() && fwd.probs.ndim() == 2, "{}: fwd.probs must be [T, E], got {}", op,
+           fwd.probs.str());
+  const int64_t T = fwd.probs.size(0), E = fwd.probs.size(1);
+  MT_CHECK(fwd.topk_idx.defined() && fwd.topk_idx.ndim() == 2 && fwd.topk_idx.size(0) == T,
+           "{}: fwd.topk_idx must be [T = {}, K], got {}", op, T, fwd.topk_idx.str());
+  const int64_t K = fwd.topk_idx.size(1);
+  check_dtype(fwd.probs, DType::F32, "router_sigmoid_backward fwd.probs");
+  check_dtype(fwd.topk_idx, DType::I32, "router_sigmoid_backward fwd.topk_idx");
+  MT_CHECK(dtopk_weight.defined(), "{}: dtopk_weight is undefined", op);
+  check_shape(dtopk_weight, {T, K}, "router_sigmoid_backward dtopk_weight");
+  check_dtype(dtopk_weight, DType::F32, "router_sigmoid_backward dtopk_weight");
+  if (dprobs.defined()) {
+    check_shape(dprobs, {T, E}, "router_sigmoid_backward dprobs");
+    check_dtype(dprobs, DType::F32, "router_sigmoid_backward dprobs");
+  }
+  MT_CHECK(E <= kRouterMaxExperts, "{}: {} experts; the CUDA router takes at most {}", op, E, kRouterMaxExperts);
+  check_cuda_tensors(op, {&dtopk_weight, &dprobs, &fwd.probs, &fwd.topk_idx});
+  Tensor dlogits = Tensor::empty({T, E}, DType::BF16, fwd.probs.device());
+  launch_router_sigmoid_backward(dtopk_weight.data<float>(), dprobs.defined() ? dprobs.data<float>() : nullptr,
+                                 fwd.probs.data<float>(), fwd.topk_idx.data<int32_t>(), T, static_cast<int>(E),
+                                 static_cast<int>(K), norm_topk_prob, static_cast<float>(scaling), dlogits.raw(),
+                                 /*out_bf16=*/true, stream());
+  check_launch("router_sigmoid_backward_kernel");
+  return dlogits;
+}
+
 }  // namespace moetrain::ops::cuda

@@ -145,6 +145,171 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   }
 }
 
+// DeepSeek-V3's router (ops.h: router_sigmoid_forward), one warp per row as above: s =
+// sigmoid(l), c = s + bias; with groups, each group's two largest c (a warp merge of every
+// lane's top two in the group), lane g holding group g's sum; topk_group rounds of a warp
+// arg-max over those lanes (ties to the lower group) mark the kept groups, and every other
+// expert's c becomes 0 (as HF); then K rounds of arg-max over c as router_forward_kernel,
+// each pick's weight its unbiased s, scaled (and renormalised) by the lane that wrote it.
+template <int VPT, typename TIn>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    router_sigmoid_forward_kernel(const TIn* __restrict__ logits, const float* __restrict__ bias, int64_t T, int E,
+                                  int K, int G, int TG, bool norm, float scaling, float* __restrict__ probs,
+                                  int32_t* __restrict__ idx, float* __restrict__ weight) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (t >= T) return;
+  const TIn* l = logits + t * E;
+  float* p = probs + t * E;
+  float s[VPT], c[VPT];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int e = lane + 32 * i;
+    if (e < E) {
+      s[i] = 1.f / (1.f + expf(-to_float(l[e])));
+      p[e] = s[i];
+      c[i] = bias ? s[i] + bias[e] : s[i];
+    } else {
+      s[i] = 0.f;
+      c[i] = -INFINITY;  // padding: below every score, never picked
+    }
+  }
+  if (G > 1) {
+    const int per = E / G;
+    float gscore = -INFINITY;  // lane g: group g's score
+    for (int g = 0; g < G; ++g) {
+      float m1 = -INFINITY, m2 = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        const int e = lane + 32 * i;
+        if (e < E && e / per == g) {
+          if (c[i] > m1) {
+            m2 = m1;
+            m1 = c[i];
+          } else if (c[i] > m2) {
+            m2 = c[i];
+          }
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {  // merge two lanes' top two
+        const float o1 = __shfl_xor_sync(0xffffffffu, m1, o), o2 = __shfl_xor_sync(0xffffffffu, m2, o);
+        const float hi = fmaxf(m1, o1);
+        m2 = fmaxf(fminf(m1, o1), fmaxf(m2, o2));
+        m1 = hi;
+      }
+      if (lane == g) gscore = m1 + m2;
+    }
+    unsigned keep = 0;
+    bool group_taken = false;
+    for (int j = 0; j < TG; ++j) {
+      float bs = (lane < G && !group_taken) ? gscore : -INFINITY;
+      int bg = lane < G && !group_taken ? lane : INT_MAX;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float os = __shfl_xor_sync(0xffffffffu, bs, o);
+        const int og = __shfl_xor_sync(0xffffffffu, bg, o);
+        if (os > bs || (os == bs && og < bg)) {
+          bs = os;
+          bg = og;
+        }
+      }
+      keep |= 1u << bg;
+      if (lane == bg) group_taken = true;
+    }
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int e = lane + 32 * i;
+      if (e < E && !((keep >> (e / per)) & 1u)) c[i] = 0.f;
+    }
+  }
+  unsigned taken = 0;
+  float sum = 0.f;
+  for (int j = 0; j < K; ++j) {
+    float bs = -INFINITY, bv = 0.f;  // the best choice score and its s
+    int be = INT_MAX;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {  // ids ascend with i: strict > keeps the lower id on ties
+      if (!((taken >> i) & 1u) && c[i] > bs) {
+        bs = c[i];
+        bv = s[i];
+        be = lane + 32 * i;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float os = __shfl_xor_sync(0xffffffffu, bs, o);
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+      if (os > bs || (os == bs && oe < be)) {
+        bs = os;
+        bv = ov;
+        be = oe;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      if (lane + 32 * i == be) taken |= 1u << i;
+    }
+    if (lane == (j & 31)) {
+      idx[t * K + j] = be;
+      weight[t * K + j] = bv;
+    }
+    sum += bv;
+  }
+  const float f = norm ? scaling / (sum + 1e-20f) : scaling;
+  for (int j = lane; j < K; j += 32) weight[t * K + j] = weight[t * K + j] * f;  // this lane's own picks
+}
+
+// ds = dprobs (or 0) plus the weights' gradients (the quotient rule when renormalised, with
+// the scaling), then dlogits = ds * s * (1 - s).
+template <int VPT, typename TOut>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    router_sigmoid_backward_kernel(const float* __restrict__ dweight, const float* __restrict__ dprobs,
+                                   const float* __restrict__ probs, const int32_t* __restrict__ idx, int64_t T, int E,
+                                   int K, bool norm, float scaling, TOut* __restrict__ dlogits) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (t >= T) return;
+  const float* pr = probs + t * E;
+  const int32_t* id = idx + t * K;
+  const float* dw = dweight + t * K;
+  float s[VPT], ds[VPT];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int e = lane + 32 * i;
+    s[i] = e < E ? pr[e] : 0.f;
+    ds[i] = (e < E && dprobs) ? dprobs[t * E + e] : 0.f;
+  }
+  float D = 1.f, dot = 0.f;
+  if (norm) {
+    float ss = 0.f;
+    for (int j = lane; j < K; j += 32) {
+      const int e = id[j];
+      ss += (e >= 0 && e < E) ? pr[e] : 0.f;
+    }
+    D = warp_sum(ss) + 1e-20f;
+    float dd = 0.f;
+    for (int j = lane; j < K; j += 32) {
+      const int e = id[j];
+      dd += dw[j] * scaling * ((e >= 0 && e < E) ? pr[e] : 0.f) / D;
+    }
+    dot = warp_sum(dd);  // sum_j dw_j w_j
+  }
+  for (int j = 0; j < K; ++j) {
+    const int e = id[j];
+    const float g = norm ? (scaling * dw[j] - dot) / D : scaling * dw[j];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) ds[i] += (lane + 32 * i == e) ? g : 0.f;
+  }
+  TOut* out = dlogits + t * E;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int e = lane + 32 * i;
+    if (e < E) out[e] = from_float<TOut>(ds[i] * s[i] * (1.f - s[i]));
+  }
+}
+
 // Calls f(std::integral_constant<int, VPT>) for the smallest VPT with 32 * VPT >= E.
 template <typename F>
 void with_vpt(int E, F&& f) {
@@ -186,6 +351,42 @@ void launch_router_backward(const float* dweight, const float* dprobs, const flo
     } else {
       router_backward_kernel<V, float><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
           dweight, dprobs, probs, idx, T, E, K, norm_topk_prob, static_cast<float*>(dlogits));
+    }
+  });
+}
+
+void launch_router_sigmoid_forward(const void* logits, bool logits_bf16, const float* bias, int64_t T, int E, int K,
+                                   int n_group, int topk_group, bool norm_topk_prob, float scaling, float* probs,
+                                   int32_t* idx, float* weight, cudaStream_t stream) {
+  if (T == 0) return;
+  const unsigned blocks = static_cast<unsigned>((T + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  with_vpt(E, [&](auto vpt) {
+    constexpr int V = decltype(vpt)::value;
+    if (logits_bf16) {
+      router_sigmoid_forward_kernel<V, __nv_bfloat16><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
+          static_cast<const __nv_bfloat16*>(logits), bias, T, E, K, n_group, topk_group, norm_topk_prob, scaling,
+          probs, idx, weight);
+    } else {
+      router_sigmoid_forward_kernel<V, float><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
+          static_cast<const float*>(logits), bias, T, E, K, n_group, topk_group, norm_topk_prob, scaling, probs, idx,
+          weight);
+    }
+  });
+}
+
+void launch_router_sigmoid_backward(const float* dweight, const float* dprobs, const float* probs,
+                                    const int32_t* idx, int64_t T, int E, int K, bool norm_topk_prob, float scaling,
+                                    void* dlogits, bool out_bf16, cudaStream_t stream) {
+  if (T == 0) return;
+  const unsigned blocks = static_cast<unsigned>((T + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  with_vpt(E, [&](auto vpt) {
+    constexpr int V = decltype(vpt)::value;
+    if (out_bf16) {
+      router_sigmoid_backward_kernel<V, __nv_bfloat16><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
+          dweight, dprobs, probs, idx, T, E, K, norm_topk_prob, scaling, static_cast<__nv_bfloat16*>(dlogits));
+    } else {
+      router_sigmoid_backward_kernel<V, float><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
+          dweight, dprobs, probs, idx, T, E, K, norm_topk_prob, scaling, static_cast<float*>(dlogits));
     }
   });
 }

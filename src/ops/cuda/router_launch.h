@@ -21,4 +21,13 @@ void launch_router_backward(const float* dweight, const float* dprobs, const flo
                             int64_t T, int E, int K, bool norm_topk_prob, void* dlogits, bool out_bf16,
                             cudaStream_t stream);
 
+// DeepSeek-V3's router (ops.h: router_sigmoid_forward / backward), the same layouts; bias
+// f32 [E] or nullptr; n_group divides E, 1 <= topk_group <= n_group <= 32.
+void launch_router_sigmoid_forward(const void* logits, bool logits_bf16, const float* bias, int64_t T, int E, int K,
+                                   int n_group, int topk_group, bool norm_topk_prob, float scaling, float* probs,
+                                   int32_t* idx, float* weight, cudaStream_t stream);
+void launch_router_sigmoid_backward(const float* dweight, const float* dprobs, const float* probs,
+                                    const int32_t* idx, int64_t T, int E, int K, bool norm_topk_prob, float scaling,
+                                    void* dlogits, bool out_bf16, cudaStream_t stream);
+
 }  // namespace moetrain::ops::cuda
