@@ -19,6 +19,50 @@ namespace {
 
 constexpr int kWarpsPerBlock = 4;
 
+// K rounds of a warp arg-max over the choice scores sc (lane l holds experts l, l+32, ...),
+// ordered by (score descending, expert id ascending): lane j%32 writes pick j's id to
+// idx_row[j] and its value v to weight_row[j]. Returns the sum of the picked values (on
+// every lane). Padding lanes hold -inf and are never picked.
+template <int VPT>
+__device__ __forceinline__ float warp_pick_top_k(const float (&sc)[VPT], const float (&v)[VPT], int lane, int K,
+                                                 int32_t* idx_row, float* weight_row) {
+  unsigned taken = 0;
+  float sum = 0.f;
+  for (int j = 0; j < K; ++j) {
+    float bs = -INFINITY, bv = 0.f;  // the best score and its value
+    int be = INT_MAX;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {  // ids ascend with i: strict > keeps the lower id on ties
+      if (!((taken >> i) & 1u) && sc[i] > bs) {
+        bs = sc[i];
+        bv = v[i];
+        be = lane + 32 * i;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float os = __shfl_xor_sync(0xffffffffu, bs, o);
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+      if (os > bs || (os == bs && oe < be)) {
+        bs = os;
+        bv = ov;
+        be = oe;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      if (lane + 32 * i == be) taken |= 1u << i;
+    }
+    if (lane == (j & 31)) {
+      idx_row[j] = be;
+      weight_row[j] = bv;
+    }
+    sum += bv;
+  }
+  return sum;
+}
+
 template <int VPT, typename TIn>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     router_forward_kernel(const TIn* __restrict__ logits, const float* __restrict__ bias, int64_t T, int E, int K,
@@ -58,50 +102,21 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
       sc[i] = -INFINITY;  // padding: below every score, never picked
     }
   }
-  unsigned taken = 0;
-  float s = 0.f;
-  for (int j = 0; j < K; ++j) {
-    float bs = -INFINITY, bv = 0.f;  // the best score and its prob
-    int be = INT_MAX;
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {  // ids ascend with i: strict > keeps the lower id on ties
-      if (!((taken >> i) & 1u) && sc[i] > bs) {
-        bs = sc[i];
-        bv = v[i];
-        be = lane + 32 * i;
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float os = __shfl_xor_sync(0xffffffffu, bs, o);
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oe = __shfl_xor_sync(0xffffffffu, be, o);
-      if (os > bs || (os == bs && oe < be)) {
-        bs = os;
-        bv = ov;
-        be = oe;
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      if (lane + 32 * i == be) taken |= 1u << i;
-    }
-    if (lane == (j & 31)) {
-      idx[t * K + j] = be;
-      weight[t * K + j] = bv;
-    }
-    s += bv;
-  }
+  const float s = warp_pick_top_k<VPT>(sc, v, lane, K, idx + t * K, weight + t * K);
   if (norm) {
     for (int j = lane; j < K; j += 32) weight[t * K + j] = weight[t * K + j] / s;  // this lane's own picks
   }
 }
 
-template <int VPT, typename TOut>
+// Both routers' backward (kSigmoid: DeepSeek-V3's, whose weights are scaled and whose
+// renormalisation adds 1e-20 to the sum; the softmax router's scaling is 1 and eps 0):
+// dp = dprobs (or 0) plus the weights' gradients (the quotient rule when renormalised), then
+// through the scores: softmax dl = p * (dp - <p, dp>), sigmoid dl = dp * p * (1 - p).
+template <int VPT, typename TOut, bool kSigmoid>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     router_backward_kernel(const float* __restrict__ dweight, const float* __restrict__ dprobs,
                            const float* __restrict__ probs, const int32_t* __restrict__ idx, int64_t T, int E, int K,
-                           bool norm, TOut* __restrict__ dlogits) {
+                           bool norm, float scaling, float eps, TOut* __restrict__ dlogits) {
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (t >= T) return;
@@ -117,31 +132,36 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   }
   float s = 1.f, dot = 0.f;
   if (norm) {
-    float ss = 0.f, dd = 0.f;
+    float ss = 0.f;
     for (int j = lane; j < K; j += 32) {
       const int e = id[j];
-      const float pe = (e >= 0 && e < E) ? pr[e] : 0.f;
-      ss += pe;
-      dd += dw[j] * pe;
+      ss += (e >= 0 && e < E) ? pr[e] : 0.f;
     }
-    s = warp_sum(ss);
-    dot = warp_sum(dd) / s;  // sum_j dw_j * w_j
+    s = warp_sum(ss) + eps;
+    float dd = 0.f;
+    for (int j = lane; j < K; j += 32) {
+      const int e = id[j];
+      dd += dw[j] * scaling * ((e >= 0 && e < E) ? pr[e] : 0.f) / s;
+    }
+    dot = warp_sum(dd);  // sum_j dw_j * w_j
   }
   for (int j = 0; j < K; ++j) {
     const int e = id[j];
-    const float g = norm ? (dw[j] - dot) / s : dw[j];
+    const float g = norm ? (scaling * dw[j] - dot) / s : scaling * dw[j];
 #pragma unroll
     for (int i = 0; i < VPT; ++i) dp[i] += (lane + 32 * i == e) ? g : 0.f;  // a select: dp stays in registers
   }
   float pdp = 0.f;
+  if (!kSigmoid) {
 #pragma unroll
-  for (int i = 0; i < VPT; ++i) pdp += p[i] * dp[i];
-  pdp = warp_sum(pdp);
+    for (int i = 0; i < VPT; ++i) pdp += p[i] * dp[i];
+    pdp = warp_sum(pdp);
+  }
   TOut* out = dlogits + t * E;
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int e = lane + 32 * i;
-    if (e < E) out[e] = from_float<TOut>(p[i] * (dp[i] - pdp));
+    if (e < E) out[e] = from_float<TOut>(kSigmoid ? dp[i] * p[i] * (1.f - p[i]) : p[i] * (dp[i] - pdp));
   }
 }
 
@@ -223,91 +243,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
       if (e < E && !((keep >> (e / per)) & 1u)) c[i] = 0.f;
     }
   }
-  unsigned taken = 0;
-  float sum = 0.f;
-  for (int j = 0; j < K; ++j) {
-    float bs = -INFINITY, bv = 0.f;  // the best choice score and its s
-    int be = INT_MAX;
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {  // ids ascend with i: strict > keeps the lower id on ties
-      if (!((taken >> i) & 1u) && c[i] > bs) {
-        bs = c[i];
-        bv = s[i];
-        be = lane + 32 * i;
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float os = __shfl_xor_sync(0xffffffffu, bs, o);
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oe = __shfl_xor_sync(0xffffffffu, be, o);
-      if (os > bs || (os == bs && oe < be)) {
-        bs = os;
-        bv = ov;
-        be = oe;
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) {
-      if (lane + 32 * i == be) taken |= 1u << i;
-    }
-    if (lane == (j & 31)) {
-      idx[t * K + j] = be;
-      weight[t * K + j] = bv;
-    }
-    sum += bv;
-  }
+  const float sum = warp_pick_top_k<VPT>(c, s, lane, K, idx + t * K, weight + t * K);
   const float f = norm ? scaling / (sum + 1e-20f) : scaling;
   for (int j = lane; j < K; j += 32) weight[t * K + j] = weight[t * K + j] * f;  // this lane's own picks
-}
-
-// ds = dprobs (or 0) plus the weights' gradients (the quotient rule when renormalised, with
-// the scaling), then dlogits = ds * s * (1 - s).
-template <int VPT, typename TOut>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32)
-    router_sigmoid_backward_kernel(const float* __restrict__ dweight, const float* __restrict__ dprobs,
-                                   const float* __restrict__ probs, const int32_t* __restrict__ idx, int64_t T, int E,
-                                   int K, bool norm, float scaling, TOut* __restrict__ dlogits) {
-  const int lane = threadIdx.x & 31;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
-  if (t >= T) return;
-  const float* pr = probs + t * E;
-  const int32_t* id = idx + t * K;
-  const float* dw = dweight + t * K;
-  float s[VPT], ds[VPT];
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int e = lane + 32 * i;
-    s[i] = e < E ? pr[e] : 0.f;
-    ds[i] = (e < E && dprobs) ? dprobs[t * E + e] : 0.f;
-  }
-  float D = 1.f, dot = 0.f;
-  if (norm) {
-    float ss = 0.f;
-    for (int j = lane; j < K; j += 32) {
-      const int e = id[j];
-      ss += (e >= 0 && e < E) ? pr[e] : 0.f;
-    }
-    D = warp_sum(ss) + 1e-20f;
-    float dd = 0.f;
-    for (int j = lane; j < K; j += 32) {
-      const int e = id[j];
-      dd += dw[j] * scaling * ((e >= 0 && e < E) ? pr[e] : 0.f) / D;
-    }
-    dot = warp_sum(dd);  // sum_j dw_j w_j
-  }
-  for (int j = 0; j < K; ++j) {
-    const int e = id[j];
-    const float g = norm ? (scaling * dw[j] - dot) / D : scaling * dw[j];
-#pragma unroll
-    for (int i = 0; i < VPT; ++i) ds[i] += (lane + 32 * i == e) ? g : 0.f;
-  }
-  TOut* out = dlogits + t * E;
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int e = lane + 32 * i;
-    if (e < E) out[e] = from_float<TOut>(ds[i] * s[i] * (1.f - s[i]));
-  }
 }
 
 // Calls f(std::integral_constant<int, VPT>) for the smallest VPT with 32 * VPT >= E.
@@ -338,21 +276,32 @@ void launch_router_forward(const void* logits, bool logits_bf16, const float* bi
   });
 }
 
-void launch_router_backward(const float* dweight, const float* dprobs, const float* probs, const int32_t* idx,
-                            int64_t T, int E, int K, bool norm_topk_prob, void* dlogits, bool out_bf16,
-                            cudaStream_t stream) {
+namespace {
+
+template <bool kSigmoid>
+void launch_backward(const float* dweight, const float* dprobs, const float* probs, const int32_t* idx, int64_t T,
+                     int E, int K, bool norm_topk_prob, float scaling, float eps, void* dlogits, bool out_bf16,
+                     cudaStream_t stream) {
   if (T == 0) return;
   const unsigned blocks = static_cast<unsigned>((T + kWarpsPerBlock - 1) / kWarpsPerBlock);
   with_vpt(E, [&](auto vpt) {
     constexpr int V = decltype(vpt)::value;
     if (out_bf16) {
-      router_backward_kernel<V, __nv_bfloat16><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
-          dweight, dprobs, probs, idx, T, E, K, norm_topk_prob, static_cast<__nv_bfloat16*>(dlogits));
+      router_backward_kernel<V, __nv_bfloat16, kSigmoid><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
+          dweight, dprobs, probs, idx, T, E, K, norm_topk_prob, scaling, eps, static_cast<__nv_bfloat16*>(dlogits));
     } else {
-      router_backward_kernel<V, float><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
-          dweight, dprobs, probs, idx, T, E, K, norm_topk_prob, static_cast<float*>(dlogits));
+      router_backward_kernel<V, float, kSigmoid><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
+          dweight, dprobs, probs, idx, T, E, K, norm_topk_prob, scaling, eps, static_cast<float*>(dlogits));
     }
   });
+}
+
+}  // namespace
+
+void launch_router_backward(const float* dweight, const float* dprobs, const float* probs, const int32_t* idx,
+                            int64_t T, int E, int K, bool norm_topk_prob, void* dlogits, bool out_bf16,
+                            cudaStream_t stream) {
+  launch_backward<false>(dweight, dprobs, probs, idx, T, E, K, norm_topk_prob, 1.f, 0.f, dlogits, out_bf16, stream);
 }
 
 void launch_router_sigmoid_forward(const void* logits, bool logits_bf16, const float* bias, int64_t T, int E, int K,
@@ -377,18 +326,8 @@ void launch_router_sigmoid_forward(const void* logits, bool logits_bf16, const f
 void launch_router_sigmoid_backward(const float* dweight, const float* dprobs, const float* probs,
                                     const int32_t* idx, int64_t T, int E, int K, bool norm_topk_prob, float scaling,
                                     void* dlogits, bool out_bf16, cudaStream_t stream) {
-  if (T == 0) return;
-  const unsigned blocks = static_cast<unsigned>((T + kWarpsPerBlock - 1) / kWarpsPerBlock);
-  with_vpt(E, [&](auto vpt) {
-    constexpr int V = decltype(vpt)::value;
-    if (out_bf16) {
-      router_sigmoid_backward_kernel<V, __nv_bfloat16><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
-          dweight, dprobs, probs, idx, T, E, K, norm_topk_prob, scaling, static_cast<__nv_bfloat16*>(dlogits));
-    } else {
-      router_sigmoid_backward_kernel<V, float><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
-          dweight, dprobs, probs, idx, T, E, K, norm_topk_prob, scaling, static_cast<float*>(dlogits));
-    }
-  });
+  launch_backward<true>(dweight, dprobs, probs, idx, T, E, K, norm_topk_prob, scaling, 1e-20f, dlogits, out_bf16,
+                        stream);
 }
 
 }  // namespace moetrain::ops::cuda
