@@ -1,0 +1,321 @@
+#include "engine/models/deepseek_v3_config.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "engine/models/hf_config.h"
+
+namespace moetrain {
+
+void DeepseekV3Config::describe(ConfigFields& f) {
+  f.add("model_type", &model_type, "model family", one_of(&model_type, {"deepseek_v3"}));
+  f.add("vocab_size", &vocab_size, "rows of the embedding and the LM head", positive(&vocab_size));
+  f.add("hidden_size", &hidden_size, "width of the residual stream", positive(&hidden_size));
+  f.add("intermediate_size", &intermediate_size, "FFN width of the dense first layers", positive(&intermediate_size));
+  f.add("moe_intermediate_size", &moe_intermediate_size, "FFN width of each routed and shared expert",
+        positive(&moe_intermediate_size));
+  f.add("num_hidden_layers", &num_hidden_layers, "decoder layers", positive(&num_hidden_layers));
+  f.add("num_attention_heads", &num_attention_heads, "attention heads", positive(&num_attention_heads));
+  f.add("num_key_value_heads", &num_key_value_heads, "key/value heads (MLA: equal to the attention heads)",
+        positive(&num_key_value_heads));
+  f.add("n_shared_experts", &n_shared_experts, "shared experts every token takes (one SwiGLU of n times the width)",
+        non_negative(&n_shared_experts));
+  f.add("n_routed_experts", &n_routed_experts, "routed experts per MoE layer", positive(&n_routed_experts));
+  f.add("routed_scaling_factor", &routed_scaling_factor, "scale of the routed experts' weights",
+        positive(&routed_scaling_factor));
+  f.add("kv_lora_rank", &kv_lora_rank, "width of the compressed key/value latent", positive(&kv_lora_rank));
+  f.add("q_lora_rank", &q_lora_rank, "width of the compressed query latent (0: none, queries projected directly)",
+        non_negative(&q_lora_rank));
+  f.add("qk_rope_head_dim", &qk_rope_head_dim, "rotary part of a query/key head (the shared k_pe)",
+        positive(&qk_rope_head_dim));
+  f.add("v_head_dim", &v_head_dim, "width of a value head", positive(&v_head_dim));
+  f.add("qk_nope_head_dim", &qk_nope_head_dim, "non-rotary part of a query/key head", positive(&qk_nope_head_dim));
+  f.add("n_group", &n_group, "expert groups of the group-limited routing", positive(&n_group));
+  f.add("topk_group", &topk_group, "groups a token's experts come from", positive(&topk_group));
+  f.add("num_experts_per_tok", &num_experts_per_tok, "routed experts per token (top-k)",
+        positive(&num_experts_per_tok));
+  f.add("first_k_dense_replace", &first_k_dense_replace, "the first k layers have a dense MLP instead of experts",
+        non_negative(&first_k_dense_replace));
+  f.add("norm_topk_prob", &norm_topk_prob, "renormalise the top-k weights to sum to 1 (before the scaling)");
+  f.add("max_position_embeddings", &max_position_embeddings, "longest sequence the model supports",
+        positive(&max_position_embeddings));
+  f.add("initializer_range", &initializer_range, "std of the normal weight initialisation",
+        positive(&initializer_range));
+  f.add("rms_norm_eps", &rms_norm_eps, "epsilon of every RMSNorm", positive(&rms_norm_eps));
+  f.add("tie_word_embeddings", &tie_word_embeddings, "LM head shares the embedding matrix");
+  f.add("rope_interleave", &rope_interleave, "rotary dims paired (0,1), (2,3), ... as DeepSeek's checkpoints");
+  f.add("rope_theta", &rope_theta, "RoPE base frequency", positive(&rope_theta));
+  f.add("rope_type", &rope_type, "RoPE scaling: default or yarn", one_of(&rope_type, {"default", "yarn"}));
+  f.add("rope_factor", &rope_factor, "YaRN: context extension factor", positive(&rope_factor));
+  f.add("rope_original_max_position_embeddings", &rope_original_max_position_embeddings,
+        "YaRN: the pretraining context length", positive(&rope_original_max_position_embeddings));
+  f.add("rope_beta_fast", &rope_beta_fast, "YaRN: rotations where interpolation starts", positive(&rope_beta_fast));
+  f.add("rope_beta_slow", &rope_beta_slow, "YaRN: rotations where it is complete", positive(&rope_beta_slow));
+  f.add("rope_mscale", &rope_mscale, "YaRN: attention temperature coefficient (0: absent)",
+        non_negative(&rope_mscale));
+  f.add("rope_mscale_all_dim", &rope_mscale_all_dim,
+        "YaRN: the coefficient of the softmax scale's mscale^2 (0: unscaled)", non_negative(&rope_mscale_all_dim));
+  f.add("num_nextn_predict_layers", &num_nextn_predict_layers, "multi-token prediction modules (0: none)",
+        non_negative(&num_nextn_predict_layers));
+  f.add("mtp_loss_weight", &mtp_loss_weight, "weight of the multi-token prediction loss",
+        non_negative(&mtp_loss_weight));
+  f.add("router_bias_update_speed", &router_bias_update_speed,
+        "aux-loss-free balancing: each step a routing bias moves this far against its expert's load error (0 = off)",
+        non_negative(&router_bias_update_speed));
+  f.add("seq_aux_loss_coef", &seq_aux_loss_coef, "weight of the sequence-wise auxiliary loss (0 = off)",
+        non_negative(&seq_aux_loss_coef));
+  f.add("config_json", &config_json,
+        "HF config.json read before the other [model] keys (relative to the TOML file's folder)");
+}
+
+void DeepseekV3Config::validate(const std::string& origin) const {
+  DeepseekV3Config copy = *this;  // describe() needs mutable targets; the checks only read
+  ConfigFields f("model");
+  copy.describe(f);
+  f.validate(origin);
+  MT_CHECK(num_key_value_heads == num_attention_heads,
+           "{}: [model].num_key_value_heads ({}) must equal [model].num_attention_heads ({}): multi-head latent "
+           "attention gives every head its own key and value",
+           origin, num_key_value_heads, num_attention_heads);
+  MT_CHECK(n_routed_experts % n_group == 0 && (n_group == 1 || n_routed_experts / n_group >= 2),
+           "{}: [model].n_group ({}) must divide [model].n_routed_experts ({}) into groups of 2 or more", origin,
+           n_group, n_routed_experts);
+  MT_CHECK(topk_group <= n_group, "{}: [model].topk_group ({}) must be <= [model].n_group ({})", origin, topk_group,
+           n_group);
+  MT_CHECK(num_experts_per_tok <= topk_group * (n_routed_experts / n_group),
+           "{}: [model].num_experts_per_tok ({}) must be <= the experts of topk_group ({}) groups ({})", origin,
+           num_experts_per_tok, topk_group, topk_group * (n_routed_experts / n_group));
+  MT_CHECK(qk_rope_head_dim % 2 == 0, "{}: [model].qk_rope_head_dim must be even (RoPE rotates pairs), got {}",
+           origin, qk_rope_head_dim);
+  MT_CHECK(first_k_dense_replace <= num_hidden_layers,
+           "{}: [model].first_k_dense_replace ({}) must be <= [model].num_hidden_layers ({})", origin,
+           first_k_dense_replace, num_hidden_layers);
+  if (rope_type == "yarn") {
+    MT_CHECK(rope_factor >= 1, "{}: [model].rope_factor must be >= 1 under YaRN, got {}", origin, rope_factor);
+    MT_CHECK(rope_beta_fast > rope_beta_slow, "{}: [model].rope_beta_fast ({}) must exceed [model].rope_beta_slow ({})",
+             origin, rope_beta_fast, rope_beta_slow);
+  }
+}
+
+double DeepseekV3Config::softmax_scale() const {
+  double scale = 1.0 / std::sqrt(static_cast<double>(qk_head_dim()));
+  if (rope_type == "yarn" && rope_mscale_all_dim > 0 && rope_factor > 1) {
+    const double mscale = 0.1 * rope_mscale_all_dim * std::log(rope_factor) + 1.0;
+    scale *= mscale * mscale;
+  }
+  return scale;
+}
+
+ModelShape DeepseekV3Config::shape() const {
+  return {vocab_size, hidden_size, num_hidden_layers, n_routed_experts, num_experts_per_tok, max_position_embeddings};
+}
+
+namespace {
+
+// transformers' DeepseekV3Config defaults (5.x): what a config.json that omits a key means.
+DeepseekV3Config hf_defaults() {
+  DeepseekV3Config c;
+  c.vocab_size = 129280;
+  c.hidden_size = 7168;
+  c.intermediate_size = 18432;
+  c.moe_intermediate_size = 2048;
+  c.num_hidden_layers = 61;
+  c.num_attention_heads = 128;
+  c.num_key_value_heads = 128;
+  c.n_shared_experts = 1;
+  c.n_routed_experts = 256;
+  c.routed_scaling_factor = 2.5;
+  c.kv_lora_rank = 512;
+  c.q_lora_rank = 1536;
+  c.qk_rope_head_dim = 64;
+  c.v_head_dim = 128;
+  c.qk_nope_head_dim = 128;
+  c.n_group = 8;
+  c.topk_group = 4;
+  c.num_experts_per_tok = 8;
+  c.first_k_dense_replace = 3;
+  c.norm_topk_prob = true;
+  c.max_position_embeddings = 4096;
+  c.initializer_range = 0.02;
+  c.rms_norm_eps = 1e-6;
+  c.tie_word_embeddings = false;
+  c.rope_interleave = true;
+  c.rope_theta = 10000.0;
+  c.rope_type = "default";
+  // YaRN's entries when rope_parameters leaves them out: transformers' defaults, mscale and
+  // mscale_all_dim 0 for absent (HF tests them for truth, so 0 and absent agree).
+  c.rope_factor = 1.0;
+  c.rope_beta_fast = 32.0;
+  c.rope_beta_slow = 1.0;
+  c.rope_mscale = 0.0;
+  c.rope_mscale_all_dim = 0.0;
+  c.num_nextn_predict_layers = 0;
+  return c;
+}
+
+// The RoPE entries of rope_parameters (or rope_scaling) into c; `key` names the object.
+void read_rope_object(const HfConfigReader& r, const nlohmann::json& p, const char* key, DeepseekV3Config& c) {
+  if (!p.is_object()) r.fail(key, fmt::format("expects an object, got {}", p.dump()));
+  auto number = [&](const std::string& k) {
+    if (!p[k].is_number()) r.fail(key, fmt::format("has {} = {}, expected a number", k, p[k].dump()));
+    return p[k].get<double>();
+  };
+  for (auto it = p.begin(); it != p.end(); ++it) {
+    const std::string& k = it.key();
+    if (k == "rope_type" || k == "type") {
+      if (*it != "default" && *it != "yarn") {
+        MT_THROW("{}: unsupported architecture key \"{}\" = {}: RoPE type {} is not implemented (\"default\" or "
+                 "\"yarn\")",
+                 r.path(), key, p.dump(), it->dump());
+      }
+      c.rope_type = it->get<std::string>();
+    } else if (k == "rope_theta") {
+      c.rope_theta = number(k);
+    } else if (k == "factor") {
+      c.rope_factor = number(k);
+    } else if (k == "original_max_position_embeddings") {
+      c.rope_original_max_position_embeddings = static_cast<int64_t>(number(k));
+    } else if (k == "beta_fast") {
+      c.rope_beta_fast = number(k);
+    } else if (k == "beta_slow") {
+      c.rope_beta_slow = number(k);
+    } else if (k == "mscale") {
+      c.rope_mscale = number(k);
+    } else if (k == "mscale_all_dim") {
+      c.rope_mscale_all_dim = number(k);
+    } else {
+      MT_THROW("{}: unsupported architecture key \"{}\" = {}: its entry \"{}\" is not implemented", r.path(), key,
+               p.dump(), k);
+    }
+  }
+}
+
+}  // namespace
+
+void DeepseekV3Config::load_hf_json(const std::string& path) {
+  HfConfigReader r(path);
+  r.require_model_type("deepseek_v3");
+  DeepseekV3Config c = hf_defaults();
+  // moetrain's own keys stay.
+  c.config_json = config_json;
+  c.mtp_loss_weight = mtp_loss_weight;
+  c.router_bias_update_speed = router_bias_update_speed;
+  c.seq_aux_loss_coef = seq_aux_loss_coef;
+  r.read({"vocab_size"}, c.vocab_size);
+  r.read({"hidden_size"}, c.hidden_size);
+  r.read({"intermediate_size"}, c.intermediate_size);
+  r.read({"moe_intermediate_size"}, c.moe_intermediate_size);
+  r.read({"num_hidden_layers"}, c.num_hidden_layers);
+  r.read({"num_attention_heads"}, c.num_attention_heads);
+  // HF: num_key_value_heads absent or null means num_attention_heads.
+  if (!r.read({"num_key_value_heads"}, c.num_key_value_heads)) c.num_key_value_heads = c.num_attention_heads;
+  r.read({"n_shared_experts"}, c.n_shared_experts);
+  r.read({"n_routed_experts", "num_local_experts"}, c.n_routed_experts);
+  r.read({"routed_scaling_factor"}, c.routed_scaling_factor);
+  r.read({"kv_lora_rank"}, c.kv_lora_rank);
+  // q_lora_rank: null is the form without a query down-projection (DeepSeek-V2-Lite, Moonlight).
+  if (const nlohmann::json* q = r.take({"q_lora_rank"}); q != nullptr) {
+    if (q->is_null()) c.q_lora_rank = 0;
+    else if (q->is_number_integer() && q->get<int64_t>() > 0) c.q_lora_rank = q->get<int64_t>();
+    else r.fail("q_lora_rank", fmt::format("expects a positive integer or null, got {}", q->dump()));
+  }
+  r.read({"qk_rope_head_dim"}, c.qk_rope_head_dim);
+  r.read({"v_head_dim"}, c.v_head_dim);
+  r.read({"qk_nope_head_dim"}, c.qk_nope_head_dim);
+  r.read({"n_group"}, c.n_group);
+  r.read({"topk_group"}, c.topk_group);
+  r.read({"num_experts_per_tok"}, c.num_experts_per_tok);
+  r.read({"first_k_dense_replace"}, c.first_k_dense_replace);
+  r.read({"norm_topk_prob"}, c.norm_topk_prob);
+  r.read({"max_position_embeddings"}, c.max_position_embeddings);
+  r.read({"initializer_range"}, c.initializer_range);
+  r.read({"rms_norm_eps"}, c.rms_norm_eps);
+  r.read({"tie_word_embeddings"}, c.tie_word_embeddings);
+  r.read({"rope_interleave"}, c.rope_interleave);
+  r.read({"num_nextn_predict_layers"}, c.num_nextn_predict_layers);
+  // RoPE: transformers 5's rope_parameters, or the older rope_scaling with rope_theta at the
+  // top level; YaRN's original length defaults to max_position_embeddings (transformers).
+  c.rope_original_max_position_embeddings = 0;
+  double top_theta = 0.0;
+  const bool has_top_theta = r.read({"rope_theta"}, top_theta);
+  if (has_top_theta) c.rope_theta = top_theta;
+  for (const char* key : {"rope_parameters", "rope_scaling"}) {
+    if (const nlohmann::json* p = r.take({key}); p != nullptr && !p->is_null()) read_rope_object(r, *p, key, c);
+  }
+  if (has_top_theta && c.rope_theta != top_theta) {
+    MT_THROW("{}: \"rope_theta\" = {} and the RoPE parameters' rope_theta = {} disagree", path, top_theta, c.rope_theta);
+  }
+  if (c.rope_original_max_position_embeddings == 0) c.rope_original_max_position_embeddings = c.max_position_embeddings;
+
+  // What would change the architecture in ways the family does not implement.
+  r.require("hidden_act", "silu", "only silu (SwiGLU) is implemented");
+  r.require("attention_bias", false, "DeepSeek-V3 attention has no biases in moetrain");
+  r.require("attention_dropout", 0.0, "moetrain has no attention dropout");
+  r.require("pretraining_tp", 1, "moetrain computes the plain (non-sliced) projections");
+  r.require("scoring_func", "sigmoid", "DeepSeek-V3 routes by sigmoid scores");
+  r.require("topk_method", "noaux_tc", "DeepSeek-V3 routes by group-limited top-k with the correction bias");
+  r.require("moe_layer_freq", 1, "every layer past first_k_dense_replace has experts");
+  // DeepSeek's config.json: ep_size is its inference layout; aux_loss_alpha and seq_aux are its
+  // training recipe, which HF's model does not compute (moetrain's seq_aux_loss_coef sets it);
+  // quantization_config describes FP8 weights, which the checkpoint reader dequantizes.
+  r.pass_over({"ep_size", "aux_loss_alpha", "seq_aux", "quantization_config", "output_router_logits"});
+  r.pass_over_common();
+  r.finish();
+  *this = std::move(c);
+}
+
+std::string DeepseekV3Config::to_hf_json() const {
+  nlohmann::ordered_json j;
+  j["architectures"] = {"DeepseekV3ForCausalLM"};
+  j["model_type"] = model_type;
+  j["vocab_size"] = vocab_size;
+  j["hidden_size"] = hidden_size;
+  j["intermediate_size"] = intermediate_size;
+  j["moe_intermediate_size"] = moe_intermediate_size;
+  j["num_hidden_layers"] = num_hidden_layers;
+  j["num_attention_heads"] = num_attention_heads;
+  j["num_key_value_heads"] = num_key_value_heads;
+  j["n_shared_experts"] = n_shared_experts;
+  j["n_routed_experts"] = n_routed_experts;
+  j["routed_scaling_factor"] = routed_scaling_factor;
+  j["kv_lora_rank"] = kv_lora_rank;
+  if (q_lora_rank > 0) j["q_lora_rank"] = q_lora_rank;
+  else j["q_lora_rank"] = nullptr;
+  j["qk_rope_head_dim"] = qk_rope_head_dim;
+  j["v_head_dim"] = v_head_dim;
+  j["qk_nope_head_dim"] = qk_nope_head_dim;
+  j["n_group"] = n_group;
+  j["topk_group"] = topk_group;
+  j["num_experts_per_tok"] = num_experts_per_tok;
+  j["first_k_dense_replace"] = first_k_dense_replace;
+  j["norm_topk_prob"] = norm_topk_prob;
+  j["max_position_embeddings"] = max_position_embeddings;
+  j["initializer_range"] = initializer_range;
+  j["rms_norm_eps"] = rms_norm_eps;
+  j["tie_word_embeddings"] = tie_word_embeddings;
+  j["rope_interleave"] = rope_interleave;
+  nlohmann::ordered_json rope;
+  rope["rope_type"] = rope_type;
+  rope["rope_theta"] = rope_theta;
+  if (rope_type == "yarn") {
+    rope["factor"] = rope_factor;
+    rope["original_max_position_embeddings"] = rope_original_max_position_embeddings;
+    rope["beta_fast"] = rope_beta_fast;
+    rope["beta_slow"] = rope_beta_slow;
+    rope["mscale"] = rope_mscale;
+    rope["mscale_all_dim"] = rope_mscale_all_dim;
+  }
+  j["rope_parameters"] = rope;
+  if (num_nextn_predict_layers > 0) j["num_nextn_predict_layers"] = num_nextn_predict_layers;
+  j["hidden_act"] = "silu";
+  j["attention_bias"] = false;
+  j["attention_dropout"] = 0.0;
+  j["use_cache"] = true;
+  j["dtype"] = "bfloat16";
+  return j.dump(2) + "\n";
+}
+
+}  // namespace moetrain
