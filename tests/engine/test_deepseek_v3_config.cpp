@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "engine/models/deepseek_v3_config.h"
 #include "scratch_dir.h"
@@ -114,6 +115,36 @@ TEST_F(DeepseekV3ConfigTest, RoundTripsAndTakesTransformersDefaults) {
   DeepseekV3Config d;
   d.load_hf_json(file("null_q.json", c.to_hf_json()));
   EXPECT_EQ(d.q_lora_rank, 0);
+}
+
+// YaRN's frequencies at DeepSeek-V3's values (64 rotary dims, theta 1e4, factor 40, original
+// context 4096, beta 32 and 1): the pair making 32 turns is 10.47 (floor 10), the one making
+// 1 turn 22.51 (ceil 23), worked by hand from transformers' formula; pairs up to 10 keep
+// their frequency, from 23 on it is divided by 40, linearly between.
+TEST_F(DeepseekV3ConfigTest, YarnFrequenciesRampBetweenTheCorrectionPairs) {
+  DeepseekV3Config c;
+  c.qk_rope_head_dim = 64;
+  c.rope_theta = 10000;
+  c.rope_type = "yarn";
+  c.rope_factor = 40;
+  c.rope_original_max_position_embeddings = 4096;
+  c.rope_beta_fast = 32;
+  c.rope_beta_slow = 1;
+  const std::vector<double> f = c.rope_inv_freq();
+  ASSERT_EQ(f.size(), 32u);
+  auto plain = [](int i) { return std::pow(10000.0, -2.0 * i / 64); };
+  for (int i : {0, 5, 10}) EXPECT_DOUBLE_EQ(f[i], plain(i)) << "pair " << i;
+  for (int i : {23, 30, 31}) EXPECT_DOUBLE_EQ(f[i], plain(i) / 40) << "pair " << i;
+  const double ramp = 6.0 / 13.0;  // pair 16
+  EXPECT_DOUBLE_EQ(f[16], plain(16) / 40 * ramp + plain(16) * (1 - ramp));
+  // DeepSeek-V3's mscale = mscale_all_dim = 1: cos and sin unscaled; one of them absent: YaRN's own.
+  c.rope_mscale = c.rope_mscale_all_dim = 1;
+  EXPECT_DOUBLE_EQ(c.rope_attention_factor(), 1.0);
+  c.rope_mscale = 0;
+  EXPECT_DOUBLE_EQ(c.rope_attention_factor(), 0.1 * std::log(40.0) + 1);
+  c.rope_type = "default";
+  EXPECT_DOUBLE_EQ(c.rope_attention_factor(), 1.0);
+  EXPECT_DOUBLE_EQ(c.rope_inv_freq()[16], plain(16));
 }
 
 TEST_F(DeepseekV3ConfigTest, RefusesWhatItDoesNotImplementNamingTheKey) {

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
 
@@ -100,13 +101,49 @@ void DeepseekV3Config::validate(const std::string& origin) const {
   }
 }
 
+namespace {
+// YaRN's temperature: 0.1 * m * ln(factor) + 1 for factor > 1.
+double yarn_mscale(double factor, double m) { return factor <= 1 ? 1.0 : 0.1 * m * std::log(factor) + 1.0; }
+}  // namespace
+
 double DeepseekV3Config::softmax_scale() const {
   double scale = 1.0 / std::sqrt(static_cast<double>(qk_head_dim()));
-  if (rope_type == "yarn" && rope_mscale_all_dim > 0 && rope_factor > 1) {
-    const double mscale = 0.1 * rope_mscale_all_dim * std::log(rope_factor) + 1.0;
+  if (rope_type == "yarn" && rope_mscale_all_dim > 0) {
+    const double mscale = yarn_mscale(rope_factor, rope_mscale_all_dim);
     scale *= mscale * mscale;
   }
   return scale;
+}
+
+std::vector<double> DeepseekV3Config::rope_inv_freq() const {
+  const int64_t d = qk_rope_head_dim, pairs = d / 2;
+  std::vector<double> out(static_cast<size_t>(pairs));
+  for (int64_t i = 0; i < pairs; ++i) out[i] = std::pow(rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(d));
+  if (rope_type != "yarn") return out;
+  // The pair (fractional) that makes `rotations` turns over the original context.
+  const double kPi = 3.14159265358979323846;
+  auto pair_of = [&](double rotations) {
+    return static_cast<double>(d) *
+           std::log(static_cast<double>(rope_original_max_position_embeddings) / (rotations * 2 * kPi)) /
+           (2 * std::log(rope_theta));
+  };
+  const double low = std::max(0.0, std::floor(pair_of(rope_beta_fast)));
+  double high = std::min(static_cast<double>(d - 1), std::ceil(pair_of(rope_beta_slow)));
+  if (high == low) high += 0.001;  // no zero-width ramp
+  for (int64_t i = 0; i < pairs; ++i) {
+    const double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
+    const double extrapolate = 1.0 - ramp;  // 1: the pair keeps its frequency
+    out[i] = out[i] / rope_factor * (1.0 - extrapolate) + out[i] * extrapolate;
+  }
+  return out;
+}
+
+double DeepseekV3Config::rope_attention_factor() const {
+  if (rope_type != "yarn") return 1.0;
+  if (rope_mscale > 0 && rope_mscale_all_dim > 0) {
+    return yarn_mscale(rope_factor, rope_mscale) / yarn_mscale(rope_factor, rope_mscale_all_dim);
+  }
+  return yarn_mscale(rope_factor, 1.0);
 }
 
 ModelShape DeepseekV3Config::shape() const {

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "engine/config.h"
 #include "engine/models/model_config.h"
@@ -84,6 +85,15 @@ struct DeepseekV3Config : ModelConfig {
   // The attention's softmax scale: qk_head_dim^-0.5, times mscale^2 under YaRN where
   // mscale = 0.1 * rope_mscale_all_dim * ln(rope_factor) + 1 (HF's DeepseekV3Attention).
   double softmax_scale() const;
+  // RoPE's inverse frequencies for the qk_rope_head_dim rotary dims (one per pair): theta^(-2i/d),
+  // or under YaRN a blend per pair of that (extrapolation: pairs of many rotations in the
+  // original context) and it divided by rope_factor (interpolation: pairs of few), ramped
+  // linearly between the pairs that make rope_beta_fast and rope_beta_slow rotations
+  // (transformers' YaRN, its correction range truncated to whole pairs).
+  std::vector<double> rope_inv_freq() const;
+  // What YaRN multiplies cos and sin by: mscale(factor, rope_mscale) / mscale(factor,
+  // rope_mscale_all_dim) when both are set, else mscale(factor, 1); 1 without YaRN.
+  double rope_attention_factor() const;
 };
 
 }  // namespace moetrain
