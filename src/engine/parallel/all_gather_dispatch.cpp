@@ -151,9 +151,9 @@ void AllGatherDispatcher::dispatch_start(const Tensor& x, const Tensor& topk_idx
       stream_.count_bytes(static_cast<double>((ep_.size() - 1) * (pad_ids.nbytes() + g[1].nbytes() / ep_.size())));
       ids = g[0];
       st.weight = g[1].clone();  // read at the combine, many exchanges later
-    } else {
+    } else {  // NCCL (fresh tensors), or the arena without weights
       ids = gather(pad_ids, arena_.get());
-      st.weight = topk_weight.defined() ? gather(padded(topk_weight, Tp), arena_.get()).clone() : Tensor();
+      st.weight = topk_weight.defined() ? gather(padded(topk_weight, Tp), nullptr) : Tensor();
     }
     // This rank's experts' copies of the gathered tokens, sorted first; every other copy
     // (another rank's expert, or a padding row's id E) goes to group El, past the kept rows.
