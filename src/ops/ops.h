@@ -103,9 +103,14 @@ RmsNormRopeGrads rmsnorm_rope_backward(const Tensor& dy, const Tensor& x, const 
 struct AttentionShape {
   int64_t batch = 0, seq = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
   double scale = 0;  // softmax scale, usually 1/sqrt(head_dim)
+  // The value heads' size Dv when it differs from the query/key heads' (DeepSeek-V3's MLA:
+  // 192 and 128); 0: head_dim. v, out and dout are then [B*S, H*Dv]. The CPU reference
+  // takes any; the CUDA kernels only Dv == head_dim so far (an error names both).
+  int64_t v_head_dim = 0;
+  int64_t value_dim() const { return v_head_dim > 0 ? v_head_dim : head_dim; }
 };
 struct AttentionOut {
-  Tensor out;  // [B*S, Hq*D]
+  Tensor out;  // [B*S, Hq*Dv]
   Tensor lse;  // [B, Hq, S] log-sum-exp of each score row, saved for backward
 };
 AttentionOut attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_ids,

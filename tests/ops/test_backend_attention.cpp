@@ -272,6 +272,16 @@ TEST(BackendAttention, RejectsBadArguments) {
   } catch (const moetrain::Error& e) {
     EXPECT_NE(std::string(e.what()).find("tensor k has dtype"), std::string::npos) << e.what();
   }
+  // Value heads of another size (MLA's): the CPU reference takes them, the kernels not yet.
+  a.v_head_dim = 32;
+  const Tensor v32 = on_gpu(random_bf16_values({8, 32}, 5), DType::BF16);
+  try {
+    ops::attention_forward(q64, kv64, v32, Tensor(), a);
+    ADD_FAILURE() << "value heads of 32 with query/key heads of 64 accepted";
+  } catch (const moetrain::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("value heads of 32 with query/key heads of 64"), std::string::npos)
+        << e.what();
+  }
 }
 
 // Not an assertion: forward and backward time and throughput for the target shapes.

@@ -389,8 +389,8 @@ Tensor random_segments(int64_t B, int64_t S, uint64_t seed) {
 // Explicit softmax(scale QK^T + mask) V with a full score matrix per (b, h).
 std::pair<Tensor, Tensor> attention_naive(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seg,
                                           const ops::AttentionShape& a) {
-  const int64_t B = a.batch, S = a.seq, Hq = a.q_heads, Hkv = a.kv_heads, D = a.head_dim;
-  std::vector<double> out(B * S * Hq * D), lse(B * Hq * S);
+  const int64_t B = a.batch, S = a.seq, Hq = a.q_heads, Hkv = a.kv_heads, D = a.head_dim, Dv = a.value_dim();
+  std::vector<double> out(B * S * Hq * Dv), lse(B * Hq * S);
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < Hq; ++h) {
       const int64_t g = h * Hkv / Hq;
@@ -408,16 +408,16 @@ std::pair<Tensor, Tensor> attention_naive(const Tensor& q, const Tensor& k, cons
         for (int64_t j = 0; j < S; ++j) mx = std::max(mx, score[i * S + j]);
         for (int64_t j = 0; j < S; ++j) z += std::exp(score[i * S + j] - mx);
         lse[(b * Hq + h) * S + i] = mx + std::log(z);
-        for (int64_t d = 0; d < D; ++d) {
+        for (int64_t d = 0; d < Dv; ++d) {
           double o = 0;
           for (int64_t j = 0; j < S; ++j)
-            o += std::exp(score[i * S + j] - mx) / z * v.item((b * S + j) * Hkv * D + g * D + d);
-          out[(b * S + i) * Hq * D + h * D + d] = o;
+            o += std::exp(score[i * S + j] - mx) / z * v.item((b * S + j) * Hkv * Dv + g * Dv + d);
+          out[(b * S + i) * Hq * Dv + h * Dv + d] = o;
         }
       }
     }
   }
-  return {Tensor::from_vector(out, q.shape()), Tensor::from_vector(lse, {B, Hq, S})};
+  return {Tensor::from_vector(out, {B * S, Hq * Dv}), Tensor::from_vector(lse, {B, Hq, S})};
 }
 
 struct AttnCase {
@@ -425,8 +425,9 @@ struct AttnCase {
   Tensor q, k, v, seg;
 };
 
-// Random GQA case (q_heads = group * kv_heads), batch >= 2, segments optional.
-AttnCase attn_case(uint64_t seed, int64_t group, bool segments, DType dt = DType::F64) {
+// Random GQA case (q_heads = group * kv_heads), batch >= 2, segments optional; value heads
+// of head_dim + dv_extra (MLA's shape when not 0).
+AttnCase attn_case(uint64_t seed, int64_t group, bool segments, DType dt = DType::F64, int64_t dv_extra = 0) {
   Rng rng(seed);
   AttnCase c;
   auto& a = c.shape;
@@ -436,22 +437,26 @@ AttnCase attn_case(uint64_t seed, int64_t group, bool segments, DType dt = DType
   a.q_heads = group * a.kv_heads;
   a.head_dim = dim(rng, 2, 4);
   a.scale = 1 / std::sqrt(double(a.head_dim));
+  if (dv_extra != 0) a.v_head_dim = a.head_dim + dv_extra;
   const int64_t T = a.batch * a.seq;
   c.q = random_tensor({T, a.q_heads * a.head_dim}, dt, seed + 1);
   c.k = random_tensor({T, a.kv_heads * a.head_dim}, dt, seed + 2);
-  c.v = random_tensor({T, a.kv_heads * a.head_dim}, dt, seed + 3);
+  c.v = random_tensor({T, a.kv_heads * a.value_dim()}, dt, seed + 3);
   if (segments) c.seg = random_segments(a.batch, a.seq, seed + 4);
   return c;
 }
 
 TEST(DenseAttention, GradCheck) {
+  // dv_extra: value heads wider (+3) and narrower (-1) than query/key heads (DeepSeek-V3's MLA)
+  for (int64_t dv_extra : {0, 3, -1}) {
   for (bool segments : {false, true}) {
     for (uint64_t seed : kSeeds) {
-      AttnCase c = attn_case(seed, 2, segments);
+      AttnCase c = attn_case(seed, 2, segments, DType::F64, dv_extra);
       const auto& a = c.shape;
-      const std::string op = fmt::format("{}[B={},S={},Hq={},Hkv={},D={}]", segments ? "attention_gqa_seg" : "attention_gqa",
-                                         a.batch, a.seq, a.q_heads, a.kv_heads, a.head_dim);
-      Tensor r = random_tensor(c.q.shape(), DType::F64, seed + 5);
+      const std::string op = fmt::format("{}[B={},S={},Hq={},Hkv={},D={},Dv={}]",
+                                         segments ? "attention_gqa_seg" : "attention_gqa", a.batch, a.seq, a.q_heads,
+                                         a.kv_heads, a.head_dim, a.value_dim());
+      Tensor r = random_tensor({a.batch * a.seq, a.q_heads * a.value_dim()}, DType::F64, seed + 5);
       auto fwd = ops::attention_forward(c.q, c.k, c.v, c.seg, c.shape);
       auto g = ops::attention_backward(r, c.q, c.k, c.v, c.seg, fwd.out, fwd.lse, c.shape);
       auto loss = [&] { return dot(r, ops::attention_forward(c.q, c.k, c.v, c.seg, c.shape).out); };
@@ -460,12 +465,14 @@ TEST(DenseAttention, GradCheck) {
       check_grad(op, "v", c.v, g.dv, loss);
     }
   }
+  }
 }
 
 TEST(DenseAttention, ForwardNaive) {
   for (int64_t group : {1, 2, 3}) {  // MHA, GQA, and MQA when kv_heads = 1
     for (bool segments : {false, true}) {
-      AttnCase c = attn_case(100 + group, group, segments);
+      // group 2 with value heads wider than query/key heads (MLA's shape)
+      AttnCase c = attn_case(100 + group, group, segments, DType::F64, group == 2 ? 2 : 0);
       auto fwd = ops::attention_forward(c.q, c.k, c.v, c.seg, c.shape);
       auto [out, lse] = attention_naive(c.q, c.k, c.v, c.seg, c.shape);
       EXPECT_LT(rel_error(fwd.out, out), 1e-13) << "group " << group << " segments " << segments;

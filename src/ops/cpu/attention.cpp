@@ -1,6 +1,7 @@
 // Causal grouped-query attention (flash-style: no S x S matrix is kept).
 //
-// Token-major: q [B*S, Hq*D], k and v [B*S, Hkv*D]; query head h reads kv head
+// Token-major: q [B*S, Hq*D], k [B*S, Hkv*D], v [B*S, Hkv*Dv] (Dv = D unless the shape says
+// otherwise), out [B*S, Hq*Dv]; query head h reads kv head
 // g = h / (Hq/Hkv). Query s of sequence b may see key j when j <= s and, if segment ids
 // are given, seg[b,j] == seg[b,s]. With s_j = scale * q_s . k_j over the visible j:
 //   forward:  lse_s = log sum_j exp(s_j),  P_sj = exp(s_j - lse_s),  O_s = sum_j P_sj v_j
@@ -30,10 +31,11 @@ void check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& 
   MT_CHECK(a.q_heads % a.kv_heads == 0, "{}: q_heads {} is not a multiple of kv_heads {}", op, a.q_heads,
            a.kv_heads);
   MT_CHECK(a.scale > 0 && std::isfinite(a.scale), "{}: softmax scale must be positive, got {}", op, a.scale);
+  MT_CHECK(a.v_head_dim >= 0, "{}: v_head_dim must be >= 0 (0: head_dim), got {}", op, a.v_head_dim);
   const int64_t T = a.batch * a.seq;
   check_shape(q, {T, a.q_heads * a.head_dim}, "q");
   check_shape(k, {T, a.kv_heads * a.head_dim}, "k");
-  check_shape(v, {T, a.kv_heads * a.head_dim}, "v");
+  check_shape(v, {T, a.kv_heads * a.value_dim()}, "v");
   if (seg.defined()) {
     check_shape(seg, {T}, "segment_ids");
     check_dtype(seg, DType::I32, "segment_ids");
@@ -53,22 +55,22 @@ double dot(const F* a, const F* b, int64_t n) {
 AttentionOut attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_ids,
                                const AttentionShape& a) {
   check_args("attention_forward", q, k, v, segment_ids, a);
-  const int64_t B = a.batch, S = a.seq, Hq = a.q_heads, Hkv = a.kv_heads, D = a.head_dim;
-  const int64_t group = Hq / Hkv, qw = Hq * D, kw = Hkv * D;
+  const int64_t B = a.batch, S = a.seq, Hq = a.q_heads, Hkv = a.kv_heads, D = a.head_dim, Dv = a.value_dim();
+  const int64_t group = Hq / Hkv, qw = Hq * D, kw = Hkv * D, vw = Hkv * Dv, ow = Hq * Dv;
   const int32_t* seg = segment_ids.defined() ? segment_ids.data<int32_t>() : nullptr;
-  AttentionOut o{Tensor::empty(q.shape(), q.dtype()), Tensor::empty({B, Hq, S}, q.dtype())};
+  AttentionOut o{Tensor::empty({B * S, ow}, q.dtype()), Tensor::empty({B, Hq, S}, q.dtype())};
   dispatch_float(q.dtype(), "attention_forward", [&](auto tag) {
     using F = decltype(tag);
     const F *pq = q.data<F>(), *pk = k.data<F>(), *pv = v.data<F>();
     F *po = o.out.data<F>(), *plse = o.lse.data<F>();
 #pragma omp parallel
     {
-      std::vector<double> sc(S), acc(D);
+      std::vector<double> sc(S), acc(Dv);
 #pragma omp for schedule(static)
       for (int64_t bh = 0; bh < B * Hq; ++bh) {
         const int64_t b = bh / Hq, h = bh % Hq, g = h / group;
         const F* kb = pk + b * S * kw + g * D;
-        const F* vb = pv + b * S * kw + g * D;
+        const F* vb = pv + b * S * vw + g * Dv;
         for (int64_t s = 0; s < S; ++s) {
           const F* qs = pq + (b * S + s) * qw + h * D;
           const int32_t* sg = seg ? seg + b * S : nullptr;
@@ -84,11 +86,11 @@ AttentionOut attention_forward(const Tensor& q, const Tensor& k, const Tensor& v
             if (sg && sg[j] != sg[s]) continue;
             const double p = std::exp(sc[j] - mx);
             sum += p;
-            const F* vj = vb + j * kw;
-            for (int64_t d = 0; d < D; ++d) acc[d] += p * double(vj[d]);
+            const F* vj = vb + j * vw;
+            for (int64_t d = 0; d < Dv; ++d) acc[d] += p * double(vj[d]);
           }
-          F* os = po + (b * S + s) * qw + h * D;
-          for (int64_t d = 0; d < D; ++d) os[d] = F(acc[d] / sum);
+          F* os = po + (b * S + s) * ow + h * Dv;
+          for (int64_t d = 0; d < Dv; ++d) os[d] = F(acc[d] / sum);
           plse[bh * S + s] = F(mx + std::log(sum));
         }
       }
@@ -101,10 +103,10 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
                                   const Tensor& segment_ids, const Tensor& out, const Tensor& lse,
                                   const AttentionShape& a) {
   check_args("attention_backward", q, k, v, segment_ids, a);
-  const int64_t B = a.batch, S = a.seq, Hq = a.q_heads, Hkv = a.kv_heads, D = a.head_dim;
-  const int64_t group = Hq / Hkv, qw = Hq * D, kw = Hkv * D;
-  check_shape(dout, q.shape(), "dout");
-  check_shape(out, q.shape(), "out");
+  const int64_t B = a.batch, S = a.seq, Hq = a.q_heads, Hkv = a.kv_heads, D = a.head_dim, Dv = a.value_dim();
+  const int64_t group = Hq / Hkv, qw = Hq * D, kw = Hkv * D, vw = Hkv * Dv, ow = Hq * Dv;
+  check_shape(dout, {B * S, ow}, "dout");
+  check_shape(out, {B * S, ow}, "out");
   check_shape(lse, {B, Hq, S}, "lse");
   check_same_dtype("attention_backward", q.dtype(), {&dout, &out, &lse});
   const int32_t* seg = segment_ids.defined() ? segment_ids.data<int32_t>() : nullptr;
@@ -117,42 +119,40 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
     F *pdq = gr.dq.data<F>(), *pdk = gr.dk.data<F>(), *pdv = gr.dv.data<F>();
 #pragma omp parallel
     {
-      std::vector<double> dk(S * D), dv(S * D), dq(D);
+      std::vector<double> dk(S * D), dv(S * Dv), dq(D);
 #pragma omp for schedule(static)
       for (int64_t bg = 0; bg < B * Hkv; ++bg) {
         const int64_t b = bg / Hkv, g = bg % Hkv;
         const F* kb = pk + b * S * kw + g * D;
-        const F* vb = pv + b * S * kw + g * D;
+        const F* vb = pv + b * S * vw + g * Dv;
         const int32_t* sg = seg ? seg + b * S : nullptr;
         std::fill(dk.begin(), dk.end(), 0.0);
         std::fill(dv.begin(), dv.end(), 0.0);
         for (int64_t h = g * group; h < (g + 1) * group; ++h) {
           for (int64_t s = 0; s < S; ++s) {
-            const int64_t row = (b * S + s) * qw + h * D;
-            const F *qs = pq + row, *dos = pdo + row;
+            const int64_t row = (b * S + s) * qw + h * D, orow = (b * S + s) * ow + h * Dv;
+            const F *qs = pq + row, *dos = pdo + orow;
             const double l = double(plse[(b * Hq + h) * S + s]);
-            const double delta = dot(dos, po + row, D);
+            const double delta = dot(dos, po + orow, Dv);
             std::fill(dq.begin(), dq.end(), 0.0);
             for (int64_t j = 0; j <= s; ++j) {
               if (sg && sg[j] != sg[s]) continue;
-              const F *kj = kb + j * kw, *vj = vb + j * kw;
+              const F *kj = kb + j * kw, *vj = vb + j * vw;
               const double p = std::exp(a.scale * dot(qs, kj, D) - l);
-              const double ds = a.scale * p * (dot(dos, vj, D) - delta);  // scale folded in
-              double *dkj = dk.data() + j * D, *dvj = dv.data() + j * D;
+              const double ds = a.scale * p * (dot(dos, vj, Dv) - delta);  // scale folded in
+              double *dkj = dk.data() + j * D, *dvj = dv.data() + j * Dv;
               for (int64_t d = 0; d < D; ++d) {
                 dq[d] += ds * double(kj[d]);
                 dkj[d] += ds * double(qs[d]);
-                dvj[d] += p * double(dos[d]);
               }
+              for (int64_t d = 0; d < Dv; ++d) dvj[d] += p * double(dos[d]);
             }
             for (int64_t d = 0; d < D; ++d) pdq[row + d] = F(dq[d]);
           }
         }
         for (int64_t j = 0; j < S; ++j) {
-          for (int64_t d = 0; d < D; ++d) {
-            pdk[(b * S + j) * kw + g * D + d] = F(dk[j * D + d]);
-            pdv[(b * S + j) * kw + g * D + d] = F(dv[j * D + d]);
-          }
+          for (int64_t d = 0; d < D; ++d) pdk[(b * S + j) * kw + g * D + d] = F(dk[j * D + d]);
+          for (int64_t d = 0; d < Dv; ++d) pdv[(b * S + j) * vw + g * Dv + d] = F(dv[j * Dv + d]);
         }
       }
     }

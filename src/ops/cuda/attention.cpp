@@ -39,6 +39,10 @@ AttentionDims check_args(const char* op, const Tensor& q, const Tensor& k, const
            a.kv_heads);
   MT_CHECK(a.head_dim == 32 || a.head_dim == 64 || a.head_dim == 128,
            "{}: head_dim {} is not supported by the CUDA attention kernels (32, 64 or 128)", op, a.head_dim);
+  MT_CHECK(a.value_dim() == a.head_dim,
+           "{}: value heads of {} with query/key heads of {}: the CUDA attention kernels take equal sizes only so "
+           "far (the CPU reference takes both)",
+           op, a.value_dim(), a.head_dim);
   MT_CHECK(a.scale > 0 && std::isfinite(a.scale), "{}: softmax scale must be positive, got {}", op, a.scale);
   // Grid limits (y = heads, z = batch) and 32-bit positions inside a sequence.
   MT_CHECK(a.batch <= 65535 && a.q_heads <= 65535, "{}: batch {} or q_heads {} over the CUDA grid limit 65535", op,
