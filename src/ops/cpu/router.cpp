@@ -100,7 +100,8 @@ RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob, c
 }
 
 Tensor router_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const RouterOut& fwd, bool norm_topk_prob) {
-  const auto [T, E, K] = check_backward("router_backward", dtopk_weight, dprobs, fwd);
+  const BackwardDims dims = check_backward("router_backward", dtopk_weight, dprobs, fwd);
+  const int64_t T = dims.T, E = dims.E, K = dims.K;
   Tensor dlogits = Tensor::empty({T, E}, fwd.probs.dtype());
   dispatch_float(fwd.probs.dtype(), "router_backward", [&](auto tag) {
     using F = decltype(tag);
@@ -224,7 +225,8 @@ RouterOut router_sigmoid_forward(const Tensor& logits, const Tensor& bias, int64
 
 Tensor router_sigmoid_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const RouterOut& fwd,
                                bool norm_topk_prob, double scaling) {
-  const auto [T, E, K] = check_backward("router_sigmoid_backward", dtopk_weight, dprobs, fwd);
+  const BackwardDims dims = check_backward("router_sigmoid_backward", dtopk_weight, dprobs, fwd);
+  const int64_t T = dims.T, E = dims.E, K = dims.K;
   Tensor dlogits = Tensor::empty({T, E}, fwd.probs.dtype());
   dispatch_float(fwd.probs.dtype(), "router_sigmoid_backward", [&](auto tag) {
     using F = decltype(tag);

@@ -61,7 +61,8 @@ BackwardDims check_backward(const char* op, const Tensor& dtopk_weight, const Te
 }  // namespace
 
 RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob, const Tensor& selection_bias) {
-  const auto [T, E] = check_forward("router_forward", logits, selection_bias, "router_forward selection_bias", k);
+  const std::pair<int64_t, int64_t> te = check_forward("router_forward", logits, selection_bias, "router_forward selection_bias", k);
+  const int64_t T = te.first, E = te.second;
   RouterOut out;
   out.probs = Tensor::empty({T, E}, DType::F32, logits.device());
   out.topk_idx = Tensor::empty({T, k}, DType::I32, logits.device());
@@ -75,7 +76,8 @@ RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob, c
 }
 
 Tensor router_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const RouterOut& fwd, bool norm_topk_prob) {
-  const auto [T, E, K] = check_backward("router_backward", dtopk_weight, dprobs, fwd);
+  const BackwardDims dims = check_backward("router_backward", dtopk_weight, dprobs, fwd);
+  const int64_t T = dims.T, E = dims.E, K = dims.K;
   // Expert ids are not re-checked here (that would wait for the device): ids outside
   // [0, E) from a corrupt fwd.topk_idx contribute nothing.
   Tensor dlogits = Tensor::empty({T, E}, DType::BF16, fwd.probs.device());
@@ -89,7 +91,8 @@ Tensor router_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const R
 RouterOut router_sigmoid_forward(const Tensor& logits, const Tensor& bias, int64_t k, int64_t n_group,
                                  int64_t topk_group, bool norm_topk_prob, double scaling) {
   const char* op = "router_sigmoid_forward";
-  const auto [T, E] = check_forward(op, logits, bias, "router_sigmoid_forward bias", k);
+  const std::pair<int64_t, int64_t> te = check_forward(op, logits, bias, "router_sigmoid_forward bias", k);
+  const int64_t T = te.first, E = te.second;
   MT_CHECK(n_group >= 1 && n_group <= 32 && E % n_group == 0 && (n_group == 1 || E / n_group >= 2),
            "{}: n_group = {} must divide num_experts = {} into groups of 2 or more (at most 32 groups)", op, n_group,
            E);
@@ -111,7 +114,8 @@ RouterOut router_sigmoid_forward(const Tensor& logits, const Tensor& bias, int64
 Tensor router_sigmoid_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const RouterOut& fwd,
                                bool norm_topk_prob, double scaling) {
   // Ids outside [0, E) (a corrupt fwd.topk_idx) contribute nothing, as in router_backward.
-  const auto [T, E, K] = check_backward("router_sigmoid_backward", dtopk_weight, dprobs, fwd);
+  const BackwardDims dims = check_backward("router_sigmoid_backward", dtopk_weight, dprobs, fwd);
+  const int64_t T = dims.T, E = dims.E, K = dims.K;
   Tensor dlogits = Tensor::empty({T, E}, DType::BF16, fwd.probs.device());
   launch_router_sigmoid_backward(dtopk_weight.data<float>(), dprobs.defined() ? dprobs.data<float>() : nullptr,
                                  fwd.probs.data<float>(), fwd.topk_idx.data<int32_t>(), T, static_cast<int>(E),
