@@ -9,6 +9,20 @@
 
 namespace moetrain {
 
+namespace {
+
+// Two paired passes' steps in turn (each returns whether its pass has more), until both are
+// done; `more_a` / `more_b`: whether each has a step left to start with.
+template <typename A, typename B>
+void in_turn(bool more_a, bool more_b, A&& step_a, B&& step_b) {
+  while (more_a || more_b) {
+    if (more_a) more_a = step_a();
+    if (more_b) more_b = step_b();
+  }
+}
+
+}  // namespace
+
 Tensor RouterTotals::pack() const {
   const std::vector<Tensor> host = to_host({selections, prob_sum, z_sum});
   std::vector<double> v = host[0].to_double_vector(), p = host[1].to_double_vector();
@@ -358,11 +372,8 @@ std::pair<Tensor, Tensor> MoeDecoderModel::forward_backward_overlapped(
   // forward's attention, the backward's MLP, the forward's MLP, the backward's attention,
   // and so on, and the host waits for a dispatch's row count (dispatch_finish, at the
   // forward's MLP step) with the backward's MLP queued ahead of it.
-  bool more_f = true, more_b = backward_piece(g, d);  // the first combine backward starts
-  while (more_f || more_b) {
-    if (more_f) more_f = forward_step(f, d);
-    if (more_b) more_b = backward_step(g, d);
-  }
+  const bool more_b = backward_piece(g, d);  // the first combine backward starts
+  in_turn(true, more_b, [&] { return forward_step(f, d); }, [&] { return backward_step(g, d); });
   Tensor out = end_forward(f, pass, loss);
   return {out, end_backward(g)};
 }
@@ -395,10 +406,7 @@ std::pair<Tensor, Tensor> MoeDecoderModel::forwards_overlapped(const ChunkSpec& 
                                                                const ChunkPass& pass, ExpertDispatcher& d) {
   ForwardCursor f1 = begin_forward(c1, b1, x1, a1, t1, pass);
   ForwardCursor f2 = begin_forward(c2, b2, x2, a2, t2, pass);
-  for (bool more1 = true, more2 = true; more1 || more2;) {
-    if (more1) more1 = forward_step(f1, d);
-    if (more2) more2 = forward_step(f2, d);
-  }
+  in_turn(true, true, [&] { return forward_step(f1, d); }, [&] { return forward_step(f2, d); });
   Tensor out1 = end_forward(f1, pass, loss1);
   return {out1, end_forward(f2, pass, loss2)};
 }
@@ -412,11 +420,8 @@ std::pair<Tensor, Tensor> MoeDecoderModel::backwards_overlapped(const ChunkSpec&
                                                                 double aux_scale, ExpertDispatcher& d) {
   BackwardCursor g1 = begin_backward(c1, b1, dy1, a1, aux_scale, /*weights_now=*/false, false);
   BackwardCursor g2 = begin_backward(c2, b2, dy2, a2, aux_scale, /*weights_now=*/false, false);
-  bool more1 = backward_piece(g1, d), more2 = backward_piece(g2, d);
-  while (more1 || more2) {
-    if (more1) more1 = backward_step(g1, d);
-    if (more2) more2 = backward_step(g2, d);
-  }
+  const bool more1 = backward_piece(g1, d), more2 = backward_piece(g2, d);
+  in_turn(more1, more2, [&] { return backward_step(g1, d); }, [&] { return backward_step(g2, d); });
   Tensor dx1 = end_backward(g1);
   return {dx1, end_backward(g2)};
 }

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <chrono>
-
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -67,7 +66,8 @@ PeerArena::PeerArena(Communicator& group)
     : group_(group),
       P_(group.size()),
       rank_(group.rank()),
-      signals_(!env_nccl_barrier() && P_ <= 32) {
+      signals_(!env_nccl_barrier() && P_ <= 32),
+      signal_timeout_s_(std::chrono::duration<double>(group.options().timeout).count()) {
   MT_CHECK(static_cast<size_t>(P_) * 4 <= kSignalBytes, "peer arena on {}: {} ranks are more than its {} signal words",
            group_.name(), P_, kSignalBytes / 4);
   flag_ = Tensor::zeros({1}, DType::F32, Device::cuda(cuda::current_device()));
@@ -168,8 +168,7 @@ void PeerArena::nccl_barrier() { group_.all_reduce(flag_, ReduceOp::Sum, cuda::c
 // later exchange also passes the wait.
 void PeerArena::barrier() {
   if (!signals_) return nccl_barrier();
-  const double timeout_s = std::chrono::duration<double>(group_.options().timeout).count();
-  ops::signal_peers_and_wait(arenas_, rank_, ++barriers_, timeout_s);
+  ops::signal_peers_and_wait(arenas_, rank_, ++barriers_, signal_timeout_s_);
 }
 
 char* PeerArena::slot_of(int rank) const {

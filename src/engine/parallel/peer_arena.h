@@ -84,8 +84,9 @@ class PeerArena {
   // (word q: written by rank q), and the number of the last barrier (restarted at 0 with
   // every new arena, whose words start zeroed).
   bool signals_;
+  double signal_timeout_s_;  // the group's timeout: a signal wait past it stops (ops.h)
   uint32_t barriers_ = 0;
-  std::vector<void*> lanes_;   // cuda::Stream, one per concurrent copy
+  std::vector<void*> lanes_;   // cuda::Stream, one per destination rank
   void* fork_ = nullptr;       // cuda::Event
   std::vector<void*> joins_;   // cuda::Event, one per lane
 };

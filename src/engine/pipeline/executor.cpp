@@ -72,8 +72,6 @@ uint32_t tag(uint32_t what, int chunk, int mb) {
   return (what << 30) | (static_cast<uint32_t>(chunk) << 19) | static_cast<uint32_t>(mb);
 }
 
-std::string op_name(const PipeOp& op) { return to_string(op); }
-
 }  // namespace
 
 uint32_t pipeline_message_tag(bool gradient, int chunk, int mb) {
@@ -105,13 +103,10 @@ std::vector<OrderedTransport::Message> pipeline_message_order(const PipelineSche
           all.push_back({t, p, i, 1, s.rank_of_chunk(c - 1), tag(kGradient, c - 1, m), m});
         }
       };
-      switch (op.kind) {  // a pair's first half's message first
-        case PipeOpKind::F: forward(op.chunk, op.mb); break;
-        case PipeOpKind::B: backward(op.chunk, op.mb); break;
-        case PipeOpKind::W: break;
-        case PipeOpKind::FB: forward(op.chunk, op.mb), backward(op.chunk2, op.mb2); break;
-        case PipeOpKind::FF: forward(op.chunk, op.mb), forward(op.chunk2, op.mb2); break;
-        case PipeOpKind::BB: backward(op.chunk, op.mb), backward(op.chunk2, op.mb2); break;
+      PipeOp half[2];
+      for (int h = 0, n = op.halves(half); h < n; ++h) {  // a pair's first half's message first
+        if (half[h].kind == PipeOpKind::F) forward(half[h].chunk, half[h].mb);
+        if (half[h].kind == PipeOpKind::B) backward(half[h].chunk, half[h].mb);
       }
     }
   }
@@ -291,7 +286,7 @@ void PipelineExecutor::forwards_overlapped_step(const PipeOp& op, const std::vec
   pass.head_accumulate = head_written_;
   MicroBatchLoss loss1, loss2;
   const ChunkSpec &c1 = chunks_[op.chunk], &c2 = chunks_[op.chunk2];
-  MT_CHECK(!(c1.head && c2.head), "pipeline: two forwards of the head chunk paired ({})", op_name(op));
+  MT_CHECK(!(c1.head && c2.head), "pipeline: two forwards of the head chunk paired ({})", to_string(op));
   auto [out1, out2] = model_.forwards_overlapped(c1, batches[op.mb], in1.hidden, a1, in1.totals,
                                                  c1.head ? &loss1 : nullptr, c2, batches[op.mb2], in2.hidden, a2,
                                                  in2.totals, c2.head ? &loss2 : nullptr, pass, dispatcher_);
@@ -358,7 +353,7 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
   }();
   for (const PipeOp& op : s.ops[rank_]) {
     if (trace) {  // a warning, so that every rank prints it
-      spdlog::warn("pipeline trace: rank {} {}{}", rank_, op_name(op),
+      spdlog::warn("pipeline trace: rank {} {}{}", rank_, to_string(op),
                    ordered_ ? " |" + ordered_->pending() : std::string());
     }
     inputs_in_ = std::chrono::steady_clock::now();
@@ -370,34 +365,27 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
       inputs_in_event_ = events.back().inputs_in;
     }
     try {
-      switch (op.kind) {
-        case PipeOpKind::F: forward_step(op.chunk, op.mb, batches[op.mb], pass, r); break;
-        case PipeOpKind::B: input_grad_step(op.chunk, op.mb, batches[op.mb], pass.aux_scale); break;
-        case PipeOpKind::W: weight_step(op.chunk, op.mb, batches[op.mb]); break;
-        case PipeOpKind::FB:
-          if (overlap_) overlapped_step(op, batches, pass, r);
-          else {
-            forward_step(op.chunk, op.mb, batches[op.mb], pass, r);
-            input_grad_step(op.chunk2, op.mb2, batches[op.mb2], pass.aux_scale);
-          }
-          break;
-        case PipeOpKind::FF:
-          if (overlap_) forwards_overlapped_step(op, batches, pass, r);
-          else {
-            forward_step(op.chunk, op.mb, batches[op.mb], pass, r);
-            forward_step(op.chunk2, op.mb2, batches[op.mb2], pass, r);
-          }
-          break;
-        case PipeOpKind::BB:
-          if (overlap_) backwards_overlapped_step(op, batches, pass.aux_scale);
-          else {
-            input_grad_step(op.chunk, op.mb, batches[op.mb], pass.aux_scale);
-            input_grad_step(op.chunk2, op.mb2, batches[op.mb2], pass.aux_scale);
-          }
-          break;
+      // A single step, or a pair's halves in turn when pairs are not overlapped.
+      auto single = [&](const PipeOp& o) {
+        switch (o.kind) {
+          case PipeOpKind::F: forward_step(o.chunk, o.mb, batches[o.mb], pass, r); break;
+          case PipeOpKind::B: input_grad_step(o.chunk, o.mb, batches[o.mb], pass.aux_scale); break;
+          case PipeOpKind::W: weight_step(o.chunk, o.mb, batches[o.mb]); break;
+          default: MT_THROW("pipeline: {} is not a single step", to_string(o));
+        }
+      };
+      if (!op.paired() || !overlap_) {
+        PipeOp half[2];
+        for (int h = 0, n = op.halves(half); h < n; ++h) single(half[h]);
+      } else if (op.kind == PipeOpKind::FB) {
+        overlapped_step(op, batches, pass, r);
+      } else if (op.kind == PipeOpKind::FF) {
+        forwards_overlapped_step(op, batches, pass, r);
+      } else {
+        backwards_overlapped_step(op, batches, pass.aux_scale);
       }
     } catch (const Error& e) {
-      MT_THROW("pipeline rank {} of {}, step {} of schedule {}: {}", rank_, s.pp, op_name(op), s.name, e.what());
+      MT_THROW("pipeline rank {} of {}, step {} of schedule {}: {}", rank_, s.pp, to_string(op), s.name, e.what());
     }
     if (gpu_clock) cuda::record_event(events.back().end, cuda::current_stream());
     else if (timing_on_) {

@@ -29,13 +29,10 @@ std::string to_string(const Event& e) { return fmt::format("{}{}.{}", kind_lette
 
 // The events an op performs: one, or two for a pair (its first half first).
 int events_of(const PipeOp& op, Event out[2]) {
-  if (!op.paired()) {
-    out[0] = {op.kind, op.chunk, op.mb};
-    return 1;
-  }
-  out[0] = {op.kind == PipeOpKind::BB ? PipeOpKind::B : PipeOpKind::F, op.chunk, op.mb};
-  out[1] = {op.kind == PipeOpKind::FF ? PipeOpKind::F : PipeOpKind::B, op.chunk2, op.mb2};
-  return 2;
+  PipeOp h[2];
+  const int n = op.halves(h);
+  for (int i = 0; i < n; ++i) out[i] = {h[i].kind, h[i].chunk, h[i].mb};
+  return n;
 }
 
 // Structure: sizes, ranges, placement, and exactly one F (B, W) per (chunk, mb). Runs before
@@ -214,6 +211,16 @@ ScheduleTimes run_times(const PipelineSchedule& s, double f, double b, double w,
 }
 
 }  // namespace
+
+int PipeOp::halves(PipeOp out[2]) const {
+  if (!paired()) {
+    out[0] = *this;
+    return 1;
+  }
+  out[0] = make_op(kind == PipeOpKind::BB ? PipeOpKind::B : PipeOpKind::F, chunk, mb);
+  out[1] = make_op(kind == PipeOpKind::FF ? PipeOpKind::F : PipeOpKind::B, chunk2, mb2);
+  return 2;
+}
 
 std::string to_string(const PipeOp& op) {
   Event ev[2];

@@ -22,6 +22,9 @@ struct PipeOp {
   int chunk = -1, mb = -1;    // F, B, W; for a pair its first half (FB: the forward)
   int chunk2 = -1, mb2 = -1;  // pairs only: the second half (FB: the backward)
   bool paired() const { return kind == PipeOpKind::FB || kind == PipeOpKind::FF || kind == PipeOpKind::BB; }
+  // The single F, B or W steps this op runs: itself, or a pair's two halves (first first).
+  // Returns how many it wrote (1 or 2).
+  int halves(PipeOp out[2]) const;
 };
 
 struct PipelineSchedule {

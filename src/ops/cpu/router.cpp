@@ -200,10 +200,9 @@ RouterOut router_sigmoid_forward(const Tensor& logits, const Tensor& bias, int64
           std::partial_sort(gorder.begin(), gorder.begin() + topk_group, gorder.end(), [&](int32_t a, int32_t b2) {
             return group[a] > group[b2] || (group[a] == group[b2] && a < b2);
           });
-          std::vector<bool> keep(static_cast<size_t>(G), false);
-          for (int64_t j = 0; j < topk_group; ++j) keep[static_cast<size_t>(gorder[j])] = true;
-          for (int64_t e = 0; e < E; ++e) {
-            if (!keep[static_cast<size_t>(e / per)]) c[e] = 0.0;
+          for (int64_t j = topk_group; j < G; ++j) {  // the groups past the kept ones: masked
+            const int64_t g = gorder[static_cast<size_t>(j)];
+            std::fill(c.begin() + g * per, c.begin() + (g + 1) * per, 0.0);
           }
         }
         std::iota(order.begin(), order.end(), 0);
