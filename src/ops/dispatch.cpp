@@ -74,12 +74,20 @@ void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rs
   MT_ROUTE(dy, rmsnorm_backward_weight, dy, x, rstd, dw);
 }
 
-Tensor rope_forward(const Tensor& x, const Tensor& positions, int64_t head_dim, double theta) {
-  return MT_ROUTE(x, rope_forward, x, positions, head_dim, theta);
+Tensor rope_forward(const Tensor& x, const Tensor& positions, const RopeSpec& r) {
+  return MT_ROUTE(x, rope_forward, x, positions, r);
 }
 
-Tensor rope_backward(const Tensor& dy, const Tensor& positions, int64_t head_dim, double theta) {
-  return MT_ROUTE(dy, rope_backward, dy, positions, head_dim, theta);
+Tensor rope_backward(const Tensor& dy, const Tensor& positions, const RopeSpec& r) {
+  return MT_ROUTE(dy, rope_backward, dy, positions, r);
+}
+
+MlaKv mla_kv_forward(const Tensor& kv, const Tensor& k_rot, int64_t heads, int64_t nope, int64_t v_dim) {
+  return MT_ROUTE(kv, mla_kv_forward, kv, k_rot, heads, nope, v_dim);
+}
+
+MlaKvGrads mla_kv_backward(const Tensor& dk, const Tensor& dv, int64_t heads, int64_t nope, int64_t v_dim) {
+  return MT_ROUTE(dk, mla_kv_backward, dk, dv, heads, nope, v_dim);
 }
 
 RmsNormOut rmsnorm_rope_forward(const Tensor& x, const Tensor& w, double eps, const Tensor& positions,

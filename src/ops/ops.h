@@ -73,12 +73,48 @@ Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w
 void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dw,
                              bool accumulate = true);
 
-// ---- RoPE, rotate-half convention (HF Llama/Qwen) -------------------------------------
-// x [T, heads * head_dim]; positions i32 [T]. For pair (i, i + head_dim/2) of each head,
-// angle = pos * theta^(-2i/head_dim): (a, b) -> (a cos - b sin, b cos + a sin).
-Tensor rope_forward(const Tensor& x, const Tensor& positions, int64_t head_dim, double theta);
-// The inverse rotation applied to dy (the map is orthogonal).
-Tensor rope_backward(const Tensor& dy, const Tensor& positions, int64_t head_dim, double theta);
+// ---- RoPE ------------------------------------------------------------------------------
+// x [T, heads * stride]; positions i32 [T]. In each head of `stride` values the last
+// head_dim are rotary (the others are copied through): pair i of them turns by
+// angle = pos * inv_freq[i], (a, b) -> scale * (a cos - b sin, b cos + a sin).
+//   rotate-half (HF Llama/Qwen): pair i is (i, i + head_dim/2);
+//   interleaved (DeepSeek-V3's rope_interleave): pair i is (2i, 2i+1). HF instead permutes
+//   the rotary dims to (evens, odds) and rotates halves; its q and k are this op's under the
+//   same permutation, so the attention scores are the same.
+struct RopeSpec {
+  int64_t head_dim = 0;          // rotary dims per head (even)
+  double theta = 10000;          // inv_freq[i] = theta^(-2i/head_dim) when inv_freq is empty
+  std::vector<double> inv_freq;  // head_dim/2 given frequencies (YaRN's), or empty
+  double scale = 1;              // cos and sin times this (YaRN's attention factor)
+  bool interleaved = false;
+  int64_t stride = 0;            // a head's width in x (>= head_dim); 0: head_dim
+  int64_t head_stride() const { return stride > 0 ? stride : head_dim; }
+};
+Tensor rope_forward(const Tensor& x, const Tensor& positions, const RopeSpec& r);
+// The transposed map (the inverse rotation, times scale) applied to dy.
+Tensor rope_backward(const Tensor& dy, const Tensor& positions, const RopeSpec& r);
+// Qwen3's plain rotate-half rope of whole heads.
+inline Tensor rope_forward(const Tensor& x, const Tensor& positions, int64_t head_dim, double theta) {
+  return rope_forward(x, positions, RopeSpec{head_dim, theta});
+}
+inline Tensor rope_backward(const Tensor& dy, const Tensor& positions, int64_t head_dim, double theta) {
+  return rope_backward(dy, positions, RopeSpec{head_dim, theta});
+}
+
+// ---- DeepSeek-V3's multi-head latent attention: the heads' keys and values ------------
+// kv [T, H*(nope+dv)] (kv_b_proj's output: per head its nope key dims, then its value) and
+// k_rot [T, rope] (the rotated key dims every head shares) ->
+//   k [T, H*(nope+rope)] (per head: its nope dims, then k_rot), v [T, H*dv].
+struct MlaKv {
+  Tensor k, v;
+};
+MlaKv mla_kv_forward(const Tensor& kv, const Tensor& k_rot, int64_t heads, int64_t nope, int64_t v_dim);
+// dkv [T, H*(nope+dv)] as kv, and dk_rot [T, rope] = the sum over the heads of dk's rotary
+// dims (f32 sums, rounded once to dk's dtype).
+struct MlaKvGrads {
+  Tensor dkv, dk_rot;
+};
+MlaKvGrads mla_kv_backward(const Tensor& dk, const Tensor& dv, int64_t heads, int64_t nope, int64_t v_dim);
 
 // ---- Qwen3's per-head q/k norm, then RoPE, as one op -----------------------------------
 // y = rope_forward(rmsnorm_forward(x, w, eps).y, positions, head_dim, theta) with

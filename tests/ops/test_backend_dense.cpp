@@ -244,6 +244,57 @@ TEST(BackendDense, Rope) {
   }
 }
 
+// DeepSeek-V3's rope: YaRN-like given frequencies and a cos/sin scale, interleaved pairs,
+// the rotary dims the last 64 of 192-wide heads (MLA's q) or a head of its own (k_pe).
+TEST(BackendDense, RopeSpec) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  struct Case {
+    int64_t T, heads, head_dim, stride;
+    bool interleaved;
+  };
+  for (Case c : {Case{37, 4, 64, 192, true}, Case{37, 1, 64, 64, true}, Case{20, 3, 16, 24, false},
+                 Case{64, 2, 64, 64, false}}) {
+    ops::RopeSpec r;
+    r.head_dim = c.head_dim;
+    r.stride = c.stride;
+    r.interleaved = c.interleaved;
+    r.scale = 1.21;
+    for (int64_t i = 0; i < c.head_dim / 2; ++i) r.inv_freq.push_back(std::pow(10000.0, -2.0 * i / c.head_dim) / (1 + i % 3));
+    const Shape s{c.T, c.heads * c.stride};
+    Tensor x = random_bf16_values(s, 20 + c.T);
+    Tensor pos = random_ints({c.T}, 0, 4096, 21 + c.T);
+    Tensor gpos = pos.to(kGpu);
+    const std::string op = fmt::format("rope{}_stride{}_{}", shape_str({c.T, c.heads, c.head_dim}), c.stride,
+                                       c.interleaved ? "interleaved" : "half");
+    expect_backend_close(ops::rope_forward(on_gpu(x, DType::BF16), gpos, r), ops::rope_forward(x, pos, r), kBf16Tol,
+                         op + "_forward", "y");
+    Tensor dy = random_bf16_values(s, 22 + c.T);
+    expect_backend_close(ops::rope_backward(on_gpu(dy, DType::BF16), gpos, r), ops::rope_backward(dy, pos, r),
+                         kBf16Tol, op + "_backward", "dx");
+  }
+}
+
+// MLA's keys and values: the split is exact; the shared key's gradient sums the heads in f32.
+TEST(BackendDense, MlaKv) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  for (auto [T, heads, nope, rope, dv] : {std::array<int64_t, 5>{33, 16, 128, 64, 128}, {5, 3, 16, 8, 24}}) {
+    Tensor kv = random_bf16_values({T, heads * (nope + dv)}, 30 + T);
+    Tensor kr = random_bf16_values({T, rope}, 31 + T);
+    const ops::MlaKv ref = ops::mla_kv_forward(kv, kr, heads, nope, dv);
+    const ops::MlaKv got = ops::mla_kv_forward(on_gpu(kv, DType::BF16), on_gpu(kr, DType::BF16), heads, nope, dv);
+    const std::string op = fmt::format("mla_kv[T={},heads={},nope={},rope={},dv={}]", T, heads, nope, rope, dv);
+    EXPECT_TRUE(same_bits(got.k.to(DType::F32), ref.k)) << op << ": k";
+    EXPECT_TRUE(same_bits(got.v.to(DType::F32), ref.v)) << op << ": v";
+    Tensor dk = random_bf16_values(ref.k.shape(), 32 + T), dvv = random_bf16_values(ref.v.shape(), 33 + T);
+    const ops::MlaKvGrads gref = ops::mla_kv_backward(dk, dvv, heads, nope, dv);
+    const ops::MlaKvGrads g = ops::mla_kv_backward(on_gpu(dk, DType::BF16), on_gpu(dvv, DType::BF16), heads, nope, dv);
+    EXPECT_TRUE(same_bits(g.dkv.to(DType::F32), gref.dkv)) << op << ": dkv";
+    expect_backend_close(g.dk_rot, gref.dk_rot, kBf16Tol, op, "dk_rot");
+  }
+}
+
 // Per-head norm then RoPE: one pass for head_dim 128 (rows past a block's 16, and 32 heads
 // as Qwen3's q), the ops in turn for head_dim 64; against the CPU's ops in turn. dw (f32)
 // is held to 1e-4 where the GPU keeps rope_backward(dy) in f32 (the one pass) and the

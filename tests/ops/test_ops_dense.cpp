@@ -337,6 +337,157 @@ TEST(DenseRope, ForwardNaiveInverseAndF32) {
   EXPECT_LT(rel_error(ops::rope_forward(f32(x), pos, hd, 1e6), y), 1e-6);
 }
 
+// DeepSeek-V3's rope as HF writes it, independently: each head's last hd dims (after `pass`
+// copied ones) permuted to (evens, odds) when interleaved, then rotate-half with the given
+// frequencies and cos/sin times scale. Returns the rotary dims in HF's order (permuted);
+// unpermute_interleaved maps them back to the op's order.
+Tensor rope_hf_deepseek(const Tensor& x, const Tensor& pos, const ops::RopeSpec& r) {
+  const int64_t T = x.size(0), W = x.size(1), hd = r.head_dim, half = hd / 2, stride = r.head_stride();
+  const int64_t pass = stride - hd;
+  std::vector<double> y(T * W);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h0 = 0; h0 < W; h0 += stride) {
+      std::vector<double> q(hd);
+      for (int64_t e = 0; e < hd; ++e) {
+        const int64_t src = r.interleaved ? (e < half ? 2 * e : 2 * (e - half) + 1) : e;
+        q[e] = x.item(t * W + h0 + pass + src);
+      }
+      for (int64_t j = 0; j < pass; ++j) y[t * W + h0 + j] = x.item(t * W + h0 + j);
+      for (int64_t e = 0; e < hd; ++e) {
+        const int64_t i = e % half;
+        const double ang = pos.item(t) * r.inv_freq[i];
+        const double rot = e < half ? -q[e + half] : q[e - half];
+        y[t * W + h0 + pass + e] = r.scale * (q[e] * std::cos(ang) + rot * std::sin(ang));
+      }
+    }
+  }
+  return Tensor::from_vector(y, x.shape());
+}
+
+// The op's order of the rotary dims from HF's (evens, odds).
+Tensor unpermute_interleaved(const Tensor& y_hf, const ops::RopeSpec& r) {
+  const int64_t T = y_hf.size(0), W = y_hf.size(1), hd = r.head_dim, half = hd / 2, stride = r.head_stride();
+  std::vector<double> y = y_hf.to_double_vector();
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h0 = t * W + stride - hd; h0 < (t + 1) * W; h0 += stride) {
+      for (int64_t e = 0; e < hd; ++e) {
+        y[h0 + (e < half ? 2 * e : 2 * (e - half) + 1)] = y_hf.item(h0 + e);
+      }
+    }
+  }
+  return Tensor::from_vector(y, y_hf.shape());
+}
+
+ops::RopeSpec yarn_like_spec(int64_t hd, int64_t stride, bool interleaved, uint64_t seed) {
+  ops::RopeSpec r;
+  r.head_dim = hd;
+  r.stride = stride;
+  r.interleaved = interleaved;
+  r.scale = 1.3;
+  Rng rng(seed);
+  for (int64_t i = 0; i < hd / 2; ++i) r.inv_freq.push_back(std::pow(10000.0, -2.0 * i / hd) * (0.5 + rng.uniform()));
+  return r;
+}
+
+TEST(DenseRope, SpecGradCheckAndHfDeepseekForm) {
+  for (uint64_t seed : kSeeds) {
+    Rng rng(seed);
+    const int64_t T = dim(rng, 1, 5), heads = dim(rng, 1, 3), hd = 2 * dim(rng, 1, 4);
+    const int64_t stride = hd + (seed % 2 ? 3 : 0);
+    for (bool interleaved : {false, true}) {
+      const ops::RopeSpec r = yarn_like_spec(hd, stride, interleaved, seed);
+      Tensor x = random_tensor({T, heads * stride}, DType::F64, seed + 1);
+      Tensor pos = random_ints({T}, 0, 4096, seed + 2);
+      Tensor g = random_tensor({T, heads * stride}, DType::F64, seed + 3);
+      const std::string op = fmt::format("rope[T={},heads={},hd={},stride={},interleaved={}]", T, heads, hd, stride,
+                                         interleaved);
+      check_grad(op, "x", x, ops::rope_backward(g, pos, r), [&] { return dot(g, ops::rope_forward(x, pos, r)); });
+      Tensor y = ops::rope_forward(x, pos, r);
+      Tensor hf = rope_hf_deepseek(x, pos, r);
+      EXPECT_LT(rel_error(y, interleaved ? unpermute_interleaved(hf, r) : hf), 1e-13) << op;
+    }
+  }
+}
+
+TEST(DenseRope, SpecInterleavedScoresMatchHf) {
+  // What attention sees: per head q.k is the same whether both are in HF's permuted order
+  // or the op's.
+  const int64_t T = 5, heads = 2, hd = 8, stride = 12;
+  const ops::RopeSpec r = yarn_like_spec(hd, stride, true, 3);
+  Tensor q = random_tensor({T, heads * stride}, DType::F64, 4), k = random_tensor({T, heads * stride}, DType::F64, 5);
+  Tensor pos = random_ints({T}, 0, 100, 6);
+  Tensor qo = ops::rope_forward(q, pos, r), ko = ops::rope_forward(k, pos, r);
+  Tensor qh = rope_hf_deepseek(q, pos, r), kh = rope_hf_deepseek(k, pos, r);
+  for (int64_t a = 0; a < T; ++a) {
+    for (int64_t b = 0; b < T; ++b) {
+      for (int64_t h = 0; h < heads; ++h) {
+        double so = 0, sh = 0;
+        for (int64_t e = 0; e < stride; ++e) {
+          so += qo.item(a * heads * stride + h * stride + e) * ko.item(b * heads * stride + h * stride + e);
+          sh += qh.item(a * heads * stride + h * stride + e) * kh.item(b * heads * stride + h * stride + e);
+        }
+        EXPECT_NEAR(so, sh, 1e-12 * (1 + std::abs(sh)));
+      }
+    }
+  }
+}
+
+TEST(DenseRope, SpecErrors) {
+  Tensor x = random_tensor({4, 12}, DType::F32, 1), pos = random_ints({4}, 0, 10, 2);
+  ops::RopeSpec r{4, 1e4};
+  r.stride = 5;
+  expect_error([&] { ops::rope_forward(x, pos, r); }, {"width 12", "head width 5"});
+  r.stride = 2;
+  expect_error([&] { ops::rope_forward(x, pos, r); }, {"stride", "2"});
+  r.stride = 6;
+  r.inv_freq = {1.0, 0.5, 0.25};
+  expect_error([&] { ops::rope_forward(x, pos, r); }, {"inv_freq", "2", "3"});
+}
+
+// ---- MLA keys and values -------------------------------------------------------------
+
+TEST(DenseMlaKv, LayoutAndGradCheck) {
+  for (uint64_t seed : kSeeds) {
+    Rng rng(seed);
+    const int64_t T = dim(rng, 1, 4), heads = dim(rng, 1, 3), nope = dim(rng, 1, 4), rope = dim(rng, 1, 3),
+                  dv = dim(rng, 1, 4);
+    Tensor kv = random_tensor({T, heads * (nope + dv)}, DType::F64, seed + 1);
+    Tensor kr = random_tensor({T, rope}, DType::F64, seed + 2);
+    const ops::MlaKv o = ops::mla_kv_forward(kv, kr, heads, nope, dv);
+    ASSERT_EQ(o.k.shape(), (Shape{T, heads * (nope + rope)}));
+    ASSERT_EQ(o.v.shape(), (Shape{T, heads * dv}));
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t j = 0; j < nope + rope; ++j) {
+          const double want = j < nope ? kv.item(t * heads * (nope + dv) + h * (nope + dv) + j) : kr.item(t * rope + j - nope);
+          ASSERT_EQ(o.k.item(t * heads * (nope + rope) + h * (nope + rope) + j), want);
+        }
+        for (int64_t j = 0; j < dv; ++j) {
+          ASSERT_EQ(o.v.item(t * heads * dv + h * dv + j), kv.item(t * heads * (nope + dv) + h * (nope + dv) + nope + j));
+        }
+      }
+    }
+    Tensor gk = random_tensor(o.k.shape(), DType::F64, seed + 3), gv = random_tensor(o.v.shape(), DType::F64, seed + 4);
+    const ops::MlaKvGrads g = ops::mla_kv_backward(gk, gv, heads, nope, dv);
+    auto loss = [&] {
+      const ops::MlaKv f = ops::mla_kv_forward(kv, kr, heads, nope, dv);
+      return dot(gk, f.k) + dot(gv, f.v);
+    };
+    const std::string op = fmt::format("mla_kv[T={},heads={},nope={},rope={},dv={}]", T, heads, nope, rope, dv);
+    check_grad(op, "kv", kv, g.dkv, loss);
+    check_grad(op, "k_rot", kr, g.dk_rot, loss);
+  }
+}
+
+TEST(DenseMlaKv, Errors) {
+  Tensor kv = random_tensor({3, 2 * (4 + 5)}, DType::F32, 1), kr = random_tensor({3, 2}, DType::F32, 2);
+  expect_error([&] { ops::mla_kv_forward(kv, kr, 2, 4, 6); }, {"kv", "[T, 20]"});
+  expect_error([&] { ops::mla_kv_forward(kv, random_tensor({2, 2}, DType::F32, 3), 2, 4, 5); }, {"k_rot", "T=3"});
+  Tensor dk = random_tensor({3, 2 * 6}, DType::F32, 4);
+  expect_error([&] { ops::mla_kv_backward(dk, random_tensor({3, 9}, DType::F32, 5), 2, 4, 5); }, {"dv"});
+  expect_error([&] { ops::mla_kv_backward(dk, random_tensor({3, 10}, DType::F32, 5), 2, 6, 5); }, {"dk", "6"});
+}
+
 // ---- per-head norm then RoPE (one op) ---------------------------------------------------
 
 TEST(DenseRmsNormRope, GradCheckAndTheOpsInTurn) {

@@ -108,13 +108,13 @@ void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rs
 RmsNormOut rmsnorm_rope_forward(const Tensor& x, const Tensor& w, double eps, const Tensor& positions,
                                 int64_t head_dim, double theta) {
   RmsNormOut n = rmsnorm_forward(x, w, eps);
-  n.y = rope_forward(n.y, positions, head_dim, theta);
+  n.y = cpu::rope_forward(n.y, positions, RopeSpec{head_dim, theta});
   return n;
 }
 
 RmsNormRopeGrads rmsnorm_rope_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                                        const Tensor& positions, int64_t head_dim, double theta) {
-  const Tensor dn = rope_backward(dy, positions, head_dim, theta);
+  const Tensor dn = cpu::rope_backward(dy, positions, RopeSpec{head_dim, theta});
   RmsNormRopeGrads g{rmsnorm_backward_input(dn, x, w, rstd, Tensor()), Tensor::zeros({w.numel()}, x.dtype())};
   rmsnorm_backward_weight(dn, x, rstd, g.dw);
   return g;

@@ -1,9 +1,10 @@
-// Rotary position embedding, rotate-half convention (Hugging Face Llama / Qwen3).
+// Rotary position embedding (ops.h's RopeSpec): rotate-half pairs (i, i + hd/2), as Hugging
+// Face Llama / Qwen3, or interleaved pairs (2i, 2i+1), as DeepSeek-V3; the last hd values of
+// each head of `stride` turn, the rest are copied.
 //
-// x [T, heads * hd]; within each head, element i < hd/2 pairs with element i + hd/2:
-//   angle = pos[t] * theta^(-2i/hd)
-//   forward:  (a, b) -> (a cos - b sin,  b cos + a sin)
-//   backward: the transpose (= inverse) rotation, (a, b) -> (a cos + b sin,  b cos - a sin)
+//   angle = pos[t] * inv_freq[i]   (theta^(-2i/hd), or the given frequencies: YaRN's)
+//   forward:  (a, b) -> scale * (a cos - b sin,  b cos + a sin)
+//   backward: the transpose, scale * (a cos + b sin,  b cos - a sin)
 // Angles, cos and sin are computed in double, once per token and shared by its heads.
 #include <cmath>
 #include <vector>
@@ -15,19 +16,28 @@ namespace moetrain::ops::cpu {
 namespace {
 
 // sign = +1 rotates by +angle (forward), -1 by -angle (backward).
-Tensor rotate(const Tensor& x, const Tensor& positions, int64_t head_dim, double theta, double sign,
-              const char* op) {
+Tensor rotate(const Tensor& x, const Tensor& positions, const RopeSpec& r, double sign, const char* op) {
+  const int64_t hd = r.head_dim, stride = r.head_stride(), half = hd / 2;
   MT_CHECK(x.defined() && x.ndim() == 2, "{}: input must be [T, heads*head_dim], got {}", op, x.str());
-  MT_CHECK(head_dim > 0 && head_dim % 2 == 0, "{}: head_dim must be positive and even, got {}", op, head_dim);
-  MT_CHECK(x.size(1) % head_dim == 0, "{}: width {} of {} is not a multiple of head_dim {}", op, x.size(1),
-           x.str(), head_dim);
-  MT_CHECK(theta > 0, "{}: theta must be positive, got {}", op, theta);
-  const int64_t T = x.size(0), W = x.size(1), half = head_dim / 2;
+  MT_CHECK(hd > 0 && hd % 2 == 0, "{}: head_dim must be positive and even, got {}", op, hd);
+  MT_CHECK(stride >= hd, "{}: a head's width (stride) {} is less than its rotary head_dim {}", op, stride, hd);
+  MT_CHECK(x.size(1) % stride == 0,
+           "{}: width {} of {} is not a multiple of the head width {} (the stride, else head_dim)", op, x.size(1),
+           x.str(), stride);
+  MT_CHECK(r.inv_freq.empty() ? r.theta > 0 : static_cast<int64_t>(r.inv_freq.size()) == half,
+           "{}: theta must be positive (got {}) or inv_freq hold head_dim/2 = {} frequencies (got {})", op, r.theta,
+           half, r.inv_freq.size());
+  const int64_t T = x.size(0), W = x.size(1), pass = stride - hd;
   check_shape(positions, {T}, "positions");
   check_dtype(positions, DType::I32, "positions");
   const int32_t* pos = positions.data<int32_t>();
-  std::vector<double> inv_freq(half);
-  for (int64_t i = 0; i < half; ++i) inv_freq[i] = std::pow(theta, -2.0 * double(i) / double(head_dim));
+  std::vector<double> inv_freq = r.inv_freq;
+  if (inv_freq.empty()) {
+    inv_freq.resize(half);
+    for (int64_t i = 0; i < half; ++i) inv_freq[i] = std::pow(r.theta, -2.0 * double(i) / double(hd));
+  }
+  // Pair i's two offsets within the rotary dims.
+  const int64_t step = r.interleaved ? 2 : 1, other = r.interleaved ? 1 : half;
   Tensor y = Tensor::empty(x.shape(), x.dtype());
   dispatch_float(x.dtype(), op, [&](auto tag) {
     using F = decltype(tag);
@@ -40,14 +50,17 @@ Tensor rotate(const Tensor& x, const Tensor& positions, int64_t head_dim, double
       for (int64_t t = 0; t < T; ++t) {
         for (int64_t i = 0; i < half; ++i) {
           const double angle = double(pos[t]) * inv_freq[i];
-          c[i] = std::cos(angle);
-          s[i] = sign * std::sin(angle);
+          c[i] = r.scale * std::cos(angle);
+          s[i] = r.scale * sign * std::sin(angle);
         }
-        for (int64_t h0 = t * W; h0 < (t + 1) * W; h0 += head_dim) {
+        for (int64_t h0 = t * W; h0 < (t + 1) * W; h0 += stride) {
+          for (int64_t j = 0; j < pass; ++j) py[h0 + j] = px[h0 + j];
+          const int64_t r0 = h0 + pass;
           for (int64_t i = 0; i < half; ++i) {
-            const double a = double(px[h0 + i]), b = double(px[h0 + half + i]);
-            py[h0 + i] = F(a * c[i] - b * s[i]);
-            py[h0 + half + i] = F(b * c[i] + a * s[i]);
+            const int64_t ia = r0 + i * step, ib = ia + other;
+            const double a = double(px[ia]), b = double(px[ib]);
+            py[ia] = F(a * c[i] - b * s[i]);
+            py[ib] = F(b * c[i] + a * s[i]);
           }
         }
       }
@@ -58,12 +71,12 @@ Tensor rotate(const Tensor& x, const Tensor& positions, int64_t head_dim, double
 
 }  // namespace
 
-Tensor rope_forward(const Tensor& x, const Tensor& positions, int64_t head_dim, double theta) {
-  return rotate(x, positions, head_dim, theta, 1.0, "rope_forward");
+Tensor rope_forward(const Tensor& x, const Tensor& positions, const RopeSpec& r) {
+  return rotate(x, positions, r, 1.0, "rope_forward");
 }
 
-Tensor rope_backward(const Tensor& dy, const Tensor& positions, int64_t head_dim, double theta) {
-  return rotate(dy, positions, head_dim, theta, -1.0, "rope_backward");
+Tensor rope_backward(const Tensor& dy, const Tensor& positions, const RopeSpec& r) {
+  return rotate(dy, positions, r, -1.0, "rope_backward");
 }
 
 }  // namespace moetrain::ops::cpu

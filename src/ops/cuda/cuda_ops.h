@@ -16,8 +16,10 @@ RmsNormOut rmsnorm_forward(const Tensor& x, const Tensor& w, double eps);
 Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                               const Tensor& residual);
 void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dw);
-Tensor rope_forward(const Tensor& x, const Tensor& positions, int64_t head_dim, double theta);
-Tensor rope_backward(const Tensor& dy, const Tensor& positions, int64_t head_dim, double theta);
+Tensor rope_forward(const Tensor& x, const Tensor& positions, const RopeSpec& r);
+Tensor rope_backward(const Tensor& dy, const Tensor& positions, const RopeSpec& r);
+MlaKv mla_kv_forward(const Tensor& kv, const Tensor& k_rot, int64_t heads, int64_t nope, int64_t v_dim);
+MlaKvGrads mla_kv_backward(const Tensor& dk, const Tensor& dv, int64_t heads, int64_t nope, int64_t v_dim);
 RmsNormOut rmsnorm_rope_forward(const Tensor& x, const Tensor& w, double eps, const Tensor& positions,
                                 int64_t head_dim, double theta);
 RmsNormRopeGrads rmsnorm_rope_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,

@@ -99,7 +99,7 @@ RmsNormOut rmsnorm_rope_forward(const Tensor& x, const Tensor& w, double eps, co
                                 int64_t head_dim, double theta) {
   if (!fusable(x, w, positions, head_dim, "rmsnorm_rope_forward")) {
     RmsNormOut n = rmsnorm_forward(x, w, eps);
-    n.y = rope_forward(n.y, positions, head_dim, theta);
+    n.y = cuda::rope_forward(n.y, positions, RopeSpec{head_dim, theta});
     return n;
   }
   MT_CHECK(theta > 0, "rmsnorm_rope_forward: theta must be positive, got {}", theta);
@@ -123,7 +123,7 @@ RmsNormRopeGrads rmsnorm_rope_backward(const Tensor& dy, const Tensor& x, const 
   RmsNormRopeGrads g;
   g.dw = Tensor::zeros({w.defined() ? w.numel() : 0}, DType::F32, x.device());
   if (!one_pass) {
-    const Tensor dn = rope_backward(dy_f32 ? dy.to(DType::BF16) : dy, positions, head_dim, theta);
+    const Tensor dn = cuda::rope_backward(dy_f32 ? dy.to(DType::BF16) : dy, positions, RopeSpec{head_dim, theta});
     g.dx = rmsnorm_backward_input(dn, x, w, rstd, Tensor());
     rmsnorm_backward_weight(dn, x, rstd, g.dw);
     return g;

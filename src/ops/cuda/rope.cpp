@@ -1,5 +1,5 @@
-// CUDA rotary position embedding, rotate-half (rope.cu has the kernel and the f32 angle
-// rule). x / dy bf16 [T, heads * head_dim], positions i32 [T]; backward is the inverse
+// CUDA rotary position embedding (ops.h's RopeSpec; rope.cu has the kernel and the f32
+// angle rule). x / dy bf16 [T, heads * stride], positions i32 [T]; backward is the inverse
 // rotation.
 #include "ops/cuda/common.h"
 #include "ops/cuda/cuda_ops.h"
@@ -8,34 +8,48 @@
 namespace moetrain::ops::cuda {
 namespace {
 
-Tensor rotate(const Tensor& x, const Tensor& positions, int64_t head_dim, double theta, float sign, const char* op) {
+Tensor rotate(const Tensor& x, const Tensor& positions, const RopeSpec& r, float sign, const char* op) {
   check_cuda_tensors(op, {&x, &positions});
+  const int64_t hd = r.head_dim, stride = r.head_stride(), half = hd / 2;
   MT_CHECK(x.defined() && x.ndim() == 2, "{}: input must be [T, heads*head_dim], got {}", op, x.str());
-  MT_CHECK(head_dim > 0 && head_dim % 2 == 0, "{}: head_dim must be positive and even, got {}", op, head_dim);
-  MT_CHECK(head_dim <= 8192, "{}: head_dim {} is larger than the kernel's shared cos/sin table allows", op,
-           head_dim);
-  MT_CHECK(x.size(1) % head_dim == 0, "{}: width {} of {} is not a multiple of head_dim {}", op, x.size(1),
-           x.str(), head_dim);
-  MT_CHECK(theta > 0, "{}: theta must be positive, got {}", op, theta);
+  MT_CHECK(hd > 0 && hd % 2 == 0, "{}: head_dim must be positive and even, got {}", op, hd);
+  MT_CHECK(half <= RopeArgs::kMaxPairs, "{}: head_dim {} is larger than the kernel's {} rotary pairs allow", op,
+           hd, RopeArgs::kMaxPairs);
+  MT_CHECK(stride >= hd && stride <= 65536, "{}: a head's width (stride) {} must be in [head_dim {}, 65536]", op,
+           stride, hd);
+  MT_CHECK(x.size(1) % stride == 0,
+           "{}: width {} of {} is not a multiple of the head width {} (the stride, else head_dim)", op, x.size(1),
+           x.str(), stride);
+  MT_CHECK(r.inv_freq.empty() ? r.theta > 0 : static_cast<int64_t>(r.inv_freq.size()) == half,
+           "{}: theta must be positive (got {}) or inv_freq hold head_dim/2 = {} frequencies (got {})", op, r.theta,
+           half, r.inv_freq.size());
   check_dtype(x, DType::BF16, sign > 0 ? "rope_forward x" : "rope_backward dy");
   const int64_t T = x.size(0), W = x.size(1);
   check_shape(positions, {T}, "positions");
   check_dtype(positions, DType::I32, "positions");
+  RopeArgs a;
+  a.head_dim = static_cast<int>(hd);
+  a.stride = static_cast<int>(stride);
+  a.theta = static_cast<float>(r.theta);
+  a.scale = static_cast<float>(r.scale);
+  a.interleaved = r.interleaved;
+  a.given_freqs = !r.inv_freq.empty();
+  for (size_t i = 0; i < r.inv_freq.size(); ++i) a.inv_freq[i] = static_cast<float>(r.inv_freq[i]);
   Tensor y = Tensor::empty(x.shape(), DType::BF16, x.device());
   launch_rope(static_cast<const __nv_bfloat16*>(x.raw()), positions.data<int32_t>(),
-              static_cast<__nv_bfloat16*>(y.raw()), T, W, head_dim, static_cast<float>(theta), sign, stream());
+              static_cast<__nv_bfloat16*>(y.raw()), T, W, a, sign, stream());
   check_launch(op);
   return y;
 }
 
 }  // namespace
 
-Tensor rope_forward(const Tensor& x, const Tensor& positions, int64_t head_dim, double theta) {
-  return rotate(x, positions, head_dim, theta, 1.0f, "rope_forward");
+Tensor rope_forward(const Tensor& x, const Tensor& positions, const RopeSpec& r) {
+  return rotate(x, positions, r, 1.0f, "rope_forward");
 }
 
-Tensor rope_backward(const Tensor& dy, const Tensor& positions, int64_t head_dim, double theta) {
-  return rotate(dy, positions, head_dim, theta, -1.0f, "rope_backward");
+Tensor rope_backward(const Tensor& dy, const Tensor& positions, const RopeSpec& r) {
+  return rotate(dy, positions, r, -1.0f, "rope_backward");
 }
 
 }  // namespace moetrain::ops::cuda
