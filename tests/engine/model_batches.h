@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "engine/data/loader.h"
+#include "engine/models/deepseek_v3_config.h"
 #include "engine/models/qwen3_moe.h"
 #include "ops/ops.h"
 #include "test_util.h"
@@ -27,6 +28,36 @@ inline Qwen3MoeConfig tiny_moe_config(int64_t vocab, int64_t layers = 2) {
   c.initializer_range = 0.5;
   c.router_aux_loss_coef = 0.1;
   c.router_z_loss_coef = 0.01;
+  return c;
+}
+
+// DeepSeek-V3 of every feature at its smallest: hidden 8; MLA with a query latent of 5, a
+// key/value latent of 6, 2 heads of 4 + 2 (rope) query/key dims and 3 value dims; YaRN and
+// interleaved rotary pairs; layer 0 dense (FFN 12), the others 8 routed experts in 4 groups
+// (top-2 from the best 2 groups, FFN 6) plus one shared expert; large initial weights.
+inline DeepseekV3Config tiny_dsv3_config(int64_t vocab, int64_t layers = 3) {
+  DeepseekV3Config c;
+  c.vocab_size = vocab;
+  c.hidden_size = 8;
+  c.intermediate_size = 12;
+  c.moe_intermediate_size = 6;
+  c.num_hidden_layers = layers;
+  c.num_attention_heads = 2;
+  c.num_key_value_heads = 2;
+  c.q_lora_rank = 5;
+  c.kv_lora_rank = 6;
+  c.qk_nope_head_dim = 4;
+  c.qk_rope_head_dim = 2;
+  c.v_head_dim = 3;
+  c.n_routed_experts = 8;
+  c.n_group = 4;
+  c.topk_group = 2;
+  c.num_experts_per_tok = 2;
+  c.n_shared_experts = 1;
+  c.first_k_dense_replace = 1;
+  c.rope_factor = 4;
+  c.rope_original_max_position_embeddings = 16;
+  c.initializer_range = 0.5;
   return c;
 }
 

@@ -8,6 +8,8 @@
 #include "core/error.h"
 #include "engine/models/hf_config.h"
 #include "engine/models/model.h"
+#include "engine/models/deepseek_v3.h"
+#include "engine/models/deepseek_v3_config.h"
 #include "engine/models/model_config.h"
 #include "engine/models/qwen3_moe.h"
 #include "engine/models/qwen3_moe_config.h"
@@ -15,7 +17,7 @@
 namespace moetrain {
 
 const std::vector<std::string>& model_families() {
-  static const std::vector<std::string> families{"qwen3_moe"};
+  static const std::vector<std::string> families{"qwen3_moe", "deepseek_v3"};
   return families;
 }
 
@@ -23,6 +25,7 @@ const std::string& default_model_family() { return model_families().front(); }
 
 std::unique_ptr<ModelConfig> make_model_config(const std::string& model_type, const std::string& origin) {
   if (model_type == "qwen3_moe") return std::make_unique<Qwen3MoeConfig>();
+  if (model_type == "deepseek_v3") return std::make_unique<DeepseekV3Config>();
   MT_THROW("{}: [model].model_type \"{}\" is not a family moetrain builds (it builds {})", origin, model_type,
            fmt::join(model_families(), ", "));
 }
@@ -39,6 +42,9 @@ std::string hf_model_type(const std::string& path) {
 std::unique_ptr<Model> build_model(const ModelConfig& cfg, DType dtype, Device device, ModelPlacement placement) {
   if (const auto* q = dynamic_cast<const Qwen3MoeConfig*>(&cfg)) {
     return std::make_unique<Qwen3MoeModel>(*q, dtype, device, std::move(placement));
+  }
+  if (const auto* d = dynamic_cast<const DeepseekV3Config*>(&cfg)) {
+    return std::make_unique<DeepseekV3Model>(*d, dtype, device, std::move(placement));
   }
   MT_THROW("no model family builds model_type \"{}\"", cfg.model_type);
 }

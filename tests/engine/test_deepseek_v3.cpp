@@ -1,0 +1,226 @@
+// Whole-model checks of DeepSeek-V3: float64 gradients against finite differences (with and
+// without the query latent, shared experts, YaRN, a routing bias), the staged forward
+// against reference_forward, Hugging Face's names, gradient accumulation, the routing bias.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <set>
+
+#include "engine/models/deepseek_v3.h"
+#include "model_batches.h"
+#include "test_util.h"
+
+namespace moetrain {
+namespace {
+
+DeepseekV3Config tiny_config() { return testing::tiny_dsv3_config(19); }
+
+using testing::random_batch;
+
+double total_loss(DeepseekV3Model& m, const Batch& b, ExpertDispatcher& d) {
+  MicroBatchLoss l = m.forward_loss(b, d);
+  return l.ce_sum / static_cast<double>(l.targets);
+}
+
+// Gives every routing bias distinct values of the scores' size, so that the groups and the
+// top-k the bias steers differ from those of the scores alone.
+void spread_biases(DeepseekV3Model& m, uint64_t seed) {
+  for (NamedBuffer& b : m.buffers()) {
+    b.value.copy_from(testing::random_tensor(b.value.shape(), DType::F32, seed++, 0.3));
+  }
+}
+
+// Finite differences on a few elements of every parameter (all of them for small ones).
+void check_model_gradients(const DeepseekV3Config& cfg, const char* label,
+                           const std::function<void(DeepseekV3Model&)>& prepare = {}) {
+  DeepseekV3Model model(cfg, DType::F64);
+  model.init_weights(7);
+  if (prepare) prepare(model);
+  LocalDispatcher d;
+  Batch b = random_batch(2, 5, static_cast<int32_t>(cfg.vocab_size), 11, /*ignored=*/1);
+  zero_grads(model.parameters());
+  model.forward_backward(b, d, 1.0 / static_cast<double>(b.num_targets), 1.0);
+
+  const double h = 1e-6;
+  double worst = 0;
+  std::string worst_name;
+  for (Parameter& p : model.parameters()) {
+    double* w = p.value.data<double>();
+    const double* g = p.grad.data<double>();
+    const int64_t n = p.value.numel();
+    const int64_t picks = std::min<int64_t>(n, 6);
+    double num2 = 0, den2 = 0;
+    for (int64_t j = 0; j < picks; ++j) {
+      const int64_t i = j * n / picks;
+      const double saved = w[i];
+      w[i] = saved + h;
+      const double up = total_loss(model, b, d);
+      w[i] = saved - h;
+      const double down = total_loss(model, b, d);
+      w[i] = saved;
+      const double numeric = (up - down) / (2 * h);
+      num2 += (numeric - g[i]) * (numeric - g[i]);
+      den2 += numeric * numeric;
+    }
+    const double scale = std::sqrt(std::max(den2, testing::dot(p.grad, p.grad) * picks / n));
+    const double err = std::sqrt(num2) / std::max(scale, 1e-12);
+    if (err > worst) {
+      worst = err;
+      worst_name = p.name;
+    }
+    EXPECT_LT(err, 1e-5) << p.name;
+    if (p.name.find(".mlp.experts.") == std::string::npos) {  // a routed expert may get no token
+      EXPECT_GT(testing::dot(p.grad, p.grad), 0.0) << p.name << ": no gradient reached it";
+    }
+  }
+  std::printf("GRADCHECK model(%s) worst=%s %.3e\n", label, worst_name.c_str(), worst);
+}
+
+TEST(DeepseekV3, WholeModelGradientMatchesFiniteDifferences) {
+  check_model_gradients(tiny_config(), "dsv3", [](DeepseekV3Model& m) { spread_biases(m, 3); });
+}
+
+// The other form of every feature: queries projected directly, no shared expert, plain RoPE
+// of rotate-half pairs, plain top-k (one group), unnormalised weights, tied embeddings.
+TEST(DeepseekV3, GradientsOfTheOtherForms) {
+  DeepseekV3Config c = tiny_config();
+  c.q_lora_rank = 0;
+  c.n_shared_experts = 0;
+  c.rope_type = "default";
+  c.rope_interleave = false;
+  c.n_group = 1;
+  c.topk_group = 1;
+  c.norm_topk_prob = false;
+  c.routed_scaling_factor = 1.7;
+  c.tie_word_embeddings = true;
+  c.first_k_dense_replace = 0;
+  c.num_hidden_layers = 2;
+  check_model_gradients(c, "dsv3 other forms");
+}
+
+TEST(DeepseekV3, StagedForwardEqualsReferenceForward) {
+  DeepseekV3Model model(tiny_config(), DType::F64);
+  model.init_weights(3);
+  spread_biases(model, 5);
+  LocalDispatcher d;
+  Batch b = random_batch(2, 6, 19, 5);
+  BatchShape s{b.batch, b.seq};
+  Tensor staged = model.forward_logits(b.inputs, b.positions, s, d);
+  Tensor ref = model.reference_forward(b.inputs, b.positions, s);
+  EXPECT_LT(testing::rel_error(staged, ref), 1e-12);
+}
+
+TEST(DeepseekV3, HuggingFaceNamesAndShapes) {
+  DeepseekV3Config c = tiny_config();
+  DeepseekV3Model m(c, DType::F32);
+  m.init_weights(1);
+  std::map<std::string, Shape> shapes;
+  for (const Parameter& p : m.parameters()) shapes[p.name] = p.value.shape();
+  const int64_t qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+  const std::map<std::string, Shape> want{
+      {"model.embed_tokens.weight", {19, 8}},
+      {"model.layers.0.self_attn.q_a_proj.weight", {5, 8}},
+      {"model.layers.0.self_attn.q_a_layernorm.weight", {5}},
+      {"model.layers.0.self_attn.q_b_proj.weight", {2 * qk, 5}},
+      {"model.layers.0.self_attn.kv_a_proj_with_mqa.weight", {6 + 2, 8}},
+      {"model.layers.0.self_attn.kv_a_layernorm.weight", {6}},
+      {"model.layers.0.self_attn.kv_b_proj.weight", {2 * (4 + 3), 6}},
+      {"model.layers.0.self_attn.o_proj.weight", {8, 2 * 3}},
+      {"model.layers.0.mlp.gate_proj.weight", {12, 8}},
+      {"model.layers.0.mlp.down_proj.weight", {8, 12}},
+      {"model.layers.1.mlp.gate.weight", {8, 8}},
+      {"model.layers.1.mlp.experts.7.up_proj.weight", {6, 8}},
+      {"model.layers.2.mlp.shared_experts.gate_proj.weight", {6, 8}},
+      {"model.layers.2.mlp.shared_experts.down_proj.weight", {8, 6}},
+      {"model.norm.weight", {8}},
+      {"lm_head.weight", {19, 8}},
+  };
+  for (const auto& [name, shape] : want) {
+    ASSERT_TRUE(shapes.count(name)) << name;
+    EXPECT_EQ(shapes[name], shape) << name;
+  }
+  EXPECT_FALSE(shapes.count("model.layers.0.mlp.gate.weight")) << "layer 0 is dense";
+  EXPECT_FALSE(shapes.count("model.layers.0.self_attn.q_proj.weight")) << "q_lora_rank > 0";
+  // The routing bias: a buffer of every MoE layer, even with the balancing off.
+  c.router_bias_update_speed = 0;
+  std::vector<NamedBuffer> buffers = DeepseekV3Model(c, DType::F32).buffers();
+  ASSERT_EQ(buffers.size(), 2u);
+  EXPECT_EQ(buffers[0].name, "model.layers.1.mlp.gate.e_score_correction_bias");
+  EXPECT_EQ(buffers[1].value.shape(), (Shape{8}));
+  // Parts not built yet are refused by name rather than ignored.
+  c.num_nextn_predict_layers = 1;
+  auto error = [&] { return testing::error_of([&] { DeepseekV3Model(c, DType::F32); }); };
+  EXPECT_NE(error().find("num_nextn_predict_layers"), std::string::npos) << error();
+  c.num_nextn_predict_layers = 0;
+  c.seq_aux_loss_coef = 0.01;
+  EXPECT_NE(error().find("seq_aux_loss_coef"), std::string::npos) << error();
+}
+
+TEST(DeepseekV3, GradientAccumulationEqualsOneLargeBatch) {
+  DeepseekV3Config c = tiny_config();
+  DeepseekV3Model model(c, DType::F64);
+  model.init_weights(9);
+  LocalDispatcher d;
+  Batch whole = random_batch(4, 5, 19, 21);
+  zero_grads(model.parameters());
+  model.forward_backward(whole, d, 1.0 / 20.0, 1.0);
+  std::vector<Tensor> expected;
+  for (auto& p : model.parameters()) expected.push_back(p.grad.clone());
+  for (auto& p : model.parameters()) p.grad.fill_(NAN);  // the first micro-batch must write
+  for (int half = 0; half < 2; ++half) {
+    Batch b;
+    b.batch = 2;
+    b.seq = 5;
+    b.inputs = whole.inputs.slice(half * 10, half * 10 + 10).clone();
+    b.targets = whole.targets.slice(half * 10, half * 10 + 10).clone();
+    b.positions = whole.positions.slice(half * 10, half * 10 + 10).clone();
+    b.num_targets = 10;
+    model.forward_backward(b, d, 1.0 / 20.0, 0.5, /*accumulate_grads=*/half > 0, /*defer=*/half == 0);
+  }
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_LT(testing::rel_error(model.parameters()[i].grad, expected[i]), 1e-12) << model.parameters()[i].name;
+  }
+}
+
+// Aux-loss-free balancing moves the bias against the load; a raised bias puts its expert
+// (and so its group) in every token's choice, while the weights stay the unbiased scores.
+TEST(DeepseekV3, RoutingBiasSteersTheChoice) {
+  DeepseekV3Config c = tiny_config();
+  c.router_bias_update_speed = 0.5;
+  DeepseekV3Model model(c, DType::F64);
+  model.init_weights(5);
+  std::vector<NamedBuffer> buffers = model.buffers();
+  const std::vector<int64_t> even(8, 10);
+  std::vector<int64_t> low6 = even;
+  low6[6] = 3;
+  low6[0] = 17;
+  for (int i = 0; i < 4; ++i) model.balance_experts({even, low6});
+  const std::vector<double> b2 = buffers[1].value.to_double_vector();
+  EXPECT_EQ(b2[6], 2.0);
+  EXPECT_EQ(b2[0], -2.0);
+  EXPECT_EQ(b2[3], 0.0);
+  EXPECT_EQ(buffers[0].value.to_double_vector(), std::vector<double>(8, 0.0));
+  LocalDispatcher d;
+  Batch b = random_batch(2, 7, 19, 13);
+  MicroBatchLoss l = model.forward_loss(b, d);
+  ASSERT_EQ(l.expert_counts.size(), 2u);
+  EXPECT_EQ(l.expert_counts[1][6], 14) << "every token takes the expert whose bias was raised";
+  EXPECT_EQ(l.expert_counts[1][0], 0) << "and none the one pushed down";
+  BatchShape s{b.batch, b.seq};
+  EXPECT_LT(testing::rel_error(model.forward_logits(b.inputs, b.positions, s, d),
+                               model.reference_forward(b.inputs, b.positions, s)), 1e-12);
+}
+
+TEST(DeepseekV3, FlopsPerTokenCountsActiveParameters) {
+  DeepseekV3Config c = tiny_config();
+  DeepseekV3Model m(c, DType::F32);
+  const int64_t attn = 8 * 5 + 5 * 2 * 6 + 8 * 8 + 6 * 2 * 7 + 2 * 3 * 8;
+  const int64_t dense = 3 * 8 * 12, moe = 8 * 8 + (2 + 1) * 3 * 8 * 6;
+  EXPECT_EQ(m.active_matmul_params(), 19 * 8 + 3 * attn + dense + 2 * moe);
+  EXPECT_DOUBLE_EQ(m.flops_per_token(10), 6.0 * m.active_matmul_params() + 6.0 * 3 * 2 * (6 + 3) * 10);
+}
+
+}  // namespace
+}  // namespace moetrain
