@@ -28,6 +28,7 @@
 #include "engine/parallel/expert_dispatch.h"
 #include "engine/parallel/fsdp.h"
 #include "engine/parallel/parallel_context.h"
+#include "engine/parallel/replica_check.h"
 #include "engine/pipeline/executor.h"
 #include "engine/pipeline/schedule.h"
 #include "engine/telemetry/metrics.h"
@@ -346,6 +347,23 @@ StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, co
 namespace {
 
 // The text sampled at the end of the run (printed by rank 0), or empty.
+// A distributed run ends by checking that every data rank of a stage holds the same bits of
+// the state they all hold copies of (parallel/replica_check.h); after the last checkpoint,
+// so that a failure loses nothing.
+void check_replicas(TrainContext& ctx) {
+  Communicator* group = ctx.par.data_group();
+  if (group == nullptr || group->size() < 2) return;
+  const bool whole_weights = !ctx.fsdp || ctx.fsdp->keeps_whole_grads();
+  const std::vector<NamedTensor> state = replicated_state(*ctx.model, whole_weights);
+  const std::vector<std::string> differ = replicas_that_differ(state, *group, ctx.par.device);
+  MT_CHECK(differ.empty(),
+           "{} of the {} tensors every data rank holds a copy of differ between the ranks at the end of the run "
+           "(first: {}): the ranks trained different models",
+           differ.size(), state.size(), differ.empty() ? "" : differ.front());
+  spdlog::info("replicas: {} replicated tensors{} bitwise equal on the {} data ranks", state.size(),
+               whole_weights ? "" : " (routing biases; the weights are sharded)", group->size());
+}
+
 std::string end_of_run_sample(const RunConfig& cfg, TrainContext& ctx, const Tokenizer& tok) {
   const TrainingConfig& tc = cfg.training;
   if (tc.sample_tokens <= 0) return "";
@@ -652,6 +670,7 @@ TrainSummary train(const RunConfig& cfg_in) {
     train_seconds += seconds_since(t0);
   }
   checkpoints.finish();  // the run ends with its last save committed
+  if (!replicas) check_replicas(*ctx);  // (live fault tolerance heals replica groups from each other instead)
   summary.steps = state.step - start_step;
   summary.tokens_per_s =
       static_cast<double>(ctx->tokens_per_step(tc) * summary.steps) / std::max(train_seconds, 1e-9);

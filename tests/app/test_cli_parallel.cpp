@@ -4,6 +4,7 @@
 // written under ep2 x dp2 resumes under ep4 and under one process. The same for pipeline
 // parallelism: pp2 and pp4 under 1F1B and DualPipeV, pp2 x ep2, tied embeddings in the V,
 // and a checkpoint of pp2 x ep2 resumed under pp4 and one process.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <array>
@@ -48,13 +49,17 @@ class ParallelCli : public ::testing::Test {
   // gradients in rank order, one process adds them inside one GEMM) move a handful of
   // weights by ~1e-5 and whole tensors by up to ~4e-5 relative; eps = 1e-6 keeps that
   // amplification out of the comparison (measured: 9e-7 worst under ep4).
-  std::string train_args(const std::string& name, int data_ranks, const std::string& extra = "") {
-    return "train --config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml --data.paths=" +
-           (dir_ / "corpus.txt") +
+  // `model`: the config file and its model keys (default: the tiny Qwen3-MoE with the z-loss).
+  std::string train_args(const std::string& name, int data_ranks, const std::string& extra = "",
+                         const std::string& model = "") {
+    const std::string m = model.empty() ? "--config " + std::string(MOETRAIN_SOURCE_DIR) +
+                                              "/configs/tiny.toml --model.router_z_loss_coef=0.001"
+                                        : model;
+    return "train " + m + " --data.paths=" + (dir_ / "corpus.txt") +
            " --training.steps=3 --training.seq_len=32 --training.grad_accum_steps=2"
            " --training.micro_batch_size=" + std::to_string(4 / data_ranks) +
            " --training.eval_every=3 --training.eval_batches=2 --training.sample_tokens=8 --training.threads=1"
-           " --optimizer.warmup_steps=1 --optimizer.eps=1e-6 --model.router_z_loss_coef=0.001 --metrics.progress=false"
+           " --optimizer.warmup_steps=1 --optimizer.eps=1e-6 --metrics.progress=false"
            " --data.val_fraction=0.2 --checkpoint.keep=0 --checkpoint.save_final=true --metrics.dir=" +
            (dir_ / name) + " " + extra;
   }
@@ -246,6 +251,47 @@ TEST_F(ParallelCli, TooFewMicroBatchesForDualPipeVIsNamed) {
 // one GPU with twice the micro-batch. bf16 activations round differently when cuBLASLt
 // picks other kernels for other row counts, so the bound is 2e-2 (the CPU layouts above are
 // held to 1e-5).
+// DeepSeek-V3 (configs/dsv3-tiny.toml: MLA, YaRN, a dense first layer, 16 experts in 4
+// groups with a shared expert, aux-loss-free balancing) under the layouts that split what
+// the family adds: experts over 2 and 4 ranks (the routing bias moved from the loads of all
+// ranks), ZeRO-3, the paired micro-batches, and the pipeline with and without experts
+// split. Each against one process; each run ends with the replicated tensors (attention,
+// router, shared experts, norms, routing biases) bitwise equal on every data rank.
+TEST_F(ParallelCli, DeepseekV3LayoutsMatchOneProcess) {
+  const std::string model = "--config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/dsv3-tiny.toml " +
+                            "--model.router_bias_update_speed=0.01 --model.num_hidden_layers=4";
+  const std::string pipe = "--training.grad_accum_steps=8 --training.sample_tokens=0";
+  Result one = launch(1, train_args("one", 1, "", model));
+  ASSERT_EQ(one.status, 0) << one.output;
+  Result one_pipe = launch(1, train_args("one_pipe", 1, pipe, model));
+  ASSERT_EQ(one_pipe.status, 0) << one_pipe.output;
+  struct Layout {
+    const char* name;
+    int ranks, data_ranks;
+    const char* flags;
+    bool pipeline;
+  };
+  for (const Layout& l :
+       {Layout{"ep2", 2, 2, "--parallel.ep=2", false}, Layout{"ep4", 4, 4, "--parallel.ep=4", false},
+        Layout{"dp2_zero3", 2, 2, "--parallel.dp=2 --parallel.shard_weights=true", false},
+        Layout{"ep2_gather_overlap", 2, 2,
+               "--parallel.ep=2 --parallel.ep_dispatch=all_gather --parallel.ep_overlap=true", false},
+        Layout{"pp2_dualpipev", 2, 1, "--parallel.pp=2 --parallel.schedule=dualpipev", true},
+        Layout{"pp2_ep2_1f1b", 4, 2, "--parallel.pp=2 --parallel.ep=2 --parallel.schedule=1f1b", true}}) {
+    SCOPED_TRACE(l.name);
+    Result r = launch(l.ranks, train_args(l.name, l.data_ranks, std::string(l.pipeline ? pipe : "") + " " + l.flags,
+                                          model));
+    ASSERT_EQ(r.status, 0) << r.output;
+    expect_same_run(l.pipeline ? "one_pipe" : "one", l.name);
+    if (l.data_ranks > 1) {
+      EXPECT_NE(r.output.find("replicated tensors"), std::string::npos) << r.output;
+      EXPECT_NE(r.output.find(fmt::format("bitwise equal on the {} data ranks", l.pipeline ? 2 : l.data_ranks)),
+                std::string::npos)
+          << r.output;
+    }
+  }
+}
+
 TEST_F(ParallelCli, TwoGpusMatchOneGpu) {
   if (!cuda::available() || cuda::device_count() < 2) {
     GTEST_SKIP() << "needs 2 GPUs: " << (cuda::available() ? "this machine has fewer" : cuda::unavailable_reason());

@@ -1,0 +1,65 @@
+#include "engine/parallel/replica_check.h"
+
+#include <cstdint>
+#include <cstring>
+#include <set>
+
+namespace moetrain {
+
+std::vector<NamedTensor> replicated_state(Model& model, bool whole_weights) {
+  std::vector<NamedTensor> out;
+  for (const NamedBuffer& b : model.buffers()) out.push_back({b.name, b.value});
+  if (!whole_weights) return out;
+  std::set<size_t> expert_params;
+  for (const ParamBucket& b : model.buckets()) {
+    if (b.experts) {
+      for (const ParamBucket::Member& m : b.members) expert_params.insert(m.param);
+    }
+  }
+  const ParameterList& params = model.parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!expert_params.count(i)) out.push_back({params[i].name, params[i].value});
+  }
+  return out;
+}
+
+namespace {
+
+uint64_t fnv1a(const Tensor& t) {
+  const Tensor host = t.device().is_cpu() ? t : t.to(Device::cpu());
+  const auto* p = static_cast<const unsigned char*>(host.raw());
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < host.nbytes(); ++i) {
+    h ^= p[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+}  // namespace
+
+std::vector<std::string> replicas_that_differ(const std::vector<NamedTensor>& tensors, Communicator& group,
+                                              Device device) {
+  // Per tensor: its hash's two 32-bit halves (exact in f64) and their negations; the max over
+  // the group of both is the max and minus the min, equal on every rank only if all agree.
+  const auto n = static_cast<int64_t>(tensors.size());
+  std::vector<double> v(static_cast<size_t>(4 * n));
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t h = fnv1a(tensors[i].value);
+    const double hi = static_cast<double>(h >> 32), lo = static_cast<double>(h & 0xffffffffull);
+    v[4 * i] = hi;
+    v[4 * i + 1] = lo;
+    v[4 * i + 2] = -hi;
+    v[4 * i + 3] = -lo;
+  }
+  Tensor t = Tensor::from_vector(v, {4 * n}).to(device);
+  group.all_reduce(t, ReduceOp::Max);
+  const std::vector<double> r = t.to_double_vector();
+  std::vector<std::string> differ;
+  for (int64_t i = 0; i < n; ++i) {
+    if (r[4 * i] != -r[4 * i + 2] || r[4 * i + 1] != -r[4 * i + 3]) differ.push_back(tensors[i].name);
+  }
+  return differ;
+}
+
+}  // namespace moetrain

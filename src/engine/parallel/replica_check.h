@@ -1,0 +1,34 @@
+// Whether the ranks that hold copies of the same state hold the same bits. Under expert (and
+// data) parallelism the attention, router, shared-expert and norm weights and the routing
+// biases are copies on every data rank of a stage; a copy that drifts (an update applied
+// on one rank only, a reduction summed in another order) trains a different model on each
+// rank without any error. DeepSeek-V3 fine-tuners met exactly this (issue 29). The trainer
+// checks at the end of every distributed run.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "core/tensor.h"
+#include "engine/models/model.h"
+
+namespace moetrain {
+
+struct NamedTensor {
+  std::string name;
+  Tensor value;
+};
+
+// The state every rank of `model`'s data group holds a whole copy of: its named buffers (the
+// routing biases), and, when `whole_weights` (the weights are not sharded, ZeRO-1/2), every
+// parameter outside the expert buckets.
+std::vector<NamedTensor> replicated_state(Model& model, bool whole_weights);
+
+// Hashes each tensor's bytes (FNV-1a, 64 bits) and compares the hashes over `group` (one
+// all-reduce of their maxima and minima). Every rank must pass the same names in the same
+// order. Returns the names whose copies differ somewhere in the group (empty: all agree).
+std::vector<std::string> replicas_that_differ(const std::vector<NamedTensor>& tensors, Communicator& group,
+                                              Device device);
+
+}  // namespace moetrain
