@@ -460,6 +460,7 @@ class RunLog {
     m.tflops = flops_per_token_ * m.tokens_per_s / 1e12;
     m.expert_load_max_over_mean = r.expert_imbalance >= 0 ? r.expert_imbalance : expert_imbalance(r.expert_counts);
     m.expert_tokens = r.expert_counts;
+    if (step % cfg_.metrics.log_every == 0 || step == start_step_ + 1) m.router_bias = router_bias();
     // Mean entropy per token: each token made top-k selections, so a layer's counts add up to k x its tokens.
     const double k = static_cast<double>(ctx_.model->model_config().shape().experts_per_token);
     for (size_t i = 0; i < r.router_entropy.size() && i < r.expert_counts.size(); ++i) {
@@ -514,6 +515,27 @@ class RunLog {
   void finish() { progress_.finish(); }
 
  private:
+  // Each held routing bias's largest |b| and range (none without aux-loss-free balancing's
+  // buffers).
+  std::optional<StepMetrics::RouterBias> router_bias() const {
+    std::optional<StepMetrics::RouterBias> out;
+    for (const NamedBuffer& b : ctx_.model->buffers()) {
+      if (b.name.find("e_score_correction_bias") == std::string::npos) continue;
+      const std::vector<double> v = b.value.to_double_vector();
+      if (v.empty()) continue;
+      if (!out) out.emplace();
+      double abs_max = 0, lo = v[0], hi = v[0];
+      for (double x : v) {
+        abs_max = std::max(abs_max, std::abs(x));
+        lo = std::min(lo, x);
+        hi = std::max(hi, x);
+      }
+      out->abs_max.push_back(abs_max);
+      out->range.push_back(hi - lo);
+    }
+    return out;
+  }
+
   const RunConfig& cfg_;
   TrainContext& ctx_;
   const int64_t tokens_per_step_;

@@ -31,6 +31,7 @@ std::string metrics_json(const StepMetrics& m) {
   j["tflops"] = m.tflops;
   j["step_time_s"] = m.step_time_s;
   j["expert_load_max_over_mean"] = m.expert_load_max_over_mean;
+  if (m.router_bias) j["router_bias"] = {{"abs_max", m.router_bias->abs_max}, {"range", m.router_bias->range}};
   j["peak_memory_bytes"] = m.peak_memory_bytes;
   j["tokens"] = m.tokens;
   j["val_loss"] = m.val_loss ? nlohmann::json(*m.val_loss) : nlohmann::json(nullptr);
@@ -149,6 +150,11 @@ std::vector<std::pair<std::string, double>> metrics_scalars(const StepMetrics& m
       {"infra/restart_generation", static_cast<double>(m.restart_generation)},
   };
   if (m.val_loss) v.emplace_back("val/loss", *m.val_loss);
+  if (m.router_bias) {
+    for (size_t i = 0; i < m.router_bias->abs_max.size(); ++i) {
+      v.emplace_back(fmt::format("moe/layer{}/router_bias_abs_max", i), m.router_bias->abs_max[i]);
+    }
+  }
   if (m.checkpoint_stall_s) v.emplace_back("infra/checkpoint_stall_s", *m.checkpoint_stall_s);
   if (m.checkpoint_commit) v.emplace_back("infra/checkpoint_commit_ms", m.checkpoint_commit->seconds * 1e3);
   if (m.restart_downtime_s) v.emplace_back("infra/restart_downtime_s", *m.restart_downtime_s);
@@ -200,6 +206,9 @@ std::string human_line(const StepMetrics& m, int64_t total_steps) {
                    thousands(static_cast<int64_t>(std::llround(std::isfinite(m.tokens_per_s) ? m.tokens_per_s : 0))),
                    m.tflops);
   if (m.expert_load_max_over_mean > 0) s += fmt::format(" | load max/mean {:.2f}", m.expert_load_max_over_mean);
+  if (m.router_bias && !m.router_bias->abs_max.empty()) {
+    s += fmt::format(" | bias |b| {:.3f}", *std::max_element(m.router_bias->abs_max.begin(), m.router_bias->abs_max.end()));
+  }
   if (m.peak_memory_bytes > 0) {
     const double mb = static_cast<double>(m.peak_memory_bytes) / 1e6;
     s += mb < 10000 ? fmt::format(" | mem {:.0f} MB", mb) : fmt::format(" | mem {:.1f} GB", mb / 1e3);

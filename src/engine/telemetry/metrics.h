@@ -28,6 +28,13 @@ struct StepMetrics {
   double lr = 0, grad_norm = 0;
   double tokens_per_s = 0, tflops = 0, step_time_s = 0;  // tflops: achieved TFLOP/s
   double expert_load_max_over_mean = 0;                  // busiest expert's tokens / mean
+  // Aux-loss-free balancing: the routing biases (e_score_correction_bias) of this rank's MoE
+  // layers after the step, per layer its largest |b| and its range; only on the steps of the
+  // human log line (reading them waits for the device).
+  struct RouterBias {
+    std::vector<double> abs_max, range;
+  };
+  std::optional<RouterBias> router_bias;
   int64_t peak_memory_bytes = 0;
   // Memory at the step's end: tensors live (device, or host on the CPU), what the device's
   // pool holds from the driver (the host's live bytes on the CPU), the change of the live bytes
