@@ -370,6 +370,10 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir) {
       const SafetensorsFile& sf = open_file(f);
       for (const auto& e : sf.entries()) {
         MT_CHECK(!tensors_.count(e.name), "{}: tensor '{}' appears in two files", dir, e.name);
+        MT_CHECK(!e.f8_e4m3,
+                 "{}: tensor '{}' is F8_E4M3 (an FP8 checkpoint): `moetrain convert {} <new folder>` dequantizes it "
+                 "(with its weight_scale_inv) into a checkpoint to load",
+                 dir, e.name, dir);
         TensorInfo t;
         t.dtype = e.dtype;
         t.shape = e.shape;

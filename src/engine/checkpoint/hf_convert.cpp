@@ -5,7 +5,9 @@
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <map>
 #include <regex>
+#include <set>
 
 #include "core/log.h"
 #include "engine/checkpoint/checkpoint_format.h"
@@ -36,6 +38,70 @@ void write_then_rename(const std::string& out_dir, Fn&& write) {
   }
   fs::rename(tmp, out_dir);
 }
+
+// DeepSeek's FP8 checkpoints: each F8_E4M3 weight W [R, C] comes with W_scale_inv
+// [ceil(R/br), ceil(C/bc)] (f32 or bf16) for blocks of br x bc (config.json's
+// quantization_config.weight_block_size, default 128 x 128), and the weight is
+// W[i, j] * scale_inv[i / br, j / bc] (DeepSeek's weight_dequant; the "inverse" names the
+// quantizer's side), rounded once to bf16.
+class Fp8Weights {
+ public:
+  Fp8Weights(const std::vector<std::unique_ptr<SafetensorsFile>>& files, const nlohmann::json& config,
+             const std::string& config_path) {
+    if (config.contains("quantization_config") && config["quantization_config"].contains("weight_block_size")) {
+      const auto& b = config["quantization_config"]["weight_block_size"];
+      MT_CHECK(b.is_array() && b.size() == 2 && b[0].is_number_unsigned() && b[1].is_number_unsigned() &&
+                   b[0].get<int64_t>() > 0 && b[1].get<int64_t>() > 0,
+               "{}: quantization_config.weight_block_size must be [rows, cols] of positive integers, got {}",
+               config_path, b.dump());
+      br_ = b[0].get<int64_t>();
+      bc_ = b[1].get<int64_t>();
+    }
+    for (const auto& f : files) {
+      for (const SafetensorsEntry& e : f->entries()) {
+        if (e.f8_e4m3) weights_.insert(e.name);
+        if (e.name.ends_with("_scale_inv")) scales_[e.name] = {f.get(), &e};
+      }
+    }
+    for (const auto& [name, where] : scales_) {
+      const std::string weight = name.substr(0, name.size() - std::string("_scale_inv").size());
+      MT_CHECK(weights_.count(weight), "{}: '{}' scales no F8_E4M3 tensor '{}'", where.first->path(), name, weight);
+    }
+  }
+  bool is_scale(const std::string& name) const { return scales_.count(name) > 0; }
+  size_t count() const { return weights_.size(); }
+  int64_t block_rows() const { return br_; }
+  int64_t block_cols() const { return bc_; }
+
+  TensorSlice dequantized(const SafetensorsFile& f, const SafetensorsEntry& e) const {
+    auto it = scales_.find(e.name + "_scale_inv");
+    MT_CHECK(it != scales_.end(), "{}: F8_E4M3 tensor '{}' has no '{}_scale_inv' to dequantize it with", f.path(),
+             e.name, e.name);
+    MT_CHECK(e.shape.size() == 2, "{}: F8_E4M3 tensor '{}' has shape {}, expected a matrix", f.path(), e.name,
+             shape_str(e.shape));
+    const int64_t R = e.shape[0], C = e.shape[1];
+    const Shape want{(R + br_ - 1) / br_, (C + bc_ - 1) / bc_};
+    const SafetensorsEntry& se = *it->second.second;
+    MT_CHECK(!se.f8_e4m3 && se.shape == want, "{}: '{}' has shape {}, expected {} (blocks of {} x {} over {})",
+             it->second.first->path(), se.name, shape_str(se.shape), shape_str(want), br_, bc_, shape_str(e.shape));
+    const Tensor scale = it->second.first->read(se.name).to(DType::F32);
+    const float* s = scale.data<float>();
+    const auto* w = static_cast<const uint8_t*>(f.data(e));
+    Tensor out = Tensor::empty({R, C}, DType::BF16);
+    bf16* y = out.data<bf16>();
+    for (int64_t i = 0; i < R; ++i) {
+      for (int64_t j = 0; j < C; ++j) {
+        y[i * C + j] = bf16(f8_e4m3_to_float(w[i * C + j]) * s[(i / br_) * want[1] + j / bc_]);
+      }
+    }
+    return whole_slice(e.name, std::move(out));
+  }
+
+ private:
+  int64_t br_ = 128, bc_ = 128;
+  std::set<std::string> weights_;
+  std::map<std::string, std::pair<const SafetensorsFile*, const SafetensorsEntry*>> scales_;
+};
 
 }  // namespace
 
@@ -78,12 +144,18 @@ void import_hf(const std::string& hf_dir, const std::string& out_dir) {
   }
 
   std::vector<std::unique_ptr<SafetensorsFile>> open;
+  for (const std::string& f : files) open.push_back(std::make_unique<SafetensorsFile>((fs::path(hf_dir) / f).string()));
+  const Fp8Weights fp8(open, hf_config, config_path.string());
   std::vector<TensorSlice> slices;
   const std::regex fused(R"((model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(\.weight)?)");
-  for (const std::string& f : files) {
-    open.push_back(std::make_unique<SafetensorsFile>((fs::path(hf_dir) / f).string()));
-    const SafetensorsFile& sf = *open.back();
+  for (const auto& file : open) {
+    const SafetensorsFile& sf = *file;
     for (const SafetensorsEntry& e : sf.entries()) {
+      if (fp8.is_scale(e.name)) continue;  // used by its weight's dequantization
+      if (e.f8_e4m3) {
+        slices.push_back(fp8.dequantized(sf, e));
+        continue;
+      }
       const auto* bytes = static_cast<const uint8_t*>(sf.data(e));
       std::smatch m;
       if (!std::regex_match(e.name, m, fused)) {
@@ -115,6 +187,11 @@ void import_hf(const std::string& hf_dir, const std::string& out_dir) {
   state["source"] = fs::absolute(hf_dir).string();
   state["moetrain_version"] = MOETRAIN_VERSION;
   state["hf_config"] = hf_config;
+  if (fp8.count() > 0) {  // the weights are bf16 now: the config must not say FP8
+    state["hf_config"].erase("quantization_config");
+    spdlog::info("convert: {} FP8 (F8_E4M3) weights dequantized to bf16 with their weight_scale_inv blocks of {} x {}",
+                 fp8.count(), fp8.block_rows(), fp8.block_cols());
+  }
   write_then_rename(out_dir, [&](const fs::path& tmp) {
     write_rank_files(tmp.string(), 0, slices, {});
     write_index(tmp.string(), 1, state);

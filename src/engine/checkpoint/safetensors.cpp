@@ -8,7 +8,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 namespace moetrain {
@@ -53,6 +55,14 @@ bool parse_safetensors_dtype(const std::string& s, DType* out) {
   else if (s == "I16") *out = DType::I16;
   else return false;
   return true;
+}
+
+float f8_e4m3_to_float(uint8_t bits) {
+  const float sign = (bits & 0x80) ? -1.0f : 1.0f;
+  const int e = (bits >> 3) & 0xf, m = bits & 0x7;
+  if (e == 0xf && m == 0x7) return std::numeric_limits<float>::quiet_NaN();
+  if (e == 0) return sign * std::ldexp(static_cast<float>(m) / 8.0f, -6);  // subnormal
+  return sign * std::ldexp(1.0f + static_cast<float>(m) / 8.0f, e - 7);
 }
 
 uint64_t xxh3_bytes(const void* data, size_t bytes) { return XXH3_64bits(data, bytes); }
@@ -158,9 +168,11 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
                "{}: tensor '{}' needs dtype, shape and data_offsets", path, key);
       SafetensorsEntry e;
       e.name = key;
-      MT_CHECK(v["dtype"].is_string() && parse_safetensors_dtype(v["dtype"].get<std::string>(), &e.dtype),
-               "{}: tensor '{}' has dtype {}, expected one of F32, F64, BF16, I32, I64", path, key,
-               v["dtype"].dump());
+      e.f8_e4m3 = v["dtype"].is_string() && v["dtype"].get<std::string>() == "F8_E4M3";
+      MT_CHECK(e.f8_e4m3 || (v["dtype"].is_string() && parse_safetensors_dtype(v["dtype"].get<std::string>(), &e.dtype)),
+               "{}: tensor '{}' has dtype {}, expected one of F32, F64, BF16, I32, I64 (or F8_E4M3 with a "
+               "weight_scale_inv)",
+               path, key, v["dtype"].dump());
       MT_CHECK(v["shape"].is_array(), "{}: tensor '{}': shape must be an array", path, key);
       uint64_t numel = 1;
       for (const auto& d : v["shape"]) {
@@ -178,9 +190,9 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
       MT_CHECK(e.begin <= e.end && e.end <= data_size,
                "{}: tensor '{}': data_offsets [{}, {}] fall outside the {} data bytes (truncated file?)", path, key,
                e.begin, e.end, data_size);
-      MT_CHECK(e.end - e.begin == numel * dtype_size(e.dtype),
-               "{}: tensor '{}': {} bytes for shape {} of {}, expected {}", path, key, e.end - e.begin,
-               shape_str(e.shape), safetensors_dtype_name(e.dtype), numel * dtype_size(e.dtype));
+      const uint64_t element = e.f8_e4m3 ? 1 : dtype_size(e.dtype);
+      MT_CHECK(e.end - e.begin == numel * element, "{}: tensor '{}': {} bytes for shape {} of {}, expected {}", path,
+               key, e.end - e.begin, shape_str(e.shape), v["dtype"].get<std::string>(), numel * element);
       by_name_[key] = entries_.size();
       entries_.push_back(std::move(e));
     }
@@ -218,6 +230,8 @@ const void* SafetensorsFile::data(const SafetensorsEntry& e) const { return map_
 Tensor SafetensorsFile::read(const std::string& name) const {
   const SafetensorsEntry* e = find(name);
   MT_CHECK(e, "{}: no tensor '{}'", path_, name);
+  MT_CHECK(!e->f8_e4m3, "{}: tensor '{}' is F8_E4M3: `moetrain convert` the folder first (it dequantizes it with its "
+           "weight_scale_inv)", path_, name);
   Tensor t = Tensor::empty(e->shape, e->dtype);
   if (t.nbytes() > 0) std::memcpy(t.raw(), data(*e), t.nbytes());
   return t;

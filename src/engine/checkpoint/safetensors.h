@@ -25,10 +25,17 @@ bool parse_safetensors_dtype(const std::string& name, DType* out);
 
 struct SafetensorsEntry {
   std::string name;
-  DType dtype = DType::F32;
+  DType dtype = DType::F32;  // meaningless when f8_e4m3
   Shape shape;
   uint64_t begin = 0, end = 0;  // byte range within the data region
+  // Stored as F8_E4M3 (DeepSeek's FP8 checkpoints: one byte an element, dequantized with a
+  // weight_scale_inv by the importer, hf_convert.h); read() refuses it.
+  bool f8_e4m3 = false;
 };
+
+// An F8_E4M3 byte (OCP FP8 E4M3 "fn": sign, 4 exponent bits of bias 7, 3 mantissa bits; no
+// infinity, S.1111.111 is NaN) as a float.
+float f8_e4m3_to_float(uint8_t bits);
 
 // Writes one safetensors file. Tensors are added by reference to host bytes that must stay
 // alive until write() returns; write() returns the file's size and its XXH3-64 checksum
