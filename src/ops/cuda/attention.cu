@@ -1,8 +1,9 @@
 // Fused causal grouped-query attention on tensor cores (FlashAttention-2 scheme), bf16 in
 // and out, f32 accumulation, with warp-level mma.sync m16n8k16 (bf16) fed by ldmatrix.
 //
-// On an sm_90 GPU with head_dim 128 and seq a multiple of 128, attention_hopper.cu's TMA +
-// wgmma kernels replace the forward, dK/dV and dQ kernels below (same math and order).
+// On an sm_90 GPU with head_dim = v_head_dim = 128 and seq a multiple of 128,
+// attention_hopper.cu's TMA + wgmma kernels replace the forward, dK/dV and dQ kernels below
+// (same math and order). DeepSeek-V3's MLA heads (query/key 192, value 128) always run here.
 //
 // Floor and expectation (H100 SXM, bench shape B=2, S=4096, Hq=32, Hkv=4, D=128, causal;
 // FLOPs as FlashAttention counts them: forward 4*B*Hq*S^2*D/2 = 275 GFLOP, backward 2.5x =
@@ -17,10 +18,24 @@
 // (short-scoreboard waits on ldmatrix, fixed-latency dependencies), shared-memory pipe ~60%,
 // tensor pipe ~1/3; the dK/dV pass takes ~60% of the backward.
 //
-// Notation: S the sequence length, D the head dim (32, 64 or 128). A warp owns MT m-tiles
-// of 16 rows, so each mma result row lives in one quad of 4 lanes (lane/4 = row within 8,
-// lane%4 = column pair). Shared-memory tiles are [rows][D + 8] bf16: the 16-byte pad puts
-// the 8 row addresses of each ldmatrix 8x8 matrix on distinct banks. Tiles are copied in
+// MLA heads (bench_ops BM_AttentionMla*: B=2, S=4096, Hq=Hkv=16, D=192, Dv=128, causal):
+// forward 2*B*H*S^2*(D+Dv)/2 = 172 GFLOP (QK^T over D, PV over Dv), backward 2.5x = 429
+// GFLOP; floor at 989 TFLOP/s 0.17 ms forward, 0.43 ms backward. The kernels do 12 + 8
+// k-steps of 16 per key tile forward (D = 128: 8 + 8), and in the backward dK/dV 12 + 8 +
+// 8 + 12, dQ 12 + 8 + 12 (72 done for 2.5 x 20 = 50 counted, 1.44x; D = 128: 1.40x). The
+// per-tile softmax work is the same as at D = 128 while the products grow by 1.25x, so the
+// same rates are the expectation where the tiles stay as large: forward ~250-320 TFLOP/s,
+// backward ~140-190 (counted). The registers force smaller tiles (see the tile choices
+// below: 16-key forward tiles, 16-query dK/dV tiles, 32-key dQ tiles), which add per-tile
+// overhead (softmax rescaling, barriers) per product: the lower ends are the likelier.
+// Not yet measured on a GPU.
+//
+// Notation: S the sequence length, D the query/key head dim (32, 64, 128 or 192), DV the
+// value head dim (D, or 128 with D = 192). A warp owns MT m-tiles of 16 rows, so each mma
+// result row lives in one quad of 4 lanes (lane/4 = row within 8, lane%4 = column pair).
+// Shared-memory tiles are [rows][D + 8] bf16 (V, O, dO: [rows][DV + 8]): the 16-byte pad
+// puts the 8 row addresses of each ldmatrix 8x8 matrix on distinct banks (a 400-byte row
+// of 192 + 8 is 16 bytes past a multiple of 128, as 272 is). Tiles are copied in
 // with cp.async (16-byte chunks; rows past S are zero-filled, so padded keys/values
 // contribute exact zeros). Blocks are numbered so that the longest ones start first (the
 // causal triangle makes their work uneven), over all heads and batches.
@@ -33,7 +48,7 @@
 //
 // Backward, no atomics, every output element written by exactly one thread in a fixed
 // order (bitwise reproducible):
-//   1. delta[b,h,s] = sum_d dO * O and lse2 = lse * log2(e) (one warp per row).
+//   1. delta[b,h,s] = sum_d dO * O (over DV) and lse2 = lse * log2(e) (one warp per row).
 //   2. dK/dV: one block per (key tile of WARPS*16 keys, kv head, batch, split); K and V stay
 //      in shared memory, and the block loops, in a fixed order, over its query heads of the
 //      kv group (all of them, or group/splits) and every query tile at or below the
