@@ -133,15 +133,16 @@ RmsNormRopeGrads rmsnorm_rope_backward(const Tensor& dy, const Tensor& x, const 
                                        const Tensor& positions, int64_t head_dim, double theta);
 
 // ---- causal grouped-query attention ---------------------------------------------------
-// q [B*S, Hq*D], k and v [B*S, Hkv*D], token-major; query head h reads kv head
-// h / (Hq/Hkv). Query s attends to keys j <= s of the same sequence and, when
+// q [B*S, Hq*D], k [B*S, Hkv*D], v [B*S, Hkv*Dv] (Dv: below), token-major; query head h
+// reads kv head h / (Hq/Hkv). Query s attends to keys j <= s of the same sequence and, when
 // segment_ids (i32 [B*S]) is defined, of the same segment (packed documents).
 struct AttentionShape {
   int64_t batch = 0, seq = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
   double scale = 0;  // softmax scale, usually 1/sqrt(head_dim)
   // The value heads' size Dv when it differs from the query/key heads' (DeepSeek-V3's MLA:
-  // 192 and 128); 0: head_dim. v, out and dout are then [B*S, H*Dv]. The CPU reference
-  // takes any; the CUDA kernels only Dv == head_dim so far (an error names both).
+  // 192 and 128); 0: head_dim. v and dv are then [B*S, Hkv*Dv], out and dout [B*S, Hq*Dv].
+  // The CPU reference takes any; the CUDA kernels take head_dim 32, 64 or 128 with Dv ==
+  // head_dim, and (192, 128) (an error names the pair and those supported).
   int64_t v_head_dim = 0;
   int64_t value_dim() const { return v_head_dim > 0 ? v_head_dim : head_dim; }
 };

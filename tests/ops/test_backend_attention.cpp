@@ -54,13 +54,15 @@ enum class Segments { kNone, kDocuments, kInterleaved };
 struct AttnCase {
   int64_t batch, seq, q_heads, kv_heads, head_dim;
   Segments segments = Segments::kNone;
+  int64_t v_head_dim = 0;  // 0: head_dim (DeepSeek-V3's MLA: 192 / 128)
+  int64_t value_dim() const { return v_head_dim > 0 ? v_head_dim : head_dim; }
 };
 
 std::string case_name(const AttnCase& c) {
   const char* seg = c.segments == Segments::kNone ? "" : c.segments == Segments::kDocuments ? ",seg" : ",seg_interleaved";
   return "attention[B=" + std::to_string(c.batch) + ",S=" + std::to_string(c.seq) + ",Hq=" +
          std::to_string(c.q_heads) + ",Hkv=" + std::to_string(c.kv_heads) + ",D=" + std::to_string(c.head_dim) +
-         seg + "]";
+         (c.value_dim() != c.head_dim ? ",Dv=" + std::to_string(c.value_dim()) : "") + seg + "]";
 }
 
 // kDocuments: each sequence cut into packed documents of random length 1..80 (ids
@@ -109,12 +111,13 @@ void run_case(const AttnCase& c, uint64_t seed) {
   a.q_heads = c.q_heads;
   a.kv_heads = c.kv_heads;
   a.head_dim = c.head_dim;
+  a.v_head_dim = c.v_head_dim;
   a.scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
 
   const Tensor q = random_bf16_values({T, c.q_heads * c.head_dim}, seed);
   const Tensor k = random_bf16_values({T, c.kv_heads * c.head_dim}, seed + 1);
-  const Tensor v = random_bf16_values({T, c.kv_heads * c.head_dim}, seed + 2);
-  const Tensor dout = random_bf16_values({T, c.q_heads * c.head_dim}, seed + 3);
+  const Tensor v = random_bf16_values({T, c.kv_heads * c.value_dim()}, seed + 2);
+  const Tensor dout = random_bf16_values({T, c.q_heads * c.value_dim()}, seed + 3);
   const Tensor seg = c.segments == Segments::kNone ? Tensor() : make_segments(c, seed + 4);
 
   const ops::AttentionOut ref = ops::attention_forward(q, k, v, seg, a);
@@ -126,10 +129,14 @@ void run_case(const AttnCase& c, uint64_t seed) {
   const ops::AttentionOut got = ops::attention_forward(gq, gk, gv, gseg, a);
   ASSERT_EQ(got.out.dtype(), DType::BF16);
   ASSERT_EQ(got.lse.dtype(), DType::F32);
+  ASSERT_EQ(got.out.shape(), (Shape{T, c.q_heads * c.value_dim()})) << name;
   expect_backend_close(got.out, ref.out, kBf16Tol, name, "out");
   expect_backend_close(got.lse, ref.lse, kLseTol, name, "lse");
 
   const ops::AttentionGrads g1 = ops::attention_backward(gdout, gq, gk, gv, gseg, got.out, got.lse, a);
+  ASSERT_EQ(g1.dq.shape(), q.shape()) << name;
+  ASSERT_EQ(g1.dk.shape(), k.shape()) << name;
+  ASSERT_EQ(g1.dv.shape(), v.shape()) << name;
   if (c.seq == 1) {
     // One key per row: P = 1 and dP - delta = dO.(v - O) = 0, so dq = dk = 0 exactly in
     // the reference and a relative error is meaningless; the GPU's delta uses the bf16 O,
@@ -242,6 +249,53 @@ TEST(BackendAttention, RealisticShape) {
   run_case({1, 2048, 32, 4, 128}, 1001);
 }
 
+// DeepSeek-V3's multi-head latent attention: query/key heads of 192 (qk_nope 128 + qk_rope
+// 64), value heads of 128, as many kv heads as query heads. The mma.sync kernels take it at
+// every seq (the Hopper kernels, D = Dv = 128 only, never do): ragged sequences (not a
+// multiple of any tile), a tile multiple, one and a few tokens, both segment patterns.
+TEST(BackendAttention, MlaD192Dv128Mha) {
+  MT_REQUIRE_GPU();
+  run_case({1, 200, 4, 4, 192, Segments::kNone, 128}, 1301);
+  run_case({2, 77, 4, 4, 192, Segments::kNone, 128}, 1302);
+  run_case({2, 256, 2, 2, 192, Segments::kNone, 128}, 1303);
+}
+
+TEST(BackendAttention, MlaD192Dv128TinySequences) {
+  MT_REQUIRE_GPU();
+  run_case({3, 1, 2, 2, 192, Segments::kNone, 128}, 1311);
+  run_case({2, 5, 4, 4, 192, Segments::kNone, 128}, 1312);
+}
+
+TEST(BackendAttention, MlaD192Dv128Segments) {
+  MT_REQUIRE_GPU();
+  run_case({2, 256, 4, 4, 192, Segments::kDocuments, 128}, 1321);
+  run_case({3, 200, 2, 2, 192, Segments::kDocuments, 128}, 1322);
+  run_case({1, 150, 4, 4, 192, Segments::kInterleaved, 128}, 1323);
+}
+
+// The kernels are general in the group: GQA with 192 / 128 heads, with the dK/dV pass split
+// over several blocks of a kv group (f32 partials of both widths, then the reduce kernel:
+// B=2, S=130, Hkv=2 has 12 key-tile blocks) and with 2 heads looped inside each block.
+TEST(BackendAttention, MlaD192Dv128Gqa) {
+  MT_REQUIRE_GPU();
+  run_case({2, 130, 8, 2, 192, Segments::kNone, 128}, 1331);
+  run_case({10, 100, 64, 16, 192, Segments::kNone, 128}, 1332);
+  run_case({2, 200, 8, 2, 192, Segments::kDocuments, 128}, 1333);
+}
+
+// ops::set_deterministic(false) changes nothing for these heads (the one-pass kernel is the
+// Hopper one): the deterministic kernels run, seq a multiple of 128 included.
+TEST(BackendAttention, MlaD192Dv128OnePassAsked) {
+  MT_REQUIRE_GPU();
+  DeterministicScope one_pass(false);
+  run_case({1, 256, 4, 4, 192, Segments::kNone, 128}, 1341);
+}
+
+TEST(BackendAttention, MlaD192Dv128RealisticShape) {
+  MT_REQUIRE_GPU();
+  run_case({1, 2048, 8, 8, 192, Segments::kNone, 128}, 1351);
+}
+
 TEST(BackendAttention, RejectsBadArguments) {
   MT_REQUIRE_GPU();
   ops::AttentionShape a;
@@ -272,15 +326,47 @@ TEST(BackendAttention, RejectsBadArguments) {
   } catch (const moetrain::Error& e) {
     EXPECT_NE(std::string(e.what()).find("tensor k has dtype"), std::string::npos) << e.what();
   }
-  // Value heads of another size (MLA's): the CPU reference takes them, the kernels not yet.
-  a.v_head_dim = 32;
-  const Tensor v32 = on_gpu(random_bf16_values({8, 32}, 5), DType::BF16);
+  // Value heads of another size: the kernels take MLA's (192, 128) only (the CPU reference
+  // takes any pair).
+  a.head_dim = 128;
+  a.v_head_dim = 64;
+  const Tensor q128 = on_gpu(random_bf16_values({8, 2 * 128}, 5), DType::BF16);
+  const Tensor k128 = on_gpu(random_bf16_values({8, 128}, 6), DType::BF16);
+  const Tensor v64 = on_gpu(random_bf16_values({8, 64}, 7), DType::BF16);
   try {
-    ops::attention_forward(q64, kv64, v32, Tensor(), a);
-    ADD_FAILURE() << "value heads of 32 with query/key heads of 64 accepted";
+    ops::attention_forward(q128, k128, v64, Tensor(), a);
+    ADD_FAILURE() << "value heads of 64 with query/key heads of 128 accepted";
   } catch (const moetrain::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("value heads of 32 with query/key heads of 64"), std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find("head_dim 128 with value heads of 64"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("(192, 128)"), std::string::npos) << e.what();
+  }
+  // 192 only with value heads of 128.
+  a.head_dim = 192;
+  a.v_head_dim = 0;
+  const Tensor q192 = on_gpu(random_bf16_values({8, 2 * 192}, 8), DType::BF16);
+  const Tensor kv192 = on_gpu(random_bf16_values({8, 192}, 9), DType::BF16);
+  try {
+    ops::attention_forward(q192, kv192, kv192, Tensor(), a);
+    ADD_FAILURE() << "head_dim 192 with value heads of 192 accepted";
+  } catch (const moetrain::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("head_dim 192 with value heads of 192"), std::string::npos) << e.what();
+  }
+  // (192, 128): v, out and dout are Dv wide; a v of k's width is refused by name.
+  a.v_head_dim = 128;
+  try {
+    ops::attention_forward(q192, kv192, kv192, Tensor(), a);
+    ADD_FAILURE() << "v of [8, 192] accepted with value heads of 128";
+  } catch (const moetrain::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor v has shape"), std::string::npos) << e.what();
+  }
+  const Tensor v128 = on_gpu(random_bf16_values({8, 128}, 10), DType::BF16);
+  const ops::AttentionOut o = ops::attention_forward(q192, kv192, v128, Tensor(), a);
+  EXPECT_EQ(o.out.shape(), (Shape{8, 2 * 128}));
+  try {
+    ops::attention_backward(q192, q192, kv192, v128, Tensor(), o.out, o.lse, a);
+    ADD_FAILURE() << "dout of q's shape [8, 384] accepted with value heads of 128";
+  } catch (const moetrain::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor dout has shape"), std::string::npos) << e.what();
   }
 }
 

@@ -1,6 +1,7 @@
 // attention_forward / attention_backward on CUDA: argument checks, output allocation and
 // the launches of the fused kernels in attention.cu (bf16 q/k/v/out and gradients, f32 lse;
-// head_dim 32, 64 or 128).
+// head_dim 32, 64 or 128 with value heads of the same size, or DeepSeek-V3's MLA heads:
+// query/key 192, value 128).
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -37,12 +38,14 @@ AttentionDims check_args(const char* op, const Tensor& q, const Tensor& k, const
            a.kv_heads, a.head_dim);
   MT_CHECK(a.q_heads % a.kv_heads == 0, "{}: q_heads {} is not a multiple of kv_heads {}", op, a.q_heads,
            a.kv_heads);
-  MT_CHECK(a.head_dim == 32 || a.head_dim == 64 || a.head_dim == 128,
-           "{}: head_dim {} is not supported by the CUDA attention kernels (32, 64 or 128)", op, a.head_dim);
-  MT_CHECK(a.value_dim() == a.head_dim,
-           "{}: value heads of {} with query/key heads of {}: the CUDA attention kernels take equal sizes only so "
-           "far (the CPU reference takes both)",
-           op, a.value_dim(), a.head_dim);
+  MT_CHECK(a.v_head_dim >= 0, "{}: v_head_dim must be >= 0 (0: head_dim), got {}", op, a.v_head_dim);
+  const int64_t dv = a.value_dim();
+  const bool equal = dv == a.head_dim && (a.head_dim == 32 || a.head_dim == 64 || a.head_dim == 128);
+  const bool mla = a.head_dim == 192 && dv == 128;
+  MT_CHECK(equal || mla,
+           "{}: head_dim {} with value heads of {} is not supported by the CUDA attention kernels; (head_dim, "
+           "v_head_dim) must be (32, 32), (64, 64), (128, 128) or (192, 128) (the CPU reference takes any)",
+           op, a.head_dim, dv);
   MT_CHECK(a.scale > 0 && std::isfinite(a.scale), "{}: softmax scale must be positive, got {}", op, a.scale);
   // Grid limits (y = heads, z = batch) and 32-bit positions inside a sequence.
   MT_CHECK(a.batch <= 65535 && a.q_heads <= 65535, "{}: batch {} or q_heads {} over the CUDA grid limit 65535", op,
@@ -57,7 +60,7 @@ AttentionDims check_args(const char* op, const Tensor& q, const Tensor& k, const
   const int64_t T = a.batch * a.seq;
   check_bf16(op, q, {T, a.q_heads * a.head_dim}, dev, "q");
   check_bf16(op, k, {T, a.kv_heads * a.head_dim}, dev, "k");
-  check_bf16(op, v, {T, a.kv_heads * a.head_dim}, dev, "v");
+  check_bf16(op, v, {T, a.kv_heads * dv}, dev, "v");
   if (seg.defined()) {
     check_shape(seg, {T}, "segment_ids");
     check_dtype(seg, DType::I32, "segment_ids");
@@ -70,6 +73,7 @@ AttentionDims check_args(const char* op, const Tensor& q, const Tensor& k, const
   d.q_heads = static_cast<int>(a.q_heads);
   d.kv_heads = static_cast<int>(a.kv_heads);
   d.head_dim = static_cast<int>(a.head_dim);
+  d.v_head_dim = static_cast<int>(dv);
   d.scale = static_cast<float>(a.scale);
   return d;
 }
@@ -82,7 +86,9 @@ AttentionOut attention_forward(const Tensor& q, const Tensor& k, const Tensor& v
                                const AttentionShape& shape) {
   const char* op = "attention_forward";
   const AttentionDims d = check_args(op, q, k, v, segment_ids, shape);
-  AttentionOut o{Tensor::empty(q.shape(), DType::BF16, q.device()),
+  // out is [T, Hq*Dv]: q's shape only when Dv == D.
+  AttentionOut o{Tensor::empty({shape.batch * shape.seq, shape.q_heads * shape.value_dim()}, DType::BF16,
+                               q.device()),
                  Tensor::empty({shape.batch, shape.q_heads, shape.seq}, DType::F32, q.device())};
   if (q.numel() == 0) return o;
   launch_attention_forward(bf16_ptr(q), bf16_ptr(k), bf16_ptr(v), seg_ptr(segment_ids), bf16_ptr(o.out),
@@ -96,8 +102,9 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
                                   const AttentionShape& shape) {
   const char* op = "attention_backward";
   const AttentionDims d = check_args(op, q, k, v, segment_ids, shape);
-  check_bf16(op, dout, q.shape(), q.device(), "dout");
-  check_bf16(op, out, q.shape(), q.device(), "out");
+  const Shape out_shape{shape.batch * shape.seq, shape.q_heads * shape.value_dim()};  // [T, Hq*Dv]
+  check_bf16(op, dout, out_shape, q.device(), "dout");
+  check_bf16(op, out, out_shape, q.device(), "out");
   check_shape(lse, {shape.batch, shape.q_heads, shape.seq}, "lse");
   check_dtype(lse, DType::F32, "lse");
   MT_CHECK(lse.device() == q.device(), "{}: tensor lse is on {}, expected {} (where q lives)", op,
@@ -108,13 +115,13 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
   // Workspaces, freed on return (stream-ordered, so they stay valid for the kernels queued
   // here): delta = rowsum(dout * out) and lse * log2(e), f32, each laid out like lse; and,
   // when the dK/dV pass splits each kv group's query heads over several blocks, their f32
-  // partial sums.
+  // partial sums (splits x dK, then splits x dV).
   Tensor delta = Tensor::empty({2, shape.batch, shape.q_heads, shape.seq}, DType::F32, q.device());
   int num_sms = 0;
   MT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, q.device().index));
   const int splits = attention_dkdv_splits(d, num_sms);
   Tensor partial;
-  if (splits > 1) partial = Tensor::empty({2 * splits * k.numel()}, DType::F32, q.device());
+  if (splits > 1) partial = Tensor::empty({splits * (k.numel() + v.numel())}, DType::F32, q.device());
   // Not deterministic: the one-pass Hopper backward adds dQ into this f32 buffer.
   Tensor dq_acc;
   if (!ops::deterministic() && attention_hopper_applies(d, seg_ptr(segment_ids))) {

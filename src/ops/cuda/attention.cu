@@ -1,8 +1,9 @@
 // Fused causal grouped-query attention on tensor cores (FlashAttention-2 scheme), bf16 in
 // and out, f32 accumulation, with warp-level mma.sync m16n8k16 (bf16) fed by ldmatrix.
 //
-// On an sm_90 GPU with head_dim 128 and seq a multiple of 128, attention_hopper.cu's TMA +
-// wgmma kernels replace the forward, dK/dV and dQ kernels below (same math and order).
+// On an sm_90 GPU with head_dim = v_head_dim = 128 and seq a multiple of 128,
+// attention_hopper.cu's TMA + wgmma kernels replace the forward, dK/dV and dQ kernels below
+// (same math and order). DeepSeek-V3's MLA heads (query/key 192, value 128) always run here.
 //
 // Floor and expectation (H100 SXM, bench shape B=2, S=4096, Hq=32, Hkv=4, D=128, causal;
 // FLOPs as FlashAttention counts them: forward 4*B*Hq*S^2*D/2 = 275 GFLOP, backward 2.5x =
@@ -17,10 +18,24 @@
 // (short-scoreboard waits on ldmatrix, fixed-latency dependencies), shared-memory pipe ~60%,
 // tensor pipe ~1/3; the dK/dV pass takes ~60% of the backward.
 //
-// Notation: S the sequence length, D the head dim (32, 64 or 128). A warp owns MT m-tiles
-// of 16 rows, so each mma result row lives in one quad of 4 lanes (lane/4 = row within 8,
-// lane%4 = column pair). Shared-memory tiles are [rows][D + 8] bf16: the 16-byte pad puts
-// the 8 row addresses of each ldmatrix 8x8 matrix on distinct banks. Tiles are copied in
+// MLA heads (bench_ops BM_AttentionMla*: B=2, S=4096, Hq=Hkv=16, D=192, Dv=128, causal):
+// forward 2*B*H*S^2*(D+Dv)/2 = 172 GFLOP (QK^T over D, PV over Dv), backward 2.5x = 429
+// GFLOP; floor at 989 TFLOP/s 0.17 ms forward, 0.43 ms backward. The kernels do 12 + 8
+// k-steps of 16 per key tile forward (D = 128: 8 + 8), and in the backward dK/dV 12 + 8 +
+// 8 + 12, dQ 12 + 8 + 12 (72 done for 2.5 x 20 = 50 counted, 1.44x; D = 128: 1.40x). The
+// per-tile softmax work is the same as at D = 128 while the products grow by 1.25x, so the
+// same rates are the expectation where the tiles stay as large: forward ~250-320 TFLOP/s,
+// backward ~140-190 (counted). The registers force smaller tiles (see the tile choices
+// below: 16-key forward tiles, 16-query dK/dV tiles, 32-key dQ tiles), which add per-tile
+// overhead (softmax rescaling, barriers) per product: the lower ends are the likelier.
+// Not yet measured on a GPU.
+//
+// Notation: S the sequence length, D the query/key head dim (32, 64, 128 or 192), DV the
+// value head dim (D, or 128 with D = 192). A warp owns MT m-tiles of 16 rows, so each mma
+// result row lives in one quad of 4 lanes (lane/4 = row within 8, lane%4 = column pair).
+// Shared-memory tiles are [rows][D + 8] bf16 (V, O, dO: [rows][DV + 8]): the 16-byte pad
+// puts the 8 row addresses of each ldmatrix 8x8 matrix on distinct banks (a 400-byte row
+// of 192 + 8 is 16 bytes past a multiple of 128, as 272 is). Tiles are copied in
 // with cp.async (16-byte chunks; rows past S are zero-filled, so padded keys/values
 // contribute exact zeros). Blocks are numbered so that the longest ones start first (the
 // causal triangle makes their work uneven), over all heads and batches.
@@ -33,7 +48,7 @@
 //
 // Backward, no atomics, every output element written by exactly one thread in a fixed
 // order (bitwise reproducible):
-//   1. delta[b,h,s] = sum_d dO * O and lse2 = lse * log2(e) (one warp per row).
+//   1. delta[b,h,s] = sum_d dO * O (over DV) and lse2 = lse * log2(e) (one warp per row).
 //   2. dK/dV: one block per (key tile of WARPS*16 keys, kv head, batch, split); K and V stay
 //      in shared memory, and the block loops, in a fixed order, over its query heads of the
 //      kv group (all of them, or group/splits) and every query tile at or below the
@@ -83,11 +98,12 @@ struct Params {
   bf16* dk;
   bf16* dv;
   float* dk_part;  // splits > 1: f32 partial sums [splits][B*S, Hkv*D] (dK without the scale)
-  float* dv_part;
+  float* dv_part;  // and [splits][B*S, Hkv*Dv]
   float* dq_acc;  // null, or the one-pass Hopper backward's f32 dQ sums (attention_hopper.cu)
   int batch, seq, q_heads, kv_heads, group;
   int splits;  // dK/dV pass: blocks sharing one (key tile, kv head), group / splits heads each
-  int64_t q_stride, kv_stride;  // elements per token row: Hq*D and Hkv*D
+  // Elements per token row: q/dq Hq*D, k/dk Hkv*D, v/dv Hkv*Dv, out/dout Hq*Dv.
+  int64_t q_stride, k_stride, v_stride, o_stride;
   float scale, scale_log2;
 };
 
@@ -205,6 +221,18 @@ __device__ __forceinline__ void zero(float (&c)[N][4]) {
   for (int i = 0; i < N; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.f;
 }
 
+// The row strides of v (and dv) and of out (and dout): with DV == D they equal k's and q's,
+// and reading those lets the D == DV kernels keep one register for each pair (they spilled
+// a few registers with both).
+template <int D, int DV>
+__device__ __forceinline__ int64_t v_stride_of(const Params& p) {
+  return DV == D ? p.k_stride : p.v_stride;
+}
+template <int D, int DV>
+__device__ __forceinline__ int64_t o_stride_of(const Params& p) {
+  return DV == D ? p.q_stride : p.o_stride;
+}
+
 // Maps blockIdx.x to (row tile, head, batch) with the tile index slowest and reversed, so
 // the blocks with the most key tiles (the last query tiles) start first on every head.
 struct TileOrder {
@@ -220,14 +248,16 @@ struct TileOrder {
 
 // ---- forward --------------------------------------------------------------------------
 
-// MT m-tiles (16 rows each) per warp, BC keys per tile, WARPS warps, MINB blocks per SM.
-template <int D, int MT, int BC, int WARPS, int MINB, int STAGES>
+// Query/key heads of D, value heads of DV; MT m-tiles (16 rows each) per warp, BC keys per
+// tile, WARPS warps, MINB blocks per SM.
+template <int D, int DV, int MT, int BC, int WARPS, int MINB, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32, MINB) attention_fwd_kernel(const Params p) {
-  constexpr int THREADS = WARPS * 32, BR = WARPS * MT * 16, LD = D + kPad, TK = BC * LD;
+  constexpr int THREADS = WARPS * 32, BR = WARPS * MT * 16, LD = D + kPad, LDV = DV + kPad;
+  constexpr int TK = BC * LD, TV = BC * LDV;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* sQ = reinterpret_cast<bf16*>(smem);
-  bf16* sK = sQ + BR * LD;     // STAGES buffers
-  bf16* sV = sK + STAGES * TK;  // STAGES buffers
+  bf16* sK = sQ + BR * LD;      // STAGES buffers
+  bf16* sV = sK + STAGES * TK;  // STAGES buffers of TV
 
   const int S = p.seq;
   const TileOrder t((S + BR - 1) / BR, p.q_heads, p.batch);
@@ -236,11 +266,13 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_fwd_kernel(const P
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int gr = lane >> 2, tq = lane & 3;
   const LaneOffsets<LD> off(lane);
+  const LaneOffsets<LDV> offv(lane);  // off itself when DV == D
 
   const int64_t tok0 = static_cast<int64_t>(b) * S;
+  const int64_t v_stride = v_stride_of<D, DV>(p), o_stride = o_stride_of<D, DV>(p);
   const bf16* gq = p.q + (tok0 + q0) * p.q_stride + static_cast<int64_t>(h) * D;
-  const bf16* gk = p.k + tok0 * p.kv_stride + static_cast<int64_t>(g) * D;
-  const bf16* gv = p.v + tok0 * p.kv_stride + static_cast<int64_t>(g) * D;
+  const bf16* gk = p.k + tok0 * p.k_stride + static_cast<int64_t>(g) * D;
+  const bf16* gv = p.v + tok0 * v_stride + static_cast<int64_t>(g) * DV;
   const int32_t* seg = p.seg ? p.seg + tok0 : nullptr;
 
   const int q_end = min(q0 + BR, S);
@@ -252,8 +284,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_fwd_kernel(const P
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) {
     if (st < n_kt) {
-      load_tile<BC, D, THREADS>(sK + st * TK, gk + st * BC * p.kv_stride, p.kv_stride, min(BC, S - st * BC));
-      load_tile<BC, D, THREADS>(sV + st * TK, gv + st * BC * p.kv_stride, p.kv_stride, min(BC, S - st * BC));
+      load_tile<BC, D, THREADS>(sK + st * TK, gk + st * BC * p.k_stride, p.k_stride, min(BC, S - st * BC));
+      load_tile<BC, DV, THREADS>(sV + st * TV, gv + st * BC * v_stride, v_stride, min(BC, S - st * BC));
     }
     cp_async_commit();  // possibly empty: keeps one group per tile
   }
@@ -270,7 +302,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_fwd_kernel(const P
   }
   const uint32_t q_addr = smem_u32(sQ) + 2 * (warp * MT * 16 * LD + off.a);
 
-  float o[MT][D / 8][4];
+  float o[MT][DV / 8][4];
   float m[MT][2], l[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
@@ -287,14 +319,14 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_fwd_kernel(const P
     {  // prefetch tile kt + STAGES - 1 into the buffer freed by iteration kt - 1
       const int kn = kt + STAGES - 1, k1 = kn * BC, nbuf = kn % STAGES;
       if (kn < n_kt) {
-        load_tile<BC, D, THREADS>(sK + nbuf * TK, gk + k1 * p.kv_stride, p.kv_stride, min(BC, S - k1));
-        load_tile<BC, D, THREADS>(sV + nbuf * TK, gv + k1 * p.kv_stride, p.kv_stride, min(BC, S - k1));
+        load_tile<BC, D, THREADS>(sK + nbuf * TK, gk + k1 * p.k_stride, p.k_stride, min(BC, S - k1));
+        load_tile<BC, DV, THREADS>(sV + nbuf * TV, gv + k1 * v_stride, v_stride, min(BC, S - k1));
       }
       cp_async_commit();
     }
     const int k0 = kt * BC;
     if (k0 <= row0 + MT * 16 - 1) {  // else every key of the tile is right of the warp's rows
-      const uint32_t k_base = smem_u32(sK + buf * TK), v_base = smem_u32(sV + buf * TK);
+      const uint32_t k_base = smem_u32(sK + buf * TK), v_base = smem_u32(sV + buf * TV);
 
       // s = Q K^T for the warp's MT*16 rows x BC keys; each K fragment feeds MT m-tiles
       float s[MT][BC / 8][4];
@@ -356,7 +388,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_fwd_kernel(const P
           }
           l[mt][i] = l[mt][i] * alpha + sum;  // this lane's share of the row sum; the quad adds up at the end
 #pragma unroll
-          for (int db = 0; db < D / 8; ++db) {
+          for (int db = 0; db < DV / 8; ++db) {
             o[mt][db][2 * i] *= alpha;
             o[mt][db][2 * i + 1] *= alpha;
           }
@@ -370,9 +402,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_fwd_kernel(const P
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) acc_to_a(a[mt], s[mt], kc);
 #pragma unroll
-        for (int db2 = 0; db2 < D / 16; ++db2) {
+        for (int db2 = 0; db2 < DV / 16; ++db2) {
           uint32_t bf[4];
-          ldsm_x4_trans(bf, v_base + 2 * (kc * 16 * LD + db2 * 16 + off.bt));
+          ldsm_x4_trans(bf, v_base + 2 * (kc * 16 * LDV + db2 * 16 + offv.bt));
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
             mma_bf16(o[mt][2 * db2], a[mt], bf[0], bf[1]);
@@ -396,9 +428,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_fwd_kernel(const P
       const int r = row0 + mt * 16 + i * 8 + gr;
       if (r < S) {
         const float inv = 1.f / lt;
-        bf16* go = p.o + (tok0 + r) * p.q_stride + static_cast<int64_t>(h) * D + 2 * tq;
+        bf16* go = p.o + (tok0 + r) * o_stride + static_cast<int64_t>(h) * DV + 2 * tq;
 #pragma unroll
-        for (int db = 0; db < D / 8; ++db) {
+        for (int db = 0; db < DV / 8; ++db) {
           *reinterpret_cast<uint32_t*>(go + db * 8) =
               pack_bf16(o[mt][db][2 * i] * inv, o[mt][db][2 * i + 1] * inv);
         }
@@ -414,9 +446,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_fwd_kernel(const P
 
 constexpr int kDeltaWarps = 8;
 
-// D = 128 with 16-byte aligned rows: 16 lanes a row (8 elements each), two rows a warp, so
-// that each load moves 16 bytes a lane (4-byte loads took 70 us a layer at the bench shape
-// against ~45 for the 134 MB read).
+// Value heads (dO and O rows) of 128 with 16-byte aligned rows: 16 lanes a row (8 elements
+// each), two rows a warp, so that each load moves 16 bytes a lane (4-byte loads took 70 us a
+// layer at the bench shape against ~45 for the 134 MB read).
 __global__ void __launch_bounds__(kDeltaWarps * 32) attention_bwd_delta128_kernel(const Params p) {
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * kDeltaWarps + (threadIdx.x >> 5)) * 2 + ((threadIdx.x >> 4) & 1);
   const int l16 = threadIdx.x & 15;
@@ -428,8 +460,8 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) attention_bwd_delta128_kerne
     t = row / p.q_heads;
     h = static_cast<int>(row % p.q_heads);
     float x[8], y[8];
-    load8(p.dout + t * p.q_stride + static_cast<int64_t>(h) * 128 + l16 * 8, x);
-    load8(p.out + t * p.q_stride + static_cast<int64_t>(h) * 128 + l16 * 8, y);
+    load8(p.dout + t * p.o_stride + static_cast<int64_t>(h) * 128 + l16 * 8, x);
+    load8(p.out + t * p.o_stride + static_cast<int64_t>(h) * 128 + l16 * 8, y);
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc = fmaf(x[i], y[i], acc);
   }
@@ -443,18 +475,19 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) attention_bwd_delta128_kerne
   }
 }
 
-template <int D>
+// DV: the value heads' size (dO and O rows).
+template <int DV>
 __global__ void __launch_bounds__(kDeltaWarps * 32) attention_bwd_delta_kernel(const Params p) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kDeltaWarps + (threadIdx.x >> 5);  // token * Hq + head
   const int lane = threadIdx.x & 31;
   if (row >= static_cast<int64_t>(p.batch) * p.seq * p.q_heads) return;  // whole warp
   const int64_t t = row / p.q_heads;
   const int h = static_cast<int>(row % p.q_heads);
-  const bf16* a = p.dout + t * p.q_stride + static_cast<int64_t>(h) * D;
-  const bf16* c = p.out + t * p.q_stride + static_cast<int64_t>(h) * D;
+  const bf16* a = p.dout + t * p.o_stride + static_cast<int64_t>(h) * DV;
+  const bf16* c = p.out + t * p.o_stride + static_cast<int64_t>(h) * DV;
   float acc = 0.f;
 #pragma unroll
-  for (int i = 2 * lane; i < D; i += 64) {
+  for (int i = 2 * lane; i < DV; i += 64) {
     const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(a + i));
     const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(c + i));
     acc = fmaf(x.x, y.x, acc);
@@ -471,16 +504,22 @@ __global__ void __launch_bounds__(kDeltaWarps * 32) attention_bwd_delta_kernel(c
 
 // ---- backward 2: dK, dV -------------------------------------------------------------------
 
-// WARPS warps of 16 keys each (BC = WARPS*16 keys per block), BQ queries per iteration.
-template <int D, int BQ, int WARPS, int MINB, int STAGES>
+// Query/key heads of D, value heads of DV; WARPS warps of 16 keys each (BC = WARPS*16 keys
+// per block), BQ queries per iteration.
+template <int D, int DV, int BQ, int WARPS, int MINB, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dkdv_kernel(const Params p) {
-  constexpr int THREADS = WARPS * 32, BC = WARPS * 16, LD = D + kPad, TK = BC * LD, TQ = BQ * LD;
+  constexpr int THREADS = WARPS * 32, BC = WARPS * 16, LD = D + kPad, LDV = DV + kPad;
+  constexpr int TQ = BQ * LD, TO = BQ * LDV;
+  // The products over the head dims (S^T over D, dP^T over DV; dK over D, dV over DV) share
+  // one loop of max(D, DV) / 16 steps, each product skipping the steps past its own dim (a
+  // compile-time test; with DV == D the loops are exactly the single-dim ones).
+  constexpr int DMAX = D > DV ? D : DV;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* sK = reinterpret_cast<bf16*>(smem);
-  bf16* sV = sK + TK;
-  bf16* sQ = sV + TK;             // STAGES buffers
-  bf16* sdO = sQ + STAGES * TQ;   // STAGES buffers
-  float* sLse = reinterpret_cast<float*>(sdO + STAGES * TQ);  // STAGES buffers of BQ: lse * log2(e)
+  bf16* sV = sK + BC * LD;
+  bf16* sQ = sV + BC * LDV;       // STAGES buffers of TQ
+  bf16* sdO = sQ + STAGES * TQ;   // STAGES buffers of TO
+  float* sLse = reinterpret_cast<float*>(sdO + STAGES * TO);  // STAGES buffers of BQ: lse * log2(e)
   float* sDel = sLse + STAGES * BQ;                           // STAGES buffers of BQ: delta
 
   const int S = p.seq;
@@ -495,8 +534,10 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dkdv_kernel(co
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gr = lane >> 2, tq = lane & 3;
   const LaneOffsets<LD> off(lane);
+  const LaneOffsets<LDV> offv(lane);  // off itself when DV == D
 
   const int64_t tok0 = static_cast<int64_t>(b) * S;
+  const int64_t v_stride = v_stride_of<D, DV>(p), o_stride = o_stride_of<D, DV>(p);
   const int32_t* seg = p.seg ? p.seg + tok0 : nullptr;
   const int n_qt = (S + BQ - 1) / BQ;
   const int qt_begin = k0 / BQ;  // query tiles above it see none of these keys
@@ -508,8 +549,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dkdv_kernel(co
     const int h = h_begin + it / per_head;
     const int q0 = (qt_begin + it % per_head) * BQ;
     const int64_t qoff = (tok0 + q0) * p.q_stride + static_cast<int64_t>(h) * D;
+    const int64_t ooff = (tok0 + q0) * o_stride + static_cast<int64_t>(h) * DV;
     load_tile<BQ, D, THREADS>(sQ + buf * TQ, p.q + qoff, p.q_stride, min(BQ, S - q0));
-    load_tile<BQ, D, THREADS>(sdO + buf * TQ, p.dout + qoff, p.q_stride, min(BQ, S - q0));
+    load_tile<BQ, DV, THREADS>(sdO + buf * TO, p.dout + ooff, o_stride, min(BQ, S - q0));
     const int64_t soff = (static_cast<int64_t>(b) * p.q_heads + h) * S + q0;
     for (int i = tid; i < 2 * BQ; i += THREADS) {
       const int c = i % BQ;
@@ -520,9 +562,10 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dkdv_kernel(co
     }
   };
 
-  const int64_t kvoff = (tok0 + k0) * p.kv_stride + static_cast<int64_t>(g) * D;
-  load_tile<BC, D, THREADS>(sK, p.k + kvoff, p.kv_stride, min(BC, S - k0));
-  load_tile<BC, D, THREADS>(sV, p.v + kvoff, p.kv_stride, min(BC, S - k0));
+  const int64_t koff = (tok0 + k0) * p.k_stride + static_cast<int64_t>(g) * D;
+  const int64_t voff = (tok0 + k0) * v_stride + static_cast<int64_t>(g) * DV;
+  load_tile<BC, D, THREADS>(sK, p.k + koff, p.k_stride, min(BC, S - k0));
+  load_tile<BC, DV, THREADS>(sV, p.v + voff, v_stride, min(BC, S - k0));
   // Pipeline: iteration it's tiles go to buffer it % STAGES in commit group it (K and V
   // with iteration 0), STAGES - 1 iterations ahead of the one being computed.
 #pragma unroll
@@ -536,9 +579,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dkdv_kernel(co
   const int seg_lo = (seg && j_lo < S) ? seg[j_lo] : 0;
   const int seg_hi = (seg && j_hi < S) ? seg[j_hi] : 0;
   const uint32_t k_addr = smem_u32(sK) + 2 * (warp * 16 * LD + off.a);
-  const uint32_t v_addr = smem_u32(sV) + 2 * (warp * 16 * LD + off.a);
+  const uint32_t v_addr = smem_u32(sV) + 2 * (warp * 16 * LDV + offv.a);
 
-  float dk[D / 8][4], dv[D / 8][4];
+  float dk[D / 8][4], dv[DV / 8][4];
   zero(dk);
   zero(dv);
 
@@ -551,7 +594,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dkdv_kernel(co
     cp_async_commit();
     const int q0 = (qt_begin + it % per_head) * BQ;
     if (kw <= q0 + BQ - 1) {  // else every query of the tile is left of the warp's keys: P = 0
-      const uint32_t q_base = smem_u32(sQ + buf * TQ), do_base = smem_u32(sdO + buf * TQ);
+      const uint32_t q_base = smem_u32(sQ + buf * TQ), do_base = smem_u32(sdO + buf * TO);
       const float* lse_t = sLse + buf * BQ;
       const float* del_t = sDel + buf * BQ;
 
@@ -560,19 +603,23 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dkdv_kernel(co
       zero(st);
       zero(dpt);
 #pragma unroll
-      for (int kc = 0; kc < D / 16; ++kc) {
+      for (int kc = 0; kc < DMAX / 16; ++kc) {
         uint32_t ka[4], va[4];
-        ldsm_x4(ka, k_addr + kc * 32);
-        ldsm_x4(va, v_addr + kc * 32);
+        if (kc < D / 16) ldsm_x4(ka, k_addr + kc * 32);
+        if (kc < DV / 16) ldsm_x4(va, v_addr + kc * 32);
 #pragma unroll
         for (int nb2 = 0; nb2 < BQ / 16; ++nb2) {
           uint32_t bf[4];
-          ldsm_x4(bf, q_base + 2 * (nb2 * 16 * LD + kc * 16 + off.bn));
-          mma_bf16(st[2 * nb2], ka, bf[0], bf[1]);
-          mma_bf16(st[2 * nb2 + 1], ka, bf[2], bf[3]);
-          ldsm_x4(bf, do_base + 2 * (nb2 * 16 * LD + kc * 16 + off.bn));
-          mma_bf16(dpt[2 * nb2], va, bf[0], bf[1]);
-          mma_bf16(dpt[2 * nb2 + 1], va, bf[2], bf[3]);
+          if (kc < D / 16) {
+            ldsm_x4(bf, q_base + 2 * (nb2 * 16 * LD + kc * 16 + off.bn));
+            mma_bf16(st[2 * nb2], ka, bf[0], bf[1]);
+            mma_bf16(st[2 * nb2 + 1], ka, bf[2], bf[3]);
+          }
+          if (kc < DV / 16) {
+            ldsm_x4(bf, do_base + 2 * (nb2 * 16 * LDV + kc * 16 + offv.bn));
+            mma_bf16(dpt[2 * nb2], va, bf[0], bf[1]);
+            mma_bf16(dpt[2 * nb2 + 1], va, bf[2], bf[3]);
+          }
         }
       }
 
@@ -601,14 +648,18 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dkdv_kernel(co
         acc_to_a(pa, st, kc);
         acc_to_a(da, dpt, kc);
 #pragma unroll
-        for (int db2 = 0; db2 < D / 16; ++db2) {
+        for (int db2 = 0; db2 < DMAX / 16; ++db2) {
           uint32_t bf[4];
-          ldsm_x4_trans(bf, do_base + 2 * (kc * 16 * LD + db2 * 16 + off.bt));
-          mma_bf16(dv[2 * db2], pa, bf[0], bf[1]);
-          mma_bf16(dv[2 * db2 + 1], pa, bf[2], bf[3]);
-          ldsm_x4_trans(bf, q_base + 2 * (kc * 16 * LD + db2 * 16 + off.bt));
-          mma_bf16(dk[2 * db2], da, bf[0], bf[1]);
-          mma_bf16(dk[2 * db2 + 1], da, bf[2], bf[3]);
+          if (db2 < DV / 16) {
+            ldsm_x4_trans(bf, do_base + 2 * (kc * 16 * LDV + db2 * 16 + offv.bt));
+            mma_bf16(dv[2 * db2], pa, bf[0], bf[1]);
+            mma_bf16(dv[2 * db2 + 1], pa, bf[2], bf[3]);
+          }
+          if (db2 < D / 16) {
+            ldsm_x4_trans(bf, q_base + 2 * (kc * 16 * LD + db2 * 16 + off.bt));
+            mma_bf16(dk[2 * db2], da, bf[0], bf[1]);
+            mma_bf16(dk[2 * db2 + 1], da, bf[2], bf[3]);
+          }
         }
       }
     }
@@ -621,20 +672,30 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dkdv_kernel(co
   for (int i = 0; i < 2; ++i) {
     const int j = i ? j_hi : j_lo;
     if (j < S) {
-      const int64_t off_j = (tok0 + j) * p.kv_stride + static_cast<int64_t>(g) * D + 2 * tq;
+      const int64_t off_k = (tok0 + j) * p.k_stride + static_cast<int64_t>(g) * D + 2 * tq;
+      const int64_t off_v = (tok0 + j) * v_stride + static_cast<int64_t>(g) * DV + 2 * tq;
       if (p.splits == 1) {
 #pragma unroll
-        for (int db = 0; db < D / 8; ++db) {
-          *reinterpret_cast<uint32_t*>(p.dk + off_j + db * 8) =
-              pack_bf16(dk[db][2 * i] * p.scale, dk[db][2 * i + 1] * p.scale);
-          *reinterpret_cast<uint32_t*>(p.dv + off_j + db * 8) = pack_bf16(dv[db][2 * i], dv[db][2 * i + 1]);
+        for (int db = 0; db < DMAX / 8; ++db) {
+          if (db < D / 8) {
+            *reinterpret_cast<uint32_t*>(p.dk + off_k + db * 8) =
+                pack_bf16(dk[db][2 * i] * p.scale, dk[db][2 * i + 1] * p.scale);
+          }
+          if (db < DV / 8) {
+            *reinterpret_cast<uint32_t*>(p.dv + off_v + db * 8) = pack_bf16(dv[db][2 * i], dv[db][2 * i + 1]);
+          }
         }
       } else {
-        const int64_t part_off = static_cast<int64_t>(part) * p.batch * S * p.kv_stride + off_j;
+        const int64_t part_k = static_cast<int64_t>(part) * p.batch * S * p.k_stride + off_k;
+        const int64_t part_v = static_cast<int64_t>(part) * p.batch * S * v_stride + off_v;
 #pragma unroll
-        for (int db = 0; db < D / 8; ++db) {
-          *reinterpret_cast<float2*>(p.dk_part + part_off + db * 8) = make_float2(dk[db][2 * i], dk[db][2 * i + 1]);
-          *reinterpret_cast<float2*>(p.dv_part + part_off + db * 8) = make_float2(dv[db][2 * i], dv[db][2 * i + 1]);
+        for (int db = 0; db < DMAX / 8; ++db) {
+          if (db < D / 8) {
+            *reinterpret_cast<float2*>(p.dk_part + part_k + db * 8) = make_float2(dk[db][2 * i], dk[db][2 * i + 1]);
+          }
+          if (db < DV / 8) {
+            *reinterpret_cast<float2*>(p.dv_part + part_v + db * 8) = make_float2(dv[db][2 * i], dv[db][2 * i + 1]);
+          }
         }
       }
     }
@@ -642,37 +703,46 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dkdv_kernel(co
 }
 
 // dK = scale * sum of the partial sums, dV = their sum, over the splits in order (two
-// elements per thread, grid-stride).
+// elements per thread, grid-stride; dK has B*S*Hkv*D elements, dV B*S*Hkv*Dv).
 __global__ void __launch_bounds__(256) attention_bwd_dkdv_reduce_kernel(const Params p) {
-  const int64_t n2 = static_cast<int64_t>(p.batch) * p.seq * p.kv_stride / 2;  // kv_stride is even
-  const int64_t part_stride = static_cast<int64_t>(p.batch) * p.seq * p.kv_stride;
+  const int64_t k_part = static_cast<int64_t>(p.batch) * p.seq * p.k_stride;  // strides are even
+  const int64_t v_part = static_cast<int64_t>(p.batch) * p.seq * p.v_stride;
+  const int64_t nk2 = k_part / 2, nv2 = v_part / 2, n2 = nk2 > nv2 ? nk2 : nv2;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n2;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float2 k = make_float2(0.f, 0.f), v = make_float2(0.f, 0.f);
+    const bool do_k = i < nk2, do_v = i < nv2;
     for (int s = 0; s < p.splits; ++s) {
-      const float2 a = reinterpret_cast<const float2*>(p.dk_part + s * part_stride)[i];
-      const float2 c = reinterpret_cast<const float2*>(p.dv_part + s * part_stride)[i];
-      k.x += a.x;
-      k.y += a.y;
-      v.x += c.x;
-      v.y += c.y;
+      if (do_k) {
+        const float2 a = reinterpret_cast<const float2*>(p.dk_part + s * k_part)[i];
+        k.x += a.x;
+        k.y += a.y;
+      }
+      if (do_v) {
+        const float2 c = reinterpret_cast<const float2*>(p.dv_part + s * v_part)[i];
+        v.x += c.x;
+        v.y += c.y;
+      }
     }
-    reinterpret_cast<uint32_t*>(p.dk)[i] = pack_bf16(k.x * p.scale, k.y * p.scale);
-    reinterpret_cast<uint32_t*>(p.dv)[i] = pack_bf16(v.x, v.y);
+    if (do_k) reinterpret_cast<uint32_t*>(p.dk)[i] = pack_bf16(k.x * p.scale, k.y * p.scale);
+    if (do_v) reinterpret_cast<uint32_t*>(p.dv)[i] = pack_bf16(v.x, v.y);
   }
 }
 
 // ---- backward 3: dQ -----------------------------------------------------------------------
 
-// The forward's tiling: MT m-tiles per warp, BC keys per tile.
-template <int D, int MT, int BC, int WARPS, int MINB, int STAGES>
+// The forward's tiling: query/key heads of D, value heads of DV, MT m-tiles per warp, BC
+// keys per tile.
+template <int D, int DV, int MT, int BC, int WARPS, int MINB, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dq_kernel(const Params p) {
-  constexpr int THREADS = WARPS * 32, BR = WARPS * MT * 16, LD = D + kPad, TK = BC * LD;
+  constexpr int THREADS = WARPS * 32, BR = WARPS * MT * 16, LD = D + kPad, LDV = DV + kPad;
+  constexpr int TK = BC * LD, TV = BC * LDV;
+  constexpr int DMAX = D > DV ? D : DV;  // S over D and dP over DV share one loop (as in dK/dV)
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* sQ = reinterpret_cast<bf16*>(smem);
   bf16* sdO = sQ + BR * LD;
-  bf16* sK = sdO + BR * LD;     // STAGES buffers
-  bf16* sV = sK + STAGES * TK;  // STAGES buffers
+  bf16* sK = sdO + BR * LDV;    // STAGES buffers
+  bf16* sV = sK + STAGES * TK;  // STAGES buffers of TV
 
   const int S = p.seq;
   const TileOrder t((S + BR - 1) / BR, p.q_heads, p.batch);
@@ -681,25 +751,28 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dq_kernel(cons
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int gr = lane >> 2, tq = lane & 3;
   const LaneOffsets<LD> off(lane);
+  const LaneOffsets<LDV> offv(lane);  // off itself when DV == D
 
   const int64_t tok0 = static_cast<int64_t>(b) * S;
+  const int64_t v_stride = v_stride_of<D, DV>(p), o_stride = o_stride_of<D, DV>(p);
   const int64_t qoff = (tok0 + q0) * p.q_stride + static_cast<int64_t>(h) * D;
-  const bf16* gk = p.k + tok0 * p.kv_stride + static_cast<int64_t>(g) * D;
-  const bf16* gv = p.v + tok0 * p.kv_stride + static_cast<int64_t>(g) * D;
+  const int64_t ooff = (tok0 + q0) * o_stride + static_cast<int64_t>(h) * DV;
+  const bf16* gk = p.k + tok0 * p.k_stride + static_cast<int64_t>(g) * D;
+  const bf16* gv = p.v + tok0 * v_stride + static_cast<int64_t>(g) * DV;
   const int32_t* seg = p.seg ? p.seg + tok0 : nullptr;
 
   const int q_end = min(q0 + BR, S);
   const int n_kt = (q_end - 1) / BC + 1;
 
   load_tile<BR, D, THREADS>(sQ, p.q + qoff, p.q_stride, q_end - q0);
-  load_tile<BR, D, THREADS>(sdO, p.dout + qoff, p.q_stride, q_end - q0);
+  load_tile<BR, DV, THREADS>(sdO, p.dout + ooff, o_stride, q_end - q0);
   // Pipeline: key/value tile kt goes to buffer kt % STAGES in commit group kt (Q with tile 0),
   // STAGES - 1 tiles ahead of the one being computed.
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) {
     if (st < n_kt) {
-      load_tile<BC, D, THREADS>(sK + st * TK, gk + st * BC * p.kv_stride, p.kv_stride, min(BC, S - st * BC));
-      load_tile<BC, D, THREADS>(sV + st * TK, gv + st * BC * p.kv_stride, p.kv_stride, min(BC, S - st * BC));
+      load_tile<BC, D, THREADS>(sK + st * TK, gk + st * BC * p.k_stride, p.k_stride, min(BC, S - st * BC));
+      load_tile<BC, DV, THREADS>(sV + st * TV, gv + st * BC * v_stride, v_stride, min(BC, S - st * BC));
     }
     cp_async_commit();  // possibly empty: keeps one group per tile
   }
@@ -719,7 +792,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dq_kernel(cons
     }
   }
   const uint32_t q_addr = smem_u32(sQ) + 2 * (warp * MT * 16 * LD + off.a);
-  const uint32_t do_addr = smem_u32(sdO) + 2 * (warp * MT * 16 * LD + off.a);
+  const uint32_t do_addr = smem_u32(sdO) + 2 * (warp * MT * 16 * LDV + offv.a);
 
   float dq[MT][D / 8][4];
 #pragma unroll
@@ -733,14 +806,14 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dq_kernel(cons
     {  // prefetch tile kt + STAGES - 1 into the buffer freed by iteration kt - 1
       const int kn = kt + STAGES - 1, k1 = kn * BC, nbuf = kn % STAGES;
       if (kn < n_kt) {
-        load_tile<BC, D, THREADS>(sK + nbuf * TK, gk + k1 * p.kv_stride, p.kv_stride, min(BC, S - k1));
-        load_tile<BC, D, THREADS>(sV + nbuf * TK, gv + k1 * p.kv_stride, p.kv_stride, min(BC, S - k1));
+        load_tile<BC, D, THREADS>(sK + nbuf * TK, gk + k1 * p.k_stride, p.k_stride, min(BC, S - k1));
+        load_tile<BC, DV, THREADS>(sV + nbuf * TV, gv + k1 * v_stride, v_stride, min(BC, S - k1));
       }
       cp_async_commit();
     }
     const int k0 = kt * BC;
     if (k0 <= row0 + MT * 16 - 1) {
-      const uint32_t k_base = smem_u32(sK + buf * TK), v_base = smem_u32(sV + buf * TK);
+      const uint32_t k_base = smem_u32(sK + buf * TK), v_base = smem_u32(sV + buf * TV);
 
       // s = Q K^T, dp = dO V^T for the warp's MT*16 rows x BC keys
       float s[MT][BC / 8][4], dp[MT][BC / 8][4];
@@ -750,27 +823,31 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dq_kernel(cons
         zero(dp[mt]);
       }
 #pragma unroll
-      for (int kc = 0; kc < D / 16; ++kc) {
+      for (int kc = 0; kc < DMAX / 16; ++kc) {
         uint32_t qa[MT][4], da[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          ldsm_x4(qa[mt], q_addr + 2 * mt * 16 * LD + kc * 32);
-          ldsm_x4(da[mt], do_addr + 2 * mt * 16 * LD + kc * 32);
+          if (kc < D / 16) ldsm_x4(qa[mt], q_addr + 2 * mt * 16 * LD + kc * 32);
+          if (kc < DV / 16) ldsm_x4(da[mt], do_addr + 2 * mt * 16 * LDV + kc * 32);
         }
 #pragma unroll
         for (int nb2 = 0; nb2 < BC / 16; ++nb2) {
           uint32_t bf[4];
-          ldsm_x4(bf, k_base + 2 * (nb2 * 16 * LD + kc * 16 + off.bn));
+          if (kc < D / 16) {
+            ldsm_x4(bf, k_base + 2 * (nb2 * 16 * LD + kc * 16 + off.bn));
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            mma_bf16(s[mt][2 * nb2], qa[mt], bf[0], bf[1]);
-            mma_bf16(s[mt][2 * nb2 + 1], qa[mt], bf[2], bf[3]);
+            for (int mt = 0; mt < MT; ++mt) {
+              mma_bf16(s[mt][2 * nb2], qa[mt], bf[0], bf[1]);
+              mma_bf16(s[mt][2 * nb2 + 1], qa[mt], bf[2], bf[3]);
+            }
           }
-          ldsm_x4(bf, v_base + 2 * (nb2 * 16 * LD + kc * 16 + off.bn));
+          if (kc < DV / 16) {
+            ldsm_x4(bf, v_base + 2 * (nb2 * 16 * LDV + kc * 16 + offv.bn));
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            mma_bf16(dp[mt][2 * nb2], da[mt], bf[0], bf[1]);
-            mma_bf16(dp[mt][2 * nb2 + 1], da[mt], bf[2], bf[3]);
+            for (int mt = 0; mt < MT; ++mt) {
+              mma_bf16(dp[mt][2 * nb2], da[mt], bf[0], bf[1]);
+              mma_bf16(dp[mt][2 * nb2 + 1], da[mt], bf[2], bf[3]);
+            }
           }
         }
       }
@@ -847,7 +924,9 @@ Params make_params(const AttentionDims& d) {
   p.group = d.q_heads / d.kv_heads;
   p.splits = 1;
   p.q_stride = static_cast<int64_t>(d.q_heads) * d.head_dim;
-  p.kv_stride = static_cast<int64_t>(d.kv_heads) * d.head_dim;
+  p.k_stride = static_cast<int64_t>(d.kv_heads) * d.head_dim;
+  p.v_stride = static_cast<int64_t>(d.kv_heads) * d.v_head_dim;
+  p.o_stride = static_cast<int64_t>(d.q_heads) * d.v_head_dim;
   p.scale = d.scale;
   p.scale_log2 = static_cast<float>(static_cast<double>(d.scale) * 1.4426950408889634);
   return p;
@@ -863,12 +942,36 @@ void launch(Kernel kernel, unsigned blocks, int threads, size_t smem, cudaStream
   kernel<<<blocks, threads, smem, s>>>(p);
 }
 
-template <int D, int MT, int BC, int WARPS, int MINB, int STAGES>
+// Shared memory per SM on H100 (228 KB) less 1 KB the runtime reserves per block: MINB
+// blocks of `smem` bytes each must fit (checked at compile time for every tiling below).
+constexpr bool fits_sm(size_t smem, int minb) { return minb * (smem + 1024) <= 228 * 1024; }
+
+template <int D, int DV, int MT, int BC, int WARPS, int MINB, int STAGES>
 void forward_tiled(const Params& p, cudaStream_t s) {
   constexpr int BR = WARPS * MT * 16;
-  constexpr size_t smem = (BR + 2 * STAGES * BC) * (D + kPad) * sizeof(bf16);
+  constexpr size_t smem = (BR * (D + kPad) + STAGES * BC * (D + DV + 2 * kPad)) * sizeof(bf16);
+  static_assert(fits_sm(smem, MINB), "forward tiles exceed the shared memory of MINB blocks");
   const unsigned blocks = static_cast<unsigned>((p.seq + BR - 1) / BR) * p.q_heads * p.batch;
-  launch(attention_fwd_kernel<D, MT, BC, WARPS, MINB, STAGES>, blocks, WARPS * 32, smem, s, p);
+  launch(attention_fwd_kernel<D, DV, MT, BC, WARPS, MINB, STAGES>, blocks, WARPS * 32, smem, s, p);
+}
+
+template <int D, int DV, int MT, int BC, int WARPS, int MINB, int STAGES>
+void dq_tiled(const Params& p, cudaStream_t s) {
+  constexpr int BR = WARPS * MT * 16;
+  constexpr size_t smem = (BR + STAGES * BC) * (D + DV + 2 * kPad) * sizeof(bf16);
+  static_assert(fits_sm(smem, MINB), "dQ tiles exceed the shared memory of MINB blocks");
+  const unsigned blocks = static_cast<unsigned>((p.seq + BR - 1) / BR) * p.q_heads * p.batch;
+  launch(attention_bwd_dq_kernel<D, DV, MT, BC, WARPS, MINB, STAGES>, blocks, WARPS * 32, smem, s, p);
+}
+
+template <int D, int DV, int BQ, int WARPS, int MINB, int STAGES>
+void dkdv_tiled(const Params& p, cudaStream_t s) {
+  constexpr int BC = WARPS * 16;
+  constexpr size_t smem =
+      (BC + STAGES * BQ) * (D + DV + 2 * kPad) * sizeof(bf16) + 2 * STAGES * BQ * sizeof(float);
+  static_assert(fits_sm(smem, MINB), "dK/dV tiles exceed the shared memory of MINB blocks");
+  const unsigned blocks = static_cast<unsigned>((p.seq + BC - 1) / BC) * p.batch * p.kv_heads * p.splits;
+  launch(attention_bwd_dkdv_kernel<D, DV, BQ, WARPS, MINB, STAGES>, blocks, WARPS * 32, smem, s, p);
 }
 
 // Tile choices (H100, D = 128, measured): the forward and dQ passes double-buffer; 32 rows
@@ -877,45 +980,42 @@ void forward_tiled(const Params& p, cudaStream_t s) {
 // per warp and 64-key tiles (32 rows per warp did not help it). The dK/dV pass keeps the
 // 64-key, 4-warp blocks (128 keys in 8 warps spill at 255 registers and lost) with a
 // three-stage pipeline; splitting its heads over more blocks (splits 1..8) measured the same.
-template <int D>
+//
+// MLA (D = 192, DV = 128): rows of Q/K take 400 bytes and rows of V/dO 272 in shared memory
+// (1.5x and 1x D = 128's 272), and two blocks of 4 warps an SM need <= 113 KB a block.
+// Registers (255 a thread at two blocks of 4 warps) decide the rest (ptxas, sm_90a): the
+// forward with D = 128's 32 rows a warp and 32-key tiles spills 40 bytes (the QK^T loop is
+// 12 k-steps long), with 16-key tiles none (245 registers, 71 KB). The dQ pass's 64-key
+// tiles would need 126 KB a block (one block an SM): it takes 32-key tiles (84 KB, 250
+// registers, no spill). The dK/dV pass's accumulators grow from 2 x 64 to 96 + 64 floats a
+// thread: with 32-query tiles it spills 92 bytes, with 16-query tiles none (255 registers,
+// 74 KB at three stages).
+constexpr int kDkdvWarps = 4;  // keys per dK/dV block: kDkdvWarps * 16, for every (D, DV)
+
+template <int D, int DV>
 void forward(const Params& p, cudaStream_t s) {
-  forward_tiled<D, 2, 32, 4, 2, 2>(p, s);
+  if constexpr (D == 192) {
+    forward_tiled<D, DV, 2, 16, 4, 2, 2>(p, s);
+  } else {
+    forward_tiled<D, DV, 2, 32, 4, 2, 2>(p, s);
+  }
 }
-
-template <int D, int MT, int BC, int WARPS, int MINB, int STAGES>
-void dq_tiled(const Params& p, cudaStream_t s) {
-  constexpr int BR = WARPS * MT * 16;
-  constexpr size_t smem = (2 * BR + 2 * STAGES * BC) * (D + kPad) * sizeof(bf16);
-  const unsigned blocks = static_cast<unsigned>((p.seq + BR - 1) / BR) * p.q_heads * p.batch;
-  launch(attention_bwd_dq_kernel<D, MT, BC, WARPS, MINB, STAGES>, blocks, WARPS * 32, smem, s, p);
-}
-
-template <int D, int BQ, int WARPS, int MINB, int STAGES>
-void dkdv_tiled(const Params& p, cudaStream_t s) {
-  constexpr int BC = WARPS * 16;
-  constexpr size_t smem =
-      (2 * BC + 2 * STAGES * BQ) * (D + kPad) * sizeof(bf16) + 2 * STAGES * BQ * sizeof(float);
-  const unsigned blocks = static_cast<unsigned>((p.seq + BC - 1) / BC) * p.batch * p.kv_heads * p.splits;
-  launch(attention_bwd_dkdv_kernel<D, BQ, WARPS, MINB, STAGES>, blocks, WARPS * 32, smem, s, p);
-}
-
-constexpr int kDkdvWarps = 4;  // keys per dK/dV block: kDkdvWarps * 16
 
 void dkdv_reduce(const Params& p, cudaStream_t s) {
-  const int64_t n2 = static_cast<int64_t>(p.batch) * p.seq * p.kv_stride / 2;
+  const int64_t n2 = static_cast<int64_t>(p.batch) * p.seq * std::max(p.k_stride, p.v_stride) / 2;
   const int64_t blocks = std::min<int64_t>((n2 + 255) / 256, 65536);
   attention_bwd_dkdv_reduce_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(p);
 }
 
 // true when dQ was left in p.dq_acc (the one-pass Hopper kernel ran).
-template <int D>
+template <int D, int DV>
 bool backward(const Params& p, const AttentionDims& d, cudaStream_t s) {
   const int64_t rows = static_cast<int64_t>(p.batch) * p.seq * p.q_heads;
-  if (D == 128 && p.q_stride % 8 == 0 && aligned16(p.dout) && aligned16(p.out)) {
+  if (DV == 128 && p.o_stride % 8 == 0 && aligned16(p.dout) && aligned16(p.out)) {
     attention_bwd_delta128_kernel<<<static_cast<unsigned>((rows + 2 * kDeltaWarps - 1) / (2 * kDeltaWarps)),
                                     kDeltaWarps * 32, 0, s>>>(p);
   } else {
-    attention_bwd_delta_kernel<D>
+    attention_bwd_delta_kernel<DV>
         <<<static_cast<unsigned>((rows + kDeltaWarps - 1) / kDeltaWarps), kDeltaWarps * 32, 0, s>>>(p);
   }
   if (attention_hopper_applies(d, p.seg) &&
@@ -925,10 +1025,18 @@ bool backward(const Params& p, const AttentionDims& d, cudaStream_t s) {
     return p.dq_acc != nullptr;
   }
 
-  dkdv_tiled<D, 32, kDkdvWarps, 2, 3>(p, s);
+  if constexpr (D == 192) {
+    dkdv_tiled<D, DV, 16, kDkdvWarps, 2, 3>(p, s);
+  } else {
+    dkdv_tiled<D, DV, 32, kDkdvWarps, 2, 3>(p, s);
+  }
   if (p.splits > 1) dkdv_reduce(p, s);
 
-  dq_tiled<D, 1, 64, 4, 2, 2>(p, s);
+  if constexpr (D == 192) {
+    dq_tiled<D, DV, 1, 32, 4, 2, 2>(p, s);
+  } else {
+    dq_tiled<D, DV, 1, 64, 4, 2, 2>(p, s);
+  }
   return false;
 }
 
@@ -957,11 +1065,16 @@ void launch_attention_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, co
   p.o = out;
   p.lse_out = lse;
   if (attention_hopper_applies(d, seg) && launch_attention_forward_hopper(q, k, v, seg, out, lse, d, s)) return;
-  switch (d.head_dim) {
-    case 32: forward<32>(p, s); break;
-    case 64: forward<64>(p, s); break;
-    case 128: forward<128>(p, s); break;
-    default: break;  // the host wrapper rejects other head dims
+  // The (head_dim, v_head_dim) pairs the host wrapper accepts.
+  if (d.v_head_dim == d.head_dim) {
+    switch (d.head_dim) {
+      case 32: forward<32, 32>(p, s); break;
+      case 64: forward<64, 64>(p, s); break;
+      case 128: forward<128, 128>(p, s); break;
+      default: break;
+    }
+  } else if (d.head_dim == 192 && d.v_head_dim == 128) {
+    forward<192, 128>(p, s);
   }
 }
 
@@ -975,7 +1088,7 @@ bool launch_attention_backward(const __nv_bfloat16* dout, const __nv_bfloat16* q
   p.dq_acc = dq_acc;
   p.splits = split_count;
   p.dk_part = split_count > 1 ? dkdv_partial : nullptr;
-  p.dv_part = split_count > 1 ? dkdv_partial + static_cast<int64_t>(split_count) * d.batch * d.seq * d.kv_heads * d.head_dim : nullptr;
+  p.dv_part = split_count > 1 ? dkdv_partial + static_cast<int64_t>(split_count) * d.batch * d.seq * p.k_stride : nullptr;
   p.dout = dout;
   p.q = q;
   p.k = k;
@@ -988,12 +1101,16 @@ bool launch_attention_backward(const __nv_bfloat16* dout, const __nv_bfloat16* q
   p.dq = dq;
   p.dk = dk;
   p.dv = dv;
-  switch (d.head_dim) {
-    case 32: return backward<32>(p, d, s);
-    case 64: return backward<64>(p, d, s);
-    case 128: return backward<128>(p, d, s);
-    default: return false;
+  if (d.v_head_dim == d.head_dim) {
+    switch (d.head_dim) {
+      case 32: return backward<32, 32>(p, d, s);
+      case 64: return backward<64, 64>(p, d, s);
+      case 128: return backward<128, 128>(p, d, s);
+      default: return false;
+    }
   }
+  if (d.head_dim == 192 && d.v_head_dim == 128) return backward<192, 128>(p, d, s);
+  return false;
 }
 
 }  // namespace moetrain::ops::cuda

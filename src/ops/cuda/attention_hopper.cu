@@ -1,11 +1,11 @@
 // Attention backward on Hopper (sm_90a): the dK/dV and dQ passes of attention.cu's
 // backward, with TMA copies and warpgroup MMAs (wgmma) instead of cp.async + mma.sync.
 // Same math, same order of reduction per output element (deterministic, no atomics), same
-// delta / lse2 inputs; taken for head_dim 128 and seq a multiple of 128 on sm_90. When the
-// caller allows an order-free result (ops::set_deterministic(false)), one pass instead: the
-// dK/dV blocks add dQ into an f32 buffer (dkdv_kernel<true>, below), which is the result:
-// the per-head q norm's backward reads it as it is (no conversion pass to bf16: 70 us a layer
-// at the bench shape).
+// delta / lse2 inputs; taken for head_dim = v_head_dim = 128 and seq a multiple of 128 on
+// sm_90. When the caller allows an order-free result (ops::set_deterministic(false)), one
+// pass instead: the dK/dV blocks add dQ into an f32 buffer (dkdv_kernel<true>, below),
+// which is the result: the per-head q norm's backward reads it as it is (no conversion pass
+// to bf16: 70 us a layer at the bench shape).
 //
 // Floor and expectation (bench shape B=2, S=4096, Hq=32, Hkv=4, D=128, causal; H100 SXM):
 // the backward counts 2.5 x the forward's 4*B*Hq*S^2*D/2 = 275 GFLOP, 687 GFLOP, and does
@@ -799,8 +799,9 @@ bool launch_attention_forward_hopper(const __nv_bfloat16* q, const __nv_bfloat16
 int attention_backward_hopper_key_tile() { return kKvKeys; }
 
 bool attention_hopper_applies(const AttentionDims& d, const int32_t* seg) {
-  return d.head_dim == kD && d.seq > 0 && d.seq % 128 == 0 && reinterpret_cast<uintptr_t>(seg) % 16 == 0 &&
-         hopper_kernels_usable("MOETRAIN_ATTENTION_MMA_SYNC");
+  // Value heads of another size (MLA's 192 / 128) take the mma.sync kernels.
+  return d.head_dim == kD && d.v_head_dim == kD && d.seq > 0 && d.seq % 128 == 0 &&
+         reinterpret_cast<uintptr_t>(seg) % 16 == 0 && hopper_kernels_usable("MOETRAIN_ATTENTION_MMA_SYNC");
 }
 
 bool launch_attention_backward_hopper(const __nv_bfloat16* dout, const __nv_bfloat16* q, const __nv_bfloat16* k,

@@ -1,7 +1,8 @@
 // Launchers of the fused attention kernels (see attention.cpp for the checks and
 // attention.cu for the kernels). Pointers are device pointers, token-major as ops.h says:
-// q/out/dout/dq [B*S, Hq*D], k/v/dk/dv [B*S, Hkv*D], lse/delta f32 [B, Hq, S], seg i32
-// [B*S] or null. head_dim must be 32, 64 or 128; q, k, v, out, dout, dq, dk, dv 16-byte
+// q/dq [B*S, Hq*D], k/dk [B*S, Hkv*D], v/dv [B*S, Hkv*Dv], out/dout [B*S, Hq*Dv], lse/delta
+// f32 [B, Hq, S], seg i32 [B*S] or null. (head_dim, v_head_dim) must be (32, 32), (64, 64),
+// (128, 128) or (192, 128) (DeepSeek-V3's MLA); q, k, v, out, dout, dq, dk, dv 16-byte
 // aligned (the host wrapper checks both).
 #pragma once
 
@@ -14,7 +15,8 @@ namespace moetrain::ops::cuda {
 
 struct AttentionDims {
   int batch = 0, seq = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
-  float scale = 0;  // softmax scale, > 0
+  int v_head_dim = 0;  // Dv, the value heads' size (out's too); set, never 0
+  float scale = 0;     // softmax scale, > 0
 };
 
 // out = softmax(scale * q k^T, causal, segments) v; lse = log-sum-exp of each score row.
@@ -26,7 +28,8 @@ void launch_attention_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, co
 // pass: a power of two dividing Hq/Hkv, raised until the pass has about 3 blocks per
 // multiprocessor (B=1, S=2048, Hkv=4 has only 128 key-tile blocks otherwise); for the
 // Hopper passes (one block per multiprocessor), until there is one block per multiprocessor. With
-// splits > 1 the backward needs a workspace of 2 * splits * B*S * Hkv*D floats.
+// splits > 1 the backward needs a workspace of splits * B*S * Hkv*(D + Dv) floats (the dK
+// partials, then the dV partials).
 int attention_dkdv_splits(const AttentionDims& d, int num_sms);
 
 // Kernels in order on s: delta = rowsum(dout * out) and lse * log2(e) (f32 workspace of
@@ -45,10 +48,11 @@ bool launch_attention_backward(const __nv_bfloat16* dout, const __nv_bfloat16* q
                                const AttentionDims& d, cudaStream_t s);
 
 // The Hopper (sm_90a, TMA + wgmma) forward, dK/dV and dQ kernels (attention_hopper.cu):
-// used by the launchers above when they apply (head_dim 128, seq a multiple of 128, seg null
-// or 16-byte aligned, an sm_90 GPU, MOETRAIN_ATTENTION_MMA_SYNC unset or 0). Their dK/dV
-// blocks cover attention_backward_hopper_key_tile() keys, which attention_dkdv_splits counts
-// in. The launchers return false, launching nothing, when the driver refuses a tensor map.
+// used by the launchers above when they apply (head_dim = v_head_dim = 128, seq a multiple of
+// 128, seg null or 16-byte aligned, an sm_90 GPU, MOETRAIN_ATTENTION_MMA_SYNC unset or 0).
+// Their dK/dV blocks cover attention_backward_hopper_key_tile() keys, which
+// attention_dkdv_splits counts in. The launchers return false, launching nothing, when the
+// driver refuses a tensor map.
 bool attention_hopper_applies(const AttentionDims& d, const int32_t* seg);
 bool launch_attention_forward_hopper(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                                      const int32_t* seg, __nv_bfloat16* out, float* lse, const AttentionDims& d,
