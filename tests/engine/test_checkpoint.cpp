@@ -18,6 +18,7 @@
 #include "engine/checkpoint/checkpointer.h"
 #include "engine/checkpoint/hf_convert.h"
 #include "engine/checkpoint/safetensors.h"
+#include "engine/models/deepseek_v3_config.h"
 #include "engine/models/qwen3_moe.h"
 #include "ops/ops.h"
 #include "engine/optim/adamw.h"
@@ -737,6 +738,84 @@ TEST(HfConvert, AFolderLackingATensorNamesIt) {
   fs::create_directories(dir.path() / "empty");
   EXPECT_TRUE(has(error_of([&] { CheckpointReader bad(dir / "empty"); }),
                   "neither a moetrain checkpoint (index.json) nor a Hugging Face model folder"));
+}
+
+// F8_E4M3's values at known codes (OCP FP8 E4M3 "fn"): 1, 1.5, -1, the largest 448, the
+// smallest normal 2^-6, the smallest subnormal 2^-9, zero and NaN.
+TEST(HfConvert, Fp8E4m3Decodes) {
+  EXPECT_EQ(f8_e4m3_to_float(0x38), 1.0f);
+  EXPECT_EQ(f8_e4m3_to_float(0x3C), 1.5f);
+  EXPECT_EQ(f8_e4m3_to_float(0xB8), -1.0f);
+  EXPECT_EQ(f8_e4m3_to_float(0x7E), 448.0f);
+  EXPECT_EQ(f8_e4m3_to_float(0x08), 0.015625f);
+  EXPECT_EQ(f8_e4m3_to_float(0x01), 0.001953125f);
+  EXPECT_EQ(f8_e4m3_to_float(0x00), 0.0f);
+  EXPECT_TRUE(std::isnan(f8_e4m3_to_float(0x7F)));
+  EXPECT_TRUE(std::isnan(f8_e4m3_to_float(0xFF)));
+}
+
+// A DeepSeek FP8 folder: an F8_E4M3 weight of 130 x 260 (blocks of 128 x 128 that do not
+// divide it) with its f32 weight_scale_inv [2, 3], beside a bf16 tensor. Import dequantizes
+// it to bf16 (W * scale of its block), drops the scales and the config's
+// quantization_config; loading the FP8 folder directly is refused, naming convert.
+TEST(HfConvert, Fp8WeightsAreDequantizedOnImport) {
+  ScratchDir dir;
+  fs::create_directories(dir.path() / "hf");
+  nlohmann::json cfg = nlohmann::json::parse(DeepseekV3Config().to_hf_json());
+  cfg["quantization_config"] = {{"activation_scheme", "dynamic"}, {"fmt", "e4m3"}, {"quant_method", "fp8"},
+                                {"weight_block_size", {128, 128}}};
+  std::ofstream(dir.path() / "hf" / "config.json") << cfg.dump(2);
+  const int64_t R = 130, C = 260;
+  std::vector<uint8_t> w(R * C);
+  for (int64_t i = 0; i < R * C; ++i) w[i] = static_cast<uint8_t>((i * 37 + 11) % 256);
+  for (uint8_t& b : w) {
+    if ((b & 0x7F) == 0x7F) b = 0x38;  // no NaN codes
+  }
+  const std::vector<float> scale{0.5f, 2.0f, 0.25f, 4.0f, 1.0f, 0.125f};
+  Tensor norm = testing::random_tensor({64}, DType::F32, 3).to(DType::BF16);
+  // The file by hand: the writer only writes dtypes moetrain holds.
+  nlohmann::ordered_json header;
+  const std::string wname = "model.layers.0.self_attn.kv_b_proj.weight";
+  header[wname] = {{"dtype", "F8_E4M3"}, {"shape", {R, C}}, {"data_offsets", {0, R * C}}};
+  header[wname + "_scale_inv"] = {{"dtype", "F32"}, {"shape", {2, 3}}, {"data_offsets", {R * C, R * C + 24}}};
+  header["model.norm.weight"] = {{"dtype", "BF16"}, {"shape", {64}}, {"data_offsets", {R * C + 24, R * C + 24 + 128}}};
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  {
+    std::ofstream f(dir.path() / "hf" / "model.safetensors", std::ios::binary);
+    const uint64_t n = text.size();
+    f.write(reinterpret_cast<const char*>(&n), 8);
+    f << text;
+    f.write(reinterpret_cast<const char*>(w.data()), static_cast<std::streamsize>(w.size()));
+    f.write(reinterpret_cast<const char*>(scale.data()), 24);
+    f.write(static_cast<const char*>(norm.raw()), 128);
+  }
+  EXPECT_TRUE(has(error_of([&] { CheckpointReader r(dir / "hf"); }), "moetrain convert"));
+  import_hf(dir / "hf", dir / "mt");
+  CheckpointReader r(dir / "mt");
+  EXPECT_FALSE(r.has(wname + "_scale_inv"));
+  EXPECT_TRUE(bytes_equal(r.read_whole("model.norm.weight"), norm));
+  const Tensor got = r.read_whole(wname);
+  ASSERT_EQ(got.dtype(), DType::BF16);
+  ASSERT_EQ(got.shape(), (Shape{R, C}));
+  const std::vector<double> v = got.to_double_vector();
+  int64_t checked = 0;
+  for (int64_t i = 0; i < R; ++i) {
+    for (int64_t j = 0; j < C; ++j) {
+      const float want = static_cast<float>(bf16(f8_e4m3_to_float(w[i * C + j]) * scale[(i / 128) * 3 + j / 128]));
+      ASSERT_EQ(v[i * C + j], static_cast<double>(want)) << i << "," << j;
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, R * C);
+  EXPECT_FALSE(r.trainer_state()["hf_config"].contains("quantization_config"));
+  // A scale of the wrong block count is named.
+  fs::create_directories(dir.path() / "bad");
+  cfg["quantization_config"]["weight_block_size"] = {64, 128};
+  std::ofstream(dir.path() / "bad" / "config.json") << cfg.dump(2);
+  fs::copy_file(dir.path() / "hf" / "model.safetensors", dir.path() / "bad" / "model.safetensors");
+  const std::string e = error_of([&] { import_hf(dir / "bad", dir / "bad-mt"); });
+  EXPECT_TRUE(has(e, "_scale_inv") && has(e, "[3, 3]")) << e;
 }
 
 }  // namespace
