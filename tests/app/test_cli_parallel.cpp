@@ -292,6 +292,26 @@ TEST_F(ParallelCli, DeepseekV3LayoutsMatchOneProcess) {
   }
 }
 
+// A DeepSeek-V3 checkpoint written under ep2 (experts split, the routing biases with the
+// model) resumes under ep4 and under one process, and the run matches one uninterrupted
+// process.
+TEST_F(ParallelCli, DeepseekV3CheckpointOfEp2ResumesUnderEp4AndOneProcess) {
+  const std::string model = "--config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/dsv3-tiny.toml " +
+                            "--model.router_bias_update_speed=0.01";
+  Result one = launch(1, train_args("one", 1, "", model));
+  ASSERT_EQ(one.status, 0) << one.output;
+  for (const auto& [name, ranks, flags] :
+       std::vector<std::tuple<std::string, int, std::string>>{{"to_ep4", 4, "--parallel.ep=4"}, {"to_one", 1, ""}}) {
+    SCOPED_TRACE(name);
+    Result first = launch(2, train_args(name, 2, "--parallel.ep=2 --training.stop_after_steps=2", model));
+    ASSERT_EQ(first.status, 0) << first.output;
+    Result second = launch(ranks, train_args(name, ranks, flags, model));
+    ASSERT_EQ(second.status, 0) << second.output;
+    EXPECT_NE(second.output.find("resumed from"), std::string::npos) << second.output;
+    expect_same_run("one", name);
+  }
+}
+
 TEST_F(ParallelCli, TwoGpusMatchOneGpu) {
   if (!cuda::available() || cuda::device_count() < 2) {
     GTEST_SKIP() << "needs 2 GPUs: " << (cuda::available() ? "this machine has fewer" : cuda::unavailable_reason());

@@ -65,8 +65,8 @@ class SftCli : public ScratchDirTest {
   }
 
   // The tiny model of configs/tiny.toml with this test's tokenizer, shrunk to seconds.
-  std::string common(const std::string& metrics_dir) const {
-    return "--config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml --data.tokenizer=" + tokenizer_ +
+  std::string common(const std::string& metrics_dir, const std::string& config_file = "tiny.toml") const {
+    return "--config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/" + config_file + " --data.tokenizer=" + tokenizer_ +
            " --model.vocab_size=320 --metrics.progress=false --training.sample_tokens=8 --metrics.dir=" +
            path(metrics_dir) + " ";
   }
@@ -77,13 +77,17 @@ class SftCli : public ScratchDirTest {
            extra;
   }
 
+  void fine_tune_a_converted_model(const std::string& config_file);
+
   std::string tokenizer_, chats_, corpus_;
 };
 
-TEST_F(SftCli, FineTuningAConvertedModelLowersTheAssistantLoss) {
+// A base model of `config` (configs/<config>) pretrained for a few steps, exported to Hugging
+// Face and fine-tuned from that folder on the chats: the assistant-only loss must halve.
+void SftCli::fine_tune_a_converted_model(const std::string& config_file) {
   // A base model pretrained for a few steps on plain text with the same tokenizer, saved,
   // and exported as a Hugging Face folder.
-  Result r = run("train " + common("base") + "--data.paths=" + corpus_ +
+  Result r = run("train " + common("base", config_file) + "--data.paths=" + corpus_ +
                  " --training.steps=4 --training.seq_len=64 --training.micro_batch_size=4 "
                  "--optimizer.warmup_steps=1 --checkpoint.save_final=true");
   ASSERT_EQ(r.status, 0) << r.output;
@@ -127,6 +131,12 @@ TEST_F(SftCli, FineTuningAConvertedModelLowersTheAssistantLoss) {
               last, first_val, last_val);
   EXPECT_LT(last, 0.5 * first);
   EXPECT_LT(last_val, 0.5 * first_val);
+}
+
+TEST_F(SftCli, FineTuningAConvertedModelLowersTheAssistantLoss) { fine_tune_a_converted_model("tiny.toml"); }
+
+TEST_F(SftCli, FineTuningAConvertedDeepseekV3LowersTheAssistantLoss) {
+  fine_tune_a_converted_model("dsv3-tiny.toml");
 }
 
 TEST_F(SftCli, SftResumesExactlyWhereItStopped) {

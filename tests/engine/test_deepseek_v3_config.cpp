@@ -165,6 +165,14 @@ TEST_F(DeepseekV3ConfigTest, RefusesWhatItDoesNotImplementNamingTheKey) {
   EXPECT_ERROR([&] { load(R"({"model_type": "deepseek_v3", "n_group": 7})"); }, "n_group (7)");
   EXPECT_ERROR([&] { load(R"({"model_type": "deepseek_v3", "q_lora_rank": -3})"); }, "q_lora_rank");
   EXPECT_ERROR([&] { load(R"({"model_type": "deepseek_v3", "moe_gate_bias": true})"); }, "moe_gate_bias");
+  // The sizes transformers 5 derives and writes (head_dim = qk_rope_head_dim, qk_head_dim =
+  // nope + rope) are read and must agree.
+  load(R"({"model_type": "deepseek_v3", "qk_nope_head_dim": 10, "qk_rope_head_dim": 12, "head_dim": 12,
+           "qk_head_dim": 22})");
+  EXPECT_ERROR([&] { load(R"({"model_type": "deepseek_v3", "qk_rope_head_dim": 12, "head_dim": 16})"); },
+               "head_dim");
+  EXPECT_ERROR([&] { load(R"({"model_type": "deepseek_v3", "qk_nope_head_dim": 10, "qk_head_dim": 20})"); },
+               "qk_head_dim");
   EXPECT_ERROR([&] { load(R"({"model_type": "qwen3_moe"})"); }, "deepseek_v3");
   DeepseekV3Config ok;
   ok.validate("moetrain defaults");

@@ -262,6 +262,17 @@ void DeepseekV3Config::load_hf_json(const std::string& path) {
   r.read({"qk_rope_head_dim"}, c.qk_rope_head_dim);
   r.read({"v_head_dim"}, c.v_head_dim);
   r.read({"qk_nope_head_dim"}, c.qk_nope_head_dim);
+  // transformers 5 also writes two sizes it derives: head_dim (= qk_rope_head_dim, what its
+  // rotary embedding turns) and qk_head_dim (= nope + rope). Read to check they agree.
+  int64_t derived = 0;
+  if (r.read({"head_dim"}, derived) && derived != c.qk_rope_head_dim) {
+    r.fail("head_dim", fmt::format("= {} must equal qk_rope_head_dim ({}), as transformers derives it", derived,
+                                   c.qk_rope_head_dim));
+  }
+  if (r.read({"qk_head_dim"}, derived) && derived != c.qk_head_dim()) {
+    r.fail("qk_head_dim", fmt::format("= {} must equal qk_nope_head_dim + qk_rope_head_dim ({})", derived,
+                                      c.qk_head_dim()));
+  }
   r.read({"n_group"}, c.n_group);
   r.read({"topk_group"}, c.topk_group);
   r.read({"num_experts_per_tok"}, c.num_experts_per_tok);

@@ -25,10 +25,9 @@
 // 8 + 12, dQ 12 + 8 + 12 (72 done for 2.5 x 20 = 50 counted, 1.44x; D = 128: 1.40x). The
 // per-tile softmax work is the same as at D = 128 while the products grow by 1.25x, so the
 // same rates are the expectation where the tiles stay as large: forward ~250-320 TFLOP/s,
-// backward ~140-190 (counted). The registers force smaller tiles (see the tile choices
-// below: 16-key forward tiles, 16-query dK/dV tiles, 32-key dQ tiles), which add per-tile
-// overhead (softmax rescaling, barriers) per product: the lower ends are the likelier.
-// Not yet measured on a GPU.
+// backward ~140-190 (counted). Measured on an H100 (bench_ops, the tiles chosen below):
+// forward 269 TFLOP/s (0.64 ms), backward 141 (3.04 ms): the mma.sync kernels' rates at
+// D = 128 (287 / 156); the Hopper kernels' 462 / 281 at 128/128 are what wgmma would give.
 //
 // Notation: S the sequence length, D the query/key head dim (32, 64, 128 or 192), DV the
 // value head dim (D, or 128 with D = 192). A warp owns MT m-tiles of 16 rows, so each mma
@@ -982,23 +981,18 @@ void dkdv_tiled(const Params& p, cudaStream_t s) {
 // three-stage pipeline; splitting its heads over more blocks (splits 1..8) measured the same.
 //
 // MLA (D = 192, DV = 128): rows of Q/K take 400 bytes and rows of V/dO 272 in shared memory
-// (1.5x and 1x D = 128's 272), and two blocks of 4 warps an SM need <= 113 KB a block.
-// Registers (255 a thread at two blocks of 4 warps) decide the rest (ptxas, sm_90a): the
-// forward with D = 128's 32 rows a warp and 32-key tiles spills 40 bytes (the QK^T loop is
-// 12 k-steps long), with 16-key tiles none (245 registers, 71 KB). The dQ pass's 64-key
-// tiles would need 126 KB a block (one block an SM): it takes 32-key tiles (84 KB, 250
-// registers, no spill). The dK/dV pass's accumulators grow from 2 x 64 to 96 + 64 floats a
-// thread: with 32-query tiles it spills 92 bytes, with 16-query tiles none (255 registers,
-// 74 KB at three stages).
+// (1.5x and 1x D = 128's 272), and two blocks of 4 warps an SM need <= 113 KB a block. The
+// forward and the dK/dV pass keep D = 128's tiling (92 KB and 106 KB a block): ptxas reports
+// small spills for them at 255 registers (40 and 92 bytes; the tiles that avoid spilling are
+// 16 keys / 16 queries wide), yet they measured faster on an H100 (B=2 S=4096 16 heads:
+// forward 269 TFLOP/s against 223 for 16-key tiles, backward 141 against 137). The dQ pass's
+// 64-key tiles would need 126 KB a block (one block an SM): it takes 32-key tiles (84 KB,
+// 250 registers, no spill), which measured best of 32, 48 and 64 (8 warps, one block).
 constexpr int kDkdvWarps = 4;  // keys per dK/dV block: kDkdvWarps * 16, for every (D, DV)
 
 template <int D, int DV>
 void forward(const Params& p, cudaStream_t s) {
-  if constexpr (D == 192) {
-    forward_tiled<D, DV, 2, 16, 4, 2, 2>(p, s);
-  } else {
-    forward_tiled<D, DV, 2, 32, 4, 2, 2>(p, s);
-  }
+  forward_tiled<D, DV, 2, 32, 4, 2, 2>(p, s);
 }
 
 void dkdv_reduce(const Params& p, cudaStream_t s) {
@@ -1025,11 +1019,7 @@ bool backward(const Params& p, const AttentionDims& d, cudaStream_t s) {
     return p.dq_acc != nullptr;
   }
 
-  if constexpr (D == 192) {
-    dkdv_tiled<D, DV, 16, kDkdvWarps, 2, 3>(p, s);
-  } else {
-    dkdv_tiled<D, DV, 32, kDkdvWarps, 2, 3>(p, s);
-  }
+  dkdv_tiled<D, DV, 32, kDkdvWarps, 2, 3>(p, s);
   if (p.splits > 1) dkdv_reduce(p, s);
 
   if constexpr (D == 192) {
