@@ -1,6 +1,7 @@
 #include "app/checkpoint_commands.h"
 
 #include <CLI/CLI.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
 
 #include <cstdio>
 #include <fstream>
@@ -9,6 +10,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/log.h"
 #include "engine/checkpoint/checkpoint_format.h"
 #include "engine/checkpoint/hf_convert.h"
 #include "engine/checkpoint/safetensors.h"
@@ -60,6 +62,8 @@ std::vector<int32_t> parse_ids(const std::string& text, const std::string& origi
 }
 
 int run_score(const ScoreArgs& a) {
+  // stdout carries the JSON result: whatever is logged (a config's warning) goes to stderr.
+  spdlog::set_default_logger(spdlog::stderr_color_mt("score"));
   std::vector<int32_t> ids;
   if (!a.tokens_file.empty()) {
     std::ifstream f(a.tokens_file);

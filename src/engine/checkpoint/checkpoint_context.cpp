@@ -92,11 +92,7 @@ TrainState CheckpointContext::restore() {
       load_model_weights(reader, params);
       if (optimizer_too) load_optimizer_state(reader, params, opt);
     }
-    std::vector<CheckpointItem> buffers;
-    for (const NamedBuffer& b : state.buffers) {
-      if (reader.has(b.name)) buffers.push_back({b.name, b.value});
-    }
-    load_slices(reader, buffers);
+    load_model_buffers(reader, state.buffers);
   };
   const CheckpointConfig& cc = cfg_.checkpoint;
   // The newest committed step first; when it turns out damaged on any rank (a checksum or

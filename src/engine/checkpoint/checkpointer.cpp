@@ -187,6 +187,14 @@ void load_sharded_state(CheckpointReader& reader, const ParameterList& params, P
   }
 }
 
+void load_model_buffers(CheckpointReader& reader, const std::vector<NamedBuffer>& buffers) {
+  std::vector<CheckpointItem> items;
+  for (const NamedBuffer& b : buffers) {
+    if (reader.has(b.name)) items.push_back({b.name, b.value});
+  }
+  load_slices(reader, items);
+}
+
 void load_model_weights(CheckpointReader& reader, ParameterList& params) {
   bool tied_head_missing = false;
   for (Parameter& p : params) {

@@ -30,6 +30,7 @@
 
 #include "core/tensor.h"
 #include "engine/checkpoint/checkpoint_format.h"
+#include "engine/models/model.h"
 #include "engine/optim/adamw.h"
 #include "engine/parameters.h"
 
@@ -78,6 +79,9 @@ void load_sharded_state(CheckpointReader& reader, const ParameterList& params, P
 // when the checkpoint has it, else from the model tensor, and its value is rounded from
 // it). Tied embeddings may lack lm_head.weight. Errors name the tensor.
 void load_model_weights(CheckpointReader& reader, ParameterList& params);
+// Loads the model's named buffers (routing biases) that the checkpoint holds; one it lacks
+// keeps its value (a Qwen3-MoE folder has no routing bias: balancing starts from zero).
+void load_model_buffers(CheckpointReader& reader, const std::vector<NamedBuffer>& buffers);
 // Loads the Adam moments and the masters (resume).
 void load_optimizer_state(CheckpointReader& reader, ParameterList& params, AdamW& opt);
 

@@ -31,6 +31,7 @@ ScoreResult score_tokens(const std::string& model_dir_in, const std::vector<int3
   Model& model = *built;
   CheckpointReader reader(model_dir);
   load_model_weights(reader, model.parameters());
+  load_model_buffers(reader, model.buffers());  // DeepSeek-V3's routing biases steer the choice
 
   std::vector<int32_t> pos(static_cast<size_t>(S));
   for (int64_t i = 0; i < S; ++i) pos[i] = static_cast<int32_t>(i);
