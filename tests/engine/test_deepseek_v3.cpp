@@ -5,10 +5,15 @@
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <set>
 
+#include "engine/checkpoint/safetensors.h"
+#include "engine/eval/score.h"
 #include "engine/models/deepseek_v3.h"
+#include "test_files.h"
 #include "model_batches.h"
 #include "test_util.h"
 
@@ -221,6 +226,32 @@ TEST(DeepseekV3, FlopsPerTokenCountsActiveParameters) {
   const int64_t dense = 3 * 8 * 12, moe = 8 * 8 + (2 + 1) * 3 * 8 * 6;
   EXPECT_EQ(m.active_matmul_params(), 19 * 8 + 3 * attn + dense + 2 * moe);
   EXPECT_DOUBLE_EQ(m.flops_per_token(10), 6.0 * m.active_matmul_params() + 6.0 * 3 * 2 * (6 + 3) * 10);
+}
+
+// A Hugging Face folder of a model whose routing biases steer the choice: score (the path
+// of tools/check_hf_logits.py) reads the biases with the weights and gives the model's logits.
+TEST(DeepseekV3, ScoreReadsTheRoutingBiasesOfAFolder) {
+  testing::ScratchDir dir;
+  std::filesystem::create_directories(dir.path() / "hf");
+  DeepseekV3Config c = tiny_config();
+  DeepseekV3Model model(c, DType::F32);
+  model.init_weights(8);
+  for (NamedBuffer& b : model.buffers()) {  // strong enough to move every token's choice
+    b.value.copy_from(testing::random_tensor(b.value.shape(), DType::F32, 9, 3.0));
+  }
+  SafetensorsWriter w;
+  for (const Parameter& p : model.parameters()) w.add(p.name, p.value);
+  for (const NamedBuffer& b : model.buffers()) w.add(b.name, b.value);
+  w.write((dir.path() / "hf" / "model.safetensors").string());
+  std::ofstream(dir.path() / "hf" / "config.json") << c.to_hf_json();
+  std::vector<int32_t> ids{3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8};
+  const ScoreResult r = score_tokens(dir / "hf", ids, "cpu");
+  std::vector<int32_t> pos(ids.size());
+  for (size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<int32_t>(i);
+  LocalDispatcher d;
+  const auto S = static_cast<int64_t>(ids.size());
+  Tensor want = model.forward_logits(Tensor::from_vector(ids, {S}), Tensor::from_vector(pos, {S}), {1, S}, d);
+  EXPECT_LT(testing::rel_error(r.logits, want), 1e-6);
 }
 
 }  // namespace
