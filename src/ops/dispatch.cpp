@@ -292,6 +292,14 @@ Tensor load_balance_backward(const Tensor& selections, int64_t rows, int64_t tot
 
 Tensor router_entropy_sum(const Tensor& probs) { return MT_ROUTE(probs, router_entropy_sum, probs); }
 
+Tensor seq_balance_loss_sum(const Tensor& probs, const Tensor& topk_idx, int64_t batch) {
+  return MT_ROUTE(probs, seq_balance_loss_sum, probs, topk_idx, batch);
+}
+
+Tensor seq_balance_backward(const Tensor& probs, const Tensor& topk_idx, int64_t batch, double scale) {
+  return MT_ROUTE(probs, seq_balance_backward, probs, topk_idx, batch, scale);
+}
+
 ZLossOut router_z_loss_forward(const Tensor& logits) {
   return MT_ROUTE(logits, router_z_loss_forward, logits);
 }

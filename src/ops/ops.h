@@ -348,6 +348,17 @@ ZLossOut router_z_loss_forward(const Tensor& logits);
 // dlogits = scale * 2 * lse[r] * softmax(logits[r]) (probs = softmax(logits) given).
 Tensor router_z_loss_backward(const Tensor& probs, const Tensor& lse, double scale);
 
+// ---- DeepSeek-V3's sequence-wise balance loss ----------------------------------------
+// probs [B*S, E] (router scores, the rows of B sequences of S in order; normalised per row
+// here, so sigmoid scores serve) and topk_idx [B*S, K]. Per sequence b:
+//   f_i = E / (K S) * (selections of expert i in b),   P_i = (1/S) sum_t p[t,i] / sum_j p[t,j]
+//   loss_b = sum_i f_i P_i
+// Returns sum_b loss_b as [1] (probs' dtype; f32 on CUDA).
+Tensor seq_balance_loss_sum(const Tensor& probs, const Tensor& topk_idx, int64_t batch);
+// d(scale * sum_b loss_b) / d probs [B*S, E] (f counts choices: no gradient):
+//   scale / S * (f_j - sum_i f_i p[t,i] / Z_t) / Z_t,   Z_t = sum_j p[t,j].
+Tensor seq_balance_backward(const Tensor& probs, const Tensor& topk_idx, int64_t batch, double scale);
+
 // ---- AdamW (decoupled weight decay), FP32 master weights and moments ------------------
 // In place on param, m, v (same shape, f32 or f64; or f32 param and grad with bf16 m and v,
 // stored by stochastic rounding keyed by step and the element's place in m's storage, so

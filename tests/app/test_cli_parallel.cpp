@@ -252,14 +252,15 @@ TEST_F(ParallelCli, TooFewMicroBatchesForDualPipeVIsNamed) {
 // picks other kernels for other row counts, so the bound is 2e-2 (the CPU layouts above are
 // held to 1e-5).
 // DeepSeek-V3 (configs/dsv3-tiny.toml: MLA, YaRN, a dense first layer, 16 experts in 4
-// groups with a shared expert, aux-loss-free balancing) under the layouts that split what
+// groups with a shared expert, aux-loss-free balancing and the sequence-wise balance loss) under the layouts that split what
 // the family adds: experts over 2 and 4 ranks (the routing bias moved from the loads of all
 // ranks), ZeRO-3, the paired micro-batches, and the pipeline with and without experts
 // split. Each against one process; each run ends with the replicated tensors (attention,
 // router, shared experts, norms, routing biases) bitwise equal on every data rank.
 TEST_F(ParallelCli, DeepseekV3LayoutsMatchOneProcess) {
   const std::string model = "--config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/dsv3-tiny.toml " +
-                            "--model.router_bias_update_speed=0.01 --model.num_hidden_layers=4";
+                            "--model.router_bias_update_speed=0.01 --model.num_hidden_layers=4 "
+                            "--model.seq_aux_loss_coef=0.01";
   const std::string pipe = "--training.grad_accum_steps=8 --training.sample_tokens=0";
   Result one = launch(1, train_args("one", 1, "", model));
   ASSERT_EQ(one.status, 0) << one.output;

@@ -1,7 +1,8 @@
 // One DeepSeek-V3 training micro-step on the GPU (bf16 compute, f32 gradients) against the
 // same step on the CPU (f32), from the same bf16 weights; skips without a GPU. The heads are
 // MLA's real ones (query/key 128 + 64, value 128: the CUDA attention's 192/128 kernels), with
-// YaRN, interleaved rotary pairs, a query latent, a shared expert and a dense first layer.
+// YaRN, interleaved rotary pairs, a query latent, a shared expert, a dense first layer and the
+// sequence-wise balance loss.
 // As for Qwen3 (test_qwen3_moe_cuda.cpp), the strict check routes every token to every
 // expert (top-k = E: no discontinuous choice); the group-limited top-k check bounds the loss
 // and the share of assignments that moved, and the non-expert gradients loosely.
@@ -41,6 +42,7 @@ DeepseekV3Config step_config(int64_t experts, int64_t top_k, int64_t groups, int
   c.n_shared_experts = 1;
   c.rope_factor = 4;
   c.rope_original_max_position_embeddings = 32;
+  c.seq_aux_loss_coef = 0.01;  // its kernels' gradient reaches the routers
   return c;
 }
 
@@ -86,6 +88,7 @@ TEST(DeepseekV3Cuda, TrainingStepMatchesCpuEveryGradient) {
   if (!cuda::available()) GTEST_SKIP() << "SKIPPED: GPU test needs a CUDA device: " << cuda::unavailable_reason();
   StepPair r = run_both(step_config(/*experts=*/4, /*top_k=*/4, /*groups=*/2, /*keep=*/2));
   EXPECT_NEAR(r.gpu.ce_sum / r.cpu.ce_sum, 1.0, 1e-2);
+  EXPECT_NEAR(r.gpu.term("seq_aux_loss") / r.cpu.term("seq_aux_loss"), 1.0, 1e-3);
   EXPECT_EQ(r.gpu.expert_counts, r.cpu.expert_counts);
   double worst = 0;
   std::string worst_name;

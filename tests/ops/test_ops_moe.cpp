@@ -709,6 +709,37 @@ TEST(OpsMoe, RouterZLossForwardAndGradcheck) {
   }
 }
 
+// DeepSeek-V3's sequence-wise balance loss: the loss against the formula written out per
+// sequence (counts, then means), and its gradient against finite differences (sigmoid
+// scores: rows that do not sum to 1).
+TEST(OpsMoe, SeqBalanceLossAndGradcheck) {
+  for (auto [B, S, E, K] : {std::array<int64_t, 4>{2, 5, 6, 2}, {3, 4, 8, 3}, {1, 7, 4, 3}}) {
+    Tensor logits = random_tensor({B * S, E}, DType::F64, 300 + S, 1.5);
+    const ops::RouterOut r = ops::router_sigmoid_forward(logits, Tensor(), K, 1, 1, true, 1.0);
+    Tensor probs = r.probs.clone();
+    double want = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      std::vector<double> f(E, 0.0), P(E, 0.0);
+      for (int64_t t = b * S; t < (b + 1) * S; ++t) {
+        double z = 0;
+        for (int64_t e = 0; e < E; ++e) z += probs.item(t * E + e);
+        for (int64_t e = 0; e < E; ++e) P[e] += probs.item(t * E + e) / z / static_cast<double>(S);
+        for (int64_t k = 0; k < K; ++k) f[static_cast<size_t>(r.topk_idx.item(t * K + k))] += 1.0;
+      }
+      for (int64_t e = 0; e < E; ++e) want += static_cast<double>(E) / static_cast<double>(K * S) * f[e] * P[e];
+    }
+    const std::string op = shape_tag("seq_balance", {{"B", B}, {"S", S}, {"E", E}, {"K", K}});
+    EXPECT_NEAR(ops::seq_balance_loss_sum(probs, r.topk_idx, B).item(), want, 1e-12) << op;
+    const double scale = 0.7;
+    Tensor g = ops::seq_balance_backward(probs, r.topk_idx, B, scale);
+    const double err = gradcheck(probs, g, [&] { return scale * ops::seq_balance_loss_sum(probs, r.topk_idx, B).item(); });
+    report(op, "probs", err);
+  }
+  Tensor p = random_tensor({6, 4}, DType::F64, 1);
+  expect_error([&] { ops::seq_balance_loss_sum(p, testing::random_ints({6, 2}, 0, 4, 2), 4); }, "not 4 sequences");
+  expect_error([&] { ops::seq_balance_loss_sum(p, testing::random_ints({6, 2}, 0, 9, 2), 2); }, "not an expert");
+}
+
 // ---------------------------------------------------------------------------------------
 // AdamW and element-wise helpers
 

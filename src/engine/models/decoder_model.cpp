@@ -24,16 +24,18 @@ void in_turn(bool more_a, bool more_b, A&& step_a, B&& step_b) {
 }  // namespace
 
 Tensor RouterTotals::pack() const {
-  const std::vector<Tensor> host = to_host({selections, prob_sum, z_sum});
+  const std::vector<Tensor> host = to_host({selections, prob_sum, z_sum, seq_sum});
   std::vector<double> v = host[0].to_double_vector(), p = host[1].to_double_vector();
   v.insert(v.end(), p.begin(), p.end());
   v.push_back(static_cast<double>(rows));
   v.push_back(host[2].item());
+  v.push_back(static_cast<double>(seq_count));
+  v.push_back(host[3].item());
   return Tensor::from_vector(v, {static_cast<int64_t>(v.size())});
 }
 
 RouterTotals RouterTotals::unpack(const Tensor& packed, int64_t E, DType stat, Device device) {
-  MT_CHECK(packed.numel() == 2 * E + 2, "router totals message holds {} values, expected 2 * {} experts + 2",
+  MT_CHECK(packed.numel() == 2 * E + 4, "router totals message holds {} values, expected 2 * {} experts + 4",
            packed.numel(), E);
   MT_CHECK(packed.dtype() == DType::F64, "router totals message is {}, expected f64", dtype_name(packed.dtype()));
   const Tensor host = packed.device().is_cpu() ? packed : packed.to(Device::cpu());
@@ -42,6 +44,8 @@ RouterTotals RouterTotals::unpack(const Tensor& packed, int64_t E, DType stat, D
   t.prob_sum = host.slice(E, 2 * E).to(stat).to(device);
   t.rows = static_cast<int64_t>(std::llround(host.item(2 * E)));
   t.z_sum = host.slice(2 * E + 1, 2 * E + 2).to(stat).to(device);
+  t.seq_count = static_cast<int64_t>(std::llround(host.item(2 * E + 2)));
+  t.seq_sum = host.slice(2 * E + 3, 2 * E + 4).to(stat).to(device);
   return t;
 }
 
@@ -124,7 +128,8 @@ RouterTotals MoeDecoderModel::unpack_totals(const Tensor& packed) const {
 RouterTotals MoeDecoderModel::new_totals() const {
   const DType stat = grad_dtype_for(dtype_);  // router statistics are f32 on the GPU
   const int64_t E = spec_.num_experts;
-  return {Tensor::zeros({E}, stat, device_), Tensor::zeros({E}, stat, device_), 0, Tensor::zeros({1}, stat, device_)};
+  return {Tensor::zeros({E}, stat, device_), Tensor::zeros({E}, stat, device_), 0, Tensor::zeros({1}, stat, device_),
+          Tensor::zeros({1}, stat, device_), 0};
 }
 
 // A chunk pass cut at the expert exchanges: each call of forward_piece / backward_piece runs
@@ -200,6 +205,10 @@ bool MoeDecoderModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) const
           s.z = ops::router_z_loss_forward(s.router_logits);
           ops::add_(f.totals.z_sum, s.z.loss_sum);
         }
+        if (spec_.seq_aux_loss_coef > 0) {
+          ops::add_(f.totals.seq_sum, ops::seq_balance_loss_sum(s.route.probs, s.route.topk_idx, f.b.batch));
+          f.totals.seq_count += f.b.batch;
+        }
         f.a.expert_counts.push_back(s.expert_in.counts);  // read after the pass (no host wait here)
         if (router_entropy_) f.a.router_entropy.push_back(ops::router_entropy_sum(s.route.probs));
       }
@@ -248,6 +257,13 @@ bool MoeDecoderModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
         if (spec_.router_z_loss_coef > 0) {
           d_logits_z = ops::router_z_loss_backward(
               s.route.probs, s.z.lse, spec_.router_z_loss_coef * g.aux_scale / static_cast<double>(g.a.totals.rows));
+        }
+        if (spec_.seq_aux_loss_coef > 0) {  // a mean over the (layer, sequence) pairs
+          Tensor d = ops::seq_balance_backward(s.route.probs, s.route.topk_idx, g.b.batch,
+                                               spec_.seq_aux_loss_coef * g.aux_scale /
+                                                   static_cast<double>(g.a.totals.seq_count));
+          if (d_probs.defined()) ops::add_(d_probs, d);
+          else d_probs = std::move(d);
         }
       }
       g.dx = layer.attn_backward_input(g.dx, std::move(g.d_mlp_in), g.d_topk_weight, d_probs, d_logits_z,
@@ -501,6 +517,7 @@ void MoeDecoderModel::router_losses(RouterTotals& totals, MicroBatchLoss& out) c
     totals.selections.copy_from(sel);
     totals.prob_sum.copy_from(prob);
     totals.rows *= ranks;
+    totals.seq_count *= ranks;  // the sequence-wise loss: a mean over every data rank's sequences
     assumed_rows = totals.rows;
   }
   if (totals.rows > 0) {
@@ -527,6 +544,13 @@ void MoeDecoderModel::router_losses(RouterTotals& totals, MicroBatchLoss& out) c
                                               selected / static_cast<double>(K), assumed_rows);
                                      return aux_factor * dotp;
                                    }});
+    if (spec_.seq_aux_loss_coef > 0 && totals.seq_count > 0) {  // this rank's sequences: a share
+      const double seq_factor = spec_.seq_aux_loss_coef / static_cast<double>(totals.seq_count);
+      out.on_device.terms.push_back({"seq_aux_loss", /*global=*/false, {totals.seq_sum},
+                                     [seq_factor](const std::vector<Tensor>& host) {
+                                       return seq_factor * host[0].item();
+                                     }});
+    }
     if (spec_.router_z_loss_coef > 0) {
       const double z_factor = spec_.router_z_loss_coef / R;
       out.on_device.terms.push_back({"z_loss", /*global=*/false, {totals.z_sum},
@@ -538,6 +562,7 @@ void MoeDecoderModel::router_losses(RouterTotals& totals, MicroBatchLoss& out) c
 LossTerms MoeDecoderModel::loss_terms() const {
   LossTerms t{{"aux_loss", 0.0, true}};
   if (spec_.router_z_loss_coef > 0) t.push_back({"z_loss", 0.0, false});
+  if (spec_.seq_aux_loss_coef > 0) t.push_back({"seq_aux_loss", 0.0, false});
   return t;
 }
 

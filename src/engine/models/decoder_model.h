@@ -27,6 +27,9 @@ struct DecoderSpec {
   bool tie_word_embeddings = false;
   double router_aux_loss_coef = 0;  // HF load-balancing loss
   double router_z_loss_coef = 0;    // ST-MoE router z-loss
+  // DeepSeek-V3's sequence-wise balance loss (ops::seq_balance_loss_sum), a mean over the
+  // MoE layers and the sequences of a micro-batch. 0: off.
+  double seq_aux_loss_coef = 0;
   // Aux-loss-free balancing (DeepSeek-V3): after each step every routing bias moves by this
   // times sign(mean load - expert's load). 0: off.
   double router_bias_update_speed = 0;
@@ -67,7 +70,7 @@ class MoeDecoderModel : public Model {
 
   ChunkSpec whole() const override;
   RouterTotals new_totals() const override;
-  int64_t totals_message_size() const override { return 2 * spec_.num_experts + 2; }
+  int64_t totals_message_size() const override { return 2 * spec_.num_experts + 4; }
   Tensor pack_totals(const RouterTotals& t) const override { return t.pack(); }
   RouterTotals unpack_totals(const Tensor& packed) const override;
   // F. `x`: the chunk input [T, H] (ignored by an embed chunk, which reads batch.inputs).

@@ -359,6 +359,7 @@ DecoderSpec decoder_spec(const DeepseekV3Config& c) {
   s.initializer_range = c.initializer_range;
   s.tie_word_embeddings = c.tie_word_embeddings;
   s.router_bias_update_speed = c.router_bias_update_speed;
+  s.seq_aux_loss_coef = c.seq_aux_loss_coef;
   return s;
 }
 
@@ -379,10 +380,6 @@ DeepseekV3Model::DeepseekV3Model(DeepseekV3Config cfg, DType dtype, Device devic
       said = true;
     }
   }
-  MT_CHECK(cfg_.seq_aux_loss_coef == 0,
-           "model: [model].seq_aux_loss_coef = {}: the sequence-wise auxiliary loss is not built yet (issue 29); "
-           "set it to 0 (aux-loss-free balancing: router_bias_update_speed)",
-           cfg_.seq_aux_loss_coef);
   build([&](int64_t id) {
     return std::make_unique<DeepseekV3DecoderLayer>(cfg_, id, this->dtype(), this->device(), this->placement());
   });

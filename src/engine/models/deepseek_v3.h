@@ -116,8 +116,9 @@ class DeepseekV3DecoderLayer : public DecoderLayer {
 };
 
 // DeepseekV3ForCausalLM: the shared decoder skeleton over DeepSeek-V3 layers. Its balancing
-// is aux-loss-free (the routing bias, router_bias_update_speed); HF's model has no auxiliary
-// loss, so neither has this one (the "aux_loss" metric is the skeleton's load statistic).
+// is aux-loss-free (the routing bias, router_bias_update_speed), with DeepSeek's optional
+// sequence-wise balance loss (seq_aux_loss_coef); HF's model computes neither (the
+// "aux_loss" metric is the skeleton's load statistic, not trained).
 class DeepseekV3Model : public MoeDecoderModel {
  public:
   DeepseekV3Model(DeepseekV3Config cfg, DType dtype, Device device = Device::cpu(), ModelPlacement placement = {});

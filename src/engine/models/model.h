@@ -63,7 +63,11 @@ struct RouterTotals {
   Tensor selections, prob_sum;  // [E], the router statistic dtype, on the model's device
   int64_t rows = 0;
   Tensor z_sum;                 // [1] sum over rows of logsumexp(logits)^2 (router z-loss), as selections
-  Tensor pack() const;          // f64 [2E + 2] on the CPU
+  // DeepSeek-V3's sequence-wise balance loss: sum over MoE layers and sequences of
+  // sum_i f_i P_i ([1], as selections), and how many (layer, sequence) pairs that is.
+  Tensor seq_sum;
+  int64_t seq_count = 0;
+  Tensor pack() const;          // f64 [2E + 4] on the CPU
   static RouterTotals unpack(const Tensor& packed, int64_t num_experts, DType stat, Device device);
 };
 

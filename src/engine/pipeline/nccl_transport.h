@@ -19,7 +19,7 @@
 // computed from messages that came earlier (a valid execution receives an op's inputs
 // before the op's outputs leave), so the sender has handed it over and it completes.
 // A message is a hidden state [rows, H] (activation or gradient) and its router totals
-// (f64 [2E + 2]), named by the executor's tag.
+// (f64 [2E + 4]), named by the executor's tag.
 #pragma once
 
 #include <cstdint>

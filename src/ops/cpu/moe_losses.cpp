@@ -155,3 +155,77 @@ Tensor router_z_loss_backward(const Tensor& probs, const Tensor& lse, double sca
 }
 
 }  // namespace moetrain::ops::cpu
+
+// ---- DeepSeek-V3's sequence-wise balance loss (ops.h) -------------------------------------
+namespace moetrain::ops::cpu {
+namespace {
+
+// Checks the arguments; returns S, and fills f [B, E] (E / (K S) times each sequence's counts).
+int64_t seq_balance_counts(const char* op, const Tensor& probs, const Tensor& topk_idx, int64_t batch,
+                           std::vector<double>& f) {
+  MT_CHECK(probs.defined() && probs.ndim() == 2, "{}: probs must be [B*S, E], got {}", op, probs.str());
+  const int64_t R = probs.size(0), E = probs.size(1);
+  MT_CHECK(batch > 0 && R % batch == 0, "{}: {} rows of probs are not {} sequences of one length", op, R, batch);
+  MT_CHECK(topk_idx.defined() && topk_idx.ndim() == 2 && topk_idx.size(0) == R,
+           "{}: topk_idx must be [B*S = {}, K], got {}", op, R, topk_idx.str());
+  check_dtype(topk_idx, DType::I32, "seq_balance topk_idx");
+  const int64_t S = R / batch, K = topk_idx.size(1);
+  const int32_t* idx = topk_idx.data<int32_t>();
+  f.assign(static_cast<size_t>(batch * E), 0.0);
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t e = idx[r * K + k];
+      MT_CHECK(e >= 0 && e < E, "{}: topk_idx[{}, {}] = {} is not an expert in [0, {})", op, r, k, e, E);
+      f[(r / S) * E + e] += static_cast<double>(E) / static_cast<double>(K * S);
+    }
+  }
+  return S;
+}
+
+}  // namespace
+
+Tensor seq_balance_loss_sum(const Tensor& probs, const Tensor& topk_idx, int64_t batch) {
+  std::vector<double> f;
+  const int64_t S = seq_balance_counts("seq_balance_loss_sum", probs, topk_idx, batch, f);
+  const int64_t R = probs.size(0), E = probs.size(1);
+  Tensor out = Tensor::empty({1}, probs.dtype());
+  dispatch_float(probs.dtype(), "seq_balance_loss_sum", [&](auto tag) {
+    using F = decltype(tag);
+    const F* p = probs.data<F>();
+    double total = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      double z = 0, dot = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        z += static_cast<double>(p[r * E + e]);
+        dot += f[(r / S) * E + e] * static_cast<double>(p[r * E + e]);
+      }
+      total += dot / z / static_cast<double>(S);
+    }
+    out.data<F>()[0] = static_cast<F>(total);
+  });
+  return out;
+}
+
+Tensor seq_balance_backward(const Tensor& probs, const Tensor& topk_idx, int64_t batch, double scale) {
+  std::vector<double> f;
+  const int64_t S = seq_balance_counts("seq_balance_backward", probs, topk_idx, batch, f);
+  const int64_t R = probs.size(0), E = probs.size(1);
+  Tensor d = Tensor::empty({R, E}, probs.dtype());
+  dispatch_float(probs.dtype(), "seq_balance_backward", [&](auto tag) {
+    using F = decltype(tag);
+    const F* p = probs.data<F>();
+    F* g = d.data<F>();
+    for (int64_t r = 0; r < R; ++r) {
+      const double* fr = f.data() + (r / S) * E;
+      double z = 0, dot = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        z += static_cast<double>(p[r * E + e]);
+        dot += fr[e] * static_cast<double>(p[r * E + e]);
+      }
+      for (int64_t e = 0; e < E; ++e) g[r * E + e] = static_cast<F>(scale / static_cast<double>(S) * (fr[e] - dot / z) / z);
+    }
+  });
+  return d;
+}
+
+}  // namespace moetrain::ops::cpu

@@ -100,4 +100,42 @@ Tensor router_z_loss_backward(const Tensor& probs, const Tensor& lse, double sca
   return d;
 }
 
+namespace {
+
+// Checks the arguments of the sequence-wise balance loss; returns S.
+int64_t seq_balance_args(const char* op, const Tensor& probs, const Tensor& topk_idx, int64_t batch) {
+  check_cuda_tensors(op, {&probs, &topk_idx});
+  MT_CHECK(probs.defined() && probs.ndim() == 2, "{}: probs must be [B*S, E], got {}", op, probs.str());
+  check_dtype(probs, DType::F32, "seq_balance probs");
+  const int64_t R = probs.size(0), E = probs.size(1);
+  MT_CHECK(batch > 0 && R % batch == 0, "{}: {} rows of probs are not {} sequences of one length", op, R, batch);
+  MT_CHECK(topk_idx.defined() && topk_idx.ndim() == 2 && topk_idx.size(0) == R,
+           "{}: topk_idx must be [B*S = {}, K], got {}", op, R, topk_idx.str());
+  check_dtype(topk_idx, DType::I32, "seq_balance topk_idx");
+  MT_CHECK(E > 0 && (E + 8) * sizeof(float) <= 48 * 1024, "{}: {} experts: the kernel's shared tally holds 1..12280",
+           op, E);
+  return R / batch;
+}
+
+}  // namespace
+
+Tensor seq_balance_loss_sum(const Tensor& probs, const Tensor& topk_idx, int64_t batch) {
+  const int64_t S = seq_balance_args("seq_balance_loss_sum", probs, topk_idx, batch);
+  Tensor out = Tensor::empty({1}, DType::F32, probs.device());
+  Tensor per_seq = Tensor::empty({batch}, DType::F32, probs.device());
+  launch_seq_balance_loss_sum(probs.data<float>(), topk_idx.data<int32_t>(), per_seq.data<float>(),
+                              out.data<float>(), batch, S, probs.size(1), topk_idx.size(1), stream());
+  check_launch("seq_balance_loss_sum");
+  return out;
+}
+
+Tensor seq_balance_backward(const Tensor& probs, const Tensor& topk_idx, int64_t batch, double scale) {
+  const int64_t S = seq_balance_args("seq_balance_backward", probs, topk_idx, batch);
+  Tensor d = Tensor::empty(probs.shape(), DType::F32, probs.device());
+  launch_seq_balance_backward(probs.data<float>(), topk_idx.data<int32_t>(), d.data<float>(), batch, S,
+                              probs.size(1), topk_idx.size(1), static_cast<float>(scale), stream());
+  check_launch("seq_balance_backward");
+  return d;
+}
+
 }  // namespace moetrain::ops::cuda

@@ -15,7 +15,9 @@
 // router_z_loss_forward: one warp per row (max, then sum of exp, in f32 with full-precision
 //   expf/logf), lse and lse^2 per row, then the fixed-order sum of launch_sum_fixed_order.
 // router_z_loss_backward: element-wise.
+// seq_balance (DeepSeek-V3's sequence-wise balance loss): one block per sequence, below.
 #include "ops/cuda/elementwise_launch.h"
+#include "ops/cuda/kernels.cuh"
 #include "ops/cuda/moe_losses_launch.h"
 #include "ops/cuda/vec_io.cuh"
 
@@ -187,6 +189,61 @@ void z_forward_impl(const T* logits, float* lse, float* sq, float* loss_sum, int
   launch_sum_fixed_order(sq, R, loss_sum, s);
 }
 
+// DeepSeek-V3's sequence-wise balance loss: one block per sequence. Its experts' counts in
+// shared memory (integer atomics: exact), f = E / (K S) * counts; then a warp per row: Z and
+// <f, p> (warp sums, fixed order). Forward: each warp adds its rows' <f, p> / Z in row order,
+// the warps in order -> per_seq[b] / S. Backward: dprobs = scale / S * (f - <f, p> / Z) / Z.
+constexpr int kSeqWarps = 8;
+
+template <bool kBackward>
+__global__ void __launch_bounds__(kSeqWarps * 32) seq_balance_kernel(const float* __restrict__ probs,
+                                                                      const int32_t* __restrict__ idx, int S, int E,
+                                                                      int K, float scale, float* __restrict__ per_seq,
+                                                                      float* __restrict__ dprobs) {
+  extern __shared__ float f[];  // [E], then kSeqWarps partial sums
+  int* counts = reinterpret_cast<int*>(f);
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * S;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < static_cast<int64_t>(S) * K; i += blockDim.x) {
+    const int e = idx[row0 * K + i];
+    if (e >= 0 && e < E) atomicAdd(&counts[e], 1);
+  }
+  __syncthreads();
+  const float per = static_cast<float>(E) / static_cast<float>(K * S);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) f[e] = per * static_cast<float>(counts[e]);
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float acc = 0.f;
+  for (int t = warp; t < S; t += kSeqWarps) {
+    const float* p = probs + (row0 + t) * E;
+    float z = 0.f, dot = 0.f;
+    for (int e = lane; e < E; e += 32) {
+      z += p[e];
+      dot += f[e] * p[e];
+    }
+    z = warp_sum(z);
+    dot = warp_sum(dot);
+    if constexpr (kBackward) {
+      float* d = dprobs + (row0 + t) * E;
+      const float c = scale / static_cast<float>(S) / z, fp = dot / z;
+      for (int e = lane; e < E; e += 32) d[e] = c * (f[e] - fp);
+    } else {
+      acc += dot / z;
+    }
+  }
+  if constexpr (!kBackward) {
+    float* partial = f + E;
+    if (lane == 0) partial[warp] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float total = 0.f;
+      for (int w = 0; w < kSeqWarps; ++w) total += partial[w];
+      per_seq[blockIdx.x] = total / static_cast<float>(S);
+    }
+  }
+}
+
 }  // namespace
 
 void launch_router_entropy_sum(const float* probs, float* h, float* out, int64_t R, int64_t E, cudaStream_t s) {
@@ -248,6 +305,24 @@ void launch_router_z_loss_backward(const float* probs, const float* lse, __nv_bf
   const int64_t n = R * E;
   if (n == 0) return;
   z_loss_backward_kernel<<<grid_for(n, 256), 256, 0, s>>>(probs, lse, dlogits, n, E, 2.f * scale);
+}
+
+void launch_seq_balance_loss_sum(const float* probs, const int32_t* topk_idx, float* per_seq, float* loss_sum,
+                                  int64_t B, int64_t S, int64_t E, int64_t K, cudaStream_t s) {
+  if (B > 0 && S > 0) {
+    const size_t smem = (static_cast<size_t>(E) + kSeqWarps) * sizeof(float);
+    seq_balance_kernel<false><<<static_cast<unsigned>(B), kSeqWarps * 32, smem, s>>>(
+        probs, topk_idx, static_cast<int>(S), static_cast<int>(E), static_cast<int>(K), 0.f, per_seq, nullptr);
+  }
+  launch_sum_fixed_order(per_seq, B, loss_sum, s);
+}
+
+void launch_seq_balance_backward(const float* probs, const int32_t* topk_idx, float* dprobs, int64_t B, int64_t S,
+                                 int64_t E, int64_t K, float scale, cudaStream_t s) {
+  if (B == 0 || S == 0) return;
+  const size_t smem = (static_cast<size_t>(E) + kSeqWarps) * sizeof(float);
+  seq_balance_kernel<true><<<static_cast<unsigned>(B), kSeqWarps * 32, smem, s>>>(
+      probs, topk_idx, static_cast<int>(S), static_cast<int>(E), static_cast<int>(K), scale, nullptr, dprobs);
 }
 
 }  // namespace moetrain::ops::cuda
