@@ -382,7 +382,7 @@ TEST(RunConfig, SectionChecks) {
   EXPECT_NE(err({"model.head_dim=31"}).find("[model].head_dim must be even"), std::string::npos);
   EXPECT_NE(err({"model.model_type=llama"})
                 .find("command line override 'model.model_type=llama': [model].model_type \"llama\" is not a family "
-                      "moetrain builds (it builds qwen3_moe)"),
+                      "moetrain builds (it builds qwen3_moe, deepseek_v3)"),
             std::string::npos);
   EXPECT_NE(err({"model.vocab_size=200"}).find("byte tokenizer"), std::string::npos);
 }

@@ -15,6 +15,7 @@
 #include "engine/models/deepseek_v3.h"
 #include "test_files.h"
 #include "model_batches.h"
+#include "model_gradcheck.h"
 #include "test_util.h"
 
 namespace moetrain {
@@ -37,7 +38,8 @@ void spread_biases(DeepseekV3Model& m, uint64_t seed) {
   }
 }
 
-// Finite differences on a few elements of every parameter (all of them for small ones).
+// The shared finite-difference check (model_gradcheck.h); every non-routed parameter must get
+// a gradient.
 void check_model_gradients(const DeepseekV3Config& cfg, const char* label,
                            const std::function<void(DeepseekV3Model&)>& prepare = {}) {
   DeepseekV3Model model(cfg, DType::F64);
@@ -45,42 +47,8 @@ void check_model_gradients(const DeepseekV3Config& cfg, const char* label,
   if (prepare) prepare(model);
   LocalDispatcher d;
   Batch b = random_batch(2, 5, static_cast<int32_t>(cfg.vocab_size), 11, /*ignored=*/1);
-  zero_grads(model.parameters());
-  model.forward_backward(b, d, 1.0 / static_cast<double>(b.num_targets), 1.0);
-
-  const double h = 1e-6;
-  double worst = 0;
-  std::string worst_name;
-  for (Parameter& p : model.parameters()) {
-    double* w = p.value.data<double>();
-    const double* g = p.grad.data<double>();
-    const int64_t n = p.value.numel();
-    const int64_t picks = std::min<int64_t>(n, 6);
-    double num2 = 0, den2 = 0;
-    for (int64_t j = 0; j < picks; ++j) {
-      const int64_t i = j * n / picks;
-      const double saved = w[i];
-      w[i] = saved + h;
-      const double up = total_loss(model, b, d);
-      w[i] = saved - h;
-      const double down = total_loss(model, b, d);
-      w[i] = saved;
-      const double numeric = (up - down) / (2 * h);
-      num2 += (numeric - g[i]) * (numeric - g[i]);
-      den2 += numeric * numeric;
-    }
-    const double scale = std::sqrt(std::max(den2, testing::dot(p.grad, p.grad) * picks / n));
-    const double err = std::sqrt(num2) / std::max(scale, 1e-12);
-    if (err > worst) {
-      worst = err;
-      worst_name = p.name;
-    }
-    EXPECT_LT(err, 1e-5) << p.name;
-    if (p.name.find(".mlp.experts.") == std::string::npos) {  // a routed expert may get no token
-      EXPECT_GT(testing::dot(p.grad, p.grad), 0.0) << p.name << ": no gradient reached it";
-    }
-  }
-  std::printf("GRADCHECK model(%s) worst=%s %.3e\n", label, worst_name.c_str(), worst);
+  testing::check_model_gradients(model, b, d, [&] { return total_loss(model, b, d); }, label,
+                                 [](const std::string& name) { return name.find(".mlp.experts.") != std::string::npos; });
 }
 
 TEST(DeepseekV3, WholeModelGradientMatchesFiniteDifferences) {

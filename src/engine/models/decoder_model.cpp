@@ -49,6 +49,36 @@ RouterTotals RouterTotals::unpack(const Tensor& packed, int64_t E, DType stat, D
   return t;
 }
 
+void ExpertWeightGrads::backward_weight(ops::SwigluWgradRows rows, bool moe, bool accumulate,
+                                        ops::SumSquaresInto squares, bool defer, int64_t layer_id, Tensor& g_gate,
+                                        Tensor& g_up, Tensor& g_down) {
+  if (!accumulate) drop();  // a step's first micro-batch: anything kept is stale
+  if (moe && defer) {
+    MT_CHECK(squares.out == nullptr, "layer {}: expert weight gradients deferred where their sum of squares is "
+             "wanted (the step's last micro-batch must not defer)", layer_id);
+    if (pending_.empty()) pending_accumulate_ = accumulate;
+    if (rows.act.defined()) rows.gate = rows.up = Tensor();  // only act is read: not kept
+    pending_.push_back(std::move(rows));
+  } else if (!pending_.empty()) {
+    pending_.push_back(std::move(rows));
+    ops::grouped_swiglu_backward_weight_group(pending_, g_gate, g_up, g_down, pending_accumulate_,
+                                              pending_accumulate_ ? ops::SumSquaresInto{} : squares);
+    pending_.clear();
+  } else {
+    ops::grouped_swiglu_backward_weight(rows.dy, rows.x, rows.counts, rows.gate, rows.up, rows.dgate, rows.dup, g_gate,
+                                        g_up, g_down, accumulate, moe && !accumulate ? squares : ops::SumSquaresInto{},
+                                        rows.act);
+  }
+}
+
+Tensor swiglu_expert_reference(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down) {
+  const std::vector<double> g = ops::linear_forward(x, w_gate).to_double_vector();
+  const std::vector<double> u = ops::linear_forward(x, w_up).to_double_vector();
+  std::vector<double> a(g.size());
+  for (size_t i = 0; i < g.size(); ++i) a[i] = g[i] / (1.0 + std::exp(-g[i])) * u[i];
+  return ops::linear_forward(Tensor::from_vector(a, {1, w_gate.size(0)}).to(x.dtype()), w_down);
+}
+
 MoeDecoderModel::MoeDecoderModel(DecoderSpec spec, DType dtype, Device device, ModelPlacement placement)
     : spec_(spec), dtype_(dtype), device_(device), placement_(std::move(placement)) {}
 

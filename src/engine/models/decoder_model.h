@@ -35,6 +35,32 @@ struct DecoderSpec {
   double router_bias_update_speed = 0;
 };
 
+// A layer's SwiGLU experts' weight gradients (the routed experts, or a dense MLP held as one
+// expert), from what its backward saved: made at once or, for an MoE layer that defers them
+// (DecoderLayer::backward_weight's defer_experts), kept and made in one pass with the next
+// micro-batches' (ops::grouped_swiglu_backward_weight_group), written or added per the first
+// kept micro-batch's `accumulate`. A call with accumulate false drops what an earlier step
+// kept.
+class ExpertWeightGrads {
+ public:
+  void backward_weight(ops::SwigluWgradRows rows, bool moe, bool accumulate, ops::SumSquaresInto squares,
+                       bool defer, int64_t layer_id, Tensor& g_gate, Tensor& g_up, Tensor& g_down);
+  void drop() { pending_.clear(); }
+  // Whether backward_weight(accumulate, defer) writes the gradients (rather than adds or defers).
+  bool writes(bool moe, bool accumulate, bool defer) const {
+    if (moe && defer) return false;
+    return accumulate && !pending_.empty() ? !pending_accumulate_ : !accumulate;
+  }
+
+ private:
+  std::vector<ops::SwigluWgradRows> pending_;
+  bool pending_accumulate_ = false;
+};
+
+// One row through one SwiGLU expert, plainly (reference_forward's path): x [1, H] ->
+// W_down (silu(W_gate x) * W_up x), the activation formed in double.
+Tensor swiglu_expert_reference(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down);
+
 class MoeDecoderModel : public Model {
  public:
   const ModelPlacement& placement() const override { return placement_; }

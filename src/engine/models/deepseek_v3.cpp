@@ -257,28 +257,11 @@ void DeepseekV3DecoderLayer::backward_weight(LayerState& state, bool accumulate,
     StageScope t(Stage::kRouterPermute);
     ops::linear_backward_weight(s.d_router_logits, s.ln2.y, g_gate_w_, accumulate);
   }
-  if (!accumulate) drop_deferred_expert_weights();  // a step's first micro-batch: anything kept is stale
   {
     StageScope t(Stage::kExpertGemm);
-    ops::SwigluWgradRows rows{s.d_mlp_out, s.expert_in.rows, s.expert_in.counts, s.mlp.gate,
-                              s.mlp.up,    s.d_mlp.dgate,    s.d_mlp.dup,        s.mlp.act};
-    if (moe_ && defer_experts) {
-      MT_CHECK(squares.out == nullptr, "layer {}: expert weight gradients deferred where their sum of squares is "
-               "wanted (the step's last micro-batch must not defer)", id_);
-      if (expert_pending_.empty()) expert_pending_accumulate_ = accumulate;
-      if (rows.act.defined()) rows.gate = rows.up = Tensor();  // only act is read: not kept
-      expert_pending_.push_back(std::move(rows));
-    } else if (!expert_pending_.empty()) {
-      expert_pending_.push_back(std::move(rows));
-      ops::grouped_swiglu_backward_weight_group(expert_pending_, g_w_gate_, g_w_up_, g_w_down_,
-                                                expert_pending_accumulate_,
-                                                expert_pending_accumulate_ ? ops::SumSquaresInto{} : squares);
-      expert_pending_.clear();
-    } else {
-      ops::grouped_swiglu_backward_weight(rows.dy, rows.x, rows.counts, rows.gate, rows.up, rows.dgate, rows.dup,
-                                          g_w_gate_, g_w_up_, g_w_down_, accumulate,
-                                          moe_ && !accumulate ? squares : ops::SumSquaresInto{}, rows.act);
-    }
+    expert_grads_.backward_weight({s.d_mlp_out, s.expert_in.rows, s.expert_in.counts, s.mlp.gate, s.mlp.up,
+                                   s.d_mlp.dgate, s.d_mlp.dup, s.mlp.act},
+                                  moe_, accumulate, squares, defer_experts, id_, g_w_gate_, g_w_up_, g_w_down_);
     if (has_shared()) {
       ops::grouped_swiglu_backward_weight(s.d_layer_out, s.ln2.y, shared_counts(s.ln2.y.size(0)), s.shared.gate,
                                           s.shared.up, s.d_shared.dgate, s.d_shared.dup, g_ws_gate_, g_ws_up_,
@@ -319,12 +302,7 @@ Tensor DeepseekV3DecoderLayer::reference_forward(const Tensor& x, const Tensor& 
   const int64_t T = b.tokens();
   Tensor y = s.residual.clone();
   auto expert = [&](const Tensor& row, int64_t e) {  // row [1, H] -> [1, H]
-    Tensor g = ops::linear_forward(row, w_gate_.select(e));
-    Tensor u = ops::linear_forward(row, w_up_.select(e));
-    std::vector<double> gv = g.to_double_vector(), uv = u.to_double_vector(), a(gv.size());
-    for (size_t i = 0; i < gv.size(); ++i) a[i] = gv[i] / (1.0 + std::exp(-gv[i])) * uv[i];
-    Tensor at = Tensor::from_vector(a, {1, inter_}).to(x.dtype());
-    return ops::linear_forward(at, w_down_.select(e));
+    return swiglu_expert_reference(row, w_gate_.select(e), w_up_.select(e), w_down_.select(e));
   };
   const int64_t K = cfg_.num_experts_per_tok;
   for (int64_t t = 0; t < T; ++t) {

@@ -76,10 +76,9 @@ class DeepseekV3DecoderLayer : public DecoderLayer {
                              const BatchShape& b, LayerState& s) const override;
   void backward_weight(LayerState& s, bool accumulate = true, ops::SumSquaresInto squares = {},
                        bool defer_experts = false) override;
-  void drop_deferred_expert_weights() override { expert_pending_.clear(); }
+  void drop_deferred_expert_weights() override { expert_grads_.drop(); }
   bool writes_expert_grads(bool accumulate, bool defer_experts) const override {
-    if (moe_ && defer_experts) return false;
-    return accumulate && !expert_pending_.empty() ? !expert_pending_accumulate_ : !accumulate;
+    return expert_grads_.writes(moe_, accumulate, defer_experts);
   }
   Tensor reference_forward(const Tensor& x, const Tensor& positions, const BatchShape& b) const override;
   // e_score_correction_bias: every MoE layer has one (HF's checkpoints carry it), moved
@@ -111,8 +110,7 @@ class DeepseekV3DecoderLayer : public DecoderLayer {
   Tensor g_ln1_w_, g_ln2_w_, g_wq_a_, g_q_a_norm_w_, g_wq_b_, g_wq_, g_wkv_a_, g_kv_a_norm_w_, g_wkv_b_, g_wo_,
       g_gate_w_;
   Tensor g_w_gate_, g_w_up_, g_w_down_, g_ws_gate_, g_ws_up_, g_ws_down_;
-  std::vector<ops::SwigluWgradRows> expert_pending_;
-  bool expert_pending_accumulate_ = false;
+  ExpertWeightGrads expert_grads_;  // the experts' weight gradients, made or deferred
 };
 
 // DeepseekV3ForCausalLM: the shared decoder skeleton over DeepSeek-V3 layers. Its balancing

@@ -195,28 +195,11 @@ void Qwen3MoeDecoderLayer::backward_weight(LayerState& state, bool accumulate, o
     StageScope t(Stage::kRouterPermute);
     ops::linear_backward_weight(s.d_router_logits, s.ln2.y, g_gate_w_, accumulate);
   }
-  if (!accumulate) drop_deferred_expert_weights();  // a step's first micro-batch: anything kept is stale
   {
     StageScope t(Stage::kExpertGemm);
-    ops::SwigluWgradRows rows{s.d_mlp_out, s.expert_in.rows, s.expert_in.counts, s.mlp.gate,
-                              s.mlp.up,    s.d_mlp.dgate,    s.d_mlp.dup,        s.mlp.act};
-    if (moe_ && defer_experts) {
-      MT_CHECK(squares.out == nullptr, "layer {}: expert weight gradients deferred where their sum of squares is "
-               "wanted (the step's last micro-batch must not defer)", id_);
-      if (expert_pending_.empty()) expert_pending_accumulate_ = accumulate;
-      if (rows.act.defined()) rows.gate = rows.up = Tensor();  // only act is read: not kept
-      expert_pending_.push_back(std::move(rows));
-    } else if (!expert_pending_.empty()) {
-      expert_pending_.push_back(std::move(rows));
-      ops::grouped_swiglu_backward_weight_group(expert_pending_, g_w_gate_, g_w_up_, g_w_down_,
-                                                expert_pending_accumulate_,
-                                                expert_pending_accumulate_ ? ops::SumSquaresInto{} : squares);
-      expert_pending_.clear();
-    } else {
-      ops::grouped_swiglu_backward_weight(rows.dy, rows.x, rows.counts, rows.gate, rows.up, rows.dgate, rows.dup,
-                                          g_w_gate_, g_w_up_, g_w_down_, accumulate,
-                                          moe_ && !accumulate ? squares : ops::SumSquaresInto{}, rows.act);
-    }
+    expert_grads_.backward_weight({s.d_mlp_out, s.expert_in.rows, s.expert_in.counts, s.mlp.gate, s.mlp.up,
+                                   s.d_mlp.dgate, s.d_mlp.dup, s.mlp.act},
+                                  moe_, accumulate, squares, defer_experts, id_, g_w_gate_, g_w_up_, g_w_down_);
   }
   {
     StageScope t(Stage::kAttention);
@@ -243,12 +226,7 @@ Tensor Qwen3MoeDecoderLayer::reference_forward(const Tensor& x, const Tensor& po
   const int64_t T = b.tokens();
   Tensor y = s.h.clone();
   auto expert = [&](const Tensor& row, int64_t e) {  // row [1, H] -> [1, H]
-    Tensor g = ops::linear_forward(row, w_gate_.select(e));
-    Tensor u = ops::linear_forward(row, w_up_.select(e));
-    std::vector<double> gv = g.to_double_vector(), uv = u.to_double_vector(), a(gv.size());
-    for (size_t i = 0; i < gv.size(); ++i) a[i] = gv[i] / (1.0 + std::exp(-gv[i])) * uv[i];
-    Tensor at = Tensor::from_vector(a, {1, inter_}).to(x.dtype());
-    return ops::linear_forward(at, w_down_.select(e));
+    return swiglu_expert_reference(row, w_gate_.select(e), w_up_.select(e), w_down_.select(e));
   };
   for (int64_t t = 0; t < T; ++t) {
     Tensor row = s.ln2.y.slice(t, t + 1);

@@ -83,10 +83,9 @@ class Qwen3MoeDecoderLayer : public DecoderLayer {
   // step.
   void backward_weight(LayerState& s, bool accumulate = true, ops::SumSquaresInto squares = {},
                        bool defer_experts = false) override;
-  void drop_deferred_expert_weights() override { expert_pending_.clear(); }
+  void drop_deferred_expert_weights() override { expert_grads_.drop(); }
   bool writes_expert_grads(bool accumulate, bool defer_experts) const override {
-    if (moe_ && defer_experts) return false;
-    return accumulate && !expert_pending_.empty() ? !expert_pending_accumulate_ : !accumulate;
+    return expert_grads_.writes(moe_, accumulate, defer_experts);
   }
 
   // The plain path used to validate every layout: no dispatcher, each token's experts
@@ -109,10 +108,7 @@ class Qwen3MoeDecoderLayer : public DecoderLayer {
   Tensor score_bias_;              // f32 [num_experts]: the router's selection bias, or undefined
   Tensor g_ln1_w_, g_ln2_w_, g_wq_, g_wk_, g_wv_, g_wo_, g_q_norm_w_, g_k_norm_w_, g_gate_w_;
   Tensor g_w_gate_, g_w_up_, g_w_down_;
-  // Deferred micro-batches' expert weight-gradient inputs (backward_weight's defer_experts)
-  // and whether the first one's gradients were to be added (else written).
-  std::vector<ops::SwigluWgradRows> expert_pending_;
-  bool expert_pending_accumulate_ = false;
+  ExpertWeightGrads expert_grads_;  // the experts' weight gradients, made or deferred
 };
 
 // Qwen3MoeForCausalLM: the shared decoder skeleton over Qwen3-MoE layers, with HF's
