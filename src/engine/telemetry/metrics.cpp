@@ -125,8 +125,9 @@ std::string ExpertLoadWatch::observe(const StepMetrics& m) {
   for (size_t i = 0; i < layers.size(); ++i) list += (i ? ", " : "") + layers[i];
   return fmt::format("expert load: MoE layer{} {} of this rank {} had the busiest expert at {:.1f}x or more of the mean "
                      "for {} steps running (now up to {:.2f}x): the router is collapsing onto a few experts. "
-                     "Balance it with [model].router_bias_update_speed (aux-loss-free, e.g. 0.001) or a larger "
-                     "[model].router_aux_loss_coef",
+                     "Balance it with [model].router_bias_update_speed (aux-loss-free, e.g. 0.001; if it is on, a "
+                     "larger one moves the bias past the router's score gaps sooner) or an auxiliary loss "
+                     "([model].router_aux_loss_coef; DeepSeek-V3: seq_aux_loss_coef)",
                      layers.size() > 1 ? "s" : "", list, layers.size() > 1 ? "have" : "has", threshold_, steps_, worst);
 }
 
