@@ -87,11 +87,14 @@ class Fp8Weights {
     const Tensor scale = it->second.first->read(se.name).to(DType::F32);
     const float* s = scale.data<float>();
     const auto* w = static_cast<const uint8_t*>(f.data(e));
+    float decode[256];
+    for (int b = 0; b < 256; ++b) decode[b] = f8_e4m3_to_float(static_cast<uint8_t>(b));
     Tensor out = Tensor::empty({R, C}, DType::BF16);
     bf16* y = out.data<bf16>();
+#pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < R; ++i) {
       for (int64_t j = 0; j < C; ++j) {
-        y[i * C + j] = bf16(f8_e4m3_to_float(w[i * C + j]) * s[(i / br_) * want[1] + j / bc_]);
+        y[i * C + j] = bf16(decode[w[i * C + j]] * s[(i / br_) * want[1] + j / bc_]);
       }
     }
     return whole_slice(e.name, std::move(out));
@@ -146,10 +149,11 @@ void import_hf(const std::string& hf_dir, const std::string& out_dir) {
   std::vector<std::unique_ptr<SafetensorsFile>> open;
   for (const std::string& f : files) open.push_back(std::make_unique<SafetensorsFile>((fs::path(hf_dir) / f).string()));
   const Fp8Weights fp8(open, hf_config, config_path.string());
-  std::vector<TensorSlice> slices;
+  // One source file's tensors as one rank file of the checkpoint, in turn: an FP8 folder's
+  // dequantized weights are held one file at a time (DeepSeek-V3's are ~1.3 TB in bf16).
   const std::regex fused(R"((model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(\.weight)?)");
-  for (const auto& file : open) {
-    const SafetensorsFile& sf = *file;
+  auto slices_of = [&](const SafetensorsFile& sf) {
+    std::vector<TensorSlice> slices;
     for (const SafetensorsEntry& e : sf.entries()) {
       if (fp8.is_scale(e.name)) continue;  // used by its weight's dequantization
       if (e.f8_e4m3) {
@@ -181,7 +185,8 @@ void import_hf(const std::string& hf_dir, const std::string& out_dir) {
         }
       }
     }
-  }
+    return slices;
+  };
   nlohmann::json state;
   state["step"] = 0;
   state["source"] = fs::absolute(hf_dir).string();
@@ -192,11 +197,16 @@ void import_hf(const std::string& hf_dir, const std::string& out_dir) {
     spdlog::info("convert: {} FP8 (F8_E4M3) weights dequantized to bf16 with their weight_scale_inv blocks of {} x {}",
                  fp8.count(), fp8.block_rows(), fp8.block_cols());
   }
+  size_t tensors = 0;
   write_then_rename(out_dir, [&](const fs::path& tmp) {
-    write_rank_files(tmp.string(), 0, slices, {});
-    write_index(tmp.string(), 1, state);
+    for (size_t i = 0; i < open.size(); ++i) {
+      const std::vector<TensorSlice> slices = slices_of(*open[i]);
+      write_rank_files(tmp.string(), static_cast<int>(i), slices, {});
+      tensors += slices.size();
+    }
+    write_index(tmp.string(), static_cast<int>(open.size()), state);
   });
-  spdlog::info("convert: {} tensors from {} into {}", slices.size(), hf_dir, out_dir);
+  spdlog::info("convert: {} tensors from {} into {}", tensors, hf_dir, out_dir);
 }
 
 void export_hf(const std::string& ckpt_in, const std::string& out_dir, const HfExportOptions& opt) {

@@ -237,7 +237,7 @@ bool MoeDecoderModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) const
         }
         if (spec_.seq_aux_loss_coef > 0) {
           ops::add_(f.totals.seq_sum, ops::seq_balance_loss_sum(s.route.probs, s.route.topk_idx, f.b.batch));
-          f.totals.seq_count += f.b.batch;
+          f.totals.seq_count = f.b.batch;  // every layer's term counts: a sum over layers, a mean over sequences
         }
         f.a.expert_counts.push_back(s.expert_in.counts);  // read after the pass (no host wait here)
         if (router_entropy_) f.a.router_entropy.push_back(ops::router_entropy_sum(s.route.probs));
@@ -288,7 +288,7 @@ bool MoeDecoderModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
           d_logits_z = ops::router_z_loss_backward(
               s.route.probs, s.z.lse, spec_.router_z_loss_coef * g.aux_scale / static_cast<double>(g.a.totals.rows));
         }
-        if (spec_.seq_aux_loss_coef > 0) {  // a mean over the (layer, sequence) pairs
+        if (spec_.seq_aux_loss_coef > 0) {  // each layer's, a mean over the sequences
           Tensor d = ops::seq_balance_backward(s.route.probs, s.route.topk_idx, g.b.batch,
                                                spec_.seq_aux_loss_coef * g.aux_scale /
                                                    static_cast<double>(g.a.totals.seq_count));

@@ -27,8 +27,8 @@ struct DecoderSpec {
   bool tie_word_embeddings = false;
   double router_aux_loss_coef = 0;  // HF load-balancing loss
   double router_z_loss_coef = 0;    // ST-MoE router z-loss
-  // DeepSeek-V3's sequence-wise balance loss (ops::seq_balance_loss_sum), a mean over the
-  // MoE layers and the sequences of a micro-batch. 0: off.
+  // DeepSeek-V3's sequence-wise balance loss (ops::seq_balance_loss_sum): each MoE layer's,
+  // a mean over the sequences, summed over the layers (DeepSeek's gates each add theirs). 0: off.
   double seq_aux_loss_coef = 0;
   // Aux-loss-free balancing (DeepSeek-V3): after each step every routing bias moves by this
   // times sign(mean load - expert's load). 0: off.

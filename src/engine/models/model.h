@@ -64,7 +64,8 @@ struct RouterTotals {
   int64_t rows = 0;
   Tensor z_sum;                 // [1] sum over rows of logsumexp(logits)^2 (router z-loss), as selections
   // DeepSeek-V3's sequence-wise balance loss: sum over MoE layers and sequences of
-  // sum_i f_i P_i ([1], as selections), and how many (layer, sequence) pairs that is.
+  // sum_i f_i P_i ([1], as selections), and the micro-batch's sequences (every data rank's,
+  // once reduced): the loss sums over layers, as each of DeepSeek's gates adds its own.
   Tensor seq_sum;
   int64_t seq_count = 0;
   Tensor pack() const;          // f64 [2E + 4] on the CPU

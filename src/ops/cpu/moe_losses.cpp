@@ -169,6 +169,7 @@ int64_t seq_balance_counts(const char* op, const Tensor& probs, const Tensor& to
   MT_CHECK(topk_idx.defined() && topk_idx.ndim() == 2 && topk_idx.size(0) == R,
            "{}: topk_idx must be [B*S = {}, K], got {}", op, R, topk_idx.str());
   check_dtype(topk_idx, DType::I32, "seq_balance topk_idx");
+  MT_CHECK(topk_idx.size(1) > 0, "{}: topk_idx {} selects no expert", op, topk_idx.str());
   const int64_t S = R / batch, K = topk_idx.size(1);
   const int32_t* idx = topk_idx.data<int32_t>();
   f.assign(static_cast<size_t>(batch * E), 0.0);

@@ -987,7 +987,8 @@ void dkdv_tiled(const Params& p, cudaStream_t s) {
 // 16 keys / 16 queries wide), yet they measured faster on an H100 (B=2 S=4096 16 heads:
 // forward 269 TFLOP/s against 223 for 16-key tiles, backward 141 against 137). The dQ pass's
 // 64-key tiles would need 126 KB a block (one block an SM): it takes 32-key tiles (84 KB,
-// 250 registers, no spill), which measured best of 32, 48 and 64 (8 warps, one block).
+// 250 registers, no spill, 4 warps, two blocks an SM), which measured best against 48-key
+// tiles and 64-key tiles of 8 warps at one block an SM.
 constexpr int kDkdvWarps = 4;  // keys per dK/dV block: kDkdvWarps * 16, for every (D, DV)
 
 template <int D, int DV>

@@ -114,6 +114,7 @@ int64_t seq_balance_args(const char* op, const Tensor& probs, const Tensor& topk
   check_dtype(topk_idx, DType::I32, "seq_balance topk_idx");
   MT_CHECK(E > 0 && (E + 8) * sizeof(float) <= 48 * 1024, "{}: {} experts: the kernel's shared tally holds 1..12280",
            op, E);
+  MT_CHECK(topk_idx.size(1) > 0, "{}: topk_idx {} selects no expert", op, topk_idx.str());
   return R / batch;
 }
 
@@ -122,7 +123,7 @@ int64_t seq_balance_args(const char* op, const Tensor& probs, const Tensor& topk
 Tensor seq_balance_loss_sum(const Tensor& probs, const Tensor& topk_idx, int64_t batch) {
   const int64_t S = seq_balance_args("seq_balance_loss_sum", probs, topk_idx, batch);
   Tensor out = Tensor::empty({1}, DType::F32, probs.device());
-  Tensor per_seq = Tensor::empty({batch}, DType::F32, probs.device());
+  Tensor per_seq = Tensor::zeros({batch}, DType::F32, probs.device());  // stays 0 for empty sequences
   launch_seq_balance_loss_sum(probs.data<float>(), topk_idx.data<int32_t>(), per_seq.data<float>(),
                               out.data<float>(), batch, S, probs.size(1), topk_idx.size(1), stream());
   check_launch("seq_balance_loss_sum");
