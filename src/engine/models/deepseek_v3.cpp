@@ -173,11 +173,7 @@ void DeepseekV3DecoderLayer::attn_forward(const Tensor& x, const Tensor& positio
   }
   if (moe_) {
     StageScope t(Stage::kRouterPermute);
-    // In f32, as HF's DeepseekV3TopkRouter computes them (bf16 inputs, so exact products):
-    // with 256 experts, bf16 logits would break near-ties otherwise than HF does.
-    s.router_logits = s.ln2.y.dtype() == DType::BF16
-                          ? ops::linear_forward(s.ln2.y.to(DType::F32), gate_w_.to(DType::F32))
-                          : ops::linear_forward(s.ln2.y, gate_w_);
+    s.router_logits = ops::linear_forward(s.ln2.y, gate_w_);
     s.route = ops::router_sigmoid_forward(s.router_logits, score_bias_, cfg_.num_experts_per_tok, cfg_.n_group,
                                           cfg_.topk_group, cfg_.norm_topk_prob, cfg_.routed_scaling_factor);
   }
