@@ -42,6 +42,15 @@ Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& residual) 
   return MT_ROUTE(x, linear_forward, x, w, residual);
 }
 
+Tensor linear_forward_f32_out(const Tensor& x, const Tensor& w) {
+#if MOETRAIN_WITH_CUDA
+  if (on_cuda(x, "linear_forward_f32_out")) return cuda::linear_forward_f32_out(x, w);
+#else
+  on_cuda(x, "linear_forward_f32_out");
+#endif
+  return cpu::linear_forward(x, w, Tensor());  // the CPU's models are f32 or f64 already
+}
+
 Tensor linear_backward_input(const Tensor& dy, const Tensor& w) {
   return MT_ROUTE(dy, linear_backward_input, dy, w);
 }

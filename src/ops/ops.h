@@ -50,6 +50,11 @@ void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dwei
 // x [T, in], w [out, in] -> [T, out]. With residual [T, out] given: y = residual + x W^T
 // in the GEMM's epilogue (C = residual, beta = 1), so the residual add costs no pass.
 Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& residual = Tensor());
+// y = x W^T in f32 whatever the operands' float dtype: on the GPU a bf16 GEMM with an f32
+// output (bf16 products are exact in f32, so it is the f32 GEMM of those values, at tensor-
+// core speed), as HF's routers that compute their logits in f32 (DeepSeek-V3's). The CPU's
+// is linear_forward (f32 or f64 models).
+Tensor linear_forward_f32_out(const Tensor& x, const Tensor& w);
 // dx = dy W            dy [T, out] -> [T, in]
 Tensor linear_backward_input(const Tensor& dy, const Tensor& w);
 // dx += dy W (beta = 1): sums the input gradients of projections that share an input.

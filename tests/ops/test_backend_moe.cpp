@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -207,6 +208,20 @@ TEST(BackendMoe, LinearOddShapes) {
   // Odd sizes: leading dimensions that are not multiples of 8 (unaligned rows), one token.
   for (Case c : {Case{37, 40, 24}, Case{5, 13, 7}, Case{1, 8, 3}, Case{129, 264, 200}}) {
     check_linear(c.T, c.in, c.out, DType::BF16, 200 + c.T);
+  }
+}
+
+// A bf16 GEMM with an f32 output: the f32 GEMM of the bf16 values (exact products), against
+// the CPU's in f32 (DeepSeek-V3's router logits).
+TEST(BackendMoe, LinearF32Out) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  for (auto [T, in, out] : {std::array<int64_t, 3>{300, 2048, 256}, {7, 33, 5}}) {
+    Tensor x = random_bf16_values({T, in}, 40 + T), w = random_bf16_values({out, in}, 41 + T);
+    Tensor got = ops::linear_forward_f32_out(on_gpu(x, DType::BF16), on_gpu(w, DType::BF16));
+    EXPECT_EQ(got.dtype(), DType::F32);
+    expect_backend_close(got, ops::linear_forward(x, w), kF32Tol, fmt::format("linear_f32_out[{},{},{}]", T, in, out),
+                         "y");
   }
 }
 

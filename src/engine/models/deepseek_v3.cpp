@@ -173,7 +173,9 @@ void DeepseekV3DecoderLayer::attn_forward(const Tensor& x, const Tensor& positio
   }
   if (moe_) {
     StageScope t(Stage::kRouterPermute);
-    s.router_logits = ops::linear_forward(s.ln2.y, gate_w_);
+    // In f32, as HF's DeepseekV3TopkRouter computes them: bf16 logits would break near-ties
+    // among 256 experts otherwise than HF.
+    s.router_logits = ops::linear_forward_f32_out(s.ln2.y, gate_w_);
     s.route = ops::router_sigmoid_forward(s.router_logits, score_bias_, cfg_.num_experts_per_tok, cfg_.n_group,
                                           cfg_.topk_group, cfg_.norm_topk_prob, cfg_.routed_scaling_factor);
   }

@@ -9,6 +9,7 @@ namespace moetrain::ops::cuda {
 Tensor embedding_forward(const Tensor& ids, const Tensor& weight);
 void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight);
 Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& residual);
+Tensor linear_forward_f32_out(const Tensor& x, const Tensor& w);
 Tensor linear_backward_input(const Tensor& dy, const Tensor& w);
 void linear_backward_input_add(const Tensor& dy, const Tensor& w, Tensor& dx);
 void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw, bool accumulate);

@@ -163,6 +163,24 @@ Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& residual) 
   return y;
 }
 
+Tensor linear_forward_f32_out(const Tensor& x, const Tensor& w) {
+  const char* op = "linear_forward_f32_out";
+  check_operand(x, op, "x");
+  check_operand(w, op, "w");
+  check_cuda_tensors(op, {&x, &w});
+  const int64_t T = x.size(0), in = x.size(1), out = w.size(0);
+  check_shape(w, {out, in}, "linear_forward_f32_out w");
+  MT_CHECK(w.dtype() == x.dtype(), "{}: w {} and x {} must share a dtype", op, w.str(), x.str());
+  Tensor y = Tensor::empty({T, out}, DType::F32, x.device());
+  if (T == 0 || out == 0) return y;
+  if (in == 0) {
+    y.zero_();
+    return y;
+  }
+  lt_matmul(op, true, false, out, T, in, x.dtype(), w.raw(), in, x.raw(), in, 0.0f, DType::F32, y.raw(), out);
+  return y;
+}
+
 namespace {
 // dx (+)= dy W; beta 0 writes, 1 accumulates.
 void backward_input_into(const Tensor& dy, const Tensor& w, Tensor& dx, float beta, const char* op) {
