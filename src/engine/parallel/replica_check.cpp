@@ -4,6 +4,8 @@
 #include <cstring>
 #include <set>
 
+#include "engine/checkpoint/safetensors.h"
+
 namespace moetrain {
 
 std::vector<NamedTensor> replicated_state(Model& model, bool whole_weights) {
@@ -25,15 +27,10 @@ std::vector<NamedTensor> replicated_state(Model& model, bool whole_weights) {
 
 namespace {
 
-uint64_t fnv1a(const Tensor& t) {
+// XXH3-64 of the tensor's bytes (one tensor on the host at a time: the peak is the largest).
+uint64_t hash_of(const Tensor& t) {
   const Tensor host = t.device().is_cpu() ? t : t.to(Device::cpu());
-  const auto* p = static_cast<const unsigned char*>(host.raw());
-  uint64_t h = 1469598103934665603ull;
-  for (size_t i = 0; i < host.nbytes(); ++i) {
-    h ^= p[i];
-    h *= 1099511628211ull;
-  }
-  return h;
+  return xxh3_bytes(host.raw(), host.nbytes());
 }
 
 }  // namespace
@@ -45,7 +42,7 @@ std::vector<std::string> replicas_that_differ(const std::vector<NamedTensor>& te
   const auto n = static_cast<int64_t>(tensors.size());
   std::vector<double> v(static_cast<size_t>(4 * n));
   for (int64_t i = 0; i < n; ++i) {
-    const uint64_t h = fnv1a(tensors[i].value);
+    const uint64_t h = hash_of(tensors[i].value);
     const double hi = static_cast<double>(h >> 32), lo = static_cast<double>(h & 0xffffffffull);
     v[4 * i] = hi;
     v[4 * i + 1] = lo;

@@ -25,7 +25,7 @@ struct NamedTensor {
 // parameter outside the expert buckets.
 std::vector<NamedTensor> replicated_state(Model& model, bool whole_weights);
 
-// Hashes each tensor's bytes (FNV-1a, 64 bits) and compares the hashes over `group` (one
+// Hashes each tensor's bytes (XXH3-64) and compares the hashes over `group` (one
 // all-reduce of their maxima and minima). Every rank must pass the same names in the same
 // order. Returns the names whose copies differ somewhere in the group (empty: all agree).
 std::vector<std::string> replicas_that_differ(const std::vector<NamedTensor>& tensors, Communicator& group,
