@@ -1,30 +1,17 @@
 // DeepSeek-V3's MLA keys and values (ops.h): kv_b_proj's per-head [k_nope | v] rows split
 // into the attention's k (with the shared rotary key appended to every head) and v, and the
 // gradients gathered back (the shared key's summed over the heads).
+#include "ops/arg_checks.h"
 #include "ops/cpu/common.h"
 #include "ops/cpu/cpu_ops.h"
 
 namespace moetrain::ops::cpu {
-namespace {
-
-// The head counts and widths every call names.
-void check_heads(const char* op, int64_t heads, int64_t nope, int64_t v_dim) {
-  MT_CHECK(heads > 0 && nope >= 0 && v_dim > 0, "{}: bad MLA shape heads={} nope={} v_dim={}", op, heads, nope,
-           v_dim);
-}
-
-}  // namespace
 
 MlaKv mla_kv_forward(const Tensor& kv, const Tensor& k_rot, int64_t heads, int64_t nope, int64_t v_dim) {
   const char* op = "mla_kv_forward";
-  check_heads(op, heads, nope, v_dim);
-  MT_CHECK(kv.defined() && kv.ndim() == 2 && kv.size(1) == heads * (nope + v_dim),
-           "{}: kv must be [T, heads*(nope+v_dim)] = [T, {}], got {}", op, heads * (nope + v_dim), kv.str());
-  const int64_t T = kv.size(0);
-  MT_CHECK(k_rot.defined() && k_rot.ndim() == 2 && k_rot.size(0) == T,
-           "{}: k_rot must be [T={}, rope], got {}", op, T, k_rot.str());
+  const int64_t rope = check_mla_kv_forward_args(op, kv, k_rot, heads, nope, v_dim);
   check_same_dtype(op, kv.dtype(), {&k_rot});
-  const int64_t rope = k_rot.size(1), kw = nope + rope, kvw = nope + v_dim;
+  const int64_t T = kv.size(0), kw = nope + rope, kvw = nope + v_dim;
   MlaKv o{Tensor::empty({T, heads * kw}, kv.dtype()), Tensor::empty({T, heads * v_dim}, kv.dtype())};
   dispatch_float(kv.dtype(), op, [&](auto tag) {
     using F = decltype(tag);
@@ -47,13 +34,9 @@ MlaKv mla_kv_forward(const Tensor& kv, const Tensor& k_rot, int64_t heads, int64
 
 MlaKvGrads mla_kv_backward(const Tensor& dk, const Tensor& dv, int64_t heads, int64_t nope, int64_t v_dim) {
   const char* op = "mla_kv_backward";
-  check_heads(op, heads, nope, v_dim);
-  MT_CHECK(dk.defined() && dk.ndim() == 2 && dk.size(1) % heads == 0 && dk.size(1) / heads > nope,
-           "{}: dk must be [T, heads*(nope+rope)] with {} heads of more than {} dims, got {}", op, heads, nope,
-           dk.str());
-  const int64_t T = dk.size(0), kw = dk.size(1) / heads, rope = kw - nope, kvw = nope + v_dim;
-  check_shape(dv, {T, heads * v_dim}, "dv");
+  const int64_t rope = check_mla_kv_backward_args(op, dk, dv, heads, nope, v_dim);
   check_same_dtype(op, dk.dtype(), {&dv});
+  const int64_t T = dk.size(0), kw = nope + rope, kvw = nope + v_dim;
   MlaKvGrads g{Tensor::empty({T, heads * kvw}, dk.dtype()), Tensor::empty({T, rope}, dk.dtype())};
   dispatch_float(dk.dtype(), op, [&](auto tag) {
     using F = decltype(tag);

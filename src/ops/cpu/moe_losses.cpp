@@ -22,6 +22,7 @@
 #include <cmath>
 #include <vector>
 
+#include "ops/arg_checks.h"
 #include "ops/cpu/common.h"
 #include "ops/cpu/cpu_ops.h"
 
@@ -160,17 +161,12 @@ Tensor router_z_loss_backward(const Tensor& probs, const Tensor& lse, double sca
 namespace moetrain::ops::cpu {
 namespace {
 
-// Checks the arguments; returns S, and fills f [B, E] (E / (K S) times each sequence's counts).
+// Checks the arguments (every expert id too); returns S, and fills f [B, E] (E / (K S) times
+// each sequence's counts).
 int64_t seq_balance_counts(const char* op, const Tensor& probs, const Tensor& topk_idx, int64_t batch,
                            std::vector<double>& f) {
-  MT_CHECK(probs.defined() && probs.ndim() == 2, "{}: probs must be [B*S, E], got {}", op, probs.str());
-  const int64_t R = probs.size(0), E = probs.size(1);
-  MT_CHECK(batch > 0 && R % batch == 0, "{}: {} rows of probs are not {} sequences of one length", op, R, batch);
-  MT_CHECK(topk_idx.defined() && topk_idx.ndim() == 2 && topk_idx.size(0) == R,
-           "{}: topk_idx must be [B*S = {}, K], got {}", op, R, topk_idx.str());
-  check_dtype(topk_idx, DType::I32, "seq_balance topk_idx");
-  MT_CHECK(topk_idx.size(1) > 0, "{}: topk_idx {} selects no expert", op, topk_idx.str());
-  const int64_t S = R / batch, K = topk_idx.size(1);
+  const int64_t S = check_seq_balance_args(op, probs, topk_idx, batch);
+  const int64_t R = probs.size(0), E = probs.size(1), K = topk_idx.size(1);
   const int32_t* idx = topk_idx.data<int32_t>();
   f.assign(static_cast<size_t>(batch * E), 0.0);
   for (int64_t r = 0; r < R; ++r) {

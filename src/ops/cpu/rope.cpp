@@ -9,6 +9,7 @@
 #include <cmath>
 #include <vector>
 
+#include "ops/arg_checks.h"
 #include "ops/cpu/common.h"
 #include "ops/cpu/cpu_ops.h"
 
@@ -17,19 +18,9 @@ namespace {
 
 // sign = +1 rotates by +angle (forward), -1 by -angle (backward).
 Tensor rotate(const Tensor& x, const Tensor& positions, const RopeSpec& r, double sign, const char* op) {
-  const int64_t hd = r.head_dim, stride = r.head_stride(), half = hd / 2;
-  MT_CHECK(x.defined() && x.ndim() == 2, "{}: input must be [T, heads*head_dim], got {}", op, x.str());
-  MT_CHECK(hd > 0 && hd % 2 == 0, "{}: head_dim must be positive and even, got {}", op, hd);
-  MT_CHECK(stride >= hd, "{}: a head's width (stride) {} is less than its rotary head_dim {}", op, stride, hd);
-  MT_CHECK(x.size(1) % stride == 0,
-           "{}: width {} of {} is not a multiple of the head width {} (the stride, else head_dim)", op, x.size(1),
-           x.str(), stride);
-  MT_CHECK(r.inv_freq.empty() ? r.theta > 0 : static_cast<int64_t>(r.inv_freq.size()) == half,
-           "{}: theta must be positive (got {}) or inv_freq hold head_dim/2 = {} frequencies (got {})", op, r.theta,
-           half, r.inv_freq.size());
-  const int64_t T = x.size(0), W = x.size(1), pass = stride - hd;
-  check_shape(positions, {T}, "positions");
-  check_dtype(positions, DType::I32, "positions");
+  const RopeDims d = check_rope_args(op, x, positions, r);  // (no structured binding: lambdas capture these)
+  const int64_t T = d.T, W = d.W, hd = d.head_dim, stride = d.stride, half = d.half;
+  const int64_t pass = stride - hd;
   const int32_t* pos = positions.data<int32_t>();
   std::vector<double> inv_freq = r.inv_freq;
   if (inv_freq.empty()) {

@@ -1,6 +1,7 @@
 // CUDA MLA keys and values (ops.h; kernels in mla.cu): argument checks and allocation.
 #include <climits>
 
+#include "ops/arg_checks.h"
 #include "ops/cuda/common.h"
 #include "ops/cuda/cuda_ops.h"
 #include "ops/cuda/mla_launch.h"
@@ -11,9 +12,9 @@ namespace {
 const __nv_bfloat16* bf16_ptr(const Tensor& t) { return static_cast<const __nv_bfloat16*>(t.raw()); }
 __nv_bfloat16* bf16_ptr(Tensor& t) { return static_cast<__nv_bfloat16*>(t.raw()); }
 
-void check_heads(const char* op, int64_t heads, int64_t nope, int64_t v_dim, int64_t rope) {
-  MT_CHECK(heads > 0 && nope >= 0 && v_dim > 0 && rope > 0, "{}: bad MLA shape heads={} nope={} rope={} v_dim={}",
-           op, heads, nope, rope, v_dim);
+// What the kernels take besides the shared checks: a rotary part, rows within int.
+void check_kernel_sizes(const char* op, int64_t heads, int64_t nope, int64_t v_dim, int64_t rope) {
+  MT_CHECK(rope > 0, "{}: no rotary key dims (rope = {})", op, rope);
   MT_CHECK(heads * (nope + rope + v_dim) < INT_MAX, "{}: {} heads of {} + {} + {} values are too many for a row",
            op, heads, nope, rope, v_dim);
 }
@@ -23,15 +24,10 @@ void check_heads(const char* op, int64_t heads, int64_t nope, int64_t v_dim, int
 MlaKv mla_kv_forward(const Tensor& kv, const Tensor& k_rot, int64_t heads, int64_t nope, int64_t v_dim) {
   const char* op = "mla_kv_forward";
   check_cuda_tensors(op, {&kv, &k_rot});
-  MT_CHECK(kv.defined() && kv.ndim() == 2 && heads > 0 && kv.size(1) == heads * (nope + v_dim),
-           "{}: kv must be [T, heads*(nope+v_dim)] = [T, {}], got {}", op, heads * (nope + v_dim), kv.str());
-  const int64_t T = kv.size(0);
-  MT_CHECK(k_rot.defined() && k_rot.ndim() == 2 && k_rot.size(0) == T, "{}: k_rot must be [T={}, rope], got {}", op,
-           T, k_rot.str());
+  const int64_t rope = check_mla_kv_forward_args(op, kv, k_rot, heads, nope, v_dim), T = kv.size(0);
   check_dtype(kv, DType::BF16, "kv");
   check_dtype(k_rot, DType::BF16, "k_rot");
-  const int64_t rope = k_rot.size(1);
-  check_heads(op, heads, nope, v_dim, rope);
+  check_kernel_sizes(op, heads, nope, v_dim, rope);
   MlaKv o{Tensor::empty({T, heads * (nope + rope)}, DType::BF16, kv.device()),
           Tensor::empty({T, heads * v_dim}, DType::BF16, kv.device())};
   launch_mla_kv_forward(bf16_ptr(kv), bf16_ptr(k_rot), bf16_ptr(o.k), bf16_ptr(o.v), T, int(heads), int(nope),
@@ -43,13 +39,9 @@ MlaKv mla_kv_forward(const Tensor& kv, const Tensor& k_rot, int64_t heads, int64
 MlaKvGrads mla_kv_backward(const Tensor& dk, const Tensor& dv, int64_t heads, int64_t nope, int64_t v_dim) {
   const char* op = "mla_kv_backward";
   check_cuda_tensors(op, {&dk, &dv});
-  MT_CHECK(dk.defined() && dk.ndim() == 2 && heads > 0 && dk.size(1) % heads == 0 && dk.size(1) / heads > nope,
-           "{}: dk must be [T, heads*(nope+rope)] with {} heads of more than {} dims, got {}", op, heads, nope,
-           dk.str());
-  const int64_t T = dk.size(0), rope = dk.size(1) / heads - nope;
-  check_heads(op, heads, nope, v_dim, rope);
+  const int64_t rope = check_mla_kv_backward_args(op, dk, dv, heads, nope, v_dim), T = dk.size(0);
+  check_kernel_sizes(op, heads, nope, v_dim, rope);
   check_dtype(dk, DType::BF16, "dk");
-  check_shape(dv, {T, heads * v_dim}, "dv");
   check_dtype(dv, DType::BF16, "dv");
   MlaKvGrads g{Tensor::empty({T, heads * (nope + v_dim)}, DType::BF16, dk.device()),
                Tensor::empty({T, rope}, DType::BF16, dk.device())};

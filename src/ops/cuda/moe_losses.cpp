@@ -9,6 +9,7 @@
 //
 // A top-k index outside [0, E) is an error on the CPU; here it turns every selections
 // entry into NaN (a check would wait for the device), which the loss then shows.
+#include "ops/arg_checks.h"
 #include "ops/cuda/common.h"
 #include "ops/cuda/cuda_ops.h"
 #include "ops/cuda/moe_losses_launch.h"
@@ -102,20 +103,14 @@ Tensor router_z_loss_backward(const Tensor& probs, const Tensor& lse, double sca
 
 namespace {
 
-// Checks the arguments of the sequence-wise balance loss; returns S.
+// The sequence-wise balance loss's arguments (arg_checks.h), and what the kernel takes; returns S.
 int64_t seq_balance_args(const char* op, const Tensor& probs, const Tensor& topk_idx, int64_t batch) {
   check_cuda_tensors(op, {&probs, &topk_idx});
-  MT_CHECK(probs.defined() && probs.ndim() == 2, "{}: probs must be [B*S, E], got {}", op, probs.str());
+  const int64_t S = check_seq_balance_args(op, probs, topk_idx, batch), E = probs.size(1);
   check_dtype(probs, DType::F32, "seq_balance probs");
-  const int64_t R = probs.size(0), E = probs.size(1);
-  MT_CHECK(batch > 0 && R % batch == 0, "{}: {} rows of probs are not {} sequences of one length", op, R, batch);
-  MT_CHECK(topk_idx.defined() && topk_idx.ndim() == 2 && topk_idx.size(0) == R,
-           "{}: topk_idx must be [B*S = {}, K], got {}", op, R, topk_idx.str());
-  check_dtype(topk_idx, DType::I32, "seq_balance topk_idx");
   MT_CHECK(E > 0 && (E + 8) * sizeof(float) <= 48 * 1024, "{}: {} experts: the kernel's shared tally holds 1..12280",
            op, E);
-  MT_CHECK(topk_idx.size(1) > 0, "{}: topk_idx {} selects no expert", op, topk_idx.str());
-  return R / batch;
+  return S;
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // CUDA rotary position embedding (ops.h's RopeSpec; rope.cu has the kernel and the f32
 // angle rule). x / dy bf16 [T, heads * stride], positions i32 [T]; backward is the inverse
 // rotation.
+#include "ops/arg_checks.h"
 #include "ops/cuda/common.h"
 #include "ops/cuda/cuda_ops.h"
 #include "ops/cuda/rope_launch.h"
@@ -10,23 +11,12 @@ namespace {
 
 Tensor rotate(const Tensor& x, const Tensor& positions, const RopeSpec& r, float sign, const char* op) {
   check_cuda_tensors(op, {&x, &positions});
-  const int64_t hd = r.head_dim, stride = r.head_stride(), half = hd / 2;
-  MT_CHECK(x.defined() && x.ndim() == 2, "{}: input must be [T, heads*head_dim], got {}", op, x.str());
-  MT_CHECK(hd > 0 && hd % 2 == 0, "{}: head_dim must be positive and even, got {}", op, hd);
+  const RopeDims d = check_rope_args(op, x, positions, r);  // (no structured binding: lambdas capture these)
+  const int64_t T = d.T, W = d.W, hd = d.head_dim, stride = d.stride, half = d.half;
   MT_CHECK(half <= RopeArgs::kMaxPairs, "{}: head_dim {} is larger than the kernel's {} rotary pairs allow", op,
            hd, RopeArgs::kMaxPairs);
-  MT_CHECK(stride >= hd && stride <= 65536, "{}: a head's width (stride) {} must be in [head_dim {}, 65536]", op,
-           stride, hd);
-  MT_CHECK(x.size(1) % stride == 0,
-           "{}: width {} of {} is not a multiple of the head width {} (the stride, else head_dim)", op, x.size(1),
-           x.str(), stride);
-  MT_CHECK(r.inv_freq.empty() ? r.theta > 0 : static_cast<int64_t>(r.inv_freq.size()) == half,
-           "{}: theta must be positive (got {}) or inv_freq hold head_dim/2 = {} frequencies (got {})", op, r.theta,
-           half, r.inv_freq.size());
+  MT_CHECK(stride <= 65536, "{}: a head's width (stride) {} must be in [head_dim {}, 65536]", op, stride, hd);
   check_dtype(x, DType::BF16, sign > 0 ? "rope_forward x" : "rope_backward dy");
-  const int64_t T = x.size(0), W = x.size(1);
-  check_shape(positions, {T}, "positions");
-  check_dtype(positions, DType::I32, "positions");
   RopeArgs a;
   a.head_dim = static_cast<int>(hd);
   a.stride = static_cast<int>(stride);
