@@ -145,12 +145,6 @@ ChunkSpec MoeDecoderModel::whole() const {
   return c;
 }
 
-const Tensor& MoeDecoderModel::dense_counts(int64_t tokens) const {
-  Tensor& t = dense_counts_[tokens];
-  if (!t.defined()) t = Tensor::full({1}, static_cast<double>(tokens), DType::I64, device_);
-  return t;
-}
-
 RouterTotals MoeDecoderModel::unpack_totals(const Tensor& packed) const {
   return RouterTotals::unpack(packed, spec_.num_experts, grad_dtype_for(dtype_), device_);
 }

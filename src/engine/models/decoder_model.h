@@ -57,6 +57,21 @@ class ExpertWeightGrads {
   bool pending_accumulate_ = false;
 };
 
+// i64 [1] tensors holding a row count, on one device: the one group of a grouped SwiGLU
+// that takes every row (a dense MLP, DeepSeek-V3's shared experts), made once per count, not
+// copied over from the host every pass.
+class RowCounts {
+ public:
+  const Tensor& of(int64_t rows, Device device) const {
+    Tensor& t = by_rows_[rows];
+    if (!t.defined()) t = Tensor::full({1}, static_cast<double>(rows), DType::I64, device);
+    return t;
+  }
+
+ private:
+  mutable std::map<int64_t, Tensor> by_rows_;
+};
+
 // One row through one SwiGLU expert, plainly (reference_forward's path): x [1, H] ->
 // W_down (silu(W_gate x) * W_up x), the activation formed in double.
 Tensor swiglu_expert_reference(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down);
@@ -151,9 +166,8 @@ class MoeDecoderModel : public Model {
   ops::SumSquaresInto expert_squares(int64_t id, bool accumulate) const {
     return hooks_ && !accumulate ? hooks_->expert_grad_squares(id) : ops::SumSquaresInto{};
   }
-  // A dense layer's "expert counts" (one expert taking all `tokens` rows), i64 [1] on the
-  // model's device: made once per token count, not copied over from the host every pass.
-  const Tensor& dense_counts(int64_t tokens) const;
+  // A dense layer's "expert counts" (one expert taking all `tokens` rows) on the model's device.
+  const Tensor& dense_counts(int64_t tokens) const { return dense_counts_.of(tokens, device_); }
   // The head's router losses from the micro-batch's totals (summed over the data group).
   void router_losses(RouterTotals& totals, MicroBatchLoss& out) const;
   // Chunk passes in pieces cut at the expert exchanges (decoder_model.cpp).
@@ -187,7 +201,7 @@ class MoeDecoderModel : public Model {
   Tensor g_embed_, g_final_norm_w_, g_lm_head_;
   std::vector<std::unique_ptr<DecoderLayer>> layers_;  // the layers held, ascending id
   ParameterList params_;
-  mutable std::map<int64_t, Tensor> dense_counts_;  // dense_counts(), by token count
+  RowCounts dense_counts_;
 };
 
 }  // namespace moetrain

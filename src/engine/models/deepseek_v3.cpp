@@ -117,12 +117,6 @@ ops::AttentionShape DeepseekV3DecoderLayer::attn_shape(const BatchShape& b) cons
   return a;
 }
 
-const Tensor& DeepseekV3DecoderLayer::shared_counts(int64_t tokens) const {
-  Tensor& t = shared_counts_[tokens];
-  if (!t.defined()) t = Tensor::full({1}, static_cast<double>(tokens), DType::I64, ln1_w_.device());
-  return t;
-}
-
 // Stage 1. Multi-head latent attention:
 //   q   = rope(Wq_b · rms(Wq_a · n1))           (or rope(Wq · n1) without a query latent)
 //   c   = rms(Wkv_a[:r] · n1),  k_pe = rope(Wkv_a[r:] · n1)

@@ -93,9 +93,9 @@ class DeepseekV3DecoderLayer : public DecoderLayer {
   int64_t first_expert_ = 0;
   std::vector<ParamBucket> buckets_;
   ops::RopeSpec q_rope_, k_rope_;
-  mutable std::map<int64_t, Tensor> shared_counts_;  // [1] = T: the shared experts' one group
+  RowCounts shared_counts_;  // [1] = T: the shared experts' one group
   ops::AttentionShape attn_shape(const BatchShape& b) const;
-  const Tensor& shared_counts(int64_t tokens) const;
+  const Tensor& shared_counts(int64_t tokens) const { return shared_counts_.of(tokens, ln1_w_.device()); }
   bool has_shared() const { return moe_ && cfg_.n_shared_experts > 0; }
   // kv_a_proj_with_mqa's two parts: the latent's rows and k_pe's rows (views).
   Tensor kv_a_latent(const Tensor& w) const { return w.slice(0, cfg_.kv_lora_rank); }
