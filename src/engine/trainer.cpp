@@ -346,7 +346,6 @@ StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, co
 
 namespace {
 
-// The text sampled at the end of the run (printed by rank 0), or empty.
 // A distributed run ends by checking that every data rank of a stage holds the same bits of
 // the state they all hold copies of (parallel/replica_check.h); after the last checkpoint,
 // so that a failure loses nothing.
@@ -364,6 +363,7 @@ void check_replicas(TrainContext& ctx) {
                whole_weights ? "" : " (routing biases; the weights are sharded)", group->size());
 }
 
+// The text sampled at the end of the run (printed by rank 0), or empty.
 std::string end_of_run_sample(const RunConfig& cfg, TrainContext& ctx, const Tokenizer& tok) {
   const TrainingConfig& tc = cfg.training;
   if (tc.sample_tokens <= 0) return "";
@@ -460,7 +460,7 @@ class RunLog {
     m.tflops = flops_per_token_ * m.tokens_per_s / 1e12;
     m.expert_load_max_over_mean = r.expert_imbalance >= 0 ? r.expert_imbalance : expert_imbalance(r.expert_counts);
     m.expert_tokens = r.expert_counts;
-    if (step % cfg_.metrics.log_every == 0 || step == start_step_ + 1) m.router_bias = router_bias();
+    if (regular_line(step)) m.router_bias = router_bias();
     // Mean entropy per token: each token made top-k selections, so a layer's counts add up to k x its tokens.
     const double k = static_cast<double>(ctx_.model->model_config().shape().experts_per_token);
     for (size_t i = 0; i < r.router_entropy.size() && i < r.expert_counts.size(); ++i) {
@@ -501,7 +501,7 @@ class RunLog {
         tensorboard_->histogram(m.step, fmt::format("moe/layer{}/tokens_per_expert", i), tokens);
       }
     }
-    if (m.val_loss || m.checkpoint_stall_s || m.step % cfg_.metrics.log_every == 0 || m.step == start_step_ + 1) {
+    if (m.val_loss || m.checkpoint_stall_s || regular_line(m.step)) {
       progress_.clear();
       spdlog::info("{}", human_line(m, cfg_.training.steps));
     }
@@ -515,6 +515,8 @@ class RunLog {
   void finish() { progress_.finish(); }
 
  private:
+  // The steps of the human log line besides validations and saves: every log_every, the first.
+  bool regular_line(int64_t step) const { return step % cfg_.metrics.log_every == 0 || step == start_step_ + 1; }
   // Each held routing bias's largest |b| and range (none without aux-loss-free balancing's
   // buffers).
   std::optional<StepMetrics::RouterBias> router_bias() const {
