@@ -216,6 +216,12 @@ void copy_device_to_device(void* dst, const void* src, size_t bytes) {
   MT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(current_stream())));
 }
 
+void copy_device_to_device_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+                              size_t rows) {
+  MT_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, cudaMemcpyDeviceToDevice,
+                                  static_cast<cudaStream_t>(current_stream())));
+}
+
 void memset_device(void* dst, int value, size_t bytes) {
   MT_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, static_cast<cudaStream_t>(current_stream())));
 }
@@ -320,6 +326,7 @@ void device_free(void*, size_t, Stream) { no_cuda(); }
 void copy_host_to_device(void*, const void*, size_t) { no_cuda(); }
 void copy_device_to_host(void*, const void*, size_t) { no_cuda(); }
 void copy_device_to_device(void*, const void*, size_t) { no_cuda(); }
+void copy_device_to_device_2d(void*, size_t, const void*, size_t, size_t, size_t) { no_cuda(); }
 void copy_device_to_host_async(void*, const void*, size_t) { no_cuda(); }
 void* pinned_alloc(size_t) { no_cuda(); }
 void pinned_free(void*) { no_cuda(); }

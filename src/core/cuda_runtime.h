@@ -50,6 +50,9 @@ void set_poison_allocations(bool on);
 void copy_host_to_device(void* dst, const void* src, size_t bytes);
 void copy_device_to_host(void* dst, const void* src, size_t bytes);
 void copy_device_to_device(void* dst, const void* src, size_t bytes);
+// `rows` rows of `width` bytes each, from rows `src_pitch` bytes apart to rows `dst_pitch` apart.
+void copy_device_to_device_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+                              size_t rows);
 // Enqueues a copy into pinned host memory on the current stream and returns; the caller
 // synchronizes the stream before reading dst.
 void copy_device_to_host_async(void* dst, const void* src, size_t bytes);

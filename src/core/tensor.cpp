@@ -307,6 +307,45 @@ void Tensor::copy_from(const Tensor& src) {
   });
 }
 
+namespace {
+// The strided copy under copy_columns_from / columns: `rows` rows of `cols` elements.
+void copy_column_block(const Tensor& dst, int64_t dst_col, const Tensor& src, int64_t src_col, int64_t rows,
+                       int64_t cols) {
+  const size_t e = dtype_size(dst.dtype());
+  const size_t dp = static_cast<size_t>(dst.size(1)) * e, sp = static_cast<size_t>(src.size(1)) * e;
+  char* d = static_cast<char*>(dst.raw()) + static_cast<size_t>(dst_col) * e;
+  const char* s = static_cast<const char*>(src.raw()) + static_cast<size_t>(src_col) * e;
+  const size_t width = static_cast<size_t>(cols) * e;
+  if (rows == 0 || cols == 0) return;
+  if (dst.device().is_cpu()) {
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(d + r * dp, s + r * sp, width);
+  } else {
+    cuda::copy_device_to_device_2d(d, dp, s, sp, width, static_cast<size_t>(rows));
+  }
+}
+
+void check_column_operands(const Tensor& a, const Tensor& b, const char* op) {
+  MT_CHECK(a.ndim() == 2 && b.ndim() == 2, "{}: needs 2-D tensors, got {} and {}", op, a.str(), b.str());
+  MT_CHECK(a.dtype() == b.dtype() && a.device() == b.device(), "{}: {} and {} differ in dtype or device", op,
+           a.str(), b.str());
+  MT_CHECK(a.size(0) == b.size(0), "{}: {} and {} have different row counts", op, a.str(), b.str());
+}
+}  // namespace
+
+void Tensor::copy_columns_from(int64_t col, const Tensor& src) {
+  check_column_operands(*this, src, "copy_columns_from");
+  MT_CHECK(col >= 0 && col + src.size(1) <= size(1), "copy_columns_from: columns [{}, {}) of {}", col,
+           col + src.size(1), str());
+  copy_column_block(*this, col, src, 0, size(0), src.size(1));
+}
+
+Tensor Tensor::columns(int64_t begin, int64_t end) const {
+  MT_CHECK(ndim() == 2 && begin >= 0 && begin <= end && end <= size(1), "columns [{}, {}) of {}", begin, end, str());
+  Tensor out = empty({size(0), end - begin}, dtype_, device());
+  copy_column_block(out, 0, *this, begin, size(0), end - begin);
+  return out;
+}
+
 void Tensor::zero_() {
   if (device().is_cpu()) std::memset(raw(), 0, nbytes());
   else cuda::memset_device(raw(), 0, nbytes());

@@ -74,6 +74,12 @@ class Tensor {
   // Same element count; converts dtype; copies across devices (a dtype conversion with a
   // device on either side goes through the host).
   void copy_from(const Tensor& src);
+  // Column blocks of 2-D tensors (same dtype and device): writes src [R, w] into this
+  // tensor's columns [col, col + w) (this [R, C]), and returns a contiguous copy of columns
+  // [begin, end). One strided copy each, on the current stream on the GPU: how a
+  // concatenation along the feature dimension (and its gradient's split) is made.
+  void copy_columns_from(int64_t col, const Tensor& src);
+  Tensor columns(int64_t begin, int64_t end) const;
   void zero_();
   void fill_(double value);
 

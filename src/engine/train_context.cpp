@@ -47,7 +47,7 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
                cfg.parallel.schedule, layout.pp(), tc.grad_accum_steps, e.what());
     }
     c.pipe_val = std::make_unique<PipelineSchedule>(make_forward_only(layout.pp(), static_cast<int>(tc.eval_batches), v));
-    c.chunks = partition_layers(cfg.model->shape().num_layers, c.pipe_train->num_chunks);
+    c.chunks = partition_layers(cfg.model->shape().num_layers, c.pipe_train->num_chunks, cfg.model->shape().mtp_layers);
     placement = pipeline_placement(c.chunks, *c.pipe_train, layout.pp_rank(), placement);
     std::string chunk_list;
     for (size_t i = 0; i < c.chunks.size(); ++i) {
@@ -69,7 +69,7 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   c.model->init_weights(static_cast<uint64_t>(tc.seed));
   if (layout.pp() == 1 && layout.ep() > 1 && choose_ep_overlap(cfg, *c.model, par.device)) {
     make_pipeline();
-    const int64_t L = cfg.model->shape().num_layers;
+    const int64_t L = cfg.model->shape().num_layers + cfg.model->shape().mtp_layers;
     MT_CHECK(static_cast<int64_t>(placement.layers.size()) == L && placement.embed && placement.head,
              "ep_overlap: the one-rank pipeline must hold the whole model ({} of {} layers)", placement.layers.size(), L);
   }

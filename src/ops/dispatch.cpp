@@ -38,6 +38,17 @@ void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dwei
   MT_ROUTE(ids, embedding_backward_weight, ids, dy, dweight);
 }
 
+Tensor shift_tokens(const Tensor& ids, const Tensor& segment_ids, int64_t batch, int64_t k, int32_t fill) {
+  check_dtype(ids, DType::I32, "shift_tokens ids");
+  MT_CHECK(ids.ndim() == 1 && batch > 0 && ids.numel() % batch == 0 && k >= 0,
+           "shift_tokens: ids {} must be [batch * seq] with batch = {} and k = {} >= 0", ids.str(), batch, k);
+  if (segment_ids.defined()) {
+    check_dtype(segment_ids, DType::I32, "shift_tokens segment_ids");
+    check_shape(segment_ids, ids.shape(), "shift_tokens segment_ids");
+  }
+  return MT_ROUTE(ids, shift_tokens, ids, segment_ids, batch, k, fill);
+}
+
 Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& residual) {
   return MT_ROUTE(x, linear_forward, x, w, residual);
 }

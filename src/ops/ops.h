@@ -45,6 +45,11 @@ Tensor embedding_forward(const Tensor& ids, const Tensor& weight);
 // parameter). Overwrite writes every element, including the weights of an expert that got
 // no rows (zeros).
 void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight, bool accumulate = true);
+// Token ids k places ahead, within each row of a [batch, seq] batch (multi-token
+// prediction's inputs and targets): out[b, i] = ids[b, i + k] where i + k < seq and, with
+// segment_ids given (packed documents; may be undefined), i + k lies in i's document;
+// `fill` elsewhere. ids and segment_ids i32 [batch * seq]; k >= 0.
+Tensor shift_tokens(const Tensor& ids, const Tensor& segment_ids, int64_t batch, int64_t k, int32_t fill);
 
 // ---- linear: y = x W^T ----------------------------------------------------------------
 // x [T, in], w [out, in] -> [T, out]. With residual [T, out] given: y = residual + x W^T

@@ -55,6 +55,27 @@ TEST(Tensor, Bf16RoundsToNearestEven) {
   EXPECT_TRUE(std::isnan(static_cast<float>(bf16(std::nanf("")))));
 }
 
+TEST(Tensor, ColumnBlocksCopyInAndOut) {
+  Tensor a = Tensor::empty({5, 3}, DType::F32), b = Tensor::empty({5, 4}, DType::F32);
+  fill_normal(a, 1, 1.0);
+  fill_normal(b, 2, 1.0);
+  Tensor ab = Tensor::full({5, 7}, -1.0, DType::F32);
+  ab.copy_columns_from(0, a);
+  ab.copy_columns_from(3, b);
+  for (int64_t r = 0; r < 5; ++r) {
+    for (int64_t c = 0; c < 7; ++c) {
+      EXPECT_EQ(ab.item(r * 7 + c), c < 3 ? a.item(r * 3 + c) : b.item(r * 4 + c - 3)) << r << "," << c;
+    }
+  }
+  EXPECT_EQ(ab.columns(3, 7).to_vector<float>(), b.to_vector<float>());
+  EXPECT_EQ(ab.columns(0, 3).to_vector<float>(), a.to_vector<float>());
+  EXPECT_EQ(ab.columns(2, 2).numel(), 0);
+  EXPECT_THROW(ab.copy_columns_from(5, a), Error);                           // past the last column
+  EXPECT_THROW(ab.copy_columns_from(0, Tensor::zeros({4, 3}, DType::F32)), Error);  // rows differ
+  EXPECT_THROW(ab.copy_columns_from(0, a.to(DType::F64)), Error);                // dtype differs
+  EXPECT_THROW(ab.columns(6, 8), Error);
+}
+
 TEST(Tensor, ErrorsNameTheTensor) {
   Tensor t = Tensor::zeros({2, 3}, DType::F32);
   try {

@@ -89,6 +89,22 @@ TEST(CudaTensor, OutOfMemoryIsAClearError) {
   }
 }
 
+// Column blocks on the GPU (a strided copy) against the same on the host.
+TEST(CudaTensor, ColumnBlocksMatchTheHost) {
+  REQUIRE_GPU();
+  Tensor a = Tensor::empty({33, 5}, DType::F32), b = Tensor::empty({33, 9}, DType::F32);
+  fill_normal(a, 3, 1.0);
+  fill_normal(b, 4, 1.0);
+  Tensor host = Tensor::zeros({33, 14}, DType::F32);
+  host.copy_columns_from(0, a);
+  host.copy_columns_from(5, b);
+  Tensor dev = Tensor::zeros({33, 14}, DType::BF16, Device::cuda(0));
+  dev.copy_columns_from(0, a.to(DType::BF16).to(Device::cuda(0)));
+  dev.copy_columns_from(5, b.to(DType::BF16).to(Device::cuda(0)));
+  EXPECT_EQ(dev.to(Device::cpu()).to_double_vector(), host.to(DType::BF16).to_double_vector());
+  EXPECT_EQ(dev.columns(5, 14).to(Device::cpu()).to_double_vector(), b.to(DType::BF16).to_double_vector());
+}
+
 TEST(CudaTensor, CpuOnlyBuildOrNoDeviceSaysWhy) {
   if (cuda::available()) GTEST_SKIP() << "a GPU is present";
   EXPECT_FALSE(cuda::unavailable_reason().empty());

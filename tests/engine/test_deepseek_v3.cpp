@@ -1,6 +1,7 @@
 // Whole-model checks of DeepSeek-V3: float64 gradients against finite differences (with and
 // without the query latent, shared experts, YaRN, a routing bias), the staged forward
 // against reference_forward, Hugging Face's names, gradient accumulation, the routing bias.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -139,15 +140,42 @@ TEST(DeepseekV3, HuggingFaceNamesAndShapes) {
   ASSERT_EQ(buffers.size(), 2u);
   EXPECT_EQ(buffers[0].name, "model.layers.1.mlp.gate.e_score_correction_bias");
   EXPECT_EQ(buffers[1].value.shape(), (Shape{8}));
-  // MTP modules, as in Hugging Face's model, are not built (HF's configs say 1 by default):
-  // the same parameters either way.
+  // A multi-token prediction module: layer 3 (an MoE layer, with its routing bias) and the
+  // module's own weights under DeepSeek's checkpoint names.
   c.num_nextn_predict_layers = 1;
-  EXPECT_EQ(DeepseekV3Model(c, DType::F32).parameters().size(), m.parameters().size());
+  DeepseekV3Model with_mtp(c, DType::F32);
+  std::map<std::string, Shape> mtp_shapes;
+  for (const Parameter& p : with_mtp.parameters()) mtp_shapes[p.name] = p.value.shape();
+  const std::map<std::string, Shape> mtp_want{
+      {"model.layers.3.embed_tokens.weight", {19, 8}},  {"model.layers.3.enorm.weight", {8}},
+      {"model.layers.3.hnorm.weight", {8}},              {"model.layers.3.eh_proj.weight", {8, 16}},
+      {"model.layers.3.shared_head.norm.weight", {8}},   {"model.layers.3.shared_head.head.weight", {19, 8}},
+      {"model.layers.3.self_attn.kv_b_proj.weight", {2 * (4 + 3), 6}}, {"model.layers.3.mlp.gate.weight", {8, 8}},
+      {"model.layers.3.mlp.shared_experts.up_proj.weight", {6, 8}},
+  };
+  for (const auto& [name, shape] : mtp_want) {
+    ASSERT_TRUE(mtp_shapes.count(name)) << name;
+    EXPECT_EQ(mtp_shapes[name], shape) << name;
+  }
+  size_t layer2 = 0, layer3 = 0;
+  for (const auto& [name, shape] : mtp_shapes) {
+    layer2 += name.rfind("model.layers.2.", 0) == 0;
+    layer3 += name.rfind("model.layers.3.", 0) == 0;
+  }
+  EXPECT_EQ(layer3, layer2 + 6) << "the module: an MoE layer like layer 2, and its six own weights";
+  EXPECT_EQ(mtp_shapes.size(), shapes.size() + layer3);
+  ASSERT_EQ(with_mtp.buffers().size(), 3u);
+  EXPECT_EQ(with_mtp.buffers()[2].name, "model.layers.3.mlp.gate.e_score_correction_bias");
   c.num_nextn_predict_layers = 0;
 }
 
+// With and without a multi-token prediction module (its weights written by the first
+// micro-batch too: every gradient starts as NaN).
 TEST(DeepseekV3, GradientAccumulationEqualsOneLargeBatch) {
+  for (int64_t mtp : {0, 1}) {
+  SCOPED_TRACE("num_nextn_predict_layers = " + std::to_string(mtp));
   DeepseekV3Config c = tiny_config();
+  c.num_nextn_predict_layers = mtp;
   DeepseekV3Model model(c, DType::F64);
   model.init_weights(9);
   LocalDispatcher d;
@@ -170,6 +198,113 @@ TEST(DeepseekV3, GradientAccumulationEqualsOneLargeBatch) {
   for (size_t i = 0; i < expected.size(); ++i) {
     EXPECT_LT(testing::rel_error(model.parameters()[i].grad, expected[i]), 1e-12) << model.parameters()[i].name;
   }
+  }
+}
+
+// ---- multi-token prediction ----------------------------------------------------------
+
+// Two rows of 7 tokens, the first packing documents of 4 and 3 tokens (segment ids, positions
+// restarting), one target ignored.
+Batch packed_batch(uint64_t seed) {
+  Batch b = random_batch(2, 7, 19, seed, /*ignored=*/9);
+  b.segment_ids = Tensor::from_vector(std::vector<int32_t>{0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0}, {14});
+  b.positions = Tensor::from_vector(std::vector<int32_t>{0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6}, {14});
+  return b;
+}
+
+// The loss a training pass reports (the modules run only when training), on a twin of `m`
+// given m's weights and biases, so that m's gradients stay as they are.
+double training_loss(DeepseekV3Model& m, DeepseekV3Model& twin, const Batch& b, ExpertDispatcher& d) {
+  for (size_t i = 0; i < m.parameters().size(); ++i) twin.parameters()[i].value.copy_from(m.parameters()[i].value);
+  for (size_t i = 0; i < m.buffers().size(); ++i) twin.buffers()[i].value.copy_from(m.buffers()[i].value);
+  const MicroBatchLoss l = twin.forward_backward(b, d, 1.0 / static_cast<double>(b.num_targets), 1.0);
+  return l.ce_sum / static_cast<double>(l.targets) + l.term("mtp_loss") + l.term("seq_aux_loss");
+}
+
+// Two chained modules (the second reads the first's output), over packed documents: every
+// weight's gradient, the main model's too, against finite differences of the whole loss.
+TEST(DeepseekV3, GradientsWithMultiTokenPrediction) {
+  DeepseekV3Config c = tiny_config();
+  c.num_nextn_predict_layers = 2;
+  c.mtp_loss_weight = 0.7;
+  c.seq_aux_loss_coef = 0.2;
+  DeepseekV3Model model(c, DType::F64), twin(c, DType::F64);
+  model.init_weights(7);
+  spread_biases(model, 6);
+  LocalDispatcher d;
+  const Batch b = packed_batch(31);
+  testing::check_model_gradients(model, b, d, [&] { return training_loss(model, twin, b, d); }, "dsv3 mtp",
+                                 [](const std::string& name) { return name.find(".mlp.experts.") != std::string::npos; });
+}
+
+// The modules' loss against a plain computation from the parts: standalone copies of every
+// layer (reference_forward), the shifts written out here, the concatenation by hand.
+TEST(DeepseekV3, MultiTokenPredictionLossMatchesAPlainComputation) {
+  DeepseekV3Config c = tiny_config();
+  const int64_t L = c.num_hidden_layers, D = 2, H = c.hidden_size, V = c.vocab_size;
+  c.num_nextn_predict_layers = D;
+  c.mtp_loss_weight = 0.45;
+  DeepseekV3Model model(c, DType::F64);
+  model.init_weights(12);
+  spread_biases(model, 8);
+  std::map<std::string, Tensor> w;
+  for (const Parameter& p : model.parameters()) w[p.name] = p.value;
+  std::vector<std::unique_ptr<DeepseekV3DecoderLayer>> layers;
+  for (int64_t id = 0; id < L + D; ++id) {
+    layers.push_back(std::make_unique<DeepseekV3DecoderLayer>(c, id, DType::F64, Device::cpu()));
+    ParameterList mine;
+    layers.back()->collect_parameters(mine);
+    for (Parameter& p : mine) p.value.copy_from(w.at(p.name));
+    if (Tensor* bias = layers.back()->routing_bias()) {
+      for (NamedBuffer& nb : model.buffers()) {
+        if (nb.name == fmt::format("model.layers.{}.mlp.gate.e_score_correction_bias", id)) bias->copy_from(nb.value);
+      }
+    }
+  }
+  const Batch b = packed_batch(41);
+  const BatchShape shape{b.batch, b.seq, b.segment_ids};
+  Tensor h = ops::embedding_forward(b.inputs, w.at("model.embed_tokens.weight"));
+  for (int64_t id = 0; id < L; ++id) h = layers[id]->reference_forward(h, b.positions, shape);
+  const std::vector<int32_t> in = b.inputs.to_vector<int32_t>(), tg = b.targets.to_vector<int32_t>();
+  const std::vector<int32_t> seg = b.segment_ids.to_vector<int32_t>();
+  const int64_t T = b.batch * b.seq;
+  double ce = 0;
+  for (int64_t k = 1; k <= D; ++k) {
+    const std::string p = fmt::format("model.layers.{}.", L + k - 1);
+    std::vector<int32_t> ids(T), targets(T);
+    for (int64_t t = 0; t < T; ++t) {  // token t + k of the same row and document, if any
+      const bool inside = t % b.seq + k < b.seq && seg[t + k] == seg[t];
+      ids[t] = inside ? in[t + k] : 0;
+      targets[t] = inside ? tg[t + k] : ops::kIgnoreIndex;
+    }
+    const Tensor e = ops::embedding_forward(Tensor::from_vector(ids, {T}), w.at(p + "embed_tokens.weight"));
+    const std::vector<double> en = ops::rmsnorm_forward(e, w.at(p + "enorm.weight"), c.rms_norm_eps).y.to_double_vector();
+    const std::vector<double> hn = ops::rmsnorm_forward(h, w.at(p + "hnorm.weight"), c.rms_norm_eps).y.to_double_vector();
+    std::vector<double> joined;
+    for (int64_t t = 0; t < T; ++t) {
+      joined.insert(joined.end(), en.begin() + t * H, en.begin() + (t + 1) * H);
+      joined.insert(joined.end(), hn.begin() + t * H, hn.begin() + (t + 1) * H);
+    }
+    const Tensor u = ops::linear_forward(Tensor::from_vector(joined, {T, 2 * H}), w.at(p + "eh_proj.weight"));
+    h = layers[L + k - 1]->reference_forward(u, b.positions, shape);
+    const Tensor n = ops::rmsnorm_forward(h, w.at(p + "shared_head.norm.weight"), c.rms_norm_eps).y;
+    const std::vector<double> logits = ops::linear_forward(n, w.at(p + "shared_head.head.weight")).to_double_vector();
+    for (int64_t t = 0; t < T; ++t) {
+      if (targets[t] == ops::kIgnoreIndex) continue;
+      double m = -INFINITY, z = 0;
+      for (int64_t v = 0; v < V; ++v) m = std::max(m, logits[t * V + v]);
+      for (int64_t v = 0; v < V; ++v) z += std::exp(logits[t * V + v] - m);
+      ce += m + std::log(z) - logits[t * V + targets[t]];
+    }
+  }
+  LocalDispatcher d;
+  const MicroBatchLoss got = model.forward_backward(b, d, 1.0 / static_cast<double>(b.num_targets), 1.0);
+  const double want = 0.45 / D * ce / static_cast<double>(b.num_targets);
+  EXPECT_NEAR(got.term("mtp_loss"), want, 1e-12 * want);
+  // The main loss is the main model's, as without the modules (and as scoring sees it).
+  const MicroBatchLoss scored = model.forward_loss(b, d);
+  EXPECT_NEAR(got.ce_sum, scored.ce_sum, 1e-12 * scored.ce_sum);
+  EXPECT_EQ(scored.term("mtp_loss"), 0.0) << "forward_loss (scoring, validation) runs no module";
 }
 
 // Aux-loss-free balancing moves the bias against the load; a raised bias puts its expert

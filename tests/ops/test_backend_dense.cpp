@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -86,6 +87,25 @@ TEST(BackendDense, EmbeddingForward) {
     Tensor got32 = ops::embedding_forward(ids.to(kGpu), on_gpu(w, DType::F32));
     EXPECT_EQ(got32.dtype(), DType::F32);
     EXPECT_EQ(backend_error(got32, ref), 0.0);
+  }
+}
+
+// Multi-token prediction's shifted ids, with and without packed documents: exact.
+TEST(BackendDense, ShiftTokens) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  for (int64_t k : {0, 1, 3, 40}) {
+    const int64_t B = 3, S = 37;
+    Tensor ids = random_ints({B * S}, 0, 1000, 5 + k);
+    Tensor seg = random_ints({B * S}, 0, 3, 6 + k);  // sorted per row below: documents
+    int32_t* s = seg.data<int32_t>();
+    for (int64_t b = 0; b < B; ++b) std::sort(s + b * S, s + (b + 1) * S);
+    for (const Tensor& segments : {Tensor(), seg}) {
+      Tensor ref = ops::shift_tokens(ids, segments, B, k, -100);
+      Tensor got = ops::shift_tokens(ids.to(kGpu), segments.defined() ? segments.to(kGpu) : Tensor(), B, k, -100);
+      EXPECT_EQ(got.to(Device::cpu()).to_vector<int32_t>(), ref.to_vector<int32_t>())
+          << "k = " << k << (segments.defined() ? " with segments" : "");
+    }
   }
 }
 

@@ -138,6 +138,24 @@ TEST(DenseEmbedding, Errors) {
 
 // ---- linear -------------------------------------------------------------------------
 
+// Multi-token prediction's shifted ids: k ahead within each row and, with segments, within
+// each document; the fill elsewhere.
+TEST(DenseEmbedding, ShiftTokensStaysInRowAndDocument) {
+  const Tensor ids = Tensor::from_vector(std::vector<int32_t>{10, 11, 12, 13, 14, 20, 21, 22, 23, 24}, {10});
+  EXPECT_EQ(ops::shift_tokens(ids, Tensor(), 2, 0, -1).to_vector<int32_t>(), ids.to_vector<int32_t>());
+  EXPECT_EQ(ops::shift_tokens(ids, Tensor(), 2, 2, -100).to_vector<int32_t>(),
+            (std::vector<int32_t>{12, 13, 14, -100, -100, 22, 23, 24, -100, -100}));
+  // Row 0 packs documents [10, 11, 12] and [13, 14]; row 1 is one document.
+  const Tensor seg = Tensor::from_vector(std::vector<int32_t>{0, 0, 0, 1, 1, 0, 0, 0, 0, 0}, {10});
+  EXPECT_EQ(ops::shift_tokens(ids, seg, 2, 1, 0).to_vector<int32_t>(),
+            (std::vector<int32_t>{11, 12, 0, 14, 0, 21, 22, 23, 24, 0}));
+  EXPECT_EQ(ops::shift_tokens(ids, seg, 2, 5, 7).to_vector<int32_t>(), std::vector<int32_t>(10, 7));
+  EXPECT_THROW(ops::shift_tokens(ids, Tensor(), 3, 1, 0), Error);  // 10 ids are not 3 rows
+  EXPECT_THROW(ops::shift_tokens(ids, Tensor(), 2, -1, 0), Error);
+  EXPECT_THROW(ops::shift_tokens(ids.to(DType::F32), Tensor(), 2, 1, 0), Error);
+  EXPECT_THROW(ops::shift_tokens(ids, seg.slice(0, 5), 2, 1, 0), Error);
+}
+
 TEST(DenseLinear, GradCheck) {
   for (uint64_t seed : kSeeds) {
     Rng rng(seed);

@@ -86,14 +86,21 @@ void MoeDecoderModel::build(const std::function<std::unique_ptr<DecoderLayer>(in
   MT_CHECK(placement_.ep_size >= 1 && placement_.ep_rank >= 0 && placement_.ep_rank < placement_.ep_size,
            "expert-parallel rank {} of {} is not a valid placement", placement_.ep_rank, placement_.ep_size);
   std::vector<int64_t>& ids = placement_.layers;
+  const int64_t all_layers = spec_.num_layers + spec_.mtp_layers;  // the modules' layers last
   if (ids.empty()) {
-    for (int64_t i = 0; i < spec_.num_layers; ++i) ids.push_back(i);
+    for (int64_t i = 0; i < all_layers; ++i) ids.push_back(i);
   }
   for (size_t i = 0; i < ids.size(); ++i) {
-    MT_CHECK(ids[i] >= 0 && ids[i] < spec_.num_layers && (i == 0 || ids[i] > ids[i - 1]),
-             "placement: layer ids must ascend within [0, num_hidden_layers = {}), got {} at position {}",
-             spec_.num_layers, ids[i], i);
+    MT_CHECK(ids[i] >= 0 && ids[i] < all_layers && (i == 0 || ids[i] > ids[i - 1]),
+             "placement: layer ids must ascend within [0, num_hidden_layers + MTP modules = {}), got {} at position {}",
+             all_layers, ids[i], i);
+    MT_CHECK(ids[i] < spec_.num_layers || placement_.head,
+             "placement: layer {} is a multi-token prediction module's, which lives with the head", ids[i]);
   }
+  MT_CHECK(spec_.mtp_layers == 0 || !placement_.head || (ids.size() >= static_cast<size_t>(spec_.mtp_layers) &&
+                                                          ids[ids.size() - spec_.mtp_layers] == spec_.num_layers),
+           "placement: the head's rank must hold every multi-token prediction module (layers {} .. {})",
+           spec_.num_layers, all_layers - 1);
   const bool embed = placement_.embed, head = placement_.head;
   MT_CHECK(!spec_.tie_word_embeddings || embed == head,
            "[model].tie_word_embeddings needs the embedding and the head on one rank, but this pipeline rank holds "
@@ -118,6 +125,13 @@ void MoeDecoderModel::build(const std::function<std::unique_ptr<DecoderLayer>(in
       buckets_.push_back(std::move(b));
     }
     layers_.back()->buckets().clear();
+    if (i >= spec_.num_layers) {  // a multi-token prediction module around this layer
+      mtp_.push_back(std::make_unique<MtpModule>(i, i - spec_.num_layers + 1, V, H, spec_.rms_norm_eps, dtype_,
+                                                 device_, placement_.bucket_pad));
+      mtp_.back()->collect_parameters(params_, std);
+      buckets_.push_back(std::move(mtp_.back()->bucket()));
+      mtp_.back()->bucket() = ParamBucket();
+    }
   }
   if (head) params_.push_back({"model.norm.weight", final_norm_w_, g_final_norm_w_, false, 0.0});
   if (head && spec_.tie_word_embeddings) {
@@ -135,6 +149,14 @@ size_t MoeDecoderModel::local_layer(int64_t id) const {
   MT_CHECK(it != ids.end() && *it == id, "decoder layer {} is not held by this rank (it holds {} layers)", id,
            ids.size());
   return static_cast<size_t>(it - ids.begin());
+}
+
+MtpModule* MoeDecoderModel::mtp_of(int64_t id) const {
+  if (id < spec_.num_layers) return nullptr;
+  for (const auto& m : mtp_) {
+    if (m->layer_id() == id) return m.get();
+  }
+  MT_THROW("multi-token prediction layer {} has no module on this rank", id);
 }
 
 ChunkSpec MoeDecoderModel::whole() const {
@@ -166,9 +188,13 @@ struct MoeDecoderModel::ForwardCursor {
   ChunkActivations& a;
   RouterTotals& totals;
   ChunkPass pass;
+  MicroBatchLoss* loss;  // a head chunk's
+  int64_t n;       // layers to run (a head chunk's modules only when training)
   Tensor x;        // the hidden state between layers
   int64_t j = 0;   // the layer (within the chunk) being run
   int piece = 0;   // 0: attn + dispatch start, 1: dispatch finish + mlp + combine, 2: aggregate
+  bool head_done = false;  // the main head ran (before the first module, which reads its input)
+  Tensor mtp_ce;           // the modules' token cross-entropy sum
 };
 
 struct MoeDecoderModel::BackwardCursor {
@@ -184,8 +210,8 @@ struct MoeDecoderModel::BackwardCursor {
   Tensor d_rows, d_mlp_in, d_topk_weight;
 };
 
-bool MoeDecoderModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) const {
-  const int64_t n = f.c.last_layer - f.c.first_layer;
+bool MoeDecoderModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) {
+  const int64_t n = f.n;
   if (f.j == n) return false;
   const int64_t id = f.c.first_layer + f.j;
   const DecoderLayer& layer = *layers_[local_layer(id)];
@@ -193,6 +219,11 @@ bool MoeDecoderModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) const
   switch (f.piece) {
     case 0:
       if (hooks_) hooks_->before_forward(id);
+      if (MtpModule* m = mtp_of(id)) {  // the module's input from the hidden state before it
+        if (!f.head_done) main_head(f);
+        s.mtp = std::make_shared<MtpState>();
+        f.x = m->input_forward(f.batch, f.x, *s.mtp);
+      }
       layer.attn_forward(f.x, f.batch.positions, f.b, s);  // 1: attn
       if (layer.is_moe()) {  // 2: dispatch, the part that needs no host wait
         d.dispatch_start(s.mlp_in, s.route.topk_idx, s.route.topk_weight, spec_.num_experts, s.dispatch);
@@ -236,6 +267,7 @@ bool MoeDecoderModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) const
         f.a.expert_counts.push_back(s.expert_in.counts);  // read after the pass (no host wait here)
         if (router_entropy_) f.a.router_entropy.push_back(ops::router_entropy_sum(s.route.probs));
       }
+      if (MtpModule* m = mtp_of(id)) mtp_loss(f, *m, *s.mtp);
       if (hooks_) hooks_->after_forward(id, f.pass.training && f.c.head && f.j + 1 == n);
       ++f.j;
       break;
@@ -252,6 +284,12 @@ bool MoeDecoderModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
   switch (g.piece) {
     case 0: {
       if (hooks_) hooks_->before_backward(id);
+      if (mtp_of(id)) {  // a module's output gradient: its own loss's, and the next module's
+        Tensor& own = s.mtp->d_out;
+        if (g.dx.defined()) ops::add_(g.dx, own);
+        else g.dx = own;
+        own = Tensor();
+      }
       if (layer.is_moe()) {  // 5 + 4: d weights, and d rows on their way back to the experts
         ExpertDispatcher::CombineGrads cg = d.combine_backward_weighted(g.dx, s.dispatch);
         g.d_rows = std::move(cg.d_rows);
@@ -293,9 +331,18 @@ bool MoeDecoderModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
       g.dx = layer.attn_backward_input(g.dx, std::move(g.d_mlp_in), g.d_topk_weight, d_probs, d_logits_z,
                                        g.batch.positions, g.b, s);  // 1
       g.d_mlp_in = g.d_topk_weight = Tensor();
+      MtpModule* m = mtp_of(id);
+      if (m) {  // through the module's input: d h_{k-1}, plus the main head's at the first
+        g.dx = m->backward_input(g.dx, *s.mtp);
+        if (id == spec_.num_layers) {
+          ops::add_(g.dx, g.a.d_out);
+          g.a.d_out = Tensor();
+        }
+      }
       if (g.weights_now) {
         const bool writes = layer.writes_expert_grads(g.accumulate, defer_expert_weights_);
         layer.backward_weight(s, g.accumulate, expert_squares(id, !writes), defer_expert_weights_);
+        if (m) m->backward_weight(*s.mtp, g.accumulate);
         g.a.layers[g.j].reset();
         if (hooks_) hooks_->after_backward(id);
       }
@@ -309,10 +356,12 @@ bool MoeDecoderModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
 
 MoeDecoderModel::ForwardCursor MoeDecoderModel::begin_forward(const ChunkSpec& c, const Batch& batch, const Tensor& x,
                                                           ChunkActivations& a, RouterTotals& totals,
-                                                          const ChunkPass& pass) {
+                                                          const ChunkPass& pass, MicroBatchLoss* loss) {
+  const int64_t end = run_end(c, pass.training);
   a.layers.clear();
-  for (int64_t id = c.first_layer; id < c.last_layer; ++id) a.layers.push_back(layers_[local_layer(id)]->new_state());
-  ForwardCursor f{c, batch, BatchShape{batch.batch, batch.seq, batch.segment_ids}, a, totals, pass, x};
+  for (int64_t id = c.first_layer; id < end; ++id) a.layers.push_back(layers_[local_layer(id)]->new_state());
+  ForwardCursor f{c, batch, BatchShape{batch.batch, batch.seq, batch.segment_ids}, a, totals, pass, loss,
+                  end - c.first_layer, x};
   if (c.embed) {
     MT_CHECK(placement_.embed, "an embed chunk on a rank without the embedding");
     if (hooks_) hooks_->before_forward(-1);
@@ -321,26 +370,25 @@ MoeDecoderModel::ForwardCursor MoeDecoderModel::begin_forward(const ChunkSpec& c
   return f;
 }
 
-Tensor MoeDecoderModel::end_forward(ForwardCursor& f, const ChunkPass& pass, MicroBatchLoss* loss) {
-  if (!f.c.head) return f.x;
-  MT_CHECK(placement_.head && loss != nullptr, "a head chunk needs the head and somewhere to put the loss");
+// The main model's loss: the final norm, the head and the cross-entropy.
+void MoeDecoderModel::main_head(ForwardCursor& f) {
+  MT_CHECK(placement_.head && f.loss != nullptr, "a head chunk needs the head and somewhere to put the loss");
+  f.head_done = true;
   ChunkActivations& a = f.a;
   const Batch& batch = f.batch;
-  MicroBatchLoss& out = *loss;
+  const ChunkPass& pass = f.pass;
+  MicroBatchLoss& out = *f.loss;
   a.final_in = f.x;
   {
     StageScope t(Stage::kNorms);
     a.final_norm = ops::rmsnorm_forward(f.x, final_norm_w_, spec_.rms_norm_eps);
   }
-  out.targets = batch.num_targets;
-  router_losses(f.totals, out);
-  a.totals = f.totals;
   const Tensor& h = a.final_norm.y;
   if (!pass.training) {
     StageScope t(Stage::kLoss);
     out.on_device.ce_sum = ops::linear_cross_entropy(h, lm_head_, batch.targets, 1.0, nullptr, nullptr).loss_sum;
     if (hooks_) hooks_->after_forward(-1, false);
-    return Tensor();
+    return;
   }
   // Head: logits = norm(x) W^T and cross-entropy, forward and backward in one chunked pass,
   // so the head's gradients are made here and the chunk's backward starts from a.d_out.
@@ -357,16 +405,46 @@ Tensor MoeDecoderModel::end_forward(ForwardCursor& f, const ChunkPass& pass, Mic
     ops::rmsnorm_backward_weight(d_norm, a.final_in, a.final_norm.rstd, g_final_norm_w_, pass.head_accumulate);
     a.d_out = ops::rmsnorm_backward_input(d_norm, a.final_in, final_norm_w_, a.final_norm.rstd);
   }
+}
+
+// Module k's loss, weighted mtp_loss_weight / D and divided as the main cross-entropy; its
+// head's gradients are made with it (the layer's gradient buffers are needed from here on).
+void MoeDecoderModel::mtp_loss(ForwardCursor& f, MtpModule& m, MtpState& s) {
+  const double scale = f.pass.ce_scale * spec_.mtp_loss_weight / static_cast<double>(spec_.mtp_layers);
+  if (f.pass.training && hooks_) hooks_->before_backward(m.layer_id());
+  Tensor ce = m.loss_forward(f.x, f.batch, f.pass.training, scale, f.pass.head_accumulate, s);
+  if (f.mtp_ce.defined()) ops::add_(f.mtp_ce, ce);
+  else f.mtp_ce = ce;
+}
+
+Tensor MoeDecoderModel::end_forward(ForwardCursor& f) {
+  if (!f.c.head) return f.x;
+  if (!f.head_done) main_head(f);
+  MicroBatchLoss& out = *f.loss;
+  out.targets = f.batch.num_targets;
+  // The router totals are final only now, the modules' layers counted.
+  router_losses(f.totals, out);
+  f.a.totals = f.totals;
+  if (f.mtp_ce.defined()) {  // a term of the step's mean, as the trainer averages terms over micro-batches
+    const double w = spec_.mtp_loss_weight / static_cast<double>(spec_.mtp_layers) * f.pass.ce_scale /
+                     f.pass.aux_scale;
+    out.on_device.terms.push_back({"mtp_loss", /*global=*/false, {f.mtp_ce},
+                                   [w](const std::vector<Tensor>& host) { return w * host[0].item(); }});
+  }
   return Tensor();
 }
 
 MoeDecoderModel::BackwardCursor MoeDecoderModel::begin_backward(const ChunkSpec& c, const Batch& batch, const Tensor& dy,
                                                             ChunkActivations& a, double aux_scale, bool weights_now,
                                                             bool accumulate) {
+  const int64_t n = static_cast<int64_t>(a.layers.size());
+  // A head chunk whose modules ran starts from the last module's loss (backward_piece adds
+  // each module's own, and the main head's a.d_out below the first).
+  const bool modules = c.head && n > 0 && c.first_layer + n > spec_.num_layers;
   BackwardCursor g{c, batch, BatchShape{batch.batch, batch.seq, batch.segment_ids}, a, aux_scale, weights_now,
-                   accumulate, c.head ? a.d_out : dy, c.last_layer - c.first_layer - 1};
-  MT_CHECK(g.dx.defined(), "backward of layers [{}, {}): no output gradient", c.first_layer, c.last_layer);
-  a.d_out = Tensor();
+                   accumulate, c.head ? (modules ? Tensor() : a.d_out) : dy, n - 1};
+  MT_CHECK(g.dx.defined() || modules, "backward of layers [{}, {}): no output gradient", c.first_layer, c.last_layer);
+  if (!modules) a.d_out = Tensor();
   return g;
 }
 
@@ -383,10 +461,10 @@ Tensor MoeDecoderModel::end_backward(BackwardCursor& g) {
 Tensor MoeDecoderModel::forward_chunk(const ChunkSpec& c, const Batch& batch, const Tensor& x, ExpertDispatcher& d,
                                     ChunkActivations& a, RouterTotals& totals, const ChunkPass& pass,
                                     MicroBatchLoss* loss) {
-  ForwardCursor f = begin_forward(c, batch, x, a, totals, pass);
+  ForwardCursor f = begin_forward(c, batch, x, a, totals, pass, loss);
   while (forward_piece(f, d)) {
   }
-  return end_forward(f, pass, loss);
+  return end_forward(f);
 }
 
 Tensor MoeDecoderModel::backward_chunk(const ChunkSpec& c, const Batch& batch, const Tensor& dy, ExpertDispatcher& d,
@@ -401,7 +479,7 @@ std::pair<Tensor, Tensor> MoeDecoderModel::forward_backward_overlapped(
     const ChunkSpec& fc, const Batch& fbatch, const Tensor& x, ChunkActivations& fa, RouterTotals& totals,
     const ChunkPass& pass, MicroBatchLoss* loss, const ChunkSpec& bc, const Batch& bbatch, const Tensor& dy,
     ChunkActivations& ba, ExpertDispatcher& d) {
-  ForwardCursor f = begin_forward(fc, fbatch, x, fa, totals, pass);
+  ForwardCursor f = begin_forward(fc, fbatch, x, fa, totals, pass, loss);
   BackwardCursor g = begin_backward(bc, bbatch, dy, ba, pass.aux_scale, /*weights_now=*/false, false);
   // Alternate steps of the two passes, each step's compute running while the exchange that
   // the other pass's last step started is in flight. A step ends where it starts an
@@ -414,13 +492,13 @@ std::pair<Tensor, Tensor> MoeDecoderModel::forward_backward_overlapped(
   // forward's MLP step) with the backward's MLP queued ahead of it.
   const bool more_b = backward_piece(g, d);  // the first combine backward starts
   in_turn(true, more_b, [&] { return forward_step(f, d); }, [&] { return backward_step(g, d); });
-  Tensor out = end_forward(f, pass, loss);
+  Tensor out = end_forward(f);
   return {out, end_backward(g)};
 }
 
 // A forward step ends at the dispatch (after attention) or the combine (after the MLP); the
 // residual sum, which starts none, runs on into the next layer's attention.
-bool MoeDecoderModel::forward_step(ForwardCursor& f, ExpertDispatcher& d) const {
+bool MoeDecoderModel::forward_step(ForwardCursor& f, ExpertDispatcher& d) {
   bool more;
   do more = forward_piece(f, d);
   while (more && f.piece == 0);
@@ -444,11 +522,11 @@ std::pair<Tensor, Tensor> MoeDecoderModel::forwards_overlapped(const ChunkSpec& 
                                                                const Batch& b2, const Tensor& x2, ChunkActivations& a2,
                                                                RouterTotals& t2, MicroBatchLoss* loss2,
                                                                const ChunkPass& pass, ExpertDispatcher& d) {
-  ForwardCursor f1 = begin_forward(c1, b1, x1, a1, t1, pass);
-  ForwardCursor f2 = begin_forward(c2, b2, x2, a2, t2, pass);
+  ForwardCursor f1 = begin_forward(c1, b1, x1, a1, t1, pass, loss1);
+  ForwardCursor f2 = begin_forward(c2, b2, x2, a2, t2, pass, loss2);
   in_turn(true, true, [&] { return forward_step(f1, d); }, [&] { return forward_step(f2, d); });
-  Tensor out1 = end_forward(f1, pass, loss1);
-  return {out1, end_forward(f2, pass, loss2)};
+  Tensor out1 = end_forward(f1);
+  return {out1, end_forward(f2)};
 }
 
 // Two input gradients in turn, as two forwards: both first combine backwards start, then
@@ -468,9 +546,10 @@ std::pair<Tensor, Tensor> MoeDecoderModel::backwards_overlapped(const ChunkSpec&
 
 void MoeDecoderModel::backward_chunk_weight(const ChunkSpec& c, const Batch& batch, ChunkActivations& a,
                                           bool accumulate) {
-  for (int64_t j = c.last_layer - c.first_layer; j-- > 0;) {
+  for (int64_t j = run_end(c, /*training=*/true) - c.first_layer; j-- > 0;) {
     const int64_t id = c.first_layer + j;
     layers_[local_layer(id)]->backward_weight(*a.layers[j], accumulate, expert_squares(id, accumulate), false);
+    if (MtpModule* m = mtp_of(id)) m->backward_weight(*a.layers[j]->mtp, accumulate);
     a.layers[j].reset();
   }
   if (c.embed) {
@@ -510,7 +589,9 @@ Tensor MoeDecoderModel::forward_logits(const Tensor& ids, const Tensor& position
 
 Tensor MoeDecoderModel::reference_forward(const Tensor& ids, const Tensor& positions, const BatchShape& b) const {
   Tensor x = ops::embedding_forward(ids, embed_);
-  for (const auto& layer : layers_) x = layer->reference_forward(x, positions, b);
+  for (const auto& layer : layers_) {
+    if (layer->layer_id() < spec_.num_layers) x = layer->reference_forward(x, positions, b);  // not the modules'
+  }
   Tensor n = ops::rmsnorm_forward(x, final_norm_w_, spec_.rms_norm_eps).y;
   return ops::linear_forward(n, lm_head_);
 }
@@ -587,6 +668,7 @@ LossTerms MoeDecoderModel::loss_terms() const {
   LossTerms t{{"aux_loss", 0.0, true}};
   if (spec_.router_z_loss_coef > 0) t.push_back({"z_loss", 0.0, false});
   if (spec_.seq_aux_loss_coef > 0) t.push_back({"seq_aux_loss", 0.0, false});
+  if (spec_.mtp_layers > 0) t.push_back({"mtp_loss", 0.0, false});
   return t;
 }
 

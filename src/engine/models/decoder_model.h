@@ -7,6 +7,7 @@
 // loss over all MoE layers (+ the optional z-loss), which a family may replace.
 #pragma once
 
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <memory>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "engine/models/model.h"
+#include "engine/models/mtp.h"
 
 namespace moetrain {
 
@@ -33,6 +35,10 @@ struct DecoderSpec {
   // Aux-loss-free balancing (DeepSeek-V3): after each step every routing bias moves by this
   // times sign(mean load - expert's load). 0: off.
   double router_bias_update_speed = 0;
+  // Multi-token prediction (models/mtp.h): modules after the last layer, each around a
+  // decoder layer of id num_layers + depth - 1 held with the head; the weight of their loss.
+  int64_t mtp_layers = 0;
+  double mtp_loss_weight = 0;
 };
 
 // A layer's SwiGLU experts' weight gradients (the routed experts, or a dense MLP held as one
@@ -162,6 +168,13 @@ class MoeDecoderModel : public Model {
  private:
   // The local index of global layer `id` (an Error when this rank does not hold it).
   size_t local_layer(int64_t id) const;
+  // The multi-token prediction module around layer `id`; nullptr for a main-model layer.
+  MtpModule* mtp_of(int64_t id) const;
+  // Where a pass through chunk `c` stops: a head chunk's modules run only when training
+  // (what scores and validates is the main model's loss).
+  int64_t run_end(const ChunkSpec& c, bool training) const {
+    return c.head && training ? c.last_layer : std::min(c.last_layer, spec_.num_layers);
+  }
   // What layer `id`'s weight gradients should do with their sum of squares (the hooks').
   ops::SumSquaresInto expert_squares(int64_t id, bool accumulate) const {
     return hooks_ && !accumulate ? hooks_->expert_grad_squares(id) : ops::SumSquaresInto{};
@@ -174,16 +187,20 @@ class MoeDecoderModel : public Model {
   struct ForwardCursor;
   struct BackwardCursor;
   ForwardCursor begin_forward(const ChunkSpec& c, const Batch& batch, const Tensor& x, ChunkActivations& a,
-                              RouterTotals& totals, const ChunkPass& pass);
-  bool forward_piece(ForwardCursor& f, ExpertDispatcher& d) const;  // false when no layer is left
-  Tensor end_forward(ForwardCursor& f, const ChunkPass& pass, MicroBatchLoss* loss);
+                              RouterTotals& totals, const ChunkPass& pass, MicroBatchLoss* loss);
+  bool forward_piece(ForwardCursor& f, ExpertDispatcher& d);  // false when no layer is left
+  // The final norm, the head and the cross-entropy (and with training their gradients).
+  void main_head(ForwardCursor& f);
+  // A module's loss after its layer (its part of the step's mtp_loss term).
+  void mtp_loss(ForwardCursor& f, MtpModule& m, MtpState& s);
+  Tensor end_forward(ForwardCursor& f);
   BackwardCursor begin_backward(const ChunkSpec& c, const Batch& batch, const Tensor& dy, ChunkActivations& a,
                                 double aux_scale, bool weights_now, bool accumulate);
   bool backward_piece(BackwardCursor& g, ExpertDispatcher& d);
   Tensor end_backward(BackwardCursor& g);
   // A paired pass's step: pieces up to the next one that starts an exchange (false when the
   // pass has no layer left); see forward_backward_overlapped.
-  bool forward_step(ForwardCursor& f, ExpertDispatcher& d) const;
+  bool forward_step(ForwardCursor& f, ExpertDispatcher& d);
   bool backward_step(BackwardCursor& g, ExpertDispatcher& d);
 
   DecoderSpec spec_;
@@ -200,6 +217,7 @@ class MoeDecoderModel : public Model {
   Tensor embed_, final_norm_w_, lm_head_;  // lm_head_ aliases embed_ when tied
   Tensor g_embed_, g_final_norm_w_, g_lm_head_;
   std::vector<std::unique_ptr<DecoderLayer>> layers_;  // the layers held, ascending id
+  std::vector<std::unique_ptr<MtpModule>> mtp_;         // the modules held (with the head), ascending depth
   ParameterList params_;
   RowCounts dense_counts_;
 };

@@ -334,6 +334,8 @@ DecoderSpec decoder_spec(const DeepseekV3Config& c) {
   s.tie_word_embeddings = c.tie_word_embeddings;
   s.router_bias_update_speed = c.router_bias_update_speed;
   s.seq_aux_loss_coef = c.seq_aux_loss_coef;
+  s.mtp_layers = c.num_nextn_predict_layers;
+  s.mtp_loss_weight = c.mtp_loss_weight;
   return s;
 }
 
@@ -342,18 +344,6 @@ DecoderSpec decoder_spec(const DeepseekV3Config& c) {
 DeepseekV3Model::DeepseekV3Model(DeepseekV3Config cfg, DType dtype, Device device, ModelPlacement placement)
     : MoeDecoderModel(decoder_spec(cfg), dtype, device, std::move(placement)), cfg_(std::move(cfg)) {
   cfg_.validate("model");
-  // transformers' DeepseekV3Config says 1 by default and its model builds no MTP module
-  // either: the model is the main layers, as Hugging Face's; a checkpoint's MTP layers
-  // (model.layers.<num_hidden_layers>.*) are left unread.
-  if (cfg_.num_nextn_predict_layers > 0) {
-    static bool said = false;
-    if (!said) {
-      spdlog::warn("model: num_nextn_predict_layers = {}: multi-token prediction is not built yet (issue 29); the "
-                   "model trains without it, as Hugging Face's DeepseekV3ForCausalLM runs without it",
-                   cfg_.num_nextn_predict_layers);
-      said = true;
-    }
-  }
   build([&](int64_t id) {
     return std::make_unique<DeepseekV3DecoderLayer>(cfg_, id, this->dtype(), this->device(), this->placement());
   });
@@ -364,8 +354,11 @@ int64_t DeepseekV3Model::active_matmul_params() const {
   const int64_t r = cfg_.kv_lora_rank, rope = cfg_.qk_rope_head_dim;
   int64_t attn = cfg_.q_lora_rank > 0 ? H * cfg_.q_lora_rank + cfg_.q_lora_rank * heads * qk : H * heads * qk;
   attn += H * (r + rope) + r * heads * (cfg_.qk_nope_head_dim + cfg_.v_head_dim) + heads * cfg_.v_head_dim * H;
-  int64_t n = cfg_.vocab_size * H;  // lm_head (the embedding lookup is no matmul)
-  for (int64_t i = 0; i < cfg_.num_hidden_layers; ++i) {
+  // lm_head (the embedding lookup is no matmul); each multi-token prediction module its
+  // eh_proj and head besides its layer.
+  const int64_t D = cfg_.num_nextn_predict_layers;
+  int64_t n = cfg_.vocab_size * H + D * (2 * H * H + cfg_.vocab_size * H);
+  for (int64_t i = 0; i < cfg_.num_hidden_layers + D; ++i) {
     n += attn;
     if (cfg_.is_moe_layer(i)) {
       n += H * cfg_.n_routed_experts +
@@ -381,7 +374,7 @@ int64_t DeepseekV3Model::active_matmul_params() const {
 // three times that with the backward (no causal discount, as for Qwen3).
 double DeepseekV3Model::flops_per_token(int64_t seq) const {
   return 6.0 * static_cast<double>(active_matmul_params()) +
-         6.0 * static_cast<double>(cfg_.num_hidden_layers * cfg_.num_attention_heads *
+         6.0 * static_cast<double>((cfg_.num_hidden_layers + cfg_.num_nextn_predict_layers) * cfg_.num_attention_heads *
                                    (cfg_.qk_head_dim() + cfg_.v_head_dim) * seq);
 }
 

@@ -4,9 +4,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
 
 #include "core/error.h"
+#include "engine/checkpoint/checkpoint_format.h"
 #include "engine/models/hf_config.h"
 
 namespace moetrain {
@@ -94,6 +97,10 @@ void DeepseekV3Config::validate(const std::string& origin) const {
   MT_CHECK(first_k_dense_replace <= num_hidden_layers,
            "{}: [model].first_k_dense_replace ({}) must be <= [model].num_hidden_layers ({})", origin,
            first_k_dense_replace, num_hidden_layers);
+  MT_CHECK(num_nextn_predict_layers == 0 || mtp_loss_weight > 0,
+           "{}: [model].mtp_loss_weight must be > 0 with num_nextn_predict_layers = {} (set num_nextn_predict_layers "
+           "= 0 to train without multi-token prediction)",
+           origin, num_nextn_predict_layers);
   if (rope_type == "yarn") {
     MT_CHECK(rope_factor >= 1, "{}: [model].rope_factor must be >= 1 under YaRN, got {}", origin, rope_factor);
     MT_CHECK(rope_beta_fast > rope_beta_slow, "{}: [model].rope_beta_fast ({}) must exceed [model].rope_beta_slow ({})",
@@ -147,7 +154,8 @@ double DeepseekV3Config::rope_attention_factor() const {
 }
 
 ModelShape DeepseekV3Config::shape() const {
-  return {vocab_size, hidden_size, num_hidden_layers, n_routed_experts, num_experts_per_tok, max_position_embeddings};
+  return {vocab_size,          hidden_size,          num_hidden_layers,       n_routed_experts,
+          num_experts_per_tok, max_position_embeddings, num_nextn_predict_layers};
 }
 
 namespace {
@@ -284,6 +292,16 @@ void DeepseekV3Config::load_hf_json(const std::string& path) {
   r.read({"tie_word_embeddings"}, c.tie_word_embeddings);
   r.read({"rope_interleave"}, c.rope_interleave);
   r.read({"num_nextn_predict_layers"}, c.num_nextn_predict_layers);
+  // transformers writes num_nextn_predict_layers = 1 and saves no module: weights beside the
+  // config without the first module's are a model without multi-token prediction.
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  if (c.num_nextn_predict_layers > 0 && is_hf_model_dir(dir) &&
+      !CheckpointReader(dir).has(fmt::format("model.layers.{}.eh_proj.weight", c.num_hidden_layers))) {
+    spdlog::warn("{}: num_nextn_predict_layers = {}, but the folder's weights have no multi-token prediction module "
+                 "(model.layers.{}.*; transformers saves none): the model is built without one",
+                 path, c.num_nextn_predict_layers, c.num_hidden_layers);
+    c.num_nextn_predict_layers = 0;
+  }
   // RoPE: transformers 5's rope_parameters, or the older rope_scaling with rope_theta at the
   // top level; YaRN's original length defaults to max_position_embeddings (transformers).
   c.rope_original_max_position_embeddings = 0;

@@ -25,6 +25,8 @@
 
 namespace moetrain {
 
+struct MtpState;  // models/mtp.h
+
 // Shapes of the current micro-batch that every stage needs.
 struct BatchShape {
   int64_t batch = 0, seq = 0;
@@ -161,6 +163,7 @@ struct LayerState {
   DispatchState dispatch;   // stages 2-4 (MoE layers: the routing weights and the placed outputs too)
   DispatchOut expert_in;    // rows grouped by expert (dense layer: mlp_in, one group)
   Tensor mlp_out;           // dense layers: the MLP's output [T, H]
+  std::shared_ptr<MtpState> mtp;  // a multi-token prediction module's layer: the module's part
 };
 
 // One decoder layer of a family: its weights and the math of stages 1, 3 and 5, forward and

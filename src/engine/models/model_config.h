@@ -22,6 +22,7 @@ struct ModelShape {
   int64_t num_experts = 0;        // routed experts per MoE layer (0: no MoE layer)
   int64_t experts_per_token = 0;
   int64_t max_positions = 0;
+  int64_t mtp_layers = 0;         // multi-token prediction modules after the last layer (with the head)
 };
 
 class ModelConfig {

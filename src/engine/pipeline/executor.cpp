@@ -15,14 +15,15 @@
 
 namespace moetrain {
 
-std::vector<ChunkSpec> partition_layers(int64_t num_layers, int num_chunks) {
+std::vector<ChunkSpec> partition_layers(int64_t num_layers, int num_chunks, int64_t mtp_layers) {
   MT_CHECK(num_chunks >= 1 && num_layers >= num_chunks,
            "pipeline: {} decoder layers cannot fill {} chunks (each needs at least one layer); lower [parallel].pp, "
            "or use schedule = \"1f1b\" (pp chunks rather than DualPipeV's 2 * pp)",
            num_layers, num_chunks);
   const int C = num_chunks;
   std::vector<int64_t> n(static_cast<size_t>(C), 1);
-  auto cost = [&](int i) { return n[i] + (i == C - 1 ? 1 : 0); };  // the head weighs one layer
+  // The head weighs one layer, and each multi-token prediction module (a layer and a head) two.
+  auto cost = [&](int i) { return n[i] + (i == C - 1 ? 1 + 2 * mtp_layers : 0); };
   const double middle = (C - 1) / 2.0;
   for (int64_t left = num_layers - C; left > 0; --left) {
     int pick = 0;
@@ -41,7 +42,7 @@ std::vector<ChunkSpec> partition_layers(int64_t num_layers, int num_chunks) {
   std::vector<ChunkSpec> chunks;
   int64_t first = 0;
   for (int i = 0; i < C; ++i) {
-    chunks.push_back({first, first + n[i], i == 0, i == C - 1});
+    chunks.push_back({first, first + n[i] + (i == C - 1 ? mtp_layers : 0), i == 0, i == C - 1});
     first += n[i];
   }
   return chunks;

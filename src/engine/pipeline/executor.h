@@ -34,8 +34,10 @@ namespace moetrain {
 // least one layer (an Error names the numbers when there are fewer layers than chunks); the
 // head counts as one more layer of the last chunk (its GEMM is about one MoE layer's work
 // for Qwen3-30B-A3B), the embedding lookup as nothing; the layers left over go to the middle
-// chunks first. So the edge chunks get fewer decoder layers.
-std::vector<ChunkSpec> partition_layers(int64_t num_layers, int num_chunks);
+// chunks first. So the edge chunks get fewer decoder layers. The `mtp_layers` multi-token
+// prediction modules (models/mtp.h: layers num_layers ..) end the last chunk, two layers'
+// weight each (their layer and their head).
+std::vector<ChunkSpec> partition_layers(int64_t num_layers, int num_chunks, int64_t mtp_layers = 0);
 
 // What pipeline rank `rank` of `schedule` holds: its chunks' layers, and the embedding /
 // head when it holds the first / last chunk. Expert placement and padding are left as given.

@@ -28,6 +28,19 @@ const int32_t* checked_ids(const Tensor& ids, int64_t vocab, const char* op) {
 
 }  // namespace
 
+Tensor shift_tokens(const Tensor& ids, const Tensor& segment_ids, int64_t batch, int64_t k, int32_t fill) {
+  const int64_t S = ids.numel() / batch;  // shapes checked in ops/dispatch.cpp
+  const int32_t* in = ids.data<int32_t>();
+  const int32_t* seg = segment_ids.defined() ? segment_ids.data<int32_t>() : nullptr;
+  Tensor out = Tensor::empty(ids.shape(), DType::I32);
+  int32_t* o = out.data<int32_t>();
+  for (int64_t t = 0; t < ids.numel(); ++t) {
+    const bool inside = t % S + k < S && (seg == nullptr || seg[t + k] == seg[t]);
+    o[t] = inside ? in[t + k] : fill;
+  }
+  return out;
+}
+
 Tensor embedding_forward(const Tensor& ids, const Tensor& weight) {
   MT_CHECK(weight.defined() && weight.ndim() == 2, "embedding_forward: weight must be [V, H], got {}",
            weight.str());

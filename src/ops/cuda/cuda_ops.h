@@ -8,6 +8,7 @@ namespace moetrain::ops::cuda {
 
 Tensor embedding_forward(const Tensor& ids, const Tensor& weight);
 void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight);
+Tensor shift_tokens(const Tensor& ids, const Tensor& segment_ids, int64_t batch, int64_t k, int32_t fill);
 Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& residual);
 Tensor linear_forward_f32_out(const Tensor& x, const Tensor& w);
 Tensor linear_backward_input(const Tensor& dy, const Tensor& w);

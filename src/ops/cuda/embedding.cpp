@@ -23,6 +23,16 @@ void check_ids(const Tensor& ids, const char* op) {
 
 }  // namespace
 
+Tensor shift_tokens(const Tensor& ids, const Tensor& segment_ids, int64_t batch, int64_t k, int32_t fill) {
+  check_cuda_tensors("shift_tokens", {&ids});
+  if (segment_ids.defined()) check_cuda_tensors("shift_tokens", {&segment_ids});
+  Tensor out = Tensor::empty(ids.shape(), DType::I32, ids.device());
+  launch_shift_tokens(ids.data<int32_t>(), segment_ids.defined() ? segment_ids.data<int32_t>() : nullptr,
+                      out.data<int32_t>(), ids.numel(), ids.numel() / batch, k, fill, stream());
+  check_launch("shift_tokens");
+  return out;
+}
+
 Tensor embedding_forward(const Tensor& ids, const Tensor& weight) {
   check_cuda_tensors("embedding_forward", {&ids, &weight});
   MT_CHECK(weight.defined() && weight.ndim() == 2, "embedding_forward: weight must be [V, H], got {}",

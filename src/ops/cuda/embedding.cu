@@ -199,6 +199,22 @@ void launch_embedding_forward(const int32_t* ids, const void* w, void* y, int64_
   }
 }
 
+namespace {
+__global__ void shift_tokens_kernel(const int32_t* __restrict__ ids, const int32_t* __restrict__ seg,
+                                    int32_t* __restrict__ out, int64_t n, int64_t seq, int64_t k, int32_t fill) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= n) return;
+  const bool inside = t % seq + k < seq && (seg == nullptr || seg[t + k] == seg[t]);
+  out[t] = inside ? ids[t + k] : fill;
+}
+}  // namespace
+
+void launch_shift_tokens(const int32_t* ids, const int32_t* seg, int32_t* out, int64_t n, int64_t seq, int64_t k,
+                         int32_t fill, cudaStream_t s) {
+  if (n == 0) return;
+  shift_tokens_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, s>>>(ids, seg, out, n, seq, k, fill);
+}
+
 size_t embedding_backward_workspace_bytes(int64_t T, int64_t V) {
   if (T == 0) return 0;
   return 4 * align_up(static_cast<size_t>(T) * 4) + cub_temp_bytes(T, V);

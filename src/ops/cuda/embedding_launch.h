@@ -14,6 +14,11 @@ namespace moetrain::ops::cuda {
 void launch_embedding_forward(const int32_t* ids, const void* w, void* y, int64_t T, int64_t V, int64_t H,
                               int elem_bytes, cudaStream_t s);
 
+// out[t] = ids[t + k] where t + k stays in t's row of `seq` (and in its segment, when
+// seg is not null), `fill` elsewhere; n = batch * seq.
+void launch_shift_tokens(const int32_t* ids, const int32_t* seg, int32_t* out, int64_t n, int64_t seq, int64_t k,
+                         int32_t fill, cudaStream_t s);
+
 // Bytes of device scratch launch_embedding_backward needs for T tokens and V rows.
 size_t embedding_backward_workspace_bytes(int64_t T, int64_t V);
 // dw[ids[t]] += dy[t] (dw f32 [V, H]; dy bf16 or f32 [T, H]), deterministic: the tokens
