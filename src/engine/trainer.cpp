@@ -452,6 +452,7 @@ class RunLog {
     m.step = step;
     m.loss = r.loss;
     m.aux_loss = r.aux_loss;
+    for (const LossTerm& t : r.terms) m.loss_terms.emplace_back(t.name, t.value);
     m.lr = lr;
     m.grad_norm = r.grad_norm;
     m.step_time_s = seconds;

@@ -252,7 +252,8 @@ TEST_F(ParallelCli, TooFewMicroBatchesForDualPipeVIsNamed) {
 // picks other kernels for other row counts, so the bound is 2e-2 (the CPU layouts above are
 // held to 1e-5).
 // DeepSeek-V3 (configs/dsv3-tiny.toml: MLA, YaRN, a dense first layer, 16 experts in 4
-// groups with a shared expert, aux-loss-free balancing and the sequence-wise balance loss) under the layouts that split what
+// groups with a shared expert, aux-loss-free balancing, the sequence-wise balance loss and a
+// multi-token prediction module: on the head's stage, its own exchange) under the layouts that split what
 // the family adds: experts over 2 and 4 ranks (the routing bias moved from the loads of all
 // ranks), ZeRO-3, the paired micro-batches, and the pipeline with and without experts
 // split. Each against one process; each run ends with the replicated tensors (attention,

@@ -2,7 +2,8 @@
 // same step on the CPU (f32), from the same bf16 weights; skips without a GPU. The heads are
 // MLA's real ones (query/key 128 + 64, value 128: the CUDA attention's 192/128 kernels), with
 // YaRN, interleaved rotary pairs, a query latent, a shared expert, a dense first layer and the
-// sequence-wise balance loss.
+// sequence-wise balance loss; the strict check also with a multi-token prediction module over
+// packed documents.
 // As for Qwen3 (test_qwen3_moe_cuda.cpp), the strict check routes every token to every
 // expert (top-k = E: no discontinuous choice); the group-limited top-k check bounds the loss
 // and the share of assignments that moved, and the non-expert gradients loosely.
@@ -65,7 +66,17 @@ StepPair run_both(const DeepseekV3Config& c) {
   }
   const int64_t B = 2, S = 96;
   Batch b = testing::random_batch(B, S, static_cast<int32_t>(c.vocab_size), 77);
+  if (c.num_nextn_predict_layers > 0) {  // row 0 packs documents of 40 and 56 tokens
+    std::vector<int32_t> seg(B * S, 0), pos(B * S);
+    for (int64_t t = 0; t < B * S; ++t) {
+      seg[t] = t >= 40 && t < S ? 1 : 0;
+      pos[t] = static_cast<int32_t>(t < S ? (t < 40 ? t : t - 40) : t - S);
+    }
+    b.segment_ids = Tensor::from_vector(seg, {B * S});
+    b.positions = Tensor::from_vector(pos, {B * S});
+  }
   Batch bg = b;
+  if (b.segment_ids.defined()) bg.segment_ids = b.segment_ids.to(Device::cuda(0));
   bg.inputs = b.inputs.to(Device::cuda(0));
   bg.targets = b.targets.to(Device::cuda(0));
   bg.positions = b.positions.to(Device::cuda(0));
@@ -86,9 +97,14 @@ StepPair run_both(const DeepseekV3Config& c) {
 
 TEST(DeepseekV3Cuda, TrainingStepMatchesCpuEveryGradient) {
   if (!cuda::available()) GTEST_SKIP() << "SKIPPED: GPU test needs a CUDA device: " << cuda::unavailable_reason();
-  StepPair r = run_both(step_config(/*experts=*/4, /*top_k=*/4, /*groups=*/2, /*keep=*/2));
+  DeepseekV3Config c = step_config(/*experts=*/4, /*top_k=*/4, /*groups=*/2, /*keep=*/2);
+  c.num_nextn_predict_layers = 1;
+  StepPair r = run_both(c);
   EXPECT_NEAR(r.gpu.ce_sum / r.cpu.ce_sum, 1.0, 1e-2);
   EXPECT_NEAR(r.gpu.term("seq_aux_loss") / r.cpu.term("seq_aux_loss"), 1.0, 1e-3);
+  EXPECT_GT(r.cpu.term("mtp_loss"), 0.0);
+  EXPECT_NEAR(r.gpu.term("mtp_loss") / r.cpu.term("mtp_loss"), 1.0, 1e-2);
+  std::printf("mtp_loss cpu %.6f gpu %.6f\n", r.cpu.term("mtp_loss"), r.gpu.term("mtp_loss"));
   EXPECT_EQ(r.gpu.expert_counts, r.cpu.expert_counts);
   double worst = 0;
   std::string worst_name;

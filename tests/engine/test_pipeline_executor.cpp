@@ -161,6 +161,13 @@ TEST(PipelineExecutor, EdgeChunksGetFewerLayers) {
   EXPECT_EQ(sizes(partition_layers(9, 4)), (std::vector<int64_t>{2, 3, 2, 2}));
   EXPECT_EQ(sizes(partition_layers(48, 8)), (std::vector<int64_t>{6, 6, 6, 6, 6, 6, 6, 6}));  // costs 6 .. 7 either way
   EXPECT_EQ(sizes(partition_layers(4, 2)), (std::vector<int64_t>{2, 2}));
+  // A multi-token prediction module ends the last chunk (layer id 10) and weighs two layers
+  // there: its chunk gets fewer of the main model's.
+  const std::vector<ChunkSpec> mtp = partition_layers(10, 4, 1);
+  EXPECT_EQ(sizes(mtp), (std::vector<int64_t>{3, 3, 3, 2}));
+  EXPECT_EQ(mtp.back().first_layer, 9);
+  EXPECT_EQ(mtp.back().last_layer, 11);
+  EXPECT_TRUE(mtp.back().head);
   const std::string e = testing::error_of([] { partition_layers(3, 4); });
   EXPECT_NE(e.find("3 decoder layers cannot fill 4 chunks"), std::string::npos) << e;
 }

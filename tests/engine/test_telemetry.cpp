@@ -113,6 +113,13 @@ TEST(Metrics, HumanLine) {
             "load max/mean 1.42 | mem 210 MB");
   m.val_loss = 2.95;
   EXPECT_NE(human_line(m, 600).find("| val 2.9500 |"), std::string::npos);
+  // The multi-token prediction loss beside the main one; the router terms only in the files.
+  m.loss_terms = {{"aux_loss", 0.01}, {"mtp_loss", 0.8125}};
+  EXPECT_NE(human_line(m, 600).find("loss 2.8312 | mtp 0.8125 | val"), std::string::npos) << human_line(m, 600);
+  EXPECT_EQ(human_line(m, 600).find("0.0100"), std::string::npos);
+  const nlohmann::json j = nlohmann::json::parse(metrics_json(m));
+  EXPECT_DOUBLE_EQ(j["loss_terms"]["mtp_loss"].get<double>(), 0.8125);
+  EXPECT_DOUBLE_EQ(j["loss_terms"]["aux_loss"].get<double>(), 0.01);
   EXPECT_EQ(thousands(0), "0");
   EXPECT_EQ(thousands(999), "999");
   EXPECT_EQ(thousands(1000), "1,000");

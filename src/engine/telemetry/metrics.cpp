@@ -25,6 +25,10 @@ std::string metrics_json(const StepMetrics& m) {
   j["step"] = m.step;
   j["loss"] = m.loss;
   j["aux_loss"] = m.aux_loss;
+  if (!m.loss_terms.empty()) {
+    j["loss_terms"] = nlohmann::json::object();
+    for (const auto& [name, value] : m.loss_terms) j["loss_terms"][name] = value;
+  }
   j["lr"] = m.lr;
   j["grad_norm"] = m.grad_norm;
   j["tokens_per_s"] = m.tokens_per_s;
@@ -151,6 +155,7 @@ std::vector<std::pair<std::string, double>> metrics_scalars(const StepMetrics& m
       {"infra/restart_generation", static_cast<double>(m.restart_generation)},
   };
   if (m.val_loss) v.emplace_back("val/loss", *m.val_loss);
+  for (const auto& [name, value] : m.loss_terms) v.emplace_back("train/" + name, value);
   if (m.router_bias) {
     for (size_t i = 0; i < m.router_bias->abs_max.size(); ++i) {
       v.emplace_back(fmt::format("moe/layer{}/router_bias_abs_max", i), m.router_bias->abs_max[i]);
@@ -202,6 +207,9 @@ std::string thousands(int64_t v) {
 
 std::string human_line(const StepMetrics& m, int64_t total_steps) {
   std::string s = fmt::format("step {}/{} | loss {:.4f}", m.step, total_steps, m.loss);
+  for (const auto& [name, value] : m.loss_terms) {  // the multi-token prediction loss beside the main one
+    if (name == "mtp_loss") s += fmt::format(" | mtp {:.4f}", value);
+  }
   if (m.val_loss) s += fmt::format(" | val {:.4f}", *m.val_loss);
   s += fmt::format(" | lr {:.2e} | gnorm {:.2f} | {} tok/s | {:.3f} TFLOP/s", m.lr, m.grad_norm,
                    thousands(static_cast<int64_t>(std::llround(std::isfinite(m.tokens_per_s) ? m.tokens_per_s : 0))),

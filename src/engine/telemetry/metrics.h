@@ -24,7 +24,9 @@ ExpertLoad expert_load(const std::vector<int64_t>& tokens_per_expert);
 
 struct StepMetrics {
   int64_t step = 0;
-  double loss = 0, aux_loss = 0;
+  double loss = 0, aux_loss = 0;  // aux_loss: every term of the objective besides the main cross-entropy
+  // Each such term by name, already times its weight (aux_loss, z_loss, seq_aux_loss, mtp_loss).
+  std::vector<std::pair<std::string, double>> loss_terms;
   double lr = 0, grad_norm = 0;
   double tokens_per_s = 0, tflops = 0, step_time_s = 0;  // tflops: achieved TFLOP/s
   double expert_load_max_over_mean = 0;                  // busiest expert's tokens / mean
