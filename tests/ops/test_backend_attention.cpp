@@ -251,8 +251,10 @@ TEST(BackendAttention, RealisticShape) {
 
 // DeepSeek-V3's multi-head latent attention: query/key heads of 192 (qk_nope 128 + qk_rope
 // 64), value heads of 128, as many kv heads as query heads. The mma.sync kernels take it at
-// every seq (the Hopper kernels, D = Dv = 128 only, never do): ragged sequences (not a
-// multiple of any tile), a tile multiple, one and a few tokens, both segment patterns.
+// every seq; on Hopper, with seq a multiple of 128, the forward and the backward's dQ pass run
+// the wgmma kernels (attention_hopper.cu, fwd_kernel<192>, dq_kernel<192>) and the dK/dV pass
+// stays on mma.sync: ragged sequences
+// (not a multiple of any tile), tile multiples, one and a few tokens, both segment patterns.
 TEST(BackendAttention, MlaD192Dv128Mha) {
   MT_REQUIRE_GPU();
   run_case({1, 200, 4, 4, 192, Segments::kNone, 128}, 1301);
@@ -281,6 +283,7 @@ TEST(BackendAttention, MlaD192Dv128Gqa) {
   run_case({2, 130, 8, 2, 192, Segments::kNone, 128}, 1331);
   run_case({10, 100, 64, 16, 192, Segments::kNone, 128}, 1332);
   run_case({2, 200, 8, 2, 192, Segments::kDocuments, 128}, 1333);
+  run_case({2, 256, 8, 2, 192, Segments::kDocuments, 128}, 1334);  // the Hopper forward (seq % 128 == 0), grouped
 }
 
 // ops::set_deterministic(false) changes nothing for these heads (the one-pass kernel is the

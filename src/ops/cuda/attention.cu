@@ -1024,6 +1024,11 @@ bool backward(const Params& p, const AttentionDims& d, cudaStream_t s) {
   if (p.splits > 1) dkdv_reduce(p, s);
 
   if constexpr (D == 192) {
+    // MLA's heads: the dQ pass on Hopper's wgmma where the forward's applies, else mma.sync.
+    if (DV == 128 && attention_hopper_forward_applies(d, p.seg) &&
+        launch_attention_dq_hopper_mla(p.dout, p.q, p.k, p.v, p.seg, p.delta, p.lse2, p.dq, d, s)) {
+      return false;
+    }
     dq_tiled<D, DV, 1, 32, 4, 2, 2>(p, s);
   } else {
     dq_tiled<D, DV, 1, 64, 4, 2, 2>(p, s);
@@ -1055,7 +1060,7 @@ void launch_attention_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, co
   p.seg = seg;
   p.o = out;
   p.lse_out = lse;
-  if (attention_hopper_applies(d, seg) && launch_attention_forward_hopper(q, k, v, seg, out, lse, d, s)) return;
+  if (attention_hopper_forward_applies(d, seg) && launch_attention_forward_hopper(q, k, v, seg, out, lse, d, s)) return;
   // The (head_dim, v_head_dim) pairs the host wrapper accepts.
   if (d.v_head_dim == d.head_dim) {
     switch (d.head_dim) {

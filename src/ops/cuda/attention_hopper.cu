@@ -68,20 +68,33 @@ constexpr int kKvSmem = 2 * kKvTile + kStages * kKvStage + 1024 + 256;
 // One-pass backward (dQ too): dS of an iteration, [128 keys][64 queries] bf16.
 constexpr int kDsTile = kKvKeys * kKvRows * 2;          // 16 KB
 
-// dQ pass: 128 query rows a block, 64 keys an iteration.
+// dQ pass: 128 query rows a block, 64 keys an iteration; query/key heads of kQk dims (128, or
+// MLA's 192: then only this pass runs here, after attention.cu's mma.sync dK/dV pass).
 constexpr int kQRows = 128, kQKeys = 64;
-constexpr int kQTile = kQRows * kD * 2;                 // Q or dO: 32 KB
-constexpr int kQKvTile = kQKeys * kD * 2;               // K or V: 16 KB
-constexpr int kQStage = 2 * kQKvTile + 1024;            // + segment ids
-constexpr int kQSmem = 2 * kQTile + kStages * kQStage + 1024 + 256;
+template <int kQk>
+struct DqTiles {
+  static constexpr int kQTile = kQRows * kQk * 2;       // Q: 32 KB (48 KB at 192)
+  static constexpr int kDoTile = kQRows * kD * 2;       // dO: 32 KB
+  static constexpr int kKTile = kQKeys * kQk * 2;       // K: 16 KB (24 KB)
+  static constexpr int kVTile = kQKeys * kD * 2;        // V: 16 KB
+  static constexpr int kStage = kKTile + kVTile + 1024;  // + segment ids
+  static constexpr int kSmem = kQTile + kDoTile + kStages * kStage + 1024 + 256;
+  static_assert(kSmem <= 232448, "the dQ pass's shared memory");
+};
 
-// Forward: 128 query rows a block, 128 keys an iteration.
+// Forward: 128 query rows a block, 128 keys an iteration; query/key heads of kQk dims (128,
+// or MLA's 192), value heads of kD. MLA's wider Q and K tiles leave room for 2 stages.
 constexpr int kFRows = 128, kFKeys = 128;
-constexpr int kFQTile = kFRows * kD * 2;                // Q: 32 KB
-constexpr int kFKvTile = kFKeys * kD * 2;               // K or V: 32 KB
-constexpr int kFStages = 3;
-constexpr int kFStage = 2 * kFKvTile;                   // K, V (their key segment ids: 512 B apart)
-constexpr int kFSmem = kFQTile + kFStages * (kFStage + 512) + 1024 + 256;  // 232,192 of the 232,448 allowed
+template <int kQk>
+struct FwdTiles {
+  static constexpr int kQTile = kFRows * kQk * 2;       // Q: 32 KB (48 KB at 192)
+  static constexpr int kKTile = kFKeys * kQk * 2;       // K: 32 KB (48 KB)
+  static constexpr int kVTile = kFKeys * kD * 2;        // V: 32 KB
+  static constexpr int kStages = kQk == kD ? 3 : 2;
+  static constexpr int kStage = kKTile + kVTile;        // K, V (their key segment ids: 512 B apart)
+  static constexpr int kSmem = kQTile + kStages * (kStage + 512) + 1024 + 256;
+  static_assert(kSmem <= 232448, "the forward's shared memory");  // 232,192 at 128; 215,296 at 192
+};
 
 struct Maps {
   CUtensorMap q_rows64, do_rows64, k_rows128, v_rows128;  // dK/dV pass
@@ -127,6 +140,13 @@ __device__ __forceinline__ void load_tile128(char* dst, int tile_bytes, const CU
   tma_load_2d(dst, map, bar, col, row);
   tma_load_2d(dst + tile_bytes / 2, map, bar, col + 64, row);
 }
+// A [rows][kCols] tile as kCols / 64 boxes of 64 columns, one after the other.
+template <int kCols>
+__device__ __forceinline__ void load_tile(char* dst, int tile_bytes, const CUtensorMap* map, uint64_t* bar, int col,
+                                          int row) {
+#pragma unroll
+  for (int i = 0; i < kCols / 64; ++i) tma_load_2d(dst + i * (tile_bytes / (kCols / 64)), map, bar, col + 64 * i, row);
+}
 
 // The four A-operand registers of k chunk kc (16 columns) from an m64nN accumulator.
 template <int N>
@@ -137,14 +157,15 @@ __device__ __forceinline__ void a_fragment(uint32_t (&a)[4], const float (&c)[N]
   a[3] = pack_bf16(c[8 * kc + 6], c[8 * kc + 7]);
 }
 
-// c[64 x N] += A[64 x 128] B[N x 128]^T, N = 64 (c has 32 floats) or 128 (64 floats); both
-// operands K-major [rows][128] as two boxes; a_rows / b_rows: rows per box (the byte
-// distance between the two boxes is rows * 128).
-template <int C>
+// c[64 x N] += A[64 x K] B[N x K]^T, N = 64 (c has 32 floats) or 128 (64 floats), K = 128
+// or 192; both operands K-major [rows][K] as K / 64 boxes; a_rows / b_rows: rows per box (the
+// byte distance between the boxes is rows * 128).
+template <int C, int K = kD>
 __device__ __forceinline__ void mma_rows_by_rows(float (&c)[C], uint32_t a, int a_rows, uint32_t b, int b_rows) {
   static_assert(C == 32 || C == 64, "m64n64 or m64n128 accumulators");
+  static_assert(K % 64 == 0, "whole boxes of 64 columns");
 #pragma unroll
-  for (int kk = 0; kk < kD / 16; ++kk) {
+  for (int kk = 0; kk < K / 16; ++kk) {
     const uint32_t half = kk >> 2, off = (kk & 3) * 32;
     const uint64_t da = sw128_desc(a + half * a_rows * 128 + off, 16, 1024);
     const uint64_t db = sw128_desc(b + half * b_rows * 128 + off, 16, 1024);
@@ -224,8 +245,11 @@ __device__ __forceinline__ void release_and_refill(int it, int n_it, uint64_t* f
 // (S_j and P_{j-1} V_{j-1} are issued together; S_j is waited for, P V is not): O is
 // rescaled and P_j packed only after P V has finished with them.
 constexpr int kFThreads = kThreads + 128;  // + the producer's warpgroup (its registers go to the consumers)
+template <int kQk>
 __global__ void __launch_bounds__(kFThreads, 1) fwd_kernel(const __grid_constant__ Maps maps, const Args a) {
 #if MT_SM90A
+  using F = FwdTiles<kQk>;
+  constexpr int kFQTile = F::kQTile, kFStages = F::kStages, kFStage = F::kStage;
   const int bh = a.batch * a.q_heads, n_qt = a.seq / kFRows;
   const int qt = n_qt - 1 - static_cast<int>(blockIdx.x / bh);
   const int b = (blockIdx.x % bh) / a.q_heads, h = blockIdx.x % a.q_heads, kvh = h / a.group;
@@ -247,14 +271,14 @@ __global__ void __launch_bounds__(kFThreads, 1) fwd_kernel(const __grid_constant
     setmaxnreg_dec<24>();
     if (tid != kThreads) return;
     mbar_arrive_expect_tx(q_bar, kFQTile);
-    load_tile128(sQ, kFQTile, &maps.q_rows128, q_bar, h * kD, tok0 + q0);
+    load_tile<kQk>(sQ, kFQTile, &maps.q_rows128, q_bar, h * kQk, tok0 + q0);
     for (int it = 0; it < n_it; ++it) {
       const int s = it % kFStages, kr = it * kFKeys;
       if (it >= kFStages) mbar_wait(&empty[s], ((it / kFStages) - 1) & 1);  // tile it - kFStages has left it
       char* st = stages + s * kFStage;
-      mbar_arrive_expect_tx(&full[s], 2 * kFKvTile + (a.seg != nullptr ? 512 : 0));
-      load_tile128(st, kFKvTile, &maps.k_rows128, &full[s], kvh * kD, tok0 + kr);
-      load_tile128(st + kFKvTile, kFKvTile, &maps.v_rows128, &full[s], kvh * kD, tok0 + kr);
+      mbar_arrive_expect_tx(&full[s], kFStage + (a.seg != nullptr ? 512 : 0));
+      load_tile<kQk>(st, F::kKTile, &maps.k_rows128, &full[s], kvh * kQk, tok0 + kr);
+      load_tile<kD>(st + F::kKTile, F::kVTile, &maps.v_rows128, &full[s], kvh * kD, tok0 + kr);
       if (a.seg != nullptr) bulk_load(seg_ids + s * 512, a.seg + tok0 + kr, 512, &full[s]);
     }
     return;
@@ -321,11 +345,11 @@ __global__ void __launch_bounds__(kFThreads, 1) fwd_kernel(const __grid_constant
   auto issue_s = [&](int it) {  // S_it = Q K_it^T
     zero(sc);
     wgmma_fence();
-    mma_rows_by_rows(sc, q_addr, kFRows, smem_u32(stages + (it % kFStages) * kFStage), kFKeys);
+    mma_rows_by_rows<64, kQk>(sc, q_addr, kFRows, smem_u32(stages + (it % kFStages) * kFStage), kFKeys);
     wgmma_commit();
   };
   auto issue_pv = [&](int it) {  // O += P_it V_it
-    const uint32_t v_addr = smem_u32(stages + (it % kFStages) * kFStage + kFKvTile);
+    const uint32_t v_addr = smem_u32(stages + (it % kFStages) * kFStage + F::kKTile);
 #pragma unroll
     for (int kc = 0; kc < 8; ++kc) wgmma_m64n128k16_rs<1>(o, ap[kc], sw128_desc(v_addr + kc * 2048, kFKeys * 128, 1024));
     wgmma_commit();
@@ -639,8 +663,11 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant
 #endif
 }
 
+template <int kQk>
 __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const __grid_constant__ Maps maps, const Args a) {
 #if MT_SM90A
+  using T = DqTiles<kQk>;
+  constexpr int kQTile = T::kQTile, kQStage = T::kStage;  // a stage: K, V, the keys' segment ids
   const int bh = a.batch * a.q_heads, n_qt = a.seq / kQRows;
   const int qt = n_qt - 1 - static_cast<int>(blockIdx.x / bh);
   const int b = (blockIdx.x % bh) / a.q_heads, h = blockIdx.x % a.q_heads, kvh = h / a.group;
@@ -650,7 +677,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const __grid_constant__
   char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   char* sQ = smem;
   char* sdO = smem + kQTile;
-  char* stages = smem + 2 * kQTile;
+  char* stages = sdO + T::kDoTile;
   uint64_t* full = reinterpret_cast<uint64_t*>(stages + kStages * kQStage);
   uint64_t* empty = full + kStages;
   uint64_t* q_bar = empty + kStages;
@@ -661,17 +688,17 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const __grid_constant__
     const int kr = it * kQKeys;
     char* st = stages + s * kQStage;
     uint64_t* bar = &full[s];
-    mbar_arrive_expect_tx(bar, 2 * kQKvTile + (a.seg != nullptr ? 256 : 0));
-    load_tile128(st, kQKvTile, &maps.k_rows64, bar, kvh * kD, tok0 + kr);
-    load_tile128(st + kQKvTile, kQKvTile, &maps.v_rows64, bar, kvh * kD, tok0 + kr);
-    if (a.seg != nullptr) bulk_load(st + 2 * kQKvTile, a.seg + tok0 + kr, 256, bar);
+    mbar_arrive_expect_tx(bar, T::kKTile + T::kVTile + (a.seg != nullptr ? 256 : 0));
+    load_tile<kQk>(st, T::kKTile, &maps.k_rows64, bar, kvh * kQk, tok0 + kr);
+    load_tile128(st + T::kKTile, T::kVTile, &maps.v_rows64, bar, kvh * kD, tok0 + kr);
+    if (a.seg != nullptr) bulk_load(st + T::kKTile + T::kVTile, a.seg + tok0 + kr, 256, bar);
   };
   const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, w = (tid >> 5) & 3;
   const int g = lane >> 2, t = lane & 3;
   if (tid == 0) {
-    mbar_arrive_expect_tx(q_bar, 2 * kQTile);
-    load_tile128(sQ, kQTile, &maps.q_rows128, q_bar, h * kD, tok0 + q0);
-    load_tile128(sdO, kQTile, &maps.do_rows128, q_bar, h * kD, tok0 + q0);
+    mbar_arrive_expect_tx(q_bar, kQTile + T::kDoTile);
+    load_tile<kQk>(sQ, kQTile, &maps.q_rows128, q_bar, h * kQk, tok0 + q0);
+    load_tile128(sdO, T::kDoTile, &maps.do_rows128, q_bar, h * kD, tok0 + q0);
     for (int s = 0; s < kStages && s < n_it; ++s) issue(s, s);
   }
   const int qw0 = q0 + wg * 64;  // this warpgroup's first row
@@ -685,9 +712,11 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const __grid_constant__
     delta[i] = a.delta[r];
     if (a.seg != nullptr) seg_q[i] = a.seg[tok0 + row[i]];
   }
-  float dq[64];
+  float dq[64], dq2[kQk == kD ? 1 : 32];  // dQ's columns 0..127, and 128..191 at kQk = 192
 #pragma unroll
   for (int i = 0; i < 64; ++i) dq[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < (kQk == kD ? 1 : 32); ++i) dq2[i] = 0.f;
   const uint32_t q_addr = smem_u32(sQ) + wg * 64 * 128, do_addr = smem_u32(sdO) + wg * 64 * 128;
   mbar_wait(q_bar, 0);
 
@@ -697,13 +726,13 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const __grid_constant__
     const int kr = it * kQKeys;
     if (kr <= qw0 + 63) {  // else every key of the tile follows every row here
       char* st = stages + s * kQStage;
-      const uint32_t k_addr = smem_u32(st), v_addr = smem_u32(st + kQKvTile);
-      const int32_t* s_seg = reinterpret_cast<const int32_t*>(st + 2 * kQKvTile);
+      const uint32_t k_addr = smem_u32(st), v_addr = smem_u32(st + T::kKTile);
+      const int32_t* s_seg = reinterpret_cast<const int32_t*>(st + T::kKTile + T::kVTile);
       float sc[32], dp[32];
       zero(sc);
       zero(dp);
       wgmma_fence();
-      mma_rows_by_rows(sc, q_addr, kQRows, k_addr, kQKeys);  // S = Q K^T
+      mma_rows_by_rows<32, kQk>(sc, q_addr, kQRows, k_addr, kQKeys);  // S = Q K^T
       wgmma_commit();
       mma_rows_by_rows(dp, do_addr, kQRows, v_addr, kQKeys);  // dP = dO V^T
       wgmma_commit();
@@ -731,22 +760,36 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const __grid_constant__
       uint32_t ads[4][4];
       a_fragments(ads, dp);
       pin(dq);
+      if constexpr (kQk != kD) pin(dq2);
       wgmma_fence();
-      mma_regs_by_cols(dq, ads, k_addr, kQKeys);  // dQ += dS K
+      mma_regs_by_cols(dq, ads, k_addr, kQKeys);  // dQ += dS K (K's first two boxes)
+      if constexpr (kQk != kD) {  // ... and its third box, columns 128..191
+        const uint32_t k3 = k_addr + 2 * kQKeys * 128;
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) wgmma_m64n64k16_rs<1>(dq2, ads[kc], sw128_desc(k3 + kc * 2048, kQKeys * 128, 1024));
+      }
       wgmma_commit();
       wgmma_wait<0>();
       pin(dq);
+      if constexpr (kQk != kD) pin(dq2);
     }
     release_and_refill<kStages>(it, n_it, full, empty, issue);
   }
 
 #pragma unroll
   for (int i2 = 0; i2 < 2; ++i2) {
-    bf16* out = a.dq + static_cast<int64_t>(tok0 + row[i2]) * a.q_stride + static_cast<int64_t>(h) * kD + 2 * t;
+    bf16* out = a.dq + static_cast<int64_t>(tok0 + row[i2]) * a.q_stride + static_cast<int64_t>(h) * kQk + 2 * t;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       *reinterpret_cast<uint32_t*>(out + 8 * j) =
           pack_bf16(dq[4 * j + 2 * i2] * a.scale, dq[4 * j + 2 * i2 + 1] * a.scale);
+    }
+    if constexpr (kQk != kD) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        *reinterpret_cast<uint32_t*>(out + 128 + 8 * j) =
+            pack_bf16(dq2[4 * j + 2 * i2] * a.scale, dq2[4 * j + 2 * i2 + 1] * a.scale);
+      }
     }
   }
 #endif
@@ -780,23 +823,35 @@ bool launch_attention_forward_hopper(const __nv_bfloat16* q, const __nv_bfloat16
                                      const int32_t* seg, __nv_bfloat16* out, float* lse, const AttentionDims& d,
                                      cudaStream_t s) {
   const uint64_t rows = static_cast<uint64_t>(d.batch) * d.seq;
-  const uint64_t qc = static_cast<uint64_t>(d.q_heads) * kD, kc = static_cast<uint64_t>(d.kv_heads) * kD;
+  const uint64_t qc = static_cast<uint64_t>(d.q_heads) * d.head_dim, kc = static_cast<uint64_t>(d.kv_heads) * d.head_dim;
+  const uint64_t vc = static_cast<uint64_t>(d.kv_heads) * kD;
   Maps m{};
   if (!make_tensor_map(&m.q_rows128, q, {qc, rows}, {64, 128}) ||
       !make_tensor_map(&m.k_rows128, k, {kc, rows}, {64, 128}) ||
-      !make_tensor_map(&m.v_rows128, v, {kc, rows}, {64, 128})) {
+      !make_tensor_map(&m.v_rows128, v, {vc, rows}, {64, 128})) {
     return false;
   }
-  Args a = args_of(d);
+  Args a = args_of(d);  // q_stride: the output's row, heads of kD
   a.seg = seg;
   a.o = out;
   a.lse_out = lse;
-  prepare(fwd_kernel, kFSmem);
-  fwd_kernel<<<static_cast<unsigned>(d.seq / kFRows) * d.batch * d.q_heads, kFThreads, kFSmem, s>>>(m, a);
+  const unsigned blocks = static_cast<unsigned>(d.seq / kFRows) * d.batch * d.q_heads;
+  if (d.head_dim == kD) {
+    prepare(fwd_kernel<kD>, FwdTiles<kD>::kSmem);
+    fwd_kernel<kD><<<blocks, kFThreads, FwdTiles<kD>::kSmem, s>>>(m, a);
+  } else {
+    prepare(fwd_kernel<192>, FwdTiles<192>::kSmem);
+    fwd_kernel<192><<<blocks, kFThreads, FwdTiles<192>::kSmem, s>>>(m, a);
+  }
   return true;
 }
 
 int attention_backward_hopper_key_tile() { return kKvKeys; }
+
+bool attention_hopper_forward_applies(const AttentionDims& d, const int32_t* seg) {
+  return (d.head_dim == kD || d.head_dim == 192) && d.v_head_dim == kD && d.seq > 0 && d.seq % 128 == 0 &&
+         reinterpret_cast<uintptr_t>(seg) % 16 == 0 && hopper_kernels_usable("MOETRAIN_ATTENTION_MMA_SYNC");
+}
 
 bool attention_hopper_applies(const AttentionDims& d, const int32_t* seg) {
   // Value heads of another size (MLA's 192 / 128) take the mma.sync kernels.
@@ -842,8 +897,33 @@ bool launch_attention_backward_hopper(const __nv_bfloat16* dout, const __nv_bflo
   }
   prepare(dkdv_kernel<false>, kKvSmem);
   dkdv_kernel<false><<<kv_blocks, kThreads, kKvSmem, s>>>(m, a);
-  prepare(dq_kernel, kQSmem);
-  dq_kernel<<<static_cast<unsigned>(d.seq / kQRows) * d.batch * d.q_heads, kThreads, kQSmem, s>>>(m, a);
+  prepare(dq_kernel<kD>, DqTiles<kD>::kSmem);
+  dq_kernel<kD><<<static_cast<unsigned>(d.seq / kQRows) * d.batch * d.q_heads, kThreads, DqTiles<kD>::kSmem, s>>>(m, a);
+  return true;
+}
+
+bool launch_attention_dq_hopper_mla(const __nv_bfloat16* dout, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                                    const __nv_bfloat16* v, const int32_t* seg, const float* delta, const float* lse2,
+                                    __nv_bfloat16* dq, const AttentionDims& d, cudaStream_t s) {
+  constexpr int kMla = 192;
+  const uint64_t rows = static_cast<uint64_t>(d.batch) * d.seq;
+  const uint64_t qc = static_cast<uint64_t>(d.q_heads) * kMla, kc = static_cast<uint64_t>(d.kv_heads) * kMla;
+  const uint64_t doc = static_cast<uint64_t>(d.q_heads) * kD, vc = static_cast<uint64_t>(d.kv_heads) * kD;
+  Maps m{};
+  if (!make_tensor_map(&m.q_rows128, q, {qc, rows}, {64, 128}) ||
+      !make_tensor_map(&m.do_rows128, dout, {doc, rows}, {64, 128}) ||
+      !make_tensor_map(&m.k_rows64, k, {kc, rows}, {64, 64}) || !make_tensor_map(&m.v_rows64, v, {vc, rows}, {64, 64})) {
+    return false;
+  }
+  Args a = args_of(d);
+  a.q_stride = static_cast<int64_t>(qc);  // dQ's rows: heads of 192
+  a.lse2 = lse2;
+  a.delta = delta;
+  a.seg = seg;
+  a.dq = dq;
+  prepare(dq_kernel<kMla>, DqTiles<kMla>::kSmem);
+  dq_kernel<kMla><<<static_cast<unsigned>(d.seq / kQRows) * d.batch * d.q_heads, kThreads, DqTiles<kMla>::kSmem, s>>>(
+      m, a);
   return true;
 }
 
