@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/checkpoint/safetensors.h"
 #include "engine/models/deepseek_v3_config.h"
 #include "scratch_dir.h"
 
@@ -87,6 +88,32 @@ TEST_F(DeepseekV3ConfigTest, ReadsDeepSeeksConfigJson) {
   EXPECT_NEAR(c.softmax_scale(), m * m / std::sqrt(40.0), 1e-15);
   EXPECT_EQ(c.shape().num_experts, 12);
   EXPECT_EQ(c.shape().experts_per_token, 3);
+}
+
+// num_nextn_predict_layers stands when the weights beside the config hold the module
+// (DeepSeek's checkpoints) or when no weights are there; weights without it (transformers
+// writes 1 and saves none) make a model without one.
+TEST_F(DeepseekV3ConfigTest, MtpModulesFollowTheWeightsBesideTheConfig) {
+  const float one = 1.0f;
+  auto folder = [&](const std::string& name, bool with_module) {
+    SafetensorsWriter w;
+    w.add("model.embed_tokens.weight", DType::F32, {1}, &one);
+    if (with_module) w.add("model.layers.5.eh_proj.weight", DType::F32, {1}, &one);
+    const std::string config = file(name + "/config.json", kDeepSeekJson);  // 5 layers, num_nextn_predict_layers 1
+    w.write(path(name + "/model.safetensors"));
+    return config;
+  };
+  DeepseekV3Config with, without, alone;
+  with.load_hf_json(folder("with", true));
+  EXPECT_EQ(with.num_nextn_predict_layers, 1);
+  EXPECT_EQ(with.shape().mtp_layers, 1);
+  without.load_hf_json(folder("without", false));
+  EXPECT_EQ(without.num_nextn_predict_layers, 0);
+  alone.load_hf_json(file("alone/config.json", kDeepSeekJson));
+  EXPECT_EQ(alone.num_nextn_predict_layers, 1);
+  // A module needs a loss weight.
+  with.mtp_loss_weight = 0;
+  EXPECT_ERROR([&] { with.validate("run.toml"); }, "[model].mtp_loss_weight must be > 0");
 }
 
 // Written in transformers 5's spelling and read again: the same config; then the q_lora_rank
