@@ -251,9 +251,9 @@ TEST(BackendAttention, RealisticShape) {
 
 // DeepSeek-V3's multi-head latent attention: query/key heads of 192 (qk_nope 128 + qk_rope
 // 64), value heads of 128, as many kv heads as query heads. The mma.sync kernels take it at
-// every seq; on Hopper, with seq a multiple of 128, the forward and the backward's dQ pass run
-// the wgmma kernels (attention_hopper.cu, fwd_kernel<192>, dq_kernel<192>) and the dK/dV pass
-// stays on mma.sync: ragged sequences
+// every seq; on Hopper, with seq a multiple of 128, the wgmma kernels run (attention_hopper.cu:
+// fwd_kernel<192>, dkdv_kernel<false, 192>, dq_kernel<192>; GQA with dK/dV splits stays on
+// mma.sync): ragged sequences
 // (not a multiple of any tile), tile multiples, one and a few tokens, both segment patterns.
 TEST(BackendAttention, MlaD192Dv128Mha) {
   MT_REQUIRE_GPU();

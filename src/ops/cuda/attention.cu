@@ -1020,15 +1020,16 @@ bool backward(const Params& p, const AttentionDims& d, cudaStream_t s) {
     return p.dq_acc != nullptr;
   }
 
+  // MLA's heads on Hopper: both passes with wgmma (no splits: MLA has a kv head per query head).
+  if (D == 192 && DV == 128 && p.splits == 1 && attention_hopper_forward_applies(d, p.seg) &&
+      launch_attention_backward_hopper_mla(p.dout, p.q, p.k, p.v, p.seg, p.delta, p.lse2, p.dq, p.dk, p.dv, d, s)) {
+    return false;
+  }
+
   dkdv_tiled<D, DV, 32, kDkdvWarps, 2, 3>(p, s);
   if (p.splits > 1) dkdv_reduce(p, s);
 
   if constexpr (D == 192) {
-    // MLA's heads: the dQ pass on Hopper's wgmma where the forward's applies, else mma.sync.
-    if (DV == 128 && attention_hopper_forward_applies(d, p.seg) &&
-        launch_attention_dq_hopper_mla(p.dout, p.q, p.k, p.v, p.seg, p.delta, p.lse2, p.dq, d, s)) {
-      return false;
-    }
     dq_tiled<D, DV, 1, 32, 4, 2, 2>(p, s);
   } else {
     dq_tiled<D, DV, 1, 64, 4, 2, 2>(p, s);

@@ -2,7 +2,9 @@
 // backward, with TMA copies and warpgroup MMAs (wgmma) instead of cp.async + mma.sync.
 // Same math, same order of reduction per output element (deterministic, no atomics), same
 // delta / lse2 inputs; taken for head_dim = v_head_dim = 128 and seq a multiple of 128 on
-// sm_90. When the caller allows an order-free result (ops::set_deterministic(false)), one
+// sm_90, and for MLA's heads (query/key 192, value 128: the forward, and the two-pass
+// backward, the kernels templated on the query/key width kQk; Q and K tiles of three boxes,
+// dK and dQ accumulated as 128 + 64 columns; the forward's ring has 2 stages there). When the caller allows an order-free result (ops::set_deterministic(false)), one
 // pass instead: the dK/dV blocks add dQ into an f32 buffer (dkdv_kernel<true>, below),
 // which is the result: the per-head q norm's backward reads it as it is (no conversion pass
 // to bf16: 70 us a layer at the bench shape).
@@ -63,8 +65,16 @@ constexpr int kStages = 3;
 constexpr int kKvKeys = 128, kKvRows = 64;
 constexpr int kKvTile = kKvKeys * kD * 2;               // K or V: 32 KB (two [128][64] boxes)
 constexpr int kKvQTile = kKvRows * kD * 2;              // Q or dO: 16 KB (two [64][64] boxes)
-constexpr int kKvStage = 2 * kKvQTile + 1024;           // + lse2, delta, segment ids (256 B each)
-constexpr int kKvSmem = 2 * kKvTile + kStages * kKvStage + 1024 + 256;
+// With query/key heads of kQk dims (128, or MLA's 192: K 48 KB, Q 24 KB, three boxes each).
+template <int kQk>
+struct KvTiles {
+  static constexpr int kKTile = kKvKeys * kQk * 2;
+  static constexpr int kQTile = kKvRows * kQk * 2;
+  static constexpr int kStage = kQTile + kKvQTile + 1024;  // Q, dO, + lse2, delta, segment ids (256 B each)
+  static constexpr int kSmem = kKTile + kKvTile + kStages * kStage + 1024 + 256;
+  static_assert(kSmem <= 232448, "the dK/dV pass's shared memory");
+};
+constexpr int kKvSmem = KvTiles<kD>::kSmem;
 // One-pass backward (dQ too): dS of an iteration, [128 keys][64 queries] bf16.
 constexpr int kDsTile = kKvKeys * kKvRows * 2;          // 16 KB
 
@@ -435,9 +445,11 @@ constexpr int kDqBox = 64 * 32 * 4;  // 64 rows x 32 f32 columns, 8 KB
 constexpr int kKvDqSmem = kKvSmem + kDsTile + 4 * kDqBox;
 static_assert(kKvDqSmem <= 232448, "shared memory of the one-pass dK/dV/dQ kernel");
 
-template <bool kDq>
+template <bool kDq, int kQk = kD>
 __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant__ Maps maps, const Args a) {
 #if MT_SM90A
+  static_assert(!kDq || kQk == kD, "the one-pass dQ is for heads of 128");
+  using T = KvTiles<kQk>;
   const int per_tile = a.batch * a.kv_heads * a.splits;
   const int kt = blockIdx.x / per_tile, rest = blockIdx.x % per_tile;
   const int split = rest % a.splits, kvh = (rest / a.splits) % a.kv_heads, b = rest / (a.splits * a.kv_heads);
@@ -447,9 +459,9 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant
   extern __shared__ char smem_raw[];
   char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   char* sK = smem;
-  char* sV = smem + kKvTile;
-  char* stages = smem + 2 * kKvTile;
-  char* sDs = stages + kStages * kKvStage;  // kDq: the dS^T tile
+  char* sV = smem + T::kKTile;
+  char* stages = sV + kKvTile;
+  char* sDs = stages + kStages * T::kStage;  // kDq: the dS^T tile
   char* sDq = sDs + kDsTile;                // kDq: each warpgroup's two f32 boxes
   uint64_t* full = reinterpret_cast<uint64_t*>(sDs + (kDq ? kDsTile + 4 * kDqBox : 0));
   uint64_t* empty = full + kStages;
@@ -465,21 +477,22 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant
   };
   auto issue = [&](int it, int s) {
     const int h = head_of(it), q0 = row0_of(it);
-    char* st = stages + s * kKvStage;
+    char* st = stages + s * T::kStage;
+    char* stats = st + T::kQTile + kKvQTile;
     uint64_t* bar = &full[s];
     const int64_t row = (static_cast<int64_t>(b) * a.q_heads + h) * a.seq + q0;
-    mbar_arrive_expect_tx(bar, 2 * kKvQTile + 512 + (a.seg != nullptr ? 256 : 0));
-    load_tile128(st, kKvQTile, &maps.q_rows64, bar, h * kD, tok0 + q0);
-    load_tile128(st + kKvQTile, kKvQTile, &maps.do_rows64, bar, h * kD, tok0 + q0);
-    bulk_load(st + 2 * kKvQTile, a.lse2 + row, 256, bar);
-    bulk_load(st + 2 * kKvQTile + 256, a.delta + row, 256, bar);
-    if (a.seg != nullptr) bulk_load(st + 2 * kKvQTile + 512, a.seg + tok0 + q0, 256, bar);
+    mbar_arrive_expect_tx(bar, T::kQTile + kKvQTile + 512 + (a.seg != nullptr ? 256 : 0));
+    load_tile<kQk>(st, T::kQTile, &maps.q_rows64, bar, h * kQk, tok0 + q0);
+    load_tile128(st + T::kQTile, kKvQTile, &maps.do_rows64, bar, h * kD, tok0 + q0);
+    bulk_load(stats, a.lse2 + row, 256, bar);
+    bulk_load(stats + 256, a.delta + row, 256, bar);
+    if (a.seg != nullptr) bulk_load(stats + 512, a.seg + tok0 + q0, 256, bar);
   };
   const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, w = (tid >> 5) & 3;
   const int g = lane >> 2, t = lane & 3;
   if (tid == 0) {
-    mbar_arrive_expect_tx(kv_bar, 2 * kKvTile);
-    load_tile128(sK, kKvTile, &maps.k_rows128, kv_bar, kvh * kD, tok0 + k0);
+    mbar_arrive_expect_tx(kv_bar, T::kKTile + kKvTile);
+    load_tile<kQk>(sK, T::kKTile, &maps.k_rows128, kv_bar, kvh * kQk, tok0 + k0);
     load_tile128(sV, kKvTile, &maps.v_rows128, kv_bar, kvh * kD, tok0 + k0);
     for (int s = 0; s < kStages && s < n_it; ++s) issue(s, s);
   }
@@ -490,9 +503,11 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant
     key[h] = kw0 + 16 * w + g + 8 * h;
     if (a.seg != nullptr) seg_k[h] = a.seg[tok0 + key[h]];
   }
-  float dk[64], dv[64];
+  float dk[64], dv[64], dk2[kQk == kD ? 1 : 32];  // dk2: dK's columns 128..191 at kQk = 192
 #pragma unroll
   for (int i = 0; i < 64; ++i) dk[i] = dv[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < (kQk == kD ? 1 : 32); ++i) dk2[i] = 0.f;
   const uint32_t k_addr = smem_u32(sK) + wg * 64 * 128, v_addr = smem_u32(sV) + wg * 64 * 128;
   mbar_wait(kv_bar, 0);
 
@@ -508,16 +523,16 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant
     // when the dQ MMAs are issued, so they are kept (keep_live) until the wait.
     uint32_t ap[4][4], ads[4][4];
     if (active) {
-      char* st = stages + s * kKvStage;
-      const uint32_t q_addr = smem_u32(st), do_addr = smem_u32(st + kKvQTile);
-      const float* s_lse2 = reinterpret_cast<const float*>(st + 2 * kKvQTile);
+      char* st = stages + s * T::kStage;
+      const uint32_t q_addr = smem_u32(st), do_addr = smem_u32(st + T::kQTile);
+      const float* s_lse2 = reinterpret_cast<const float*>(st + T::kQTile + kKvQTile);
       const float* s_delta = s_lse2 + 64;
       const int32_t* s_seg = reinterpret_cast<const int32_t*>(s_lse2 + 128);
       float sc[32], dp[32];
       zero(sc);
       zero(dp);
       wgmma_fence();
-      mma_rows_by_rows(sc, k_addr, kKvKeys, q_addr, kKvRows);  // S^T = K Q^T
+      mma_rows_by_rows<32, kQk>(sc, k_addr, kKvKeys, q_addr, kKvRows);  // S^T = K Q^T
       wgmma_commit();
       mma_rows_by_rows(dp, v_addr, kKvKeys, do_addr, kKvRows);  // dP^T = V dO^T
       wgmma_commit();
@@ -575,14 +590,21 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant
       }
       pin(dv);
       pin(dk);
+      if constexpr (kQk != kD) pin(dk2);
       wgmma_fence();
       mma_regs_by_cols(dv, ap, do_addr, kKvRows);  // dV += P^T dO
-      mma_regs_by_cols(dk, ads, q_addr, kKvRows);  // dK += dS^T Q
+      mma_regs_by_cols(dk, ads, q_addr, kKvRows);  // dK += dS^T Q (Q's first two boxes)
+      if constexpr (kQk != kD) {  // ... and its third box, columns 128..191
+        const uint32_t q3 = q_addr + 2 * kKvRows * 128;
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) wgmma_m64n64k16_rs<1>(dk2, ads[kc], sw128_desc(q3 + kc * 2048, kKvRows * 128, 1024));
+      }
       wgmma_commit();
       if constexpr (!kDq) {
         wgmma_wait<0>();
         pin(dv);
         pin(dk);
+        if constexpr (kQk != kD) pin(dk2);
       }
     }
     if constexpr (kDq) {
@@ -641,23 +663,42 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant
     if ((tid & 127) == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // before exit
   }
 
+  if constexpr (kQk != kD) {  // MLA: no splits (its launcher asks none); dK rows of 192, dV rows of 128
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t off = static_cast<int64_t>(tok0 + key[h]) * a.kv_stride + static_cast<int64_t>(kvh) * kD + 2 * t;
-    if (a.splits > 1) {  // f32 partials, summed in split order by the reduce kernel
-      const int64_t part = static_cast<int64_t>(split) * a.batch * a.seq * a.kv_stride + off;
+    for (int h = 0; h < 2; ++h) {
+      const int64_t tok = tok0 + key[h];
+      bf16* gk = a.dk + tok * a.kv_heads * kQk + static_cast<int64_t>(kvh) * kQk + 2 * t;
+      bf16* gv = a.dv + tok * a.kv_stride + static_cast<int64_t>(kvh) * kD + 2 * t;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
-        *reinterpret_cast<float2*>(a.dk_part + part + 8 * j) = make_float2(dk[4 * j + 2 * h], dk[4 * j + 2 * h + 1]);
-        *reinterpret_cast<float2*>(a.dv_part + part + 8 * j) = make_float2(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
+        *reinterpret_cast<uint32_t*>(gk + 8 * j) = pack_bf16(dk[4 * j + 2 * h] * a.scale, dk[4 * j + 2 * h + 1] * a.scale);
+        *reinterpret_cast<uint32_t*>(gv + 8 * j) = pack_bf16(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
       }
-      continue;
-    }
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      *reinterpret_cast<uint32_t*>(a.dk + off + 8 * j) =
-          pack_bf16(dk[4 * j + 2 * h] * a.scale, dk[4 * j + 2 * h + 1] * a.scale);
-      *reinterpret_cast<uint32_t*>(a.dv + off + 8 * j) = pack_bf16(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
+      for (int j = 0; j < 8; ++j) {
+        *reinterpret_cast<uint32_t*>(gk + 128 + 8 * j) =
+            pack_bf16(dk2[4 * j + 2 * h] * a.scale, dk2[4 * j + 2 * h + 1] * a.scale);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t off = static_cast<int64_t>(tok0 + key[h]) * a.kv_stride + static_cast<int64_t>(kvh) * kD + 2 * t;
+      if (a.splits > 1) {  // f32 partials, summed in split order by the reduce kernel
+        const int64_t part = static_cast<int64_t>(split) * a.batch * a.seq * a.kv_stride + off;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          *reinterpret_cast<float2*>(a.dk_part + part + 8 * j) = make_float2(dk[4 * j + 2 * h], dk[4 * j + 2 * h + 1]);
+          *reinterpret_cast<float2*>(a.dv_part + part + 8 * j) = make_float2(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
+        }
+        continue;
+      }
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        *reinterpret_cast<uint32_t*>(a.dk + off + 8 * j) =
+            pack_bf16(dk[4 * j + 2 * h] * a.scale, dk[4 * j + 2 * h + 1] * a.scale);
+        *reinterpret_cast<uint32_t*>(a.dv + off + 8 * j) = pack_bf16(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
+      }
     }
   }
 #endif
@@ -902,9 +943,10 @@ bool launch_attention_backward_hopper(const __nv_bfloat16* dout, const __nv_bflo
   return true;
 }
 
-bool launch_attention_dq_hopper_mla(const __nv_bfloat16* dout, const __nv_bfloat16* q, const __nv_bfloat16* k,
-                                    const __nv_bfloat16* v, const int32_t* seg, const float* delta, const float* lse2,
-                                    __nv_bfloat16* dq, const AttentionDims& d, cudaStream_t s) {
+bool launch_attention_backward_hopper_mla(const __nv_bfloat16* dout, const __nv_bfloat16* q,
+                                          const __nv_bfloat16* k, const __nv_bfloat16* v, const int32_t* seg,
+                                          const float* delta, const float* lse2, __nv_bfloat16* dq, __nv_bfloat16* dk,
+                                          __nv_bfloat16* dv, const AttentionDims& d, cudaStream_t s) {
   constexpr int kMla = 192;
   const uint64_t rows = static_cast<uint64_t>(d.batch) * d.seq;
   const uint64_t qc = static_cast<uint64_t>(d.q_heads) * kMla, kc = static_cast<uint64_t>(d.kv_heads) * kMla;
@@ -912,14 +954,23 @@ bool launch_attention_dq_hopper_mla(const __nv_bfloat16* dout, const __nv_bfloat
   Maps m{};
   if (!make_tensor_map(&m.q_rows128, q, {qc, rows}, {64, 128}) ||
       !make_tensor_map(&m.do_rows128, dout, {doc, rows}, {64, 128}) ||
-      !make_tensor_map(&m.k_rows64, k, {kc, rows}, {64, 64}) || !make_tensor_map(&m.v_rows64, v, {vc, rows}, {64, 64})) {
+      !make_tensor_map(&m.k_rows64, k, {kc, rows}, {64, 64}) || !make_tensor_map(&m.v_rows64, v, {vc, rows}, {64, 64}) ||
+      !make_tensor_map(&m.q_rows64, q, {qc, rows}, {64, 64}) ||
+      !make_tensor_map(&m.do_rows64, dout, {doc, rows}, {64, 64}) ||
+      !make_tensor_map(&m.k_rows128, k, {kc, rows}, {64, 128}) ||
+      !make_tensor_map(&m.v_rows128, v, {vc, rows}, {64, 128})) {
     return false;
   }
-  Args a = args_of(d);
-  a.q_stride = static_cast<int64_t>(qc);  // dQ's rows: heads of 192
+  Args a = args_of(d);  // kv_stride: dV's rows (heads of 128)
   a.lse2 = lse2;
   a.delta = delta;
   a.seg = seg;
+  a.dk = dk;
+  a.dv = dv;
+  prepare(dkdv_kernel<false, kMla>, KvTiles<kMla>::kSmem);
+  dkdv_kernel<false, kMla><<<static_cast<unsigned>(d.seq / kKvKeys) * d.batch * d.kv_heads, kThreads,
+                             KvTiles<kMla>::kSmem, s>>>(m, a);
+  a.q_stride = static_cast<int64_t>(qc);  // dQ's rows: heads of 192
   a.dq = dq;
   prepare(dq_kernel<kMla>, DqTiles<kMla>::kSmem);
   dq_kernel<kMla><<<static_cast<unsigned>(d.seq / kQRows) * d.batch * d.q_heads, kThreads, DqTiles<kMla>::kSmem, s>>>(

@@ -53,15 +53,16 @@ bool launch_attention_backward(const __nv_bfloat16* dout, const __nv_bfloat16* q
 // Their dK/dV blocks cover attention_backward_hopper_key_tile() keys, which
 // attention_dkdv_splits counts in. The launchers return false, launching nothing, when the
 // driver refuses a tensor map. The forward also takes MLA's 192 / 128 heads
-// (attention_hopper_forward_applies); the backward's kernels are for 128 / 128 only.
+// (attention_hopper_forward_applies), and so does launch_attention_backward_hopper_mla.
 bool attention_hopper_applies(const AttentionDims& d, const int32_t* seg);
 bool attention_hopper_forward_applies(const AttentionDims& d, const int32_t* seg);
-// MLA's dQ pass (query/key heads of 192, values of 128) on Hopper, after the mma.sync dK/dV
-// pass (where attention_hopper_forward_applies): dq [B*S, Hq*192] from delta and lse2 as the
-// other dQ kernels take them.
-bool launch_attention_dq_hopper_mla(const __nv_bfloat16* dout, const __nv_bfloat16* q, const __nv_bfloat16* k,
-                                    const __nv_bfloat16* v, const int32_t* seg, const float* delta, const float* lse2,
-                                    __nv_bfloat16* dq, const AttentionDims& d, cudaStream_t s);
+// MLA's backward (query/key heads of 192, values of 128) on Hopper, where
+// attention_hopper_forward_applies and no dK/dV splits are asked: the dK/dV pass, then the dQ
+// pass, from delta and lse2 as the other backward kernels take them.
+bool launch_attention_backward_hopper_mla(const __nv_bfloat16* dout, const __nv_bfloat16* q,
+                                          const __nv_bfloat16* k, const __nv_bfloat16* v, const int32_t* seg,
+                                          const float* delta, const float* lse2, __nv_bfloat16* dq, __nv_bfloat16* dk,
+                                          __nv_bfloat16* dv, const AttentionDims& d, cudaStream_t s);
 bool launch_attention_forward_hopper(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                                      const int32_t* seg, __nv_bfloat16* out, float* lse, const AttentionDims& d,
                                      cudaStream_t s);
