@@ -10,7 +10,7 @@
 // 275 GFLOP, backward 687): H100 dense bf16 peak 989 TFLOP/s -> forward 0.28 ms, backward
 // 0.69 ms; at B=2, S=4096, H=16, 192 / 128 (forward 172 GFLOP, backward 429): 0.17 ms and
 // 0.43 ms. MOETRAIN_ATTENTION_MMA_SYNC=1 times the portable mma.sync kernels instead of the
-// Hopper ones (which take D = Dv = 128 only: the MLA heads always run on mma.sync).
+// Hopper ones (which take D = Dv = 128 and MLA's 192 / 128).
 #include <benchmark/benchmark.h>
 
 #include <cmath>
