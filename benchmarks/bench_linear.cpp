@@ -1,9 +1,14 @@
 // cuBLASLt linear at the bench model's attention-projection shape (tokens 8192, hidden
 // 2048 -> 4096 for q_proj), as a reference point for the hand-written kernels: what the
 // vendor GEMM reaches on this GPU. Floor: 2*T*in*out FLOPs at 989 TFLOP/s (H100 dense bf16).
+// BM_LinearForwardFp8: the same shapes with FP8 operands in DeepSeek-V3's block scales
+// (activations 1 x 128, weights 128 x 128; issue 30), the GEMM alone (operands quantized
+// before the timing), dense FP8 peak 1979 TFLOP/s; BM_QuantizeFp8: the activation
+// quantizer's pass (TB/s read and written; H100 HBM3 ~3.35).
 #include <benchmark/benchmark.h>
 
 #include "core/cuda_runtime.h"
+#include "core/rng.h"
 #include "gpu_timing.h"
 #include "ops/ops.h"
 
@@ -23,6 +28,40 @@ void BM_LinearForwardBf16(benchmark::State& state) {
   set_rate(state, "TFLOP/s", 2.0 * T * in * out, ms_total);
 }
 BENCHMARK(BM_LinearForwardBf16)->Args({8192, 2048, 4096})->Args({8192, 2048, 32768})->UseManualTime();
+
+void BM_LinearForwardFp8(benchmark::State& state) {
+  if (!cuda::available()) {
+    state.SkipWithError("needs a CUDA device");
+    return;
+  }
+  const int64_t T = state.range(0), in = state.range(1), out = state.range(2);
+  const Device gpu = Device::cuda(0);
+  Tensor x = Tensor::empty({T, in}, DType::F32), w = Tensor::empty({out, in}, DType::F32);
+  fill_normal(x, 1, 1.0);
+  fill_normal(w, 2, 0.02);
+  const ops::Fp8Tensor a = ops::quantize_fp8(x.to(DType::BF16).to(gpu), ops::Fp8Blocks::kRows);
+  const ops::Fp8Tensor b = ops::quantize_fp8(w.to(DType::BF16).to(gpu), ops::Fp8Blocks::kBlocks);
+  const double ms_total = time_iterations(state, [&] { Tensor y = ops::linear_fp8(a, b, DType::BF16); });
+  set_rate(state, "TFLOP/s", 2.0 * T * in * out, ms_total);
+}
+BENCHMARK(BM_LinearForwardFp8)->Args({8192, 2048, 4096})->Args({8192, 2048, 32768})->Args({8192, 4096, 2048})->UseManualTime();
+
+void BM_QuantizeFp8(benchmark::State& state) {
+  if (!cuda::available()) {
+    state.SkipWithError("needs a CUDA device");
+    return;
+  }
+  const int64_t T = state.range(0), in = state.range(1);
+  Tensor x = Tensor::empty({T, in}, DType::F32);
+  fill_normal(x, 3, 1.0);
+  const Tensor xg = x.to(DType::BF16).to(Device::cuda(0));
+  const bool transposed = state.range(2) != 0;
+  const double ms_total = time_iterations(state, [&] {
+    ops::Fp8Tensor q = transposed ? ops::quantize_fp8_transposed(xg) : ops::quantize_fp8(xg, ops::Fp8Blocks::kRows);
+  });
+  set_rate(state, "TB/s", static_cast<double>(T * in) * 3.0, ms_total);  // 2 bytes read, 1 written
+}
+BENCHMARK(BM_QuantizeFp8)->Args({8192, 2048, 0})->Args({8192, 2048, 1})->UseManualTime();
 
 }  // namespace
 }  // namespace moetrain

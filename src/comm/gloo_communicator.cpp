@@ -60,7 +60,9 @@ void reduce_typed(DType dt, const void* chunks, int ranks, int64_t n, void* out,
     case DType::I32: return reduce_rows<int32_t, int32_t>(static_cast<const int32_t*>(chunks), ranks, n, static_cast<int32_t*>(out), op);
     case DType::I64: return reduce_rows<int64_t, int64_t>(static_cast<const int64_t*>(chunks), ranks, n, static_cast<int64_t*>(out), op);
     case DType::I16: return reduce_rows<int16_t, int32_t>(static_cast<const int16_t*>(chunks), ranks, n, static_cast<int16_t*>(out), op);
+    case DType::F8E4M3: break;  // FP8 operands are moved, never summed
   }
+  MT_THROW("gloo: no reduction of {} tensors", dtype_name(dt));
 }
 
 std::shared_ptr<gloo::transport::Device> make_device(const CommOptions& o) {

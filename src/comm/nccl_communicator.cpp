@@ -29,6 +29,7 @@ ncclDataType_t nccl_type(DType t) {
     case DType::I32: return ncclInt32;
     case DType::I64: return ncclInt64;
     case DType::I16: break;  // NCCL has no 16-bit integers
+    case DType::F8E4M3: return ncclUint8;  // moved, never reduced (bytes)
   }
   MT_THROW("nccl: no NCCL type for {} tensors", dtype_name(t));
 }

@@ -2,12 +2,50 @@
 
 #include <fmt/ranges.h>
 
+#include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "core/allocator.h"
 #include "core/cuda_runtime.h"
 
 namespace moetrain {
+
+uint8_t float_to_fp8_e4m3(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  if (std::isnan(f)) return 0x7f;
+  const float a = std::fabs(f);
+  if (a >= kFp8E4m3Max) return sign | 0x7e;  // saturated (infinities too)
+  if (a == 0.0f) return sign;
+  int e = 0;
+  std::frexp(a, &e);  // a = m 2^e, m in [0.5, 1): a's exponent is e - 1
+  // The grid of e4m3 values near a: steps of 2^(e - 1 - 3) in the normal range, 2^-9 below
+  // 2^-6 (subnormals). Dividing by a power of two is exact; nearbyint rounds to nearest even.
+  const int step_exp = std::max(e - 4, -9);
+  const float steps = std::nearbyint(std::ldexp(a, -step_exp));  // a in steps (<= 16 for normals)
+  const int n = static_cast<int>(steps);
+  if (e - 1 < -6) {  // below the smallest normal 2^-6: subnormal (n <= 8; 8 rounds up to 2^-6)
+    return static_cast<uint8_t>(sign | (n == 8 ? 0x08 : n));
+  }
+  // n in [8, 16]: mantissa n - 8 of exponent step_exp + 3; 16 carries into the next exponent.
+  int biased = step_exp + 3 + 7, m = n - 8;
+  if (n == 16) {
+    ++biased;
+    m = 0;
+  }
+  if (biased > 15 || (biased == 15 && m == 7)) return sign | 0x7e;  // rounded past 448
+  return static_cast<uint8_t>(sign | (biased << 3) | m);
+}
+
+float fp8_e4m3_to_float(uint8_t bits) {
+  const float sign = (bits & 0x80) ? -1.0f : 1.0f;
+  const int e = (bits >> 3) & 0xf, m = bits & 0x7;
+  if (e == 0xf && m == 0x7) return std::numeric_limits<float>::quiet_NaN();
+  if (e == 0) return sign * std::ldexp(static_cast<float>(m) / 8.0f, -6);  // subnormal
+  return sign * std::ldexp(1.0f + static_cast<float>(m) / 8.0f, e - 7);
+}
 
 size_t dtype_size(DType t) {
   switch (t) {
@@ -17,6 +55,7 @@ size_t dtype_size(DType t) {
     case DType::I32: return 4;
     case DType::I64: return 8;
     case DType::I16: return 2;
+    case DType::F8E4M3: return 1;
   }
   return 0;
 }
@@ -29,6 +68,7 @@ std::string_view dtype_name(DType t) {
     case DType::I32: return "i32";
     case DType::I64: return "i64";
     case DType::I16: return "i16";
+    case DType::F8E4M3: return "f8e4m3";
   }
   return "?";
 }
@@ -37,7 +77,8 @@ bool parse_dtype(std::string_view name, DType* out) {
   struct Entry { std::string_view a, b; DType t; };
   static const Entry kEntries[] = {{"f32", "float32", DType::F32}, {"f64", "float64", DType::F64},
                                    {"bf16", "bfloat16", DType::BF16}, {"i32", "int32", DType::I32},
-                                   {"i64", "int64", DType::I64}, {"i16", "int16", DType::I16}};
+                                   {"i64", "int64", DType::I64}, {"i16", "int16", DType::I16},
+                                   {"f8e4m3", "float8_e4m3fn", DType::F8E4M3}};
   for (const auto& e : kEntries) {
     if (name == e.a || name == e.b) {
       *out = e.t;
@@ -256,9 +297,9 @@ namespace {
 template <typename D, typename S>
 void convert(D* dst, const S* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    if constexpr (std::is_same_v<D, bf16>) {
-      dst[i] = bf16(static_cast<float>(src[i]));
-    } else if constexpr (std::is_same_v<S, bf16>) {
+    if constexpr (std::is_same_v<D, bf16> || std::is_same_v<D, f8e4m3>) {
+      dst[i] = D(static_cast<float>(src[i]));
+    } else if constexpr (std::is_same_v<S, bf16> || std::is_same_v<S, f8e4m3>) {
       dst[i] = static_cast<D>(static_cast<float>(src[i]));
     } else {
       dst[i] = static_cast<D>(src[i]);
@@ -275,6 +316,7 @@ void dispatch_dtype(DType t, F&& f) {
     case DType::I32: f(int32_t{}); break;
     case DType::I64: f(int64_t{}); break;
     case DType::I16: f(int16_t{}); break;
+    case DType::F8E4M3: f(f8e4m3{}); break;
   }
 }
 }  // namespace
@@ -375,7 +417,7 @@ double Tensor::item(int64_t i) const {
   dispatch_dtype(dtype_, [&](auto d) {
     using D = decltype(d);
     const D* p = static_cast<const D*>(raw());
-    if constexpr (std::is_same_v<D, bf16>) out = static_cast<float>(p[i]);
+    if constexpr (std::is_same_v<D, bf16> || std::is_same_v<D, f8e4m3>) out = static_cast<float>(p[i]);
     else out = static_cast<double>(p[i]);
   });
   return out;

@@ -3,12 +3,42 @@
 // sizes its kernels take.
 #pragma once
 
+#include <array>
 #include <cstdint>
 
 #include "core/tensor.h"
 #include "ops/ops.h"
 
 namespace moetrain::ops {
+
+constexpr int64_t kFp8Block = 128;
+inline int64_t fp8_blocks_of(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
+// The shape of the scales of an [R, C] tensor quantized in `blocks` mode (ops.h).
+inline Shape fp8_scale_shape(int64_t R, int64_t C, Fp8Blocks blocks) {
+  if (blocks == Fp8Blocks::kRows) return {fp8_blocks_of(C), R};
+  return {fp8_blocks_of(R), (fp8_blocks_of(C) + 3) / 4 * 4};
+}
+// An Fp8Tensor's q and scale agree with each other and its mode.
+inline void check_fp8_tensor(const char* op, const Fp8Tensor& t, const char* name) {
+  MT_CHECK(t.q.defined() && t.q.ndim() == 2 && t.q.dtype() == DType::F8E4M3, "{}: {}.q must be f8e4m3 [R, C], got {}",
+           op, name, t.q.str());
+  MT_CHECK(t.scale.defined() && t.scale.dtype() == DType::F32 &&
+               t.scale.shape() == fp8_scale_shape(t.q.size(0), t.q.size(1), t.blocks),
+           "{}: {}.scale is {}, expected f32 {} for {} in {} mode", op, name, t.scale.str(),
+           shape_str(fp8_scale_shape(t.q.size(0), t.q.size(1), t.blocks)), t.q.str(),
+           t.blocks == Fp8Blocks::kRows ? "rows (1 x 128)" : "blocks (128 x 128)");
+  MT_CHECK(t.q.device() == t.scale.device(), "{}: {}'s q and scale lie on different devices", op, name);
+}
+// linear_fp8's operands: a in rows mode, b in either, the same K; returns {M, N, K}.
+inline std::array<int64_t, 3> check_linear_fp8_args(const char* op, const Fp8Tensor& a, const Fp8Tensor& b, DType out) {
+  check_fp8_tensor(op, a, "a");
+  check_fp8_tensor(op, b, "b");
+  MT_CHECK(a.blocks == Fp8Blocks::kRows, "{}: a must be quantized in rows (1 x 128) mode", op);
+  MT_CHECK(a.q.size(1) == b.q.size(1), "{}: a {} and b {} differ in K", op, a.q.str(), b.q.str());
+  MT_CHECK(a.q.device() == b.q.device(), "{}: a and b lie on different devices", op);
+  MT_CHECK(out == DType::BF16 || out == DType::F32, "{}: the output must be bf16 or f32, got {}", op, dtype_name(out));
+  return {a.q.size(0), b.q.size(0), a.q.size(1)};
+}
 
 struct RopeDims {
   int64_t T, W, head_dim, stride, half;

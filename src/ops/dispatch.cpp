@@ -1,4 +1,5 @@
 // Routes each op to the backend where its tensors live: the first tensor argument decides.
+#include "ops/arg_checks.h"
 #include "ops/cpu/cpu_ops.h"
 #if MOETRAIN_WITH_CUDA
 #include "ops/cuda/cuda_ops.h"
@@ -47,6 +48,29 @@ Tensor shift_tokens(const Tensor& ids, const Tensor& segment_ids, int64_t batch,
     check_shape(segment_ids, ids.shape(), "shift_tokens segment_ids");
   }
   return MT_ROUTE(ids, shift_tokens, ids, segment_ids, batch, k, fill);
+}
+
+Fp8Tensor quantize_fp8(const Tensor& x, Fp8Blocks blocks) {
+  MT_CHECK(x.defined() && x.ndim() == 2, "quantize_fp8: x must be [R, C], got {}", x.str());
+  MT_CHECK(is_floating(x.dtype()), "quantize_fp8: x must be bf16, f32 or f64, got {}", x.str());
+  return MT_ROUTE(x, quantize_fp8, x, blocks);
+}
+
+Fp8Tensor quantize_fp8_transposed(const Tensor& x) {
+  MT_CHECK(x.defined() && x.ndim() == 2, "quantize_fp8_transposed: x must be [R, C], got {}", x.str());
+  MT_CHECK(is_floating(x.dtype()), "quantize_fp8_transposed: x must be bf16, f32 or f64, got {}", x.str());
+  return MT_ROUTE(x, quantize_fp8_transposed, x);
+}
+
+Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype) {
+  check_fp8_tensor("dequantize_fp8", t, "t");
+  MT_CHECK(is_floating(dtype), "dequantize_fp8: dtype must be bf16, f32 or f64, got {}", dtype_name(dtype));
+  return MT_ROUTE(t.q, dequantize_fp8, t, dtype);
+}
+
+Tensor linear_fp8(const Fp8Tensor& a, const Fp8Tensor& b, DType out) {
+  check_linear_fp8_args("linear_fp8", a, b, out);
+  return MT_ROUTE(a.q, linear_fp8, a, b, out);
 }
 
 Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& residual) {

@@ -336,6 +336,32 @@ LinearCrossEntropyOut linear_cross_entropy(const Tensor& x, const Tensor& w, con
                                            Tensor* dx, Tensor* dw, int64_t chunk_rows = 0,
                                            bool accumulate_dw = true);
 
+// ---- FP8 (e4m3) with block scales: DeepSeek-V3's recipe (issue 30) -------------------
+// x ~= q * scale blockwise. Rows (activations and their gradients): one scale per 1 x 128
+// tile along a row (the reduction dimension), stored [ceil(C/128), R], the rows contiguous
+// (cuBLASLt's VEC128_32F layout). Blocks (weights): one scale per 128 x 128 block, stored
+// [ceil(R/128), round_up(ceil(C/128), 4)], the columns' blocks contiguous and each row
+// padded to a multiple of 4 with 1s (cuBLASLt's BLK128x128_32F layout). A tile's scale is
+// amax / 448 (1 for an all-zero tile) and q = e4m3(x / scale) rounded to nearest even
+// (f8e4m3 in core/dtype.h): the same bits on every backend.
+enum class Fp8Blocks { kRows, kBlocks };
+struct Fp8Tensor {
+  Tensor q;      // f8e4m3 [R, C]
+  Tensor scale;  // f32, laid out as above
+  Fp8Blocks blocks = Fp8Blocks::kRows;
+};
+// x [R, C] (bf16, f32 or f64).
+Fp8Tensor quantize_fp8(const Tensor& x, Fp8Blocks blocks);
+// x^T in rows mode, [C, R] with tiles of 128 along R (a weight gradient's operands, whose
+// reduction runs over the tokens), from x [R, C] in one pass: no transposed copy of x.
+Fp8Tensor quantize_fp8_transposed(const Tensor& x);
+// q * scale as `dtype`.
+Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype);
+// y [M, N] = a [M, K] b [N, K]^T, a in rows mode, b in either: per 128-element block of K the
+// sum of the e4m3 products, times the two tiles' scales, added up over the blocks in f32
+// (DeepSeek's promotion of the sums every 128 of K); y of dtype `out` (bf16 or f32).
+Tensor linear_fp8(const Fp8Tensor& a, const Fp8Tensor& b, DType out);
+
 // ---- MoE auxiliary losses -------------------------------------------------------------
 // Hugging Face Qwen3-MoE load balancing over R router rows (all routed layers of a
 // forward, concatenated): loss = coef * E * sum_e (n_e / R) * (P_e / R), with n_e the

@@ -743,15 +743,15 @@ TEST(HfConvert, AFolderLackingATensorNamesIt) {
 // F8_E4M3's values at known codes (OCP FP8 E4M3 "fn"): 1, 1.5, -1, the largest 448, the
 // smallest normal 2^-6, the smallest subnormal 2^-9, zero and NaN.
 TEST(HfConvert, Fp8E4m3Decodes) {
-  EXPECT_EQ(f8_e4m3_to_float(0x38), 1.0f);
-  EXPECT_EQ(f8_e4m3_to_float(0x3C), 1.5f);
-  EXPECT_EQ(f8_e4m3_to_float(0xB8), -1.0f);
-  EXPECT_EQ(f8_e4m3_to_float(0x7E), 448.0f);
-  EXPECT_EQ(f8_e4m3_to_float(0x08), 0.015625f);
-  EXPECT_EQ(f8_e4m3_to_float(0x01), 0.001953125f);
-  EXPECT_EQ(f8_e4m3_to_float(0x00), 0.0f);
-  EXPECT_TRUE(std::isnan(f8_e4m3_to_float(0x7F)));
-  EXPECT_TRUE(std::isnan(f8_e4m3_to_float(0xFF)));
+  EXPECT_EQ(fp8_e4m3_to_float(0x38), 1.0f);
+  EXPECT_EQ(fp8_e4m3_to_float(0x3C), 1.5f);
+  EXPECT_EQ(fp8_e4m3_to_float(0xB8), -1.0f);
+  EXPECT_EQ(fp8_e4m3_to_float(0x7E), 448.0f);
+  EXPECT_EQ(fp8_e4m3_to_float(0x08), 0.015625f);
+  EXPECT_EQ(fp8_e4m3_to_float(0x01), 0.001953125f);
+  EXPECT_EQ(fp8_e4m3_to_float(0x00), 0.0f);
+  EXPECT_TRUE(std::isnan(fp8_e4m3_to_float(0x7F)));
+  EXPECT_TRUE(std::isnan(fp8_e4m3_to_float(0xFF)));
 }
 
 // A DeepSeek FP8 folder: an F8_E4M3 weight of 130 x 260 (blocks of 128 x 128 that do not
@@ -802,7 +802,7 @@ TEST(HfConvert, Fp8WeightsAreDequantizedOnImport) {
   int64_t checked = 0;
   for (int64_t i = 0; i < R; ++i) {
     for (int64_t j = 0; j < C; ++j) {
-      const float want = static_cast<float>(bf16(f8_e4m3_to_float(w[i * C + j]) * scale[(i / 128) * 3 + j / 128]));
+      const float want = static_cast<float>(bf16(fp8_e4m3_to_float(w[i * C + j]) * scale[(i / 128) * 3 + j / 128]));
       ASSERT_EQ(v[i * C + j], static_cast<double>(want)) << i << "," << j;
       ++checked;
     }

@@ -88,7 +88,7 @@ class Fp8Weights {
     const float* s = scale.data<float>();
     const auto* w = static_cast<const uint8_t*>(f.data(e));
     float decode[256];
-    for (int b = 0; b < 256; ++b) decode[b] = f8_e4m3_to_float(static_cast<uint8_t>(b));
+    for (int b = 0; b < 256; ++b) decode[b] = fp8_e4m3_to_float(static_cast<uint8_t>(b));
     Tensor out = Tensor::empty({R, C}, DType::BF16);
     bf16* y = out.data<bf16>();
 #pragma omp parallel for schedule(static)

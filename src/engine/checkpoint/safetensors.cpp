@@ -42,6 +42,7 @@ std::string safetensors_dtype_name(DType t) {
     case DType::I32: return "I32";
     case DType::I64: return "I64";
     case DType::I16: return "I16";
+    case DType::F8E4M3: return "F8_E4M3";
   }
   MT_THROW("unknown dtype {}", static_cast<int>(t));
 }
@@ -57,13 +58,6 @@ bool parse_safetensors_dtype(const std::string& s, DType* out) {
   return true;
 }
 
-float f8_e4m3_to_float(uint8_t bits) {
-  const float sign = (bits & 0x80) ? -1.0f : 1.0f;
-  const int e = (bits >> 3) & 0xf, m = bits & 0x7;
-  if (e == 0xf && m == 0x7) return std::numeric_limits<float>::quiet_NaN();
-  if (e == 0) return sign * std::ldexp(static_cast<float>(m) / 8.0f, -6);  // subnormal
-  return sign * std::ldexp(1.0f + static_cast<float>(m) / 8.0f, e - 7);
-}
 
 uint64_t xxh3_bytes(const void* data, size_t bytes) { return XXH3_64bits(data, bytes); }
 

@@ -33,9 +33,6 @@ struct SafetensorsEntry {
   bool f8_e4m3 = false;
 };
 
-// An F8_E4M3 byte (OCP FP8 E4M3 "fn": sign, 4 exponent bits of bias 7, 3 mantissa bits; no
-// infinity, S.1111.111 is NaN) as a float.
-float f8_e4m3_to_float(uint8_t bits);
 
 // Writes one safetensors file. Tensors are added by reference to host bytes that must stay
 // alive until write() returns; write() returns the file's size and its XXH3-64 checksum

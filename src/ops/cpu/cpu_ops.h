@@ -9,6 +9,10 @@ namespace moetrain::ops::cpu {
 Tensor embedding_forward(const Tensor& ids, const Tensor& weight);
 void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight);
 Tensor shift_tokens(const Tensor& ids, const Tensor& segment_ids, int64_t batch, int64_t k, int32_t fill);
+Fp8Tensor quantize_fp8(const Tensor& x, Fp8Blocks blocks);
+Fp8Tensor quantize_fp8_transposed(const Tensor& x);
+Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype);
+Tensor linear_fp8(const Fp8Tensor& a, const Fp8Tensor& b, DType out);
 Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& residual);
 Tensor linear_backward_input(const Tensor& dy, const Tensor& w);
 void linear_backward_input_add(const Tensor& dy, const Tensor& w, Tensor& dx);

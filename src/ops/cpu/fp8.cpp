@@ -1,0 +1,105 @@
+// FP8 (e4m3) block quantization and the block-scaled GEMM on the CPU: the references the
+// CUDA kernels match (ops.h). The GEMM emulates the hardware recipe: exact e4m3 products
+// summed per 128-element block of K in f32, scaled, added over the blocks in f32.
+#include <algorithm>
+#include <cmath>
+
+#include "ops/arg_checks.h"
+#include "ops/cpu/cpu_ops.h"
+
+namespace moetrain::ops::cpu {
+namespace {
+
+// Elements of x as floats (bf16, f32 or f64; x on the host).
+std::vector<float> as_floats(const Tensor& x) {
+  const std::vector<double> d = x.to_double_vector();
+  return std::vector<float>(d.begin(), d.end());
+}
+
+// One tile's scale: amax / 448, or 1 for an all-zero tile.
+float tile_scale(float amax) { return amax > 0.0f ? amax / kFp8E4m3Max : 1.0f; }
+
+}  // namespace
+
+Fp8Tensor quantize_fp8(const Tensor& x, Fp8Blocks blocks) {
+  const int64_t R = x.size(0), C = x.size(1), L = fp8_blocks_of(C);
+  const std::vector<float> v = as_floats(x);
+  Fp8Tensor out{Tensor::empty({R, C}, DType::F8E4M3), Tensor::full(fp8_scale_shape(R, C, blocks), 1.0, DType::F32),
+                blocks};
+  uint8_t* q = static_cast<uint8_t*>(out.q.raw());
+  float* s = out.scale.data<float>();
+  const int64_t tile_rows = blocks == Fp8Blocks::kRows ? 1 : kFp8Block;
+  const int64_t scale_cols = out.scale.size(1);
+  for (int64_t r0 = 0; r0 < R; r0 += tile_rows) {
+    const int64_t r1 = std::min(R, r0 + tile_rows);
+    for (int64_t kb = 0; kb < L; ++kb) {
+      const int64_t c0 = kb * kFp8Block, c1 = std::min(C, c0 + kFp8Block);
+      float amax = 0.0f;
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(v[r * C + c]));
+      }
+      const float scale = tile_scale(amax);
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t c = c0; c < c1; ++c) q[r * C + c] = float_to_fp8_e4m3(v[r * C + c] / scale);
+      }
+      if (blocks == Fp8Blocks::kRows) s[kb * R + r0] = scale;
+      else s[(r0 / kFp8Block) * scale_cols + kb] = scale;
+    }
+  }
+  return out;
+}
+
+Fp8Tensor quantize_fp8_transposed(const Tensor& x) {
+  const int64_t R = x.size(0), C = x.size(1);
+  const std::vector<float> v = as_floats(x);
+  std::vector<float> t(v.size());
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < C; ++c) t[c * R + r] = v[r * C + c];
+  }
+  return cpu::quantize_fp8(Tensor::from_vector(t, {C, R}), Fp8Blocks::kRows);
+}
+
+Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype) {
+  const int64_t R = t.q.size(0), C = t.q.size(1);
+  const uint8_t* q = static_cast<const uint8_t*>(t.q.raw());
+  const float* s = t.scale.data<float>();
+  const int64_t scale_cols = t.scale.size(1);
+  std::vector<float> out(static_cast<size_t>(R * C));
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t kb = c / kFp8Block;
+      const float scale = t.blocks == Fp8Blocks::kRows ? s[kb * R + r] : s[(r / kFp8Block) * scale_cols + kb];
+      out[r * C + c] = fp8_e4m3_to_float(q[r * C + c]) * scale;
+    }
+  }
+  return Tensor::from_vector(out, {R, C}).to(dtype);
+}
+
+Tensor linear_fp8(const Fp8Tensor& a, const Fp8Tensor& b, DType out) {
+  const auto [M, N, K] = check_linear_fp8_args("linear_fp8", a, b, out);
+  const int64_t L = fp8_blocks_of(K), b_scale_cols = b.scale.size(1);
+  const uint8_t* qa = static_cast<const uint8_t*>(a.q.raw());
+  const uint8_t* qb = static_cast<const uint8_t*>(b.q.raw());
+  const float* sa = a.scale.data<float>();
+  const float* sb = b.scale.data<float>();
+  std::vector<float> fa(static_cast<size_t>(M * K)), fb(static_cast<size_t>(N * K));
+  for (int64_t i = 0; i < M * K; ++i) fa[i] = fp8_e4m3_to_float(qa[i]);
+  for (int64_t i = 0; i < N * K; ++i) fb[i] = fp8_e4m3_to_float(qb[i]);
+  std::vector<float> y(static_cast<size_t>(M * N));
+#pragma omp parallel for collapse(2) if (M * N * K > (1 << 16))
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) {
+      float acc = 0.0f;
+      for (int64_t kb = 0; kb < L; ++kb) {
+        float block = 0.0f;  // e4m3 products are exact in f32; their sum is rounded as the hardware's
+        for (int64_t k = kb * kFp8Block; k < std::min(K, (kb + 1) * kFp8Block); ++k) block += fa[m * K + k] * fb[n * K + k];
+        const float scale_b = b.blocks == Fp8Blocks::kRows ? sb[kb * N + n] : sb[(n / kFp8Block) * b_scale_cols + kb];
+        acc += block * sa[kb * M + m] * scale_b;
+      }
+      y[m * N + n] = acc;
+    }
+  }
+  return Tensor::from_vector(y, {M, N}).to(out);
+}
+
+}  // namespace moetrain::ops::cpu

@@ -1,0 +1,160 @@
+// CUDA FP8 ops (ops.h): quantization (kernels in fp8.cu) and the block-scaled GEMM through
+// cuBLASLt (12.9+ on Hopper): FP8 operands in the "TN" form (both K-major), the activation
+// side's scales VEC128_32F ([K/128][rows], the rows contiguous) and the weight side's
+// VEC128_32F or BLK128x128_32F ([rows/128][round_up(K/128, 4)]): the layouts the quantizers
+// write, so nothing is copied between them. cuBLASLt applies each 128-of-K partial sum's
+// scales in f32 (no fast accumulation: DeepSeek's promotion).
+#include <cstring>
+#include <memory>
+#include <unordered_map>
+
+#include "ops/arg_checks.h"
+#include "ops/cuda/common.h"
+#include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/fp8_launch.h"
+
+namespace moetrain::ops::cuda {
+namespace {
+
+void check_input(const char* op, const Tensor& x) {
+  check_cuda_tensors(op, {&x});
+  MT_CHECK(x.dtype() == DType::BF16 || x.dtype() == DType::F32, "{}: x must be bf16 or f32 on CUDA, got {}", op,
+           x.str());
+}
+
+struct Fp8PlanKey {
+  int64_t m, n, k;
+  int32_t out, a_blocks;
+  bool operator==(const Fp8PlanKey& o) const { return std::memcmp(this, &o, sizeof(*this)) == 0; }
+};
+struct Fp8PlanKeyHash {
+  size_t operator()(const Fp8PlanKey& k) const {
+    return std::hash<int64_t>()(k.m * 1000003 + k.n * 1009 + k.k) ^ (static_cast<size_t>(k.out) << 1) ^
+           (static_cast<size_t>(k.a_blocks) << 2);
+  }
+};
+struct Fp8Plan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  ~Fp8Plan() {
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+thread_local std::unordered_map<Fp8PlanKey, std::unique_ptr<Fp8Plan>, Fp8PlanKeyHash> t_fp8_plans;
+
+}  // namespace
+
+Fp8Tensor quantize_fp8(const Tensor& x, Fp8Blocks blocks) {
+  const char* op = "quantize_fp8";
+  check_input(op, x);
+  const int64_t R = x.size(0), C = x.size(1);
+  Fp8Tensor out{Tensor::empty({R, C}, DType::F8E4M3, x.device()),
+                Tensor::empty(fp8_scale_shape(R, C, blocks), DType::F32, x.device()), blocks};
+  const int eb = static_cast<int>(dtype_size(x.dtype()));
+  uint8_t* q = static_cast<uint8_t*>(out.q.raw());
+  if (blocks == Fp8Blocks::kRows) {
+    launch_quantize_fp8_rows(x.raw(), eb, R, C, q, out.scale.data<float>(), stream());
+  } else {
+    out.scale.fill_(1.0);  // the padding columns
+    launch_quantize_fp8_blocks(x.raw(), eb, R, C, q, out.scale.data<float>(), out.scale.size(1), stream());
+  }
+  check_launch(op);
+  return out;
+}
+
+Fp8Tensor quantize_fp8_transposed(const Tensor& x) {
+  const char* op = "quantize_fp8_transposed";
+  check_input(op, x);
+  const int64_t R = x.size(0), C = x.size(1);
+  Fp8Tensor out{Tensor::empty({C, R}, DType::F8E4M3, x.device()),
+                Tensor::empty(fp8_scale_shape(C, R, Fp8Blocks::kRows), DType::F32, x.device()), Fp8Blocks::kRows};
+  launch_quantize_fp8_transposed(x.raw(), static_cast<int>(dtype_size(x.dtype())), R, C,
+                                 static_cast<uint8_t*>(out.q.raw()), out.scale.data<float>(), stream());
+  check_launch(op);
+  return out;
+}
+
+Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype) {
+  check_cuda_tensors("dequantize_fp8", {&t.q, &t.scale});
+  const int64_t R = t.q.size(0), C = t.q.size(1);
+  Tensor y = Tensor::empty({R, C}, DType::F32, t.q.device());
+  launch_dequantize_fp8(static_cast<const uint8_t*>(t.q.raw()), t.scale.data<float>(), t.blocks == Fp8Blocks::kBlocks,
+                        R, C, t.scale.size(1), y.data<float>(), stream());
+  check_launch("dequantize_fp8");
+  return dtype == DType::F32 ? y : y.to(dtype);
+}
+
+// y [M, N] row-major = column-major y^T [N, M] = b [N, K] (cuBLAS A, op T) times a^T (cuBLAS
+// B [K, M], op N): b's scales are cuBLAS A's, a's are B's.
+Tensor linear_fp8(const Fp8Tensor& a, const Fp8Tensor& b, DType out) {
+  const char* opname = "linear_fp8";
+  check_cuda_tensors(opname, {&a.q, &a.scale, &b.q, &b.scale});
+  const auto [M, N, K] = check_linear_fp8_args(opname, a, b, out);
+  MT_CHECK(K % 16 == 0 && M % 4 == 0 && N % 4 == 0,
+           "{}: cuBLASLt's block-scaled FP8 GEMM needs K a multiple of 16 and M, N multiples of 4; got M={} N={} K={}",
+           opname, M, N, K);
+  Tensor y = Tensor::empty({M, N}, out, a.q.device());
+  if (M == 0 || N == 0) return y;
+  const Fp8PlanKey key{M, N, K, static_cast<int32_t>(out), b.blocks == Fp8Blocks::kBlocks ? 1 : 0};
+  cublasLtHandle_t handle = cublaslt_handle();
+  size_t ws_bytes = 0;
+  void* ws = cublaslt_workspace(&ws_bytes);
+  auto it = t_fp8_plans.find(key);
+  if (it == t_fp8_plans.end()) {
+    auto plan = std::make_unique<Fp8Plan>();
+    MT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t opa = CUBLAS_OP_T, opb = CUBLAS_OP_N;
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
+    const cublasLtMatmulMatrixScale_t mode_a = key.a_blocks ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+                                                            : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    const cublasLtMatmulMatrixScale_t mode_b = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a, sizeof(mode_a)));
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b, sizeof(mode_b)));
+    // (Fast accumulation stays off, its default: the block modes promote every 128 of K.)
+    const void* scale_a = b.scale.raw();  // set again before every call
+    const void* scale_b = a.scale.raw();
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_a, sizeof(scale_a)));
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_b, sizeof(scale_b)));
+    MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, CUDA_R_8F_E4M3, K, N, K));
+    MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, CUDA_R_8F_E4M3, K, M, K));
+    MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->d, out == DType::BF16 ? CUDA_R_16BF : CUDA_R_32F, N, M, N));
+    cublasLtMatmulPreference_t pref = nullptr;
+    MT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    const uint64_t ws64 = ws_bytes;
+    cublasStatus_t st =
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws64, sizeof(ws64));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    if (st == CUBLAS_STATUS_SUCCESS) {
+      st = cublasLtMatmulAlgoGetHeuristic(handle, plan->op, plan->a, plan->b, plan->d, plan->d, pref, 1, &result,
+                                          &found);
+    }
+    cublasLtMatmulPreferenceDestroy(pref);
+    MT_CHECK(st == CUBLAS_STATUS_SUCCESS || st == CUBLAS_STATUS_NOT_SUPPORTED,
+             "{}: cuBLASLt's heuristic for the block-scaled FP8 GEMM M={} N={} K={} -> {} failed: {}", opname, M, N, K,
+             dtype_name(out), cublasLtGetStatusName(st));
+    if (st != CUBLAS_STATUS_SUCCESS) found = 0;
+    MT_CHECK(found > 0,
+             "{}: cuBLASLt has no block-scaled FP8 algorithm for M={} N={} K={} (b in {} mode) on this GPU (it needs "
+             "Hopper and cuBLAS 12.9 or later)",
+             opname, M, N, K, key.a_blocks ? "128 x 128" : "1 x 128");
+    plan->algo = result.algo;
+    it = t_fp8_plans.emplace(key, std::move(plan)).first;
+  }
+  const Fp8Plan& p = *it->second;
+  const void* scale_a = b.scale.raw();
+  const void* scale_b = a.scale.raw();
+  MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_a, sizeof(scale_a)));
+  MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_b, sizeof(scale_b)));
+  const float alpha = 1.0f, beta = 0.0f;
+  MT_CUBLAS_CHECK(cublasLtMatmul(handle, p.op, &alpha, b.q.raw(), p.a, a.q.raw(), p.b, &beta, y.raw(), p.d, y.raw(),
+                                 p.d, &p.algo, ws, ws_bytes, stream()));
+  return y;
+}
+
+}  // namespace moetrain::ops::cuda

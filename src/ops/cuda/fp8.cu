@@ -1,0 +1,150 @@
+// FP8 (e4m3) block quantization kernels (ops.h): the same bits as the CPU reference
+// (ops/cpu/fp8.cpp): the tile's amax, scale = amax / 448 (IEEE division; 1 for a zero tile),
+// q = cvt.rn.satfinite.e4m3(x / scale).
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "ops/cuda/fp8_launch.h"
+
+namespace moetrain::ops::cuda {
+namespace {
+
+constexpr int kBlock = 128;
+
+__device__ __forceinline__ float load(const void* x, int elem_bytes, int64_t i) {
+  return elem_bytes == 2 ? __bfloat162float(static_cast<const __nv_bfloat16*>(x)[i]) : static_cast<const float*>(x)[i];
+}
+__device__ __forceinline__ float tile_scale(float amax) { return amax > 0.f ? amax / 448.f : 1.f; }
+__device__ __forceinline__ uint8_t to_e4m3(float v) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+// One warp per (row, 128-column tile): 4 elements a lane, coalesced.
+__global__ void quantize_rows_kernel(const void* __restrict__ x, int elem_bytes, int64_t R, int64_t C,
+                                     uint8_t* __restrict__ q, float* __restrict__ scale) {
+  const int64_t L = (C + kBlock - 1) / kBlock;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x & 31;
+  if (warp >= R * L) return;
+  const int64_t r = warp / L, kb = warp % L, c0 = kb * kBlock;
+  float v[4], amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int64_t c = c0 + lane + 32 * j;
+    v[j] = c < C ? load(x, elem_bytes, r * C + c) : 0.f;
+    amax = fmaxf(amax, fabsf(v[j]));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float s = tile_scale(amax);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int64_t c = c0 + lane + 32 * j;
+    if (c < C) q[r * C + c] = to_e4m3(v[j] / s);
+  }
+  if (lane == 0) scale[kb * R + r] = s;
+}
+
+// One 256-thread block per 128 x 128 block of x.
+__global__ void quantize_blocks_kernel(const void* __restrict__ x, int elem_bytes, int64_t R, int64_t C,
+                                       uint8_t* __restrict__ q, float* __restrict__ scale, int64_t scale_cols) {
+  const int64_t L = (C + kBlock - 1) / kBlock;
+  const int64_t rb = blockIdx.x / L, kb = blockIdx.x % L;
+  const int64_t r0 = rb * kBlock, c0 = kb * kBlock;
+  const int tid = threadIdx.x;
+  const int col = tid & 127, half = tid >> 7;  // each thread: column col, rows half, half + 2, ...
+  float amax = 0.f;
+  for (int i = half; i < kBlock; i += 2) {
+    const int64_t r = r0 + i, c = c0 + col;
+    if (r < R && c < C) amax = fmaxf(amax, fabsf(load(x, elem_bytes, r * C + c)));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  __shared__ float warp_max[8];
+  if ((tid & 31) == 0) warp_max[tid >> 5] = amax;
+  __syncthreads();
+  float m = 0.f;
+#pragma unroll
+  for (int w = 0; w < 8; ++w) m = fmaxf(m, warp_max[w]);
+  const float s = tile_scale(m);
+  for (int i = half; i < kBlock; i += 2) {
+    const int64_t r = r0 + i, c = c0 + col;
+    if (r < R && c < C) q[r * C + c] = to_e4m3(load(x, elem_bytes, r * C + c) / s);
+  }
+  if (tid == 0) scale[rb * scale_cols + kb] = s;
+}
+
+// x [R, C] -> q^T [C, R]: a block per 128 rows x 32 columns, staged in shared memory; column
+// c's 128 rows are one tile of x^T's row c. Thread t: column t / 8, rows 16 (t % 8) .. + 15.
+__global__ void quantize_transposed_kernel(const void* __restrict__ x, int elem_bytes, int64_t R, int64_t C,
+                                           uint8_t* __restrict__ q, float* __restrict__ scale) {
+  __shared__ float tile[kBlock][33];
+  const int64_t n_cb = (C + 31) / 32;
+  const int64_t rb = blockIdx.x / n_cb, cb = blockIdx.x % n_cb;
+  const int64_t r0 = rb * kBlock, c0 = cb * 32;
+  const int tid = threadIdx.x;
+  for (int i = tid; i < kBlock * 32; i += blockDim.x) {  // coalesced along x's rows
+    const int rr = i / 32, cc = i % 32;
+    const int64_t r = r0 + rr, c = c0 + cc;
+    tile[rr][cc] = r < R && c < C ? load(x, elem_bytes, r * C + c) : 0.f;
+  }
+  __syncthreads();
+  const int cc = tid / 8, part = tid % 8;
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(tile[16 * part + i][cc]));
+#pragma unroll
+  for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float s = tile_scale(amax);
+  const int64_t c = c0 + cc;
+  if (c >= C) return;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int64_t r = r0 + 16 * part + i;
+    if (r < R) q[c * R + r] = to_e4m3(tile[16 * part + i][cc] / s);
+  }
+  if (part == 0) scale[rb * C + c] = s;
+}
+
+__global__ void dequantize_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scale, bool blocks,
+                                  int64_t R, int64_t C, int64_t scale_cols, float* __restrict__ y) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= R * C) return;
+  const int64_t r = i / C, kb = (i % C) / kBlock;
+  const float s = blocks ? scale[(r / kBlock) * scale_cols + kb] : scale[kb * R + r];
+  __nv_fp8_e4m3 v;
+  v.__x = q[i];
+  y[i] = static_cast<float>(v) * s;
+}
+
+}  // namespace
+
+void launch_quantize_fp8_rows(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
+                              cudaStream_t s) {
+  const int64_t warps = R * ((C + kBlock - 1) / kBlock);
+  if (warps == 0) return;
+  quantize_rows_kernel<<<static_cast<unsigned>((warps + 7) / 8), 256, 0, s>>>(x, elem_bytes, R, C, q, scale);
+}
+
+void launch_quantize_fp8_blocks(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
+                                int64_t scale_cols, cudaStream_t s) {
+  const int64_t blocks = ((R + kBlock - 1) / kBlock) * ((C + kBlock - 1) / kBlock);
+  if (blocks == 0) return;
+  quantize_blocks_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(x, elem_bytes, R, C, q, scale, scale_cols);
+}
+
+void launch_quantize_fp8_transposed(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
+                                    cudaStream_t s) {
+  const int64_t blocks = ((R + kBlock - 1) / kBlock) * ((C + 31) / 32);
+  if (blocks == 0) return;
+  quantize_transposed_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(x, elem_bytes, R, C, q, scale);
+}
+
+void launch_dequantize_fp8(const uint8_t* q, const float* scale, bool blocks, int64_t R, int64_t C, int64_t scale_cols,
+                           float* y, cudaStream_t s) {
+  const int64_t n = R * C;
+  if (n == 0) return;
+  dequantize_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, s>>>(q, scale, blocks, R, C, scale_cols, y);
+}
+
+}  // namespace moetrain::ops::cuda

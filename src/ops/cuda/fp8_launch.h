@@ -1,0 +1,25 @@
+// Launchers of the FP8 quantization kernels (fp8.cu; ops.h's quantize_fp8 family). x is bf16
+// or f32 (elem_bytes 2 or 4); q bytes of e4m3; scales laid out as ops.h says.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace moetrain::ops::cuda {
+
+// Rows mode: a tile of 1 x 128 per warp; scale[kb * R + r].
+void launch_quantize_fp8_rows(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
+                              cudaStream_t s);
+// Blocks mode: a 128 x 128 block per 256-thread block; scale[rb * scale_cols + kb].
+void launch_quantize_fp8_blocks(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
+                                int64_t scale_cols, cudaStream_t s);
+// x [R, C] -> x^T [C, R] in rows mode: a block per 128 rows x 32 columns of x;
+// scale[rb * C + c].
+void launch_quantize_fp8_transposed(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
+                                    cudaStream_t s);
+// y = q * scale (f32 out), either mode.
+void launch_dequantize_fp8(const uint8_t* q, const float* scale, bool blocks, int64_t R, int64_t C, int64_t scale_cols,
+                           float* y, cudaStream_t s);
+
+}  // namespace moetrain::ops::cuda

@@ -1,0 +1,144 @@
+// FP8 (e4m3) on the CPU: the conversion against a brute-force nearest search over every
+// e4m3 value, the block quantizers' scales, layouts and error bound, the transposed
+// quantizer against quantizing x^T, and the block-scaled GEMM against the float64 product
+// of its dequantized operands.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "core/rng.h"
+#include "ops/arg_checks.h"
+#include "ops/ops.h"
+#include "test_util.h"
+
+namespace moetrain {
+namespace {
+
+// The e4m3 code nearest to f by search over all finite codes (ties to the even mantissa),
+// saturated to +-448.
+uint8_t nearest_e4m3(float f) {
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0x00;
+  const double a = std::fabs(static_cast<double>(f));
+  uint8_t best = 0;
+  double best_d = INFINITY;
+  for (int code = 0; code < 0x7f; ++code) {  // 0x7f is NaN
+    const double v = fp8_e4m3_to_float(static_cast<uint8_t>(code));
+    const double d = std::fabs(v - a);
+    if (d < best_d || (d == best_d && (code & 1) == 0)) {
+      best = static_cast<uint8_t>(code);
+      best_d = d;
+    }
+  }
+  if (best == 0 && a == 0) return sign;  // keep the sign of zero
+  return sign | best;
+}
+
+TEST(Fp8, ConversionRoundsToNearestEvenAndSaturates) {
+  // Every finite code round-trips.
+  for (int code = 0; code < 256; ++code) {
+    if ((code & 0x7f) == 0x7f) continue;
+    EXPECT_EQ(float_to_fp8_e4m3(fp8_e4m3_to_float(static_cast<uint8_t>(code))), code) << code;
+  }
+  // Midpoints between neighbours go to the even one; just off them, to the nearer.
+  for (int code = 0; code < 0x7e; ++code) {
+    const float lo = fp8_e4m3_to_float(static_cast<uint8_t>(code)), hi = fp8_e4m3_to_float(static_cast<uint8_t>(code + 1));
+    const float mid = (lo + hi) / 2;  // exact in f32
+    EXPECT_EQ(float_to_fp8_e4m3(mid), (code & 1) ? code + 1 : code) << lo << " .. " << hi;
+    EXPECT_EQ(float_to_fp8_e4m3(std::nextafter(mid, 0.0f)), code);
+    EXPECT_EQ(float_to_fp8_e4m3(std::nextafter(mid, 1000.0f)), code + 1);
+  }
+  EXPECT_EQ(float_to_fp8_e4m3(448.0f), 0x7e);
+  EXPECT_EQ(float_to_fp8_e4m3(464.0f), 0x7e);  // past 448 (even 480 would round to NaN's code): saturated
+  EXPECT_EQ(float_to_fp8_e4m3(-1e30f), 0xfe);
+  EXPECT_EQ(float_to_fp8_e4m3(INFINITY), 0x7e);
+  EXPECT_EQ(float_to_fp8_e4m3(std::numeric_limits<float>::quiet_NaN()) & 0x7f, 0x7f);
+  EXPECT_EQ(float_to_fp8_e4m3(1e-30f), 0x00);
+  // Random floats over the whole range against the search.
+  Rng rng(5);
+  for (int i = 0; i < 20000; ++i) {
+    const float f = static_cast<float>((rng.uniform() * 2 - 1) * std::pow(2.0, rng.uniform() * 24 - 14));
+    ASSERT_EQ(float_to_fp8_e4m3(f), nearest_e4m3(f)) << f;
+  }
+}
+
+Tensor with_zero_tile(Tensor x) {  // the first 1 x 128 tile (and so the first block's share) all zeros
+  float* p = x.data<float>();
+  for (int64_t c = 0; c < std::min<int64_t>(128, x.size(1)); ++c) p[c] = 0;
+  return x;
+}
+
+TEST(Fp8, QuantizersScaleEachTileByItsMaximum) {
+  const int64_t R = 130, C = 300;  // neither a multiple of 128
+  const Tensor x = with_zero_tile(testing::random_tensor({R, C}, DType::F32, 3, 2.0));
+  const std::vector<float> v = x.to_vector<float>();
+  for (const ops::Fp8Blocks mode : {ops::Fp8Blocks::kRows, ops::Fp8Blocks::kBlocks}) {
+    const ops::Fp8Tensor q = ops::quantize_fp8(x, mode);
+    ASSERT_EQ(q.scale.shape(), ops::fp8_scale_shape(R, C, mode));
+    const bool rows = mode == ops::Fp8Blocks::kRows;
+    EXPECT_EQ(q.scale.shape(), rows ? (Shape{3, 130}) : (Shape{2, 4})) << "rows: [C/128, R]; blocks: padded to 4";
+    const std::vector<float> s = q.scale.to_vector<float>();
+    const int64_t tr = rows ? 1 : 128;
+    for (int64_t r0 = 0; r0 < R; r0 += tr) {
+      for (int64_t kb = 0; kb < 3; ++kb) {
+        float amax = 0;
+        for (int64_t r = r0; r < std::min(R, r0 + tr); ++r) {
+          for (int64_t c = kb * 128; c < std::min(C, kb * 128 + 128); ++c) amax = std::max(amax, std::fabs(v[r * C + c]));
+        }
+        const float got = rows ? s[kb * R + r0] : s[(r0 / 128) * 4 + kb];
+        EXPECT_EQ(got, amax > 0 ? amax / 448.0f : 1.0f) << r0 << "," << kb;
+      }
+    }
+    if (!rows) EXPECT_EQ(s[3], 1.0f) << "padding";
+    // Within half an e4m3 step of each element (relative 2^-4 of the normal range, 2^-10 of
+    // the tile scale below it), and the tile's largest element exactly its scale x 448.
+    const std::vector<double> back = ops::dequantize_fp8(q, DType::F64).to_double_vector();
+    for (int64_t i = 0; i < R * C; ++i) {
+      const int64_t kb = (i % C) / 128, r = i / C;
+      const double scale = rows ? s[kb * R + r] : s[(r / 128) * 4 + kb];
+      EXPECT_LE(std::fabs(back[i] - v[i]), std::max(std::fabs(static_cast<double>(v[i])) / 16, scale / 1024) * (1 + 1e-6)) << i;
+    }
+  }
+  // All-zero tile: scale 1, zero codes.
+  const ops::Fp8Tensor q = ops::quantize_fp8(x, ops::Fp8Blocks::kRows);
+  EXPECT_EQ(q.scale.item(0), 1.0);
+  EXPECT_EQ(static_cast<const uint8_t*>(q.q.raw())[5], 0);
+}
+
+TEST(Fp8, TransposedQuantizerIsTheTransposeQuantized) {
+  const int64_t R = 300, C = 70;
+  const Tensor x = testing::random_tensor({R, C}, DType::F32, 4);
+  std::vector<float> t(R * C);
+  const std::vector<float> v = x.to_vector<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < C; ++c) t[c * R + r] = v[r * C + c];
+  }
+  const ops::Fp8Tensor a = ops::quantize_fp8_transposed(x);
+  const ops::Fp8Tensor b = ops::quantize_fp8(Tensor::from_vector(t, {C, R}), ops::Fp8Blocks::kRows);
+  ASSERT_EQ(a.q.shape(), (Shape{C, R}));
+  EXPECT_EQ(0, std::memcmp(a.q.raw(), b.q.raw(), a.q.nbytes()));
+  EXPECT_EQ(a.scale.to_vector<float>(), b.scale.to_vector<float>());
+}
+
+TEST(Fp8, LinearMatchesTheProductOfTheDequantizedOperands) {
+  for (const ops::Fp8Blocks wmode : {ops::Fp8Blocks::kRows, ops::Fp8Blocks::kBlocks}) {
+    const int64_t M = 36, N = 140, K = 272;
+    const ops::Fp8Tensor a = ops::quantize_fp8(testing::random_tensor({M, K}, DType::F32, 7), ops::Fp8Blocks::kRows);
+    const ops::Fp8Tensor b = ops::quantize_fp8(testing::random_tensor({N, K}, DType::F32, 8, 0.05), wmode);
+    const Tensor want = ops::linear_forward(ops::dequantize_fp8(a, DType::F64), ops::dequantize_fp8(b, DType::F64));
+    const Tensor got = ops::linear_fp8(a, b, DType::F32);
+    EXPECT_LT(testing::rel_error(got.to(DType::F64), want), 1e-6);
+  }
+  const ops::Fp8Tensor a = ops::quantize_fp8(testing::random_tensor({4, 128}, DType::F32, 1), ops::Fp8Blocks::kRows);
+  const ops::Fp8Tensor w = ops::quantize_fp8(testing::random_tensor({8, 256}, DType::F32, 2), ops::Fp8Blocks::kBlocks);
+  EXPECT_THROW(ops::linear_fp8(a, w, DType::F32), Error);  // K differs
+  EXPECT_THROW(ops::linear_fp8(w, a, DType::F32), Error);  // a in blocks mode
+  ops::Fp8Tensor bad = a;
+  bad.scale = Tensor::zeros({2, 4}, DType::F32);
+  EXPECT_THROW(ops::dequantize_fp8(bad, DType::F32), Error);  // scales of another shape
+}
+
+}  // namespace
+}  // namespace moetrain
