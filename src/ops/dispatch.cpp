@@ -56,10 +56,10 @@ Fp8Tensor quantize_fp8(const Tensor& x, Fp8Blocks blocks) {
   return MT_ROUTE(x, quantize_fp8, x, blocks);
 }
 
-Fp8Tensor quantize_fp8_transposed(const Tensor& x) {
+Fp8Tensor quantize_fp8_transposed(const Tensor& x, Fp8Blocks blocks) {
   MT_CHECK(x.defined() && x.ndim() == 2, "quantize_fp8_transposed: x must be [R, C], got {}", x.str());
   MT_CHECK(is_floating(x.dtype()), "quantize_fp8_transposed: x must be bf16, f32 or f64, got {}", x.str());
-  return MT_ROUTE(x, quantize_fp8_transposed, x);
+  return MT_ROUTE(x, quantize_fp8_transposed, x, blocks);
 }
 
 Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype) {
@@ -70,7 +70,17 @@ Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype) {
 
 Tensor linear_fp8(const Fp8Tensor& a, const Fp8Tensor& b, DType out) {
   check_linear_fp8_args("linear_fp8", a, b, out);
-  return MT_ROUTE(a.q, linear_fp8, a, b, out);
+  Tensor y = Tensor::empty({a.q.size(0), b.q.size(0)}, out, a.q.device());
+  MT_ROUTE(a.q, linear_fp8_into, a, b, y, false);
+  return y;
+}
+
+void linear_fp8_into(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& y, bool accumulate) {
+  const auto [M, N, K] = check_linear_fp8_args("linear_fp8_into", a, b, y.defined() ? y.dtype() : DType::F32);
+  (void)K;
+  check_shape(y, {M, N}, "linear_fp8_into y");
+  MT_CHECK(y.device() == a.q.device(), "linear_fp8_into: y {} is not on a's device", y.str());
+  MT_ROUTE(a.q, linear_fp8_into, a, b, y, accumulate);
 }
 
 Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& residual) {

@@ -352,15 +352,19 @@ struct Fp8Tensor {
 };
 // x [R, C] (bf16, f32 or f64).
 Fp8Tensor quantize_fp8(const Tensor& x, Fp8Blocks blocks);
-// x^T in rows mode, [C, R] with tiles of 128 along R (a weight gradient's operands, whose
-// reduction runs over the tokens), from x [R, C] in one pass: no transposed copy of x.
-Fp8Tensor quantize_fp8_transposed(const Tensor& x);
+// x^T quantized, [C, R], from x [R, C] in one pass: no transposed copy of x. Rows mode: tiles
+// of 128 along R (a weight gradient's operands, whose reduction runs over the tokens); blocks
+// mode: W^T of a weight (the input gradient's operand), the same 128 x 128 blocks as W's.
+Fp8Tensor quantize_fp8_transposed(const Tensor& x, Fp8Blocks blocks = Fp8Blocks::kRows);
 // q * scale as `dtype`.
 Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype);
 // y [M, N] = a [M, K] b [N, K]^T, a in rows mode, b in either: per 128-element block of K the
 // sum of the e4m3 products, times the two tiles' scales, added up over the blocks in f32
 // (DeepSeek's promotion of the sums every 128 of K); y of dtype `out` (bf16 or f32).
 Tensor linear_fp8(const Fp8Tensor& a, const Fp8Tensor& b, DType out);
+// The same into y [M, N] (bf16 or f32): y = a b^T, or y += a b^T when `accumulate` (a weight
+// gradient over micro-batches, in the GEMM's epilogue).
+void linear_fp8_into(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& y, bool accumulate);
 
 // ---- MoE auxiliary losses -------------------------------------------------------------
 // Hugging Face Qwen3-MoE load balancing over R router rows (all routed layers of a

@@ -54,6 +54,8 @@ TEST(BackendFp8, QuantizersMatchTheCpuBitForBit) {
       expect_same_fp8(ops::quantize_fp8(xg, ops::Fp8Blocks::kBlocks), ops::quantize_fp8(x, ops::Fp8Blocks::kBlocks),
                       "blocks " + tag);
       expect_same_fp8(ops::quantize_fp8_transposed(xg), ops::quantize_fp8_transposed(x), "transposed " + tag);
+      expect_same_fp8(ops::quantize_fp8_transposed(xg, ops::Fp8Blocks::kBlocks),
+                      ops::quantize_fp8_transposed(x, ops::Fp8Blocks::kBlocks), "transposed blocks " + tag);
     }
     const ops::Fp8Tensor qg = ops::quantize_fp8(on_gpu(x, DType::BF16), ops::Fp8Blocks::kBlocks);
     EXPECT_EQ(backend_error(ops::dequantize_fp8(qg, DType::F32).to(Device::cpu()),
@@ -86,6 +88,13 @@ TEST(BackendFp8, LinearMatchesTheCpuAndTheDequantizedProduct) {
       }
       const Tensor got16 = ops::linear_fp8(ag, bg, DType::BF16).to(Device::cpu());
       testing::expect_backend_close(got16, ref, testing::kBf16Tol, tag, "y bf16 vs dequantized product");
+      // Added into an f32 output (the weight gradient's accumulation, in the epilogue).
+      const Tensor start = testing::random_tensor({c.M, c.N}, DType::F32, 77, 0.5);
+      Tensor acc = start.to(kGpu);
+      ops::linear_fp8_into(ag, bg, acc, /*accumulate=*/true);
+      Tensor want = start.clone();
+      ops::add_(want, got32);
+      testing::expect_backend_close(acc.to(Device::cpu()), want, 1e-6, tag, "y += f32");
     }
   }
   const ops::Fp8Tensor a = ops::quantize_fp8(on_gpu(random_bf16_values({6, 128}, 1), DType::BF16), ops::Fp8Blocks::kRows);

@@ -91,7 +91,9 @@ TEST(Fp8, QuantizersScaleEachTileByItsMaximum) {
         EXPECT_EQ(got, amax > 0 ? amax / 448.0f : 1.0f) << r0 << "," << kb;
       }
     }
-    if (!rows) EXPECT_EQ(s[3], 1.0f) << "padding";
+    if (!rows) {
+      EXPECT_EQ(s[3], 1.0f) << "padding";
+    }
     // Within half an e4m3 step of each element (relative 2^-4 of the normal range, 2^-10 of
     // the tile scale below it), and the tile's largest element exactly its scale x 448.
     const std::vector<double> back = ops::dequantize_fp8(q, DType::F64).to_double_vector();
@@ -115,11 +117,18 @@ TEST(Fp8, TransposedQuantizerIsTheTransposeQuantized) {
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t c = 0; c < C; ++c) t[c * R + r] = v[r * C + c];
   }
-  const ops::Fp8Tensor a = ops::quantize_fp8_transposed(x);
-  const ops::Fp8Tensor b = ops::quantize_fp8(Tensor::from_vector(t, {C, R}), ops::Fp8Blocks::kRows);
-  ASSERT_EQ(a.q.shape(), (Shape{C, R}));
-  EXPECT_EQ(0, std::memcmp(a.q.raw(), b.q.raw(), a.q.nbytes()));
-  EXPECT_EQ(a.scale.to_vector<float>(), b.scale.to_vector<float>());
+  for (const ops::Fp8Blocks mode : {ops::Fp8Blocks::kRows, ops::Fp8Blocks::kBlocks}) {
+    const ops::Fp8Tensor a = ops::quantize_fp8_transposed(x, mode);
+    const ops::Fp8Tensor b = ops::quantize_fp8(Tensor::from_vector(t, {C, R}), mode);
+    ASSERT_EQ(a.q.shape(), (Shape{C, R}));
+    EXPECT_EQ(0, std::memcmp(a.q.raw(), b.q.raw(), a.q.nbytes()));
+    EXPECT_EQ(a.scale.to_vector<float>(), b.scale.to_vector<float>());
+  }
+  // A weight's blocks are W^T's blocks: the same scales, transposed on the grid.
+  const ops::Fp8Tensor w = ops::quantize_fp8(x, ops::Fp8Blocks::kBlocks);
+  const ops::Fp8Tensor wt = ops::quantize_fp8_transposed(x, ops::Fp8Blocks::kBlocks);
+  EXPECT_EQ(w.scale.item(0 * 4 + 0), wt.scale.item(0 * 4 + 0));
+  EXPECT_EQ(w.scale.item(2 * 4 + 0), wt.scale.item(0 * 4 + 2));  // row block 2 of x is column block 2 of x^T
 }
 
 TEST(Fp8, LinearMatchesTheProductOfTheDequantizedOperands) {
@@ -130,6 +139,21 @@ TEST(Fp8, LinearMatchesTheProductOfTheDequantizedOperands) {
     const Tensor want = ops::linear_forward(ops::dequantize_fp8(a, DType::F64), ops::dequantize_fp8(b, DType::F64));
     const Tensor got = ops::linear_fp8(a, b, DType::F32);
     EXPECT_LT(testing::rel_error(got.to(DType::F64), want), 1e-6);
+  }
+  // Into an output: written, or added to (a weight gradient over micro-batches).
+  {
+    const ops::Fp8Tensor a = ops::quantize_fp8(testing::random_tensor({8, 200}, DType::F32, 5), ops::Fp8Blocks::kRows);
+    const ops::Fp8Tensor b = ops::quantize_fp8(testing::random_tensor({12, 200}, DType::F32, 6), ops::Fp8Blocks::kRows);
+    const Tensor prod = ops::linear_fp8(a, b, DType::F32);
+    Tensor y = testing::random_tensor({8, 12}, DType::F32, 9);
+    Tensor y0 = y.clone();
+    ops::linear_fp8_into(a, b, y, /*accumulate=*/true);
+    ops::add_(y0, prod);
+    EXPECT_LT(testing::rel_error(y, y0), 1e-7);
+    ops::linear_fp8_into(a, b, y, /*accumulate=*/false);
+    EXPECT_EQ(y.to_vector<float>(), prod.to_vector<float>());
+    Tensor wrong = Tensor::zeros({8, 13}, DType::F32);
+    EXPECT_THROW(ops::linear_fp8_into(a, b, wrong, false), Error);
   }
   const ops::Fp8Tensor a = ops::quantize_fp8(testing::random_tensor({4, 128}, DType::F32, 1), ops::Fp8Blocks::kRows);
   const ops::Fp8Tensor w = ops::quantize_fp8(testing::random_tensor({8, 256}, DType::F32, 2), ops::Fp8Blocks::kBlocks);

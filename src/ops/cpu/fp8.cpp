@@ -49,14 +49,14 @@ Fp8Tensor quantize_fp8(const Tensor& x, Fp8Blocks blocks) {
   return out;
 }
 
-Fp8Tensor quantize_fp8_transposed(const Tensor& x) {
+Fp8Tensor quantize_fp8_transposed(const Tensor& x, Fp8Blocks blocks) {
   const int64_t R = x.size(0), C = x.size(1);
   const std::vector<float> v = as_floats(x);
   std::vector<float> t(v.size());
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t c = 0; c < C; ++c) t[c * R + r] = v[r * C + c];
   }
-  return cpu::quantize_fp8(Tensor::from_vector(t, {C, R}), Fp8Blocks::kRows);
+  return cpu::quantize_fp8(Tensor::from_vector(t, {C, R}), blocks);
 }
 
 Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype) {
@@ -75,8 +75,8 @@ Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype) {
   return Tensor::from_vector(out, {R, C}).to(dtype);
 }
 
-Tensor linear_fp8(const Fp8Tensor& a, const Fp8Tensor& b, DType out) {
-  const auto [M, N, K] = check_linear_fp8_args("linear_fp8", a, b, out);
+void linear_fp8_into(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& out, bool accumulate) {
+  const auto [M, N, K] = check_linear_fp8_args("linear_fp8", a, b, out.dtype());
   const int64_t L = fp8_blocks_of(K), b_scale_cols = b.scale.size(1);
   const uint8_t* qa = static_cast<const uint8_t*>(a.q.raw());
   const uint8_t* qb = static_cast<const uint8_t*>(b.q.raw());
@@ -99,7 +99,9 @@ Tensor linear_fp8(const Fp8Tensor& a, const Fp8Tensor& b, DType out) {
       y[m * N + n] = acc;
     }
   }
-  return Tensor::from_vector(y, {M, N}).to(out);
+  const Tensor result = Tensor::from_vector(y, {M, N}).to(out.dtype());
+  if (accumulate) add_(out, result);
+  else out.copy_from(result);
 }
 
 }  // namespace moetrain::ops::cpu

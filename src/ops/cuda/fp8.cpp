@@ -66,14 +66,21 @@ Fp8Tensor quantize_fp8(const Tensor& x, Fp8Blocks blocks) {
   return out;
 }
 
-Fp8Tensor quantize_fp8_transposed(const Tensor& x) {
+Fp8Tensor quantize_fp8_transposed(const Tensor& x, Fp8Blocks blocks) {
   const char* op = "quantize_fp8_transposed";
   check_input(op, x);
   const int64_t R = x.size(0), C = x.size(1);
   Fp8Tensor out{Tensor::empty({C, R}, DType::F8E4M3, x.device()),
-                Tensor::empty(fp8_scale_shape(C, R, Fp8Blocks::kRows), DType::F32, x.device()), Fp8Blocks::kRows};
-  launch_quantize_fp8_transposed(x.raw(), static_cast<int>(dtype_size(x.dtype())), R, C,
-                                 static_cast<uint8_t*>(out.q.raw()), out.scale.data<float>(), stream());
+                Tensor::empty(fp8_scale_shape(C, R, blocks), DType::F32, x.device()), blocks};
+  const int eb = static_cast<int>(dtype_size(x.dtype()));
+  if (blocks == Fp8Blocks::kRows) {
+    launch_quantize_fp8_transposed(x.raw(), eb, R, C, static_cast<uint8_t*>(out.q.raw()), out.scale.data<float>(),
+                                   stream());
+  } else {
+    out.scale.fill_(1.0);  // the padding columns
+    launch_quantize_fp8_transposed_blocks(x.raw(), eb, R, C, static_cast<uint8_t*>(out.q.raw()),
+                                          out.scale.data<float>(), out.scale.size(1), stream());
+  }
   check_launch(op);
   return out;
 }
@@ -90,15 +97,15 @@ Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype) {
 
 // y [M, N] row-major = column-major y^T [N, M] = b [N, K] (cuBLAS A, op T) times a^T (cuBLAS
 // B [K, M], op N): b's scales are cuBLAS A's, a's are B's.
-Tensor linear_fp8(const Fp8Tensor& a, const Fp8Tensor& b, DType out) {
+void linear_fp8_into(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& y, bool accumulate) {
   const char* opname = "linear_fp8";
-  check_cuda_tensors(opname, {&a.q, &a.scale, &b.q, &b.scale});
+  check_cuda_tensors(opname, {&a.q, &a.scale, &b.q, &b.scale, &y});
+  const DType out = y.dtype();
   const auto [M, N, K] = check_linear_fp8_args(opname, a, b, out);
   MT_CHECK(K % 16 == 0 && M % 4 == 0 && N % 4 == 0,
            "{}: cuBLASLt's block-scaled FP8 GEMM needs K a multiple of 16 and M, N multiples of 4; got M={} N={} K={}",
            opname, M, N, K);
-  Tensor y = Tensor::empty({M, N}, out, a.q.device());
-  if (M == 0 || N == 0) return y;
+  if (M == 0 || N == 0) return;
   const Fp8PlanKey key{M, N, K, static_cast<int32_t>(out), b.blocks == Fp8Blocks::kBlocks ? 1 : 0};
   cublasLtHandle_t handle = cublaslt_handle();
   size_t ws_bytes = 0;
@@ -151,10 +158,9 @@ Tensor linear_fp8(const Fp8Tensor& a, const Fp8Tensor& b, DType out) {
   const void* scale_b = a.scale.raw();
   MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_a, sizeof(scale_a)));
   MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_b, sizeof(scale_b)));
-  const float alpha = 1.0f, beta = 0.0f;
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   MT_CUBLAS_CHECK(cublasLtMatmul(handle, p.op, &alpha, b.q.raw(), p.a, a.q.raw(), p.b, &beta, y.raw(), p.d, y.raw(),
                                  p.d, &p.algo, ws, ws_bytes, stream()));
-  return y;
 }
 
 }  // namespace moetrain::ops::cuda

@@ -45,7 +45,9 @@ __global__ void quantize_rows_kernel(const void* __restrict__ x, int elem_bytes,
   if (lane == 0) scale[kb * R + r] = s;
 }
 
-// One 256-thread block per 128 x 128 block of x.
+// One 256-thread block per 128 x 128 block of x; kTransposed: the codes go to x^T [C, R] and
+// the scale to block (cb, rb) of x^T's grid.
+template <bool kTransposed>
 __global__ void quantize_blocks_kernel(const void* __restrict__ x, int elem_bytes, int64_t R, int64_t C,
                                        uint8_t* __restrict__ q, float* __restrict__ scale, int64_t scale_cols) {
   const int64_t L = (C + kBlock - 1) / kBlock;
@@ -69,9 +71,9 @@ __global__ void quantize_blocks_kernel(const void* __restrict__ x, int elem_byte
   const float s = tile_scale(m);
   for (int i = half; i < kBlock; i += 2) {
     const int64_t r = r0 + i, c = c0 + col;
-    if (r < R && c < C) q[r * C + c] = to_e4m3(load(x, elem_bytes, r * C + c) / s);
+    if (r < R && c < C) q[kTransposed ? c * R + r : r * C + c] = to_e4m3(load(x, elem_bytes, r * C + c) / s);
   }
-  if (tid == 0) scale[rb * scale_cols + kb] = s;
+  if (tid == 0) scale[kTransposed ? kb * scale_cols + rb : rb * scale_cols + kb] = s;
 }
 
 // x [R, C] -> q^T [C, R]: a block per 128 rows x 32 columns, staged in shared memory; column
@@ -130,7 +132,16 @@ void launch_quantize_fp8_blocks(const void* x, int elem_bytes, int64_t R, int64_
                                 int64_t scale_cols, cudaStream_t s) {
   const int64_t blocks = ((R + kBlock - 1) / kBlock) * ((C + kBlock - 1) / kBlock);
   if (blocks == 0) return;
-  quantize_blocks_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(x, elem_bytes, R, C, q, scale, scale_cols);
+  quantize_blocks_kernel<false><<<static_cast<unsigned>(blocks), 256, 0, s>>>(x, elem_bytes, R, C, q, scale,
+                                                                             scale_cols);
+}
+
+void launch_quantize_fp8_transposed_blocks(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q,
+                                           float* scale, int64_t scale_cols, cudaStream_t s) {
+  const int64_t blocks = ((R + kBlock - 1) / kBlock) * ((C + kBlock - 1) / kBlock);
+  if (blocks == 0) return;
+  quantize_blocks_kernel<true><<<static_cast<unsigned>(blocks), 256, 0, s>>>(x, elem_bytes, R, C, q, scale,
+                                                                            scale_cols);
 }
 
 void launch_quantize_fp8_transposed(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,

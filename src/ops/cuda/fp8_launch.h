@@ -18,6 +18,10 @@ void launch_quantize_fp8_blocks(const void* x, int elem_bytes, int64_t R, int64_
 // scale[rb * C + c].
 void launch_quantize_fp8_transposed(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
                                     cudaStream_t s);
+// x [R, C] -> x^T [C, R] in blocks mode: a 256-thread block per 128 x 128 block of x, the
+// codes written transposed; scale[cb * scale_cols + rb].
+void launch_quantize_fp8_transposed_blocks(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q,
+                                           float* scale, int64_t scale_cols, cudaStream_t s);
 // y = q * scale (f32 out), either mode.
 void launch_dequantize_fp8(const uint8_t* q, const float* scale, bool blocks, int64_t R, int64_t C, int64_t scale_cols,
                            float* y, cudaStream_t s);
