@@ -162,6 +162,9 @@ void TrainingConfig::describe(ConfigFields& f) {
         positive(&expert_wgrad_group));
   f.add("deterministic", &deterministic,
         "bitwise-repeatable kernels; false: the GPU attention backward adds dQ with atomics in one pass (faster)");
+  f.add("fp8", &fp8,
+        "block-scaled FP8 (e4m3) for the layers' projections (DeepSeek-V3's recipe; experts, router, head stay BF16 "
+        "for now: docs/fp8.md)");
   f.add("stop_after_steps", &stop_after_steps,
         "end this process after this many steps (the schedule still spans steps); 0 = run to the end",
         non_negative(&stop_after_steps));

@@ -73,6 +73,9 @@ struct TrainingConfig {
   // Bitwise-repeatable kernels (ops::set_deterministic). false lets the GPU attention
   // backward add dQ with f32 atomics in one pass: faster, last bits vary run to run.
   bool deterministic = true;
+  // DeepSeek-V3's block-scaled FP8 for the layers' projections (attention's, MLA's); the
+  // experts, router, head, norms and attention core stay BF16 for now (docs/fp8.md).
+  bool fp8 = false;
   // With grad_accum_steps > 1 (not with FSDP's sharded weights nor in a pipeline): the experts'
   // weight gradients of each group of this many micro-batches in one pass over their f32 dW
   // (their inputs kept meanwhile); 1: one pass per micro-batch.

@@ -105,6 +105,7 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
                  layout.ep(), gather ? "all-gather / reduce-scatter" : "all-to-all", cfg.parallel.ep_dispatch, top_k);
   }
   c.model->set_detailed_telemetry(cfg.metrics.detailed);
+  c.model->set_fp8(tc.fp8);
   const OptimizerConfig& oc = cfg.optimizer;
   const AdamWConfig adamw{oc.beta1, oc.beta2, oc.eps, oc.weight_decay, oc.moments == "bf16"};
   if (par.comms) {  // several ranks, or a replica group of live fault tolerance

@@ -16,6 +16,7 @@
 
 #include "engine/models/model.h"
 #include "engine/models/mtp.h"
+#include "engine/models/projections.h"
 
 namespace moetrain {
 
@@ -114,6 +115,7 @@ class MoeDecoderModel : public Model {
   // b_e += speed * sign(mean load - load_e), per held MoE layer with a routing bias.
   void balance_experts(const std::vector<std::vector<int64_t>>& expert_counts) override;
   void set_detailed_telemetry(bool on) override { router_entropy_ = on; }
+  void set_fp8(bool on) override { projections_.set_fp8(on); }
 
   ChunkSpec whole() const override;
   RouterTotals new_totals() const override;
@@ -163,6 +165,8 @@ class MoeDecoderModel : public Model {
   // rank holds, and the layers it holds (make_layer(global id)), and indexes every parameter.
   void build(const std::function<std::unique_ptr<DecoderLayer>(int64_t id)>& make_layer);
   const DecoderSpec& spec() const { return spec_; }
+  // What the layers compute their projections with (BF16 or FP8), shared by all.
+  const Projections& projections() const { return projections_; }
   DecoderLayer& layer(int64_t id) const { return *layers_[local_layer(id)]; }
 
  private:
@@ -220,6 +224,7 @@ class MoeDecoderModel : public Model {
   std::vector<std::unique_ptr<MtpModule>> mtp_;         // the modules held (with the head), ascending depth
   ParameterList params_;
   RowCounts dense_counts_;
+  Projections projections_;
 };
 
 }  // namespace moetrain

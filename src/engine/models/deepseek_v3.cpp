@@ -19,8 +19,10 @@ constexpr double kLatentNormEps = 1e-6;
 // ---- decoder layer ---------------------------------------------------------------------
 
 DeepseekV3DecoderLayer::DeepseekV3DecoderLayer(const DeepseekV3Config& cfg, int64_t layer_id, DType dtype,
-                                               Device device, const ModelPlacement& placement)
-    : cfg_(cfg), id_(layer_id), moe_(cfg.is_moe_layer(layer_id)) {
+                                               Device device, const ModelPlacement& placement,
+                                               const Projections* projections)
+    : cfg_(cfg), id_(layer_id), moe_(cfg.is_moe_layer(layer_id)),
+      proj_(projections != nullptr ? projections : &bf16_projections()) {
   const int64_t H = cfg.hidden_size, heads = cfg.num_attention_heads, qk = cfg.qk_head_dim();
   const int64_t rope = cfg.qk_rope_head_dim, r = cfg.kv_lora_rank;
   int64_t E = 1;
@@ -137,21 +139,21 @@ void DeepseekV3DecoderLayer::attn_forward(const Tensor& x, const Tensor& positio
   {
     StageScope t(Stage::kAttention);
     if (cfg_.q_lora_rank > 0) {
-      s.q_a = ops::linear_forward(s.ln1.y, wq_a_);
+      s.q_a = proj_->forward(s.ln1.y, wq_a_);
       s.q_a_norm = ops::rmsnorm_forward(s.q_a, q_a_norm_w_, kLatentNormEps);
-      q_raw = ops::linear_forward(s.q_a_norm.y, wq_b_);
+      q_raw = proj_->forward(s.q_a_norm.y, wq_b_);
     } else {
-      q_raw = ops::linear_forward(s.ln1.y, wq_);
+      q_raw = proj_->forward(s.ln1.y, wq_);
     }
     s.q = ops::rope_forward(q_raw, positions, q_rope_);
-    s.c_kv = ops::linear_forward(s.ln1.y, kv_a_latent(wkv_a_));
-    s.k_pe = ops::linear_forward(s.ln1.y, kv_a_rope(wkv_a_));
+    s.c_kv = proj_->forward(s.ln1.y, kv_a_latent(wkv_a_));
+    s.k_pe = proj_->forward(s.ln1.y, kv_a_rope(wkv_a_));
     s.kv_a_norm = ops::rmsnorm_forward(s.c_kv, kv_a_norm_w_, kLatentNormEps);
-    Tensor kv = ops::linear_forward(s.kv_a_norm.y, wkv_b_);
+    Tensor kv = proj_->forward(s.kv_a_norm.y, wkv_b_);
     s.kv = ops::mla_kv_forward(kv, ops::rope_forward(s.k_pe, positions, k_rope_), cfg_.num_attention_heads,
                                cfg_.qk_nope_head_dim, cfg_.v_head_dim);
     s.attn = ops::attention_forward(s.q, s.kv.k, s.kv.v, b.segment_ids, attn_shape(b));
-    s.h = ops::linear_forward(s.attn.out, wo_, x);  // residual added in the GEMM epilogue
+    s.h = proj_->forward(s.attn.out, wo_, x);  // residual added in the GEMM epilogue
   }
   {
     StageScope t(Stage::kNorms);
@@ -220,7 +222,7 @@ Tensor DeepseekV3DecoderLayer::attn_backward_input(const Tensor& dy_residual, Te
   }
   {
     StageScope t(Stage::kAttention);
-    Tensor d_attn = ops::linear_backward_input(s.d_h, wo_);
+    Tensor d_attn = proj_->backward_input(s.d_h, wo_);
     ops::AttentionGrads g = ops::attention_backward(d_attn, s.q, s.kv.k, s.kv.v, b.segment_ids, s.attn.out,
                                                     s.attn.lse, attn_shape(b));
     // The GPU's one-pass attention backward may leave dq in f32 (ops.h); RoPE takes q's dtype.
@@ -230,17 +232,17 @@ Tensor DeepseekV3DecoderLayer::attn_backward_input(const Tensor& dy_residual, Te
                                                cfg_.v_head_dim);
     s.d_kv = std::move(dkv.dkv);
     s.d_k_pe = ops::rope_backward(dkv.dk_rot, positions, k_rope_);
-    s.d_kv_a_norm_out = ops::linear_backward_input(s.d_kv, wkv_b_);
+    s.d_kv_a_norm_out = proj_->backward_input(s.d_kv, wkv_b_);
     s.d_c_kv = ops::rmsnorm_backward_input(s.d_kv_a_norm_out, s.c_kv, kv_a_norm_w_, s.kv_a_norm.rstd);
     if (cfg_.q_lora_rank > 0) {
-      s.d_q_a_norm_out = ops::linear_backward_input(s.d_q_raw, wq_b_);
+      s.d_q_a_norm_out = proj_->backward_input(s.d_q_raw, wq_b_);
       s.d_q_a = ops::rmsnorm_backward_input(s.d_q_a_norm_out, s.q_a, q_a_norm_w_, s.q_a_norm.rstd);
-      s.d_ln1_out = ops::linear_backward_input(s.d_q_a, wq_a_);
+      s.d_ln1_out = proj_->backward_input(s.d_q_a, wq_a_);
     } else {
-      s.d_ln1_out = ops::linear_backward_input(s.d_q_raw, wq_);
+      s.d_ln1_out = proj_->backward_input(s.d_q_raw, wq_);
     }
-    ops::linear_backward_input_add(s.d_c_kv, kv_a_latent(wkv_a_), s.d_ln1_out);
-    ops::linear_backward_input_add(s.d_k_pe, kv_a_rope(wkv_a_), s.d_ln1_out);
+    proj_->backward_input_add(s.d_c_kv, kv_a_latent(wkv_a_), s.d_ln1_out);
+    proj_->backward_input_add(s.d_k_pe, kv_a_rope(wkv_a_), s.d_ln1_out);
   }
   StageScope t(Stage::kNorms);
   return ops::rmsnorm_backward_input(s.d_ln1_out, s.x, ln1_w_, s.ln1.rstd, s.d_h);
@@ -266,17 +268,17 @@ void DeepseekV3DecoderLayer::backward_weight(LayerState& state, bool accumulate,
   }
   {
     StageScope t(Stage::kAttention);
-    ops::linear_backward_weight(s.d_h, s.attn.out, g_wo_, accumulate);
+    proj_->backward_weight(s.d_h, s.attn.out, g_wo_, accumulate);
     if (cfg_.q_lora_rank > 0) {
-      ops::linear_backward_weight(s.d_q_raw, s.q_a_norm.y, g_wq_b_, accumulate);
-      ops::linear_backward_weight(s.d_q_a, s.ln1.y, g_wq_a_, accumulate);
+      proj_->backward_weight(s.d_q_raw, s.q_a_norm.y, g_wq_b_, accumulate);
+      proj_->backward_weight(s.d_q_a, s.ln1.y, g_wq_a_, accumulate);
     } else {
-      ops::linear_backward_weight(s.d_q_raw, s.ln1.y, g_wq_, accumulate);
+      proj_->backward_weight(s.d_q_raw, s.ln1.y, g_wq_, accumulate);
     }
-    ops::linear_backward_weight(s.d_kv, s.kv_a_norm.y, g_wkv_b_, accumulate);
+    proj_->backward_weight(s.d_kv, s.kv_a_norm.y, g_wkv_b_, accumulate);
     Tensor g_latent = kv_a_latent(g_wkv_a_), g_rope = kv_a_rope(g_wkv_a_);
-    ops::linear_backward_weight(s.d_c_kv, s.ln1.y, g_latent, accumulate);
-    ops::linear_backward_weight(s.d_k_pe, s.ln1.y, g_rope, accumulate);
+    proj_->backward_weight(s.d_c_kv, s.ln1.y, g_latent, accumulate);
+    proj_->backward_weight(s.d_k_pe, s.ln1.y, g_rope, accumulate);
   }
   StageScope t(Stage::kNorms);
   ops::rmsnorm_backward_weight(s.d_ln2_out, s.h, s.ln2.rstd, g_ln2_w_, accumulate);
@@ -345,7 +347,8 @@ DeepseekV3Model::DeepseekV3Model(DeepseekV3Config cfg, DType dtype, Device devic
     : MoeDecoderModel(decoder_spec(cfg), dtype, device, std::move(placement)), cfg_(std::move(cfg)) {
   cfg_.validate("model");
   build([&](int64_t id) {
-    return std::make_unique<DeepseekV3DecoderLayer>(cfg_, id, this->dtype(), this->device(), this->placement());
+    return std::make_unique<DeepseekV3DecoderLayer>(cfg_, id, this->dtype(), this->device(), this->placement(),
+                                                   &this->projections());
   });
 }
 

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "engine/models/decoder_model.h"
+#include "engine/models/projections.h"
 #include "engine/models/deepseek_v3_config.h"
 #include "engine/models/model.h"
 #include "ops/ops.h"
@@ -55,7 +56,7 @@ struct DeepseekV3LayerState : LayerState {
 class DeepseekV3DecoderLayer : public DecoderLayer {
  public:
   DeepseekV3DecoderLayer(const DeepseekV3Config& cfg, int64_t layer_id, DType dtype, Device device,
-                         const ModelPlacement& placement = {});
+                         const ModelPlacement& placement = {}, const Projections* projections = nullptr);
 
   int64_t layer_id() const override { return id_; }
   bool is_moe() const override { return moe_; }
@@ -92,6 +93,7 @@ class DeepseekV3DecoderLayer : public DecoderLayer {
   int64_t inter_;  // FFN width of this layer's MLP (one routed expert's, or the dense MLP's)
   int64_t first_expert_ = 0;
   std::vector<ParamBucket> buckets_;
+  const Projections* proj_;  // the model's (BF16 when built alone)
   ops::RopeSpec q_rope_, k_rope_;
   RowCounts shared_counts_;  // [1] = T: the shared experts' one group
   ops::AttentionShape attn_shape(const BatchShape& b) const;

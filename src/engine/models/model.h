@@ -255,6 +255,8 @@ class Model {
   virtual void balance_experts(const std::vector<std::vector<int64_t>>& expert_counts) { (void)expert_counts; }
   // Whether passes also measure what only telemetry reads (the router entropy; [metrics].detailed).
   virtual void set_detailed_telemetry(bool on) { (void)on; }
+  // [training].fp8: the layers' projections in block-scaled FP8 (docs/fp8.md).
+  virtual void set_fp8(bool on) { (void)on; }
   // Data parallelism: the ranks of this replica group that hold different tokens of one
   // global batch, and the bridge to the other replica groups; losses of batch totals are
   // summed over both (nullptr: one process, one replica group).

@@ -13,8 +13,9 @@ namespace moetrain {
 // ---- decoder layer ---------------------------------------------------------------------
 
 Qwen3MoeDecoderLayer::Qwen3MoeDecoderLayer(const Qwen3MoeConfig& cfg, int64_t layer_id, DType dtype, Device device,
-                                           const ModelPlacement& placement)
-    : cfg_(cfg), id_(layer_id), moe_(cfg.is_moe_layer(layer_id)) {
+                                           const ModelPlacement& placement, const Projections* projections)
+    : cfg_(cfg), id_(layer_id), moe_(cfg.is_moe_layer(layer_id)),
+      proj_(projections != nullptr ? projections : &bf16_projections()) {
   const int64_t H = cfg.hidden_size, hd = cfg.head_dim;
   const int64_t qd = cfg.num_attention_heads * hd, kvd = cfg.num_key_value_heads * hd;
   int64_t E = 1;
@@ -93,9 +94,9 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
   }
   {
     StageScope t(Stage::kAttention);
-    s.q_raw = ops::linear_forward(s.ln1.y, wq_);
-    s.k_raw = ops::linear_forward(s.ln1.y, wk_);
-    s.v = ops::linear_forward(s.ln1.y, wv_);
+    s.q_raw = proj_->forward(s.ln1.y, wq_);
+    s.k_raw = proj_->forward(s.ln1.y, wk_);
+    s.v = proj_->forward(s.ln1.y, wv_);
   }
   {
     StageScope t(Stage::kNorms);  // the per-head norms with RoPE in one op (ops.h)
@@ -107,7 +108,7 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
   {
     StageScope t(Stage::kAttention);
     s.attn = ops::attention_forward(s.q, s.k, s.v, b.segment_ids, attn_shape(b));
-    s.h = ops::linear_forward(s.attn.out, wo_, x);  // residual added in the GEMM epilogue
+    s.h = proj_->forward(s.attn.out, wo_, x);  // residual added in the GEMM epilogue
   }
   {
     StageScope t(Stage::kNorms);
@@ -160,7 +161,7 @@ Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, Tens
   Tensor d_q, d_k;
   {
     StageScope t(Stage::kAttention);
-    Tensor d_attn = ops::linear_backward_input(s.d_h, wo_);
+    Tensor d_attn = proj_->backward_input(s.d_h, wo_);
     ops::AttentionGrads g =
         ops::attention_backward(d_attn, s.q, s.k, s.v, b.segment_ids, s.attn.out, s.attn.lse, attn_shape(b));
     s.d_v = g.dv;
@@ -180,9 +181,9 @@ Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, Tens
   }
   {
     StageScope t(Stage::kAttention);
-    s.d_ln1_out = ops::linear_backward_input(s.d_q_raw, wq_);
-    ops::linear_backward_input_add(s.d_k_raw, wk_, s.d_ln1_out);
-    ops::linear_backward_input_add(s.d_v, wv_, s.d_ln1_out);
+    s.d_ln1_out = proj_->backward_input(s.d_q_raw, wq_);
+    proj_->backward_input_add(s.d_k_raw, wk_, s.d_ln1_out);
+    proj_->backward_input_add(s.d_v, wv_, s.d_ln1_out);
   }
   StageScope t(Stage::kNorms);
   return ops::rmsnorm_backward_input(s.d_ln1_out, s.x, ln1_w_, s.ln1.rstd, s.d_h);
@@ -203,10 +204,10 @@ void Qwen3MoeDecoderLayer::backward_weight(LayerState& state, bool accumulate, o
   }
   {
     StageScope t(Stage::kAttention);
-    ops::linear_backward_weight(s.d_h, s.attn.out, g_wo_, accumulate);
-    ops::linear_backward_weight(s.d_q_raw, s.ln1.y, g_wq_, accumulate);
-    ops::linear_backward_weight(s.d_k_raw, s.ln1.y, g_wk_, accumulate);
-    ops::linear_backward_weight(s.d_v, s.ln1.y, g_wv_, accumulate);
+    proj_->backward_weight(s.d_h, s.attn.out, g_wo_, accumulate);
+    proj_->backward_weight(s.d_q_raw, s.ln1.y, g_wq_, accumulate);
+    proj_->backward_weight(s.d_k_raw, s.ln1.y, g_wk_, accumulate);
+    proj_->backward_weight(s.d_v, s.ln1.y, g_wv_, accumulate);
   }
   StageScope t(Stage::kNorms);
   ops::rmsnorm_backward_weight(s.d_ln2_out, s.h, s.ln2.rstd, g_ln2_w_, accumulate);
@@ -272,7 +273,8 @@ Qwen3MoeModel::Qwen3MoeModel(Qwen3MoeConfig cfg, DType dtype, Device device, Mod
     : MoeDecoderModel(decoder_spec(cfg), dtype, device, std::move(placement)), cfg_(std::move(cfg)) {
   cfg_.validate("model");
   build([&](int64_t id) {
-    return std::make_unique<Qwen3MoeDecoderLayer>(cfg_, id, this->dtype(), this->device(), this->placement());
+    return std::make_unique<Qwen3MoeDecoderLayer>(cfg_, id, this->dtype(), this->device(), this->placement(),
+                                                 &this->projections());
   });
 }
 

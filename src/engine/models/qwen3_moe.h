@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "engine/models/decoder_model.h"
+#include "engine/models/projections.h"
 #include "engine/models/model.h"
 #include "engine/models/qwen3_moe_config.h"
 #include "ops/ops.h"
@@ -47,7 +48,7 @@ struct Qwen3MoeLayerState : LayerState {
 class Qwen3MoeDecoderLayer : public DecoderLayer {
  public:
   Qwen3MoeDecoderLayer(const Qwen3MoeConfig& cfg, int64_t layer_id, DType dtype, Device device,
-                       const ModelPlacement& placement = {});
+                       const ModelPlacement& placement = {}, const Projections* projections = nullptr);
 
   int64_t layer_id() const override { return id_; }
   bool is_moe() const override { return moe_; }
@@ -101,6 +102,7 @@ class Qwen3MoeDecoderLayer : public DecoderLayer {
   int64_t inter_;  // FFN width of this layer's MLP
   int64_t first_expert_ = 0;
   std::vector<ParamBucket> buckets_;
+  const Projections* proj_;  // the model's (BF16 when built alone)
   ops::AttentionShape attn_shape(const BatchShape& b) const;
   // weights (HF names in collect_parameters) and their gradients
   Tensor ln1_w_, ln2_w_, wq_, wk_, wv_, wo_, q_norm_w_, k_norm_w_, gate_w_;

@@ -1,0 +1,98 @@
+// Projections in FP8 ([training].fp8, docs/fp8.md): each product against its BF16 (here f32)
+// version, within e4m3's error and not equal to it (the FP8 path ran); and a whole training
+// micro-batch of both families with their projections in FP8 against the same without:
+// the loss within 1%, every gradient within 30% relative and half of them within 15% (e4m3
+// has 3 mantissa bits, and every FP8 input gradient adds its error to what flows below it:
+// measured, Qwen3's tiny model median 11.6%, DeepSeek-V3's 1.3%; a transposed or misplaced
+// operand errs by 100% and more). Every
+// token takes every expert (top-k = E), as in the GPU-against-CPU checks: a top-k choice
+// that flips moves its experts' gradients by far more than the arithmetic does.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "engine/models/deepseek_v3.h"
+#include "engine/models/projections.h"
+#include "engine/models/qwen3_moe.h"
+#include "model_batches.h"
+#include "ops/ops.h"
+#include "test_util.h"
+
+namespace moetrain {
+namespace {
+
+TEST(Projections, Fp8ProductsMatchTheHighPrecisionOnesWithinE4m3Error) {
+  Projections fp8;
+  fp8.set_fp8(true);
+  const Projections& plain = bf16_projections();
+  const Tensor x = testing::random_tensor({40, 200}, DType::F32, 1);
+  const Tensor w = testing::random_tensor({136, 200}, DType::F32, 2, 0.1);
+  const Tensor dy = testing::random_tensor({40, 136}, DType::F32, 3);
+  const Tensor res = testing::random_tensor({40, 136}, DType::F32, 4);
+  auto close = [](const Tensor& got, const Tensor& want, const char* what) {
+    const double e = testing::rel_error(got, want);
+    EXPECT_LT(e, 0.05) << what;
+    EXPECT_GT(e, 1e-4) << what << ": the FP8 path did not run";
+  };
+  close(fp8.forward(x, w), plain.forward(x, w), "forward");
+  close(fp8.forward(x, w, res), plain.forward(x, w, res), "forward + residual");
+  close(fp8.backward_input(dy, w), plain.backward_input(dy, w), "backward_input");
+  Tensor add1 = testing::random_tensor({40, 200}, DType::F32, 5), add2 = add1.clone();
+  fp8.backward_input_add(dy, w, add1);
+  plain.backward_input_add(dy, w, add2);
+  close(add1, add2, "backward_input_add");
+  Tensor g1 = testing::random_tensor({136, 200}, DType::F32, 6), g2 = g1.clone();
+  fp8.backward_weight(dy, x, g1, /*accumulate=*/false);
+  plain.backward_weight(dy, x, g2, false);
+  close(g1, g2, "backward_weight");
+  fp8.backward_weight(dy, x, g1, /*accumulate=*/true);
+  plain.backward_weight(dy, x, g2, true);
+  close(g1, g2, "backward_weight, accumulated");
+}
+
+template <typename Model, typename Config>
+void expect_fp8_step_close(const Config& c, const char* family) {
+  SCOPED_TRACE(family);
+  Model bf16(c, DType::F32), fp8(c, DType::F32);
+  bf16.init_weights(5);
+  fp8.init_weights(5);
+  fp8.set_fp8(true);
+  LocalDispatcher d;
+  const Batch b = testing::random_batch(2, 64, static_cast<int32_t>(c.vocab_size), 17);
+  const double scale = 1.0 / static_cast<double>(b.num_targets);
+  const MicroBatchLoss l1 = bf16.forward_backward(b, d, scale, 1.0, false);
+  const MicroBatchLoss l2 = fp8.forward_backward(b, d, scale, 1.0, false);
+  EXPECT_NEAR(l2.ce_sum / l1.ce_sum, 1.0, 1e-2);
+  EXPECT_NE(l2.ce_sum, l1.ce_sum) << "FP8 changed nothing";
+  std::vector<double> errors;
+  for (size_t i = 0; i < bf16.parameters().size(); ++i) {
+    const Parameter& p = bf16.parameters()[i];
+    errors.push_back(testing::rel_error(fp8.parameters()[i].grad, p.grad));
+    EXPECT_LT(errors.back(), 0.3) << p.name;
+  }
+  std::sort(errors.begin(), errors.end());
+  const double median = errors[errors.size() / 2];
+  EXPECT_LT(median, 0.15);
+  std::printf("FP8 projections, %s: loss %.6f against %.6f, gradient errors median %.3e worst %.3e\n", family,
+              l2.ce_sum * scale, l1.ce_sum * scale, median, errors.back());
+}
+
+TEST(Projections, Fp8TrainingStepOfBothFamiliesStaysClose) {
+  Qwen3MoeConfig q = testing::tiny_moe_config(300);
+  q.num_experts_per_tok = q.num_experts;
+  q.hidden_size = 128;
+  q.head_dim = 32;
+  q.initializer_range = 0.05;
+  expect_fp8_step_close<Qwen3MoeModel>(q, "qwen3_moe");
+  DeepseekV3Config v = testing::tiny_dsv3_config(300);
+  v.n_group = 1;
+  v.topk_group = 1;
+  v.num_experts_per_tok = v.n_routed_experts;
+  v.hidden_size = 128;
+  v.initializer_range = 0.05;
+  expect_fp8_step_close<DeepseekV3Model>(v, "deepseek_v3");
+}
+
+}  // namespace
+}  // namespace moetrain
