@@ -358,9 +358,10 @@ Fp8Tensor quantize_fp8(const Tensor& x, Fp8Blocks blocks);
 Fp8Tensor quantize_fp8_transposed(const Tensor& x, Fp8Blocks blocks = Fp8Blocks::kRows);
 // q * scale as `dtype`.
 Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype);
-// y [M, N] = a [M, K] b [N, K]^T, a in rows mode, b in either: per 128-element block of K the
-// sum of the e4m3 products, times the two tiles' scales, added up over the blocks in f32
-// (DeepSeek's promotion of the sums every 128 of K); y of dtype `out` (bf16 or f32).
+// y [M, N] = a [M, K] b [N, K]^T, a in rows mode, b in either: the product of the dequantized
+// operands with f32 sums (on the GPU, per 128-element block of K the e4m3 products' sum times
+// the two tiles' scales, added over the blocks in f32: DeepSeek's promotion every 128 of K);
+// y of dtype `out` (bf16 or f32).
 Tensor linear_fp8(const Fp8Tensor& a, const Fp8Tensor& b, DType out);
 // The same into y [M, N] (bf16 or f32): y = a b^T, or y += a b^T when `accumulate` (a weight
 // gradient over micro-batches, in the GEMM's epilogue).
