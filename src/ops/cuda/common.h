@@ -27,6 +27,22 @@ void check_cublas(cublasStatus_t s, const char* what, const char* file, int line
 cublasLtHandle_t cublaslt_handle();
 void* cublaslt_workspace(size_t* bytes);
 
+// A cuBLASLt matmul's descriptors and the algorithm picked for them (host objects, destroyed
+// with it); C has D's layout. The GEMM wrappers (linear.cpp, fp8.cpp) cache one per shape.
+struct LtPlan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  LtPlan() = default;
+  LtPlan(const LtPlan&) = delete;
+  LtPlan& operator=(const LtPlan&) = delete;
+  ~LtPlan();
+};
+// The heuristic's first algorithm for the plan's descriptors within the thread's workspace
+// (and the operands' alignments in bytes, A, B and C/D, when given) into plan.algo; the
+// heuristic's status and, in *found, how many it offered.
+cublasStatus_t lt_pick_algorithm(LtPlan& plan, const uint32_t* aligns_abd, int* found);
+
 // Each defined tensor must live on a CUDA device.
 inline void check_cuda_tensors(const char* op, std::initializer_list<const Tensor*> ts) {
   for (const Tensor* t : ts) {

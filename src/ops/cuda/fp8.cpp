@@ -33,18 +33,16 @@ struct Fp8PlanKeyHash {
            (static_cast<size_t>(k.a_blocks) << 2);
   }
 };
-struct Fp8Plan {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-  cublasLtMatmulAlgo_t algo{};
-  ~Fp8Plan() {
-    if (d) cublasLtMatrixLayoutDestroy(d);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
-};
-thread_local std::unordered_map<Fp8PlanKey, std::unique_ptr<Fp8Plan>, Fp8PlanKeyHash> t_fp8_plans;
+thread_local std::unordered_map<Fp8PlanKey, std::unique_ptr<LtPlan>, Fp8PlanKeyHash> t_fp8_plans;
+
+// An [R, C] FP8 tensor's storage in `blocks` mode on x's device (a blocks-mode scale's padding
+// columns set to 1).
+Fp8Tensor empty_fp8(int64_t R, int64_t C, Fp8Blocks blocks, Device device) {
+  Fp8Tensor out{Tensor::empty({R, C}, DType::F8E4M3, device),
+                Tensor::empty(fp8_scale_shape(R, C, blocks), DType::F32, device), blocks};
+  if (blocks == Fp8Blocks::kBlocks) out.scale.fill_(1.0);
+  return out;
+}
 
 }  // namespace
 
@@ -52,14 +50,12 @@ Fp8Tensor quantize_fp8(const Tensor& x, Fp8Blocks blocks) {
   const char* op = "quantize_fp8";
   check_input(op, x);
   const int64_t R = x.size(0), C = x.size(1);
-  Fp8Tensor out{Tensor::empty({R, C}, DType::F8E4M3, x.device()),
-                Tensor::empty(fp8_scale_shape(R, C, blocks), DType::F32, x.device()), blocks};
+  Fp8Tensor out = empty_fp8(R, C, blocks, x.device());
   const int eb = static_cast<int>(dtype_size(x.dtype()));
   uint8_t* q = static_cast<uint8_t*>(out.q.raw());
   if (blocks == Fp8Blocks::kRows) {
     launch_quantize_fp8_rows(x.raw(), eb, R, C, q, out.scale.data<float>(), stream());
   } else {
-    out.scale.fill_(1.0);  // the padding columns
     launch_quantize_fp8_blocks(x.raw(), eb, R, C, q, out.scale.data<float>(), out.scale.size(1), stream());
   }
   check_launch(op);
@@ -70,14 +66,12 @@ Fp8Tensor quantize_fp8_transposed(const Tensor& x, Fp8Blocks blocks) {
   const char* op = "quantize_fp8_transposed";
   check_input(op, x);
   const int64_t R = x.size(0), C = x.size(1);
-  Fp8Tensor out{Tensor::empty({C, R}, DType::F8E4M3, x.device()),
-                Tensor::empty(fp8_scale_shape(C, R, blocks), DType::F32, x.device()), blocks};
+  Fp8Tensor out = empty_fp8(C, R, blocks, x.device());
   const int eb = static_cast<int>(dtype_size(x.dtype()));
   if (blocks == Fp8Blocks::kRows) {
     launch_quantize_fp8_transposed(x.raw(), eb, R, C, static_cast<uint8_t*>(out.q.raw()), out.scale.data<float>(),
                                    stream());
   } else {
-    out.scale.fill_(1.0);  // the padding columns
     launch_quantize_fp8_transposed_blocks(x.raw(), eb, R, C, static_cast<uint8_t*>(out.q.raw()),
                                           out.scale.data<float>(), out.scale.size(1), stream());
   }
@@ -112,7 +106,7 @@ void linear_fp8_into(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& y, bool acc
   void* ws = cublaslt_workspace(&ws_bytes);
   auto it = t_fp8_plans.find(key);
   if (it == t_fp8_plans.end()) {
-    auto plan = std::make_unique<Fp8Plan>();
+    auto plan = std::make_unique<LtPlan>();
     MT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t opa = CUBLAS_OP_T, opb = CUBLAS_OP_N;
     MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
@@ -130,18 +124,8 @@ void linear_fp8_into(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& y, bool acc
     MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, CUDA_R_8F_E4M3, K, N, K));
     MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, CUDA_R_8F_E4M3, K, M, K));
     MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->d, out == DType::BF16 ? CUDA_R_16BF : CUDA_R_32F, N, M, N));
-    cublasLtMatmulPreference_t pref = nullptr;
-    MT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    const uint64_t ws64 = ws_bytes;
-    cublasStatus_t st =
-        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws64, sizeof(ws64));
-    cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    if (st == CUBLAS_STATUS_SUCCESS) {
-      st = cublasLtMatmulAlgoGetHeuristic(handle, plan->op, plan->a, plan->b, plan->d, plan->d, pref, 1, &result,
-                                          &found);
-    }
-    cublasLtMatmulPreferenceDestroy(pref);
+    const cublasStatus_t st = lt_pick_algorithm(*plan, nullptr, &found);
     MT_CHECK(st == CUBLAS_STATUS_SUCCESS || st == CUBLAS_STATUS_NOT_SUPPORTED,
              "{}: cuBLASLt's heuristic for the block-scaled FP8 GEMM M={} N={} K={} -> {} failed: {}", opname, M, N, K,
              dtype_name(out), cublasLtGetStatusName(st));
@@ -150,10 +134,9 @@ void linear_fp8_into(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& y, bool acc
              "{}: cuBLASLt has no block-scaled FP8 algorithm for M={} N={} K={} (b in {} mode) on this GPU (it needs "
              "Hopper and cuBLAS 12.9 or later)",
              opname, M, N, K, key.a_blocks ? "128 x 128" : "1 x 128");
-    plan->algo = result.algo;
     it = t_fp8_plans.emplace(key, std::move(plan)).first;
   }
-  const Fp8Plan& p = *it->second;
+  const LtPlan& p = *it->second;
   const void* scale_a = b.scale.raw();
   const void* scale_b = a.scale.raw();
   MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_a, sizeof(scale_a)));

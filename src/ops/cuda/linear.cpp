@@ -38,22 +38,7 @@ struct PlanKeyHash {
   }
 };
 
-struct Plan {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-  cublasLtMatmulAlgo_t algo{};
-  Plan() = default;
-  Plan(const Plan&) = delete;
-  Plan& operator=(const Plan&) = delete;
-  ~Plan() {  // host objects only; statuses ignored in a destructor
-    if (d) cublasLtMatrixLayoutDestroy(d);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
-};
-
-thread_local std::unordered_map<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> t_plans;
+thread_local std::unordered_map<PlanKey, std::unique_ptr<LtPlan>, PlanKeyHash> t_plans;
 
 uint32_t alignment_of(const void* p) {
   const auto u = reinterpret_cast<uintptr_t>(p);
@@ -88,7 +73,7 @@ void lt_matmul(const char* opname, bool ta, bool tb, int64_t m, int64_t n, int64
   void* ws = cublaslt_workspace(&ws_bytes);
   auto it = t_plans.find(key);
   if (it == t_plans.end()) {
-    auto plan = std::make_unique<Plan>();
+    auto plan = std::make_unique<LtPlan>();
     const cudaDataType_t abt = cuda_type(ab), cdt = cuda_type(cd);
     MT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -97,34 +82,15 @@ void lt_matmul(const char* opname, bool ta, bool tb, int64_t m, int64_t n, int64
     MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, abt, ta ? k : m, ta ? m : k, lda));
     MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, abt, tb ? n : k, tb ? k : n, ldb));
     MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->d, cdt, m, n, ldd));
-    cublasLtMatmulPreference_t pref = nullptr;
-    MT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    const uint64_t ws64 = ws_bytes;
-    cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws64,
-                                                             sizeof(ws64));
     const uint32_t aligns[3] = {key.align_a, key.align_b, key.align_d};
-    const cublasLtMatmulPreferenceAttributes_t align_attrs[4] = {
-        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
-    for (int i = 0; i < 4 && st == CUBLAS_STATUS_SUCCESS; ++i) {
-      const uint32_t al = aligns[i < 2 ? i : 2];  // C is D
-      st = cublasLtMatmulPreferenceSetAttribute(pref, align_attrs[i], &al, sizeof(al));
-    }
-    cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    if (st == CUBLAS_STATUS_SUCCESS) {
-      st = cublasLtMatmulAlgoGetHeuristic(handle, plan->op, plan->a, plan->b, plan->d, plan->d, pref, 1, &result,
-                                          &found);
-    }
-    cublasLtMatmulPreferenceDestroy(pref);
-    MT_CUBLAS_CHECK(st);
+    MT_CUBLAS_CHECK(lt_pick_algorithm(*plan, aligns, &found));
     MT_CHECK(found > 0,
              "{}: cuBLASLt has no algorithm for m={} n={} k={} (lda={} ldb={} ldd={}, {} x {} -> {})", opname, m, n,
              k, lda, ldb, ldd, dtype_name(ab), dtype_name(ab), dtype_name(cd));
-    plan->algo = result.algo;
     it = t_plans.emplace(key, std::move(plan)).first;
   }
-  const Plan& p = *it->second;
+  const LtPlan& p = *it->second;
   const float alpha = 1.0f;
   MT_CUBLAS_CHECK(cublasLtMatmul(handle, p.op, &alpha, A, p.a, B, p.b, &beta, C, p.d, D, p.d, &p.algo, ws, ws_bytes,
                                  stream()));
