@@ -55,8 +55,21 @@ int run_train(const std::string& config_path, const std::vector<std::string>& ex
 int run_bench(const std::string& config_path, const std::vector<std::string>& extras,
               const moetrain::BenchOptions& opt) {
   moetrain::RunConfig cfg = moetrain::RunConfig::load(config_path, overrides_from(extras));
-  moetrain::BenchReport r = moetrain::run_bench(cfg, opt);
-  if (r.rank == 0) std::fputs(moetrain::format_bench(r).c_str(), stdout);
+  if (!cfg.training.fp8) {
+    moetrain::BenchReport r = moetrain::run_bench(cfg, opt);
+    if (r.rank == 0) std::fputs(moetrain::format_bench(r).c_str(), stdout);
+    return 0;
+  }
+  // FP8 against BF16 in one run of the command, on the same card: BF16 first.
+  moetrain::RunConfig bf16 = cfg;
+  bf16.training.fp8 = false;
+  const moetrain::BenchReport base = moetrain::run_bench(bf16, opt);
+  const moetrain::BenchReport fp8 = moetrain::run_bench(cfg, opt);
+  if (fp8.rank == 0) {
+    std::printf("=== BF16\n%s=== FP8\n%s=== FP8 against BF16 (this process, this card)\n%s",
+                moetrain::format_bench(base).c_str(), moetrain::format_bench(fp8).c_str(),
+                moetrain::format_bench_comparison(base, "BF16", fp8, "FP8").c_str());
+  }
   return 0;
 }
 

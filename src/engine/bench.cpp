@@ -218,4 +218,20 @@ std::string format_bench(const BenchReport& r) {
   return out;
 }
 
+std::string format_bench_comparison(const BenchReport& base, const std::string& base_name, const BenchReport& other,
+                                    const std::string& other_name) {
+  auto ratio = [](double a, double b) { return b > 0 ? a / b : 0.0; };
+  std::string out = fmt::format("{:<17} {:>10} {:>10} {:>8}\n", "comparison", base_name, other_name, "speedup");
+  out += fmt::format("{:<17} {:>10.1f} {:>10.1f} {:>7.3f}x\n", "step time (ms)", base.step_ms, other.step_ms,
+                     ratio(base.step_ms, other.step_ms));
+  out += fmt::format("{:<17} {:>10.0f} {:>10.0f} {:>7.3f}x\n", "tokens/s", base.tokens_per_s, other.tokens_per_s,
+                     ratio(other.tokens_per_s, base.tokens_per_s));
+  out += fmt::format("{:<17} {:>9.1f}% {:>9.1f}%\n", "MFU", 100 * base.mfu, 100 * other.mfu);
+  for (int s = 0; s < kNumStages; ++s) {
+    out += fmt::format("  {:<15} {:>10.2f} {:>10.2f} {:>7.3f}x\n", stage_name(static_cast<Stage>(s)), base.stage_ms[s],
+                       other.stage_ms[s], ratio(base.stage_ms[s], other.stage_ms[s]));
+  }
+  return out;
+}
+
 }  // namespace moetrain

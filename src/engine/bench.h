@@ -42,5 +42,9 @@ struct BenchReport {
 
 BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt);
 std::string format_bench(const BenchReport& r);
+// Two runs of one process side by side (`moetrain bench --training.fp8=true` measures BF16
+// first, on the same card): step, tokens/s, MFU and every stage, with the second's speedup.
+std::string format_bench_comparison(const BenchReport& base, const std::string& base_name, const BenchReport& other,
+                                    const std::string& other_name);
 
 }  // namespace moetrain
