@@ -45,6 +45,44 @@ __global__ void quantize_rows_kernel(const void* __restrict__ x, int elem_bytes,
   if (lane == 0) scale[kb * R + r] = s;
 }
 
+// Rows mode for bf16 rows whose length is a multiple of 8: 16 threads per 1 x 128 tile, each
+// loading 8 elements (16 bytes) and storing 8 codes at once (the scalar kernel above reads
+// 256 bytes a warp: too little in flight to approach HBM's rate). Same arithmetic, same bits.
+__global__ void quantize_rows_bf16x8_kernel(const __nv_bfloat16* __restrict__ x, int64_t R, int64_t C,
+                                            uint8_t* __restrict__ q, float* __restrict__ scale) {
+  const int64_t L = (C + kBlock - 1) / kBlock;
+  const int64_t tile = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 16;
+  const int part = threadIdx.x & 15;
+  const bool live = tile < R * L;
+  const int64_t r = live ? tile / L : 0, kb = live ? tile % L : 0;
+  const int64_t c = kb * kBlock + 8 * part;
+  const bool has = live && c < C;  // C % 8 == 0: a thread's 8 are all in or all out
+  float v[8];
+  float amax = 0.f;
+  if (has) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(x + r * C + c);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(h[j]);
+      v[2 * j] = f.x;
+      v[2 * j + 1] = f.y;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
+  }
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (!has) return;
+  const float s = tile_scale(amax);
+  uint2 out;
+  uint8_t* b = reinterpret_cast<uint8_t*>(&out);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) b[j] = to_e4m3(v[j] / s);
+  *reinterpret_cast<uint2*>(q + r * C + c) = out;
+  if (part == 0) scale[kb * R + r] = s;
+}
+
 // One 256-thread block per 128 x 128 block of x; kTransposed: the codes go to x^T [C, R] and
 // the scale to block (cb, rb) of x^T's grid.
 template <bool kTransposed>
@@ -125,6 +163,13 @@ void launch_quantize_fp8_rows(const void* x, int elem_bytes, int64_t R, int64_t 
                               cudaStream_t s) {
   const int64_t warps = R * ((C + kBlock - 1) / kBlock);
   if (warps == 0) return;
+  if (elem_bytes == 2 && C % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(q) % 8 == 0) {
+    const int64_t tiles = warps;  // one tile per 16 threads
+    quantize_rows_bf16x8_kernel<<<static_cast<unsigned>((tiles + 15) / 16), 256, 0, s>>>(
+        static_cast<const __nv_bfloat16*>(x), R, C, q, scale);
+    return;
+  }
   quantize_rows_kernel<<<static_cast<unsigned>((warps + 7) / 8), 256, 0, s>>>(x, elem_bytes, R, C, q, scale);
 }
 
