@@ -17,6 +17,7 @@
 
 #include <chrono>
 #include <map>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -73,7 +74,10 @@ class ReplicaChaos : public ::testing::Test {
   }
 
   // Each group's steps in metrics.jsonl strictly increase (none trained twice), through
-  // its restarts; returns the records.
+  // its restarts, up to the last step; returns the records. A group behind may instead heal
+  // straight to the last step from a group that finished, and then train nothing more
+  // (trainer.cpp's healed_to_end): its records end earlier, and its log says it healed to
+  // the last step (seen once in a loaded ASAN run: quorum 33 met group 0 at 59, group 2 at 60).
   std::vector<nlohmann::json> checked_metrics(const std::string& name, int id, int steps) {
     const auto m = read_metrics(run_of(name, id));
     int64_t last = 0;
@@ -81,7 +85,13 @@ class ReplicaChaos : public ::testing::Test {
       EXPECT_GT(line["step"].get<int64_t>(), last) << name << " group " << id;
       last = line["step"];
     }
-    EXPECT_EQ(last, steps) << name << " group " << id;
+    if (last != steps) {
+      const std::string log = read_text(dir_ / (name + "-g" + std::to_string(id) + ".log"));
+      const std::regex healed("healed from replica group index [0-9]+: step " + std::to_string(steps) + ",");
+      EXPECT_TRUE(std::regex_search(log, healed))
+          << name << " group " << id << ": its records end at step " << last << " of " << steps
+          << " and it did not heal to the last step";
+    }
     return m;
   }
 
