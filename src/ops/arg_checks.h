@@ -18,6 +18,17 @@ inline Shape fp8_scale_shape(int64_t R, int64_t C, Fp8Blocks blocks) {
   if (blocks == Fp8Blocks::kRows) return {fp8_blocks_of(C), R};
   return {fp8_blocks_of(R), (fp8_blocks_of(C) + 3) / 4 * 4};
 }
+// Where element (r, c)'s scale lies in an [R, C] tensor's scales (fp8_scale_shape's layout;
+// scale_cols: the scale tensor's row length).
+inline int64_t fp8_scale_index(Fp8Blocks blocks, int64_t r, int64_t c, int64_t R, int64_t scale_cols) {
+  const int64_t kb = c / kFp8Block;
+  return blocks == Fp8Blocks::kRows ? kb * R + r : (r / kFp8Block) * scale_cols + kb;
+}
+// A quantizer's input: x [R, C] of a floating dtype.
+inline void check_fp8_input(const char* op, const Tensor& x) {
+  MT_CHECK(x.defined() && x.ndim() == 2, "{}: x must be [R, C], got {}", op, x.str());
+  MT_CHECK(is_floating(x.dtype()), "{}: x must be bf16, f32 or f64, got {}", op, x.str());
+}
 // An Fp8Tensor's q and scale agree with each other and its mode.
 inline void check_fp8_tensor(const char* op, const Fp8Tensor& t, const char* name) {
   MT_CHECK(t.q.defined() && t.q.ndim() == 2 && t.q.dtype() == DType::F8E4M3, "{}: {}.q must be f8e4m3 [R, C], got {}",

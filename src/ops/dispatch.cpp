@@ -51,14 +51,12 @@ Tensor shift_tokens(const Tensor& ids, const Tensor& segment_ids, int64_t batch,
 }
 
 Fp8Tensor quantize_fp8(const Tensor& x, Fp8Blocks blocks) {
-  MT_CHECK(x.defined() && x.ndim() == 2, "quantize_fp8: x must be [R, C], got {}", x.str());
-  MT_CHECK(is_floating(x.dtype()), "quantize_fp8: x must be bf16, f32 or f64, got {}", x.str());
+  check_fp8_input("quantize_fp8", x);
   return MT_ROUTE(x, quantize_fp8, x, blocks);
 }
 
 Fp8Tensor quantize_fp8_transposed(const Tensor& x, Fp8Blocks blocks) {
-  MT_CHECK(x.defined() && x.ndim() == 2, "quantize_fp8_transposed: x must be [R, C], got {}", x.str());
-  MT_CHECK(is_floating(x.dtype()), "quantize_fp8_transposed: x must be bf16, f32 or f64, got {}", x.str());
+  check_fp8_input("quantize_fp8_transposed", x);
   return MT_ROUTE(x, quantize_fp8_transposed, x, blocks);
 }
 

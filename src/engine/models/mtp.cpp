@@ -55,7 +55,7 @@ Tensor MtpModule::input_forward(const Batch& batch, const Tensor& h_prev, MtpSta
 
 Tensor MtpModule::loss_forward(const Tensor& h_k, const Batch& batch, bool training, double scale, bool accumulate,
                                MtpState& s) {
-  s.targets = ops::shift_tokens(batch.targets, batch.segment_ids, batch.batch, depth_, kNoTarget);
+  const Tensor targets = ops::shift_tokens(batch.targets, batch.segment_ids, batch.batch, depth_, kNoTarget);
   ops::RmsNormOut norm;
   {
     StageScope t(Stage::kNorms);
@@ -63,13 +63,13 @@ Tensor MtpModule::loss_forward(const Tensor& h_k, const Batch& batch, bool train
   }
   if (!training) {
     StageScope t(Stage::kLoss);
-    return ops::linear_cross_entropy(norm.y, head_w_, s.targets, 1.0, nullptr, nullptr).loss_sum;
+    return ops::linear_cross_entropy(norm.y, head_w_, targets, 1.0, nullptr, nullptr).loss_sum;
   }
   // Forward and backward in one pass, as the main head (decoder_model.cpp's end_forward).
   Tensor d_norm, loss;
   {
     StageScope t(Stage::kLoss);
-    loss = ops::linear_cross_entropy(norm.y, head_w_, s.targets, scale, &d_norm, &g_head_w_, 0, accumulate).loss_sum;
+    loss = ops::linear_cross_entropy(norm.y, head_w_, targets, scale, &d_norm, &g_head_w_, 0, accumulate).loss_sum;
   }
   StageScope t(Stage::kNorms);
   ops::rmsnorm_backward_weight(d_norm, h_k, norm.rstd, g_head_norm_w_, accumulate);

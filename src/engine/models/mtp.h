@@ -31,7 +31,7 @@ namespace moetrain {
 
 // What one micro-batch's pass through a module keeps for its backward.
 struct MtpState {
-  Tensor ids, targets;       // token i + k and target t_{i+k+1} of every position (i32 [T])
+  Tensor ids;                // token i + k of every position (i32 [T])
   Tensor e, h;               // the embedding rows and h_{k-1}: the two norms' inputs
   ops::RmsNormOut en, hn;    // enorm(e), hnorm(h)
   Tensor joined;             // [en.y, hn.y] [T, 2H]: eh_proj's input

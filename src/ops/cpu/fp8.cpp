@@ -41,8 +41,7 @@ Fp8Tensor quantize_fp8(const Tensor& x, Fp8Blocks blocks) {
       for (int64_t r = r0; r < r1; ++r) {
         for (int64_t c = c0; c < c1; ++c) q[r * C + c] = float_to_fp8_e4m3(v[r * C + c] / scale);
       }
-      if (blocks == Fp8Blocks::kRows) s[kb * R + r0] = scale;
-      else s[(r0 / kFp8Block) * scale_cols + kb] = scale;
+      s[fp8_scale_index(blocks, r0, c0, R, scale_cols)] = scale;
     }
   }
   return out;
@@ -66,9 +65,7 @@ Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype) {
   std::vector<float> out(static_cast<size_t>(R * C));
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t c = 0; c < C; ++c) {
-      const int64_t kb = c / kFp8Block;
-      const float scale = t.blocks == Fp8Blocks::kRows ? s[kb * R + r] : s[(r / kFp8Block) * scale_cols + kb];
-      out[r * C + c] = fp8_e4m3_to_float(q[r * C + c]) * scale;
+      out[r * C + c] = fp8_e4m3_to_float(q[r * C + c]) * s[fp8_scale_index(t.blocks, r, c, R, scale_cols)];
     }
   }
   return Tensor::from_vector(out, {R, C}).to(dtype);

@@ -5,6 +5,7 @@
 #include <cuda_fp8.h>
 
 #include "ops/cuda/fp8_launch.h"
+#include "ops/cuda/vec_io.cuh"
 
 namespace moetrain::ops::cuda {
 namespace {
@@ -60,14 +61,7 @@ __global__ void quantize_rows_bf16x8_kernel(const __nv_bfloat16* __restrict__ x,
   float v[8];
   float amax = 0.f;
   if (has) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(x + r * C + c);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = __bfloat1622float2(h[j]);
-      v[2 * j] = f.x;
-      v[2 * j + 1] = f.y;
-    }
+    load8(x + r * C + c, v);
 #pragma unroll
     for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
   }
@@ -163,8 +157,7 @@ void launch_quantize_fp8_rows(const void* x, int elem_bytes, int64_t R, int64_t 
                               cudaStream_t s) {
   const int64_t warps = R * ((C + kBlock - 1) / kBlock);
   if (warps == 0) return;
-  if (elem_bytes == 2 && C % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-      reinterpret_cast<uintptr_t>(q) % 8 == 0) {
+  if (elem_bytes == 2 && C % 8 == 0 && aligned16(x) && reinterpret_cast<uintptr_t>(q) % 8 == 0) {
     const int64_t tiles = warps;  // one tile per 16 threads
     quantize_rows_bf16x8_kernel<<<static_cast<unsigned>((tiles + 15) / 16), 256, 0, s>>>(
         static_cast<const __nv_bfloat16*>(x), R, C, q, scale);
