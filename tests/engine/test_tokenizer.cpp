@@ -261,6 +261,10 @@ TEST_F(BpeTest, NfcComposesBeforeTheSplit) {
   // A raw one (normalized = false) matches the text as given, before NFC.
   EXPECT_EQ(tok->encode("<o\xcc\x88>"), (Ids{306}));
   EXPECT_EQ(tok->encode("<\xc3\xb6>"), (Ids{'<', 0xC3, 0xB6, '>'}));
+  // The span after a raw token is normalized on its own: U+0344 (NFC: U+0308 U+0301) does not
+  // compose with the token's last letter (t + U+0308 would be U+1E97), unlike NFC of the whole.
+  EXPECT_EQ(normalized(*tok, "<|im_start|>assistant\xcd\x84"), "<|im_start|>assistant\xcc\x88\xcc\x81");
+  EXPECT_EQ(normalized(*tok, "assistant\xcd\x84"), "assistan\xe1\xba\x97\xcc\x81");
 
   // Without a normalizer the accent is a piece of its own (U+0301 is not a letter).
   j["normalizer"] = nullptr;
