@@ -193,6 +193,26 @@ bool groups_expert_weight_grads(const Model& model, const FsdpContext* fsdp) {
 
 namespace {
 
+// A step's micro-batches see the same weights (the optimizer runs after them; the layerwise
+// one updates a layer after its last use), so under FP8 each weight is quantized once a step,
+// not once a micro-batch; not under ZeRO-3, whose gathers free and reuse the weights' memory.
+class QuantizedWeightsKept {
+ public:
+  QuantizedWeightsKept(Model& model, const FsdpContext* fsdp)
+      : model_(model), on_(fsdp == nullptr || fsdp->keeps_whole_grads()) {
+    if (on_) model_.keep_quantized_weights(true);
+  }
+  ~QuantizedWeightsKept() {
+    if (on_) model_.keep_quantized_weights(false);
+  }
+  QuantizedWeightsKept(const QuantizedWeightsKept&) = delete;
+  QuantizedWeightsKept& operator=(const QuantizedWeightsKept&) = delete;
+
+ private:
+  Model& model_;
+  bool on_;
+};
+
 // Forward and backward of a step's micro-batches, the gradients accumulated in the model.
 // `targets`: of the whole step over all data ranks (the loss is their mean). Returns the
 // cross-entropy sum in r.loss and the loss terms' means over the micro-batches in r.terms
@@ -203,6 +223,7 @@ StepResult accumulate_micro_batches(Model& model, ExpertDispatcher& dispatcher,
   StepResult r;
   const double n = static_cast<double>(batches.size());
   const bool groups = groups_expert_weight_grads(model, fsdp);
+  const QuantizedWeightsKept kept(model, fsdp);
   for (size_t i = 0; i < batches.size(); ++i) {
     // The first micro-batch writes the gradients, the others add: no zeroing pass.
     if (fsdp) fsdp->begin_micro_batch(i == 0);
@@ -312,13 +333,16 @@ double pipeline_validation_loss(PipelineExecutor& ex, const PipelineSchedule& fo
 
 }  // namespace
 
-StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, const Model& model,
+StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, Model& model,
                       FsdpContext& fsdp, Communicator& data_group, Communicator& replica_world,
                       const std::vector<Batch>& batches, double lr, double grad_clip, const CommitFn& commit) {
   const Device device = model.device();
   const std::vector<double> targets{global_targets(batches, data_group, fsdp.bridge(), device)};
   const double n = static_cast<double>(batches.size());
-  PipelineExecutor::Result pr = ex.train(schedule, batches, 1.0 / targets[0], 1.0 / n);
+  PipelineExecutor::Result pr = [&] {
+    const QuantizedWeightsKept kept(model, &fsdp);
+    return ex.train(schedule, batches, 1.0 / targets[0], 1.0 / n);
+  }();
   // Only the ranks holding the head have losses; each data rank's head rank adds its share
   // (a global term is the batch's on each, so each adds 1 / data ranks of it). Every rank
   // sends the model's terms in its one order, zero where it has none.

@@ -64,7 +64,7 @@ StepResult train_step(Model& model, ExpertDispatcher& dispatcher, FsdpContext& f
 // the expert-load imbalance from every stage.
 class PipelineExecutor;
 struct PipelineSchedule;
-StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, const Model& model,
+StepResult train_step(PipelineExecutor& ex, const PipelineSchedule& schedule, Model& model,
                       FsdpContext& fsdp, Communicator& data_group, Communicator& replica_world,
                       const std::vector<Batch>& batches, double lr, double grad_clip, const CommitFn& commit = {});
 

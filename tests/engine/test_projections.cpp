@@ -13,8 +13,11 @@
 #include <vector>
 
 #include "engine/models/deepseek_v3.h"
+#include "engine/optim/adamw.h"
+#include "engine/optim/layerwise.h"
 #include "engine/models/projections.h"
 #include "engine/models/qwen3_moe.h"
+#include "engine/trainer.h"
 #include "model_batches.h"
 #include "ops/ops.h"
 #include "test_util.h"
@@ -49,6 +52,84 @@ TEST(Projections, Fp8ProductsMatchTheHighPrecisionOnesWithinE4m3Error) {
   fp8.backward_weight(dy, x, g1, /*accumulate=*/true);
   plain.backward_weight(dy, x, g2, true);
   close(g1, g2, "backward_weight, accumulated");
+}
+
+// Kept weights: quantized at the first use, then taken as they are (so a weight changed while
+// kept is not seen: the caller's promise is what makes that right), keyed by where the elements
+// start and the shape (two row blocks of one tensor, one starting where the tensor does, are
+// two weights), forgotten when released.
+TEST(Projections, KeptWeightsAreQuantizedOnceUntilReleased) {
+  Projections kept, fresh;
+  kept.set_fp8(true);
+  fresh.set_fp8(true);
+  const Tensor x = testing::random_tensor({40, 200}, DType::F32, 1);
+  const Tensor dy = testing::random_tensor({40, 136}, DType::F32, 3);
+  Tensor w = testing::random_tensor({136, 200}, DType::F32, 2, 0.1);
+  const Tensor top = w.slice(0, 64), bottom = w.slice(64, 136);
+  auto same = [](const Tensor& a, const Tensor& b) { return testing::rel_error(a, b) == 0.0; };
+  kept.keep_weights(true);
+  EXPECT_TRUE(same(kept.forward(x, w), fresh.forward(x, w)));
+  EXPECT_TRUE(same(kept.forward(x, top), fresh.forward(x, top)));
+  EXPECT_TRUE(same(kept.forward(x, bottom), fresh.forward(x, bottom)));
+  EXPECT_EQ(kept.kept_weights(), 3u);
+  EXPECT_TRUE(same(kept.backward_input(dy, w), fresh.backward_input(dy, w)));  // W^T's blocks, same entry
+  EXPECT_TRUE(same(kept.backward_input(dy, w), fresh.backward_input(dy, w)));
+  EXPECT_EQ(kept.kept_weights(), 3u);
+  const Tensor before = kept.forward(x, w), before_t = kept.backward_input(dy, w);
+  ops::scale_(w, 2.0);  // changed while kept: the kept blocks are used
+  EXPECT_TRUE(same(kept.forward(x, w), before));
+  EXPECT_TRUE(same(kept.backward_input(dy, w), before_t));
+  EXPECT_FALSE(same(fresh.forward(x, w), before));
+  kept.keep_weights(false);
+  EXPECT_EQ(kept.kept_weights(), 0u);
+  EXPECT_TRUE(same(kept.forward(x, w), fresh.forward(x, w)));
+  EXPECT_TRUE(same(kept.backward_input(dy, w), fresh.backward_input(dy, w)));
+  EXPECT_EQ(kept.kept_weights(), 0u);  // not kept: quantized on every use
+  // An input prepared once for several products equals one prepared for each.
+  const Projections::Input rows = fresh.rows(x);
+  EXPECT_TRUE(same(fresh.forward(rows, top), fresh.forward(x, top)));
+  Tensor g1 = testing::random_tensor({136, 200}, DType::F32, 6), g2 = g1.clone();
+  fresh.backward_weight(dy, fresh.tokens(x), g1, false);
+  fresh.backward_weight(dy, x, g2, false);
+  EXPECT_TRUE(same(g1, g2));
+  EXPECT_THROW(fresh.forward(fresh.tokens(x), w), Error);  // quantized along the wrong dimension
+  EXPECT_THROW(fresh.backward_weight(dy, rows, g1, false), Error);
+}
+
+// train_step keeps the weights quantized for the step's micro-batches and releases them before
+// the optimizer moves them: three steps of three micro-batches equal, bit for bit, the same
+// steps with every weight quantized at every use (the step written out without train_step).
+// Keeping them past the step would use the old weights' blocks in the next one.
+TEST(Projections, Fp8StepsEqualQuantizingAtEveryUse) {
+  const Qwen3MoeConfig c = testing::tiny_moe_config(100, 2);
+  Qwen3MoeModel stepped(c, DType::F32), plain(c, DType::F32);
+  stepped.init_weights(3);
+  plain.init_weights(3);
+  stepped.set_fp8(true);
+  plain.set_fp8(true);
+  AdamW opt_s(stepped.parameters(), {}), opt_p(plain.parameters(), {});
+  LayerwiseOptimizer lw_s(stepped, opt_s, LayerwiseConfig{.overlap = false});
+  LayerwiseOptimizer lw_p(plain, opt_p, LayerwiseConfig{.overlap = false});
+  LocalDispatcher d;
+  for (int step = 0; step < 3; ++step) {
+    std::vector<Batch> bs;
+    for (int i = 0; i < 3; ++i) bs.push_back(testing::random_batch(2, 16, 100, 100 + 10 * step + i));
+    const StepResult r = train_step(stepped, d, lw_s, bs, 2e-2, 1.0);
+    int64_t targets = 0;
+    for (const Batch& b : bs) targets += b.num_targets;
+    double loss = 0;
+    for (size_t i = 0; i < bs.size(); ++i) {
+      if (i + 1 == bs.size()) lw_p.begin_last_micro_batch();
+      loss += plain.forward_backward(bs[i], d, 1.0 / static_cast<double>(targets), 1.0 / 3.0, i > 0).ce_sum;
+    }
+    const GradNorm g = lw_p.step(2e-2, 1.0);
+    EXPECT_EQ(r.loss, loss / static_cast<double>(targets)) << "step " << step;
+    EXPECT_EQ(r.grad_norm, g.norm) << "step " << step;
+  }
+  for (size_t i = 0; i < plain.parameters().size(); ++i) {
+    EXPECT_EQ(testing::rel_error(stepped.parameters()[i].value, plain.parameters()[i].value), 0.0)
+        << plain.parameters()[i].name;
+  }
 }
 
 template <typename Model, typename Config>

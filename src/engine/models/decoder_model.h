@@ -116,6 +116,7 @@ class MoeDecoderModel : public Model {
   void balance_experts(const std::vector<std::vector<int64_t>>& expert_counts) override;
   void set_detailed_telemetry(bool on) override { router_entropy_ = on; }
   void set_fp8(bool on) override { projections_.set_fp8(on); }
+  void keep_quantized_weights(bool on) override { projections_.keep_weights(on); }
 
   ChunkSpec whole() const override;
   RouterTotals new_totals() const override;

@@ -138,16 +138,17 @@ void DeepseekV3DecoderLayer::attn_forward(const Tensor& x, const Tensor& positio
   Tensor q_raw;
   {
     StageScope t(Stage::kAttention);
+    const Projections::Input in = proj_->rows(s.ln1.y);  // quantized once for the three
     if (cfg_.q_lora_rank > 0) {
-      s.q_a = proj_->forward(s.ln1.y, wq_a_);
+      s.q_a = proj_->forward(in, wq_a_);
       s.q_a_norm = ops::rmsnorm_forward(s.q_a, q_a_norm_w_, kLatentNormEps);
       q_raw = proj_->forward(s.q_a_norm.y, wq_b_);
     } else {
-      q_raw = proj_->forward(s.ln1.y, wq_);
+      q_raw = proj_->forward(in, wq_);
     }
     s.q = ops::rope_forward(q_raw, positions, q_rope_);
-    s.c_kv = proj_->forward(s.ln1.y, kv_a_latent(wkv_a_));
-    s.k_pe = proj_->forward(s.ln1.y, kv_a_rope(wkv_a_));
+    s.c_kv = proj_->forward(in, kv_a_latent(wkv_a_));
+    s.k_pe = proj_->forward(in, kv_a_rope(wkv_a_));
     s.kv_a_norm = ops::rmsnorm_forward(s.c_kv, kv_a_norm_w_, kLatentNormEps);
     Tensor kv = proj_->forward(s.kv_a_norm.y, wkv_b_);
     s.kv = ops::mla_kv_forward(kv, ops::rope_forward(s.k_pe, positions, k_rope_), cfg_.num_attention_heads,
@@ -269,16 +270,17 @@ void DeepseekV3DecoderLayer::backward_weight(LayerState& state, bool accumulate,
   {
     StageScope t(Stage::kAttention);
     proj_->backward_weight(s.d_h, s.attn.out, g_wo_, accumulate);
+    const Projections::Input in = proj_->tokens(s.ln1.y);  // quantized once for the three
     if (cfg_.q_lora_rank > 0) {
       proj_->backward_weight(s.d_q_raw, s.q_a_norm.y, g_wq_b_, accumulate);
-      proj_->backward_weight(s.d_q_a, s.ln1.y, g_wq_a_, accumulate);
+      proj_->backward_weight(s.d_q_a, in, g_wq_a_, accumulate);
     } else {
-      proj_->backward_weight(s.d_q_raw, s.ln1.y, g_wq_, accumulate);
+      proj_->backward_weight(s.d_q_raw, in, g_wq_, accumulate);
     }
     proj_->backward_weight(s.d_kv, s.kv_a_norm.y, g_wkv_b_, accumulate);
     Tensor g_latent = kv_a_latent(g_wkv_a_), g_rope = kv_a_rope(g_wkv_a_);
-    proj_->backward_weight(s.d_c_kv, s.ln1.y, g_latent, accumulate);
-    proj_->backward_weight(s.d_k_pe, s.ln1.y, g_rope, accumulate);
+    proj_->backward_weight(s.d_c_kv, in, g_latent, accumulate);
+    proj_->backward_weight(s.d_k_pe, in, g_rope, accumulate);
   }
   StageScope t(Stage::kNorms);
   ops::rmsnorm_backward_weight(s.d_ln2_out, s.h, s.ln2.rstd, g_ln2_w_, accumulate);

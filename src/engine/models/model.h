@@ -257,6 +257,10 @@ class Model {
   virtual void set_detailed_telemetry(bool on) { (void)on; }
   // [training].fp8: the layers' projections in block-scaled FP8 (docs/fp8.md).
   virtual void set_fp8(bool on) { (void)on; }
+  // Under FP8: true while the weights neither change nor move (one step's micro-batches with
+  // whole weights), so each is quantized at its first use and reused; false frees the copies
+  // (engine/models/projections.h).
+  virtual void keep_quantized_weights(bool on) { (void)on; }
   // Data parallelism: the ranks of this replica group that hold different tokens of one
   // global batch, and the bridge to the other replica groups; losses of batch totals are
   // summed over both (nullptr: one process, one replica group).

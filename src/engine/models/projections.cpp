@@ -1,43 +1,79 @@
 #include "engine/models/projections.h"
 
-#include "ops/ops.h"
+#include "core/error.h"
 
 namespace moetrain {
-
-// The weights are quantized on every use (per micro-batch): once per optimizer step, reused
-// by the step's micro-batches, is the next step (docs/fp8.md), which needs to know when a
-// weight changed (optimizer steps, loads, recoveries, ZeRO-3's gathers).
 
 const Projections& bf16_projections() {
   static const Projections plain;
   return plain;
 }
 
-Tensor Projections::forward(const Tensor& x, const Tensor& w, const Tensor& residual) const {
-  if (!fp8_) return ops::linear_forward(x, w, residual);
-  const ops::Fp8Tensor xq = ops::quantize_fp8(x, ops::Fp8Blocks::kRows);
-  const ops::Fp8Tensor wq = ops::quantize_fp8(w, ops::Fp8Blocks::kBlocks);
-  if (!residual.defined()) return ops::linear_fp8(xq, wq, x.dtype());
+void Projections::set_fp8(bool on) {
+  fp8_ = on;
+  kept_.clear();
+}
+
+void Projections::keep_weights(bool on) {
+  keep_ = on;
+  if (!on) kept_.clear();
+}
+
+ops::Fp8Tensor Projections::weight_blocks(const Tensor& w, bool transposed) const {
+  auto quantize = [&] {
+    return transposed ? ops::quantize_fp8_transposed(w, ops::Fp8Blocks::kBlocks)
+                      : ops::quantize_fp8(w, ops::Fp8Blocks::kBlocks);
+  };
+  if (!keep_) return quantize();
+  MT_CHECK(w.shape().size() == 2, "Projections: weight of shape {} is not a matrix", shape_str(w.shape()));
+  Kept& k = kept_[{w.raw(), w.shape()[0], w.shape()[1]}];
+  ops::Fp8Tensor& blocks = transposed ? k.w_t : k.w;
+  if (!blocks.q.defined()) blocks = quantize();
+  return blocks;
+}
+
+Projections::Input Projections::rows(const Tensor& x) const {
+  Input in{x, {}, false};
+  if (fp8_) in.q = ops::quantize_fp8(x, ops::Fp8Blocks::kRows);
+  return in;
+}
+
+Projections::Input Projections::tokens(const Tensor& x) const {
+  Input in{x, {}, true};
+  if (fp8_) in.q = ops::quantize_fp8_transposed(x);
+  return in;
+}
+
+Tensor Projections::forward(const Input& x, const Tensor& w, const Tensor& residual) const {
+  MT_CHECK(!x.along_tokens, "Projections::forward: the input was quantized along the tokens (tokens()), "
+                            "a forward reads it along the features (rows())");
+  if (!fp8_) return ops::linear_forward(x.x, w, residual);
+  MT_CHECK(x.q.q.defined(), "Projections::forward: the input was prepared before FP8 was switched on");
+  const ops::Fp8Tensor wq = weight_blocks(w, /*transposed=*/false);
+  if (!residual.defined()) return ops::linear_fp8(x.q, wq, x.x.dtype());
   Tensor y = residual.clone();  // the residual added in the GEMM's epilogue
-  ops::linear_fp8_into(xq, wq, y, /*accumulate=*/true);
+  ops::linear_fp8_into(x.q, wq, y, /*accumulate=*/true);
   return y;
 }
 
 Tensor Projections::backward_input(const Tensor& dy, const Tensor& w) const {
   if (!fp8_) return ops::linear_backward_input(dy, w);
-  return ops::linear_fp8(ops::quantize_fp8(dy, ops::Fp8Blocks::kRows),
-                         ops::quantize_fp8_transposed(w, ops::Fp8Blocks::kBlocks), dy.dtype());
+  return ops::linear_fp8(ops::quantize_fp8(dy, ops::Fp8Blocks::kRows), weight_blocks(w, /*transposed=*/true),
+                         dy.dtype());
 }
 
 void Projections::backward_input_add(const Tensor& dy, const Tensor& w, Tensor& dx) const {
   if (!fp8_) return ops::linear_backward_input_add(dy, w, dx);
-  ops::linear_fp8_into(ops::quantize_fp8(dy, ops::Fp8Blocks::kRows),
-                       ops::quantize_fp8_transposed(w, ops::Fp8Blocks::kBlocks), dx, /*accumulate=*/true);
+  ops::linear_fp8_into(ops::quantize_fp8(dy, ops::Fp8Blocks::kRows), weight_blocks(w, /*transposed=*/true), dx,
+                       /*accumulate=*/true);
 }
 
-void Projections::backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw, bool accumulate) const {
-  if (!fp8_) return ops::linear_backward_weight(dy, x, dw, accumulate);
-  ops::linear_fp8_into(ops::quantize_fp8_transposed(dy), ops::quantize_fp8_transposed(x), dw, accumulate);
+void Projections::backward_weight(const Tensor& dy, const Input& x, Tensor& dw, bool accumulate) const {
+  MT_CHECK(x.along_tokens || !fp8_, "Projections::backward_weight: the input was quantized along the features "
+                                    "(rows()), a weight gradient reads it along the tokens (tokens())");
+  if (!fp8_) return ops::linear_backward_weight(dy, x.x, dw, accumulate);
+  MT_CHECK(x.q.q.defined(), "Projections::backward_weight: the input was prepared before FP8 was switched on");
+  ops::linear_fp8_into(ops::quantize_fp8_transposed(dy), x.q, dw, accumulate);
 }
 
 }  // namespace moetrain

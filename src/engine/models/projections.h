@@ -7,24 +7,66 @@
 // One per model, shared by its layers; the layers call these instead of ops::linear_*.
 #pragma once
 
+#include <map>
+#include <tuple>
+
 #include "core/tensor.h"
+#include "ops/ops.h"
 
 namespace moetrain {
 
 class Projections {
  public:
-  void set_fp8(bool on) { fp8_ = on; }
+  void set_fp8(bool on);
   bool fp8() const { return fp8_; }
+
+  // An input that several products read (q, k and v all read the normed input), quantized
+  // once under FP8: per 1 x 128 tile along the features for forwards (`rows`), along the
+  // tokens for weight gradients (`tokens`). Plain BF16 keeps only x.
+  struct Input {
+    Tensor x;
+    ops::Fp8Tensor q;  // FP8 only
+    bool along_tokens = false;
+  };
+  Input rows(const Tensor& x) const;
+  Input tokens(const Tensor& x) const;
+
   // y = x W^T (+ residual).
-  Tensor forward(const Tensor& x, const Tensor& w, const Tensor& residual = Tensor()) const;
+  Tensor forward(const Input& x, const Tensor& w, const Tensor& residual = Tensor()) const;
+  Tensor forward(const Tensor& x, const Tensor& w, const Tensor& residual = Tensor()) const {
+    return forward(rows(x), w, residual);
+  }
   // dx = dy W, and dx += dy W.
   Tensor backward_input(const Tensor& dy, const Tensor& w) const;
   void backward_input_add(const Tensor& dy, const Tensor& w, Tensor& dx) const;
   // dW = dy^T x (written, or added when `accumulate`).
-  void backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw, bool accumulate) const;
+  void backward_weight(const Tensor& dy, const Input& x, Tensor& dw, bool accumulate) const;
+  void backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw, bool accumulate) const {
+    backward_weight(dy, tokens(x), dw, accumulate);
+  }
+
+  // Between keep_weights(true) and keep_weights(false) the caller promises that no weight
+  // changes and that each weight stays where it is (one training step's micro-batches with
+  // whole weights: not under ZeRO-3, whose gathers reuse memory): a weight's FP8 blocks, and
+  // its transpose's, are made at its first use and reused by the later micro-batches. Off
+  // (the default, and what keep_weights(false) returns to) every use quantizes afresh, so a
+  // caller that never says it loses only speed. keep_weights(false) frees the copies.
+  void keep_weights(bool on);
+  // How many weights are held quantized now (tests).
+  size_t kept_weights() const { return kept_.size(); }
 
  private:
+  // W's blocks, or W^T's (transposed), made now or taken from the kept copies (a handle).
+  ops::Fp8Tensor weight_blocks(const Tensor& w, bool transposed) const;
+
   bool fp8_ = false;
+  bool keep_ = false;
+  struct Kept {
+    ops::Fp8Tensor w, w_t;  // w_t made at the first backward use
+  };
+  // Keyed by where the weight's elements start and its shape: MLA's kv_a weight is read as
+  // two row blocks, views of one tensor.
+  mutable std::map<std::tuple<const void*, int64_t, int64_t>, Kept> kept_;
 };
 
 // BF16 projections, for a layer built without a model (tests, reference layers).

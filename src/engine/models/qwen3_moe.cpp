@@ -94,9 +94,10 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
   }
   {
     StageScope t(Stage::kAttention);
-    s.q_raw = proj_->forward(s.ln1.y, wq_);
-    s.k_raw = proj_->forward(s.ln1.y, wk_);
-    s.v = proj_->forward(s.ln1.y, wv_);
+    const Projections::Input in = proj_->rows(s.ln1.y);  // quantized once for the three
+    s.q_raw = proj_->forward(in, wq_);
+    s.k_raw = proj_->forward(in, wk_);
+    s.v = proj_->forward(in, wv_);
   }
   {
     StageScope t(Stage::kNorms);  // the per-head norms with RoPE in one op (ops.h)
@@ -205,9 +206,10 @@ void Qwen3MoeDecoderLayer::backward_weight(LayerState& state, bool accumulate, o
   {
     StageScope t(Stage::kAttention);
     proj_->backward_weight(s.d_h, s.attn.out, g_wo_, accumulate);
-    proj_->backward_weight(s.d_q_raw, s.ln1.y, g_wq_, accumulate);
-    proj_->backward_weight(s.d_k_raw, s.ln1.y, g_wk_, accumulate);
-    proj_->backward_weight(s.d_v, s.ln1.y, g_wv_, accumulate);
+    const Projections::Input in = proj_->tokens(s.ln1.y);
+    proj_->backward_weight(s.d_q_raw, in, g_wq_, accumulate);
+    proj_->backward_weight(s.d_k_raw, in, g_wk_, accumulate);
+    proj_->backward_weight(s.d_v, in, g_wv_, accumulate);
   }
   StageScope t(Stage::kNorms);
   ops::rmsnorm_backward_weight(s.d_ln2_out, s.h, s.ln2.rstd, g_ln2_w_, accumulate);
