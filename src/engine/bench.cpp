@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/allocator.h"
 #include "core/cuda_runtime.h"
@@ -65,10 +66,15 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
   r.tokens_per_step = ctx->tokens_per_step(tc);
   r.flops_per_token = model.flops_per_token(tc.seq_len);
   r.peak_tflops = opt.peak_tflops;
-  r.settings = fmt::format("micro-batch {} x {}, {} a step; {}; {}AdamW moments {}{}", tc.micro_batch_size,
+  r.settings = fmt::format("micro-batch {} x {}, {} a step; {}; {}{}AdamW moments {}{}", tc.micro_batch_size,
                            tc.seq_len, tc.grad_accum_steps,
                            tc.deterministic ? "bitwise repeatable" : "not bitwise repeatable",
-                           tc.fp8 ? "FP8 projections (block-scaled e4m3); " : "", oc.moments,
+                           tc.fp8 ? "FP8 projections (block-scaled e4m3); " : "",
+                           tc.recompute == "none"          ? ""
+                           : tc.recompute_layers.empty()  ? "full recomputation; "
+                                                          : fmt::format("full recomputation of layers [{}]; ",
+                                                                        fmt::join(tc.recompute_layers, ", ")),
+                           oc.moments,
                            tc.grad_accum_steps > 1 && !ctx->pipeline && groups_expert_weight_grads(model, ctx->fsdp.get())
                                ? fmt::format("; expert weight gradients in groups of {}", model.expert_wgrad_group())
                                : "");

@@ -165,6 +165,12 @@ void TrainingConfig::describe(ConfigFields& f) {
   f.add("fp8", &fp8,
         "block-scaled FP8 (e4m3) for the layers' projections (DeepSeek-V3's recipe; experts, router, head stay BF16 "
         "for now: docs/fp8.md)");
+  f.add("recompute", &recompute,
+        "activation recomputation: none, or full (a layer keeps only its input and redoes its forward before its "
+        "backward: less memory, one more forward; same gradients, bit for bit)",
+        one_of(&recompute, {"none", "full"}));
+  f.add("recompute_layers", &recompute_layers,
+        "with recompute = \"full\": the decoder layer ids to recompute; empty = every layer");
   f.add("stop_after_steps", &stop_after_steps,
         "end this process after this many steps (the schedule still spans steps); 0 = run to the end",
         non_negative(&stop_after_steps));
@@ -524,6 +530,13 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
            "{}: [parallel].dp_replicate = {} with [fault_tolerance]: the replica groups of live fault tolerance "
            "replace HSDP's; shard inside each group (dp_replicate = 1) and run more groups instead",
            path, cfg.parallel.dp_replicate);
+  for (int64_t id : t.recompute_layers) {
+    MT_CHECK(id >= 0 && id < shape.num_layers,
+             "{}: [training].recompute_layers names layer {}, but the model's decoder layers are 0..{}", path, id,
+             shape.num_layers - 1);
+  }
+  MT_CHECK(t.recompute_layers.empty() || t.recompute != "none",
+           "{}: [training].recompute_layers is set but [training].recompute is \"none\" (say \"full\")", path);
   MT_CHECK(o.min_lr <= o.lr, "{}: [optimizer].min_lr ({}) must be <= [optimizer].lr ({})", path, o.min_lr, o.lr);
   MT_CHECK(t.seq_len <= shape.max_positions,
            "{}: [training].seq_len ({}) must be <= [model].max_position_embeddings ({})", path, t.seq_len,

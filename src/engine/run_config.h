@@ -76,6 +76,13 @@ struct TrainingConfig {
   // DeepSeek-V3's block-scaled FP8 for the layers' projections (attention's, MLA's); the
   // experts, router, head, norms and attention core stay BF16 for now (docs/fp8.md).
   bool fp8 = false;
+  // Activation recomputation (docs/memory.md): "none" keeps every layer's activations for its
+  // backward; "full" keeps only a layer's input and redoes its forward (the expert exchange
+  // included) just before its backward, with the same kernels in the same order, so the
+  // gradients are the same bits. recompute_layers: the decoder layer ids it applies to (empty:
+  // every layer). "selective" is not built yet.
+  std::string recompute = "none";
+  std::vector<int64_t> recompute_layers;
   // With grad_accum_steps > 1 (not with FSDP's sharded weights nor in a pipeline): the experts'
   // weight gradients of each group of this many micro-batches in one pass over their f32 dW
   // (their inputs kept meanwhile); 1: one pass per micro-batch.

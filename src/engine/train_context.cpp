@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/cuda_runtime.h"
 #include "core/log.h"
@@ -106,6 +107,16 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   }
   c.model->set_detailed_telemetry(cfg.metrics.detailed);
   c.model->set_fp8(tc.fp8);
+  if (tc.recompute == "full") {
+    std::vector<int64_t> layers = tc.recompute_layers;  // empty: every decoder layer
+    if (layers.empty()) {
+      for (int64_t id = 0; id < cfg.model->shape().num_layers; ++id) layers.push_back(id);
+    }
+    c.model->set_recompute(layers);
+    spdlog::info("recompute: full, decoder layers [{}] keep only their input and redo their forward before their "
+                 "backward",
+                 fmt::join(layers, ", "));
+  }
   const OptimizerConfig& oc = cfg.optimizer;
   const AdamWConfig adamw{oc.beta1, oc.beta2, oc.eps, oc.weight_decay, oc.moments == "bf16"};
   if (par.comms) {  // several ranks, or a replica group of live fault tolerance

@@ -224,6 +224,7 @@ bool MoeDecoderModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) {
         s.mtp = std::make_shared<MtpState>();
         f.x = m->input_forward(f.batch, f.x, *s.mtp);
       }
+      if (f.pass.training && recomputes(id)) s.recompute_input = f.x;  // all the state will keep
       layer.attn_forward(f.x, f.batch.positions, f.b, s);  // 1: attn
       if (layer.is_moe()) {  // 2: dispatch, the part that needs no host wait
         d.dispatch_start(s.mlp_in, s.route.topk_idx, s.route.topk_weight, spec_.num_experts, s.dispatch);
@@ -269,6 +270,11 @@ bool MoeDecoderModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) {
       }
       if (MtpModule* m = mtp_of(id)) mtp_loss(f, *m, *s.mtp);
       if (hooks_) hooks_->after_forward(id, f.pass.training && f.c.head && f.j + 1 == n);
+      if (s.recompute_input.defined()) {  // the rest is made again before the backward
+        Tensor in = std::move(s.recompute_input);
+        f.a.layers[f.j] = layer.new_state();
+        f.a.layers[f.j]->recompute_input = std::move(in);
+      }
       ++f.j;
       break;
   }
@@ -280,10 +286,13 @@ bool MoeDecoderModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
   if (g.j < 0) return false;
   const int64_t id = g.c.first_layer + g.j;
   DecoderLayer& layer = *layers_[local_layer(id)];
+  if (g.piece == 0) {
+    if (hooks_) hooks_->before_backward(id);  // the weights are whole from here (ZeRO-3)
+    if (g.a.layers[g.j]->recompute_input.defined()) recompute_forward(layer, g, d);
+  }
   LayerState& s = *g.a.layers[g.j];
   switch (g.piece) {
     case 0: {
-      if (hooks_) hooks_->before_backward(id);
       if (mtp_of(id)) {  // a module's output gradient: its own loss's, and the next module's
         Tensor& own = s.mtp->d_out;
         if (g.dx.defined()) ops::add_(g.dx, own);
@@ -352,6 +361,37 @@ bool MoeDecoderModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
   }
   g.piece = (g.piece + 1) % 3;
   return true;
+}
+
+// Full recomputation: the layer's forward again from its kept input, the same kernels in the
+// same order (so the same bits), the expert exchange included, done before the backward goes
+// on (its exchanges are not overlapped). The router totals, losses and expert counts were
+// taken in the first forward and are not again; the z-loss's terms are state the backward reads.
+void MoeDecoderModel::recompute_forward(const DecoderLayer& layer, BackwardCursor& g, ExpertDispatcher& d) {
+  std::unique_ptr<LayerState> fresh = layer.new_state();
+  LayerState& s = *fresh;
+  layer.attn_forward(g.a.layers[g.j]->recompute_input, g.batch.positions, g.b, s);
+  if (layer.is_moe()) {
+    d.dispatch_start(s.mlp_in, s.route.topk_idx, s.route.topk_weight, spec_.num_experts, s.dispatch);
+    s.expert_in = d.dispatch_finish(s.dispatch);
+    d.wait(s.dispatch);
+    d.combine_start(layer.mlp_forward(s), s.dispatch);
+    d.combine_finish(s.residual, s.dispatch);
+    if (spec_.router_z_loss_coef > 0) s.z = ops::router_z_loss_forward(s.router_logits);
+  } else {
+    s.expert_in = {s.mlp_in, dense_counts(g.b.tokens())};
+    s.mlp_out = layer.mlp_forward(s);
+  }
+  g.a.layers[g.j] = std::move(fresh);
+}
+
+void MoeDecoderModel::set_recompute(const std::vector<int64_t>& layers) {
+  recompute_.assign(static_cast<size_t>(spec_.num_layers), false);
+  for (int64_t id : layers) {
+    MT_CHECK(id >= 0 && id < spec_.num_layers, "recompute: layer {} is not one of the model's decoder layers 0..{}",
+             id, spec_.num_layers - 1);
+    recompute_[static_cast<size_t>(id)] = true;
+  }
 }
 
 MoeDecoderModel::ForwardCursor MoeDecoderModel::begin_forward(const ChunkSpec& c, const Batch& batch, const Tensor& x,

@@ -164,6 +164,9 @@ struct LayerState {
   DispatchOut expert_in;    // rows grouped by expert (dense layer: mlp_in, one group)
   Tensor mlp_out;           // dense layers: the MLP's output [T, H]
   std::shared_ptr<MtpState> mtp;  // a multi-token prediction module's layer: the module's part
+  // Recomputation ([training].recompute): the layer's input, all a dropped state keeps; the
+  // backward redoes the forward from it.
+  Tensor recompute_input;
 };
 
 // One decoder layer of a family: its weights and the math of stages 1, 3 and 5, forward and
@@ -261,6 +264,9 @@ class Model {
   // whole weights), so each is quantized at its first use and reused; false frees the copies
   // (engine/models/projections.h).
   virtual void keep_quantized_weights(bool on) { (void)on; }
+  // [training].recompute = "full": these decoder layers (ids) keep only their input in a
+  // training pass and redo their forward just before their backward.
+  virtual void set_recompute(const std::vector<int64_t>& layers) { (void)layers; }
   // Data parallelism: the ranks of this replica group that hold different tokens of one
   // global batch, and the bridge to the other replica groups; losses of batch totals are
   // summed over both (nullptr: one process, one replica group).
