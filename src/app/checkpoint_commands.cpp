@@ -22,10 +22,13 @@ namespace {
 struct ConvertArgs {
   std::string src, dst, dtype;
   double max_shard_gb = 5.0;
+  bool fp8 = false;
 };
 
 int run_convert(const ConvertArgs& a) {
   if (is_hf_model_dir(a.src)) {
+    MT_CHECK(!a.fp8, "convert: --fp8 applies to export (moetrain checkpoint -> HF folder in DeepSeek's FP8 format); "
+             "'{}' is a Hugging Face folder, which import reads as it is (an FP8 one dequantized to bf16)", a.src);
     MT_CHECK(a.dtype.empty(), "convert: --dtype applies to export (moetrain -> HF); import keeps the HF dtype");
     import_hf(a.src, a.dst);
     return 0;
@@ -36,6 +39,7 @@ int run_convert(const ConvertArgs& a) {
     MT_CHECK(parse_dtype(a.dtype, &t) && is_floating(t), "convert: --dtype must be bf16, f32 or f64, got '{}'", a.dtype);
     opt.dtype = t;
   }
+  opt.fp8 = a.fp8;
   MT_CHECK(a.max_shard_gb > 0, "convert: --max-shard-size must be > 0 GB, got {}", a.max_shard_gb);
   opt.max_shard_bytes = static_cast<uint64_t>(a.max_shard_gb * (1ull << 30));
   export_hf(a.src, a.dst, opt);
@@ -98,6 +102,9 @@ std::function<int()> add_checkpoint_commands(CLI::App& app) {
   convert->add_option("--dtype", convert_args->dtype, "export: cast tensors to bf16, f32 or f64 (default: as stored)");
   convert->add_option("--max-shard-size", convert_args->max_shard_gb, "export: GB per safetensors file")
       ->capture_default_str();
+  convert->add_flag("--fp8", convert_args->fp8,
+                    "export in DeepSeek's FP8 format: the decoder layers' linear weights as F8_E4M3 with a "
+                    "weight_scale_inv per 128 x 128 block, every other tensor bf16 (docs/fp8.md)");
 
   auto score_args = std::make_shared<ScoreArgs>();
   CLI::App* score = app.add_subcommand("score", "logits and next-token loss of a token sequence under a saved model");

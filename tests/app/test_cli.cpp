@@ -347,6 +347,29 @@ TEST_F(CliTest, ConvertExportsAndInitFromStartsFromTheWeights) {
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("\"targets\":4"), std::string::npos) << r.output;
   expect_one_line_error(run("score --model " + hf + " --tokens '[1, 9999]'"), "token id 9999 is outside");
+  // DeepSeek's FP8 format (docs/fp8.md): moetrain scores it once converted back (FP8 weights
+  // dequantized), with a loss near the bf16 export's; --fp8 with another dtype, or from an
+  // HF folder, is refused.
+  auto loss_of = [](const Result& s) {
+    const size_t at = s.output.find("{\"loss\":");
+    EXPECT_NE(at, std::string::npos) << s.output;
+    return at == std::string::npos ? 0.0 : nlohmann::json::parse(s.output.substr(at, s.output.find('\n', at) - at))["loss"].get<double>();
+  };
+  const std::string tokens = " --tokens '[72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]'";
+  const double bf16_loss = loss_of(run("score --model " + hf + tokens));
+  const std::string hf8 = (dir_ / "hf8").string(), back8 = (dir_ / "back8").string();
+  r = run("convert " + ck + " " + hf8 + " --fp8");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("weights as FP8"), std::string::npos) << r.output;
+  expect_one_line_error(run("score --model " + hf8 + tokens), "moetrain convert");
+  r = run("convert " + hf8 + " " + back8);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("FP8 (F8_E4M3) weights dequantized"), std::string::npos) << r.output;
+  const double fp8_loss = loss_of(run("score --model " + back8 + tokens));
+  EXPECT_NEAR(fp8_loss, bf16_loss, 0.02 * bf16_loss);
+  expect_one_line_error(run("convert " + ck + " " + (dir_ / "x").string() + " --fp8 --dtype f32"),
+                        "--dtype must be bf16 or left out, got f32");
+  expect_one_line_error(run("convert " + hf + " " + (dir_ / "x").string() + " --fp8"), "--fp8 applies to export");
 }
 
 }  // namespace

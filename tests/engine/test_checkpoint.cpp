@@ -19,7 +19,9 @@
 #include "engine/checkpoint/hf_convert.h"
 #include "engine/checkpoint/safetensors.h"
 #include "engine/models/deepseek_v3_config.h"
+#include "engine/models/model.h"
 #include "engine/models/qwen3_moe.h"
+#include "engine/run_config.h"
 #include "ops/ops.h"
 #include "engine/optim/adamw.h"
 #include "test_files.h"
@@ -816,6 +818,268 @@ TEST(HfConvert, Fp8WeightsAreDequantizedOnImport) {
   fs::copy_file(dir.path() / "hf" / "model.safetensors", dir.path() / "bad" / "model.safetensors");
   const std::string e = error_of([&] { import_hf(dir / "bad", dir / "bad-mt"); });
   EXPECT_TRUE(has(e, "_scale_inv") && has(e, "[3, 3]")) << e;
+}
+
+
+// ---- FP8 export (convert --fp8) ----
+
+// A checkpoint of the model of configs/<config_file> at its initial weights (f32) and random
+// routing biases, saved as the trainer saves one (hf_config in trainer_state.json). `edit`
+// may change a weight first. Returns the tensors by name.
+std::map<std::string, Tensor> save_model_checkpoint(const std::string& dir, const std::string& config_file,
+                                                    const std::function<void(ParameterList&)>& edit) {
+  const RunConfig rc = RunConfig::load(std::string(MOETRAIN_SOURCE_DIR) + "/configs/" + config_file, {});
+  std::unique_ptr<Model> model = build_model(*rc.model, DType::F32, Device::cpu(), ModelPlacement{});
+  model->init_weights(1234);
+  if (edit) edit(model->parameters());
+  CheckpointItems items = checkpoint_items(model->parameters(), nullptr);
+  std::map<std::string, Tensor> weights;
+  for (const Parameter& p : model->parameters()) weights[p.name] = p.value.clone();
+  uint64_t seed = 77;
+  for (const NamedBuffer& b : model->buffers()) {  // the routing biases, as training moves them
+    Tensor v = b.value;
+    v.copy_from(random_tensor(v.shape(), v.dtype(), seed++));
+    items.model.push_back({b.name, v});
+    weights[b.name] = v.clone();
+  }
+  Checkpointer ck(dir, 1, /*async=*/false);
+  ck.save(1, items, {{"step", 1}, {"hf_config", nlohmann::json::parse(rc.model->to_hf_json())}});
+  return weights;
+}
+
+// The weights DeepSeek's FP8 format quantizes, by name (written here apart from the
+// exporter's rule): the linear projections of a decoder layer's attention and MLP.
+bool fp8_format_quantizes(const std::string& name) {
+  const bool in_block = name.starts_with("model.layers.") &&
+                        (name.find(".self_attn.") != std::string::npos || name.find(".mlp.") != std::string::npos);
+  return in_block && (name.ends_with("_proj.weight") || name.ends_with(".kv_a_proj_with_mqa.weight"));
+}
+
+// An HF folder's tensors as stored, F8_E4M3 ones too (CheckpointReader refuses those).
+struct RawFolder {
+  std::vector<std::unique_ptr<SafetensorsFile>> files;
+  std::map<std::string, std::pair<const SafetensorsFile*, const SafetensorsEntry*>> entries;
+  explicit RawFolder(const fs::path& dir) {
+    for (const auto& f : fs::directory_iterator(dir)) {
+      if (f.path().extension() != ".safetensors") continue;
+      files.push_back(std::make_unique<SafetensorsFile>(f.path().string()));
+      for (const SafetensorsEntry& e : files.back()->entries()) entries[e.name] = {files.back().get(), &e};
+    }
+  }
+  const std::pair<const SafetensorsFile*, const SafetensorsEntry*>& at(const std::string& name) const {
+    auto it = entries.find(name);
+    MT_CHECK(it != entries.end(), "the folder has no tensor '{}'", name);
+    return it->second;
+  }
+  const SafetensorsEntry& entry(const std::string& name) const { return *at(name).second; }
+  const uint8_t* bytes(const std::string& name) const { return static_cast<const uint8_t*>(at(name).first->data(entry(name))); }
+};
+
+// `convert --fp8` on the initial weights of configs/tiny.toml (Qwen3-MoE) and
+// configs/dsv3-tiny.toml (DeepSeek-V3: MLA, a dense first layer, shared experts, an MTP
+// module), in several shards: exactly the attention and MLP projections are F8_E4M3, each
+// with an f32 <name>_scale_inv of [ceil(R/128), ceil(C/128)] (the tiny models' 48-, 64- and
+// 192-row and 32- and 64-column weights end in partial blocks; a zeroed block gets scale 1);
+// codes and scales are the CPU quantizer's, recomputed here by hand for one weight; q *
+// scale_inv lies within half an e4m3 step of the master and differs from it; every other
+// tensor is the master in bf16; the index counts the FP8 bytes; config.json gains
+// quantization_config. Import dequantizes the folder back: the quantized weights are
+// dequantize(quantize(master)) in bf16, bit for bit, the others the exported bf16, and the
+// config loses quantization_config only.
+TEST(HfConvert, Fp8ExportQuantizesTheLinearWeightsAndImportReadsThemBack) {
+  struct Case {
+    const char* config;
+    const char* by_hand;  // a weight whose codes and scales are recomputed here
+    std::vector<std::string> quantized, kept;  // a few names each, as a reader would look for them
+    std::vector<std::string> not_converted;
+  };
+  const Case cases[] = {
+      {"tiny.toml",
+       "model.layers.0.self_attn.k_proj.weight",  // [64, 128]
+       {"model.layers.0.self_attn.q_proj.weight", "model.layers.3.self_attn.o_proj.weight",
+        "model.layers.2.mlp.experts.7.down_proj.weight"},
+       {"model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.gate.weight",
+        "model.layers.1.self_attn.q_norm.weight", "model.norm.weight"},
+       {"lm_head", "model.layers.0.mlp.gate", "model.layers.1.mlp.gate", "model.layers.2.mlp.gate",
+        "model.layers.3.mlp.gate"}},
+      {"dsv3-tiny.toml",
+       "model.layers.1.self_attn.q_b_proj.weight",  // [192, 64]
+       {"model.layers.0.mlp.gate_proj.weight", "model.layers.1.self_attn.q_a_proj.weight",
+        "model.layers.2.self_attn.kv_a_proj_with_mqa.weight", "model.layers.3.self_attn.kv_b_proj.weight",
+        "model.layers.1.mlp.experts.15.down_proj.weight", "model.layers.2.mlp.shared_experts.up_proj.weight",
+        "model.layers.4.self_attn.o_proj.weight", "model.layers.4.mlp.experts.0.gate_proj.weight"},
+       {"model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight",
+        "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.self_attn.kv_a_layernorm.weight",
+        "model.layers.4.eh_proj.weight", "model.layers.4.enorm.weight", "model.layers.4.shared_head.head.weight",
+        "model.layers.4.embed_tokens.weight"},
+       {"lm_head", "model.layers.1.mlp.gate", "model.layers.2.mlp.gate", "model.layers.3.mlp.gate",
+        "model.layers.4.eh_proj", "model.layers.4.mlp.gate", "model.layers.4.shared_head.head"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.config);
+    ScratchDir dir;
+    const std::string zeroed = "model.layers.1.self_attn.kv_b_proj.weight";  // DeepSeek-V3's [256, 32]
+    const auto master = save_model_checkpoint(dir / "ck", c.config, [&](ParameterList& params) {
+      for (Parameter& p : params) {
+        if (p.name == zeroed) p.value.slice(0, 128).zero_();  // its first block all zeros
+      }
+    });
+    HfExportOptions opt;
+    opt.fp8 = true;
+    opt.max_shard_bytes = 100000;
+    export_hf(dir / "ck", dir / "hf8", opt);
+    const fs::path hf8 = dir.path() / "hf8";
+    EXPECT_TRUE(has(error_of([&] { CheckpointReader r(hf8.string()); }), "moetrain convert"));
+    const RawFolder folder(hf8);
+    ASSERT_GT(folder.files.size(), 2u);
+
+    // What was written, and as what.
+    const bool qwen = std::string(c.config) == "tiny.toml";
+    size_t quantized = 0, kept = 0;
+    for (const auto& [name, w] : master) {
+      if (qwen && name.ends_with("e_score_correction_bias")) {  // Qwen3MoeForCausalLM has none
+        EXPECT_FALSE(folder.entries.count(name)) << name;
+        continue;
+      }
+      ASSERT_TRUE(folder.entries.count(name)) << name;
+      const SafetensorsEntry& e = folder.entry(name);
+      ASSERT_EQ(e.shape, w.shape()) << name;
+      if (!fp8_format_quantizes(name)) {
+        ++kept;
+        EXPECT_FALSE(e.f8_e4m3) << name;
+        EXPECT_FALSE(folder.entries.count(name + "_scale_inv")) << name;
+        const Tensor stored = folder.at(name).first->read(name);
+        EXPECT_TRUE(bytes_equal(stored, w.to(DType::BF16))) << name;
+        continue;
+      }
+      ++quantized;
+      ASSERT_TRUE(e.f8_e4m3) << name;
+      ASSERT_TRUE(folder.entries.count(name + "_scale_inv")) << name;
+      const SafetensorsEntry& se = folder.entry(name + "_scale_inv");
+      const int64_t R = w.size(0), C = w.size(1), RB = (R + 127) / 128, CB = (C + 127) / 128;
+      ASSERT_FALSE(se.f8_e4m3);
+      ASSERT_EQ(se.dtype, DType::F32) << name;
+      ASSERT_EQ(se.shape, (Shape{RB, CB})) << name;
+      const uint8_t* q = folder.bytes(name);
+      const auto* s = reinterpret_cast<const float*>(folder.bytes(name + "_scale_inv"));
+      // The quantizer's codes and scales (its padded scale columns aside).
+      const ops::Fp8Tensor ref = ops::quantize_fp8(w, ops::Fp8Blocks::kBlocks);
+      ASSERT_EQ(std::memcmp(q, ref.q.raw(), static_cast<size_t>(R * C)), 0) << name;
+      for (int64_t i = 0; i < RB; ++i) {
+        for (int64_t j = 0; j < CB; ++j) ASSERT_EQ(s[i * CB + j], ref.scale.data<float>()[i * ref.scale.size(1) + j]);
+      }
+      // q * scale_inv within half an e4m3 step of the master: |x| 2^-4 for a normal code,
+      // scale 2^-10 for a subnormal one (and a float rounding's slack); not equal everywhere.
+      const std::vector<double> x = w.to_double_vector();
+      int64_t differ = 0;
+      for (int64_t i = 0; i < R; ++i) {
+        for (int64_t j = 0; j < C; ++j) {
+          const double scale = s[(i / 128) * CB + j / 128];
+          const double back = static_cast<double>(fp8_e4m3_to_float(q[i * C + j])) * scale;
+          const double v = x[i * C + j];
+          const double bound = std::max(std::abs(v) / 16, scale / 1024) * (1 + 1e-5);
+          ASSERT_LE(std::abs(back - v), bound) << name << " [" << i << ", " << j << "] scale " << scale;
+          differ += back != v;
+        }
+      }
+      EXPECT_GT(differ, R * C / 4) << name << ": the weight came back unquantized";
+    }
+    for (const std::string& n : c.quantized) EXPECT_TRUE(folder.entry(n).f8_e4m3) << n;
+    for (const std::string& n : c.kept) EXPECT_FALSE(folder.entry(n).f8_e4m3) << n;
+    // Only those tensors: each weight and its scales, once.
+    EXPECT_EQ(folder.entries.size(), 2 * quantized + kept);
+    EXPECT_GT(quantized, 20u);
+
+    // One weight by hand: scale = amax / 448 per 128 x 128 block, q = e4m3(x / scale).
+    {
+      const Tensor& w = master.at(c.by_hand);
+      const int64_t R = w.size(0), C = w.size(1), RB = (R + 127) / 128, CB = (C + 127) / 128;
+      ASSERT_TRUE(R % 128 != 0 || C % 128 != 0) << "no partial block";
+      const float* x = w.data<float>();
+      const uint8_t* q = folder.bytes(c.by_hand);
+      const auto* s = reinterpret_cast<const float*>(folder.bytes(std::string(c.by_hand) + "_scale_inv"));
+      for (int64_t bi = 0; bi < RB; ++bi) {
+        for (int64_t bj = 0; bj < CB; ++bj) {
+          float amax = 0;
+          for (int64_t i = bi * 128; i < std::min(R, bi * 128 + 128); ++i) {
+            for (int64_t j = bj * 128; j < std::min(C, bj * 128 + 128); ++j) amax = std::max(amax, std::abs(x[i * C + j]));
+          }
+          const float scale = amax / 448.0f;
+          ASSERT_EQ(s[bi * CB + bj], scale) << bi << "," << bj;
+          for (int64_t i = bi * 128; i < std::min(R, bi * 128 + 128); ++i) {
+            for (int64_t j = bj * 128; j < std::min(C, bj * 128 + 128); ++j) {
+              ASSERT_EQ(q[i * C + j], float_to_fp8_e4m3(x[i * C + j] / scale)) << i << "," << j;
+            }
+          }
+        }
+      }
+    }
+    if (master.count(zeroed)) {  // an all-zero block: codes 0, scale 1
+      const auto* s = reinterpret_cast<const float*>(folder.bytes(zeroed + "_scale_inv"));
+      EXPECT_EQ(s[0], 1.0f);
+      EXPECT_NE(s[1], 1.0f);
+      const uint8_t* q = folder.bytes(zeroed);
+      EXPECT_TRUE(std::all_of(q, q + 128 * 32, [](uint8_t b) { return b == 0; }));
+    }
+
+    // The index: every tensor, and the bytes the shards hold (a byte per FP8 element).
+    const auto index = nlohmann::json::parse(std::ifstream(hf8 / "model.safetensors.index.json"));
+    EXPECT_EQ(index["weight_map"].size(), folder.entries.size());
+    uint64_t total = 0;
+    for (const auto& f : folder.files) {
+      uint64_t in_file = 0;
+      for (const SafetensorsEntry& e : f->entries()) {
+        in_file += e.end - e.begin;
+        EXPECT_EQ(index["weight_map"][e.name], fs::path(f->path()).filename().string()) << e.name;
+      }
+      EXPECT_LE(in_file, opt.max_shard_bytes) << f->path();
+      total += in_file;
+    }
+    EXPECT_EQ(index["metadata"]["total_size"].get<uint64_t>(), total);
+
+    // config.json: the checkpoint's, bf16, with DeepSeek's quantization_config.
+    auto cfg = nlohmann::json::parse(std::ifstream(hf8 / "config.json"));
+    auto source = nlohmann::json::parse(std::ifstream(resolve_step_dir(dir / "ck") + "/config.json"));
+    ASSERT_TRUE(cfg.contains("quantization_config"));
+    const nlohmann::json want = {{"activation_scheme", "dynamic"},
+                                 {"fmt", "e4m3"},
+                                 {"quant_method", "fp8"},
+                                 {"weight_block_size", {128, 128}},
+                                 {"modules_to_not_convert", c.not_converted}};
+    EXPECT_EQ(cfg["quantization_config"], want) << cfg["quantization_config"].dump();
+    EXPECT_EQ(cfg["torch_dtype"], "bfloat16");
+    if (source.contains("dtype")) EXPECT_EQ(cfg["dtype"], "bfloat16");
+
+    // Import: the FP8 weights dequantized to bf16, the rest as exported, the config without
+    // quantization_config.
+    import_hf(hf8.string(), dir / "back");
+    CheckpointReader back(dir / "back");
+    size_t read = 0;
+    for (const auto& [name, w] : master) {
+      if (qwen && name.ends_with("e_score_correction_bias")) continue;
+      ASSERT_TRUE(back.has(name)) << name;
+      const Tensor t = back.read_whole(name);
+      const Tensor want_t = fp8_format_quantizes(name)
+                                ? ops::dequantize_fp8(ops::quantize_fp8(w, ops::Fp8Blocks::kBlocks), DType::BF16)
+                                : w.to(DType::BF16);
+      EXPECT_TRUE(bytes_equal(t, want_t)) << name;
+      ++read;
+    }
+    EXPECT_EQ(back.names().size(), read);
+    nlohmann::json imported = back.trainer_state()["hf_config"];
+    EXPECT_FALSE(imported.contains("quantization_config"));
+    cfg.erase("quantization_config");
+    EXPECT_EQ(imported, cfg);
+
+    // Refused: another dtype beside --fp8, and an HF folder as the source.
+    HfExportOptions f32 = opt;
+    f32.dtype = DType::F32;
+    std::string e = error_of([&] { export_hf(dir / "ck", dir / "x", f32); });
+    EXPECT_TRUE(has(e, "--dtype must be bf16 or left out, got f32")) << e;
+    e = error_of([&] { export_hf(hf8.string(), dir / "x", opt); });
+    EXPECT_TRUE(has(e, "is a Hugging Face folder")) << e;
+    EXPECT_FALSE(fs::exists(dir.path() / "x"));
+  }
 }
 
 }  // namespace

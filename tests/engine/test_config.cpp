@@ -521,6 +521,14 @@ TEST(Qwen3MoeConfig, BothHfSpellingsGiveOneModel) {
   Qwen3MoeConfig back;
   back.load_hf_json(dir.file("back.json", written));
   expect_spelling_model(back, "moetrain's own config.json");
+  // Qwen3's FP8 releases: quantization_config (quant_method "fp8") tells how the weights are
+  // stored, not the model.
+  auto fp8 = nlohmann::json::parse(kNewSpelling);
+  fp8["quantization_config"] = {{"activation_scheme", "dynamic"}, {"fmt", "e4m3"}, {"quant_method", "fp8"},
+                                {"weight_block_size", {128, 128}}, {"modules_to_not_convert", {"lm_head"}}};
+  Qwen3MoeConfig quantized;
+  quantized.load_hf_json(dir.file("fp8.json", fp8.dump()));
+  expect_spelling_model(quantized, "an FP8 folder's config.json");
 }
 
 // A key the file omits takes transformers' default, not moetrain's: the two differ in every
@@ -574,8 +582,9 @@ TEST(Qwen3MoeConfig, UnknownOrUnsupportedHfKeysAreErrors) {
   // A key nobody told moetrain about: named with its value, not skipped.
   std::string e = error_with("\"use_cache\": true", "\"use_cache\": true, \"moe_layer_freq\": 2");
   EXPECT_NE(e.find("unknown key \"moe_layer_freq\" = 2"), std::string::npos) << e;
-  e = error_with("\"use_cache\": true", "\"use_cache\": true, \"quantization_config\": {\"quant_method\": \"fp8\"}");
-  EXPECT_NE(e.find("\"quantization_config\" = {\"quant_method\":\"fp8\"}"), std::string::npos) << e;
+  // A quantization other than DeepSeek's FP8 (whose weights `moetrain convert` dequantizes).
+  e = error_with("\"use_cache\": true", "\"use_cache\": true, \"quantization_config\": {\"quant_method\": \"gptq\"}");
+  EXPECT_NE(e.find("\"quantization_config\" = {\"quant_method\":\"gptq\"}"), std::string::npos) << e;
   // Two spellings that disagree.
   e = error_with("\"num_local_experts\": 6", "\"num_local_experts\": 6, \"num_experts\": 8");
   EXPECT_NE(e.find("keys \"num_experts\" = 8 and \"num_local_experts\" = 6 are two spellings"), std::string::npos) << e;

@@ -192,6 +192,11 @@ TEST_F(DeepseekV3ConfigTest, RefusesWhatItDoesNotImplementNamingTheKey) {
   EXPECT_ERROR([&] { load(R"({"model_type": "deepseek_v3", "n_group": 7})"); }, "n_group (7)");
   EXPECT_ERROR([&] { load(R"({"model_type": "deepseek_v3", "q_lora_rank": -3})"); }, "q_lora_rank");
   EXPECT_ERROR([&] { load(R"({"model_type": "deepseek_v3", "moe_gate_bias": true})"); }, "moe_gate_bias");
+  // DeepSeek's FP8 quantization_config describes the stored weights (convert dequantizes
+  // them); another quantization is named.
+  load(R"({"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}})");
+  EXPECT_ERROR([&] { load(R"({"model_type": "deepseek_v3", "quantization_config": {"quant_method": "awq"}})"); },
+               "\"quantization_config\" = {\"quant_method\":\"awq\"}");
   // The sizes transformers 5 derives and writes (head_dim = qk_rope_head_dim, qk_head_dim =
   // nope + rope) are read and must agree.
   load(R"({"model_type": "deepseek_v3", "qk_nope_head_dim": 10, "qk_rope_head_dim": 12, "head_dim": 12,

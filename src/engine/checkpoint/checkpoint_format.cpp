@@ -336,6 +336,15 @@ bool is_hf_model_dir(const std::string& dir) {
   return fs::exists(fs::path(dir) / "model.safetensors") || fs::exists(fs::path(dir) / "model.safetensors.index.json");
 }
 
+bool hf_folder_has_tensor(const std::string& dir, const std::string& name) {
+  const fs::path hf_index = fs::path(dir) / "model.safetensors.index.json";
+  if (fs::exists(hf_index)) {
+    const nlohmann::json index = read_json_file(hf_index);
+    return index.contains("weight_map") && index["weight_map"].is_object() && index["weight_map"].contains(name);
+  }
+  return SafetensorsFile((fs::path(dir) / "model.safetensors").string()).find(name) != nullptr;
+}
+
 CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir) {
   MT_CHECK(fs::is_directory(dir), "checkpoint '{}' does not exist or is not a directory", dir);
   trainer_state_ = nlohmann::json::object();

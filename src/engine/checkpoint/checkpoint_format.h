@@ -126,5 +126,8 @@ void fsync_dir(const std::string& dir);
 // Throws naming the directory when `dir` is not a moetrain checkpoint or HF model folder.
 bool is_checkpoint_dir(const std::string& dir);
 bool is_hf_model_dir(const std::string& dir);
+// Whether the HF model folder `dir` holds a tensor named `name`, by its index's weight_map
+// or model.safetensors' header alone: an FP8 folder too, which CheckpointReader refuses.
+bool hf_folder_has_tensor(const std::string& dir, const std::string& name);
 
 }  // namespace moetrain

@@ -1,6 +1,7 @@
 #include "engine/checkpoint/hf_convert.h"
 
 #include <algorithm>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -13,6 +14,8 @@
 #include "engine/checkpoint/checkpoint_format.h"
 #include "engine/json_file.h"
 #include "engine/models/model_config.h"
+#include "ops/ops.h"
+#include "ops/threads.h"
 
 namespace moetrain {
 namespace fs = std::filesystem;
@@ -106,7 +109,51 @@ class Fp8Weights {
   std::map<std::string, std::pair<const SafetensorsFile*, const SafetensorsEntry*>> scales_;
 };
 
+// ---- FP8 export (docs/fp8.md, "FP8 export") ----
+
+constexpr int64_t kFp8ExportBlock = 128;  // ops::quantize_fp8's blocks: weight_block_size [128, 128]
+int64_t blocks_of(int64_t n) { return (n + kFp8ExportBlock - 1) / kFp8ExportBlock; }
+
+// A weight as DeepSeek's FP8 checkpoints hold it: codes [R, C] and scale_inv
+// [ceil(R/128), ceil(C/128)], W ~= q * scale_inv blockwise: ops::quantize_fp8's blocks mode
+// (scale = amax / 448, 1 for an all-zero block; q = e4m3(x / scale), nearest even,
+// saturating), with its scales' padding columns (cuBLASLt's layout) cut off.
+struct Fp8ExportWeight {
+  Tensor q, scale_inv;
+};
+Fp8ExportWeight quantize_for_export(const Tensor& w) {
+  ops::Fp8Tensor t = ops::quantize_fp8(w, ops::Fp8Blocks::kBlocks);
+  return {std::move(t.q), t.scale.columns(0, blocks_of(w.size(1)))};
+}
+
+// The module names config.json's quantization_config.modules_to_not_convert lists: "lm_head"
+// and every other matrix that stays bf16 but for the embeddings (the routers mlp.gate, an MTP
+// module's eh_proj and shared_head.head), in layer order.
+std::vector<std::string> fp8_modules_not_converted(const std::vector<std::pair<std::string, Shape>>& kept) {
+  static const std::regex layer_re(R"(model\.layers\.(\d+)\..*)");
+  auto layer_of = [](const std::string& n) {
+    std::smatch m;
+    return std::regex_match(n, m, layer_re) ? std::stoll(m[1].str()) : int64_t{-1};
+  };
+  std::vector<std::string> modules{"lm_head"};
+  for (const auto& [name, shape] : kept) {
+    if (shape.size() != 2 || !name.ends_with(".weight") || name.find("embed_tokens") != std::string::npos) continue;
+    const std::string module = name.substr(0, name.size() - std::string(".weight").size());
+    if (std::find(modules.begin(), modules.end(), module) == modules.end()) modules.push_back(module);
+  }
+  std::stable_sort(modules.begin(), modules.end(), [&](const std::string& a, const std::string& b) {
+    return std::make_pair(layer_of(a), a) < std::make_pair(layer_of(b), b);
+  });
+  return modules;
+}
+
 }  // namespace
+
+bool is_fp8_export_weight(const std::string& name, const Shape& shape) {
+  static const std::regex linear(
+      R"(model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?([A-Za-z0-9_]+_proj|kv_a_proj_with_mqa)\.weight)");
+  return shape.size() == 2 && std::regex_match(name, linear);
+}
 
 std::string resolve_step_dir(const std::string& dir) {
   if (is_checkpoint_dir(dir)) return dir;
@@ -210,6 +257,16 @@ void import_hf(const std::string& hf_dir, const std::string& out_dir) {
 }
 
 void export_hf(const std::string& ckpt_in, const std::string& out_dir, const HfExportOptions& opt) {
+  if (opt.fp8) {
+    MT_CHECK(!is_hf_model_dir(ckpt_in),
+             "convert --fp8: '{}' is a Hugging Face folder; --fp8 exports a moetrain checkpoint in DeepSeek's FP8 "
+             "format, while an HF folder is imported as it is (an FP8 one dequantized to bf16): leave --fp8 out",
+             ckpt_in);
+    MT_CHECK(!opt.dtype || *opt.dtype == DType::BF16,
+             "convert --fp8: the tensors it does not quantize are written as bf16 (DeepSeek's FP8 format), so "
+             "--dtype must be bf16 or left out, got {}",
+             dtype_name(*opt.dtype));
+  }
   const std::string ckpt = resolve_step_dir(ckpt_in);
   CheckpointReader reader(ckpt);
   nlohmann::json config;
@@ -220,11 +277,16 @@ void export_hf(const std::string& ckpt_in, const std::string& out_dir, const HfE
              "checkpoint {} has neither config.json nor hf_config in trainer_state.json", ckpt);
     config = reader.trainer_state()["hf_config"];
   }
+  // The dtype of the tensors written as they are: --dtype's, bf16 under --fp8, else as stored.
+  const std::optional<DType> cast = opt.fp8 ? std::optional<DType>(DType::BF16) : opt.dtype;
   // Qwen3MoeForCausalLM has no routing bias: a model balanced by one (router_bias_update_speed)
   // is exported without it and routes by its router's probabilities alone.
   const bool drops_routing_bias = config.value("model_type", "") == "qwen3_moe";
   int64_t dropped = 0;
-  // Plan the shards: tensors in name order, a new file when the next would overflow.
+  // Plan the shards: tensors in name order, a new file when the next would overflow. An FP8
+  // weight counts its codes (a byte each) and its f32 scales, which go in the same file.
+  std::set<std::string> quantized;
+  std::vector<std::pair<std::string, Shape>> kept;  // written as they are (cast)
   std::vector<std::vector<std::string>> shards(1);
   std::vector<uint64_t> shard_bytes(1, 0);
   uint64_t total = 0;
@@ -235,7 +297,15 @@ void export_hf(const std::string& ckpt_in, const std::string& out_dir, const HfE
       ++dropped;
       continue;
     }
-    const uint64_t bytes = static_cast<uint64_t>(shape_numel(info.shape)) * dtype_size(opt.dtype.value_or(info.dtype));
+    uint64_t bytes = 0;
+    if (opt.fp8 && is_fp8_export_weight(name, info.shape)) {
+      quantized.insert(name);
+      bytes = static_cast<uint64_t>(shape_numel(info.shape)) +
+              static_cast<uint64_t>(blocks_of(info.shape[0]) * blocks_of(info.shape[1])) * sizeof(float);
+    } else {
+      kept.emplace_back(name, info.shape);
+      bytes = static_cast<uint64_t>(shape_numel(info.shape)) * dtype_size(cast.value_or(info.dtype));
+    }
     if (!shards.back().empty() && shard_bytes.back() + bytes > opt.max_shard_bytes) {
       shards.emplace_back();
       shard_bytes.push_back(0);
@@ -245,8 +315,19 @@ void export_hf(const std::string& ckpt_in, const std::string& out_dir, const HfE
     total += bytes;
   }
   MT_CHECK(!shards.front().empty(), "checkpoint {} holds no model tensors", ckpt);
-  if (opt.dtype) {
-    config["torch_dtype"] = *opt.dtype == DType::BF16 ? "bfloat16" : *opt.dtype == DType::F32 ? "float32" : "float64";
+  if (cast) {
+    const char* name = *cast == DType::BF16 ? "bfloat16" : *cast == DType::F32 ? "float32" : "float64";
+    config["torch_dtype"] = name;
+    if (config.contains("dtype")) config["dtype"] = name;  // transformers 5's spelling
+  }
+  if (opt.fp8) {
+    // DeepSeek-V3's quantization_config; modules_to_not_convert as Qwen3's FP8 releases
+    // write it: the matrices left in bf16 that transformers would otherwise make FP8 linears.
+    config["quantization_config"] = {{"activation_scheme", "dynamic"},
+                                     {"fmt", "e4m3"},
+                                     {"quant_method", "fp8"},
+                                     {"weight_block_size", {kFp8ExportBlock, kFp8ExportBlock}},
+                                     {"modules_to_not_convert", fp8_modules_not_converted(kept)}};
   }
   write_then_rename(out_dir, [&](const fs::path& tmp) {
     nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
@@ -256,12 +337,45 @@ void export_hf(const std::string& ckpt_in, const std::string& out_dir, const HfE
           n == 1 ? "model.safetensors" : fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, n);
       std::vector<Tensor> held;  // alive until the shard is written
       SafetensorsWriter w;
-      for (const std::string& name : shards[i]) {
-        Tensor t = reader.read_whole(name);
-        if (opt.dtype && t.dtype() != *opt.dtype) t = t.to(*opt.dtype);
-        w.add(name, t);
-        held.push_back(std::move(t));
-        weight_map[name] = file;
+      // A group of tensors at a time: read in turn, the FP8 weights among them quantized over
+      // the CPU's threads (the quantizer takes one thread a tensor), the masters dropped
+      // before the next group.
+      const std::vector<std::string>& names = shards[i];
+      const size_t group = opt.fp8 ? static_cast<size_t>(std::max(1, ops::cpu_threads())) : 1;
+      for (size_t g = 0; g < names.size(); g += group) {
+        const size_t m = std::min(group, names.size() - g);
+        std::vector<Tensor> in(m);
+        std::vector<Fp8ExportWeight> fp8(m);
+        for (size_t k = 0; k < m; ++k) in[k] = reader.read_whole(names[g + k]);
+        std::exception_ptr error;
+#pragma omp parallel for schedule(dynamic)
+        for (int64_t k = 0; k < static_cast<int64_t>(m); ++k) {
+          if (quantized.count(names[g + k]) == 0) continue;
+          try {
+            fp8[k] = quantize_for_export(in[k]);
+          } catch (...) {
+#pragma omp critical(fp8_export_error)
+            if (!error) error = std::current_exception();
+          }
+        }
+        if (error) std::rethrow_exception(error);
+        for (size_t k = 0; k < m; ++k) {
+          const std::string& name = names[g + k];
+          if (quantized.count(name)) {
+            w.add(name, fp8[k].q);
+            w.add(name + "_scale_inv", fp8[k].scale_inv);
+            held.push_back(std::move(fp8[k].q));
+            held.push_back(std::move(fp8[k].scale_inv));
+            weight_map[name] = file;
+            weight_map[name + "_scale_inv"] = file;
+            continue;
+          }
+          Tensor t = std::move(in[k]);
+          if (cast && t.dtype() != *cast) t = t.to(*cast);
+          w.add(name, t);
+          held.push_back(std::move(t));
+          weight_map[name] = file;
+        }
       }
       w.set_metadata({{"format", "pt"}});
       w.write((tmp / file).string());
@@ -281,6 +395,11 @@ void export_hf(const std::string& ckpt_in, const std::string& out_dir, const HfE
   }
   size_t count = 0;
   for (const auto& s : shards) count += s.size();
+  if (opt.fp8) {
+    spdlog::info("convert: {} weights as FP8 (F8_E4M3 with a weight_scale_inv per 128 x 128 block), {} tensors as "
+                 "bf16",
+                 quantized.size(), kept.size());
+  }
   spdlog::info("convert: {} model tensors ({:.1f} MB, {} file{}) from {} into {}", count, total / 1e6,
                shards.size(), shards.size() == 1 ? "" : "s", ckpt, out_dir);
 }

@@ -293,10 +293,11 @@ void DeepseekV3Config::load_hf_json(const std::string& path) {
   r.read({"rope_interleave"}, c.rope_interleave);
   r.read({"num_nextn_predict_layers"}, c.num_nextn_predict_layers);
   // transformers writes num_nextn_predict_layers = 1 and saves no module: weights beside the
-  // config without the first module's are a model without multi-token prediction.
+  // config without the first module's are a model without multi-token prediction. (Looked up
+  // by name: an FP8 folder's weights are not readable as they are.)
   const std::string dir = std::filesystem::path(path).parent_path().string();
   if (c.num_nextn_predict_layers > 0 && is_hf_model_dir(dir) &&
-      !CheckpointReader(dir).has(fmt::format("model.layers.{}.eh_proj.weight", c.num_hidden_layers))) {
+      !hf_folder_has_tensor(dir, fmt::format("model.layers.{}.eh_proj.weight", c.num_hidden_layers))) {
     spdlog::warn("{}: num_nextn_predict_layers = {}, but the folder's weights have no multi-token prediction module "
                  "(model.layers.{}.*; transformers saves none): the model is built without one",
                  path, c.num_nextn_predict_layers, c.num_hidden_layers);
@@ -325,9 +326,9 @@ void DeepseekV3Config::load_hf_json(const std::string& path) {
   r.require("topk_method", "noaux_tc", "DeepSeek-V3 routes by group-limited top-k with the correction bias");
   r.require("moe_layer_freq", 1, "every layer past first_k_dense_replace has experts");
   // DeepSeek's config.json: ep_size is its inference layout; aux_loss_alpha and seq_aux are its
-  // training recipe, which HF's model does not compute (moetrain's seq_aux_loss_coef sets it);
-  // quantization_config describes FP8 weights, which the checkpoint reader dequantizes.
-  r.pass_over({"ep_size", "aux_loss_alpha", "seq_aux", "quantization_config", "output_router_logits"});
+  // training recipe, which HF's model does not compute (moetrain's seq_aux_loss_coef sets it).
+  r.pass_over({"ep_size", "aux_loss_alpha", "seq_aux", "output_router_logits"});
+  r.pass_over_fp8_quantization();
   r.pass_over_common();
   r.finish();
   *this = std::move(c);

@@ -196,6 +196,15 @@ void HfConfigReader::pass_over_common() {
   require("pruned_heads", nlohmann::json::object(), "pruned attention heads are not implemented");
 }
 
+void HfConfigReader::pass_over_fp8_quantization() {
+  const nlohmann::json* q = take({"quantization_config"});
+  if (q == nullptr || q->is_null()) return;
+  if (q->is_object() && q->contains("quant_method") && (*q)["quant_method"] == "fp8") return;
+  MT_THROW("{}: unsupported key \"quantization_config\" = {}: moetrain reads only FP8 weights with block scales "
+           "(quant_method \"fp8\", which `moetrain convert` dequantizes)",
+           path_, q->dump());
+}
+
 void HfConfigReader::finish() const {
   std::vector<std::string> left;
   for (auto it = j_.begin(); it != j_.end(); ++it) {

@@ -54,6 +54,11 @@ class HfConfigReader {
   void pass_over(std::initializer_list<std::string_view> keys);
   // The keys every transformers config may carry that change nothing moetrain computes.
   void pass_over_common();
+  // quantization_config when it is DeepSeek's fine-grained FP8 (quant_method "fp8": F8_E4M3
+  // weights with block scales, as DeepSeek-V3's and Qwen3's FP8 releases): it tells how the
+  // weights are stored, not the architecture (`moetrain convert` dequantizes them; reading
+  // them as they are is refused). Any other quantization is an error naming it.
+  void pass_over_fp8_quantization();
 
   // Throws naming every key that was neither read nor passed over, with its value.
   void finish() const;

@@ -194,6 +194,7 @@ void Qwen3MoeConfig::load_hf_json(const std::string& path) {
   // sliding_window and max_window_layers only matter when use_sliding_window is true (refused
   // above); output_router_logits only says whether transformers' forward adds the aux loss.
   r.pass_over({"sliding_window", "max_window_layers", "output_router_logits"});
+  r.pass_over_fp8_quantization();  // Qwen3's FP8 releases (and `moetrain convert --fp8`'s folders)
   r.pass_over_common();
   r.finish();
   *this = std::move(c);
