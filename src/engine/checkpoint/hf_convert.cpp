@@ -277,8 +277,12 @@ void export_hf(const std::string& ckpt_in, const std::string& out_dir, const HfE
              "checkpoint {} has neither config.json nor hf_config in trainer_state.json", ckpt);
     config = reader.trainer_state()["hf_config"];
   }
-  // The dtype of the tensors written as they are: --dtype's, bf16 under --fp8, else as stored.
+  // The dtype of the tensors written as they are: --dtype's, bf16 under --fp8 (but the routing
+  // biases, f32 in DeepSeek's FP8 release as in moetrain), else as stored.
   const std::optional<DType> cast = opt.fp8 ? std::optional<DType>(DType::BF16) : opt.dtype;
+  auto cast_of = [&](const std::string& name) {
+    return opt.fp8 && name.ends_with(".e_score_correction_bias") ? std::nullopt : cast;
+  };
   // Qwen3MoeForCausalLM has no routing bias: a model balanced by one (router_bias_update_speed)
   // is exported without it and routes by its router's probabilities alone.
   const bool drops_routing_bias = config.value("model_type", "") == "qwen3_moe";
@@ -304,7 +308,7 @@ void export_hf(const std::string& ckpt_in, const std::string& out_dir, const HfE
               static_cast<uint64_t>(blocks_of(info.shape[0]) * blocks_of(info.shape[1])) * sizeof(float);
     } else {
       kept.emplace_back(name, info.shape);
-      bytes = static_cast<uint64_t>(shape_numel(info.shape)) * dtype_size(cast.value_or(info.dtype));
+      bytes = static_cast<uint64_t>(shape_numel(info.shape)) * dtype_size(cast_of(name).value_or(info.dtype));
     }
     if (!shards.back().empty() && shard_bytes.back() + bytes > opt.max_shard_bytes) {
       shards.emplace_back();
@@ -371,7 +375,7 @@ void export_hf(const std::string& ckpt_in, const std::string& out_dir, const HfE
             continue;
           }
           Tensor t = std::move(in[k]);
-          if (cast && t.dtype() != *cast) t = t.to(*cast);
+          if (const std::optional<DType> c = cast_of(name); c && t.dtype() != *c) t = t.to(*c);
           w.add(name, t);
           held.push_back(std::move(t));
           weight_map[name] = file;
