@@ -18,6 +18,7 @@
 #include "core/allocator.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "app/plan_command.h"
 #include "engine/bench.h"
 #include "engine/data/tokenize.h"
 #include "engine/data/tokenizer_factory.h"
@@ -127,6 +128,18 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench->allow_extras();
 
+  std::string plan_config;
+  moetrain::app::PlanOptions plan_opt;
+  CLI::App* plan = app.add_subcommand(
+      "plan", "memory per GPU by part (weights, gradients, optimizer, activations, ...) for a config's layout and "
+              "every layout of N GPUs, and whether each fits");
+  plan->add_option("-c,--config", plan_config, "run config (TOML)")->required();
+  plan->add_option("--gpus", plan_opt.gpus, "GPUs of the job (default: the config's layout)");
+  plan->add_option("--gpu-memory", plan_opt.gpu_memory, "one GPU's memory, e.g. 80GiB or 141GB")
+      ->capture_default_str();
+  plan->allow_extras();
+  plan->footer("Any config key can be overridden: --section.key=value (e.g. --training.recompute=full).");
+
   moetrain::TokenizeOptions tok_opt;
   std::string tok_spec, tok_eos, tok_encode, tok_decode;
   bool tok_no_progress = false;
@@ -169,6 +182,7 @@ int main(int argc, char** argv) {
       return run_train(config_path, extras, print_config);
     }
     if (bench->parsed()) return run_bench(bench_config, bench->remaining(), bench_opt);
+    if (plan->parsed()) return moetrain::app::run_plan(plan_config, overrides_from(plan->remaining()), plan_opt);
     if (plot->parsed()) {
       std::vector<moetrain::RunSeries> runs;
       for (const std::string& dir : plot_runs) runs.push_back(moetrain::read_run(dir));

@@ -171,6 +171,8 @@ void TrainingConfig::describe(ConfigFields& f) {
         one_of(&recompute, {"none", "full"}));
   f.add("recompute_layers", &recompute_layers,
         "with recompute = \"full\": the decoder layer ids to recompute; empty = every layer");
+  f.add("check_memory", &check_memory,
+        "on GPUs: stop before allocating when the memory plan (moetrain plan) says the run will not fit");
   f.add("stop_after_steps", &stop_after_steps,
         "end this process after this many steps (the schedule still spans steps); 0 = run to the end",
         non_negative(&stop_after_steps));

@@ -82,6 +82,9 @@ struct TrainingConfig {
   // gradients are the same bits. recompute_layers: the decoder layer ids it applies to (empty:
   // every layer). "selective" is not built yet.
   std::string recompute = "none";
+  // On GPUs: stop at start-up, before allocating, when the memory plan (engine/plan/memory_plan.h)
+  // says the run will not fit.
+  bool check_memory = true;
   std::vector<int64_t> recompute_layers;
   // With grad_accum_steps > 1 (not with FSDP's sharded weights nor in a pipeline): the experts'
   // weight gradients of each group of this many micro-batches in one pass over their f32 dW

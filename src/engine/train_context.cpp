@@ -8,6 +8,7 @@
 #include "core/cuda_runtime.h"
 #include "core/log.h"
 #include "engine/parallel/all_gather_dispatch.h"
+#include "engine/plan/memory_plan.h"
 
 namespace moetrain {
 
@@ -30,6 +31,11 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   const bool gpu = tc.device == "cuda";
   const Layout& layout = par.layout;
   ModelPlacement placement = layout.placement();
+  if (gpu) {
+    check_memory_at_start(cfg, layout.pp(), layout.shard_ranks(/*experts=*/true), layout.ep(),
+                          static_cast<double>(cuda::device_total_memory(par.device.index)), par.rank == 0,
+                          tc.check_memory);
+  }
 
   // Pipeline: the schedule of a training step and of a validation pass, the model cut into
   // its chunks, and this rank's share of them (pipeline/executor.h). Expert parallelism with

@@ -117,6 +117,22 @@ TEST_F(CliTest, Fp8TrainsAndBenchComparesItWithBf16) {
   EXPECT_LT(b.output.find("=== BF16"), b.output.find("=== FP8\n")) << "BF16 is measured first";
 }
 
+// `moetrain plan`: the config's layout part by part, every layout of --gpus, what fits; a
+// size it cannot read is named.
+TEST_F(CliTest, PlanPrintsThePartsAndEveryLayout) {
+  const std::string cfg = "plan --config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/bench/q30b-4l.toml";
+  Result r = run(cfg + " --gpus 4 --gpu-memory 24GiB --parallel.ep=2");
+  ASSERT_EQ(r.status, 0) << r.output;
+  for (const char* part : {"memory plan: pp1 dp2 ep2", "optimizer shards", "activations", "training peak",
+                           "every layout of 4:", "pp1 dp4 ep1", "pp2 dp1 ep2 dualpipev", "does not fit", "fits"}) {
+    EXPECT_NE(r.output.find(part), std::string::npos) << part << "\n" << r.output;
+  }
+  Result full = run(cfg + " --training.recompute=full --training.grad_accum_steps=1");
+  ASSERT_EQ(full.status, 0) << full.output;
+  EXPECT_NE(full.output.find("recompute full"), std::string::npos) << full.output;
+  expect_one_line_error(run(cfg + " --gpu-memory lots"), "--gpu-memory 'lots'");
+}
+
 TEST_F(CliTest, ShortRunTrainsAndIsBitwiseRepeatable) {
   Result a = run(small_run("a"));
   ASSERT_EQ(a.status, 0) << a.output;

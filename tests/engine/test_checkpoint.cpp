@@ -952,7 +952,9 @@ TEST(HfConvert, Fp8ExportQuantizesTheLinearWeightsAndImportReadsThemBack) {
         // bf16, but the routing biases, which stay f32 (as in DeepSeek's FP8 release)
         const bool bias = name.ends_with(".e_score_correction_bias");
         EXPECT_TRUE(bytes_equal(stored, bias ? w : w.to(DType::BF16))) << name;
-        if (bias) EXPECT_EQ(stored.dtype(), DType::F32) << name;
+        if (bias) {
+          EXPECT_EQ(stored.dtype(), DType::F32) << name;
+        }
         continue;
       }
       ++quantized;
@@ -1051,7 +1053,9 @@ TEST(HfConvert, Fp8ExportQuantizesTheLinearWeightsAndImportReadsThemBack) {
                                  {"modules_to_not_convert", c.not_converted}};
     EXPECT_EQ(cfg["quantization_config"], want) << cfg["quantization_config"].dump();
     EXPECT_EQ(cfg["torch_dtype"], "bfloat16");
-    if (source.contains("dtype")) EXPECT_EQ(cfg["dtype"], "bfloat16");
+    if (source.contains("dtype")) {
+      EXPECT_EQ(cfg["dtype"], "bfloat16");
+    }
 
     // Import: the FP8 weights dequantized to bf16, the rest as exported, the config without
     // quantization_config.

@@ -153,6 +153,61 @@ double DeepseekV3Config::rope_attention_factor() const {
   return yarn_mscale(rope_factor, 1.0);
 }
 
+// What DeepseekV3LayerState (deepseek_v3.h), the skeleton's LayerState and a multi-token
+// prediction module's MtpState hold; `a` bytes an activation element, f32 statistics and
+// router scores, i32 indices.
+LayerFootprint DeepseekV3Config::layer_footprint(int64_t id, int act) const {
+  const double a = act, H = static_cast<double>(hidden_size), E = static_cast<double>(n_routed_experts),
+               K = static_cast<double>(num_experts_per_tok), nh = static_cast<double>(num_attention_heads);
+  const double qk = static_cast<double>(qk_head_dim()), dv = static_cast<double>(v_head_dim),
+               nope = static_cast<double>(qk_nope_head_dim), r = static_cast<double>(kv_lora_rank),
+               rope = static_cast<double>(qk_rope_head_dim), qr = static_cast<double>(q_lora_rank);
+  LayerFootprint f;
+  const bool moe = is_moe_layer(id);
+  const int64_t h = hidden_size, heads = num_attention_heads;
+  f.params = (q_lora_rank > 0 ? q_lora_rank * h + q_lora_rank + heads * qk_head_dim() * q_lora_rank
+                              : heads * qk_head_dim() * h) +
+             (kv_lora_rank + qk_rope_head_dim) * h + kv_lora_rank + heads * (qk_nope_head_dim + v_head_dim) * kv_lora_rank +
+             h * heads * v_head_dim + 2 * h;
+  // x, ln1.y, h, ln2.y; q, k, v and the attention output; the key/value latent, its norm's
+  // output and the rotary key; the query latent and its norm's output; rstd of the 3-4 norms
+  // and the attention's log-sum-exp per head, f32.
+  f.kept_per_token = a * (4 * H + 2 * nh * qk + 2 * nh * dv + 2 * r + rope + 2 * qr) +
+                     4.0 * (3 + (q_lora_rank > 0 ? 1 : 0) + nh);
+  // Backward: d ln2, d h, d ln1; d q, d kv, the latents' and the rotary key's gradients; d
+  // attention, dq, dk, dv; delta (f32).
+  f.backward_per_token = a * (3 * H + nh * qk + nh * (nope + dv) + r + rope + qr) + a * (2 * nh * dv + 2 * nh * qk) +
+                         8 * nh;
+  if (moe) {
+    const double I = static_cast<double>(moe_intermediate_size), shared = static_cast<double>(n_shared_experts) * I;
+    f.params += n_routed_experts * h + 3 * h * n_shared_experts * moe_intermediate_size;
+    f.expert_params = 3 * h * moe_intermediate_size;
+    f.experts = n_routed_experts;
+    f.top_k = num_experts_per_tok;
+    // Shared experts: output, gate, up, act, the residual with it; the router's logits and
+    // scores (f32), top-k ids and weights, the dispatch's two i32 permutations.
+    f.kept_per_token += (n_shared_experts > 0 ? a * (2 * H + 3 * shared) : 0) + 8 * E + 16 * K;
+    f.kept_per_row = a * (2 * H + 3 * I);
+    f.backward_per_token += 4 * E + (n_shared_experts > 0 ? a * (H + 2 * shared) : 0);
+    f.backward_per_row = a * (2 * H + 2 * I);
+    f.deferred_per_row = a * (2 * H + 3 * I);
+  } else {
+    const double I = static_cast<double>(intermediate_size);
+    f.params += 3 * h * intermediate_size;
+    f.kept_per_token += a * (H + 3 * I);
+    f.backward_per_token += a * (H + 2 * I);
+  }
+  if (id >= num_hidden_layers) {  // a module's own: embedding, head, two norms, eh_proj, the head's norm
+    f.params += 2 * vocab_size * h + 3 * h + 2 * h * h;
+    f.kept_per_token += a * 6 * H + 8;  // e, the two norms' outputs, [e; h], d out; rstd
+  }
+  return f;
+}
+
+int64_t DeepseekV3Config::outer_params() const {
+  return (tie_word_embeddings ? 1 : 2) * vocab_size * hidden_size + hidden_size;
+}
+
 ModelShape DeepseekV3Config::shape() const {
   return {vocab_size,          hidden_size,          num_hidden_layers,       n_routed_experts,
           num_experts_per_tok, max_position_embeddings, num_nextn_predict_layers};

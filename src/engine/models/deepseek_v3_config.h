@@ -78,6 +78,8 @@ struct DeepseekV3Config : ModelConfig {
   // The HF config.json text of this shape (DeepseekV3ForCausalLM, transformers 5's spelling).
   std::string to_hf_json() const override;
   ModelShape shape() const override;
+  LayerFootprint layer_footprint(int64_t id, int act) const override;
+  int64_t outer_params() const override;
 
   // Layer i has routed experts (HF: i >= first_k_dense_replace).
   bool is_moe_layer(int64_t i) const { return i >= first_k_dense_replace; }

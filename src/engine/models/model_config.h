@@ -25,6 +25,25 @@ struct ModelShape {
   int64_t mtp_layers = 0;         // multi-token prediction modules after the last layer (with the head)
 };
 
+// What the memory planner (engine/plan/memory_plan.h) needs of one decoder layer: its
+// parameters and the bytes a training pass keeps for its backward, per token and per expert
+// row (a token's copy at one routed expert). `act` is the activations' element size (2: bf16
+// on the GPU, 4: f32 on the CPU); index and statistics tensors keep their own sizes.
+struct LayerFootprint {
+  int64_t params = 0;         // every parameter but the routed experts'
+  int64_t expert_params = 0;  // one routed expert's (0: no routed experts)
+  int64_t experts = 0;        // routed experts (0: a dense layer)
+  int64_t top_k = 0;          // rows per token sent to the routed experts
+  // From the end of its forward to its backward.
+  double kept_per_token = 0, kept_per_row = 0;
+  // On top of that while its backward runs: the input gradients its weight gradients read and
+  // the largest temporaries alive at once.
+  double backward_per_token = 0, backward_per_row = 0;
+  // What a micro-batch whose expert weight gradients are deferred keeps until they are made
+  // ([training].expert_wgrad_group), per row.
+  double deferred_per_row = 0;
+};
+
 class ModelConfig {
  public:
   virtual ~ModelConfig() = default;
@@ -39,6 +58,11 @@ class ModelConfig {
   // The HF config.json text of this shape, in the spelling transformers 5 writes.
   virtual std::string to_hf_json() const = 0;
   virtual ModelShape shape() const = 0;
+  // Decoder layer `id` (ids num_layers .. + mtp_layers - 1: a multi-token prediction module's
+  // layer, its module's own parameters counted with it) for the memory planner.
+  virtual LayerFootprint layer_footprint(int64_t id, int act) const = 0;
+  // The embedding, the final norm and the head (one matrix when tied).
+  virtual int64_t outer_params() const = 0;
 
   std::string model_type;   // the family, as HF names it ("qwen3_moe")
   std::string config_json;  // optional HF config.json whose keys are read first

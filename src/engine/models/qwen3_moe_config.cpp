@@ -204,6 +204,46 @@ ModelShape Qwen3MoeConfig::shape() const {
   return {vocab_size, hidden_size, num_hidden_layers, num_experts, num_experts_per_tok, max_position_embeddings};
 }
 
+// What Qwen3MoeLayerState (qwen3_moe.h) and the skeleton's LayerState hold; `a` bytes an
+// activation element, f32 statistics, i32 indices.
+LayerFootprint Qwen3MoeConfig::layer_footprint(int64_t id, int act) const {
+  const double a = act, H = static_cast<double>(hidden_size), E = static_cast<double>(num_experts),
+               K = static_cast<double>(num_experts_per_tok);
+  const double qd = static_cast<double>(num_attention_heads * head_dim),
+               kvd = static_cast<double>(num_key_value_heads * head_dim), nh = static_cast<double>(num_attention_heads),
+               nkv = static_cast<double>(num_key_value_heads);
+  LayerFootprint f;
+  const bool moe = is_moe_layer(id);
+  const int64_t I = moe ? moe_intermediate_size : intermediate_size;
+  f.params = 2 * num_attention_heads * head_dim * hidden_size + 2 * num_key_value_heads * head_dim * hidden_size +
+             2 * head_dim + 2 * hidden_size + (moe ? num_experts * hidden_size : 3 * hidden_size * I);
+  // x, ln1.y, h, ln2.y; q_raw, q, the attention output; k_raw, k, v; the norms' rstd (ln1,
+  // ln2, q and k per head) and the attention's log-sum-exp per head, f32.
+  f.kept_per_token = a * (4 * H + 3 * qd + 3 * kvd) + 4.0 * (2 + 2 * nh + nkv);
+  // Backward: d ln2, d h, d ln1; d q_raw, d k_raw, d v; d attention, dq, dk, dv; delta (f32).
+  f.backward_per_token = a * (3 * H + 2 * qd + 2 * kvd) + a * (2 * qd + 2 * kvd) + 8 * nh;
+  if (moe) {
+    f.expert_params = 3 * hidden_size * I;
+    f.experts = num_experts;
+    f.top_k = num_experts_per_tok;
+    // The router's logits (a) and probabilities (f32), top-k ids and weights, the dispatch's
+    // two i32 permutations; z-loss's log-sum-exp.
+    f.kept_per_token += a * E + 4 * E + 8 * K + 8 * K + (router_z_loss_coef > 0 ? 4 : 0);
+    f.kept_per_row = a * (2 * H + 3 * static_cast<double>(I));  // rows in, rows out; gate, up, act
+    f.backward_per_token += a * E;                               // d router logits
+    f.backward_per_row = a * (2 * H + 2 * static_cast<double>(I));  // d rows out, d rows in; d gate, d up
+    f.deferred_per_row = a * (2 * H + 3 * static_cast<double>(I));  // dy, x; d gate, d up, act
+  } else {
+    f.kept_per_token += a * (H + 3 * static_cast<double>(I));  // the MLP's output; gate, up, act
+    f.backward_per_token += a * (H + 2 * static_cast<double>(I));
+  }
+  return f;
+}
+
+int64_t Qwen3MoeConfig::outer_params() const {
+  return (tie_word_embeddings ? 1 : 2) * vocab_size * hidden_size + hidden_size;
+}
+
 bool Qwen3MoeConfig::is_moe_layer(int64_t i) const {
   const bool dense = std::find(mlp_only_layers.begin(), mlp_only_layers.end(), i) != mlp_only_layers.end();
   return !dense && num_experts > 0 && decoder_sparse_step > 0 && (i + 1) % decoder_sparse_step == 0;

@@ -54,6 +54,8 @@ struct Qwen3MoeConfig : ModelConfig {
   // transformers needs: hidden_act silu, no attention bias, no sliding window).
   std::string to_hf_json() const override;
   ModelShape shape() const override;
+  LayerFootprint layer_footprint(int64_t id, int act) const override;
+  int64_t outer_params() const override;
 
   // Whether layer `i` has a routed MoE MLP (HF: not in mlp_only_layers, num_experts > 0,
   // and (i + 1) % decoder_sparse_step == 0).
