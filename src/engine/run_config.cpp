@@ -166,11 +166,12 @@ void TrainingConfig::describe(ConfigFields& f) {
         "block-scaled FP8 (e4m3) for the layers' projections (DeepSeek-V3's recipe; experts, router, head stay BF16 "
         "for now: docs/fp8.md)");
   f.add("recompute", &recompute,
-        "activation recomputation: none, or full (a layer keeps only its input and redoes its forward before its "
-        "backward: less memory, one more forward; same gradients, bit for bit)",
-        one_of(&recompute, {"none", "full"}));
+        "activation recomputation: none; selective (norm and rotary outputs, and expert input rows that are a local "
+        "permutation, made again before the backward); or full (a layer keeps only its input and redoes its "
+        "forward, the expert exchange included). Same gradients, bit for bit",
+        one_of(&recompute, {"none", "selective", "full"}));
   f.add("recompute_layers", &recompute_layers,
-        "with recompute = \"full\": the decoder layer ids to recompute; empty = every layer");
+        "with recompute: the decoder layer ids it applies to; empty = every layer");
   f.add("check_memory", &check_memory,
         "on GPUs: stop before allocating when the memory plan (moetrain plan) says the run will not fit");
   f.add("stop_after_steps", &stop_after_steps,
@@ -538,7 +539,7 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
              shape.num_layers - 1);
   }
   MT_CHECK(t.recompute_layers.empty() || t.recompute != "none",
-           "{}: [training].recompute_layers is set but [training].recompute is \"none\" (say \"full\")", path);
+           "{}: [training].recompute_layers is set but [training].recompute is \"none\" (say \"selective\" or \"full\")", path);
   MT_CHECK(o.min_lr <= o.lr, "{}: [optimizer].min_lr ({}) must be <= [optimizer].lr ({})", path, o.min_lr, o.lr);
   MT_CHECK(t.seq_len <= shape.max_positions,
            "{}: [training].seq_len ({}) must be <= [model].max_position_embeddings ({})", path, t.seq_len,

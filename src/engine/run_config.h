@@ -80,7 +80,8 @@ struct TrainingConfig {
   // backward; "full" keeps only a layer's input and redoes its forward (the expert exchange
   // included) just before its backward, with the same kernels in the same order, so the
   // gradients are the same bits. recompute_layers: the decoder layer ids it applies to (empty:
-  // every layer). "selective" is not built yet.
+  // every layer). "selective" keeps the layer's state but its norm and rotary outputs (and
+  // the expert input rows when they are a local permutation), made again before the backward.
   std::string recompute = "none";
   // On GPUs: stop at start-up, before allocating, when the memory plan (engine/plan/memory_plan.h)
   // says the run will not fit.

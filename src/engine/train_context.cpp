@@ -113,15 +113,17 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   }
   c.model->set_detailed_telemetry(cfg.metrics.detailed);
   c.model->set_fp8(tc.fp8);
-  if (tc.recompute == "full") {
+  if (tc.recompute != "none") {
     std::vector<int64_t> layers = tc.recompute_layers;  // empty: every decoder layer
     if (layers.empty()) {
       for (int64_t id = 0; id < cfg.model->shape().num_layers; ++id) layers.push_back(id);
     }
-    c.model->set_recompute(layers);
-    spdlog::info("recompute: full, decoder layers [{}] keep only their input and redo their forward before their "
-                 "backward",
-                 fmt::join(layers, ", "));
+    const bool full = tc.recompute == "full";
+    c.model->set_recompute(layers, full ? RecomputeMode::kFull : RecomputeMode::kSelective);
+    spdlog::info("recompute: {}, decoder layers [{}] {}", tc.recompute, fmt::join(layers, ", "),
+                 full ? "keep only their input and redo their forward before their backward"
+                      : "drop their norm and rotary outputs (and local expert rows) and make them again before their "
+                        "backward");
   }
   const OptimizerConfig& oc = cfg.optimizer;
   const AdamWConfig adamw{oc.beta1, oc.beta2, oc.eps, oc.weight_decay, oc.moments == "bf16"};

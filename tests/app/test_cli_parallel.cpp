@@ -294,13 +294,13 @@ TEST_F(ParallelCli, DeepseekV3LayoutsMatchOneProcess) {
   }
 }
 
-// Full activation recomputation ([training].recompute = "full") changes no bit of a run under
-// the layouts whose passes it touches: the expert exchange redone inside the backward while the
+// Activation recomputation ([training].recompute = "full" and "selective") changes no bit of a
+// run under the layouts whose passes it touches: the expert exchange redone inside the backward while the
 // paired micro-batch's exchange is in flight (ep2 with ep_overlap), DualPipeV's overlapped
 // forward/backward chunks and deferred weight gradients, ZeRO-3's weights gathered for the
 // backward. DeepSeek-V3 (its multi-token prediction layer is never recomputed); every loss,
 // gradient norm and final weight equal (a relative bound below any nonzero difference).
-TEST_F(ParallelCli, FullRecomputationLeavesEveryLayoutsRunBitwiseUnchanged) {
+TEST_F(ParallelCli, RecomputationLeavesEveryLayoutsRunBitwiseUnchanged) {
   const std::string model = "--config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/dsv3-tiny.toml " +
                             "--model.router_bias_update_speed=0.01 --model.num_hidden_layers=4 "
                             "--model.seq_aux_loss_coef=0.01";
@@ -315,14 +315,17 @@ TEST_F(ParallelCli, FullRecomputationLeavesEveryLayoutsRunBitwiseUnchanged) {
                "--parallel.pp=2 --parallel.schedule=dualpipev --training.grad_accum_steps=8 --training.sample_tokens=0"},
         Layout{"dp2_zero3", 2, 2, "--parallel.dp=2 --parallel.shard_weights=true"}}) {
     SCOPED_TRACE(l.name);
-    const std::string keep = std::string(l.name) + "_keep", redo = std::string(l.name) + "_redo";
+    const std::string keep = std::string(l.name) + "_keep";
     Result a = launch(l.ranks, train_args(keep, l.data_ranks, l.flags, model));
     ASSERT_EQ(a.status, 0) << a.output;
-    Result b = launch(l.ranks, train_args(redo, l.data_ranks, std::string(l.flags) + " --training.recompute=full",
-                                          model));
-    ASSERT_EQ(b.status, 0) << b.output;
-    EXPECT_NE(b.output.find("recompute: full, decoder layers [0, 1, 2, 3]"), std::string::npos) << b.output;
-    expect_same_run(keep, redo, /*tol=*/1e-300);
+    for (const std::string mode : {"full", "selective"}) {
+      const std::string redo = std::string(l.name) + "_" + mode;
+      Result b = launch(l.ranks, train_args(redo, l.data_ranks,
+                                            std::string(l.flags) + " --training.recompute=" + mode, model));
+      ASSERT_EQ(b.status, 0) << b.output;
+      EXPECT_NE(b.output.find("recompute: " + mode + ", decoder layers [0, 1, 2, 3]"), std::string::npos) << b.output;
+      expect_same_run(keep, redo, /*tol=*/1e-300);
+    }
   }
   // Some layers only, named; a layer the model lacks is refused with the range.
   Result some = launch(1, train_args("some", 1, "--training.recompute=full --training.recompute_layers=[1,3]", model));

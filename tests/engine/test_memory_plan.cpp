@@ -34,7 +34,7 @@ double part(const MemoryPlan& p, const std::string& name) {
 
 void expect_plan_matches(const std::string& file, const std::vector<std::string>& overrides) {
   SCOPED_TRACE(file);
-  for (const std::string recompute : {"none", "full"}) {
+  for (const std::string recompute : {"none", "selective", "full"}) {
     SCOPED_TRACE(recompute);
     std::vector<std::string> o = overrides;
     o.push_back("training.recompute=" + recompute);
@@ -42,10 +42,10 @@ void expect_plan_matches(const std::string& file, const std::vector<std::string>
     const MemoryPlan plan = plan_memory(cfg, PlanLayout{}, /*gpu=*/false);
     std::unique_ptr<Model> model = build_model(*cfg.model, DType::F32, Device::cpu(), ModelPlacement{});
     model->init_weights(1);
-    if (recompute == "full") {
+    if (recompute != "none") {
       std::vector<int64_t> all;
       for (int64_t id = 0; id < cfg.model->shape().num_layers; ++id) all.push_back(id);
-      model->set_recompute(all);
+      model->set_recompute(all, recompute == "full" ? RecomputeMode::kFull : RecomputeMode::kSelective);
     }
     // Parameters: the weights part is 4 bytes each on the CPU.
     EXPECT_EQ(part(plan, "weights") / 4, static_cast<double>(count_elements(model->parameters())));

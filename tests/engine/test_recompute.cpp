@@ -1,11 +1,12 @@
-// Full activation recomputation ([training].recompute = "full", docs/memory.md): a layer that
-// keeps only its input through the forward and redoes its forward just before its backward
-// gives the same loss and the same gradient bits as one that keeps everything (same kernels,
-// same order), for both families: DeepSeek-V3 with its dense first layer, shared expert,
+// Activation recomputation ([training].recompute, docs/memory.md): a layer that keeps only its
+// input through the forward and redoes its forward just before its backward ("full"), or that
+// drops its norm and rotary outputs and its local expert input rows and makes them again then
+// ("selective"), gives the same loss and the same gradient bits as one that keeps everything
+// (same kernels, same order), for both families: DeepSeek-V3 with its dense first layer, shared expert,
 // sequence-wise balance loss, routing bias and a multi-token prediction module (whose layer
 // is never recomputed); Qwen3-MoE with the load-balancing and z losses. Over micro-batches that
 // accumulate and defer the experts' weight gradients, over packed documents, every layer or
-// some. And what a recomputed layer keeps between its passes is only its input.
+// some. And what a recomputed layer keeps between its passes is what the mode says.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -29,16 +30,18 @@ Batch packed_batch(int32_t vocab, uint64_t seed) {
 }
 
 template <typename M, typename C>
-void expect_same_bits(const C& c, const std::vector<int64_t>& recomputed, const char* label) {
+void expect_same_bits(const C& c, const std::vector<int64_t>& recomputed, RecomputeMode mode, const char* label) {
   SCOPED_TRACE(label);
+  const bool full = mode == RecomputeMode::kFull;
   const auto vocab = static_cast<int32_t>(c.vocab_size);
   M plain(c, DType::F32), re(c, DType::F32);
   plain.init_weights(7);
   re.init_weights(7);
-  re.set_recompute(recomputed);
+  re.set_recompute(recomputed, mode);
   for (M* m : {&plain, &re}) m->set_expert_wgrad_group(2);
   LocalDispatcher d;
-  // What a training forward keeps: a recomputed layer's input and nothing else.
+  // What a training forward keeps: a fully recomputed layer's input and nothing else; a
+  // selectively recomputed one all but its norm outputs (mlp_in) and its expert input rows.
   {
     const Batch b = packed_batch(vocab, 3);
     ChunkActivations a;
@@ -48,9 +51,11 @@ void expect_same_bits(const C& c, const std::vector<int64_t>& recomputed, const 
     ASSERT_GE(a.layers.size(), static_cast<size_t>(c.num_hidden_layers));
     for (size_t j = 0; j < a.layers.size(); ++j) {
       const bool dropped = std::find(recomputed.begin(), recomputed.end(), static_cast<int64_t>(j)) != recomputed.end();
-      EXPECT_EQ(a.layers[j]->recompute_input.defined(), dropped) << "layer " << j;
-      EXPECT_EQ(a.layers[j]->mlp_in.defined(), !dropped) << "layer " << j;
-      EXPECT_EQ(a.layers[j]->residual.defined(), !dropped) << "layer " << j;
+      const LayerState& s = *a.layers[j];
+      EXPECT_EQ(s.recompute_input.defined(), dropped && full) << "layer " << j;
+      EXPECT_EQ(s.mlp_in.defined(), !dropped) << "layer " << j;
+      EXPECT_EQ(s.expert_in.rows.defined(), !dropped) << "layer " << j;
+      EXPECT_EQ(s.residual.defined(), !(dropped && full)) << "layer " << j;
     }
     re.backward_chunk(re.whole(), b, Tensor(), d, a, 1.0, /*weights_now=*/true, /*accumulate=*/false);
   }
@@ -80,20 +85,24 @@ void expect_same_bits(const C& c, const std::vector<int64_t>& recomputed, const 
   EXPECT_GT(nonzero, plain.parameters().size() / 2);  // the comparison is of real gradients
 }
 
-TEST(Recompute, FullRecomputationGivesTheSameBitsQwen3) {
+TEST(Recompute, FullAndSelectiveRecomputationGiveTheSameBitsQwen3) {
   const Qwen3MoeConfig c = testing::tiny_moe_config(50, 3);
-  expect_same_bits<Qwen3MoeModel>(c, {0, 1, 2}, "every layer");
-  expect_same_bits<Qwen3MoeModel>(c, {1}, "the middle layer");
+  for (RecomputeMode mode : {RecomputeMode::kFull, RecomputeMode::kSelective}) {
+    expect_same_bits<Qwen3MoeModel>(c, {0, 1, 2}, mode, "every layer");
+    expect_same_bits<Qwen3MoeModel>(c, {1}, mode, "the middle layer");
+  }
 }
 
-TEST(Recompute, FullRecomputationGivesTheSameBitsDeepseekV3) {
+TEST(Recompute, FullAndSelectiveRecomputationGiveTheSameBitsDeepseekV3) {
   DeepseekV3Config c = testing::tiny_dsv3_config(50, 3);
   c.seq_aux_loss_coef = 0.2;
   c.router_bias_update_speed = 0.01;
   c.num_nextn_predict_layers = 1;
   c.mtp_loss_weight = 0.3;
-  expect_same_bits<DeepseekV3Model>(c, {0, 1, 2}, "every layer (the module's never)");
-  expect_same_bits<DeepseekV3Model>(c, {0, 2}, "the dense layer and the last");
+  for (RecomputeMode mode : {RecomputeMode::kFull, RecomputeMode::kSelective}) {
+    expect_same_bits<DeepseekV3Model>(c, {0, 1, 2}, mode, "every layer (the module's never)");
+    expect_same_bits<DeepseekV3Model>(c, {0, 2}, mode, "the dense layer and the last");
+  }
 }
 
 }  // namespace

@@ -224,7 +224,7 @@ bool MoeDecoderModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) {
         s.mtp = std::make_shared<MtpState>();
         f.x = m->input_forward(f.batch, f.x, *s.mtp);
       }
-      if (f.pass.training && recomputes(id)) s.recompute_input = f.x;  // all the state will keep
+      if (f.pass.training && recompute_mode(id) == RecomputeMode::kFull) s.recompute_input = f.x;  // all it keeps
       layer.attn_forward(f.x, f.batch.positions, f.b, s);  // 1: attn
       if (layer.is_moe()) {  // 2: dispatch, the part that needs no host wait
         d.dispatch_start(s.mlp_in, s.route.topk_idx, s.route.topk_weight, spec_.num_experts, s.dispatch);
@@ -274,6 +274,15 @@ bool MoeDecoderModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) {
         Tensor in = std::move(s.recompute_input);
         f.a.layers[f.j] = layer.new_state();
         f.a.layers[f.j]->recompute_input = std::move(in);
+      } else if (f.pass.training && recompute_mode(id) == RecomputeMode::kSelective) {
+        layer.drop_recomputable(s);
+        s.selective_dropped = true;
+        // The expert input rows: mlp_in itself (a dense layer), or its permutation when the
+        // experts are all here (rows that came over an exchange stay).
+        if (!layer.is_moe() || dynamic_cast<LocalDispatcher*>(&d) != nullptr) {
+          s.expert_in.rows = Tensor();
+          s.rows_dropped = true;
+        }
       }
       ++f.j;
       break;
@@ -289,6 +298,20 @@ bool MoeDecoderModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
   if (g.piece == 0) {
     if (hooks_) hooks_->before_backward(id);  // the weights are whole from here (ZeRO-3)
     if (g.a.layers[g.j]->recompute_input.defined()) recompute_forward(layer, g, d);
+    LayerState& s = *g.a.layers[g.j];
+    if (s.selective_dropped) {
+      StageScope t(Stage::kNorms);
+      layer.recompute_dropped(s, g.batch.positions);
+      if (s.rows_dropped) {
+        if (layer.is_moe()) {
+          DispatchState again;
+          s.expert_in.rows = d.dispatch(s.mlp_in, s.route.topk_idx, spec_.num_experts, again).rows;
+        } else {
+          s.expert_in.rows = s.mlp_in;
+        }
+      }
+      s.selective_dropped = s.rows_dropped = false;
+    }
   }
   LayerState& s = *g.a.layers[g.j];
   switch (g.piece) {
@@ -385,12 +408,12 @@ void MoeDecoderModel::recompute_forward(const DecoderLayer& layer, BackwardCurso
   g.a.layers[g.j] = std::move(fresh);
 }
 
-void MoeDecoderModel::set_recompute(const std::vector<int64_t>& layers) {
-  recompute_.assign(static_cast<size_t>(spec_.num_layers), false);
+void MoeDecoderModel::set_recompute(const std::vector<int64_t>& layers, RecomputeMode mode) {
+  recompute_.assign(static_cast<size_t>(spec_.num_layers), RecomputeMode::kNone);
   for (int64_t id : layers) {
     MT_CHECK(id >= 0 && id < spec_.num_layers, "recompute: layer {} is not one of the model's decoder layers 0..{}",
              id, spec_.num_layers - 1);
-    recompute_[static_cast<size_t>(id)] = true;
+    recompute_[static_cast<size_t>(id)] = mode;
   }
 }
 

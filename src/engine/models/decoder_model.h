@@ -117,7 +117,7 @@ class MoeDecoderModel : public Model {
   void set_detailed_telemetry(bool on) override { router_entropy_ = on; }
   void set_fp8(bool on) override { projections_.set_fp8(on); }
   void keep_quantized_weights(bool on) override { projections_.keep_weights(on); }
-  void set_recompute(const std::vector<int64_t>& layers) override;
+  void set_recompute(const std::vector<int64_t>& layers, RecomputeMode mode) override;
 
   ChunkSpec whole() const override;
   RouterTotals new_totals() const override;
@@ -203,10 +203,10 @@ class MoeDecoderModel : public Model {
   BackwardCursor begin_backward(const ChunkSpec& c, const Batch& batch, const Tensor& dy, ChunkActivations& a,
                                 double aux_scale, bool weights_now, bool accumulate);
   bool backward_piece(BackwardCursor& g, ExpertDispatcher& d);
-  // [training].recompute: whether layer `id` keeps only its input (multi-token prediction
-  // modules' layers never: the module's input is made from the hidden state before it).
-  bool recomputes(int64_t id) const {
-    return id < static_cast<int64_t>(recompute_.size()) && recompute_[static_cast<size_t>(id)];
+  // [training].recompute of layer `id` (multi-token prediction modules' layers none: the
+  // module's input is made from the hidden state before it).
+  RecomputeMode recompute_mode(int64_t id) const {
+    return id < static_cast<int64_t>(recompute_.size()) ? recompute_[static_cast<size_t>(id)] : RecomputeMode::kNone;
   }
   void recompute_forward(const DecoderLayer& layer, BackwardCursor& g, ExpertDispatcher& d);
   Tensor end_backward(BackwardCursor& g);
@@ -224,7 +224,7 @@ class MoeDecoderModel : public Model {
   WeightHooks* hooks_ = nullptr;
   int64_t expert_wgrad_group_ = 1;
   bool defer_expert_weights_ = false;  // during a forward_backward that defers them
-  std::vector<bool> recompute_;        // by layer id: keep only the input, redo the forward before the backward
+  std::vector<RecomputeMode> recompute_;  // by layer id ([training].recompute)
   bool router_entropy_ = true;         // measure each MoE layer's router entropy (set_detailed_telemetry)
   std::vector<ParamBucket> buckets_;
   Tensor embed_, final_norm_w_, lm_head_;  // lm_head_ aliases embed_ when tied

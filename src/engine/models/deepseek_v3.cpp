@@ -292,6 +292,24 @@ void DeepseekV3DecoderLayer::backward_weight(LayerState& state, bool accumulate,
 }
 
 // The plain path: stage 1, then each token's experts evaluated one by one.
+// Selective recomputation: the four norms' outputs (ln1, the query and key/value latents',
+// ln2), made again from x, q_a, c_kv and h (their rstd are the same bits again). The queries
+// and keys stay: they come out of GEMMs.
+void DeepseekV3DecoderLayer::drop_recomputable(LayerState& state) const {
+  auto& s = static_cast<DeepseekV3LayerState&>(state);
+  s.ln1.y = s.q_a_norm.y = s.kv_a_norm.y = s.ln2.y = s.mlp_in = Tensor();
+}
+
+void DeepseekV3DecoderLayer::recompute_dropped(LayerState& state, const Tensor& positions) const {
+  (void)positions;
+  auto& s = static_cast<DeepseekV3LayerState&>(state);
+  s.ln1 = ops::rmsnorm_forward(s.x, ln1_w_, cfg_.rms_norm_eps);
+  if (cfg_.q_lora_rank > 0) s.q_a_norm = ops::rmsnorm_forward(s.q_a, q_a_norm_w_, kLatentNormEps);
+  s.kv_a_norm = ops::rmsnorm_forward(s.c_kv, kv_a_norm_w_, kLatentNormEps);
+  s.ln2 = ops::rmsnorm_forward(s.h, ln2_w_, cfg_.rms_norm_eps);
+  s.mlp_in = s.ln2.y;
+}
+
 Tensor DeepseekV3DecoderLayer::reference_forward(const Tensor& x, const Tensor& positions,
                                                  const BatchShape& b) const {
   MT_CHECK(!moe_ || w_gate_.size(0) == cfg_.n_routed_experts,

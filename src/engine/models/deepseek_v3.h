@@ -82,6 +82,8 @@ class DeepseekV3DecoderLayer : public DecoderLayer {
     return expert_grads_.writes(moe_, accumulate, defer_experts);
   }
   Tensor reference_forward(const Tensor& x, const Tensor& positions, const BatchShape& b) const override;
+  void drop_recomputable(LayerState& s) const override;
+  void recompute_dropped(LayerState& s, const Tensor& positions) const override;
   // e_score_correction_bias: every MoE layer has one (HF's checkpoints carry it), moved
   // after each step when router_bias_update_speed > 0.
   Tensor* routing_bias() override { return score_bias_.defined() ? &score_bias_ : nullptr; }

@@ -153,6 +153,9 @@ struct MicroBatchLoss {
 // What one decoder layer's stages leave at the expert-exchange boundaries: the engine's part
 // of a layer's saved state (the cursors in decoder_model.cpp read and write these); a
 // family's layer state derives from it and adds what its own math saves.
+// Activation recomputation ([training].recompute, docs/memory.md).
+enum class RecomputeMode { kNone, kSelective, kFull };
+
 struct LayerState {
   virtual ~LayerState() = default;
   Tensor mlp_in;            // stage 1's output the experts take, [T, H]
@@ -167,6 +170,9 @@ struct LayerState {
   // Recomputation ([training].recompute): the layer's input, all a dropped state keeps; the
   // backward redoes the forward from it.
   Tensor recompute_input;
+  // Selective recomputation: the family's cheap tensors were dropped (made again before the
+  // backward), and the expert input rows too where they are a local permutation of mlp_in.
+  bool selective_dropped = false, rows_dropped = false;
 };
 
 // One decoder layer of a family: its weights and the math of stages 1, 3 and 5, forward and
@@ -210,6 +216,14 @@ class DecoderLayer {
   virtual bool writes_expert_grads(bool accumulate, bool defer_experts) const = 0;
   // The plain path used to validate every layout (no dispatcher); returns the layer output.
   virtual Tensor reference_forward(const Tensor& x, const Tensor& positions, const BatchShape& b) const = 0;
+  // Selective recomputation: at the end of a training forward, drop what is cheap to make
+  // again from what stays (norm outputs, rotary outputs: no GEMM, no exchange); just before
+  // the backward, make it again with the same kernels (the same bits). Defaults: nothing.
+  virtual void drop_recomputable(LayerState& s) const { (void)s; }
+  virtual void recompute_dropped(LayerState& s, const Tensor& positions) const {
+    (void)s;
+    (void)positions;
+  }
   // The router's selection bias (f32 [num_experts], every expert's, on the layer's device),
   // which aux-loss-free balancing moves after each step; nullptr when the layer has none.
   virtual Tensor* routing_bias() { return nullptr; }
@@ -264,9 +278,13 @@ class Model {
   // whole weights), so each is quantized at its first use and reused; false frees the copies
   // (engine/models/projections.h).
   virtual void keep_quantized_weights(bool on) { (void)on; }
-  // [training].recompute = "full": these decoder layers (ids) keep only their input in a
-  // training pass and redo their forward just before their backward.
-  virtual void set_recompute(const std::vector<int64_t>& layers) { (void)layers; }
+  // [training].recompute: these decoder layers (ids), in a training pass, keep only their
+  // input and redo their forward just before their backward (kFull), or drop what is cheap to
+  // make again and make it then (kSelective: DecoderLayer::drop_recomputable).
+  virtual void set_recompute(const std::vector<int64_t>& layers, RecomputeMode mode) {
+    (void)layers;
+    (void)mode;
+  }
   // Data parallelism: the ranks of this replica group that hold different tokens of one
   // global batch, and the bridge to the other replica groups; losses of batch totals are
   // summed over both (nullptr: one process, one replica group).

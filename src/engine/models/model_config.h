@@ -42,6 +42,9 @@ struct LayerFootprint {
   // What a micro-batch whose expert weight gradients are deferred keeps until they are made
   // ([training].expert_wgrad_group), per row.
   double deferred_per_row = 0;
+  // What selective recomputation drops per token (DecoderLayer::drop_recomputable; the expert
+  // input rows, `act` x hidden bytes a row, besides when the experts are all local).
+  double selective_per_token = 0;
 };
 
 class ModelConfig {

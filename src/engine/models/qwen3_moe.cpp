@@ -220,6 +220,23 @@ void Qwen3MoeDecoderLayer::backward_weight(LayerState& state, bool accumulate, o
   ops::rmsnorm_backward_weight(s.d_ln1_out, s.x, s.ln1.rstd, g_ln1_w_, accumulate);
 }
 
+// Selective recomputation: the two norms' outputs and the queries/keys after their norms and
+// RoPE, made again from x, h, q_raw and k_raw (their rstd are the same bits again).
+void Qwen3MoeDecoderLayer::drop_recomputable(LayerState& state) const {
+  auto& s = static_cast<Qwen3MoeLayerState&>(state);
+  s.ln1.y = s.ln2.y = s.mlp_in = s.q = s.k = Tensor();
+}
+
+void Qwen3MoeDecoderLayer::recompute_dropped(LayerState& state, const Tensor& positions) const {
+  auto& s = static_cast<Qwen3MoeLayerState&>(state);
+  const double eps = cfg_.rms_norm_eps;
+  s.ln1 = ops::rmsnorm_forward(s.x, ln1_w_, eps);
+  s.q = ops::rmsnorm_rope_forward(s.q_raw, q_norm_w_, eps, positions, cfg_.head_dim, cfg_.rope_theta).y;
+  s.k = ops::rmsnorm_rope_forward(s.k_raw, k_norm_w_, eps, positions, cfg_.head_dim, cfg_.rope_theta).y;
+  s.ln2 = ops::rmsnorm_forward(s.h, ln2_w_, eps);
+  s.mlp_in = s.ln2.y;
+}
+
 Tensor Qwen3MoeDecoderLayer::reference_forward(const Tensor& x, const Tensor& positions, const BatchShape& b) const {
   MT_CHECK(!moe_ || local_experts() == cfg_.num_experts,
            "reference_forward needs every expert of layer {} in this process (expert parallelism holds {} of {})",

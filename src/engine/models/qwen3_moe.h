@@ -92,6 +92,8 @@ class Qwen3MoeDecoderLayer : public DecoderLayer {
   // The plain path used to validate every layout: no dispatcher, each token's experts
   // evaluated directly. Returns the layer output.
   Tensor reference_forward(const Tensor& x, const Tensor& positions, const BatchShape& b) const override;
+  void drop_recomputable(LayerState& s) const override;
+  void recompute_dropped(LayerState& s, const Tensor& positions) const override;
   // Defined when the config balances without an auxiliary loss (router_bias_update_speed).
   Tensor* routing_bias() override { return score_bias_.defined() ? &score_bias_ : nullptr; }
 

@@ -38,7 +38,7 @@ Held held_by(const RunConfig& cfg, const PlanLayout& l, const std::vector<int64_
   h.head = head;
   const bool all_to_all = l.ep > 1 && (cfg.parallel.ep_dispatch == "all_to_all" ||
                                        (cfg.parallel.ep_dispatch == "auto" && l.ep >= shape.experts_per_token));
-  const bool recompute_all = t.recompute == "full" && t.recompute_layers.empty();
+  const bool recompute_all = t.recompute_layers.empty();
   for (int64_t id : layer_ids) {
     const LayerFootprint f = m.layer_footprint(id, act);
     const double experts_here = static_cast<double>(f.experts) / l.ep;
@@ -49,13 +49,16 @@ Held held_by(const RunConfig& cfg, const PlanLayout& l, const std::vector<int64_
     const double rows = T * static_cast<double>(f.top_k);  // balanced: this rank's tokens' copies
     double kept = T * f.kept_per_token + rows * f.kept_per_row;
     if (all_to_all && f.experts > 0) kept += act * rows * H;  // the rows brought home for the combine
-    const bool recomputes = id < shape.num_layers &&
-                            (recompute_all || (t.recompute == "full" &&
-                                               std::find(t.recompute_layers.begin(), t.recompute_layers.end(), id) !=
-                                                   t.recompute_layers.end()));
-    if (recomputes) {
+    const bool recomputes = t.recompute != "none" && id < shape.num_layers &&
+                            (recompute_all || std::find(t.recompute_layers.begin(), t.recompute_layers.end(), id) !=
+                                                  t.recompute_layers.end());
+    if (recomputes && t.recompute == "full") {
       h.recomputed = std::max(h.recomputed, kept);
       kept = act * T * H;  // its input
+    } else if (recomputes) {  // selective: the norm/rotary outputs, and the rows when local
+      const double dropped = T * f.selective_per_token + (f.experts > 0 && l.ep == 1 ? act * rows * H : 0);
+      h.recomputed = std::max(h.recomputed, dropped);
+      kept -= dropped;
     }
     h.kept += kept;
     h.backward = std::max(h.backward, T * f.backward_per_token + rows * f.backward_per_row);
