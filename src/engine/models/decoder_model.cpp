@@ -297,21 +297,7 @@ bool MoeDecoderModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
   DecoderLayer& layer = *layers_[local_layer(id)];
   if (g.piece == 0) {
     if (hooks_) hooks_->before_backward(id);  // the weights are whole from here (ZeRO-3)
-    if (g.a.layers[g.j]->recompute_input.defined()) recompute_forward(layer, g, d);
-    LayerState& s = *g.a.layers[g.j];
-    if (s.selective_dropped) {
-      StageScope t(Stage::kNorms);
-      layer.recompute_dropped(s, g.batch.positions);
-      if (s.rows_dropped) {
-        if (layer.is_moe()) {
-          DispatchState again;
-          s.expert_in.rows = d.dispatch(s.mlp_in, s.route.topk_idx, spec_.num_experts, again).rows;
-        } else {
-          s.expert_in.rows = s.mlp_in;
-        }
-      }
-      s.selective_dropped = s.rows_dropped = false;
-    }
+    recompute_before_backward(layer, g, d);
   }
   LayerState& s = *g.a.layers[g.j];
   switch (g.piece) {
@@ -386,14 +372,31 @@ bool MoeDecoderModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
   return true;
 }
 
-// Full recomputation: the layer's forward again from its kept input, the same kernels in the
-// same order (so the same bits), the expert exchange included, done before the backward goes
-// on (its exchanges are not overlapped). The router totals, losses and expert counts were
-// taken in the first forward and are not again; the z-loss's terms are state the backward reads.
-void MoeDecoderModel::recompute_forward(const DecoderLayer& layer, BackwardCursor& g, ExpertDispatcher& d) {
+// What recomputation dropped from layer g.j's state, made again with the same kernels in the
+// same order (so the same bits) before its backward.
+// Full: the layer's forward again from its kept input, the expert exchange included, done
+// before the backward goes on (its exchanges are not overlapped). The router totals, losses
+// and expert counts were taken in the first forward and are not again; the z-loss's terms
+// are state the backward reads.
+// Selective: the family's norm/rotary outputs, and the expert input rows where they were a
+// local permutation of the MLP input (the same dispatch again) or the MLP input itself.
+void MoeDecoderModel::recompute_before_backward(const DecoderLayer& layer, BackwardCursor& g, ExpertDispatcher& d) {
+  LayerState& kept = *g.a.layers[g.j];
+  if (kept.selective_dropped) {
+    StageScope t(Stage::kNorms);
+    layer.recompute_dropped(kept, g.batch.positions);
+    if (kept.rows_dropped && layer.is_moe()) {
+      DispatchState again;
+      kept.expert_in.rows = d.dispatch(kept.mlp_in, kept.route.topk_idx, spec_.num_experts, again).rows;
+    } else if (kept.rows_dropped) {
+      kept.expert_in.rows = kept.mlp_in;
+    }
+    kept.selective_dropped = kept.rows_dropped = false;
+  }
+  if (!kept.recompute_input.defined()) return;
   std::unique_ptr<LayerState> fresh = layer.new_state();
   LayerState& s = *fresh;
-  layer.attn_forward(g.a.layers[g.j]->recompute_input, g.batch.positions, g.b, s);
+  layer.attn_forward(kept.recompute_input, g.batch.positions, g.b, s);
   if (layer.is_moe()) {
     d.dispatch_start(s.mlp_in, s.route.topk_idx, s.route.topk_weight, spec_.num_experts, s.dispatch);
     s.expert_in = d.dispatch_finish(s.dispatch);

@@ -208,7 +208,7 @@ class MoeDecoderModel : public Model {
   RecomputeMode recompute_mode(int64_t id) const {
     return id < static_cast<int64_t>(recompute_.size()) ? recompute_[static_cast<size_t>(id)] : RecomputeMode::kNone;
   }
-  void recompute_forward(const DecoderLayer& layer, BackwardCursor& g, ExpertDispatcher& d);
+  void recompute_before_backward(const DecoderLayer& layer, BackwardCursor& g, ExpertDispatcher& d);
   Tensor end_backward(BackwardCursor& g);
   // A paired pass's step: pieces up to the next one that starts an exchange (false when the
   // pass has no layer left); see forward_backward_overlapped.
