@@ -173,6 +173,26 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
                                   const Tensor& segment_ids, const Tensor& out, const Tensor& lse,
                                   const AttentionShape& shape);
 
+// ---- attention over blocks of keys (context parallelism) --------------------------------
+// Queries and keys at any places of the same B sequences: q [B*S, Hq*D] (S = shape.seq) with
+// q_places, k and v [B*kv_seq, ...] with k_places; places.index (i32) is each token's place
+// in its sequence, places.segments (i32, optional for both or neither) its document. Query s
+// sees key j when k_index[j] <= q_index[s] (and their segments agree). A query that sees no
+// key of the block gets out 0 and lse -inf. attention_merge folds a block's result into
+// what the blocks before gave (the softmax over all their keys); attention_block_backward
+// gives one block's gradients from the merged out and lse (dq summed over the blocks, each
+// block's dk, dv its own). The CPU only for now (docs/memory.md's context parallelism).
+struct AttentionPlaces {
+  Tensor index, segments;
+};
+AttentionOut attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionPlaces& q_places,
+                                     const AttentionPlaces& k_places, const AttentionShape& shape, int64_t kv_seq);
+void attention_merge(AttentionOut& acc, const AttentionOut& block);
+AttentionGrads attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                        const AttentionPlaces& q_places, const AttentionPlaces& k_places,
+                                        const Tensor& out, const Tensor& lse, const AttentionShape& shape,
+                                        int64_t kv_seq);
+
 // ---- router: softmax -> top-k -> optional renormalisation -----------------------------
 // logits [T, E] -> probs [T, E] = softmax(logits); topk_idx i32 [T, K] (descending prob,
 // ties to the lower expert id); topk_weight [T, K] = probs at topk_idx, divided by their

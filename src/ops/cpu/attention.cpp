@@ -23,8 +23,7 @@
 namespace moetrain::ops::cpu {
 namespace {
 
-void check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seg,
-                const AttentionShape& a) {
+void check_heads(const char* op, const AttentionShape& a) {
   MT_CHECK(a.batch >= 0 && a.seq >= 0 && a.q_heads > 0 && a.kv_heads > 0 && a.head_dim > 0,
            "{}: bad shape batch={} seq={} q_heads={} kv_heads={} head_dim={}", op, a.batch, a.seq, a.q_heads,
            a.kv_heads, a.head_dim);
@@ -32,6 +31,11 @@ void check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& 
            a.kv_heads);
   MT_CHECK(a.scale > 0 && std::isfinite(a.scale), "{}: softmax scale must be positive, got {}", op, a.scale);
   MT_CHECK(a.v_head_dim >= 0, "{}: v_head_dim must be >= 0 (0: head_dim), got {}", op, a.v_head_dim);
+}
+
+void check_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seg,
+                const AttentionShape& a) {
+  check_heads(op, a);
   const int64_t T = a.batch * a.seq;
   check_shape(q, {T, a.q_heads * a.head_dim}, "q");
   check_shape(k, {T, a.kv_heads * a.head_dim}, "k");
@@ -50,14 +54,30 @@ double dot(const F* a, const F* b, int64_t n) {
   return s;
 }
 
-}  // namespace
+// Where a block's tokens sit: index (i32 [B*len]) each token's place in its sequence, or null
+// for a token's row in the block (self-attention: keys then run up to the query's own row);
+// seg (i32 [B*len]) its segment, or null.
+struct Places {
+  const int32_t* index = nullptr;
+  const int32_t* seg = nullptr;
+  int64_t len = 0;
+};
 
-AttentionOut attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_ids,
-                               const AttentionShape& a) {
-  check_args("attention_forward", q, k, v, segment_ids, a);
-  const int64_t B = a.batch, S = a.seq, Hq = a.q_heads, Hkv = a.kv_heads, D = a.head_dim, Dv = a.value_dim();
+// The keys of sequence b that query s may see: j < end(s), and visible(s, j).
+struct Visibility {
+  Places q, k;
+  int64_t end(int64_t s) const { return q.index ? k.len : s + 1; }
+  bool visible(int64_t b, int64_t s, int64_t j) const {
+    if (q.index && k.index[b * k.len + j] > q.index[b * q.len + s]) return false;
+    return !q.seg || q.seg[b * q.len + s] == k.seg[b * k.len + j];
+  }
+};
+
+// The forward over one block of keys; a query that sees none of them gets out 0 and lse -inf.
+AttentionOut forward(const Tensor& q, const Tensor& k, const Tensor& v, const Visibility& vis, const AttentionShape& a) {
+  const int64_t B = a.batch, S = vis.q.len, Sk = vis.k.len, Hq = a.q_heads, Hkv = a.kv_heads, D = a.head_dim,
+                Dv = a.value_dim();
   const int64_t group = Hq / Hkv, qw = Hq * D, kw = Hkv * D, vw = Hkv * Dv, ow = Hq * Dv;
-  const int32_t* seg = segment_ids.defined() ? segment_ids.data<int32_t>() : nullptr;
   AttentionOut o{Tensor::empty({B * S, ow}, q.dtype()), Tensor::empty({B, Hq, S}, q.dtype())};
   dispatch_float(q.dtype(), "attention_forward", [&](auto tag) {
     using F = decltype(tag);
@@ -65,33 +85,32 @@ AttentionOut attention_forward(const Tensor& q, const Tensor& k, const Tensor& v
     F *po = o.out.data<F>(), *plse = o.lse.data<F>();
 #pragma omp parallel
     {
-      std::vector<double> sc(S), acc(Dv);
+      std::vector<double> sc(Sk), acc(Dv);
 #pragma omp for schedule(static)
       for (int64_t bh = 0; bh < B * Hq; ++bh) {
         const int64_t b = bh / Hq, h = bh % Hq, g = h / group;
-        const F* kb = pk + b * S * kw + g * D;
-        const F* vb = pv + b * S * vw + g * Dv;
+        const F* kb = pk + b * Sk * kw + g * D;
+        const F* vb = pv + b * Sk * vw + g * Dv;
         for (int64_t s = 0; s < S; ++s) {
           const F* qs = pq + (b * S + s) * qw + h * D;
-          const int32_t* sg = seg ? seg + b * S : nullptr;
           double mx = -std::numeric_limits<double>::infinity();
-          for (int64_t j = 0; j <= s; ++j) {
-            if (sg && sg[j] != sg[s]) continue;
+          for (int64_t j = 0; j < vis.end(s); ++j) {
+            if (!vis.visible(b, s, j)) continue;
             sc[j] = a.scale * dot(qs, kb + j * kw, D);
             mx = std::max(mx, sc[j]);
           }
           double sum = 0;
           std::fill(acc.begin(), acc.end(), 0.0);
-          for (int64_t j = 0; j <= s; ++j) {
-            if (sg && sg[j] != sg[s]) continue;
+          for (int64_t j = 0; j < vis.end(s); ++j) {
+            if (!vis.visible(b, s, j)) continue;
             const double p = std::exp(sc[j] - mx);
             sum += p;
             const F* vj = vb + j * vw;
             for (int64_t d = 0; d < Dv; ++d) acc[d] += p * double(vj[d]);
           }
           F* os = po + (b * S + s) * ow + h * Dv;
-          for (int64_t d = 0; d < Dv; ++d) os[d] = F(acc[d] / sum);
-          plse[bh * S + s] = F(mx + std::log(sum));
+          for (int64_t d = 0; d < Dv; ++d) os[d] = F(sum > 0 ? acc[d] / sum : 0.0);
+          plse[bh * S + s] = F(sum > 0 ? mx + std::log(sum) : -std::numeric_limits<double>::infinity());
         }
       }
     }
@@ -99,33 +118,31 @@ AttentionOut attention_forward(const Tensor& q, const Tensor& k, const Tensor& v
   return o;
 }
 
-AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                                  const Tensor& segment_ids, const Tensor& out, const Tensor& lse,
-                                  const AttentionShape& a) {
-  check_args("attention_backward", q, k, v, segment_ids, a);
-  const int64_t B = a.batch, S = a.seq, Hq = a.q_heads, Hkv = a.kv_heads, D = a.head_dim, Dv = a.value_dim();
+// The gradients through one block of keys, from the output and lse over every block.
+AttentionGrads backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                        const Tensor& lse, const Visibility& vis, const AttentionShape& a, const char* op) {
+  const int64_t B = a.batch, S = vis.q.len, Sk = vis.k.len, Hq = a.q_heads, Hkv = a.kv_heads, D = a.head_dim,
+                Dv = a.value_dim();
   const int64_t group = Hq / Hkv, qw = Hq * D, kw = Hkv * D, vw = Hkv * Dv, ow = Hq * Dv;
   check_shape(dout, {B * S, ow}, "dout");
   check_shape(out, {B * S, ow}, "out");
   check_shape(lse, {B, Hq, S}, "lse");
-  check_same_dtype("attention_backward", q.dtype(), {&dout, &out, &lse});
-  const int32_t* seg = segment_ids.defined() ? segment_ids.data<int32_t>() : nullptr;
+  check_same_dtype(op, q.dtype(), {&dout, &out, &lse});
   AttentionGrads gr{Tensor::empty(q.shape(), q.dtype()), Tensor::empty(k.shape(), q.dtype()),
                     Tensor::empty(v.shape(), q.dtype())};
-  dispatch_float(q.dtype(), "attention_backward", [&](auto tag) {
+  dispatch_float(q.dtype(), op, [&](auto tag) {
     using F = decltype(tag);
     const F *pq = q.data<F>(), *pk = k.data<F>(), *pv = v.data<F>();
     const F *pdo = dout.data<F>(), *po = out.data<F>(), *plse = lse.data<F>();
     F *pdq = gr.dq.data<F>(), *pdk = gr.dk.data<F>(), *pdv = gr.dv.data<F>();
 #pragma omp parallel
     {
-      std::vector<double> dk(S * D), dv(S * Dv), dq(D);
+      std::vector<double> dk(Sk * D), dv(Sk * Dv), dq(D);
 #pragma omp for schedule(static)
       for (int64_t bg = 0; bg < B * Hkv; ++bg) {
         const int64_t b = bg / Hkv, g = bg % Hkv;
-        const F* kb = pk + b * S * kw + g * D;
-        const F* vb = pv + b * S * vw + g * Dv;
-        const int32_t* sg = seg ? seg + b * S : nullptr;
+        const F* kb = pk + b * Sk * kw + g * D;
+        const F* vb = pv + b * Sk * vw + g * Dv;
         std::fill(dk.begin(), dk.end(), 0.0);
         std::fill(dv.begin(), dv.end(), 0.0);
         for (int64_t h = g * group; h < (g + 1) * group; ++h) {
@@ -135,8 +152,8 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
             const double l = double(plse[(b * Hq + h) * S + s]);
             const double delta = dot(dos, po + orow, Dv);
             std::fill(dq.begin(), dq.end(), 0.0);
-            for (int64_t j = 0; j <= s; ++j) {
-              if (sg && sg[j] != sg[s]) continue;
+            for (int64_t j = 0; j < vis.end(s); ++j) {
+              if (!vis.visible(b, s, j)) continue;
               const F *kj = kb + j * kw, *vj = vb + j * vw;
               const double p = std::exp(a.scale * dot(qs, kj, D) - l);
               const double ds = a.scale * p * (dot(dos, vj, Dv) - delta);  // scale folded in
@@ -150,14 +167,100 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
             for (int64_t d = 0; d < D; ++d) pdq[row + d] = F(dq[d]);
           }
         }
-        for (int64_t j = 0; j < S; ++j) {
-          for (int64_t d = 0; d < D; ++d) pdk[(b * S + j) * kw + g * D + d] = F(dk[j * D + d]);
-          for (int64_t d = 0; d < Dv; ++d) pdv[(b * S + j) * vw + g * Dv + d] = F(dv[j * Dv + d]);
+        for (int64_t j = 0; j < Sk; ++j) {
+          for (int64_t d = 0; d < D; ++d) pdk[(b * Sk + j) * kw + g * D + d] = F(dk[j * D + d]);
+          for (int64_t d = 0; d < Dv; ++d) pdv[(b * Sk + j) * vw + g * Dv + d] = F(dv[j * Dv + d]);
         }
       }
     }
   });
   return gr;
+}
+
+// Self-attention's places: every token at its row, one segment array for both.
+Visibility causal(const Tensor& segment_ids, const AttentionShape& a) {
+  const int32_t* seg = segment_ids.defined() ? segment_ids.data<int32_t>() : nullptr;
+  return {{nullptr, seg, a.seq}, {nullptr, seg, a.seq}};
+}
+
+// A block's places, checked against its length.
+Places places(const AttentionPlaces& p, int64_t batch, int64_t len, const char* what) {
+  check_shape(p.index, {batch * len}, what);
+  check_dtype(p.index, DType::I32, what);
+  if (p.segments.defined()) {
+    check_shape(p.segments, {batch * len}, what);
+    check_dtype(p.segments, DType::I32, what);
+  }
+  return {p.index.data<int32_t>(), p.segments.defined() ? p.segments.data<int32_t>() : nullptr, len};
+}
+
+Visibility blocks(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionPlaces& qp,
+                  const AttentionPlaces& kp, const AttentionShape& a, int64_t kv_seq, const char* op) {
+  check_heads(op, a);
+  MT_CHECK(kv_seq >= 0, "{}: kv_seq must be >= 0, got {}", op, kv_seq);
+  check_shape(q, {a.batch * a.seq, a.q_heads * a.head_dim}, "q");
+  check_shape(k, {a.batch * kv_seq, a.kv_heads * a.head_dim}, "k");
+  check_shape(v, {a.batch * kv_seq, a.kv_heads * a.value_dim()}, "v");
+  check_same_dtype(op, q.dtype(), {&k, &v});
+  MT_CHECK(qp.segments.defined() == kp.segments.defined(), "{}: segments given for the queries or the keys only", op);
+  return {places(qp, a.batch, a.seq, "q_places"), places(kp, a.batch, kv_seq, "k_places")};
+}
+
+}  // namespace
+
+AttentionOut attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_ids,
+                               const AttentionShape& a) {
+  check_args("attention_forward", q, k, v, segment_ids, a);
+  return forward(q, k, v, causal(segment_ids, a), a);
+}
+
+AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const Tensor& segment_ids, const Tensor& out, const Tensor& lse,
+                                  const AttentionShape& a) {
+  check_args("attention_backward", q, k, v, segment_ids, a);
+  return backward(dout, q, k, v, out, lse, causal(segment_ids, a), a, "attention_backward");
+}
+
+AttentionOut attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionPlaces& q_places,
+                                     const AttentionPlaces& k_places, const AttentionShape& a, int64_t kv_seq) {
+  return forward(q, k, v, blocks(q, k, v, q_places, k_places, a, kv_seq, "attention_block_forward"), a);
+}
+
+AttentionGrads attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                        const AttentionPlaces& q_places, const AttentionPlaces& k_places,
+                                        const Tensor& out, const Tensor& lse, const AttentionShape& a,
+                                        int64_t kv_seq) {
+  return backward(dout, q, k, v, out, lse,
+                  blocks(q, k, v, q_places, k_places, a, kv_seq, "attention_block_backward"), a,
+                  "attention_block_backward");
+}
+
+// Online softmax over blocks: with w = exp(lse - lse'), lse' = log(e^lse_a + e^lse_b),
+// out' = w_a out_a + w_b out_b. A row that saw nothing (lse -inf) adds nothing.
+void attention_merge(AttentionOut& acc, const AttentionOut& block) {
+  check_shape(block.out, acc.out.shape(), "block.out");
+  check_shape(block.lse, acc.lse.shape(), "block.lse");
+  check_same_dtype("attention_merge", acc.out.dtype(), {&acc.lse, &block.out, &block.lse});
+  const int64_t B = acc.lse.size(0), Hq = acc.lse.size(1), S = acc.lse.size(2);
+  const int64_t ow = acc.out.size(1), Dv = ow / Hq;
+  dispatch_float(acc.out.dtype(), "attention_merge", [&](auto tag) {
+    using F = decltype(tag);
+    F *po = acc.out.data<F>(), *pl = acc.lse.data<F>();
+    const F *bo = block.out.data<F>(), *bl = block.lse.data<F>();
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < B * Hq * S; ++i) {
+      const int64_t b = i / (Hq * S), h = (i / S) % Hq, s = i % S;
+      const double la = double(pl[i]), lb = double(bl[i]);
+      if (std::isinf(lb) && lb < 0) continue;
+      const double m = std::max(la, lb);
+      const double l = m + std::log(std::exp(la - m) + std::exp(lb - m));
+      const double wa = std::exp(la - l), wb = std::exp(lb - l);
+      F* o = po + (b * S + s) * ow + h * Dv;
+      const F* ob = bo + (b * S + s) * ow + h * Dv;
+      for (int64_t d = 0; d < Dv; ++d) o[d] = F(wa * double(o[d]) + wb * double(ob[d]));
+      pl[i] = F(l);
+    }
+  });
 }
 
 }  // namespace moetrain::ops::cpu
