@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 
 #include "core/cuda_runtime.h"
 #include "engine/models/deepseek_v3.h"
@@ -141,6 +142,42 @@ TEST(DeepseekV3Cuda, GroupLimitedStepMatchesCpuUpToRoutingFlips) {
     EXPECT_LT(r.grad_errors[i], 0.25) << r.names[i];
   }
   std::printf("GPU vs CPU non-routed-expert gradients: worst relative error %.3e\n", worst);
+}
+
+// Recomputation on the GPU (docs/memory.md): full and selective give the gradients of no
+// recomputation bit for bit, MLA's real heads, a dense first layer, a shared expert, the
+// sequence-wise balance loss and a multi-token prediction module (never recomputed).
+TEST(DeepseekV3Cuda, RecomputationGivesTheSameBits) {
+  if (!cuda::available()) GTEST_SKIP() << "SKIPPED: GPU test needs a CUDA device: " << cuda::unavailable_reason();
+  DeepseekV3Config c = step_config(/*experts=*/8, /*top_k=*/2, /*groups=*/4, /*keep=*/2);
+  c.num_nextn_predict_layers = 1;
+  c.mtp_loss_weight = 0.3;
+  LocalDispatcher d;
+  auto gpu_batch = [&](uint64_t seed) {
+    Batch b = testing::random_batch(2, 96, 300, seed);
+    b.inputs = b.inputs.to(Device::cuda(0));
+    b.targets = b.targets.to(Device::cuda(0));
+    b.positions = b.positions.to(Device::cuda(0));
+    return b;
+  };
+  const std::vector<Batch> bs{gpu_batch(95), gpu_batch(96)};
+  auto run = [&](RecomputeMode mode) {
+    auto m = std::make_unique<DeepseekV3Model>(c, DType::BF16, Device::cuda(0));
+    m->init_weights(9);
+    if (mode != RecomputeMode::kNone) m->set_recompute({0, 1, 2}, mode);
+    for (size_t i = 0; i < bs.size(); ++i) m->forward_backward(bs[i], d, 1.0 / 384.0, 0.5, i > 0);
+    return m;
+  };
+  const auto plain = run(RecomputeMode::kNone);
+  for (RecomputeMode mode : {RecomputeMode::kSelective, RecomputeMode::kFull}) {
+    SCOPED_TRACE(mode == RecomputeMode::kFull ? "full" : "selective");
+    const auto re = run(mode);
+    for (size_t i = 0; i < plain->parameters().size(); ++i) {
+      EXPECT_TRUE(testing::bytes_equal(re->parameters()[i].grad.to(Device::cpu()),
+                                       plain->parameters()[i].grad.to(Device::cpu())))
+          << plain->parameters()[i].name;
+    }
+  }
 }
 
 }  // namespace
