@@ -150,12 +150,12 @@ struct MicroBatchLoss {
   double term(const std::string& name) const;
 };
 
-// What one decoder layer's stages leave at the expert-exchange boundaries: the engine's part
-// of a layer's saved state (the cursors in decoder_model.cpp read and write these); a
-// family's layer state derives from it and adds what its own math saves.
 // Activation recomputation ([training].recompute, docs/memory.md).
 enum class RecomputeMode { kNone, kSelective, kFull };
 
+// What one decoder layer's stages leave at the expert-exchange boundaries: the engine's part
+// of a layer's saved state (the cursors in decoder_model.cpp read and write these); a
+// family's layer state derives from it and adds what its own math saves.
 struct LayerState {
   virtual ~LayerState() = default;
   Tensor mlp_in;            // stage 1's output the experts take, [T, H]
