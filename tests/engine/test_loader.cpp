@@ -303,3 +303,51 @@ TEST_F(ShardLoaderTest, TokenizerMustFitTheModel) {
   const std::string e = error_of([&] { make_data_context(cfg, 0, 1); });
   EXPECT_NE(e.find("[model].vocab_size = 200 is smaller than the vocabulary"), std::string::npos) << e;
 }
+
+// Context parallelism's split of a batch: CP rank r holds chunks r and 2cp-1-r of every
+// sequence (the zigzag), in order, with their inputs, targets, positions (positions of packed
+// documents as they were) and segments; the ranks together hold every token once; their
+// targets add up to the batch's. A length that does not cut into 2 cp chunks is named.
+TEST(ZigzagBatch, EachRankHoldsItsTwoChunksAndTheRanksHoldEveryTokenOnce) {
+  const int64_t B = 2, S = 12;
+  Batch b = Batch::allocate(B, S, /*with_segments=*/true);
+  for (int64_t i = 0; i < B * S; ++i) {
+    b.inputs.data<int32_t>()[i] = static_cast<int32_t>(100 + i);
+    b.targets.data<int32_t>()[i] = i % 5 == 0 ? -100 : static_cast<int32_t>(200 + i);
+    b.positions.data<int32_t>()[i] = static_cast<int32_t>(i % S < 7 ? i % S : i % S - 7);  // documents of 7 and 5
+    b.segment_ids.data<int32_t>()[i] = i % S < 7 ? 0 : 1;
+  }
+  b.count_targets();
+  EXPECT_EQ(zigzag_places(12, 2, 0), (std::vector<int32_t>{0, 1, 2, 9, 10, 11}));
+  EXPECT_EQ(zigzag_places(12, 2, 1), (std::vector<int32_t>{3, 4, 5, 6, 7, 8}));
+  EXPECT_EQ(zigzag_places(12, 3, 1), (std::vector<int32_t>{2, 3, 8, 9}));
+  for (int64_t cp : {2, 3}) {
+    std::vector<int> seen(static_cast<size_t>(B * S), 0);
+    int64_t targets = 0;
+    for (int64_t r = 0; r < cp; ++r) {
+      Tensor places;
+      const Batch z = zigzag_batch(b, cp, r, &places);
+      ASSERT_EQ(z.seq, S / cp);
+      ASSERT_EQ(z.batch, B);
+      for (int64_t i = 0; i < B * z.seq; ++i) {
+        const int64_t row = i / z.seq, place = places.data<int32_t>()[i], from = row * S + place;
+        EXPECT_EQ(z.inputs.data<int32_t>()[i], b.inputs.data<int32_t>()[from]);
+        EXPECT_EQ(z.targets.data<int32_t>()[i], b.targets.data<int32_t>()[from]);
+        EXPECT_EQ(z.positions.data<int32_t>()[i], b.positions.data<int32_t>()[from]);
+        EXPECT_EQ(z.segment_ids.data<int32_t>()[i], b.segment_ids.data<int32_t>()[from]);
+        ++seen[static_cast<size_t>(from)];
+      }
+      targets += z.num_targets;
+    }
+    for (int s : seen) EXPECT_EQ(s, 1);
+    EXPECT_EQ(targets, b.num_targets);
+  }
+  try {
+    zigzag_batch(b, 4, 0, nullptr);
+    ADD_FAILURE() << "12 tokens do not cut into 8 chunks";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("[training].seq_len (12) must be a multiple of 2 x [parallel].cp (8)"),
+              std::string::npos)
+        << e.what();
+  }
+}

@@ -32,6 +32,40 @@ void Batch::fill_row(int64_t row, const int32_t* tokens) {
   for (int64_t t = 0; t < S; ++t) pos[t] = static_cast<int32_t>(t);
 }
 
+std::vector<int32_t> zigzag_places(int64_t seq, int64_t cp, int64_t rank) {
+  MT_CHECK(cp >= 1 && rank >= 0 && rank < cp, "zigzag_places: CP rank {} is not in [0, cp = {})", rank, cp);
+  MT_CHECK(seq % (2 * cp) == 0,
+           "context parallelism: [training].seq_len ({}) must be a multiple of 2 x [parallel].cp ({}): each sequence "
+           "is cut into 2 cp equal chunks",
+           seq, 2 * cp);
+  const int64_t chunk = seq / (2 * cp);
+  std::vector<int32_t> places;
+  for (int64_t c : {rank, 2 * cp - 1 - rank}) {
+    for (int64_t i = 0; i < chunk; ++i) places.push_back(static_cast<int32_t>(c * chunk + i));
+  }
+  return places;
+}
+
+Batch zigzag_batch(const Batch& b, int64_t cp, int64_t rank, Tensor* places) {
+  MT_CHECK(b.inputs.device().is_cpu(), "zigzag_batch: the batch must be on the CPU (cut it before moving it)");
+  const std::vector<int32_t> mine = zigzag_places(b.seq, cp, rank);
+  const int64_t n = static_cast<int64_t>(mine.size());
+  Batch out = Batch::allocate(b.batch, n, b.segment_ids.defined());
+  if (places) *places = Tensor::empty({b.batch * n}, DType::I32);
+  for (int64_t r = 0; r < b.batch; ++r) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t from = r * b.seq + mine[static_cast<size_t>(i)], to = r * n + i;
+      out.inputs.data<int32_t>()[to] = b.inputs.data<int32_t>()[from];
+      out.targets.data<int32_t>()[to] = b.targets.data<int32_t>()[from];
+      out.positions.data<int32_t>()[to] = b.positions.data<int32_t>()[from];
+      if (b.segment_ids.defined()) out.segment_ids.data<int32_t>()[to] = b.segment_ids.data<int32_t>()[from];
+      if (places) places->data<int32_t>()[to] = mine[static_cast<size_t>(i)];
+    }
+  }
+  out.count_targets();
+  return out;
+}
+
 void check_data_rank(const char* who, int64_t micro_batch, int data_rank, int data_world) {
   MT_CHECK(micro_batch > 0, "{}: micro_batch must be > 0, got {}", who, micro_batch);
   MT_CHECK(data_world >= 1 && data_rank >= 0 && data_rank < data_world,

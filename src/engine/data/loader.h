@@ -48,6 +48,16 @@ struct Batch {
   void fill_row(int64_t row, const int32_t* tokens);
 };
 
+// Context parallelism (docs/memory.md): the places in a sequence of `seq` tokens that CP rank
+// `rank` of `cp` holds: the sequence cut into 2 cp equal chunks, the rank taking chunks rank
+// and 2 cp - 1 - rank (the zigzag: every rank as much causal attention work), in order. An
+// Error names the numbers when seq is not a multiple of 2 cp.
+std::vector<int32_t> zigzag_places(int64_t seq, int64_t cp, int64_t rank);
+// The rows of `b` at CP rank `rank`'s places (inputs, targets, positions, segments), each row
+// seq / cp tokens; `places` (i32 [batch * seq / cp]) gets each token's place in its sequence,
+// which the attention over blocks masks by (ops::AttentionPlaces). num_targets: this rank's.
+Batch zigzag_batch(const Batch& b, int64_t cp, int64_t rank, Tensor* places);
+
 class DataLoader {
  public:
   virtual ~DataLoader() = default;
