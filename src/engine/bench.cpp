@@ -43,6 +43,8 @@ void wait_for(Device d) {
 BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
   const TrainingConfig& tc = cfg.training;
   const bool gpu = tc.device == "cuda";
+  MT_CHECK(cfg.parallel.cp == 1, "bench: [parallel].cp = {}: the bench's synthetic batches are not cut for context "
+           "parallelism yet", cfg.parallel.cp);
   ops::set_cpu_threads(static_cast<int>(tc.threads));
   ops::set_deterministic(tc.deterministic);
   // The same ranks, model part, dispatcher, optimizer and pipeline as `train` (train_context.h).

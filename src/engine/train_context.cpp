@@ -113,6 +113,7 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   }
   c.model->set_detailed_telemetry(cfg.metrics.detailed);
   c.model->set_fp8(tc.fp8);
+  if (layout.cp() > 1) c.model->set_context_group(par.comms->cp.get());
   if (tc.recompute != "none") {
     std::vector<int64_t> layers = tc.recompute_layers;  // empty: every decoder layer
     if (layers.empty()) {

@@ -48,6 +48,7 @@ using Clock = SteadyClock;
 // The batch with its tensors on `device`.
 Batch on_device(Batch b, Device device) {
   if (device.is_cpu()) return b;
+  if (b.places.defined()) b.places = b.places.to(device);
   b.inputs = b.inputs.to(device);
   b.targets = b.targets.to(device);
   b.positions = b.positions.to(device);
@@ -606,9 +607,19 @@ TrainSummary train(const RunConfig& cfg_in) {
   if (connected.rank != 0) spdlog::set_level(spdlog::level::warn);
   // Data: tokenizer and loaders of [data].kind (data/data_context.h); each data rank gets
   // its rows of the same global micro-batches (of every replica group's, under live FT).
-  const DataShare share =
-      replica_data_share(cfg.fault_tolerance, connected.layout.data_rank(), connected.layout.data_world());
+  // Under context parallelism the cp ranks of a (dp, ep) place take the same rows and each its
+  // zigzag chunks of them.
+  const Layout& at = connected.layout;
+  const DataShare share = at.cp() > 1 ? replica_data_share(cfg.fault_tolerance, at.row_rank(), at.row_world())
+                                      : replica_data_share(cfg.fault_tolerance, at.data_rank(), at.data_world());
   DataContext data = make_data_context(cfg, share.rank, share.world);
+  if (at.cp() > 1) {
+    data.train = std::make_unique<ZigzagLoader>(std::move(data.train), at.cp(), at.cp_rank());
+    data.val = std::make_unique<ZigzagLoader>(std::move(data.val), at.cp(), at.cp_rank());
+    spdlog::info("context parallelism: cp {}, every sequence in {} chunks of {} tokens, cp rank r holding chunks r "
+                 "and {} - r; keys and values gathered over the cp ranks",
+                 at.cp(), 2 * at.cp(), tc.seq_len / (2 * at.cp()), 2 * at.cp() - 1);
+  }
   spdlog::info("data: {}", data.summary);
   // Model, dispatcher, optimizer, pipeline: train_context.h.
   std::unique_ptr<TrainContext> ctx = TrainContext::build(cfg, std::move(connected));

@@ -341,6 +341,47 @@ TEST_F(ParallelCli, RecomputationLeavesEveryLayoutsRunBitwiseUnchanged) {
       << bad.output;
 }
 
+// Context parallelism on the CPU (Gloo): every sequence cut into 2 cp zigzag chunks, keys and
+// values gathered over the cp ranks (engine/parallel/context_attention.h), the loss and the
+// router totals summed over them, gradients reduced over dp x cp (x ep): cp2, cp4, cp2 x ep2,
+// cp2 x dp2 (the tiny Qwen3 model) and DeepSeek-V3's MLA (without the losses that read whole
+// sequences) against one process with the same rows (packed conversations: test_cli_sft.cpp).
+// What is not built yet is refused by name.
+TEST_F(ParallelCli, ContextParallelLayoutsMatchOneProcess) {
+  Result one = launch(1, train_args("one", 1));
+  ASSERT_EQ(one.status, 0) << one.output;
+  struct Layout {
+    const char* name;
+    int ranks, row_ranks;
+    const char* flags;
+  };
+  for (const Layout& l : {Layout{"cp2", 2, 1, "--parallel.cp=2"}, Layout{"cp4", 4, 1, "--parallel.cp=4"},
+                          Layout{"cp2_ep2", 4, 2, "--parallel.cp=2 --parallel.ep=2"},
+                          Layout{"cp2_dp2", 4, 2, "--parallel.cp=2 --parallel.dp=2"}}) {
+    SCOPED_TRACE(l.name);
+    Result r = launch(l.ranks, train_args(l.name, l.row_ranks, l.flags));
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find("context parallelism: cp "), std::string::npos) << r.output;
+    expect_same_run("one", l.name);
+  }
+  const std::string dsv3 = "--config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/dsv3-tiny.toml " +
+                           "--model.router_bias_update_speed=0.01 --model.num_hidden_layers=4 "
+                           "--model.num_nextn_predict_layers=0";
+  Result mla_one = launch(1, train_args("mla_one", 1, "", dsv3));
+  ASSERT_EQ(mla_one.status, 0) << mla_one.output;
+  Result mla = launch(2, train_args("mla_cp2", 1, "--parallel.cp=2", dsv3));
+  ASSERT_EQ(mla.status, 0) << mla.output;
+  expect_same_run("mla_one", "mla_cp2");
+  Result bad = launch(2, train_args("bad", 1, "--parallel.cp=2 --training.seq_len=30"));
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.output.find("[training].seq_len (30) must be a multiple of 2 x [parallel].cp (4)"), std::string::npos)
+      << bad.output;
+  Result mtp = launch(2, train_args("mtp", 1, "--parallel.cp=2",
+                                    "--config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/dsv3-tiny.toml"));
+  EXPECT_NE(mtp.status, 0);
+  EXPECT_NE(mtp.output.find("a loss that reads whole sequences"), std::string::npos) << mtp.output;
+}
+
 // A DeepSeek-V3 checkpoint written under ep2 (experts split, the routing biases with the
 // model) resumes under ep4 and under one process, and the run matches one uninterrupted
 // process.

@@ -26,6 +26,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
+#include <memory>
 #include <vector>
 
 #include "core/rng.h"
@@ -36,6 +37,10 @@ namespace moetrain {
 struct Batch {
   Tensor inputs, targets, positions;  // i32 [batch * seq], sequence-major
   Tensor segment_ids;                 // i32 [batch * seq], or undefined: plain causal
+  // Context parallelism: each token's place in its whole sequence (i32 [batch * seq]; this
+  // rank holds some chunks of every sequence: zigzag_batch), or undefined: token i of a row
+  // is at place i.
+  Tensor places;
   int64_t batch = 0, seq = 0;
   int64_t num_targets = 0;  // targets that count in the loss (!= -100)
 
@@ -70,6 +75,27 @@ class DataLoader {
   // come next. Throws naming the position when it does not fit the data.
   virtual nlohmann::json position() const = 0;
   virtual void set_position(const nlohmann::json& position) = 0;
+};
+
+// A loader whose batches are CP rank `rank`'s zigzag chunks of `inner`'s (the same rows on
+// every rank of the CP group), with their places.
+class ZigzagLoader final : public DataLoader {
+ public:
+  ZigzagLoader(std::unique_ptr<DataLoader> inner, int64_t cp, int64_t rank)
+      : inner_(std::move(inner)), cp_(cp), rank_(rank) {}
+  Batch next() override {
+    Tensor places;
+    Batch b = zigzag_batch(inner_->next(), cp_, rank_, &places);
+    b.places = std::move(places);
+    return b;
+  }
+  void reset() override { inner_->reset(); }
+  nlohmann::json position() const override { return inner_->position(); }
+  void set_position(const nlohmann::json& position) override { inner_->set_position(position); }
+
+ private:
+  std::unique_ptr<DataLoader> inner_;
+  int64_t cp_, rank_;
 };
 
 class BatchLoader final : public DataLoader {

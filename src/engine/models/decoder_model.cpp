@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "engine/parallel/context_attention.h"
 #include "engine/telemetry/stage_timer.h"
 
 namespace moetrain {
@@ -411,6 +412,20 @@ void MoeDecoderModel::recompute_before_backward(const DecoderLayer& layer, Backw
   g.a.layers[g.j] = std::move(fresh);
 }
 
+void MoeDecoderModel::set_context_group(Communicator* group) {
+  context_ = group != nullptr && group->size() > 1 ? std::make_unique<ContextAttention>(*group) : nullptr;
+}
+
+BatchShape MoeDecoderModel::shape_of(const Batch& batch) const {
+  BatchShape b{batch.batch, batch.seq, batch.segment_ids};
+  if (batch.places.defined()) {
+    MT_CHECK(context_ != nullptr, "a batch of context-parallel chunks (places) on a model with no CP group");
+    b.places = batch.places;
+    b.context = context_.get();
+  }
+  return b;
+}
+
 void MoeDecoderModel::set_recompute(const std::vector<int64_t>& layers, RecomputeMode mode) {
   recompute_.assign(static_cast<size_t>(spec_.num_layers), RecomputeMode::kNone);
   for (int64_t id : layers) {
@@ -426,7 +441,7 @@ MoeDecoderModel::ForwardCursor MoeDecoderModel::begin_forward(const ChunkSpec& c
   const int64_t end = run_end(c, pass.training);
   a.layers.clear();
   for (int64_t id = c.first_layer; id < end; ++id) a.layers.push_back(layers_[local_layer(id)]->new_state());
-  ForwardCursor f{c, batch, BatchShape{batch.batch, batch.seq, batch.segment_ids}, a, totals, pass, loss,
+  ForwardCursor f{c, batch, shape_of(batch), a, totals, pass, loss,
                   end - c.first_layer, x};
   if (c.embed) {
     MT_CHECK(placement_.embed, "an embed chunk on a rank without the embedding");
@@ -507,7 +522,7 @@ MoeDecoderModel::BackwardCursor MoeDecoderModel::begin_backward(const ChunkSpec&
   // A head chunk whose modules ran starts from the last module's loss (backward_piece adds
   // each module's own, and the main head's a.d_out below the first).
   const bool modules = c.head && n > 0 && c.first_layer + n > spec_.num_layers;
-  BackwardCursor g{c, batch, BatchShape{batch.batch, batch.seq, batch.segment_ids}, a, aux_scale, weights_now,
+  BackwardCursor g{c, batch, shape_of(batch), a, aux_scale, weights_now,
                    accumulate, c.head ? (modules ? Tensor() : a.d_out) : dy, n - 1};
   MT_CHECK(g.dx.defined() || modules, "backward of layers [{}, {}): no output gradient", c.first_layer, c.last_layer);
   if (!modules) a.d_out = Tensor();

@@ -17,6 +17,7 @@
 #include "engine/models/model.h"
 #include "engine/models/mtp.h"
 #include "engine/models/projections.h"
+#include "engine/parallel/context_attention.h"
 
 namespace moetrain {
 
@@ -118,6 +119,7 @@ class MoeDecoderModel : public Model {
   void set_fp8(bool on) override { projections_.set_fp8(on); }
   void keep_quantized_weights(bool on) override { projections_.keep_weights(on); }
   void set_recompute(const std::vector<int64_t>& layers, RecomputeMode mode) override;
+  void set_context_group(Communicator* group) override;
 
   ChunkSpec whole() const override;
   RouterTotals new_totals() const override;
@@ -225,6 +227,9 @@ class MoeDecoderModel : public Model {
   int64_t expert_wgrad_group_ = 1;
   bool defer_expert_weights_ = false;  // during a forward_backward that defers them
   std::vector<RecomputeMode> recompute_;  // by layer id ([training].recompute)
+  std::unique_ptr<ContextAttention> context_;  // [parallel].cp > 1
+  // A batch's shape for the layers (with the CP group's attention when it carries places).
+  BatchShape shape_of(const Batch& batch) const;
   bool router_entropy_ = true;         // measure each MoE layer's router entropy (set_detailed_telemetry)
   std::vector<ParamBucket> buckets_;
   Tensor embed_, final_norm_w_, lm_head_;  // lm_head_ aliases embed_ when tied

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "core/log.h"
+#include "engine/parallel/context_attention.h"
 #include "engine/parallel/layout.h"
 #include "engine/telemetry/stage_timer.h"
 
@@ -153,7 +154,7 @@ void DeepseekV3DecoderLayer::attn_forward(const Tensor& x, const Tensor& positio
     Tensor kv = proj_->forward(s.kv_a_norm.y, wkv_b_);
     s.kv = ops::mla_kv_forward(kv, ops::rope_forward(s.k_pe, positions, k_rope_), cfg_.num_attention_heads,
                                cfg_.qk_nope_head_dim, cfg_.v_head_dim);
-    s.attn = ops::attention_forward(s.q, s.kv.k, s.kv.v, b.segment_ids, attn_shape(b));
+    s.attn = attend(s.q, s.kv.k, s.kv.v, b, attn_shape(b));
     s.h = proj_->forward(s.attn.out, wo_, x);  // residual added in the GEMM epilogue
   }
   {
@@ -224,8 +225,7 @@ Tensor DeepseekV3DecoderLayer::attn_backward_input(const Tensor& dy_residual, Te
   {
     StageScope t(Stage::kAttention);
     Tensor d_attn = proj_->backward_input(s.d_h, wo_);
-    ops::AttentionGrads g = ops::attention_backward(d_attn, s.q, s.kv.k, s.kv.v, b.segment_ids, s.attn.out,
-                                                    s.attn.lse, attn_shape(b));
+    ops::AttentionGrads g = attend_backward(d_attn, s.q, s.kv.k, s.kv.v, b, s.attn.out, s.attn.lse, attn_shape(b));
     // The GPU's one-pass attention backward may leave dq in f32 (ops.h); RoPE takes q's dtype.
     if (g.dq.dtype() != s.q.dtype()) g.dq = g.dq.to(s.q.dtype());
     s.d_q_raw = ops::rope_backward(g.dq, positions, q_rope_);

@@ -28,9 +28,14 @@ namespace moetrain {
 struct MtpState;  // models/mtp.h
 
 // Shapes of the current micro-batch that every stage needs.
+class ContextAttention;
 struct BatchShape {
   int64_t batch = 0, seq = 0;
   Tensor segment_ids;  // i32 [batch * seq]: attention within each packed document; undefined: causal
+  // Context parallelism: the tokens' places in their sequences and the group's attention
+  // (engine/parallel/context_attention.h); undefined / null: the rows are whole sequences.
+  Tensor places;
+  const ContextAttention* context = nullptr;
   int64_t tokens() const { return batch * seq; }
 };
 
@@ -281,6 +286,9 @@ class Model {
   // [training].recompute: these decoder layers (ids), in a training pass, keep only their
   // input and redo their forward just before their backward (kFull), or drop what is cheap to
   // make again and make it then (kSelective: DecoderLayer::drop_recomputable).
+  // Context parallelism: the group that splits every sequence (nullptr: none); batches that
+  // carry places then attend over it.
+  virtual void set_context_group(Communicator* group) { (void)group; }
   virtual void set_recompute(const std::vector<int64_t>& layers, RecomputeMode mode) {
     (void)layers;
     (void)mode;

@@ -23,6 +23,7 @@ struct ModelShape {
   int64_t experts_per_token = 0;
   int64_t max_positions = 0;
   int64_t mtp_layers = 0;         // multi-token prediction modules after the last layer (with the head)
+  bool sequence_losses = false;   // a loss term that reads whole sequences (MTP, DeepSeek's sequence-wise balance)
 };
 
 // What the memory planner (engine/plan/memory_plan.h) needs of one decoder layer: its

@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "engine/parallel/context_attention.h"
 #include "engine/parallel/layout.h"
 #include "engine/telemetry/stage_timer.h"
 
@@ -108,7 +109,7 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
   }
   {
     StageScope t(Stage::kAttention);
-    s.attn = ops::attention_forward(s.q, s.k, s.v, b.segment_ids, attn_shape(b));
+    s.attn = attend(s.q, s.k, s.v, b, attn_shape(b));
     s.h = proj_->forward(s.attn.out, wo_, x);  // residual added in the GEMM epilogue
   }
   {
@@ -164,7 +165,7 @@ Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, Tens
     StageScope t(Stage::kAttention);
     Tensor d_attn = proj_->backward_input(s.d_h, wo_);
     ops::AttentionGrads g =
-        ops::attention_backward(d_attn, s.q, s.k, s.v, b.segment_ids, s.attn.out, s.attn.lse, attn_shape(b));
+        attend_backward(d_attn, s.q, s.k, s.v, b, s.attn.out, s.attn.lse, attn_shape(b));
     s.d_v = g.dv;
     d_q = std::move(g.dq);
     d_k = std::move(g.dk);

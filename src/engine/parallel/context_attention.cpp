@@ -67,4 +67,17 @@ ops::AttentionGrads ContextAttention::backward(const Tensor& dout, const Tensor&
   return g;
 }
 
+ops::AttentionOut attend(const Tensor& q, const Tensor& k, const Tensor& v, const BatchShape& b,
+                         const ops::AttentionShape& shape) {
+  if (b.context == nullptr) return ops::attention_forward(q, k, v, b.segment_ids, shape);
+  return b.context->forward(q, k, v, {b.places, b.segment_ids}, shape);
+}
+
+ops::AttentionGrads attend_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const BatchShape& b, const Tensor& out, const Tensor& lse,
+                                    const ops::AttentionShape& shape) {
+  if (b.context == nullptr) return ops::attention_backward(dout, q, k, v, b.segment_ids, out, lse, shape);
+  return b.context->backward(dout, q, k, v, {b.places, b.segment_ids}, out, lse, shape);
+}
+
 }  // namespace moetrain

@@ -10,6 +10,7 @@
 #pragma once
 
 #include "comm/communicator.h"
+#include "engine/models/model.h"
 #include "ops/ops.h"
 
 namespace moetrain {
@@ -34,5 +35,13 @@ class ContextAttention {
   Tensor gathered(const Tensor& x) const;
   Communicator& group_;
 };
+
+// A decoder layer's attention core for batch `b`: over the CP group when b carries places
+// (b.context), else ops::attention_forward / attention_backward of whole sequences.
+ops::AttentionOut attend(const Tensor& q, const Tensor& k, const Tensor& v, const BatchShape& b,
+                         const ops::AttentionShape& shape);
+ops::AttentionGrads attend_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const BatchShape& b, const Tensor& out, const Tensor& lse,
+                                    const ops::AttentionShape& shape);
 
 }  // namespace moetrain

@@ -45,6 +45,12 @@ class Layout {
   int data_rank() const;
   int data_world() const;
   int64_t first_row(int64_t micro_batch) const { return static_cast<int64_t>(data_rank()) * micro_batch; }
+  // Context parallelism: the cp ranks of one (dp, ep) place share rows and split each row's
+  // tokens (zigzag_batch). Rows are then cut over the dp x ep ranks: row_rank of row_world.
+  int cp() const { return size(MeshAxis::CP); }
+  int cp_rank() const { return coord(MeshAxis::CP); }
+  int row_rank() const { return coord(MeshAxis::DP) * ep() + ep_rank(); }
+  int row_world() const { return size(MeshAxis::DP) * ep(); }
 
   // Sharding: the ranks a bucket's gradients, optimizer state and (ZeRO-3) weights are cut
   // over: dp x cp for experts (ep ranks hold different experts), dp x cp x ep for every
