@@ -1,5 +1,7 @@
 #include "engine/run_config.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include <filesystem>
@@ -173,6 +175,11 @@ void TrainingConfig::describe(ConfigFields& f) {
   f.add("stop_after_steps", &stop_after_steps,
         "end this process after this many steps (the schedule still spans steps); 0 = run to the end",
         non_negative(&stop_after_steps));
+}
+
+bool TrainingConfig::recomputes(int64_t id) const {
+  return recompute != "none" && (recompute_layers.empty() ||
+                                 std::find(recompute_layers.begin(), recompute_layers.end(), id) != recompute_layers.end());
 }
 
 void OptimizerConfig::describe(ConfigFields& f) {

@@ -83,6 +83,8 @@ struct TrainingConfig {
   // every layer). "selective" keeps the layer's state but its norm and rotary outputs (and
   // the expert input rows when they are a local permutation), made again before the backward.
   std::string recompute = "none";
+  // Whether decoder layer `id` is recomputed (recompute set, and id listed or the list empty).
+  bool recomputes(int64_t id) const;
   // On GPUs: stop at start-up, before allocating, when the memory plan (engine/plan/memory_plan.h)
   // says the run will not fit.
   bool check_memory = true;

@@ -115,9 +115,9 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   c.model->set_fp8(tc.fp8);
   if (layout.cp() > 1) c.model->set_context_group(par.comms->cp.get());
   if (tc.recompute != "none") {
-    std::vector<int64_t> layers = tc.recompute_layers;  // empty: every decoder layer
-    if (layers.empty()) {
-      for (int64_t id = 0; id < cfg.model->shape().num_layers; ++id) layers.push_back(id);
+    std::vector<int64_t> layers;
+    for (int64_t id = 0; id < cfg.model->shape().num_layers; ++id) {
+      if (tc.recomputes(id)) layers.push_back(id);
     }
     const bool full = tc.recompute == "full";
     c.model->set_recompute(layers, full ? RecomputeMode::kFull : RecomputeMode::kSelective);

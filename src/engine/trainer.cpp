@@ -607,11 +607,10 @@ TrainSummary train(const RunConfig& cfg_in) {
   if (connected.rank != 0) spdlog::set_level(spdlog::level::warn);
   // Data: tokenizer and loaders of [data].kind (data/data_context.h); each data rank gets
   // its rows of the same global micro-batches (of every replica group's, under live FT).
-  // Under context parallelism the cp ranks of a (dp, ep) place take the same rows and each its
-  // zigzag chunks of them.
+  // Rows are cut over the dp x ep ranks; under context parallelism the cp ranks of a (dp, ep)
+  // place take the same rows and each its zigzag chunks of them.
   const Layout& at = connected.layout;
-  const DataShare share = at.cp() > 1 ? replica_data_share(cfg.fault_tolerance, at.row_rank(), at.row_world())
-                                      : replica_data_share(cfg.fault_tolerance, at.data_rank(), at.data_world());
+  const DataShare share = replica_data_share(cfg.fault_tolerance, at.row_rank(), at.row_world());
   DataContext data = make_data_context(cfg, share.rank, share.world);
   if (at.cp() > 1) {
     data.train = std::make_unique<ZigzagLoader>(std::move(data.train), at.cp(), at.cp_rank());

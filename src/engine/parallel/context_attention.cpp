@@ -14,18 +14,29 @@ Tensor ContextAttention::gathered(const Tensor& x) const {
   return out;
 }
 
+// Every rank's keys, values, places and documents, and rank r's block of them.
+struct ContextAttention::Blocks {
+  int64_t rows;
+  Tensor k, v, index, segments;
+  Tensor rows_of(const Tensor& t, int64_t r) const { return t.slice(r * rows, (r + 1) * rows); }
+  ops::AttentionPlaces places(int64_t r) const {
+    return {rows_of(index, r), segments.defined() ? rows_of(segments, r) : Tensor()};
+  }
+};
+
+ContextAttention::Blocks ContextAttention::gather(const Tensor& k, const Tensor& v,
+                                                  const ops::AttentionPlaces& places) const {
+  return {k.size(0), gathered(k), gathered(v), gathered(places.index),
+          places.segments.defined() ? gathered(places.segments) : Tensor()};
+}
+
 ops::AttentionOut ContextAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                             const ops::AttentionPlaces& places, const ops::AttentionShape& shape) const {
-  const int64_t rows = k.size(0), P = group_.size();
-  const Tensor ks = gathered(k), vs = gathered(v), index = gathered(places.index);
-  const Tensor segs = places.segments.defined() ? gathered(places.segments) : Tensor();
+  const Blocks all = gather(k, v, places);
   ops::AttentionOut acc;
-  for (int64_t r = 0; r < P; ++r) {  // rank r's block of keys
-    const ops::AttentionPlaces kp{index.slice(r * rows, (r + 1) * rows),
-                                  segs.defined() ? segs.slice(r * rows, (r + 1) * rows) : Tensor()};
-    ops::AttentionOut block = ops::attention_block_forward(q, ks.slice(r * rows, (r + 1) * rows),
-                                                           vs.slice(r * rows, (r + 1) * rows), places, kp, shape,
-                                                           shape.seq);
+  for (int64_t r = 0; r < group_.size(); ++r) {  // rank r's block of keys
+    ops::AttentionOut block = ops::attention_block_forward(q, all.rows_of(all.k, r), all.rows_of(all.v, r), places,
+                                                           all.places(r), shape, shape.seq);
     if (r == 0) {
       acc = std::move(block);
     } else {
@@ -38,27 +49,20 @@ ops::AttentionOut ContextAttention::forward(const Tensor& q, const Tensor& k, co
 ops::AttentionGrads ContextAttention::backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                                const ops::AttentionPlaces& places, const Tensor& out,
                                                const Tensor& lse, const ops::AttentionShape& shape) const {
-  const int64_t rows = k.size(0), P = group_.size();
-  const Tensor ks = gathered(k), vs = gathered(v), index = gathered(places.index);
-  const Tensor segs = places.segments.defined() ? gathered(places.segments) : Tensor();
-  Shape ksh = k.shape(), vsh = v.shape();
-  ksh[0] *= P;
-  vsh[0] *= P;
-  Tensor dk_all = Tensor::empty(ksh, k.dtype(), k.device()), dv_all = Tensor::empty(vsh, v.dtype(), v.device());
+  const Blocks all = gather(k, v, places);  // gathered again rather than kept from the forward
+  Tensor dk_all = Tensor::empty(all.k.shape(), k.dtype(), k.device());
+  Tensor dv_all = Tensor::empty(all.v.shape(), v.dtype(), v.device());
   ops::AttentionGrads g;
-  for (int64_t r = 0; r < P; ++r) {
-    const ops::AttentionPlaces kp{index.slice(r * rows, (r + 1) * rows),
-                                  segs.defined() ? segs.slice(r * rows, (r + 1) * rows) : Tensor()};
-    ops::AttentionGrads block =
-        ops::attention_block_backward(dout, q, ks.slice(r * rows, (r + 1) * rows), vs.slice(r * rows, (r + 1) * rows),
-                                      places, kp, out, lse, shape, shape.seq);
+  for (int64_t r = 0; r < group_.size(); ++r) {
+    ops::AttentionGrads block = ops::attention_block_backward(dout, q, all.rows_of(all.k, r), all.rows_of(all.v, r),
+                                                              places, all.places(r), out, lse, shape, shape.seq);
     if (r == 0) {
       g.dq = std::move(block.dq);
     } else {
       ops::add_(g.dq, block.dq);
     }
-    dk_all.slice(r * rows, (r + 1) * rows).copy_from(block.dk);
-    dv_all.slice(r * rows, (r + 1) * rows).copy_from(block.dv);
+    all.rows_of(dk_all, r).copy_from(block.dk);
+    all.rows_of(dv_all, r).copy_from(block.dv);
   }
   g.dk = Tensor::empty(k.shape(), k.dtype(), k.device());
   g.dv = Tensor::empty(v.shape(), v.dtype(), v.device());

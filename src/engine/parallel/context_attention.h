@@ -31,8 +31,10 @@ class ContextAttention {
                                const ops::AttentionShape& shape) const;
 
  private:
+  struct Blocks;
   // Every rank's rows of `x`, back to back in rank order.
   Tensor gathered(const Tensor& x) const;
+  Blocks gather(const Tensor& k, const Tensor& v, const ops::AttentionPlaces& places) const;
   Communicator& group_;
 };
 

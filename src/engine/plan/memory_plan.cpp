@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "engine/pipeline/executor.h"
+#include "engine/pipeline/schedule.h"
 
 namespace moetrain {
 namespace {
@@ -38,7 +39,6 @@ Held held_by(const RunConfig& cfg, const PlanLayout& l, const std::vector<int64_
   h.head = head;
   const bool all_to_all = l.ep > 1 && (cfg.parallel.ep_dispatch == "all_to_all" ||
                                        (cfg.parallel.ep_dispatch == "auto" && l.ep >= shape.experts_per_token));
-  const bool recompute_all = t.recompute_layers.empty();
   for (int64_t id : layer_ids) {
     const LayerFootprint f = m.layer_footprint(id, act);
     const double experts_here = static_cast<double>(f.experts) / l.ep;
@@ -49,9 +49,7 @@ Held held_by(const RunConfig& cfg, const PlanLayout& l, const std::vector<int64_
     const double rows = T * static_cast<double>(f.top_k);  // balanced: this rank's tokens' copies
     double kept = T * f.kept_per_token + rows * f.kept_per_row;
     if (all_to_all && f.experts > 0) kept += act * rows * H;  // the rows brought home for the combine
-    const bool recomputes = t.recompute != "none" && id < shape.num_layers &&
-                            (recompute_all || std::find(t.recompute_layers.begin(), t.recompute_layers.end(), id) !=
-                                                  t.recompute_layers.end());
+    const bool recomputes = id < shape.num_layers && t.recomputes(id);  // never an MTP module's layer
     if (recomputes && t.recompute == "full") {
       h.recomputed = std::max(h.recomputed, kept);
       kept = act * T * H;  // its input
@@ -180,21 +178,12 @@ MemoryPlan plan_memory(const RunConfig& cfg, const PlanLayout& l, bool gpu) {
     std::vector<int64_t> all;
     for (int64_t id = 0; id < L; ++id) all.push_back(id);
     ranks.push_back(held_by(cfg, l, all, true, true, act));
-  } else {
-    const bool v = l.schedule != "1f1b";
-    const std::vector<ChunkSpec> chunks = partition_layers(shape.num_layers, v ? 2 * l.pp : l.pp, shape.mtp_layers);
+  } else {  // each rank's chunks as the trainer places them (only the schedule's chunk layout is read)
+    const PipelineSchedule chunk_layout = make_forward_only(l.pp, 1, l.schedule != "1f1b");
+    const std::vector<ChunkSpec> chunks = partition_layers(shape.num_layers, chunk_layout.num_chunks, shape.mtp_layers);
     for (int r = 0; r < l.pp; ++r) {
-      std::vector<int64_t> ids;
-      bool embed = false, head = false;
-      for (size_t c = 0; c < chunks.size(); ++c) {
-        const bool mine = v ? (static_cast<int>(c) == r || static_cast<int>(c) == 2 * l.pp - 1 - r)
-                            : static_cast<int>(c) == r;
-        if (!mine) continue;
-        for (int64_t id = chunks[c].first_layer; id < chunks[c].last_layer; ++id) ids.push_back(id);
-        embed |= chunks[c].embed;
-        head |= chunks[c].head;
-      }
-      ranks.push_back(held_by(cfg, l, ids, embed, head, act));
+      const ModelPlacement mine = pipeline_placement(chunks, chunk_layout, r, {});
+      ranks.push_back(held_by(cfg, l, mine.layers, mine.embed, mine.head, act));
     }
   }
 
@@ -240,11 +229,10 @@ MemoryPlan plan_memory(const RunConfig& cfg, const PlanLayout& l, bool gpu) {
       // every shard it makes.
       p.startup_peak = (value + grad + low) * P + shards;
     }
-    const double flight = in_flight(l, r, M);
-    const double per_micro = h.kept;  // DualPipeV: in_flight counts its chunk passes as halves of this
-    add("activations", flight * per_micro,
+    const double flight = in_flight(l, r, M);  // DualPipeV: its chunk passes as halves of the rank's layers
+    add("activations", flight * h.kept,
         fmt::format("{:.3g} micro-batch{} of {} layers kept for the backward, {:.2f} GiB each", flight,
-                    flight == 1 ? "" : "es", h.layers, per_micro / kGiB));
+                    flight == 1 ? "" : "es", h.layers, h.kept / kGiB));
     add("backward", h.backward + h.recomputed,
         h.recomputed > 0 ? "a layer's backward, and a recomputed layer's activations" : "a layer's backward");
     const bool defers = l.pp == 1 && !l.ep_overlap && !l.shard_weights && M > 1 && t.expert_wgrad_group > 1;
@@ -254,11 +242,11 @@ MemoryPlan plan_memory(const RunConfig& cfg, const PlanLayout& l, bool gpu) {
           fmt::format("{} micro-batches' expert rows kept for one weight-gradient pass (expert_wgrad_group)",
                       static_cast<int64_t>(kept)));
     }
-    if (l.pp > 1 || l.ep_overlap) {
+    if (l.pp > 1) {  // (ep_overlap's one-rank pipeline sends nothing)
       // Every message of the step is received into a buffer of its own, and every sent one is
       // held until the step ends: 2 per micro-batch and chunk boundary the rank touches.
       const bool end_rank = r == 0 || r == l.pp - 1;
-      const double boundaries = l.pp == 1 ? 0 : (l.schedule == "1f1b" ? 1 : 2) * (end_rank ? 1 : 2);
+      const double boundaries = (l.schedule == "1f1b" ? 1 : 2) * (end_rank ? 1 : 2);
       add("pipeline messages", boundaries * 2 * static_cast<double>(M) * act * T * H,
           "activations and gradients sent and received this step");
     }
