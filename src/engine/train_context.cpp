@@ -1,5 +1,7 @@
 #include "engine/train_context.h"
 
+#include "engine/parallel/layout_choices.h"
+
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -145,62 +147,29 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
 namespace {
 
 // This rank's whole weights and f32 gradients (bytes), and the memory they are held against.
-struct WholeWeights {
-  int64_t bytes = 0, memory = 0;
-  bool fit() const { return bytes <= memory / 4; }
-};
-WholeWeights whole_weights(Model& model, const Device& device, int64_t memory) {
-  WholeWeights w;
-  for (const Parameter& p : model.parameters()) w.bytes += p.value.nbytes() + 4 * p.value.numel();
-  w.memory = memory > 0 ? memory
-             : device.is_cpu() ? static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGE_SIZE)
-                               : cuda::device_total_memory(device.index);
+WholeWeightBytes whole_weights(Model& model, const Device& device, int64_t memory) {
+  WholeWeightBytes w;
+  for (const Parameter& p : model.parameters()) w.bytes += static_cast<double>(p.value.nbytes() + 4 * p.value.numel());
+  w.memory = static_cast<double>(
+      memory > 0 ? memory
+      : device.is_cpu() ? static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGE_SIZE)
+                        : cuda::device_total_memory(device.index));
   return w;
 }
 
 }  // namespace
 
 bool choose_ep_overlap(const RunConfig& cfg, Model& model, const Device& device, int64_t memory) {
-  const std::string& setting = cfg.parallel.ep_overlap;
-  if (setting != "auto") return setting == "true";
-  std::string why;
-  if (cfg.training.device != "cuda") {
-    why = "off: not on GPUs (nothing runs beside an exchange on the CPU)";
-  } else if (cfg.training.grad_accum_steps < 2) {
-    why = "off: one micro-batch a step, none to pair";
-  } else if (cfg.parallel.shard_weights == "true") {
-    why = "off: [parallel].shard_weights = true (the pairs keep weights whole)";
-  } else if (const WholeWeights w = whole_weights(model, device, memory); !w.fit()) {
-    why = fmt::format("off: whole weights and f32 gradients take {:.2f} GB of {:.1f} GB (ZeRO-3 then)", w.bytes / 1e9,
-                      w.memory / 1e9);
-  }
-  spdlog::info("parallel: [parallel].ep_overlap = \"auto\": {}",
-               why.empty() ? "on (micro-batches in overlapped forward/backward pairs, weights kept whole)" : why);
-  return why.empty();
+  const LayoutChoice c = decide_ep_overlap(cfg, whole_weights(model, device, memory));
+  if (cfg.parallel.ep_overlap == "auto") spdlog::info("parallel: {}", c.why);
+  return c.on;
 }
 
 bool choose_shard_weights(const std::string& setting, Model& model, const Device& device, bool pipelined,
                           int64_t memory) {
-  // Under a pipeline many micro-batches are in flight at once, so weights stay whole
-  // (ZeRO-2): gathering them per micro-batch and chunk would multiply the traffic.
-  if (pipelined) {
-    if (setting == "true") {
-      spdlog::info("parallel: weights kept whole under pipeline parallelism (ZeRO-2: gradients and optimizer "
-                   "state sharded)");
-    }
-    return false;
-  }
-  if (setting != "auto") return setting == "true";
-  // ZeRO-3 gathers every layer's weights and reduce-scatters its gradients once per
-  // micro-batch; ZeRO-2 once per step, for whole weights and f32 gradients held meanwhile.
-  const WholeWeights w = whole_weights(model, device, memory);
-  const bool shard = !w.fit();
-  spdlog::info("parallel: [parallel].shard_weights = \"auto\": this rank's whole weights and f32 gradients take "
-               "{:.2f} GB of {:.1f} GB: {}",
-               w.bytes / 1e9, w.memory / 1e9,
-               shard ? "sharded (ZeRO-3: gathered per layer and micro-batch)"
-                     : "kept whole (ZeRO-2: one gather and one reduce-scatter a step)");
-  return shard;
+  const LayoutChoice c = decide_shard_weights(setting, pipelined, whole_weights(model, device, memory));
+  if (setting == "auto" || (pipelined && setting == "true")) spdlog::info("parallel: {}", c.why);
+  return c.on;
 }
 
 StepResult TrainContext::step(const std::vector<Batch>& batches, double lr, double grad_clip, const CommitFn& commit) {

@@ -1,5 +1,7 @@
 #include "engine/plan/memory_plan.h"
 
+#include "engine/parallel/layout_choices.h"
+
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
@@ -49,7 +51,10 @@ Held held_by(const RunConfig& cfg, const PlanLayout& l, const std::vector<int64_
     const double rows = T * static_cast<double>(f.top_k);  // balanced: this rank's tokens' copies
     double kept = T * f.kept_per_token + rows * f.kept_per_row;
     if (all_to_all && f.experts > 0) kept += act * rows * H;  // the rows brought home for the combine
-    const bool recomputes = id < shape.num_layers && t.recomputes(id);  // never an MTP module's layer
+    // Never an MTP module's layer. Paired micro-batches (ep_overlap) take the weight gradients
+    // after both input gradients, so a recomputed layer's rebuilt activations stay until
+    // then: planned as kept.
+    const bool recomputes = id < shape.num_layers && t.recomputes(id) && !l.ep_overlap;
     if (recomputes && t.recompute == "full") {
       h.recomputed = std::max(h.recomputed, kept);
       kept = act * T * H;  // its input
@@ -104,25 +109,19 @@ double MemoryPlan::outside_bytes() const {
 
 namespace {
 
-// The trainer's choices for a layout (train_context.cpp's choose_shard_weights and
-// choose_ep_overlap): ZeRO-3 when whole weights and f32 gradients take more than a quarter of
-// the memory; paired micro-batches under plain EP on GPUs with whole weights.
+// The trainer's choices for a layout (parallel/layout_choices.h), from the planned whole
+// weights and f32 gradients.
 void resolve_choices(const RunConfig& cfg, PlanLayout& l, double device_bytes) {
-  const bool gpu = cfg.training.device == "cuda";
   PlanLayout probe = l;
   probe.shard_weights = false;
   probe.ep_overlap = false;
-  const MemoryPlan p = plan_memory(cfg, probe, gpu);
-  double whole = 0;
+  const MemoryPlan p = plan_memory(cfg, probe, cfg.training.device == "cuda");
+  WholeWeightBytes whole{0, device_bytes};
   for (const MemoryPart& part : p.parts) {
-    if (part.name == "weights" || part.name == "gradients") whole += part.bytes;
+    if (part.name == "weights" || part.name == "gradients") whole.bytes += part.bytes;
   }
-  const bool fit = whole <= device_bytes / 4;
-  const std::string& sw = cfg.parallel.shard_weights;
-  l.shard_weights = l.world() > 1 && l.pp == 1 && (sw == "auto" ? !fit : sw == "true");
-  const std::string& ov = cfg.parallel.ep_overlap;
-  l.ep_overlap = l.pp == 1 && l.ep > 1 &&
-                 (ov == "auto" ? gpu && cfg.training.grad_accum_steps >= 2 && sw != "true" && fit : ov == "true");
+  l.shard_weights = l.world() > 1 && decide_shard_weights(cfg.parallel.shard_weights, l.pp > 1, whole).on;
+  l.ep_overlap = l.pp == 1 && l.ep > 1 && decide_ep_overlap(cfg, whole).on;
   if (l.ep_overlap) l.shard_weights = false;
 }
 
@@ -233,8 +232,11 @@ MemoryPlan plan_memory(const RunConfig& cfg, const PlanLayout& l, bool gpu) {
     add("activations", flight * h.kept,
         fmt::format("{:.3g} micro-batch{} of {} layers kept for the backward, {:.2f} GiB each", flight,
                     flight == 1 ? "" : "es", h.layers, h.kept / kGiB));
-    add("backward", h.backward + h.recomputed,
-        h.recomputed > 0 ? "a layer's backward, and a recomputed layer's activations" : "a layer's backward");
+    // Paired micro-batches run two backwards in turn, each with a layer's extras live.
+    const double backwards = l.ep_overlap ? 2 : 1;
+    add("backward", backwards * (h.backward + h.recomputed),
+        fmt::format("{}{}", backwards == 2 ? "two micro-batches' (paired): " : "",
+                    h.recomputed > 0 ? "a layer's backward, and a recomputed layer's activations" : "a layer's backward"));
     const bool defers = l.pp == 1 && !l.ep_overlap && !l.shard_weights && M > 1 && t.expert_wgrad_group > 1;
     if (defers) {
       const double kept = static_cast<double>(std::min(t.expert_wgrad_group, M) - 1);
