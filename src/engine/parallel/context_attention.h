@@ -1,12 +1,12 @@
 // ContextAttention: causal attention when a context-parallel group splits every sequence
 // (issue 31, docs/memory.md). Each rank holds its zigzag chunks of the sequences (data/loader.h's
-// zigzag_batch) with each token's place; the keys and values, their places and documents are
-// gathered from every rank of the group, each rank's queries attend to every rank's block of
-// keys (ops::attention_block_forward, the blocks merged in rank order), and the backward sums
-// each block's key and value gradients over the group onto the rank that holds those keys
-// (a reduce-scatter). The all-gather form: one collective each way, deterministic; the ring
-// that overlaps each block's transfer with the attention of the one in hand comes with the
-// GPU kernels. The CPU only for now, as the block ops.
+// zigzag_batch) with each token's place. Ring attention: the keys and values go round the
+// group, rank r sending its block to r + 1 while it attends to the one in hand
+// (ops::attention_block_forward, merged into the running softmax); the places and documents
+// of every rank's tokens are gathered once a pass (a few bytes a token). The backward sends
+// the blocks round again, each with the sum of its key and value gradients over the ranks it
+// has visited, and one last hop brings every rank its own keys' sums. Deterministic: the
+// merge and the sums run in a fixed order per rank. The CPU only for now, as the block ops.
 #pragma once
 
 #include "comm/communicator.h"
@@ -31,10 +31,13 @@ class ContextAttention {
                                const ops::AttentionShape& shape) const;
 
  private:
-  struct Blocks;
+  struct Places;
+  struct Hop;
   // Every rank's rows of `x`, back to back in rank order.
   Tensor gathered(const Tensor& x) const;
-  Blocks gather(const Tensor& k, const Tensor& v, const ops::AttentionPlaces& places) const;
+  Places gather_places(const Tensor& rows, const ops::AttentionPlaces& places) const;
+  Hop pass_on(const Tensor& a, const Tensor& b, Tensor& a_in, Tensor& b_in, int64_t step, int kind_a,
+              int kind_b) const;
   Communicator& group_;
 };
 
