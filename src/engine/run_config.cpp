@@ -548,8 +548,6 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
     MT_CHECK(t.device == "cpu",
              "{}: [parallel].cp = {} runs on the CPU only for now (the GPU attention over blocks of keys is not built)",
              path, cp);
-    MT_CHECK(cfg.parallel.pp == 1, "{}: [parallel].cp = {} with pp = {}: context parallelism in a pipeline is not built "
-             "yet", path, cp, cfg.parallel.pp);
     MT_CHECK(t.seq_len % (2 * cp) == 0,
              "{}: [training].seq_len ({}) must be a multiple of 2 x [parallel].cp ({}): each sequence is cut into 2 cp "
              "equal chunks", path, t.seq_len, 2 * cp);

@@ -34,7 +34,7 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   const Layout& layout = par.layout;
   ModelPlacement placement = layout.placement();
   if (gpu) {
-    check_memory_at_start(cfg, layout.pp(), layout.shard_ranks(/*experts=*/true), layout.ep(),
+    check_memory_at_start(cfg, layout.pp(), layout.shard_ranks(/*experts=*/true) / layout.cp(), layout.cp(), layout.ep(),
                           static_cast<double>(cuda::device_total_memory(par.device.index)), par.rank == 0,
                           tc.check_memory);
   }

@@ -382,6 +382,23 @@ TEST_F(ParallelCli, ContextParallelLayoutsMatchOneProcess) {
   EXPECT_NE(mtp.output.find("a loss that reads whole sequences"), std::string::npos) << mtp.output;
 }
 
+// Context parallelism inside pipelines (pp2 x cp2, both schedules): each stage's CP pair
+// passes its zigzag chunks' activations to the next stage's pair, and the run matches one
+// process.
+TEST_F(ParallelCli, ContextParallelPipelinesMatchOneProcess) {
+  Result one = launch(1, train_args("one", 1, kPipe));
+  ASSERT_EQ(one.status, 0) << one.output;
+  for (const char* schedule : {"dualpipev", "1f1b"}) {
+    SCOPED_TRACE(schedule);
+    const std::string name = std::string("pp2_cp2_") + schedule;
+    Result r = launch(4, train_args(name, 1, std::string(kPipe) + " --parallel.pp=2 --parallel.cp=2 " +
+                                                 "--parallel.schedule=" + schedule));
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find("context parallelism: cp 2"), std::string::npos) << r.output;
+    expect_same_run("one", name);
+  }
+}
+
 // A DeepSeek-V3 checkpoint written under ep2 (experts split, the routing biases with the
 // model) resumes under ep4 and under one process, and the run matches one uninterrupted
 // process.

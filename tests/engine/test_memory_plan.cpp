@@ -108,7 +108,7 @@ TEST(MemoryPlan, LayoutsOfNRanksAndWhatFits) {
   EXPECT_THROW(layout_of(config("tiny.toml", {"parallel.pp=3"}), 4, 1e12), Error);
   // The trainer's start-up check: refused before allocating, the parts named; or let through.
   try {
-    check_memory_at_start(cfg, 1, 1, 1, 1e6, false, /*refuse=*/true);
+    check_memory_at_start(cfg, 1, 1, 1, 1, 1e6, false, /*refuse=*/true);
     ADD_FAILURE() << "a 1 MB GPU should not fit";
   } catch (const Error& e) {
     const std::string m = e.what();
@@ -116,8 +116,32 @@ TEST(MemoryPlan, LayoutsOfNRanksAndWhatFits) {
     EXPECT_NE(m.find("optimizer"), std::string::npos) << m;
     EXPECT_NE(m.find("--training.check_memory=false"), std::string::npos) << m;
   }
-  EXPECT_NO_THROW(check_memory_at_start(cfg, 1, 1, 1, 1e6, false, /*refuse=*/false));
-  EXPECT_NO_THROW(check_memory_at_start(cfg, 1, 1, 1, 80e9, false, true));
+  EXPECT_NO_THROW(check_memory_at_start(cfg, 1, 1, 1, 1, 1e6, false, /*refuse=*/false));
+  EXPECT_NO_THROW(check_memory_at_start(cfg, 1, 1, 1, 1, 80e9, false, true));
+}
+
+// Context parallelism: a cp rank holds half of every sequence (its two zigzag chunks), so
+// what it keeps per token halves against one rank with the same micro-batch, and its shards
+// are cut over dp x cp; the backward carries the ring's key/value blocks besides. Layouts of
+// N ranks keep the config's cp.
+TEST(MemoryPlan, ContextParallelRanksHoldHalfTheTokens) {
+  const RunConfig one_cfg = config("tiny.toml", {});
+  const RunConfig cfg = config("tiny.toml", {"parallel.cp=2"});
+  const PlanLayout l = layout_of(cfg, 2, 1e12);
+  EXPECT_EQ(l.cp, 2);
+  EXPECT_EQ(l.dp, 1);
+  EXPECT_EQ(l.str(), "pp1 dp1 cp2 ep1 zero2");
+  const MemoryPlan one = plan_memory(one_cfg, layout_of(one_cfg, 1, 1e12), false);
+  const MemoryPlan two = plan_memory(cfg, l, false);
+  EXPECT_NEAR(part(two, "activations"), part(one, "activations") / 2, 1e-6 * part(one, "activations"));
+  EXPECT_GT(part(two, "backward"), part(one, "backward") / 2) << "the ring's blocks";
+  const MemoryPlan dp2 = plan_memory(one_cfg, layout_of(one_cfg, 2, 1e12), false);
+  EXPECT_NEAR(part(two, "optimizer shards"), part(dp2, "optimizer shards"), 1.0) << "cut over dp x cp as over dp";
+  std::vector<std::string> names;
+  for (const PlanLayout& x : layouts_of(cfg, 4, 1e12)) names.push_back(x.str());
+  EXPECT_EQ(names, (std::vector<std::string>{"pp1 dp2 cp2 ep1 zero2", "pp1 dp1 cp2 ep2 zero2",
+                                             "pp2 dp1 cp2 ep1 dualpipev zero2"}));
+  EXPECT_THROW(layout_of(config("tiny.toml", {"parallel.cp=2", "parallel.ep=4"}), 4, 1e12), Error);
 }
 
 }  // namespace

@@ -46,6 +46,9 @@ struct LayerFootprint {
   // What selective recomputation drops per token (DecoderLayer::drop_recomputable; the expert
   // input rows, `act` x hidden bytes a row, besides when the experts are all local).
   double selective_per_token = 0;
+  // One token's keys and values as the attention reads them (context parallelism's ring
+  // carries blocks of them, and their gradients).
+  double kv_per_token = 0;
 };
 
 class ModelConfig {

@@ -35,7 +35,8 @@ Held held_by(const RunConfig& cfg, const PlanLayout& l, const std::vector<int64_
   const ModelConfig& m = *cfg.model;
   const ModelShape shape = m.shape();
   const auto& t = cfg.training;
-  const double T = static_cast<double>(t.micro_batch_size * t.seq_len), H = static_cast<double>(shape.hidden_size);
+  // A rank's tokens: its 2 zigzag chunks of each sequence under context parallelism.
+  const double T = static_cast<double>(t.micro_batch_size * t.seq_len) / l.cp, H = static_cast<double>(shape.hidden_size);
   const double V = static_cast<double>(shape.vocab_size);
   Held h;
   h.head = head;
@@ -64,7 +65,10 @@ Held held_by(const RunConfig& cfg, const PlanLayout& l, const std::vector<int64_
       kept -= dropped;
     }
     h.kept += kept;
-    h.backward = std::max(h.backward, T * f.backward_per_token + rows * f.backward_per_row);
+    // Context parallelism's ring (context_attention.cpp): the forward holds the next key/value
+    // block beside the one in hand; the backward also two blocks of their gradient sums.
+    const double ring = l.cp > 1 ? 4 * T * f.kv_per_token : 0;
+    h.backward = std::max(h.backward, T * f.backward_per_token + rows * f.backward_per_row + ring);
     h.deferred += rows * f.deferred_per_row;
     ++h.layers;
   }
@@ -94,7 +98,7 @@ double in_flight(const PlanLayout& l, int r, int64_t micro_batches) {
 }  // namespace
 
 std::string PlanLayout::str() const {
-  std::string s = fmt::format("pp{} dp{} ep{}", pp, dp, ep);
+  std::string s = cp > 1 ? fmt::format("pp{} dp{} cp{} ep{}", pp, dp, cp, ep) : fmt::format("pp{} dp{} ep{}", pp, dp, ep);
   if (pp > 1) s += " " + schedule;
   if (world() > 1) s += shard_weights ? " zero3" : " zero2";
   if (ep_overlap) s += " ep_overlap";
@@ -132,10 +136,12 @@ PlanLayout layout_of(const RunConfig& cfg, int world, double device_bytes) {
   PlanLayout l;
   l.pp = static_cast<int>(p.pp);
   l.ep = static_cast<int>(p.ep);
-  MT_CHECK(p.cp == 1, "plan: [parallel].cp = {}: context parallelism is not built yet", p.cp);
-  MT_CHECK(world % (l.pp * l.ep) == 0, "plan: {} GPUs do not divide into pp {} x ep {}", world, l.pp, l.ep);
-  l.dp = p.dp > 0 ? static_cast<int>(p.dp) : world / (l.pp * l.ep);
-  MT_CHECK(l.world() == world, "plan: pp {} x dp {} x ep {} is {} ranks, not {}", l.pp, l.dp, l.ep, l.world(), world);
+  l.cp = static_cast<int>(p.cp);
+  MT_CHECK(world % (l.pp * l.cp * l.ep) == 0, "plan: {} GPUs do not divide into pp {} x cp {} x ep {}", world, l.pp,
+           l.cp, l.ep);
+  l.dp = p.dp > 0 ? static_cast<int>(p.dp) : world / (l.pp * l.cp * l.ep);
+  MT_CHECK(l.world() == world, "plan: pp {} x dp {} x cp {} x ep {} is {} ranks, not {}", l.pp, l.dp, l.cp, l.ep,
+           l.world(), world);
   l.schedule = p.schedule;
   resolve_choices(cfg, l, device_bytes);
   return l;
@@ -144,6 +150,9 @@ PlanLayout layout_of(const RunConfig& cfg, int world, double device_bytes) {
 std::vector<PlanLayout> layouts_of(const RunConfig& cfg, int gpus, double device_bytes) {
   const ModelShape shape = cfg.model->shape();
   std::vector<PlanLayout> out;
+  const int cp = static_cast<int>(cfg.parallel.cp);  // the config's: the others stay as they are
+  if (gpus % cp != 0) return out;
+  gpus /= cp;
   for (int pp = 1; pp <= gpus; ++pp) {
     if (gpus % pp != 0) continue;
     const int64_t chunks = pp == 1 ? 1 : (cfg.parallel.schedule == "1f1b" ? pp : 2 * pp);
@@ -153,6 +162,7 @@ std::vector<PlanLayout> layouts_of(const RunConfig& cfg, int gpus, double device
       if (shape.num_experts == 0 && ep > 1) continue;
       PlanLayout l;
       l.pp = pp;
+      l.cp = cp;
       l.ep = ep;
       l.dp = gpus / (pp * ep);
       l.schedule = cfg.parallel.schedule;
@@ -168,7 +178,7 @@ MemoryPlan plan_memory(const RunConfig& cfg, const PlanLayout& l, bool gpu) {
   const auto& t = cfg.training;
   const int act = gpu ? 2 : 4;
   const int64_t M = t.grad_accum_steps;
-  const double T = static_cast<double>(t.micro_batch_size * t.seq_len), H = static_cast<double>(shape.hidden_size);
+  const double T = static_cast<double>(t.micro_batch_size * t.seq_len) / l.cp, H = static_cast<double>(shape.hidden_size);
   const int64_t L = shape.num_layers + shape.mtp_layers;
 
   // The layers and outer parts of each pipeline rank.
@@ -207,13 +217,13 @@ MemoryPlan plan_memory(const RunConfig& cfg, const PlanLayout& l, bool gpu) {
       // Shards: dense buckets over dp x ep, experts over dp; a shard holds its low half and
       // moments, and, cut over more than one rank, its reduced gradient and a scratch as large
       // (over one rank the shard's gradient is the bucket's); under ZeRO-3 its weights too.
-      const double nd = static_cast<double>(l.dp) * l.ep, ne = l.dp;
+      const double nd = static_cast<double>(l.dp) * l.cp * l.ep, ne = static_cast<double>(l.dp) * l.cp;
       auto shard = [&](double params, double n) {
         return params / n * ((n > 1 ? 2 * grad : 0) + low + moments + (l.shard_weights ? value : 0));
       };
       const double shards = shard(h.dense, nd) + shard(h.experts, ne);
       add("optimizer shards", shards,
-          fmt::format("gradient, scratch, master low half, moments of 1/{} (experts 1/{}){}", l.dp * l.ep, l.dp,
+          fmt::format("gradient, scratch, master low half, moments of 1/{} (experts 1/{}){}", l.dp * l.cp * l.ep, l.dp * l.cp,
                       l.shard_weights ? ", weights" : ""));
       if (!l.shard_weights) {
         add("weights", value * P, fmt::format("{:.3g} B parameters, whole (ZeRO-2)", P / 1e9));
@@ -268,10 +278,12 @@ MemoryPlan plan_memory(const RunConfig& cfg, const PlanLayout& l, bool gpu) {
   return best;
 }
 
-void check_memory_at_start(const RunConfig& cfg, int pp, int dp, int ep, double device_bytes, bool log, bool refuse) {
+void check_memory_at_start(const RunConfig& cfg, int pp, int dp, int cp, int ep, double device_bytes, bool log,
+                           bool refuse) {
   PlanLayout l;
   l.pp = pp;
   l.dp = dp;
+  l.cp = cp;
   l.ep = ep;
   l.schedule = cfg.parallel.schedule;
   resolve_choices(cfg, l, device_bytes);

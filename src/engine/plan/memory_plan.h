@@ -17,11 +17,11 @@ namespace moetrain {
 
 // The layout a plan is for (one replica group's mesh and the choices that change memory).
 struct PlanLayout {
-  int pp = 1, dp = 1, ep = 1;
+  int pp = 1, dp = 1, cp = 1, ep = 1;
   std::string schedule = "dualpipev";  // with pp > 1
   bool shard_weights = false;          // ZeRO-3 (with more than one rank)
   bool ep_overlap = false;             // paired micro-batches (two in flight)
-  int world() const { return pp * dp * ep; }
+  int world() const { return pp * dp * cp * ep; }
   std::string str() const;
 };
 
@@ -58,7 +58,8 @@ MemoryPlan plan_memory(const RunConfig& cfg, const PlanLayout& layout, bool gpu)
 // At a run's start: this job's plan (pp, dp, ep: its mesh, dp the ranks that shard the
 // experts) against the GPU's memory, logged by `log` (rank 0); an Error naming the parts, before
 // anything is allocated, when it will not fit and `refuse` ([training].check_memory).
-void check_memory_at_start(const RunConfig& cfg, int pp, int dp, int ep, double device_bytes, bool log, bool refuse);
+void check_memory_at_start(const RunConfig& cfg, int pp, int dp, int cp, int ep, double device_bytes, bool log,
+                           bool refuse);
 
 // A plan as a table of parts (GiB), and whether it fits `device_bytes`.
 std::string format_memory_plan(const MemoryPlan& plan, double device_bytes);
