@@ -49,6 +49,8 @@ using Clock = SteadyClock;
 Batch on_device(Batch b, Device device) {
   if (device.is_cpu()) return b;
   if (b.places.defined()) b.places = b.places.to(device);
+  for (Tensor& t : b.ahead_inputs) t = t.to(device);
+  for (Tensor& t : b.ahead_targets) t = t.to(device);
   b.inputs = b.inputs.to(device);
   b.targets = b.targets.to(device);
   b.positions = b.positions.to(device);
@@ -613,10 +615,11 @@ TrainSummary train(const RunConfig& cfg_in) {
   const DataShare share = replica_data_share(cfg.fault_tolerance, at.row_rank(), at.row_world());
   DataContext data = make_data_context(cfg, share.rank, share.world);
   if (at.cp() > 1) {
-    data.train = std::make_unique<ZigzagLoader>(std::move(data.train), at.cp(), at.cp_rank());
+    data.train = std::make_unique<ZigzagLoader>(std::move(data.train), at.cp(), at.cp_rank(),
+                                                cfg.model->shape().mtp_layers);  // (validation runs no module)
     data.val = std::make_unique<ZigzagLoader>(std::move(data.val), at.cp(), at.cp_rank());
     spdlog::info("context parallelism: cp {}, every sequence in {} chunks of {} tokens, cp rank r holding chunks r "
-                 "and {} - r; keys and values gathered over the cp ranks",
+                 "and {} - r; keys and values passed round the cp ranks (ring attention)",
                  at.cp(), 2 * at.cp(), tc.seq_len / (2 * at.cp()), 2 * at.cp() - 1);
   }
   spdlog::info("data: {}", data.summary);

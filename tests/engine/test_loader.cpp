@@ -307,7 +307,9 @@ TEST_F(ShardLoaderTest, TokenizerMustFitTheModel) {
 // Context parallelism's split of a batch: CP rank r holds chunks r and 2cp-1-r of every
 // sequence (the zigzag), in order, with their inputs, targets, positions (positions of packed
 // documents as they were) and segments; the ranks together hold every token once; their
-// targets add up to the batch's. A length that does not cut into 2 cp chunks is named.
+// targets add up to the batch's; with multi-token prediction, the tokens k places ahead in
+// the whole row (across chunk edges, not across documents). A length that does not cut into
+// 2 cp chunks is named.
 TEST(ZigzagBatch, EachRankHoldsItsTwoChunksAndTheRanksHoldEveryTokenOnce) {
   const int64_t B = 2, S = 12;
   Batch b = Batch::allocate(B, S, /*with_segments=*/true);
@@ -326,11 +328,21 @@ TEST(ZigzagBatch, EachRankHoldsItsTwoChunksAndTheRanksHoldEveryTokenOnce) {
     int64_t targets = 0;
     for (int64_t r = 0; r < cp; ++r) {
       Tensor places;
-      const Batch z = zigzag_batch(b, cp, r, &places);
+      const Batch z = zigzag_batch(b, cp, r, &places, /*mtp_depth=*/2);
       ASSERT_EQ(z.seq, S / cp);
       ASSERT_EQ(z.batch, B);
+      ASSERT_EQ(z.ahead_inputs.size(), 2u);
+      ASSERT_EQ(z.ahead_targets.size(), 2u);
       for (int64_t i = 0; i < B * z.seq; ++i) {
         const int64_t row = i / z.seq, place = places.data<int32_t>()[i], from = row * S + place;
+        for (int64_t k = 1; k <= 2; ++k) {  // k places ahead in the whole row, within its document
+          const bool inside = place + k < S && b.segment_ids.data<int32_t>()[from + k] ==
+                                                   b.segment_ids.data<int32_t>()[from];
+          EXPECT_EQ(z.ahead_inputs[static_cast<size_t>(k - 1)].data<int32_t>()[i],
+                    inside ? b.inputs.data<int32_t>()[from + k] : 0);
+          EXPECT_EQ(z.ahead_targets[static_cast<size_t>(k - 1)].data<int32_t>()[i],
+                    inside ? b.targets.data<int32_t>()[from + k] : -100);
+        }
         EXPECT_EQ(z.inputs.data<int32_t>()[i], b.inputs.data<int32_t>()[from]);
         EXPECT_EQ(z.targets.data<int32_t>()[i], b.targets.data<int32_t>()[from]);
         EXPECT_EQ(z.positions.data<int32_t>()[i], b.positions.data<int32_t>()[from]);

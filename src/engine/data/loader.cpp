@@ -46,12 +46,25 @@ std::vector<int32_t> zigzag_places(int64_t seq, int64_t cp, int64_t rank) {
   return places;
 }
 
-Batch zigzag_batch(const Batch& b, int64_t cp, int64_t rank, Tensor* places) {
+Batch zigzag_batch(const Batch& b, int64_t cp, int64_t rank, Tensor* places, int64_t mtp_depth) {
   MT_CHECK(b.inputs.device().is_cpu(), "zigzag_batch: the batch must be on the CPU (cut it before moving it)");
   const std::vector<int32_t> mine = zigzag_places(b.seq, cp, rank);
   const int64_t n = static_cast<int64_t>(mine.size());
   Batch out = Batch::allocate(b.batch, n, b.segment_ids.defined());
   if (places) *places = Tensor::empty({b.batch * n}, DType::I32);
+  auto cut = [&](const Tensor& whole) {  // the rows at this rank's places
+    Tensor t = Tensor::empty({b.batch * n}, DType::I32);
+    for (int64_t r = 0; r < b.batch; ++r) {
+      for (int64_t i = 0; i < n; ++i) {
+        t.data<int32_t>()[r * n + i] = whole.data<int32_t>()[r * b.seq + mine[static_cast<size_t>(i)]];
+      }
+    }
+    return t;
+  };
+  for (int64_t k = 1; k <= mtp_depth; ++k) {  // as MtpModule shifts a whole row (mtp.cpp)
+    out.ahead_inputs.push_back(cut(ops::shift_tokens(b.inputs, b.segment_ids, b.batch, k, 0)));
+    out.ahead_targets.push_back(cut(ops::shift_tokens(b.targets, b.segment_ids, b.batch, k, ops::kIgnoreIndex)));
+  }
   for (int64_t r = 0; r < b.batch; ++r) {
     for (int64_t i = 0; i < n; ++i) {
       const int64_t from = r * b.seq + mine[static_cast<size_t>(i)], to = r * n + i;

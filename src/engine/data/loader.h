@@ -41,6 +41,10 @@ struct Batch {
   // rank holds some chunks of every sequence: zigzag_batch), or undefined: token i of a row
   // is at place i.
   Tensor places;
+  // Context parallelism with multi-token prediction: for depth k (element k - 1), the
+  // inputs and targets k places ahead in the whole row (ops::shift_tokens of the row before
+  // it was cut: a chunk's last tokens look into another rank's chunk), at this rank's places.
+  std::vector<Tensor> ahead_inputs, ahead_targets;
   int64_t batch = 0, seq = 0;
   int64_t num_targets = 0;  // targets that count in the loss (!= -100)
 
@@ -61,7 +65,9 @@ std::vector<int32_t> zigzag_places(int64_t seq, int64_t cp, int64_t rank);
 // The rows of `b` at CP rank `rank`'s places (inputs, targets, positions, segments), each row
 // seq / cp tokens; `places` (i32 [batch * seq / cp]) gets each token's place in its sequence,
 // which the attention over blocks masks by (ops::AttentionPlaces). num_targets: this rank's.
-Batch zigzag_batch(const Batch& b, int64_t cp, int64_t rank, Tensor* places);
+// mtp_depth: the multi-token prediction modules whose shifted tokens (Batch::ahead_inputs,
+// ahead_targets) it cuts too.
+Batch zigzag_batch(const Batch& b, int64_t cp, int64_t rank, Tensor* places, int64_t mtp_depth = 0);
 
 class DataLoader {
  public:
@@ -81,11 +87,11 @@ class DataLoader {
 // every rank of the CP group), with their places.
 class ZigzagLoader final : public DataLoader {
  public:
-  ZigzagLoader(std::unique_ptr<DataLoader> inner, int64_t cp, int64_t rank)
-      : inner_(std::move(inner)), cp_(cp), rank_(rank) {}
+  ZigzagLoader(std::unique_ptr<DataLoader> inner, int64_t cp, int64_t rank, int64_t mtp_depth = 0)
+      : inner_(std::move(inner)), cp_(cp), rank_(rank), mtp_depth_(mtp_depth) {}
   Batch next() override {
     Tensor places;
-    Batch b = zigzag_batch(inner_->next(), cp_, rank_, &places);
+    Batch b = zigzag_batch(inner_->next(), cp_, rank_, &places, mtp_depth_);
     b.places = std::move(places);
     return b;
   }
@@ -95,7 +101,7 @@ class ZigzagLoader final : public DataLoader {
 
  private:
   std::unique_ptr<DataLoader> inner_;
-  int64_t cp_, rank_;
+  int64_t cp_, rank_, mtp_depth_;
 };
 
 class BatchLoader final : public DataLoader {

@@ -7,8 +7,17 @@
 namespace moetrain {
 
 namespace {
-constexpr int32_t kNoTarget = -100;  // the loss skips it (Batch::num_targets)
+constexpr int32_t kNoTarget = ops::kIgnoreIndex;  // the loss skips it (Batch::num_targets)
 }  // namespace
+
+// Under context parallelism the loader shifted the whole rows before cutting them
+// (Batch::ahead_inputs / ahead_targets): this module's depth's.
+const Tensor& MtpModule::ahead(const std::vector<Tensor>& shifted) const {
+  MT_CHECK(static_cast<int64_t>(shifted.size()) >= depth_,
+           "multi-token prediction module {} (depth {}): the batch carries tokens ahead for {} depths only",
+           layer_id_, depth_, shifted.size());
+  return shifted[static_cast<size_t>(depth_ - 1)];
+}
 
 MtpModule::MtpModule(int64_t layer_id, int64_t depth, int64_t vocab_size, int64_t hidden_size, double rms_norm_eps,
                      DType dtype, Device device, int64_t bucket_pad)
@@ -40,7 +49,8 @@ void MtpModule::collect_parameters(ParameterList& out, double init_std) {
 Tensor MtpModule::input_forward(const Batch& batch, const Tensor& h_prev, MtpState& s) const {
   {
     StageScope t(Stage::kNorms);
-    s.ids = ops::shift_tokens(batch.inputs, batch.segment_ids, batch.batch, depth_, 0);
+    s.ids = batch.ahead_inputs.empty() ? ops::shift_tokens(batch.inputs, batch.segment_ids, batch.batch, depth_, 0)
+                                       : ahead(batch.ahead_inputs);
     s.e = ops::embedding_forward(s.ids, embed_);
     s.h = h_prev;
     s.en = ops::rmsnorm_forward(s.e, enorm_w_, eps_);
@@ -55,7 +65,9 @@ Tensor MtpModule::input_forward(const Batch& batch, const Tensor& h_prev, MtpSta
 
 Tensor MtpModule::loss_forward(const Tensor& h_k, const Batch& batch, bool training, double scale, bool accumulate,
                                MtpState& s) {
-  const Tensor targets = ops::shift_tokens(batch.targets, batch.segment_ids, batch.batch, depth_, kNoTarget);
+  const Tensor targets = batch.ahead_targets.empty()
+                             ? ops::shift_tokens(batch.targets, batch.segment_ids, batch.batch, depth_, kNoTarget)
+                             : ahead(batch.ahead_targets);
   ops::RmsNormOut norm;
   {
     StageScope t(Stage::kNorms);

@@ -63,6 +63,7 @@ class MtpModule {
   void backward_weight(MtpState& s, bool accumulate);
 
  private:
+  const Tensor& ahead(const std::vector<Tensor>& shifted) const;
   int64_t layer_id_, depth_, H_;
   double eps_;
   ParamBucket bucket_;
