@@ -551,9 +551,6 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
     MT_CHECK(t.seq_len % (2 * cp) == 0,
              "{}: [training].seq_len ({}) must be a multiple of 2 x [parallel].cp ({}): each sequence is cut into 2 cp "
              "equal chunks", path, t.seq_len, 2 * cp);
-    MT_CHECK(!shape.sequence_wise_loss,
-             "{}: [parallel].cp = {} with DeepSeek's sequence-wise balance loss ([model].seq_aux_loss_coef > 0): its "
-             "statistics of whole sequences are not gathered over the CP group yet", path, cp);
   }
   MT_CHECK(o.min_lr <= o.lr, "{}: [optimizer].min_lr ({}) must be <= [optimizer].lr ({})", path, o.min_lr, o.lr);
   MT_CHECK(t.seq_len <= shape.max_positions,

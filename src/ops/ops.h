@@ -415,10 +415,22 @@ Tensor router_z_loss_backward(const Tensor& probs, const Tensor& lse, double sca
 //   f_i = E / (K S) * (selections of expert i in b),   P_i = (1/S) sum_t p[t,i] / sum_j p[t,j]
 //   loss_b = sum_i f_i P_i
 // Returns sum_b loss_b as [1] (probs' dtype; f32 on CUDA).
-Tensor seq_balance_loss_sum(const Tensor& probs, const Tensor& topk_idx, int64_t batch);
+// Under context parallelism a rank holds part of each sequence: `whole` then gives the
+// sequences' selections summed over the group (seq_balance_counts, all-reduced) and their
+// whole length, and the sums run over this rank's tokens with f and S of the whole
+// sequences (the ranks' sums add up to the loss). The CPU only for now, as CP.
+struct SeqBalanceWhole {
+  Tensor counts;    // f64 [B, E]: selections of each expert in each whole sequence; undefined: these rows
+  int64_t seq = 0;  // the whole sequences' length
+};
+Tensor seq_balance_loss_sum(const Tensor& probs, const Tensor& topk_idx, int64_t batch,
+                            const SeqBalanceWhole& whole = {});
 // d(scale * sum_b loss_b) / d probs [B*S, E] (f counts choices: no gradient):
 //   scale / S * (f_j - sum_i f_i p[t,i] / Z_t) / Z_t,   Z_t = sum_j p[t,j].
-Tensor seq_balance_backward(const Tensor& probs, const Tensor& topk_idx, int64_t batch, double scale);
+Tensor seq_balance_backward(const Tensor& probs, const Tensor& topk_idx, int64_t batch, double scale,
+                            const SeqBalanceWhole& whole = {});
+// Selections of each expert in each of the B sequences of topk_idx [B*S, K]: f64 [B, E] (CPU).
+Tensor seq_balance_counts(const Tensor& topk_idx, int64_t batch, int64_t experts);
 
 // ---- AdamW (decoupled weight decay), FP32 master weights and moments ------------------
 // In place on param, m, v (same shape, f32 or f64; or f32 param and grad with bf16 m and v,

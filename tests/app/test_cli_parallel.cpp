@@ -380,9 +380,19 @@ TEST_F(ParallelCli, ContextParallelLayoutsMatchOneProcess) {
   EXPECT_NE(bad.status, 0);
   EXPECT_NE(bad.output.find("[training].seq_len (30) must be a multiple of 2 x [parallel].cp (4)"), std::string::npos)
       << bad.output;
-  Result seq = launch(2, train_args("seq", 1, "--parallel.cp=2", dsv3 + " --model.seq_aux_loss_coef=0.01"));
-  EXPECT_NE(seq.status, 0);
-  EXPECT_NE(seq.output.find("sequence-wise balance loss"), std::string::npos) << seq.output;
+  // The sequence-wise balance loss: each sequence's expert selections summed over the cp ranks.
+  const std::string seq_aux = dsv3 + " --model.seq_aux_loss_coef=0.05";
+  Result seq_one = launch(1, train_args("seq_one", 1, "", seq_aux));
+  ASSERT_EQ(seq_one.status, 0) << seq_one.output;
+  Result seq = launch(2, train_args("seq_cp2", 1, "--parallel.cp=2", seq_aux));
+  ASSERT_EQ(seq.status, 0) << seq.output;
+  expect_same_run("seq_one", "seq_cp2");
+  const double seq_loss =
+      metrics(dir_ / "seq_cp2")[0].value("loss_terms", nlohmann::json::object()).value("seq_aux_loss", 0.0);
+  EXPECT_NEAR(seq_loss,
+              metrics(dir_ / "seq_one")[0].value("loss_terms", nlohmann::json::object()).value("seq_aux_loss", -1.0),
+              1e-6 * seq_loss);
+  EXPECT_GT(seq_loss, 0.0);
 }
 
 // Context parallelism inside pipelines (pp2 x cp2, both schedules): each stage's CP pair

@@ -735,6 +735,36 @@ TEST(OpsMoe, SeqBalanceLossAndGradcheck) {
     const double err = gradcheck(probs, g, [&] { return scale * ops::seq_balance_loss_sum(probs, r.topk_idx, B).item(); });
     report(op, "probs", err);
   }
+  // Parts of sequences (context parallelism): each sequence's rows cut into two parts held
+  // apart; with the whole sequences' selections and length, the parts' loss sums add up to
+  // the whole loss and their gradients are the whole gradient's rows.
+  {
+    const int64_t B = 2, S = 6, E = 5, K = 2, half = S / 2;
+    Tensor logits = random_tensor({B * S, E}, DType::F64, 77, 1.5);
+    const ops::RouterOut r = ops::router_sigmoid_forward(logits, Tensor(), K, 1, 1, true, 1.0);
+    const double whole_loss = ops::seq_balance_loss_sum(r.probs, r.topk_idx, B).item();
+    const Tensor whole_grad = ops::seq_balance_backward(r.probs, r.topk_idx, B, 0.5);
+    const ops::SeqBalanceWhole whole{ops::seq_balance_counts(r.topk_idx, B, E), S};
+    double parts = 0;
+    for (int64_t part = 0; part < 2; ++part) {
+      Tensor p = Tensor::empty({B * half, E}, DType::F64), idx = Tensor::empty({B * half, K}, DType::I32);
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t from = b * S + part * half;
+        p.slice(b * half, (b + 1) * half).copy_from(r.probs.slice(from, from + half));
+        idx.slice(b * half, (b + 1) * half).copy_from(r.topk_idx.slice(from, from + half));
+      }
+      parts += ops::seq_balance_loss_sum(p, idx, B, whole).item();
+      const Tensor g = ops::seq_balance_backward(p, idx, B, 0.5, whole);
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t from = b * S + part * half;
+        EXPECT_LT(testing::rel_error(g.slice(b * half, (b + 1) * half), whole_grad.slice(from, from + half)), 1e-13)
+            << "part " << part << " sequence " << b;
+      }
+      EXPECT_NE(ops::seq_balance_loss_sum(p, idx, B).item(), ops::seq_balance_loss_sum(p, idx, B, whole).item())
+          << "a part's own counts are not the whole's";
+    }
+    EXPECT_NEAR(parts, whole_loss, 1e-14);
+  }
   Tensor p = random_tensor({6, 4}, DType::F64, 1);
   expect_error([&] { ops::seq_balance_loss_sum(p, testing::random_ints({6, 2}, 0, 4, 2), 4); }, "not 4 sequences");
   expect_error([&] { ops::seq_balance_loss_sum(p, testing::random_ints({6, 2}, 0, 9, 2), 2); }, "not an expert");

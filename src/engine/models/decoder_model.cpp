@@ -263,7 +263,8 @@ bool MoeDecoderModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) {
           ops::add_(f.totals.z_sum, s.z.loss_sum);
         }
         if (spec_.seq_aux_loss_coef > 0) {
-          ops::add_(f.totals.seq_sum, ops::seq_balance_loss_sum(s.route.probs, s.route.topk_idx, f.b.batch));
+          const ops::SeqBalanceWhole whole = whole_sequences(s.route.topk_idx, f.b);
+          ops::add_(f.totals.seq_sum, ops::seq_balance_loss_sum(s.route.probs, s.route.topk_idx, f.b.batch, whole));
           f.totals.seq_count = f.b.batch;  // every layer's term counts: a sum over layers, a mean over sequences
         }
         f.a.expert_counts.push_back(s.expert_in.counts);  // read after the pass (no host wait here)
@@ -342,7 +343,8 @@ bool MoeDecoderModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
         if (spec_.seq_aux_loss_coef > 0) {  // each layer's, a mean over the sequences
           Tensor d = ops::seq_balance_backward(s.route.probs, s.route.topk_idx, g.b.batch,
                                                spec_.seq_aux_loss_coef * g.aux_scale /
-                                                   static_cast<double>(g.a.totals.seq_count));
+                                                   static_cast<double>(g.a.totals.seq_count),
+                                               whole_sequences(s.route.topk_idx, g.b));
           if (d_probs.defined()) ops::add_(d_probs, d);
           else d_probs = std::move(d);
         }
@@ -424,6 +426,11 @@ BatchShape MoeDecoderModel::shape_of(const Batch& batch) const {
     b.context = context_.get();
   }
   return b;
+}
+
+ops::SeqBalanceWhole MoeDecoderModel::whole_sequences(const Tensor& topk_idx, const BatchShape& b) const {
+  if (b.context == nullptr) return {};
+  return b.context->whole_sequences(topk_idx, b.batch, b.seq, spec_.num_experts);
 }
 
 void MoeDecoderModel::set_recompute(const std::vector<int64_t>& layers, RecomputeMode mode) {
@@ -703,7 +710,9 @@ void MoeDecoderModel::router_losses(RouterTotals& totals, MicroBatchLoss& out) c
     totals.selections.copy_from(sel);
     totals.prob_sum.copy_from(prob);
     totals.rows *= ranks;
-    totals.seq_count *= ranks;  // the sequence-wise loss: a mean over every data rank's sequences
+    // The sequence-wise loss: a mean over every data rank's sequences (the cp ranks of a
+    // place share theirs, each adding its part of every one).
+    totals.seq_count *= ranks / (context_ ? context_->size() : 1);
     assumed_rows = totals.rows;
   }
   if (totals.rows > 0) {

@@ -230,6 +230,8 @@ class MoeDecoderModel : public Model {
   std::unique_ptr<ContextAttention> context_;  // [parallel].cp > 1
   // A batch's shape for the layers (with the CP group's attention when it carries places).
   BatchShape shape_of(const Batch& batch) const;
+  // The sequence-wise balance loss's whole sequences under context parallelism (none else).
+  ops::SeqBalanceWhole whole_sequences(const Tensor& topk_idx, const BatchShape& b) const;
   bool router_entropy_ = true;         // measure each MoE layer's router entropy (set_detailed_telemetry)
   std::vector<ParamBucket> buckets_;
   Tensor embed_, final_norm_w_, lm_head_;  // lm_head_ aliases embed_ when tied

@@ -144,6 +144,13 @@ ops::AttentionGrads ContextAttention::backward(const Tensor& dout, const Tensor&
   return g;
 }
 
+ops::SeqBalanceWhole ContextAttention::whole_sequences(const Tensor& topk_idx, int64_t batch, int64_t seq,
+                                                      int64_t experts) const {
+  ops::SeqBalanceWhole w{ops::seq_balance_counts(topk_idx, batch, experts), seq * group_.size()};
+  group_.all_reduce(w.counts);  // small integers in f64: exact in any order
+  return w;
+}
+
 ops::AttentionOut attend(const Tensor& q, const Tensor& k, const Tensor& v, const BatchShape& b,
                          const ops::AttentionShape& shape) {
   if (b.context == nullptr) return ops::attention_forward(q, k, v, b.segment_ids, shape);

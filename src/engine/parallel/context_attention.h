@@ -30,6 +30,12 @@ class ContextAttention {
                                const ops::AttentionPlaces& places, const Tensor& out, const Tensor& lse,
                                const ops::AttentionShape& shape) const;
 
+  // For a loss over whole sequences (DeepSeek's sequence-wise balance loss): the sequences'
+  // expert selections summed over the group, and their whole length, from this rank's rows
+  // (`seq` tokens of each of `batch` sequences).
+  ops::SeqBalanceWhole whole_sequences(const Tensor& topk_idx, int64_t batch, int64_t seq, int64_t experts) const;
+  int size() const { return group_.size(); }
+
  private:
   struct Places;
   struct Hop;

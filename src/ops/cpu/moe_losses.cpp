@@ -161,29 +161,52 @@ Tensor router_z_loss_backward(const Tensor& probs, const Tensor& lse, double sca
 namespace moetrain::ops::cpu {
 namespace {
 
-// Checks the arguments (every expert id too); returns S, and fills f [B, E] (E / (K S) times
-// each sequence's counts).
-int64_t seq_balance_counts(const char* op, const Tensor& probs, const Tensor& topk_idx, int64_t batch,
-                           std::vector<double>& f) {
-  const int64_t S = check_seq_balance_args(op, probs, topk_idx, batch);
-  const int64_t R = probs.size(0), E = probs.size(1), K = topk_idx.size(1);
+// Each sequence's selections of each expert, f64 [B, E] (every expert id checked).
+std::vector<double> selections(const char* op, const Tensor& topk_idx, int64_t batch, int64_t E) {
+  const int64_t R = topk_idx.size(0), K = topk_idx.size(1), S = R / batch;
   const int32_t* idx = topk_idx.data<int32_t>();
-  f.assign(static_cast<size_t>(batch * E), 0.0);
+  std::vector<double> n(static_cast<size_t>(batch * E), 0.0);
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t k = 0; k < K; ++k) {
       const int32_t e = idx[r * K + k];
       MT_CHECK(e >= 0 && e < E, "{}: topk_idx[{}, {}] = {} is not an expert in [0, {})", op, r, k, e, E);
-      f[(r / S) * E + e] += static_cast<double>(E) / static_cast<double>(K * S);
+      n[static_cast<size_t>((r / S) * E + e)] += 1;
     }
   }
+  return n;
+}
+
+// Checks the arguments; returns the S the sums divide by (the whole sequences' under
+// context parallelism), and fills f [B, E] (E / (K S) times each sequence's selections).
+int64_t seq_balance_counts(const char* op, const Tensor& probs, const Tensor& topk_idx, int64_t batch,
+                           const SeqBalanceWhole& whole, std::vector<double>& f) {
+  int64_t S = check_seq_balance_args(op, probs, topk_idx, batch);
+  const int64_t E = probs.size(1), K = topk_idx.size(1);
+  if (whole.counts.defined()) {
+    MT_CHECK(whole.counts.dtype() == DType::F64 && whole.counts.numel() == batch * E,
+             "{}: whole.counts is {}, expected f64 [{}, {}] (seq_balance_counts)", op, whole.counts.str(), batch, E);
+    MT_CHECK(whole.seq >= S, "{}: whole.seq = {} is shorter than this rank's part of a sequence ({})", op, whole.seq, S);
+    f = whole.counts.to_double_vector();
+    S = whole.seq;
+  } else {
+    f = selections(op, topk_idx, batch, E);
+  }
+  for (double& x : f) x *= static_cast<double>(E) / static_cast<double>(K * S);
   return S;
 }
 
 }  // namespace
 
-Tensor seq_balance_loss_sum(const Tensor& probs, const Tensor& topk_idx, int64_t batch) {
+Tensor seq_balance_counts(const Tensor& topk_idx, int64_t batch, int64_t experts) {
+  MT_CHECK(topk_idx.ndim() == 2 && topk_idx.dtype() == DType::I32 && batch > 0 && topk_idx.size(0) % batch == 0,
+           "seq_balance_counts: topk_idx {} must be i32 [batch * S, K] with batch = {}", topk_idx.str(), batch);
+  return Tensor::from_vector(selections("seq_balance_counts", topk_idx, batch, experts), {batch, experts});
+}
+
+Tensor seq_balance_loss_sum(const Tensor& probs, const Tensor& topk_idx, int64_t batch, const SeqBalanceWhole& whole) {
   std::vector<double> f;
-  const int64_t S = seq_balance_counts("seq_balance_loss_sum", probs, topk_idx, batch, f);
+  const int64_t S = seq_balance_counts("seq_balance_loss_sum", probs, topk_idx, batch, whole, f);
+  const int64_t n = probs.size(0) / batch;  // this rank's tokens of a sequence
   const int64_t R = probs.size(0), E = probs.size(1);
   Tensor out = Tensor::empty({1}, probs.dtype());
   dispatch_float(probs.dtype(), "seq_balance_loss_sum", [&](auto tag) {
@@ -194,7 +217,7 @@ Tensor seq_balance_loss_sum(const Tensor& probs, const Tensor& topk_idx, int64_t
       double z = 0, dot = 0;
       for (int64_t e = 0; e < E; ++e) {
         z += static_cast<double>(p[r * E + e]);
-        dot += f[(r / S) * E + e] * static_cast<double>(p[r * E + e]);
+        dot += f[static_cast<size_t>((r / n) * E + e)] * static_cast<double>(p[r * E + e]);
       }
       total += dot / z / static_cast<double>(S);
     }
@@ -203,9 +226,11 @@ Tensor seq_balance_loss_sum(const Tensor& probs, const Tensor& topk_idx, int64_t
   return out;
 }
 
-Tensor seq_balance_backward(const Tensor& probs, const Tensor& topk_idx, int64_t batch, double scale) {
+Tensor seq_balance_backward(const Tensor& probs, const Tensor& topk_idx, int64_t batch, double scale,
+                            const SeqBalanceWhole& whole) {
   std::vector<double> f;
-  const int64_t S = seq_balance_counts("seq_balance_backward", probs, topk_idx, batch, f);
+  const int64_t S = seq_balance_counts("seq_balance_backward", probs, topk_idx, batch, whole, f);
+  const int64_t n = probs.size(0) / batch;  // this rank's tokens of a sequence
   const int64_t R = probs.size(0), E = probs.size(1);
   Tensor d = Tensor::empty({R, E}, probs.dtype());
   dispatch_float(probs.dtype(), "seq_balance_backward", [&](auto tag) {
@@ -213,7 +238,7 @@ Tensor seq_balance_backward(const Tensor& probs, const Tensor& topk_idx, int64_t
     const F* p = probs.data<F>();
     F* g = d.data<F>();
     for (int64_t r = 0; r < R; ++r) {
-      const double* fr = f.data() + (r / S) * E;
+      const double* fr = f.data() + (r / n) * E;
       double z = 0, dot = 0;
       for (int64_t e = 0; e < E; ++e) {
         z += static_cast<double>(p[r * E + e]);
