@@ -545,9 +545,6 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
            "{}: [training].recompute_layers is set but [training].recompute is \"none\" (say \"selective\" or \"full\")", path);
   if (cfg.parallel.cp > 1) {
     const int64_t cp = cfg.parallel.cp;
-    MT_CHECK(t.device == "cpu",
-             "{}: [parallel].cp = {} runs on the CPU only for now (the GPU attention over blocks of keys is not built)",
-             path, cp);
     MT_CHECK(t.seq_len % (2 * cp) == 0,
              "{}: [training].seq_len ({}) must be a multiple of 2 x [parallel].cp ({}): each sequence is cut into 2 cp "
              "equal chunks", path, t.seq_len, 2 * cp);

@@ -64,8 +64,10 @@ struct TrainContext {
     if (layerwise) layerwise->drain();
   }
   // Tokens of one step over all data ranks.
+  // The step's tokens: the rows of every (dp, ep) rank's micro-batches, whole sequences (the
+  // cp ranks of a place share their rows, each holding part of every sequence).
   int64_t tokens_per_step(const TrainingConfig& tc) const {
-    return tc.micro_batch_size * par.layout.data_world() * tc.seq_len * tc.grad_accum_steps;
+    return tc.micro_batch_size * par.layout.row_world() * tc.seq_len * tc.grad_accum_steps;
   }
 };
 

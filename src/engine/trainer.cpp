@@ -619,8 +619,11 @@ TrainSummary train(const RunConfig& cfg_in) {
                                                 cfg.model->shape().mtp_layers);  // (validation runs no module)
     data.val = std::make_unique<ZigzagLoader>(std::move(data.val), at.cp(), at.cp_rank());
     spdlog::info("context parallelism: cp {}, every sequence in {} chunks of {} tokens, cp rank r holding chunks r "
-                 "and {} - r; keys and values passed round the cp ranks (ring attention)",
-                 at.cp(), 2 * at.cp(), tc.seq_len / (2 * at.cp()), 2 * at.cp() - 1);
+                 "and {} - r; {}",
+                 at.cp(), 2 * at.cp(), tc.seq_len / (2 * at.cp()), 2 * at.cp() - 1,
+                 tc.device == "cuda" ? "attention over the whole sequences (keys and values all-gathered; the GPU's "
+                                       "form until its block kernels)"
+                                     : "keys and values passed round the cp ranks (ring attention)");
   }
   spdlog::info("data: {}", data.summary);
   // Model, dispatcher, optimizer, pipeline: train_context.h.

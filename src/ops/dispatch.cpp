@@ -245,6 +245,14 @@ Tensor permute_backward(const Tensor& dxp, const Permutation& p) {
   return MT_ROUTE(dxp, permute_backward, dxp, p);
 }
 
+Tensor take_rows(const Tensor& x, const Tensor& index) {
+  MT_CHECK(x.defined() && x.ndim() >= 1, "take_rows: x must have rows, got {}", x.defined() ? x.str() : "undefined");
+  MT_CHECK(index.defined() && index.ndim() == 1 && index.dtype() == DType::I32,
+           "take_rows: index must be i32 [N], got {}", index.defined() ? index.str() : "undefined");
+  MT_CHECK(index.device() == x.device(), "take_rows: index is on {}, x on {}", index.device().str(), x.device().str());
+  return MT_ROUTE(x, take_rows, x, index);
+}
+
 Tensor unpermute_forward(const Tensor& yp, const Permutation& p) {
   check_permuted(p, yp, RowsOf::kPermuted, "unpermute_forward", "yp");
   return MT_ROUTE(yp, unpermute_forward, yp, p);

@@ -262,6 +262,12 @@ Tensor unpermute_forward(const Tensor& yp, const Permutation& p);
 // the inverse, (t, k)-ordered gradients [T*K, H] -> expert order [R, H]
 Tensor unpermute_backward(const Tensor& dy, const Permutation& p);
 
+// ---- rows by index ----------------------------------------------------------------------
+// x [R, ...] of any dtype, index i32 [N] -> [N, ...]: row i is x[index[i]] where 0 <=
+// index[i] < R, zeros where the index is outside (a scatter into zeros is the gather of
+// the inverse map with the absent rows pointed outside). Exact copies.
+Tensor take_rows(const Tensor& x, const Tensor& index);
+
 // ---- weighted combine: y[t] = residual[t] + sum_k w[t,k] * e[row(t, k)] ---------------
 // expert_out [T*K, H], weight [T, K], residual [T, H] or undefined. row(t, k) = t*K + k, or
 // with `order` (i32 [T*K], a permutation: Permutation::slot_row) order[t*K + k]: the expert

@@ -1,6 +1,7 @@
 // ContextAttention over a Gloo group of 2, 3 and 4 ranks (threads): every rank holds its zigzag
 // chunks (zigzag_batch's places) of two sequences; its out and dq, and its keys' dk and dv
-// (summed over every rank's queries on their way round the ring), equal the whole sequences' causal
+// (summed over every rank's queries on their way round the ring, or in the whole-sequence
+// form the GPUs run, reduce-scattered), equal the whole sequences' causal
 // attention at its places within 1e-12 (f64), with grouped heads, value heads of another size
 // and packed documents.
 #include <gtest/gtest.h>
@@ -63,14 +64,18 @@ TEST(ContextAttention, ZigzagRanksTogetherGiveTheWholeAttention) {
       const ops::AttentionPlaces places{Tensor::from_vector(idx, {B * n}), Tensor::from_vector(sg, {B * n})};
       ops::AttentionShape local = whole;
       local.seq = n;
-      const ContextAttention attn(c);
-      const Tensor qr = rows_at(q, mine, B, S), kr = rows_at(k, mine, B, S), vr = rows_at(v, mine, B, S);
-      const ops::AttentionOut o = attn.forward(qr, kr, vr, places, local);
-      EXPECT_LT(max_diff(o.out, rows_at(full.out, mine, B, S)), 1e-12) << "rank " << c.rank();
-      const ops::AttentionGrads g = attn.backward(rows_at(dout, mine, B, S), qr, kr, vr, places, o.out, o.lse, local);
-      EXPECT_LT(max_diff(g.dq, rows_at(gfull.dq, mine, B, S)), 1e-12) << "rank " << c.rank();
-      EXPECT_LT(max_diff(g.dk, rows_at(gfull.dk, mine, B, S)), 1e-12) << "rank " << c.rank();
-      EXPECT_LT(max_diff(g.dv, rows_at(gfull.dv, mine, B, S)), 1e-12) << "rank " << c.rank();
+      for (ContextAttention::Form form : {ContextAttention::Form::kRing, ContextAttention::Form::kWhole}) {
+        SCOPED_TRACE(form == ContextAttention::Form::kRing ? "ring" : "whole sequences");
+        const ContextAttention attn(c, form);
+        const Tensor qr = rows_at(q, mine, B, S), kr = rows_at(k, mine, B, S), vr = rows_at(v, mine, B, S);
+        const ops::AttentionOut o = attn.forward(qr, kr, vr, places, local);
+        EXPECT_LT(max_diff(o.out, rows_at(full.out, mine, B, S)), 1e-12) << "rank " << c.rank();
+        const ops::AttentionGrads g =
+            attn.backward(rows_at(dout, mine, B, S), qr, kr, vr, places, o.out, o.lse, local);
+        EXPECT_LT(max_diff(g.dq, rows_at(gfull.dq, mine, B, S)), 1e-12) << "rank " << c.rank();
+        EXPECT_LT(max_diff(g.dk, rows_at(gfull.dk, mine, B, S)), 1e-12) << "rank " << c.rank();
+        EXPECT_LT(max_diff(g.dv, rows_at(gfull.dv, mine, B, S)), 1e-12) << "rank " << c.rank();
+      }
     });
   }
 }

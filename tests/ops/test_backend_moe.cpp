@@ -420,6 +420,32 @@ TEST(BackendMoe, PermutationMatchesCpuAndIsDeterministic) {
   check_permutation(r.topk_idx, 128, "permutation_by_expert[router,T=3000,K=8,E=128]");
 }
 
+// take_rows: exact row copies of any dtype by an index with entries outside the rows
+// (zero rows), against the CPU's and against the definition.
+TEST(BackendMoe, TakeRows) {
+  Tensor x = random_bf16_values({37, 24}, 5);
+  std::vector<int32_t> idx;
+  for (int i = 0; i < 50; ++i) idx.push_back(i % 7 == 3 ? 37 + i : (i * 11) % 37);  // some past the rows
+  idx.push_back(-1);
+  const Tensor index = Tensor::from_vector(idx, {static_cast<int64_t>(idx.size())});
+  const Tensor y = ops::take_rows(x, index);
+  for (size_t i = 0; i < idx.size(); ++i) {
+    for (int64_t c = 0; c < 24; ++c) {
+      const bool in = idx[i] >= 0 && idx[i] < 37;
+      ASSERT_EQ(y.item(static_cast<int64_t>(i) * 24 + c), in ? x.item(idx[i] * 24 + c) : 0.0) << i;
+    }
+  }
+  const Tensor ints = testing::random_ints({37}, 0, 1000, 6);
+  const Tensor yi = ops::take_rows(ints, index);
+  EXPECT_EQ(yi.item(0), ints.item(idx[0]));
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  for (DType dt : {DType::BF16, DType::F32}) {
+    expect_backend_close(ops::take_rows(on_gpu(x, dt), index.to(kGpu)), y, 1e-30, "take_rows", "y");
+  }
+  EXPECT_TRUE(testing::bytes_equal(ops::take_rows(ints.to(kGpu), index.to(kGpu)).to(Device::cpu()), yi));
+}
+
 TEST(BackendMoe, PermuteAndUnpermute) {
   MT_REQUIRE_GPU();
   struct Case {

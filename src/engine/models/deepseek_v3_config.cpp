@@ -180,6 +180,7 @@ LayerFootprint DeepseekV3Config::layer_footprint(int64_t id, int act) const {
                          8 * nh;
   f.selective_per_token = a * (2 * H + qr + r);  // ln1.y, ln2.y, the two latents' norm outputs
   f.kv_per_token = a * nh * (qk + dv);            // every head's key and value (MLA expands them)
+  f.attention_per_token = a * nh * (2 * qk + 2 * dv);
   if (moe) {
     const double I = static_cast<double>(moe_intermediate_size), shared = static_cast<double>(n_shared_experts) * I;
     f.params += n_routed_experts * h + 3 * h * n_shared_experts * moe_intermediate_size;

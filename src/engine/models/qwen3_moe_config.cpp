@@ -224,6 +224,7 @@ LayerFootprint Qwen3MoeConfig::layer_footprint(int64_t id, int act) const {
   f.backward_per_token = a * (3 * H + 2 * qd + 2 * kvd) + a * (2 * qd + 2 * kvd) + 8 * nh;
   f.selective_per_token = a * (2 * H + qd + kvd);  // ln1.y, ln2.y, q, k
   f.kv_per_token = a * 2 * kvd;
+  f.attention_per_token = a * (2 * qd + 2 * kvd);
   if (moe) {
     f.expert_params = 3 * hidden_size * I;
     f.experts = num_experts;

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "engine/data/loader.h"
 
 namespace moetrain {
 
@@ -37,6 +38,95 @@ struct ContextAttention::Hop {
   }
 };
 
+// Row maps between this rank's rows ([B n]: n of each sequence at its zigzag places), the
+// gathered rows ([cp B n]: every rank's, in rank order) and the whole sequences ([B S]),
+// for ops::take_rows (an index outside the source gives a zero row).
+struct ContextAttention::WholeMaps {
+  int64_t batch, seq;
+  Tensor whole_from_gathered;  // [B S]: the gathered row at each whole place
+  Tensor gathered_from_whole;  // [cp B n]: the whole place of each gathered row
+  Tensor own_in_whole;         // [B S]: this rank's row at each whole place, or B n (outside: zero)
+  Tensor whole_of_own;         // [B n]: the whole place of each of this rank's rows
+};
+
+ContextAttention::ContextAttention(Communicator& group, Form form) : group_(group), form_(form) {}
+ContextAttention::~ContextAttention() = default;
+
+bool ContextAttention::whole_form(const Tensor& q) const {
+  return form_ == Form::kWhole || (form_ == Form::kAuto && !q.device().is_cpu());
+}
+
+const ContextAttention::WholeMaps& ContextAttention::maps(int64_t batch, int64_t seq, Device device) const {
+  for (const auto& m : maps_) {
+    if (m->batch == batch && m->seq == seq) return *m;
+  }
+  const int64_t cp = group_.size(), me = group_.rank(), S = seq * cp, n = seq, B = batch;
+  std::vector<int32_t> whole_from(static_cast<size_t>(B * S)), gathered_from(static_cast<size_t>(cp * B * n)),
+      own_in(static_cast<size_t>(B * S), static_cast<int32_t>(B * n)), whole_of(static_cast<size_t>(B * n));
+  for (int64_t j = 0; j < cp; ++j) {
+    const std::vector<int32_t> places = zigzag_places(S, cp, j);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t whole = b * S + places[static_cast<size_t>(i)], g = j * B * n + b * n + i;
+        whole_from[static_cast<size_t>(whole)] = static_cast<int32_t>(g);
+        gathered_from[static_cast<size_t>(g)] = static_cast<int32_t>(whole);
+        if (j == me) {
+          own_in[static_cast<size_t>(whole)] = static_cast<int32_t>(b * n + i);
+          whole_of[static_cast<size_t>(b * n + i)] = static_cast<int32_t>(whole);
+        }
+      }
+    }
+  }
+  auto m = std::make_unique<WholeMaps>();
+  m->batch = batch;
+  m->seq = seq;
+  m->whole_from_gathered = Tensor::from_vector(whole_from, {B * S}).to(device);
+  m->gathered_from_whole = Tensor::from_vector(gathered_from, {cp * B * n}).to(device);
+  m->own_in_whole = Tensor::from_vector(own_in, {B * S}).to(device);
+  m->whole_of_own = Tensor::from_vector(whole_of, {B * n}).to(device);
+  maps_.push_back(std::move(m));
+  return *maps_.back();
+}
+
+// The whole sequences' attention with only this rank's queries in them (the others zero:
+// their outputs are not read, and in the backward their zero output gradients add nothing
+// to the keys' and values' gradients).
+ops::AttentionOut ContextAttention::whole_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                  const ops::AttentionPlaces& places,
+                                                  const ops::AttentionShape& shape) const {
+  const WholeMaps& m = maps(shape.batch, shape.seq, q.device());
+  ops::AttentionShape whole = shape;
+  whole.seq = shape.seq * group_.size();
+  const Tensor segments =
+      places.segments.defined() ? ops::take_rows(gathered(places.segments), m.whole_from_gathered) : Tensor();
+  ops::AttentionOut o = ops::attention_forward(ops::take_rows(q, m.own_in_whole),
+                                               ops::take_rows(gathered(k), m.whole_from_gathered),
+                                               ops::take_rows(gathered(v), m.whole_from_gathered), segments, whole);
+  return {ops::take_rows(o.out, m.whole_of_own), std::move(o.lse)};  // lse: the whole sequences' [B, Hq, S]
+}
+
+ops::AttentionGrads ContextAttention::whole_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                                     const Tensor& v, const ops::AttentionPlaces& places,
+                                                     const Tensor& out, const Tensor& lse,
+                                                     const ops::AttentionShape& shape) const {
+  const WholeMaps& m = maps(shape.batch, shape.seq, q.device());
+  ops::AttentionShape whole = shape;
+  whole.seq = shape.seq * group_.size();
+  const Tensor segments =
+      places.segments.defined() ? ops::take_rows(gathered(places.segments), m.whole_from_gathered) : Tensor();
+  ops::AttentionGrads w = ops::attention_backward(
+      ops::take_rows(dout, m.own_in_whole), ops::take_rows(q, m.own_in_whole),
+      ops::take_rows(gathered(k), m.whole_from_gathered), ops::take_rows(gathered(v), m.whole_from_gathered), segments,
+      ops::take_rows(out, m.own_in_whole), lse, whole);
+  ops::AttentionGrads g;
+  g.dq = ops::take_rows(w.dq, m.whole_of_own);
+  g.dk = Tensor::empty(k.shape(), w.dk.dtype(), k.device());
+  g.dv = Tensor::empty(v.shape(), w.dv.dtype(), v.device());
+  group_.reduce_scatter(ops::take_rows(w.dk, m.gathered_from_whole), g.dk);  // each rank's keys, over every query
+  group_.reduce_scatter(ops::take_rows(w.dv, m.gathered_from_whole), g.dv);
+  return g;
+}
+
 Tensor ContextAttention::gathered(const Tensor& x) const {
   Shape s = x.shape();
   s[0] *= group_.size();
@@ -66,6 +156,7 @@ ContextAttention::Hop ContextAttention::pass_on(const Tensor& a, const Tensor& b
 // attended to the ones before; merged in that order (fixed per rank).
 ops::AttentionOut ContextAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                             const ops::AttentionPlaces& places, const ops::AttentionShape& shape) const {
+  if (whole_form(q)) return whole_forward(q, k, v, places, shape);
   const int n = group_.size(), r = group_.rank();
   const Places all = gather_places(k, places);
   Tensor k_now = k, v_now = v;
@@ -98,6 +189,7 @@ ops::AttentionOut ContextAttention::forward(const Tensor& q, const Tensor& k, co
 ops::AttentionGrads ContextAttention::backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                                const ops::AttentionPlaces& places, const Tensor& out,
                                                const Tensor& lse, const ops::AttentionShape& shape) const {
+  if (whole_form(q)) return whole_backward(dout, q, k, v, places, out, lse, shape);
   const int n = group_.size(), r = group_.rank();
   const Places all = gather_places(k, places);
   Tensor k_now = k, v_now = v;

@@ -65,9 +65,11 @@ Held held_by(const RunConfig& cfg, const PlanLayout& l, const std::vector<int64_
       kept -= dropped;
     }
     h.kept += kept;
-    // Context parallelism's ring (context_attention.cpp): the forward holds the next key/value
-    // block beside the one in hand; the backward also two blocks of their gradient sums.
-    const double ring = l.cp > 1 ? 4 * T * f.kv_per_token : 0;
+    // Context parallelism (context_attention.cpp). The CPU's ring: the forward holds the next
+    // key/value block beside the one in hand, the backward also two blocks of their gradient
+    // sums. The GPU's whole-sequence form: the attention's inputs, output and their gradients
+    // for whole sequences (cp times a rank's tokens) in the backward.
+    const double ring = l.cp <= 1 ? 0 : act == 2 ? 2 * l.cp * T * f.attention_per_token : 4 * T * f.kv_per_token;
     h.backward = std::max(h.backward, T * f.backward_per_token + rows * f.backward_per_row + ring);
     h.deferred += rows * f.deferred_per_row;
     ++h.layers;

@@ -111,6 +111,22 @@ Tensor permute_backward(const Tensor& dxp, const Permutation& p) {
   return dx;
 }
 
+Tensor take_rows(const Tensor& x, const Tensor& index) {
+  Shape shape = x.shape();
+  const int64_t R = shape[0], N = index.size(0);
+  shape[0] = N;
+  Tensor y = Tensor::zeros(shape, x.dtype(), x.device());
+  if (R == 0) return y;
+  const size_t row = static_cast<size_t>(x.nbytes() / R);
+  const auto* src = static_cast<const unsigned char*>(x.raw());
+  auto* dst = static_cast<unsigned char*>(y.raw());
+  const int32_t* idx = index.data<int32_t>();
+  for (int64_t i = 0; i < N; ++i) {
+    if (idx[i] >= 0 && idx[i] < R) std::memcpy(dst + static_cast<size_t>(i) * row, src + static_cast<size_t>(idx[i]) * row, row);
+  }
+  return y;
+}
+
 Tensor unpermute_forward(const Tensor& yp, const Permutation& p) {
   const int64_t H = yp.size(1);  // shapes checked in ops/dispatch.cpp
   const int64_t NK = p.num_tokens * p.top_k, R = p.permuted_rows();

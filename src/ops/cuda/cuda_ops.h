@@ -44,6 +44,7 @@ Tensor expert_ids_in_range(const Tensor& topk_idx, int64_t first, int64_t count)
 Tensor permute_forward(const Tensor& x, const Permutation& p);
 Tensor permute_backward(const Tensor& dxp, const Permutation& p);
 Tensor unpermute_forward(const Tensor& yp, const Permutation& p);
+Tensor take_rows(const Tensor& x, const Tensor& index);
 Tensor unpermute_backward(const Tensor& dy, const Permutation& p);
 Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Tensor& residual, const Tensor& order);
 CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& weight, const Tensor& order);

@@ -77,6 +77,18 @@ Tensor permute_backward(const Tensor& dxp, const Permutation& p) {
   return dx;
 }
 
+Tensor take_rows(const Tensor& x, const Tensor& index) {
+  check_cuda_tensors("take_rows", {&x, &index});
+  Shape shape = x.shape();
+  const int64_t R = shape[0], N = index.size(0);
+  shape[0] = N;
+  Tensor y = Tensor::zeros(shape, x.dtype(), x.device());  // rows whose index is outside stay zero
+  if (N == 0 || R == 0 || x.numel() == 0) return y;
+  launch_copy_rows(x.raw(), y.raw(), index.data<int32_t>(), N, R, x.nbytes() / R, /*scatter=*/false, stream());
+  check_launch("copy_rows_kernel (take_rows)");
+  return y;
+}
+
 Tensor unpermute_forward(const Tensor& yp, const Permutation& p) {
   const int64_t H = check_rows(p, yp, "unpermute_forward");
   const int64_t NK = p.num_tokens * p.top_k, R = p.permuted_rows();
