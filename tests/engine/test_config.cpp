@@ -350,10 +350,9 @@ TEST(RunConfig, SectionChecks) {
   TempDir dir;
   std::string path = dir.file("run.toml", "");
   auto err = [&](std::vector<std::string> o) { return error_of([&] { RunConfig::load(path, o); }); };
-  EXPECT_NE(err({"parallel.cp=2", "training.device=cuda"}).find("[parallel].cp = 2 runs on the CPU only for now"),
+  EXPECT_NE(err({"parallel.cp=2", "training.seq_len=30"}).find("must be a multiple of 2 x [parallel].cp (4)"),
             std::string::npos);
-  EXPECT_NE(err({"parallel.cp=2", "parallel.pp=2"}).find("context parallelism in a pipeline is not built yet"),
-            std::string::npos);
+  EXPECT_EQ(err({"parallel.cp=2", "training.device=cuda", "parallel.pp=2"}), "") << "cp on GPUs and in pipelines";
   EXPECT_NE(err({"parallel.cp=0"}).find("[parallel].cp must be"), std::string::npos);
   EXPECT_NE(err({"parallel.dp=0"}).find("[parallel].dp must be -1 (inferred) or >= 1, got 0"), std::string::npos);
   EXPECT_NE(err({"parallel.ep=0"}).find("[parallel].ep must be"), std::string::npos);
