@@ -342,11 +342,11 @@ TEST_F(ParallelCli, RecomputationLeavesEveryLayoutsRunBitwiseUnchanged) {
 }
 
 // Context parallelism on the CPU (Gloo): every sequence cut into 2 cp zigzag chunks, keys and
-// values gathered over the cp ranks (engine/parallel/context_attention.h), the loss and the
-// router totals summed over them, gradients reduced over dp x cp (x ep): cp2, cp4, cp2 x ep2,
-// cp2 x dp2 (the tiny Qwen3 model) and DeepSeek-V3's MLA (without the losses that read whole
-// sequences) against one process with the same rows (packed conversations: test_cli_sft.cpp).
-// What is not built yet is refused by name.
+// values passed round the cp ranks (ring attention, engine/parallel/context_attention.h), the
+// loss and the router totals summed over them, gradients reduced over dp x cp (x ep): cp2,
+// cp4, cp2 x ep2, cp2 x dp2 (the tiny Qwen3 model), DeepSeek-V3's MLA with its MTP module and
+// with the sequence-wise balance loss, against one process with the same rows (packed
+// conversations: test_cli_sft.cpp). A seq_len that does not cut into 2 cp chunks is refused.
 TEST_F(ParallelCli, ContextParallelLayoutsMatchOneProcess) {
   Result one = launch(1, train_args("one", 1));
   ASSERT_EQ(one.status, 0) << one.output;
