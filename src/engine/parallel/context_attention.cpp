@@ -88,42 +88,50 @@ const ContextAttention::WholeMaps& ContextAttention::maps(int64_t batch, int64_t
   return *maps_.back();
 }
 
+// Every rank's keys, values and documents in whole-sequence order, with the maps and shape.
+struct ContextAttention::WholeKeys {
+  const WholeMaps& maps;
+  ops::AttentionShape shape;
+  Tensor k, v, segments;
+};
+
+ContextAttention::WholeKeys ContextAttention::whole_keys(const Tensor& k, const Tensor& v,
+                                                         const ops::AttentionPlaces& places,
+                                                         const ops::AttentionShape& shape) const {
+  const WholeMaps& m = maps(shape.batch, shape.seq, k.device());
+  ops::AttentionShape whole = shape;
+  whole.seq = shape.seq * group_.size();
+  return {m, whole, ops::take_rows(gathered(k), m.whole_from_gathered),
+          ops::take_rows(gathered(v), m.whole_from_gathered),
+          places.segments.defined() ? ops::take_rows(gathered(places.segments), m.whole_from_gathered) : Tensor()};
+}
+
 // The whole sequences' attention with only this rank's queries in them (the others zero:
 // their outputs are not read, and in the backward their zero output gradients add nothing
 // to the keys' and values' gradients).
 ops::AttentionOut ContextAttention::whole_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                                   const ops::AttentionPlaces& places,
                                                   const ops::AttentionShape& shape) const {
-  const WholeMaps& m = maps(shape.batch, shape.seq, q.device());
-  ops::AttentionShape whole = shape;
-  whole.seq = shape.seq * group_.size();
-  const Tensor segments =
-      places.segments.defined() ? ops::take_rows(gathered(places.segments), m.whole_from_gathered) : Tensor();
-  ops::AttentionOut o = ops::attention_forward(ops::take_rows(q, m.own_in_whole),
-                                               ops::take_rows(gathered(k), m.whole_from_gathered),
-                                               ops::take_rows(gathered(v), m.whole_from_gathered), segments, whole);
-  return {ops::take_rows(o.out, m.whole_of_own), std::move(o.lse)};  // lse: the whole sequences' [B, Hq, S]
+  const WholeKeys w = whole_keys(k, v, places, shape);
+  ops::AttentionOut o =
+      ops::attention_forward(ops::take_rows(q, w.maps.own_in_whole), w.k, w.v, w.segments, w.shape);
+  return {ops::take_rows(o.out, w.maps.whole_of_own), std::move(o.lse)};  // lse: the whole sequences' [B, Hq, S]
 }
 
 ops::AttentionGrads ContextAttention::whole_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                      const Tensor& v, const ops::AttentionPlaces& places,
                                                      const Tensor& out, const Tensor& lse,
                                                      const ops::AttentionShape& shape) const {
-  const WholeMaps& m = maps(shape.batch, shape.seq, q.device());
-  ops::AttentionShape whole = shape;
-  whole.seq = shape.seq * group_.size();
-  const Tensor segments =
-      places.segments.defined() ? ops::take_rows(gathered(places.segments), m.whole_from_gathered) : Tensor();
-  ops::AttentionGrads w = ops::attention_backward(
-      ops::take_rows(dout, m.own_in_whole), ops::take_rows(q, m.own_in_whole),
-      ops::take_rows(gathered(k), m.whole_from_gathered), ops::take_rows(gathered(v), m.whole_from_gathered), segments,
-      ops::take_rows(out, m.own_in_whole), lse, whole);
+  const WholeKeys w = whole_keys(k, v, places, shape);
+  const Tensor& own = w.maps.own_in_whole;
+  ops::AttentionGrads d = ops::attention_backward(ops::take_rows(dout, own), ops::take_rows(q, own), w.k, w.v,
+                                                  w.segments, ops::take_rows(out, own), lse, w.shape);
   ops::AttentionGrads g;
-  g.dq = ops::take_rows(w.dq, m.whole_of_own);
-  g.dk = Tensor::empty(k.shape(), w.dk.dtype(), k.device());
-  g.dv = Tensor::empty(v.shape(), w.dv.dtype(), v.device());
-  group_.reduce_scatter(ops::take_rows(w.dk, m.gathered_from_whole), g.dk);  // each rank's keys, over every query
-  group_.reduce_scatter(ops::take_rows(w.dv, m.gathered_from_whole), g.dv);
+  g.dq = ops::take_rows(d.dq, w.maps.whole_of_own);
+  g.dk = Tensor::empty(k.shape(), d.dk.dtype(), k.device());
+  g.dv = Tensor::empty(v.shape(), d.dv.dtype(), v.device());
+  group_.reduce_scatter(ops::take_rows(d.dk, w.maps.gathered_from_whole), g.dk);  // each rank's keys, over every query
+  group_.reduce_scatter(ops::take_rows(d.dv, w.maps.gathered_from_whole), g.dv);
   return g;
 }
 

@@ -55,8 +55,11 @@ class ContextAttention {
   struct Places;
   struct Hop;
   struct WholeMaps;
+  struct WholeKeys;
   bool whole_form(const Tensor& q) const;
   const WholeMaps& maps(int64_t batch, int64_t seq, Device device) const;
+  WholeKeys whole_keys(const Tensor& k, const Tensor& v, const ops::AttentionPlaces& places,
+                       const ops::AttentionShape& shape) const;
   ops::AttentionOut whole_forward(const Tensor& q, const Tensor& k, const Tensor& v, const ops::AttentionPlaces& places,
                                   const ops::AttentionShape& shape) const;
   ops::AttentionGrads whole_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
