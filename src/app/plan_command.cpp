@@ -38,19 +38,19 @@ int run_plan(const std::string& config, const std::vector<std::string>& override
   const RunConfig cfg = RunConfig::load(config, overrides);
   const double memory = parse_memory(a.gpu_memory);
   const ParallelConfig& p = cfg.parallel;
-  const int gpus = a.gpus > 0 ? a.gpus
-                              : static_cast<int>(p.pp * p.ep * (p.dp > 0 ? p.dp : 1));
+  const int64_t fixed = p.pp * p.cp * p.ep;  // the ranks of one data-parallel replica
+  const int gpus = a.gpus > 0 ? a.gpus : static_cast<int>(fixed * (p.dp > 0 ? p.dp : 1));
   const bool gpu = cfg.training.device == "cuda";
   std::printf("plan: %s on %d %s of %.1f GiB; micro-batch %lld x %lld, %lld a step; recompute %s\n",
               config.c_str(), gpus, gpu ? "GPUs" : "CPU ranks", memory / (1024.0 * 1024 * 1024),
               static_cast<long long>(cfg.training.micro_batch_size), static_cast<long long>(cfg.training.seq_len),
               static_cast<long long>(cfg.training.grad_accum_steps), cfg.training.recompute.c_str());
-  if (gpus % (p.pp * p.ep) == 0 && (p.dp < 0 || p.pp * p.ep * p.dp == gpus)) {
+  if (gpus % fixed == 0 && (p.dp < 0 || fixed * p.dp == gpus)) {
     const MemoryPlan mine = plan_memory(cfg, layout_of(cfg, gpus, memory), gpu);
     std::printf("\n%s", format_memory_plan(mine, memory).c_str());
   } else {
-    std::printf("\nthe config's layout (pp %lld, ep %lld) does not divide %d GPUs\n", static_cast<long long>(p.pp),
-                static_cast<long long>(p.ep), gpus);
+    std::printf("\nthe config's layout (pp %lld, cp %lld, ep %lld) does not divide %d GPUs\n",
+                static_cast<long long>(p.pp), static_cast<long long>(p.cp), static_cast<long long>(p.ep), gpus);
   }
   std::vector<MemoryPlan> plans;
   for (const PlanLayout& l : layouts_of(cfg, gpus, memory)) plans.push_back(plan_memory(cfg, l, gpu));

@@ -10,6 +10,7 @@
 #include "core/cuda_runtime.h"
 #include "core/log.h"
 #include "core/rng.h"
+#include "engine/data/loader.h"
 #include "engine/parallel/all_gather_dispatch.h"
 #include "engine/train_context.h"
 #include "engine/trainer.h"
@@ -19,19 +20,26 @@
 namespace moetrain {
 namespace {
 
-// Uniform random tokens; targets are the next token of the same random stream.
-Batch synthetic_batch(int64_t batch, int64_t seq, int64_t vocab, Rng& rng, Device device) {
+// Uniform random tokens; targets are the next token of the same random stream. Under context
+// parallelism this rank's zigzag chunks of them (the cp ranks of a place draw the same rows).
+Batch synthetic_batch(int64_t batch, int64_t seq, int64_t vocab, Rng& rng, const Layout& layout, int64_t mtp_depth,
+                      Device device) {
   std::vector<int32_t> ids(batch * seq + 1), pos(batch * seq);
   for (auto& t : ids) t = static_cast<int32_t>(rng.below(static_cast<uint64_t>(vocab)));
   for (int64_t i = 0; i < batch * seq; ++i) pos[i] = static_cast<int32_t>(i % seq);
   Batch b;
   b.batch = batch;
   b.seq = seq;
-  b.inputs = Tensor::from_vector(std::vector<int32_t>(ids.begin(), ids.end() - 1), {batch * seq}).to(device);
-  b.targets = Tensor::from_vector(std::vector<int32_t>(ids.begin() + 1, ids.end()), {batch * seq}).to(device);
-  b.positions = Tensor::from_vector(pos, {batch * seq}).to(device);
+  b.inputs = Tensor::from_vector(std::vector<int32_t>(ids.begin(), ids.end() - 1), {batch * seq});
+  b.targets = Tensor::from_vector(std::vector<int32_t>(ids.begin() + 1, ids.end()), {batch * seq});
+  b.positions = Tensor::from_vector(pos, {batch * seq});
   b.num_targets = batch * seq;
-  return b;
+  if (layout.cp() > 1) {
+    Tensor places;
+    b = zigzag_batch(b, layout.cp(), layout.cp_rank(), &places, mtp_depth);
+    b.places = std::move(places);
+  }
+  return b.to(device);
 }
 
 void wait_for(Device d) {
@@ -43,8 +51,6 @@ void wait_for(Device d) {
 BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
   const TrainingConfig& tc = cfg.training;
   const bool gpu = tc.device == "cuda";
-  MT_CHECK(cfg.parallel.cp == 1, "bench: [parallel].cp = {}: the bench's synthetic batches are not cut for context "
-           "parallelism yet", cfg.parallel.cp);
   ops::set_cpu_threads(static_cast<int>(tc.threads));
   ops::set_deterministic(tc.deterministic);
   // The same ranks, model part, dispatcher, optimizer and pipeline as `train` (train_context.h).
@@ -55,8 +61,8 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
   const Device device = par.device;
   Model& model = *ctx->model;
   const OptimizerConfig& oc = cfg.optimizer;
-  // Every pipeline stage of a data rank draws the same tokens.
-  Rng rng(stream_key(static_cast<uint64_t>(tc.seed), fmt::format("bench/{}", par.layout.data_rank())));
+  // Every pipeline stage of a (dp, ep) place, and every cp rank of it, draws the same rows.
+  Rng rng(stream_key(static_cast<uint64_t>(tc.seed), fmt::format("bench/{}", par.layout.row_rank())));
   auto step = [&](const std::vector<Batch>& bs) { ctx->step(bs, oc.lr, tc.grad_clip); };
 
   BenchReport r;
@@ -84,7 +90,8 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
   auto batches = [&] {
     std::vector<Batch> bs;
     for (int64_t m = 0; m < tc.grad_accum_steps; ++m) {
-      bs.push_back(synthetic_batch(tc.micro_batch_size, tc.seq_len, cfg.model->shape().vocab_size, rng, device));
+      bs.push_back(synthetic_batch(tc.micro_batch_size, tc.seq_len, cfg.model->shape().vocab_size, rng, par.layout,
+                                   cfg.model->shape().mtp_layers, device));
     }
     return bs;
   };

@@ -31,8 +31,8 @@ void ParallelConfig::describe(ConfigFields& f) {
         "pipeline schedule (pp > 1): dualpipev (2 * pp chunks in a V, needs grad_accum_steps >= 2 * pp) or 1f1b",
         one_of(&schedule, {"dualpipev", "1f1b"}));
   f.add("cp", &cp,
-        "context-parallel ranks: every sequence cut into 2 cp chunks, rank r holding chunks r and 2cp-1-r, keys and "
-        "values gathered over them (CPU only for now: docs/memory.md)",
+        "context-parallel ranks: every sequence cut into 2 cp chunks, rank r holding chunks r and 2cp-1-r; keys and "
+        "values passed round them (CPU), or gathered into whole sequences (GPU, for now): docs/memory.md",
         positive(&cp));
   f.add("ep", &ep, "expert-parallel ranks (experts split evenly over them)", positive(&ep));
   f.add("dp", &dp, "data-parallel ranks, sharded (ZeRO); -1 = world / (pp * cp * ep)",
@@ -545,6 +545,10 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
            "{}: [training].recompute_layers is set but [training].recompute is \"none\" (say \"selective\" or \"full\")", path);
   if (cfg.parallel.cp > 1) {
     const int64_t cp = cfg.parallel.cp;
+    MT_CHECK(t.device != "cuda" || !shape.sequence_wise_loss,
+             "{}: [parallel].cp = {} with DeepSeek's sequence-wise balance loss ([model].seq_aux_loss_coef > 0) on GPUs: "
+             "its counts over the CP group run on the CPU only for now (train on the CPU, or set the coefficient to 0)",
+             path, cp);
     MT_CHECK(t.seq_len % (2 * cp) == 0,
              "{}: [training].seq_len ({}) must be a multiple of 2 x [parallel].cp ({}): each sequence is cut into 2 cp "
              "equal chunks", path, t.seq_len, 2 * cp);

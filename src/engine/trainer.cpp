@@ -45,18 +45,6 @@ namespace {
 
 using Clock = SteadyClock;
 
-// The batch with its tensors on `device`.
-Batch on_device(Batch b, Device device) {
-  if (device.is_cpu()) return b;
-  if (b.places.defined()) b.places = b.places.to(device);
-  for (Tensor& t : b.ahead_inputs) t = t.to(device);
-  for (Tensor& t : b.ahead_targets) t = t.to(device);
-  b.inputs = b.inputs.to(device);
-  b.targets = b.targets.to(device);
-  b.positions = b.positions.to(device);
-  if (b.segment_ids.defined()) b.segment_ids = b.segment_ids.to(device);
-  return b;
-}
 
 // Mean cross-entropy over the validation set's first eval_batches micro-batches, summed
 // over the data ranks (`group` of this replica group and the bridge across them, or one process).
@@ -65,7 +53,7 @@ double validation_loss(Model& model, ExpertDispatcher& d, DataLoader& val, int64
   val.reset();
   std::vector<double> sums{0, 0};  // cross-entropy, targets
   for (int64_t i = 0; i < batches; ++i) {
-    MicroBatchLoss l = model.forward_loss(on_device(val.next(), device), d);
+    MicroBatchLoss l = model.forward_loss(val.next().to(device), d);
     sums[0] += l.ce_sum;
     sums[1] += static_cast<double>(l.targets);
   }
@@ -323,7 +311,7 @@ double pipeline_validation_loss(PipelineExecutor& ex, const PipelineSchedule& fo
                                 Communicator& replica_world, ReplicaBridge* bridge, Device device) {
   val.reset();
   std::vector<Batch> batches;
-  for (int m = 0; m < forward.micro_batches; ++m) batches.push_back(on_device(val.next(), device));
+  for (int m = 0; m < forward.micro_batches; ++m) batches.push_back(val.next().to(device));
   const PipelineExecutor::Result r = ex.forward(forward, batches);
   std::vector<double> sums{0, 0};
   if (r.has_head) {
@@ -414,7 +402,7 @@ std::string signal_name_of(const PreemptionWatch& w) {
 // The step's micro-batches, on the model's device.
 std::vector<Batch> next_batches(DataLoader& loader, const TrainingConfig& tc, Device device) {
   std::vector<Batch> batches;
-  for (int64_t m = 0; m < tc.grad_accum_steps; ++m) batches.push_back(on_device(loader.next(), device));
+  for (int64_t m = 0; m < tc.grad_accum_steps; ++m) batches.push_back(loader.next().to(device));
   return batches;
 }
 

@@ -398,6 +398,24 @@ TEST_F(ParallelCli, ContextParallelLayoutsMatchOneProcess) {
   EXPECT_GT(seq_loss, 0.0);
 }
 
+// `bench` under context parallelism: each cp rank benches its zigzag chunks of the same
+// synthetic rows, and the step's tokens are those of one process's step.
+TEST_F(ParallelCli, BenchRunsUnderContextParallelism) {
+  const std::string args = "bench --config " + std::string(MOETRAIN_SOURCE_DIR) +
+                           "/configs/tiny.toml --training.seq_len=32 --training.micro_batch_size=2 "
+                           "--training.threads=1 --warmup 1 --steps 1";
+  Result one = launch(1, args);
+  ASSERT_EQ(one.status, 0) << one.output;
+  Result cp = launch(2, args + " --parallel.cp=2");
+  ASSERT_EQ(cp.status, 0) << cp.output;
+  auto tokens = [](const std::string& out) {
+    const size_t at = out.find("tokens/step");
+    return at == std::string::npos ? std::string() : out.substr(at, out.find('\n', at) - at);
+  };
+  EXPECT_FALSE(tokens(one.output).empty()) << one.output;
+  EXPECT_EQ(tokens(cp.output), tokens(one.output)) << cp.output;
+}
+
 // Context parallelism inside pipelines (pp2 x cp2, both schedules): each stage's CP pair
 // passes its zigzag chunks' activations to the next stage's pair, and the run matches one
 // process.

@@ -46,6 +46,17 @@ std::vector<int32_t> zigzag_places(int64_t seq, int64_t cp, int64_t rank) {
   return places;
 }
 
+Batch Batch::to(Device device) const {
+  Batch b = *this;
+  if (device.is_cpu()) return b;
+  for (Tensor* t : {&b.inputs, &b.targets, &b.positions, &b.segment_ids, &b.places}) {
+    if (t->defined()) *t = t->to(device);
+  }
+  for (Tensor& t : b.ahead_inputs) t = t.to(device);
+  for (Tensor& t : b.ahead_targets) t = t.to(device);
+  return b;
+}
+
 Batch zigzag_batch(const Batch& b, int64_t cp, int64_t rank, Tensor* places, int64_t mtp_depth) {
   MT_CHECK(b.inputs.device().is_cpu(), "zigzag_batch: the batch must be on the CPU (cut it before moving it)");
   const std::vector<int32_t> mine = zigzag_places(b.seq, cp, rank);

@@ -52,6 +52,8 @@ struct Batch {
   static Batch allocate(int64_t batch, int64_t seq, bool with_segments);
   // Sets num_targets from the targets.
   void count_targets();
+  // The batch with every tensor on `device` (itself when that is the CPU).
+  Batch to(Device device) const;
   // Row `row` of a next-token batch from seq + 1 consecutive tokens: inputs the first seq,
   // targets the last seq, positions 0 .. seq - 1.
   void fill_row(int64_t row, const int32_t* tokens);

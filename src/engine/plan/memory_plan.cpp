@@ -153,7 +153,7 @@ std::vector<PlanLayout> layouts_of(const RunConfig& cfg, int gpus, double device
   const ModelShape shape = cfg.model->shape();
   std::vector<PlanLayout> out;
   const int cp = static_cast<int>(cfg.parallel.cp);  // the config's: the others stay as they are
-  if (gpus % cp != 0) return out;
+  MT_CHECK(gpus % cp == 0, "plan: {} GPUs do not divide into [parallel].cp = {} ranks", gpus, cp);
   gpus /= cp;
   for (int pp = 1; pp <= gpus; ++pp) {
     if (gpus % pp != 0) continue;
