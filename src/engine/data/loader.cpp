@@ -61,30 +61,27 @@ Batch zigzag_batch(const Batch& b, int64_t cp, int64_t rank, Tensor* places, int
   MT_CHECK(b.inputs.device().is_cpu(), "zigzag_batch: the batch must be on the CPU (cut it before moving it)");
   const std::vector<int32_t> mine = zigzag_places(b.seq, cp, rank);
   const int64_t n = static_cast<int64_t>(mine.size());
-  Batch out = Batch::allocate(b.batch, n, b.segment_ids.defined());
-  if (places) *places = Tensor::empty({b.batch * n}, DType::I32);
-  auto cut = [&](const Tensor& whole) {  // the rows at this rank's places
-    Tensor t = Tensor::empty({b.batch * n}, DType::I32);
-    for (int64_t r = 0; r < b.batch; ++r) {
-      for (int64_t i = 0; i < n; ++i) {
-        t.data<int32_t>()[r * n + i] = whole.data<int32_t>()[r * b.seq + mine[static_cast<size_t>(i)]];
-      }
-    }
-    return t;
-  };
-  for (int64_t k = 1; k <= mtp_depth; ++k) {  // as MtpModule shifts a whole row (mtp.cpp)
-    out.ahead_inputs.push_back(cut(ops::shift_tokens(b.inputs, b.segment_ids, b.batch, k, 0)));
-    out.ahead_targets.push_back(cut(ops::shift_tokens(b.targets, b.segment_ids, b.batch, k, ops::kIgnoreIndex)));
-  }
+  // Row r's token i of the cut batch is token mine[i] of row r: one index for every tensor.
+  std::vector<int32_t> from(static_cast<size_t>(b.batch * n)), place(from.size());
   for (int64_t r = 0; r < b.batch; ++r) {
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t from = r * b.seq + mine[static_cast<size_t>(i)], to = r * n + i;
-      out.inputs.data<int32_t>()[to] = b.inputs.data<int32_t>()[from];
-      out.targets.data<int32_t>()[to] = b.targets.data<int32_t>()[from];
-      out.positions.data<int32_t>()[to] = b.positions.data<int32_t>()[from];
-      if (b.segment_ids.defined()) out.segment_ids.data<int32_t>()[to] = b.segment_ids.data<int32_t>()[from];
-      if (places) places->data<int32_t>()[to] = mine[static_cast<size_t>(i)];
+      place[static_cast<size_t>(r * n + i)] = mine[static_cast<size_t>(i)];
+      from[static_cast<size_t>(r * n + i)] = static_cast<int32_t>(r * b.seq + mine[static_cast<size_t>(i)]);
     }
+  }
+  const Tensor index = Tensor::from_vector(from, {b.batch * n});
+  Batch out;
+  out.batch = b.batch;
+  out.seq = n;
+  out.inputs = ops::take_rows(b.inputs, index);
+  out.targets = ops::take_rows(b.targets, index);
+  out.positions = ops::take_rows(b.positions, index);
+  if (b.segment_ids.defined()) out.segment_ids = ops::take_rows(b.segment_ids, index);
+  if (places) *places = Tensor::from_vector(place, {b.batch * n});
+  for (int64_t k = 1; k <= mtp_depth; ++k) {  // as MtpModule shifts a whole row (mtp.cpp)
+    out.ahead_inputs.push_back(ops::take_rows(ops::shift_tokens(b.inputs, b.segment_ids, b.batch, k, 0), index));
+    out.ahead_targets.push_back(
+        ops::take_rows(ops::shift_tokens(b.targets, b.segment_ids, b.batch, k, ops::kIgnoreIndex), index));
   }
   out.count_targets();
   return out;
