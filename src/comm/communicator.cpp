@@ -154,6 +154,30 @@ std::unique_ptr<P2pRequest> Communicator::irecv(Tensor& t, int peer, uint32_t, c
   return std::make_unique<DoneRequest>();
 }
 
+namespace {
+// Several requests waited for as one.
+class Requests final : public P2pRequest {
+ public:
+  explicit Requests(std::vector<std::unique_ptr<P2pRequest>> all) : all_(std::move(all)) {}
+  void wait() override {
+    for (auto& r : all_) r->wait();
+    all_.clear();
+  }
+
+ private:
+  std::vector<std::unique_ptr<P2pRequest>> all_;
+};
+}  // namespace
+
+std::unique_ptr<P2pRequest> Communicator::send_recv(const std::vector<Tensor>& sends, int to,
+                                                    std::vector<Tensor>& recvs, int from, uint32_t tag,
+                                                    cuda::Stream stream) {
+  std::vector<std::unique_ptr<P2pRequest>> all;
+  for (size_t i = 0; i < sends.size(); ++i) all.push_back(isend(sends[i], to, tag + static_cast<uint32_t>(i), stream));
+  for (size_t i = 0; i < recvs.size(); ++i) all.push_back(irecv(recvs[i], from, tag + static_cast<uint32_t>(i), stream));
+  return std::make_unique<Requests>(std::move(all));
+}
+
 void all_reduce_doubles(Communicator& group, std::vector<double>& values, Device device, ReduceOp op) {
   if (values.empty() || group.size() == 1) return;
   Tensor t = Tensor::from_vector(values, {static_cast<int64_t>(values.size())});

@@ -88,6 +88,13 @@ class Communicator {
   // same order on both sides. The tensor must stay alive until wait().
   virtual std::unique_ptr<P2pRequest> isend(const Tensor& t, int peer, uint32_t tag, cuda::Stream stream = nullptr);
   virtual std::unique_ptr<P2pRequest> irecv(Tensor& t, int peer, uint32_t tag, cuda::Stream stream = nullptr);
+  // Sends each of `sends` to rank `to` and receives each of `recvs` from rank `from`, as one
+  // batch: NCCL posts them in one group (a ring whose every rank sends before it receives
+  // would otherwise deadlock on a blocking send), enqueued on `stream` by the return; Gloo
+  // posts them as isend / irecv with tags tag, tag + 1, ... (sends and recvs numbered
+  // alike). Every tensor stays alive until the request's wait().
+  virtual std::unique_ptr<P2pRequest> send_recv(const std::vector<Tensor>& sends, int to, std::vector<Tensor>& recvs,
+                                                int from, uint32_t tag, cuda::Stream stream = nullptr);
   // Returns when every rank has entered it (NCCL: and the ops before it have finished).
   virtual void barrier() = 0;
   // Waits for the ops enqueued on `stream` (nullptr: the default stream) to finish, up to

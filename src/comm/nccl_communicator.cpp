@@ -177,6 +177,29 @@ class NcclCommunicator final : public Communicator {
             [&](cudaStream_t s) { return ncclRecv(t.raw(), t.nbytes(), ncclUint8, peer, comm_, s); });
   }
 
+  std::unique_ptr<P2pRequest> send_recv(const std::vector<Tensor>& sends, int to, std::vector<Tensor>& recvs, int from,
+                                        uint32_t, cuda::Stream stream) override {
+    for (const Tensor& t : sends) check_device("send_recv", t, "sent tensor");
+    for (const Tensor& t : recvs) check_device("send_recv", t, "received tensor");
+    check_peer("send_recv", to);
+    check_peer("send_recv", from);
+    enqueue("send_recv", to, stream, [&](cudaStream_t s) {
+      ncclResult_t r = ncclGroupStart();
+      for (const Tensor& t : sends) {
+        if (r == ncclSuccess || r == ncclInProgress) r = ncclSend(t.raw(), t.nbytes(), ncclUint8, to, comm_, s);
+      }
+      for (Tensor& t : recvs) {
+        if (r == ncclSuccess || r == ncclInProgress) r = ncclRecv(t.raw(), t.nbytes(), ncclUint8, from, comm_, s);
+      }
+      ncclResult_t end = ncclGroupEnd();  // always closes the group, even after an error
+      return r == ncclSuccess || r == ncclInProgress ? end : r;
+    });
+    struct Enqueued final : P2pRequest {
+      void wait() override {}  // stream-ordered: the transfers are on `stream` already
+    };
+    return std::make_unique<Enqueued>();
+  }
+
   void barrier() override {
     if (!token_.defined()) token_ = Tensor::zeros({1}, DType::I32, Device::cuda(device_));
     all_reduce(token_, ReduceOp::Sum, nullptr);

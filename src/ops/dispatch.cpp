@@ -160,31 +160,17 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
   return MT_ROUTE(dout, attention_backward, dout, q, k, v, segment_ids, out, lse, shape);
 }
 
-namespace {
-// Context-parallel attention has no CUDA kernels yet: refused by name on a GPU tensor.
-void cpu_only(const Tensor& t, const char* op) {
-  MT_CHECK(t.device().is_cpu(), "{}: attention over blocks of keys (context parallelism) runs on the CPU only for now",
-           op);
-}
-}  // namespace
-
-AttentionOut attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionPlaces& q_places,
-                                     const AttentionPlaces& k_places, const AttentionShape& shape, int64_t kv_seq) {
-  cpu_only(q, "attention_block_forward");
-  return cpu::attention_block_forward(q, k, v, q_places, k_places, shape, kv_seq);
+AttentionOut attention_part_forward(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionPart& part,
+                                    const AttentionShape& shape) {
+  return MT_ROUTE(q, attention_part_forward, q, k, v, part, shape);
 }
 
-void attention_merge(AttentionOut& acc, const AttentionOut& block) {
-  cpu_only(acc.out, "attention_merge");
-  cpu::attention_merge(acc, block);
-}
+void attention_merge(AttentionOut& acc, const AttentionOut& part) { MT_ROUTE(acc.out, attention_merge, acc, part); }
 
-AttentionGrads attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                                        const AttentionPlaces& q_places, const AttentionPlaces& k_places,
-                                        const Tensor& out, const Tensor& lse, const AttentionShape& shape,
-                                        int64_t kv_seq) {
-  cpu_only(q, "attention_block_backward");
-  return cpu::attention_block_backward(dout, q, k, v, q_places, k_places, out, lse, shape, kv_seq);
+AttentionGrads attention_part_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const AttentionPart& part, const Tensor& out, const Tensor& lse,
+                                       const AttentionShape& shape) {
+  return MT_ROUTE(dout, attention_part_backward, dout, q, k, v, part, out, lse, shape);
 }
 
 RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob, const Tensor& selection_bias) {

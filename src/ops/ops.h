@@ -173,25 +173,30 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
                                   const Tensor& segment_ids, const Tensor& out, const Tensor& lse,
                                   const AttentionShape& shape);
 
-// ---- attention over blocks of keys (context parallelism) --------------------------------
-// Queries and keys at any places of the same B sequences: q [B*S, Hq*D] (S = shape.seq) with
-// q_places, k and v [B*kv_seq, ...] with k_places; places.index (i32) is each token's place
-// in its sequence, places.segments (i32, optional for both or neither) its document. Query s
-// sees key j when k_index[j] <= q_index[s] (and their segments agree). A query that sees no
-// key of the block gets out 0 and lse -inf. attention_merge folds a block's result into
-// what the blocks before gave (the softmax over all their keys); attention_block_backward
-// gives one block's gradients from the merged out and lse (dq summed over the blocks, each
-// block's dk, dv its own). The CPU only for now (docs/memory.md's context parallelism).
-struct AttentionPlaces {
-  Tensor index, segments;
+// ---- attention between parts of the sequences (context parallelism's ring) -----------
+// q [B*S, Hq*D] and k, v [B*S, ...] hold B sequences of S rows each (S = shape.seq), the keys
+// maybe another rank's. Queries in rows [q_begin, q_end) of every sequence attend to the keys
+// in rows [k_begin, k_end). causal: key row j is seen by query row i only when j <= i (then q
+// and k are rows of the same places and the two ranges are one). q_segments and k_segments
+// (i32 [B*S], both or neither): each row's document; a query sees only keys of its own.
+// out [B*S, Hq*Dv] and lse [B, Hq, S] cover every row: a query row outside the part, or one
+// that sees none of the part's keys, gets out 0 and lse -inf. attention_merge folds a part's
+// result into the running one (the softmax over the keys of both); acc.out may be f32 where
+// the part's out is bf16 (the running sum kept unrounded). attention_part_backward gives the
+// part's gradients from the merged out and lse: dq rows outside the query range and dk, dv
+// rows outside the key range are zero. On the GPU with the fused kernels (the head sizes
+// attention_forward takes); the CPU reference takes any.
+struct AttentionPart {
+  int64_t q_begin = 0, q_end = 0, k_begin = 0, k_end = 0;
+  bool causal = false;
+  Tensor q_segments, k_segments;
 };
-AttentionOut attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionPlaces& q_places,
-                                     const AttentionPlaces& k_places, const AttentionShape& shape, int64_t kv_seq);
-void attention_merge(AttentionOut& acc, const AttentionOut& block);
-AttentionGrads attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                                        const AttentionPlaces& q_places, const AttentionPlaces& k_places,
-                                        const Tensor& out, const Tensor& lse, const AttentionShape& shape,
-                                        int64_t kv_seq);
+AttentionOut attention_part_forward(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionPart& part,
+                                    const AttentionShape& shape);
+void attention_merge(AttentionOut& acc, const AttentionOut& part);
+AttentionGrads attention_part_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const AttentionPart& part, const Tensor& out, const Tensor& lse,
+                                       const AttentionShape& shape);
 
 // ---- router: softmax -> top-k -> optional renormalisation -----------------------------
 // logits [T, E] -> probs [T, E] = softmax(logits); topk_idx i32 [T, K] (descending prob,
@@ -489,7 +494,7 @@ void zero_all(const std::vector<Tensor>& xs);
 double sum_squares(const Tensor& x);
 // x *= alpha
 void scale_(Tensor& x, double alpha);
-// y += x (same shape and dtype)
+// y += x (same shape and dtype; on the GPU x may also be bf16 summed into an f32 y)
 void add_(Tensor& y, const Tensor& x);
 // true when every element is finite
 bool all_finite(const Tensor& x);

@@ -68,9 +68,13 @@ class ParallelCli : public ::testing::Test {
   }
 
   // Losses, gradient norms and validation losses of two runs, and every weight of their
-  // last checkpoints, within `tol` relative.
-  void expect_same_run(const std::string& a, const std::string& b, double tol = 1e-5, double weight_tol = -1) {
+  // last checkpoints, within `tol` relative (weights within `weight_tol`, routed experts'
+  // within `expert_tol`: on GPUs one token routed otherwise moves a rarely chosen expert's
+  // few gradients a long way under Adam's first steps).
+  void expect_same_run(const std::string& a, const std::string& b, double tol = 1e-5, double weight_tol = -1,
+                       double expert_tol = -1) {
     if (weight_tol < 0) weight_tol = tol;
+    if (expert_tol < 0) expert_tol = weight_tol;
     const auto ma = metrics(dir_ / a), mb = metrics(dir_ / b);
     ASSERT_EQ(ma.size(), 3u);
     ASSERT_EQ(mb.size(), ma.size());
@@ -96,7 +100,7 @@ class ParallelCli : public ::testing::Test {
         norm += x[i] * x[i];
       }
       const double r = std::sqrt(diff / std::max(norm, 1e-30));
-      EXPECT_LT(r, weight_tol) << name;
+      EXPECT_LT(r, name.find(".mlp.experts.") != std::string::npos ? expert_tol : weight_tol) << name;
       if (r > worst) {
         worst = r;
         worst_name = name;
@@ -496,21 +500,27 @@ TEST_F(ParallelCli, TwoGpuContextParallelMatchesOneGpu) {
   if (!cuda::available() || cuda::device_count() < 2) {
     GTEST_SKIP() << "needs 2 GPUs: " << (cuda::available() ? "this machine has fewer" : cuda::unavailable_reason());
   }
-  // (dsv3-mla-tiny: head dims the CUDA kernels take, 192 / 128; an MTP module.) Its routing
-  // bias stays still here: it moves by +-speed on the sign of each expert's load against the
-  // mean, so one token routed otherwise under bf16 (the whole-sequence attention sums in
-  // another order) flips a step's move, 0.34 relative after 3 steps (measured, H100), which
-  // says nothing of CP; the CPU tests move it under cp2 in f32.
-  const std::string dsv3 = "--config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/dsv3-mla-tiny.toml " +
-                           "--model.router_bias_update_speed=0";
-  for (const auto& [name, model] : std::vector<std::pair<std::string, std::string>>{{"qwen3", ""}, {"mla", dsv3}}) {
+  // The ring's attention sums each query's keys in two parts (rounded apart, merged in f32),
+  // not in one pass as one GPU does: within bf16's error (ContextAttention.
+  // TwoGpuRingMatchesTheWholeAttention), which is enough to route a token otherwise in a tiny
+  // model. So the routing bias stays still (it moves by +-speed on the sign of each expert's
+  // load against the mean: one token flips a step's move, 0.29-0.5 relative after 3 steps,
+  // measured on H100, which says nothing of CP; the CPU tests move it under cp2 in f32), and
+  // the routed experts' weights, whose few tokens move a long way under Adam's first steps
+  // when one is routed otherwise (0.10-0.13 measured), have their own bound.
+  // (dsv3-mla-tiny: head dims the CUDA kernels take, 192 / 128; an MTP module.)
+  const std::string still = " --model.router_bias_update_speed=0";
+  const std::string qwen3 = "--config " + std::string(MOETRAIN_SOURCE_DIR) +
+                            "/configs/tiny.toml --model.router_z_loss_coef=0.001" + still;
+  const std::string dsv3 = "--config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/dsv3-mla-tiny.toml" + still;
+  for (const auto& [name, model] : std::vector<std::pair<std::string, std::string>>{{"qwen3", qwen3}, {"mla", dsv3}}) {
     SCOPED_TRACE(name);
     Result one = launch(1, train_args(name + "_gpu1", 1, "--training.device=cuda", model));
     ASSERT_EQ(one.status, 0) << one.output;
     Result r = launch(2, train_args(name + "_gpu_cp2", 1, "--training.device=cuda --parallel.cp=2", model));
     ASSERT_EQ(r.status, 0) << r.output;
     EXPECT_NE(r.output.find("context parallelism: cp 2"), std::string::npos) << r.output;
-    expect_same_run(name + "_gpu1", name + "_gpu_cp2", 2e-2, 1e-1);
+    expect_same_run(name + "_gpu1", name + "_gpu_cp2", 2e-2, 1e-1, 2.5e-1);
   }
 }
 

@@ -299,6 +299,100 @@ TEST(BackendAttention, MlaD192Dv128RealisticShape) {
   run_case({1, 2048, 8, 8, 192, Segments::kNone, 128}, 1351);
 }
 
+// ---- parts (context parallelism's ring): ops.h's attention_part_* and attention_merge ----
+
+// lse with rows that saw nothing: those must be -inf on both backends; the rest as kLseTol.
+void expect_lse_close(const Tensor& gpu, const Tensor& ref, const std::string& name) {
+  std::vector<double> g = gpu.to_double_vector(), r = ref.to_double_vector();
+  ASSERT_EQ(g.size(), r.size()) << name;
+  int64_t empty = 0, mismatched = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const bool gi = std::isinf(g[i]) && g[i] < 0, ri = std::isinf(r[i]) && r[i] < 0;
+    if (gi != ri) ++mismatched;
+    if (ri) ++empty;
+    if (gi || ri) g[i] = r[i] = 0;
+  }
+  EXPECT_EQ(mismatched, 0) << name << ": rows -inf on one backend only";
+  std::printf("BACKEND %s lse rows that saw no key: %lld of %zu\n", name.c_str(), static_cast<long long>(empty),
+              g.size());
+  expect_backend_close(Tensor::from_vector(g, gpu.shape()), Tensor::from_vector(r, ref.shape()), kLseTol, name, "lse");
+}
+
+// The zigzag ring's parts of sequences of c.seq rows (own keys causally, an earlier rank's
+// first chunk, a later rank's block by the second chunk), and two odd ones; with documents,
+// the keys' are another rank's (their own ids).
+void run_part_case(const AttnCase& c, uint64_t seed) {
+  PoisonScope poison;
+  const int64_t T = c.batch * c.seq, S = c.seq;
+  ops::AttentionShape a{c.batch, c.seq, c.q_heads, c.kv_heads, c.head_dim, 1.0 / std::sqrt(double(c.head_dim)),
+                        c.v_head_dim};
+  const Tensor q = random_bf16_values({T, c.q_heads * c.head_dim}, seed);
+  const Tensor k = random_bf16_values({T, c.kv_heads * c.head_dim}, seed + 1);
+  const Tensor v = random_bf16_values({T, c.kv_heads * c.value_dim()}, seed + 2);
+  const Tensor dout = random_bf16_values({T, c.q_heads * c.value_dim()}, seed + 3);
+  const bool docs = c.segments != Segments::kNone;
+  const Tensor qseg = docs ? make_segments(c, seed + 4) : Tensor(), kseg = docs ? make_segments(c, seed + 5) : Tensor();
+  const Tensor gq = on_gpu(q, DType::BF16), gk = on_gpu(k, DType::BF16), gv = on_gpu(v, DType::BF16);
+  const Tensor gdout = on_gpu(dout, DType::BF16);
+  const Tensor gqseg = docs ? qseg.to(Device::cuda(0)) : Tensor(), gkseg = docs ? kseg.to(Device::cuda(0)) : Tensor();
+  const std::vector<ops::AttentionPart> parts = {
+      {0, S, 0, S, true}, {0, S, 0, S / 2, false}, {S / 2, S, 0, S, false}, {S / 5, S - 3, 7, S - 1, false},
+      {S / 3, S - S / 4, S / 3, S - S / 4, true}};
+  ops::AttentionOut ref_acc, acc;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    ops::AttentionPart p = parts[i], gp = parts[i];
+    if (docs) {
+      p.q_segments = qseg;
+      gp.q_segments = gqseg;
+      p.k_segments = gp.k_segments = Tensor();
+      p.k_segments = i == 0 || i == 4 ? qseg : kseg;  // a causal part: one rank's own rows
+      gp.k_segments = i == 0 || i == 4 ? gqseg : gkseg;
+    }
+    const std::string name = case_name(c) + "[part q " + std::to_string(p.q_begin) + ".." + std::to_string(p.q_end) +
+                             " k " + std::to_string(p.k_begin) + ".." + std::to_string(p.k_end) +
+                             (p.causal ? " causal]" : "]");
+    const ops::AttentionOut ref = ops::attention_part_forward(q, k, v, p, a);
+    const ops::AttentionOut got = ops::attention_part_forward(gq, gk, gv, gp, a);
+    expect_backend_close(got.out, ref.out, kBf16Tol, name, "out");
+    expect_lse_close(got.lse, ref.lse, name);
+    const ops::AttentionGrads rg = ops::attention_part_backward(dout, q, k, v, p, ref.out, ref.lse, a);
+    const ops::AttentionGrads g = ops::attention_part_backward(gdout, gq, gk, gv, gp, got.out, got.lse, a);
+    expect_backend_close(g.dq, rg.dq, kBf16Tol, name, "dq");
+    expect_backend_close(g.dk, rg.dk, kBf16Tol, name, "dk");
+    expect_backend_close(g.dv, rg.dv, kBf16Tol, name, "dv");
+    const ops::AttentionGrads g2 = ops::attention_part_backward(gdout, gq, gk, gv, gp, got.out, got.lse, a);
+    EXPECT_TRUE(bitwise_equal(g2.dk, g.dk) && bitwise_equal(g2.dv, g.dv)) << name << " dk/dv not reproducible";
+    // The running softmax over the parts, f32 on the GPU.
+    if (i == 0) {
+      ref_acc = ref;
+      acc = {got.out.to(DType::F32), got.lse.clone()};
+    } else {
+      ops::attention_merge(ref_acc, ref);
+      ops::attention_merge(acc, got);
+    }
+    expect_backend_close(acc.out, ref_acc.out, kBf16Tol, name, "merged out");
+    expect_lse_close(acc.lse, ref_acc.lse, name + "[merged]");
+  }
+  std::fflush(stdout);
+}
+
+TEST(BackendAttention, PartsD64Ragged) {
+  MT_REQUIRE_GPU();
+  run_part_case({2, 77, 4, 2, 64}, 1401);
+  run_part_case({2, 77, 4, 2, 64, Segments::kDocuments}, 1411);
+}
+
+TEST(BackendAttention, PartsD128HopperShape) {
+  MT_REQUIRE_GPU();
+  run_part_case({2, 256, 8, 2, 128}, 1421);
+  run_part_case({1, 512, 4, 4, 128, Segments::kInterleaved}, 1431);
+}
+
+TEST(BackendAttention, PartsMlaD192Dv128) {
+  MT_REQUIRE_GPU();
+  run_part_case({2, 192, 4, 4, 192, Segments::kDocuments, 128}, 1441);
+}
+
 TEST(BackendAttention, RejectsBadArguments) {
   MT_REQUIRE_GPU();
   ops::AttentionShape a;

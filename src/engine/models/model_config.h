@@ -49,8 +49,8 @@ struct LayerFootprint {
   // One token's keys and values as the attention reads them (context parallelism's ring
   // carries blocks of them, and their gradients).
   double kv_per_token = 0;
-  // One token's queries, keys, values and attention output together (the GPU's
-  // whole-sequence form of context parallelism holds them for whole sequences).
+  // One token's queries, keys, values and attention output together (the planner takes a
+  // query's size from it for the ring's query-sized sums).
   double attention_per_token = 0;
 };
 

@@ -3,8 +3,12 @@
 #include <memory>
 #include <vector>
 
+#include <spdlog/spdlog.h>
+
+#include "core/cuda_runtime.h"
 #include "core/error.h"
 #include "engine/data/loader.h"
+#include "engine/telemetry/collective_timer.h"
 
 namespace moetrain {
 
@@ -12,29 +16,82 @@ namespace {
 
 Tensor like(const Tensor& t) { return Tensor::empty(t.shape(), t.dtype(), t.device()); }
 
+// The running sums (the merged output, dq, the key/value gradient sums) stay f32 where the
+// kernels give bf16, and are rounded once at the end.
+DType sum_dtype(const Tensor& t) { return t.dtype() == DType::BF16 ? DType::F32 : t.dtype(); }
+Tensor as_dtype(const Tensor& t, DType d) {
+  if (t.dtype() == d) return t;
+  Tensor out = Tensor::empty(t.shape(), d, t.device());
+  ops::cast_into(out, t);
+  return out;
+}
+Tensor sum_like(const Tensor& t) { return Tensor::empty(t.shape(), sum_dtype(t), t.device()); }
+
 // Tags of the ring's messages: a pass's step s sends its keys and values (and, backward,
 // their gradient sums) to the next rank; the tags tell them apart (Gloo matches by tag).
 uint32_t tag(int64_t step, int kind) { return static_cast<uint32_t>(step * 4 + kind); }
-enum : int { kKeys = 0, kValues = 1, kKeyGrads = 2, kValueGrads = 3 };
+enum : int { kKeys = 0, kKeyGrads = 2 };  // keys and values: tags kKeys, kKeys + 1; their sums likewise
+
+// Which part of this rank's queries (chunks r and 2cp-1-r, n rows a sequence) sees rank j's
+// keys (chunks j and 2cp-1-j), in the zigzag order: its own keys causally; an earlier rank's
+// first chunk by every query; a later rank's two chunks by the second chunk's queries only.
+ops::AttentionPart part_of(int64_t me, int64_t owner, int64_t n, const Tensor& q_segments, const Tensor& k_segments) {
+  ops::AttentionPart p;
+  if (owner == me) {
+    p = {0, n, 0, n, true};
+  } else if (owner < me) {
+    p = {0, n, 0, n / 2, false};
+  } else {
+    p = {n / 2, n, 0, n, false};
+  }
+  p.q_segments = q_segments;
+  p.k_segments = owner == me ? q_segments : k_segments;  // the same tensor: the whole causal kernels apply
+  return p;
+}
 
 }  // namespace
 
-// Every rank's places and documents (a few bytes a token, gathered once a pass), and rank r's.
-struct ContextAttention::Places {
-  int64_t rows;
-  Tensor index, segments;
-  Tensor rows_of(const Tensor& t, int64_t r) const { return t.slice(r * rows, (r + 1) * rows); }
-  ops::AttentionPlaces of(int64_t r) const {
-    return {rows_of(index, r), segments.defined() ? rows_of(segments, r) : Tensor()};
-  }
-};
-
-// A pair of tensors on their way from the previous rank, and the one leaving for the next.
+// Tensors on their way from the previous rank while the ones in hand leave for the next. On
+// a GPU the transfers run on the ring's own stream, after the compute stream's work so far;
+// wait() makes the compute stream wait for them (not the host), and the tensors are kept
+// until then so that the stream-ordered allocator reuses none of them under a transfer.
 struct ContextAttention::Hop {
-  std::vector<std::unique_ptr<P2pRequest>> requests;
+  std::unique_ptr<P2pRequest> request;
+  cuda::Event arrived = nullptr;
+  std::vector<Tensor> keep;
   void wait() {
-    for (auto& r : requests) r->wait();
-    requests.clear();
+    if (request) request->wait();
+    request.reset();
+    if (arrived != nullptr) {
+      CollectiveTimer::wait(Collective::kContextRing, cuda::current_stream(), arrived);
+      cuda::destroy_event(arrived);
+      arrived = nullptr;
+    }
+    keep.clear();
+  }
+  Hop() = default;
+  Hop(Hop&& o) noexcept : request(std::move(o.request)), arrived(o.arrived), keep(std::move(o.keep)) {
+    o.arrived = nullptr;
+  }
+  Hop& operator=(Hop&& o) noexcept {
+    if (this != &o) {
+      finish();
+      request = std::move(o.request);
+      arrived = o.arrived;
+      keep = std::move(o.keep);
+      o.arrived = nullptr;
+    }
+    return *this;
+  }
+  ~Hop() { finish(); }
+
+ private:
+  void finish() noexcept {
+    try {
+      wait();
+    } catch (const std::exception& e) {
+      spdlog::error("context attention: a ring transfer failed: {}", e.what());
+    }
   }
 };
 
@@ -50,11 +107,18 @@ struct ContextAttention::WholeMaps {
 };
 
 ContextAttention::ContextAttention(Communicator& group, Form form) : group_(group), form_(form) {}
-ContextAttention::~ContextAttention() = default;
-
-bool ContextAttention::whole_form(const Tensor& q) const {
-  return form_ == Form::kWhole || (form_ == Form::kAuto && !q.device().is_cpu());
+ContextAttention::~ContextAttention() {
+  if (stream_ != nullptr) {
+    try {
+      cuda::stream_synchronize(stream_);
+      cuda::destroy_stream(stream_);
+    } catch (const std::exception& e) {
+      spdlog::error("context attention: releasing the ring's stream: {}", e.what());
+    }
+  }
 }
+
+bool ContextAttention::whole_form(const Tensor&) const { return form_ == Form::kWhole; }
 
 const ContextAttention::WholeMaps& ContextAttention::maps(int64_t batch, int64_t seq, Device device) const {
   for (const auto& m : maps_) {
@@ -96,33 +160,33 @@ struct ContextAttention::WholeKeys {
 };
 
 ContextAttention::WholeKeys ContextAttention::whole_keys(const Tensor& k, const Tensor& v,
-                                                         const ops::AttentionPlaces& places,
+                                                         const Tensor& segments,
                                                          const ops::AttentionShape& shape) const {
   const WholeMaps& m = maps(shape.batch, shape.seq, k.device());
   ops::AttentionShape whole = shape;
   whole.seq = shape.seq * group_.size();
   return {m, whole, ops::take_rows(gathered(k), m.whole_from_gathered),
           ops::take_rows(gathered(v), m.whole_from_gathered),
-          places.segments.defined() ? ops::take_rows(gathered(places.segments), m.whole_from_gathered) : Tensor()};
+          segments.defined() ? ops::take_rows(gathered(segments), m.whole_from_gathered) : Tensor()};
 }
 
 // The whole sequences' attention with only this rank's queries in them (the others zero:
 // their outputs are not read, and in the backward their zero output gradients add nothing
 // to the keys' and values' gradients).
 ops::AttentionOut ContextAttention::whole_forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                  const ops::AttentionPlaces& places,
+                                                  const Tensor& segments,
                                                   const ops::AttentionShape& shape) const {
-  const WholeKeys w = whole_keys(k, v, places, shape);
+  const WholeKeys w = whole_keys(k, v, segments, shape);
   ops::AttentionOut o =
       ops::attention_forward(ops::take_rows(q, w.maps.own_in_whole), w.k, w.v, w.segments, w.shape);
   return {ops::take_rows(o.out, w.maps.whole_of_own), std::move(o.lse)};  // lse: the whole sequences' [B, Hq, S]
 }
 
 ops::AttentionGrads ContextAttention::whole_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
-                                                     const Tensor& v, const ops::AttentionPlaces& places,
+                                                     const Tensor& v, const Tensor& segments,
                                                      const Tensor& out, const Tensor& lse,
                                                      const ops::AttentionShape& shape) const {
-  const WholeKeys w = whole_keys(k, v, places, shape);
+  const WholeKeys w = whole_keys(k, v, segments, shape);
   const Tensor& own = w.maps.own_in_whole;
   ops::AttentionGrads d = ops::attention_backward(ops::take_rows(dout, own), ops::take_rows(q, own), w.k, w.v,
                                                   w.segments, ops::take_rows(out, own), lse, w.shape);
@@ -143,30 +207,43 @@ Tensor ContextAttention::gathered(const Tensor& x) const {
   return out;
 }
 
-ContextAttention::Places ContextAttention::gather_places(const Tensor& rows, const ops::AttentionPlaces& places) const {
-  return {rows.size(0), gathered(places.index), places.segments.defined() ? gathered(places.segments) : Tensor()};
-}
-
-// Sends a and b to the next rank and receives the previous rank's into a_in, b_in.
-ContextAttention::Hop ContextAttention::pass_on(const Tensor& a, const Tensor& b, Tensor& a_in, Tensor& b_in,
-                                                int64_t step, int kind_a, int kind_b) const {
+// Sends `sends` to the next rank and receives the previous rank's into `recvs`.
+ContextAttention::Hop ContextAttention::pass_on(std::vector<Tensor> sends, std::vector<Tensor> recvs,
+                                                uint32_t first_tag) const {
   const int n = group_.size(), r = group_.rank();
   const int next = (r + 1) % n, prev = (r + n - 1) % n;
+  double bytes = 0;
+  for (const Tensor& t : sends) bytes += static_cast<double>(t.nbytes());
+  CollectiveTimer::count_bytes(Collective::kContextRing, bytes);
   Hop h;
-  h.requests.push_back(group_.isend(a, next, tag(step, kind_a)));
-  h.requests.push_back(group_.isend(b, next, tag(step, kind_b)));
-  h.requests.push_back(group_.irecv(a_in, prev, tag(step, kind_a)));
-  h.requests.push_back(group_.irecv(b_in, prev, tag(step, kind_b)));
+  if (!sends.front().device().is_cpu()) {
+    if (stream_ == nullptr) stream_ = cuda::create_stream();
+    cuda::Event ready = cuda::create_sync_event();
+    cuda::record_event(ready, cuda::current_stream());
+    cuda::stream_wait_event(stream_, ready);  // the blocks are made and the buffers allocated
+    cuda::destroy_event(ready);               // released once the wait has passed it
+    {
+      CollectiveScope scope(Collective::kContextRing, stream_, /*on_compute=*/false);
+      h.request = group_.send_recv(sends, next, recvs, prev, first_tag, stream_);
+    }
+    h.arrived = cuda::create_sync_event();
+    cuda::record_event(h.arrived, stream_);
+  } else {
+    h.request = group_.send_recv(sends, next, recvs, prev, first_tag);
+  }
+  h.keep = std::move(sends);
+  h.keep.insert(h.keep.end(), recvs.begin(), recvs.end());
   return h;
 }
 
 // Step s attends to the keys of rank r - s, which came round the ring while step s - 1
 // attended to the ones before; merged in that order (fixed per rank).
 ops::AttentionOut ContextAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                            const ops::AttentionPlaces& places, const ops::AttentionShape& shape) const {
-  if (whole_form(q)) return whole_forward(q, k, v, places, shape);
+                                            const Tensor& segments, const ops::AttentionShape& shape) const {
+  if (whole_form(q)) return whole_forward(q, k, v, segments, shape);
   const int n = group_.size(), r = group_.rank();
-  const Places all = gather_places(k, places);
+  const Tensor all_segments = segments.defined() ? gathered(segments) : Tensor();
+  const int64_t rows = k.size(0);
   Tensor k_now = k, v_now = v;
   ops::AttentionOut acc;
   for (int64_t s = 0; s < n; ++s) {
@@ -175,12 +252,15 @@ ops::AttentionOut ContextAttention::forward(const Tensor& q, const Tensor& k, co
     if (s + 1 < n) {  // the next block under way while this one is attended to
       k_next = like(k);
       v_next = like(v);
-      hop = pass_on(k_now, v_now, k_next, v_next, s, kKeys, kValues);
+      hop = pass_on({k_now, v_now}, {k_next, v_next}, tag(s, kKeys));
     }
     const int64_t owner = (r - s + n) % n;
-    ops::AttentionOut block = ops::attention_block_forward(q, k_now, v_now, places, all.of(owner), shape, shape.seq);
+    const ops::AttentionPart part =
+        part_of(r, owner, shape.seq, segments,
+                all_segments.defined() ? all_segments.slice(owner * rows, (owner + 1) * rows) : Tensor());
+    ops::AttentionOut block = ops::attention_part_forward(q, k_now, v_now, part, shape);
     if (s == 0) {
-      acc = std::move(block);
+      acc = {as_dtype(block.out, sum_dtype(block.out)), std::move(block.lse)};
     } else {
       ops::attention_merge(acc, block);
     }
@@ -188,6 +268,7 @@ ops::AttentionOut ContextAttention::forward(const Tensor& q, const Tensor& k, co
     k_now = std::move(k_next);
     v_now = std::move(v_next);
   }
+  acc.out = as_dtype(acc.out, q.dtype());
   return acc;
 }
 
@@ -195,15 +276,15 @@ ops::AttentionOut ContextAttention::forward(const Tensor& q, const Tensor& k, co
 // over the ranks it has visited, so that after n steps and one more hop each rank holds its
 // own keys' dk and dv summed over every rank's queries (in ring order from the owner: fixed).
 ops::AttentionGrads ContextAttention::backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                                               const ops::AttentionPlaces& places, const Tensor& out,
+                                               const Tensor& segments, const Tensor& out,
                                                const Tensor& lse, const ops::AttentionShape& shape) const {
-  if (whole_form(q)) return whole_backward(dout, q, k, v, places, out, lse, shape);
+  if (whole_form(q)) return whole_backward(dout, q, k, v, segments, out, lse, shape);
   const int n = group_.size(), r = group_.rank();
-  const Places all = gather_places(k, places);
+  const Tensor all_segments = segments.defined() ? gathered(segments) : Tensor();
+  const int64_t rows = k.size(0);
   Tensor k_now = k, v_now = v;
-  Tensor dk_sum, dv_sum;          // the gradient sums of the block in hand, as they arrived
-  Tensor dk_sent, dv_sent;        // kept alive until their sends complete
-  Hop sums;                       // the sums on their way (sent at the end of the step before)
+  Tensor dk_sum, dv_sum;  // the gradient sums of the block in hand, as they arrived
+  Hop sums;               // the sums on their way (sent at the end of the step before)
   ops::AttentionGrads g;
   for (int64_t s = 0; s < n; ++s) {
     Tensor k_next, v_next;
@@ -211,36 +292,40 @@ ops::AttentionGrads ContextAttention::backward(const Tensor& dout, const Tensor&
     if (s + 1 < n) {
       k_next = like(k);
       v_next = like(v);
-      keys = pass_on(k_now, v_now, k_next, v_next, s, kKeys, kValues);
+      keys = pass_on({k_now, v_now}, {k_next, v_next}, tag(s, kKeys));
     }
     const int64_t owner = (r - s + n) % n;
-    ops::AttentionGrads block =
-        ops::attention_block_backward(dout, q, k_now, v_now, places, all.of(owner), out, lse, shape, shape.seq);
+    const ops::AttentionPart part =
+        part_of(r, owner, shape.seq, segments,
+                all_segments.defined() ? all_segments.slice(owner * rows, (owner + 1) * rows) : Tensor());
+    ops::AttentionGrads block = ops::attention_part_backward(dout, q, k_now, v_now, part, out, lse, shape);
     if (s == 0) {
-      g.dq = std::move(block.dq);
+      g.dq = as_dtype(block.dq, sum_dtype(block.dq));
     } else {
       ops::add_(g.dq, block.dq);
     }
     sums.wait();  // the sums for this block (from the previous rank), and the last ones sent
+    Tensor dk_send, dv_send;
     if (s == 0) {
-      dk_sent = std::move(block.dk);
-      dv_sent = std::move(block.dv);
+      dk_send = as_dtype(block.dk, sum_dtype(block.dk));
+      dv_send = as_dtype(block.dv, sum_dtype(block.dv));
     } else {
       ops::add_(dk_sum, block.dk);
       ops::add_(dv_sum, block.dv);
-      dk_sent = std::move(dk_sum);
-      dv_sent = std::move(dv_sum);
+      dk_send = std::move(dk_sum);
+      dv_send = std::move(dv_sum);
     }
-    dk_sum = like(k);
-    dv_sum = like(v);
-    sums = pass_on(dk_sent, dv_sent, dk_sum, dv_sum, s, kKeyGrads, kValueGrads);
+    dk_sum = sum_like(block.dk);
+    dv_sum = sum_like(block.dv);
+    sums = pass_on({dk_send, dv_send}, {dk_sum, dv_sum}, tag(s, kKeyGrads));
     keys.wait();
     k_now = std::move(k_next);
     v_now = std::move(v_next);
   }
   sums.wait();  // the last hop brings this rank's own keys' sums home
-  g.dk = std::move(dk_sum);
-  g.dv = std::move(dv_sum);
+  g.dq = as_dtype(g.dq, q.dtype());
+  g.dk = as_dtype(dk_sum, k.dtype());
+  g.dv = as_dtype(dv_sum, v.dtype());
   return g;
 }
 
@@ -254,14 +339,14 @@ ops::SeqBalanceWhole ContextAttention::whole_sequences(const Tensor& topk_idx, i
 ops::AttentionOut attend(const Tensor& q, const Tensor& k, const Tensor& v, const BatchShape& b,
                          const ops::AttentionShape& shape) {
   if (b.context == nullptr) return ops::attention_forward(q, k, v, b.segment_ids, shape);
-  return b.context->forward(q, k, v, {b.places, b.segment_ids}, shape);
+  return b.context->forward(q, k, v, b.segment_ids, shape);
 }
 
 ops::AttentionGrads attend_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                     const BatchShape& b, const Tensor& out, const Tensor& lse,
                                     const ops::AttentionShape& shape) {
   if (b.context == nullptr) return ops::attention_backward(dout, q, k, v, b.segment_ids, out, lse, shape);
-  return b.context->backward(dout, q, k, v, {b.places, b.segment_ids}, out, lse, shape);
+  return b.context->backward(dout, q, k, v, b.segment_ids, out, lse, shape);
 }
 
 }  // namespace moetrain

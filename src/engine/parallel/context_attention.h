@@ -1,27 +1,27 @@
 // ContextAttention: causal attention when a context-parallel group splits every sequence
 // (issue 31, docs/memory.md). Each rank holds its zigzag chunks of the sequences (data/loader.h's
-// zigzag_batch) with each token's place. Ring attention: the keys and values go round the
-// group, rank r sending its block to r + 1 while it attends to the one in hand
-// (ops::attention_block_forward, merged into the running softmax); the places and documents
-// of every rank's tokens are gathered once a pass (a few bytes a token). The backward sends
-// the blocks round again, each with the sum of its key and value gradients over the ranks it
-// has visited, and one last hop brings every rank its own keys' sums. Deterministic: the
-// merge and the sums run in a fixed order per rank.
+// zigzag_batch): chunks r and 2cp-1-r of 2cp. Ring attention: the keys and values go round the
+// group, rank r sending the block in hand to r + 1 while it attends to it; by the zigzag order
+// each block is seen by a rectangle of this rank's queries (ops::attention_part_forward: its
+// own block causally, an earlier rank's first chunk by every query, a later rank's block by
+// the second chunk's queries), merged into the running softmax (f32). The backward sends the
+// blocks round again, each with the sum of its key and value gradients over the ranks it has
+// visited, and one last hop brings every rank its own keys' sums. On a GPU the transfers run
+// on the ring's own stream (NCCL, one group per hop), hidden behind the attention of the block
+// in hand; the CPU's go through Gloo. Deterministic: the merge and the sums run in a fixed
+// order per rank. The documents (segment ids) of every rank are gathered once a pass.
 //
-// On GPUs, until the CUDA block kernels exist, the whole-sequence form: each rank gathers
-// every rank's keys and values into whole sequences, places its own queries among zeros,
-// and runs the causal flash-attention kernels over the whole sequences; its rows of the
-// output (and the whole sequences' lse) are kept, and the backward's key/value gradients,
-// made by its own queries only, are reduce-scattered onto the ranks that hold those keys.
-// Correct, and every per-token activation is split, but each rank does the attention work
-// of the whole sequence (cp times its share) and holds whole-sequence buffers for the
-// attention core. The CPU can run either form (`Form`); the GPU runs the whole one.
+// Form::kWhole, the form the GPUs ran before the part kernels existed, is kept to measure the
+// ring against: each rank gathers every rank's keys and values into whole sequences, places
+// its own queries among zeros and runs the causal kernels over the whole sequences (cp times
+// its share of the work), reduce-scattering the key/value gradients.
 #pragma once
 
 #include <memory>
 #include <vector>
 
 #include "comm/communicator.h"
+#include "core/cuda_runtime.h"
 #include "engine/models/model.h"
 #include "ops/ops.h"
 
@@ -29,20 +29,21 @@ namespace moetrain {
 
 class ContextAttention {
  public:
-  enum class Form { kAuto, kRing, kWhole };  // kAuto: the ring on the CPU, whole sequences on GPUs
+  enum class Form { kRing, kWhole };
   // `group`: the ranks that split the sequences, in zigzag order (rank r of it holds chunks r
   // and 2 cp - 1 - r). Not owned.
-  explicit ContextAttention(Communicator& group, Form form = Form::kAuto);
+  explicit ContextAttention(Communicator& group, Form form = Form::kRing);
   ~ContextAttention();
 
-  // q [B*n, Hq*D], k and v [B*n, ...] this rank's tokens at `places` (n = shape.seq: a rank's
-  // tokens a sequence); out and lse over every rank's keys.
-  ops::AttentionOut forward(const Tensor& q, const Tensor& k, const Tensor& v, const ops::AttentionPlaces& places,
+  // q [B*n, Hq*D], k and v [B*n, ...] this rank's tokens (n = shape.seq: a rank's tokens a
+  // sequence, its two chunks), segments their documents (or undefined); out and lse over
+  // every rank's keys.
+  ops::AttentionOut forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segments,
                             const ops::AttentionShape& shape) const;
   // dq, and this rank's keys' dk and dv summed over every rank's queries. `out` and `lse` as
   // forward returned them.
   ops::AttentionGrads backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                               const ops::AttentionPlaces& places, const Tensor& out, const Tensor& lse,
+                               const Tensor& segments, const Tensor& out, const Tensor& lse,
                                const ops::AttentionShape& shape) const;
 
   // For a loss over whole sequences (DeepSeek's sequence-wise balance loss): the sequences'
@@ -52,27 +53,25 @@ class ContextAttention {
   int size() const { return group_.size(); }
 
  private:
-  struct Places;
   struct Hop;
   struct WholeMaps;
   struct WholeKeys;
   bool whole_form(const Tensor& q) const;
   const WholeMaps& maps(int64_t batch, int64_t seq, Device device) const;
-  WholeKeys whole_keys(const Tensor& k, const Tensor& v, const ops::AttentionPlaces& places,
+  WholeKeys whole_keys(const Tensor& k, const Tensor& v, const Tensor& segments,
                        const ops::AttentionShape& shape) const;
-  ops::AttentionOut whole_forward(const Tensor& q, const Tensor& k, const Tensor& v, const ops::AttentionPlaces& places,
+  ops::AttentionOut whole_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segments,
                                   const ops::AttentionShape& shape) const;
   ops::AttentionGrads whole_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                                     const ops::AttentionPlaces& places, const Tensor& out, const Tensor& lse,
+                                     const Tensor& segments, const Tensor& out, const Tensor& lse,
                                      const ops::AttentionShape& shape) const;
   // Every rank's rows of `x`, back to back in rank order.
   Tensor gathered(const Tensor& x) const;
-  Places gather_places(const Tensor& rows, const ops::AttentionPlaces& places) const;
-  Hop pass_on(const Tensor& a, const Tensor& b, Tensor& a_in, Tensor& b_in, int64_t step, int kind_a,
-              int kind_b) const;
+  Hop pass_on(std::vector<Tensor> sends, std::vector<Tensor> recvs, uint32_t first_tag) const;
   Communicator& group_;
   Form form_;
   mutable std::vector<std::unique_ptr<WholeMaps>> maps_;  // by (batch, seq), made once
+  mutable cuda::Stream stream_ = nullptr;                 // the ring's transfers on a GPU, made at first use
 };
 
 // A decoder layer's attention core for batch `b`: over the CP group when b carries places

@@ -65,11 +65,12 @@ Held held_by(const RunConfig& cfg, const PlanLayout& l, const std::vector<int64_
       kept -= dropped;
     }
     h.kept += kept;
-    // Context parallelism (context_attention.cpp). The CPU's ring: the forward holds the next
-    // key/value block beside the one in hand, the backward also two blocks of their gradient
-    // sums. The GPU's whole-sequence form: the attention's inputs, output and their gradients
-    // for whole sequences (cp times a rank's tokens) in the backward.
-    const double ring = l.cp <= 1 ? 0 : act == 2 ? 2 * l.cp * T * f.attention_per_token : 4 * T * f.kv_per_token;
+    // Context parallelism's ring (context_attention.cpp), at a layer's backward: the key/value
+    // block in hand and the next, two blocks of their gradient sums, and on the GPU (bf16
+    // activations) the sums in f32 (twice a block), the block's own bf16 dk, dv, and dq as an
+    // f32 sum beside the block's bf16 dq: 7 key/value blocks and 3 query-sized tensors.
+    const double q_per_token = (f.attention_per_token - f.kv_per_token) / 2;  // a query (or its gradient)
+    const double ring = l.cp <= 1 ? 0 : act == 2 ? T * (7 * f.kv_per_token + 3 * q_per_token) : 4 * T * f.kv_per_token;
     h.backward = std::max(h.backward, T * f.backward_per_token + rows * f.backward_per_row + ring);
     h.deferred += rows * f.deferred_per_row;
     ++h.layers;

@@ -28,6 +28,7 @@ enum class Collective {
   kReduceScatter,  // FSDP: gradients reduced onto their shards
   kAllReduce,      // HSDP and live fault tolerance: gradients summed across replica groups
   kPipeline,       // pipeline: receiving activations and their gradients (the wait includes the bubble)
+  kContextRing,    // context parallelism: key/value blocks (and their gradient sums) passed round the ring
   kCount
 };
 constexpr int kNumCollectives = static_cast<int>(Collective::kCount);

@@ -54,28 +54,24 @@ double dot(const F* a, const F* b, int64_t n) {
   return s;
 }
 
-// Where a block's tokens sit: index (i32 [B*len]) each token's place in its sequence, or null
-// for a token's row in the block (self-attention: keys then run up to the query's own row);
-// seg (i32 [B*len]) its segment, or null.
-struct Places {
-  const int32_t* index = nullptr;
-  const int32_t* seg = nullptr;
-  int64_t len = 0;
-};
-
-// The keys of sequence b that query s may see: j < end(s), and visible(s, j).
+// The keys of sequence b that query row s may see: rows [begin(s), end(s)) that visible() admits.
 struct Visibility {
-  Places q, k;
-  int64_t end(int64_t s) const { return q.index ? k.len : s + 1; }
-  bool visible(int64_t b, int64_t s, int64_t j) const {
-    if (q.index && k.index[b * k.len + j] > q.index[b * q.len + s]) return false;
-    return !q.seg || q.seg[b * q.len + s] == k.seg[b * k.len + j];
+  int64_t q_begin = 0, q_end = 0, k_begin = 0, k_end = 0;
+  bool causal = true;
+  const int32_t* q_seg = nullptr;  // [B*S] or null (then k_seg too)
+  const int32_t* k_seg = nullptr;
+  int64_t seq = 0;
+  int64_t begin(int64_t s) const { return s >= q_begin && s < q_end ? k_begin : 0; }
+  int64_t end(int64_t s) const {
+    if (s < q_begin || s >= q_end) return 0;
+    return causal ? std::min(s + 1, k_end) : k_end;
   }
+  bool visible(int64_t b, int64_t s, int64_t j) const { return !q_seg || q_seg[b * seq + s] == k_seg[b * seq + j]; }
 };
 
-// The forward over one block of keys; a query that sees none of them gets out 0 and lse -inf.
+// The forward over the visible keys; a query that sees none gets out 0 and lse -inf.
 AttentionOut forward(const Tensor& q, const Tensor& k, const Tensor& v, const Visibility& vis, const AttentionShape& a) {
-  const int64_t B = a.batch, S = vis.q.len, Sk = vis.k.len, Hq = a.q_heads, Hkv = a.kv_heads, D = a.head_dim,
+  const int64_t B = a.batch, S = a.seq, Sk = a.seq, Hq = a.q_heads, Hkv = a.kv_heads, D = a.head_dim,
                 Dv = a.value_dim();
   const int64_t group = Hq / Hkv, qw = Hq * D, kw = Hkv * D, vw = Hkv * Dv, ow = Hq * Dv;
   AttentionOut o{Tensor::empty({B * S, ow}, q.dtype()), Tensor::empty({B, Hq, S}, q.dtype())};
@@ -94,14 +90,14 @@ AttentionOut forward(const Tensor& q, const Tensor& k, const Tensor& v, const Vi
         for (int64_t s = 0; s < S; ++s) {
           const F* qs = pq + (b * S + s) * qw + h * D;
           double mx = -std::numeric_limits<double>::infinity();
-          for (int64_t j = 0; j < vis.end(s); ++j) {
+          for (int64_t j = vis.begin(s); j < vis.end(s); ++j) {
             if (!vis.visible(b, s, j)) continue;
             sc[j] = a.scale * dot(qs, kb + j * kw, D);
             mx = std::max(mx, sc[j]);
           }
           double sum = 0;
           std::fill(acc.begin(), acc.end(), 0.0);
-          for (int64_t j = 0; j < vis.end(s); ++j) {
+          for (int64_t j = vis.begin(s); j < vis.end(s); ++j) {
             if (!vis.visible(b, s, j)) continue;
             const double p = std::exp(sc[j] - mx);
             sum += p;
@@ -118,10 +114,10 @@ AttentionOut forward(const Tensor& q, const Tensor& k, const Tensor& v, const Vi
   return o;
 }
 
-// The gradients through one block of keys, from the output and lse over every block.
+// The gradients through the visible keys, from the output and lse over every part.
 AttentionGrads backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                         const Tensor& lse, const Visibility& vis, const AttentionShape& a, const char* op) {
-  const int64_t B = a.batch, S = vis.q.len, Sk = vis.k.len, Hq = a.q_heads, Hkv = a.kv_heads, D = a.head_dim,
+  const int64_t B = a.batch, S = a.seq, Sk = a.seq, Hq = a.q_heads, Hkv = a.kv_heads, D = a.head_dim,
                 Dv = a.value_dim();
   const int64_t group = Hq / Hkv, qw = Hq * D, kw = Hkv * D, vw = Hkv * Dv, ow = Hq * Dv;
   check_shape(dout, {B * S, ow}, "dout");
@@ -152,7 +148,7 @@ AttentionGrads backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
             const double l = double(plse[(b * Hq + h) * S + s]);
             const double delta = dot(dos, po + orow, Dv);
             std::fill(dq.begin(), dq.end(), 0.0);
-            for (int64_t j = 0; j < vis.end(s); ++j) {
+            for (int64_t j = vis.begin(s); j < vis.end(s); ++j) {
               if (!vis.visible(b, s, j)) continue;
               const F *kj = kb + j * kw, *vj = vb + j * vw;
               const double p = std::exp(a.scale * dot(qs, kj, D) - l);
@@ -177,33 +173,37 @@ AttentionGrads backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   return gr;
 }
 
-// Self-attention's places: every token at its row, one segment array for both.
+// Self-attention: every query row sees the key rows up to its own, one segment array for both.
 Visibility causal(const Tensor& segment_ids, const AttentionShape& a) {
   const int32_t* seg = segment_ids.defined() ? segment_ids.data<int32_t>() : nullptr;
-  return {{nullptr, seg, a.seq}, {nullptr, seg, a.seq}};
+  return {0, a.seq, 0, a.seq, true, seg, seg, a.seq};
 }
 
-// A block's places, checked against its length.
-Places places(const AttentionPlaces& p, int64_t batch, int64_t len, const char* what) {
-  check_shape(p.index, {batch * len}, what);
-  check_dtype(p.index, DType::I32, what);
-  if (p.segments.defined()) {
-    check_shape(p.segments, {batch * len}, what);
-    check_dtype(p.segments, DType::I32, what);
+Visibility part_of(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionPart& p, const AttentionShape& a,
+                   const char* op) {
+  check_args(op, q, k, v, Tensor(), a);
+  MT_CHECK(0 <= p.q_begin && p.q_begin <= p.q_end && p.q_end <= a.seq && 0 <= p.k_begin && p.k_begin <= p.k_end &&
+               p.k_end <= a.seq,
+           "{}: the part's rows q [{}, {}) and k [{}, {}) must lie in [0, {}) (shape.seq)", op, p.q_begin, p.q_end,
+           p.k_begin, p.k_end, a.seq);
+  MT_CHECK(!p.causal || (p.q_begin == p.k_begin && p.q_end == p.k_end),
+           "{}: a causal part takes the same rows of queries and keys, got q [{}, {}) and k [{}, {})", op, p.q_begin,
+           p.q_end, p.k_begin, p.k_end);
+  MT_CHECK(p.q_segments.defined() == p.k_segments.defined(), "{}: segments given for the queries or the keys only",
+           op);
+  for (const Tensor* t : {&p.q_segments, &p.k_segments}) {
+    if (!t->defined()) continue;
+    check_shape(*t, {a.batch * a.seq}, t == &p.q_segments ? "q_segments" : "k_segments");
+    check_dtype(*t, DType::I32, t == &p.q_segments ? "q_segments" : "k_segments");
   }
-  return {p.index.data<int32_t>(), p.segments.defined() ? p.segments.data<int32_t>() : nullptr, len};
-}
-
-Visibility blocks(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionPlaces& qp,
-                  const AttentionPlaces& kp, const AttentionShape& a, int64_t kv_seq, const char* op) {
-  check_heads(op, a);
-  MT_CHECK(kv_seq >= 0, "{}: kv_seq must be >= 0, got {}", op, kv_seq);
-  check_shape(q, {a.batch * a.seq, a.q_heads * a.head_dim}, "q");
-  check_shape(k, {a.batch * kv_seq, a.kv_heads * a.head_dim}, "k");
-  check_shape(v, {a.batch * kv_seq, a.kv_heads * a.value_dim()}, "v");
-  check_same_dtype(op, q.dtype(), {&k, &v});
-  MT_CHECK(qp.segments.defined() == kp.segments.defined(), "{}: segments given for the queries or the keys only", op);
-  return {places(qp, a.batch, a.seq, "q_places"), places(kp, a.batch, kv_seq, "k_places")};
+  return {p.q_begin,
+          p.q_end,
+          p.k_begin,
+          p.k_end,
+          p.causal,
+          p.q_segments.defined() ? p.q_segments.data<int32_t>() : nullptr,
+          p.k_segments.defined() ? p.k_segments.data<int32_t>() : nullptr,
+          a.seq};
 }
 
 }  // namespace
@@ -221,26 +221,25 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
   return backward(dout, q, k, v, out, lse, causal(segment_ids, a), a, "attention_backward");
 }
 
-AttentionOut attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionPlaces& q_places,
-                                     const AttentionPlaces& k_places, const AttentionShape& a, int64_t kv_seq) {
-  return forward(q, k, v, blocks(q, k, v, q_places, k_places, a, kv_seq, "attention_block_forward"), a);
+AttentionOut attention_part_forward(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionPart& part,
+                                    const AttentionShape& a) {
+  return forward(q, k, v, part_of(q, k, v, part, a, "attention_part_forward"), a);
 }
 
-AttentionGrads attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                                        const AttentionPlaces& q_places, const AttentionPlaces& k_places,
-                                        const Tensor& out, const Tensor& lse, const AttentionShape& a,
-                                        int64_t kv_seq) {
-  return backward(dout, q, k, v, out, lse,
-                  blocks(q, k, v, q_places, k_places, a, kv_seq, "attention_block_backward"), a,
-                  "attention_block_backward");
+AttentionGrads attention_part_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const AttentionPart& part, const Tensor& out, const Tensor& lse,
+                                       const AttentionShape& a) {
+  return backward(dout, q, k, v, out, lse, part_of(q, k, v, part, a, "attention_part_backward"), a,
+                  "attention_part_backward");
 }
 
-// Online softmax over blocks: with w = exp(lse - lse'), lse' = log(e^lse_a + e^lse_b),
+// Online softmax over parts: with w = exp(lse - lse'), lse' = log(e^lse_a + e^lse_b),
 // out' = w_a out_a + w_b out_b. A row that saw nothing (lse -inf) adds nothing.
-void attention_merge(AttentionOut& acc, const AttentionOut& block) {
-  check_shape(block.out, acc.out.shape(), "block.out");
-  check_shape(block.lse, acc.lse.shape(), "block.lse");
-  check_same_dtype("attention_merge", acc.out.dtype(), {&acc.lse, &block.out, &block.lse});
+void attention_merge(AttentionOut& acc, const AttentionOut& part) {
+  check_shape(part.out, acc.out.shape(), "part.out");
+  check_shape(part.lse, acc.lse.shape(), "part.lse");
+  check_same_dtype("attention_merge", acc.out.dtype(), {&acc.lse, &part.out, &part.lse});
+  const AttentionOut& block = part;
   const int64_t B = acc.lse.size(0), Hq = acc.lse.size(1), S = acc.lse.size(2);
   const int64_t ow = acc.out.size(1), Dv = ow / Hq;
   dispatch_float(acc.out.dtype(), "attention_merge", [&](auto tag) {

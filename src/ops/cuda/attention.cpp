@@ -136,4 +136,108 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
   return g;
 }
 
+namespace {
+
+// The launchers' dims for a part (ops.h's attention_part_*), checked. An empty part leaves
+// `empty` set (the lengths 0 would mean the whole sequence to the launchers).
+AttentionDims part_dims(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const AttentionPart& p,
+                        const AttentionShape& a, bool* empty) {
+  AttentionDims d = check_args(op, q, k, v, p.q_segments, a);
+  MT_CHECK(0 <= p.q_begin && p.q_begin <= p.q_end && p.q_end <= a.seq && 0 <= p.k_begin && p.k_begin <= p.k_end &&
+               p.k_end <= a.seq,
+           "{}: the part's rows q [{}, {}) and k [{}, {}) must lie in [0, {}) (shape.seq)", op, p.q_begin, p.q_end,
+           p.k_begin, p.k_end, a.seq);
+  MT_CHECK(!p.causal || (p.q_begin == p.k_begin && p.q_end == p.k_end),
+           "{}: a causal part takes the same rows of queries and keys, got q [{}, {}) and k [{}, {})", op, p.q_begin,
+           p.q_end, p.k_begin, p.k_end);
+  MT_CHECK(p.q_segments.defined() == p.k_segments.defined(), "{}: segments given for the queries or the keys only",
+           op);
+  if (p.k_segments.defined()) {
+    check_shape(p.k_segments, {a.batch * a.seq}, "k_segments");
+    check_dtype(p.k_segments, DType::I32, "k_segments");
+    MT_CHECK(p.k_segments.device() == q.device(), "{}: tensor k_segments is on {}, expected {} (where q lives)", op,
+             p.k_segments.device().str(), q.device().str());
+  }
+  *empty = p.q_end == p.q_begin || p.k_end == p.k_begin;
+  d.q_begin = static_cast<int>(p.q_begin);
+  d.q_len = static_cast<int>(p.q_end - p.q_begin);
+  d.k_begin = static_cast<int>(p.k_begin);
+  d.k_len = static_cast<int>(p.k_end - p.k_begin);
+  d.causal = p.causal;
+  const int32_t* kseg = seg_ptr(p.k_segments);
+  d.k_seg = kseg == seg_ptr(p.q_segments) ? nullptr : kseg;
+  return d;
+}
+
+}  // namespace
+
+AttentionOut attention_part_forward(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionPart& part,
+                                    const AttentionShape& shape) {
+  const char* op = "attention_part_forward";
+  bool empty = false;
+  const AttentionDims d = part_dims(op, q, k, v, part, shape, &empty);
+  if (d.whole()) return cuda::attention_forward(q, k, v, part.q_segments, shape);
+  AttentionOut o{Tensor::zeros({shape.batch * shape.seq, shape.q_heads * shape.value_dim()}, DType::BF16, q.device()),
+                 Tensor::empty({shape.batch, shape.q_heads, shape.seq}, DType::F32, q.device())};
+  launch_fill(o.lse.data<float>(), o.lse.numel(), -INFINITY, stream());
+  if (!empty) {
+    launch_attention_forward(bf16_ptr(q), bf16_ptr(k), bf16_ptr(v), seg_ptr(part.q_segments), bf16_ptr(o.out),
+                             o.lse.data<float>(), d, stream());
+  }
+  check_launch("attention_fwd_kernel (a part)");
+  return o;
+}
+
+AttentionGrads attention_part_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const AttentionPart& part, const Tensor& out, const Tensor& lse,
+                                       const AttentionShape& shape) {
+  const char* op = "attention_part_backward";
+  bool empty = false;
+  const AttentionDims d = part_dims(op, q, k, v, part, shape, &empty);
+  if (d.whole()) return cuda::attention_backward(dout, q, k, v, part.q_segments, out, lse, shape);
+  const Shape out_shape{shape.batch * shape.seq, shape.q_heads * shape.value_dim()};
+  check_bf16(op, dout, out_shape, q.device(), "dout");
+  check_bf16(op, out, out_shape, q.device(), "out");
+  check_shape(lse, {shape.batch, shape.q_heads, shape.seq}, "lse");
+  check_dtype(lse, DType::F32, "lse");
+  MT_CHECK(lse.device() == q.device(), "{}: tensor lse is on {}, expected {} (where q lives)", op,
+           lse.device().str(), q.device().str());
+  AttentionGrads g{Tensor::zeros(q.shape(), DType::BF16, q.device()), Tensor::zeros(k.shape(), DType::BF16, q.device()),
+                   Tensor::zeros(v.shape(), DType::BF16, q.device())};
+  if (empty) return g;
+  Tensor delta = Tensor::empty({2, shape.batch, shape.q_heads, shape.seq}, DType::F32, q.device());
+  launch_attention_backward(bf16_ptr(dout), bf16_ptr(q), bf16_ptr(k), bf16_ptr(v), seg_ptr(part.q_segments),
+                            bf16_ptr(out), lse.data<float>(), delta.data<float>(), nullptr, 1, nullptr,
+                            bf16_ptr(g.dq), bf16_ptr(g.dk), bf16_ptr(g.dv), d, stream());
+  check_launch("attention_bwd kernels (a part: delta, dkdv, dq)");
+  return g;
+}
+
+void attention_merge(AttentionOut& acc, const AttentionOut& part) {
+  const char* op = "attention_merge";
+  MT_CHECK(acc.out.defined() && acc.lse.defined() && part.out.defined() && part.lse.defined(),
+           "{}: every tensor must be defined", op);
+  check_dtype(acc.out, DType::F32, "acc.out (the running sum is kept in f32 on the GPU)");
+  check_dtype(acc.lse, DType::F32, "acc.lse");
+  check_dtype(part.lse, DType::F32, "part.lse");
+  MT_CHECK(part.out.dtype() == DType::BF16 || part.out.dtype() == DType::F32, "{}: part.out {} must be bf16 or f32",
+           op, part.out.str());
+  MT_CHECK(acc.lse.ndim() == 3, "{}: acc.lse {} must be [B, Hq, S]", op, acc.lse.str());
+  check_shape(part.lse, acc.lse.shape(), "part.lse");
+  check_shape(part.out, acc.out.shape(), "part.out");
+  const int64_t B = acc.lse.size(0), Hq = acc.lse.size(1), S = acc.lse.size(2);
+  MT_CHECK(acc.out.ndim() == 2 && acc.out.size(0) == B * S && acc.out.size(1) % Hq == 0,
+           "{}: acc.out {} must be [B*S, Hq*Dv] for lse {}", op, acc.out.str(), acc.lse.str());
+  const int dv = static_cast<int>(acc.out.size(1) / Hq);
+  if (part.out.dtype() == DType::BF16) {
+    launch_attention_merge(acc.out.data<float>(), acc.lse.data<float>(), bf16_ptr(part.out), part.lse.data<float>(),
+                           static_cast<int>(B), static_cast<int>(Hq), static_cast<int>(S), dv, stream());
+  } else {
+    launch_attention_merge(acc.out.data<float>(), acc.lse.data<float>(), part.out.data<float>(),
+                           part.lse.data<float>(), static_cast<int>(B), static_cast<int>(Hq), static_cast<int>(S), dv,
+                           stream());
+  }
+  check_launch("attention_merge_kernel");
+}
+
 }  // namespace moetrain::ops::cuda

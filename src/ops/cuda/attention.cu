@@ -85,7 +85,8 @@ struct Params {
   const bf16* q;
   const bf16* k;
   const bf16* v;
-  const int32_t* seg;  // null: no segments
+  const int32_t* seg;   // null: no segments (the queries' rows)
+  const int32_t* kseg;  // the keys' rows: null exactly when seg is
   const bf16* dout;
   const bf16* out;
   const float* lse;
@@ -100,6 +101,11 @@ struct Params {
   float* dv_part;  // and [splits][B*S, Hkv*Dv]
   float* dq_acc;  // null, or the one-pass Hopper backward's f32 dQ sums (attention_hopper.cu)
   int batch, seq, q_heads, kv_heads, group;
+  // The part of each sequence taking part (attention_launch.h): the pointers above already
+  // start at its first query / key row; seq stays the rows from one sequence to the next
+  // (and lse's, delta's row count). causal: key j seen by query i only when j <= i.
+  int q_len, k_len;
+  bool causal;
   int splits;  // dK/dV pass: blocks sharing one (key tile, kv head), group / splits heads each
   // Elements per token row: q/dq Hq*D, k/dk Hkv*D, v/dv Hkv*Dv, out/dout Hq*Dv.
   int64_t q_stride, k_stride, v_stride, o_stride;
@@ -258,8 +264,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_fwd_kernel(const P
   bf16* sK = sQ + BR * LD;      // STAGES buffers
   bf16* sV = sK + STAGES * TK;  // STAGES buffers of TV
 
-  const int S = p.seq;
-  const TileOrder t((S + BR - 1) / BR, p.q_heads, p.batch);
+  const int S = p.seq, Sq = p.q_len, Sk = p.k_len;
+  const TileOrder t((Sq + BR - 1) / BR, p.q_heads, p.batch);
   const int h = t.h, b = t.b, g = h / p.group;
   const int q0 = t.tile * BR;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -273,9 +279,10 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_fwd_kernel(const P
   const bf16* gk = p.k + tok0 * p.k_stride + static_cast<int64_t>(g) * D;
   const bf16* gv = p.v + tok0 * v_stride + static_cast<int64_t>(g) * DV;
   const int32_t* seg = p.seg ? p.seg + tok0 : nullptr;
+  const int32_t* kseg = p.kseg ? p.kseg + tok0 : nullptr;
 
-  const int q_end = min(q0 + BR, S);
-  const int n_kt = (q_end - 1) / BC + 1;  // key tiles 0 .. the diagonal
+  const int q_end = min(q0 + BR, Sq);
+  const int n_kt = p.causal ? (q_end - 1) / BC + 1 : (Sk + BC - 1) / BC;  // causal: key tiles 0 .. the diagonal
 
   load_tile<BR, D, THREADS>(sQ, gq, p.q_stride, q_end - q0);
   // Pipeline: key/value tile kt goes to buffer kt % STAGES in commit group kt (Q with tile 0),
@@ -283,8 +290,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_fwd_kernel(const P
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) {
     if (st < n_kt) {
-      load_tile<BC, D, THREADS>(sK + st * TK, gk + st * BC * p.k_stride, p.k_stride, min(BC, S - st * BC));
-      load_tile<BC, DV, THREADS>(sV + st * TV, gv + st * BC * v_stride, v_stride, min(BC, S - st * BC));
+      load_tile<BC, D, THREADS>(sK + st * TK, gk + st * BC * p.k_stride, p.k_stride, min(BC, Sk - st * BC));
+      load_tile<BC, DV, THREADS>(sV + st * TV, gv + st * BC * v_stride, v_stride, min(BC, Sk - st * BC));
     }
     cp_async_commit();  // possibly empty: keeps one group per tile
   }
@@ -296,7 +303,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_fwd_kernel(const P
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int r = row0 + mt * 16 + i * 8 + gr;
-      seg_r[mt][i] = (seg && r < S) ? seg[r] : 0;
+      seg_r[mt][i] = (seg && r < Sq) ? seg[r] : 0;
     }
   }
   const uint32_t q_addr = smem_u32(sQ) + 2 * (warp * MT * 16 * LD + off.a);
@@ -318,13 +325,13 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_fwd_kernel(const P
     {  // prefetch tile kt + STAGES - 1 into the buffer freed by iteration kt - 1
       const int kn = kt + STAGES - 1, k1 = kn * BC, nbuf = kn % STAGES;
       if (kn < n_kt) {
-        load_tile<BC, D, THREADS>(sK + nbuf * TK, gk + k1 * p.k_stride, p.k_stride, min(BC, S - k1));
-        load_tile<BC, DV, THREADS>(sV + nbuf * TV, gv + k1 * v_stride, v_stride, min(BC, S - k1));
+        load_tile<BC, D, THREADS>(sK + nbuf * TK, gk + k1 * p.k_stride, p.k_stride, min(BC, Sk - k1));
+        load_tile<BC, DV, THREADS>(sV + nbuf * TV, gv + k1 * v_stride, v_stride, min(BC, Sk - k1));
       }
       cp_async_commit();
     }
     const int k0 = kt * BC;
-    if (k0 <= row0 + MT * 16 - 1) {  // else every key of the tile is right of the warp's rows
+    if (!p.causal || k0 <= row0 + MT * 16 - 1) {  // else every key of the tile is right of the warp's rows
       const uint32_t k_base = smem_u32(sK + buf * TK), v_base = smem_u32(sV + buf * TV);
 
       // s = Q K^T for the warp's MT*16 rows x BC keys; each K fragment feeds MT m-tiles
@@ -348,7 +355,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_fwd_kernel(const P
         }
       }
 
-      if (seg || k0 + BC - 1 > row0 || k0 + BC > S) {
+      if (seg || (p.causal && k0 + BC - 1 > row0) || k0 + BC > Sk) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -357,7 +364,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_fwd_kernel(const P
             for (int e = 0; e < 4; ++e) {
               const int j = k0 + nb * 8 + 2 * tq + (e & 1);
               const int r = row0 + mt * 16 + (e >> 1) * 8 + gr;
-              const bool ok = j <= r && j < S && (!seg || seg[j] == seg_r[mt][e >> 1]);
+              const bool ok = (!p.causal || j <= r) && j < Sk && (!seg || kseg[j] == seg_r[mt][e >> 1]);
               if (!ok) s[mt][nb][e] = -INFINITY;
             }
           }
@@ -425,8 +432,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_fwd_kernel(const P
       lt += __shfl_xor_sync(0xffffffffu, lt, 1);
       lt += __shfl_xor_sync(0xffffffffu, lt, 2);
       const int r = row0 + mt * 16 + i * 8 + gr;
-      if (r < S) {
-        const float inv = 1.f / lt;
+      if (r < Sq) {
+        // A row that saw no key (a part's documents or places all elsewhere): out 0, lse -inf.
+        const float inv = lt > 0.f ? 1.f / lt : 0.f;
         bf16* go = p.o + (tok0 + r) * o_stride + static_cast<int64_t>(h) * DV + 2 * tq;
 #pragma unroll
         for (int db = 0; db < DV / 8; ++db) {
@@ -434,7 +442,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_fwd_kernel(const P
               pack_bf16(o[mt][db][2 * i] * inv, o[mt][db][2 * i + 1] * inv);
         }
         if (tq == 0) {
-          p.lse_out[(static_cast<int64_t>(b) * p.q_heads + h) * S + r] = (m[mt][i] + log2f(lt)) * kLn2;
+          p.lse_out[(static_cast<int64_t>(b) * p.q_heads + h) * S + r] =
+              lt > 0.f ? (m[mt][i] + log2f(lt)) * kLn2 : -INFINITY;
         }
       }
     }
@@ -451,12 +460,13 @@ constexpr int kDeltaWarps = 8;
 __global__ void __launch_bounds__(kDeltaWarps * 32) attention_bwd_delta128_kernel(const Params p) {
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * kDeltaWarps + (threadIdx.x >> 5)) * 2 + ((threadIdx.x >> 4) & 1);
   const int l16 = threadIdx.x & 15;
-  const bool live = row < static_cast<int64_t>(p.batch) * p.seq * p.q_heads;
+  const bool live = row < static_cast<int64_t>(p.batch) * p.q_len * p.q_heads;
   float acc = 0.f;
-  int64_t t = 0;
+  int64_t t = 0;  // the token's row: sequence b's part row s at b * seq + s
   int h = 0;
   if (live) {
-    t = row / p.q_heads;
+    const int64_t pr = row / p.q_heads;
+    t = pr / p.q_len * p.seq + pr % p.q_len;
     h = static_cast<int>(row % p.q_heads);
     float x[8], y[8];
     load8(p.dout + t * p.o_stride + static_cast<int64_t>(h) * 128 + l16 * 8, x);
@@ -479,8 +489,8 @@ template <int DV>
 __global__ void __launch_bounds__(kDeltaWarps * 32) attention_bwd_delta_kernel(const Params p) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kDeltaWarps + (threadIdx.x >> 5);  // token * Hq + head
   const int lane = threadIdx.x & 31;
-  if (row >= static_cast<int64_t>(p.batch) * p.seq * p.q_heads) return;  // whole warp
-  const int64_t t = row / p.q_heads;
+  if (row >= static_cast<int64_t>(p.batch) * p.q_len * p.q_heads) return;  // whole warp
+  const int64_t pr = row / p.q_heads, t = pr / p.q_len * p.seq + pr % p.q_len;
   const int h = static_cast<int>(row % p.q_heads);
   const bf16* a = p.dout + t * p.o_stride + static_cast<int64_t>(h) * DV;
   const bf16* c = p.out + t * p.o_stride + static_cast<int64_t>(h) * DV;
@@ -521,7 +531,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dkdv_kernel(co
   float* sLse = reinterpret_cast<float*>(sdO + STAGES * TO);  // STAGES buffers of BQ: lse * log2(e)
   float* sDel = sLse + STAGES * BQ;                           // STAGES buffers of BQ: delta
 
-  const int S = p.seq;
+  const int S = p.seq, Sq = p.q_len, Sk = p.k_len;
   // blockIdx.x = (key tile, batch, kv head, split) with the key tile slowest: low key tiles
   // (the most query tiles) start first.
   const int per_kt = p.batch * p.kv_heads * p.splits;
@@ -538,8 +548,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dkdv_kernel(co
   const int64_t tok0 = static_cast<int64_t>(b) * S;
   const int64_t v_stride = v_stride_of<D, DV>(p), o_stride = o_stride_of<D, DV>(p);
   const int32_t* seg = p.seg ? p.seg + tok0 : nullptr;
-  const int n_qt = (S + BQ - 1) / BQ;
-  const int qt_begin = k0 / BQ;  // query tiles above it see none of these keys
+  const int32_t* kseg = p.kseg ? p.kseg + tok0 : nullptr;
+  const int n_qt = (Sq + BQ - 1) / BQ;
+  const int qt_begin = p.causal ? k0 / BQ : 0;  // causal: query tiles above it see none of these keys
   const int per_head = n_qt - qt_begin;
   const int n_it = heads * per_head;  // (head, query tile) pairs, head-major
 
@@ -549,12 +560,12 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dkdv_kernel(co
     const int q0 = (qt_begin + it % per_head) * BQ;
     const int64_t qoff = (tok0 + q0) * p.q_stride + static_cast<int64_t>(h) * D;
     const int64_t ooff = (tok0 + q0) * o_stride + static_cast<int64_t>(h) * DV;
-    load_tile<BQ, D, THREADS>(sQ + buf * TQ, p.q + qoff, p.q_stride, min(BQ, S - q0));
-    load_tile<BQ, DV, THREADS>(sdO + buf * TO, p.dout + ooff, o_stride, min(BQ, S - q0));
+    load_tile<BQ, D, THREADS>(sQ + buf * TQ, p.q + qoff, p.q_stride, min(BQ, Sq - q0));
+    load_tile<BQ, DV, THREADS>(sdO + buf * TO, p.dout + ooff, o_stride, min(BQ, Sq - q0));
     const int64_t soff = (static_cast<int64_t>(b) * p.q_heads + h) * S + q0;
     for (int i = tid; i < 2 * BQ; i += THREADS) {
       const int c = i % BQ;
-      const bool ok = q0 + c < S;
+      const bool ok = q0 + c < Sq;
       const float* src = i < BQ ? p.lse2 + soff : p.delta + soff;
       float* dst = (i < BQ ? sLse : sDel) + buf * BQ + c;
       cp_async4(smem_u32(dst), ok ? src + c : src, ok);
@@ -563,8 +574,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dkdv_kernel(co
 
   const int64_t koff = (tok0 + k0) * p.k_stride + static_cast<int64_t>(g) * D;
   const int64_t voff = (tok0 + k0) * v_stride + static_cast<int64_t>(g) * DV;
-  load_tile<BC, D, THREADS>(sK, p.k + koff, p.k_stride, min(BC, S - k0));
-  load_tile<BC, DV, THREADS>(sV, p.v + voff, v_stride, min(BC, S - k0));
+  load_tile<BC, D, THREADS>(sK, p.k + koff, p.k_stride, min(BC, Sk - k0));
+  load_tile<BC, DV, THREADS>(sV, p.v + voff, v_stride, min(BC, Sk - k0));
   // Pipeline: iteration it's tiles go to buffer it % STAGES in commit group it (K and V
   // with iteration 0), STAGES - 1 iterations ahead of the one being computed.
 #pragma unroll
@@ -575,8 +586,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dkdv_kernel(co
 
   const int kw = k0 + warp * 16;          // the warp's first key
   const int j_lo = kw + gr, j_hi = j_lo + 8;  // this lane's two keys
-  const int seg_lo = (seg && j_lo < S) ? seg[j_lo] : 0;
-  const int seg_hi = (seg && j_hi < S) ? seg[j_hi] : 0;
+  const int seg_lo = (kseg && j_lo < Sk) ? kseg[j_lo] : 0;
+  const int seg_hi = (kseg && j_hi < Sk) ? kseg[j_hi] : 0;
   const uint32_t k_addr = smem_u32(sK) + 2 * (warp * 16 * LD + off.a);
   const uint32_t v_addr = smem_u32(sV) + 2 * (warp * 16 * LDV + offv.a);
 
@@ -592,7 +603,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dkdv_kernel(co
     if (it + STAGES - 1 < n_it) issue(it + STAGES - 1, (it + STAGES - 1) % STAGES);
     cp_async_commit();
     const int q0 = (qt_begin + it % per_head) * BQ;
-    if (kw <= q0 + BQ - 1) {  // else every query of the tile is left of the warp's keys: P = 0
+    if (!p.causal || kw <= q0 + BQ - 1) {  // else every query of the tile is left of the warp's keys: P = 0
       const uint32_t q_base = smem_u32(sQ + buf * TQ), do_base = smem_u32(sdO + buf * TO);
       const float* lse_t = sLse + buf * BQ;
       const float* del_t = sDel + buf * BQ;
@@ -623,7 +634,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dkdv_kernel(co
       }
 
       // P^T = exp(scale s - lse) (0 where masked), dS^T = P^T (dP^T - delta)
-      const bool need_mask = seg || q0 < kw + 15 || q0 + BQ > S;
+      const bool need_mask = seg || (p.causal && q0 < kw + 15) || q0 + BQ > Sq;
 #pragma unroll
       for (int nb = 0; nb < BQ / 8; ++nb) {
 #pragma unroll
@@ -632,7 +643,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dkdv_kernel(co
           bool ok = true;
           if (need_mask) {
             const int i = q0 + ci, j = e < 2 ? j_lo : j_hi;
-            ok = i < S && j <= i && (!seg || seg[i] == (e < 2 ? seg_lo : seg_hi));
+            ok = i < Sq && (!p.causal || j <= i) && (!seg || seg[i] == (e < 2 ? seg_lo : seg_hi));
           }
           const float pv = ok ? ex2(fmaf(st[nb][e], p.scale_log2, -lse_t[ci])) : 0.f;
           st[nb][e] = pv;
@@ -670,7 +681,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dkdv_kernel(co
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int j = i ? j_hi : j_lo;
-    if (j < S) {
+    if (j < Sk) {
       const int64_t off_k = (tok0 + j) * p.k_stride + static_cast<int64_t>(g) * D + 2 * tq;
       const int64_t off_v = (tok0 + j) * v_stride + static_cast<int64_t>(g) * DV + 2 * tq;
       if (p.splits == 1) {
@@ -743,8 +754,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dq_kernel(cons
   bf16* sK = sdO + BR * LDV;    // STAGES buffers
   bf16* sV = sK + STAGES * TK;  // STAGES buffers of TV
 
-  const int S = p.seq;
-  const TileOrder t((S + BR - 1) / BR, p.q_heads, p.batch);
+  const int S = p.seq, Sq = p.q_len, Sk = p.k_len;
+  const TileOrder t((Sq + BR - 1) / BR, p.q_heads, p.batch);
   const int h = t.h, b = t.b, g = h / p.group;
   const int q0 = t.tile * BR;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -759,9 +770,10 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dq_kernel(cons
   const bf16* gk = p.k + tok0 * p.k_stride + static_cast<int64_t>(g) * D;
   const bf16* gv = p.v + tok0 * v_stride + static_cast<int64_t>(g) * DV;
   const int32_t* seg = p.seg ? p.seg + tok0 : nullptr;
+  const int32_t* kseg = p.kseg ? p.kseg + tok0 : nullptr;
 
-  const int q_end = min(q0 + BR, S);
-  const int n_kt = (q_end - 1) / BC + 1;
+  const int q_end = min(q0 + BR, Sq);
+  const int n_kt = p.causal ? (q_end - 1) / BC + 1 : (Sk + BC - 1) / BC;
 
   load_tile<BR, D, THREADS>(sQ, p.q + qoff, p.q_stride, q_end - q0);
   load_tile<BR, DV, THREADS>(sdO, p.dout + ooff, o_stride, q_end - q0);
@@ -770,8 +782,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dq_kernel(cons
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) {
     if (st < n_kt) {
-      load_tile<BC, D, THREADS>(sK + st * TK, gk + st * BC * p.k_stride, p.k_stride, min(BC, S - st * BC));
-      load_tile<BC, DV, THREADS>(sV + st * TV, gv + st * BC * v_stride, v_stride, min(BC, S - st * BC));
+      load_tile<BC, D, THREADS>(sK + st * TK, gk + st * BC * p.k_stride, p.k_stride, min(BC, Sk - st * BC));
+      load_tile<BC, DV, THREADS>(sV + st * TV, gv + st * BC * v_stride, v_stride, min(BC, Sk - st * BC));
     }
     cp_async_commit();  // possibly empty: keeps one group per tile
   }
@@ -785,9 +797,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dq_kernel(cons
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int r = row0 + mt * 16 + i * 8 + gr;
-      lse2[mt][i] = r < S ? p.lse2[soff + r] : 0.f;
-      del[mt][i] = r < S ? p.delta[soff + r] : 0.f;
-      seg_r[mt][i] = (seg && r < S) ? seg[r] : 0;
+      lse2[mt][i] = r < Sq ? p.lse2[soff + r] : 0.f;
+      del[mt][i] = r < Sq ? p.delta[soff + r] : 0.f;
+      seg_r[mt][i] = (seg && r < Sq) ? seg[r] : 0;
     }
   }
   const uint32_t q_addr = smem_u32(sQ) + 2 * (warp * MT * 16 * LD + off.a);
@@ -805,13 +817,13 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dq_kernel(cons
     {  // prefetch tile kt + STAGES - 1 into the buffer freed by iteration kt - 1
       const int kn = kt + STAGES - 1, k1 = kn * BC, nbuf = kn % STAGES;
       if (kn < n_kt) {
-        load_tile<BC, D, THREADS>(sK + nbuf * TK, gk + k1 * p.k_stride, p.k_stride, min(BC, S - k1));
-        load_tile<BC, DV, THREADS>(sV + nbuf * TV, gv + k1 * v_stride, v_stride, min(BC, S - k1));
+        load_tile<BC, D, THREADS>(sK + nbuf * TK, gk + k1 * p.k_stride, p.k_stride, min(BC, Sk - k1));
+        load_tile<BC, DV, THREADS>(sV + nbuf * TV, gv + k1 * v_stride, v_stride, min(BC, Sk - k1));
       }
       cp_async_commit();
     }
     const int k0 = kt * BC;
-    if (k0 <= row0 + MT * 16 - 1) {
+    if (!p.causal || k0 <= row0 + MT * 16 - 1) {
       const uint32_t k_base = smem_u32(sK + buf * TK), v_base = smem_u32(sV + buf * TV);
 
       // s = Q K^T, dp = dO V^T for the warp's MT*16 rows x BC keys
@@ -852,7 +864,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dq_kernel(cons
       }
 
       // dS = P (dP - delta), P = exp(scale s - lse), 0 where masked (kept in dp)
-      const bool need_mask = seg || k0 + BC - 1 > row0 || k0 + BC > S;
+      const bool need_mask = seg || (p.causal && k0 + BC - 1 > row0) || k0 + BC > Sk;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -864,7 +876,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dq_kernel(cons
             if (need_mask) {
               const int j = k0 + nb * 8 + 2 * tq + (e & 1);
               const int r = row0 + mt * 16 + i * 8 + gr;
-              ok = j <= r && j < S && (!seg || seg[j] == seg_r[mt][i]);
+              ok = (!p.causal || j <= r) && j < Sk && (!seg || kseg[j] == seg_r[mt][i]);
             }
             const float pv = ok ? ex2(fmaf(s[mt][nb][e], p.scale_log2, -lse2[mt][i])) : 0.f;
             dp[mt][nb][e] = pv * (dp[mt][nb][e] - del[mt][i]);
@@ -900,7 +912,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dq_kernel(cons
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int r = row0 + mt * 16 + i * 8 + gr;
-      if (r < S) {
+      if (r < Sq) {
         bf16* gq = p.dq + (tok0 + r) * p.q_stride + static_cast<int64_t>(h) * D + 2 * tq;
 #pragma unroll
         for (int db = 0; db < D / 8; ++db) {
@@ -909,6 +921,37 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) attention_bwd_dq_kernel(cons
         }
       }
     }
+  }
+}
+
+// ---- context parallelism's ring: merging a part into the running softmax ------------------
+
+// One warp per (batch, head, row): with l = log(e^la + e^lb), acc = e^(la - l) acc + e^(lb - l)
+// part; a row whose part saw nothing (lb = -inf) is left alone. acc's out is f32 (the running
+// sum kept unrounded), the part's bf16 or f32.
+template <typename P>
+__global__ void __launch_bounds__(256) attention_merge_kernel(float* __restrict__ acc_out, float* __restrict__ acc_lse,
+                                                              const P* __restrict__ part_out,
+                                                              const float* __restrict__ part_lse, int64_t rows,
+                                                              int q_heads, int seq, int dv) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);  // (b, h, s) as lse lays it out
+  const int lane = threadIdx.x & 31;
+  if (i >= rows) return;  // whole warp
+  const float lb = part_lse[i];
+  if (lb == -INFINITY) return;
+  const float la = acc_lse[i];
+  const float m = fmaxf(la, lb);
+  const float l = m + logf(expf(la - m) + expf(lb - m));
+  const float wa = expf(la - l), wb = expf(lb - l);
+  const int64_t s = i % seq, bh = i / seq, h = bh % q_heads, b = bh / q_heads;
+  const int64_t row = ((b * seq + s) * q_heads + h) * dv;
+  for (int d = lane; d < dv; d += 32) acc_out[row + d] = wa * acc_out[row + d] + wb * to_float(part_out[row + d]);
+  if (lane == 0) acc_lse[i] = l;
+}
+
+__global__ void __launch_bounds__(256) fill_kernel(float* __restrict__ x, int64_t n, float value) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x; i < n; i += static_cast<int64_t>(gridDim.x) * 256) {
+    x[i] = value;
   }
 }
 
@@ -921,6 +964,9 @@ Params make_params(const AttentionDims& d) {
   p.q_heads = d.q_heads;
   p.kv_heads = d.kv_heads;
   p.group = d.q_heads / d.kv_heads;
+  p.q_len = d.queries();
+  p.k_len = d.keys();
+  p.causal = d.causal;
   p.splits = 1;
   p.q_stride = static_cast<int64_t>(d.q_heads) * d.head_dim;
   p.k_stride = static_cast<int64_t>(d.kv_heads) * d.head_dim;
@@ -950,7 +996,7 @@ void forward_tiled(const Params& p, cudaStream_t s) {
   constexpr int BR = WARPS * MT * 16;
   constexpr size_t smem = (BR * (D + kPad) + STAGES * BC * (D + DV + 2 * kPad)) * sizeof(bf16);
   static_assert(fits_sm(smem, MINB), "forward tiles exceed the shared memory of MINB blocks");
-  const unsigned blocks = static_cast<unsigned>((p.seq + BR - 1) / BR) * p.q_heads * p.batch;
+  const unsigned blocks = static_cast<unsigned>((p.q_len + BR - 1) / BR) * p.q_heads * p.batch;
   launch(attention_fwd_kernel<D, DV, MT, BC, WARPS, MINB, STAGES>, blocks, WARPS * 32, smem, s, p);
 }
 
@@ -959,7 +1005,7 @@ void dq_tiled(const Params& p, cudaStream_t s) {
   constexpr int BR = WARPS * MT * 16;
   constexpr size_t smem = (BR + STAGES * BC) * (D + DV + 2 * kPad) * sizeof(bf16);
   static_assert(fits_sm(smem, MINB), "dQ tiles exceed the shared memory of MINB blocks");
-  const unsigned blocks = static_cast<unsigned>((p.seq + BR - 1) / BR) * p.q_heads * p.batch;
+  const unsigned blocks = static_cast<unsigned>((p.q_len + BR - 1) / BR) * p.q_heads * p.batch;
   launch(attention_bwd_dq_kernel<D, DV, MT, BC, WARPS, MINB, STAGES>, blocks, WARPS * 32, smem, s, p);
 }
 
@@ -969,7 +1015,7 @@ void dkdv_tiled(const Params& p, cudaStream_t s) {
   constexpr size_t smem =
       (BC + STAGES * BQ) * (D + DV + 2 * kPad) * sizeof(bf16) + 2 * STAGES * BQ * sizeof(float);
   static_assert(fits_sm(smem, MINB), "dK/dV tiles exceed the shared memory of MINB blocks");
-  const unsigned blocks = static_cast<unsigned>((p.seq + BC - 1) / BC) * p.batch * p.kv_heads * p.splits;
+  const unsigned blocks = static_cast<unsigned>((p.k_len + BC - 1) / BC) * p.batch * p.kv_heads * p.splits;
   launch(attention_bwd_dkdv_kernel<D, DV, BQ, WARPS, MINB, STAGES>, blocks, WARPS * 32, smem, s, p);
 }
 
@@ -1005,7 +1051,7 @@ void dkdv_reduce(const Params& p, cudaStream_t s) {
 // true when dQ was left in p.dq_acc (the one-pass Hopper kernel ran).
 template <int D, int DV>
 bool backward(const Params& p, const AttentionDims& d, cudaStream_t s) {
-  const int64_t rows = static_cast<int64_t>(p.batch) * p.seq * p.q_heads;
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.q_len * p.q_heads;
   if (DV == 128 && p.o_stride % 8 == 0 && aligned16(p.dout) && aligned16(p.out)) {
     attention_bwd_delta128_kernel<<<static_cast<unsigned>((rows + 2 * kDeltaWarps - 1) / (2 * kDeltaWarps)),
                                     kDeltaWarps * 32, 0, s>>>(p);
@@ -1040,6 +1086,7 @@ bool backward(const Params& p, const AttentionDims& d, cudaStream_t s) {
 }  // namespace
 
 int attention_dkdv_splits(const AttentionDims& d, int num_sms) {
+  if (!d.whole()) return 1;  // a part's dK/dV writes its rows at once (the reduce covers whole sequences)
   const bool hopper = attention_hopper_applies(d, nullptr);
   const int group = d.q_heads / d.kv_heads;
   const int bc = hopper ? attention_backward_hopper_key_tile() : kDkdvWarps * 16;
@@ -1053,14 +1100,16 @@ int attention_dkdv_splits(const AttentionDims& d, int num_sms) {
 void launch_attention_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
                               const int32_t* seg, __nv_bfloat16* out, float* lse, const AttentionDims& d,
                               cudaStream_t s) {
-  if (d.batch == 0 || d.seq == 0) return;
+  if (d.batch == 0 || d.queries() == 0 || d.keys() == 0) return;
   Params p = make_params(d);
-  p.q = q;
-  p.k = k;
-  p.v = v;
-  p.seg = seg;
-  p.o = out;
-  p.lse_out = lse;
+  const int32_t* kseg = d.k_seg ? d.k_seg : seg;
+  p.q = q + d.q_begin * p.q_stride;
+  p.k = k + d.k_begin * p.k_stride;
+  p.v = v + d.k_begin * p.v_stride;
+  p.seg = seg ? seg + d.q_begin : nullptr;
+  p.kseg = kseg ? kseg + d.k_begin : nullptr;
+  p.o = out + d.q_begin * p.o_stride;
+  p.lse_out = lse + d.q_begin;
   if (attention_hopper_forward_applies(d, seg) && launch_attention_forward_hopper(q, k, v, seg, out, lse, d, s)) return;
   // The (head_dim, v_head_dim) pairs the host wrapper accepts.
   if (d.v_head_dim == d.head_dim) {
@@ -1080,24 +1129,28 @@ bool launch_attention_backward(const __nv_bfloat16* dout, const __nv_bfloat16* q
                                const float* lse, float* workspace, float* dkdv_partial, int split_count,
                                float* dq_acc, __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv,
                                const AttentionDims& d, cudaStream_t s) {
-  if (d.batch == 0 || d.seq == 0) return false;
+  if (d.batch == 0 || d.queries() == 0 || d.keys() == 0) return false;
   Params p = make_params(d);
-  p.dq_acc = dq_acc;
+  const bool whole = d.whole();
+  p.dq_acc = whole ? dq_acc : nullptr;
   p.splits = split_count;
   p.dk_part = split_count > 1 ? dkdv_partial : nullptr;
   p.dv_part = split_count > 1 ? dkdv_partial + static_cast<int64_t>(split_count) * d.batch * d.seq * p.k_stride : nullptr;
-  p.dout = dout;
-  p.q = q;
-  p.k = k;
-  p.v = v;
-  p.seg = seg;
-  p.out = out;
-  p.lse = lse;
-  p.delta = workspace;
-  p.lse2 = workspace + static_cast<int64_t>(d.batch) * d.q_heads * d.seq;
-  p.dq = dq;
-  p.dk = dk;
-  p.dv = dv;
+  const int32_t* kseg = d.k_seg ? d.k_seg : seg;
+  const int64_t qb = d.q_begin, kb = d.k_begin;
+  p.dout = dout + qb * p.o_stride;
+  p.q = q + qb * p.q_stride;
+  p.k = k + kb * p.k_stride;
+  p.v = v + kb * p.v_stride;
+  p.seg = seg ? seg + qb : nullptr;
+  p.kseg = kseg ? kseg + kb : nullptr;
+  p.out = out + qb * p.o_stride;
+  p.lse = lse + qb;
+  p.delta = workspace + qb;
+  p.lse2 = workspace + static_cast<int64_t>(d.batch) * d.q_heads * d.seq + qb;
+  p.dq = dq + qb * p.q_stride;
+  p.dk = dk + kb * p.k_stride;
+  p.dv = dv + kb * p.v_stride;
   if (d.v_head_dim == d.head_dim) {
     switch (d.head_dim) {
       case 32: return backward<32, 32>(p, d, s);
@@ -1108,6 +1161,29 @@ bool launch_attention_backward(const __nv_bfloat16* dout, const __nv_bfloat16* q
   }
   if (d.head_dim == 192 && d.v_head_dim == 128) return backward<192, 128>(p, d, s);
   return false;
+}
+
+void launch_attention_merge(float* acc_out, float* acc_lse, const __nv_bfloat16* part_out, const float* part_lse,
+                            int batch, int q_heads, int seq, int v_head_dim, cudaStream_t s) {
+  const int64_t rows = static_cast<int64_t>(batch) * q_heads * seq;
+  if (rows == 0) return;
+  attention_merge_kernel<bf16><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, s>>>(acc_out, acc_lse, part_out,
+                                                                                    part_lse, rows, q_heads, seq,
+                                                                                    v_head_dim);
+}
+
+void launch_attention_merge(float* acc_out, float* acc_lse, const float* part_out, const float* part_lse, int batch,
+                            int q_heads, int seq, int v_head_dim, cudaStream_t s) {
+  const int64_t rows = static_cast<int64_t>(batch) * q_heads * seq;
+  if (rows == 0) return;
+  attention_merge_kernel<float><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, s>>>(acc_out, acc_lse, part_out,
+                                                                                     part_lse, rows, q_heads, seq,
+                                                                                     v_head_dim);
+}
+
+void launch_fill(float* x, int64_t n, float value, cudaStream_t s) {
+  if (n == 0) return;
+  fill_kernel<<<static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, s>>>(x, n, value);
 }
 
 }  // namespace moetrain::ops::cuda

@@ -890,13 +890,13 @@ bool launch_attention_forward_hopper(const __nv_bfloat16* q, const __nv_bfloat16
 int attention_backward_hopper_key_tile() { return kKvKeys; }
 
 bool attention_hopper_forward_applies(const AttentionDims& d, const int32_t* seg) {
-  return (d.head_dim == kD || d.head_dim == 192) && d.v_head_dim == kD && d.seq > 0 && d.seq % 128 == 0 &&
+  return d.whole() && (d.head_dim == kD || d.head_dim == 192) && d.v_head_dim == kD && d.seq > 0 && d.seq % 128 == 0 &&
          reinterpret_cast<uintptr_t>(seg) % 16 == 0 && hopper_kernels_usable("MOETRAIN_ATTENTION_MMA_SYNC");
 }
 
 bool attention_hopper_applies(const AttentionDims& d, const int32_t* seg) {
   // Value heads of another size (MLA's 192 / 128) take the mma.sync kernels.
-  return d.head_dim == kD && d.v_head_dim == kD && d.seq > 0 && d.seq % 128 == 0 &&
+  return d.whole() && d.head_dim == kD && d.v_head_dim == kD && d.seq > 0 && d.seq % 128 == 0 &&
          reinterpret_cast<uintptr_t>(seg) % 16 == 0 && hopper_kernels_usable("MOETRAIN_ATTENTION_MMA_SYNC");
 }
 

@@ -17,6 +17,18 @@ struct AttentionDims {
   int batch = 0, seq = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
   int v_head_dim = 0;  // Dv, the value heads' size (out's too); set, never 0
   float scale = 0;     // softmax scale, > 0
+  // The part of each sequence taking part (ops.h's attention_part_*): query rows [q_begin,
+  // q_begin + q_len) and key rows [k_begin, k_begin + k_len) of every sequence (lengths 0: the
+  // whole sequence); the outputs' rows outside it are not written. causal: key j seen by query
+  // i only when j <= i (a causal part has q_begin == k_begin and q_len == k_len). k_seg: the
+  // keys' segment ids when they are not seg's rows (another rank's keys); null: seg.
+  int q_begin = 0, q_len = 0, k_begin = 0, k_len = 0;
+  bool causal = true;
+  const int32_t* k_seg = nullptr;
+  int queries() const { return q_len > 0 ? q_len : seq; }
+  int keys() const { return k_len > 0 ? k_len : seq; }
+  // The causal attention of whole sequences (what the Hopper kernels take).
+  bool whole() const { return causal && q_begin == 0 && k_begin == 0 && queries() == seq && keys() == seq && !k_seg; }
 };
 
 // out = softmax(scale * q k^T, causal, segments) v; lse = log-sum-exp of each score row.
@@ -49,7 +61,8 @@ bool launch_attention_backward(const __nv_bfloat16* dout, const __nv_bfloat16* q
 
 // The Hopper (sm_90a, TMA + wgmma) forward, dK/dV and dQ kernels (attention_hopper.cu):
 // used by the launchers above when they apply (head_dim = v_head_dim = 128, seq a multiple of
-// 128, seg null or 16-byte aligned, an sm_90 GPU, MOETRAIN_ATTENTION_MMA_SYNC unset or 0).
+// 128, seg null or 16-byte aligned, an sm_90 GPU, MOETRAIN_ATTENTION_MMA_SYNC unset or 0,
+// the whole causal sequences: AttentionDims::whole()).
 // Their dK/dV blocks cover attention_backward_hopper_key_tile() keys, which
 // attention_dkdv_splits counts in. The launchers return false, launching nothing, when the
 // driver refuses a tensor map. The forward also takes MLA's 192 / 128 heads
@@ -73,5 +86,14 @@ bool launch_attention_backward_hopper(const __nv_bfloat16* dout, const __nv_bflo
                                       const float* lse2, float* dk_part, float* dv_part, int splits, float* dq_acc,
                                       __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttentionDims& d,
                                       cudaStream_t s);
+
+// Context parallelism's merge (ops.h's attention_merge): acc_out f32 [B*S, Hq*Dv], lse f32
+// [B, Hq, S]; the part's out bf16 or f32.
+void launch_attention_merge(float* acc_out, float* acc_lse, const __nv_bfloat16* part_out, const float* part_lse,
+                            int batch, int q_heads, int seq, int v_head_dim, cudaStream_t s);
+void launch_attention_merge(float* acc_out, float* acc_lse, const float* part_out, const float* part_lse, int batch,
+                            int q_heads, int seq, int v_head_dim, cudaStream_t s);
+// x[0..n) = value.
+void launch_fill(float* x, int64_t n, float value, cudaStream_t s);
 
 }  // namespace moetrain::ops::cuda

@@ -32,6 +32,9 @@ RmsNormRopeGrads rmsnorm_rope_backward(const Tensor& dy, const Tensor& x, const 
                                        const Tensor& positions, int64_t head_dim, double theta);
 AttentionOut attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_ids, const AttentionShape& shape);
 AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_ids, const Tensor& out, const Tensor& lse, const AttentionShape& shape);
+AttentionOut attention_part_forward(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionPart& part, const AttentionShape& shape);
+AttentionGrads attention_part_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const AttentionPart& part, const Tensor& out, const Tensor& lse, const AttentionShape& shape);
+void attention_merge(AttentionOut& acc, const AttentionOut& part);
 RouterOut router_forward(const Tensor& logits, int64_t k, bool norm_topk_prob, const Tensor& selection_bias);
 Tensor router_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const RouterOut& fwd, bool norm_topk_prob);
 RouterOut router_sigmoid_forward(const Tensor& logits, const Tensor& bias, int64_t k, int64_t n_group,

@@ -96,8 +96,11 @@ void add_(Tensor& y, const Tensor& x) {
   check_cuda_tensors("add_", {&y, &x});
   check_shape(x, y.shape(), "add_ x (must match y)");
   check_float(y, "add_", "y");
-  MT_CHECK(x.dtype() == y.dtype(), "add_: x {} must have y's dtype {}", x.str(), dtype_name(y.dtype()));
-  if (y.dtype() == DType::F32) {
+  MT_CHECK(x.dtype() == y.dtype() || (y.dtype() == DType::F32 && x.dtype() == DType::BF16),
+           "add_: x {} must have y's dtype {} (or be bf16 added into f32)", x.str(), dtype_name(y.dtype()));
+  if (y.dtype() == DType::F32 && x.dtype() == DType::BF16) {
+    launch_add(y.data<float>(), bf16_ptr(x), y.numel(), stream());
+  } else if (y.dtype() == DType::F32) {
     launch_add(y.data<float>(), x.data<float>(), y.numel(), stream());
   } else {
     launch_add(bf16_ptr(y), bf16_ptr(x), y.numel(), stream());

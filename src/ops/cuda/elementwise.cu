@@ -133,8 +133,8 @@ __global__ void __launch_bounds__(kThreads) scale_kernel(T* __restrict__ x, int6
   for (int64_t i = done + tid; i < n; i += stride) x[i] = from_float<T>(to_float(x[i]) * alpha);
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads) add_kernel(T* __restrict__ y, const T* __restrict__ x, int64_t n,
+template <typename T, typename X>
+__global__ void __launch_bounds__(kThreads) add_kernel(T* __restrict__ y, const X* __restrict__ x, int64_t n,
                                                        bool vec) {
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
@@ -237,11 +237,15 @@ void launch_scale(__nv_bfloat16* x, int64_t n, float alpha, cudaStream_t s) {
 
 void launch_add(float* y, const float* x, int64_t n, cudaStream_t s) {
   if (n == 0) return;
-  add_kernel<float><<<grid_for((n + 7) / 8), kThreads, 0, s>>>(y, x, n, aligned16(y) && aligned16(x));
+  add_kernel<float, float><<<grid_for((n + 7) / 8), kThreads, 0, s>>>(y, x, n, aligned16(y) && aligned16(x));
+}
+void launch_add(float* y, const __nv_bfloat16* x, int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  add_kernel<float, __nv_bfloat16><<<grid_for((n + 7) / 8), kThreads, 0, s>>>(y, x, n, aligned16(y) && aligned16(x));
 }
 void launch_add(__nv_bfloat16* y, const __nv_bfloat16* x, int64_t n, cudaStream_t s) {
   if (n == 0) return;
-  add_kernel<__nv_bfloat16><<<grid_for((n + 7) / 8), kThreads, 0, s>>>(y, x, n, aligned16(y) && aligned16(x));
+  add_kernel<__nv_bfloat16, __nv_bfloat16><<<grid_for((n + 7) / 8), kThreads, 0, s>>>(y, x, n, aligned16(y) && aligned16(x));
 }
 
 void launch_find_nonfinite(const float* x, int64_t n, int32_t* flag, cudaStream_t s) {

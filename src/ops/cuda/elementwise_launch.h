@@ -42,6 +42,7 @@ void launch_scale(__nv_bfloat16* x, int64_t n, float alpha, cudaStream_t s);
 // y += x (bf16 in f32, rounded back).
 void launch_add(float* y, const float* x, int64_t n, cudaStream_t s);
 void launch_add(__nv_bfloat16* y, const __nv_bfloat16* x, int64_t n, cudaStream_t s);
+void launch_add(float* y, const __nv_bfloat16* x, int64_t n, cudaStream_t s);  // f32 sums of bf16 terms
 
 // Sets *flag = 1 when some element is NaN or +-inf; leaves it alone otherwise.
 void launch_find_nonfinite(const float* x, int64_t n, int32_t* flag, cudaStream_t s);
