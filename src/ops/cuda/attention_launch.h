@@ -61,8 +61,8 @@ bool launch_attention_backward(const __nv_bfloat16* dout, const __nv_bfloat16* q
 
 // The Hopper (sm_90a, TMA + wgmma) forward, dK/dV and dQ kernels (attention_hopper.cu):
 // used by the launchers above when they apply (head_dim = v_head_dim = 128, seq a multiple of
-// 128, seg null or 16-byte aligned, an sm_90 GPU, MOETRAIN_ATTENTION_MMA_SYNC unset or 0,
-// the whole causal sequences: AttentionDims::whole()).
+// 128, the part's rows and beginnings multiples of 128, seg null or 16-byte aligned, an sm_90
+// GPU, MOETRAIN_ATTENTION_MMA_SYNC unset or 0).
 // Their dK/dV blocks cover attention_backward_hopper_key_tile() keys, which
 // attention_dkdv_splits counts in. The launchers return false, launching nothing, when the
 // driver refuses a tensor map. The forward also takes MLA's 192 / 128 heads
@@ -72,20 +72,23 @@ bool attention_hopper_forward_applies(const AttentionDims& d, const int32_t* seg
 // MLA's backward (query/key heads of 192, values of 128) on Hopper, where
 // attention_hopper_forward_applies and no dK/dV splits are asked: the dK/dV pass, then the dQ
 // pass, from delta and lse2 as the other backward kernels take them.
+// The Hopper launchers take the pointers at the part's first rows (seg: the queries'
+// segment ids, kseg: the keys', both null or neither), as the kernels in attention.cu do.
 bool launch_attention_backward_hopper_mla(const __nv_bfloat16* dout, const __nv_bfloat16* q,
                                           const __nv_bfloat16* k, const __nv_bfloat16* v, const int32_t* seg,
-                                          const float* delta, const float* lse2, __nv_bfloat16* dq, __nv_bfloat16* dk,
-                                          __nv_bfloat16* dv, const AttentionDims& d, cudaStream_t s);
+                                          const int32_t* kseg, const float* delta, const float* lse2,
+                                          __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv,
+                                          const AttentionDims& d, cudaStream_t s);
 bool launch_attention_forward_hopper(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-                                     const int32_t* seg, __nv_bfloat16* out, float* lse, const AttentionDims& d,
-                                     cudaStream_t s);
+                                     const int32_t* seg, const int32_t* kseg, __nv_bfloat16* out, float* lse,
+                                     const AttentionDims& d, cudaStream_t s);
 int attention_backward_hopper_key_tile();
 // With dq_acc, dQ (scaled) is left in it and dq is not written.
 bool launch_attention_backward_hopper(const __nv_bfloat16* dout, const __nv_bfloat16* q, const __nv_bfloat16* k,
-                                      const __nv_bfloat16* v, const int32_t* seg, const float* delta,
-                                      const float* lse2, float* dk_part, float* dv_part, int splits, float* dq_acc,
-                                      __nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const AttentionDims& d,
-                                      cudaStream_t s);
+                                      const __nv_bfloat16* v, const int32_t* seg, const int32_t* kseg,
+                                      const float* delta, const float* lse2, float* dk_part, float* dv_part,
+                                      int splits, float* dq_acc, __nv_bfloat16* dq, __nv_bfloat16* dk,
+                                      __nv_bfloat16* dv, const AttentionDims& d, cudaStream_t s);
 
 // Context parallelism's merge (ops.h's attention_merge): acc_out f32 [B*S, Hq*Dv], lse f32
 // [B, Hq, S]; the part's out bf16 or f32.
