@@ -545,10 +545,6 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
            "{}: [training].recompute_layers is set but [training].recompute is \"none\" (say \"selective\" or \"full\")", path);
   if (cfg.parallel.cp > 1) {
     const int64_t cp = cfg.parallel.cp;
-    MT_CHECK(t.device != "cuda" || !shape.sequence_wise_loss,
-             "{}: [parallel].cp = {} with DeepSeek's sequence-wise balance loss ([model].seq_aux_loss_coef > 0) on GPUs: "
-             "its counts over the CP group run on the CPU only for now (train on the CPU, or set the coefficient to 0)",
-             path, cp);
     MT_CHECK(t.seq_len % (2 * cp) == 0,
              "{}: [training].seq_len ({}) must be a multiple of 2 x [parallel].cp ({}): each sequence is cut into 2 cp "
              "equal chunks", path, t.seq_len, 2 * cp);

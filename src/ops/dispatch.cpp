@@ -366,27 +366,16 @@ Tensor load_balance_backward(const Tensor& selections, int64_t rows, int64_t tot
 Tensor router_entropy_sum(const Tensor& probs) { return MT_ROUTE(probs, router_entropy_sum, probs); }
 
 Tensor seq_balance_loss_sum(const Tensor& probs, const Tensor& topk_idx, int64_t batch, const SeqBalanceWhole& whole) {
-  if (whole.counts.defined()) {
-    MT_CHECK(probs.device().is_cpu(), "seq_balance_loss_sum: over parts of sequences (context parallelism) on the CPU "
-             "only for now");
-    return cpu::seq_balance_loss_sum(probs, topk_idx, batch, whole);
-  }
-  return MT_ROUTE(probs, seq_balance_loss_sum, probs, topk_idx, batch);
+  return MT_ROUTE(probs, seq_balance_loss_sum, probs, topk_idx, batch, whole);
 }
 
 Tensor seq_balance_counts(const Tensor& topk_idx, int64_t batch, int64_t experts) {
-  MT_CHECK(topk_idx.device().is_cpu(), "seq_balance_counts: on the CPU only for now (context parallelism)");
-  return cpu::seq_balance_counts(topk_idx, batch, experts);
+  return MT_ROUTE(topk_idx, seq_balance_counts, topk_idx, batch, experts);
 }
 
 Tensor seq_balance_backward(const Tensor& probs, const Tensor& topk_idx, int64_t batch, double scale,
                             const SeqBalanceWhole& whole) {
-  if (whole.counts.defined()) {
-    MT_CHECK(probs.device().is_cpu(), "seq_balance_backward: over parts of sequences (context parallelism) on the CPU "
-             "only for now");
-    return cpu::seq_balance_backward(probs, topk_idx, batch, scale, whole);
-  }
-  return MT_ROUTE(probs, seq_balance_backward, probs, topk_idx, batch, scale);
+  return MT_ROUTE(probs, seq_balance_backward, probs, topk_idx, batch, scale, whole);
 }
 
 ZLossOut router_z_loss_forward(const Tensor& logits) {

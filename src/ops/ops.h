@@ -429,7 +429,7 @@ Tensor router_z_loss_backward(const Tensor& probs, const Tensor& lse, double sca
 // Under context parallelism a rank holds part of each sequence: `whole` then gives the
 // sequences' selections summed over the group (seq_balance_counts, all-reduced) and their
 // whole length, and the sums run over this rank's tokens with f and S of the whole
-// sequences (the ranks' sums add up to the loss). The CPU only for now, as CP.
+// sequences (the ranks' sums add up to the loss).
 struct SeqBalanceWhole {
   Tensor counts;    // f64 [B, E]: selections of each expert in each whole sequence; undefined: these rows
   int64_t seq = 0;  // the whole sequences' length
@@ -440,7 +440,7 @@ Tensor seq_balance_loss_sum(const Tensor& probs, const Tensor& topk_idx, int64_t
 //   scale / S * (f_j - sum_i f_i p[t,i] / Z_t) / Z_t,   Z_t = sum_j p[t,j].
 Tensor seq_balance_backward(const Tensor& probs, const Tensor& topk_idx, int64_t batch, double scale,
                             const SeqBalanceWhole& whole = {});
-// Selections of each expert in each of the B sequences of topk_idx [B*S, K]: f64 [B, E] (CPU).
+// Selections of each expert in each of the B sequences of topk_idx [B*S, K]: f64 [B, E].
 Tensor seq_balance_counts(const Tensor& topk_idx, int64_t batch, int64_t experts);
 
 // ---- AdamW (decoupled weight decay), FP32 master weights and moments ------------------

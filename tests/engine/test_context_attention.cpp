@@ -1,7 +1,6 @@
 // ContextAttention over a Gloo group of 2, 3 and 4 ranks (threads): every rank holds its zigzag
 // chunks (zigzag_batch's places) of two sequences; its out and dq, and its keys' dk and dv
-// (summed over every rank's queries on their way round the ring, or in the whole-sequence
-// form kept for comparison, reduce-scattered), equal the whole sequences' causal
+// (summed over every rank's queries on their way round the ring), equal the whole sequences' causal
 // attention at its places within 1e-12 (f64), with grouped heads, value heads of another size
 // and packed documents.
 #include <gtest/gtest.h>
@@ -69,18 +68,14 @@ TEST(ContextAttention, ZigzagRanksTogetherGiveTheWholeAttention) {
       const Tensor places = Tensor::from_vector(sg, {B * n});  // the documents at this rank's places
       ops::AttentionShape local = whole;
       local.seq = n;
-      for (ContextAttention::Form form : {ContextAttention::Form::kRing, ContextAttention::Form::kWhole}) {
-        SCOPED_TRACE(form == ContextAttention::Form::kRing ? "ring" : "whole sequences");
-        const ContextAttention attn(c, form);
-        const Tensor qr = rows_at(q, mine, B, S), kr = rows_at(k, mine, B, S), vr = rows_at(v, mine, B, S);
-        const ops::AttentionOut o = attn.forward(qr, kr, vr, places, local);
-        EXPECT_LT(max_diff(o.out, rows_at(full.out, mine, B, S)), 1e-12) << "rank " << c.rank();
-        const ops::AttentionGrads g =
-            attn.backward(rows_at(dout, mine, B, S), qr, kr, vr, places, o.out, o.lse, local);
-        EXPECT_LT(max_diff(g.dq, rows_at(gfull.dq, mine, B, S)), 1e-12) << "rank " << c.rank();
-        EXPECT_LT(max_diff(g.dk, rows_at(gfull.dk, mine, B, S)), 1e-12) << "rank " << c.rank();
-        EXPECT_LT(max_diff(g.dv, rows_at(gfull.dv, mine, B, S)), 1e-12) << "rank " << c.rank();
-      }
+      const ContextAttention attn(c);
+      const Tensor qr = rows_at(q, mine, B, S), kr = rows_at(k, mine, B, S), vr = rows_at(v, mine, B, S);
+      const ops::AttentionOut o = attn.forward(qr, kr, vr, places, local);
+      EXPECT_LT(max_diff(o.out, rows_at(full.out, mine, B, S)), 1e-12) << "rank " << c.rank();
+      const ops::AttentionGrads g = attn.backward(rows_at(dout, mine, B, S), qr, kr, vr, places, o.out, o.lse, local);
+      EXPECT_LT(max_diff(g.dq, rows_at(gfull.dq, mine, B, S)), 1e-12) << "rank " << c.rank();
+      EXPECT_LT(max_diff(g.dk, rows_at(gfull.dk, mine, B, S)), 1e-12) << "rank " << c.rank();
+      EXPECT_LT(max_diff(g.dv, rows_at(gfull.dv, mine, B, S)), 1e-12) << "rank " << c.rank();
     });
   }
 }
@@ -89,7 +84,8 @@ TEST(ContextAttention, ZigzagRanksTogetherGiveTheWholeAttention) {
 // bf16 inputs at a size where the part kernels run many tiles (and the ring's own block is
 // the Hopper kernels' causal case for head_dim 128), packed documents; each rank's out, dq,
 // dk, dv against the whole sequences' attention on the CPU (f32 from the same bf16 values),
-// within bf16's error (relative L2); the whole-sequence form beside it for scale.
+// within bf16's error (relative L2; one GPU's whole-sequence kernels measured 2.0-2.9e-3 on
+// these inputs, the ring 2.1-2.9e-3).
 TEST(ContextAttention, TwoGpuRingMatchesTheWholeAttention) {
   if (!nccl_built() || !cuda::available() || cuda::device_count() < 2) {
     GTEST_SKIP() << "needs 2 GPUs and NCCL: "
@@ -116,7 +112,7 @@ TEST(ContextAttention, TwoGpuRingMatchesTheWholeAttention) {
 
     auto store = Store::open("memory", 0, std::chrono::seconds(60));
     std::string errors[2];
-    double worst[2][2] = {{0, 0}, {0, 0}};  // [rank][ring, whole]
+    double worst[2] = {0, 0};
     std::latch done(2);
     std::thread threads[2];
     for (int r = 0; r < 2; ++r) {
@@ -137,18 +133,17 @@ TEST(ContextAttention, TwoGpuRingMatchesTheWholeAttention) {
           const Tensor docs = Tensor::from_vector(sg, {B * n}).to(dev);
           ops::AttentionShape local = whole;
           local.seq = n;
-          for (ContextAttention::Form form : {ContextAttention::Form::kRing, ContextAttention::Form::kWhole}) {
-            const ContextAttention attn(*comm, form);
+          {
+            const ContextAttention attn(*comm);
             const ops::AttentionOut o = attn.forward(gpu(q), gpu(k), gpu(v), docs, local);
             const ops::AttentionGrads g = attn.backward(gpu(dout), gpu(q), gpu(k), gpu(v), docs, o.out, o.lse, local);
             const double e[4] = {testing::rel_error(o.out.to(Device::cpu()).to(DType::F32), rows_at(full.out, mine, B, S)),
                                  testing::rel_error(g.dq.to(Device::cpu()).to(DType::F32), rows_at(gfull.dq, mine, B, S)),
                                  testing::rel_error(g.dk.to(Device::cpu()).to(DType::F32), rows_at(gfull.dk, mine, B, S)),
                                  testing::rel_error(g.dv.to(Device::cpu()).to(DType::F32), rows_at(gfull.dv, mine, B, S))};
-            const int f = form == ContextAttention::Form::kRing ? 0 : 1;
-            for (double x : e) worst[r][f] = std::max(worst[r][f], std::isfinite(x) ? x : INFINITY);
-            std::printf("rank %d %s: out %.2e dq %.2e dk %.2e dv %.2e (relative L2 against the CPU)\n", r,
-                        f == 0 ? "ring" : "whole", e[0], e[1], e[2], e[3]);
+            for (double x : e) worst[r] = std::max(worst[r], std::isfinite(x) ? x : INFINITY);
+            std::printf("rank %d: out %.2e dq %.2e dk %.2e dv %.2e (relative L2 against the CPU)\n", r, e[0], e[1],
+                        e[2], e[3]);
           }
           comm->synchronize();
         } catch (const std::exception& e) {
@@ -160,8 +155,7 @@ TEST(ContextAttention, TwoGpuRingMatchesTheWholeAttention) {
     for (auto& t : threads) t.join();
     for (int r = 0; r < 2; ++r) {
       EXPECT_EQ(errors[r], "") << "rank " << r;
-      EXPECT_LT(worst[r][0], 1e-2) << "rank " << r << ": the ring";
-      EXPECT_LT(worst[r][1], 1e-2) << "rank " << r << ": the whole-sequence form";
+      EXPECT_LT(worst[r], 1e-2) << "rank " << r;
     }
   }
 }

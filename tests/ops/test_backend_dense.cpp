@@ -856,6 +856,23 @@ TEST(BackendDense, SeqBalanceLoss) {
     Tensor d1 = ops::seq_balance_backward(gp, gi, B, 0.25), d2 = ops::seq_balance_backward(gp, gi, B, 0.25);
     expect_backend_close(d1, ops::seq_balance_backward(r.probs, r.topk_idx, B, 0.25), kF32Tol, op, "dprobs");
     EXPECT_TRUE(same_bits(d1, d2)) << op << ": two runs differ";
+    // Context parallelism: the counts, and the loss over the sequences' second halves with
+    // the whole sequences' counts and length.
+    const Tensor counts = ops::seq_balance_counts(r.topk_idx, B, E);
+    EXPECT_EQ(ops::seq_balance_counts(gi, B, E).to(moetrain::Device::cpu()).to_double_vector(),
+              counts.to_double_vector())
+        << op << " counts";
+    const int64_t half = S / 2;
+    Tensor p = Tensor::empty({B * (S - half), E}, DType::F32), idx = Tensor::empty({B * (S - half), K}, DType::I32);
+    for (int64_t b = 0; b < B; ++b) {
+      p.slice(b * (S - half), (b + 1) * (S - half)).copy_from(r.probs.slice(b * S + half, (b + 1) * S));
+      idx.slice(b * (S - half), (b + 1) * (S - half)).copy_from(r.topk_idx.slice(b * S + half, (b + 1) * S));
+    }
+    const ops::SeqBalanceWhole whole{counts, S}, gwhole{counts.to(kGpu), S};
+    expect_backend_close(ops::seq_balance_loss_sum(p.to(kGpu), idx.to(kGpu), B, gwhole),
+                         ops::seq_balance_loss_sum(p, idx, B, whole), kF32Tol, op + "[second halves]", "loss_sum");
+    expect_backend_close(ops::seq_balance_backward(p.to(kGpu), idx.to(kGpu), B, 0.25, gwhole),
+                         ops::seq_balance_backward(p, idx, B, 0.25, whole), kF32Tol, op + "[second halves]", "dprobs");
   }
 }
 

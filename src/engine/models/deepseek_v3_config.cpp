@@ -213,7 +213,7 @@ int64_t DeepseekV3Config::outer_params() const {
 
 ModelShape DeepseekV3Config::shape() const {
   return {vocab_size,          hidden_size,          num_hidden_layers,       n_routed_experts,
-          num_experts_per_tok, max_position_embeddings, num_nextn_predict_layers, seq_aux_loss_coef > 0};
+          num_experts_per_tok, max_position_embeddings, num_nextn_predict_layers};
 }
 
 namespace {

@@ -23,7 +23,6 @@ struct ModelShape {
   int64_t experts_per_token = 0;
   int64_t max_positions = 0;
   int64_t mtp_layers = 0;         // multi-token prediction modules after the last layer (with the head)
-  bool sequence_wise_loss = false;  // DeepSeek's sequence-wise balance loss (counts over whole sequences)
 };
 
 // What the memory planner (engine/plan/memory_plan.h) needs of one decoder layer: its

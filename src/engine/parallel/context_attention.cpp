@@ -7,7 +7,6 @@
 
 #include "core/cuda_runtime.h"
 #include "core/error.h"
-#include "engine/data/loader.h"
 #include "engine/telemetry/collective_timer.h"
 
 namespace moetrain {
@@ -95,18 +94,7 @@ struct ContextAttention::Hop {
   }
 };
 
-// Row maps between this rank's rows ([B n]: n of each sequence at its zigzag places), the
-// gathered rows ([cp B n]: every rank's, in rank order) and the whole sequences ([B S]),
-// for ops::take_rows (an index outside the source gives a zero row).
-struct ContextAttention::WholeMaps {
-  int64_t batch, seq;
-  Tensor whole_from_gathered;  // [B S]: the gathered row at each whole place
-  Tensor gathered_from_whole;  // [cp B n]: the whole place of each gathered row
-  Tensor own_in_whole;         // [B S]: this rank's row at each whole place, or B n (outside: zero)
-  Tensor whole_of_own;         // [B n]: the whole place of each of this rank's rows
-};
-
-ContextAttention::ContextAttention(Communicator& group, Form form) : group_(group), form_(form) {}
+ContextAttention::ContextAttention(Communicator& group) : group_(group) {}
 ContextAttention::~ContextAttention() {
   if (stream_ != nullptr) {
     try {
@@ -116,87 +104,6 @@ ContextAttention::~ContextAttention() {
       spdlog::error("context attention: releasing the ring's stream: {}", e.what());
     }
   }
-}
-
-bool ContextAttention::whole_form(const Tensor&) const { return form_ == Form::kWhole; }
-
-const ContextAttention::WholeMaps& ContextAttention::maps(int64_t batch, int64_t seq, Device device) const {
-  for (const auto& m : maps_) {
-    if (m->batch == batch && m->seq == seq) return *m;
-  }
-  const int64_t cp = group_.size(), me = group_.rank(), S = seq * cp, n = seq, B = batch;
-  std::vector<int32_t> whole_from(static_cast<size_t>(B * S)), gathered_from(static_cast<size_t>(cp * B * n)),
-      own_in(static_cast<size_t>(B * S), static_cast<int32_t>(B * n)), whole_of(static_cast<size_t>(B * n));
-  for (int64_t j = 0; j < cp; ++j) {
-    const std::vector<int32_t> places = zigzag_places(S, cp, j);
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t whole = b * S + places[static_cast<size_t>(i)], g = j * B * n + b * n + i;
-        whole_from[static_cast<size_t>(whole)] = static_cast<int32_t>(g);
-        gathered_from[static_cast<size_t>(g)] = static_cast<int32_t>(whole);
-        if (j == me) {
-          own_in[static_cast<size_t>(whole)] = static_cast<int32_t>(b * n + i);
-          whole_of[static_cast<size_t>(b * n + i)] = static_cast<int32_t>(whole);
-        }
-      }
-    }
-  }
-  auto m = std::make_unique<WholeMaps>();
-  m->batch = batch;
-  m->seq = seq;
-  m->whole_from_gathered = Tensor::from_vector(whole_from, {B * S}).to(device);
-  m->gathered_from_whole = Tensor::from_vector(gathered_from, {cp * B * n}).to(device);
-  m->own_in_whole = Tensor::from_vector(own_in, {B * S}).to(device);
-  m->whole_of_own = Tensor::from_vector(whole_of, {B * n}).to(device);
-  maps_.push_back(std::move(m));
-  return *maps_.back();
-}
-
-// Every rank's keys, values and documents in whole-sequence order, with the maps and shape.
-struct ContextAttention::WholeKeys {
-  const WholeMaps& maps;
-  ops::AttentionShape shape;
-  Tensor k, v, segments;
-};
-
-ContextAttention::WholeKeys ContextAttention::whole_keys(const Tensor& k, const Tensor& v,
-                                                         const Tensor& segments,
-                                                         const ops::AttentionShape& shape) const {
-  const WholeMaps& m = maps(shape.batch, shape.seq, k.device());
-  ops::AttentionShape whole = shape;
-  whole.seq = shape.seq * group_.size();
-  return {m, whole, ops::take_rows(gathered(k), m.whole_from_gathered),
-          ops::take_rows(gathered(v), m.whole_from_gathered),
-          segments.defined() ? ops::take_rows(gathered(segments), m.whole_from_gathered) : Tensor()};
-}
-
-// The whole sequences' attention with only this rank's queries in them (the others zero:
-// their outputs are not read, and in the backward their zero output gradients add nothing
-// to the keys' and values' gradients).
-ops::AttentionOut ContextAttention::whole_forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                  const Tensor& segments,
-                                                  const ops::AttentionShape& shape) const {
-  const WholeKeys w = whole_keys(k, v, segments, shape);
-  ops::AttentionOut o =
-      ops::attention_forward(ops::take_rows(q, w.maps.own_in_whole), w.k, w.v, w.segments, w.shape);
-  return {ops::take_rows(o.out, w.maps.whole_of_own), std::move(o.lse)};  // lse: the whole sequences' [B, Hq, S]
-}
-
-ops::AttentionGrads ContextAttention::whole_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
-                                                     const Tensor& v, const Tensor& segments,
-                                                     const Tensor& out, const Tensor& lse,
-                                                     const ops::AttentionShape& shape) const {
-  const WholeKeys w = whole_keys(k, v, segments, shape);
-  const Tensor& own = w.maps.own_in_whole;
-  ops::AttentionGrads d = ops::attention_backward(ops::take_rows(dout, own), ops::take_rows(q, own), w.k, w.v,
-                                                  w.segments, ops::take_rows(out, own), lse, w.shape);
-  ops::AttentionGrads g;
-  g.dq = ops::take_rows(d.dq, w.maps.whole_of_own);
-  g.dk = Tensor::empty(k.shape(), d.dk.dtype(), k.device());
-  g.dv = Tensor::empty(v.shape(), d.dv.dtype(), v.device());
-  group_.reduce_scatter(ops::take_rows(d.dk, w.maps.gathered_from_whole), g.dk);  // each rank's keys, over every query
-  group_.reduce_scatter(ops::take_rows(d.dv, w.maps.gathered_from_whole), g.dv);
-  return g;
 }
 
 Tensor ContextAttention::gathered(const Tensor& x) const {
@@ -240,7 +147,6 @@ ContextAttention::Hop ContextAttention::pass_on(std::vector<Tensor> sends, std::
 // attended to the ones before; merged in that order (fixed per rank).
 ops::AttentionOut ContextAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                             const Tensor& segments, const ops::AttentionShape& shape) const {
-  if (whole_form(q)) return whole_forward(q, k, v, segments, shape);
   const int n = group_.size(), r = group_.rank();
   const Tensor all_segments = segments.defined() ? gathered(segments) : Tensor();
   const int64_t rows = k.size(0);
@@ -278,7 +184,6 @@ ops::AttentionOut ContextAttention::forward(const Tensor& q, const Tensor& k, co
 ops::AttentionGrads ContextAttention::backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                                const Tensor& segments, const Tensor& out,
                                                const Tensor& lse, const ops::AttentionShape& shape) const {
-  if (whole_form(q)) return whole_backward(dout, q, k, v, segments, out, lse, shape);
   const int n = group_.size(), r = group_.rank();
   const Tensor all_segments = segments.defined() ? gathered(segments) : Tensor();
   const int64_t rows = k.size(0);

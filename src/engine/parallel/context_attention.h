@@ -10,11 +10,6 @@
 // on the ring's own stream (NCCL, one group per hop), hidden behind the attention of the block
 // in hand; the CPU's go through Gloo. Deterministic: the merge and the sums run in a fixed
 // order per rank. The documents (segment ids) of every rank are gathered once a pass.
-//
-// Form::kWhole, the form the GPUs ran before the part kernels existed, is kept to measure the
-// ring against: each rank gathers every rank's keys and values into whole sequences, places
-// its own queries among zeros and runs the causal kernels over the whole sequences (cp times
-// its share of the work), reduce-scattering the key/value gradients.
 #pragma once
 
 #include <memory>
@@ -29,10 +24,9 @@ namespace moetrain {
 
 class ContextAttention {
  public:
-  enum class Form { kRing, kWhole };
   // `group`: the ranks that split the sequences, in zigzag order (rank r of it holds chunks r
   // and 2 cp - 1 - r). Not owned.
-  explicit ContextAttention(Communicator& group, Form form = Form::kRing);
+  explicit ContextAttention(Communicator& group);
   ~ContextAttention();
 
   // q [B*n, Hq*D], k and v [B*n, ...] this rank's tokens (n = shape.seq: a rank's tokens a
@@ -54,24 +48,11 @@ class ContextAttention {
 
  private:
   struct Hop;
-  struct WholeMaps;
-  struct WholeKeys;
-  bool whole_form(const Tensor& q) const;
-  const WholeMaps& maps(int64_t batch, int64_t seq, Device device) const;
-  WholeKeys whole_keys(const Tensor& k, const Tensor& v, const Tensor& segments,
-                       const ops::AttentionShape& shape) const;
-  ops::AttentionOut whole_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segments,
-                                  const ops::AttentionShape& shape) const;
-  ops::AttentionGrads whole_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                                     const Tensor& segments, const Tensor& out, const Tensor& lse,
-                                     const ops::AttentionShape& shape) const;
   // Every rank's rows of `x`, back to back in rank order.
   Tensor gathered(const Tensor& x) const;
   Hop pass_on(std::vector<Tensor> sends, std::vector<Tensor> recvs, uint32_t first_tag) const;
   Communicator& group_;
-  Form form_;
-  mutable std::vector<std::unique_ptr<WholeMaps>> maps_;  // by (batch, seq), made once
-  mutable cuda::Stream stream_ = nullptr;                 // the ring's transfers on a GPU, made at first use
+  mutable cuda::Stream stream_ = nullptr;  // the ring's transfers on a GPU, made at first use
 };
 
 // A decoder layer's attention core for batch `b`: over the CP group when b carries places

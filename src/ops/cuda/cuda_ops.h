@@ -66,8 +66,9 @@ void load_balance_accumulate(const Tensor& probs, const Tensor& topk_idx, Tensor
 Tensor load_balance_backward(const Tensor& selections, int64_t rows, int64_t total_rows, double coef);
 Tensor router_entropy_sum(const Tensor& probs);
 ZLossOut router_z_loss_forward(const Tensor& logits);
-Tensor seq_balance_loss_sum(const Tensor& probs, const Tensor& topk_idx, int64_t batch);
-Tensor seq_balance_backward(const Tensor& probs, const Tensor& topk_idx, int64_t batch, double scale);
+Tensor seq_balance_loss_sum(const Tensor& probs, const Tensor& topk_idx, int64_t batch, const SeqBalanceWhole& whole);
+Tensor seq_balance_backward(const Tensor& probs, const Tensor& topk_idx, int64_t batch, double scale, const SeqBalanceWhole& whole);
+Tensor seq_balance_counts(const Tensor& topk_idx, int64_t batch, int64_t experts);
 Tensor router_z_loss_backward(const Tensor& probs, const Tensor& lse, double scale);
 void adamw_update(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWStep& s);
 double sum_squares(const Tensor& x);

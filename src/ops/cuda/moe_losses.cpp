@@ -115,23 +115,52 @@ int64_t seq_balance_args(const char* op, const Tensor& probs, const Tensor& topk
 
 }  // namespace
 
-Tensor seq_balance_loss_sum(const Tensor& probs, const Tensor& topk_idx, int64_t batch) {
+namespace {
+// The whole sequences' counts (context parallelism), checked; null when not given.
+const double* whole_counts(const char* op, const Tensor& probs, int64_t batch, const SeqBalanceWhole& whole) {
+  if (!whole.counts.defined()) return nullptr;
+  check_cuda_tensors(op, {&probs, &whole.counts});
+  MT_CHECK(whole.counts.dtype() == DType::F64 && whole.counts.shape() == Shape({batch, probs.size(1)}) && whole.seq > 0,
+           "{}: whole.counts is {} of sequences of {}, expected f64 [{}, {}] (seq_balance_counts) of a positive length",
+           op, whole.counts.str(), whole.seq, batch, probs.size(1));
+  return whole.counts.data<double>();
+}
+}  // namespace
+
+Tensor seq_balance_loss_sum(const Tensor& probs, const Tensor& topk_idx, int64_t batch, const SeqBalanceWhole& whole) {
   const int64_t S = seq_balance_args("seq_balance_loss_sum", probs, topk_idx, batch);
+  const double* counts = whole_counts("seq_balance_loss_sum", probs, batch, whole);
   Tensor out = Tensor::empty({1}, DType::F32, probs.device());
   Tensor per_seq = Tensor::zeros({batch}, DType::F32, probs.device());  // stays 0 for empty sequences
-  launch_seq_balance_loss_sum(probs.data<float>(), topk_idx.data<int32_t>(), per_seq.data<float>(),
+  launch_seq_balance_loss_sum(probs.data<float>(), topk_idx.data<int32_t>(), counts, whole.seq, per_seq.data<float>(),
                               out.data<float>(), batch, S, probs.size(1), topk_idx.size(1), stream());
   check_launch("seq_balance_loss_sum");
   return out;
 }
 
-Tensor seq_balance_backward(const Tensor& probs, const Tensor& topk_idx, int64_t batch, double scale) {
+Tensor seq_balance_backward(const Tensor& probs, const Tensor& topk_idx, int64_t batch, double scale,
+                            const SeqBalanceWhole& whole) {
   const int64_t S = seq_balance_args("seq_balance_backward", probs, topk_idx, batch);
+  const double* counts = whole_counts("seq_balance_backward", probs, batch, whole);
   Tensor d = Tensor::empty(probs.shape(), DType::F32, probs.device());
-  launch_seq_balance_backward(probs.data<float>(), topk_idx.data<int32_t>(), d.data<float>(), batch, S,
-                              probs.size(1), topk_idx.size(1), static_cast<float>(scale), stream());
+  launch_seq_balance_backward(probs.data<float>(), topk_idx.data<int32_t>(), counts, whole.seq, d.data<float>(), batch,
+                              S, probs.size(1), topk_idx.size(1), static_cast<float>(scale), stream());
   check_launch("seq_balance_backward");
   return d;
+}
+
+Tensor seq_balance_counts(const Tensor& topk_idx, int64_t batch, int64_t experts) {
+  const char* op = "seq_balance_counts";
+  check_cuda_tensors(op, {&topk_idx});
+  MT_CHECK(topk_idx.dtype() == DType::I32 && topk_idx.ndim() == 2 && batch > 0 && topk_idx.size(0) % batch == 0,
+           "{}: topk_idx {} must be i32 [batch * S, K] with batch = {}", op, topk_idx.str(), batch);
+  MT_CHECK(experts > 0 && experts * sizeof(int) <= 48 * 1024, "{}: {} experts: the kernel's shared tally holds 1..12288",
+           op, experts);
+  Tensor counts = Tensor::empty({batch, experts}, DType::F64, topk_idx.device());
+  launch_seq_balance_counts(topk_idx.data<int32_t>(), counts.data<double>(), batch, topk_idx.size(0) / batch, experts,
+                            topk_idx.size(1), stream());
+  check_launch(op);
+  return counts;
 }
 
 }  // namespace moetrain::ops::cuda

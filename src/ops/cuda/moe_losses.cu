@@ -193,25 +193,50 @@ void z_forward_impl(const T* logits, float* lse, float* sq, float* loss_sum, int
 // shared memory (integer atomics: exact), f = E / (K S) * counts; then a warp per row: Z and
 // <f, p> (warp sums, fixed order). Forward: each warp adds its rows' <f, p> / Z in row order,
 // the warps in order -> per_seq[b] / S. Backward: dprobs = scale / S * (f - <f, p> / Z) / Z.
+// Over a part of each sequence (context parallelism): `whole` (f64 [B, E]) gives the whole
+// sequences' counts and s_whole their length, which take the place of this part's.
 constexpr int kSeqWarps = 8;
+
+// The selections of each expert in each sequence (one block a sequence), as f64 [B, E].
+__global__ void __launch_bounds__(kSeqWarps * 32) seq_counts_kernel(const int32_t* __restrict__ idx, int S, int E,
+                                                                     int K, double* __restrict__ out) {
+  extern __shared__ int tally[];
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * S;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) tally[e] = 0;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < static_cast<int64_t>(S) * K; i += blockDim.x) {
+    const int e = idx[row0 * K + i];
+    if (e >= 0 && e < E) atomicAdd(&tally[e], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) out[static_cast<int64_t>(blockIdx.x) * E + e] = tally[e];
+}
 
 template <bool kBackward>
 __global__ void __launch_bounds__(kSeqWarps * 32) seq_balance_kernel(const float* __restrict__ probs,
                                                                       const int32_t* __restrict__ idx, int S, int E,
-                                                                      int K, float scale, float* __restrict__ per_seq,
+                                                                      int K, float scale, const double* __restrict__ whole,
+                                                                      int s_whole, float* __restrict__ per_seq,
                                                                       float* __restrict__ dprobs) {
   extern __shared__ float f[];  // [E], then kSeqWarps partial sums
   int* counts = reinterpret_cast<int*>(f);
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * S;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
-  __syncthreads();
-  for (int64_t i = threadIdx.x; i < static_cast<int64_t>(S) * K; i += blockDim.x) {
-    const int e = idx[row0 * K + i];
-    if (e >= 0 && e < E) atomicAdd(&counts[e], 1);
+  const int s_norm = whole != nullptr ? s_whole : S;  // the length f and P are over
+  const float per = static_cast<float>(E) / static_cast<float>(K * s_norm);
+  if (whole != nullptr) {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+      f[e] = per * static_cast<float>(whole[static_cast<int64_t>(blockIdx.x) * E + e]);
+    }
+  } else {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < static_cast<int64_t>(S) * K; i += blockDim.x) {
+      const int e = idx[row0 * K + i];
+      if (e >= 0 && e < E) atomicAdd(&counts[e], 1);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) f[e] = per * static_cast<float>(counts[e]);
   }
-  __syncthreads();
-  const float per = static_cast<float>(E) / static_cast<float>(K * S);
-  for (int e = threadIdx.x; e < E; e += blockDim.x) f[e] = per * static_cast<float>(counts[e]);
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float acc = 0.f;
@@ -226,7 +251,7 @@ __global__ void __launch_bounds__(kSeqWarps * 32) seq_balance_kernel(const float
     dot = warp_sum(dot);
     if constexpr (kBackward) {
       float* d = dprobs + (row0 + t) * E;
-      const float c = scale / static_cast<float>(S) / z, fp = dot / z;
+      const float c = scale / static_cast<float>(s_norm) / z, fp = dot / z;
       for (int e = lane; e < E; e += 32) d[e] = c * (f[e] - fp);
     } else {
       acc += dot / z;
@@ -239,7 +264,7 @@ __global__ void __launch_bounds__(kSeqWarps * 32) seq_balance_kernel(const float
     if (threadIdx.x == 0) {
       float total = 0.f;
       for (int w = 0; w < kSeqWarps; ++w) total += partial[w];
-      per_seq[blockIdx.x] = total / static_cast<float>(S);
+      per_seq[blockIdx.x] = total / static_cast<float>(s_norm);
     }
   }
 }
@@ -307,22 +332,33 @@ void launch_router_z_loss_backward(const float* probs, const float* lse, __nv_bf
   z_loss_backward_kernel<<<grid_for(n, 256), 256, 0, s>>>(probs, lse, dlogits, n, E, 2.f * scale);
 }
 
-void launch_seq_balance_loss_sum(const float* probs, const int32_t* topk_idx, float* per_seq, float* loss_sum,
-                                  int64_t B, int64_t S, int64_t E, int64_t K, cudaStream_t s) {
+void launch_seq_balance_loss_sum(const float* probs, const int32_t* topk_idx, const double* whole, int64_t s_whole,
+                                  float* per_seq, float* loss_sum, int64_t B, int64_t S, int64_t E, int64_t K,
+                                  cudaStream_t s) {
   if (B > 0 && S > 0) {
     const size_t smem = (static_cast<size_t>(E) + kSeqWarps) * sizeof(float);
     seq_balance_kernel<false><<<static_cast<unsigned>(B), kSeqWarps * 32, smem, s>>>(
-        probs, topk_idx, static_cast<int>(S), static_cast<int>(E), static_cast<int>(K), 0.f, per_seq, nullptr);
+        probs, topk_idx, static_cast<int>(S), static_cast<int>(E), static_cast<int>(K), 0.f, whole,
+        static_cast<int>(s_whole), per_seq, nullptr);
   }
   launch_sum_fixed_order(per_seq, B, loss_sum, s);
 }
 
-void launch_seq_balance_backward(const float* probs, const int32_t* topk_idx, float* dprobs, int64_t B, int64_t S,
-                                 int64_t E, int64_t K, float scale, cudaStream_t s) {
+void launch_seq_balance_backward(const float* probs, const int32_t* topk_idx, const double* whole, int64_t s_whole,
+                                 float* dprobs, int64_t B, int64_t S, int64_t E, int64_t K, float scale,
+                                 cudaStream_t s) {
   if (B == 0 || S == 0) return;
   const size_t smem = (static_cast<size_t>(E) + kSeqWarps) * sizeof(float);
   seq_balance_kernel<true><<<static_cast<unsigned>(B), kSeqWarps * 32, smem, s>>>(
-      probs, topk_idx, static_cast<int>(S), static_cast<int>(E), static_cast<int>(K), scale, nullptr, dprobs);
+      probs, topk_idx, static_cast<int>(S), static_cast<int>(E), static_cast<int>(K), scale, whole,
+      static_cast<int>(s_whole), nullptr, dprobs);
+}
+
+void launch_seq_balance_counts(const int32_t* topk_idx, double* counts, int64_t B, int64_t S, int64_t E, int64_t K,
+                               cudaStream_t s) {
+  if (B == 0) return;
+  seq_counts_kernel<<<static_cast<unsigned>(B), kSeqWarps * 32, static_cast<size_t>(E) * sizeof(int), s>>>(
+      topk_idx, static_cast<int>(S), static_cast<int>(E), static_cast<int>(K), counts);
 }
 
 }  // namespace moetrain::ops::cuda

@@ -36,9 +36,16 @@ void launch_router_z_loss_backward(const float* probs, const float* lse, __nv_bf
 // DeepSeek-V3's sequence-wise balance loss over B sequences of S rows (ops.h): per_seq [B]
 // caller scratch (zeroed: an empty sequence adds 0), loss_sum[0] = their fixed-order sum. An
 // expert id outside [0, E) is not counted (no host check: it would wait for the device).
-void launch_seq_balance_loss_sum(const float* probs, const int32_t* topk_idx, float* per_seq, float* loss_sum,
-                                  int64_t B, int64_t S, int64_t E, int64_t K, cudaStream_t s);
-void launch_seq_balance_backward(const float* probs, const int32_t* topk_idx, float* dprobs, int64_t B, int64_t S,
-                                 int64_t E, int64_t K, float scale, cudaStream_t s);
+// whole (f64 [B, E], or null): the whole sequences' counts, of length s_whole, when the S rows
+// are a part of each (context parallelism).
+void launch_seq_balance_loss_sum(const float* probs, const int32_t* topk_idx, const double* whole, int64_t s_whole,
+                                  float* per_seq, float* loss_sum, int64_t B, int64_t S, int64_t E, int64_t K,
+                                  cudaStream_t s);
+void launch_seq_balance_backward(const float* probs, const int32_t* topk_idx, const double* whole, int64_t s_whole,
+                                 float* dprobs, int64_t B, int64_t S, int64_t E, int64_t K, float scale,
+                                 cudaStream_t s);
+// counts (f64 [B, E]) = each expert's selections in each sequence.
+void launch_seq_balance_counts(const int32_t* topk_idx, double* counts, int64_t B, int64_t S, int64_t E, int64_t K,
+                               cudaStream_t s);
 
 }  // namespace moetrain::ops::cuda
