@@ -341,6 +341,19 @@ Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const
   return MT_ROUTE(logits, cross_entropy_backward, logits, targets, lse, scale);
 }
 
+VocabShardStats vocab_shard_stats(const Tensor& logits, const Tensor& targets, const VocabShard& shard) {
+  return MT_ROUTE(logits, vocab_shard_stats, logits, targets, shard);
+}
+
+CrossEntropyOut vocab_parallel_loss(const Tensor& shard_lse, const Tensor& shard_target_logit, const Tensor& targets) {
+  return MT_ROUTE(shard_lse, vocab_parallel_loss, shard_lse, shard_target_logit, targets);
+}
+
+Tensor vocab_shard_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, const VocabShard& shard,
+                            double scale) {
+  return MT_ROUTE(logits, vocab_shard_backward, logits, targets, lse, shard, scale);
+}
+
 // The GPU's one pass where its kernel takes the rows; elsewhere (the CPU has no pass to save)
 // the forward, the backward, the gradient over the logits: the same values.
 CrossEntropyOut cross_entropy_forward_backward_(Tensor& logits, const Tensor& targets, double scale) {

@@ -353,6 +353,28 @@ Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const
 // cross_entropy_backward with the forward's lse): the output head reads its logits once.
 CrossEntropyOut cross_entropy_forward_backward_(Tensor& logits, const Tensor& targets, double scale);
 
+// ---- cross-entropy over a vocabulary split across ranks (a vocabulary-parallel head) ---
+// A rank holds logits [T, Vs]: the columns [shard.begin, shard.begin + Vs) of a vocabulary of
+// shard.size; targets i32 [T] are whole-vocabulary ids or -100. The whole rows' softmax never
+// meets in one place: each rank's vocab_shard_stats ([T] each: its columns' log-sum-exp, and
+// the target's logit where its columns hold the target, else 0), stacked [R, T] over the R
+// ranks (an all-gather of 2T numbers a rank), give vocab_parallel_loss: the loss sum over the
+// rows not ignored and the whole rows' lse, from which each rank's vocab_shard_backward makes
+// its columns' gradient scale * (exp(logits - lse) - [shard.begin + v == target]), zero rows
+// where ignored. With one shard of the whole vocabulary these are cross_entropy_forward and
+// _backward. A target outside [0, shard.size) other than -100: an error on the CPU, NaN rows
+// on the GPU (as cross_entropy_forward's).
+struct VocabShard {
+  int64_t begin = 0, size = 0;  // size: the whole vocabulary's
+};
+struct VocabShardStats {
+  Tensor lse, target_logit;  // [T] each (f32 on the GPU)
+};
+VocabShardStats vocab_shard_stats(const Tensor& logits, const Tensor& targets, const VocabShard& shard);
+CrossEntropyOut vocab_parallel_loss(const Tensor& shard_lse, const Tensor& shard_target_logit, const Tensor& targets);
+Tensor vocab_shard_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, const VocabShard& shard,
+                            double scale);
+
 // ---- output head: linear + cross-entropy, fused over row chunks ------------------------
 // loss_sum [1] = cross-entropy sum of logits = x W^T against targets, computed chunk_rows
 // rows at a time so no more than chunk_rows x V logits exist at once (the whole [T, V]

@@ -407,6 +407,49 @@ TEST(BackendDense, CrossEntropy) {
   }
 }
 
+// The vocabulary split in two (ops.h's vocab_shard_*): each shard's stats and gradient, and
+// the loss from the stacked stats, against the CPU; an odd shard width takes the element path.
+TEST(BackendDense, VocabularyShards) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  for (auto [T, V, cut] : {std::array<int64_t, 3>{7, 1001, 501}, {64, 151936, 75968}}) {
+    Tensor logits = random_bf16_values({T, V}, 40 + T, 2.0);
+    Tensor targets = random_ints({T}, 0, static_cast<int32_t>(V), 41 + T);
+    for (int64_t t = 1; t < T; t += 4) targets.data<int32_t>()[t] = ops::kIgnoreIndex;
+    const std::string op = tag("vocab_shards", {T, V, cut});
+    const Tensor gtargets = targets.to(kGpu);
+    Tensor lse = Tensor::empty({2, T}, DType::F32), tl = Tensor::empty({2, T}, DType::F32);
+    Tensor glse = Tensor::empty({2, T}, DType::F32, kGpu), gtl = Tensor::empty({2, T}, DType::F32, kGpu);
+    std::vector<Tensor> shards;
+    for (int r = 0; r < 2; ++r) {
+      const int64_t b = r == 0 ? 0 : cut, e = r == 0 ? cut : V;
+      Tensor s = Tensor::empty({T, e - b}, DType::F32);
+      for (int64_t t = 0; t < T; ++t) s.slice(t, t + 1).copy_from(logits.slice(t, t + 1).columns(b, e));
+      shards.push_back(s);
+      const ops::VocabShardStats ref = ops::vocab_shard_stats(s, targets, {b, V});
+      const ops::VocabShardStats got = ops::vocab_shard_stats(on_gpu(s, DType::BF16), gtargets, {b, V});
+      expect_backend_close(got.lse, ref.lse, kF32Tol, op + "_stats", "lse");
+      expect_backend_close(got.target_logit, ref.target_logit, kF32Tol, op + "_stats", "target_logit");
+      lse.slice(r, r + 1).copy_from(ref.lse.view({1, T}));
+      tl.slice(r, r + 1).copy_from(ref.target_logit.view({1, T}));
+      glse.slice(r, r + 1).copy_from(got.lse.view({1, T}));
+      gtl.slice(r, r + 1).copy_from(got.target_logit.view({1, T}));
+    }
+    const ops::CrossEntropyOut ref = ops::vocab_parallel_loss(lse, tl, targets);
+    const ops::CrossEntropyOut got = ops::vocab_parallel_loss(glse, gtl, gtargets);
+    expect_backend_close(got.loss_sum, ref.loss_sum, kF32Tol, op + "_loss", "loss_sum");
+    expect_backend_close(got.lse, ref.lse, kF32Tol, op + "_loss", "lse");
+    expect_backend_close(ref.loss_sum, ops::cross_entropy_forward(logits, targets).loss_sum, 1e-6, op, "loss against the whole");
+    for (int r = 0; r < 2; ++r) {
+      const int64_t b = r == 0 ? 0 : cut;
+      const Tensor dref = ops::vocab_shard_backward(shards[r], targets, ref.lse, {b, V}, 0.5);
+      const Tensor dgot =
+          ops::vocab_shard_backward(on_gpu(shards[r], DType::BF16), gtargets, on_gpu(ref.lse, DType::F32), {b, V}, 0.5);
+      expect_backend_close(dgot, dref, kBf16Tol, op + "_backward", "dlogits");
+    }
+  }
+}
+
 TEST(BackendDense, LinearCrossEntropyChunked) {
   MT_REQUIRE_GPU();
   PoisonScope poison;

@@ -731,6 +731,64 @@ TEST(DenseCrossEntropy, GradCheck) {
   }
 }
 
+// The vocabulary split over R ranks (ops.h's vocab_shard_*): the shards' stats stacked give
+// the whole rows' loss and lse, and the shards' gradients side by side the whole gradient;
+// the parallel loss against finite differences of the shards' logits.
+TEST(DenseCrossEntropy, VocabularyShardsGiveTheWholeLoss) {
+  const int64_t T = 9, V = 23;
+  const std::vector<int64_t> begins = {0, 8, 16, V};  // three shards: 8, 8 and 7 columns
+  Tensor logits = random_tensor({T, V}, DType::F64, 31, 2.0);
+  Tensor targets = random_targets(T, V, 32);
+  const double scale = 0.3;
+  const auto whole = ops::cross_entropy_forward(logits, targets);
+  const Tensor dwhole = ops::cross_entropy_backward(logits, targets, whole.lse, scale);
+  const int64_t R = static_cast<int64_t>(begins.size()) - 1;
+  std::vector<Tensor> shards;
+  for (int64_t r = 0; r < R; ++r) {
+    Tensor s = Tensor::empty({T, begins[r + 1] - begins[r]}, DType::F64);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t v = begins[r]; v < begins[r + 1]; ++v) s.data<double>()[t * s.size(1) + v - begins[r]] = logits.data<double>()[t * V + v];
+    }
+    shards.push_back(s);
+  }
+  auto parallel_loss = [&](ops::CrossEntropyOut* out) {
+    Tensor lse = Tensor::empty({R, T}, DType::F64), tl = Tensor::empty({R, T}, DType::F64);
+    for (int64_t r = 0; r < R; ++r) {
+      const ops::VocabShardStats st = ops::vocab_shard_stats(shards[r], targets, {begins[r], V});
+      lse.slice(r, r + 1).copy_from(st.lse.view({1, T}));
+      tl.slice(r, r + 1).copy_from(st.target_logit.view({1, T}));
+    }
+    *out = ops::vocab_parallel_loss(lse, tl, targets);
+    return out->loss_sum.item();
+  };
+  ops::CrossEntropyOut par;
+  EXPECT_NEAR(parallel_loss(&par), whole.loss_sum.item(), 1e-12);
+  EXPECT_LT(rel_error(par.lse, whole.lse), 1e-14);
+  for (int64_t r = 0; r < R; ++r) {
+    const Tensor d = ops::vocab_shard_backward(shards[r], targets, par.lse, {begins[r], V}, scale);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t v = begins[r]; v < begins[r + 1]; ++v) {
+        EXPECT_NEAR(d.data<double>()[t * d.size(1) + v - begins[r]], dwhole.data<double>()[t * V + v], 1e-14)
+            << "shard " << r << " row " << t << " column " << v;
+      }
+    }
+    check_grad(fmt::format("vocab_parallel_loss[shard {}]", r), "logits", shards[r], d, [&] {
+      ops::CrossEntropyOut o;
+      return scale * parallel_loss(&o);
+    });
+  }
+  // The shard's columns and the targets are checked by name.
+  EXPECT_THROW(ops::vocab_shard_stats(shards[2], targets, {16, 22}), Error);  // columns [16, 23) in 22
+  Tensor bad = targets.clone();
+  bad.data<int32_t>()[0] = static_cast<int32_t>(V);
+  try {
+    ops::vocab_shard_stats(shards[0], bad, {0, V});
+    ADD_FAILURE() << "a target outside the vocabulary";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("target 23 at position 0 is outside [0, 23)"), std::string::npos) << e.what();
+  }
+}
+
 // The one-pass op: the forward's outputs and, over the logits, the backward's gradient.
 TEST(DenseCrossEntropy, ForwardBackwardInPlaceEqualsTheTwo) {
   const int64_t T = 9, V = 23;

@@ -54,6 +54,9 @@ SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& c
 void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate, const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down, bool accumulate, SumSquaresInto squares, const Tensor& act);
 CrossEntropyOut cross_entropy_forward(const Tensor& logits, const Tensor& targets);
 Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, double scale);
+VocabShardStats vocab_shard_stats(const Tensor& logits, const Tensor& targets, const VocabShard& shard);
+CrossEntropyOut vocab_parallel_loss(const Tensor& shard_lse, const Tensor& shard_target_logit, const Tensor& targets);
+Tensor vocab_shard_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, const VocabShard& shard, double scale);
 void load_balance_accumulate(const Tensor& probs, const Tensor& topk_idx, Tensor& selections, Tensor& prob_sum);
 Tensor load_balance_backward(const Tensor& selections, int64_t rows, int64_t total_rows, double coef);
 Tensor router_entropy_sum(const Tensor& probs);

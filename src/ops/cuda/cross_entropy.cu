@@ -56,7 +56,7 @@ __device__ __forceinline__ void absorb(MaxSum& acc, const float (&f)[N]) {
 
 // The gradient of 8 logits f starting at index i0 of their row, in place: scale * softmax
 // (mul = scale, 0 for an ignored row, NaN for an invalid target), minus scale at the target.
-__device__ __forceinline__ void softmax_grad8(float (&f)[8], int64_t i0, int32_t tg, float mul, float l, float scale,
+__device__ __forceinline__ void softmax_grad8(float (&f)[8], int64_t i0, int64_t tg, float mul, float l, float scale,
                                               bool ignored) {
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
@@ -120,17 +120,21 @@ __global__ void __launch_bounds__(kThreads) ce_forward_kernel(const bf16* __rest
   }
 }
 
+// A vocabulary split across ranks (ops.h's vocab_shard_*): V the shard's columns, v0 the
+// first's whole-vocabulary id, v_whole the whole vocabulary (0, V for the whole of it).
 template <bool kVec>
 __global__ void __launch_bounds__(kThreads) ce_backward_kernel(const bf16* __restrict__ logits,
                                                                const int32_t* __restrict__ targets,
                                                                const float* __restrict__ lse,
-                                                               bf16* __restrict__ dlogits, int64_t V, float scale) {
+                                                               bf16* __restrict__ dlogits, int64_t V, int64_t v0,
+                                                               int64_t v_whole, float scale) {
   const int64_t row = blockIdx.x;
   const bf16* x = logits + row * V;
   bf16* d = dlogits + row * V;
-  const int32_t tg = targets[row];
-  const bool ignored = tg == kIgnore;
-  const bool bad = !ignored && (tg < 0 || tg >= V);
+  const int32_t whole_tg = targets[row];
+  const bool ignored = whole_tg == kIgnore;
+  const bool bad = !ignored && (whole_tg < 0 || whole_tg >= v_whole);
+  const int64_t tg = whole_tg - v0;  // this shard's column of the target (outside [0, V): another shard's)
   const float l = lse[row];
   // zero for ignored rows, NaN for an invalid target, else scale * softmax
   const float mul = ignored ? 0.f : (bad ? NAN : scale);
@@ -150,6 +154,62 @@ __global__ void __launch_bounds__(kThreads) ce_backward_kernel(const bf16* __res
   }
 }
 
+
+// A shard's statistics (ops.h's vocab_shard_stats): its columns' lse, and the target's logit
+// where the shard holds it (0 elsewhere and for ignored rows; NaN for an invalid target). The
+// forward kernel's order of merging.
+template <bool kVec>
+__global__ void __launch_bounds__(kThreads) vocab_stats_kernel(const bf16* __restrict__ logits,
+                                                               const int32_t* __restrict__ targets,
+                                                               float* __restrict__ lse, float* __restrict__ tlogit,
+                                                               int64_t V, int64_t v0, int64_t v_whole) {
+  const int64_t row = blockIdx.x;
+  const bf16* x = logits + row * V;
+  MaxSum acc{-INFINITY, 0.f};
+  if constexpr (kVec) {
+#pragma unroll 2
+    for (int64_t v = threadIdx.x; v < V / 8; v += kThreads) {
+      float f[8];
+      load8(x + v * 8, f);
+      absorb(acc, f);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < V; i += kThreads) {
+      const float f[1] = {__bfloat162float(x[i])};
+      absorb(acc, f);
+    }
+  }
+  const MaxSum t = block_merge(acc);
+  if (threadIdx.x == 0) {
+    lse[row] = t.m + logf(t.s);
+    const int32_t tg = targets[row];
+    const int64_t local = static_cast<int64_t>(tg) - v0;
+    float x_tg = 0.f;
+    if (tg != kIgnore && (tg < 0 || tg >= v_whole)) x_tg = NAN;
+    if (tg != kIgnore && local >= 0 && local < V) x_tg = __bfloat162float(x[local]);
+    tlogit[row] = x_tg;
+  }
+}
+
+// One thread a row: lse = log sum_r exp(lse_r) from the largest, the target's logit summed
+// over the shards (r in order); row_loss 0 where ignored.
+__global__ void __launch_bounds__(256) vocab_loss_kernel(const float* __restrict__ shard_lse,
+                                                         const float* __restrict__ shard_tlogit,
+                                                         const int32_t* __restrict__ targets, float* __restrict__ lse,
+                                                         float* __restrict__ row_loss, int64_t R, int64_t T) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
+  if (t >= T) return;
+  float m = -INFINITY, x_tg = 0.f;
+  for (int64_t r = 0; r < R; ++r) m = fmaxf(m, shard_lse[r * T + t]);
+  float s = 0.f;
+  for (int64_t r = 0; r < R; ++r) {
+    s += expf(shard_lse[r * T + t] - m);
+    x_tg += shard_tlogit[r * T + t];
+  }
+  const float l = m + logf(s);
+  lse[t] = l;
+  row_loss[t] = targets[t] == kIgnore ? 0.f : l - x_tg;
+}
 
 // The row is copied into shared memory (cp.async, 16 bytes a thread at a time, up to 64 KB:
 // three blocks a multiprocessor, so that one's copies overlap the others' arithmetic), read
@@ -225,13 +285,38 @@ void launch_cross_entropy_forward(const bf16* logits, const int32_t* targets, fl
 
 void launch_cross_entropy_backward(const bf16* logits, const int32_t* targets, const float* lse, bf16* dlogits,
                                    int64_t T, int64_t V, float scale, cudaStream_t s) {
+  launch_vocab_shard_backward(logits, targets, lse, dlogits, T, V, 0, V, scale, s);
+}
+
+void launch_vocab_shard_backward(const bf16* logits, const int32_t* targets, const float* lse, bf16* dlogits,
+                                 int64_t T, int64_t V, int64_t v0, int64_t v_whole, float scale, cudaStream_t s) {
   if (T == 0 || V == 0) return;
   const auto grid = static_cast<unsigned>(T);
   if (V % 8 == 0 && aligned16(logits) && aligned16(dlogits)) {
-    ce_backward_kernel<true><<<grid, kThreads, 0, s>>>(logits, targets, lse, dlogits, V, scale);
+    ce_backward_kernel<true><<<grid, kThreads, 0, s>>>(logits, targets, lse, dlogits, V, v0, v_whole, scale);
   } else {
-    ce_backward_kernel<false><<<grid, kThreads, 0, s>>>(logits, targets, lse, dlogits, V, scale);
+    ce_backward_kernel<false><<<grid, kThreads, 0, s>>>(logits, targets, lse, dlogits, V, v0, v_whole, scale);
   }
+}
+
+void launch_vocab_shard_stats(const bf16* logits, const int32_t* targets, float* lse, float* target_logit, int64_t T,
+                              int64_t V, int64_t v0, int64_t v_whole, cudaStream_t s) {
+  if (T == 0) return;
+  const auto grid = static_cast<unsigned>(T);
+  if (V % 8 == 0 && aligned16(logits)) {
+    vocab_stats_kernel<true><<<grid, kThreads, 0, s>>>(logits, targets, lse, target_logit, V, v0, v_whole);
+  } else {
+    vocab_stats_kernel<false><<<grid, kThreads, 0, s>>>(logits, targets, lse, target_logit, V, v0, v_whole);
+  }
+}
+
+void launch_vocab_parallel_loss(const float* shard_lse, const float* shard_target_logit, const int32_t* targets,
+                                float* lse, float* row_loss, float* loss_sum, int64_t R, int64_t T, cudaStream_t s) {
+  if (T > 0) {
+    vocab_loss_kernel<<<static_cast<unsigned>((T + 255) / 256), 256, 0, s>>>(shard_lse, shard_target_logit, targets,
+                                                                            lse, row_loss, R, T);
+  }
+  launch_sum_fixed_order(row_loss, T, loss_sum, s);
 }
 
 }  // namespace moetrain::ops::cuda

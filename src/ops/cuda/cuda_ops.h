@@ -59,6 +59,9 @@ void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Ten
 bool grouped_swiglu_backward_weight_group(const std::vector<SwigluWgradRows>& rows, Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down, bool accumulate, SumSquaresInto squares);
 CrossEntropyOut cross_entropy_forward(const Tensor& logits, const Tensor& targets);
 Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, double scale);
+VocabShardStats vocab_shard_stats(const Tensor& logits, const Tensor& targets, const VocabShard& shard);
+CrossEntropyOut vocab_parallel_loss(const Tensor& shard_lse, const Tensor& shard_target_logit, const Tensor& targets);
+Tensor vocab_shard_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, const VocabShard& shard, double scale);
 // ops::cross_entropy_forward_backward_ in one pass; false (nothing done) where the rows do not
 // fit the kernel (the caller then runs the two ops).
 bool cross_entropy_one_pass(Tensor& logits, const Tensor& targets, double scale, CrossEntropyOut& out);
