@@ -107,4 +107,24 @@ inline int64_t check_seq_balance_args(const char* op, const Tensor& probs, const
   return R / batch;
 }
 
+// attention_part_*'s part: its rows within [0, shape.seq), a causal part's two ranges one,
+// segments for both sides or neither (each i32 [B*S]).
+inline void check_attention_part(const char* op, const AttentionPart& p, const AttentionShape& a) {
+  MT_CHECK(0 <= p.q_begin && p.q_begin <= p.q_end && p.q_end <= a.seq && 0 <= p.k_begin && p.k_begin <= p.k_end &&
+               p.k_end <= a.seq,
+           "{}: the part's rows q [{}, {}) and k [{}, {}) must lie in [0, {}) (shape.seq)", op, p.q_begin, p.q_end,
+           p.k_begin, p.k_end, a.seq);
+  MT_CHECK(!p.causal || (p.q_begin == p.k_begin && p.q_end == p.k_end),
+           "{}: a causal part takes the same rows of queries and keys, got q [{}, {}) and k [{}, {})", op, p.q_begin,
+           p.q_end, p.k_begin, p.k_end);
+  MT_CHECK(p.q_segments.defined() == p.k_segments.defined(), "{}: segments given for the queries or the keys only",
+           op);
+  for (const Tensor* t : {&p.q_segments, &p.k_segments}) {
+    if (!t->defined()) continue;
+    const char* name = t == &p.q_segments ? "q_segments" : "k_segments";
+    check_shape(*t, {a.batch * a.seq}, name);
+    check_dtype(*t, DType::I32, name);
+  }
+}
+
 }  // namespace moetrain::ops

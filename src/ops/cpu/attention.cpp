@@ -17,6 +17,7 @@
 #include <limits>
 #include <vector>
 
+#include "ops/arg_checks.h"
 #include "ops/cpu/common.h"
 #include "ops/cpu/cpu_ops.h"
 
@@ -182,20 +183,7 @@ Visibility causal(const Tensor& segment_ids, const AttentionShape& a) {
 Visibility part_of(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionPart& p, const AttentionShape& a,
                    const char* op) {
   check_args(op, q, k, v, Tensor(), a);
-  MT_CHECK(0 <= p.q_begin && p.q_begin <= p.q_end && p.q_end <= a.seq && 0 <= p.k_begin && p.k_begin <= p.k_end &&
-               p.k_end <= a.seq,
-           "{}: the part's rows q [{}, {}) and k [{}, {}) must lie in [0, {}) (shape.seq)", op, p.q_begin, p.q_end,
-           p.k_begin, p.k_end, a.seq);
-  MT_CHECK(!p.causal || (p.q_begin == p.k_begin && p.q_end == p.k_end),
-           "{}: a causal part takes the same rows of queries and keys, got q [{}, {}) and k [{}, {})", op, p.q_begin,
-           p.q_end, p.k_begin, p.k_end);
-  MT_CHECK(p.q_segments.defined() == p.k_segments.defined(), "{}: segments given for the queries or the keys only",
-           op);
-  for (const Tensor* t : {&p.q_segments, &p.k_segments}) {
-    if (!t->defined()) continue;
-    check_shape(*t, {a.batch * a.seq}, t == &p.q_segments ? "q_segments" : "k_segments");
-    check_dtype(*t, DType::I32, t == &p.q_segments ? "q_segments" : "k_segments");
-  }
+  check_attention_part(op, p, a);
   return {p.q_begin,
           p.q_end,
           p.k_begin,

@@ -62,30 +62,10 @@ CrossEntropyOut cross_entropy_forward(const Tensor& logits, const Tensor& target
   return o;
 }
 
+// The whole vocabulary as its one shard (below).
 Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, double scale) {
-  const int32_t* tg = checked_targets(logits, targets, "cross_entropy_backward");
-  const int64_t T = logits.size(0), V = logits.size(1);
-  check_shape(lse, {T}, "lse");
-  check_same_dtype("cross_entropy_backward", logits.dtype(), {&lse});
-  Tensor dlogits = Tensor::empty(logits.shape(), logits.dtype());
-  dispatch_float(logits.dtype(), "cross_entropy_backward", [&](auto tag) {
-    using F = decltype(tag);
-    const F *px = logits.data<F>(), *plse = lse.data<F>();
-    F* pd = dlogits.data<F>();
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-      F* d = pd + t * V;
-      if (tg[t] == kIgnoreIndex) {
-        std::fill(d, d + V, F(0));
-        continue;
-      }
-      const F* x = px + t * V;
-      const double l = double(plse[t]);
-      for (int64_t i = 0; i < V; ++i) d[i] = F(scale * std::exp(double(x[i]) - l));
-      d[tg[t]] = F(scale * (std::exp(double(x[tg[t]]) - l) - 1.0));
-    }
-  });
-  return dlogits;
+  checked_targets(logits, targets, "cross_entropy_backward");
+  return vocab_shard_backward(logits, targets, lse, {0, logits.size(1)}, scale);
 }
 
 // ---- a vocabulary split across ranks (ops.h) --------------------------------------------
@@ -96,7 +76,7 @@ namespace {
 const int32_t* checked_shard(const Tensor& logits, const Tensor& targets, const VocabShard& shard, const char* op) {
   MT_CHECK(logits.defined() && logits.ndim() == 2, "{}: logits must be [T, Vs], got {}", op, logits.str());
   const int64_t T = logits.size(0), Vs = logits.size(1);
-  MT_CHECK(Vs > 0 && shard.begin >= 0 && shard.begin + Vs <= shard.size,
+  MT_CHECK((Vs > 0 || T == 0) && shard.begin >= 0 && shard.begin + Vs <= shard.size,
            "{}: logits {} hold columns [{}, {}) that do not lie in a vocabulary of {}", op, logits.str(), shard.begin,
            shard.begin + Vs, shard.size);
   check_shape(targets, {T}, "targets");

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "ops/arg_checks.h"
 #include "ops/cuda/attention_launch.h"
 #include "ops/cuda/common.h"
 #include "ops/cuda/cuda_ops.h"
@@ -80,6 +81,18 @@ AttentionDims check_args(const char* op, const Tensor& q, const Tensor& k, const
 
 const int32_t* seg_ptr(const Tensor& seg) { return seg.defined() ? seg.data<int32_t>() : nullptr; }
 
+// The backward's dout and out (bf16 [T, Hq*Dv]) and lse (f32 [B, Hq, S]) where q lives.
+void check_backward_args(const char* op, const Tensor& dout, const Tensor& out, const Tensor& lse, Device device,
+                         const AttentionShape& shape) {
+  const Shape out_shape{shape.batch * shape.seq, shape.q_heads * shape.value_dim()};
+  check_bf16(op, dout, out_shape, device, "dout");
+  check_bf16(op, out, out_shape, device, "out");
+  check_shape(lse, {shape.batch, shape.q_heads, shape.seq}, "lse");
+  check_dtype(lse, DType::F32, "lse");
+  MT_CHECK(lse.device() == device, "{}: tensor lse is on {}, expected {} (where q lives)", op, lse.device().str(),
+           device.str());
+}
+
 }  // namespace
 
 AttentionOut attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segment_ids,
@@ -102,13 +115,7 @@ AttentionGrads attention_backward(const Tensor& dout, const Tensor& q, const Ten
                                   const AttentionShape& shape) {
   const char* op = "attention_backward";
   const AttentionDims d = check_args(op, q, k, v, segment_ids, shape);
-  const Shape out_shape{shape.batch * shape.seq, shape.q_heads * shape.value_dim()};  // [T, Hq*Dv]
-  check_bf16(op, dout, out_shape, q.device(), "dout");
-  check_bf16(op, out, out_shape, q.device(), "out");
-  check_shape(lse, {shape.batch, shape.q_heads, shape.seq}, "lse");
-  check_dtype(lse, DType::F32, "lse");
-  MT_CHECK(lse.device() == q.device(), "{}: tensor lse is on {}, expected {} (where q lives)", op,
-           lse.device().str(), q.device().str());
+  check_backward_args(op, dout, out, lse, q.device(), shape);
   AttentionGrads g{Tensor::empty(q.shape(), DType::BF16, q.device()), Tensor::empty(k.shape(), DType::BF16, q.device()),
                    Tensor::empty(v.shape(), DType::BF16, q.device())};
   if (q.numel() == 0) return g;
@@ -143,18 +150,8 @@ namespace {
 AttentionDims part_dims(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const AttentionPart& p,
                         const AttentionShape& a, bool* empty) {
   AttentionDims d = check_args(op, q, k, v, p.q_segments, a);
-  MT_CHECK(0 <= p.q_begin && p.q_begin <= p.q_end && p.q_end <= a.seq && 0 <= p.k_begin && p.k_begin <= p.k_end &&
-               p.k_end <= a.seq,
-           "{}: the part's rows q [{}, {}) and k [{}, {}) must lie in [0, {}) (shape.seq)", op, p.q_begin, p.q_end,
-           p.k_begin, p.k_end, a.seq);
-  MT_CHECK(!p.causal || (p.q_begin == p.k_begin && p.q_end == p.k_end),
-           "{}: a causal part takes the same rows of queries and keys, got q [{}, {}) and k [{}, {})", op, p.q_begin,
-           p.q_end, p.k_begin, p.k_end);
-  MT_CHECK(p.q_segments.defined() == p.k_segments.defined(), "{}: segments given for the queries or the keys only",
-           op);
+  check_attention_part(op, p, a);
   if (p.k_segments.defined()) {
-    check_shape(p.k_segments, {a.batch * a.seq}, "k_segments");
-    check_dtype(p.k_segments, DType::I32, "k_segments");
     MT_CHECK(p.k_segments.device() == q.device(), "{}: tensor k_segments is on {}, expected {} (where q lives)", op,
              p.k_segments.device().str(), q.device().str());
   }
@@ -195,13 +192,7 @@ AttentionGrads attention_part_backward(const Tensor& dout, const Tensor& q, cons
   bool empty = false;
   const AttentionDims d = part_dims(op, q, k, v, part, shape, &empty);
   if (d.whole()) return cuda::attention_backward(dout, q, k, v, part.q_segments, out, lse, shape);
-  const Shape out_shape{shape.batch * shape.seq, shape.q_heads * shape.value_dim()};
-  check_bf16(op, dout, out_shape, q.device(), "dout");
-  check_bf16(op, out, out_shape, q.device(), "out");
-  check_shape(lse, {shape.batch, shape.q_heads, shape.seq}, "lse");
-  check_dtype(lse, DType::F32, "lse");
-  MT_CHECK(lse.device() == q.device(), "{}: tensor lse is on {}, expected {} (where q lives)", op,
-           lse.device().str(), q.device().str());
+  check_backward_args(op, dout, out, lse, q.device(), shape);
   AttentionGrads g{Tensor::zeros(q.shape(), DType::BF16, q.device()), Tensor::zeros(k.shape(), DType::BF16, q.device()),
                    Tensor::zeros(v.shape(), DType::BF16, q.device())};
   if (empty) return g;

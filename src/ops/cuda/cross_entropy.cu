@@ -88,13 +88,10 @@ __device__ __forceinline__ MaxSum block_merge(MaxSum v) {
   return t;  // valid in warp 0
 }
 
+// A row's (max, sum exp) over its V logits x, merged by the block (valid in warp 0):
+// 16-byte loads when kVec, element by element otherwise.
 template <bool kVec>
-__global__ void __launch_bounds__(kThreads) ce_forward_kernel(const bf16* __restrict__ logits,
-                                                              const int32_t* __restrict__ targets,
-                                                              float* __restrict__ lse, float* __restrict__ row_loss,
-                                                              int64_t V) {
-  const int64_t row = blockIdx.x;
-  const bf16* x = logits + row * V;
+__device__ __forceinline__ MaxSum row_max_sum(const bf16* x, int64_t V) {
   MaxSum acc{-INFINITY, 0.f};
   if constexpr (kVec) {
 #pragma unroll 2
@@ -109,7 +106,17 @@ __global__ void __launch_bounds__(kThreads) ce_forward_kernel(const bf16* __rest
       absorb(acc, f);
     }
   }
-  const MaxSum t = block_merge(acc);
+  return block_merge(acc);
+}
+
+template <bool kVec>
+__global__ void __launch_bounds__(kThreads) ce_forward_kernel(const bf16* __restrict__ logits,
+                                                              const int32_t* __restrict__ targets,
+                                                              float* __restrict__ lse, float* __restrict__ row_loss,
+                                                              int64_t V) {
+  const int64_t row = blockIdx.x;
+  const bf16* x = logits + row * V;
+  const MaxSum t = row_max_sum<kVec>(x, V);
   if (threadIdx.x == 0) {
     const float l = t.m + logf(t.s);
     lse[row] = l;
@@ -165,21 +172,7 @@ __global__ void __launch_bounds__(kThreads) vocab_stats_kernel(const bf16* __res
                                                                int64_t V, int64_t v0, int64_t v_whole) {
   const int64_t row = blockIdx.x;
   const bf16* x = logits + row * V;
-  MaxSum acc{-INFINITY, 0.f};
-  if constexpr (kVec) {
-#pragma unroll 2
-    for (int64_t v = threadIdx.x; v < V / 8; v += kThreads) {
-      float f[8];
-      load8(x + v * 8, f);
-      absorb(acc, f);
-    }
-  } else {
-    for (int64_t i = threadIdx.x; i < V; i += kThreads) {
-      const float f[1] = {__bfloat162float(x[i])};
-      absorb(acc, f);
-    }
-  }
-  const MaxSum t = block_merge(acc);
+  const MaxSum t = row_max_sum<kVec>(x, V);
   if (threadIdx.x == 0) {
     lse[row] = t.m + logf(t.s);
     const int32_t tg = targets[row];
