@@ -95,6 +95,9 @@ class Communicator {
   // alike). Every tensor stays alive until the request's wait().
   virtual std::unique_ptr<P2pRequest> send_recv(const std::vector<Tensor>& sends, int to, std::vector<Tensor>& recvs,
                                                 int from, uint32_t tag, cuda::Stream stream = nullptr);
+  // The request of a transfer already enqueued on its stream (stream-ordered backends):
+  // wait() has nothing to do.
+  static std::unique_ptr<P2pRequest> enqueued();
   // Returns when every rank has entered it (NCCL: and the ops before it have finished).
   virtual void barrier() = 0;
   // Waits for the ops enqueued on `stream` (nullptr: the default stream) to finish, up to

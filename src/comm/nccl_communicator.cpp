@@ -194,10 +194,7 @@ class NcclCommunicator final : public Communicator {
       ncclResult_t end = ncclGroupEnd();  // always closes the group, even after an error
       return r == ncclSuccess || r == ncclInProgress ? end : r;
     });
-    struct Enqueued final : P2pRequest {
-      void wait() override {}  // stream-ordered: the transfers are on `stream` already
-    };
-    return std::make_unique<Enqueued>();
+    return enqueued();  // stream-ordered: the transfers are on `stream` already
   }
 
   void barrier() override {

@@ -18,12 +18,7 @@ Tensor like(const Tensor& t) { return Tensor::empty(t.shape(), t.dtype(), t.devi
 // The running sums (the merged output, dq, the key/value gradient sums) stay f32 where the
 // kernels give bf16, and are rounded once at the end.
 DType sum_dtype(const Tensor& t) { return t.dtype() == DType::BF16 ? DType::F32 : t.dtype(); }
-Tensor as_dtype(const Tensor& t, DType d) {
-  if (t.dtype() == d) return t;
-  Tensor out = Tensor::empty(t.shape(), d, t.device());
-  ops::cast_into(out, t);
-  return out;
-}
+Tensor as_dtype(const Tensor& t, DType d) { return t.dtype() == d ? t : t.to(d); }
 Tensor sum_like(const Tensor& t) { return Tensor::empty(t.shape(), sum_dtype(t), t.device()); }
 
 // Tags of the ring's messages: a pass's step s sends its keys and values (and, backward,
@@ -34,7 +29,11 @@ enum : int { kKeys = 0, kKeyGrads = 2 };  // keys and values: tags kKeys, kKeys 
 // Which part of this rank's queries (chunks r and 2cp-1-r, n rows a sequence) sees rank j's
 // keys (chunks j and 2cp-1-j), in the zigzag order: its own keys causally; an earlier rank's
 // first chunk by every query; a later rank's two chunks by the second chunk's queries only.
-ops::AttentionPart part_of(int64_t me, int64_t owner, int64_t n, const Tensor& q_segments, const Tensor& k_segments) {
+// segments: this rank's documents; all_segments: every rank's, back to back (or both undefined).
+ops::AttentionPart part_of(int64_t me, int64_t owner, int64_t n, const Tensor& segments, const Tensor& all_segments) {
+  const Tensor owners = all_segments.defined()
+                            ? all_segments.slice(owner * segments.size(0), (owner + 1) * segments.size(0))
+                            : Tensor();
   ops::AttentionPart p;
   if (owner == me) {
     p = {0, n, 0, n, true};
@@ -43,8 +42,8 @@ ops::AttentionPart part_of(int64_t me, int64_t owner, int64_t n, const Tensor& q
   } else {
     p = {n / 2, n, 0, n, false};
   }
-  p.q_segments = q_segments;
-  p.k_segments = owner == me ? q_segments : k_segments;  // the same tensor: the whole causal kernels apply
+  p.q_segments = segments;
+  p.k_segments = owner == me ? segments : owners;  // the same tensor: the whole causal kernels apply
   return p;
 }
 
@@ -149,7 +148,6 @@ ops::AttentionOut ContextAttention::forward(const Tensor& q, const Tensor& k, co
                                             const Tensor& segments, const ops::AttentionShape& shape) const {
   const int n = group_.size(), r = group_.rank();
   const Tensor all_segments = segments.defined() ? gathered(segments) : Tensor();
-  const int64_t rows = k.size(0);
   Tensor k_now = k, v_now = v;
   ops::AttentionOut acc;
   for (int64_t s = 0; s < n; ++s) {
@@ -161,9 +159,7 @@ ops::AttentionOut ContextAttention::forward(const Tensor& q, const Tensor& k, co
       hop = pass_on({k_now, v_now}, {k_next, v_next}, tag(s, kKeys));
     }
     const int64_t owner = (r - s + n) % n;
-    const ops::AttentionPart part =
-        part_of(r, owner, shape.seq, segments,
-                all_segments.defined() ? all_segments.slice(owner * rows, (owner + 1) * rows) : Tensor());
+    const ops::AttentionPart part = part_of(r, owner, shape.seq, segments, all_segments);
     ops::AttentionOut block = ops::attention_part_forward(q, k_now, v_now, part, shape);
     if (s == 0) {
       acc = {as_dtype(block.out, sum_dtype(block.out)), std::move(block.lse)};
@@ -186,7 +182,6 @@ ops::AttentionGrads ContextAttention::backward(const Tensor& dout, const Tensor&
                                                const Tensor& lse, const ops::AttentionShape& shape) const {
   const int n = group_.size(), r = group_.rank();
   const Tensor all_segments = segments.defined() ? gathered(segments) : Tensor();
-  const int64_t rows = k.size(0);
   Tensor k_now = k, v_now = v;
   Tensor dk_sum, dv_sum;  // the gradient sums of the block in hand, as they arrived
   Hop sums;               // the sums on their way (sent at the end of the step before)
@@ -200,9 +195,7 @@ ops::AttentionGrads ContextAttention::backward(const Tensor& dout, const Tensor&
       keys = pass_on({k_now, v_now}, {k_next, v_next}, tag(s, kKeys));
     }
     const int64_t owner = (r - s + n) % n;
-    const ops::AttentionPart part =
-        part_of(r, owner, shape.seq, segments,
-                all_segments.defined() ? all_segments.slice(owner * rows, (owner + 1) * rows) : Tensor());
+    const ops::AttentionPart part = part_of(r, owner, shape.seq, segments, all_segments);
     ops::AttentionGrads block = ops::attention_part_backward(dout, q, k_now, v_now, part, out, lse, shape);
     if (s == 0) {
       g.dq = as_dtype(block.dq, sum_dtype(block.dq));

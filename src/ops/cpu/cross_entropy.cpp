@@ -17,19 +17,29 @@
 namespace moetrain::ops::cpu {
 namespace {
 
-// Checks logits [T, V] and targets i32 [T] with entries in [0, V) or -100.
-const int32_t* checked_targets(const Tensor& logits, const Tensor& targets, const char* op) {
-  MT_CHECK(logits.defined() && logits.ndim() == 2, "{}: logits must be [T, V], got {}", op, logits.str());
-  const int64_t T = logits.size(0), V = logits.size(1);
+// Checks a shard's logits [T, Vs] of a vocabulary of shard.size and targets i32 [T] in
+// [0, size) or -100.
+const int32_t* checked_shard(const Tensor& logits, const Tensor& targets, const VocabShard& shard, const char* op) {
+  MT_CHECK(logits.defined() && logits.ndim() == 2, "{}: logits must be [T, Vs], got {}", op, logits.str());
+  const int64_t T = logits.size(0), Vs = logits.size(1);
+  MT_CHECK((Vs > 0 || T == 0) && shard.begin >= 0 && shard.begin + Vs <= shard.size,
+           "{}: logits {} hold columns [{}, {}) that do not lie in a vocabulary of {}", op, logits.str(), shard.begin,
+           shard.begin + Vs, shard.size);
   check_shape(targets, {T}, "targets");
   check_dtype(targets, DType::I32, "targets");
   const int32_t* tg = targets.data<int32_t>();
   for (int64_t t = 0; t < T; ++t) {
-    MT_CHECK(tg[t] == kIgnoreIndex || (tg[t] >= 0 && tg[t] < V),
-             "{}: target {} at position {} is outside [0, {}) and is not the ignore index {}", op, tg[t], t, V,
-             kIgnoreIndex);
+    MT_CHECK(tg[t] == kIgnoreIndex || (tg[t] >= 0 && tg[t] < shard.size),
+             "{}: target {} at position {} is outside [0, {}) and is not the ignore index {}", op, tg[t], t,
+             shard.size, kIgnoreIndex);
   }
   return tg;
+}
+
+// The whole vocabulary as its one shard: logits [T, V], targets in [0, V) or -100.
+const int32_t* checked_targets(const Tensor& logits, const Tensor& targets, const char* op) {
+  MT_CHECK(logits.defined() && logits.ndim() == 2, "{}: logits must be [T, V], got {}", op, logits.str());
+  return checked_shard(logits, targets, {0, logits.size(1)}, op);
 }
 
 }  // namespace
@@ -70,26 +80,6 @@ Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const
 
 // ---- a vocabulary split across ranks (ops.h) --------------------------------------------
 
-namespace {
-// Checks a shard's logits [T, Vs] of a vocabulary of shard.size and targets i32 [T] in
-// [0, size) or -100.
-const int32_t* checked_shard(const Tensor& logits, const Tensor& targets, const VocabShard& shard, const char* op) {
-  MT_CHECK(logits.defined() && logits.ndim() == 2, "{}: logits must be [T, Vs], got {}", op, logits.str());
-  const int64_t T = logits.size(0), Vs = logits.size(1);
-  MT_CHECK((Vs > 0 || T == 0) && shard.begin >= 0 && shard.begin + Vs <= shard.size,
-           "{}: logits {} hold columns [{}, {}) that do not lie in a vocabulary of {}", op, logits.str(), shard.begin,
-           shard.begin + Vs, shard.size);
-  check_shape(targets, {T}, "targets");
-  check_dtype(targets, DType::I32, "targets");
-  const int32_t* tg = targets.data<int32_t>();
-  for (int64_t t = 0; t < T; ++t) {
-    MT_CHECK(tg[t] == kIgnoreIndex || (tg[t] >= 0 && tg[t] < shard.size),
-             "{}: target {} at position {} is outside [0, {}) and is not the ignore index {}", op, tg[t], t,
-             shard.size, kIgnoreIndex);
-  }
-  return tg;
-}
-}  // namespace
 
 VocabShardStats vocab_shard_stats(const Tensor& logits, const Tensor& targets, const VocabShard& shard) {
   const int32_t* tg = checked_shard(logits, targets, shard, "vocab_shard_stats");
