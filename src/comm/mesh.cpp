@@ -92,7 +92,9 @@ MeshComms MeshComms::build(std::shared_ptr<Communicator> world, const Mesh& mesh
   m.pp = sub({MeshAxis::PP}, "pp");
   m.dp = sub({MeshAxis::DP}, "dp");
   m.cp = sub({MeshAxis::CP}, "cp");
+  m.tp = sub({MeshAxis::TP}, "tp");
   m.ep = sub({MeshAxis::EP}, "ep");
+  m.tp_ep = mesh.tp() == 1 ? m.ep : sub({MeshAxis::TP, MeshAxis::EP}, "tp_ep");
   m.dp_cp = sub({MeshAxis::DP, MeshAxis::CP}, "dp_cp");
   m.dp_cp_ep = sub({MeshAxis::DP, MeshAxis::CP, MeshAxis::EP}, "dp_cp_ep");
   MT_CHECK(dp_replicate >= 1 && mesh.dp() % dp_replicate == 0,
@@ -102,6 +104,7 @@ MeshComms MeshComms::build(std::shared_ptr<Communicator> world, const Mesh& mesh
     m.shard_experts = m.dp_cp;
     m.shard_dense = m.dp_cp_ep;
     m.replica_world = world;
+    m.stage = mesh.tp() == 1 ? m.shard_dense : sub({MeshAxis::DP, MeshAxis::CP, MeshAxis::TP, MeshAxis::EP}, "stage");
     return m;
   }
   // dp coordinate = replica * S + shard, S = dp / R: replicas outer (across nodes), the
@@ -120,6 +123,7 @@ MeshComms MeshComms::build(std::shared_ptr<Communicator> world, const Mesh& mesh
   m.replicate = std::shared_ptr<Communicator>(world->split(
       (((c.pp * S + shard) * mesh.cp() + c.cp) * mesh.tp() + c.tp) * mesh.ep() + c.ep, r, "replicate"));
   m.replica_world = std::shared_ptr<Communicator>(world->split(m.replica, r, "replica_world"));
+  m.stage = mesh.tp() == 1 ? m.shard_dense : std::shared_ptr<Communicator>(world->split(pp_rep, r, "stage"));
   return m;
 }
 

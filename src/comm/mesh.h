@@ -3,11 +3,13 @@
 // CP, TP and EP are innermost so their frequent collectives (ring K/V, TP gathers, MoE
 // all-to-all) stay among neighbouring ranks, i.e. inside a node. DP is inferred as
 // world / (pp * cp * tp * ep) when not given. A layout that does not fit the world size is
-// an Error naming the numbers. (TP is 1 until tensor parallelism exists; the axis is here so
-// that every layout question has one answer.)
+// an Error naming the numbers.
 //
-// MeshComms holds one sub-communicator per axis plus the two combined groups FSDP shards
-// over: dp x cp (expert weights) and dp x cp x ep (every other weight).
+// MeshComms holds one sub-communicator per axis plus the combined groups: dp x cp (FSDP's
+// group for expert weights), dp x cp x ep (for every other weight: tensor-parallel ranks
+// hold different pieces of them), tp x ep (an MoE layer's expert ranks: tensor parallelism
+// folds into expert parallelism there) and dp x cp x tp x ep (the ranks of a pipeline stage,
+// which under sequence parallelism all hold different tokens).
 #pragma once
 
 #include <cstdint>
@@ -60,9 +62,13 @@ class Mesh {
 
 struct MeshComms {
   Mesh mesh;
-  std::shared_ptr<Communicator> world, pp, dp, cp, ep;
+  std::shared_ptr<Communicator> world, pp, dp, cp, tp, ep;
   std::shared_ptr<Communicator> dp_cp;     // the ranks holding the same experts
-  std::shared_ptr<Communicator> dp_cp_ep;  // every data rank of a pipeline stage
+  std::shared_ptr<Communicator> dp_cp_ep;  // the ranks holding the same pieces of every other weight
+  std::shared_ptr<Communicator> tp_ep;     // an MoE layer's expert ranks (ep itself when tp is 1)
+  // Every rank of a pipeline stage within this replica group: each holds different tokens
+  // (the tp ranks their sequence-parallel slices); shard_dense itself when tp is 1.
+  std::shared_ptr<Communicator> stage;
   // Sharded data parallelism. Plain FSDP: expert weights shard over dp_cp, every other
   // weight over dp_cp_ep, and `replicate` is null. HSDP (dp_replicate = R > 1): dp is
   // R replica groups (outer) of dp / R ranks (inner); weights shard inside a replica group

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <numbers>
 
+#include "core/error.h"
+
 namespace moetrain {
 
 uint64_t hash_string(std::string_view s) {
@@ -41,6 +43,32 @@ void fill_normal(Tensor& t, uint64_t key, double std, int64_t first_element) {
   // time (a 2.6 B-parameter model draws in seconds instead of minutes).
 #pragma omp parallel for schedule(static) if (n > 65536)
   for (int64_t i = 0; i < n; ++i) p[i] = std * normal_at(key, static_cast<uint64_t>(first_element + i));
+  t.copy_from(tmp);
+}
+
+void fill_normal_box(Tensor& t, uint64_t key, double std, const Shape& whole, const Shape& start) {
+  const Shape& box = t.shape();
+  MT_CHECK(whole.size() == box.size() && start.size() == box.size(),
+           "fill_normal_box: a box {} at {} of a tensor {} needs one start per dimension", shape_str(box),
+           shape_str(start), shape_str(whole));
+  for (size_t d = 0; d < box.size(); ++d) {
+    MT_CHECK(start[d] >= 0 && start[d] + box[d] <= whole[d], "fill_normal_box: the box {} at {} leaves {}",
+             shape_str(box), shape_str(start), shape_str(whole));
+  }
+  Tensor tmp = Tensor::empty(box, DType::F64);
+  double* p = tmp.data<double>();
+  const int64_t n = t.numel();
+  const auto nd = static_cast<int64_t>(box.size());
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t rest = i, at = 0, stride = 1;  // i's place in the whole, from the innermost dimension out
+    for (int64_t d = nd - 1; d >= 0; --d) {
+      at += (rest % box[d] + start[d]) * stride;
+      rest /= box[d];
+      stride *= whole[d];
+    }
+    p[i] = std * normal_at(key, static_cast<uint64_t>(at));
+  }
   t.copy_from(tmp);
 }
 

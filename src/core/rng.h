@@ -25,6 +25,9 @@ double normal_at(uint64_t key, uint64_t counter);
 // first_element + j: a shard starting at element e of the full tensor passes e and draws
 // exactly the numbers the whole tensor holds there.
 void fill_normal(Tensor& t, uint64_t key, double std, int64_t first_element = 0);
+// Fills `t` with the box of a tensor of `whole` shape that starts at `start` (t's shape): each
+// element takes the counter of its place in the whole, as fill_normal of the whole would.
+void fill_normal_box(Tensor& t, uint64_t key, double std, const Shape& whole, const Shape& start);
 
 // A small sequential generator for host-side choices (data sampling), seeded by a key.
 class Rng {

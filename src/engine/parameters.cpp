@@ -45,6 +45,7 @@ ParamBucket BucketBuilder::build(DType dtype, Device device, int64_t pad) {
   ParamBucket b;
   b.name = name_;
   b.experts = experts_;
+  b.tp_replicated = tp_replicated_;
   // Every weight starts on a 64-element boundary (128 bytes of bf16): GEMM and TMA
   // descriptors want aligned bases, whatever the shapes before it.
   constexpr int64_t kAlign = 64;
@@ -129,12 +130,25 @@ void set_master(Parameter& p, const Tensor& master) {
   ops::master_split_into(m, p.value, p.master_low);
 }
 
+Parameter tp_piece(Parameter p, int dim, int64_t rank, int64_t ranks) {
+  if (ranks == 1) return p;
+  MT_CHECK(dim >= 0 && dim < p.value.ndim() && rank >= 0 && rank < ranks,
+           "tp_piece: '{}' {} has no piece {} of {} along dimension {}", p.name, p.value.str(), rank, ranks, dim);
+  p.whole_shape = p.value.shape();
+  p.whole_shape[static_cast<size_t>(dim)] *= ranks;
+  p.start.assign(p.whole_shape.size(), 0);
+  p.start[static_cast<size_t>(dim)] = rank * p.value.size(dim);
+  return p;
+}
+
 void init_parameters(ParameterList& params, uint64_t seed) {
   for (auto& p : params) {
     // Drawn in f32 where the parameter lives, then split when it has a master.
     Tensor target = p.has_master() ? Tensor::empty(p.value.shape(), DType::F32, p.value.device()) : p.value;
     if (p.init_std == 0) {
       target.fill_(1.0);
+    } else if (p.tp_split()) {
+      fill_normal_box(target, stream_key(seed, p.name), p.init_std, p.whole_shape, p.start);
     } else {
       fill_normal(target, stream_key(seed, p.name), p.init_std);
     }

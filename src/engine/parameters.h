@@ -24,9 +24,20 @@ struct Parameter {
   // are the master exactly, in 4 bytes an element instead of 6 for a separate f32 copy
   // beside the weight. Undefined for f32 values (the value is its own master).
   Tensor master_low;
+  // Tensor parallelism: value is the box of a tensor of whole_shape that starts at `start`
+  // (this tp rank's heads, MLP columns or vocabulary rows); empty: value is the whole tensor
+  // (held whole on every tp rank, or tp = 1). Checkpoints store the box under the whole
+  // tensor's name and shape; initialisation draws the whole tensor's numbers there.
+  Shape whole_shape, start;
 
   bool has_master() const { return master_low.defined(); }
+  bool tp_split() const { return !whole_shape.empty(); }
+  const Shape& global_shape() const { return tp_split() ? whole_shape : value.shape(); }
 };
+
+// `p` as piece `rank` of `ranks` equal pieces along dimension `dim` of the whole tensor (value
+// is the piece already): sets whole_shape and start; ranks == 1 leaves p whole.
+Parameter tp_piece(Parameter p, int dim, int64_t rank, int64_t ranks);
 
 using ParameterList = std::vector<Parameter>;
 
@@ -37,6 +48,9 @@ using ParameterList = std::vector<Parameter>;
 struct ParamBucket {
   std::string name;   // "model.layers.3.experts", for errors and logs
   bool experts = false;
+  // Tensor parallelism: weights every tp rank holds whole (norms, the router) while each
+  // computes on its own slice of the tokens: their gradients are summed over the tp group.
+  bool tp_replicated = false;
   int64_t layer = -1;    // decoder layer it belongs to; -1: the embedding, final norm and head
   Tensor values, grads;  // 1-D; numel padded to a multiple of the pad given to build()
   int64_t used = 0;      // up to the end of the last parameter (the rest is padding)
@@ -57,15 +71,17 @@ struct ShardSegment {
 // Collects the weights of one bucket, then allocates them at once.
 class BucketBuilder {
  public:
-  BucketBuilder(std::string name, bool experts) : name_(std::move(name)), experts_(experts) {}
+  BucketBuilder(std::string name, bool experts, bool tp_replicated = false)
+      : name_(std::move(name)), experts_(experts), tp_replicated_(tp_replicated) {}
   // Reserves a weight of `shape`: build() makes *value and *grad views of the flat buffers.
   void add(Tensor* value, Tensor* grad, Shape shape);
+  bool empty() const { return slots_.empty(); }
   // Values uninitialised, gradients zero, both padded to a multiple of `pad` elements.
   ParamBucket build(DType dtype, Device device, int64_t pad = 1);
 
  private:
   std::string name_;
-  bool experts_;
+  bool experts_, tp_replicated_;
   std::vector<std::pair<Tensor*, Tensor*>> slots_;
   std::vector<Shape> shapes_;
 };

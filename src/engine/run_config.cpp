@@ -34,8 +34,13 @@ void ParallelConfig::describe(ConfigFields& f) {
         "context-parallel ranks: every sequence cut into 2 cp chunks, rank r holding chunks r and 2cp-1-r; keys and "
         "values passed round them (CPU), or gathered into whole sequences (GPU, for now): docs/memory.md",
         positive(&cp));
+  f.add("tp", &tp,
+        "tensor-parallel ranks (neighbours, inside a node): q/k/v and gate/up split by heads / columns, o_proj and "
+        "down_proj by rows, embedding and head by vocabulary; norms, residuals and the router on 1/tp of the tokens "
+        "(sequence parallelism); MoE layers put their experts on the tp x ep ranks: docs/parallel.md",
+        positive(&tp));
   f.add("ep", &ep, "expert-parallel ranks (experts split evenly over them)", positive(&ep));
-  f.add("dp", &dp, "data-parallel ranks, sharded (ZeRO); -1 = world / (pp * cp * ep)",
+  f.add("dp", &dp, "data-parallel ranks, sharded (ZeRO); -1 = world / (pp * cp * tp * ep)",
         [this]() -> std::optional<std::string> {
           if (dp == -1 || dp >= 1) return std::nullopt;
           return fmt::format("must be -1 (inferred) or >= 1, got {}", dp);
@@ -65,7 +70,7 @@ void ParallelConfig::describe(ConfigFields& f) {
         one_of(&ep_transport, {"auto", "nccl"}));
   f.add("fallbacks", &fallbacks,
         "layouts to use, in order, when this one does not fit the ranks there are (an elastic restart on fewer "
-        "nodes): each \"key=value ...\" over pp, dp, cp, ep, dp_replicate, schedule, shard_weights; e.g. [\"ep=2\"]",
+        "nodes): each \"key=value ...\" over pp, dp, cp, tp, ep, dp_replicate, schedule, shard_weights; e.g. [\"ep=2\"]",
         [this]() -> std::optional<std::string> {
           for (const std::string& fb : fallbacks) {
             try {
@@ -111,7 +116,7 @@ ParallelConfig ParallelConfig::with(const std::string& fallback) const {
 
 bool ParallelConfig::fits(int64_t world) const {
   try {
-    Mesh(world, pp, dp, cp, ep);
+    Mesh(world, pp, dp, cp, ep, tp);
     return true;
   } catch (const Error&) {
     return false;
@@ -120,12 +125,12 @@ bool ParallelConfig::fits(int64_t world) const {
 
 ParallelConfig ParallelConfig::for_world(int64_t world) const {
   if (fits(world)) return *this;
-  std::string tried = fmt::format("pp={} dp={} cp={} ep={}", pp, dp, cp, ep);
+  std::string tried = fmt::format("pp={} dp={} cp={} tp={} ep={}", pp, dp, cp, tp, ep);
   for (const std::string& fb : fallbacks) {
     ParallelConfig c = with(fb);
     if (c.fits(world)) {
-      spdlog::warn("parallel: [parallel] (pp={} dp={} cp={} ep={}) does not fit {} ranks; using fallback '{}'", pp, dp,
-                   cp, ep, world, fb);
+      spdlog::warn("parallel: [parallel] (pp={} dp={} cp={} tp={} ep={}) does not fit {} ranks; using fallback '{}'",
+                   pp, dp, cp, tp, ep, world, fb);
       c.fallbacks = fallbacks;
       return c;
     }
@@ -520,14 +525,33 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
   const auto& o = cfg.optimizer;
   MT_CHECK(o.warmup_steps <= t.steps, "{}: [optimizer].warmup_steps ({}) must be <= [training].steps ({})", path,
            o.warmup_steps, t.steps);
-  MT_CHECK(shape.num_experts == 0 || shape.num_experts % cfg.parallel.ep == 0,
-           "{}: [model] has {} experts, which must be a multiple of [parallel].ep ({}): experts are split evenly",
-           path, shape.num_experts, cfg.parallel.ep);
+  // MoE layers put their experts on the tp x ep ranks (tensor parallelism folds into expert
+  // parallelism there).
+  MT_CHECK(shape.num_experts == 0 || shape.num_experts % (cfg.parallel.tp * cfg.parallel.ep) == 0,
+           "{}: [model] has {} experts, which must be a multiple of [parallel].tp x ep ({} x {}): experts are split "
+           "evenly over the tp x ep ranks",
+           path, shape.num_experts, cfg.parallel.tp, cfg.parallel.ep);
   for (const std::string& fb : cfg.parallel.fallbacks) {
-    const int64_t ep = cfg.parallel.with(fb).ep;
-    MT_CHECK(shape.num_experts == 0 || shape.num_experts % ep == 0,
-             "{}: [parallel].fallbacks entry '{}': [model] has {} experts, not a multiple of ep = {}", path, fb,
-             shape.num_experts, ep);
+    const ParallelConfig f = cfg.parallel.with(fb);
+    MT_CHECK(shape.num_experts == 0 || shape.num_experts % (f.tp * f.ep) == 0,
+             "{}: [parallel].fallbacks entry '{}': [model] has {} experts, not a multiple of tp x ep = {} x {}", path,
+             fb, shape.num_experts, f.tp, f.ep);
+    if (f.tp > 1) cfg.model->validate_tensor_parallel(f.tp, fmt::format("{}: [parallel].fallbacks entry '{}'", path, fb));
+  }
+  if (cfg.parallel.tp > 1) {
+    const int64_t tp = cfg.parallel.tp;
+    cfg.model->validate_tensor_parallel(tp, fmt::format("{}: [parallel].tp = {}", path, tp));
+    MT_CHECK(t.micro_batch_size * t.seq_len % tp == 0,
+             "{}: [training].micro_batch_size x seq_len ({} x {}) must be a multiple of [parallel].tp ({}): sequence "
+             "parallelism gives each tp rank an equal slice of a micro-batch's tokens",
+             path, t.micro_batch_size, t.seq_len, tp);
+    MT_CHECK(cfg.parallel.cp == 1,
+             "{}: [parallel].tp = {} with cp = {}: tensor and context parallelism together are not built yet; use one",
+             path, tp, cfg.parallel.cp);
+    MT_CHECK(t.recompute != "selective",
+             "{}: [parallel].tp = {} with [training].recompute = \"selective\" is not built yet (the dropped norm "
+             "outputs would need gathering again); use \"full\" or \"none\"",
+             path, tp);
   }
   MT_CHECK(cfg.fault_tolerance.replica_id < cfg.fault_tolerance.replica_groups,
            "{}: [fault_tolerance].replica_id ({}) must be below [fault_tolerance].replica_groups ({})", path,

@@ -14,7 +14,11 @@ namespace moetrain {
 
 struct ParallelConfig {
   int64_t pp = 1, cp = 1, ep = 1;
-  int64_t dp = -1;  // -1: inferred as world / (pp * cp * ep)
+  // Tensor parallelism (docs/parallel.md): attention and dense MLPs split over tp ranks by
+  // heads / columns, the tokens between them by rows (sequence parallelism), the embedding and
+  // head by vocabulary; MoE layers fold their experts over the tp x ep ranks.
+  int64_t tp = 1;
+  int64_t dp = -1;  // -1: inferred as world / (pp * cp * tp * ep)
   std::string schedule = "dualpipev";  // pipeline schedule when pp > 1: "dualpipev" or "1f1b"
   // Data-parallel sharding (ZeRO): gradients and optimizer state are always sharded over
   // the data ranks; with shard_weights the weights too, gathered per layer when used (ZeRO-3).

@@ -76,7 +76,7 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   // optimizer state sharded over the data ranks (FsdpContext).
   c.model = build_model(*cfg.model, gpu ? DType::BF16 : DType::F32, par.device, placement);
   c.model->init_weights(static_cast<uint64_t>(tc.seed));
-  if (layout.pp() == 1 && layout.ep() > 1 && choose_ep_overlap(cfg, *c.model, par.device)) {
+  if (layout.pp() == 1 && layout.expert_ranks() > 1 && choose_ep_overlap(cfg, *c.model, par.device)) {
     make_pipeline();
     const int64_t L = cfg.model->shape().num_layers + cfg.model->shape().mtp_layers;
     MT_CHECK(static_cast<int64_t>(placement.layers.size()) == L && placement.embed && placement.head,
@@ -84,15 +84,17 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   }
   const bool pipelined = c.pipe_train != nullptr;
   c.model->set_expert_wgrad_group(tc.expert_wgrad_group);
-  if (layout.ep() == 1) {
+  if (layout.expert_ranks() == 1) {
     c.dispatcher = std::make_unique<LocalDispatcher>();
   } else {
+    // Tensor parallelism folds into expert parallelism: an MoE layer's experts are on the tp
+    // x ep ranks, each sending its own sequence-parallel slice of the tokens.
     // On GPUs the exchanges run on their own stream and return before they finish; the model
     // waits where it uses a result (its chunk pieces), so DualPipeV's paired micro-batch
     // computes meanwhile.
     ExchangeOptions o;
     o.check_conservation = cfg.parallel.check_exchange;
-    o.max_tokens = tc.micro_batch_size * tc.seq_len;  // every micro-batch is B x S, on every rank
+    o.max_tokens = tc.micro_batch_size * tc.seq_len / layout.tp();  // every micro-batch is B x S, on every rank
     if (gpu) {
       c.comm_stream.stream = cuda::create_stream();
       c.comm_stream_backward.stream = cuda::create_stream();
@@ -103,19 +105,21 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
     }
     const int64_t top_k = cfg.model->shape().experts_per_token;
     const bool gather = cfg.parallel.ep_dispatch == "all_gather" ||
-                        (cfg.parallel.ep_dispatch == "auto" && layout.ep() < top_k);
+                        (cfg.parallel.ep_dispatch == "auto" && layout.expert_ranks() < top_k);
     if (gather) {
-      c.dispatcher = std::make_unique<AllGatherDispatcher>(*par.comms->ep, o);
+      c.dispatcher = std::make_unique<AllGatherDispatcher>(*par.comms->tp_ep, o);
     } else {
-      c.dispatcher = std::make_unique<AllToAllDispatcher>(*par.comms->ep, o);
+      c.dispatcher = std::make_unique<AllToAllDispatcher>(*par.comms->tp_ep, o);
     }
-    spdlog::info("parallel: experts over {} ranks, tokens moved by {} ([parallel].ep_dispatch = \"{}\", top-{} "
+    spdlog::info("parallel: experts over {} ranks{}, tokens moved by {} ([parallel].ep_dispatch = \"{}\", top-{} "
                  "routing)",
-                 layout.ep(), gather ? "all-gather / reduce-scatter" : "all-to-all", cfg.parallel.ep_dispatch, top_k);
+                 layout.expert_ranks(), layout.tp() > 1 ? fmt::format(" (tp {} x ep {})", layout.tp(), layout.ep()) : "",
+                 gather ? "all-gather / reduce-scatter" : "all-to-all", cfg.parallel.ep_dispatch, top_k);
   }
   c.model->set_detailed_telemetry(cfg.metrics.detailed);
   c.model->set_fp8(tc.fp8);
   if (layout.cp() > 1) c.model->set_context_group(par.comms->cp.get());
+  if (layout.tp() > 1) c.model->set_tensor_group(par.tp_group());
   if (tc.recompute != "none") {
     std::vector<int64_t> layers;
     for (int64_t id = 0; id < cfg.model->shape().num_layers; ++id) {
@@ -134,7 +138,8 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
     c.model->set_data_group(par.data_group(), par.bridge.get());
     const bool shard_weights = choose_shard_weights(cfg.parallel.shard_weights, *c.model, par.device, pipelined);
     c.fsdp = std::make_unique<FsdpContext>(*c.model, *par.comms->shard_dense, *par.comms->shard_experts,
-                                           *par.comms->replica_world, adamw, shard_weights, par.bridge.get());
+                                           *par.comms->replica_world, adamw, shard_weights, par.bridge.get(),
+                                           par.tp_group());
     if (pipelined) c.pipeline = std::make_unique<PipelineExecutor>(*c.model, *c.dispatcher, par.pp_group(), c.chunks);
   } else {
     c.single_opt = std::make_unique<AdamW>(c.model->parameters(), adamw);

@@ -364,27 +364,36 @@ namespace {
 // A distributed run ends by checking that every data rank of a stage holds the same bits of
 // the state they all hold copies of (parallel/replica_check.h); after the last checkpoint,
 // so that a failure loses nothing.
+// Under tensor parallelism the weights split over the tp ranks (heads, vocabulary rows) are
+// copies only across the other data ranks (dp x cp x ep): checked there too.
 void check_replicas(TrainContext& ctx) {
   Communicator* group = ctx.par.data_group();
   if (group == nullptr || group->size() < 2) return;
   const bool whole_weights = !ctx.fsdp || ctx.fsdp->keeps_whole_grads();
-  const std::vector<NamedTensor> state = replicated_state(*ctx.model, whole_weights);
-  const std::vector<std::string> differ = replicas_that_differ(state, *group, ctx.par.device);
-  MT_CHECK(differ.empty(),
-           "{} of the {} tensors every data rank holds a copy of differ between the ranks at the end of the run "
-           "(first: {}): the ranks trained different models",
-           differ.size(), state.size(), differ.empty() ? "" : differ.front());
-  spdlog::info("replicas: {} replicated tensors{} bitwise equal on the {} data ranks", state.size(),
-               whole_weights ? "" : " (routing biases; the weights are sharded)", group->size());
+  auto check = [&](const std::vector<NamedTensor>& state, Communicator& ranks, const char* which) {
+    const std::vector<std::string> differ = replicas_that_differ(state, ranks, ctx.par.device);
+    MT_CHECK(differ.empty(),
+             "{} of the {} tensors the {} hold copies of differ between them at the end of the run (first: {}): the "
+             "ranks trained different models",
+             differ.size(), state.size(), which, differ.empty() ? "" : differ.front());
+    spdlog::info("replicas: {} replicated tensors{} bitwise equal on the {} {}", state.size(),
+                 whole_weights ? "" : " (routing biases; the weights are sharded)", ranks.size(), which);
+  };
+  check(replicated_state(*ctx.model, whole_weights, ReplicaSet::kStage), *group, "data ranks");
+  Communicator& pieces = *ctx.par.comms->shard_dense;
+  if (ctx.par.layout.tp() > 1 && whole_weights && pieces.size() > 1) {
+    check(replicated_state(*ctx.model, whole_weights, ReplicaSet::kTensorPieces), pieces,
+          "ranks of each tensor-parallel piece");
+  }
 }
 
 // The text sampled at the end of the run (printed by rank 0), or empty.
 std::string end_of_run_sample(const RunConfig& cfg, TrainContext& ctx, const Tokenizer& tok) {
   const TrainingConfig& tc = cfg.training;
   if (tc.sample_tokens <= 0) return "";
-  if (ctx.pipeline) {
-    spdlog::info("sample: skipped (token-by-token sampling runs the whole model in one process; under pipeline "
-                 "parallelism convert the checkpoint and sample from it)");
+  if (ctx.pipeline || ctx.par.layout.tp() > 1) {
+    spdlog::info("sample: skipped (token-by-token sampling runs the whole model in one process; under pipeline or "
+                 "tensor parallelism convert the checkpoint and sample from it)");
     return "";
   }
   std::string text = sample_text(*ctx.model, *ctx.dispatcher, tok, tc.sample_prompt, tc.sample_tokens, tc.seq_len,
@@ -609,9 +618,16 @@ TrainSummary train(const RunConfig& cfg_in) {
     spdlog::info("context parallelism: cp {}, every sequence in {} chunks of {} tokens, cp rank r holding chunks r "
                  "and {} - r; {}",
                  at.cp(), 2 * at.cp(), tc.seq_len / (2 * at.cp()), 2 * at.cp() - 1,
-                 tc.device == "cuda" ? "attention over the whole sequences (keys and values all-gathered; the GPU's "
-                                       "form until its block kernels)"
-                                     : "keys and values passed round the cp ranks (ring attention)");
+                 "keys and values passed round the cp ranks (ring attention)");
+  }
+  if (at.tp() > 1) {  // every tp rank loads the same rows and counts the loss of its slice of them
+    data.train = std::make_unique<TensorSliceLoader>(std::move(data.train), at.tp(), at.tp_rank());
+    data.val = std::make_unique<TensorSliceLoader>(std::move(data.val), at.tp(), at.tp_rank());
+    spdlog::info("tensor parallelism: tp {}, attention heads, dense MLP columns and the vocabulary split over the tp "
+                 "ranks, each holding {} of a micro-batch's {} tokens between them (sequence parallelism); MoE "
+                 "layers' experts over tp x ep = {} ranks",
+                 at.tp(), tc.micro_batch_size * tc.seq_len / at.tp(), tc.micro_batch_size * tc.seq_len,
+                 at.expert_ranks());
   }
   spdlog::info("data: {}", data.summary);
   // Model, dispatcher, optimizer, pipeline: train_context.h.

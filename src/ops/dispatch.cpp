@@ -28,15 +28,31 @@ bool deterministic() { return g_deterministic.load(std::memory_order_relaxed); }
 #define MT_ROUTE(first, name, ...) (on_cuda(first, #name), cpu::name(__VA_ARGS__))
 #endif
 
-Tensor embedding_forward(const Tensor& ids, const Tensor& weight) {
-  return MT_ROUTE(ids, embedding_forward, ids, weight);
+namespace {
+
+// A shard with its whole vocabulary's size filled in (size 0: weight is the whole vocabulary).
+VocabShard embedding_shard(const VocabShard& shard, const Tensor& weight, const char* op) {
+  MT_CHECK(weight.defined() && weight.ndim() == 2, "{}: weight must be [V, H], got {}", op, weight.str());
+  if (shard.size == 0 && shard.begin == 0) return {0, weight.size(0)};
+  MT_CHECK(shard.begin >= 0 && shard.begin + weight.size(0) <= shard.size,
+           "{}: a shard of {} rows from id {} does not fit a vocabulary of {}", op, weight.size(0), shard.begin,
+           shard.size);
+  return shard;
+}
+
+}  // namespace
+
+Tensor embedding_forward(const Tensor& ids, const Tensor& weight, const VocabShard& shard) {
+  return MT_ROUTE(ids, embedding_forward, ids, weight, embedding_shard(shard, weight, "embedding_forward"));
 }
 
 // The embedding and norm gradients are small next to the matrices': overwrite is a zero
 // fill and then the backends' accumulating kernels.
-void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight, bool accumulate) {
+void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight, bool accumulate,
+                               const VocabShard& shard) {
+  const VocabShard whole = embedding_shard(shard, dweight, "embedding_backward_weight");
   if (!accumulate) dweight.zero_();
-  MT_ROUTE(ids, embedding_backward_weight, ids, dy, dweight);
+  MT_ROUTE(ids, embedding_backward_weight, ids, dy, dweight, whole);
 }
 
 Tensor shift_tokens(const Tensor& ids, const Tensor& segment_ids, int64_t batch, int64_t k, int32_t fill) {

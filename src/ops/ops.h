@@ -34,9 +34,20 @@ namespace moetrain::ops {
 void set_deterministic(bool on);
 bool deterministic();
 
+// A rank's columns (logits) or rows (embedding) of a vocabulary split across ranks: from id
+// `begin` on, of a whole vocabulary of `size` ids (the embedding ops take {0, 0} as the
+// weight's own rows being the whole vocabulary).
+struct VocabShard {
+  int64_t begin = 0, size = 0;  // size: the whole vocabulary's
+};
+
 // ---- embedding: y[t] = W[ids[t]] ------------------------------------------------------
-// ids i32 [T], weight [V, H] -> [T, H]. An id outside [0, V) is an error naming it.
-Tensor embedding_forward(const Tensor& ids, const Tensor& weight);
+// ids i32 [T], weight [V, H] -> [T, H]. An id outside [0, V) is an error naming it (NaN rows
+// on the GPU). With a shard (a vocabulary-parallel embedding), weight holds rows
+// [shard.begin, shard.begin + V) of a vocabulary of shard.size: an id among the other rows
+// gives a zero row (the sum over the shards' outputs is the whole lookup), and its gradient
+// goes nowhere.
+Tensor embedding_forward(const Tensor& ids, const Tensor& weight, const VocabShard& shard = {});
 // dweight[ids[t]] += dy[t]
 //
 // Every weight-gradient op takes `accumulate`: true adds into the gradient (micro-batches
@@ -44,7 +55,8 @@ Tensor embedding_forward(const Tensor& ids, const Tensor& weight);
 // gradients (for the expert weights that saves a 4-byte read and a 4-byte memset per
 // parameter). Overwrite writes every element, including the weights of an expert that got
 // no rows (zeros).
-void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight, bool accumulate = true);
+void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight, bool accumulate = true,
+                               const VocabShard& shard = {});
 // Token ids k places ahead, within each row of a [batch, seq] batch (multi-token
 // prediction's inputs and targets): out[b, i] = ids[b, i + k] where i + k < seq and, with
 // segment_ids given (packed documents; may be undefined), i + k lies in i's document;
@@ -364,9 +376,6 @@ CrossEntropyOut cross_entropy_forward_backward_(Tensor& logits, const Tensor& ta
 // where ignored. With one shard of the whole vocabulary these are cross_entropy_forward and
 // _backward. A target outside [0, shard.size) other than -100: an error on the CPU, NaN rows
 // on the GPU (as cross_entropy_forward's).
-struct VocabShard {
-  int64_t begin = 0, size = 0;  // size: the whole vocabulary's
-};
 struct VocabShardStats {
   Tensor lse, target_logit;  // [T] each (f32 on the GPU)
 };

@@ -10,6 +10,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cli_run.h"
@@ -155,23 +156,30 @@ TEST_F(SftCli, SftResumesExactlyWhereItStopped) {
   EXPECT_EQ(st["data"], moetrain::CheckpointReader(path("straight/checkpoints/step-00000006")).trainer_state()["data"]);
 }
 
-// Context parallelism over packed conversations (segments cut with the tokens, each chunk's
-// documents masked by place): `moetrain launch -n 2 -- train --parallel.cp=2` on the chats
-// against one process, every step's loss and gradient norm within 1e-5 relative.
-TEST_F(SftCli, ContextParallelPackedConversationsMatchOneProcess) {
+// Context and tensor parallelism over packed conversations (CP: segments cut with the tokens,
+// each chunk's documents masked by place; TP: every rank attends over every row for its heads
+// and counts the loss of its slice of the rows, most of whose targets are masked):
+// `moetrain launch -n 2 -- train --parallel.cp=2` (and tp=2) on the chats against one process,
+// every step's loss and gradient norm within 1e-5 relative.
+TEST_F(SftCli, ContextAndTensorParallelPackedConversationsMatchOneProcess) {
   const std::string steps = "--training.steps=4 --training.sample_tokens=0 --optimizer.eps=1e-6 --training.threads=1";
   Result one = run(sft("cp_one", steps));
   ASSERT_EQ(one.status, 0) << one.output;
-  Result cp = run("launch -n 2 -- " + sft("cp_two", steps + " --parallel.cp=2"));
-  ASSERT_EQ(cp.status, 0) << cp.output;
-  EXPECT_NE(cp.output.find("context parallelism: cp 2"), std::string::npos) << cp.output;
-  const auto a = by_step(metrics(path("cp_one"))), b = by_step(metrics(path("cp_two")));
+  const auto a = by_step(metrics(path("cp_one")));
   ASSERT_EQ(a.size(), 4u);
-  ASSERT_EQ(b.size(), 4u);
-  for (const auto& [step, la] : a) {
-    const auto& lb = b.at(step);
-    EXPECT_NEAR(lb.first, la.first, 1e-5 * la.first) << "loss, step " << step;
-    EXPECT_NEAR(lb.second, la.second, 1e-5 * la.second) << "grad norm, step " << step;
+  for (const auto& [name, flag, says] : {std::tuple{"cp_two", "--parallel.cp=2", "context parallelism: cp 2"},
+                                         std::tuple{"tp_two", "--parallel.tp=2", "tensor parallelism: tp 2"}}) {
+    SCOPED_TRACE(name);
+    Result two = run("launch -n 2 -- " + sft(name, steps + " " + flag));
+    ASSERT_EQ(two.status, 0) << two.output;
+    EXPECT_NE(two.output.find(says), std::string::npos) << two.output;
+    const auto b = by_step(metrics(path(name)));
+    ASSERT_EQ(b.size(), 4u);
+    for (const auto& [step, la] : a) {
+      const auto& lb = b.at(step);
+      EXPECT_NEAR(lb.first, la.first, 1e-5 * la.first) << "loss, step " << step;
+      EXPECT_NEAR(lb.second, la.second, 1e-5 * la.second) << "grad norm, step " << step;
+    }
   }
 }
 

@@ -169,9 +169,11 @@ TEST_F(Chaos, StalledStorageHoldsNoStepUpAndTheLastSaveCommits) {
   const std::string async = "--checkpoint.async=true";
   const auto clean = launch("clean", "", 0, async);
   ASSERT_EQ(clean.status, 0) << clean.output;
-  const auto r = launch("stalled", "stall=4@files:rank=1:step=2", 0, async);
+  // The stall hits the first save: a later one may itself be skipped when a slow machine (ASAN)
+  // is still writing the save before it, and then the fault never fires.
+  const auto r = launch("stalled", "stall=4@files:rank=1:step=1", 0, async);
   ASSERT_EQ(r.status, 0) << r.output;
-  EXPECT_NE(r.output.find("fault injected: stall at files (rank 1, step 2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("fault injected: stall at files (rank 1, step 1"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("not saved: the previous save is still being written"), std::string::npos) << r.output;
   // No step waited for the 4 s stall (a step here takes well under a second).
   const auto m = read_metrics(dir_ / "stalled");
@@ -179,14 +181,12 @@ TEST_F(Chaos, StalledStorageHoldsNoStepUpAndTheLastSaveCommits) {
   for (const auto& row : m) {
     EXPECT_LT(row["step_time_s"].get<double>() + row.value("checkpoint_stall_s", 0.0), 2.0) << row.dump();
   }
-  // Step 2 committed once the storage came back, some later ones were skipped, the last is there.
+  // Step 1 committed once the storage came back, some later ones were skipped, the last is there.
   const auto committed = Checkpointer::committed(ckpt("stalled"));
   ASSERT_FALSE(committed.empty());
   EXPECT_EQ(committed.back().first, kSteps);
   EXPECT_LT(committed.size(), static_cast<size_t>(kSteps));
-  bool has2 = false;
-  for (const auto& [s, path] : committed) has2 = has2 || s == 2;
-  EXPECT_TRUE(has2);
+  EXPECT_EQ(committed.front().first, 1);
   expect_bitwise_same_step("clean", "stalled", kSteps);
 }
 

@@ -419,7 +419,7 @@ TEST(ExpertParallel, ExpertsMustSplitEvenly) {
       d.num_local_experts(6);
       ADD_FAILURE() << "6 experts over 4 ranks accepted";
     } catch (const Error& e) {
-      expect_contains(e.what(), "[model] has 6 experts, which cannot be split evenly over [parallel].ep = 4 expert-parallel ranks");
+      expect_contains(e.what(), "[model] has 6 experts, which cannot be split evenly over 4 expert-parallel ranks ([parallel].tp x ep)");
     }
   });
 }

@@ -62,11 +62,21 @@ CheckpointItems CheckpointContext::items() {
   ParameterList& params = ctx_.model->parameters();
   // HSDP: another replica group writes. Live fault tolerance: every group keeps its own.
   if (fsdp && !fsdp->writes_checkpoint() && !cfg_.fault_tolerance.enabled()) return CheckpointItems{};
+  // Tensor parallelism: what every tp rank holds whole (outside the split weights and the
+  // experts) is saved by tp rank 0 alone.
+  const Layout& at = ctx_.par.layout;
+  std::vector<bool> tp_whole(params.size(), false);
+  if (at.tp() > 1 && at.tp_rank() != 0) {
+    for (const ParamBucket& b : ctx_.model->buckets()) {
+      for (const ParamBucket::Member& m : b.members) tp_whole[m.param] = !b.experts && !params[m.param].tp_split();
+    }
+  }
   CheckpointItems items = fsdp ? sharded_checkpoint_items(params, fsdp->shard_params(), fsdp->segments(),
-                                                          ctx_.optimizer())
+                                                          ctx_.optimizer(),
+                                                          [&](size_t param) { return !tp_whole[param]; })
                                : checkpoint_items(params, &ctx_.optimizer());
   // Buffers are whole on every data rank of a pipeline stage: the first writes them.
-  if (ctx_.par.layout.data_rank() == 0) {
+  if (at.data_rank() == 0 && at.tp_rank() == 0) {
     for (const NamedBuffer& b : ctx_.model->buffers()) items.model.push_back({b.name, b.value});
   }
   return items;

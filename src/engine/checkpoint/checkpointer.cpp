@@ -55,22 +55,53 @@ CheckpointItems checkpoint_items(ParameterList& params, AdamW* opt) {
   return items;
 }
 
+namespace {
+
+// A rank's piece of a tensor-parallel parameter's shard: elements [begin, end) of its box
+// (Parameter::start, value's shape) are boxes of the whole tensor (each contiguous in the
+// piece): element_range_boxes of the piece, moved to where the piece starts.
+std::vector<std::pair<Shape, Shape>> piece_boxes(const Parameter& p, int64_t begin, int64_t end) {
+  std::vector<std::pair<Shape, Shape>> boxes = element_range_boxes(p.value.shape(), begin, end);
+  for (auto& [start, box] : boxes) {
+    for (size_t d = 0; d < start.size(); ++d) start[d] += p.start[d];
+  }
+  return boxes;
+}
+
+}  // namespace
+
 CheckpointItems sharded_checkpoint_items(const ParameterList& params, ParameterList& shard_params,
-                                         const std::vector<ShardSegment>& segments, AdamW& opt) {
+                                         const std::vector<ShardSegment>& segments, AdamW& opt,
+                                         const std::function<bool(size_t param)>& writes) {
   MT_CHECK(segments.size() == shard_params.size(), "sharded checkpoint: {} segments for {} shard parameters",
            segments.size(), shard_params.size());
   CheckpointItems items;
   for (size_t i = 0; i < segments.size(); ++i) {
+    if (writes && !writes(segments[i].param)) continue;
     const Parameter& p = shard_params[i];
-    const Shape& shape = params[segments[i].param].value.shape();
+    const Parameter& whole = params[segments[i].param];
     const int64_t b = segments[i].begin;
     MT_CHECK(p.value.numel() == segments[i].end - b,
              "sharded checkpoint: '{}' holds {} elements for the range [{}, {})", p.name, p.value.numel(), b,
              segments[i].end);
-    items.model.push_back({p.name, p.value, shape, b});
-    if (p.has_master()) items.optimizer.push_back({p.name + ".master", p.value, shape, b, {}, p.master_low});
-    items.optimizer.push_back({p.name + ".exp_avg", opt.exp_avg()[i], shape, b});
-    items.optimizer.push_back({p.name + ".exp_avg_sq", opt.exp_avg_sq()[i], shape, b});
+    // One item per tensor (the weight, its master, its moments) and box of the whole tensor.
+    auto add = [&](std::vector<CheckpointItem>& into, const std::string& name, const Tensor& data, const Tensor& low) {
+      if (!whole.tp_split()) {
+        into.push_back({name, data, whole.value.shape(), b, {}, low});
+        return;
+      }
+      int64_t at = 0;
+      for (const auto& [start, box] : piece_boxes(whole, b, segments[i].end)) {
+        const int64_t n = shape_numel(box);
+        into.push_back({name, data.slice(at, at + n).view(box), whole.whole_shape, -1, start,
+                        low.defined() ? low.slice(at, at + n).view(box) : Tensor()});
+        at += n;
+      }
+    };
+    add(items.model, p.name, p.value, Tensor());
+    if (p.has_master()) add(items.optimizer, p.name + ".master", p.value, p.master_low);
+    add(items.optimizer, p.name + ".exp_avg", opt.exp_avg()[i], Tensor());
+    add(items.optimizer, p.name + ".exp_avg_sq", opt.exp_avg_sq()[i], Tensor());
   }
   return items;
 }
@@ -174,16 +205,32 @@ void load_sharded_state(CheckpointReader& reader, const ParameterList& params, P
                         const std::vector<ShardSegment>& segments, AdamW* opt) {
   for (size_t i = 0; i < segments.size(); ++i) {
     Parameter& p = shard_params[i];
-    const Shape& shape = params[segments[i].param].value.shape();
+    const Parameter& whole = params[segments[i].param];
     const int64_t b = segments[i].begin;
     MT_CHECK(p.name != "lm_head.weight" || reader.has(p.name),
              "checkpoint {}: no tensor 'lm_head.weight' (set tie_word_embeddings = true for a model whose head is "
              "its embedding)", reader.dir());
-    read_weights(reader, p, [&](const std::string& name, Tensor& dst) { read_piece(reader, name, shape, b, dst); });
+    // Elements [b, b + dst.numel()) of the parameter (of this rank's tensor-parallel piece).
+    auto read_segment = [&](const std::string& name, Tensor& dst) {
+      if (!whole.tp_split()) {
+        read_piece(reader, name, whole.value.shape(), b, dst);
+        return;
+      }
+      check_has(reader, name, dst, whole.whole_shape);
+      const Tensor flat = dst.view({dst.numel()});
+      int64_t at = 0;
+      for (const auto& [start, box] : piece_boxes(whole, b, b + dst.numel())) {
+        const int64_t n = shape_numel(box);
+        Tensor view = flat.slice(at, at + n).view(box);
+        reader.read(name, view, start);
+        at += n;
+      }
+    };
+    read_weights(reader, p, read_segment);
     if (opt == nullptr) continue;
     Tensor m = opt->exp_avg()[i], v = opt->exp_avg_sq()[i];
-    read_piece(reader, p.name + ".exp_avg", shape, b, m);
-    read_piece(reader, p.name + ".exp_avg_sq", shape, b, v);
+    read_segment(p.name + ".exp_avg", m);
+    read_segment(p.name + ".exp_avg_sq", v);
   }
 }
 

@@ -61,9 +61,12 @@ struct CheckpointItems {
 };
 CheckpointItems checkpoint_items(ParameterList& params, AdamW* opt);
 // The pieces one rank of a sharded optimizer owns: shard_params[i] holds elements
-// [segments[i].begin, .end) of params[segments[i].param]; opt steps shard_params.
+// [segments[i].begin, .end) of params[segments[i].param]; opt steps shard_params. A
+// tensor-parallel piece's elements are saved as boxes of the whole tensor. `writes` (when
+// given) says which parameters this rank saves (one tp rank saves what every tp rank holds).
 CheckpointItems sharded_checkpoint_items(const ParameterList& params, ParameterList& shard_params,
-                                         const std::vector<ShardSegment>& segments, AdamW& opt);
+                                         const std::vector<ShardSegment>& segments, AdamW& opt,
+                                         const std::function<bool(size_t param)>& writes = {});
 // Fills every item's data with its part of the checkpoint's tensor of that name, whatever
 // layout wrote it (a piece is read as its boxes; any float dtype and device, converted).
 // An error names the tensor when the checkpoint lacks it or holds it in another shape.

@@ -49,11 +49,27 @@ std::vector<int32_t> zigzag_places(int64_t seq, int64_t cp, int64_t rank) {
 Batch Batch::to(Device device) const {
   Batch b = *this;
   if (device.is_cpu()) return b;
-  for (Tensor* t : {&b.inputs, &b.targets, &b.positions, &b.segment_ids, &b.places}) {
+  for (Tensor* t : {&b.inputs, &b.targets, &b.positions, &b.segment_ids, &b.places, &b.slice_targets}) {
     if (t->defined()) *t = t->to(device);
   }
   for (Tensor& t : b.ahead_inputs) t = t.to(device);
   for (Tensor& t : b.ahead_targets) t = t.to(device);
+  return b;
+}
+
+Batch TensorSliceLoader::next() {
+  Batch b = inner_->next();
+  MT_CHECK(b.targets.device().is_cpu(), "tensor slices: the batch must be on the CPU (cut it before moving it)");
+  const int64_t T = b.targets.numel();
+  MT_CHECK(T % tp_ == 0, "tensor parallelism: a micro-batch of {} tokens does not split over tp = {} ranks", T, tp_);
+  const int64_t lo = T / tp_ * rank_, hi = lo + T / tp_;
+  b.slice_targets = b.targets.clone();
+  int32_t* t = b.slice_targets.data<int32_t>();
+  b.num_targets = 0;
+  for (int64_t i = 0; i < T; ++i) {
+    if (i < lo || i >= hi) t[i] = ops::kIgnoreIndex;
+    else if (t[i] != ops::kIgnoreIndex) ++b.num_targets;
+  }
   return b;
 }
 

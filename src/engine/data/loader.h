@@ -45,6 +45,10 @@ struct Batch {
   // inputs and targets k places ahead in the whole row (ops::shift_tokens of the row before
   // it was cut: a chunk's last tokens look into another rank's chunk), at this rank's places.
   std::vector<Tensor> ahead_inputs, ahead_targets;
+  // Tensor parallelism: the targets with every row outside this tp rank's sequence-parallel
+  // slice set to -100, the rows whose loss it counts (num_targets counts them; every tp rank
+  // still needs every row's target for its vocabulary columns' gradient). Undefined: all.
+  Tensor slice_targets;
   int64_t batch = 0, seq = 0;
   int64_t num_targets = 0;  // targets that count in the loss (!= -100)
 
@@ -104,6 +108,22 @@ class ZigzagLoader final : public DataLoader {
  private:
   std::unique_ptr<DataLoader> inner_;
   int64_t cp_, rank_, mtp_depth_;
+};
+
+// Tensor parallelism: `inner`'s batches (the same rows on every rank of the tp group) with
+// tp rank `rank`'s slice of the token rows marked (Batch::slice_targets, num_targets).
+class TensorSliceLoader final : public DataLoader {
+ public:
+  TensorSliceLoader(std::unique_ptr<DataLoader> inner, int64_t tp, int64_t rank)
+      : inner_(std::move(inner)), tp_(tp), rank_(rank) {}
+  Batch next() override;
+  void reset() override { inner_->reset(); }
+  nlohmann::json position() const override { return inner_->position(); }
+  void set_position(const nlohmann::json& position) override { inner_->set_position(position); }
+
+ private:
+  std::unique_ptr<DataLoader> inner_;
+  int64_t tp_, rank_;
 };
 
 class BatchLoader final : public DataLoader {

@@ -109,15 +109,21 @@ void MoeDecoderModel::build(const std::function<std::unique_ptr<DecoderLayer>(in
            embed ? "embedding" : "head");
   const int64_t V = spec_.vocab_size, H = spec_.hidden_size;
   const double std = spec_.initializer_range;
+  // Tensor parallelism: the embedding's and the head's vocabulary rows split over the tp
+  // ranks; the final norm held whole by each (its own bucket: its gradient sums over them).
+  const int64_t tp = placement_.tp_size, tp_rank = placement_.tp_rank;
+  MT_CHECK(tp >= 1 && V % tp == 0, "placement: a vocabulary of {} does not split over tp = {} ranks", V, tp);
+  const int64_t Vl = V / tp;
   // The embedding, final norm and head share one bucket; each layer brings its own.
   if (embed || head) {
-    BucketBuilder outer("model.embed_norm_head", false);
-    if (embed) outer.add(&embed_, &g_embed_, {V, H});
-    if (head) outer.add(&final_norm_w_, &g_final_norm_w_, {H});
-    if (head && !spec_.tie_word_embeddings) outer.add(&lm_head_, &g_lm_head_, {V, H});
+    BucketBuilder outer("model.embed_norm_head", false), norm("model.norm", false, /*tp_replicated=*/true);
+    if (embed) outer.add(&embed_, &g_embed_, {Vl, H});
+    if (head) (tp > 1 ? norm : outer).add(&final_norm_w_, &g_final_norm_w_, {H});
+    if (head && !spec_.tie_word_embeddings) outer.add(&lm_head_, &g_lm_head_, {Vl, H});
     buckets_.push_back(outer.build(dtype_, device_, placement_.bucket_pad));
+    if (!norm.empty()) buckets_.push_back(norm.build(dtype_, device_, placement_.bucket_pad));
   }
-  if (embed) params_.push_back({"model.embed_tokens.weight", embed_, g_embed_, true, std});
+  if (embed) params_.push_back(tp_piece({"model.embed_tokens.weight", embed_, g_embed_, true, std}, 0, tp_rank, tp));
   for (const int64_t i : ids) {
     layers_.push_back(make_layer(i));
     layers_.back()->collect_parameters(params_);
@@ -127,6 +133,7 @@ void MoeDecoderModel::build(const std::function<std::unique_ptr<DecoderLayer>(in
     }
     layers_.back()->buckets().clear();
     if (i >= spec_.num_layers) {  // a multi-token prediction module around this layer
+      MT_CHECK(tp == 1, "multi-token prediction modules under tensor parallelism are not built yet (tp = {})", tp);
       mtp_.push_back(std::make_unique<MtpModule>(i, i - spec_.num_layers + 1, V, H, spec_.rms_norm_eps, dtype_,
                                                  device_, placement_.bucket_pad));
       mtp_.back()->collect_parameters(params_, std);
@@ -139,7 +146,7 @@ void MoeDecoderModel::build(const std::function<std::unique_ptr<DecoderLayer>(in
     lm_head_ = embed_;
     g_lm_head_ = g_embed_;
   } else if (head) {
-    params_.push_back({"lm_head.weight", lm_head_, g_lm_head_, true, std});
+    params_.push_back(tp_piece({"lm_head.weight", lm_head_, g_lm_head_, true, std}, 0, tp_rank, tp));
   }
   index_buckets(buckets_, params_);
   attach_masters(params_);
@@ -230,7 +237,7 @@ bool MoeDecoderModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) {
       if (layer.is_moe()) {  // 2: dispatch, the part that needs no host wait
         d.dispatch_start(s.mlp_in, s.route.topk_idx, s.route.topk_weight, spec_.num_experts, s.dispatch);
       } else {
-        s.expert_in = {s.mlp_in, dense_counts(f.b.tokens())};
+        s.expert_in = {dense_rows(s.mlp_in), dense_counts(f.b.tokens())};
       }
       break;
     case 1: {
@@ -251,7 +258,7 @@ bool MoeDecoderModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) {
         f.x = d.combine_finish(s.residual, s.dispatch);  // 4 + 5: residual + the weighted sum
       } else {
         StageScope t(Stage::kCombine);  // 5: residual + MLP
-        f.x = s.mlp_out.clone();
+        f.x = tensor_ ? dense_rows_back(s.mlp_out) : s.mlp_out.clone();
         ops::add_(f.x, s.residual);
       }
       if (layer.is_moe() && f.pass.router_stats) {  // this layer's share of the router totals (see RouterTotals)
@@ -315,20 +322,20 @@ bool MoeDecoderModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
         g.d_rows = std::move(cg.d_rows);
         g.d_topk_weight = std::move(cg.d_weight);
       } else {
-        g.d_rows = g.dx;  // 5: d mlp_out = d residual = dy
+        g.d_rows = dense_rows(g.dx);  // 5: d mlp_out = d residual = dy (every row's, under tp)
       }
       break;
     }
     case 1: {
       if (layer.is_moe()) d.wait(s.dispatch);
       Tensor d_in_rows = layer.mlp_backward_input(g.d_rows, s);                                  // 3
-      g.d_mlp_in = layer.is_moe() ? d.dispatch_backward(d_in_rows, s.dispatch) : d_in_rows;  // 2
+      g.d_mlp_in = layer.is_moe() ? d.dispatch_backward(d_in_rows, s.dispatch) : dense_rows_back(d_in_rows);  // 2
       g.d_rows = Tensor();
       break;
     }
     case 2: {
       if (layer.is_moe()) d.wait(s.dispatch);
-      const int64_t T = g.b.tokens();
+      const int64_t T = g.b.rows();
       Tensor d_probs, d_logits_z;
       if (layer.is_moe()) {
         StageScope t(Stage::kRouterPermute);
@@ -392,7 +399,7 @@ void MoeDecoderModel::recompute_before_backward(const DecoderLayer& layer, Backw
       DispatchState again;
       kept.expert_in.rows = d.dispatch(kept.mlp_in, kept.route.topk_idx, spec_.num_experts, again).rows;
     } else if (kept.rows_dropped) {
-      kept.expert_in.rows = kept.mlp_in;
+      kept.expert_in.rows = dense_rows(kept.mlp_in);
     }
     kept.selective_dropped = kept.rows_dropped = false;
   }
@@ -408,7 +415,7 @@ void MoeDecoderModel::recompute_before_backward(const DecoderLayer& layer, Backw
     d.combine_finish(s.residual, s.dispatch);
     if (spec_.router_z_loss_coef > 0) s.z = ops::router_z_loss_forward(s.router_logits);
   } else {
-    s.expert_in = {s.mlp_in, dense_counts(g.b.tokens())};
+    s.expert_in = {dense_rows(s.mlp_in), dense_counts(g.b.tokens())};
     s.mlp_out = layer.mlp_forward(s);
   }
   g.a.layers[g.j] = std::move(fresh);
@@ -418,8 +425,22 @@ void MoeDecoderModel::set_context_group(Communicator* group) {
   context_ = group != nullptr && group->size() > 1 ? std::make_unique<ContextAttention>(*group) : nullptr;
 }
 
+void MoeDecoderModel::set_tensor_group(Communicator* group) {
+  const int64_t n = group != nullptr ? group->size() : 1;
+  MT_CHECK(n == placement_.tp_size && (group == nullptr || group->rank() == placement_.tp_rank),
+           "tensor parallelism: a tp group of {} ranks (this one rank {}) for a model built as piece {} of {}", n,
+           group != nullptr ? group->rank() : 0, placement_.tp_rank, placement_.tp_size);
+  tensor_ = n > 1 ? std::make_unique<TensorParallel>(*group) : nullptr;
+}
+
+int64_t BatchShape::rows() const { return tensor != nullptr ? tensor->slice_rows(tokens()) : tokens(); }
+
 BatchShape MoeDecoderModel::shape_of(const Batch& batch) const {
+  MT_CHECK(placement_.tp_size == 1 || tensor_ != nullptr,
+           "a model built as tensor-parallel piece {} of {} has no tp group (set_tensor_group)", placement_.tp_rank,
+           placement_.tp_size);
   BatchShape b{batch.batch, batch.seq, batch.segment_ids};
+  b.tensor = tensor_.get();
   if (batch.places.defined()) {
     MT_CHECK(context_ != nullptr, "a batch of context-parallel chunks (places) on a model with no CP group");
     b.places = batch.places;
@@ -453,7 +474,12 @@ MoeDecoderModel::ForwardCursor MoeDecoderModel::begin_forward(const ChunkSpec& c
   if (c.embed) {
     MT_CHECK(placement_.embed, "an embed chunk on a rank without the embedding");
     if (hooks_) hooks_->before_forward(-1);
-    f.x = ops::embedding_forward(batch.inputs, embed_);
+    if (tensor_) {  // every row's lookup in this rank's vocabulary rows, summed into this rank's rows
+      f.x = tensor_->reduce_scatter_rows(
+          ops::embedding_forward(batch.inputs, embed_, tensor_->vocab(spec_.vocab_size)));
+    } else {
+      f.x = ops::embedding_forward(batch.inputs, embed_);
+    }
   }
   return f;
 }
@@ -472,6 +498,14 @@ void MoeDecoderModel::main_head(ForwardCursor& f) {
     a.final_norm = ops::rmsnorm_forward(f.x, final_norm_w_, spec_.rms_norm_eps);
   }
   const Tensor& h = a.final_norm.y;
+  if (tensor_) {
+    Tensor d_norm = vocab_parallel_head(f, h);
+    if (!pass.training) return;
+    StageScope t(Stage::kNorms);
+    ops::rmsnorm_backward_weight(d_norm, a.final_in, a.final_norm.rstd, g_final_norm_w_, pass.head_accumulate);
+    a.d_out = ops::rmsnorm_backward_input(d_norm, a.final_in, final_norm_w_, a.final_norm.rstd);
+    return;
+  }
   if (!pass.training) {
     StageScope t(Stage::kLoss);
     out.on_device.ce_sum = ops::linear_cross_entropy(h, lm_head_, batch.targets, 1.0, nullptr, nullptr).loss_sum;
@@ -493,6 +527,36 @@ void MoeDecoderModel::main_head(ForwardCursor& f) {
     ops::rmsnorm_backward_weight(d_norm, a.final_in, a.final_norm.rstd, g_final_norm_w_, pass.head_accumulate);
     a.d_out = ops::rmsnorm_backward_input(d_norm, a.final_in, final_norm_w_, a.final_norm.rstd);
   }
+}
+
+// Under tensor parallelism each rank multiplies every row (gathered) by its vocabulary rows of
+// the head: logits [T, V/tp]. Per row, its columns' log-sum-exp and the target's logit where
+// it holds the target, gathered over the tp ranks (2T numbers a rank), give the whole rows'
+// lse; the rank counts the loss of its own slice of rows (Batch::slice_targets: the step's
+// loss sums over the stage's ranks) and makes its columns' gradient for every row. d h is
+// every row's partial sum, reduce-scattered back to this rank's rows.
+Tensor MoeDecoderModel::vocab_parallel_head(ForwardCursor& f, const Tensor& h) {
+  const Batch& batch = f.batch;
+  MT_CHECK(batch.slice_targets.defined(),
+           "tensor parallelism: the batch has no slice_targets (a loader without TensorSliceLoader)");
+  const ops::VocabShard shard = tensor_->vocab(spec_.vocab_size);
+  if (f.pass.training && hooks_) hooks_->before_backward(-1);
+  StageScope t(Stage::kLoss);
+  const Tensor h_all = tensor_->gather_rows(h);
+  const Tensor logits = ops::linear_forward(h_all, lm_head_);
+  const ops::VocabShardStats stats = ops::vocab_shard_stats(logits, batch.targets, shard);
+  const int64_t T = h_all.size(0);
+  const Tensor lse = tensor_->gather_rows(stats.lse.view({1, T}));
+  const Tensor target_logit = tensor_->gather_rows(stats.target_logit.view({1, T}));
+  ops::CrossEntropyOut ce = ops::vocab_parallel_loss(lse, target_logit, batch.slice_targets);
+  f.loss->on_device.ce_sum = ce.loss_sum;
+  if (!f.pass.training) {
+    if (hooks_) hooks_->after_forward(-1, false);
+    return Tensor();
+  }
+  const Tensor d_logits = ops::vocab_shard_backward(logits, batch.targets, ce.lse, shard, f.pass.ce_scale);
+  ops::linear_backward_weight(d_logits, h_all, g_lm_head_, f.pass.head_accumulate);
+  return tensor_->reduce_scatter_rows(ops::linear_backward_input(d_logits, lm_head_));
 }
 
 // Module k's loss, weighted mtp_loss_weight / D and divided as the main cross-entropy; its
@@ -538,7 +602,7 @@ MoeDecoderModel::BackwardCursor MoeDecoderModel::begin_backward(const ChunkSpec&
 
 Tensor MoeDecoderModel::end_backward(BackwardCursor& g) {
   if (!g.c.embed) return g.dx;
-  g.a.d_embed_out = g.dx;
+  g.a.d_embed_out = dense_rows(g.dx);  // every row's, under tensor parallelism
   if (g.weights_now) {
     backward_chunk_weight(ChunkSpec{g.c.first_layer, g.c.first_layer, true, false}, g.batch, g.a, g.accumulate);
     if (hooks_) hooks_->after_backward(-1);
@@ -642,13 +706,16 @@ void MoeDecoderModel::backward_chunk_weight(const ChunkSpec& c, const Batch& bat
   }
   if (c.embed) {
     // Tied: the head has already written (or added to) this gradient.
-    ops::embedding_backward_weight(batch.inputs, a.d_embed_out, g_embed_, accumulate || spec_.tie_word_embeddings);
+    ops::embedding_backward_weight(batch.inputs, a.d_embed_out, g_embed_, accumulate || spec_.tie_word_embeddings,
+                                   tensor_ ? tensor_->vocab(spec_.vocab_size) : ops::VocabShard{});
     a.d_embed_out = Tensor();
   }
 }
 
 Tensor MoeDecoderModel::forward_logits(const Tensor& ids, const Tensor& positions, const BatchShape& b,
                                      ExpertDispatcher& dispatcher) {
+  MT_CHECK(!tensor_, "logits under tensor parallelism are not built (each rank holds some vocabulary columns): "
+           "convert the checkpoint and score or sample it in one process");
   Batch batch;
   batch.inputs = ids;
   batch.positions = positions;
@@ -676,6 +743,8 @@ Tensor MoeDecoderModel::forward_logits(const Tensor& ids, const Tensor& position
 }
 
 Tensor MoeDecoderModel::reference_forward(const Tensor& ids, const Tensor& positions, const BatchShape& b) const {
+  MT_CHECK(placement_.tp_size == 1, "reference_forward needs the whole model in one process (tp = {})",
+           placement_.tp_size);
   Tensor x = ops::embedding_forward(ids, embed_);
   for (const auto& layer : layers_) {
     if (layer->layer_id() < spec_.num_layers) x = layer->reference_forward(x, positions, b);  // not the modules'

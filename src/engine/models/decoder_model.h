@@ -18,6 +18,7 @@
 #include "engine/models/mtp.h"
 #include "engine/models/projections.h"
 #include "engine/parallel/context_attention.h"
+#include "engine/parallel/tensor_parallel.h"
 
 namespace moetrain {
 
@@ -120,6 +121,7 @@ class MoeDecoderModel : public Model {
   void keep_quantized_weights(bool on) override { projections_.keep_weights(on); }
   void set_recompute(const std::vector<int64_t>& layers, RecomputeMode mode) override;
   void set_context_group(Communicator* group) override;
+  void set_tensor_group(Communicator* group) override;
 
   ChunkSpec whole() const override;
   RouterTotals new_totals() const override;
@@ -199,6 +201,15 @@ class MoeDecoderModel : public Model {
   bool forward_piece(ForwardCursor& f, ExpertDispatcher& d);  // false when no layer is left
   // The final norm, the head and the cross-entropy (and with training their gradients).
   void main_head(ForwardCursor& f);
+  // Tensor parallelism's head: this rank's vocabulary columns of every row's logits and the
+  // vocabulary-parallel cross-entropy; returns d h (this rank's rows) when training.
+  Tensor vocab_parallel_head(ForwardCursor& f, const Tensor& h);
+  // A dense MLP layer's rows and its output under tensor parallelism: every token row
+  // gathered for the column-parallel gate/up, the row-parallel down's partial sums
+  // reduce-scattered back to this rank's rows (and the same the other way in the backward).
+  // Without tensor parallelism, the rows themselves.
+  Tensor dense_rows(const Tensor& mine) const { return tensor_ ? tensor_->gather_rows(mine) : mine; }
+  Tensor dense_rows_back(const Tensor& all) const { return tensor_ ? tensor_->reduce_scatter_rows(all) : all; }
   // A module's loss after its layer (its part of the step's mtp_loss term).
   void mtp_loss(ForwardCursor& f, MtpModule& m, MtpState& s);
   Tensor end_forward(ForwardCursor& f);
@@ -228,6 +239,7 @@ class MoeDecoderModel : public Model {
   bool defer_expert_weights_ = false;  // during a forward_backward that defers them
   std::vector<RecomputeMode> recompute_;  // by layer id ([training].recompute)
   std::unique_ptr<ContextAttention> context_;  // [parallel].cp > 1
+  std::unique_ptr<TensorParallel> tensor_;     // [parallel].tp > 1
   // A batch's shape for the layers (with the CP group's attention when it carries places).
   BatchShape shape_of(const Batch& batch) const;
   // The sequence-wise balance loss's whole sequences under context parallelism (none else).

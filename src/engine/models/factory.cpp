@@ -49,6 +49,11 @@ std::unique_ptr<Model> build_model(const ModelConfig& cfg, DType dtype, Device d
   MT_THROW("no model family builds model_type \"{}\"", cfg.model_type);
 }
 
+void ModelConfig::validate_tensor_parallel(int64_t tp, const std::string& origin) const {
+  MT_THROW("{}: the {} family has no tensor-parallel layers yet (qwen3_moe has); use [parallel].tp = 1", origin,
+           model_type);
+}
+
 ModelSection::ModelSection() : c_(make_model_config(default_model_family(), "the default [model]")) {}
 
 void ModelSection::wrong_family() const {

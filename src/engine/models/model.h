@@ -29,6 +29,7 @@ struct MtpState;  // models/mtp.h
 
 // Shapes of the current micro-batch that every stage needs.
 class ContextAttention;
+class TensorParallel;
 struct BatchShape {
   int64_t batch = 0, seq = 0;
   Tensor segment_ids;  // i32 [batch * seq]: attention within each packed document; undefined: causal
@@ -36,14 +37,24 @@ struct BatchShape {
   // (engine/parallel/context_attention.h); undefined / null: the rows are whole sequences.
   Tensor places;
   const ContextAttention* context = nullptr;
+  // Tensor parallelism (engine/parallel/tensor_parallel.h): the layers' hidden state is this
+  // rank's slice of the tokens (sequence parallelism); null: every row.
+  const TensorParallel* tensor = nullptr;
   int64_t tokens() const { return batch * seq; }
+  // The token rows of the hidden state between layers: tokens(), or this tp rank's slice.
+  int64_t rows() const;
 };
 
 // What part of the model this process holds and how its weights are laid out.
 struct ModelPlacement {
   // Expert parallelism: this rank holds experts [ep_rank * E/ep_size, (ep_rank+1) * E/ep_size)
-  // of every MoE layer, under their global ids (names stay HF names).
+  // of every MoE layer, under their global ids (names stay HF names). Under tensor
+  // parallelism these are the folded expert ranks: ep_size = tp x ep.
   int64_t ep_size = 1, ep_rank = 0;
+  // Tensor parallelism: this rank holds piece tp_rank of tp_size of every split weight
+  // (heads, MLP columns, vocabulary rows) and slice tp_rank of every micro-batch's tokens
+  // between the split layers (sequence parallelism).
+  int64_t tp_size = 1, tp_rank = 0;
   // Each parameter bucket is padded to a multiple of this many elements, so the sharded
   // optimizer can cut it into equal shards (the size of the largest sharding group).
   int64_t bucket_pad = 1;
@@ -289,6 +300,9 @@ class Model {
   // Context parallelism: the group that splits every sequence (nullptr: none); batches that
   // carry places then attend over it.
   virtual void set_context_group(Communicator* group) { (void)group; }
+  // Tensor parallelism: the tp group whose ranks hold the pieces of the split weights and the
+  // slices of the tokens (nullptr: none). Built with the placement's tp_size / tp_rank.
+  virtual void set_tensor_group(Communicator* group) { (void)group; }
   virtual void set_recompute(const std::vector<int64_t>& layers, RecomputeMode mode) {
     (void)layers;
     (void)mode;

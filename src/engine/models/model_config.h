@@ -62,6 +62,10 @@ class ModelConfig {
   virtual void describe(ConfigFields& f) = 0;
   // Cross-field checks (heads divide, experts_per_tok <= experts, ...); errors name the key.
   virtual void validate(const std::string& origin) const = 0;
+  // [parallel].tp = tp > 1: an Error starting with `origin` when the shape does not split
+  // over tp ranks (heads, key/value heads, vocabulary, MLP widths) or the family has no
+  // tensor-parallel layers (the default).
+  virtual void validate_tensor_parallel(int64_t tp, const std::string& origin) const;
   // Reads an HF config.json as transformers does (hf_config.h); errors name the file and key.
   virtual void load_hf_json(const std::string& path) = 0;
   // The HF config.json text of this shape, in the spelling transformers 5 writes.

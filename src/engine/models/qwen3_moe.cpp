@@ -15,50 +15,63 @@ namespace moetrain {
 
 Qwen3MoeDecoderLayer::Qwen3MoeDecoderLayer(const Qwen3MoeConfig& cfg, int64_t layer_id, DType dtype, Device device,
                                            const ModelPlacement& placement, const Projections* projections)
-    : cfg_(cfg), id_(layer_id), moe_(cfg.is_moe_layer(layer_id)),
+    : cfg_(cfg), id_(layer_id), moe_(cfg.is_moe_layer(layer_id)), tp_(placement.tp_size),
       proj_(projections != nullptr ? projections : &bf16_projections()) {
   const int64_t H = cfg.hidden_size, hd = cfg.head_dim;
-  const int64_t qd = cfg.num_attention_heads * hd, kvd = cfg.num_key_value_heads * hd;
+  // Tensor parallelism: this rank's heads (q, and k/v of its query heads' groups) and, for a
+  // dense MLP, its columns of the intermediate width (docs/parallel.md).
+  MT_CHECK(cfg.num_attention_heads % tp_ == 0 && cfg.num_key_value_heads % tp_ == 0 &&
+               cfg.intermediate_size % tp_ == 0,
+           "layer {}: {} heads, {} key/value heads and an MLP width of {} do not split over tp = {} ranks", layer_id,
+           cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, tp_);
+  const int64_t qd = cfg.num_attention_heads / tp_ * hd, kvd = cfg.num_key_value_heads / tp_ * hd;
   int64_t E = 1;
   if (moe_) {
     const Layout::ExpertRange mine = expert_range(cfg.num_experts, placement.ep_size, placement.ep_rank);
     E = mine.count;
     first_expert_ = mine.first;
   }
-  inter_ = moe_ ? cfg.moe_intermediate_size : cfg.intermediate_size;
+  inter_ = moe_ ? cfg.moe_intermediate_size : cfg.intermediate_size / tp_;
   // Attention and router weights are replicated over expert-parallel ranks, experts are
-  // not: they go into separate buckets (a dense MLP stays with the attention).
+  // not: they go into separate buckets (a dense MLP stays with the attention). Under tensor
+  // parallelism the weights every tp rank holds whole (norms, router) get a third bucket.
   const std::string name = fmt::format("model.layers.{}", layer_id);
-  BucketBuilder dense(name, false), experts(name + ".experts", true);
-  dense.add(&ln1_w_, &g_ln1_w_, {H});
+  BucketBuilder dense(name, false), experts(name + ".experts", true), whole(name + ".tp_whole", false, true);
+  BucketBuilder& held = tp_ > 1 ? whole : dense;
+  held.add(&ln1_w_, &g_ln1_w_, {H});
   dense.add(&wq_, &g_wq_, {qd, H});
   dense.add(&wk_, &g_wk_, {kvd, H});
   dense.add(&wv_, &g_wv_, {kvd, H});
   dense.add(&wo_, &g_wo_, {H, qd});
-  dense.add(&q_norm_w_, &g_q_norm_w_, {hd});
-  dense.add(&k_norm_w_, &g_k_norm_w_, {hd});
-  dense.add(&ln2_w_, &g_ln2_w_, {H});
-  if (moe_) dense.add(&gate_w_, &g_gate_w_, {cfg.num_experts, H});
+  held.add(&q_norm_w_, &g_q_norm_w_, {hd});
+  held.add(&k_norm_w_, &g_k_norm_w_, {hd});
+  held.add(&ln2_w_, &g_ln2_w_, {H});
+  if (moe_) held.add(&gate_w_, &g_gate_w_, {cfg.num_experts, H});
   BucketBuilder& mlp = moe_ ? experts : dense;
   mlp.add(&w_gate_, &g_w_gate_, {E, inter_, H});
   mlp.add(&w_up_, &g_w_up_, {E, inter_, H});
   mlp.add(&w_down_, &g_w_down_, {E, H, inter_});
   if (moe_ && cfg.router_bias_update_speed > 0) score_bias_ = Tensor::zeros({cfg.num_experts}, DType::F32, device);
   buckets_.push_back(dense.build(dtype, device, placement.bucket_pad));
+  if (!whole.empty()) buckets_.push_back(whole.build(dtype, device, placement.bucket_pad));
   if (moe_) buckets_.push_back(experts.build(dtype, device, placement.bucket_pad));
+  tp_rank_ = placement.tp_rank;
 }
 
 void Qwen3MoeDecoderLayer::collect_parameters(ParameterList& out) {
   const std::string p = fmt::format("model.layers.{}.", id_);
   const double std = cfg_.initializer_range;
-  auto add = [&](const std::string& name, const Tensor& w, const Tensor& g, bool is_norm) {
-    out.push_back({p + name, w, g, !is_norm, is_norm ? 0.0 : std});
+  // split_dim: under tensor parallelism, the dimension this rank's piece of the weight cuts
+  // (-1: held whole).
+  auto add = [&](const std::string& name, const Tensor& w, const Tensor& g, bool is_norm, int split_dim = -1) {
+    Parameter param{p + name, w, g, !is_norm, is_norm ? 0.0 : std};
+    out.push_back(split_dim < 0 ? param : tp_piece(std::move(param), split_dim, tp_rank_, tp_));
   };
   add("input_layernorm.weight", ln1_w_, g_ln1_w_, true);
-  add("self_attn.q_proj.weight", wq_, g_wq_, false);
-  add("self_attn.k_proj.weight", wk_, g_wk_, false);
-  add("self_attn.v_proj.weight", wv_, g_wv_, false);
-  add("self_attn.o_proj.weight", wo_, g_wo_, false);
+  add("self_attn.q_proj.weight", wq_, g_wq_, false, 0);  // by heads: column-parallel
+  add("self_attn.k_proj.weight", wk_, g_wk_, false, 0);
+  add("self_attn.v_proj.weight", wv_, g_wv_, false, 0);
+  add("self_attn.o_proj.weight", wo_, g_wo_, false, 1);  // row-parallel
   add("self_attn.q_norm.weight", q_norm_w_, g_q_norm_w_, true);
   add("self_attn.k_norm.weight", k_norm_w_, g_k_norm_w_, true);
   add("post_attention_layernorm.weight", ln2_w_, g_ln2_w_, true);
@@ -71,19 +84,22 @@ void Qwen3MoeDecoderLayer::collect_parameters(ParameterList& out) {
       add(ep + "down_proj.weight", w_down_.select(e), g_w_down_.select(e), false);
     }
   } else {
-    add("mlp.gate_proj.weight", w_gate_.select(0), g_w_gate_.select(0), false);
-    add("mlp.up_proj.weight", w_up_.select(0), g_w_up_.select(0), false);
-    add("mlp.down_proj.weight", w_down_.select(0), g_w_down_.select(0), false);
+    add("mlp.gate_proj.weight", w_gate_.select(0), g_w_gate_.select(0), false, 0);
+    add("mlp.up_proj.weight", w_up_.select(0), g_w_up_.select(0), false, 0);
+    add("mlp.down_proj.weight", w_down_.select(0), g_w_down_.select(0), false, 1);
   }
 }
 
 ops::AttentionShape Qwen3MoeDecoderLayer::attn_shape(const BatchShape& b) const {
-  return {b.batch, b.seq, cfg_.num_attention_heads, cfg_.num_key_value_heads, cfg_.head_dim,
+  return {b.batch, b.seq, cfg_.num_attention_heads / tp_, cfg_.num_key_value_heads / tp_, cfg_.head_dim,
           1.0 / std::sqrt(static_cast<double>(cfg_.head_dim))};
 }
 
 // Stage 1. h = x + Wo·attn(rope(qnorm(Wq·n1)), rope(knorm(Wk·n1)), Wv·n1) with n1 = rms(x);
 // the MLP input is rms(h), and the router picks top-k experts from softmax(Wg·rms(h)).
+// Tensor parallelism: x, h and the norms are this rank's rows; n1 is gathered over the tp
+// ranks for this rank's heads' q/k/v of every row, and o_proj's partial sums (this rank's
+// heads) are reduce-scattered back to its rows before the residual.
 void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions, const BatchShape& b,
                                         LayerState& state) const {
   auto& s = static_cast<Qwen3MoeLayerState&>(state);
@@ -93,9 +109,10 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
     StageScope t(Stage::kNorms);
     s.ln1 = ops::rmsnorm_forward(x, ln1_w_, eps);
   }
+  if (b.tensor) s.ln1_all = b.tensor->gather_rows(s.ln1.y);
   {
     StageScope t(Stage::kAttention);
-    const Projections::Input in = proj_->rows(s.ln1.y);  // quantized once for the three
+    const Projections::Input in = proj_->rows(b.tensor ? s.ln1_all : s.ln1.y);  // quantized once for the three
     s.q_raw = proj_->forward(in, wq_);
     s.k_raw = proj_->forward(in, wk_);
     s.v = proj_->forward(in, wv_);
@@ -110,7 +127,12 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
   {
     StageScope t(Stage::kAttention);
     s.attn = attend(s.q, s.k, s.v, b, attn_shape(b));
-    s.h = proj_->forward(s.attn.out, wo_, x);  // residual added in the GEMM epilogue
+    if (b.tensor) {
+      s.h = b.tensor->reduce_scatter_rows(proj_->forward(s.attn.out, wo_));
+      ops::add_(s.h, x);
+    } else {
+      s.h = proj_->forward(s.attn.out, wo_, x);  // residual added in the GEMM epilogue
+    }
   }
   {
     StageScope t(Stage::kNorms);
@@ -161,9 +183,10 @@ Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, Tens
     s.d_h = ops::rmsnorm_backward_input(s.d_ln2_out, s.h, ln2_w_, s.ln2.rstd, dy_residual);
   }
   Tensor d_q, d_k;
+  if (b.tensor) s.d_h_all = b.tensor->gather_rows(s.d_h);
   {
     StageScope t(Stage::kAttention);
-    Tensor d_attn = proj_->backward_input(s.d_h, wo_);
+    Tensor d_attn = proj_->backward_input(b.tensor ? s.d_h_all : s.d_h, wo_);
     ops::AttentionGrads g =
         attend_backward(d_attn, s.q, s.k, s.v, b, s.attn.out, s.attn.lse, attn_shape(b));
     s.d_v = g.dv;
@@ -187,6 +210,7 @@ Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, Tens
     proj_->backward_input_add(s.d_k_raw, wk_, s.d_ln1_out);
     proj_->backward_input_add(s.d_v, wv_, s.d_ln1_out);
   }
+  if (b.tensor) s.d_ln1_out = b.tensor->reduce_scatter_rows(s.d_ln1_out);  // this rank's heads' part, summed
   StageScope t(Stage::kNorms);
   return ops::rmsnorm_backward_input(s.d_ln1_out, s.x, ln1_w_, s.ln1.rstd, s.d_h);
 }
@@ -206,8 +230,8 @@ void Qwen3MoeDecoderLayer::backward_weight(LayerState& state, bool accumulate, o
   }
   {
     StageScope t(Stage::kAttention);
-    proj_->backward_weight(s.d_h, s.attn.out, g_wo_, accumulate);
-    const Projections::Input in = proj_->tokens(s.ln1.y);
+    proj_->backward_weight(s.d_h_all.defined() ? s.d_h_all : s.d_h, s.attn.out, g_wo_, accumulate);
+    const Projections::Input in = proj_->tokens(s.ln1_all.defined() ? s.ln1_all : s.ln1.y);
     proj_->backward_weight(s.d_q_raw, in, g_wq_, accumulate);
     proj_->backward_weight(s.d_k_raw, in, g_wk_, accumulate);
     proj_->backward_weight(s.d_v, in, g_wv_, accumulate);

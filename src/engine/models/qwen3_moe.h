@@ -28,8 +28,9 @@ namespace moetrain {
 // mlp_in is ln2.y).
 struct Qwen3MoeLayerState : LayerState {
   // forward, stage 1
-  Tensor x;                        // layer input [T, H]
+  Tensor x;                        // layer input [T, H] (under tensor parallelism this rank's rows)
   ops::RmsNormOut ln1;             // input_layernorm
+  Tensor ln1_all;                  // tensor parallelism: every row of ln1.y (the projections' input)
   Tensor q_raw, k_raw, v;          // projections, [T, heads * hd]
   ops::RmsNormOut q_norm, k_norm;  // per-head norms: their rstd (y, with RoPE, is moved into q, k)
   Tensor q, k;                     // after RoPE
@@ -42,6 +43,7 @@ struct Qwen3MoeLayerState : LayerState {
   Tensor d_mlp_out;                // d mlp.y
   ops::SwigluInputGrads d_mlp;
   Tensor d_router_logits, d_ln2_out, d_h, d_q_raw, d_k_raw, d_v, d_ln1_out;
+  Tensor d_h_all;                  // tensor parallelism: every row of d_h (o_proj's output gradient)
   Tensor dw_q_norm, dw_k_norm;     // the q/k norm weights' gradients of this micro-batch
 };
 
@@ -101,8 +103,9 @@ class Qwen3MoeDecoderLayer : public DecoderLayer {
   Qwen3MoeConfig cfg_;
   int64_t id_;
   bool moe_;
-  int64_t inter_;  // FFN width of this layer's MLP
+  int64_t inter_;  // FFN width of this layer's MLP (a dense one's: this tp rank's columns)
   int64_t first_expert_ = 0;
+  int64_t tp_ = 1, tp_rank_ = 0;  // tensor-parallel ranks (the heads split over them) and this one
   std::vector<ParamBucket> buckets_;
   const Projections* proj_;  // the model's (BF16 when built alone)
   ops::AttentionShape attn_shape(const BatchShape& b) const;

@@ -52,6 +52,19 @@ void Qwen3MoeConfig::describe(ConfigFields& f) {
         "HF config.json read before the other [model] keys (relative to the TOML file's folder)");
 }
 
+void Qwen3MoeConfig::validate_tensor_parallel(int64_t tp, const std::string& origin) const {
+  for (auto [key, v] : {std::pair{"num_attention_heads", num_attention_heads},
+                        {"num_key_value_heads", num_key_value_heads}, {"vocab_size", vocab_size},
+                        {"intermediate_size", intermediate_size}}) {
+    MT_CHECK(v % tp == 0,
+             "{}: [model].{} = {} must be a multiple of tp: tensor parallelism gives each tp rank an equal share "
+             "(whole heads, vocabulary rows, MLP columns){}",
+             origin, key, v,
+             std::string(key) == "num_key_value_heads" ? "; fewer key/value heads than tp ranks are not replicated yet"
+                                                      : "");
+  }
+}
+
 void Qwen3MoeConfig::validate(const std::string& origin) const {
   Qwen3MoeConfig copy = *this;  // describe() needs mutable targets; the checks only read
   ConfigFields f("model");

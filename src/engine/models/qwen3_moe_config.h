@@ -43,6 +43,9 @@ struct Qwen3MoeConfig : ModelConfig {
   void describe(ConfigFields& f) override;
   // Cross-field checks (heads divide, experts_per_tok <= experts, ...). Throws naming the key.
   void validate(const std::string& origin) const override;
+  // Heads, key/value heads, the vocabulary and every MLP width divide by tp (a key/value head
+  // is not yet replicated over tp ranks when there are fewer than tp).
+  void validate_tensor_parallel(int64_t tp, const std::string& origin) const override;
   // Reads an HF config.json as transformers does: each key Qwen3MoeForCausalLM reads, in
   // either spelling (num_experts / num_local_experts, rope_theta / rope_parameters,
   // torch_dtype / dtype); a key the file omits takes transformers' default, not moetrain's.

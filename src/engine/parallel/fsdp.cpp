@@ -12,10 +12,12 @@
 namespace moetrain {
 
 FsdpContext::FsdpContext(Model& model, Communicator& dense_group, Communicator& expert_group,
-                         Communicator& replica_world, AdamWConfig adamw, bool shard_weights, ReplicaBridge* bridge)
+                         Communicator& replica_world, AdamWConfig adamw, bool shard_weights, ReplicaBridge* bridge,
+                         Communicator* tp_group)
     : model_(model),
       replica_world_(replica_world),
       bridge_(bridge),
+      tp_group_(tp_group != nullptr && tp_group->size() > 1 ? tp_group : nullptr),
       shard_weights_(shard_weights),
       opt_(ParameterList{}, adamw) {
   ParameterList& params = model.parameters();
@@ -49,6 +51,7 @@ FsdpContext::FsdpContext(Model& model, Communicator& dense_group, Communicator& 
         s.master_low = p.master_low.view({p.master_low.numel()}).slice(begin - m.offset, end - m.offset);
       }
       shard_params_.push_back(std::move(s));
+      tp_whole_.push_back(tp_group_ != nullptr && b.tp_replicated);
     }
     shards_.push_back(sh);
   }
@@ -219,6 +222,12 @@ void FsdpContext::reduce_scatter_grads() {
   for (Shard& sh : shards_) {
     // With shard_weights each layer's were reduced right after its backward.
     if (!shard_weights_ && sh.group->size() > 1) reduce_scatter(sh, sh.grad);
+    if (tp_group_ && sh.bucket->tp_replicated) {  // each tp rank's tokens' part of a weight all hold
+      CollectiveScope timed(Collective::kTensorParallel);
+      CollectiveTimer::count_bytes(Collective::kTensorParallel,
+                                   static_cast<double>(sh.grad.nbytes()) * (tp_group_->size() - 1));
+      tp_group_->all_reduce(sh.grad);
+    }
     if (bridge_) {
       // Timed only where it crosses to another group (one group: the bridge does nothing).
       std::optional<CollectiveScope> timed;
@@ -230,7 +239,10 @@ void FsdpContext::reduce_scatter_grads() {
 
 GradNorm FsdpContext::grad_norm(double max_norm) {
   std::vector<Tensor> grads;
-  for (const Parameter& s : shard_params_) grads.push_back(s.grad);
+  for (size_t i = 0; i < shard_params_.size(); ++i) {
+    // A weight every tp rank holds whole counts once: on tp rank 0.
+    if (!tp_whole_[i] || tp_group_->rank() == 0) grads.push_back(shard_params_[i].grad);
+  }
   std::vector<double> sq{grads.empty() ? 0.0 : ops::sum_squares_all(grads)};
   // Every element is owned by one rank of the replica group (the replicas hold equal bits).
   all_reduce_doubles(replica_world_, sq, shards_.front().grad.device());

@@ -43,8 +43,12 @@ class FsdpContext final : public WeightHooks {
   // The model's f32 masters (if any; their low halves) move into the shards and leave the model,
   // so construct this after the model's weights are initialised. With shard_weights the
   // model's whole weights are released here and gathered on use.
+  // Tensor parallelism: `tp_group` (nullptr when tp = 1) sums the gradient shards of the
+  // buckets every tp rank holds whole (ParamBucket::tp_replicated: norms, routers), each rank
+  // having made its own tokens' part; the global norm counts them once.
   FsdpContext(Model& model, Communicator& dense_group, Communicator& expert_group, Communicator& replica_world,
-              AdamWConfig adamw, bool shard_weights, ReplicaBridge* bridge = nullptr);
+              AdamWConfig adamw, bool shard_weights, ReplicaBridge* bridge = nullptr,
+              Communicator* tp_group = nullptr);
   ~FsdpContext() override;
 
   // Before each micro-batch's forward_backward: the first one writes the gradient shards,
@@ -111,6 +115,8 @@ class FsdpContext final : public WeightHooks {
   Model& model_;
   Communicator& replica_world_;
   ReplicaBridge* bridge_;
+  Communicator* tp_group_;
+  std::vector<bool> tp_whole_;  // per shard parameter: in a tp_replicated bucket (tp > 1)
   bool shard_weights_;
   bool first_micro_batch_ = true;
   std::vector<int64_t> units_;           // the layer ids of the buckets, ascending (-1 first)

@@ -10,7 +10,7 @@ Layout::ExpertRange expert_range(int64_t num_experts, int64_t ep_size, int64_t e
   MT_CHECK(ep_size >= 1 && ep_rank >= 0 && ep_rank < ep_size, "expert-parallel rank {} of {} is not a valid placement",
            ep_rank, ep_size);
   MT_CHECK(num_experts % ep_size == 0,
-           "[model] has {} experts, which cannot be split evenly over [parallel].ep = {} expert-parallel ranks",
+           "[model] has {} experts, which cannot be split evenly over {} expert-parallel ranks ([parallel].tp x ep)",
            num_experts, ep_size);
   const int64_t count = num_experts / ep_size;
   return {ep_rank * count, count};
@@ -22,11 +22,13 @@ Layout::Layout(const Mesh& mesh, int rank, int replicas)
            "layout: {} HSDP replica groups do not divide dp = {} ({})", replicas, mesh.dp(), mesh.str());
 }
 
-Layout::ExpertRange Layout::experts(int64_t num_experts) const { return expert_range(num_experts, ep(), ep_rank()); }
+Layout::ExpertRange Layout::experts(int64_t num_experts) const {
+  return expert_range(num_experts, expert_ranks(), expert_rank());
+}
 
 int Layout::expert_owner(int64_t expert, int64_t num_experts) const {
   MT_CHECK(expert >= 0 && expert < num_experts, "expert {} is outside [0, {})", expert, num_experts);
-  return static_cast<int>(expert / expert_range(num_experts, ep(), 0).count);
+  return static_cast<int>(expert / expert_range(num_experts, expert_ranks(), 0).count);
 }
 
 // The order of the dp x cp x ep group: mesh rank order, i.e. dp major, then cp, then ep.
@@ -43,8 +45,10 @@ int Layout::shard_ranks(bool experts) const {
 
 ModelPlacement Layout::placement() const {
   ModelPlacement p;
-  p.ep_size = ep();
-  p.ep_rank = ep_rank();
+  p.ep_size = expert_ranks();
+  p.ep_rank = expert_rank();
+  p.tp_size = tp();
+  p.tp_rank = tp_rank();
   // Padded for the largest sharding group of any replica layout: the data world, which
   // every sharding group divides.
   p.bucket_pad = data_world();

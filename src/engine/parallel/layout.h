@@ -29,9 +29,16 @@ class Layout {
   int pp_rank() const { return coord(MeshAxis::PP); }
   int ep() const { return size(MeshAxis::EP); }
   int ep_rank() const { return coord(MeshAxis::EP); }
+  int tp() const { return size(MeshAxis::TP); }
+  int tp_rank() const { return coord(MeshAxis::TP); }
+  // An MoE layer's expert ranks: tensor parallelism folds into expert parallelism there, so
+  // experts split over the tp x ep ranks (MeshComms::tp_ep), this rank being expert rank
+  // tp_rank * ep + ep_rank.
+  int expert_ranks() const { return tp() * ep(); }
+  int expert_rank() const { return tp_rank() * ep() + ep_rank(); }
 
   // Experts: of every MoE layer's `num_experts`, this rank holds [first, first + count)
-  // (global ids); the EP rank holding expert `e`. An Error names the numbers when they do not
+  // (global ids); the expert rank (of expert_ranks()) holding expert `e`. An Error names the numbers when they do not
   // split evenly.
   struct ExpertRange {
     int64_t first = 0, count = 0;
@@ -39,9 +46,10 @@ class Layout {
   ExpertRange experts(int64_t num_experts) const;
   int expert_owner(int64_t expert, int64_t num_experts) const;
 
-  // Data: the ranks that see different tokens of one global micro-batch (dp x cp x ep of a
-  // pipeline stage; pipeline and tensor ranks see the same ones), this rank's index among
-  // them, and the rows [first, first + micro_batch) of the global micro-batch it takes.
+  // Data: the ranks that load different tokens of one global micro-batch (dp x cp x ep of a
+  // pipeline stage; pipeline and tensor ranks load the same ones, the tensor ranks then each
+  // taking a slice), this rank's index among them, and the rows [first, first + micro_batch)
+  // of the global micro-batch it takes.
   int data_rank() const;
   int data_world() const;
   int64_t first_row(int64_t micro_batch) const { return static_cast<int64_t>(data_rank()) * micro_batch; }

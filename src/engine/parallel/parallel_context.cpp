@@ -23,9 +23,9 @@ ParallelContext ParallelContext::build(const RunConfig& cfg) {
   const ParallelConfig& pc = cfg.parallel;
   const Mesh mesh = [&] {
     try {
-      return Mesh(p.world, pc.pp, pc.dp, pc.cp, pc.ep);
+      return Mesh(p.world, pc.pp, pc.dp, pc.cp, pc.ep, pc.tp);
     } catch (const Error& e) {
-      MT_THROW("[parallel] does not fit {} ({}): {}", p.env.str(), p.world == 1 ? "start many ranks with moetrain launch -n N, torchrun, srun or mpirun" : "change pp, dp, cp or ep", e.what());
+      MT_THROW("[parallel] does not fit {} ({}): {}", p.env.str(), p.world == 1 ? "start many ranks with moetrain launch -n N, torchrun, srun or mpirun" : "change pp, dp, cp, tp or ep", e.what());
     }
   }();
   MT_CHECK(mesh.dp() % pc.dp_replicate == 0,

@@ -31,9 +31,12 @@ struct ParallelContext {
   // What crosses replica groups (HSDP's gradient all-reduce, the batch-wide sums): one
   // object, rebuilt when a replica group leaves or joins; a no-op with one replica group.
   std::unique_ptr<ReplicaBridge> bridge = std::make_unique<ReplicaBridge>();
-  // This replica group's ranks that hold different data (dp x cp x ep of a pipeline stage,
-  // within the replica group): summed losses and token counts, then over the bridge.
-  Communicator* data_group() const { return comms ? comms->shard_dense.get() : nullptr; }
+  // This replica group's ranks that hold different data (dp x cp x tp x ep of a pipeline
+  // stage, within the replica group; tp ranks hold different sequence-parallel slices of the
+  // same rows): summed losses and token counts, then over the bridge.
+  Communicator* data_group() const { return comms ? comms->stage.get() : nullptr; }
+  // The tensor-parallel ranks of this rank (nullptr: tp = 1).
+  Communicator* tp_group() const { return comms && layout.tp() > 1 ? comms->tp.get() : nullptr; }
   // The pipeline stages of this rank's replica (nullptr: pp = 1).
   Communicator* pp_group() const { return comms && layout.pp() > 1 ? comms->pp.get() : nullptr; }
 

@@ -8,9 +8,12 @@
 
 namespace moetrain {
 
-std::vector<NamedTensor> replicated_state(Model& model, bool whole_weights) {
+std::vector<NamedTensor> replicated_state(Model& model, bool whole_weights, ReplicaSet set) {
   std::vector<NamedTensor> out;
-  for (const NamedBuffer& b : model.buffers()) out.push_back({b.name, b.value});
+  const bool pieces = set == ReplicaSet::kTensorPieces;
+  if (!pieces) {
+    for (const NamedBuffer& b : model.buffers()) out.push_back({b.name, b.value});
+  }
   if (!whole_weights) return out;
   std::set<size_t> expert_params;
   for (const ParamBucket& b : model.buckets()) {
@@ -20,7 +23,7 @@ std::vector<NamedTensor> replicated_state(Model& model, bool whole_weights) {
   }
   const ParameterList& params = model.parameters();
   for (size_t i = 0; i < params.size(); ++i) {
-    if (!expert_params.count(i)) out.push_back({params[i].name, params[i].value});
+    if (!expert_params.count(i) && params[i].tp_split() == pieces) out.push_back({params[i].name, params[i].value});
   }
   return out;
 }

@@ -20,10 +20,14 @@ struct NamedTensor {
   Tensor value;
 };
 
-// The state every rank of `model`'s data group holds a whole copy of: its named buffers (the
-// routing biases), and, when `whole_weights` (the weights are not sharded, ZeRO-1/2), every
-// parameter outside the expert buckets.
-std::vector<NamedTensor> replicated_state(Model& model, bool whole_weights);
+// Which copies: kStage, the state every rank of `model`'s data group (a pipeline stage's dp x
+// cp x tp x ep ranks) holds a whole copy of: its named buffers (the routing biases), and, when
+// `whole_weights` (the weights are not sharded, ZeRO-1/2), every parameter outside the expert
+// buckets that tensor parallelism does not split. kTensorPieces: the parameters tensor
+// parallelism splits (each tp rank's piece is a copy on the dp x cp x ep ranks of its tp
+// coordinate), when whole_weights.
+enum class ReplicaSet { kStage, kTensorPieces };
+std::vector<NamedTensor> replicated_state(Model& model, bool whole_weights, ReplicaSet set = ReplicaSet::kStage);
 
 // Hashes each tensor's bytes (XXH3-64) and compares the hashes over `group` (one
 // all-reduce of their maxima and minima). Every rank must pass the same names in the same

@@ -155,7 +155,9 @@ PipelineExecutor::Handoff PipelineExecutor::take(std::map<Key, Handoff>& local, 
   }
   const bool on_host = pp_->backend() == "gloo";
   const Device where = on_host ? Device::cpu() : model_.device();
-  Tensor hidden = Tensor::empty({batch.batch * batch.seq, model_.model_config().shape().hidden_size}, model_.dtype(),
+  // A micro-batch's token rows (under tensor parallelism this rank's sequence-parallel slice).
+  Tensor hidden = Tensor::empty({batch.batch * batch.seq / model_.placement().tp_size,
+                                 model_.model_config().shape().hidden_size}, model_.dtype(),
                                 where);
   Tensor packed = Tensor::empty({model_.totals_message_size()}, DType::F64, where);
   {  // waited for on the host: all of it exposed (with the bubble)
@@ -326,7 +328,7 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
   sent_.clear();
   if (ordered_) {
     std::vector<int64_t> rows;
-    for (const Batch& b : batches) rows.push_back(b.batch * b.seq);
+    for (const Batch& b : batches) rows.push_back(b.batch * b.seq / model_.placement().tp_size);
     ordered_->begin_step(pipeline_message_order(s, rank_, rows), *std::max_element(rows.begin(), rows.end()));
   }
   weights_written_.assign(chunks_.size(), false);

@@ -8,7 +8,7 @@ namespace moetrain {
 
 std::string_view collective_name(Collective c) {
   static constexpr std::string_view kNames[] = {"dispatch", "combine", "all_gather", "reduce_scatter", "all_reduce",
-                                                "pipeline", "context_ring"};
+                                                "pipeline", "context_ring", "tensor_parallel"};
   return kNames[static_cast<int>(c)];
 }
 

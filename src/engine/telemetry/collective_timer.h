@@ -29,6 +29,7 @@ enum class Collective {
   kAllReduce,      // HSDP and live fault tolerance: gradients summed across replica groups
   kPipeline,       // pipeline: receiving activations and their gradients (the wait includes the bubble)
   kContextRing,    // context parallelism: key/value blocks (and their gradient sums) passed round the ring
+  kTensorParallel, // tensor parallelism: token rows gathered before split layers, partial sums reduce-scattered after
   kCount
 };
 constexpr int kNumCollectives = static_cast<int>(Collective::kCount);

@@ -6,8 +6,8 @@
 
 namespace moetrain::ops::cpu {
 
-Tensor embedding_forward(const Tensor& ids, const Tensor& weight);
-void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight);
+Tensor embedding_forward(const Tensor& ids, const Tensor& weight, const VocabShard& shard);
+void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight, const VocabShard& shard);
 Tensor shift_tokens(const Tensor& ids, const Tensor& segment_ids, int64_t batch, int64_t k, int32_t fill);
 Fp8Tensor quantize_fp8(const Tensor& x, Fp8Blocks blocks);
 Fp8Tensor quantize_fp8_transposed(const Tensor& x, Fp8Blocks blocks);

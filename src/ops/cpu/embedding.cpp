@@ -2,6 +2,7 @@
 //
 // forward:   y[t, :] = W[ids[t], :]                 ids i32 [T], W [V, H] -> y [T, H]
 // backward:  dW[ids[t], :] += dy[t, :]              (accumulates; no gradient for ids)
+// W may be a shard of the vocabulary's rows (VocabShard): other shards' ids give zero rows.
 //
 // The backward is deterministic: columns are split into fixed blocks, and each block is
 // owned by one thread that adds the rows of dy in token order.
@@ -41,11 +42,9 @@ Tensor shift_tokens(const Tensor& ids, const Tensor& segment_ids, int64_t batch,
   return out;
 }
 
-Tensor embedding_forward(const Tensor& ids, const Tensor& weight) {
-  MT_CHECK(weight.defined() && weight.ndim() == 2, "embedding_forward: weight must be [V, H], got {}",
-           weight.str());
-  const int64_t V = weight.size(0), H = weight.size(1);
-  const int32_t* id = checked_ids(ids, V, "embedding_forward");
+Tensor embedding_forward(const Tensor& ids, const Tensor& weight, const VocabShard& shard) {
+  const int64_t V = weight.size(0), H = weight.size(1), first = shard.begin;
+  const int32_t* id = checked_ids(ids, shard.size, "embedding_forward");
   const int64_t T = ids.numel();
   Tensor y = Tensor::empty({T, H}, weight.dtype());
   dispatch_float(weight.dtype(), "embedding_forward", [&](auto tag) {
@@ -53,16 +52,18 @@ Tensor embedding_forward(const Tensor& ids, const Tensor& weight) {
     const F* w = weight.data<F>();
     F* out = y.data<F>();
 #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < T; ++t) std::memcpy(out + t * H, w + id[t] * H, sizeof(F) * H);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t row = id[t] - first;
+      if (row >= 0 && row < V) std::memcpy(out + t * H, w + row * H, sizeof(F) * H);
+      else std::fill(out + t * H, out + (t + 1) * H, F(0));  // another shard's id
+    }
   });
   return y;
 }
 
-void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight) {
-  MT_CHECK(dweight.defined() && dweight.ndim() == 2, "embedding_backward_weight: dweight must be [V, H], got {}",
-           dweight.str());
-  const int64_t V = dweight.size(0), H = dweight.size(1);
-  const int32_t* id = checked_ids(ids, V, "embedding_backward_weight");
+void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight, const VocabShard& shard) {
+  const int64_t V = dweight.size(0), H = dweight.size(1), first = shard.begin;
+  const int32_t* id = checked_ids(ids, shard.size, "embedding_backward_weight");
   const int64_t T = ids.numel();
   check_shape(dy, {T, H}, "dy");
   check_same_dtype("embedding_backward_weight", dweight.dtype(), {&dy});
@@ -76,7 +77,9 @@ void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dwei
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t c0 = b * kBlock, c1 = std::min(H, c0 + kBlock);
       for (int64_t t = 0; t < T; ++t) {
-        F* row = dw + id[t] * H;
+        const int64_t r = id[t] - first;
+        if (r < 0 || r >= V) continue;  // another shard's id
+        F* row = dw + r * H;
         const F* src = g + t * H;
         for (int64_t c = c0; c < c1; ++c) row[c] += src[c];
       }

@@ -1,5 +1,6 @@
 // CUDA token embedding: y[t] = W[ids[t]]; dW[ids[t]] += dy[t] (deterministic; see
-// embedding.cu for the sort-then-walk-runs method).
+// embedding.cu for the sort-then-walk-runs method), W being the rows of one vocabulary
+// shard (ops.h: another shard's id gives a zero row, and no gradient).
 //
 // The weight is bf16 (the contract) or f32 (an f32 master copy works too); y has W's
 // dtype. dW is f32 and dy bf16 or f32. An id outside [0, V) cannot be reported here
@@ -33,7 +34,7 @@ Tensor shift_tokens(const Tensor& ids, const Tensor& segment_ids, int64_t batch,
   return out;
 }
 
-Tensor embedding_forward(const Tensor& ids, const Tensor& weight) {
+Tensor embedding_forward(const Tensor& ids, const Tensor& weight, const VocabShard& shard) {
   check_cuda_tensors("embedding_forward", {&ids, &weight});
   MT_CHECK(weight.defined() && weight.ndim() == 2, "embedding_forward: weight must be [V, H], got {}",
            weight.str());
@@ -43,12 +44,12 @@ Tensor embedding_forward(const Tensor& ids, const Tensor& weight) {
   const int64_t V = weight.size(0), H = weight.size(1), T = ids.numel();
   Tensor y = Tensor::empty({T, H}, weight.dtype(), weight.device());
   launch_embedding_forward(ids.data<int32_t>(), weight.raw(), y.raw(), T, V, H,
-                           static_cast<int>(dtype_size(weight.dtype())), stream());
+                           static_cast<int>(dtype_size(weight.dtype())), shard.begin, shard.size, stream());
   check_launch("embedding_forward");
   return y;
 }
 
-void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight) {
+void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight, const VocabShard& shard) {
   check_cuda_tensors("embedding_backward_weight", {&ids, &dy, &dweight});
   MT_CHECK(dweight.defined() && dweight.ndim() == 2, "embedding_backward_weight: dweight must be [V, H], got {}",
            dweight.str());
@@ -65,9 +66,9 @@ void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dwei
   cudaError_t e;
   if (dy.dtype() == DType::BF16) {
     e = launch_embedding_backward(ids.data<int32_t>(), static_cast<const __nv_bfloat16*>(dy.raw()),
-                                  dweight.data<float>(), T, V, H, workspace.raw(), workspace.nbytes(), stream());
+                                  dweight.data<float>(), T, V, H, shard.begin, workspace.raw(), workspace.nbytes(), stream());
   } else {
-    e = launch_embedding_backward(ids.data<int32_t>(), dy.data<float>(), dweight.data<float>(), T, V, H,
+    e = launch_embedding_backward(ids.data<int32_t>(), dy.data<float>(), dweight.data<float>(), T, V, H, shard.begin,
                                   workspace.raw(), workspace.nbytes(), stream());
   }
   MT_CHECK(e == cudaSuccess, "embedding_backward_weight: sort or launch failed: {} ({})", cudaGetErrorName(e),

@@ -30,23 +30,28 @@ constexpr int kAhead = 8;  // dy rows loaded ahead of their (in-order) additions
 template <typename W>
 __global__ void __launch_bounds__(kFwdThreads) embedding_forward_kernel(const int32_t* __restrict__ ids,
                                                                         const W* __restrict__ w, W* __restrict__ y,
-                                                                        int64_t V, int64_t row_units, W nan_bits) {
+                                                                        int64_t V, int64_t row_units, W nan_bits,
+                                                                        int64_t first, int64_t whole) {
   const int64_t t = blockIdx.x;
-  const int32_t id = ids[t];
+  const int64_t id = ids[t];
   W* out = y + t * row_units;
-  if (id < 0 || id >= V) {
+  if (id < 0 || id >= whole) {
     for (int64_t i = threadIdx.x; i < row_units; i += kFwdThreads) out[i] = nan_bits;
     return;
   }
-  const W* src = w + static_cast<int64_t>(id) * row_units;
+  if (id < first || id >= first + V) {  // another shard's row
+    for (int64_t i = threadIdx.x; i < row_units; i += kFwdThreads) out[i] = W{};
+    return;
+  }
+  const W* src = w + (id - first) * row_units;
   for (int64_t i = threadIdx.x; i < row_units; i += kFwdThreads) out[i] = src[i];
 }
 
 __global__ void make_sort_keys(const int32_t* __restrict__ ids, uint32_t* __restrict__ keys,
-                               int32_t* __restrict__ vals, int64_t T, int64_t V) {
+                               int32_t* __restrict__ vals, int64_t T, int64_t V, int64_t first) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= T) return;
-  const int32_t id = ids[t];
+  const int64_t id = ids[t] - first;
   keys[t] = (id >= 0 && id < V) ? static_cast<uint32_t>(id) : static_cast<uint32_t>(V);
   vals[t] = static_cast<int32_t>(t);
 }
@@ -151,7 +156,7 @@ size_t cub_temp_bytes(int64_t T, int64_t V) {
 
 template <typename G>
 cudaError_t embedding_backward_impl(const int32_t* ids, const G* dy, float* dw, int64_t T, int64_t V, int64_t H,
-                                    void* workspace, size_t workspace_bytes, cudaStream_t s) {
+                                    int64_t first, void* workspace, size_t workspace_bytes, cudaStream_t s) {
   if (T == 0 || H == 0) return cudaSuccess;
   char* p = static_cast<char*>(workspace);
   const size_t arr = align_up(static_cast<size_t>(T) * 4);
@@ -162,7 +167,7 @@ cudaError_t embedding_backward_impl(const int32_t* ids, const G* dy, float* dw, 
   void* temp = p + 4 * arr;
   size_t temp_bytes = cub_temp_bytes(T, V);
   if (4 * arr + temp_bytes > workspace_bytes) return cudaErrorInvalidValue;
-  make_sort_keys<<<static_cast<unsigned>((T + 255) / 256), 256, 0, s>>>(ids, keys_in, vals_in, T, V);
+  make_sort_keys<<<static_cast<unsigned>((T + 255) / 256), 256, 0, s>>>(ids, keys_in, vals_in, T, V, first);
   cudaError_t e = cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys_in, keys_out, vals_in, vals_out,
                                                   static_cast<int>(T), 0, key_bits(V), s);
   if (e != cudaSuccess) return e;
@@ -180,7 +185,7 @@ cudaError_t embedding_backward_impl(const int32_t* ids, const G* dy, float* dw, 
 }  // namespace
 
 void launch_embedding_forward(const int32_t* ids, const void* w, void* y, int64_t T, int64_t V, int64_t H,
-                              int elem_bytes, cudaStream_t s) {
+                              int elem_bytes, int64_t first, int64_t whole, cudaStream_t s) {
   if (T == 0 || H == 0) return;
   const int64_t row_bytes = H * elem_bytes;
   const auto grid = static_cast<unsigned>(T);
@@ -189,13 +194,16 @@ void launch_embedding_forward(const int32_t* ids, const void* w, void* y, int64_
     const uint4 nan = elem_bytes == 2 ? make_uint4(0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u, 0x7FC07FC0u)
                                       : make_uint4(0x7FC00000u, 0x7FC00000u, 0x7FC00000u, 0x7FC00000u);
     embedding_forward_kernel<uint4><<<grid, kFwdThreads, 0, s>>>(ids, static_cast<const uint4*>(w),
-                                                                 static_cast<uint4*>(y), V, row_bytes / 16, nan);
+                                                                 static_cast<uint4*>(y), V, row_bytes / 16, nan,
+                                                                 first, whole);
   } else if (elem_bytes == 2) {
     embedding_forward_kernel<uint16_t><<<grid, kFwdThreads, 0, s>>>(ids, static_cast<const uint16_t*>(w),
-                                                                     static_cast<uint16_t*>(y), V, H, 0x7FC0u);
+                                                                     static_cast<uint16_t*>(y), V, H, 0x7FC0u, first,
+                                                                     whole);
   } else {
     embedding_forward_kernel<uint32_t><<<grid, kFwdThreads, 0, s>>>(ids, static_cast<const uint32_t*>(w),
-                                                                     static_cast<uint32_t*>(y), V, H, 0x7FC00000u);
+                                                                     static_cast<uint32_t*>(y), V, H, 0x7FC00000u,
+                                                                     first, whole);
   }
 }
 
@@ -221,12 +229,14 @@ size_t embedding_backward_workspace_bytes(int64_t T, int64_t V) {
 }
 
 cudaError_t launch_embedding_backward(const int32_t* ids, const __nv_bfloat16* dy, float* dw, int64_t T, int64_t V,
-                                      int64_t H, void* workspace, size_t workspace_bytes, cudaStream_t s) {
-  return embedding_backward_impl(ids, dy, dw, T, V, H, workspace, workspace_bytes, s);
+                                      int64_t H, int64_t first, void* workspace, size_t workspace_bytes,
+                                      cudaStream_t s) {
+  return embedding_backward_impl(ids, dy, dw, T, V, H, first, workspace, workspace_bytes, s);
 }
 cudaError_t launch_embedding_backward(const int32_t* ids, const float* dy, float* dw, int64_t T, int64_t V,
-                                      int64_t H, void* workspace, size_t workspace_bytes, cudaStream_t s) {
-  return embedding_backward_impl(ids, dy, dw, T, V, H, workspace, workspace_bytes, s);
+                                      int64_t H, int64_t first, void* workspace, size_t workspace_bytes,
+                                      cudaStream_t s) {
+  return embedding_backward_impl(ids, dy, dw, T, V, H, first, workspace, workspace_bytes, s);
 }
 
 }  // namespace moetrain::ops::cuda

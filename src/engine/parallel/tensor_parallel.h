@@ -1,0 +1,44 @@
+// TensorParallel: the collectives of tensor parallelism with sequence parallelism (issue 33,
+// docs/parallel.md), as the layers use them.
+//
+// Between the split layers each of the tp ranks holds one slice of a micro-batch's T token
+// rows: rank r rows [r T/tp, (r+1) T/tp) (sequence parallelism: norms, residuals and the
+// router run on T/tp rows). A column-parallel GEMM (q/k/v, gate/up, the head) needs every
+// row: gather_rows all-gathers the slices into [T, ...] in rank order. A row-parallel GEMM
+// (o_proj, down_proj, the vocabulary-parallel embedding) leaves each rank a partial sum of
+// every row: reduce_scatter_rows sums them over the ranks and keeps this rank's slice. The
+// backward of a gather is a reduce-scatter and the other way round. Timed as
+// "tensor_parallel" (engine/telemetry/collective_timer.h), on the compute stream for now.
+#pragma once
+
+#include <cstdint>
+
+#include "comm/communicator.h"
+#include "core/tensor.h"
+#include "ops/ops.h"
+
+namespace moetrain {
+
+class TensorParallel {
+ public:
+  // `group`: the tp ranks in rank order (tp coordinate 0 first). Not owned.
+  explicit TensorParallel(Communicator& group) : group_(group) {}
+
+  int size() const { return group_.size(); }
+  int rank() const { return group_.rank(); }
+  // This rank's rows of a micro-batch of `rows` token rows (an Error when tp does not divide it).
+  int64_t slice_rows(int64_t rows) const;
+  int64_t first_row(int64_t rows) const { return slice_rows(rows) * rank(); }
+  // The vocabulary rows (embedding) or columns (head) this rank holds of a vocabulary of `vocab`.
+  ops::VocabShard vocab(int64_t vocab) const { return {vocab / size() * rank(), vocab}; }
+
+  // Every rank's slice [n, ...] -> the whole [tp n, ...], in rank order.
+  Tensor gather_rows(const Tensor& slice) const;
+  // Partial sums [tp n, ...] -> their sum over the ranks, this rank's rows [n, ...].
+  Tensor reduce_scatter_rows(const Tensor& partial) const;
+
+ private:
+  Communicator& group_;
+};
+
+}  // namespace moetrain
