@@ -251,6 +251,42 @@ TEST(CommGlooMesh, SubCommunicatorsFollowTheMesh) {
   });
 }
 
+// world 8 = dp 2 x tp 2 x ep 2, and again as HSDP (dp_replicate 2): the tensor-parallel
+// groups (tp; tp x ep, an MoE layer's expert ranks; the stage's dp x cp x tp x ep, whose ranks
+// all hold different tokens) follow the mesh; FSDP's groups keep tp fixed.
+TEST(CommGlooMesh, TensorParallelGroupsFollowTheMesh) {
+  const Mesh mesh(8, 1, -1, 1, 2, 2);
+  for (int replicate : {1, 2}) {
+    SCOPED_TRACE(replicate);
+    run_ranks(8, [&](Communicator& world) {
+      std::shared_ptr<Communicator> w(&world, [](Communicator*) {});
+      MeshComms m = MeshComms::build(w, mesh, replicate);
+      const int r = world.rank();
+      std::vector<int> stage = mesh.group(r, {MeshAxis::DP, MeshAxis::CP, MeshAxis::TP, MeshAxis::EP});
+      std::vector<int> dense = mesh.group(r, {MeshAxis::DP, MeshAxis::CP, MeshAxis::EP});
+      if (replicate == 2) {  // inside the replica group: dp coordinate r / 4 is the replica here
+        auto same_replica = [&](int o) { return mesh.coord(o).dp == mesh.coord(r).dp; };
+        std::erase_if(stage, [&](int o) { return !same_replica(o); });
+        std::erase_if(dense, [&](int o) { return !same_replica(o); });
+      }
+      const std::pair<std::shared_ptr<Communicator>, std::vector<int>> groups[] = {
+          {m.tp, mesh.group(r, {MeshAxis::TP})},
+          {m.tp_ep, mesh.group(r, {MeshAxis::TP, MeshAxis::EP})},
+          {m.stage, stage},
+          {m.shard_dense, dense}};
+      for (const auto& [comm, group] : groups) {
+        ASSERT_TRUE(comm);
+        ASSERT_EQ(comm->size(), static_cast<int>(group.size())) << comm->name();
+        Tensor mine = Tensor::from_vector<int64_t>({r}, {1});
+        Tensor all = Tensor::empty({comm->size()}, DType::I64);
+        comm->all_gather(mine, all);
+        EXPECT_EQ(all.to_vector<int64_t>(), std::vector<int64_t>(group.begin(), group.end()))
+            << comm->name() << " on rank " << r;
+      }
+    });
+  }
+}
+
 TEST(CommGlooSplit, NegativeColorJoinsNoGroupAndKeysOrderTheRest) {
   run_ranks(4, [](Communicator& c) {
     // Ranks 0 and 2 drop out; 1 and 3 form a group ordered by key, so 3 comes first.

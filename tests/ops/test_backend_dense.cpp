@@ -156,6 +156,34 @@ TEST(BackendDense, EmbeddingBackwardWeight) {
   }
 }
 
+// A vocabulary shard's embedding on CUDA against the CPU: zero rows for other shards' ids,
+// NaN for an id outside the whole vocabulary, the gradient of the shard's rows only.
+TEST(BackendDense, EmbeddingVocabularyShard) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  const int64_t V = 1000, H = 64, T = 300;
+  for (int64_t r : {0, 1}) {
+    const ops::VocabShard shard{r * V / 2, V};
+    Tensor ids = random_ints({T}, 0, static_cast<int32_t>(V), 40 + r);
+    Tensor w = random_bf16_values({V / 2, H}, 41 + r);
+    Tensor ref = ops::embedding_forward(ids, w, shard);
+    Tensor got = ops::embedding_forward(ids.to(kGpu), on_gpu(w, DType::BF16), shard);
+    EXPECT_EQ(backend_error(got, ref), 0.0) << "shard " << r;
+    Tensor dy = random_bf16_values({T, H}, 42 + r);
+    Tensor dref = Tensor::zeros({V / 2, H}, DType::F32);
+    ops::embedding_backward_weight(ids, dy, dref, true, shard);
+    Tensor dgot = Tensor::zeros({V / 2, H}, DType::F32, kGpu);
+    ops::embedding_backward_weight(ids.to(kGpu), on_gpu(dy, DType::BF16), dgot, true, shard);
+    expect_backend_close(dgot, dref, kF32Tol, tag("embedding_backward_weight shard", {T, V, H}), "dweight");
+  }
+  Tensor bad = Tensor::from_vector(std::vector<int32_t>{3, static_cast<int32_t>(V)}, {2});
+  Tensor y = ops::embedding_forward(bad.to(kGpu), on_gpu(random_bf16_values({V / 2, H}, 5), DType::BF16), {0, V})
+                 .to(DType::F32)
+                 .to(Device::cpu());
+  EXPECT_FALSE(std::isnan(y.data<float>()[0]));
+  EXPECT_TRUE(std::isnan(y.data<float>()[H])) << "an id outside the whole vocabulary";
+}
+
 // ---- RMSNorm ------------------------------------------------------------------------
 
 struct NormCase {

@@ -121,6 +121,41 @@ TEST(DenseEmbedding, BackwardAccumulatesDeterministically) {
   EXPECT_LT(rel_error(a, Tensor::from_vector(ref, {V, H})), 1e-6);
 }
 
+// A vocabulary-parallel embedding: the shards' lookups (zero rows for ids another shard
+// holds) sum to the whole lookup, and each shard's gradient is the whole gradient's rows.
+TEST(DenseEmbedding, VocabularyShardsGiveTheWholeLookupAndGradient) {
+  const int64_t V = 12, H = 5, T = 40;
+  Tensor ids = random_ints({T}, 0, V, 11);
+  Tensor w = random_tensor({V, H}, DType::F64, 12);
+  Tensor dy = random_tensor({T, H}, DType::F64, 13);
+  Tensor whole_dw = Tensor::zeros({V, H}, DType::F64);
+  ops::embedding_backward_weight(ids, dy, whole_dw);
+  const Tensor whole = ops::embedding_forward(ids, w);
+  for (int64_t shards : {2, 3, 4}) {
+    const int64_t Vs = V / shards;
+    Tensor sum = Tensor::zeros({T, H}, DType::F64);
+    for (int64_t r = 0; r < shards; ++r) {
+      const ops::VocabShard shard{r * Vs, V};
+      Tensor piece = w.slice(r * Vs, (r + 1) * Vs).clone();
+      Tensor y = ops::embedding_forward(ids, piece, shard);
+      for (int64_t t = 0; t < T; ++t) {  // another shard's id: a zero row
+        const int32_t id = ids.data<int32_t>()[t];
+        if (id >= r * Vs && id < (r + 1) * Vs) continue;
+        for (int64_t h = 0; h < H; ++h) EXPECT_EQ(y.item(t * H + h), 0.0) << "shard " << r << " token " << t;
+      }
+      ops::add_(sum, y);
+      Tensor dw = Tensor::full({Vs, H}, 7.0, DType::F64);  // overwritten (accumulate off)
+      ops::embedding_backward_weight(ids, dy, dw, /*accumulate=*/false, shard);
+      EXPECT_TRUE(bitwise_equal(dw, whole_dw.slice(r * Vs, (r + 1) * Vs))) << shards << " shards, shard " << r;
+    }
+    EXPECT_TRUE(bitwise_equal(sum, whole)) << shards << " shards";
+  }
+  // A shard that does not fit its vocabulary, and an id outside the whole vocabulary, are named.
+  expect_error([&] { ops::embedding_forward(ids, w.slice(0, 6).clone(), {8, V}); }, {"does not fit", "12"});
+  Tensor bad = Tensor::from_vector(std::vector<int32_t>{0, 12}, {2});
+  expect_error([&] { ops::embedding_forward(bad, w.slice(0, 6).clone(), {6, V}); }, {"12", "[0, 12)"});
+}
+
 TEST(DenseEmbedding, Errors) {
   Tensor w = random_tensor({4, 3}, DType::F32, 1);
   Tensor bad = Tensor::from_vector(std::vector<int32_t>{0, 4, 1}, {3});
