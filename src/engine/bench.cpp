@@ -21,7 +21,8 @@ namespace moetrain {
 namespace {
 
 // Uniform random tokens; targets are the next token of the same random stream. Under context
-// parallelism this rank's zigzag chunks of them (the cp ranks of a place draw the same rows).
+// parallelism this rank's zigzag chunks of them (the cp ranks of a place draw the same rows);
+// under tensor parallelism the tp ranks draw the same rows and each marks its slice.
 Batch synthetic_batch(int64_t batch, int64_t seq, int64_t vocab, Rng& rng, const Layout& layout, int64_t mtp_depth,
                       Device device) {
   std::vector<int32_t> ids(batch * seq + 1), pos(batch * seq);
@@ -39,6 +40,7 @@ Batch synthetic_batch(int64_t batch, int64_t seq, int64_t vocab, Rng& rng, const
     b = zigzag_batch(b, layout.cp(), layout.cp_rank(), &places, mtp_depth);
     b.places = std::move(places);
   }
+  if (layout.tp() > 1) b = tensor_slice_batch(std::move(b), layout.tp(), layout.tp_rank());
   return b.to(device);
 }
 

@@ -57,12 +57,13 @@ Batch Batch::to(Device device) const {
   return b;
 }
 
-Batch TensorSliceLoader::next() {
-  Batch b = inner_->next();
-  MT_CHECK(b.targets.device().is_cpu(), "tensor slices: the batch must be on the CPU (cut it before moving it)");
+Batch TensorSliceLoader::next() { return tensor_slice_batch(inner_->next(), tp_, rank_); }
+
+Batch tensor_slice_batch(Batch b, int64_t tp, int64_t rank) {
+  MT_CHECK(b.targets.device().is_cpu(), "tensor slices: the batch must be on the CPU (mark it before moving it)");
   const int64_t T = b.targets.numel();
-  MT_CHECK(T % tp_ == 0, "tensor parallelism: a micro-batch of {} tokens does not split over tp = {} ranks", T, tp_);
-  const int64_t lo = T / tp_ * rank_, hi = lo + T / tp_;
+  MT_CHECK(T % tp == 0, "tensor parallelism: a micro-batch of {} tokens does not split over tp = {} ranks", T, tp);
+  const int64_t lo = T / tp * rank, hi = lo + T / tp;
   b.slice_targets = b.targets.clone();
   int32_t* t = b.slice_targets.data<int32_t>();
   b.num_targets = 0;

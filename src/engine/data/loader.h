@@ -110,8 +110,11 @@ class ZigzagLoader final : public DataLoader {
   int64_t cp_, rank_, mtp_depth_;
 };
 
-// Tensor parallelism: `inner`'s batches (the same rows on every rank of the tp group) with
-// tp rank `rank`'s slice of the token rows marked (Batch::slice_targets, num_targets).
+// Tensor parallelism: `b` (the same rows on every rank of the tp group) with tp rank `rank`'s
+// slice of its token rows marked (Batch::slice_targets, and num_targets: the slice's).
+Batch tensor_slice_batch(Batch b, int64_t tp, int64_t rank);
+
+// A loader of `inner`'s batches as tensor_slice_batch marks them.
 class TensorSliceLoader final : public DataLoader {
  public:
   TensorSliceLoader(std::unique_ptr<DataLoader> inner, int64_t tp, int64_t rank)

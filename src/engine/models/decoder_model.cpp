@@ -475,8 +475,10 @@ MoeDecoderModel::ForwardCursor MoeDecoderModel::begin_forward(const ChunkSpec& c
     MT_CHECK(placement_.embed, "an embed chunk on a rank without the embedding");
     if (hooks_) hooks_->before_forward(-1);
     if (tensor_) {  // every row's lookup in this rank's vocabulary rows, summed into this rank's rows
-      f.x = tensor_->reduce_scatter_rows(
-          ops::embedding_forward(batch.inputs, embed_, tensor_->vocab(spec_.vocab_size)));
+      const ops::VocabShard shard = tensor_->vocab(spec_.vocab_size);
+      f.x = tensor_->reduce_scatter_rows(batch.inputs.numel(), [&](int64_t r0, int64_t n) {
+        return ops::embedding_forward(batch.inputs.slice(r0, r0 + n), embed_, shard);
+      });
     } else {
       f.x = ops::embedding_forward(batch.inputs, embed_);
     }
@@ -542,10 +544,12 @@ Tensor MoeDecoderModel::vocab_parallel_head(ForwardCursor& f, const Tensor& h) {
   const ops::VocabShard shard = tensor_->vocab(spec_.vocab_size);
   if (f.pass.training && hooks_) hooks_->before_backward(-1);
   StageScope t(Stage::kLoss);
-  const Tensor h_all = tensor_->gather_rows(h);
-  const Tensor logits = ops::linear_forward(h_all, lm_head_);
+  const int64_t T = batch.targets.numel();
+  Tensor logits = Tensor::empty({T, lm_head_.size(0)}, h.dtype(), h.device());
+  const Tensor h_all = tensor_->gather_rows(h, [&](int64_t r0, const Tensor& rows) {
+    logits.slice(r0, r0 + rows.size(0)).copy_from(ops::linear_forward(rows, lm_head_));
+  });
   const ops::VocabShardStats stats = ops::vocab_shard_stats(logits, batch.targets, shard);
-  const int64_t T = h_all.size(0);
   const Tensor lse = tensor_->gather_rows(stats.lse.view({1, T}));
   const Tensor target_logit = tensor_->gather_rows(stats.target_logit.view({1, T}));
   ops::CrossEntropyOut ce = ops::vocab_parallel_loss(lse, target_logit, batch.slice_targets);
@@ -556,7 +560,8 @@ Tensor MoeDecoderModel::vocab_parallel_head(ForwardCursor& f, const Tensor& h) {
   }
   const Tensor d_logits = ops::vocab_shard_backward(logits, batch.targets, ce.lse, shard, f.pass.ce_scale);
   ops::linear_backward_weight(d_logits, h_all, g_lm_head_, f.pass.head_accumulate);
-  return tensor_->reduce_scatter_rows(ops::linear_backward_input(d_logits, lm_head_));
+  return tensor_->reduce_scatter_rows(
+      T, [&](int64_t r0, int64_t n) { return ops::linear_backward_input(d_logits.slice(r0, r0 + n), lm_head_); });
 }
 
 // Module k's loss, weighted mtp_loss_weight / D and divided as the main cross-entropy; its

@@ -109,10 +109,22 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
     StageScope t(Stage::kNorms);
     s.ln1 = ops::rmsnorm_forward(x, ln1_w_, eps);
   }
-  if (b.tensor) s.ln1_all = b.tensor->gather_rows(s.ln1.y);
-  {
+  if (b.tensor) {  // every row's q/k/v of this rank's heads, a slice's GEMMs under the next slice's transfer
     StageScope t(Stage::kAttention);
-    const Projections::Input in = proj_->rows(b.tensor ? s.ln1_all : s.ln1.y);  // quantized once for the three
+    const int64_t T = b.tokens();
+    s.q_raw = Tensor::empty({T, wq_.size(0)}, x.dtype(), x.device());
+    s.k_raw = Tensor::empty({T, wk_.size(0)}, x.dtype(), x.device());
+    s.v = Tensor::empty({T, wv_.size(0)}, x.dtype(), x.device());
+    s.ln1_all = b.tensor->gather_rows(s.ln1.y, [&](int64_t r0, const Tensor& rows) {
+      const Projections::Input in = proj_->rows(rows);
+      const int64_t r1 = r0 + rows.size(0);
+      s.q_raw.slice(r0, r1).copy_from(proj_->forward(in, wq_));
+      s.k_raw.slice(r0, r1).copy_from(proj_->forward(in, wk_));
+      s.v.slice(r0, r1).copy_from(proj_->forward(in, wv_));
+    });
+  } else {
+    StageScope t(Stage::kAttention);
+    const Projections::Input in = proj_->rows(s.ln1.y);  // quantized once for the three
     s.q_raw = proj_->forward(in, wq_);
     s.k_raw = proj_->forward(in, wk_);
     s.v = proj_->forward(in, wv_);
@@ -127,8 +139,10 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
   {
     StageScope t(Stage::kAttention);
     s.attn = attend(s.q, s.k, s.v, b, attn_shape(b));
-    if (b.tensor) {
-      s.h = b.tensor->reduce_scatter_rows(proj_->forward(s.attn.out, wo_));
+    if (b.tensor) {  // this rank's heads' part of every row, summed over the ranks into this rank's rows
+      s.h = b.tensor->reduce_scatter_rows(b.tokens(), [&](int64_t r0, int64_t n) {
+        return proj_->forward(s.attn.out.slice(r0, r0 + n), wo_);
+      });
       ops::add_(s.h, x);
     } else {
       s.h = proj_->forward(s.attn.out, wo_, x);  // residual added in the GEMM epilogue
@@ -183,10 +197,17 @@ Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, Tens
     s.d_h = ops::rmsnorm_backward_input(s.d_ln2_out, s.h, ln2_w_, s.ln2.rstd, dy_residual);
   }
   Tensor d_q, d_k;
-  if (b.tensor) s.d_h_all = b.tensor->gather_rows(s.d_h);
   {
     StageScope t(Stage::kAttention);
-    Tensor d_attn = proj_->backward_input(b.tensor ? s.d_h_all : s.d_h, wo_);
+    Tensor d_attn;
+    if (b.tensor) {  // every row's d attention of this rank's heads, under the slices' transfers
+      d_attn = Tensor::empty(s.attn.out.shape(), s.attn.out.dtype(), s.attn.out.device());
+      s.d_h_all = b.tensor->gather_rows(s.d_h, [&](int64_t r0, const Tensor& rows) {
+        d_attn.slice(r0, r0 + rows.size(0)).copy_from(proj_->backward_input(rows, wo_));
+      });
+    } else {
+      d_attn = proj_->backward_input(s.d_h, wo_);
+    }
     ops::AttentionGrads g =
         attend_backward(d_attn, s.q, s.k, s.v, b, s.attn.out, s.attn.lse, attn_shape(b));
     s.d_v = g.dv;
@@ -206,11 +227,16 @@ Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, Tens
   }
   {
     StageScope t(Stage::kAttention);
-    s.d_ln1_out = proj_->backward_input(s.d_q_raw, wq_);
-    proj_->backward_input_add(s.d_k_raw, wk_, s.d_ln1_out);
-    proj_->backward_input_add(s.d_v, wv_, s.d_ln1_out);
+    // d n1 of rows [r0, r0 + n): this rank's heads' part (summed over the ranks under tp).
+    auto d_ln1 = [&](int64_t r0, int64_t n) {
+      auto rows = [&](const Tensor& d) { return n == s.d_q_raw.size(0) ? d : d.slice(r0, r0 + n); };
+      Tensor d = proj_->backward_input(rows(s.d_q_raw), wq_);
+      proj_->backward_input_add(rows(s.d_k_raw), wk_, d);
+      proj_->backward_input_add(rows(s.d_v), wv_, d);
+      return d;
+    };
+    s.d_ln1_out = b.tensor ? b.tensor->reduce_scatter_rows(b.tokens(), d_ln1) : d_ln1(0, s.d_q_raw.size(0));
   }
-  if (b.tensor) s.d_ln1_out = b.tensor->reduce_scatter_rows(s.d_ln1_out);  // this rank's heads' part, summed
   StageScope t(Stage::kNorms);
   return ops::rmsnorm_backward_input(s.d_ln1_out, s.x, ln1_w_, s.ln1.rstd, s.d_h);
 }

@@ -49,61 +49,8 @@ ops::AttentionPart part_of(int64_t me, int64_t owner, int64_t n, const Tensor& s
 
 }  // namespace
 
-// Tensors on their way from the previous rank while the ones in hand leave for the next. On
-// a GPU the transfers run on the ring's own stream, after the compute stream's work so far;
-// wait() makes the compute stream wait for them (not the host), and the tensors are kept
-// until then so that the stream-ordered allocator reuses none of them under a transfer.
-struct ContextAttention::Hop {
-  std::unique_ptr<P2pRequest> request;
-  cuda::Event arrived = nullptr;
-  std::vector<Tensor> keep;
-  void wait() {
-    if (request) request->wait();
-    request.reset();
-    if (arrived != nullptr) {
-      CollectiveTimer::wait(Collective::kContextRing, cuda::current_stream(), arrived);
-      cuda::destroy_event(arrived);
-      arrived = nullptr;
-    }
-    keep.clear();
-  }
-  Hop() = default;
-  Hop(Hop&& o) noexcept : request(std::move(o.request)), arrived(o.arrived), keep(std::move(o.keep)) {
-    o.arrived = nullptr;
-  }
-  Hop& operator=(Hop&& o) noexcept {
-    if (this != &o) {
-      finish();
-      request = std::move(o.request);
-      arrived = o.arrived;
-      keep = std::move(o.keep);
-      o.arrived = nullptr;
-    }
-    return *this;
-  }
-  ~Hop() { finish(); }
-
- private:
-  void finish() noexcept {
-    try {
-      wait();
-    } catch (const std::exception& e) {
-      spdlog::error("context attention: a ring transfer failed: {}", e.what());
-    }
-  }
-};
-
-ContextAttention::ContextAttention(Communicator& group) : group_(group) {}
-ContextAttention::~ContextAttention() {
-  if (stream_ != nullptr) {
-    try {
-      cuda::stream_synchronize(stream_);
-      cuda::destroy_stream(stream_);
-    } catch (const std::exception& e) {
-      spdlog::error("context attention: releasing the ring's stream: {}", e.what());
-    }
-  }
-}
+ContextAttention::ContextAttention(Communicator& group) : group_(group), ring_(group, Collective::kContextRing) {}
+ContextAttention::~ContextAttention() = default;
 
 Tensor ContextAttention::gathered(const Tensor& x) const {
   Shape s = x.shape();
@@ -111,35 +58,6 @@ Tensor ContextAttention::gathered(const Tensor& x) const {
   Tensor out = Tensor::empty(s, x.dtype(), x.device());
   group_.all_gather(x, out);
   return out;
-}
-
-// Sends `sends` to the next rank and receives the previous rank's into `recvs`.
-ContextAttention::Hop ContextAttention::pass_on(std::vector<Tensor> sends, std::vector<Tensor> recvs,
-                                                uint32_t first_tag) const {
-  const int n = group_.size(), r = group_.rank();
-  const int next = (r + 1) % n, prev = (r + n - 1) % n;
-  double bytes = 0;
-  for (const Tensor& t : sends) bytes += static_cast<double>(t.nbytes());
-  CollectiveTimer::count_bytes(Collective::kContextRing, bytes);
-  Hop h;
-  if (!sends.front().device().is_cpu()) {
-    if (stream_ == nullptr) stream_ = cuda::create_stream();
-    cuda::Event ready = cuda::create_sync_event();
-    cuda::record_event(ready, cuda::current_stream());
-    cuda::stream_wait_event(stream_, ready);  // the blocks are made and the buffers allocated
-    cuda::destroy_event(ready);               // released once the wait has passed it
-    {
-      CollectiveScope scope(Collective::kContextRing, stream_, /*on_compute=*/false);
-      h.request = group_.send_recv(sends, next, recvs, prev, first_tag, stream_);
-    }
-    h.arrived = cuda::create_sync_event();
-    cuda::record_event(h.arrived, stream_);
-  } else {
-    h.request = group_.send_recv(sends, next, recvs, prev, first_tag);
-  }
-  h.keep = std::move(sends);
-  h.keep.insert(h.keep.end(), recvs.begin(), recvs.end());
-  return h;
 }
 
 // Step s attends to the keys of rank r - s, which came round the ring while step s - 1
@@ -152,11 +70,11 @@ ops::AttentionOut ContextAttention::forward(const Tensor& q, const Tensor& k, co
   ops::AttentionOut acc;
   for (int64_t s = 0; s < n; ++s) {
     Tensor k_next, v_next;
-    Hop hop;
+    Ring::Hop hop;
     if (s + 1 < n) {  // the next block under way while this one is attended to
       k_next = like(k);
       v_next = like(v);
-      hop = pass_on({k_now, v_now}, {k_next, v_next}, tag(s, kKeys));
+      hop = ring_.pass_on({k_now, v_now}, {k_next, v_next}, tag(s, kKeys));
     }
     const int64_t owner = (r - s + n) % n;
     const ops::AttentionPart part = part_of(r, owner, shape.seq, segments, all_segments);
@@ -184,15 +102,15 @@ ops::AttentionGrads ContextAttention::backward(const Tensor& dout, const Tensor&
   const Tensor all_segments = segments.defined() ? gathered(segments) : Tensor();
   Tensor k_now = k, v_now = v;
   Tensor dk_sum, dv_sum;  // the gradient sums of the block in hand, as they arrived
-  Hop sums;               // the sums on their way (sent at the end of the step before)
+  Ring::Hop sums;         // the sums on their way (sent at the end of the step before)
   ops::AttentionGrads g;
   for (int64_t s = 0; s < n; ++s) {
     Tensor k_next, v_next;
-    Hop keys;
+    Ring::Hop keys;
     if (s + 1 < n) {
       k_next = like(k);
       v_next = like(v);
-      keys = pass_on({k_now, v_now}, {k_next, v_next}, tag(s, kKeys));
+      keys = ring_.pass_on({k_now, v_now}, {k_next, v_next}, tag(s, kKeys));
     }
     const int64_t owner = (r - s + n) % n;
     const ops::AttentionPart part = part_of(r, owner, shape.seq, segments, all_segments);
@@ -215,7 +133,7 @@ ops::AttentionGrads ContextAttention::backward(const Tensor& dout, const Tensor&
     }
     dk_sum = sum_like(block.dk);
     dv_sum = sum_like(block.dv);
-    sums = pass_on({dk_send, dv_send}, {dk_sum, dv_sum}, tag(s, kKeyGrads));
+    sums = ring_.pass_on({dk_send, dv_send}, {dk_sum, dv_sum}, tag(s, kKeyGrads));
     keys.wait();
     k_now = std::move(k_next);
     v_now = std::move(v_next);

@@ -18,6 +18,7 @@
 #include "comm/communicator.h"
 #include "core/cuda_runtime.h"
 #include "engine/models/model.h"
+#include "engine/parallel/ring.h"
 #include "ops/ops.h"
 
 namespace moetrain {
@@ -47,12 +48,10 @@ class ContextAttention {
   int size() const { return group_.size(); }
 
  private:
-  struct Hop;
   // Every rank's rows of `x`, back to back in rank order.
   Tensor gathered(const Tensor& x) const;
-  Hop pass_on(std::vector<Tensor> sends, std::vector<Tensor> recvs, uint32_t first_tag) const;
   Communicator& group_;
-  mutable cuda::Stream stream_ = nullptr;  // the ring's transfers on a GPU, made at first use
+  Ring ring_;  // the blocks' transfers
 };
 
 // A decoder layer's attention core for batch `b`: over the CP group when b carries places

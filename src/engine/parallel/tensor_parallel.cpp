@@ -1,6 +1,7 @@
 #include "engine/parallel/tensor_parallel.h"
 
 #include "core/error.h"
+#include "ops/ops.h"
 #include "engine/telemetry/collective_timer.h"
 
 namespace moetrain {
@@ -33,6 +34,49 @@ Tensor TensorParallel::reduce_scatter_rows(const Tensor& partial) const {
   CollectiveTimer::count_bytes(Collective::kTensorParallel, static_cast<double>(out.nbytes()) * (size() - 1));
   group_.reduce_scatter(partial, out);
   return out;
+}
+
+Tensor TensorParallel::gather_rows(const Tensor& slice, const EachSlice& each) const {
+  MT_CHECK(slice.defined() && slice.ndim() >= 1, "tensor parallelism: gather_rows of {}", slice.str());
+  const int R = size(), r = rank();
+  const int64_t n = slice.size(0);
+  Shape whole_shape = slice.shape();
+  whole_shape[0] *= R;
+  Tensor whole = Tensor::empty(whole_shape, slice.dtype(), slice.device());
+  Tensor in_hand = whole.slice(r * n, (r + 1) * n);
+  in_hand.copy_from(slice);
+  for (int s = 0; s < R; ++s) {
+    const int owner = (r - s + R) % R, next_owner = (r - s - 1 + R) % R;
+    Ring::Hop hop;
+    Tensor arriving;
+    if (s + 1 < R) {  // the next slice under way while this one is worked on
+      arriving = whole.slice(next_owner * n, (next_owner + 1) * n);
+      hop = ring_.pass_on({in_hand}, {arriving}, static_cast<uint32_t>(s));
+    }
+    each(owner * n, in_hand);
+    hop.wait();
+    in_hand = arriving;
+  }
+  return whole;
+}
+
+Tensor TensorParallel::reduce_scatter_rows(int64_t rows, const PartialSlice& partial) const {
+  const int R = size(), r = rank();
+  const int64_t n = slice_rows(rows);
+  Tensor arrived;  // the running sum of the slice handled next, from the previous rank
+  Ring::Hop hop;
+  for (int s = 0; s < R; ++s) {
+    const int j = (r - 1 - s + 2 * R) % R;  // the slice whose sum this step adds to (own last)
+    Tensor sum = partial(j * n, n);          // made while the sum before it travels
+    MT_CHECK(sum.defined() && sum.ndim() >= 1 && sum.size(0) == n,
+             "tensor parallelism: a partial sum of {} rows from row {} is {}", n, j * n, sum.str());
+    hop.wait();
+    if (s > 0) ops::add_(sum, arrived);
+    if (s + 1 == R) return sum;
+    arrived = Tensor::empty(sum.shape(), sum.dtype(), sum.device());
+    hop = ring_.pass_on({sum}, {arrived}, static_cast<uint32_t>(s));
+  }
+  MT_THROW("tensor parallelism: a reduce-scatter over {} ranks", R);
 }
 
 }  // namespace moetrain

@@ -8,13 +8,20 @@
 // (o_proj, down_proj, the vocabulary-parallel embedding) leaves each rank a partial sum of
 // every row: reduce_scatter_rows sums them over the ranks and keeps this rank's slice. The
 // backward of a gather is a reduce-scatter and the other way round. Timed as
-// "tensor_parallel" (engine/telemetry/collective_timer.h), on the compute stream for now.
+// "tensor_parallel" (engine/telemetry/collective_timer.h).
+//
+// Overlapped forms (as async-TP does): the slices go round the ranks as a ring (engine/
+// parallel/ring.h; on a GPU on the ring's stream) while the GEMM of the slice in hand runs,
+// so a GEMM split by row slices hides the transfer of the next slice; the plain forms are
+// single collectives on the compute stream, for what has no GEMM to hide under.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
 #include "comm/communicator.h"
 #include "core/tensor.h"
+#include "engine/parallel/ring.h"
 #include "ops/ops.h"
 
 namespace moetrain {
@@ -22,7 +29,7 @@ namespace moetrain {
 class TensorParallel {
  public:
   // `group`: the tp ranks in rank order (tp coordinate 0 first). Not owned.
-  explicit TensorParallel(Communicator& group) : group_(group) {}
+  explicit TensorParallel(Communicator& group) : group_(group), ring_(group, Collective::kTensorParallel) {}
 
   int size() const { return group_.size(); }
   int rank() const { return group_.rank(); }
@@ -37,8 +44,21 @@ class TensorParallel {
   // Partial sums [tp n, ...] -> their sum over the ranks, this rank's rows [n, ...].
   Tensor reduce_scatter_rows(const Tensor& partial) const;
 
+  // The whole [tp n, ...] as gather_rows, round the ring: `each(first_row, rows)` runs on
+  // every slice while the next one travels (this rank's own first, then the one that came
+  // from the previous rank, and so on).
+  using EachSlice = std::function<void(int64_t first_row, const Tensor& rows)>;
+  Tensor gather_rows(const Tensor& slice, const EachSlice& each) const;
+  // The sum over the ranks of their partial sums of this rank's rows, round the ring: each
+  // rank makes `partial(first_row, n)` ([n, ...], rows [first_row, first_row + n) of its
+  // partial sums) for the slice whose running sum arrives next, while the one before travels;
+  // the sum for a slice is its rank's own partial plus what came round, in ring order.
+  using PartialSlice = std::function<Tensor(int64_t first_row, int64_t n)>;
+  Tensor reduce_scatter_rows(int64_t rows, const PartialSlice& partial) const;
+
  private:
   Communicator& group_;
+  Ring ring_;
 };
 
 }  // namespace moetrain
