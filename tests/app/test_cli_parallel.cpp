@@ -547,11 +547,37 @@ TEST_F(ParallelCli, ATensorParallelLayoutThatDoesNotSplitIsNamed) {
   EXPECT_NE(cp.status, 0);
   EXPECT_NE(cp.output.find("tensor and context parallelism together are not built yet"), std::string::npos)
       << cp.output;
-  const std::string dsv3 = "--config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/dsv3-tiny.toml";
-  Result mla = launch(2, train_args("bad_mla", 1, "--parallel.tp=2", dsv3));
-  EXPECT_NE(mla.status, 0);
-  EXPECT_NE(mla.output.find("the deepseek_v3 family has no tensor-parallel layers yet"), std::string::npos)
-      << mla.output;
+  const std::string dsv3 = "--config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/dsv3-tiny.toml " + kTpModel;
+  Result mtp = launch(2, train_args("bad_mtp", 1, "--parallel.tp=2", dsv3));
+  EXPECT_NE(mtp.status, 0);
+  EXPECT_NE(mtp.output.find("[model].num_nextn_predict_layers = 1 under tensor parallelism is not built yet"),
+            std::string::npos)
+      << mtp.output;
+}
+
+// DeepSeek-V3 under tensor parallelism: MLA's query and key/value up-projections (q_b_proj or
+// q_proj, kv_b_proj) split by heads and o_proj by rows; the latents' down-projections and
+// norms (q_a_proj, kv_a_proj_with_mqa with k_pe's rows) held whole and made for every row on
+// every tp rank, their gradients (each rank's heads' part) summed over the tp group; the shared
+// experts whole on each rank's rows; the dense first layer by columns; routed experts over tp x
+// ep. Against one process: tp2 with and without the query latent, and tp2 x ep2.
+TEST_F(ParallelCli, DeepseekV3TensorParallelLayoutsMatchOneProcess) {
+  const std::string dsv3 = "--config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs/dsv3-tiny.toml " + kTpModel +
+                           " --model.num_nextn_predict_layers=0";
+  for (const auto& [name, model] : std::vector<std::pair<std::string, std::string>>{
+           {"mla", dsv3}, {"mla_no_q_latent", dsv3 + " --model.q_lora_rank=0"}}) {
+    SCOPED_TRACE(name);
+    Result one = launch(1, train_args(name + "_one", 1, "", model));
+    ASSERT_EQ(one.status, 0) << one.output;
+    Result tp2 = launch(2, train_args(name + "_tp2", 1, "--parallel.tp=2", model));
+    ASSERT_EQ(tp2.status, 0) << tp2.output;
+    EXPECT_NE(tp2.output.find("info replicas: "), std::string::npos) << tp2.output;
+    expect_same_run(name + "_one", name + "_tp2");
+    if (name != "mla") continue;
+    Result folded = launch(4, train_args(name + "_tp2_ep2", 2, "--parallel.tp=2 --parallel.ep=2", model));
+    ASSERT_EQ(folded.status, 0) << folded.output;
+    expect_same_run(name + "_one", name + "_tp2_ep2");
+  }
 }
 
 // A DeepSeek-V3 checkpoint written under ep2 (experts split, the routing biases with the

@@ -22,9 +22,13 @@ constexpr double kLatentNormEps = 1e-6;
 DeepseekV3DecoderLayer::DeepseekV3DecoderLayer(const DeepseekV3Config& cfg, int64_t layer_id, DType dtype,
                                                Device device, const ModelPlacement& placement,
                                                const Projections* projections)
-    : cfg_(cfg), id_(layer_id), moe_(cfg.is_moe_layer(layer_id)),
-      proj_(projections != nullptr ? projections : &bf16_projections()) {
-  const int64_t H = cfg.hidden_size, heads = cfg.num_attention_heads, qk = cfg.qk_head_dim();
+    : cfg_(cfg), id_(layer_id), moe_(cfg.is_moe_layer(layer_id)), tp_(placement.tp_size),
+      tp_rank_(placement.tp_rank), proj_(projections != nullptr ? projections : &bf16_projections()) {
+  MT_CHECK(cfg.num_attention_heads % tp_ == 0 && cfg.intermediate_size % tp_ == 0,
+           "layer {}: {} heads and an MLP width of {} do not split over tp = {} ranks", layer_id,
+           cfg.num_attention_heads, cfg.intermediate_size, tp_);
+  heads_ = cfg.num_attention_heads / tp_;
+  const int64_t H = cfg.hidden_size, heads = heads_, qk = cfg.qk_head_dim();
   const int64_t rope = cfg.qk_rope_head_dim, r = cfg.kv_lora_rank;
   int64_t E = 1;
   if (moe_) {
@@ -32,30 +36,32 @@ DeepseekV3DecoderLayer::DeepseekV3DecoderLayer(const DeepseekV3Config& cfg, int6
     E = mine.count;
     first_expert_ = mine.first;
   }
-  inter_ = moe_ ? cfg.moe_intermediate_size : cfg.intermediate_size;
+  inter_ = moe_ ? cfg.moe_intermediate_size : cfg.intermediate_size / tp_;
   // Attention, router and shared experts are replicated over expert-parallel ranks, the
-  // routed experts are not: separate buckets (a dense MLP stays with the attention).
+  // routed experts are not: separate buckets (a dense MLP stays with the attention). Under
+  // tensor parallelism what every tp rank holds whole gets a third bucket.
   const std::string name = fmt::format("model.layers.{}", layer_id);
-  BucketBuilder dense(name, false), experts(name + ".experts", true);
-  dense.add(&ln1_w_, &g_ln1_w_, {H});
+  BucketBuilder dense(name, false), experts(name + ".experts", true), whole(name + ".tp_whole", false, true);
+  BucketBuilder& held = tp_ > 1 ? whole : dense;
+  held.add(&ln1_w_, &g_ln1_w_, {H});
   if (cfg.q_lora_rank > 0) {
-    dense.add(&wq_a_, &g_wq_a_, {cfg.q_lora_rank, H});
-    dense.add(&q_a_norm_w_, &g_q_a_norm_w_, {cfg.q_lora_rank});
+    held.add(&wq_a_, &g_wq_a_, {cfg.q_lora_rank, H});
+    held.add(&q_a_norm_w_, &g_q_a_norm_w_, {cfg.q_lora_rank});
     dense.add(&wq_b_, &g_wq_b_, {heads * qk, cfg.q_lora_rank});
   } else {
     dense.add(&wq_, &g_wq_, {heads * qk, H});
   }
-  dense.add(&wkv_a_, &g_wkv_a_, {r + rope, H});
-  dense.add(&kv_a_norm_w_, &g_kv_a_norm_w_, {r});
+  held.add(&wkv_a_, &g_wkv_a_, {r + rope, H});
+  held.add(&kv_a_norm_w_, &g_kv_a_norm_w_, {r});
   dense.add(&wkv_b_, &g_wkv_b_, {heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), r});
   dense.add(&wo_, &g_wo_, {H, heads * cfg.v_head_dim});
-  dense.add(&ln2_w_, &g_ln2_w_, {H});
-  if (moe_) dense.add(&gate_w_, &g_gate_w_, {cfg.n_routed_experts, H});
-  if (has_shared()) {
+  held.add(&ln2_w_, &g_ln2_w_, {H});
+  if (moe_) held.add(&gate_w_, &g_gate_w_, {cfg.n_routed_experts, H});
+  if (has_shared()) {  // on this rank's rows, whole (no exchange: data-parallel over the tp ranks)
     const int64_t Is = cfg.n_shared_experts * cfg.moe_intermediate_size;
-    dense.add(&ws_gate_, &g_ws_gate_, {1, Is, H});
-    dense.add(&ws_up_, &g_ws_up_, {1, Is, H});
-    dense.add(&ws_down_, &g_ws_down_, {1, H, Is});
+    held.add(&ws_gate_, &g_ws_gate_, {1, Is, H});
+    held.add(&ws_up_, &g_ws_up_, {1, Is, H});
+    held.add(&ws_down_, &g_ws_down_, {1, H, Is});
   }
   BucketBuilder& mlp = moe_ ? experts : dense;
   mlp.add(&w_gate_, &g_w_gate_, {E, inter_, H});
@@ -63,6 +69,7 @@ DeepseekV3DecoderLayer::DeepseekV3DecoderLayer(const DeepseekV3Config& cfg, int6
   mlp.add(&w_down_, &g_w_down_, {E, H, inter_});
   if (moe_) score_bias_ = Tensor::zeros({cfg.n_routed_experts}, DType::F32, device);
   buckets_.push_back(dense.build(dtype, device, placement.bucket_pad));
+  if (!whole.empty()) buckets_.push_back(whole.build(dtype, device, placement.bucket_pad));
   if (moe_) buckets_.push_back(experts.build(dtype, device, placement.bucket_pad));
 
   // RoPE on the last qk_rope_head_dim dims of each query head, and on the shared k_pe.
@@ -77,21 +84,23 @@ DeepseekV3DecoderLayer::DeepseekV3DecoderLayer(const DeepseekV3Config& cfg, int6
 void DeepseekV3DecoderLayer::collect_parameters(ParameterList& out) {
   const std::string p = fmt::format("model.layers.{}.", id_);
   const double std = cfg_.initializer_range;
-  auto add = [&](const std::string& name, const Tensor& w, const Tensor& g, bool is_norm) {
-    out.push_back({p + name, w, g, !is_norm, is_norm ? 0.0 : std});
+  // split_dim: under tensor parallelism, the dimension this rank's piece cuts (-1: whole).
+  auto add = [&](const std::string& name, const Tensor& w, const Tensor& g, bool is_norm, int split_dim = -1) {
+    Parameter param{p + name, w, g, !is_norm, is_norm ? 0.0 : std};
+    out.push_back(split_dim < 0 ? param : tp_piece(std::move(param), split_dim, tp_rank_, tp_));
   };
   add("input_layernorm.weight", ln1_w_, g_ln1_w_, true);
   if (cfg_.q_lora_rank > 0) {
     add("self_attn.q_a_proj.weight", wq_a_, g_wq_a_, false);
     add("self_attn.q_a_layernorm.weight", q_a_norm_w_, g_q_a_norm_w_, true);
-    add("self_attn.q_b_proj.weight", wq_b_, g_wq_b_, false);
+    add("self_attn.q_b_proj.weight", wq_b_, g_wq_b_, false, 0);  // by heads
   } else {
-    add("self_attn.q_proj.weight", wq_, g_wq_, false);
+    add("self_attn.q_proj.weight", wq_, g_wq_, false, 0);
   }
   add("self_attn.kv_a_proj_with_mqa.weight", wkv_a_, g_wkv_a_, false);
   add("self_attn.kv_a_layernorm.weight", kv_a_norm_w_, g_kv_a_norm_w_, true);
-  add("self_attn.kv_b_proj.weight", wkv_b_, g_wkv_b_, false);
-  add("self_attn.o_proj.weight", wo_, g_wo_, false);
+  add("self_attn.kv_b_proj.weight", wkv_b_, g_wkv_b_, false, 0);
+  add("self_attn.o_proj.weight", wo_, g_wo_, false, 1);
   add("post_attention_layernorm.weight", ln2_w_, g_ln2_w_, true);
   if (moe_) {
     add("mlp.gate.weight", gate_w_, g_gate_w_, false);
@@ -107,14 +116,14 @@ void DeepseekV3DecoderLayer::collect_parameters(ParameterList& out) {
       add("mlp.shared_experts.down_proj.weight", ws_down_.select(0), g_ws_down_.select(0), false);
     }
   } else {
-    add("mlp.gate_proj.weight", w_gate_.select(0), g_w_gate_.select(0), false);
-    add("mlp.up_proj.weight", w_up_.select(0), g_w_up_.select(0), false);
-    add("mlp.down_proj.weight", w_down_.select(0), g_w_down_.select(0), false);
+    add("mlp.gate_proj.weight", w_gate_.select(0), g_w_gate_.select(0), false, 0);
+    add("mlp.up_proj.weight", w_up_.select(0), g_w_up_.select(0), false, 0);
+    add("mlp.down_proj.weight", w_down_.select(0), g_w_down_.select(0), false, 1);
   }
 }
 
 ops::AttentionShape DeepseekV3DecoderLayer::attn_shape(const BatchShape& b) const {
-  ops::AttentionShape a{b.batch, b.seq, cfg_.num_attention_heads, cfg_.num_attention_heads, cfg_.qk_head_dim(),
+  ops::AttentionShape a{b.batch, b.seq, heads_, heads_, cfg_.qk_head_dim(),
                         cfg_.softmax_scale()};
   a.v_head_dim = cfg_.v_head_dim;
   return a;
@@ -136,26 +145,52 @@ void DeepseekV3DecoderLayer::attn_forward(const Tensor& x, const Tensor& positio
     StageScope t(Stage::kNorms);
     s.ln1 = ops::rmsnorm_forward(x, ln1_w_, eps);
   }
-  Tensor q_raw;
   {
     StageScope t(Stage::kAttention);
-    const Projections::Input in = proj_->rows(s.ln1.y);  // quantized once for the three
-    if (cfg_.q_lora_rank > 0) {
-      s.q_a = proj_->forward(in, wq_a_);
-      s.q_a_norm = ops::rmsnorm_forward(s.q_a, q_a_norm_w_, kLatentNormEps);
-      q_raw = proj_->forward(s.q_a_norm.y, wq_b_);
+    // The first projections of every row: the query latent (or the queries without one), the
+    // key/value latent and k_pe. Under tensor parallelism each rank makes them for every row
+    // (their weights held whole), a slice's GEMMs under the next slice's transfer.
+    const bool q_latent = cfg_.q_lora_rank > 0;
+    const Tensor& w_q_first = q_latent ? wq_a_ : wq_;
+    Tensor q_first;
+    if (b.tensor) {
+      const int64_t T = b.tokens();
+      q_first = Tensor::empty({T, w_q_first.size(0)}, x.dtype(), x.device());
+      s.c_kv = Tensor::empty({T, cfg_.kv_lora_rank}, x.dtype(), x.device());
+      s.k_pe = Tensor::empty({T, cfg_.qk_rope_head_dim}, x.dtype(), x.device());
+      s.ln1_all = b.tensor->gather_rows(s.ln1.y, [&](int64_t r0, const Tensor& rows) {
+        const Projections::Input in = proj_->rows(rows);
+        const int64_t r1 = r0 + rows.size(0);
+        q_first.slice(r0, r1).copy_from(proj_->forward(in, w_q_first));
+        s.c_kv.slice(r0, r1).copy_from(proj_->forward(in, kv_a_latent(wkv_a_)));
+        s.k_pe.slice(r0, r1).copy_from(proj_->forward(in, kv_a_rope(wkv_a_)));
+      });
     } else {
-      q_raw = proj_->forward(in, wq_);
+      const Projections::Input in = proj_->rows(s.ln1.y);  // quantized once for the three
+      q_first = proj_->forward(in, w_q_first);
+      s.c_kv = proj_->forward(in, kv_a_latent(wkv_a_));
+      s.k_pe = proj_->forward(in, kv_a_rope(wkv_a_));
+    }
+    Tensor q_raw = q_first;
+    if (q_latent) {
+      s.q_a = q_first;
+      s.q_a_norm = ops::rmsnorm_forward(s.q_a, q_a_norm_w_, kLatentNormEps);
+      q_raw = proj_->forward(s.q_a_norm.y, wq_b_);  // this rank's heads
     }
     s.q = ops::rope_forward(q_raw, positions, q_rope_);
-    s.c_kv = proj_->forward(in, kv_a_latent(wkv_a_));
-    s.k_pe = proj_->forward(in, kv_a_rope(wkv_a_));
     s.kv_a_norm = ops::rmsnorm_forward(s.c_kv, kv_a_norm_w_, kLatentNormEps);
     Tensor kv = proj_->forward(s.kv_a_norm.y, wkv_b_);
-    s.kv = ops::mla_kv_forward(kv, ops::rope_forward(s.k_pe, positions, k_rope_), cfg_.num_attention_heads,
-                               cfg_.qk_nope_head_dim, cfg_.v_head_dim);
+    s.kv = ops::mla_kv_forward(kv, ops::rope_forward(s.k_pe, positions, k_rope_), heads_, cfg_.qk_nope_head_dim,
+                               cfg_.v_head_dim);
     s.attn = attend(s.q, s.kv.k, s.kv.v, b, attn_shape(b));
-    s.h = proj_->forward(s.attn.out, wo_, x);  // residual added in the GEMM epilogue
+    if (b.tensor) {  // this rank's heads' part of every row, summed over the ranks into this rank's rows
+      s.h = b.tensor->reduce_scatter_rows(b.tokens(), [&](int64_t r0, int64_t n) {
+        return proj_->forward(s.attn.out.slice(r0, r0 + n), wo_);
+      });
+      ops::add_(s.h, x);
+    } else {
+      s.h = proj_->forward(s.attn.out, wo_, x);  // residual added in the GEMM epilogue
+    }
   }
   {
     StageScope t(Stage::kNorms);
@@ -165,7 +200,7 @@ void DeepseekV3DecoderLayer::attn_forward(const Tensor& x, const Tensor& positio
   }
   if (has_shared()) {
     StageScope t(Stage::kExpertGemm);
-    s.shared = ops::grouped_swiglu_forward(s.ln2.y, shared_counts(b.tokens()), ws_gate_, ws_up_, ws_down_);
+    s.shared = ops::grouped_swiglu_forward(s.ln2.y, shared_counts(b.rows()), ws_gate_, ws_up_, ws_down_);
     s.residual = s.shared.y.clone();
     ops::add_(s.residual, s.h);
   }
@@ -214,7 +249,7 @@ Tensor DeepseekV3DecoderLayer::attn_backward_input(const Tensor& dy_residual, Te
   if (has_shared()) {  // the shared experts' output is part of the residual: d shared.y = dy
     StageScope t(Stage::kExpertGemm);
     s.d_layer_out = dy_residual;
-    s.d_shared = ops::grouped_swiglu_backward_input(dy_residual, shared_counts(b.tokens()), s.shared.gate,
+    s.d_shared = ops::grouped_swiglu_backward_input(dy_residual, shared_counts(b.rows()), s.shared.gate,
                                                     s.shared.up, ws_gate_, ws_up_, ws_down_);
     ops::add_(s.d_ln2_out, s.d_shared.dx);
   }
@@ -224,13 +259,20 @@ Tensor DeepseekV3DecoderLayer::attn_backward_input(const Tensor& dy_residual, Te
   }
   {
     StageScope t(Stage::kAttention);
-    Tensor d_attn = proj_->backward_input(s.d_h, wo_);
+    Tensor d_attn;
+    if (b.tensor) {  // every row's d attention of this rank's heads, under the slices' transfers
+      d_attn = Tensor::empty(s.attn.out.shape(), s.attn.out.dtype(), s.attn.out.device());
+      s.d_h_all = b.tensor->gather_rows(s.d_h, [&](int64_t r0, const Tensor& rows) {
+        d_attn.slice(r0, r0 + rows.size(0)).copy_from(proj_->backward_input(rows, wo_));
+      });
+    } else {
+      d_attn = proj_->backward_input(s.d_h, wo_);
+    }
     ops::AttentionGrads g = attend_backward(d_attn, s.q, s.kv.k, s.kv.v, b, s.attn.out, s.attn.lse, attn_shape(b));
     // The GPU's one-pass attention backward may leave dq in f32 (ops.h); RoPE takes q's dtype.
     if (g.dq.dtype() != s.q.dtype()) g.dq = g.dq.to(s.q.dtype());
     s.d_q_raw = ops::rope_backward(g.dq, positions, q_rope_);
-    ops::MlaKvGrads dkv = ops::mla_kv_backward(g.dk, g.dv, cfg_.num_attention_heads, cfg_.qk_nope_head_dim,
-                                               cfg_.v_head_dim);
+    ops::MlaKvGrads dkv = ops::mla_kv_backward(g.dk, g.dv, heads_, cfg_.qk_nope_head_dim, cfg_.v_head_dim);
     s.d_kv = std::move(dkv.dkv);
     s.d_k_pe = ops::rope_backward(dkv.dk_rot, positions, k_rope_);
     s.d_kv_a_norm_out = proj_->backward_input(s.d_kv, wkv_b_);
@@ -238,12 +280,18 @@ Tensor DeepseekV3DecoderLayer::attn_backward_input(const Tensor& dy_residual, Te
     if (cfg_.q_lora_rank > 0) {
       s.d_q_a_norm_out = proj_->backward_input(s.d_q_raw, wq_b_);
       s.d_q_a = ops::rmsnorm_backward_input(s.d_q_a_norm_out, s.q_a, q_a_norm_w_, s.q_a_norm.rstd);
-      s.d_ln1_out = proj_->backward_input(s.d_q_a, wq_a_);
-    } else {
-      s.d_ln1_out = proj_->backward_input(s.d_q_raw, wq_);
     }
-    proj_->backward_input_add(s.d_c_kv, kv_a_latent(wkv_a_), s.d_ln1_out);
-    proj_->backward_input_add(s.d_k_pe, kv_a_rope(wkv_a_), s.d_ln1_out);
+    // d n1 of rows [r0, r0 + n) through the first projections: this rank's heads' part (summed
+    // over the ranks under tensor parallelism).
+    auto d_ln1 = [&](int64_t r0, int64_t n) {
+      auto rows = [&](const Tensor& d) { return n == d.size(0) ? d : d.slice(r0, r0 + n); };
+      Tensor d = cfg_.q_lora_rank > 0 ? proj_->backward_input(rows(s.d_q_a), wq_a_)
+                                      : proj_->backward_input(rows(s.d_q_raw), wq_);
+      proj_->backward_input_add(rows(s.d_c_kv), kv_a_latent(wkv_a_), d);
+      proj_->backward_input_add(rows(s.d_k_pe), kv_a_rope(wkv_a_), d);
+      return d;
+    };
+    s.d_ln1_out = b.tensor ? b.tensor->reduce_scatter_rows(b.tokens(), d_ln1) : d_ln1(0, s.d_c_kv.size(0));
   }
   StageScope t(Stage::kNorms);
   return ops::rmsnorm_backward_input(s.d_ln1_out, s.x, ln1_w_, s.ln1.rstd, s.d_h);
@@ -269,8 +317,9 @@ void DeepseekV3DecoderLayer::backward_weight(LayerState& state, bool accumulate,
   }
   {
     StageScope t(Stage::kAttention);
-    proj_->backward_weight(s.d_h, s.attn.out, g_wo_, accumulate);
-    const Projections::Input in = proj_->tokens(s.ln1.y);  // quantized once for the three
+    proj_->backward_weight(s.d_h_all.defined() ? s.d_h_all : s.d_h, s.attn.out, g_wo_, accumulate);
+    // quantized once for the three
+    const Projections::Input in = proj_->tokens(s.ln1_all.defined() ? s.ln1_all : s.ln1.y);
     if (cfg_.q_lora_rank > 0) {
       proj_->backward_weight(s.d_q_raw, s.q_a_norm.y, g_wq_b_, accumulate);
       proj_->backward_weight(s.d_q_a, in, g_wq_a_, accumulate);

@@ -31,8 +31,9 @@ namespace moetrain {
 // weight-gradient step needs (mlp_in is ln2.y).
 struct DeepseekV3LayerState : LayerState {
   // forward, stage 1
-  Tensor x;                    // layer input [T, H]
+  Tensor x;                    // layer input [T, H] (under tensor parallelism this rank's rows)
   ops::RmsNormOut ln1;         // input_layernorm
+  Tensor ln1_all;              // tensor parallelism: every row of ln1.y (the latents' input)
   Tensor q_a;                  // q_a_proj(ln1) [T, q_lora_rank] (q_lora_rank > 0)
   ops::RmsNormOut q_a_norm;    // q_a_layernorm
   Tensor q;                    // the queries after RoPE [T, heads * (nope + rope)]
@@ -51,6 +52,7 @@ struct DeepseekV3LayerState : LayerState {
   ops::SwigluInputGrads d_mlp, d_shared;
   Tensor d_router_logits, d_ln2_out, d_h, d_q_raw, d_q_a_norm_out, d_q_a, d_kv, d_kv_a_norm_out, d_c_kv, d_k_pe,
       d_ln1_out;
+  Tensor d_h_all;              // tensor parallelism: every row of d_h (o_proj's output gradient)
 };
 
 class DeepseekV3DecoderLayer : public DecoderLayer {
@@ -92,8 +94,12 @@ class DeepseekV3DecoderLayer : public DecoderLayer {
   DeepseekV3Config cfg_;
   int64_t id_;
   bool moe_;
-  int64_t inter_;  // FFN width of this layer's MLP (one routed expert's, or the dense MLP's)
+  int64_t inter_;  // FFN width of this layer's MLP (one routed expert's, or the dense MLP's tp columns)
   int64_t first_expert_ = 0;
+  // Tensor parallelism: the heads (q_b / q, kv_b, o_proj) and a dense MLP's columns split over
+  // tp ranks; the latents' projections and norms, the router and the shared experts held whole.
+  int64_t tp_ = 1, tp_rank_ = 0;
+  int64_t heads_ = 0;  // this rank's attention heads
   std::vector<ParamBucket> buckets_;
   const Projections* proj_;  // the model's (BF16 when built alone)
   ops::RopeSpec q_rope_, k_rope_;

@@ -75,6 +75,24 @@ void DeepseekV3Config::describe(ConfigFields& f) {
         "HF config.json read before the other [model] keys (relative to the TOML file's folder)");
 }
 
+void DeepseekV3Config::validate_tensor_parallel(int64_t tp, const std::string& origin) const {
+  for (auto [key, v] : {std::pair{"num_attention_heads", num_attention_heads}, {"vocab_size", vocab_size},
+                        {"intermediate_size", intermediate_size}}) {
+    MT_CHECK(v % tp == 0,
+             "{}: [model].{} = {} must be a multiple of tp: tensor parallelism gives each tp rank an equal share "
+             "(whole heads, vocabulary rows, MLP columns)",
+             origin, key, v);
+  }
+  MT_CHECK(seq_aux_loss_coef == 0,
+           "{}: [model].seq_aux_loss_coef = {} under tensor parallelism is not built yet (a rank's token slice cuts "
+           "sequences); set it to 0 or use tp = 1",
+           origin, seq_aux_loss_coef);
+  MT_CHECK(num_nextn_predict_layers == 0,
+           "{}: [model].num_nextn_predict_layers = {} under tensor parallelism is not built yet; set it to 0 or use "
+           "tp = 1",
+           origin, num_nextn_predict_layers);
+}
+
 void DeepseekV3Config::validate(const std::string& origin) const {
   DeepseekV3Config copy = *this;  // describe() needs mutable targets; the checks only read
   ConfigFields f("model");

@@ -69,6 +69,9 @@ struct DeepseekV3Config : ModelConfig {
   void describe(ConfigFields& f) override;
   // Cross-field checks (heads, groups, ranks, the RoPE parameters); errors name the key.
   void validate(const std::string& origin) const override;
+  // Heads, the vocabulary and the dense MLP width divide by tp; the sequence-wise balance loss
+  // and the multi-token prediction modules are not built under tensor parallelism yet.
+  void validate_tensor_parallel(int64_t tp, const std::string& origin) const override;
   // Reads an HF config.json as transformers does: every key DeepseekV3ForCausalLM reads, in
   // transformers 5's spelling and the older ones (rope_scaling, rope_theta at the top,
   // num_local_experts), and DeepSeek's own config.json keys (scoring_func "sigmoid",
