@@ -218,7 +218,7 @@ TEST(RunConfig, FallbackLayoutsApplyInOrderToTheWorldTheLayoutDoesNotFit) {
   e = error_of([&] { RunConfig::load(dir.file("h.toml", "[parallel]\nfallbacks = [\"epp=2\"]\n"), {}); });
   EXPECT_NE(e.find("epp"), std::string::npos) << e;
   e = error_of([&] { RunConfig::load(dir.file("i.toml", "[parallel]\nfallbacks = [\"ep=3\"]\n"), {}); });
-  EXPECT_NE(e.find("not a multiple of ep = 3"), std::string::npos) << e;
+  EXPECT_NE(e.find("not a multiple of tp x ep = 1 x 3"), std::string::npos) << e;
   // None fits: the error lists what was tried.
   RunConfig odd = RunConfig::load(dir.file("j.toml", "[parallel]\nep = 4\nfallbacks = [\"ep=2\"]\n"), {});
   e = error_of([&] { odd.parallel.for_world(3); });

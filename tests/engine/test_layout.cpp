@@ -30,8 +30,12 @@ TEST(Layout, AgreesWithTheMeshGroupsOnEveryRank) {
       EXPECT_EQ(l.pp_rank(), index_in(mesh.group(r, {MeshAxis::PP}), r));
       EXPECT_EQ(l.first_row(4), 4 * l.data_rank());
       const ModelPlacement p = l.placement();
-      EXPECT_EQ(p.ep_size, mesh.ep());
-      EXPECT_EQ(p.ep_rank, l.ep_rank());
+      // An MoE layer's expert ranks are the tp x ep ranks (the tp_ep communicator's order).
+      const std::vector<int> experts = mesh.group(r, {MeshAxis::TP, MeshAxis::EP});
+      EXPECT_EQ(p.ep_size, static_cast<int64_t>(experts.size()));
+      EXPECT_EQ(p.ep_rank, index_in(experts, r));
+      EXPECT_EQ(p.tp_size, mesh.tp());
+      EXPECT_EQ(p.tp_rank, index_in(mesh.group(r, {MeshAxis::TP}), r));
       EXPECT_EQ(p.bucket_pad % l.shard_ranks(true), 0);
       EXPECT_EQ(p.bucket_pad % l.shard_ranks(false), 0);
     }

@@ -51,10 +51,6 @@ struct ModelPlacement {
   // of every MoE layer, under their global ids (names stay HF names). Under tensor
   // parallelism these are the folded expert ranks: ep_size = tp x ep.
   int64_t ep_size = 1, ep_rank = 0;
-  // Tensor parallelism: this rank holds piece tp_rank of tp_size of every split weight
-  // (heads, MLP columns, vocabulary rows) and slice tp_rank of every micro-batch's tokens
-  // between the split layers (sequence parallelism).
-  int64_t tp_size = 1, tp_rank = 0;
   // Each parameter bucket is padded to a multiple of this many elements, so the sharded
   // optimizer can cut it into equal shards (the size of the largest sharding group).
   int64_t bucket_pad = 1;
@@ -62,6 +58,10 @@ struct ModelPlacement {
   // all), and whether it holds the embedding (first chunk) and the final norm + head (last).
   std::vector<int64_t> layers;
   bool embed = true, head = true;
+  // Tensor parallelism: this rank holds piece tp_rank of tp_size of every split weight
+  // (heads, MLP columns, vocabulary rows) and slice tp_rank of every micro-batch's tokens
+  // between the split layers (sequence parallelism).
+  int64_t tp_size = 1, tp_rank = 0;
 };
 
 // A pipeline chunk: decoder layers [first_layer, last_layer) (global ids), after the
