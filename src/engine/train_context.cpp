@@ -34,9 +34,15 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
   const Layout& layout = par.layout;
   ModelPlacement placement = layout.placement();
   if (gpu) {
-    check_memory_at_start(cfg, layout.pp(), layout.shard_ranks(/*experts=*/true) / layout.cp(), layout.cp(), layout.ep(),
-                          static_cast<double>(cuda::device_total_memory(par.device.index)), par.rank == 0,
-                          tc.check_memory);
+    // The planner does not model tensor parallelism yet: under tp it plans the experts over the
+    // tp x ep ranks and everything else whole (an upper bound), and does not refuse the run.
+    if (layout.tp() > 1 && par.rank == 0) {
+      spdlog::info("memory plan: tensor parallelism is not modelled; the plan below holds the attention, the head "
+                   "and their activations whole (an upper bound)");
+    }
+    check_memory_at_start(cfg, layout.pp(), layout.shard_ranks(/*experts=*/true) / layout.cp(), layout.cp(),
+                          layout.expert_ranks(), static_cast<double>(cuda::device_total_memory(par.device.index)),
+                          par.rank == 0, tc.check_memory && layout.tp() == 1);
   }
 
   // Pipeline: the schedule of a training step and of a validation pass, the model cut into
