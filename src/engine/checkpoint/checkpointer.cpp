@@ -145,18 +145,24 @@ void check_has(CheckpointReader& reader, const std::string& name, const Tensor& 
            shape_str(reader.info(name).shape), shape_str(shape));
 }
 
-// Reads elements [begin, begin + dst.numel()) of tensor `name` (of `shape`) into dst (any
-// shape: its elements in order), box by box, each into a view of dst.
-void read_piece(CheckpointReader& reader, const std::string& name, const Shape& shape, int64_t begin, Tensor& dst) {
-  check_has(reader, name, dst, shape);
+// Reads dst's elements (any shape: in order) from `boxes` (start, shape) of tensor `name`,
+// box by box, each into a view of dst.
+void read_boxes(CheckpointReader& reader, const std::string& name, const std::vector<std::pair<Shape, Shape>>& boxes,
+                Tensor& dst) {
   const Tensor flat = dst.view({dst.numel()});
   int64_t at = 0;
-  for (const auto& [start, box] : element_range_boxes(shape, begin, begin + dst.numel())) {
+  for (const auto& [start, box] : boxes) {
     const int64_t n = shape_numel(box);
     Tensor view = flat.slice(at, at + n).view(box);
     reader.read(name, view, start);
     at += n;
   }
+}
+
+// Reads elements [begin, begin + dst.numel()) of tensor `name` (of `shape`) into dst.
+void read_piece(CheckpointReader& reader, const std::string& name, const Shape& shape, int64_t begin, Tensor& dst) {
+  check_has(reader, name, dst, shape);
+  read_boxes(reader, name, element_range_boxes(shape, begin, begin + dst.numel()), dst);
 }
 
 // The tensor a parameter's values load from: its f32 master where the checkpoint has one
@@ -217,14 +223,7 @@ void load_sharded_state(CheckpointReader& reader, const ParameterList& params, P
         return;
       }
       check_has(reader, name, dst, whole.whole_shape);
-      const Tensor flat = dst.view({dst.numel()});
-      int64_t at = 0;
-      for (const auto& [start, box] : piece_boxes(whole, b, b + dst.numel())) {
-        const int64_t n = shape_numel(box);
-        Tensor view = flat.slice(at, at + n).view(box);
-        reader.read(name, view, start);
-        at += n;
-      }
+      read_boxes(reader, name, piece_boxes(whole, b, b + dst.numel()), dst);
     };
     read_weights(reader, p, read_segment);
     if (opt == nullptr) continue;

@@ -545,10 +545,9 @@ Tensor MoeDecoderModel::vocab_parallel_head(ForwardCursor& f, const Tensor& h) {
   if (f.pass.training && hooks_) hooks_->before_backward(-1);
   StageScope t(Stage::kLoss);
   const int64_t T = batch.targets.numel();
-  Tensor logits = Tensor::empty({T, lm_head_.size(0)}, h.dtype(), h.device());
-  const Tensor h_all = tensor_->gather_rows(h, [&](int64_t r0, const Tensor& rows) {
-    logits.slice(r0, r0 + rows.size(0)).copy_from(ops::linear_forward(rows, lm_head_));
-  });
+  Tensor h_all;
+  const Tensor logits =
+      tensor_->map_rows(h, [&](const Tensor& rows) { return ops::linear_forward(rows, lm_head_); }, &h_all);
   const ops::VocabShardStats stats = ops::vocab_shard_stats(logits, batch.targets, shard);
   const Tensor lse = tensor_->gather_rows(stats.lse.view({1, T}));
   const Tensor target_logit = tensor_->gather_rows(stats.target_logit.view({1, T}));

@@ -261,10 +261,8 @@ Tensor DeepseekV3DecoderLayer::attn_backward_input(const Tensor& dy_residual, Te
     StageScope t(Stage::kAttention);
     Tensor d_attn;
     if (b.tensor) {  // every row's d attention of this rank's heads, under the slices' transfers
-      d_attn = Tensor::empty(s.attn.out.shape(), s.attn.out.dtype(), s.attn.out.device());
-      s.d_h_all = b.tensor->gather_rows(s.d_h, [&](int64_t r0, const Tensor& rows) {
-        d_attn.slice(r0, r0 + rows.size(0)).copy_from(proj_->backward_input(rows, wo_));
-      });
+      d_attn = b.tensor->map_rows(s.d_h, [&](const Tensor& rows) { return proj_->backward_input(rows, wo_); },
+                                  &s.d_h_all);
     } else {
       d_attn = proj_->backward_input(s.d_h, wo_);
     }

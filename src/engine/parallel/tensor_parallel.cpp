@@ -60,6 +60,22 @@ Tensor TensorParallel::gather_rows(const Tensor& slice, const EachSlice& each) c
   return whole;
 }
 
+Tensor TensorParallel::map_rows(const Tensor& slice, const std::function<Tensor(const Tensor& rows)>& f,
+                                Tensor* rows) const {
+  Tensor out;
+  Tensor all = gather_rows(slice, [&](int64_t r0, const Tensor& in) {
+    Tensor part = f(in);
+    if (!out.defined()) {
+      Shape whole = part.shape();
+      whole[0] = in.size(0) * size();
+      out = Tensor::empty(whole, part.dtype(), part.device());
+    }
+    out.slice(r0, r0 + in.size(0)).copy_from(part);
+  });
+  if (rows != nullptr) *rows = std::move(all);
+  return out;
+}
+
 Tensor TensorParallel::reduce_scatter_rows(int64_t rows, const PartialSlice& partial) const {
   const int R = size(), r = rank();
   const int64_t n = slice_rows(rows);

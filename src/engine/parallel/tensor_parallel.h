@@ -49,6 +49,10 @@ class TensorParallel {
   // from the previous rank, and so on).
   using EachSlice = std::function<void(int64_t first_row, const Tensor& rows)>;
   Tensor gather_rows(const Tensor& slice, const EachSlice& each) const;
+  // f of every row ([tp n, ...]: f's rows are its input's), made slice by slice as the slices
+  // come round (gather_rows with `each`); the gathered rows go to *rows when given.
+  Tensor map_rows(const Tensor& slice, const std::function<Tensor(const Tensor& rows)>& f,
+                  Tensor* rows = nullptr) const;
   // The sum over the ranks of their partial sums of this rank's rows, round the ring: each
   // rank makes `partial(first_row, n)` ([n, ...], rows [first_row, first_row + n) of its
   // partial sums) for the slice whose running sum arrives next, while the one before travels;
