@@ -483,6 +483,22 @@ TEST_F(ParallelCli, TensorParallelLayoutsMatchOneProcess) {
   expect_same_run("one_four", "tp4");
 }
 
+// Full recomputation under tensor parallelism redoes each layer's forward, its gathers and
+// reduce-scatters included, before its backward: the same bits as without. Selective
+// recomputation is refused under tp (its dropped norm outputs would need gathering again).
+TEST_F(ParallelCli, TensorParallelFullRecomputationIsBitwiseUnchanged) {
+  const std::string tp2 = std::string(kTpModel) + " --parallel.tp=2";
+  Result keep = launch(2, train_args("tp2_keep", 1, tp2));
+  ASSERT_EQ(keep.status, 0) << keep.output;
+  Result full = launch(2, train_args("tp2_full", 1, tp2 + " --training.recompute=full"));
+  ASSERT_EQ(full.status, 0) << full.output;
+  expect_same_run("tp2_keep", "tp2_full", /*tol=*/1e-300);
+  Result selective = launch(2, train_args("tp2_selective", 1, tp2 + " --training.recompute=selective"));
+  EXPECT_NE(selective.status, 0);
+  EXPECT_NE(selective.output.find("[training].recompute = \"selective\" is not built yet"), std::string::npos)
+      << selective.output;
+}
+
 // Pipeline stages of tensor-parallel pairs (pp2 x tp2, both schedules): each stage passes its
 // sequence-parallel slices to the next stage's rank of the same tp coordinate.
 TEST_F(ParallelCli, TensorParallelPipelinesMatchOneProcess) {
