@@ -39,6 +39,9 @@ void ParallelConfig::describe(ConfigFields& f) {
         "down_proj by rows, embedding and head by vocabulary; norms, residuals and the router on 1/tp of the tokens "
         "(sequence parallelism); MoE layers put their experts on the tp x ep ranks: docs/parallel.md",
         positive(&tp));
+  f.add("fold_experts", &fold_experts,
+        "tp > 1: true puts the MoE layers' experts on the tp x ep ranks (each tp rank its own experts); false gives "
+        "every tp rank the ep rank's experts, each running its own tokens through them (gradients summed over tp)");
   f.add("ep", &ep, "expert-parallel ranks (experts split evenly over them)", positive(&ep));
   f.add("dp", &dp, "data-parallel ranks, sharded (ZeRO); -1 = world / (pp * cp * tp * ep)",
         [this]() -> std::optional<std::string> {
@@ -526,14 +529,16 @@ RunConfig RunConfig::load(const std::string& path, const std::vector<std::string
   MT_CHECK(o.warmup_steps <= t.steps, "{}: [optimizer].warmup_steps ({}) must be <= [training].steps ({})", path,
            o.warmup_steps, t.steps);
   // MoE layers put their experts on the tp x ep ranks (tensor parallelism folds into expert
-  // parallelism there).
-  MT_CHECK(shape.num_experts == 0 || shape.num_experts % (cfg.parallel.tp * cfg.parallel.ep) == 0,
-           "{}: [model] has {} experts, which must be a multiple of [parallel].tp x ep ({} x {}): experts are split "
-           "evenly over the tp x ep ranks",
-           path, shape.num_experts, cfg.parallel.tp, cfg.parallel.ep);
+  // parallelism there), or on the ep ranks when not folded.
+  auto expert_ranks = [](const ParallelConfig& p) { return p.fold_experts ? p.tp * p.ep : p.ep; };
+  MT_CHECK(shape.num_experts == 0 || shape.num_experts % expert_ranks(cfg.parallel) == 0,
+           "{}: [model] has {} experts, which must be a multiple of the {} expert ranks ([parallel].tp x ep = {} x {}{}): "
+           "experts are split evenly",
+           path, shape.num_experts, expert_ranks(cfg.parallel), cfg.parallel.tp, cfg.parallel.ep,
+           cfg.parallel.fold_experts ? "" : ", not folded: ep");
   for (const std::string& fb : cfg.parallel.fallbacks) {
     const ParallelConfig f = cfg.parallel.with(fb);
-    MT_CHECK(shape.num_experts == 0 || shape.num_experts % (f.tp * f.ep) == 0,
+    MT_CHECK(shape.num_experts == 0 || shape.num_experts % expert_ranks(f) == 0,
              "{}: [parallel].fallbacks entry '{}': [model] has {} experts, not a multiple of tp x ep = {} x {}", path,
              fb, shape.num_experts, f.tp, f.ep);
     if (f.tp > 1) cfg.model->validate_tensor_parallel(f.tp, fmt::format("{}: [parallel].fallbacks entry '{}'", path, fb));

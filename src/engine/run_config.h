@@ -18,6 +18,10 @@ struct ParallelConfig {
   // heads / columns, the tokens between them by rows (sequence parallelism), the embedding and
   // head by vocabulary; MoE layers fold their experts over the tp x ep ranks.
   int64_t tp = 1;
+  // tp > 1: true puts the MoE layers' experts on the tp x ep ranks (Megatron's folding: each
+  // tp rank its own experts); false gives every tp rank the ep rank's experts whole, each
+  // running its own tokens through them (the experts data-parallel over tp).
+  bool fold_experts = true;
   int64_t dp = -1;  // -1: inferred as world / (pp * cp * tp * ep)
   std::string schedule = "dualpipev";  // pipeline schedule when pp > 1: "dualpipev" or "1f1b"
   // Data-parallel sharding (ZeRO): gradients and optimizer state are always sharded over

@@ -112,14 +112,18 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
     const int64_t top_k = cfg.model->shape().experts_per_token;
     const bool gather = cfg.parallel.ep_dispatch == "all_gather" ||
                         (cfg.parallel.ep_dispatch == "auto" && layout.expert_ranks() < top_k);
+    Communicator& expert_group = layout.folds_experts() ? *par.comms->tp_ep : *par.comms->ep;
     if (gather) {
-      c.dispatcher = std::make_unique<AllGatherDispatcher>(*par.comms->tp_ep, o);
+      c.dispatcher = std::make_unique<AllGatherDispatcher>(expert_group, o);
     } else {
-      c.dispatcher = std::make_unique<AllToAllDispatcher>(*par.comms->tp_ep, o);
+      c.dispatcher = std::make_unique<AllToAllDispatcher>(expert_group, o);
     }
     spdlog::info("parallel: experts over {} ranks{}, tokens moved by {} ([parallel].ep_dispatch = \"{}\", top-{} "
                  "routing)",
-                 layout.expert_ranks(), layout.tp() > 1 ? fmt::format(" (tp {} x ep {})", layout.tp(), layout.ep()) : "",
+                 layout.expert_ranks(),
+                 layout.tp() == 1             ? std::string()
+                 : layout.folds_experts() ? fmt::format(" (tp {} x ep {})", layout.tp(), layout.ep())
+                                          : fmt::format(" (ep; not folded: every tp rank holds them)"),
                  gather ? "all-gather / reduce-scatter" : "all-to-all", cfg.parallel.ep_dispatch, top_k);
   }
   c.model->set_detailed_telemetry(cfg.metrics.detailed);

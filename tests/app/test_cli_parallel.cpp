@@ -460,7 +460,12 @@ TEST_F(ParallelCli, TensorParallelLayoutsMatchOneProcess) {
                           Layout{"tp2_ep2", 4, 2, "--parallel.tp=2 --parallel.ep=2"},
                           Layout{"tp2_dp2", 4, 2, "--parallel.tp=2 --parallel.dp=2 --parallel.shard_weights=true"},
                           Layout{"tp2_gather", 2, 1, "--parallel.tp=2 --parallel.ep_dispatch=all_gather"},
-                          Layout{"tp2_hsdp", 4, 2, "--parallel.tp=2 --parallel.dp_replicate=2"}}) {
+                          Layout{"tp2_hsdp", 4, 2, "--parallel.tp=2 --parallel.dp_replicate=2"},
+                          // Not folded: every tp rank holds the ep rank's experts and runs its own
+                          // tokens through them (their gradients summed over tp).
+                          Layout{"tp2_unfolded", 2, 1, "--parallel.tp=2 --parallel.fold_experts=false"},
+                          Layout{"tp2_ep2_unfolded", 4, 2,
+                                 "--parallel.tp=2 --parallel.ep=2 --parallel.fold_experts=false"}}) {
     SCOPED_TRACE(l.name);
     Result r = launch(l.ranks, train_args(l.name, l.row_ranks, std::string(kTpModel) + " " + l.flags));
     ASSERT_EQ(r.status, 0) << r.output;
@@ -709,7 +714,8 @@ TEST_F(ParallelCli, TwoGpuTensorParallelMatchesOneGpu) {
   for (const auto& [name, base, flags] : std::vector<std::tuple<std::string, std::string, std::string>>{
            {"tp_gpu", model, ""},
            {"tp_gpu_dense", model, "--parallel.ep_overlap=false --model.mlp_only_layers=[1]"},
-           {"tp_gpu_mla", mla, ""}}) {
+           {"tp_gpu_mla", mla, ""},
+           {"tp_gpu_unfolded", model, "--parallel.fold_experts=false"}}) {
     SCOPED_TRACE(name);
     const std::string extra = flags.empty() ? "" : " " + flags;
     Result one = launch(1, train_args(name + "1", 1, "--training.device=cuda" + extra, base));

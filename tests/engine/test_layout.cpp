@@ -42,6 +42,21 @@ TEST(Layout, AgreesWithTheMeshGroupsOnEveryRank) {
   }
 }
 
+// Without folding ([parallel].fold_experts = false) the experts split over the ep ranks only:
+// every tp rank of an ep coordinate holds the same ones, as whole copies.
+TEST(Layout, UnfoldedExpertsSplitOverEpOnly) {
+  const Mesh mesh(8, 1, -1, 1, 2, 2);  // dp 2 x tp 2 x ep 2
+  for (int r = 0; r < 8; ++r) {
+    const Layout folded(mesh, r), unfolded(mesh, r, 1, /*fold_experts=*/false);
+    EXPECT_EQ(folded.expert_ranks(), 4);
+    EXPECT_EQ(unfolded.expert_ranks(), 2);
+    EXPECT_EQ(unfolded.expert_rank(), unfolded.ep_rank());
+    EXPECT_EQ(unfolded.experts(8).first, 4 * unfolded.ep_rank());
+    EXPECT_FALSE(folded.placement().experts_over_tp);
+    EXPECT_TRUE(unfolded.placement().experts_over_tp);
+  }
+}
+
 TEST(Layout, ExpertsSplitEvenlyAndEachHasOneOwner) {
   const Mesh mesh(8, 1, -1, 1, 4);
   std::vector<int> owners(12, -1);

@@ -68,7 +68,7 @@ CheckpointItems CheckpointContext::items() {
   std::vector<bool> tp_whole(params.size(), false);
   if (at.tp() > 1 && at.tp_rank() != 0) {
     for (const ParamBucket& b : ctx_.model->buckets()) {
-      for (const ParamBucket::Member& m : b.members) tp_whole[m.param] = !b.experts && !params[m.param].tp_split();
+      for (const ParamBucket::Member& m : b.members) tp_whole[m.param] = b.tp_replicated;
     }
   }
   CheckpointItems items = fsdp ? sharded_checkpoint_items(params, fsdp->shard_params(), fsdp->segments(),

@@ -27,12 +27,16 @@ void QuorumState::request(const QuorumMember& m, Clock::time_point now, int plan
   heartbeat(m.replica_id, now);
   planned_ = std::max(planned_, planned_groups);
   if (pending_.empty()) round_start_ = now;
+  if (!member_start_ && last_.index_of(m.replica_id) >= 0) member_start_ = now;
   pending_[m.replica_id] = m;
 }
 
 void QuorumState::withdraw(const std::string& replica_id) {
   pending_.erase(replica_id);
   if (pending_.empty()) round_start_.reset();
+  bool member_asking = false;
+  for (const auto& [id, m] : pending_) member_asking = member_asking || last_.index_of(id) >= 0;
+  if (!member_asking) member_start_.reset();
 }
 
 int QuorumState::alive(Clock::time_point now) const {
@@ -58,7 +62,16 @@ std::optional<Quorum> QuorumState::try_form(Clock::time_point now, std::string* 
   for (const auto& [id, t] : seen_) {
     if (now - t <= rules_.heartbeat_timeout && !pending_.count(id)) every_live_asking = false;
   }
-  const bool timed_out = round_start_ && now - *round_start_ >= rules_.join_timeout;
+  // The join timeout runs from the first request of a member of the previous quorum while one
+  // is alive (a group left out of it asks before the members have trained their step), else
+  // from the round's first request.
+  bool member_alive = false;
+  for (const QuorumMember& m : last_.members) {
+    const auto it = seen_.find(m.replica_id);
+    member_alive = member_alive || (it != seen_.end() && now - it->second <= rules_.heartbeat_timeout);
+  }
+  const std::optional<Clock::time_point> start = member_alive ? member_start_ : round_start_;
+  const bool timed_out = start && now - *start >= rules_.join_timeout;
   // A lighthouse that has formed no quorum yet (it just started) does not know every group
   // that is alive: its first quorum waits out the join timeout.
   const bool first = last_.members.empty();
@@ -88,6 +101,7 @@ std::optional<Quorum> QuorumState::try_form(Clock::time_point now, std::string* 
   q.alive = live;
   pending_.clear();
   round_start_.reset();
+  member_start_.reset();
   last_ = q;
   if (why) why->clear();
   return q;

@@ -10,8 +10,12 @@
 //     everyone, can never both train);
 //   - it forms at once when every member of the previous quorum asks again (the fast path
 //     of a healthy run) or when every alive group asks; otherwise once join_timeout has
-//     passed since the first request of the round; the first quorum of a lighthouse (just
-//     started or restarted, it has not heard from every group yet) always waits join_timeout;
+//     passed since the round's first request from a member of the previous quorum (a group
+//     left out of it asks at once, while the members are still training the step: timed from
+//     its request, a join timeout shorter than a step would leave one group out round after
+//     round), or since the round's first request when no member of it is alive; the first
+//     quorum of a lighthouse (just started or restarted, it has not heard from every group
+//     yet) always waits join_timeout;
 //   - its id is the previous id + 1 when the members (or an incarnation) changed, else the same
 //     (steps advance every round and do not count);
 //   - the members at the highest step are up to date; each member below it copies its state
@@ -76,6 +80,7 @@ class QuorumState {
   std::map<std::string, Clock::time_point> seen_;   // last heard from
   std::map<std::string, QuorumMember> pending_;     // this round's requests (sorted by id)
   std::optional<Clock::time_point> round_start_;    // the round's first request
+  std::optional<Clock::time_point> member_start_;   // ... from a member of the previous quorum
   int planned_ = 0;                                 // the most planned groups any request said
   Quorum last_;
 };

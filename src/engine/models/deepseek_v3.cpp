@@ -41,7 +41,8 @@ DeepseekV3DecoderLayer::DeepseekV3DecoderLayer(const DeepseekV3Config& cfg, int6
   // routed experts are not: separate buckets (a dense MLP stays with the attention). Under
   // tensor parallelism what every tp rank holds whole gets a third bucket.
   const std::string name = fmt::format("model.layers.{}", layer_id);
-  BucketBuilder dense(name, false), experts(name + ".experts", true), whole(name + ".tp_whole", false, true);
+  BucketBuilder dense(name, false), experts(name + ".experts", true, placement.experts_over_tp),
+      whole(name + ".tp_whole", false, true);
   BucketBuilder& held = tp_ > 1 ? whole : dense;
   held.add(&ln1_w_, &g_ln1_w_, {H});
   if (cfg.q_lora_rank > 0) {

@@ -62,6 +62,9 @@ struct ModelPlacement {
   // (heads, MLP columns, vocabulary rows) and slice tp_rank of every micro-batch's tokens
   // between the split layers (sequence parallelism).
   int64_t tp_size = 1, tp_rank = 0;
+  // Tensor parallelism without folding ([parallel].fold_experts = false): every tp rank holds
+  // the same experts (whole copies, their gradients summed over tp).
+  bool experts_over_tp = false;
 };
 
 // A pipeline chunk: decoder layers [first_layer, last_layer) (global ids), after the

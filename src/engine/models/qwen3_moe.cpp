@@ -36,7 +36,8 @@ Qwen3MoeDecoderLayer::Qwen3MoeDecoderLayer(const Qwen3MoeConfig& cfg, int64_t la
   // not: they go into separate buckets (a dense MLP stays with the attention). Under tensor
   // parallelism the weights every tp rank holds whole (norms, router) get a third bucket.
   const std::string name = fmt::format("model.layers.{}", layer_id);
-  BucketBuilder dense(name, false), experts(name + ".experts", true), whole(name + ".tp_whole", false, true);
+  BucketBuilder dense(name, false), experts(name + ".experts", true, placement.experts_over_tp),
+      whole(name + ".tp_whole", false, true);
   BucketBuilder& held = tp_ > 1 ? whole : dense;
   held.add(&ln1_w_, &g_ln1_w_, {H});
   dense.add(&wq_, &g_wq_, {qd, H});

@@ -16,8 +16,8 @@ Layout::ExpertRange expert_range(int64_t num_experts, int64_t ep_size, int64_t e
   return {ep_rank * count, count};
 }
 
-Layout::Layout(const Mesh& mesh, int rank, int replicas)
-    : mesh_(mesh), rank_(rank), coord_(mesh.coord(rank)), replicas_(replicas) {
+Layout::Layout(const Mesh& mesh, int rank, int replicas, bool fold_experts)
+    : mesh_(mesh), rank_(rank), coord_(mesh.coord(rank)), replicas_(replicas), fold_experts_(fold_experts) {
   MT_CHECK(replicas >= 1 && mesh.dp() % replicas == 0,
            "layout: {} HSDP replica groups do not divide dp = {} ({})", replicas, mesh.dp(), mesh.str());
 }
@@ -49,6 +49,7 @@ ModelPlacement Layout::placement() const {
   p.ep_rank = expert_rank();
   p.tp_size = tp();
   p.tp_rank = tp_rank();
+  p.experts_over_tp = tp() > 1 && !fold_experts_;
   // Padded for the largest sharding group of any replica layout: the data world, which
   // every sharding group divides.
   p.bucket_pad = data_world();

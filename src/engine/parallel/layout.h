@@ -17,8 +17,9 @@ namespace moetrain {
 class Layout {
  public:
   Layout() : Layout(Mesh(1, 1, 1, 1, 1), 0) {}  // one process
-  // `replicas`: HSDP replica groups the dp axis is cut into (1: plain FSDP).
-  Layout(const Mesh& mesh, int rank, int replicas = 1);
+  // `replicas`: HSDP replica groups the dp axis is cut into (1: plain FSDP). `fold_experts`:
+  // [parallel].fold_experts (the MoE layers' experts over tp x ep, or over ep).
+  Layout(const Mesh& mesh, int rank, int replicas = 1, bool fold_experts = true);
 
   const Mesh& mesh() const { return mesh_; }
   int rank() const { return rank_; }
@@ -33,9 +34,11 @@ class Layout {
   int tp_rank() const { return coord(MeshAxis::TP); }
   // An MoE layer's expert ranks: tensor parallelism folds into expert parallelism there, so
   // experts split over the tp x ep ranks (MeshComms::tp_ep), this rank being expert rank
-  // tp_rank * ep + ep_rank.
-  int expert_ranks() const { return tp() * ep(); }
-  int expert_rank() const { return tp_rank() * ep() + ep_rank(); }
+  // tp_rank * ep + ep_rank; not folded, over the ep ranks (every tp rank holding its ep
+  // rank's experts).
+  bool folds_experts() const { return fold_experts_; }
+  int expert_ranks() const { return fold_experts_ ? tp() * ep() : ep(); }
+  int expert_rank() const { return fold_experts_ ? tp_rank() * ep() + ep_rank() : ep_rank(); }
 
   // Experts: of every MoE layer's `num_experts`, this rank holds [first, first + count)
   // (global ids); the expert rank (of expert_ranks()) holding expert `e`. An Error names the numbers when they do not
@@ -77,6 +80,7 @@ class Layout {
   int rank_;
   MeshCoord coord_;
   int replicas_;
+  bool fold_experts_;
 };
 
 // The experts of `num_experts` that EP rank `ep_rank` of `ep_size` holds: the one split

@@ -38,7 +38,7 @@ ParallelContext ParallelContext::build(const RunConfig& cfg) {
     p.device = Device::cuda(gpu_for_local_rank(p.env.local_rank, cuda::device_count()));
     cuda::set_device(p.device.index);  // before this rank's first allocation, stream or handle
   }
-  p.layout = Layout(mesh, p.rank, static_cast<int>(pc.dp_replicate));
+  p.layout = Layout(mesh, p.rank, static_cast<int>(pc.dp_replicate), pc.fold_experts);
   // A replica group of live fault tolerance is a world even with one rank: its optimizer is
   // FSDP's, whose gradients the ReplicaBridge sums across the groups.
   const bool replica_group = cfg.fault_tolerance.enabled();
