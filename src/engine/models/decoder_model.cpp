@@ -80,6 +80,21 @@ Tensor swiglu_expert_reference(const Tensor& x, const Tensor& w_gate, const Tens
   return ops::linear_forward(Tensor::from_vector(a, {1, w_gate.size(0)}).to(x.dtype()), w_down);
 }
 
+Tensor attention_output(const Projections& proj, const Tensor& attn_out, const Tensor& wo, const Tensor& x,
+                        const BatchShape& b) {
+  if (b.tensor == nullptr) return proj.forward(attn_out, wo, x);  // residual added in the GEMM epilogue
+  Tensor h = b.tensor->reduce_scatter_rows(
+      b.tokens(), [&](int64_t r0, int64_t n) { return proj.forward(attn_out.slice(r0, r0 + n), wo); });
+  ops::add_(h, x);
+  return h;
+}
+
+Tensor attention_output_backward(const Projections& proj, const Tensor& d_h, const Tensor& wo, const BatchShape& b,
+                                 Tensor* d_h_all) {
+  if (b.tensor == nullptr) return proj.backward_input(d_h, wo);
+  return b.tensor->map_rows(d_h, [&](const Tensor& rows) { return proj.backward_input(rows, wo); }, d_h_all);
+}
+
 MoeDecoderModel::MoeDecoderModel(DecoderSpec spec, DType dtype, Device device, ModelPlacement placement)
     : spec_(spec), dtype_(dtype), device_(device), placement_(std::move(placement)) {}
 

@@ -85,6 +85,16 @@ class RowCounts {
 // W_down (silu(W_gate x) * W_up x), the activation formed in double.
 Tensor swiglu_expert_reference(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down);
 
+// A layer's attention output through o_proj plus the residual x: attn_out Wo^T + x; under
+// tensor parallelism (b.tensor) this rank's heads' part of every row, summed over the tp ranks
+// into this rank's rows, a slice's GEMM under the transfer of the sum before it.
+Tensor attention_output(const Projections& proj, const Tensor& attn_out, const Tensor& wo, const Tensor& x,
+                        const BatchShape& b);
+// Its input gradient: d attn_out = d_h Wo; under tensor parallelism every row's (d_h gathered
+// over the tp ranks into *d_h_all, which the weight gradient reads), slice by slice.
+Tensor attention_output_backward(const Projections& proj, const Tensor& d_h, const Tensor& wo, const BatchShape& b,
+                                 Tensor* d_h_all);
+
 class MoeDecoderModel : public Model {
  public:
   const ModelPlacement& placement() const override { return placement_; }

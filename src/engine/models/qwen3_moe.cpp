@@ -140,14 +140,7 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
   {
     StageScope t(Stage::kAttention);
     s.attn = attend(s.q, s.k, s.v, b, attn_shape(b));
-    if (b.tensor) {  // this rank's heads' part of every row, summed over the ranks into this rank's rows
-      s.h = b.tensor->reduce_scatter_rows(b.tokens(), [&](int64_t r0, int64_t n) {
-        return proj_->forward(s.attn.out.slice(r0, r0 + n), wo_);
-      });
-      ops::add_(s.h, x);
-    } else {
-      s.h = proj_->forward(s.attn.out, wo_, x);  // residual added in the GEMM epilogue
-    }
+    s.h = attention_output(*proj_, s.attn.out, wo_, x, b);
   }
   {
     StageScope t(Stage::kNorms);
@@ -200,13 +193,7 @@ Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, Tens
   Tensor d_q, d_k;
   {
     StageScope t(Stage::kAttention);
-    Tensor d_attn;
-    if (b.tensor) {  // every row's d attention of this rank's heads, under the slices' transfers
-      d_attn = b.tensor->map_rows(s.d_h, [&](const Tensor& rows) { return proj_->backward_input(rows, wo_); },
-                                  &s.d_h_all);
-    } else {
-      d_attn = proj_->backward_input(s.d_h, wo_);
-    }
+    const Tensor d_attn = attention_output_backward(*proj_, s.d_h, wo_, b, &s.d_h_all);
     ops::AttentionGrads g =
         attend_backward(d_attn, s.q, s.k, s.v, b, s.attn.out, s.attn.lse, attn_shape(b));
     s.d_v = g.dv;
