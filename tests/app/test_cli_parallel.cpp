@@ -486,6 +486,24 @@ TEST_F(ParallelCli, TensorParallelLayoutsMatchOneProcess) {
   Result tp4 = launch(4, train_args("tp4", 1, four + " --parallel.tp=4"));
   ASSERT_EQ(tp4.status, 0) << tp4.output;
   expect_same_run("one_four", "tp4");
+  // Fewer key/value heads than tp ranks: each is held whole by the ranks that share it (tp4
+  // over 2 heads, tp2 and tp2 x ep2 over 1), its gradient summed over them; the run's end
+  // finds the copies bitwise equal.
+  for (const auto& [name, ranks, row_ranks, model, flags] :
+       std::vector<std::tuple<std::string, int, int, std::string, std::string>>{
+           {"tp4_kv2", 4, 1, " --model.vocab_size=260 --model.num_key_value_heads=2", " --parallel.tp=4"},
+           {"tp2_kv1", 2, 1, std::string(" ") + kTpModel + " --model.num_key_value_heads=1", " --parallel.tp=2"},
+           {"tp2_ep2_kv1", 4, 2, std::string(" ") + kTpModel + " --model.num_key_value_heads=1",
+            " --parallel.tp=2 --parallel.ep=2"}}) {
+    SCOPED_TRACE(name);
+    const std::string one_name = name + "_one";
+    Result ref = launch(1, train_args(one_name, 1, model));
+    ASSERT_EQ(ref.status, 0) << ref.output;
+    Result kv = launch(ranks, train_args(name, row_ranks, model + flags));
+    ASSERT_EQ(kv.status, 0) << kv.output;
+    EXPECT_NE(kv.output.find("info replicas: "), std::string::npos) << kv.output;
+    expect_same_run(one_name, name);
+  }
 }
 
 // Full recomputation under tensor parallelism redoes each layer's forward, its gathers and
@@ -560,9 +578,9 @@ TEST_F(ParallelCli, ATensorParallelLayoutThatDoesNotSplitIsNamed) {
   EXPECT_NE(vocab.status, 0);
   EXPECT_NE(vocab.output.find("[model].vocab_size = 257 must be a multiple of tp"), std::string::npos) << vocab.output;
   Result heads = launch(2, train_args("bad_kv", 1, std::string(kTpModel) + " --parallel.tp=2 "
-                                                                          "--model.num_key_value_heads=1"));
+                                                  "--model.num_attention_heads=6 --model.num_key_value_heads=3"));
   EXPECT_NE(heads.status, 0);
-  EXPECT_NE(heads.output.find("[model].num_key_value_heads = 1 must be a multiple of tp"), std::string::npos)
+  EXPECT_NE(heads.output.find("[model].num_key_value_heads = 3 must be a multiple of tp = 2"), std::string::npos)
       << heads.output;
   Result cp = launch(4, train_args("bad_cp", 1, std::string(kTpModel) + " --parallel.tp=2 --parallel.cp=2"));
   EXPECT_NE(cp.status, 0);
@@ -715,7 +733,8 @@ TEST_F(ParallelCli, TwoGpuTensorParallelMatchesOneGpu) {
            {"tp_gpu", model, ""},
            {"tp_gpu_dense", model, "--parallel.ep_overlap=false --model.mlp_only_layers=[1]"},
            {"tp_gpu_mla", mla, ""},
-           {"tp_gpu_unfolded", model, "--parallel.fold_experts=false"}}) {
+           {"tp_gpu_unfolded", model, "--parallel.fold_experts=false"},
+           {"tp_gpu_kv1", model, "--model.num_key_value_heads=1"}}) {  // the one kv head on both ranks
     SCOPED_TRACE(name);
     const std::string extra = flags.empty() ? "" : " " + flags;
     Result one = launch(1, train_args(name + "1", 1, "--training.device=cuda" + extra, base));

@@ -19,12 +19,20 @@ Qwen3MoeDecoderLayer::Qwen3MoeDecoderLayer(const Qwen3MoeConfig& cfg, int64_t la
       proj_(projections != nullptr ? projections : &bf16_projections()) {
   const int64_t H = cfg.hidden_size, hd = cfg.head_dim;
   // Tensor parallelism: this rank's heads (q, and k/v of its query heads' groups) and, for a
-  // dense MLP, its columns of the intermediate width (docs/parallel.md).
-  MT_CHECK(cfg.num_attention_heads % tp_ == 0 && cfg.num_key_value_heads % tp_ == 0 &&
+  // dense MLP, its columns of the intermediate width (docs/parallel.md). With fewer key/value
+  // heads than tp ranks, tp / kv heads ranks share each key/value head: all its query heads'
+  // groups are on those ranks, since the heads per rank divide the heads per group.
+  const int64_t kv_heads = cfg.num_key_value_heads;
+  MT_CHECK(cfg.num_attention_heads % tp_ == 0 && (kv_heads % tp_ == 0 || tp_ % kv_heads == 0) &&
                cfg.intermediate_size % tp_ == 0,
            "layer {}: {} heads, {} key/value heads and an MLP width of {} do not split over tp = {} ranks", layer_id,
-           cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, tp_);
-  const int64_t qd = cfg.num_attention_heads / tp_ * hd, kvd = cfg.num_key_value_heads / tp_ * hd;
+           cfg.num_attention_heads, kv_heads, cfg.intermediate_size, tp_);
+  tp_rank_ = placement.tp_rank;
+  if (kv_heads < tp_) {
+    kv_ranks_per_head_ = tp_ / kv_heads;
+    kv_row_ = tp_rank_ / kv_ranks_per_head_ * hd;
+  }
+  const int64_t qd = cfg.num_attention_heads / tp_ * hd, kvd = kv_ranks_per_head_ > 0 ? kv_heads * hd : kv_heads / tp_ * hd;
   int64_t E = 1;
   if (moe_) {
     const Layout::ExpertRange mine = expert_range(cfg.num_experts, placement.ep_size, placement.ep_rank);
@@ -39,10 +47,14 @@ Qwen3MoeDecoderLayer::Qwen3MoeDecoderLayer(const Qwen3MoeConfig& cfg, int64_t la
   BucketBuilder dense(name, false), experts(name + ".experts", true, placement.experts_over_tp),
       whole(name + ".tp_whole", false, true);
   BucketBuilder& held = tp_ > 1 ? whole : dense;
+  // Key/value heads shared by tp ranks are held whole like the norms: each rank's gradient
+  // has only its head's rows, and the sum over tp that keeps the copies equal adds the
+  // head's partial gradients of the ranks that share it.
+  BucketBuilder& kv = kv_ranks_per_head_ > 0 ? whole : dense;
   held.add(&ln1_w_, &g_ln1_w_, {H});
   dense.add(&wq_, &g_wq_, {qd, H});
-  dense.add(&wk_, &g_wk_, {kvd, H});
-  dense.add(&wv_, &g_wv_, {kvd, H});
+  kv.add(&wk_, &g_wk_, {kvd, H});
+  kv.add(&wv_, &g_wv_, {kvd, H});
   dense.add(&wo_, &g_wo_, {H, qd});
   held.add(&q_norm_w_, &g_q_norm_w_, {hd});
   held.add(&k_norm_w_, &g_k_norm_w_, {hd});
@@ -56,7 +68,10 @@ Qwen3MoeDecoderLayer::Qwen3MoeDecoderLayer(const Qwen3MoeConfig& cfg, int64_t la
   buckets_.push_back(dense.build(dtype, device, placement.bucket_pad));
   if (!whole.empty()) buckets_.push_back(whole.build(dtype, device, placement.bucket_pad));
   if (moe_) buckets_.push_back(experts.build(dtype, device, placement.bucket_pad));
-  tp_rank_ = placement.tp_rank;
+}
+
+Tensor Qwen3MoeDecoderLayer::kv_rows(const Tensor& w) const {
+  return kv_ranks_per_head_ > 0 ? w.slice(kv_row_, kv_row_ + cfg_.head_dim) : w;
 }
 
 void Qwen3MoeDecoderLayer::collect_parameters(ParameterList& out) {
@@ -70,8 +85,9 @@ void Qwen3MoeDecoderLayer::collect_parameters(ParameterList& out) {
   };
   add("input_layernorm.weight", ln1_w_, g_ln1_w_, true);
   add("self_attn.q_proj.weight", wq_, g_wq_, false, 0);  // by heads: column-parallel
-  add("self_attn.k_proj.weight", wk_, g_wk_, false, 0);
-  add("self_attn.v_proj.weight", wv_, g_wv_, false, 0);
+  const int kv_split = kv_ranks_per_head_ > 0 ? -1 : 0;  // shared heads: held whole
+  add("self_attn.k_proj.weight", wk_, g_wk_, false, kv_split);
+  add("self_attn.v_proj.weight", wv_, g_wv_, false, kv_split);
   add("self_attn.o_proj.weight", wo_, g_wo_, false, 1);  // row-parallel
   add("self_attn.q_norm.weight", q_norm_w_, g_q_norm_w_, true);
   add("self_attn.k_norm.weight", k_norm_w_, g_k_norm_w_, true);
@@ -92,7 +108,8 @@ void Qwen3MoeDecoderLayer::collect_parameters(ParameterList& out) {
 }
 
 ops::AttentionShape Qwen3MoeDecoderLayer::attn_shape(const BatchShape& b) const {
-  return {b.batch, b.seq, cfg_.num_attention_heads / tp_, cfg_.num_key_value_heads / tp_, cfg_.head_dim,
+  const int64_t kv_heads = kv_ranks_per_head_ > 0 ? 1 : cfg_.num_key_value_heads / tp_;
+  return {b.batch, b.seq, cfg_.num_attention_heads / tp_, kv_heads, cfg_.head_dim,
           1.0 / std::sqrt(static_cast<double>(cfg_.head_dim))};
 }
 
@@ -114,14 +131,15 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
     StageScope t(Stage::kAttention);
     const int64_t T = b.tokens();
     s.q_raw = Tensor::empty({T, wq_.size(0)}, x.dtype(), x.device());
-    s.k_raw = Tensor::empty({T, wk_.size(0)}, x.dtype(), x.device());
-    s.v = Tensor::empty({T, wv_.size(0)}, x.dtype(), x.device());
+    const Tensor wk = kv_rows(wk_), wv = kv_rows(wv_);
+    s.k_raw = Tensor::empty({T, wk.size(0)}, x.dtype(), x.device());
+    s.v = Tensor::empty({T, wv.size(0)}, x.dtype(), x.device());
     s.ln1_all = b.tensor->gather_rows(s.ln1.y, [&](int64_t r0, const Tensor& rows) {
       const Projections::Input in = proj_->rows(rows);
       const int64_t r1 = r0 + rows.size(0);
       s.q_raw.slice(r0, r1).copy_from(proj_->forward(in, wq_));
-      s.k_raw.slice(r0, r1).copy_from(proj_->forward(in, wk_));
-      s.v.slice(r0, r1).copy_from(proj_->forward(in, wv_));
+      s.k_raw.slice(r0, r1).copy_from(proj_->forward(in, wk));
+      s.v.slice(r0, r1).copy_from(proj_->forward(in, wv));
     });
   } else {
     StageScope t(Stage::kAttention);
@@ -217,8 +235,8 @@ Tensor Qwen3MoeDecoderLayer::attn_backward_input(const Tensor& dy_residual, Tens
     auto d_ln1 = [&](int64_t r0, int64_t n) {
       auto rows = [&](const Tensor& d) { return n == s.d_q_raw.size(0) ? d : d.slice(r0, r0 + n); };
       Tensor d = proj_->backward_input(rows(s.d_q_raw), wq_);
-      proj_->backward_input_add(rows(s.d_k_raw), wk_, d);
-      proj_->backward_input_add(rows(s.d_v), wv_, d);
+      proj_->backward_input_add(rows(s.d_k_raw), kv_rows(wk_), d);
+      proj_->backward_input_add(rows(s.d_v), kv_rows(wv_), d);
       return d;
     };
     s.d_ln1_out = b.tensor ? b.tensor->reduce_scatter_rows(b.tokens(), d_ln1) : d_ln1(0, s.d_q_raw.size(0));
@@ -245,8 +263,11 @@ void Qwen3MoeDecoderLayer::backward_weight(LayerState& state, bool accumulate, o
     proj_->backward_weight(s.d_h_all.defined() ? s.d_h_all : s.d_h, s.attn.out, g_wo_, accumulate);
     const Projections::Input in = proj_->tokens(s.ln1_all.defined() ? s.ln1_all : s.ln1.y);
     proj_->backward_weight(s.d_q_raw, in, g_wq_, accumulate);
-    proj_->backward_weight(s.d_k_raw, in, g_wk_, accumulate);
-    proj_->backward_weight(s.d_v, in, g_wv_, accumulate);
+    for (auto [d, g] : {std::pair{&s.d_k_raw, &g_wk_}, std::pair{&s.d_v, &g_wv_}}) {
+      if (kv_ranks_per_head_ > 0 && !accumulate) g->zero_();  // the heads of other ranks: none from here
+      Tensor rows = kv_rows(*g);
+      proj_->backward_weight(*d, in, rows, accumulate || kv_ranks_per_head_ > 0);
+    }
   }
   StageScope t(Stage::kNorms);
   ops::rmsnorm_backward_weight(s.d_ln2_out, s.h, s.ln2.rstd, g_ln2_w_, accumulate);

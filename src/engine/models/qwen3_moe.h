@@ -106,6 +106,11 @@ class Qwen3MoeDecoderLayer : public DecoderLayer {
   int64_t inter_;  // FFN width of this layer's MLP (a dense one's: this tp rank's columns)
   int64_t first_expert_ = 0;
   int64_t tp_ = 1, tp_rank_ = 0;  // tensor-parallel ranks (the heads split over them) and this one
+  // Fewer key/value heads than tp ranks: k_proj and v_proj are held whole on every tp rank
+  // (with the norms), and this rank reads the rows of its query heads' one key/value head,
+  // [kv_row_, kv_row_ + head_dim). 0 ranks per head: split by heads as q is.
+  int64_t kv_ranks_per_head_ = 0, kv_row_ = 0;
+  Tensor kv_rows(const Tensor& w) const;  // w itself, or the rows this rank's head reads
   std::vector<ParamBucket> buckets_;
   const Projections* proj_;  // the model's (BF16 when built alone)
   ops::AttentionShape attn_shape(const BatchShape& b) const;

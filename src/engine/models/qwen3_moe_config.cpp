@@ -53,16 +53,17 @@ void Qwen3MoeConfig::describe(ConfigFields& f) {
 }
 
 void Qwen3MoeConfig::validate_tensor_parallel(int64_t tp, const std::string& origin) const {
-  for (auto [key, v] : {std::pair{"num_attention_heads", num_attention_heads},
-                        {"num_key_value_heads", num_key_value_heads}, {"vocab_size", vocab_size},
+  for (auto [key, v] : {std::pair{"num_attention_heads", num_attention_heads}, {"vocab_size", vocab_size},
                         {"intermediate_size", intermediate_size}}) {
     MT_CHECK(v % tp == 0,
              "{}: [model].{} = {} must be a multiple of tp: tensor parallelism gives each tp rank an equal share "
-             "(whole heads, vocabulary rows, MLP columns){}",
-             origin, key, v,
-             std::string(key) == "num_key_value_heads" ? "; fewer key/value heads than tp ranks are not replicated yet"
-                                                      : "");
+             "(whole heads, vocabulary rows, MLP columns)",
+             origin, key, v);
   }
+  MT_CHECK(num_key_value_heads % tp == 0 || tp % num_key_value_heads == 0,
+           "{}: [model].num_key_value_heads = {} must be a multiple of tp = {} (each tp rank its share of the "
+           "key/value heads) or divide it (tp / num_key_value_heads ranks share each key/value head)",
+           origin, num_key_value_heads, tp);
 }
 
 void Qwen3MoeConfig::validate(const std::string& origin) const {

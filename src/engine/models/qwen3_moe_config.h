@@ -43,8 +43,8 @@ struct Qwen3MoeConfig : ModelConfig {
   void describe(ConfigFields& f) override;
   // Cross-field checks (heads divide, experts_per_tok <= experts, ...). Throws naming the key.
   void validate(const std::string& origin) const override;
-  // Heads, key/value heads, the vocabulary and every MLP width divide by tp (a key/value head
-  // is not yet replicated over tp ranks when there are fewer than tp).
+  // Heads, the vocabulary and every MLP width divide by tp; the key/value heads divide by tp
+  // or divide tp (then tp / kv heads ranks share each key/value head).
   void validate_tensor_parallel(int64_t tp, const std::string& origin) const override;
   // Reads an HF config.json as transformers does: each key Qwen3MoeForCausalLM reads, in
   // either spelling (num_experts / num_local_experts, rope_theta / rope_parameters,
