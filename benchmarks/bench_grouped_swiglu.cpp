@@ -118,7 +118,33 @@ void BM_GroupedSwigluBackwardWeightOverwrite(benchmark::State& state) {
   });
 }
 
+// FP8 (issue 30): the same forward from e4m3 operands (x per 1 x 128 tile, the weights per
+// 128 x 128 block, quantized once outside the loop as a step's kept weights are); inside: the
+// gate/up GEMM, act's quantization and the down GEMM. Floor at Hopper's dense FP8 rate (1979
+// TFLOP/s on an H100 SXM): 0.31 ms. "WithX" also quantizes x, as a layer does.
+void BM_GroupedSwigluForwardFp8(benchmark::State& state) {
+  if (!cuda::available()) return time_op(state, [] {});
+  Problem& p = problem();
+  const ops::Fp8Tensor x = ops::quantize_fp8(p.x, ops::Fp8Blocks::kRows);
+  const ops::Fp8Tensor wg = ops::quantize_fp8_experts(p.wg), wu = ops::quantize_fp8_experts(p.wu);
+  const ops::Fp8Tensor wd = ops::quantize_fp8_experts(p.wd);
+  time_op(state, [&] { ops::SwigluOut o = ops::grouped_swiglu_forward_fp8(x, p.counts, wg, wu, wd, kE); });
+}
+
+void BM_GroupedSwigluForwardFp8WithX(benchmark::State& state) {
+  if (!cuda::available()) return time_op(state, [] {});
+  Problem& p = problem();
+  const ops::Fp8Tensor wg = ops::quantize_fp8_experts(p.wg), wu = ops::quantize_fp8_experts(p.wu);
+  const ops::Fp8Tensor wd = ops::quantize_fp8_experts(p.wd);
+  time_op(state, [&] {
+    ops::SwigluOut o =
+        ops::grouped_swiglu_forward_fp8(ops::quantize_fp8(p.x, ops::Fp8Blocks::kRows), p.counts, wg, wu, wd, kE);
+  });
+}
+
 BENCHMARK(BM_GroupedSwigluForward)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
+BENCHMARK(BM_GroupedSwigluForwardFp8)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
+BENCHMARK(BM_GroupedSwigluForwardFp8WithX)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
 BENCHMARK(BM_GroupedSwigluBackwardInput)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
 BENCHMARK(BM_GroupedSwigluBackwardWeight)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
 BENCHMARK(BM_GroupedSwigluBackwardWeightOverwrite)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);

@@ -76,6 +76,15 @@ Fp8Tensor quantize_fp8_transposed(const Tensor& x, Fp8Blocks blocks) {
   return MT_ROUTE(x, quantize_fp8_transposed, x, blocks);
 }
 
+Fp8Tensor quantize_fp8_experts(const Tensor& w) {
+  MT_CHECK(w.defined() && w.ndim() == 3, "quantize_fp8_experts: w must be [E, n, k], got {}",
+           w.defined() ? w.str() : std::string("undefined"));
+  const int64_t E = w.size(0), n = w.size(1), k = w.size(2);
+  MT_CHECK(n % kFp8Block == 0, "quantize_fp8_experts: w {} has n = {} rows an expert, not a multiple of 128", w.str(),
+           n);
+  return quantize_fp8(w.view({E * n, k}), Fp8Blocks::kBlocks);
+}
+
 Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype) {
   check_fp8_tensor("dequantize_fp8", t, "t");
   MT_CHECK(is_floating(dtype), "dequantize_fp8: dtype must be bf16, f32 or f64, got {}", dtype_name(dtype));
@@ -303,6 +312,33 @@ CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const 
 
 SwigluOut grouped_swiglu_forward(const Tensor& x, const Tensor& counts, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down) {
   return MT_ROUTE(x, grouped_swiglu_forward, x, counts, w_gate, w_up, w_down);
+}
+
+SwigluOut grouped_swiglu_forward_fp8(const Fp8Tensor& x, const Tensor& counts, const Fp8Tensor& w_gate,
+                                     const Fp8Tensor& w_up, const Fp8Tensor& w_down, int64_t experts) {
+  const char* op = "grouped_swiglu_forward_fp8";
+  check_fp8_tensor(op, x, "x");
+  check_fp8_tensor(op, w_gate, "w_gate");
+  check_fp8_tensor(op, w_up, "w_up");
+  check_fp8_tensor(op, w_down, "w_down");
+  MT_CHECK(x.blocks == Fp8Blocks::kRows, "{}: x must be quantized in rows (1 x 128) mode", op);
+  MT_CHECK(w_gate.blocks == Fp8Blocks::kBlocks && w_up.blocks == Fp8Blocks::kBlocks &&
+               w_down.blocks == Fp8Blocks::kBlocks,
+           "{}: the weights must be quantized in blocks (128 x 128) mode (quantize_fp8_experts)", op);
+  MT_CHECK(experts >= 1 && w_gate.q.size(0) % experts == 0, "{}: w_gate {} is not {} experts' [I, H] blocks", op,
+           w_gate.q.str(), experts);
+  const int64_t N = x.q.size(0), H = x.q.size(1), I = w_gate.q.size(0) / experts;
+  MT_CHECK(H % kFp8Block == 0 && I % kFp8Block == 0,
+           "{}: the hidden size H = {} and the experts' width I = {} must be multiples of 128 (each expert's "
+           "weights in whole 128 x 128 blocks)",
+           op, H, I);
+  check_shape(w_gate.q, {experts * I, H}, "grouped_swiglu_forward_fp8 w_gate [E I, H]");
+  check_shape(w_up.q, {experts * I, H}, "grouped_swiglu_forward_fp8 w_up [E I, H]");
+  check_shape(w_down.q, {experts * H, I}, "grouped_swiglu_forward_fp8 w_down [E H, I]");
+  check_shape(counts, {experts}, "grouped_swiglu_forward_fp8 counts [E]");
+  check_dtype(counts, DType::I64, "grouped_swiglu_forward_fp8 counts");
+  (void)N;
+  return MT_ROUTE(x.q, grouped_swiglu_forward_fp8, x, counts, w_gate, w_up, w_down, experts);
 }
 
 SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& counts, const Tensor& gate, const Tensor& up, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down) {

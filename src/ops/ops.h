@@ -420,6 +420,10 @@ Fp8Tensor quantize_fp8(const Tensor& x, Fp8Blocks blocks);
 Fp8Tensor quantize_fp8_transposed(const Tensor& x, Fp8Blocks blocks = Fp8Blocks::kRows);
 // q * scale as `dtype`.
 Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype);
+// An expert weight w [E, n, k] (n a multiple of 128) per 128 x 128 block of each expert:
+// quantize_fp8 of its [E n, k] view in blocks mode (no block spans two experts).
+Fp8Tensor quantize_fp8_experts(const Tensor& w);
+
 // y [M, N] = a [M, K] b [N, K]^T, a in rows mode, b in either: the product of the dequantized
 // operands with f32 sums (on the GPU, per 128-element block of K the e4m3 products' sum times
 // the two tiles' scales, added over the blocks in f32: DeepSeek's promotion every 128 of K);
@@ -428,6 +432,13 @@ Tensor linear_fp8(const Fp8Tensor& a, const Fp8Tensor& b, DType out);
 // The same into y [M, N] (bf16 or f32): y = a b^T, or y += a b^T when `accumulate` (a weight
 // gradient over micro-batches, in the GEMM's epilogue).
 void linear_fp8_into(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& y, bool accumulate);
+// The experts' forward in FP8 (issue 30): as grouped_swiglu_forward, from x quantized per
+// 1 x 128 tile (quantize_fp8(x, kRows), x [N, H]) and each weight per 128 x 128 block of each
+// expert (quantize_fp8_experts); act is quantized per 1 x 128 tile for the down GEMM (the
+// returned act is the unquantized one, for the backward). Sums in f32, promoted every 128 of
+// K on the GPU. H and I multiples of 128. Outputs bf16 on CUDA (Hopper only), f32 on the CPU.
+SwigluOut grouped_swiglu_forward_fp8(const Fp8Tensor& x, const Tensor& counts, const Fp8Tensor& w_gate,
+                                     const Fp8Tensor& w_up, const Fp8Tensor& w_down, int64_t experts);
 
 // ---- MoE auxiliary losses -------------------------------------------------------------
 // Hugging Face Qwen3-MoE load balancing over R router rows (all routed layers of a

@@ -108,5 +108,56 @@ TEST(BackendFp8, LinearMatchesTheCpuAndTheDequantizedProduct) {
   }
 }
 
+// The experts' FP8 forward (the wgmma kernels with the promotion every 128 of K) against the
+// f32 products of its dequantized operands: gate and up from x and the gate/up weights, y from
+// the GPU's own act quantized as the kernel quantizes it (bf16 act -> the same codes on both
+// backends). Ragged counts (an empty expert, one row, rows not a multiple of 128), a width
+// whose down tile's second half lies past the weight (H = 384), and the bench's shape. Outputs
+// are bf16 (~1.1e-3 relative rounding); a scale on the wrong row or block errs by O(1).
+TEST(BackendFp8, GroupedSwigluForwardMatchesTheDequantizedProducts) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  struct Case {
+    std::vector<int64_t> counts;
+    int64_t H, I;
+  };
+  std::vector<int64_t> big(128);
+  for (int64_t e = 0; e < 128; ++e) big[e] = e % 9 == 4 ? 0 : 20 + (e * 37) % 100;
+  for (const Case& c : {Case{{130, 0, 257, 1}, 256, 256}, Case{{64, 300, 0, 77, 129}, 384, 384},
+                        Case{big, 2048, 768}}) {
+    const int64_t E = static_cast<int64_t>(c.counts.size()), H = c.H, I = c.I;
+    int64_t N = 0;
+    for (int64_t n : c.counts) N += n;
+    const std::string tag = fmt::format("grouped_swiglu_forward_fp8[E={},N={},H={},I={}]", E, N, H, I);
+    const Tensor x = random_bf16_values({N, H}, N + H, 1.0);
+    const Tensor wg = random_bf16_values({E, I, H}, 11 + E, 0.05), wu = random_bf16_values({E, I, H}, 12 + E, 0.05);
+    const Tensor wd = random_bf16_values({E, H, I}, 13 + E, 0.05);
+    const Tensor counts = Tensor::from_vector(c.counts, {E});
+    const ops::Fp8Tensor xq = ops::quantize_fp8(x, ops::Fp8Blocks::kRows);
+    const ops::Fp8Tensor gq = ops::quantize_fp8_experts(wg), uq = ops::quantize_fp8_experts(wu);
+    const ops::Fp8Tensor dq = ops::quantize_fp8_experts(wd);
+    const ops::SwigluOut got = ops::grouped_swiglu_forward_fp8(
+        ops::quantize_fp8(on_gpu(x, DType::BF16), ops::Fp8Blocks::kRows), counts.to(kGpu),
+        ops::quantize_fp8_experts(on_gpu(wg, DType::BF16)), ops::quantize_fp8_experts(on_gpu(wu, DType::BF16)),
+        ops::quantize_fp8_experts(on_gpu(wd, DType::BF16)), E);
+    const ops::SwigluOut ref = ops::grouped_swiglu_forward_fp8(xq, counts, gq, uq, dq, E);  // the CPU's
+    testing::expect_backend_close(got.gate.to(Device::cpu()), ref.gate, 3e-3, tag, "gate");
+    testing::expect_backend_close(got.up.to(Device::cpu()), ref.up, 3e-3, tag, "up");
+    testing::expect_backend_close(got.act.to(Device::cpu()), ref.act, 3e-3, tag, "act");
+    // y from the GPU's act, quantized per 1 x 128 tile, times each expert's dequantized Wd.
+    const Tensor act = ops::dequantize_fp8(ops::quantize_fp8(got.act.to(Device::cpu()), ops::Fp8Blocks::kRows),
+                                           DType::F64);
+    const Tensor wdd = ops::dequantize_fp8(dq, DType::F64).view({E, H, I});
+    Tensor y_ref = Tensor::zeros({N, H}, DType::F64);
+    int64_t r0 = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r1 = r0 + c.counts[e];
+      if (r1 > r0) y_ref.slice(r0, r1).copy_from(ops::linear_forward(act.slice(r0, r1), wdd.select(e)));
+      r0 = r1;
+    }
+    testing::expect_backend_close(got.y.to(Device::cpu()), y_ref, 3e-3, tag, "y");
+  }
+}
+
 }  // namespace
 }  // namespace moetrain

@@ -113,6 +113,28 @@ SwigluOut grouped_swiglu_forward(const Tensor& x, const Tensor& counts, const Te
   return out;
 }
 
+// FP8: the f32 products of the dequantized operands (the reference the GPU's promoted sums are
+// held to), with act quantized per 1 x 128 tile before the down GEMM as on the GPU.
+SwigluOut grouped_swiglu_forward_fp8(const Fp8Tensor& x, const Tensor& counts, const Fp8Tensor& w_gate,
+                                     const Fp8Tensor& w_up, const Fp8Tensor& w_down, int64_t experts) {
+  const int64_t H = x.q.size(1), I = w_gate.q.size(0) / experts;
+  const Tensor xd = cpu::dequantize_fp8(x, DType::F32);
+  const Tensor wg = cpu::dequantize_fp8(w_gate, DType::F32).view({experts, I, H});
+  const Tensor wu = cpu::dequantize_fp8(w_up, DType::F32).view({experts, I, H});
+  const Tensor wd = cpu::dequantize_fp8(w_down, DType::F32).view({experts, H, I});
+  SwigluOut out = grouped_swiglu_forward(xd, counts, wg, wu, wd);  // gate, up, act; y from act itself
+  const Dims d = check_swiglu("grouped_swiglu_forward_fp8", xd.size(0), H, counts, wg, wu, wd);
+  const Tensor act = cpu::dequantize_fp8(cpu::quantize_fp8(out.act, Fp8Blocks::kRows), DType::F32);
+  const float* A = act.data<float>();
+  const float* Wd = wd.data<float>();
+  float* Y = out.y.data<float>();
+  for (int64_t e = 0; e < d.E; ++e) {
+    const int64_t r0 = d.offsets[e], c = d.offsets[e + 1] - r0;
+    if (c > 0) gemm(false, true, c, H, I, 1.0, A + r0 * I, I, Wd + e * H * I, I, 0.0, Y + r0 * H, H);
+  }
+  return out;
+}
+
 SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& counts, const Tensor& gate,
                                                const Tensor& up, const Tensor& w_gate, const Tensor& w_up,
                                                const Tensor& w_down) {

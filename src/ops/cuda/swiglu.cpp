@@ -90,6 +90,40 @@ SwigluOut grouped_swiglu_forward(const Tensor& x, const Tensor& counts, const Te
   return out;  // ws is freed in stream order, after the kernels
 }
 
+SwigluOut grouped_swiglu_forward_fp8(const Fp8Tensor& x, const Tensor& counts, const Fp8Tensor& w_gate,
+                                     const Fp8Tensor& w_up, const Fp8Tensor& w_down, int64_t experts) {
+  const char* op = "grouped_swiglu_forward_fp8";
+  const int64_t N = x.q.size(0), H = x.q.size(1), I = w_gate.q.size(0) / experts;
+  check_cuda_tensors(op, {&x.q, &x.scale, &counts, &w_gate.q, &w_gate.scale, &w_up.q, &w_up.scale, &w_down.q,
+                          &w_down.scale});
+  MT_CHECK(experts <= kSwigluMaxExperts, "{}: {} experts; the CUDA grouped SwiGLU takes 1 to {}", op, experts,
+           kSwigluMaxExperts);
+  MT_CHECK(H <= INT_MAX / 2 && I <= INT_MAX / 2 && N <= INT_MAX, "{}: N = {}, H = {}, I = {} exceed the int range", op,
+           N, H, I);
+  MT_CHECK(swiglu_max_tiles(N, static_cast<int>(experts)) <= kSwigluMaxGridY,
+           "{}: N = {} rows over {} experts need more than {} row tiles of 128", op, N, experts, kSwigluMaxGridY);
+  for (const Tensor* t : {&x.q, &w_gate.q, &w_up.q, &w_down.q}) check_aligned(*t, op, "an operand's codes");
+  const Device dev = x.q.device();
+  SwigluOut out;
+  out.y = Tensor::empty({N, H}, DType::BF16, dev);
+  out.gate = Tensor::empty({N, I}, DType::BF16, dev);
+  out.up = Tensor::empty({N, I}, DType::BF16, dev);
+  out.act = Tensor::empty({N, I}, DType::BF16, dev);
+  Tensor act_q = Tensor::empty({N, I}, DType::F8E4M3, dev);
+  Tensor act_scale = Tensor::empty({I / 128, N}, DType::F32, dev);
+  Tensor ws = Tensor::empty({swiglu_workspace_words(N, static_cast<int>(experts))}, DType::I32, dev);
+  auto codes = [](const Tensor& t) { return static_cast<const uint8_t*>(t.raw()); };
+  const bool launched = launch_swiglu_forward_fp8(
+      codes(x.q), x.scale.data<float>(), counts.data<int64_t>(), codes(w_gate.q), w_gate.scale.data<float>(),
+      codes(w_up.q), w_up.scale.data<float>(), codes(w_down.q), w_down.scale.data<float>(), N, static_cast<int>(H),
+      static_cast<int>(I), static_cast<int>(experts), out.gate.raw(), out.up.raw(), out.act.raw(),
+      static_cast<uint8_t*>(act_q.raw()), act_scale.data<float>(), out.y.raw(), ws.data<int32_t>(), stream());
+  MT_CHECK(launched, "{}: the FP8 grouped GEMMs need a Hopper GPU (sm_90) whose driver encodes TMA maps of these "
+           "tensors (N = {}, H = {}, I = {}); this GPU or driver does not", op, N, H, I);
+  check_launch("grouped_swiglu_forward_fp8 kernels");
+  return out;  // scratch freed in stream order
+}
+
 SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& counts, const Tensor& gate,
                                                const Tensor& up, const Tensor& w_gate, const Tensor& w_up,
                                                const Tensor& w_down) {

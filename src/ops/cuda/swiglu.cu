@@ -50,6 +50,7 @@
 #include <cuda_bf16.h>
 
 #include "ops/cuda/elementwise_launch.h"
+#include "ops/cuda/fp8_launch.h"
 #include "ops/cuda/hopper.cuh"
 #include "ops/cuda/kernels.cuh"
 #include "ops/cuda/l2_halves.h"
@@ -550,6 +551,109 @@ struct OutMaps {
   CUtensorMap o[3];
 };
 
+#if MT_SM90A
+// Where column block j (8 bf16, 16 bytes) of row r lands in a 128-byte-swizzled staging box,
+// plus the lane's pair.
+__device__ __forceinline__ int staging_offset(int r, int j, int lane) {
+  return r * 128 + ((j ^ (r & 7)) << 4) + (lane & 3) * 4;
+}
+
+// The rows kernels' epilogue (gate/up with act, or a plain store) of a consumer warpgroup's
+// 64 rows x 256 columns in acc (the wgmma m64n256 layout: acc[nb * 4 + h * 2 + c] is row
+// 16 w + lane / 4 + 8 h, column nb * 8 + 2 (lane % 4) + c; gate/up: gate columns nb < 16,
+// up columns nb + 16). When all 64 rows are the expert's, 64 x 64 boxes go through the
+// warpgroup's two staging buffers by TMA stores that drain while the next tile's MMAs run
+// (`boxes` counts them); else the rows of the expert are stored from registers.
+template <bool kGateUp>
+__device__ __forceinline__ void store_rows_tile(const float (&acc)[128], const OutMaps& out, const RowsArgs& args,
+                                                char* staging, int& boxes, int row0, int row_end, int n0, int cw) {
+  const int tid = threadIdx.x & 127, lane = tid & 31, w = tid >> 5;
+  // Stores the warpgroup's 64 rows x 64 columns col0.. of output `o` through the next
+  // staging box; value(j, h) is the bf16 pair of column block j (8 columns), row half h.
+  auto store_box = [&](const CUtensorMap* map, int col0, int row, auto value) {
+    char* buf = staging + (boxes++ & 1) * kOutBox;
+    if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");  // its last copy has read it
+    named_barrier(2 + cw, 128);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 16 * w + (lane >> 2) + 8 * h;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) *reinterpret_cast<uint32_t*>(buf + staging_offset(r, j, lane)) = value(j, h);
+    }
+    fence_proxy_async();  // generic writes -> copy engine reads
+    named_barrier(2 + cw, 128);
+    if (tid == 0) {
+      tma_store_2d(map, buf, col0, row);
+      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    }
+  };
+  auto pack = [](float a, float b) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  };
+  if (row0 + cw * 64 + 64 <= row_end) {
+    // All 64 of the warpgroup's rows are the expert's: the boxes go out by TMA (columns
+    // past n_extent are clipped by the map) while the next tile's MMAs run.
+    const int r0 = row0 + cw * 64;
+    if constexpr (kGateUp) {
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        store_box(&out.o[0], n0 + 64 * q, r0, [&](int j, int h) {
+          const int nb = 8 * q + j;
+          return pack(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
+        });
+        store_box(&out.o[1], n0 + 64 * q, r0, [&](int j, int h) {
+          const int nb = 8 * q + j + 16;
+          return pack(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
+        });
+        store_box(&out.o[2], n0 + 64 * q, r0, [&](int j, int h) {
+          const int nb = 8 * q + j;
+          const float g0 = acc[nb * 4 + h * 2], g1 = acc[nb * 4 + h * 2 + 1];
+          const float u0 = acc[(nb + 16) * 4 + h * 2], u1 = acc[(nb + 16) * 4 + h * 2 + 1];
+          return pack(g0 * sigmoidf_(g0) * u0, g1 * sigmoidf_(g1) * u1);
+        });
+      }
+    } else {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        store_box(&out.o[0], n0 + 64 * q, r0, [&](int j, int h) {
+          const int nb = 8 * q + j;
+          return pack(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
+        });
+      }
+    }
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row0 + cw * 64 + w * 16 + (lane >> 2) + h * 8;
+      if (row >= row_end) continue;
+      if constexpr (kGateUp) {
+#pragma unroll
+        for (int nb = 0; nb < 16; ++nb) {
+          const int col = n0 + nb * 8 + (lane & 3) * 2;
+          if (col >= args.n_extent) continue;
+          const float g0 = acc[nb * 4 + h * 2], g1 = acc[nb * 4 + h * 2 + 1];
+          const float u0 = acc[(nb + 16) * 4 + h * 2], u1 = acc[(nb + 16) * 4 + h * 2 + 1];
+          const int64_t o = row * args.ldo + col;
+          *reinterpret_cast<__nv_bfloat162*>(args.out0 + o) = __floats2bfloat162_rn(g0, g1);
+          *reinterpret_cast<__nv_bfloat162*>(args.out1 + o) = __floats2bfloat162_rn(u0, u1);
+          *reinterpret_cast<__nv_bfloat162*>(args.out2 + o) =
+              __floats2bfloat162_rn(g0 * sigmoidf_(g0) * u0, g1 * sigmoidf_(g1) * u1);
+        }
+      } else {
+#pragma unroll
+        for (int nb = 0; nb < 32; ++nb) {
+          const int col = n0 + nb * 8 + (lane & 3) * 2;
+          if (col >= args.n_extent) continue;
+          *reinterpret_cast<__nv_bfloat162*>(args.out0 + row * args.ldo + col) =
+              __floats2bfloat162_rn(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
+        }
+      }
+    }
+  }
+}
+#endif  // MT_SM90A
+
 template <bool kBKMajor, int kEpi>
 __global__ void __launch_bounds__(kWsThreads, 1)
     rows_kernel(const __grid_constant__ Maps maps, const __grid_constant__ OutMaps out, const RowsArgs args,
@@ -609,32 +713,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int cw = wg - 1, tid = threadIdx.x & 127, lane = tid & 31, w = tid >> 5;
   char* staging = smem + S * kWsStage + 1024 + cw * 2 * kOutBox;  // this warpgroup's two boxes
   int boxes = 0;  // boxes this warpgroup has stored: the next one goes to buffer boxes % 2
-  // Where column block j (8 bf16, 16 bytes) of row r lands in a 128-byte-swizzled box, plus
-  // this lane's pair.
-  auto box_offset = [&](int r, int j) { return r * 128 + ((j ^ (r & 7)) << 4) + (lane & 3) * 4; };
-  // Stores the warpgroup's 64 rows x 64 columns col0.. of output `o` through the next
-  // staging box; value(j, h) is the bf16 pair of column block j (8 columns), row half h.
-  auto store_box = [&](const CUtensorMap* map, int col0, int row, auto value) {
-    char* buf = staging + (boxes++ & 1) * kOutBox;
-    if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");  // its last copy has read it
-    named_barrier(2 + cw, 128);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = 16 * w + (lane >> 2) + 8 * h;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) *reinterpret_cast<uint32_t*>(buf + box_offset(r, j)) = value(j, h);
-    }
-    fence_proxy_async();  // generic writes -> copy engine reads
-    named_barrier(2 + cw, 128);
-    if (tid == 0) {
-      tma_store_2d(map, buf, col0, row);
-      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-    }
-  };
-  auto pack = [](float a, float b) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  };
+  auto box_offset = [&](int r, int j) { return staging_offset(r, j, lane); };
   int it = 0;
   // Bounded (a block never gets more than every tile): with an endless loop the compiler
   // keeps acc in local memory in the dSwiGLU kernel and serialises its wgmmas.
@@ -779,68 +858,135 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         if (b + 1 < 8) load(b + 1, gb[(b + 1) & 1], ub[(b + 1) & 1]);
         finish(b, gb[b & 1], ub[b & 1]);
       }
-    } else if (row0 + cw * 64 + 64 <= row_end) {
-      // All 64 of the warpgroup's rows are the expert's: the boxes go out by TMA (columns
-      // past n_extent are clipped by the map) while the next tile's MMAs run.
-      const int r0 = row0 + cw * 64;
-      if constexpr (kGateUp) {
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          store_box(&out.o[0], n0 + 64 * q, r0, [&](int j, int h) {
-            const int nb = 8 * q + j;
-            return pack(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
-          });
-          store_box(&out.o[1], n0 + 64 * q, r0, [&](int j, int h) {
-            const int nb = 8 * q + j + 16;
-            return pack(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
-          });
-          store_box(&out.o[2], n0 + 64 * q, r0, [&](int j, int h) {
-            const int nb = 8 * q + j;
-            const float g0 = acc[nb * 4 + h * 2], g1 = acc[nb * 4 + h * 2 + 1];
-            const float u0 = acc[(nb + 16) * 4 + h * 2], u1 = acc[(nb + 16) * 4 + h * 2 + 1];
-            return pack(g0 * sigmoidf_(g0) * u0, g1 * sigmoidf_(g1) * u1);
-          });
-        }
-      } else {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          store_box(&out.o[0], n0 + 64 * q, r0, [&](int j, int h) {
-            const int nb = 8 * q + j;
-            return pack(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
-          });
-        }
-      }
     } else {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int64_t row = row0 + cw * 64 + w * 16 + (lane >> 2) + h * 8;
-        if (row >= row_end) continue;
-        if constexpr (kGateUp) {
-#pragma unroll
-          for (int nb = 0; nb < 16; ++nb) {
-            const int col = n0 + nb * 8 + (lane & 3) * 2;
-            if (col >= args.n_extent) continue;
-            const float g0 = acc[nb * 4 + h * 2], g1 = acc[nb * 4 + h * 2 + 1];
-            const float u0 = acc[(nb + 16) * 4 + h * 2], u1 = acc[(nb + 16) * 4 + h * 2 + 1];
-            const int64_t o = row * args.ldo + col;
-            *reinterpret_cast<__nv_bfloat162*>(args.out0 + o) = __floats2bfloat162_rn(g0, g1);
-            *reinterpret_cast<__nv_bfloat162*>(args.out1 + o) = __floats2bfloat162_rn(u0, u1);
-            *reinterpret_cast<__nv_bfloat162*>(args.out2 + o) =
-                __floats2bfloat162_rn(g0 * sigmoidf_(g0) * u0, g1 * sigmoidf_(g1) * u1);
-          }
-        } else if constexpr (kEpi == kEpiStore) {
-#pragma unroll
-          for (int nb = 0; nb < 32; ++nb) {
-            const int col = n0 + nb * 8 + (lane & 3) * 2;
-            if (col >= args.n_extent) continue;
-            *reinterpret_cast<__nv_bfloat162*>(args.out0 + row * args.ldo + col) =
-                __floats2bfloat162_rn(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
-          }
-        }
-      }
+      store_rows_tile<kGateUp>(acc, out, args, staging, boxes, row0, row_end, n0, cw);
     }
   }
   if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // staging read before exit
+#endif
+}
+
+// ---- FP8 row-grouped GEMMs (issue 30) ---------------------------------------------------
+// rows_kernel's schedule, ring and epilogue with e4m3 operands (both K-major: the forward's
+// gate/up and down). A 128-byte swizzled row holds 128 codes instead of 64 bf16, so a k-tile
+// is 128 deep with the stages' 48 KB unchanged, and a k-tile is exactly one 1 x 128 tile of
+// the activations' scales and one 128 x 128 block of the weights'. Each k-tile's four k32
+// MMAs go into a fresh sum that is then multiplied by the row's and the block's scales and
+// added to the f32 accumulators: DeepSeek-V3's promotion every 128 of K (Hopper's FP8 MMA
+// keeps ~14 bits in its accumulator). A consumer warpgroup's 64 x 256 is made as two
+// 64 x 128 halves, so that the fresh sum (64 registers a thread) fits beside the 128
+// accumulators. Rows past N (a tile's last) read a clamped scale: their outputs are never
+// stored.
+struct Fp8Scales {
+  const float* a;     // the rows' scales [K / 128][N] (quantize_fp8, rows mode)
+  const float* b[2];  // the weights' block scales [E n / 128][ldb] (gate/up: gate, up)
+  int n_rows;         // N
+  int ldb;            // round_up(K / 128, 4)
+  int b_blocks;       // n / 128: the block rows of one expert's weight
+};
+
+template <int kEpi>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    fp8_rows_kernel(const __grid_constant__ Maps maps, const __grid_constant__ OutMaps out, const RowsArgs args,
+                    const Fp8Scales sc, int ktiles, int col_tiles, int max_tiles) {
+#if MT_SM90A
+  constexpr bool kGateUp = kEpi == kEpiGateUp;
+  constexpr int S = kWsStages;
+  extern __shared__ char smem_raw[];
+  uint64_t *full, *empty;
+  char* smem = setup_smem<S, kWsStage>(smem_raw, full, empty);
+  __shared__ int tile_of[S];
+  const int wg = threadIdx.x >> 7;
+
+  if (wg == 0) {  // producer, as rows_kernel's (one k source, K-major weights)
+    setmaxnreg_dec<40>();
+    if (threadIdx.x != 0) return;
+    const int rows = min(args.queue[0], max_tiles), split = min(args.queue[1], rows);
+    TileQueues queues{args.next, split * col_tiles, rows * col_tiles, args.sm_half ? args.sm_half[sm_id()] : 0};
+    int it = 0;
+    for (;;) {
+      const int t = queues.take();
+      if (t < 0) {
+        const int s = it % S;
+        if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
+        tile_of[s] = -1;
+        mbar_arrive(&full[s]);
+        break;
+      }
+      const int rt = t / col_tiles, e = args.tile_expert[rt];
+      const int row0 = args.tile_row[rt], n0 = (t % col_tiles) * ws_tile_cols(kEpi);
+      for (int kt = 0; kt < ktiles; ++kt, ++it) {
+        const int s = it % S;
+        if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
+        char* st = smem + s * kWsStage;
+        char* sb = st + kTile;
+        const int k0 = kt * 128;
+        if (kt == 0) tile_of[s] = t;
+        mbar_arrive_expect_tx(&full[s], kWsStage);
+        tma_load_2d(st, &maps.a[0], &full[s], k0, row0);
+        if constexpr (kGateUp) {  // 128 gate rows, then the same 128 rows of up
+          tma_load_3d(sb, &maps.b[0], &full[s], k0, n0, e);
+          tma_load_3d(sb + kTile, &maps.b[1], &full[s], k0, n0, e);
+        } else {
+          tma_load_3d(sb, &maps.b[0], &full[s], k0, n0, e);
+          tma_load_3d(sb + kTile, &maps.b[0], &full[s], k0, n0 + 128, e);
+        }
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc<232>();
+  const int cw = wg - 1, tid = threadIdx.x & 127, lane = tid & 31, w = tid >> 5;
+  char* staging = smem + S * kWsStage + 1024 + cw * 2 * kOutBox;
+  int boxes = 0;
+  int it = 0;
+  const int last = max_tiles * col_tiles;
+  for (int n = 0; n < last; ++n) {
+    mbar_wait(&full[it % S], (it / S) & 1);
+    const int t = __shfl_sync(0xffffffffu, lane == 0 ? tile_of[it % S] : 0, 0);
+    if (t < 0) break;
+    const int rt = t / col_tiles, e = args.tile_expert[rt];
+    const int row0 = args.tile_row[rt], row_end = args.offsets[e + 1];
+    const int n0 = (t % col_tiles) * ws_tile_cols(kEpi);
+    // This thread's two rows (h = 0, 1) and the two halves' weight block rows (a down tile's
+    // second half past the weight's last block is zero-filled by TMA: its scale is clamped).
+    const int r_lo = row0 + cw * 64 + 16 * w + (lane >> 2);
+    const int ra0 = min(r_lo, sc.n_rows - 1), ra1 = min(r_lo + 8, sc.n_rows - 1);
+    const int brow0 = e * sc.b_blocks + n0 / 128;
+    const float* sb0 = sc.b[0] + static_cast<int64_t>(brow0) * sc.ldb;
+    const float* sb1 = kGateUp ? sc.b[1] + static_cast<int64_t>(brow0) * sc.ldb
+                               : sc.b[0] + static_cast<int64_t>(min(brow0 + 1, (e + 1) * sc.b_blocks - 1)) * sc.ldb;
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    for (int kt = 0; kt < ktiles; ++kt, ++it) {
+      const int s = it % S;
+      const float* sa = sc.a + static_cast<int64_t>(kt) * sc.n_rows;
+      const float a0 = sa[ra0], a1 = sa[ra1], b0 = sb0[kt], b1 = sb1[kt];
+      mbar_wait(&full[s], (it / S) & 1);
+      const uint32_t a = smem_u32(smem + s * kWsStage) + cw * 64 * 128, b = smem_u32(smem + s * kWsStage + kTile);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float part[64];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          wgmma_m64n128k32_e4m3(part, sw128_desc(a + kk * 32, 16, 1024),
+                                sw128_desc(b + half * kTile + kk * 32, 16, 1024), kk);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin(part);
+        const float sbh = half == 0 ? b0 : b1, s0 = a0 * sbh, s1 = a1 * sbh;
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[half * 64 + i] += part[i] * ((i & 2) ? s1 : s0);  // part[4j + 2h + c]
+      }
+      if (lane == 0) mbar_arrive(&empty[s]);  // both halves' MMAs are done with the stage
+    }
+    store_rows_tile<kGateUp>(acc, out, args, staging, boxes, row0, row_end, n0, cw);
+  }
+  if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 #endif
 }
 
@@ -1223,6 +1369,20 @@ void launch_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out, co
   kernel<<<grid, hopper::kWsThreads, smem, stream>>>(maps, out, args, ktiles_src, nsrc, col_tiles, max_tiles);
 }
 
+// The FP8 rows kernel over K = 128 ktiles (n_cols as launch_rows_hopper's).
+template <int kEpi>
+void launch_fp8_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out, const RowsArgs& args,
+                            const hopper::Fp8Scales& scales, int ktiles, int n_cols, int max_tiles,
+                            cudaStream_t stream) {
+  if (n_cols == 0 || max_tiles == 0) return;
+  auto kernel = hopper::fp8_rows_kernel<kEpi>;
+  constexpr int smem = hopper::kRowsSmem;
+  prepare_hopper(kernel, smem);
+  const int col_tiles = (n_cols + hopper::ws_tile_cols(kEpi) - 1) / hopper::ws_tile_cols(kEpi);
+  const int grid = persistent_grid(static_cast<int64_t>(col_tiles) * max_tiles);
+  kernel<<<grid, hopper::kWsThreads, smem, stream>>>(maps, out, args, scales, ktiles, col_tiles, max_tiles);
+}
+
 static_assert(sizeof(hopper::WgradMaps) + sizeof(WgradArgs) + 3 * sizeof(int) <= 4096,
               "wgrad_ws_kernel's parameters must fit the 4 KB every driver takes");
 
@@ -1324,6 +1484,51 @@ void launch_swiglu_forward(const void* x, const int64_t* counts, const void* w_g
   a.ldo = H;
   if (hop) launch_rows_hopper<true, kEpiStore>(dn, dn_out, a, (I + kBK - 1) / kBK, 1, H, s.max_tiles, stream);
   else launch_rows<true, kEpiStore>(a, (H + kBN - 1) / kBN, s.max_tiles, stream);
+}
+
+bool launch_swiglu_forward_fp8(const uint8_t* x_q, const float* x_scale, const int64_t* counts, const uint8_t* wg_q,
+                               const float* wg_scale, const uint8_t* wu_q, const float* wu_scale, const uint8_t* wd_q,
+                               const float* wd_scale, int64_t N, int H, int I, int E, void* gate, void* up, void* act,
+                               uint8_t* act_q, float* act_scale, void* y, int32_t* workspace, cudaStream_t stream) {
+  if (!use_hopper()) return false;
+  if (N == 0) return true;
+  const uint64_t n = N, h = H, i = I, e = E;
+  hopper::Maps gu{}, dn{};
+  hopper::OutMaps gu_out{}, dn_out{};
+  if (!make_tensor_map_bytes(&gu.a[0], x_q, {h, n}, {128, 128}) ||
+      !make_tensor_map_bytes(&gu.b[0], wg_q, {h, i, e}, {128, 128, 1}) ||
+      !make_tensor_map_bytes(&gu.b[1], wu_q, {h, i, e}, {128, 128, 1}) ||
+      !make_tensor_map_bytes(&dn.a[0], act_q, {i, n}, {128, 128}) ||
+      !make_tensor_map_bytes(&dn.b[0], wd_q, {i, h, e}, {128, 128, 1}) ||
+      !make_map(&gu_out.o[0], gate, {i, n}, {64, 64}) || !make_map(&gu_out.o[1], up, {i, n}, {64, 64}) ||
+      !make_map(&gu_out.o[2], act, {i, n}, {64, 64}) || !make_map(&dn_out.o[0], y, {h, n}, {64, 64})) {
+    return false;
+  }
+  const Schedule s = make_schedule(counts, N, E, workspace, true, stream, &sm_l2_halves(stream));
+  RowsArgs a{};
+  a.offsets = s.offsets;
+  a.tile_expert = s.tile_expert;
+  a.tile_row = s.tile_row;
+  // gate | up = x [Wg | Wu]^T, act = silu(gate) * up
+  set_queues(a, s, 0);
+  a.n_extent = I;
+  a.out0 = mb(gate);
+  a.out1 = mb(up);
+  a.out2 = mb(act);
+  a.ldo = I;
+  auto padded_blocks = [](int k) { return (k / 128 + 3) / 4 * 4; };
+  const hopper::Fp8Scales gs{x_scale, {wg_scale, wu_scale}, static_cast<int>(N), padded_blocks(H), I / 128};
+  launch_fp8_rows_hopper<kEpiGateUp>(gu, gu_out, a, gs, H / 128, I, s.max_tiles, stream);
+  // act per 1 x 128 tile, then y = act Wd^T
+  launch_quantize_fp8_rows(act, 2, N, I, act_q, act_scale, stream);
+  set_queues(a, s, 1);
+  a.n_extent = H;
+  a.out0 = mb(y);
+  a.out1 = a.out2 = nullptr;
+  a.ldo = H;
+  const hopper::Fp8Scales ds{act_scale, {wd_scale, wd_scale}, static_cast<int>(N), padded_blocks(I), H / 128};
+  launch_fp8_rows_hopper<kEpiStore>(dn, dn_out, a, ds, I / 128, H, s.max_tiles, stream);
+  return true;
 }
 
 void launch_swiglu_backward_input(const void* dy, const int64_t* counts, const void* gate, const void* up,

@@ -23,6 +23,15 @@ int64_t swiglu_workspace_words(int64_t N, int E);
 void launch_swiglu_forward(const void* x, const int64_t* counts, const void* w_gate, const void* w_up,
                            const void* w_down, int64_t N, int H, int I, int E, void* gate, void* up, void* act,
                            void* y, int32_t* workspace, cudaStream_t stream);
+// The forward in FP8 (issue 30): x_q [N, H] e4m3 with x_scale [H / 128][N] (1 x 128 tiles);
+// each weight's codes [E, n, k] with block scales [E n / 128][round_up(k / 128, 4)] (128 x 128
+// blocks of each expert: H and I multiples of 128); gate, up, act bf16 as above; act_q [N, I]
+// and act_scale [I / 128][N]: scratch for act quantized per 1 x 128 tile, the down GEMM's
+// input. Hopper only: returns false, launching nothing, elsewhere.
+bool launch_swiglu_forward_fp8(const uint8_t* x_q, const float* x_scale, const int64_t* counts, const uint8_t* wg_q,
+                               const float* wg_scale, const uint8_t* wu_q, const float* wu_scale, const uint8_t* wd_q,
+                               const float* wd_scale, int64_t N, int H, int I, int E, void* gate, void* up, void* act,
+                               uint8_t* act_q, float* act_scale, void* y, int32_t* workspace, cudaStream_t stream);
 // da = dy Wd[e] with dgate/dup in its epilogue; dx = dgate Wg[e] + dup Wu[e] (one launch).
 void launch_swiglu_backward_input(const void* dy, const int64_t* counts, const void* gate, const void* up,
                                   const void* w_gate, const void* w_up, const void* w_down, int64_t N, int H, int I,

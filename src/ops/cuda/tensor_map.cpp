@@ -45,25 +45,40 @@ bool hopper_kernels_usable(const char* opt_out) {
   return major == 9 && minor == 0;
 }
 
-bool make_tensor_map(CUtensorMap* map, const void* base, std::initializer_list<uint64_t> dims,
-                     std::initializer_list<uint32_t> box, bool f32) {
+namespace {
+
+bool encode_map(CUtensorMap* map, const void* base, std::initializer_list<uint64_t> dims,
+                std::initializer_list<uint32_t> box, CUtensorMapDataType type, uint64_t elem_bytes) {
   const EncodeTiledFn encode = encode_tiled();
   if (encode == nullptr) return false;
   cuuint64_t gdim[5], gstride[4];
   cuuint32_t bdim[5], estride[5] = {1, 1, 1, 1, 1};
   const int rank = static_cast<int>(dims.size());
   if (rank < 1 || rank > 5 || box.size() != dims.size()) return false;
-  uint64_t stride = f32 ? 4 : 2;
+  uint64_t stride = elem_bytes;
   for (int i = 0; i < rank; ++i) {
     gdim[i] = dims.begin()[i];
     bdim[i] = box.begin()[i];
     if (i > 0) gstride[i - 1] = stride;
     stride *= gdim[i];
   }
-  return encode(map, f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank,
+  return encode(map, type, rank,
                 const_cast<void*>(base), gdim, gstride, bdim, estride, CU_TENSOR_MAP_INTERLEAVE_NONE,
                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+}  // namespace
+
+bool make_tensor_map(CUtensorMap* map, const void* base, std::initializer_list<uint64_t> dims,
+                     std::initializer_list<uint32_t> box, bool f32) {
+  return encode_map(map, base, dims, box, f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                    f32 ? 4 : 2);
+}
+
+bool make_tensor_map_bytes(CUtensorMap* map, const void* base, std::initializer_list<uint64_t> dims,
+                           std::initializer_list<uint32_t> box) {
+  return encode_map(map, base, dims, box, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1);
 }
 
 }  // namespace moetrain::ops::cuda

@@ -19,5 +19,8 @@ bool hopper_kernels_usable(const char* opt_out);
 // False when the driver refuses it (alignment, sizes).
 bool make_tensor_map(CUtensorMap* map, const void* base, std::initializer_list<uint64_t> dims,
                      std::initializer_list<uint32_t> box, bool f32 = false);
+// The same for a tensor of bytes (e4m3 codes): box[0] must be 128 (one swizzled row).
+bool make_tensor_map_bytes(CUtensorMap* map, const void* base, std::initializer_list<uint64_t> dims,
+                           std::initializer_list<uint32_t> box);
 
 }  // namespace moetrain::ops::cuda
