@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <tuple>
 #include <vector>
 
 #include "engine/models/deepseek_v3.h"
@@ -52,6 +53,38 @@ TEST(Projections, Fp8ProductsMatchTheHighPrecisionOnesWithinE4m3Error) {
   fp8.backward_weight(dy, x, g1, /*accumulate=*/true);
   plain.backward_weight(dy, x, g2, true);
   close(g1, g2, "backward_weight, accumulated");
+}
+
+// The experts' SwiGLU forward under FP8: from e4m3 operands where both widths are multiples
+// of 128 (within e4m3's error of the plain one, and not equal to it), the plain op otherwise
+// (bitwise); the three weights kept once each.
+TEST(Projections, ExpertsForwardIsFp8WhereTheWidthsAreWholeBlocks) {
+  Projections fp8;
+  fp8.set_fp8(true);
+  const Projections& plain = bf16_projections();
+  const Tensor counts = Tensor::from_vector(std::vector<int64_t>{70, 0, 131}, {3});
+  for (int64_t I : {128, 64}) {
+    SCOPED_TRACE(I);
+    const Tensor x = testing::random_tensor({201, 128}, DType::F32, 1);
+    const Tensor wg = testing::random_tensor({3, I, 128}, DType::F32, 2, 0.1);
+    const Tensor wu = testing::random_tensor({3, I, 128}, DType::F32, 3, 0.1);
+    const Tensor wd = testing::random_tensor({3, 128, I}, DType::F32, 4, 0.1);
+    fp8.keep_weights(true);
+    const ops::SwigluOut got = fp8.experts_forward(x, counts, wg, wu, wd);
+    const ops::SwigluOut want = plain.experts_forward(x, counts, wg, wu, wd);
+    EXPECT_EQ(fp8.kept_weights(), I == 128 ? 3u : 0u);
+    fp8.keep_weights(false);
+    for (auto [a, b, what] : {std::tuple{&got.gate, &want.gate, "gate"}, {&got.act, &want.act, "act"},
+                              {&got.y, &want.y, "y"}}) {
+      const double e = testing::rel_error(*a, *b);
+      if (I == 128) {
+        EXPECT_LT(e, 0.1) << what;  // measured 3-6% (act and y carry two and three roundings to e4m3)
+        EXPECT_GT(e, 1e-4) << what << ": the FP8 path did not run";
+      } else {
+        EXPECT_EQ(e, 0.0) << what << ": widths of 64 stay BF16";
+      }
+    }
+  }
 }
 
 // Kept weights: quantized at the first use, then taken as they are (so a weight changed while
@@ -166,6 +199,9 @@ TEST(Projections, Fp8TrainingStepOfBothFamiliesStaysClose) {
   q.head_dim = 32;
   q.initializer_range = 0.05;
   expect_fp8_step_close<Qwen3MoeModel>(q, "qwen3_moe");
+  q.moe_intermediate_size = 128;  // the experts in FP8 too
+  q.intermediate_size = 128;
+  expect_fp8_step_close<Qwen3MoeModel>(q, "qwen3_moe, FP8 experts");
   DeepseekV3Config v = testing::tiny_dsv3_config(300);
   v.n_group = 1;
   v.topk_group = 1;

@@ -194,7 +194,7 @@ void DeepseekV3DecoderLayer::attn_forward(const Tensor& x, const Tensor& positio
   }
   if (has_shared()) {
     StageScope t(Stage::kExpertGemm);
-    s.shared = ops::grouped_swiglu_forward(s.ln2.y, shared_counts(b.rows()), ws_gate_, ws_up_, ws_down_);
+    s.shared = proj_->experts_forward(s.ln2.y, shared_counts(b.rows()), ws_gate_, ws_up_, ws_down_);
     s.residual = s.shared.y.clone();
     ops::add_(s.residual, s.h);
   }
@@ -212,7 +212,7 @@ void DeepseekV3DecoderLayer::attn_forward(const Tensor& x, const Tensor& positio
 Tensor DeepseekV3DecoderLayer::mlp_forward(LayerState& state) const {
   auto& s = static_cast<DeepseekV3LayerState&>(state);
   StageScope t(Stage::kExpertGemm);
-  s.mlp = ops::grouped_swiglu_forward(s.expert_in.rows, s.expert_in.counts, w_gate_, w_up_, w_down_);
+  s.mlp = proj_->experts_forward(s.expert_in.rows, s.expert_in.counts, w_gate_, w_up_, w_down_);
   return s.mlp.y;
 }
 

@@ -32,6 +32,24 @@ ops::Fp8Tensor Projections::weight_blocks(const Tensor& w, bool transposed) cons
   return blocks;
 }
 
+ops::Fp8Tensor Projections::expert_blocks(const Tensor& w) const {
+  if (!keep_) return ops::quantize_fp8_experts(w);
+  Kept& k = kept_[{w.raw(), w.size(0) * w.size(1), w.size(2)}];  // the [E n, k] view's place
+  if (!k.w.q.defined()) k.w = ops::quantize_fp8_experts(w);
+  return k.w;
+}
+
+bool Projections::fp8_experts(int64_t hidden, int64_t width) const {
+  return fp8_ && hidden % 128 == 0 && width % 128 == 0;
+}
+
+ops::SwigluOut Projections::experts_forward(const Tensor& x, const Tensor& counts, const Tensor& w_gate,
+                                            const Tensor& w_up, const Tensor& w_down) const {
+  if (!fp8_experts(x.size(1), w_gate.size(1))) return ops::grouped_swiglu_forward(x, counts, w_gate, w_up, w_down);
+  return ops::grouped_swiglu_forward_fp8(ops::quantize_fp8(x, ops::Fp8Blocks::kRows), counts, expert_blocks(w_gate),
+                                         expert_blocks(w_up), expert_blocks(w_down), w_gate.size(0));
+}
+
 Projections::Input Projections::rows(const Tensor& x) const {
   Input in{x, {}, false};
   if (fp8_) in.q = ops::quantize_fp8(x, ops::Fp8Blocks::kRows);

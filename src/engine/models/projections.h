@@ -3,7 +3,9 @@
 // block-scaled FP8 (docs/fp8.md): the input and the output gradient quantized per 1 x 128
 // tile, the weight per 128 x 128 block (W^T's blocks for the input gradient), the weight
 // gradient from both operands quantized along the tokens; f32 sums promoted every 128 of K.
-// The router, the head, the norms, the attention core and (for now) the experts stay BF16.
+// The experts' (and dense MLPs') SwiGLU forward too, where their widths are multiples of 128
+// (experts_forward); their backward, the router, the head, the norms and the attention core
+// stay BF16.
 // One per model, shared by its layers; the layers call these instead of ops::linear_*.
 #pragma once
 
@@ -45,6 +47,16 @@ class Projections {
     backward_weight(dy, tokens(x), dw, accumulate);
   }
 
+  // ops::grouped_swiglu_forward of x [N, H] over the experts' weights [E, I, H], [E, I, H],
+  // [E, H, I]; under FP8, when H and I are multiples of 128 (each expert's weights in whole
+  // 128 x 128 blocks), from x per 1 x 128 tile and the weights per block (kept like the
+  // projections' weights), act quantized for the down GEMM (ops::grouped_swiglu_forward_fp8).
+  // Other widths stay BF16.
+  ops::SwigluOut experts_forward(const Tensor& x, const Tensor& counts, const Tensor& w_gate, const Tensor& w_up,
+                                 const Tensor& w_down) const;
+  // Whether experts_forward runs these widths in FP8.
+  bool fp8_experts(int64_t hidden, int64_t width) const;
+
   // Between keep_weights(true) and keep_weights(false) the caller promises that no weight
   // changes and that each weight stays where it is (one training step's micro-batches with
   // whole weights: not under ZeRO-3, whose gathers reuse memory): a weight's FP8 blocks, and
@@ -58,6 +70,8 @@ class Projections {
  private:
   // W's blocks, or W^T's (transposed), made now or taken from the kept copies (a handle).
   ops::Fp8Tensor weight_blocks(const Tensor& w, bool transposed) const;
+  // An expert weight [E, n, k]'s blocks (ops::quantize_fp8_experts), made or kept.
+  ops::Fp8Tensor expert_blocks(const Tensor& w) const;
 
   bool fp8_ = false;
   bool keep_ = false;

@@ -177,7 +177,7 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
 Tensor Qwen3MoeDecoderLayer::mlp_forward(LayerState& state) const {
   auto& s = static_cast<Qwen3MoeLayerState&>(state);
   StageScope t(Stage::kExpertGemm);
-  s.mlp = ops::grouped_swiglu_forward(s.expert_in.rows, s.expert_in.counts, w_gate_, w_up_, w_down_);
+  s.mlp = proj_->experts_forward(s.expert_in.rows, s.expert_in.counts, w_gate_, w_up_, w_down_);
   return s.mlp.y;
 }
 
