@@ -486,6 +486,13 @@ TEST_F(ParallelCli, TensorParallelLayoutsMatchOneProcess) {
   Result tp4 = launch(4, train_args("tp4", 1, four + " --parallel.tp=4"));
   ASSERT_EQ(tp4.status, 0) << tp4.output;
   expect_same_run("one_four", "tp4");
+  // Dense layers over four ranks: the running sums of the fused gather / reduce-scatter ring
+  // pass through two ranks before they reach their own.
+  Result one_four_dense = launch(1, train_args("one_four_dense", 1, four + dense));
+  ASSERT_EQ(one_four_dense.status, 0) << one_four_dense.output;
+  Result tp4_dense = launch(4, train_args("tp4_dense", 1, four + dense + " --parallel.tp=4"));
+  ASSERT_EQ(tp4_dense.status, 0) << tp4_dense.output;
+  expect_same_run("one_four_dense", "tp4_dense");
   // Fewer key/value heads than tp ranks: each is held whole by the ranks that share it (tp4
   // over 2 heads, tp2 and tp2 x ep2 over 1), its gradient summed over them; the run's end
   // finds the copies bitwise equal.
@@ -510,7 +517,8 @@ TEST_F(ParallelCli, TensorParallelLayoutsMatchOneProcess) {
 // reduce-scatters included, before its backward: the same bits as without. Selective
 // recomputation is refused under tp (its dropped norm outputs would need gathering again).
 TEST_F(ParallelCli, TensorParallelFullRecomputationIsBitwiseUnchanged) {
-  const std::string tp2 = std::string(kTpModel) + " --parallel.tp=2";
+  // (Layers 0 and 2 dense: their MLPs' fused gather / reduce-scatter ring made again too.)
+  const std::string tp2 = std::string(kTpModel) + " --model.mlp_only_layers=[0,2] --parallel.tp=2";
   Result keep = launch(2, train_args("tp2_keep", 1, tp2));
   ASSERT_EQ(keep.status, 0) << keep.output;
   Result full = launch(2, train_args("tp2_full", 1, tp2 + " --training.recompute=full"));

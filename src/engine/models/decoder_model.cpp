@@ -11,6 +11,29 @@
 namespace moetrain {
 
 namespace {
+// Rows [part.first, part.first + part.n) of `whole` ([total, ...] like `piece`, made at the first piece).
+void put_rows(Tensor& whole, const Tensor& piece, const RowPart& part, int64_t total) {
+  if (!whole.defined() || whole.size(0) != total) {
+    Shape shape = piece.shape();
+    shape[0] = total;
+    whole = Tensor::empty(shape, piece.dtype(), piece.device());
+  }
+  whole.slice(part.first, part.first + part.n).copy_from(piece);
+}
+}  // namespace
+
+void keep_rows(ops::SwigluOut& whole, const ops::SwigluOut& part, const RowPart& rows, int64_t total) {
+  put_rows(whole.gate, part.gate, rows, total);
+  put_rows(whole.up, part.up, rows, total);
+  put_rows(whole.act, part.act, rows, total);
+}
+
+void keep_rows(ops::SwigluInputGrads& whole, const ops::SwigluInputGrads& part, const RowPart& rows, int64_t total) {
+  put_rows(whole.dgate, part.dgate, rows, total);
+  put_rows(whole.dup, part.dup, rows, total);
+}
+
+namespace {
 
 // Two paired passes' steps in turn (each returns whether its pass has more), until both are
 // done; `more_a` / `more_b`: whether each has a step left to start with.
@@ -251,21 +274,16 @@ bool MoeDecoderModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) {
       layer.attn_forward(f.x, f.batch.positions, f.b, s);  // 1: attn
       if (layer.is_moe()) {  // 2: dispatch, the part that needs no host wait
         d.dispatch_start(s.mlp_in, s.route.topk_idx, s.route.topk_weight, spec_.num_experts, s.dispatch);
-      } else {
-        s.expert_in = {dense_rows(s.mlp_in), dense_counts(f.b.tokens())};
       }
       break;
     case 1: {
-      if (layer.is_moe()) {  // 2: the rows (the host waits for their count here)
-        s.expert_in = d.dispatch_finish(s.dispatch);
-        d.wait(s.dispatch);
+      if (!layer.is_moe()) {  // 3: a dense MLP (under tp gathered, sliced and reduce-scattered)
+        s.mlp_out = dense_mlp_forward(layer, s, f.b);
+        break;
       }
-      Tensor rows = layer.mlp_forward(s);  // 3: mlp
-      if (layer.is_moe()) {
-        d.combine_start(rows, s.dispatch);  // 4: combine, under way
-      } else {
-        s.mlp_out = rows;
-      }
+      s.expert_in = d.dispatch_finish(s.dispatch);  // 2: the rows (the host waits for their count here)
+      d.wait(s.dispatch);
+      d.combine_start(layer.mlp_forward(s), s.dispatch);  // 3: mlp; 4: combine, under way
       break;
     }
     case 2:
@@ -273,7 +291,7 @@ bool MoeDecoderModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) {
         f.x = d.combine_finish(s.residual, s.dispatch);  // 4 + 5: residual + the weighted sum
       } else {
         StageScope t(Stage::kCombine);  // 5: residual + MLP
-        f.x = tensor_ ? dense_rows_back(s.mlp_out) : s.mlp_out.clone();
+        f.x = tensor_ ? std::move(s.mlp_out) : s.mlp_out.clone();  // (under tp: this rank's rows, summed)
         ops::add_(f.x, s.residual);
       }
       if (layer.is_moe() && f.pass.router_stats) {  // this layer's share of the router totals (see RouterTotals)
@@ -337,14 +355,18 @@ bool MoeDecoderModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
         g.d_rows = std::move(cg.d_rows);
         g.d_topk_weight = std::move(cg.d_weight);
       } else {
-        g.d_rows = dense_rows(g.dx);  // 5: d mlp_out = d residual = dy (every row's, under tp)
+        g.d_rows = g.dx;  // 5: d mlp_out = d residual = dy
       }
       break;
     }
     case 1: {
-      if (layer.is_moe()) d.wait(s.dispatch);
-      Tensor d_in_rows = layer.mlp_backward_input(g.d_rows, s);                                  // 3
-      g.d_mlp_in = layer.is_moe() ? d.dispatch_backward(d_in_rows, s.dispatch) : dense_rows_back(d_in_rows);  // 2
+      if (!layer.is_moe()) {  // 3 (and under tp the gather of dy and the reduce-scatter of d mlp_in)
+        g.d_mlp_in = dense_mlp_backward_input(layer, s, g);
+        g.d_rows = Tensor();
+        break;
+      }
+      d.wait(s.dispatch);
+      g.d_mlp_in = d.dispatch_backward(layer.mlp_backward_input(g.d_rows, s), s.dispatch);  // 3, 2
       g.d_rows = Tensor();
       break;
     }
@@ -430,10 +452,35 @@ void MoeDecoderModel::recompute_before_backward(const DecoderLayer& layer, Backw
     d.combine_finish(s.residual, s.dispatch);
     if (spec_.router_z_loss_coef > 0) s.z = ops::router_z_loss_forward(s.router_logits);
   } else {
-    s.expert_in = {dense_rows(s.mlp_in), dense_counts(g.b.tokens())};
-    s.mlp_out = layer.mlp_forward(s);
+    s.mlp_out = dense_mlp_forward(layer, s, g.b);
   }
   g.a.layers[g.j] = std::move(fresh);
+}
+
+// Under tensor parallelism the dense MLP's gather, its GEMMs and its reduce-scatter go round
+// one ring, slice by slice (TensorParallel::gather_map_reduce_rows); every row's activations
+// are kept for the backward as they are made.
+Tensor MoeDecoderModel::dense_mlp_forward(const DecoderLayer& layer, LayerState& s, const BatchShape& b) const {
+  if (!tensor_) {
+    s.expert_in = {s.mlp_in, dense_counts(b.tokens())};
+    return layer.mlp_forward(s);
+  }
+  const int64_t n = s.mlp_in.size(0);
+  s.expert_in.counts = dense_counts(b.tokens());
+  const Tensor& counts = dense_counts(n);
+  return tensor_->gather_map_reduce_rows(s.mlp_in, s.expert_in.rows, [&](int64_t first, const Tensor&) {
+    return layer.mlp_forward(s, {first, n, counts});
+  });
+}
+
+Tensor MoeDecoderModel::dense_mlp_backward_input(const DecoderLayer& layer, LayerState& s, BackwardCursor& g) const {
+  if (!tensor_) return layer.mlp_backward_input(g.d_rows, s);
+  const int64_t n = g.d_rows.size(0);
+  const Tensor& counts = dense_counts(n);
+  Tensor d_all;  // every row's d mlp_out, filled slice by slice (the weight gradients read it whole)
+  return tensor_->gather_map_reduce_rows(g.d_rows, d_all, [&](int64_t first, const Tensor&) {
+    return layer.mlp_backward_input(d_all, s, {first, n, counts});
+  });
 }
 
 void MoeDecoderModel::set_context_group(Communicator* group) {

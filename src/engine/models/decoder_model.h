@@ -219,7 +219,10 @@ class MoeDecoderModel : public Model {
   // reduce-scattered back to this rank's rows (and the same the other way in the backward).
   // Without tensor parallelism, the rows themselves.
   Tensor dense_rows(const Tensor& mine) const { return tensor_ ? tensor_->gather_rows(mine) : mine; }
-  Tensor dense_rows_back(const Tensor& all) const { return tensor_ ? tensor_->reduce_scatter_rows(all) : all; }
+  // A dense layer's MLP over this rank's rows s.mlp_in (under tp every row, gathered and
+  // reduce-scattered round the ring beside the GEMMs), and its input gradient from g.d_rows.
+  Tensor dense_mlp_forward(const DecoderLayer& layer, LayerState& s, const BatchShape& b) const;
+  Tensor dense_mlp_backward_input(const DecoderLayer& layer, LayerState& s, BackwardCursor& g) const;
   // A module's loss after its layer (its part of the step's mtp_loss term).
   void mtp_loss(ForwardCursor& f, MtpModule& m, MtpState& s);
   Tensor end_forward(ForwardCursor& f);

@@ -70,8 +70,8 @@ class DeepseekV3DecoderLayer : public DecoderLayer {
   // an MoE layer the route.
   void attn_forward(const Tensor& x, const Tensor& positions, const BatchShape& b, LayerState& s) const override;
   // Stage 3: the routed experts (or the dense MLP) over s.expert_in.
-  Tensor mlp_forward(LayerState& s) const override;
-  Tensor mlp_backward_input(const Tensor& d_rows_out, LayerState& s) const override;
+  Tensor mlp_forward(LayerState& s, const RowPart& part = {}) const override;
+  Tensor mlp_backward_input(const Tensor& d_rows_out, LayerState& s, const RowPart& part = {}) const override;
   // Backward of stage 1 (router, shared experts, ln2, o_proj, attention, RoPE, the MLA
   // projections and norms, ln1); returns d x.
   Tensor attn_backward_input(const Tensor& dy_residual, Tensor d_mlp_in, const Tensor& d_topk_weight,

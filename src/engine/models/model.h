@@ -194,6 +194,19 @@ struct LayerState {
   bool selective_dropped = false, rows_dropped = false;
 };
 
+// Rows [first, first + n) of a dense layer's MLP rows, counts: {n} (one group) on their
+// device. n < 0: every row.
+struct RowPart {
+  int64_t first = 0, n = -1;
+  Tensor counts;
+  bool whole() const { return n < 0; }
+  Tensor of(const Tensor& rows) const { return whole() ? rows : rows.slice(first, first + n); }
+};
+// A part's forward outputs (or its input gradients' dgate, dup) put in their rows of the whole
+// ([total rows, ...], made at the first part).
+void keep_rows(ops::SwigluOut& whole, const ops::SwigluOut& part, const RowPart& rows, int64_t total);
+void keep_rows(ops::SwigluInputGrads& whole, const ops::SwigluInputGrads& part, const RowPart& rows, int64_t total);
+
 // One decoder layer of a family: its weights and the math of stages 1, 3 and 5, forward and
 // backward (backward_input now, backward_weight deferrable), per DESIGN.md section 3.
 class DecoderLayer {
@@ -210,13 +223,17 @@ class DecoderLayer {
 
   // Stage 1: fills s.mlp_in, s.residual and, for an MoE layer, s.route (and s.router_logits).
   virtual void attn_forward(const Tensor& x, const Tensor& positions, const BatchShape& b, LayerState& s) const = 0;
-  // Stage 3: the MLP over s.expert_in (grouped by expert); returns its output rows.
-  virtual Tensor mlp_forward(LayerState& s) const = 0;
+  // Stage 3: the MLP over s.expert_in (grouped by expert); returns its output rows. With a
+  // part (a dense layer under tensor parallelism, made slice by slice as the slices come
+  // round: TensorParallel::gather_map_reduce_rows), only those rows of s.expert_in.rows,
+  // which hold them by then; what the backward reads is kept for every row (keep_rows).
+  virtual Tensor mlp_forward(LayerState& s, const RowPart& part = {}) const = 0;
   // Stage 5 is residual + MLP output: for an MoE layer the dispatcher's weighted combine adds
   // into s.residual (ExpertDispatcher::combine_finish), for a dense one the engine adds
   // s.mlp_out; d residual is the layer output's gradient either way. No family code.
-  // Backward of stage 3: d rows out -> d expert_in rows.
-  virtual Tensor mlp_backward_input(const Tensor& d_rows_out, LayerState& s) const = 0;
+  // Backward of stage 3: d rows out -> d expert_in rows (with a part: those rows' of d_rows_out,
+  // the whole tensor kept for the weight gradients, complete by then).
+  virtual Tensor mlp_backward_input(const Tensor& d_rows_out, LayerState& s, const RowPart& part = {}) const = 0;
   // Backward of stage 1: given d h (residual), d mlp_in (taken over), d topk_weight and the
   // router's extra d probs / d logits (aux losses, may be undefined), returns d x.
   virtual Tensor attn_backward_input(const Tensor& dy_residual, Tensor d_mlp_in, const Tensor& d_topk_weight,

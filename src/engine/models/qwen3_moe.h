@@ -67,9 +67,9 @@ class Qwen3MoeDecoderLayer : public DecoderLayer {
   // input) and, for an MoE layer, s.route (top-k experts and weights).
   void attn_forward(const Tensor& x, const Tensor& positions, const BatchShape& b, LayerState& s) const override;
   // Stage 3: SwiGLU over s.expert_in (grouped by expert), into s.mlp; returns s.mlp.y.
-  Tensor mlp_forward(LayerState& s) const override;
+  Tensor mlp_forward(LayerState& s, const RowPart& part = {}) const override;
   // Backward of stage 3: d rows -> d expert_in rows.
-  Tensor mlp_backward_input(const Tensor& d_rows_out, LayerState& s) const override;
+  Tensor mlp_backward_input(const Tensor& d_rows_out, LayerState& s, const RowPart& part = {}) const override;
   // Backward of stage 1: given d h (residual + aggregate), d mlp_in (from dispatch backward;
   // taken over: the router's input gradient is added into it in place), d topk_weight and
   // the router's extra d probs (aux losses, may be undefined), returns d x.

@@ -60,6 +60,17 @@ class TensorParallel {
   using PartialSlice = std::function<Tensor(int64_t first_row, int64_t n)>;
   Tensor reduce_scatter_rows(int64_t rows, const PartialSlice& partial) const;
 
+  // A gather, a map that is row by row, and a reduce-scatter round one ring (a dense MLP
+  // under sequence parallelism: every row gathered, f's partial sums of each row, their sum
+  // over the ranks for this rank's rows): f(first_row, rows) gives the partial sums of the
+  // gathered rows [first_row, first_row + n) ([n, ...]), made for each slice as it comes
+  // round while the next input slice and the running sums of the reduce-scatter travel
+  // together in one hop. `whole` ([tp n, ...] of slice's dtype and device) receives every
+  // row, each slice before f sees it. Returns this rank's rows of the sum (own partial
+  // added last, as reduce_scatter_rows).
+  using MapSlice = std::function<Tensor(int64_t first_row, const Tensor& rows)>;
+  Tensor gather_map_reduce_rows(const Tensor& slice, Tensor& whole, const MapSlice& f) const;
+
  private:
   Communicator& group_;
   Ring ring_;
