@@ -22,15 +22,33 @@ void put_rows(Tensor& whole, const Tensor& piece, const RowPart& part, int64_t t
 }
 }  // namespace
 
-void keep_rows(ops::SwigluOut& whole, const ops::SwigluOut& part, const RowPart& rows, int64_t total) {
-  put_rows(whole.gate, part.gate, rows, total);
-  put_rows(whole.up, part.up, rows, total);
-  put_rows(whole.act, part.act, rows, total);
+Tensor swiglu_mlp_forward(const Projections& proj, const DispatchOut& in, const Tensor& w_gate, const Tensor& w_up,
+                          const Tensor& w_down, const RowPart& part, ops::SwigluOut& out) {
+  StageScope t(Stage::kExpertGemm);
+  if (part.whole()) {
+    out = proj.experts_forward(in.rows, in.counts, w_gate, w_up, w_down);
+    return out.y;
+  }
+  const ops::SwigluOut o = proj.experts_forward(part.of(in.rows), part.counts, w_gate, w_up, w_down);
+  for (auto [whole, piece] : {std::pair{&out.gate, &o.gate}, {&out.up, &o.up}, {&out.act, &o.act}}) {
+    put_rows(*whole, *piece, part, in.rows.size(0));
+  }
+  return o.y;
 }
 
-void keep_rows(ops::SwigluInputGrads& whole, const ops::SwigluInputGrads& part, const RowPart& rows, int64_t total) {
-  put_rows(whole.dgate, part.dgate, rows, total);
-  put_rows(whole.dup, part.dup, rows, total);
+Tensor swiglu_mlp_backward_input(const Tensor& d_rows_out, const DispatchOut& in, const ops::SwigluOut& fwd,
+                                 const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down, const RowPart& part,
+                                 ops::SwigluInputGrads& grads) {
+  StageScope t(Stage::kExpertGemm);
+  if (part.whole()) {
+    grads = ops::grouped_swiglu_backward_input(d_rows_out, in.counts, fwd.gate, fwd.up, w_gate, w_up, w_down);
+    return grads.dx;
+  }
+  const ops::SwigluInputGrads g = ops::grouped_swiglu_backward_input(
+      part.of(d_rows_out), part.counts, part.of(fwd.gate), part.of(fwd.up), w_gate, w_up, w_down);
+  put_rows(grads.dgate, g.dgate, part, d_rows_out.size(0));
+  put_rows(grads.dup, g.dup, part, d_rows_out.size(0));
+  return g.dx;
 }
 
 namespace {

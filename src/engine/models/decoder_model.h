@@ -85,6 +85,15 @@ class RowCounts {
 // W_down (silu(W_gate x) * W_up x), the activation formed in double.
 Tensor swiglu_expert_reference(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down);
 
+// Stage 3 of both families: the SwiGLU MLP over a layer's grouped rows `in` (every row, or a
+// RowPart of them), its forward activations kept in `out` (a part's in its rows of the
+// whole); and its input gradient, dgate and dup kept in `grads` the same way.
+Tensor swiglu_mlp_forward(const Projections& proj, const DispatchOut& in, const Tensor& w_gate, const Tensor& w_up,
+                          const Tensor& w_down, const RowPart& part, ops::SwigluOut& out);
+Tensor swiglu_mlp_backward_input(const Tensor& d_rows_out, const DispatchOut& in, const ops::SwigluOut& fwd,
+                                 const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down, const RowPart& part,
+                                 ops::SwigluInputGrads& grads);
+
 // A layer's attention output through o_proj plus the residual x: attn_out Wo^T + x; under
 // tensor parallelism (b.tensor) this rank's heads' part of every row, summed over the tp ranks
 // into this rank's rows, a slice's GEMM under the transfer of the sum before it.

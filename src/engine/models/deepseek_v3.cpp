@@ -211,29 +211,13 @@ void DeepseekV3DecoderLayer::attn_forward(const Tensor& x, const Tensor& positio
 // Stage 3. Per expert e over its rows: W_down[e] (silu(W_gate[e] x) * W_up[e] x).
 Tensor DeepseekV3DecoderLayer::mlp_forward(LayerState& state, const RowPart& part) const {
   auto& s = static_cast<DeepseekV3LayerState&>(state);
-  StageScope t(Stage::kExpertGemm);
-  if (part.whole()) {
-    s.mlp = proj_->experts_forward(s.expert_in.rows, s.expert_in.counts, w_gate_, w_up_, w_down_);
-    return s.mlp.y;
-  }
-  const ops::SwigluOut o = proj_->experts_forward(part.of(s.expert_in.rows), part.counts, w_gate_, w_up_, w_down_);
-  keep_rows(s.mlp, o, part, s.expert_in.rows.size(0));
-  return o.y;
+  return swiglu_mlp_forward(*proj_, s.expert_in, w_gate_, w_up_, w_down_, part, s.mlp);
 }
 
 Tensor DeepseekV3DecoderLayer::mlp_backward_input(const Tensor& d_rows_out, LayerState& state, const RowPart& part) const {
   auto& s = static_cast<DeepseekV3LayerState&>(state);
-  StageScope t(Stage::kExpertGemm);
   s.d_mlp_out = d_rows_out;
-  if (!part.whole()) {
-    const ops::SwigluInputGrads g = ops::grouped_swiglu_backward_input(
-        part.of(d_rows_out), part.counts, part.of(s.mlp.gate), part.of(s.mlp.up), w_gate_, w_up_, w_down_);
-    keep_rows(s.d_mlp, g, part, d_rows_out.size(0));
-    return g.dx;
-  }
-  s.d_mlp = ops::grouped_swiglu_backward_input(d_rows_out, s.expert_in.counts, s.mlp.gate, s.mlp.up, w_gate_,
-                                               w_up_, w_down_);
-  return s.d_mlp.dx;
+  return swiglu_mlp_backward_input(d_rows_out, s.expert_in, s.mlp, w_gate_, w_up_, w_down_, part, s.d_mlp);
 }
 
 // Backward of stage 1, in reverse: router and shared experts -> ln2 (+ residual) -> o_proj

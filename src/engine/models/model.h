@@ -202,10 +202,6 @@ struct RowPart {
   bool whole() const { return n < 0; }
   Tensor of(const Tensor& rows) const { return whole() ? rows : rows.slice(first, first + n); }
 };
-// A part's forward outputs (or its input gradients' dgate, dup) put in their rows of the whole
-// ([total rows, ...], made at the first part).
-void keep_rows(ops::SwigluOut& whole, const ops::SwigluOut& part, const RowPart& rows, int64_t total);
-void keep_rows(ops::SwigluInputGrads& whole, const ops::SwigluInputGrads& part, const RowPart& rows, int64_t total);
 
 // One decoder layer of a family: its weights and the math of stages 1, 3 and 5, forward and
 // backward (backward_input now, backward_weight deferrable), per DESIGN.md section 3.
@@ -226,7 +222,7 @@ class DecoderLayer {
   // Stage 3: the MLP over s.expert_in (grouped by expert); returns its output rows. With a
   // part (a dense layer under tensor parallelism, made slice by slice as the slices come
   // round: TensorParallel::gather_map_reduce_rows), only those rows of s.expert_in.rows,
-  // which hold them by then; what the backward reads is kept for every row (keep_rows).
+  // which hold them by then; what the backward reads is kept for every row.
   virtual Tensor mlp_forward(LayerState& s, const RowPart& part = {}) const = 0;
   // Stage 5 is residual + MLP output: for an MoE layer the dispatcher's weighted combine adds
   // into s.residual (ExpertDispatcher::combine_finish), for a dense one the engine adds

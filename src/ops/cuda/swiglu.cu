@@ -552,6 +552,41 @@ struct OutMaps {
 };
 
 #if MT_SM90A
+// The rows kernels' producer (one thread of warpgroup 0): takes tiles from the queues and, for
+// each k-tile of a tile, waits for its stage of the S-stage ring (kStage bytes a stage) to be
+// free, publishes the tile in tile_of[stage] with its first k-tile, expects the stage's bytes
+// and calls load(stage, &full[stage], kt, expert, first row, first column), which issues the
+// stage's copies. No tile left: an empty stage marked -1 ends the consumers' loop.
+template <int S, int kStage, typename Load>
+__device__ __forceinline__ void produce_row_tiles(char* smem, uint64_t* full, uint64_t* empty, int* tile_of,
+                                                  const RowsArgs& args, int col_tiles, int max_tiles, int ktiles,
+                                                  int tile_cols, Load load) {
+  const int rows = min(args.queue[0], max_tiles), split = min(args.queue[1], rows);
+  TileQueues queues{args.next, split * col_tiles, rows * col_tiles, args.sm_half ? args.sm_half[sm_id()] : 0};
+  int it = 0;  // k-tiles issued so far over all of this block's tiles: the ring position
+  for (;;) {
+    const int t = queues.take();
+    if (t < 0) {
+      const int s = it % S;
+      if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
+      tile_of[s] = -1;
+      mbar_arrive(&full[s]);
+      return;
+    }
+    const int rt = t / col_tiles, e = args.tile_expert[rt];
+    const int row0 = args.tile_row[rt], n0 = (t % col_tiles) * tile_cols;
+    for (int kt = 0; kt < ktiles; ++kt, ++it) {
+      const int s = it % S;
+      if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);  // k-tile it - S has left it
+      if (kt == 0) tile_of[s] = t;                             // published by the arrive below
+      mbar_arrive_expect_tx(&full[s], kStage);  // boxes count in full, zero-filled parts included
+      load(smem + s * kStage, &full[s], kt, e, row0, n0);
+    }
+  }
+}
+#endif  // MT_SM90A
+
+#if MT_SM90A
 // Where column block j (8 bf16, 16 bytes) of row r lands in a 128-byte-swizzled staging box,
 // plus the lane's pair.
 __device__ __forceinline__ int staging_offset(int r, int j, int lane) {
@@ -670,42 +705,23 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   if (wg == 0) {  // producer
     setmaxnreg_dec<40>();
     if (threadIdx.x != 0) return;
-    const int rows = min(args.queue[0], max_tiles), split = min(args.queue[1], rows);
-    TileQueues queues{args.next, split * col_tiles, rows * col_tiles, args.sm_half ? args.sm_half[sm_id()] : 0};
-    int it = 0;  // k-tiles issued so far over all of this block's tiles: the ring position
-    for (;;) {
-      const int t = queues.take();
-      if (t < 0) {  // no tile left: an empty stage marked -1 ends the consumers' loop
-        const int s = it % S;
-        if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
-        tile_of[s] = -1;
-        mbar_arrive(&full[s]);
-        break;
-      }
-      const int rt = t / col_tiles, e = args.tile_expert[rt];
-      const int row0 = args.tile_row[rt], n0 = (t % col_tiles) * ws_tile_cols(kEpi);
-      for (int kt = 0; kt < ktiles; ++kt, ++it) {
-        const int s = it % S;
-        if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);  // k-tile it - S has left it
-        char* st = smem + s * kWsStage;
-        char* sb = st + kTile;
-        const int src = kt >= ktiles_src ? 1 : 0;
-        const int k0 = (kt - src * ktiles_src) * kBK;
-        if (kt == 0) tile_of[s] = t;                 // published by the arrive below
-        mbar_arrive_expect_tx(&full[s], kWsStage);  // boxes count in full, zero-filled parts included
-        tma_load_2d(st, &maps.a[src], &full[s], k0, row0);
-        if constexpr (kGateUp) {  // 128 gate rows, then the same 128 rows of up
-          tma_load_3d(sb, &maps.b[0], &full[s], k0, n0, e);
-          tma_load_3d(sb + kTile, &maps.b[1], &full[s], k0, n0, e);
-        } else if constexpr (kBKMajor) {
-          tma_load_3d(sb, &maps.b[src], &full[s], k0, n0, e);
-          tma_load_3d(sb + kTile, &maps.b[src], &full[s], k0, n0 + 128, e);
-        } else {
+    produce_row_tiles<S, kWsStage>(smem, full, empty, tile_of, args, col_tiles, max_tiles, ktiles, ws_tile_cols(kEpi),
+                                   [&](char* st, uint64_t* bar, int kt, int e, int row0, int n0) {
+      char* sb = st + kTile;
+      const int src = kt >= ktiles_src ? 1 : 0;
+      const int k0 = (kt - src * ktiles_src) * kBK;
+      tma_load_2d(st, &maps.a[src], bar, k0, row0);
+      if constexpr (kGateUp) {  // 128 gate rows, then the same 128 rows of up
+        tma_load_3d(sb, &maps.b[0], bar, k0, n0, e);
+        tma_load_3d(sb + kTile, &maps.b[1], bar, k0, n0, e);
+      } else if constexpr (kBKMajor) {
+        tma_load_3d(sb, &maps.b[src], bar, k0, n0, e);
+        tma_load_3d(sb + kTile, &maps.b[src], bar, k0, n0 + 128, e);
+      } else {
 #pragma unroll
-          for (int j = 0; j < 4; ++j) tma_load_3d(sb + j * kChunk, &maps.b[src], &full[s], n0 + 64 * j, k0, e);
-        }
+        for (int j = 0; j < 4; ++j) tma_load_3d(sb + j * kChunk, &maps.b[src], bar, n0 + 64 * j, k0, e);
       }
-    }
+    });
     return;
   }
 
@@ -902,41 +918,22 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   __shared__ int tile_of[S];
   const int wg = threadIdx.x >> 7;
 
-  if (wg == 0) {  // producer, as rows_kernel's (one k source, K-major weights)
+  if (wg == 0) {  // producer, as rows_kernel's (one k source, K-major weights, k-tiles of 128)
     setmaxnreg_dec<40>();
     if (threadIdx.x != 0) return;
-    const int rows = min(args.queue[0], max_tiles), split = min(args.queue[1], rows);
-    TileQueues queues{args.next, split * col_tiles, rows * col_tiles, args.sm_half ? args.sm_half[sm_id()] : 0};
-    int it = 0;
-    for (;;) {
-      const int t = queues.take();
-      if (t < 0) {
-        const int s = it % S;
-        if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
-        tile_of[s] = -1;
-        mbar_arrive(&full[s]);
-        break;
+    produce_row_tiles<S, kWsStage>(smem, full, empty, tile_of, args, col_tiles, max_tiles, ktiles, ws_tile_cols(kEpi),
+                                   [&](char* st, uint64_t* bar, int kt, int e, int row0, int n0) {
+      char* sb = st + kTile;
+      const int k0 = kt * 128;
+      tma_load_2d(st, &maps.a[0], bar, k0, row0);
+      if constexpr (kGateUp) {  // 128 gate rows, then the same 128 rows of up
+        tma_load_3d(sb, &maps.b[0], bar, k0, n0, e);
+        tma_load_3d(sb + kTile, &maps.b[1], bar, k0, n0, e);
+      } else {
+        tma_load_3d(sb, &maps.b[0], bar, k0, n0, e);
+        tma_load_3d(sb + kTile, &maps.b[0], bar, k0, n0 + 128, e);
       }
-      const int rt = t / col_tiles, e = args.tile_expert[rt];
-      const int row0 = args.tile_row[rt], n0 = (t % col_tiles) * ws_tile_cols(kEpi);
-      for (int kt = 0; kt < ktiles; ++kt, ++it) {
-        const int s = it % S;
-        if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
-        char* st = smem + s * kWsStage;
-        char* sb = st + kTile;
-        const int k0 = kt * 128;
-        if (kt == 0) tile_of[s] = t;
-        mbar_arrive_expect_tx(&full[s], kWsStage);
-        tma_load_2d(st, &maps.a[0], &full[s], k0, row0);
-        if constexpr (kGateUp) {  // 128 gate rows, then the same 128 rows of up
-          tma_load_3d(sb, &maps.b[0], &full[s], k0, n0, e);
-          tma_load_3d(sb + kTile, &maps.b[1], &full[s], k0, n0, e);
-        } else {
-          tma_load_3d(sb, &maps.b[0], &full[s], k0, n0, e);
-          tma_load_3d(sb + kTile, &maps.b[0], &full[s], k0, n0 + 128, e);
-        }
-      }
-    }
+    });
     return;
   }
 
