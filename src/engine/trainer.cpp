@@ -385,6 +385,10 @@ void check_replicas(TrainContext& ctx) {
     check(replicated_state(*ctx.model, whole_weights, ReplicaSet::kTensorPieces), pieces,
           "ranks of each tensor-parallel piece");
   }
+  const std::vector<NamedTensor> copies = replicated_state(*ctx.model, whole_weights, ReplicaSet::kTensorCopies);
+  if (!copies.empty() && ctx.par.comms->tp && ctx.par.comms->tp->size() > 1) {
+    check(copies, *ctx.par.comms->tp, "tp ranks of each expert-parallel coordinate (experts not folded)");
+  }
 }
 
 // The text sampled at the end of the run (printed by rank 0), or empty.

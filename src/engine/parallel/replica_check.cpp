@@ -16,12 +16,15 @@ std::vector<NamedTensor> replicated_state(Model& model, bool whole_weights, Repl
   }
   if (!whole_weights) return out;
   std::set<size_t> expert_params;
+  const ParameterList& params = model.parameters();
   for (const ParamBucket& b : model.buckets()) {
-    if (b.experts) {
-      for (const ParamBucket::Member& m : b.members) expert_params.insert(m.param);
+    if (!b.experts) continue;
+    for (const ParamBucket::Member& m : b.members) {
+      expert_params.insert(m.param);
+      if (set == ReplicaSet::kTensorCopies && b.tp_replicated) out.push_back({params[m.param].name, params[m.param].value});
     }
   }
-  const ParameterList& params = model.parameters();
+  if (set == ReplicaSet::kTensorCopies) return out;
   for (size_t i = 0; i < params.size(); ++i) {
     if (!expert_params.count(i) && params[i].tp_split() == pieces) out.push_back({params[i].name, params[i].value});
   }

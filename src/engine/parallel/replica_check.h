@@ -25,8 +25,10 @@ struct NamedTensor {
 // `whole_weights` (the weights are not sharded, ZeRO-1/2), every parameter outside the expert
 // buckets that tensor parallelism does not split. kTensorPieces: the parameters tensor
 // parallelism splits (each tp rank's piece is a copy on the dp x cp x ep ranks of its tp
-// coordinate), when whole_weights.
-enum class ReplicaSet { kStage, kTensorPieces };
+// coordinate), when whole_weights. kTensorCopies: the experts every tp rank holds whole copies
+// of when they are not folded over tp ([parallel].fold_experts = false: copies on the tp
+// ranks of each ep coordinate), when whole_weights.
+enum class ReplicaSet { kStage, kTensorPieces, kTensorCopies };
 std::vector<NamedTensor> replicated_state(Model& model, bool whole_weights, ReplicaSet set = ReplicaSet::kStage);
 
 // Hashes each tensor's bytes (XXH3-64) and compares the hashes over `group` (one
