@@ -37,8 +37,11 @@ Batch batch_of(int64_t rows, int64_t seq, int32_t vocab, uint64_t seed) {
   return testing::random_batch(rows, seq, vocab, seed, /*ignored=*/2);
 }
 
-void expect_schedule_matches_whole_model(const PipelineSchedule& s, bool tied, bool overlap = true) {
-  SCOPED_TRACE(s.name + (tied ? " tied" : " untied") + (overlap ? " overlapped" : " sequential"));
+// wgrad_group: the experts' weight gradients of that many of a chunk's W steps in one pass.
+void expect_schedule_matches_whole_model(const PipelineSchedule& s, bool tied, bool overlap = true,
+                                         int64_t wgrad_group = 1) {
+  SCOPED_TRACE(s.name + (tied ? " tied" : " untied") + (overlap ? " overlapped" : " sequential") +
+               " expert weight gradients in groups of " + std::to_string(wgrad_group));
   const Qwen3MoeConfig c = config(tied);
   std::vector<Batch> batches;
   int64_t targets = 0;
@@ -61,9 +64,12 @@ void expect_schedule_matches_whole_model(const PipelineSchedule& s, bool tied, b
   const std::vector<ChunkSpec> chunks = partition_layers(c.num_hidden_layers, s.num_chunks);
   Qwen3MoeModel piped(c, DType::F64, Device::cpu(), pipeline_placement(chunks, s, 0, {}));
   piped.init_weights(3);
+  piped.set_expert_wgrad_group(wgrad_group);
   for (Parameter& p : piped.parameters()) p.grad.fill_(NAN);  // every gradient must be written
   PipelineExecutor ex(piped, d, nullptr, chunks);
   ex.set_overlap(overlap);
+  // Two steps of the same batches: the second's gradients overwrite the first's.
+  ex.train(s, batches, 1.0 / targets, 1.0 / n);
   const PipelineExecutor::Result r = ex.train(s, batches, 1.0 / targets, 1.0 / n);
   EXPECT_TRUE(r.has_head);
   EXPECT_NEAR(r.ce_sum, ce, 1e-12 * ce);
@@ -97,6 +103,17 @@ TEST(PipelineExecutor, DualPipeVOnOneRankMatchesTheWholeModel) {
       expect_schedule_matches_whole_model(make_dualpipev(1, 2), tied, overlap);
       expect_schedule_matches_whole_model(make_dualpipev(1, 5), tied, overlap);
     }
+  }
+}
+
+// A chunk's W steps leave their experts' weight gradients to the group's last W (one pass,
+// the first group writing, the others adding; the step's last W ends a short group): still
+// the whole model's gradients after two steps (the second's first W overwrites what the
+// first step's groups wrote), whatever the group's size against the step's micro-batches.
+TEST(PipelineExecutor, ExpertWeightGradientsInGroupsMatchTheWholeModel) {
+  for (int64_t group : {2, 3, 8}) {
+    expect_schedule_matches_whole_model(make_dualpipev(1, 5), false, true, group);
+    expect_schedule_matches_whole_model(make_1f1b(1, 5), false, true, group);
   }
 }
 

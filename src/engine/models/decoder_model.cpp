@@ -781,10 +781,12 @@ std::pair<Tensor, Tensor> MoeDecoderModel::backwards_overlapped(const ChunkSpec&
 }
 
 void MoeDecoderModel::backward_chunk_weight(const ChunkSpec& c, const Batch& batch, ChunkActivations& a,
-                                          bool accumulate) {
+                                          bool accumulate, bool defer_experts) {
   for (int64_t j = run_end(c, /*training=*/true) - c.first_layer; j-- > 0;) {
     const int64_t id = c.first_layer + j;
-    layers_[local_layer(id)]->backward_weight(*a.layers[j], accumulate, expert_squares(id, accumulate), false);
+    DecoderLayer& layer = *layers_[local_layer(id)];
+    const bool writes = layer.writes_expert_grads(accumulate, defer_experts);
+    layer.backward_weight(*a.layers[j], accumulate, expert_squares(id, !writes), defer_experts);
     if (MtpModule* m = mtp_of(id)) m->backward_weight(*a.layers[j]->mtp, accumulate);
     a.layers[j].reset();
   }
@@ -1022,6 +1024,10 @@ MicroBatchLoss MoeDecoderModel::forward_loss(const Batch& batch, ExpertDispatche
   return out;
 }
 
+void MoeDecoderModel::drop_deferred_expert_weights() {
+  for (auto& layer : layers_) layer->drop_deferred_expert_weights();
+}
+
 MicroBatchLoss MoeDecoderModel::forward_backward(const Batch& batch, ExpertDispatcher& d, double ce_scale,
                                                double aux_scale, bool accumulate_grads, bool defer_expert_weights) {
   const ChunkSpec c = whole();
@@ -1034,7 +1040,7 @@ MicroBatchLoss MoeDecoderModel::forward_backward(const Batch& batch, ExpertDispa
     backward_chunk(c, batch, Tensor(), d, a, aux_scale, /*weights_now=*/true, accumulate_grads);
   } catch (...) {  // a broken micro-batch: nothing it or the ones before it kept is to be paired
     defer_expert_weights_ = false;
-    for (auto& layer : layers_) layer->drop_deferred_expert_weights();
+    drop_deferred_expert_weights();
     throw;
   }
   defer_expert_weights_ = false;

@@ -123,6 +123,7 @@ class MoeDecoderModel : public Model {
                                   bool defer_expert_weights = false) override;
   int64_t expert_wgrad_group() const override { return expert_wgrad_group_; }
   void set_expert_wgrad_group(int64_t n) override { expert_wgrad_group_ = n; }
+  void drop_deferred_expert_weights() override;
   MicroBatchLoss forward_loss(const Batch& batch, ExpertDispatcher& dispatcher) override;
   Tensor forward_logits(const Tensor& ids, const Tensor& positions, const BatchShape& b,
                         ExpertDispatcher& dispatcher) override;
@@ -161,8 +162,10 @@ class MoeDecoderModel : public Model {
   // them later. An embed chunk returns an undefined tensor.
   Tensor backward_chunk(const ChunkSpec& c, const Batch& batch, const Tensor& dy, ExpertDispatcher& d,
                         ChunkActivations& a, double aux_scale, bool weights_now, bool accumulate) override;
-  // W: every weight gradient of the chunk from what its B kept.
-  void backward_chunk_weight(const ChunkSpec& c, const Batch& batch, ChunkActivations& a, bool accumulate) override;
+  // W: every weight gradient of the chunk from what its B kept (the experts' kept for a
+  // later W's one pass with `defer_experts`).
+  void backward_chunk_weight(const ChunkSpec& c, const Batch& batch, ChunkActivations& a, bool accumulate,
+                             bool defer_experts = false) override;
   // F of chunk `fc` and B of chunk `bc` (another micro-batch), interleaved at the
   // dispatch / combine boundaries: with a dispatcher that defers its waits (ExchangeOptions:
   // a communication stream), one pass's all-to-all is in flight while the other computes.

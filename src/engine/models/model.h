@@ -344,6 +344,8 @@ class Model {
   // (the run config's [training].expert_wgrad_group; 1: none).
   virtual int64_t expert_wgrad_group() const = 0;
   virtual void set_expert_wgrad_group(int64_t n) = 0;
+  // Forgets every layer's deferred expert weight-gradient inputs (a step abandoned half-way).
+  virtual void drop_deferred_expert_weights() = 0;
   // Forward only: loss terms without touching gradients.
   virtual MicroBatchLoss forward_loss(const Batch& batch, ExpertDispatcher& dispatcher) = 0;
   // Logits [T, V] for ids/positions, through the staged path.
@@ -364,8 +366,10 @@ class Model {
                                MicroBatchLoss* loss) = 0;
   virtual Tensor backward_chunk(const ChunkSpec& c, const Batch& batch, const Tensor& dy, ExpertDispatcher& d,
                                 ChunkActivations& a, double aux_scale, bool weights_now, bool accumulate) = 0;
-  virtual void backward_chunk_weight(const ChunkSpec& c, const Batch& batch, ChunkActivations& a,
-                                     bool accumulate) = 0;
+  // defer_experts: the MoE layers keep their experts' weight-gradient inputs for a later
+  // call's one pass (ExpertWeightGrads; the expert_wgrad_group of a pipeline's W steps).
+  virtual void backward_chunk_weight(const ChunkSpec& c, const Batch& batch, ChunkActivations& a, bool accumulate,
+                                     bool defer_experts = false) = 0;
   virtual std::pair<Tensor, Tensor> forward_backward_overlapped(const ChunkSpec& fc, const Batch& fbatch,
                                                                 const Tensor& x, ChunkActivations& fa,
                                                                 RouterTotals& totals, const ChunkPass& pass,

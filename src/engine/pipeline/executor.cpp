@@ -311,7 +311,12 @@ void PipelineExecutor::backwards_overlapped_step(const PipeOp& op, const std::ve
 void PipelineExecutor::weight_step(int chunk, int mb, const Batch& batch) {
   auto it = acts_.find({chunk, mb});
   MT_CHECK(it != acts_.end(), "W before F for chunk {} micro-batch {}", chunk, mb);
-  model_.backward_chunk_weight(chunks_[chunk], batch, it->second, weights_written_[chunk]);
+  // The experts' weight gradients of a chunk's W steps in groups of expert_wgrad_group, one
+  // pass over f32 dW each (the step's last W of the chunk ends the last group).
+  const int64_t group = model_.expert_wgrad_group();
+  const int done = ++weights_done_[chunk];
+  const bool defer = group > 1 && done % group != 0 && done < schedule_->micro_batches;
+  model_.backward_chunk_weight(chunks_[chunk], batch, it->second, weights_written_[chunk], defer);
   weights_written_[chunk] = true;
   acts_.erase(it);
 }
@@ -332,6 +337,7 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
     ordered_->begin_step(pipeline_message_order(s, rank_, rows), *std::max_element(rows.begin(), rows.end()));
   }
   weights_written_.assign(chunks_.size(), false);
+  weights_done_.assign(chunks_.size(), 0);
   head_written_ = false;
   counts_.clear();
   entropy_.clear();
@@ -388,6 +394,7 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
         backwards_overlapped_step(op, batches, pass.aux_scale);
       }
     } catch (const Error& e) {
+      model_.drop_deferred_expert_weights();
       MT_THROW("pipeline rank {} of {}, step {} of schedule {}: {}", rank_, s.pp, to_string(op), s.name, e.what());
     }
     if (gpu_clock) cuda::record_event(events.back().end, cuda::current_stream());

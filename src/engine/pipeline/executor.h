@@ -13,7 +13,9 @@
 // step's messages that pipeline_message_order() gives.
 //
 // Gradients: the first W of a chunk in a step writes its weight gradients, later ones add
-// (no zeroing pass); the head writes in its first F and adds after.
+// (no zeroing pass); the head writes in its first F and adds after. The experts' weight
+// gradients of a chunk's W steps go in groups of the model's expert_wgrad_group (their
+// inputs kept until the group's last W makes them in one pass).
 #pragma once
 
 #include <chrono>
@@ -134,6 +136,7 @@ class PipelineExecutor {
   std::unique_ptr<OrderedTransport> ordered_;  // NCCL
   std::vector<std::pair<int, uint32_t>> sent_;
   std::vector<bool> weights_written_;  // per chunk: a W of this step already wrote its grads
+  std::vector<int> weights_done_;      // per chunk: W steps run this step
   bool head_written_ = false;
   bool overlap_ = true;
   bool timing_on_ = false;

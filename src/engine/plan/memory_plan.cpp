@@ -250,7 +250,8 @@ MemoryPlan plan_memory(const RunConfig& cfg, const PlanLayout& l, bool gpu) {
     add("backward", backwards * (h.backward + h.recomputed),
         fmt::format("{}{}", backwards == 2 ? "two micro-batches' (paired): " : "",
                     h.recomputed > 0 ? "a layer's backward, and a recomputed layer's activations" : "a layer's backward"));
-    const bool defers = l.pp == 1 && !l.ep_overlap && !l.shard_weights && M > 1 && t.expert_wgrad_group > 1;
+    // The micro-batch loop and a pipeline's W steps alike (each chunk's W in groups).
+    const bool defers = !l.shard_weights && M > 1 && t.expert_wgrad_group > 1;
     if (defers) {
       const double kept = static_cast<double>(std::min(t.expert_wgrad_group, M) - 1);
       add("deferred expert inputs", kept * h.deferred,
