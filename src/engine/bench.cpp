@@ -202,6 +202,15 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
   if (overlapped) ctx->layerwise->set_overlap(true);
   r.optimizer_overlapped = overlapped;
   for (int s = 0; s < kNumStages; ++s) r.stage_ms[s] = totals[s] / static_cast<double>(staged);
+  if (ctx->pipeline && par.comms && par.world > 1) {  // each rank's row, summed into place over the world
+    std::vector<double> rows(static_cast<size_t>(par.world * kNumStages), 0.0);
+    for (int s = 0; s < kNumStages; ++s) rows[static_cast<size_t>(par.rank * kNumStages + s)] = r.stage_ms[s];
+    all_reduce_doubles(*par.comms->world, rows, device);
+    r.stage_ms_by_rank.resize(static_cast<size_t>(par.world));
+    for (int k = 0; k < par.world; ++k) {
+      for (int s = 0; s < kNumStages; ++s) r.stage_ms_by_rank[k][s] = rows[static_cast<size_t>(k * kNumStages + s)];
+    }
+  }
   return r;
 }
 
@@ -232,6 +241,23 @@ std::string format_bench(const BenchReport& r) {
   }
   out += fmt::format("  {:<15} {:>8.2f}  (with stage events{})\n", "total", total,
                      r.optimizer_overlapped ? "; optimizer in line here, under the next forward in the step time" : "");
+  if (!r.stage_ms_by_rank.empty()) {  // a pipeline's ranks hold different layers: each one's stages
+    out += fmt::format("{:<17}", "stage by rank");
+    for (size_t k = 0; k < r.stage_ms_by_rank.size(); ++k) out += fmt::format(" {:>8}", fmt::format("rank {}", k));
+    out += "\n";
+    std::vector<double> sums(r.stage_ms_by_rank.size(), 0.0);
+    for (int s = 0; s < kNumStages; ++s) {
+      out += fmt::format("  {:<15}", stage_name(static_cast<Stage>(s)));
+      for (size_t k = 0; k < r.stage_ms_by_rank.size(); ++k) {
+        out += fmt::format(" {:>8.2f}", r.stage_ms_by_rank[k][s]);
+        sums[k] += r.stage_ms_by_rank[k][s];
+      }
+      out += "\n";
+    }
+    out += fmt::format("  {:<15}", "total");
+    for (double v : sums) out += fmt::format(" {:>8.2f}", v);
+    out += "\n";
+  }
   return out;
 }
 

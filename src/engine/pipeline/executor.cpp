@@ -201,33 +201,46 @@ PipelineExecutor::Handoff PipelineExecutor::forward_input(int chunk, int mb, con
 void PipelineExecutor::forward_output(int chunk, int mb, Handoff out, const MicroBatchLoss& loss, bool training,
                                       Result& r) {
   ChunkActivations& a = acts_.at({chunk, mb});
-  MicroBatchLoss read;  // this chunk's expert counts (and, at the head, the loss terms)
-  if (chunks_[chunk].head) read = loss;
-  read.on_device.expert_counts = std::move(a.expert_counts);
-  read.on_device.router_entropy = std::move(a.router_entropy);
+  // This chunk's expert counts (and, at the head, the loss terms) stay on the device until
+  // the step's end (read_results): a host wait here would drain this rank's queue at every
+  // forward, and the host could not run ahead of the GPU to issue the next steps' messages.
+  Unread u{chunk};
+  if (chunks_[chunk].head) u.loss = loss;
+  u.loss.on_device.expert_counts = std::move(a.expert_counts);
+  u.loss.on_device.router_entropy = std::move(a.router_entropy);
   a.expert_counts.clear();
   a.router_entropy.clear();
-  read.read_device_values();
-  auto& counts = counts_[chunk];
-  auto& entropy = entropy_[chunk];
-  if (counts.empty()) {
-    counts = std::move(read.expert_counts);
-    entropy = std::move(read.router_entropy);
-  } else {
-    for (size_t k = 0; k < counts.size(); ++k) {
-      for (size_t e = 0; e < counts[k].size(); ++e) counts[k][e] += read.expert_counts[k][e];
-      if (k < entropy.size() && k < read.router_entropy.size()) entropy[k] += read.router_entropy[k];
-    }
-  }
+  unread_.push_back(std::move(u));
   if (!training) acts_.erase({chunk, mb});  // nothing to go back through
   if (chunks_[chunk].head) {
     r.has_head = true;
-    r.ce_sum += read.ce_sum;
-    for (const LossTerm& t : read.terms) add_loss_term(r.terms, t);
     head_written_ = training;
     return;
   }
   give(inputs_, {chunk + 1, mb}, false, std::move(out));
+}
+
+void PipelineExecutor::read_results(Result& r) {
+  for (Unread& u : unread_) {
+    MicroBatchLoss& read = u.loss;
+    read.read_device_values();
+    auto& counts = counts_[u.chunk];
+    auto& entropy = entropy_[u.chunk];
+    if (counts.empty()) {
+      counts = std::move(read.expert_counts);
+      entropy = std::move(read.router_entropy);
+    } else {
+      for (size_t k = 0; k < counts.size(); ++k) {
+        for (size_t e = 0; e < counts[k].size(); ++e) counts[k][e] += read.expert_counts[k][e];
+        if (k < entropy.size() && k < read.router_entropy.size()) entropy[k] += read.router_entropy[k];
+      }
+    }
+    if (chunks_[u.chunk].head) {
+      r.ce_sum += read.ce_sum;
+      for (const LossTerm& t : read.terms) add_loss_term(r.terms, t);
+    }
+  }
+  unread_.clear();
 }
 
 Tensor PipelineExecutor::backward_input(int chunk, int mb, const Batch& batch, ChunkActivations*& a) {
@@ -341,6 +354,7 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
   head_written_ = false;
   counts_.clear();
   entropy_.clear();
+  unread_.clear();
   Result r;
   // Timing (bench): an event pair per op on the GPU, read once at the end of the step.
   const bool gpu_clock = timing_on_ && !model_.device().is_cpu();
@@ -404,6 +418,7 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
   }
   for (auto& q : sends_) q->wait();
   sends_.clear();
+  read_results(r);
   if (ordered_) ordered_->end_step();
   if (gpu_clock) {
     cuda::Event step_end = cuda::create_event();

@@ -114,6 +114,8 @@ class PipelineExecutor {
   // The halves of F and B around the model's work: taking the input, handing on the output.
   Handoff forward_input(int chunk, int mb, const Batch& batch);
   void forward_output(int chunk, int mb, Handoff out, const MicroBatchLoss& loss, bool training, Result& r);
+  // The step's expert counts and losses, read from the device once every step is queued.
+  void read_results(Result& r);
   Tensor backward_input(int chunk, int mb, const Batch& batch, ChunkActivations*& a);
   void backward_output(int chunk, int mb, Tensor dx, const ChunkActivations& a);
   void weight_step(int chunk, int mb, const Batch& batch);
@@ -145,6 +147,11 @@ class PipelineExecutor {
   cuda::Event inputs_in_event_ = nullptr;
   std::map<int, std::vector<std::vector<int64_t>>> counts_;  // per chunk, summed over mbs
   std::map<int, std::vector<double>> entropy_;                // per chunk, summed over mbs
+  struct Unread {  // a forward's expert counts and (head) losses, still on the device
+    int chunk = -1;
+    MicroBatchLoss loss;
+  };
+  std::vector<Unread> unread_;
 };
 
 }  // namespace moetrain
