@@ -564,4 +564,24 @@ void signal_peers_and_wait(const std::vector<void*>& peer_words, int rank, uint3
 #endif
 }
 
+void signal_word(void* word, uint32_t value) {
+  MT_CHECK(word != nullptr, "signal_word: no word");
+#if MOETRAIN_WITH_CUDA
+  cuda::signal_word(word, value);
+#else
+  (void)value;
+  MT_THROW("signal_word: this moetrain was built without CUDA");
+#endif
+}
+
+void wait_word(const void* word, uint32_t value, double timeout_s) {
+  MT_CHECK(word != nullptr, "wait_word: no word");
+#if MOETRAIN_WITH_CUDA
+  cuda::wait_word(word, value, timeout_s);
+#else
+  (void)value, (void)timeout_s;
+  MT_THROW("wait_word: this moetrain was built without CUDA");
+#endif
+}
+
 }  // namespace moetrain::ops

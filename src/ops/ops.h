@@ -561,5 +561,12 @@ void master_split_into(const Tensor& master, Tensor& high, Tensor& low);
 // for and stops the kernel (a CUDA error at the host's next call: never a silent hang). At
 // most 32 ranks. CUDA builds only.
 void signal_peers_and_wait(const std::vector<void*>& peer_words, int rank, uint32_t value, double timeout_s);
+// One-way signals (engine/pipeline/peer_transport.h), one thread each on the current
+// stream. signal_word: once the stream's work before it is done, writes `value` into `word`
+// (this GPU's or a peer's, system scope, release). wait_word: the stream's work after it
+// waits until `word` holds a value at least `value` (cyclic compare); past `timeout_s` it
+// prints the value it waited for and stops the kernel. CUDA builds only.
+void signal_word(void* word, uint32_t value);
+void wait_word(const void* word, uint32_t value, double timeout_s);
 
 }  // namespace moetrain::ops

@@ -759,7 +759,8 @@ TEST_F(ParallelCli, TwoGpuTensorParallelMatchesOneGpu) {
   }
 }
 
-// Pipeline parallelism on two GPUs (the ordered NCCL transport) against one GPU.
+// Pipeline parallelism on two GPUs against one GPU: the messages copied into the peer's
+// memory (the default on one host) and over NCCL (MOETRAIN_PIPELINE_TRANSPORT=nccl).
 TEST_F(ParallelCli, TwoGpuPipelineMatchesOneGpu) {
   if (!cuda::available() || cuda::device_count() < 2) {
     GTEST_SKIP() << "needs 2 GPUs: " << (cuda::available() ? "this machine has fewer" : cuda::unavailable_reason());
@@ -767,12 +768,18 @@ TEST_F(ParallelCli, TwoGpuPipelineMatchesOneGpu) {
   const std::string gpu = std::string(kPipe) + " --training.device=cuda";
   Result one = launch(1, train_args("gpu_one", 1, gpu));
   ASSERT_EQ(one.status, 0) << one.output;
-  for (const auto& [name, flags] : std::vector<std::pair<std::string, std::string>>{
-           {"gpu_pp2_v", " --parallel.pp=2 --parallel.schedule=dualpipev"},
-           {"gpu_pp2_1f1b", " --parallel.pp=2 --parallel.schedule=1f1b"}}) {
+  for (const auto& [name, flags, nccl] : std::vector<std::tuple<std::string, std::string, bool>>{
+           {"gpu_pp2_v", " --parallel.pp=2 --parallel.schedule=dualpipev", false},
+           {"gpu_pp2_1f1b", " --parallel.pp=2 --parallel.schedule=1f1b", false},
+           {"gpu_pp2_v_nccl", " --parallel.pp=2 --parallel.schedule=dualpipev", true},
+           {"gpu_pp2_1f1b_nccl", " --parallel.pp=2 --parallel.schedule=1f1b", true}}) {
     SCOPED_TRACE(name);
+    if (nccl) setenv("MOETRAIN_PIPELINE_TRANSPORT", "nccl", 1);
     Result r = launch(2, train_args(name, 1, gpu + flags));
+    unsetenv("MOETRAIN_PIPELINE_TRANSPORT");
     ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find(nccl ? "pipeline: messages over NCCL" : "pipeline: messages copied into the peers' memory"),
+              std::string::npos) << r.output;
     expect_same_run("gpu_one", name, 2e-2);
   }
 }

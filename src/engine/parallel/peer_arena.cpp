@@ -46,6 +46,41 @@ std::vector<int64_t> gather_records(Communicator& group, const std::vector<int64
 
 }  // namespace
 
+PeerBuffers open_peer_buffers(Communicator& group, void* mine) {
+  const int P = group.size(), rank = group.rank();
+  std::vector<int64_t> rec{static_cast<int64_t>(getpid()), host_id(), cuda::current_device(),
+                           static_cast<int64_t>(reinterpret_cast<intptr_t>(mine))};
+  const std::string handle = cuda::ipc_handle(mine);
+  rec.resize(kWords);
+  std::memcpy(rec.data() + 4, handle.data(), handle.size());
+  const std::vector<int64_t> all = gather_records(group, rec);
+  PeerBuffers b;
+  b.at.assign(static_cast<size_t>(P), nullptr);
+  b.opened.assign(static_cast<size_t>(P), false);
+  for (int q = 0; q < P; ++q) {
+    const int64_t* r = all.data() + q * kWords;
+    if (q == rank) {
+      b.at[static_cast<size_t>(q)] = mine;
+    } else if (r[0] == rec[0]) {  // a thread of this process: its pointer as it is
+      MT_CHECK(cuda::enable_peer_access(static_cast<int>(r[2])), "peer buffers on {}: cuda:{} cannot reach cuda:{}",
+               group.name(), cuda::current_device(), r[2]);
+      b.at[static_cast<size_t>(q)] = reinterpret_cast<void*>(static_cast<intptr_t>(r[3]));
+    } else {
+      b.at[static_cast<size_t>(q)] =
+          cuda::open_ipc_handle(std::string(reinterpret_cast<const char*>(r + 4), cuda::kIpcHandleBytes));
+      b.opened[static_cast<size_t>(q)] = true;
+    }
+  }
+  return b;
+}
+
+void close_peer_buffers(PeerBuffers& b) {
+  for (size_t q = 0; q < b.at.size(); ++q) {
+    if (b.opened[q]) cuda::close_ipc_handle(b.at[q]);
+  }
+  b = PeerBuffers();
+}
+
 bool PeerArena::usable(Communicator& group) {
   if (group.backend() != "nccl") return false;
   const std::vector<int64_t> all =
@@ -87,11 +122,8 @@ PeerArena::~PeerArena() {
 }
 
 void PeerArena::release() {
-  for (int q = 0; q < static_cast<int>(arenas_.size()); ++q) {
-    if (mapped_[static_cast<size_t>(q)]) cuda::close_ipc_handle(arenas_[static_cast<size_t>(q)]);
-  }
+  close_peer_buffers(mapped_);
   arenas_.clear();
-  mapped_.clear();
   if (mine_) cuda::shareable_free(mine_);
   mine_ = nullptr;
   block_capacity_ = 0;
@@ -111,28 +143,8 @@ void PeerArena::reserve(size_t block_bytes) {
   mine_ = cuda::shareable_alloc(kSignalBytes + 2 * static_cast<size_t>(P_) * block_capacity_);
   cuda::memset_device(mine_, 0, kSignalBytes);  // no signal yet (done before the records go out)
   barriers_ = 0;
-  std::vector<int64_t> rec{static_cast<int64_t>(getpid()), host_id(), cuda::current_device(),
-                           static_cast<int64_t>(reinterpret_cast<intptr_t>(mine_))};
-  const std::string handle = cuda::ipc_handle(mine_);
-  rec.resize(kWords);
-  std::memcpy(rec.data() + 4, handle.data(), handle.size());
-  const std::vector<int64_t> all = gather_records(group_, rec);
-  arenas_.assign(static_cast<size_t>(P_), nullptr);
-  mapped_.assign(static_cast<size_t>(P_), false);
-  for (int q = 0; q < P_; ++q) {
-    const int64_t* r = all.data() + q * kWords;
-    if (q == rank_) {
-      arenas_[static_cast<size_t>(q)] = mine_;
-    } else if (r[0] == rec[0]) {  // a thread of this process: its pointer as it is
-      MT_CHECK(cuda::enable_peer_access(static_cast<int>(r[2])), "peer arena on {}: cuda:{} cannot reach cuda:{}",
-               group_.name(), cuda::current_device(), r[2]);
-      arenas_[static_cast<size_t>(q)] = reinterpret_cast<void*>(static_cast<intptr_t>(r[3]));
-    } else {
-      arenas_[static_cast<size_t>(q)] =
-          cuda::open_ipc_handle(std::string(reinterpret_cast<const char*>(r + 4), cuda::kIpcHandleBytes));
-      mapped_[static_cast<size_t>(q)] = true;
-    }
-  }
+  mapped_ = open_peer_buffers(group_, mine_);
+  arenas_ = mapped_.at;
   slot_ = 0;
   nccl_barrier();  // every rank has mapped every arena before anyone writes
   cuda::stream_synchronize(cuda::current_stream());

@@ -34,6 +34,17 @@
 
 namespace moetrain {
 
+// Every rank's buffer `mine` (from cuda::shareable_alloc) as this process addresses it:
+// opened through CUDA IPC for another process's, the pointer itself for a thread of this
+// process, `mine` for this rank. Collective over `group` (NCCL); every rank can use every
+// buffer once it returns. close_peer_buffers closes what it opened.
+struct PeerBuffers {
+  std::vector<void*> at;      // per rank
+  std::vector<bool> opened;   // mapped through IPC
+};
+PeerBuffers open_peer_buffers(Communicator& group, void* mine);
+void close_peer_buffers(PeerBuffers& b);
+
 class PeerArena {
  public:
   // Collective: whether every rank of `group` is a CUDA rank (NCCL) on this host whose GPU
@@ -77,7 +88,7 @@ class PeerArena {
   size_t block_capacity_ = 0;  // bytes of one rank's block in a slot
   void* mine_ = nullptr;
   std::vector<void*> arenas_;     // every rank's arena as this process addresses it
-  std::vector<bool> mapped_;      // opened through IPC (closed on release)
+  PeerBuffers mapped_;
   int slot_ = 0;
   Tensor flag_;
   // The barrier by signals (else NCCL), the signal words sitting at the start of every arena

@@ -11,6 +11,8 @@
 #include "core/cuda_runtime.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "engine/parallel/peer_arena.h"
+#include "engine/pipeline/peer_transport.h"
 #include "engine/telemetry/collective_timer.h"
 
 namespace moetrain {
@@ -127,8 +129,20 @@ PipelineExecutor::PipelineExecutor(Model& model, ExpertDispatcher& dispatcher, C
     : model_(model), dispatcher_(dispatcher), pp_(pp_group), chunks_(std::move(chunks)) {
   rank_ = pp_ ? pp_->rank() : 0;
   if (pp_ && pp_->backend() != "gloo") {
-    ordered_ = std::make_unique<OrderedTransport>(*pp_, model_.device(), model_.model_config().shape().hidden_size,
-                                                  model_.dtype(), model_.totals_message_size());
+    // Among the GPUs of one host, copies into the peers' memory; else (or when asked) NCCL.
+    const char* env = std::getenv("MOETRAIN_PIPELINE_TRANSPORT");
+    const bool nccl = env != nullptr && std::string(env) == "nccl";
+    const int64_t H = model_.model_config().shape().hidden_size;
+    if (!nccl && PeerArena::usable(*pp_)) {
+      transport_ = std::make_unique<PeerTransport>(*pp_, model_.device(), H, model_.dtype(),
+                                                   model_.totals_message_size());
+    } else {
+      transport_ = std::make_unique<OrderedTransport>(*pp_, model_.device(), H, model_.dtype(),
+                                                      model_.totals_message_size());
+    }
+    spdlog::info("pipeline: messages {}", dynamic_cast<PeerTransport*>(transport_.get())
+                                              ? "copied into the peers' memory (one host)"
+                                              : "over NCCL (send / receive in one order)");
   }
 }
 
@@ -148,8 +162,8 @@ PipelineExecutor::Handoff PipelineExecutor::take(std::map<Key, Handoff>& local, 
   const int from = rank_of(backward ? key.first + 1 : key.first - 1);
   MT_CHECK(pp_ != nullptr && from != rank_, "no {} was handed over for chunk {} micro-batch {}",
            backward ? "output gradient" : "input", key.first, key.second);
-  if (ordered_) {
-    auto [hidden, packed] = ordered_->receive(tag(backward ? kGradient : kActivation, key.first, key.second));
+  if (transport_) {
+    auto [hidden, packed] = transport_->receive(tag(backward ? kGradient : kActivation, key.first, key.second));
     mark_inputs_in();
     return {hidden, model_.unpack_totals(packed)};
   }
@@ -184,8 +198,8 @@ void PipelineExecutor::give(std::map<Key, Handoff>& local, Key key, bool backwar
            backward ? "gradient" : "activation", dtype_name(h.hidden.dtype()), dtype_name(model_.dtype()));
   const uint32_t hidden_tag = tag(backward ? kGradient : kActivation, key.first, key.second);
   sent_.push_back({to, hidden_tag});
-  if (ordered_) {
-    ordered_->send(to, hidden_tag, for_comm(h.hidden), for_comm(model_.pack_totals(h.totals)));
+  if (transport_) {
+    transport_->send(to, hidden_tag, for_comm(h.hidden), for_comm(model_.pack_totals(h.totals)));
     return;
   }
   sends_.push_back(pp_->isend(for_comm(h.hidden), to, hidden_tag));
@@ -344,10 +358,12 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
            s.pp, pp_ ? pp_->size() : 1);
   schedule_ = &s;
   sent_.clear();
-  if (ordered_) {
+  if (transport_) {
     std::vector<int64_t> rows;
     for (const Batch& b : batches) rows.push_back(b.batch * b.seq / model_.placement().tp_size);
-    ordered_->begin_step(pipeline_message_order(s, rank_, rows), *std::max_element(rows.begin(), rows.end()));
+    std::vector<std::vector<PipelineMessage>> orders;
+    for (int r = 0; r < s.pp; ++r) orders.push_back(pipeline_message_order(s, r, rows));
+    transport_->begin_step(orders, *std::max_element(rows.begin(), rows.end()));
   }
   weights_written_.assign(chunks_.size(), false);
   weights_done_.assign(chunks_.size(), 0);
@@ -377,7 +393,7 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
   for (const PipeOp& op : s.ops[rank_]) {
     if (trace) {  // a warning, so that every rank prints it
       spdlog::warn("pipeline trace: rank {} {}{}", rank_, to_string(op),
-                   ordered_ ? " |" + ordered_->pending() : std::string());
+                   transport_ ? " |" + transport_->pending() : std::string());
     }
     inputs_in_ = std::chrono::steady_clock::now();
     if (gpu_clock) {
@@ -419,7 +435,7 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
   for (auto& q : sends_) q->wait();
   sends_.clear();
   read_results(r);
-  if (ordered_) ordered_->end_step();
+  if (transport_) transport_->end_step();
   if (gpu_clock) {
     cuda::Event step_end = cuda::create_event();
     cuda::record_event(step_end, cuda::current_stream());

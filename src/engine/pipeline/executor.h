@@ -9,8 +9,10 @@
 // back with the gradients). Sends are non-blocking and awaited at the end of the step; a
 // receive is awaited when its step runs. So any order that validate() accepts runs without
 // deadlock: that check simulates exactly these rules. On Gloo messages are matched by tag;
-// on NCCL by order, through OrderedTransport (nccl_transport.h), in the one order of the
-// step's messages that pipeline_message_order() gives.
+// on GPUs of one host each has its own slot in the receiver's memory (PeerTransport,
+// peer_transport.h); on NCCL they are matched by order, through OrderedTransport
+// (nccl_transport.h), in the one order of the step's messages that
+// pipeline_message_order() gives (which also names the peer transport's slots).
 //
 // Gradients: the first W of a chunk in a step writes its weight gradients, later ones add
 // (no zeroing pass); the head writes in its first F and adds after. The experts' weight
@@ -135,7 +137,7 @@ class PipelineExecutor {
   std::map<Key, ChunkActivations> acts_;
   std::map<Key, Handoff> inputs_, grads_;
   std::vector<std::unique_ptr<P2pRequest>> sends_;
-  std::unique_ptr<OrderedTransport> ordered_;  // NCCL
+  std::unique_ptr<PipelineTransport> transport_;  // GPUs: peer copies or NCCL
   std::vector<std::pair<int, uint32_t>> sent_;
   std::vector<bool> weights_written_;  // per chunk: a W of this step already wrote its grads
   std::vector<int> weights_done_;      // per chunk: W steps run this step

@@ -31,6 +31,7 @@ OrderedTransport::~OrderedTransport() {
     cuda::stream_synchronize(stream_);
     cuda::destroy_stream(stream_);
     cuda::destroy_event(compute_point_);
+    for (void* p : pinned_) cuda::pinned_free(p);
   } catch (const std::exception& e) {
     spdlog::error("pipeline transport: {}", e.what());
   }
@@ -75,11 +76,15 @@ void OrderedTransport::begin_step(const std::vector<Message>& order, int64_t max
   // after it.
   index_ = std::move(index);
   slots_.reserve(order.size());
+  size_t receives = 0;
   for (const Message& m : order) {
     Slot s{m};
     if (!m.sending) {
       s.hidden = Tensor::empty({m.rows, hidden_}, dtype_, device_);
       s.totals = Tensor::empty({totals_}, DType::F64, device_);
+      if (receives == pinned_.size()) pinned_.push_back(cuda::pinned_alloc(static_cast<size_t>(totals_) * 8));
+      s.host_totals = Tensor::borrowed(pinned_[receives++], {totals_}, DType::F64, Device::cpu());
+      s.on_host = cuda::create_sync_event();
     }
     s.ready = cuda::create_sync_event();
     slots_.push_back(std::move(s));
@@ -107,6 +112,11 @@ void OrderedTransport::issue_ready() {
         pp_.recv(s.totals, s.m.peer, stream_);
       }
       cuda::record_event(s.ready, stream_);
+      {
+        cuda::CurrentStreamScope on(stream_);
+        cuda::copy_device_to_host_async(s.host_totals.raw(), s.totals.raw(), s.totals.nbytes());
+      }
+      cuda::record_event(s.on_host, stream_);
     }
     s.issued = true;
   }
@@ -125,7 +135,10 @@ std::pair<Tensor, Tensor> OrderedTransport::receive(uint32_t tag) {
            "before it in the order, was handed over (the order does not fit the schedule)", tag, slots_[next_].m.tag);
   s.used = true;
   CollectiveTimer::wait(Collective::kPipeline, cuda::current_stream(), s.ready);
-  return {s.hidden, s.totals};
+  // The host needs the totals' counts now; reading them through the compute stream would
+  // wait for all of its queued work too and leave the GPU idle while the host refills it.
+  cuda::event_synchronize(s.on_host);
+  return {s.hidden, s.host_totals};
 }
 
 void OrderedTransport::send(int to, uint32_t tag, const Tensor& hidden, const Tensor& totals) {
@@ -154,7 +167,10 @@ void OrderedTransport::end_step() {
   // The compute stream waits for the sends: their tensors may go now.
   cuda::record_event(compute_point_, stream_);
   cuda::stream_wait_event(cuda::current_stream(), compute_point_);
-  for (Slot& s : slots_) cuda::destroy_event(s.ready);
+  for (Slot& s : slots_) {
+    cuda::destroy_event(s.ready);
+    if (s.on_host) cuda::destroy_event(s.on_host);
+  }
   slots_.clear();
   index_.clear();
   next_ = 0;

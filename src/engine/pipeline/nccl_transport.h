@@ -34,43 +34,73 @@
 
 namespace moetrain {
 
-class OrderedTransport {
+// One pipeline message of a step, as one rank sees it.
+struct PipelineMessage {
+  int peer;       // pipeline rank it goes to (sending) or comes from
+  bool sending;
+  uint32_t tag;
+  int64_t rows;   // of the hidden state
+};
+
+// How a GPU pipeline's hidden states travel between its ranks: over NCCL (OrderedTransport,
+// below) or, among the GPUs of one host, by copies into the peer's memory (PeerTransport,
+// peer_transport.h).
+class PipelineTransport {
+ public:
+  using Message = PipelineMessage;
+  virtual ~PipelineTransport() = default;
+  // Starts a step. orders[r]: rank r's messages this step, in the one order every rank
+  // shares (pipeline_message_order); every rank's, the same on every rank. `max_rows`: the
+  // largest hidden state any rank sends this step. Collective over the pipeline group when
+  // max_rows grows.
+  virtual void begin_step(const std::vector<std::vector<Message>>& orders, int64_t max_rows) = 0;
+  // The received message `tag`: the hidden state, which the compute stream waits for, and
+  // the totals, on the host or the device. An Error when it was not expected.
+  virtual std::pair<Tensor, Tensor> receive(uint32_t tag) = 0;
+  // Hands over the message `tag` to `to` after the compute stream's work so far; the
+  // tensors stay alive until end_step.
+  virtual void send(int to, uint32_t tag, const Tensor& hidden, const Tensor& totals) = 0;
+  // The compute stream waits for the step's sends; every message must have been sent and
+  // every received one used.
+  virtual void end_step() = 0;
+  // What is still pending, for MOETRAIN_PIPELINE_TRACE.
+  virtual std::string pending() const = 0;
+};
+
+class OrderedTransport : public PipelineTransport {
  public:
   // `pp`: this rank's pipeline group (NCCL); kept by reference.
   OrderedTransport(Communicator& pp, Device device, int64_t hidden, DType dtype, int64_t totals);
-  ~OrderedTransport();
+  ~OrderedTransport() override;
   OrderedTransport(const OrderedTransport&) = delete;
   OrderedTransport& operator=(const OrderedTransport&) = delete;
 
-  struct Message {
-    int peer;       // pipeline rank it goes to (sending) or comes from
-    bool sending;
-    uint32_t tag;
-    int64_t rows;   // of the hidden state
-  };
+  void begin_step(const std::vector<std::vector<Message>>& orders, int64_t max_rows) override {
+    begin_step(orders.at(static_cast<size_t>(pp_.rank())), max_rows);
+  }
   // Starts a step whose messages on this rank are `order` (this rank's part of the one order
-  // every rank follows) and issues the receives that lead it. `max_rows`: the largest hidden
-  // state any rank of the pipeline sends this step (the same on every rank). Collective over
-  // the pipeline group when max_rows grows (the links are connected at that size first).
+  // every rank follows) and issues the receives that lead it. Collective over the pipeline
+  // group when max_rows grows (the links are connected at that size first).
   void begin_step(const std::vector<Message>& order, int64_t max_rows);
-  // The received message `tag`: the compute stream waits for it. An Error when it was not
-  // expected, or when a send before it in the order has not been handed over.
-  std::pair<Tensor, Tensor> receive(uint32_t tag);
-  // Hands over the message `tag` to `to` after the compute stream's work so far, and issues
-  // what can go.
-  void send(int to, uint32_t tag, const Tensor& hidden, const Tensor& totals);
-  // The compute stream waits for the step's sends; every message must have been issued and
-  // every received one used.
-  void end_step();
+  // Also an Error when a send before it in the order has not been handed over. The totals
+  // come on the host (the host waits for the message, not for the compute stream).
+  std::pair<Tensor, Tensor> receive(uint32_t tag) override;
+  // Issues what can go.
+  void send(int to, uint32_t tag, const Tensor& hidden, const Tensor& totals) override;
+  void end_step() override;
   // The next message to issue and the received ones not yet used, with whether they have
-  // arrived ("next: send 2147483648 to 0 | 524289:in 524290:--"), for MOETRAIN_PIPELINE_TRACE.
-  std::string pending() const;
+  // arrived ("next: send 2147483648 to 0 | 524289:in 524290:--").
+  std::string pending() const override;
 
  private:
   struct Slot {
     Message m;
     Tensor hidden, totals;
     cuda::Event ready = nullptr;  // send: handed over (compute stream); receive: arrived
+    // A receive's totals copied to pinned host memory on the transport's stream, so that the
+    // host reads them once the message is in, without waiting for the compute stream.
+    cuda::Event on_host = nullptr;
+    Tensor host_totals;
     bool handed = false, issued = false, used = false;
   };
   void issue_ready();  // issues slots in order while the next one can go
@@ -84,6 +114,7 @@ class OrderedTransport {
   DType dtype_;
   cuda::Stream stream_ = nullptr;
   cuda::Event compute_point_ = nullptr;
+  std::vector<void*> pinned_;  // per receive of a step, totals_ f64 each (reused every step)
   std::vector<Slot> slots_;
   std::map<std::pair<bool, uint32_t>, size_t> index_;  // (sending, tag) -> slot
   size_t next_ = 0;                                    // first slot not issued

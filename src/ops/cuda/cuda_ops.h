@@ -42,6 +42,8 @@ RouterOut router_sigmoid_forward(const Tensor& logits, const Tensor& bias, int64
 Tensor router_sigmoid_backward(const Tensor& dtopk_weight, const Tensor& dprobs, const RouterOut& fwd,
                                bool norm_topk_prob, double scaling);
 void signal_peers_and_wait(const std::vector<void*>& peer_words, int rank, uint32_t value, double timeout_s);
+void signal_word(void* word, uint32_t value);
+void wait_word(const void* word, uint32_t value, double timeout_s);
 Permutation permutation_by_expert(const Tensor& topk_idx, int64_t num_experts);
 Tensor expert_ids_in_range(const Tensor& topk_idx, int64_t first, int64_t count);
 Tensor permute_forward(const Tensor& x, const Permutation& p);

@@ -17,4 +17,15 @@ void signal_peers_and_wait(const std::vector<void*>& peer_words, int rank, uint3
   check_launch("signal_wait_kernel");
 }
 
+void signal_word(void* word, uint32_t value) {
+  launch_signal_word(static_cast<unsigned*>(word), value, stream());
+  check_launch("signal_word_kernel");
+}
+
+void wait_word(const void* word, uint32_t value, double timeout_s) {
+  launch_wait_word(static_cast<const unsigned*>(word), value, static_cast<unsigned long long>(timeout_s * 1e9),
+                   stream());
+  check_launch("wait_word_kernel");
+}
+
 }  // namespace moetrain::ops::cuda

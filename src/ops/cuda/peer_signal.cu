@@ -32,7 +32,36 @@ __global__ void signal_wait_kernel(SignalArgs a) {
   }
 }
 
+__global__ void signal_word_kernel(unsigned* word, unsigned value) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(word), "r"(value) : "memory");
+}
+
+__global__ void wait_word_kernel(const unsigned* word, unsigned value, unsigned long long timeout_ns) {
+  unsigned long long start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  for (;;) {
+    unsigned v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(word) : "memory");
+    if (static_cast<int>(v - value) >= 0) break;
+    __nanosleep(64);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start > timeout_ns) {  // a peer that never signals: stop, never hang
+      printf("moetrain: pipeline message %u: waited more than %llu s for a peer's signal (MOETRAIN_COMM_TIMEOUT); "
+             "stopping the kernel\n", value, timeout_ns / 1000000000ull);
+      __trap();
+    }
+  }
+}
+
 }  // namespace
+
+void launch_signal_word(unsigned* word, unsigned value, cudaStream_t stream) {
+  signal_word_kernel<<<1, 1, 0, stream>>>(word, value);
+}
+
+void launch_wait_word(const unsigned* word, unsigned value, unsigned long long timeout_ns, cudaStream_t stream) {
+  wait_word_kernel<<<1, 1, 0, stream>>>(word, value, timeout_ns);
+}
 
 void launch_signal_peers_and_wait(const SignalArgs& a, cudaStream_t stream) {
   signal_wait_kernel<<<1, 32, 0, stream>>>(a);

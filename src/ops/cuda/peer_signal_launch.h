@@ -16,5 +16,7 @@ struct SignalArgs {
 };
 
 void launch_signal_peers_and_wait(const SignalArgs& a, cudaStream_t stream);
+void launch_signal_word(unsigned* word, unsigned value, cudaStream_t stream);
+void launch_wait_word(const unsigned* word, unsigned value, unsigned long long timeout_ns, cudaStream_t stream);
 
 }  // namespace moetrain::ops::cuda
