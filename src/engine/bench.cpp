@@ -241,7 +241,7 @@ std::string format_bench(const BenchReport& r) {
   }
   out += fmt::format("  {:<15} {:>8.2f}  (with stage events{})\n", "total", total,
                      r.optimizer_overlapped ? "; optimizer in line here, under the next forward in the step time" : "");
-  if (!r.stage_ms_by_rank.empty()) {  // a pipeline's ranks hold different layers: each one's stages
+  if (!r.stage_ms_by_rank.empty()) {  // each rank's stages (bench.h)
     out += fmt::format("{:<17}", "stage by rank");
     for (size_t k = 0; k < r.stage_ms_by_rank.size(); ++k) out += fmt::format(" {:>8}", fmt::format("rank {}", k));
     out += "\n";

@@ -33,7 +33,9 @@ struct BenchReport {
   double tokens_per_s = 0, tflops = 0, mfu = 0;
   int64_t peak_memory_bytes = 0;
   std::array<double, kNumStages> stage_ms{};  // per step, mean over the timed steps
-  // Under a pipeline (its ranks hold different layers): every rank's stage_ms, by world rank.
+  // With the pipeline executor (pp > 1: ranks hold different layers; ep_overlap's one-rank
+  // pipelines: ranks wait differently for the exchange) on several ranks: every rank's
+  // stage_ms, by world rank.
   std::vector<std::array<double, kNumStages>> stage_ms_by_rank;
   bool optimizer_overlapped = false;  // the step time had the optimizer on its own stream
   double peak_tflops = 0;
