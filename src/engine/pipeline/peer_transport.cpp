@@ -102,7 +102,8 @@ void PeerTransport::begin_step(const std::vector<std::vector<Message>>& orders, 
     }
     most = std::max(most, slot_of[r].size());
   }
-  const size_t need = totals_bytes() + static_cast<size_t>(max_rows * hidden_) * dtype_size(dtype_);
+  // Slots start 256-byte aligned (the hidden state is read by kernels that load 16 bytes at a time).
+  const size_t need = round_up(totals_bytes() + static_cast<size_t>(max_rows * hidden_) * dtype_size(dtype_), 256);
   if (most > slots_ || need > slot_bytes_) reserve(std::max(most, slots_), std::max(need, slot_bytes_));
   ++step_;
   const int me = pp_.rank();
