@@ -62,7 +62,8 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
                cfg.parallel.schedule, layout.pp(), tc.grad_accum_steps, e.what());
     }
     c.pipe_val = std::make_unique<PipelineSchedule>(make_forward_only(layout.pp(), static_cast<int>(tc.eval_batches), v));
-    c.chunks = partition_layers(cfg.model->shape().num_layers, c.pipe_train->num_chunks, cfg.model->shape().mtp_layers);
+    c.chunks = partition_layers(cfg.model->shape().num_layers, c.pipe_train->num_chunks, cfg.model->shape().mtp_layers,
+                                head_weight_in_layers(*cfg.model));
     placement = pipeline_placement(c.chunks, *c.pipe_train, layout.pp_rank(), placement);
     std::string chunk_list;
     for (size_t i = 0; i < c.chunks.size(); ++i) {
@@ -71,9 +72,10 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
                                 s.embed ? "+embed" : s.head ? "+head" : "");
     }
     const ScheduleTimes t = simulate(*c.pipe_train, 1.0, 1.0, 1.0);
-    spdlog::info("pipeline: {} over {} ranks, {} micro-batches per step; chunks (layers) {}; bubble {:.1f}% at equal "
-                 "F/B/W times",
-                 c.pipe_train->name, layout.pp(), tc.grad_accum_steps, chunk_list, 100.0 * t.bubble_fraction);
+    spdlog::info("pipeline: {} over {} ranks, {} micro-batches per step; chunks (layers) {} (the head weighing {:.2f} "
+                 "layers); bubble {:.1f}% at equal F/B/W times",
+                 c.pipe_train->name, layout.pp(), tc.grad_accum_steps, chunk_list, head_weight_in_layers(*cfg.model),
+                 100.0 * t.bubble_fraction);
   };
   if (layout.pp() > 1) make_pipeline();
 

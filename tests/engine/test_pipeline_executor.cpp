@@ -153,6 +153,27 @@ TEST(PipelineExecutor, OneFOneBOnOneRankMatchesTheWholeModel) {
   expect_schedule_matches_whole_model(make_1f1b(1, 3), false);
 }
 
+// The head's weight for the partition: the bench model's shape, worked by hand. Per layer:
+// q 2048 x 4096, k and v 2048 x 512, o 4096 x 2048, the router 2048 x 128, the norms
+// (2 x 2048 + 2 x 128), and 8 routed experts of 3 x 2048 x 768; the head 32768 x 2048.
+TEST(PipelineExecutor, TheHeadWeighsItsShareOfTheWeightsATokenMultiplies) {
+  Qwen3MoeConfig c = testing::tiny_moe_config(23, 5);
+  c.vocab_size = 32768;
+  c.hidden_size = 2048;
+  c.num_attention_heads = 32;
+  c.num_key_value_heads = 4;
+  c.head_dim = 128;
+  c.num_experts = 128;
+  c.num_experts_per_tok = 8;
+  c.moe_intermediate_size = 768;
+  c.num_hidden_layers = 4;
+  c.mlp_only_layers = {};
+  const double layer = 2048.0 * 4096 + 2 * 2048.0 * 512 + 4096.0 * 2048 + 2048.0 * 128 + 2 * 2048 + 2 * 128 +
+                       8 * 3 * 2048.0 * 768;
+  EXPECT_NEAR(head_weight_in_layers(c), 32768.0 * 2048 / layer, 1e-12);
+  EXPECT_NEAR(head_weight_in_layers(c), 1.18, 0.01);
+}
+
 TEST(PipelineExecutor, EdgeChunksGetFewerLayers) {
   // 49 layers in DualPipeV's 8 chunks of pp = 4: the leftover layer goes to a middle chunk.
   std::vector<ChunkSpec> p = partition_layers(49, 8);
@@ -178,6 +199,11 @@ TEST(PipelineExecutor, EdgeChunksGetFewerLayers) {
   EXPECT_EQ(sizes(partition_layers(9, 4)), (std::vector<int64_t>{2, 3, 2, 2}));
   EXPECT_EQ(sizes(partition_layers(48, 8)), (std::vector<int64_t>{6, 6, 6, 6, 6, 6, 6, 6}));  // costs 6 .. 7 either way
   EXPECT_EQ(sizes(partition_layers(4, 2)), (std::vector<int64_t>{2, 2}));
+  // A head of 5.5 layers' work (Qwen3-30B-A3B's: head_weight_in_layers) in DualPipeV's 4
+  // chunks of 48 layers: the last chunk gives up layers until every chunk costs about the
+  // same (a pipeline rank of the V holds chunk r and its mirror).
+  EXPECT_EQ(sizes(partition_layers(48, 4, 0, 5.5)), (std::vector<int64_t>{13, 14, 13, 8}));
+  EXPECT_EQ(sizes(partition_layers(48, 4, 0, 1.0)), (std::vector<int64_t>{12, 12, 12, 12}));
   // A multi-token prediction module ends the last chunk (layer id 10) and weighs two layers
   // there: its chunk gets fewer of the main model's.
   const std::vector<ChunkSpec> mtp = partition_layers(10, 4, 1);

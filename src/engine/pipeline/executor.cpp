@@ -17,15 +17,27 @@
 
 namespace moetrain {
 
-std::vector<ChunkSpec> partition_layers(int64_t num_layers, int num_chunks, int64_t mtp_layers) {
+double head_weight_in_layers(const ModelConfig& model) {
+  const ModelShape shape = model.shape();
+  double layers = 0;
+  for (int64_t id = 0; id < shape.num_layers; ++id) {
+    const LayerFootprint f = model.layer_footprint(id, 2);
+    layers += static_cast<double>(f.params + f.top_k * f.expert_params);
+  }
+  const double head = static_cast<double>(shape.vocab_size) * static_cast<double>(shape.hidden_size);
+  return layers > 0 ? head * static_cast<double>(shape.num_layers) / layers : 1.0;
+}
+
+std::vector<ChunkSpec> partition_layers(int64_t num_layers, int num_chunks, int64_t mtp_layers, double head_layers) {
   MT_CHECK(num_chunks >= 1 && num_layers >= num_chunks,
            "pipeline: {} decoder layers cannot fill {} chunks (each needs at least one layer); lower [parallel].pp, "
            "or use schedule = \"1f1b\" (pp chunks rather than DualPipeV's 2 * pp)",
            num_layers, num_chunks);
   const int C = num_chunks;
   std::vector<int64_t> n(static_cast<size_t>(C), 1);
-  // The head weighs one layer, and each multi-token prediction module (a layer and a head) two.
-  auto cost = [&](int i) { return n[i] + (i == C - 1 ? 1 + 2 * mtp_layers : 0); };
+  // The head weighs head_layers, and each multi-token prediction module a layer and a head.
+  const double tail = head_layers + static_cast<double>(mtp_layers) * (1.0 + head_layers);
+  auto cost = [&](int i) { return static_cast<double>(n[i]) + (i == C - 1 ? tail : 0.0); };
   const double middle = (C - 1) / 2.0;
   for (int64_t left = num_layers - C; left > 0; --left) {
     int pick = 0;

@@ -36,12 +36,19 @@ namespace moetrain {
 
 // The model cut into `num_chunks` chunks of consecutive decoder layers. Every chunk gets at
 // least one layer (an Error names the numbers when there are fewer layers than chunks); the
-// head counts as one more layer of the last chunk (its GEMM is about one MoE layer's work
-// for Qwen3-30B-A3B), the embedding lookup as nothing; the layers left over go to the middle
-// chunks first. So the edge chunks get fewer decoder layers. The `mtp_layers` multi-token
-// prediction modules (models/mtp.h: layers num_layers ..) end the last chunk, two layers'
-// weight each (their layer and their head).
-std::vector<ChunkSpec> partition_layers(int64_t num_layers, int num_chunks, int64_t mtp_layers = 0);
+// head weighs `head_layers` layers in the last chunk (head_weight_in_layers), the embedding
+// lookup nothing; each remaining layer goes to the cheapest chunk (ties: fewer layers, then
+// the middle). So the
+// edge chunks get fewer decoder layers. The `mtp_layers` multi-token prediction modules
+// (models/mtp.h: layers num_layers ..) end the last chunk, a layer and a head each.
+std::vector<ChunkSpec> partition_layers(int64_t num_layers, int num_chunks, int64_t mtp_layers = 0,
+                                        double head_layers = 1.0);
+// The head's work in mean decoder layers: its vocabulary x hidden weight against each layer's
+// weights that a token multiplies (attention, router, shared experts, its top-k routed
+// experts), the FLOPs of both being 6 per weight a token. It leaves out the attention core
+// (at 4K tokens about a fifth of a Qwen3-30B-A3B layer), so it weighs the head a little high
+// for long sequences. Qwen3-30B-A3B: 5.5; the bench model (32K vocabulary): 1.2.
+double head_weight_in_layers(const ModelConfig& model);
 
 // What pipeline rank `rank` of `schedule` holds: its chunks' layers, and the embedding /
 // head when it holds the first / last chunk. Expert placement and padding are left as given.

@@ -192,7 +192,8 @@ MemoryPlan plan_memory(const RunConfig& cfg, const PlanLayout& l, bool gpu) {
     ranks.push_back(held_by(cfg, l, all, true, true, act));
   } else {  // each rank's chunks as the trainer places them (only the schedule's chunk layout is read)
     const PipelineSchedule chunk_layout = make_forward_only(l.pp, 1, l.schedule != "1f1b");
-    const std::vector<ChunkSpec> chunks = partition_layers(shape.num_layers, chunk_layout.num_chunks, shape.mtp_layers);
+    const std::vector<ChunkSpec> chunks =
+        partition_layers(shape.num_layers, chunk_layout.num_chunks, shape.mtp_layers, head_weight_in_layers(*cfg.model));
     for (int r = 0; r < l.pp; ++r) {
       const ModelPlacement mine = pipeline_placement(chunks, chunk_layout, r, {});
       ranks.push_back(held_by(cfg, l, mine.layers, mine.embed, mine.head, act));
