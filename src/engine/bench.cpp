@@ -191,15 +191,15 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
 
   // Stages: the optimizer in line (its events are on the current stream), so each stage's
   // time is its own; with the overlap on, the step above is shorter than their sum.
-  const bool overlapped = ctx->layerwise && ctx->layerwise->overlapping();
-  if (overlapped) ctx->layerwise->set_overlap(false);
+  const bool overlapped = ctx->optimizer_overlapping();
+  if (overlapped) ctx->set_optimizer_overlap(false);
   StageTimer timer(device);
   StageTimer::activate(&timer);
   const int64_t staged = std::max<int64_t>(1, std::min<int64_t>(opt.steps, 3));
   for (int64_t i = 0; i < staged; ++i) step(batches());
   auto totals = timer.totals_ms();
   StageTimer::activate(nullptr);
-  if (overlapped) ctx->layerwise->set_overlap(true);
+  if (overlapped) ctx->set_optimizer_overlap(true);
   r.optimizer_overlapped = overlapped;
   for (int s = 0; s < kNumStages; ++s) r.stage_ms[s] = totals[s] / static_cast<double>(staged);
   if (ctx->pipeline && par.comms && par.world > 1) {  // each rank's row, summed into place over the world

@@ -115,7 +115,10 @@ struct OptimizerConfig {
   double weight_decay = 0.1;
   std::string moments = "f32";      // "f32" | "bf16": dtype of the AdamW moments
   // One process on a GPU: the gradient norm and AdamW on a second stream, overlapping the
-  // backward and the next forward (optim/layerwise.h); the same numbers either way.
+  // backward and the next forward (optim/layerwise.h); several (FSDP with whole weights):
+  // the last backward's reduce-scatters, the shards' AdamW and the weights' all-gathers on a
+  // communication stream, under the backward and the next forward (parallel/fsdp.h); the
+  // same numbers either way.
   bool overlap = true;
   // With the overlap: multiprocessors a later layer's update may occupy while the forward of
   // the layers before it runs on the others (0: all of them, the updates and the forward

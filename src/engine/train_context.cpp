@@ -152,6 +152,13 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
     c.fsdp = std::make_unique<FsdpContext>(*c.model, *par.comms->shard_dense, *par.comms->shard_experts,
                                            *par.comms->replica_world, adamw, shard_weights, par.bridge.get(),
                                            par.tp_group());
+    if (oc.overlap && gpu) {
+      const bool on = c.fsdp->set_overlap(true);
+      spdlog::info("optimizer: {}", on ? "each layer's update and weight gather under the next forward, its gradients "
+                                         "reduce-scattered as the last backward makes them ([optimizer].overlap)"
+                                       : "in line after the step (the overlap takes whole weights, no tensor "
+                                         "parallelism, no replica groups, NCCL)");
+    }
     if (pipelined) c.pipeline = std::make_unique<PipelineExecutor>(*c.model, *c.dispatcher, par.pp_group(), c.chunks);
   } else {
     c.single_opt = std::make_unique<AdamW>(c.model->parameters(), adamw);

@@ -58,10 +58,20 @@ struct TrainContext {
   // `commit`: asked once the gradients are complete (trainer.h's CommitFn).
   StepResult step(const std::vector<Batch>& batches, double lr, double grad_clip, const CommitFn& commit = {});
   // Makes later work on the current stream follow every optimizer update still running (one
-  // rank on a GPU: see optim/layerwise.h); before reading weights or optimizer state other
+  // rank on a GPU: see optim/layerwise.h; FSDP's overlap: parallel/fsdp.h); before reading weights or optimizer state other
   // than through the model's forward (checkpoints, the end of the run).
   void settle() {
     if (layerwise) layerwise->drain();
+    if (fsdp) fsdp->drain();
+  }
+  // Whether the optimizer's work runs beside the model's (one GPU, or FSDP's overlap), and
+  // turning it off and on (bench times the stages with it off).
+  bool optimizer_overlapping() const {
+    return (layerwise && layerwise->overlapping()) || (fsdp && fsdp->overlapping());
+  }
+  void set_optimizer_overlap(bool on) {
+    if (layerwise) layerwise->set_overlap(on);
+    if (fsdp) fsdp->set_overlap(on);
   }
   // Tokens of one step over all data ranks.
   // The step's tokens: the rows of every (dp, ep) rank's micro-batches, whole sequences (the

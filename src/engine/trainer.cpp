@@ -217,7 +217,7 @@ StepResult accumulate_micro_batches(Model& model, ExpertDispatcher& dispatcher,
   const QuantizedWeightsKept kept(model, fsdp);
   for (size_t i = 0; i < batches.size(); ++i) {
     // The first micro-batch writes the gradients, the others add: no zeroing pass.
-    if (fsdp) fsdp->begin_micro_batch(i == 0);
+    if (fsdp) fsdp->begin_micro_batch(i == 0, i + 1 == batches.size());
     if (layerwise && i + 1 == batches.size()) layerwise->begin_last_micro_batch();
     const bool accumulate = fsdp ? fsdp->model_accumulates(i) : i > 0;
     // Micro-batches in groups: the experts' weight gradients of a group's micro-batches are

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <tuple>
@@ -684,7 +685,19 @@ TEST_F(ParallelCli, TwoGpusMatchOneGpu) {
     // Adam steps move by the sign of each gradient element, land further apart (measured
     // 0.065 against 0.011 for the all-to-all); the losses stay within 2e-2.
     expect_same_run("gpu1", name, 2e-2, gather ? 1e-1 : 2e-2);
+    if (name == "gpu_dp2_zero2") {
+      EXPECT_NE(r.output.find("optimizer: each layer's update and weight gather under the next forward"),
+                std::string::npos)
+          << r.output;
+    }
   }
+  // FSDP's overlap (on by default: gpu_dp2_zero2) against the same steps in line, over NCCL:
+  // the same bits.
+  Result line = launch(2, train_args("gpu_dp2_zero2_in_line", 2,
+                                     "--training.device=cuda --parallel.dp=2 --parallel.shard_weights=false "
+                                     "--optimizer.overlap=false"));
+  ASSERT_EQ(line.status, 0) << line.output;
+  expect_same_run("gpu_dp2_zero2_in_line", "gpu_dp2_zero2", std::numeric_limits<double>::min());
 }
 
 // Context parallelism on two GPUs (the whole-sequence form: keys and values all-gathered,

@@ -167,8 +167,13 @@ TEST_F(ElasticChaos, ANodeLostForGoodLeavesTheSurvivorTrainingOnTheFallbackLayou
   const std::string ep = "127.0.0.1:" + std::to_string(port);
   // ep4 over the four ranks; two ranks cannot hold ep4, so the fallback ep2 takes over.
   const std::string layout = "--parallel.ep=4 --parallel.fallbacks=ep=2";
-  // Rank 2 (node 1) takes its agent down with it as step 4 begins: node 1 is gone.
-  const std::string fault = "kill_node@step_begin:rank=2:step=4:generation=0";
+  // Rank 2 (node 1) takes its agent down with it as step 4 begins: node 1 is gone. Rank 0
+  // is held 2 s in step 3's commit: a synchronous save returns only once the step is
+  // committed, so step 3 survives the loss (it did not when the other ranks' saves returned
+  // at once: rank 0 was stopped mid-commit, 1 run in many under the sanitizers; always with
+  // this stall).
+  const std::string fault =
+      "kill_node@step_begin:rank=2:step=4:generation=0;stall=2@index:rank=0:step=3:generation=0";
   Background x(agent_cmd("lost", ep, "1:2", fault, "c10d", layout), dir_ / "x.log");
   Background y(agent_cmd("lost", ep, "1:2", fault, "c10d", layout), dir_ / "y.log");
   auto [a, lost] = survivor_and_lost(x, y);

@@ -386,14 +386,23 @@ TEST(CheckpointSharded, AMissingRankFailsTheCommitNamingItAndKeepsTheEarlierChec
   save_on_ranks(dir.path().string(), 4, 1);
   // Step 2: rank 3 never writes. Rank 0 waits 1 s for its manifest, then gives up.
   const auto ref = reference(2);
-  std::string err;
+  // Ranks 1 and 2 save synchronously: they wait for the commit and learn of its failure.
+  std::string err, err_sync[3];
   on_ranks(3, [&](int r) {
     Checkpointer ck(dir.path().string(), /*keep=*/1, /*async=*/r == 0, r, 4, std::chrono::seconds(1));
-    ck.save(2, items_for(training_layout(r), ref), {{"step", 2}});
-    if (r == 0) err = error_of([&] { ck.wait(); });
+    if (r == 0) {
+      ck.save(2, items_for(training_layout(r), ref), {{"step", 2}});
+      err = error_of([&] { ck.wait(); });
+    } else {
+      err_sync[r] = error_of([&] { ck.save(2, items_for(training_layout(r), ref), {{"step", 2}}); });
+    }
   });
   EXPECT_TRUE(has(err, "rank 3 (manifest-r00003.json)")) << err;
   EXPECT_TRUE(has(err, "not committed")) << err;
+  for (int r : {1, 2}) {
+    EXPECT_TRUE(has(err_sync[r], "rank 0 says")) << err_sync[r];
+    EXPECT_TRUE(has(err_sync[r], "rank 3 (manifest-r00003.json)")) << err_sync[r];
+  }
   const auto all = Checkpointer::committed(dir.path().string());
   ASSERT_EQ(all.size(), 1u);
   EXPECT_EQ(all[0].first, 1);
@@ -406,6 +415,22 @@ TEST(CheckpointSharded, AMissingRankFailsTheCommitNamingItAndKeepsTheEarlierChec
   EXPECT_TRUE(fs::exists(dir.path() / ".tmp-step-00000002"));
   EXPECT_TRUE(has(resolve_resume(dir.path().string(), "auto", /*remove_stale=*/true), "step-00000001"));
   EXPECT_FALSE(fs::exists(dir.path() / ".tmp-step-00000002"));
+}
+
+// A synchronous save returns on every rank only once the step is committed: a node lost
+// right after its ranks' saves returned cannot take the step with it (rank 0, still
+// committing, would be stopped with the job).
+TEST(CheckpointSharded, SynchronousSavesReturnOnEveryRankOnceTheStepIsCommitted) {
+  ScratchDir dir;
+  const auto ref = reference(1);
+  std::atomic<int> returned_uncommitted{0};
+  on_ranks(4, [&](int r) {
+    Checkpointer ck(dir.path().string(), /*keep=*/0, /*async=*/false, r, 4, std::chrono::seconds(60));
+    if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));  // rank 0 comes last
+    ck.save(1, items_for(training_layout(r), ref), {{"step", 1}});
+    if (Checkpointer::committed(dir.path().string()).size() != 1) ++returned_uncommitted;
+  });
+  EXPECT_EQ(returned_uncommitted.load(), 0);
 }
 
 TEST(CheckpointSharded, AsyncSavesOfFourRanksCommitInOrderAndKeepTheLastTwo) {

@@ -425,6 +425,7 @@ SaveStats Checkpointer::save(int64_t step, const CheckpointItems& items, const n
     cv_.notify_all();
   } else {
     std::optional<CommitStats> done = commit(step, host_, trainer_state);
+    if (rank_ != 0) wait_for_commit(step);
     std::lock_guard<std::mutex> lock(mu_);
     if (done) committed_ = done;
   }
@@ -464,6 +465,26 @@ std::optional<CommitStats> Checkpointer::take_commit() {
   return c;
 }
 
+void Checkpointer::wait_for_commit(int64_t step) const {
+  const fs::path root(dir_);
+  const fs::path committed_index = root / step_dir_name(step) / "index.json";
+  const fs::path tmp = root / (".tmp-" + step_dir_name(step));
+  // Rank 0 gives its verdict within commit_timeout of reaching the commit, which may be later
+  // than this rank did: twice that before giving up on rank 0 itself.
+  for (const auto deadline = Clock::now() + 2 * commit_timeout_;;) {
+    if (fs::exists(committed_index)) return;
+    for (const fs::path failed : {tmp / "commit-failed.txt", tmp / rank_file_name("failed", 0, "txt")}) {
+      if (!fs::exists(failed)) continue;
+      std::ifstream in(failed);
+      const std::string why((std::istreambuf_iterator<char>(in)), {});
+      MT_THROW("checkpoint step {} is not committed: rank 0 says: {}", step, why);
+    }
+    MT_CHECK(Clock::now() < deadline, "checkpoint step {}: rank 0 has not committed it into {} after {} s", step,
+             (root / step_dir_name(step)).string(), 2 * commit_timeout_.count());
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
 std::optional<CommitStats> Checkpointer::commit(int64_t step, const Host& host, const nlohmann::json& state) {
   const auto t0 = Clock::now();
   const fs::path root(dir_);
@@ -491,6 +512,13 @@ std::optional<CommitStats> Checkpointer::commit(int64_t step, const Host& host, 
   }
   crash_point("files", step);
   if (rank_ != 0) return std::nullopt;  // rank 0 commits
+  // The ranks that wait for this commit (synchronous saves) learn of a failure from this file.
+  auto say_failed = [&](const std::string& why) {
+    if (std::FILE* f = std::fopen((tmp / "commit-failed.txt").c_str(), "wb")) {
+      std::fputs(why.c_str(), f);
+      std::fclose(f);
+    }
+  };
   // Every rank's manifest is written last and atomically: once all exist, all files are complete.
   for (const auto deadline = Clock::now() + commit_timeout_;;) {
     std::vector<int> missing;
@@ -501,7 +529,9 @@ std::optional<CommitStats> Checkpointer::commit(int64_t step, const Host& host, 
       if (r != rank_ && fs::exists(failed)) {
         std::ifstream in(failed);
         const std::string why((std::istreambuf_iterator<char>(in)), {});
-        MT_THROW("checkpoint step {} is not committed: rank {} could not write its files: {}", step, r, why);
+        const std::string what = fmt::format("rank {} could not write its files: {}", r, why);
+        say_failed(what);
+        MT_THROW("checkpoint step {} is not committed: {}", step, what);
       }
     }
     if (missing.empty()) break;
@@ -511,8 +541,11 @@ std::optional<CommitStats> Checkpointer::commit(int64_t step, const Host& host, 
         named.push_back(fmt::format("rank {} ({})", missing[i], rank_file_name("manifest", missing[i], "json")));
       }
       if (missing.size() > named.size()) named.push_back(fmt::format("and {} more", missing.size() - named.size()));
-      MT_THROW("checkpoint step {} is not committed: after {} s, {} of {} ranks have written no manifest into {}: {}",
-               step, commit_timeout_.count(), missing.size(), world_, tmp.string(), fmt::join(named, ", "));
+      const std::string what = fmt::format("after {} s, {} of {} ranks have written no manifest into {}: {}",
+                                           commit_timeout_.count(), missing.size(), world_, tmp.string(),
+                                           fmt::join(named, ", "));
+      say_failed(what);
+      MT_THROW("checkpoint step {} is not committed: {}", step, what);
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }

@@ -111,6 +111,7 @@ struct CommitStats {
 // its rank and manifest (thrown by rank 0's next save or wait); earlier committed steps stay.
 // A rank whose writer fails (a full disk) says so in `failed-rNNNNN.txt` in the step's
 // temporary directory, and rank 0's commit fails at once naming it instead of waiting.
+// A commit rank 0 gives up on says so in `commit-failed.txt` there, for the ranks waiting.
 // Every rank must save the same steps; `trainer_state` is written by rank 0 only.
 class Checkpointer {
  public:
@@ -124,7 +125,10 @@ class Checkpointer {
   // about as slow as the copy itself), so the first save stalls training no longer than
   // the others. save() does it when the items changed since.
   void prepare(const CheckpointItems& items);
-  // Snapshots `items` and commits them as step-N with `trainer_state` beside them.
+  // Snapshots `items` and commits them as step-N with `trainer_state` beside them. A
+  // synchronous save returns on every rank once the step is committed, so that a step
+  // that returned is never lost with a node that dies right after it (an asynchronous
+  // one returns at once everywhere; see wait()).
   SaveStats save(int64_t step, const CheckpointItems& items, const nlohmann::json& trainer_state);
   // Blocks until the last save is done and rethrows its error: on rank 0 until it is
   // committed, on the others until this rank's files are written (the commit is rank 0's).
@@ -152,6 +156,10 @@ class Checkpointer {
   };
   // Rank 0 returns what it committed; the other ranks return nothing once their files are written.
   std::optional<CommitStats> commit(int64_t step, const Host& host, const nlohmann::json& state);
+  // A rank > 0 of a synchronous save: blocks until rank 0 has committed `step` (its
+  // directory renamed into place), throws when rank 0 says the commit failed or after
+  // twice commit_timeout (rank 0 may reach the commit later than this rank).
+  void wait_for_commit(int64_t step) const;
   void worker();
 
   std::string dir_;

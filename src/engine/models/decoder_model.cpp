@@ -570,6 +570,9 @@ MoeDecoderModel::ForwardCursor MoeDecoderModel::begin_forward(const ChunkSpec& c
 void MoeDecoderModel::main_head(ForwardCursor& f) {
   MT_CHECK(placement_.head && f.loss != nullptr, "a head chunk needs the head and somewhere to put the loss");
   f.head_done = true;
+  // A chunk with the embedding waited for the head's weights there (one bucket group); a
+  // pipeline's head chunk without it waits here (FSDP's overlapped updates).
+  if (hooks_ && !f.c.embed) hooks_->before_forward(-1);
   ChunkActivations& a = f.a;
   const Batch& batch = f.batch;
   const ChunkPass& pass = f.pass;

@@ -23,12 +23,18 @@ FsdpContext::FsdpContext(Model& model, Communicator& dense_group, Communicator& 
   ParameterList& params = model.parameters();
   std::vector<Tensor> full_lows;  // kept alive until the shards have their copies
   shards_.reserve(model.buckets().size());
+  for (ParamBucket& b : model.buckets()) units_.push_back(b.layer);
+  std::sort(units_.begin(), units_.end());
+  units_.erase(std::unique(units_.begin(), units_.end()), units_.end());
+  updates_.resize(units_.size());
   for (ParamBucket& b : model.buckets()) {
+    UnitUpdate& u = updates_[static_cast<size_t>(std::lower_bound(units_.begin(), units_.end(), b.layer) - units_.begin())];
     Communicator& g = b.experts ? expert_group : dense_group;
     const int64_t n = g.size();
     MT_CHECK(b.values.numel() % n == 0, "bucket {} holds {} elements, not a multiple of its group {}'s {} ranks",
              b.name, b.values.numel(), g.name(), n);
     Shard sh{&b, &g, b.values.numel() / n, Tensor(), Tensor(), Tensor()};
+    u.gathers = u.gathers || n > 1;
     const int64_t lo = sh.lo(), hi = lo + sh.size;
     // A group of one reduces nothing: without shard_weights its shard is the bucket's own
     // gradient; with them the bucket's gradient is one micro-batch's and the shard sums them.
@@ -50,6 +56,7 @@ FsdpContext::FsdpContext(Model& model, Communicator& dense_group, Communicator& 
         full_lows.push_back(p.master_low);
         s.master_low = p.master_low.view({p.master_low.numel()}).slice(begin - m.offset, end - m.offset);
       }
+      u.params.push_back(shard_params_.size());
       shard_params_.push_back(std::move(s));
       tp_whole_.push_back(tp_group_ != nullptr && b.tp_replicated);
     }
@@ -72,16 +79,10 @@ FsdpContext::FsdpContext(Model& model, Communicator& dense_group, Communicator& 
   for (Parameter& p : params) p.master_low = Tensor();
   opt_ = AdamW(shard_params_, adamw);
   if (shard_weights_) {
-    for (Shard& sh : shards_) {
-      release(sh);
-      units_.push_back(sh.bucket->layer);
-    }
-    std::sort(units_.begin(), units_.end());
-    units_.erase(std::unique(units_.begin(), units_.end()), units_.end());
+    for (Shard& sh : shards_) release(sh);
     const bool nccl = dense_group.backend() == "nccl";
     if (nccl && !model.device().is_cpu()) {
-      comm_stream_ = cuda::create_stream();
-      compute_point_ = cuda::create_sync_event();
+      make_comm_stream();
       for (Shard& sh : shards_) sh.ready = cuda::create_sync_event();
     }
     model.set_weight_hooks(this);
@@ -89,17 +90,93 @@ FsdpContext::FsdpContext(Model& model, Communicator& dense_group, Communicator& 
 }
 
 FsdpContext::~FsdpContext() {
-  if (shard_weights_) model_.set_weight_hooks(nullptr);
+  if (model_.weight_hooks() == this) model_.set_weight_hooks(nullptr);
   if (comm_stream_) {
     try {
       cuda::stream_synchronize(comm_stream_);
       for (Shard& sh : shards_) cuda::destroy_event(sh.ready);
+      for (UnitUpdate& u : updates_) cuda::destroy_event(u.done);
       cuda::destroy_event(compute_point_);
       cuda::destroy_stream(comm_stream_);
     } catch (const std::exception& e) {
-      spdlog::error("FsdpContext: releasing the prefetch stream: {}", e.what());
+      spdlog::error("FsdpContext: releasing the communication stream: {}", e.what());
     }
   }
+}
+
+void FsdpContext::make_comm_stream() {
+  if (comm_stream_) return;
+  comm_stream_ = cuda::create_stream();
+  compute_point_ = cuda::create_sync_event();
+}
+
+bool FsdpContext::set_overlap(bool on) {
+  drain();
+  bool can = !shard_weights_ && tp_group_ == nullptr && bridge_ == nullptr && !model_.device().is_cpu();
+  for (const Shard& sh : shards_) can = can && (sh.group->size() == 1 || sh.group->backend() == "nccl");
+  overlap_ = on && can;
+  if (overlap_) {
+    MT_CHECK(model_.weight_hooks() == nullptr || model_.weight_hooks() == this,
+             "FSDP overlap: the model already has other weight hooks");
+    make_comm_stream();
+    for (UnitUpdate& u : updates_) {
+      if (!u.done) u.done = cuda::create_sync_event();
+    }
+    model_.set_weight_hooks(this);
+  } else if (!shard_weights_ && model_.weight_hooks() == this) {
+    model_.set_weight_hooks(nullptr);
+  }
+  return overlap_;
+}
+
+void FsdpContext::drain() {
+  bool any = false;
+  for (UnitUpdate& u : updates_) {
+    any = any || u.pending;
+    u.pending = false;
+  }
+  if (!any) return;
+  cuda::record_event(compute_point_, comm_stream_);
+  cuda::stream_wait_event(cuda::current_stream(), compute_point_);
+}
+
+void FsdpContext::wait_for_update(int64_t layer) {
+  auto it = std::lower_bound(units_.begin(), units_.end(), layer);
+  if (it == units_.end() || *it != layer) return;
+  UnitUpdate& u = updates_[static_cast<size_t>(it - units_.begin())];
+  if (!u.pending) return;
+  u.pending = false;
+  if (u.gathers) {
+    CollectiveTimer::wait(Collective::kAllGather, cuda::current_stream(), u.done);
+  } else {
+    cuda::stream_wait_event(cuda::current_stream(), u.done);
+  }
+}
+
+void FsdpContext::reduce_scatter_early(int64_t layer) {
+  std::vector<Shard*> todo;
+  for (Shard* sh : unit(layer)) {
+    if (sh->group->size() > 1) todo.push_back(sh);
+  }
+  if (todo.empty()) return;
+  cuda::record_event(compute_point_, cuda::current_stream());
+  cuda::stream_wait_event(comm_stream_, compute_point_);
+  cuda::CurrentStreamScope on_comm(comm_stream_);
+  for (Shard* sh : todo) {
+    CollectiveScope timed(Collective::kReduceScatter, comm_stream_, /*on_compute=*/false);
+    CollectiveTimer::count_bytes(Collective::kReduceScatter,
+                                 static_cast<double>(sh->grad.nbytes()) * (sh->group->size() - 1));
+    sh->group->reduce_scatter(sh->bucket->grads, sh->grad, ReduceOp::Sum, comm_stream_);
+    sh->reduced = true;
+  }
+}
+
+void FsdpContext::gather_updated(Shard& sh) {
+  if (sh.group->size() == 1) return;
+  Tensor mine = sh.value.clone();  // the shard is part of the output buffer: gather from a copy
+  CollectiveScope timed(Collective::kAllGather, comm_stream_, /*on_compute=*/false);
+  count_gather_bytes(sh);
+  sh.group->all_gather(mine, sh.bucket->values, comm_stream_);
 }
 
 int64_t FsdpContext::neighbour(int64_t layer, bool forward) const {
@@ -185,17 +262,22 @@ void FsdpContext::release(Shard& sh) {
 }
 
 void FsdpContext::before_forward(int64_t layer) {
+  if (!shard_weights_) {
+    wait_for_update(layer);
+    return;
+  }
   StageScope t(Stage::kOther);
   for (Shard* sh : unit(layer)) gather(*sh);
   prefetch(neighbour(layer, true));
 }
 
 void FsdpContext::after_forward(int64_t layer, bool backward_follows) {
-  if (backward_follows) return;
+  if (backward_follows || !shard_weights_) return;
   for (Shard* sh : unit(layer)) sh->bucket->values.release_memory();
 }
 
 void FsdpContext::before_backward(int64_t layer) {
+  if (!shard_weights_) return;
   StageScope t(Stage::kOther);
   for (Shard* sh : unit(layer)) {
     gather(*sh);
@@ -205,6 +287,10 @@ void FsdpContext::before_backward(int64_t layer) {
 }
 
 void FsdpContext::after_backward(int64_t layer) {
+  if (!shard_weights_) {
+    if (overlap_ && last_micro_batch_) reduce_scatter_early(layer);
+    return;
+  }
   StageScope t(Stage::kOther);
   for (Shard* sh : unit(layer)) {
     Tensor& into = first_micro_batch_ ? sh->grad : sh->scratch;
@@ -219,9 +305,19 @@ void FsdpContext::after_backward(int64_t layer) {
 }
 
 void FsdpContext::reduce_scatter_grads() {
+  // The overlap reduced the layers' gradients as the last backward made them: those finish first.
+  bool early = false;
+  for (const Shard& sh : shards_) early = early || sh.reduced;
+  if (early) {
+    cuda::record_event(compute_point_, comm_stream_);
+    CollectiveTimer::wait(Collective::kReduceScatter, cuda::current_stream(), compute_point_);
+  }
+  last_micro_batch_ = false;
   for (Shard& sh : shards_) {
     // With shard_weights each layer's were reduced right after its backward.
-    if (!shard_weights_ && sh.group->size() > 1) reduce_scatter(sh, sh.grad);
+    const bool reduced = sh.reduced;
+    sh.reduced = false;
+    if (!shard_weights_ && sh.group->size() > 1 && !reduced) reduce_scatter(sh, sh.grad);
     if (tp_group_ && sh.bucket->tp_replicated) {  // each tp rank's tokens' part of a weight all hold
       CollectiveScope timed(Collective::kTensorParallel);
       CollectiveTimer::count_bytes(Collective::kTensorParallel,
@@ -260,12 +356,29 @@ GradNorm FsdpContext::grad_norm(double max_norm) {
 }
 
 void FsdpContext::step(double lr, double grad_scale) {
-  opt_.step(shard_params_, lr, grad_scale);
-  gather_values();
+  if (!overlap_) {
+    opt_.step(shard_params_, lr, grad_scale);
+    gather_values();
+    return;
+  }
+  // Each layer's update and gather after the work so far (the gradients and their norm), in
+  // the order the next forward needs them.
+  opt_.advance();
+  cuda::record_event(compute_point_, cuda::current_stream());
+  cuda::stream_wait_event(comm_stream_, compute_point_);
+  cuda::CurrentStreamScope on_comm(comm_stream_);
+  for (size_t k = 0; k < units_.size(); ++k) {
+    UnitUpdate& u = updates_[k];
+    if (!u.params.empty()) opt_.update(shard_params_, u.params, lr, grad_scale);
+    for (Shard* sh : unit(units_[k])) gather_updated(*sh);
+    cuda::record_event(u.done, comm_stream_);
+    u.pending = true;
+  }
 }
 
 void FsdpContext::gather_values() {
   if (shard_weights_) return;  // the shards are the weights; layers gather them on use
+  drain();
   for (Shard& sh : shards_) {
     if (sh.group->size() == 1) continue;
     // The shard is part of the output buffer: gather from a copy.

@@ -20,6 +20,16 @@
 // (Gloo gathers finish before they return: there it only runs early); each layer's gradients are reduce-scattered (and accumulated over
 // micro-batches into the shard) right after its backward, and dropped too. Without it
 // (ZeRO stage 2) weights and gradients stay whole: less communication, more memory.
+//
+// Overlap (ZeRO-2 on GPUs, set_overlap; [optimizer].overlap): as one GPU's LayerwiseOptimizer
+// does, the step's optimizer work runs beside the model's instead of after it. During the
+// step's last micro-batch each layer's gradients are reduce-scattered on a communication
+// stream as soon as its backward has made them; after the norm, each layer's AdamW update of
+// its shards and the all-gather of its updated weights are launched there in forward order,
+// and the next forward of a layer waits only for its own (the hooks). The numbers are those
+// of the step in line, bit for bit (the same collectives of the same buffers, AdamW
+// element-wise). Anything that reads the weights or the optimizer state outside a forward
+// calls drain() first.
 #pragma once
 
 #include <cstdint>
@@ -52,8 +62,19 @@ class FsdpContext final : public WeightHooks {
   ~FsdpContext() override;
 
   // Before each micro-batch's forward_backward: the first one writes the gradient shards,
-  // the others add to them.
-  void begin_micro_batch(bool first) { first_micro_batch_ = first; }
+  // the others add to them; `last`: its backward leaves the step's final gradients (the
+  // overlap reduce-scatters each layer's as soon as they are made).
+  void begin_micro_batch(bool first, bool last = false) {
+    first_micro_batch_ = first;
+    last_micro_batch_ = last;
+  }
+  // Turns the overlap on or off (drains first). It takes a GPU, whole weights (no
+  // shard_weights), no tensor parallelism or replica bridge, and groups that are NCCL or of
+  // one rank; elsewhere it stays off. Returns whether it is on.
+  bool set_overlap(bool on);
+  bool overlapping() const { return overlap_; }
+  // Work on the current stream from now on follows every update and gather launched so far.
+  void drain();
   // Whether the model's whole gradients live across a step's micro-batches (only without
   // shard_weights; with them each layer's are reduced after its backward, micro-batch by
   // micro-batch).
@@ -98,6 +119,7 @@ class FsdpContext final : public WeightHooks {
     Tensor scratch; // [S], one micro-batch's reduced gradient before it is added
     cuda::Event ready = nullptr;  // NCCL prefetch: recorded after the gather on comm_stream_
     bool in_flight = false;       // a prefetched gather the compute stream has not waited for
+    bool reduced = false;         // overlap: reduce-scattered on comm_stream_ this step
     int64_t lo() const { return group->rank() * size; }
   };
   std::vector<Shard*> unit(int64_t layer);
@@ -111,6 +133,14 @@ class FsdpContext final : public WeightHooks {
   void reduce_scatter(Shard& sh, Tensor& into);
   // The bytes a gather of the shard sends, on the active collective timer.
   void count_gather_bytes(const Shard& sh) const;
+  // Overlap: the updated weight shard all-gathered into the whole bucket on comm_stream_.
+  void gather_updated(Shard& sh);
+  // Overlap: the layer's gradients reduce-scattered on comm_stream_ (last micro-batch).
+  void reduce_scatter_early(int64_t layer);
+  // Overlap: the forward of `layer` waits for its update and gather.
+  void wait_for_update(int64_t layer);
+  // The communication stream, made on first use (GPU only).
+  void make_comm_stream();
 
   Model& model_;
   Communicator& replica_world_;
@@ -118,9 +148,17 @@ class FsdpContext final : public WeightHooks {
   Communicator* tp_group_;
   std::vector<bool> tp_whole_;  // per shard parameter: in a tp_replicated bucket (tp > 1)
   bool shard_weights_;
-  bool first_micro_batch_ = true;
+  bool first_micro_batch_ = true, last_micro_batch_ = false;
+  bool overlap_ = false;
+  struct UnitUpdate {                    // overlap: a layer's update and gather, launched on comm_stream_
+    std::vector<size_t> params;          // indices into shard_params_
+    cuda::Event done = nullptr;
+    bool pending = false;                // launched and not yet waited for on the current stream
+    bool gathers = false;                // it all-gathers (a group of more than one rank)
+  };
+  std::vector<UnitUpdate> updates_;      // per units_ entry
   std::vector<int64_t> units_;           // the layer ids of the buckets, ascending (-1 first)
-  cuda::Stream comm_stream_ = nullptr;   // NCCL and shard_weights: where prefetches run
+  cuda::Stream comm_stream_ = nullptr;   // NCCL and shard_weights: where prefetches run; the overlap's
   cuda::Event compute_point_ = nullptr;  // orders a prefetch after the compute stream's work
   std::vector<Shard> shards_;
   std::vector<ShardSegment> segments_;
