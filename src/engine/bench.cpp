@@ -113,7 +113,7 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
   std::vector<double> ms;
   // Pipeline: each rank's compute time per op kind and wall time, summed over the timed
   // steps and the world (pipeline/executor.h Timing).
-  std::vector<double> pipe(8, 0.0);  // step, busy, f ms, f n, b ms, b n, w ms, w n
+  std::vector<double> pipe(10, 0.0);  // step, busy, f ms, f n, b ms, b n, w ms, w n, h ms, h n
   if (ctx->pipeline) ctx->pipeline->set_timing(true);
   const bool exchanges = dynamic_cast<LocalDispatcher*>(ctx->dispatcher.get()) == nullptr;
   // Collectives by kind (telemetry/collective_timer.h): events around each, read after the steps.
@@ -132,9 +132,9 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
       // A pair's time is an F and a B: split in the proportion of this step's lone F and B.
       const double f1 = t.f ? t.f_ms / t.f : 0, b1 = t.b ? t.b_ms / t.b : 0;
       const double fb_f = t.fb && f1 + b1 > 0 ? t.fb_ms * f1 / (f1 + b1) : 0.0;
-      const double add[8] = {t.step_ms, t.busy_ms(), t.f_ms + fb_f, double(t.f + t.fb), t.b_ms + (t.fb_ms - fb_f),
-                             double(t.b + t.fb), t.w_ms, double(t.w)};
-      for (int k = 0; k < 8; ++k) pipe[k] += add[k];
+      const double add[10] = {t.step_ms, t.busy_ms(), t.f_ms + fb_f, double(t.f + t.fb), t.b_ms + (t.fb_ms - fb_f),
+                              double(t.b + t.fb), t.w_ms, double(t.w), t.h_ms, double(t.h)};
+      for (int k = 0; k < 10; ++k) pipe[k] += add[k];
     }
   }
   CollectiveTimer::activate(run_timer);
@@ -173,12 +173,15 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
     ctx->pipeline->set_timing(false);
     all_reduce_doubles(*par.comms->world, pipe, device);
     const double f = pipe[2] / std::max(pipe[3], 1.0), b = pipe[4] / std::max(pipe[5], 1.0),
-                 w = pipe[6] / std::max(pipe[7], 1.0);
-    const ScheduleTimes sim = simulate(*ctx->pipe_train, f, b, w);
+                 w = pipe[6] / std::max(pipe[7], 1.0), h = pipe[8] / std::max(pipe[9], 1.0);
+    const ScheduleTimes sim = simulate(*ctx->pipe_train, f, b, w, h);
     r.pipeline = fmt::format("{} over {} ranks, {} micro-batches: bubble measured {:.1f}% (idle / wall time over all "
-                             "ranks), simulated {:.1f}% from the mean op times F {:.2f} / B {:.2f} / W {:.2f} ms",
+                             "ranks), simulated {:.1f}% from the mean op times F {:.2f} / B {:.2f} / W {:.2f} ms{}",
                              ctx->pipe_train->name, ctx->pipe_train->pp, ctx->pipe_train->micro_batches,
-                             100.0 * (1.0 - pipe[1] / std::max(pipe[0], 1e-9)), 100.0 * sim.bubble_fraction, f, b, w);
+                             100.0 * (1.0 - pipe[1] / std::max(pipe[0], 1e-9)), 100.0 * sim.bubble_fraction, f, b, w,
+                             pipe[9] > 0 ? fmt::format(" / H {:.2f} ms (the head's rows on rank {})", h,
+                                                       ctx->pipe_train->head_helper)
+                                         : std::string());
   }
   wait_for(device);
   timed_batches.clear();

@@ -56,6 +56,14 @@ void ParallelConfig::describe(ConfigFields& f) {
         "false keeps weights and gradients whole between one gather and one reduce-scatter a step (ZeRO-2); auto: "
         "ZeRO-2 when a rank's whole weights and f32 gradients fit in a quarter of its memory",
         one_of(&shard_weights, {"auto", "true", "false"}));
+  f.add("head_share", &head_share,
+        "pp > 1: share of each micro-batch's token rows whose output head another pipeline rank computes (with a "
+        "copy of the head, its gradient added back each step); -1 auto: what evens out the head's rank and the "
+        "lightest other one when the layers cannot (off under 5%, tp > 1 or MTP modules); 0 off",
+        [this]() -> std::optional<std::string> {
+          if (head_share == -1 || (head_share >= 0 && head_share < 1)) return std::nullopt;
+          return fmt::format("must be -1 (auto) or in [0, 1), got {}", head_share);
+        });
   f.add("ep_overlap", &ep_overlap,
         "ep > 1, pp = 1: run the micro-batches as DualPipeV on one rank (two chunks, overlapped forward/backward "
         "pairs) so one micro-batch's expert exchange hides under another's compute; grad_accum_steps >= 2, weights "

@@ -24,6 +24,12 @@ struct ParallelConfig {
   bool fold_experts = true;
   int64_t dp = -1;  // -1: inferred as world / (pp * cp * tp * ep)
   std::string schedule = "dualpipev";  // pipeline schedule when pp > 1: "dualpipev" or "1f1b"
+  // pp > 1: the share of each micro-batch's token rows whose output head another pipeline
+  // rank computes with a copy of the head (pipeline/schedule.h, add_head_helper). -1 (auto):
+  // the share that evens out the head's rank and the lightest other rank where the layers
+  // cannot (a few layers per chunk; DualPipeV puts the embedding and the head on rank 0), off
+  // when under 5%, under tensor parallelism or with multi-token prediction; 0: off.
+  double head_share = -1;
   // Data-parallel sharding (ZeRO): gradients and optimizer state are always sharded over
   // the data ranks; with shard_weights the weights too, gathered per layer when used (ZeRO-3).
   // "auto": ZeRO-2 (whole weights and gradients, one gather and one reduce-scatter a step)

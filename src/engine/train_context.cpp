@@ -64,6 +64,20 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
     c.pipe_val = std::make_unique<PipelineSchedule>(make_forward_only(layout.pp(), static_cast<int>(tc.eval_batches), v));
     c.chunks = partition_layers(cfg.model->shape().num_layers, c.pipe_train->num_chunks, cfg.model->shape().mtp_layers,
                                 head_weight_in_layers(*cfg.model));
+    // The head's rows partly on another rank where the layers cannot even out the head's rank.
+    if (layout.pp() > 1 && layout.tp() == 1 && cfg.model->shape().mtp_layers == 0) {
+      const HeadHelp help = choose_head_helper(c.chunks, *c.pipe_train, head_weight_in_layers(*cfg.model),
+                                               cfg.parallel.head_share);
+      if (help.share > 0) {
+        add_head_helper(*c.pipe_train, help.helper, help.share, help.head_cost);
+        spdlog::info("pipeline: rank {} computes the head of the last {:.0f}% of each micro-batch's token rows with a "
+                     "copy of the head ([parallel].head_share = {})",
+                     help.helper, 100.0 * help.share, cfg.parallel.head_share);
+      }
+    } else if (cfg.parallel.head_share > 0) {
+      MT_THROW("[parallel].head_share = {}: a head helper needs pp > 1, tp = 1 and no multi-token prediction modules",
+               cfg.parallel.head_share);
+    }
     placement = pipeline_placement(c.chunks, *c.pipe_train, layout.pp_rank(), placement);
     std::string chunk_list;
     for (size_t i = 0; i < c.chunks.size(); ++i) {

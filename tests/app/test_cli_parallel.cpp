@@ -200,8 +200,15 @@ TEST_F(ParallelCli, EveryPipelineScheduleMatchesOneProcess) {
     int ranks, data_ranks;
     const char* flags;
   };
+  // DualPipeV with four layers (tiny.toml) leaves the head's rank a layer's work heavier than
+  // it can be evened out by layers: by default rank 1 computes half the head's rows
+  // (pipeline/schedule.h, add_head_helper); also off, and forced on under 1F1B.
   for (const Layout& l : {Layout{"pp2_1f1b", 2, 1, "--parallel.pp=2 --parallel.schedule=1f1b"},
                           Layout{"pp2_dualpipev", 2, 1, "--parallel.pp=2 --parallel.schedule=dualpipev"},
+                          Layout{"pp2_dualpipev_whole_head", 2, 1,
+                                 "--parallel.pp=2 --parallel.schedule=dualpipev --parallel.head_share=0"},
+                          Layout{"pp2_1f1b_helper", 2, 1, "--parallel.pp=2 --parallel.schedule=1f1b "
+                                                          "--parallel.head_share=0.3"},
                           Layout{"pp4_1f1b", 4, 1, "--parallel.pp=4 --parallel.schedule=1f1b"},
                           Layout{"pp4_dualpipev", 4, 1, "--parallel.pp=4 --parallel.schedule=dualpipev"},
                           Layout{"pp2_ep2", 4, 2, "--parallel.pp=2 --parallel.ep=2"}}) {
@@ -209,6 +216,16 @@ TEST_F(ParallelCli, EveryPipelineScheduleMatchesOneProcess) {
     Result r = launch(l.ranks, train_args(l.name, l.data_ranks, std::string(kPipe) + " " + l.flags));
     ASSERT_EQ(r.status, 0) << r.output;
     EXPECT_NE(r.output.find("pipeline: "), std::string::npos) << r.output;
+    const std::string name = l.name;
+    const std::string helper_line = name == "pp2_1f1b_helper" ? "pipeline: rank 0 computes the head of the last 30%"
+                                    : name == "pp2_dualpipev" || name == "pp2_ep2" || name == "pp4_dualpipev"
+                                        ? "pipeline: rank 1 computes the head of the last"
+                                        : "";
+    if (helper_line.empty()) {
+      EXPECT_EQ(r.output.find("computes the head of the last"), std::string::npos) << r.output;
+    } else {
+      EXPECT_NE(r.output.find(helper_line), std::string::npos) << r.output;
+    }
     expect_same_run("one", l.name);
   }
 }

@@ -235,11 +235,74 @@ TEST(PipelineExecutor, PlacementFollowsTheV) {
   EXPECT_NE(e.find("tie_word_embeddings needs the embedding and the head on one rank"), std::string::npos) << e;
 }
 
+PipelineSchedule with_head_helper(PipelineSchedule s, int helper, double share) {
+  add_head_helper(s, helper, share, 2.0);
+  return s;
+}
+
+// A head helper on another rank (Gloo ranks as threads, float64): the helper's copy of the
+// head gets the head's weights at each step's start, computes the loss and gradients of the
+// last rows of every micro-batch, and its weight gradient is added into the head's at the
+// end. The losses summed over the ranks and every rank's gradients are the whole model's,
+// after two steps (the second's first writes overwrite the first's), tied embeddings too.
+TEST(PipelineExecutor, AHeadHelperOnAnotherRankMatchesTheWholeModel) {
+  for (bool tied : {false, true}) {
+    for (const PipelineSchedule& s : {with_head_helper(make_dualpipev(2, 4), 1, 0.5),
+                                      with_head_helper(make_dualpipev(2, 5), 1, 0.3),
+                                      with_head_helper(make_1f1b(2, 3), 0, 0.6)}) {
+      if (tied && !s.v_shape) continue;  // tied embeddings need the embedding and head on one rank
+      SCOPED_TRACE(s.name + (tied ? " tied" : " untied") + " share " + std::to_string(s.head_share));
+      Qwen3MoeConfig c = config(tied);
+      c.num_hidden_layers = std::max<int64_t>(s.num_chunks, 4);
+      std::vector<Batch> batches;
+      int64_t targets = 0;
+      for (int m = 0; m < s.micro_batches; ++m) {
+        batches.push_back(batch_of(2, 5, static_cast<int32_t>(c.vocab_size), 300 + 11 * m));
+        targets += batches.back().num_targets;
+      }
+      const double n = static_cast<double>(batches.size());
+      LocalDispatcher d;
+      Qwen3MoeModel whole(c, DType::F64);
+      whole.init_weights(4);
+      double ce = 0;
+      for (size_t m = 0; m < batches.size(); ++m) {
+        ce += whole.forward_backward(batches[m], d, 1.0 / targets, 1.0 / n, m > 0).ce_sum;
+      }
+      const std::vector<ChunkSpec> chunks = partition_layers(c.num_hidden_layers, s.num_chunks);
+      std::mutex mu;
+      double ce_sum = 0;
+      int checked = 0;
+      testing::run_ranks(s.pp, [&](Communicator& pp) {
+        Qwen3MoeModel model(c, DType::F64, Device::cpu(), pipeline_placement(chunks, s, pp.rank(), {}));
+        model.init_weights(4);
+        for (Parameter& p : model.parameters()) p.grad.fill_(NAN);  // every gradient must be written
+        LocalDispatcher dd;
+        PipelineExecutor ex(model, dd, &pp, chunks);
+        ex.train(s, batches, 1.0 / targets, 1.0 / n);
+        const PipelineExecutor::Result r = ex.train(s, batches, 1.0 / targets, 1.0 / n);
+        std::lock_guard<std::mutex> lock(mu);
+        ce_sum += r.ce_sum;
+        for (const Parameter& p : model.parameters()) {
+          for (const Parameter& q : whole.parameters()) {
+            if (q.name != p.name) continue;
+            EXPECT_LT(testing::rel_error(p.grad, q.grad), 1e-12) << p.name << " on rank " << pp.rank();
+            ++checked;
+          }
+        }
+      });
+      EXPECT_NEAR(ce_sum, ce, 1e-12 * ce);
+      EXPECT_EQ(checked, static_cast<int>(whole.parameters().size()));
+    }
+  }
+}
+
 // The ordered transport issues each rank's messages in one order all ranks share, computed
 // from the schedule: run the executor on Gloo ranks (threads), log what each rank really
 // sends, and compare every pair's traffic with pipeline_message_order() on both sides.
 TEST(PipelineExecutor, SendsFollowTheOrderTheNcclTransportExpects) {
-  for (const PipelineSchedule& s : {make_dualpipev(2, 4), make_dualpipev(3, 7), make_1f1b(3, 4), make_1f1b(2, 5)}) {
+  for (const PipelineSchedule& s : {make_dualpipev(2, 4), make_dualpipev(3, 7), make_1f1b(3, 4), make_1f1b(2, 5),
+                                    with_head_helper(make_dualpipev(2, 4), 1, 0.5),
+                                    with_head_helper(make_1f1b(3, 4), 1, 0.3)}) {
     SCOPED_TRACE(s.name + " pp " + std::to_string(s.pp));
     Qwen3MoeConfig c = config(false);
     c.num_hidden_layers = s.num_chunks;
@@ -298,6 +361,10 @@ TEST(PipelineMessageOrder, EveryRankFinishesIssuingItInOrder) {
   for (int pp : {2, 3, 4, 6}) {
     for (int m : {1, 2, 4, 5, 8, 13}) schedules.push_back(make_1f1b(pp, m));
     for (int m : {2 * pp, 2 * pp + 1, 3 * pp, 20}) schedules.push_back(make_dualpipev(pp, m));
+    for (int m : {2 * pp, 16}) {
+      schedules.push_back(with_head_helper(make_dualpipev(pp, m), 1, 0.5));
+      schedules.push_back(with_head_helper(make_1f1b(pp, m), pp - 2, 0.4));
+    }
     schedules.push_back(make_forward_only(pp, 6, false));
     schedules.push_back(make_forward_only(pp, 6, true));
   }
@@ -329,9 +396,20 @@ TEST(PipelineMessageOrder, EveryRankFinishesIssuingItInOrder) {
         if (!outputs && c < last && s.rank_of_chunk(c + 1) != r) out.push_back(pipeline_message_tag(true, c, m));
         if (outputs && c > 0 && s.rank_of_chunk(c - 1) != r) out.push_back(pipeline_message_tag(true, c - 1, m));
       };
-      if (op.kind == PipeOpKind::F || op.kind == PipeOpKind::FB) f(op.chunk, op.mb);
-      if (op.kind == PipeOpKind::B) b(op.chunk, op.mb);
-      if (op.kind == PipeOpKind::FB) b(op.chunk2, op.mb2);
+      // The head helper: the last chunk's F sends it rows, its H sends their gradient back.
+      const bool helped = s.head_helper >= 0;
+      auto head_f = [&](int c, int m) {
+        if (helped && outputs && c == last) out.push_back(pipeline_message_tag(false, last + 1, m));
+      };
+      auto head_b = [&](int c, int m) {
+        if (helped && !outputs && c == last) out.push_back(pipeline_message_tag(true, last, m));
+      };
+      if (op.kind == PipeOpKind::F || op.kind == PipeOpKind::FB) f(op.chunk, op.mb), head_f(op.chunk, op.mb);
+      if (op.kind == PipeOpKind::B) b(op.chunk, op.mb), head_b(op.chunk, op.mb);
+      if (op.kind == PipeOpKind::FB) b(op.chunk2, op.mb2), head_b(op.chunk2, op.mb2);
+      if (op.kind == PipeOpKind::H) {
+        out.push_back(outputs ? pipeline_message_tag(true, last, op.mb) : pipeline_message_tag(false, last + 1, op.mb));
+      }
       return out;
     };
     for (bool moved = true; moved;) {

@@ -266,5 +266,93 @@ TEST(PipelineSchedule, EachChunkRunsMicroBatchesInOrder) {
   }
 }
 
+// The head helper: every micro-batch's H once, on the helper, in a place where the step ends
+// sooner than with the whole head on its rank under DualPipeV (the head weighing two chunk
+// Fs, about the bench model's: a layer per chunk) and no later under 1F1B; the validator refuses Hs that are missing, repeated,
+// misplaced or placed before their F can run.
+TEST(PipelineSchedule, AHeadHelperShortensTheStepOfAHeavyHead) {
+  const double head = 2.0;
+  for (int pp : {2, 3, 4}) {
+    for (int M : {2 * pp, 16}) {
+      for (bool v : {true, false}) {
+        PipelineSchedule plain = v ? make_dualpipev(pp, M) : make_1f1b(pp, M), helped = plain;
+        const int head_rank = plain.rank_of_chunk(plain.num_chunks - 1);
+        const int helper = v ? 1 : pp - 2;
+        SCOPED_TRACE(plain.name + " pp " + std::to_string(pp) + " micro-batches " + std::to_string(M));
+        add_head_helper(helped, helper, 0.5, head);
+        validate(helped);
+        EXPECT_EQ(helped.head_helper, helper);
+        for (int r = 0; r < pp; ++r) {
+          int h = 0;
+          for (const PipeOp& op : helped.ops[r]) h += op.kind == PipeOpKind::H;
+          EXPECT_EQ(h, r == helper ? M : 0) << "rank " << r;
+          if (r != helper) {
+            EXPECT_EQ(helped.ops[r].size(), plain.ops[r].size());
+          }
+        }
+        const double before = simulate(plain, 1, 1, 1, 0, head).makespan;
+        const double after = simulate(helped, 1, 1, 1, 0.5 * head, 0.5 * head).makespan;
+        std::printf("%s pp %d M %d: makespan %.1f with the head on rank %d, %.1f with half its rows on rank %d\n",
+                    plain.name.c_str(), pp, M, before, head_rank, after, helper);
+        // DualPipeV's head rank has slack to fill (its pairs); 1F1B's last rank runs F, B, W of
+        // one micro-batch in a row, so the H sits on its path: no gain, no loss.
+        if (v) {
+          EXPECT_LT(after, before);
+          if (M == 16) {
+            EXPECT_LT(after, 0.93 * before);  // measured 115-117 against 128
+          }
+        }
+        EXPECT_LE(after, before + 1e-9);
+      }
+    }
+  }
+}
+
+TEST(PipelineSchedule, RejectsMisplacedOrMissingHeadSteps) {
+  PipelineSchedule s = make_dualpipev(2, 4);
+  add_head_helper(s, 1, 0.5, 2.0);
+  validate(s);
+  auto h_at = [](const PipelineSchedule& t, int r) {
+    for (size_t i = 0; i < t.ops[r].size(); ++i) {
+      if (t.ops[r][i].kind == PipeOpKind::H) return i;
+    }
+    return t.ops[r].size();
+  };
+  {  // missing
+    PipelineSchedule t = s;
+    t.ops[1].erase(t.ops[1].begin() + static_cast<std::ptrdiff_t>(h_at(t, 1)));
+    EXPECT_HAS(error_of([&] { validate(t); }), "lacks H3.0");
+  }
+  {  // on the head's own rank
+    PipelineSchedule t = s;
+    const PipeOp h = t.ops[1][h_at(t, 1)];
+    t.ops[1].erase(t.ops[1].begin() + static_cast<std::ptrdiff_t>(h_at(t, 1)));
+    t.ops[0].push_back(h);
+    EXPECT_HAS(error_of([&] { validate(t); }), "an H step is the last chunk's (3) on the head helper (rank 1)");
+  }
+  {  // before its F can run: the helper's first op, which rank 0's F3.0 waits on (via F2.0)
+    PipelineSchedule t = s;
+    const PipeOp h = t.ops[1][h_at(t, 1)];
+    t.ops[1].erase(t.ops[1].begin() + static_cast<std::ptrdiff_t>(h_at(t, 1)));
+    t.ops[1].insert(t.ops[1].begin(), h);
+    EXPECT_HAS(error_of([&] { validate(t); }), "deadlock");
+  }
+  {  // an H where no helper was named
+    PipelineSchedule t = make_dualpipev(2, 4);
+    t.ops[1].push_back(PipeOp{PipeOpKind::H, 3, 0, -1, -1});
+    EXPECT_HAS(error_of([&] { validate(t); }), "an H step in a schedule without a head helper");
+  }
+  EXPECT_HAS(error_of([] {
+               PipelineSchedule t = make_dualpipev(2, 4);
+               add_head_helper(t, 0, 0.5, 2.0);
+             }),
+             "a rank other than the head's (0)");
+  EXPECT_NEAR(balancing_head_share(2, 2, 1.2), 0.5, 1e-12);
+  EXPECT_NEAR(balancing_head_share(2, 3, 2.0), 0.25, 1e-12);
+  EXPECT_EQ(balancing_head_share(1, 5, 1.0), 0.0);
+  EXPECT_EQ(head_rows_kept(8192, 0.5), 4096);
+  EXPECT_EQ(head_rows_kept(10, 0.26), 7);
+}
+
 }  // namespace
 }  // namespace moetrain

@@ -473,7 +473,7 @@ void Checkpointer::wait_for_commit(int64_t step) const {
   // than this rank did: twice that before giving up on rank 0 itself.
   for (const auto deadline = Clock::now() + 2 * commit_timeout_;;) {
     if (fs::exists(committed_index)) return;
-    for (const fs::path failed : {tmp / "commit-failed.txt", tmp / rank_file_name("failed", 0, "txt")}) {
+    for (const fs::path& failed : {tmp / "commit-failed.txt", tmp / rank_file_name("failed", 0, "txt")}) {
       if (!fs::exists(failed)) continue;
       std::ifstream in(failed);
       const std::string why((std::istreambuf_iterator<char>(in)), {});

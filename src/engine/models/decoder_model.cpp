@@ -600,6 +600,23 @@ void MoeDecoderModel::main_head(ForwardCursor& f) {
   // Head: logits = norm(x) W^T and cross-entropy, forward and backward in one chunked pass,
   // so the head's gradients are made here and the chunk's backward starts from a.d_out.
   if (hooks_) hooks_->before_backward(-1);
+  const int64_t T = h.shape()[0];
+  if (pass.head_rows >= 0 && pass.head_rows < T) {
+    // A pipeline's head helper takes the last rows (PipelineExecutor): this rank's rows now,
+    // the final norm's backward once the helper's gradient is back (finish_head).
+    MT_CHECK(spec_.mtp_layers == 0, "a pipeline head helper with multi-token prediction modules");
+    const int64_t k = pass.head_rows;
+    a.d_norm = Tensor::empty(h.shape(), h.dtype(), h.device());
+    a.head_tail = h.slice(k, T);
+    StageScope t(Stage::kLoss);
+    Tensor d_kept;
+    ops::LinearCrossEntropyOut head =
+        ops::linear_cross_entropy(h.slice(0, k), lm_head_, batch.targets.view({T}).slice(0, k), pass.ce_scale,
+                                  &d_kept, &g_lm_head_, /*chunk_rows=*/0, pass.head_accumulate);
+    out.on_device.ce_sum = head.loss_sum;
+    if (k > 0) a.d_norm.slice(0, k).copy_from(d_kept);
+    return;
+  }
   Tensor d_norm;
   {
     StageScope t(Stage::kLoss);
@@ -612,6 +629,28 @@ void MoeDecoderModel::main_head(ForwardCursor& f) {
     ops::rmsnorm_backward_weight(d_norm, a.final_in, a.final_norm.rstd, g_final_norm_w_, pass.head_accumulate);
     a.d_out = ops::rmsnorm_backward_input(d_norm, a.final_in, final_norm_w_, a.final_norm.rstd);
   }
+}
+
+void MoeDecoderModel::finish_head(ChunkActivations& a, const Tensor& d_tail, bool accumulate) {
+  MT_CHECK(a.d_norm.defined() && a.head_tail.defined(), "finish_head: the head chunk's forward kept no helper rows");
+  const int64_t T = a.d_norm.shape()[0], k = T - a.head_tail.shape()[0];
+  MT_CHECK(d_tail.shape() == a.head_tail.shape(), "finish_head: the helper's gradient is {}, expected {}",
+           shape_str(d_tail.shape()), shape_str(a.head_tail.shape()));
+  a.d_norm.slice(k, T).copy_from(d_tail);
+  StageScope t(Stage::kNorms);
+  ops::rmsnorm_backward_weight(a.d_norm, a.final_in, a.final_norm.rstd, g_final_norm_w_, accumulate);
+  a.d_out = ops::rmsnorm_backward_input(a.d_norm, a.final_in, final_norm_w_, a.final_norm.rstd);
+  a.d_norm = a.head_tail = Tensor();
+}
+
+Tensor MoeDecoderModel::head_weight() {
+  MT_CHECK(placement_.head, "head_weight: this rank holds no head");
+  return lm_head_;
+}
+
+Tensor MoeDecoderModel::head_weight_grad() {
+  MT_CHECK(placement_.head, "head_weight_grad: this rank holds no head");
+  return g_lm_head_;
 }
 
 // Under tensor parallelism each rank multiplies every row (gathered) by its vocabulary rows of

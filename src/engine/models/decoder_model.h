@@ -124,6 +124,9 @@ class MoeDecoderModel : public Model {
   int64_t expert_wgrad_group() const override { return expert_wgrad_group_; }
   void set_expert_wgrad_group(int64_t n) override { expert_wgrad_group_ = n; }
   void drop_deferred_expert_weights() override;
+  void finish_head(ChunkActivations& a, const Tensor& d_tail, bool accumulate) override;
+  Tensor head_weight() override;
+  Tensor head_weight_grad() override;
   MicroBatchLoss forward_loss(const Batch& batch, ExpertDispatcher& dispatcher) override;
   Tensor forward_logits(const Tensor& ids, const Tensor& positions, const BatchShape& b,
                         ExpertDispatcher& dispatcher) override;

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/error.h"
 #include "engine/data/loader.h"
 #include "engine/models/model_config.h"
 #include "engine/parallel/expert_dispatch.h"
@@ -100,6 +101,10 @@ struct ChunkPass {
   double aux_scale = 1.0;        // scale of the router losses (1 / micro-batches)
   bool head_accumulate = false;  // head: add to the head's weight gradients (else write)
   bool router_stats = true;      // add the router totals and expert counts (false: logits only)
+  // Training with a pipeline's head helper: the head takes the loss of the first head_rows
+  // token rows only and leaves the final norm's output of the others in
+  // ChunkActivations::head_tail for the helper (whose gradient finish_head takes); -1: all.
+  int64_t head_rows = -1;
 };
 
 // Told by the model when weights are about to be used and when their gradients are final,
@@ -268,6 +273,8 @@ struct ChunkActivations {
   ops::RmsNormOut final_norm;                       //   the loss gradient at the chunk output,
   Tensor d_out;                                     //   computed with the loss in the forward
   Tensor d_embed_out;                               // embed: gradient at the embedding output (for W)
+  Tensor head_tail;    // head with a helper: the final norm's output of the helper's rows
+  Tensor d_norm;       //   and the final norm's output gradient, its first head_rows rows made
   RouterTotals totals;                              // the micro-batch's final totals (for backward)
   // Per MoE layer of the chunk, tokens routed to each of this rank's experts (i64, on the
   // model's device: read once the pass is queued, see MicroBatchLoss::read_device_values).
@@ -356,6 +363,17 @@ class Model {
 
   // ---- pipeline pieces: a chunk's F, B (input gradient) and W (weight gradient) ----
   virtual ChunkSpec whole() const = 0;  // the chunk of everything this rank holds
+  // A head chunk's forward run with ChunkPass::head_rows: the helper's rows' gradient of the
+  // final norm's output (d_tail) completes a.d_norm, and the final norm's backward makes
+  // a.d_out (and the norm's weight gradient: written, or added per `accumulate`).
+  virtual void finish_head(ChunkActivations& a, const Tensor& d_tail, bool accumulate) {
+    (void)a, (void)d_tail, (void)accumulate;
+    MT_THROW("this model has no pipeline head helper");
+  }
+  // The head's weight [V, H] and its gradient (the embedding's when tied), on a rank that
+  // holds the head: what a head helper copies and adds to.
+  virtual Tensor head_weight() { MT_THROW("this model has no pipeline head helper"); }
+  virtual Tensor head_weight_grad() { MT_THROW("this model has no pipeline head helper"); }
   virtual RouterTotals new_totals() const = 0;
   // The totals as the f64 message pipeline ranks exchange, its length, and back.
   virtual int64_t totals_message_size() const = 0;

@@ -14,6 +14,7 @@
 #include "engine/parallel/peer_arena.h"
 #include "engine/pipeline/peer_transport.h"
 #include "engine/telemetry/collective_timer.h"
+#include "ops/ops.h"
 
 namespace moetrain {
 
@@ -62,6 +63,37 @@ std::vector<ChunkSpec> partition_layers(int64_t num_layers, int num_chunks, int6
   return chunks;
 }
 
+HeadHelp choose_head_helper(const std::vector<ChunkSpec>& chunks, const PipelineSchedule& schedule,
+                            double head_layers, double setting) {
+  HeadHelp h;
+  if (setting == 0 || schedule.pp < 2 || schedule.forward_only() || chunks.empty()) return h;
+  // Under 1F1B the head rank runs a micro-batch's F, B and W in a row: an H elsewhere sits on
+  // its path and gains nothing (the simulation: schedule tests). Asked for, it runs anyway.
+  if (setting < 0 && !schedule.v_shape) return h;
+  const int last = schedule.num_chunks - 1;
+  const int head_rank = schedule.rank_of_chunk(last);
+  std::vector<double> layers(static_cast<size_t>(schedule.pp), 0.0);
+  for (int c = 0; c < schedule.num_chunks; ++c) {
+    layers[static_cast<size_t>(schedule.rank_of_chunk(c))] +=
+        static_cast<double>(chunks[static_cast<size_t>(c)].last_layer - chunks[static_cast<size_t>(c)].first_layer);
+  }
+  for (int r = 0; r < schedule.pp; ++r) {
+    if (r != head_rank && (h.helper < 0 || layers[static_cast<size_t>(r)] < layers[static_cast<size_t>(h.helper)])) {
+      h.helper = r;
+    }
+  }
+  // A layer's F + B + W weighs 3 against the head's forward and backward of 3 head_layers.
+  const double share = setting > 0 ? setting
+                                   : balancing_head_share(layers[static_cast<size_t>(head_rank)],
+                                                          layers[static_cast<size_t>(h.helper)], head_layers);
+  if (setting < 0 && share < 0.05) return HeadHelp{};
+  h.share = std::min(share, 0.95);
+  const double per_chunk = std::max(
+      1.0, static_cast<double>(chunks.back().last_layer - chunks.front().first_layer) / schedule.num_chunks);
+  h.head_cost = 3.0 * head_layers / per_chunk;
+  return h;
+}
+
 ModelPlacement pipeline_placement(const std::vector<ChunkSpec>& chunks, const PipelineSchedule& schedule, int rank,
                                   ModelPlacement base) {
   MT_CHECK(static_cast<int>(chunks.size()) == schedule.num_chunks, "pipeline: {} chunks for a schedule of {}",
@@ -100,7 +132,13 @@ std::vector<OrderedTransport::Message> pipeline_message_order(const PipelineSche
     int from, op, half;
     int to;
     uint32_t tag;
-    int mb;
+    int64_t rows;
+  };
+  const int last = s.num_chunks - 1;
+  const int head_rank = s.rank_of_chunk(last);
+  auto helper_rows = [&](int m) {
+    const int64_t t = rows[static_cast<size_t>(m)];
+    return t - head_rows_kept(t, s.head_share);
   };
   const std::vector<std::vector<double>> finish = finish_times(s);
   std::vector<Sent> all;
@@ -110,18 +148,24 @@ std::vector<OrderedTransport::Message> pipeline_message_order(const PipelineSche
       const double t = finish[p][i];
       auto forward = [&](int c, int m) {
         if (c + 1 < s.num_chunks && s.rank_of_chunk(c + 1) != p) {
-          all.push_back({t, p, i, 0, s.rank_of_chunk(c + 1), tag(kActivation, c + 1, m), m});
+          all.push_back({t, p, i, 0, s.rank_of_chunk(c + 1), tag(kActivation, c + 1, m), rows[static_cast<size_t>(m)]});
+        }
+        if (c == last && s.head_helper >= 0) {  // the helper's rows of the final norm's output
+          all.push_back({t, p, i, 0, s.head_helper, tag(kActivation, last + 1, m), helper_rows(m)});
         }
       };
       auto backward = [&](int c, int m) {
         if (c > 0 && s.rank_of_chunk(c - 1) != p) {
-          all.push_back({t, p, i, 1, s.rank_of_chunk(c - 1), tag(kGradient, c - 1, m), m});
+          all.push_back({t, p, i, 1, s.rank_of_chunk(c - 1), tag(kGradient, c - 1, m), rows[static_cast<size_t>(m)]});
         }
       };
       PipeOp half[2];
       for (int h = 0, n = op.halves(half); h < n; ++h) {  // a pair's first half's message first
         if (half[h].kind == PipeOpKind::F) forward(half[h].chunk, half[h].mb);
         if (half[h].kind == PipeOpKind::B) backward(half[h].chunk, half[h].mb);
+        if (half[h].kind == PipeOpKind::H) {  // their gradient back to the head
+          all.push_back({t, p, i, 0, head_rank, tag(kGradient, last, half[h].mb), helper_rows(half[h].mb)});
+        }
       }
     }
   }
@@ -130,8 +174,8 @@ std::vector<OrderedTransport::Message> pipeline_message_order(const PipelineSche
   });
   std::vector<OrderedTransport::Message> out;
   for (const Sent& m : all) {
-    if (m.from == rank) out.push_back({m.to, true, m.tag, rows[static_cast<size_t>(m.mb)]});
-    if (m.to == rank) out.push_back({m.from, false, m.tag, rows[static_cast<size_t>(m.mb)]});
+    if (m.from == rank) out.push_back({m.to, true, m.tag, m.rows});
+    if (m.to == rank) out.push_back({m.from, false, m.tag, m.rows});
   }
   return out;
 }
@@ -227,6 +271,9 @@ PipelineExecutor::Handoff PipelineExecutor::forward_input(int chunk, int mb, con
 void PipelineExecutor::forward_output(int chunk, int mb, Handoff out, const MicroBatchLoss& loss, bool training,
                                       Result& r) {
   ChunkActivations& a = acts_.at({chunk, mb});
+  if (chunks_[chunk].head && a.head_tail.defined()) {  // the helper's rows (kept until finish_head)
+    send_rows(schedule_->head_helper, tag(kActivation, chunk + 1, mb), a.head_tail);
+  }
   // This chunk's expert counts (and, at the head, the loss terms) stay on the device until
   // the step's end (read_results): a host wait here would drain this rank's queue at every
   // forward, and the host could not run ahead of the GPU to issue the next steps' messages.
@@ -267,13 +314,22 @@ void PipelineExecutor::read_results(Result& r) {
     }
   }
   unread_.clear();
+  for (const Tensor& ce : helper_ce_) r.ce_sum += ce.to(Device::cpu()).to_double_vector()[0];
+  helper_ce_.clear();
 }
 
 Tensor PipelineExecutor::backward_input(int chunk, int mb, const Batch& batch, ChunkActivations*& a) {
   auto it = acts_.find({chunk, mb});
   MT_CHECK(it != acts_.end(), "B before F for chunk {} micro-batch {}", chunk, mb);
   a = &it->second;
-  if (chunks_[chunk].head) return Tensor();  // the head's gradient was made with its loss
+  if (chunks_[chunk].head) {  // the head's gradient was made with its loss
+    if (a->head_tail.defined()) {  // but for the helper's rows
+      const Tensor d_tail = receive_rows(schedule_->head_helper, tag(kGradient, chunk, mb), a->head_tail.shape()[0]);
+      model_.finish_head(*a, d_tail, norm_written_);
+      norm_written_ = true;
+    }
+    return Tensor();
+  }
   Handoff g = take(grads_, {chunk, mb}, true, batch);
   a->totals = g.totals;  // the final totals, from the head
   return g.hidden;
@@ -283,9 +339,98 @@ void PipelineExecutor::backward_output(int chunk, int mb, Tensor dx, const Chunk
   if (!chunks_[chunk].embed) give(grads_, {chunk - 1, mb}, true, {std::move(dx), a.totals});
 }
 
+int64_t PipelineExecutor::head_rows(const Batch& batch) const {
+  if (!helped()) return -1;
+  return head_rows_kept(batch.batch * batch.seq / model_.placement().tp_size, schedule_->head_share);
+}
+
+void PipelineExecutor::send_rows(int to, uint32_t t, const Tensor& rows) {
+  sent_.push_back({to, t});
+  if (transport_) {
+    transport_->send(to, t, for_comm(rows), for_comm(model_.pack_totals(model_.new_totals())));
+    return;
+  }
+  sends_.push_back(pp_->isend(for_comm(rows), to, t));
+}
+
+Tensor PipelineExecutor::receive_rows(int from, uint32_t t, int64_t rows) {
+  if (transport_) {
+    Tensor hidden = transport_->receive(t).first;
+    mark_inputs_in();
+    return hidden;
+  }
+  const bool on_host = pp_->backend() == "gloo";
+  const Device where = on_host ? Device::cpu() : model_.device();
+  Tensor hidden = Tensor::empty({rows, model_.model_config().shape().hidden_size}, model_.dtype(), where);
+  {
+    CollectiveScope timed(Collective::kPipeline);
+    pp_->irecv(hidden, from, t)->wait();
+  }
+  mark_inputs_in();
+  return where == model_.device() ? hidden : hidden.to(model_.device());
+}
+
+// The helper's part of micro-batch mb's head: the cross-entropy of the last rows with the copy
+// of the head, their gradient sent back, the copy's weight gradient written or added.
+void PipelineExecutor::head_help_step(int mb, const Batch& batch, double ce_scale, Result& r) {
+  (void)r;
+  const int last = schedule_->num_chunks - 1;
+  const int head_rank = rank_of(last);
+  const int64_t T = batch.batch * batch.seq / model_.placement().tp_size;
+  const int64_t kept = head_rows_kept(T, schedule_->head_share);
+  const Tensor h = receive_rows(head_rank, tag(kActivation, last + 1, mb), T - kept);
+  Tensor dh;
+  const ops::LinearCrossEntropyOut out =
+      ops::linear_cross_entropy(h, helper_w_, batch.targets.view({T}).slice(kept, T), ce_scale, &dh, &helper_g_,
+                                /*chunk_rows=*/0, helper_written_);
+  helper_written_ = true;
+  helper_ce_.push_back(out.loss_sum);
+  send_rows(head_rank, tag(kGradient, last, mb), dh);
+}
+
+// At the step's start the head's rank sends the head's weights (as the optimizer left them)
+// to the helper, which keeps them for the step's H steps.
+void PipelineExecutor::sync_head_weights() {
+  const int last = schedule_->num_chunks - 1;
+  const int head_rank = rank_of(last), helper = schedule_->head_helper;
+  if (rank_ == head_rank) {
+    if (WeightHooks* hooks = model_.weight_hooks()) hooks->before_forward(-1);  // FSDP's overlapped update
+    const Tensor w = for_comm(model_.head_weight());
+    pp_->isend(w, helper, tag(kActivationTotals, last + 1, 0))->wait();
+  } else if (rank_ == helper) {
+    const ModelShape shape = model_.model_config().shape();
+    if (!helper_w_.defined()) {
+      helper_w_ = Tensor::empty({shape.vocab_size, shape.hidden_size}, model_.dtype(), model_.device());
+      helper_g_ = Tensor::empty({shape.vocab_size, shape.hidden_size}, model_.parameters().front().grad.dtype(),
+                                model_.device());
+    }
+    Tensor into = pp_->backend() == "gloo" && !model_.device().is_cpu() ? Tensor::empty(helper_w_.shape(),
+                                                                                       helper_w_.dtype(), Device::cpu())
+                                                                        : helper_w_;
+    pp_->irecv(into, head_rank, tag(kActivationTotals, last + 1, 0))->wait();
+    if (into.raw() != helper_w_.raw()) helper_w_.copy_from(into);
+  }
+}
+
+// At the step's end the helper's weight gradient of its rows is added into the head's.
+void PipelineExecutor::add_helper_gradient() {
+  const int last = schedule_->num_chunks - 1;
+  const int head_rank = rank_of(last), helper = schedule_->head_helper;
+  if (rank_ == helper) {
+    pp_->isend(for_comm(helper_g_), head_rank, tag(kGradientTotals, last + 1, 0))->wait();
+  } else if (rank_ == head_rank) {
+    Tensor g = model_.head_weight_grad();
+    const Device where = pp_->backend() == "gloo" ? Device::cpu() : model_.device();
+    Tensor got = Tensor::empty(g.shape(), g.dtype(), where);
+    pp_->irecv(got, helper, tag(kGradientTotals, last + 1, 0))->wait();
+    ops::add_(g, where == g.device() ? got : got.to(g.device()));
+  }
+}
+
 void PipelineExecutor::forward_step(int chunk, int mb, const Batch& batch, ChunkPass pass, Result& r) {
   Handoff in = forward_input(chunk, mb, batch);
   pass.head_accumulate = head_written_;
+  pass.head_rows = pass.training ? head_rows(batch) : -1;
   MicroBatchLoss loss;
   const ChunkSpec& spec = chunks_[chunk];
   Tensor out = model_.forward_chunk(spec, batch, in.hidden, dispatcher_, acts_[{chunk, mb}], in.totals, pass,
@@ -308,6 +453,7 @@ void PipelineExecutor::overlapped_step(const PipeOp& op, const std::vector<Batch
   ChunkActivations* ba = nullptr;
   Tensor dy = backward_input(op.chunk2, op.mb2, batches[op.mb2], ba);
   pass.head_accumulate = head_written_;
+  pass.head_rows = pass.training ? head_rows(batches[op.mb]) : -1;
   MicroBatchLoss loss;
   const ChunkSpec& fc = chunks_[op.chunk];
   auto [out, dx] = model_.forward_backward_overlapped(fc, batches[op.mb], in.hidden, fa, in.totals, pass,
@@ -326,6 +472,7 @@ void PipelineExecutor::forwards_overlapped_step(const PipeOp& op, const std::vec
   ChunkActivations& a1 = acts_[{op.chunk, op.mb}];
   ChunkActivations& a2 = acts_[{op.chunk2, op.mb2}];
   pass.head_accumulate = head_written_;
+  pass.head_rows = pass.training ? head_rows(batches[chunks_[op.chunk].head ? op.mb : op.mb2]) : -1;
   MicroBatchLoss loss1, loss2;
   const ChunkSpec &c1 = chunks_[op.chunk], &c2 = chunks_[op.chunk2];
   MT_CHECK(!(c1.head && c2.head), "pipeline: two forwards of the head chunk paired ({})", to_string(op));
@@ -370,6 +517,8 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
            s.pp, pp_ ? pp_->size() : 1);
   schedule_ = &s;
   sent_.clear();
+  MT_CHECK(!helped() || pass.training, "pipeline: schedule {} has a head helper but runs forward only", s.name);
+  if (helped()) sync_head_weights();  // before the step's messages (NCCL: one order on every rank)
   if (transport_) {
     std::vector<int64_t> rows;
     for (const Batch& b : batches) rows.push_back(b.batch * b.seq / model_.placement().tp_size);
@@ -380,6 +529,9 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
   weights_written_.assign(chunks_.size(), false);
   weights_done_.assign(chunks_.size(), 0);
   head_written_ = false;
+  norm_written_ = false;
+  helper_written_ = false;
+  helper_ce_.clear();
   counts_.clear();
   entropy_.clear();
   unread_.clear();
@@ -422,6 +574,7 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
           case PipeOpKind::F: forward_step(o.chunk, o.mb, batches[o.mb], pass, r); break;
           case PipeOpKind::B: input_grad_step(o.chunk, o.mb, batches[o.mb], pass.aux_scale); break;
           case PipeOpKind::W: weight_step(o.chunk, o.mb, batches[o.mb]); break;
+          case PipeOpKind::H: head_help_step(o.mb, batches[o.mb], pass.ce_scale, r); break;
           default: MT_THROW("pipeline: {} is not a single step", to_string(o));
         }
       };
@@ -448,6 +601,7 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
   sends_.clear();
   read_results(r);
   if (transport_) transport_->end_step();
+  if (helped()) add_helper_gradient();
   if (gpu_clock) {
     cuda::Event step_end = cuda::create_event();
     cuda::record_event(step_end, cuda::current_stream());
@@ -489,6 +643,7 @@ void PipelineExecutor::add_time(PipeOpKind kind, double ms) {
     case PipeOpKind::FB: timing_.fb_ms += ms, ++timing_.fb; break;
     case PipeOpKind::FF: timing_.f_ms += ms, timing_.f += 2; break;  // two forwards' time
     case PipeOpKind::BB: timing_.b_ms += ms, timing_.b += 2; break;
+    case PipeOpKind::H: timing_.h_ms += ms, ++timing_.h; break;
   }
 }
 

@@ -50,6 +50,18 @@ std::vector<ChunkSpec> partition_layers(int64_t num_layers, int num_chunks, int6
 // for long sequences. Qwen3-30B-A3B: 5.5; the bench model (32K vocabulary): 1.2.
 double head_weight_in_layers(const ModelConfig& model);
 
+// The head helper for a training schedule over `chunks` (schedule.h, add_head_helper): the
+// rank whose layers weigh least besides the head's, the share of the head's rows that evens
+// their work (each layer's F + B + W against the head's `head_layers`), and the head's cost in
+// units of one chunk's F. `setting`: [parallel].head_share (-1 auto: DualPipeV only, off
+// under 5%; 0 off; else that share). share 0: no helper.
+struct HeadHelp {
+  int helper = -1;
+  double share = 0, head_cost = 0;
+};
+HeadHelp choose_head_helper(const std::vector<ChunkSpec>& chunks, const PipelineSchedule& schedule,
+                            double head_layers, double setting);
+
 // What pipeline rank `rank` of `schedule` holds: its chunks' layers, and the embedding /
 // head when it holds the first / last chunk. Expert placement and padding are left as given.
 ModelPlacement pipeline_placement(const std::vector<ChunkSpec>& chunks, const PipelineSchedule& schedule, int rank,
@@ -97,9 +109,9 @@ class PipelineExecutor {
   // events on the compute stream on a GPU (one synchronisation at the end of a step).
   struct Timing {
     double step_ms = 0;
-    double f_ms = 0, b_ms = 0, w_ms = 0, fb_ms = 0;  // summed over the step's ops
-    int f = 0, b = 0, w = 0, fb = 0;                  // how many of each (an FF is two F, a BB two B)
-    double busy_ms() const { return f_ms + b_ms + w_ms + fb_ms; }
+    double f_ms = 0, b_ms = 0, w_ms = 0, fb_ms = 0, h_ms = 0;  // summed over the step's ops
+    int f = 0, b = 0, w = 0, fb = 0, h = 0;  // how many of each (an FF is two F, a BB two B)
+    double busy_ms() const { return f_ms + b_ms + w_ms + fb_ms + h_ms; }
   };
   void set_timing(bool on) { timing_on_ = on; }
   const Timing& last_timing() const { return timing_; }
@@ -128,6 +140,16 @@ class PipelineExecutor {
   Tensor backward_input(int chunk, int mb, const Batch& batch, ChunkActivations*& a);
   void backward_output(int chunk, int mb, Tensor dx, const ChunkActivations& a);
   void weight_step(int chunk, int mb, const Batch& batch);
+  // The head helper (PipelineSchedule::head_helper): H on the helper; the head's weights
+  // copied to it at a step's start and its weight gradient added into the head's at the end.
+  void head_help_step(int mb, const Batch& batch, double ce_scale, Result& r);
+  void sync_head_weights();
+  void add_helper_gradient();
+  bool helped() const { return schedule_ != nullptr && schedule_->head_helper >= 0; }
+  int64_t head_rows(const Batch& batch) const;  // ChunkPass::head_rows for this micro-batch
+  // The helper's rows: sent (hidden only) and received, through the transport or Gloo.
+  void send_rows(int to, uint32_t tag, const Tensor& rows);
+  Tensor receive_rows(int from, uint32_t tag, int64_t rows);
   // The forward input / backward output gradient of (chunk, mb): from this rank's own
   // hand-over, or received from `peer`.
   Handoff take(std::map<Key, Handoff>& local, Key key, bool backward, const Batch& batch);
@@ -149,6 +171,10 @@ class PipelineExecutor {
   std::vector<bool> weights_written_;  // per chunk: a W of this step already wrote its grads
   std::vector<int> weights_done_;      // per chunk: W steps run this step
   bool head_written_ = false;
+  bool norm_written_ = false;   // the final norm's gradient (written by the first finish_head)
+  Tensor helper_w_, helper_g_;  // the helper's copy of the head and its gradient
+  bool helper_written_ = false;
+  std::vector<Tensor> helper_ce_;  // the helper's cross-entropy sums, read at the step's end
   bool overlap_ = true;
   bool timing_on_ = false;
   Timing timing_;

@@ -3,6 +3,7 @@
 #include "engine/pipeline/schedule.h"
 
 #include <algorithm>
+#include <cmath>
 #include <deque>
 
 #include "core/error.h"
@@ -17,7 +18,20 @@ std::string prefix(const PipelineSchedule& s) {
   return fmt::format("pipeline schedule '{}' (pp={}, micro_batches={})", s.name, s.pp, s.micro_batches);
 }
 
-char kind_letter(PipeOpKind k) { return k == PipeOpKind::F ? 'F' : k == PipeOpKind::B ? 'B' : 'W'; }
+char kind_letter(PipeOpKind k) {
+  return k == PipeOpKind::F ? 'F' : k == PipeOpKind::B ? 'B' : k == PipeOpKind::H ? 'H' : 'W';
+}
+// The single steps' slots in per-kind tables: F, B, W, H.
+constexpr int kSingleKinds = 4;
+int kind_index(PipeOpKind k) { return k == PipeOpKind::H ? 3 : static_cast<int>(k); }
+
+// Costs of the walk: per chunk's F, B, W; an H; and what the head adds to the last chunk's F.
+// helped_mbs: with a head helper, the micro-batches below it have their H placed (the later
+// ones' B steps do not wait for one: add_head_helper's partial schedules).
+struct Costs {
+  double f = 1, b = 1, w = 1, h = 1, head_f = 0;
+  int helped_mbs = 1 << 30;
+};
 
 // An event is one half-step: F, B or W of one (chunk, mb). A pair (FB, FF, BB) is two events.
 struct Event {
@@ -46,8 +60,12 @@ void check_structure(const PipelineSchedule& s) {
   MT_CHECK(static_cast<int>(s.ops.size()) == s.pp, "{}: has op lists for {} ranks, expected {}", pre,
            s.ops.size(), s.pp);
   const int M = s.micro_batches;
-  // count[kind][chunk*M + mb]: how many times that F, B or W appears.
-  std::vector<int> count[3];
+  const int last = s.num_chunks - 1;
+  MT_CHECK(s.head_helper < 0 || (!s.forward_only() && s.head_helper < s.pp && s.head_helper != s.rank_of_chunk(last)),
+           "{}: head helper rank {} must be another rank than the head's ({}) in a training schedule", pre,
+           s.head_helper, s.rank_of_chunk(last));
+  // count[kind][chunk*M + mb]: how many times that F, B, W or H appears.
+  std::vector<int> count[kSingleKinds];
   for (auto& c : count) c.assign(static_cast<size_t>(s.num_chunks) * M, 0);
   for (int r = 0; r < s.pp; ++r) {
     for (size_t i = 0; i < s.ops[r].size(); ++i) {
@@ -59,17 +77,30 @@ void check_structure(const PipelineSchedule& s) {
         MT_CHECK(ev[e].chunk >= 0 && ev[e].chunk < s.num_chunks, "{}: chunk {} out of range [0, {})", at,
                  ev[e].chunk, s.num_chunks);
         MT_CHECK(ev[e].mb >= 0 && ev[e].mb < M, "{}: micro-batch {} out of range [0, {})", at, ev[e].mb, M);
-        MT_CHECK(s.rank_of_chunk(ev[e].chunk) == r, "{}: chunk {} is held by rank {}, not rank {}", at,
-                 ev[e].chunk, s.rank_of_chunk(ev[e].chunk), r);
+        if (ev[e].kind == PipeOpKind::H) {
+          MT_CHECK(s.head_helper >= 0, "{}: an H step in a schedule without a head helper", at);
+          MT_CHECK(ev[e].chunk == last && r == s.head_helper,
+                   "{}: an H step is the last chunk's ({}) on the head helper (rank {})", at, last, s.head_helper);
+        } else {
+          MT_CHECK(s.rank_of_chunk(ev[e].chunk) == r, "{}: chunk {} is held by rank {}, not rank {}", at,
+                   ev[e].chunk, s.rank_of_chunk(ev[e].chunk), r);
+        }
         MT_CHECK(!s.forward_only() || ev[e].kind == PipeOpKind::F,
                  "{}: a forward-only schedule has no B or W ops", at);
-        int& c = count[static_cast<int>(ev[e].kind)][static_cast<size_t>(ev[e].chunk) * M + ev[e].mb];
+        int& c = count[kind_index(ev[e].kind)][static_cast<size_t>(ev[e].chunk) * M + ev[e].mb];
         MT_CHECK(++c == 1, "{}: repeats {} (each (chunk, mb) runs its F, B and W exactly once)", at,
                  to_string(ev[e]));
       }
     }
   }
   const int kinds = s.forward_only() ? 1 : 3;
+  if (s.head_helper >= 0) {
+    for (int m = 0; m < M; ++m) {
+      MT_CHECK(count[kind_index(PipeOpKind::H)][static_cast<size_t>(last) * M + m] == 1,
+               "{}: the head helper (rank {}) lacks H{}.{} (each micro-batch's head rows once)", pre, s.head_helper,
+               last, m);
+    }
+  }
   for (int k = 0; k < kinds; ++k) {
     for (int c = 0; c < s.num_chunks; ++c) {
       for (int m = 0; m < M; ++m) {
@@ -91,13 +122,14 @@ struct Walk {
   std::vector<std::vector<double>> finish;  // per rank, each op's finish time
 };
 
-Walk walk(const PipelineSchedule& s, double f, double b, double w, bool w_in_pairs) {
+Walk walk(const PipelineSchedule& s, const Costs& costs, bool w_in_pairs) {
   const int M = s.micro_batches;
   const int last_chunk = s.num_chunks - 1;
-  std::vector<double> end[3];  // < 0: not done yet
+  const bool helped = s.head_helper >= 0;
+  std::vector<double> end[kSingleKinds];  // < 0: not done yet
   for (auto& e : end) e.assign(static_cast<size_t>(s.num_chunks) * M, -1.0);
   auto finish = [&](const Event& e) -> double& {
-    return end[static_cast<int>(e.kind)][static_cast<size_t>(e.chunk) * M + e.mb];
+    return end[kind_index(e.kind)][static_cast<size_t>(e.chunk) * M + e.mb];
   };
   // What an event needs (at most two events). A pair's halves are marked done together when
   // it ends, so a pair whose second half needs its first (F3.1+B3.1) never starts: a deadlock.
@@ -109,24 +141,35 @@ Walk walk(const PipelineSchedule& s, double f, double b, double w, bool w_in_pai
         return 1;
       case PipeOpKind::B:
         out[0] = {PipeOpKind::F, e.chunk, e.mb};
-        if (e.chunk == last_chunk) return 1;
+        if (e.chunk == last_chunk) {
+          if (!helped || e.mb >= costs.helped_mbs) return 1;
+          out[1] = {PipeOpKind::H, e.chunk, e.mb};  // the helper's rows' gradient
+          return 2;
+        }
         out[1] = {PipeOpKind::B, e.chunk + 1, e.mb};
         return 2;
+      case PipeOpKind::H:
+        out[0] = {PipeOpKind::F, e.chunk, e.mb};
+        return 1;
       default:
         out[0] = {PipeOpKind::B, e.chunk, e.mb};
         return 1;
     }
   };
-  auto cost = [&](PipeOpKind k) {
-    switch (k) {
-      case PipeOpKind::F: return f;
-      case PipeOpKind::B: return b;
-      case PipeOpKind::W: return w;
-      case PipeOpKind::FB: return f + b;
-      case PipeOpKind::FF: return 2 * f;
-      case PipeOpKind::BB: return 2 * b;
+  auto event_cost = [&](const Event& e) {
+    switch (e.kind) {
+      case PipeOpKind::F: return costs.f + (e.chunk == last_chunk ? costs.head_f : 0.0);
+      case PipeOpKind::B: return costs.b;
+      case PipeOpKind::W: return costs.w;
+      case PipeOpKind::H: return costs.h;
+      default: return 0.0;
     }
-    return 0.0;
+  };
+  auto op_cost = [&](const PipeOp& op) {
+    Event ev[2];
+    double c = 0;
+    for (int e = 0, n = events_of(op, ev); e < n; ++e) c += event_cost(ev[e]);
+    return c;
   };
 
   std::vector<size_t> next(s.pp, 0);
@@ -154,7 +197,7 @@ Walk walk(const PipelineSchedule& s, double f, double b, double w, bool w_in_pai
           }
         }
         if (!ready) break;
-        const double t = start + cost(op.kind);
+        const double t = start + op_cost(op);
         for (int e = 0; e < n; ++e) finish(ev[e]) = t;
         // w_in_pairs: the W right after its FB belongs to the pair, whose outputs leave only
         // now. The W runs at once (its B is done), before another rank reads these times.
@@ -167,7 +210,7 @@ Walk walk(const PipelineSchedule& s, double f, double b, double w, bool w_in_pai
         }
         free_at[r] = t;
         out.finish[r].push_back(t);
-        out.busy[r] += cost(op.kind);
+        out.busy[r] += op_cost(op);
         out.makespan = std::max(out.makespan, t);
         ++next[r];
         moved = true;
@@ -196,9 +239,9 @@ Walk walk(const PipelineSchedule& s, double f, double b, double w, bool w_in_pai
   return out;
 }
 
-ScheduleTimes run_times(const PipelineSchedule& s, double f, double b, double w, bool w_in_pairs) {
+ScheduleTimes run_times(const PipelineSchedule& s, const Costs& costs, bool w_in_pairs) {
   check_structure(s);
-  const Walk wk = walk(s, f, b, w, w_in_pairs);
+  const Walk wk = walk(s, costs, w_in_pairs);
   ScheduleTimes t;
   t.makespan = wk.makespan;
   for (double busy : wk.busy) {
@@ -435,20 +478,76 @@ PipelineSchedule make_forward_only(int pp, int micro_batches, bool v_shape) {
 
 void validate(const PipelineSchedule& s) {
   check_structure(s);
-  walk(s, 1, 1, 1, false);
+  walk(s, Costs{}, false);
 }
 
 std::vector<std::vector<double>> finish_times(const PipelineSchedule& s) {
   check_structure(s);
-  return walk(s, 1, 1, 1, false).finish;
+  return walk(s, Costs{}, false).finish;
 }
 
-ScheduleTimes simulate(const PipelineSchedule& s, double f, double b, double w) {
-  return run_times(s, f, b, w, false);
+ScheduleTimes simulate(const PipelineSchedule& s, double f, double b, double w, double h, double head_f) {
+  return run_times(s, Costs{f, b, w, h, head_f}, false);
 }
 
 ScheduleTimes simulate_w_in_pairs(const PipelineSchedule& s, double f, double b, double w) {
-  return run_times(s, f, b, w, true);
+  return run_times(s, Costs{f, b, w, 0, 0}, true);
+}
+
+double balancing_head_share(double head_rank_work, double helper_work, double head_work) {
+  if (head_work <= 0) return 0;
+  // head_rank_work + (1 - x) head = helper_work + x head
+  return std::clamp((head_rank_work + head_work - helper_work) / (2 * head_work), 0.0, 1.0);
+}
+
+int64_t head_rows_kept(int64_t rows, double share) {
+  if (rows < 2 || share <= 0) return rows;
+  const auto helped = static_cast<int64_t>(std::llround(static_cast<double>(rows) * share));
+  return rows - std::clamp<int64_t>(helped, 1, rows - 1);  // a row at least on each side
+}
+
+void add_head_helper(PipelineSchedule& s, int helper, double share, double head_cost) {
+  const int last = s.num_chunks - 1;
+  MT_CHECK(!s.forward_only() && s.pp >= 2 && helper >= 0 && helper < s.pp && helper != s.rank_of_chunk(last),
+           "{}: a head helper needs a training schedule of pp >= 2 and a rank other than the head's ({}), got rank {}",
+           prefix(s), s.rank_of_chunk(last), helper);
+  MT_CHECK(s.head_helper < 0, "{}: already has a head helper", prefix(s));
+  MT_CHECK(share > 0 && share <= 1 && head_cost >= 0, "{}: head share {} (want (0, 1]) / head cost {}", prefix(s),
+           share, head_cost);
+  s.head_helper = helper;
+  s.head_share = share;
+  Costs costs{1, 1, 1, share * head_cost, (1 - share) * head_cost};
+  std::vector<PipeOp> list = s.ops[static_cast<size_t>(helper)];
+  // Each H at the place (after the previous H, within a window) that ends the schedule so far
+  // soonest: while H(m) is placed, the later micro-batches' B steps do not wait for theirs.
+  size_t after = 0;
+  const size_t window = 8 * static_cast<size_t>(s.num_chunks) + 8;
+  for (int m = 0; m < s.micro_batches; ++m) {
+    const PipeOp h{PipeOpKind::H, last, m, -1, -1};
+    costs.helped_mbs = m + 1;
+    double best = -1;
+    size_t best_at = after;
+    for (size_t pos = after; pos <= std::min(list.size(), after + window); ++pos) {
+      std::vector<PipeOp> trial = list;
+      trial.insert(trial.begin() + static_cast<std::ptrdiff_t>(pos), h);
+      s.ops[static_cast<size_t>(helper)] = std::move(trial);
+      try {
+        const double t = walk(s, costs, false).makespan;
+        if (best < 0 || t < best - 1e-12) {
+          best = t;
+          best_at = pos;
+        }
+      } catch (const Error&) {  // a place before its F can run: a deadlock
+      }
+    }
+    MT_CHECK(best >= 0, "{}: no place for H{}.{} on rank {}", prefix(s), last, m, helper);
+    list.insert(list.begin() + static_cast<std::ptrdiff_t>(best_at), h);
+    after = best_at + 1;
+  }
+  s.ops[static_cast<size_t>(helper)] = std::move(list);
+  check_structure(s);
+  costs.helped_mbs = s.micro_batches;
+  walk(s, costs, false);
 }
 
 }  // namespace moetrain
