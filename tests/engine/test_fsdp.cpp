@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include "comm/comm_test_util.h"
+#include "core/allocator.h"
 #include "engine/parallel/fsdp.h"
 #include "engine/train_context.h"
 #include "model_batches.h"
@@ -125,6 +126,34 @@ TEST(Fsdp, ShardedWeightsAreGatheredJustInTimeWithTheNextLayerPrefetched) {
     const double got = model.forward_loss(b, d).ce_sum;
     EXPECT_NEAR(got, expected, 1e-6 * std::abs(expected));
     for (int64_t l = 0; l < 3; ++l) EXPECT_FALSE(resident(l)) << l;
+  });
+}
+
+// ZeRO-3's start holds the shards beside one bucket's whole weights at most: the whole
+// gradients go before the shards are made and each bucket's whole weights once its shard has
+// its copy (it held the whole model's weights and gradients beside every shard: 8 of the f32
+// model's bytes a parameter more, which the full Qwen3-30B-A3B under ep8 could not afford).
+TEST(Fsdp, ShardedWeightsStartWithoutTheWholeModelBesideTheShards) {
+  Qwen3MoeConfig c = three_layers();
+  c.vocab_size = 301;
+  c.hidden_size = 32;
+  c.moe_intermediate_size = 24;
+  testing::run_ranks(1, [&](Communicator& world) {
+    Qwen3MoeModel model(c, DType::F32, Device::cpu(), ModelPlacement{1, 0, 1});
+    model.init_weights(1);
+    int64_t whole = 0, largest = 0;
+    for (ParamBucket& b : model.buckets()) {
+      whole += b.values.nbytes() + b.grads.nbytes();
+      largest = std::max<int64_t>(largest, b.values.nbytes());
+    }
+    const int64_t before = host_memory_stats().live_bytes;
+    reset_host_peak();
+    FsdpContext fsdp(model, world, world, world, AdamWConfig{}, /*shard_weights=*/true);
+    const int64_t after = host_memory_stats().live_bytes, peak = host_memory_stats().peak_bytes;
+    EXPECT_LT(after, before + 3 * whole) << "the shards: gradient, scratch, weights and two moments";
+    // The peak: the shards and one bucket's whole weights (and a little bookkeeping).
+    EXPECT_LE(peak, std::max(before, after + largest) + 64 * 1024)
+        << "before " << before << ", after " << after << ", whole weights and gradients " << whole;
   });
 }
 

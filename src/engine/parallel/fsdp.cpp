@@ -23,6 +23,13 @@ FsdpContext::FsdpContext(Model& model, Communicator& dense_group, Communicator& 
   ParameterList& params = model.parameters();
   std::vector<Tensor> full_lows;  // kept alive until the shards have their copies
   shards_.reserve(model.buckets().size());
+  // ZeRO-3 drops the whole gradients (nothing in them yet: a backward restores them) before
+  // making the shards, and each bucket's whole weights once its shard has its copy, so that
+  // the start holds the shards beside one bucket's whole weights, not beside the whole model's
+  // weights and gradients (docs/memory.md: the start-up peak).
+  if (shard_weights) {
+    for (ParamBucket& b : model.buckets()) b.grads.release_memory();
+  }
   for (ParamBucket& b : model.buckets()) units_.push_back(b.layer);
   std::sort(units_.begin(), units_.end());
   units_.erase(std::unique(units_.begin(), units_.end()), units_.end());
@@ -40,6 +47,7 @@ FsdpContext::FsdpContext(Model& model, Communicator& dense_group, Communicator& 
     // gradient; with them the bucket's gradient is one micro-batch's and the shard sums them.
     sh.grad = n == 1 && !shard_weights ? b.grads : Tensor::zeros({sh.size}, b.grads.dtype(), b.grads.device());
     sh.value = shard_weights ? b.values.slice(lo, hi).clone() : b.values.slice(lo, hi);
+    if (shard_weights) b.values.release_memory();  // gathered again on use
     if (shard_weights || n > 1) sh.scratch = Tensor::zeros({sh.size}, b.grads.dtype(), b.grads.device());
     for (const ParamBucket::Member& m : b.members) {
       const Parameter& p = params[m.param];

@@ -238,9 +238,12 @@ MemoryPlan plan_memory(const RunConfig& cfg, const PlanLayout& l, bool gpu) {
         add("gathered weights", value * (h.outer + 2 * h.largest_layer) + grad * (h.outer + h.largest_layer),
             "ZeRO-3: the embedding/head and two layers whole, a layer's f32 gradients");
       }
-      // FSDP's constructor holds the model's whole values, gradients and low halves beside
-      // every shard it makes.
-      p.startup_peak = (value + grad + low) * P + shards;
+      // FSDP's constructor: under ZeRO-2 the model's whole values, gradients and low halves
+      // beside every shard it makes; under ZeRO-3 the whole gradients go first and each
+      // bucket's whole values once its shard is made, so the low halves, the shards and a
+      // bucket's values (at most a layer's) at once, or the model as built, if more.
+      p.startup_peak = l.shard_weights ? std::max((value + grad + low) * P, low * P + shards + value * h.largest_layer)
+                                       : (value + grad + low) * P + shards;
     }
     const double flight = in_flight(l, r, M);  // DualPipeV: its chunk passes as halves of the rank's layers
     add("activations", flight * h.kept,
@@ -314,7 +317,8 @@ std::string format_memory_plan(const MemoryPlan& p, double device_bytes) {
   }
   out += fmt::format("  {:<24} {:>8.2f}  (what peak_memory_bytes measures)\n", "training peak", p.training_peak / kGiB);
   if (p.startup_peak > 0) {
-    out += fmt::format("  {:<24} {:>8.2f}  FSDP's start: whole weights beside every shard\n", "start-up peak",
+    out += fmt::format("  {:<24} {:>8.2f}  FSDP's start: the model as built, or its shards beside what is left\n",
+                       "start-up peak",
                        p.startup_peak / kGiB);
   }
   for (const MemoryPart& part : p.outside) {

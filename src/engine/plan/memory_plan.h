@@ -36,7 +36,7 @@ struct MemoryPlan {
   int pipeline_rank = 0;            // the pipeline rank planned (the one with the most)
   std::vector<MemoryPart> parts;    // what the allocator's peak (peak_memory_bytes) counts
   double training_peak = 0;         // their sum
-  double startup_peak = 0;          // FSDP's constructor: whole weights and every shard at once
+  double startup_peak = 0;          // FSDP's constructor: the model as built, or the shards beside what it keeps
   std::vector<MemoryPart> outside;  // what it does not count: the CUDA context, workspaces
   double peak() const { return training_peak > startup_peak ? training_peak : startup_peak; }
   double outside_bytes() const;
