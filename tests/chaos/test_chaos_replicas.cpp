@@ -58,13 +58,15 @@ class ReplicaChaos : public ::testing::Test {
 
   // Replica group `id` of run `name`: `ranks` workers, restarted up to 10 times.
   std::unique_ptr<Background> group(const std::string& name, int id, int ranks, const std::string& layout,
-                                    const std::string& fault, int steps, const std::string& more_env = "") {
+                                    const std::string& fault, int steps, const std::string& more_env = "",
+                                    int groups = 3) {
     const std::string env = more_env + " " + (fault.empty() ? "" : "MOETRAIN_FAULT='" + fault + "' ");
     const std::string cmd =
         env + moetrain_binary() + " launch -n " + std::to_string(ranks) + " --grace 5 --max-restarts 10 -- " +
         chaos_train_args(corpus_, dir_ / name, steps) + " " + layout +
         " --checkpoint.every=0 --checkpoint.save_final=true --fault_tolerance.lighthouse=127.0.0.1:" + std::to_string(port_) +
-        " --fault_tolerance.replica_groups=3 --fault_tolerance.timeout_s=5 --fault_tolerance.replica_id=" +
+        " --fault_tolerance.replica_groups=" + std::to_string(groups) +
+        " --fault_tolerance.timeout_s=5 --fault_tolerance.replica_id=" +
         std::to_string(id);
     return std::make_unique<Background>(cmd, dir_ / (name + "-g" + std::to_string(id) + ".log"));
   }
@@ -284,6 +286,35 @@ TEST_F(ReplicaChaos, OneGroupPerGpuFailsAndHealsUnderNccl) {
     }
   }
   expect_bitwise_same_step(run_of("gpu", 0), run_of("gpu", 1), kSteps);
+}
+
+// Issue 34's live fault-tolerance run on one 8-GPU node: four replica groups of two GPUs
+// each (experts over the pair, NCCL inside a group and across groups); group 1 is killed in
+// a forward/backward, group 3 in the gradient all-reduce across groups and later before the
+// commit vote; each heals from a live group while the others train on, and all four end
+// bitwise equal.
+TEST_F(ReplicaChaos, FourGroupsOfTwoGpusFailAndHealUnderNccl) {
+  if (!cuda::available() || cuda::device_count() < 8) {
+    GTEST_SKIP() << "needs 8 GPUs: " << (cuda::available() ? "this machine has fewer" : cuda::unavailable_reason());
+  }
+  constexpr int kSteps = 30;
+  start_lighthouse();
+  const std::string gpu = "--parallel.ep=2 --training.device=cuda";
+  const char* devices[4] = {"0,1", "2,3", "4,5", "6,7"};
+  const std::string faults[4] = {
+      "", "kill@micro_batch:rank=1:generation=0:skip=9", "",
+      "kill@ft_allreduce:rank=0:generation=0:skip=12;kill@ft_commit:rank=1:generation=1:from_step=20"};
+  std::vector<std::unique_ptr<Background>> groups;
+  for (int g = 0; g < 4; ++g) {
+    groups.push_back(group("gpu8", g, 2, gpu, faults[g], kSteps, std::string("CUDA_VISIBLE_DEVICES=") + devices[g], 4));
+  }
+  for (auto& g : groups) EXPECT_EQ(g->wait(600s), 0) << g->output();
+  EXPECT_EQ(count(groups[0]->output(), "restarting every worker"), 0) << groups[0]->output();
+  EXPECT_EQ(count(groups[2]->output(), "restarting every worker"), 0) << groups[2]->output();
+  EXPECT_GE(count(groups[1]->output(), "healed from replica group"), 1) << groups[1]->output();
+  EXPECT_GE(count(groups[3]->output(), "healed from replica group"), 2) << groups[3]->output();
+  for (int g = 0; g < 4; ++g) checked_metrics("gpu8", g, kSteps);
+  for (int g = 1; g < 4; ++g) expect_bitwise_same_step(run_of("gpu8", 0), run_of("gpu8", g), kSteps);
 }
 
 }  // namespace
