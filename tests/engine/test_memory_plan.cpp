@@ -92,6 +92,20 @@ TEST(MemoryPlan, ExpertParallelRanksHoldHalfTheExperts) {
   }
 }
 
+// A pipeline's head helper (DualPipeV over 4 layers: rank 1 computes half the head's rows)
+// holds a copy of the head and its f32 gradient: planned on that rank only, and not when off.
+TEST(MemoryPlan, TheHeadHelperHoldsACopyOfTheHead) {
+  for (const char* share : {"-1", "0"}) {
+    const RunConfig cfg = config("tiny.toml", {"parallel.pp=2", "training.grad_accum_steps=4",
+                                               std::string("parallel.head_share=") + share});
+    PlanLayout l;
+    l.pp = 2;
+    const double head = static_cast<double>(cfg.model->shape().vocab_size * cfg.model->shape().hidden_size);
+    EXPECT_EQ(part(plan_memory(cfg, l, true, 0), "head copy"), 0);
+    EXPECT_EQ(part(plan_memory(cfg, l, true, 1), "head copy"), std::string(share) == "0" ? 0 : 6 * head) << share;
+  }
+}
+
 TEST(MemoryPlan, LayoutsOfNRanksAndWhatFits) {
   const RunConfig cfg = config("tiny.toml", {});
   const std::vector<PlanLayout> ls = layouts_of(cfg, 4, 80.0 * (1 << 30));

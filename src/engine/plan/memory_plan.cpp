@@ -28,6 +28,7 @@ struct Held {
   double recomputed = 0;          // the largest recomputed layer's kept, rebuilt at its backward
   int64_t layers = 0;
   bool head = false;
+  double head_copy = 0;           // a pipeline's head helper: the head's parameters it copies
 };
 
 Held held_by(const RunConfig& cfg, const PlanLayout& l, const std::vector<int64_t>& layer_ids, bool embed, bool head,
@@ -176,7 +177,7 @@ std::vector<PlanLayout> layouts_of(const RunConfig& cfg, int gpus, double device
   return out;
 }
 
-MemoryPlan plan_memory(const RunConfig& cfg, const PlanLayout& l, bool gpu) {
+MemoryPlan plan_memory(const RunConfig& cfg, const PlanLayout& l, bool gpu, int rank) {
   const ModelShape shape = cfg.model->shape();
   const auto& t = cfg.training;
   const int act = gpu ? 2 : 4;
@@ -197,6 +198,18 @@ MemoryPlan plan_memory(const RunConfig& cfg, const PlanLayout& l, bool gpu) {
     for (int r = 0; r < l.pp; ++r) {
       const ModelPlacement mine = pipeline_placement(chunks, chunk_layout, r, {});
       ranks.push_back(held_by(cfg, l, mine.layers, mine.embed, mine.head, act));
+    }
+    // The head helper (pipeline/schedule.h) holds a copy of the head and its f32 gradient,
+    // where the trainer would put one (the placement reads only the training schedule's shape).
+    if (shape.mtp_layers == 0 && cfg.parallel.tp == 1) {
+      const int m = std::max<int>(static_cast<int>(M), 2 * l.pp);
+      const PipelineSchedule train_layout = l.schedule == "1f1b" ? make_1f1b(l.pp, m) : make_dualpipev(l.pp, m);
+      const HeadHelp help =
+          choose_head_helper(chunks, train_layout, head_weight_in_layers(*cfg.model), cfg.parallel.head_share);
+      if (help.share > 0) {
+        ranks[static_cast<size_t>(help.helper)].head_copy =
+            static_cast<double>(shape.vocab_size) * static_cast<double>(shape.hidden_size);
+      }
     }
   }
 
@@ -245,6 +258,7 @@ MemoryPlan plan_memory(const RunConfig& cfg, const PlanLayout& l, bool gpu) {
       p.startup_peak = l.shard_weights ? std::max((value + grad + low) * P, low * P + shards + value * h.largest_layer)
                                        : (value + grad + low) * P + shards;
     }
+    add("head copy", (value + grad) * h.head_copy, "the pipeline's head helper: the head's weights and f32 gradient");
     const double flight = in_flight(l, r, M);  // DualPipeV: its chunk passes as halves of the rank's layers
     add("activations", flight * h.kept,
         fmt::format("{:.3g} micro-batch{} of {} layers kept for the backward, {:.2f} GiB each", flight,
@@ -281,8 +295,13 @@ MemoryPlan plan_memory(const RunConfig& cfg, const PlanLayout& l, bool gpu) {
       }
       if (l.world() > 1) p.outside.push_back({"NCCL", 0.3 * kGiB, "communicator buffers (estimate)"});
     }
+    if (rank >= 0) {
+      if (r == rank) return p;
+      continue;
+    }
     if (r == 0 || p.peak() > best.peak()) best = p;
   }
+  MT_CHECK(rank < 0, "plan: pipeline rank {} of a layout of pp {}", rank, l.pp);
   return best;
 }
 

@@ -51,9 +51,9 @@ PlanLayout layout_of(const RunConfig& cfg, int world, double device_bytes);
 // with the config's other choices.
 std::vector<PlanLayout> layouts_of(const RunConfig& cfg, int gpus, double device_bytes);
 
-// The plan of the pipeline rank that holds the most. `gpu`: bf16 weights and activations
-// with split f32 masters (else the CPU's f32 model).
-MemoryPlan plan_memory(const RunConfig& cfg, const PlanLayout& layout, bool gpu);
+// The plan of the pipeline rank that holds the most (or of pipeline rank `rank`, when given).
+// `gpu`: bf16 weights and activations with split f32 masters (else the CPU's f32 model).
+MemoryPlan plan_memory(const RunConfig& cfg, const PlanLayout& layout, bool gpu, int rank = -1);
 
 // At a run's start: this job's plan (pp, dp, ep: its mesh, dp the ranks that shard the
 // experts) against the GPU's memory, logged by `log` (rank 0); an Error naming the parts, before
