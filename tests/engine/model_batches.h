@@ -31,6 +31,27 @@ inline Qwen3MoeConfig tiny_moe_config(int64_t vocab, int64_t layers = 2) {
   return c;
 }
 
+// A Qwen3-MoE the GPU kernels take (hidden 128, heads of 64 or 128, widths the GEMMs and
+// attention tile): 3 layers, layer 0 dense, `experts` routed experts top-`top_k` of FFN 64,
+// both router losses on.
+inline Qwen3MoeConfig cuda_moe_config(int64_t experts, int64_t top_k, int64_t head_dim = 64) {
+  Qwen3MoeConfig c;
+  c.vocab_size = 300;
+  c.hidden_size = 128;
+  c.intermediate_size = 256;
+  c.moe_intermediate_size = 64;
+  c.num_hidden_layers = 3;
+  c.mlp_only_layers = {0};
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = head_dim;
+  c.num_experts = experts;
+  c.num_experts_per_tok = top_k;
+  c.router_aux_loss_coef = 0.01;
+  c.router_z_loss_coef = 0.001;
+  return c;
+}
+
 // DeepSeek-V3 of every feature at its smallest: hidden 8; MLA with a query latent of 5, a
 // key/value latent of 6, 2 heads of 4 + 2 (rope) query/key dims and 3 value dims; YaRN and
 // interleaved rotary pairs; layer 0 dense (FFN 12), the others 8 routed experts in 4 groups

@@ -180,19 +180,7 @@ TEST(Fsdp, OverlapStaysOffOnTheCpuAndWithShardedWeights) {
 // on the other stream; two GPUs under NCCL: ParallelCli.TwoGpusMatchOneGpu).
 TEST(Fsdp, OverlappedStepsOnAGpuEqualTheStepsInLine) {
   if (!cuda::available()) GTEST_SKIP() << "SKIPPED: GPU test needs a CUDA device: " << cuda::unavailable_reason();
-  Qwen3MoeConfig c;
-  c.vocab_size = 300;
-  c.hidden_size = 128;
-  c.intermediate_size = 256;
-  c.moe_intermediate_size = 64;
-  c.num_hidden_layers = 3;
-  c.mlp_only_layers = {0};
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 64;
-  c.num_experts = 8;
-  c.num_experts_per_tok = 2;
-  c.router_aux_loss_coef = 0.01;
+  const Qwen3MoeConfig c = testing::cuda_moe_config(/*experts=*/8, /*top_k=*/2);
   auto on_gpu = [](Batch b) { return b.to(Device::cuda(0)); };
   testing::run_ranks(1, [&](Communicator& world) {
     Qwen3MoeModel over(c, DType::BF16, Device::cuda(0)), line(c, DType::BF16, Device::cuda(0));

@@ -32,21 +32,7 @@ namespace moetrain {
 namespace {
 
 Qwen3MoeConfig step_config(int64_t experts, int64_t top_k, int64_t head_dim = 64) {
-  Qwen3MoeConfig c;
-  c.vocab_size = 300;
-  c.hidden_size = 128;
-  c.intermediate_size = 256;
-  c.moe_intermediate_size = 64;
-  c.num_hidden_layers = 3;
-  c.mlp_only_layers = {0};
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = head_dim;
-  c.num_experts = experts;
-  c.num_experts_per_tok = top_k;
-  c.router_aux_loss_coef = 0.01;
-  c.router_z_loss_coef = 0.001;
-  return c;
+  return testing::cuda_moe_config(experts, top_k, head_dim);
 }
 
 Batch on_gpu(Batch b) {
