@@ -166,12 +166,14 @@ std::unique_ptr<TrainContext> TrainContext::build(const RunConfig& cfg, Parallel
     c.fsdp = std::make_unique<FsdpContext>(*c.model, *par.comms->shard_dense, *par.comms->shard_experts,
                                            *par.comms->replica_world, adamw, shard_weights, par.bridge.get(),
                                            par.tp_group());
-    if (oc.overlap && gpu) {
+    // Not with live fault tolerance: a group that heals writes weights and optimizer state
+    // while another's updates could still run.
+    if (oc.overlap && gpu && !cfg.fault_tolerance.enabled()) {
       const bool on = c.fsdp->set_overlap(true);
       spdlog::info("optimizer: {}", on ? "each layer's update and weight gather under the next forward, its gradients "
                                          "reduce-scattered as the last backward makes them ([optimizer].overlap)"
                                        : "in line after the step (the overlap takes whole weights, no tensor "
-                                         "parallelism, no replica groups, NCCL)");
+                                         "parallelism, no HSDP replica groups, NCCL)");
     }
     if (pipelined) c.pipeline = std::make_unique<PipelineExecutor>(*c.model, *c.dispatcher, par.pp_group(), c.chunks);
   } else {

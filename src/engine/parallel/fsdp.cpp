@@ -102,8 +102,12 @@ FsdpContext::~FsdpContext() {
   if (comm_stream_) {
     try {
       cuda::stream_synchronize(comm_stream_);
-      for (Shard& sh : shards_) cuda::destroy_event(sh.ready);
-      for (UnitUpdate& u : updates_) cuda::destroy_event(u.done);
+      for (Shard& sh : shards_) {
+        if (sh.ready) cuda::destroy_event(sh.ready);
+      }
+      for (UnitUpdate& u : updates_) {
+        if (u.done) cuda::destroy_event(u.done);
+      }
       cuda::destroy_event(compute_point_);
       cuda::destroy_stream(comm_stream_);
     } catch (const std::exception& e) {
@@ -120,12 +124,18 @@ void FsdpContext::make_comm_stream() {
 
 bool FsdpContext::set_overlap(bool on) {
   drain();
-  bool can = !shard_weights_ && tp_group_ == nullptr && bridge_ == nullptr && !model_.device().is_cpu();
+  bool can = !shard_weights_ && tp_group_ == nullptr && (bridge_ == nullptr || !bridge_->crosses()) &&
+             !model_.device().is_cpu();
   for (const Shard& sh : shards_) can = can && (sh.group->size() == 1 || sh.group->backend() == "nccl");
   overlap_ = on && can;
   if (overlap_) {
     MT_CHECK(model_.weight_hooks() == nullptr || model_.weight_hooks() == this,
              "FSDP overlap: the model already has other weight hooks");
+    for (const Shard& sh : shards_) {  // in bucket order: the same on every rank of a group
+      if (sh.group->size() > 1 && !overlap_groups_.count(sh.group)) {
+        overlap_groups_[sh.group] = sh.group->split(0, sh.group->rank(), "overlap");
+      }
+    }
     make_comm_stream();
     for (UnitUpdate& u : updates_) {
       if (!u.done) u.done = cuda::create_sync_event();
@@ -174,7 +184,7 @@ void FsdpContext::reduce_scatter_early(int64_t layer) {
     CollectiveScope timed(Collective::kReduceScatter, comm_stream_, /*on_compute=*/false);
     CollectiveTimer::count_bytes(Collective::kReduceScatter,
                                  static_cast<double>(sh->grad.nbytes()) * (sh->group->size() - 1));
-    sh->group->reduce_scatter(sh->bucket->grads, sh->grad, ReduceOp::Sum, comm_stream_);
+    overlap_group(*sh).reduce_scatter(sh->bucket->grads, sh->grad, ReduceOp::Sum, comm_stream_);
     sh->reduced = true;
   }
 }
@@ -184,7 +194,7 @@ void FsdpContext::gather_updated(Shard& sh) {
   Tensor mine = sh.value.clone();  // the shard is part of the output buffer: gather from a copy
   CollectiveScope timed(Collective::kAllGather, comm_stream_, /*on_compute=*/false);
   count_gather_bytes(sh);
-  sh.group->all_gather(mine, sh.bucket->values, comm_stream_);
+  overlap_group(sh).all_gather(mine, sh.bucket->values, comm_stream_);
 }
 
 int64_t FsdpContext::neighbour(int64_t layer, bool forward) const {

@@ -33,6 +33,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -69,8 +71,10 @@ class FsdpContext final : public WeightHooks {
     last_micro_batch_ = last;
   }
   // Turns the overlap on or off (drains first). It takes a GPU, whole weights (no
-  // shard_weights), no tensor parallelism or replica bridge, and groups that are NCCL or of
-  // one rank; elsewhere it stays off. Returns whether it is on.
+  // shard_weights), no tensor parallelism, a bridge that crosses to no other replica group,
+  // and groups that are NCCL or of one rank; elsewhere it stays off. Returns whether it is
+  // on. The first time on, collective over the sharding groups (each is split into a copy
+  // for the overlap's collectives): every rank of them calls it alike.
   bool set_overlap(bool on);
   bool overlapping() const { return overlap_; }
   // Work on the current stream from now on follows every update and gather launched so far.
@@ -157,6 +161,12 @@ class FsdpContext final : public WeightHooks {
     bool gathers = false;                // it all-gathers (a group of more than one rank)
   };
   std::vector<UnitUpdate> updates_;      // per units_ entry
+  // Overlap: each sharding group's own copy (Communicator::split) for the comm stream's
+  // collectives. NCCL runs a communicator's kernels in the order issued, whatever the stream:
+  // on the group itself, the next step's first collective (its token count, or an expert
+  // exchange over the same ranks) would wait for every update and gather.
+  std::map<Communicator*, std::unique_ptr<Communicator>> overlap_groups_;
+  Communicator& overlap_group(const Shard& sh) { return *overlap_groups_.at(sh.group); }
   std::vector<int64_t> units_;           // the layer ids of the buckets, ascending (-1 first)
   cuda::Stream comm_stream_ = nullptr;   // NCCL and shard_weights: where prefetches run; the overlap's
   cuda::Event compute_point_ = nullptr;  // orders a prefetch after the compute stream's work

@@ -41,13 +41,27 @@ OrderedTransport::~OrderedTransport() {
 // there until the peer makes the same connection (NVIDIA/nccl#783); how many channels it
 // connects depends on the message's size. So the neighbours are connected here, all ranks at
 // once, at the largest size of the step, before any message of the step is issued.
+void OrderedTransport::begin_step(const std::vector<std::vector<Message>>& orders, int64_t max_rows) {
+  for (size_t r = 0; r < orders.size(); ++r) {
+    for (const Message& m : orders[r]) {
+      const int a = static_cast<int>(r), b = m.peer;
+      pairs_grew_ = pairs_.insert({std::min(a, b), std::max(a, b)}).second || pairs_grew_;
+    }
+  }
+  begin_step(orders.at(static_cast<size_t>(pp_.rank())), max_rows);
+}
+
 void OrderedTransport::connect(int64_t rows) {
   const int r = pp_.rank(), P = pp_.size();
+  for (int q = 0; q + 1 < P; ++q) pairs_.insert({q, q + 1});  // the neighbours always
   for (const auto& [elements, dtype] : {std::pair<int64_t, DType>{totals_, DType::F64}, {rows * hidden_, dtype_}}) {
     std::vector<int64_t> counts(static_cast<size_t>(P), 0);
-    if (r > 0) counts[static_cast<size_t>(r - 1)] = elements;
-    if (r + 1 < P) counts[static_cast<size_t>(r + 1)] = elements;
-    const int64_t n = (r > 0 ? elements : 0) + (r + 1 < P ? elements : 0);
+    int64_t n = 0;
+    for (const auto& [a, b] : pairs_) {
+      if (a != r && b != r) continue;
+      counts[static_cast<size_t>(a == r ? b : a)] = elements;
+      n += elements;
+    }
     const Tensor out = Tensor::zeros({n}, dtype, device_);
     Tensor in = Tensor::empty({n}, dtype, device_);
     pp_.all_to_all_v(out, counts, in, counts, cuda::current_stream());
@@ -67,9 +81,10 @@ void OrderedTransport::begin_step(const std::vector<Message>& order, int64_t max
     MT_CHECK(index.emplace(std::make_pair(m.sending, m.tag), index.size()).second,
              "pipeline transport: message tag {} listed twice", m.tag);
   }
-  if (max_rows > connected_rows_) {
-    connect(max_rows);
-    connected_rows_ = max_rows;
+  if (max_rows > connected_rows_ || pairs_grew_) {
+    connected_rows_ = std::max(max_rows, connected_rows_);
+    connect(connected_rows_);
+    pairs_grew_ = false;
   }
   // Slots are only added here, all at once, so references to them stay valid for the step.
   // The receive buffers are allocated on the compute stream: the transport's stream starts

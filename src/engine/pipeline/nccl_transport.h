@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -75,9 +76,10 @@ class OrderedTransport : public PipelineTransport {
   OrderedTransport(const OrderedTransport&) = delete;
   OrderedTransport& operator=(const OrderedTransport&) = delete;
 
-  void begin_step(const std::vector<std::vector<Message>>& orders, int64_t max_rows) override {
-    begin_step(orders.at(static_cast<size_t>(pp_.rank())), max_rows);
-  }
+  // Also connects (collectively) every pair of ranks the orders exchange messages between
+  // that was not connected yet (a pipeline's head helper talks to a rank that is no
+  // neighbour), the same on every rank since every rank has every order.
+  void begin_step(const std::vector<std::vector<Message>>& orders, int64_t max_rows) override;
   // Starts a step whose messages on this rank are `order` (this rank's part of the one order
   // every rank follows) and issues the receives that lead it. Collective over the pipeline
   // group when max_rows grows (the links are connected at that size first).
@@ -104,7 +106,7 @@ class OrderedTransport : public PipelineTransport {
     bool handed = false, issued = false, used = false;
   };
   void issue_ready();  // issues slots in order while the next one can go
-  // One hidden state of `rows` each way with every rank this one talks to, collectively.
+  // One hidden state of `rows` each way between every pair of pairs_, collectively.
   void connect(int64_t rows);
   Slot& slot(bool sending, uint32_t tag, const char* what);
 
@@ -119,6 +121,8 @@ class OrderedTransport : public PipelineTransport {
   std::map<std::pair<bool, uint32_t>, size_t> index_;  // (sending, tag) -> slot
   size_t next_ = 0;                                    // first slot not issued
   int64_t connected_rows_ = 0;
+  std::set<std::pair<int, int>> pairs_;  // (lower, higher) ranks that exchange: the neighbours, and more
+  bool pairs_grew_ = false;
 };
 
 }  // namespace moetrain

@@ -108,7 +108,6 @@ void PeerTransport::begin_step(const std::vector<std::vector<Message>>& orders, 
   ++step_;
   const int me = pp_.rank();
   sent_to_.assign(static_cast<size_t>(pp_.size()), false);
-  received_from_.assign(static_cast<size_t>(pp_.size()), false);
   size_t receives = 0;
   for (const Message& m : orders[static_cast<size_t>(me)]) {
     MT_CHECK(m.rows <= max_rows && m.peer >= 0 && m.peer < pp_.size() && m.peer != me,
@@ -136,7 +135,6 @@ std::pair<Tensor, Tensor> PeerTransport::receive(uint32_t tag) {
   Msg& g = it->second;
   MT_CHECK(!g.done, "pipeline transport: message tag {} used twice", tag);
   g.done = true;
-  received_from_[static_cast<size_t>(g.m.peer)] = true;
   const int me = pp_.rank();
   {  // the compute stream waits here, for this message only
     CollectiveScope timed(Collective::kPipeline);
@@ -190,9 +188,12 @@ void PeerTransport::end_step() {
   }
   MT_CHECK(missing.empty(), "pipeline transport: the step ended with messages neither sent nor used: {}", missing);
   const int me = pp_.rank();
-  // The compute stream has read every received slot by here: tell their senders.
+  // The compute stream has read every received slot by here: tell every peer, also one that
+  // sent nothing this step (it holds none of this rank's slots), or its first send of a later
+  // step would wait for a signal of this step that never comes (a validation step has no head
+  // helper's messages, say).
   for (int q = 0; q < pp_.size(); ++q) {
-    if (received_from_[static_cast<size_t>(q)]) ops::signal_word(words(q) + freed_word() + me, step_);
+    if (q != me) ops::signal_word(words(q) + freed_word() + me, step_);
   }
   // The compute stream waits for the copies: the sent tensors may go.
   for (size_t q = 0; q < lanes_.size(); ++q) {

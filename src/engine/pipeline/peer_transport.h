@@ -82,7 +82,7 @@ class PeerTransport : public PipelineTransport {
   uint32_t step_ = 0;
   std::vector<cuda::Stream> lanes_;     // per peer: the copies into it
   std::vector<cuda::Event> lane_done_;  // per peer
-  std::vector<bool> sent_to_, received_from_;  // per peer, this step
+  std::vector<bool> sent_to_;  // per peer, this step
   cuda::Stream host_lane_ = nullptr;    // the received totals' copies to the host
   cuda::Event ready_ = nullptr;
   std::vector<void*> pinned_;           // per received message of a step
