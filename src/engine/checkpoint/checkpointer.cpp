@@ -38,6 +38,21 @@ void crash_point(const char* point, int64_t step) {
   }
 }
 
+// The small text files ranks leave each other in a step's temporary directory (a rank's
+// failed-rNNNNN.txt, rank 0's commit-failed.txt): best effort, since on a full disk these may
+// fail too.
+void write_note(const fs::path& path, const std::string& text) {
+  if (std::FILE* f = std::fopen(path.c_str(), "wb")) {
+    std::fputs(text.c_str(), f);
+    std::fclose(f);
+  }
+}
+
+std::string read_note(const fs::path& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
 }  // namespace
 
 // ---- what is saved ----
@@ -474,10 +489,7 @@ void Checkpointer::wait_for_commit(int64_t step) const {
   for (const auto deadline = Clock::now() + 2 * commit_timeout_;;) {
     if (fs::exists(committed_index)) return;
     for (const fs::path& failed : {tmp / "commit-failed.txt", tmp / rank_file_name("failed", 0, "txt")}) {
-      if (!fs::exists(failed)) continue;
-      std::ifstream in(failed);
-      const std::string why((std::istreambuf_iterator<char>(in)), {});
-      MT_THROW("checkpoint step {} is not committed: rank 0 says: {}", step, why);
+      if (fs::exists(failed)) MT_THROW("checkpoint step {} is not committed: rank 0 says: {}", step, read_note(failed));
     }
     MT_CHECK(Clock::now() < deadline, "checkpoint step {}: rank 0 has not committed it into {} after {} s", step,
              (root / step_dir_name(step)).string(), 2 * commit_timeout_.count());
@@ -502,23 +514,14 @@ std::optional<CommitStats> Checkpointer::commit(int64_t step, const Host& host, 
     }
     write_rank_files(tmp.string(), rank_, host.model, host.optimizer);
   } catch (const std::exception& e) {
-    // Tell rank 0, which would otherwise wait commit_timeout for this rank's manifest (best
-    // effort: on a full disk this small file may fail too).
-    if (std::FILE* f = std::fopen((tmp / rank_file_name("failed", rank_, "txt")).c_str(), "wb")) {
-      std::fputs(e.what(), f);
-      std::fclose(f);
-    }
+    // Tell rank 0, which would otherwise wait commit_timeout for this rank's manifest.
+    write_note(tmp / rank_file_name("failed", rank_, "txt"), e.what());
     throw;
   }
   crash_point("files", step);
   if (rank_ != 0) return std::nullopt;  // rank 0 commits
   // The ranks that wait for this commit (synchronous saves) learn of a failure from this file.
-  auto say_failed = [&](const std::string& why) {
-    if (std::FILE* f = std::fopen((tmp / "commit-failed.txt").c_str(), "wb")) {
-      std::fputs(why.c_str(), f);
-      std::fclose(f);
-    }
-  };
+  auto say_failed = [&](const std::string& why) { write_note(tmp / "commit-failed.txt", why); };
   // Every rank's manifest is written last and atomically: once all exist, all files are complete.
   for (const auto deadline = Clock::now() + commit_timeout_;;) {
     std::vector<int> missing;
@@ -527,9 +530,7 @@ std::optional<CommitStats> Checkpointer::commit(int64_t step, const Host& host, 
       missing.push_back(r);
       const fs::path failed = tmp / rank_file_name("failed", r, "txt");
       if (r != rank_ && fs::exists(failed)) {
-        std::ifstream in(failed);
-        const std::string why((std::istreambuf_iterator<char>(in)), {});
-        const std::string what = fmt::format("rank {} could not write its files: {}", r, why);
+        const std::string what = fmt::format("rank {} could not write its files: {}", r, read_note(failed));
         say_failed(what);
         MT_THROW("checkpoint step {} is not committed: {}", step, what);
       }

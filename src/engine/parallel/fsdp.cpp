@@ -181,20 +181,9 @@ void FsdpContext::reduce_scatter_early(int64_t layer) {
   cuda::stream_wait_event(comm_stream_, compute_point_);
   cuda::CurrentStreamScope on_comm(comm_stream_);
   for (Shard* sh : todo) {
-    CollectiveScope timed(Collective::kReduceScatter, comm_stream_, /*on_compute=*/false);
-    CollectiveTimer::count_bytes(Collective::kReduceScatter,
-                                 static_cast<double>(sh->grad.nbytes()) * (sh->group->size() - 1));
-    overlap_group(*sh).reduce_scatter(sh->bucket->grads, sh->grad, ReduceOp::Sum, comm_stream_);
+    reduce_scatter(*sh, sh->grad, &overlap_group(*sh), comm_stream_);
     sh->reduced = true;
   }
-}
-
-void FsdpContext::gather_updated(Shard& sh) {
-  if (sh.group->size() == 1) return;
-  Tensor mine = sh.value.clone();  // the shard is part of the output buffer: gather from a copy
-  CollectiveScope timed(Collective::kAllGather, comm_stream_, /*on_compute=*/false);
-  count_gather_bytes(sh);
-  overlap_group(sh).all_gather(mine, sh.bucket->values, comm_stream_);
 }
 
 int64_t FsdpContext::neighbour(int64_t layer, bool forward) const {
@@ -264,10 +253,32 @@ void FsdpContext::count_gather_bytes(const Shard& sh) const {
   CollectiveTimer::count_bytes(Collective::kAllGather, static_cast<double>(sh.value.nbytes()) * (sh.group->size() - 1));
 }
 
-void FsdpContext::reduce_scatter(Shard& sh, Tensor& into) {
-  CollectiveScope timed(Collective::kReduceScatter);
+namespace {
+
+// Times a collective on the compute stream, or on `stream` (not the compute one) when given.
+void time_on(std::optional<CollectiveScope>& scope, Collective k, cuda::Stream stream) {
+  if (stream) {
+    scope.emplace(k, stream, /*on_compute=*/false);
+  } else {
+    scope.emplace(k);
+  }
+}
+
+}  // namespace
+
+void FsdpContext::reduce_scatter(Shard& sh, Tensor& into, Communicator* group, cuda::Stream stream) {
+  std::optional<CollectiveScope> timed;
+  time_on(timed, Collective::kReduceScatter, stream);
   CollectiveTimer::count_bytes(Collective::kReduceScatter, static_cast<double>(into.nbytes()) * (sh.group->size() - 1));
-  sh.group->reduce_scatter(sh.bucket->grads, into);
+  (group ? *group : *sh.group).reduce_scatter(sh.bucket->grads, into, ReduceOp::Sum, stream);
+}
+
+void FsdpContext::gather_into_bucket(Shard& sh, Communicator& group, cuda::Stream stream) {
+  Tensor mine = sh.value.clone();
+  std::optional<CollectiveScope> timed;
+  time_on(timed, Collective::kAllGather, stream);
+  count_gather_bytes(sh);
+  group.all_gather(mine, sh.bucket->values, stream);
 }
 
 void FsdpContext::release(Shard& sh) {
@@ -388,7 +399,9 @@ void FsdpContext::step(double lr, double grad_scale) {
   for (size_t k = 0; k < units_.size(); ++k) {
     UnitUpdate& u = updates_[k];
     if (!u.params.empty()) opt_.update(shard_params_, u.params, lr, grad_scale);
-    for (Shard* sh : unit(units_[k])) gather_updated(*sh);
+    for (Shard* sh : unit(units_[k])) {
+      if (sh->group->size() > 1) gather_into_bucket(*sh, overlap_group(*sh), comm_stream_);
+    }
     cuda::record_event(u.done, comm_stream_);
     u.pending = true;
   }
@@ -398,12 +411,7 @@ void FsdpContext::gather_values() {
   if (shard_weights_) return;  // the shards are the weights; layers gather them on use
   drain();
   for (Shard& sh : shards_) {
-    if (sh.group->size() == 1) continue;
-    // The shard is part of the output buffer: gather from a copy.
-    Tensor mine = sh.value.clone();
-    CollectiveScope timed(Collective::kAllGather);
-    count_gather_bytes(sh);
-    sh.group->all_gather(mine, sh.bucket->values);
+    if (sh.group->size() > 1) gather_into_bucket(sh, *sh.group);
   }
 }
 

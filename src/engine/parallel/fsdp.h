@@ -133,12 +133,14 @@ class FsdpContext final : public WeightHooks {
   void gather(Shard& sh);
   void prefetch(int64_t layer);
   void release(Shard& sh);
-  // Gradients of the shard's bucket reduced into `into` (its shard), timed as a reduce-scatter.
-  void reduce_scatter(Shard& sh, Tensor& into);
+  // Gradients of the shard's bucket reduced into `into` (its shard) over `group` (nullptr: the
+  // shard's), timed as a reduce-scatter: on the compute stream, or on `stream` when given.
+  void reduce_scatter(Shard& sh, Tensor& into, Communicator* group = nullptr, cuda::Stream stream = nullptr);
+  // The shard's weights all-gathered into the whole bucket over `group` (from a copy: the
+  // shard is part of the output buffer), timed likewise.
+  void gather_into_bucket(Shard& sh, Communicator& group, cuda::Stream stream = nullptr);
   // The bytes a gather of the shard sends, on the active collective timer.
   void count_gather_bytes(const Shard& sh) const;
-  // Overlap: the updated weight shard all-gathered into the whole bucket on comm_stream_.
-  void gather_updated(Shard& sh);
   // Overlap: the layer's gradients reduce-scattered on comm_stream_ (last micro-batch).
   void reduce_scatter_early(int64_t layer);
   // Overlap: the forward of `layer` waits for its update and gather.

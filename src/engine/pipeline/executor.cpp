@@ -225,10 +225,7 @@ PipelineExecutor::Handoff PipelineExecutor::take(std::map<Key, Handoff>& local, 
   }
   const bool on_host = pp_->backend() == "gloo";
   const Device where = on_host ? Device::cpu() : model_.device();
-  // A micro-batch's token rows (under tensor parallelism this rank's sequence-parallel slice).
-  Tensor hidden = Tensor::empty({batch.batch * batch.seq / model_.placement().tp_size,
-                                 model_.model_config().shape().hidden_size}, model_.dtype(),
-                                where);
+  Tensor hidden = Tensor::empty({token_rows(batch), model_.model_config().shape().hidden_size}, model_.dtype(), where);
   Tensor packed = Tensor::empty({model_.totals_message_size()}, DType::F64, where);
   {  // waited for on the host: all of it exposed (with the bubble)
     CollectiveScope timed(Collective::kPipeline);
@@ -341,7 +338,7 @@ void PipelineExecutor::backward_output(int chunk, int mb, Tensor dx, const Chunk
 
 int64_t PipelineExecutor::head_rows(const Batch& batch) const {
   if (!helped()) return -1;
-  return head_rows_kept(batch.batch * batch.seq / model_.placement().tp_size, schedule_->head_share);
+  return head_rows_kept(token_rows(batch), schedule_->head_share);
 }
 
 void PipelineExecutor::send_rows(int to, uint32_t t, const Tensor& rows) {
@@ -372,11 +369,10 @@ Tensor PipelineExecutor::receive_rows(int from, uint32_t t, int64_t rows) {
 
 // The helper's part of micro-batch mb's head: the cross-entropy of the last rows with the copy
 // of the head, their gradient sent back, the copy's weight gradient written or added.
-void PipelineExecutor::head_help_step(int mb, const Batch& batch, double ce_scale, Result& r) {
-  (void)r;
+void PipelineExecutor::head_help_step(int mb, const Batch& batch, double ce_scale) {
   const int last = schedule_->num_chunks - 1;
   const int head_rank = rank_of(last);
-  const int64_t T = batch.batch * batch.seq / model_.placement().tp_size;
+  const int64_t T = token_rows(batch);
   const int64_t kept = head_rows_kept(T, schedule_->head_share);
   const Tensor h = receive_rows(head_rank, tag(kActivation, last + 1, mb), T - kept);
   Tensor dh;
@@ -521,7 +517,7 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
   if (helped()) sync_head_weights();  // before the step's messages (NCCL: one order on every rank)
   if (transport_) {
     std::vector<int64_t> rows;
-    for (const Batch& b : batches) rows.push_back(b.batch * b.seq / model_.placement().tp_size);
+    for (const Batch& b : batches) rows.push_back(token_rows(b));
     std::vector<std::vector<PipelineMessage>> orders;
     for (int r = 0; r < s.pp; ++r) orders.push_back(pipeline_message_order(s, r, rows));
     transport_->begin_step(orders, *std::max_element(rows.begin(), rows.end()));
@@ -574,7 +570,7 @@ PipelineExecutor::Result PipelineExecutor::run(const PipelineSchedule& s, const 
           case PipeOpKind::F: forward_step(o.chunk, o.mb, batches[o.mb], pass, r); break;
           case PipeOpKind::B: input_grad_step(o.chunk, o.mb, batches[o.mb], pass.aux_scale); break;
           case PipeOpKind::W: weight_step(o.chunk, o.mb, batches[o.mb]); break;
-          case PipeOpKind::H: head_help_step(o.mb, batches[o.mb], pass.ce_scale, r); break;
+          case PipeOpKind::H: head_help_step(o.mb, batches[o.mb], pass.ce_scale); break;
           default: MT_THROW("pipeline: {} is not a single step", to_string(o));
         }
       };

@@ -142,11 +142,13 @@ class PipelineExecutor {
   void weight_step(int chunk, int mb, const Batch& batch);
   // The head helper (PipelineSchedule::head_helper): H on the helper; the head's weights
   // copied to it at a step's start and its weight gradient added into the head's at the end.
-  void head_help_step(int mb, const Batch& batch, double ce_scale, Result& r);
+  void head_help_step(int mb, const Batch& batch, double ce_scale);
   void sync_head_weights();
   void add_helper_gradient();
   bool helped() const { return schedule_ != nullptr && schedule_->head_helper >= 0; }
   int64_t head_rows(const Batch& batch) const;  // ChunkPass::head_rows for this micro-batch
+  // A micro-batch's token rows on this rank (under tensor parallelism its sequence-parallel slice).
+  int64_t token_rows(const Batch& batch) const { return batch.batch * batch.seq / model_.placement().tp_size; }
   // The helper's rows: sent (hidden only) and received, through the transport or Gloo.
   void send_rows(int to, uint32_t tag, const Tensor& rows);
   Tensor receive_rows(int from, uint32_t tag, int64_t rows);
