@@ -41,6 +41,21 @@ struct VocabShard {
   int64_t begin = 0, size = 0;  // size: the whole vocabulary's
 };
 
+// ---- FP8 (e4m3) with block scales: DeepSeek-V3's recipe (issue 30) -------------------
+// x ~= q * scale blockwise. Rows (activations and their gradients): one scale per 1 x 128
+// tile along a row (the reduction dimension), stored [ceil(C/128), R], the rows contiguous
+// (cuBLASLt's VEC128_32F layout). Blocks (weights): one scale per 128 x 128 block, stored
+// [ceil(R/128), round_up(ceil(C/128), 4)], the columns' blocks contiguous and each row
+// padded to a multiple of 4 with 1s (cuBLASLt's BLK128x128_32F layout). A tile's scale is
+// amax / 448 (1 for an all-zero tile) and q = e4m3(x / scale) rounded to nearest even
+// (f8e4m3 in core/dtype.h): the same bits on every backend.
+enum class Fp8Blocks { kRows, kBlocks };
+struct Fp8Tensor {
+  Tensor q;      // f8e4m3 [R, C]
+  Tensor scale;  // f32, laid out as above
+  Fp8Blocks blocks = Fp8Blocks::kRows;
+};
+
 // ---- embedding: y[t] = W[ids[t]] ------------------------------------------------------
 // ids i32 [T], weight [V, H] -> [T, H]. An id outside [0, V) is an error naming it (NaN rows
 // on the GPU). With a shard (a vocabulary-parallel embedding), weight holds rows
@@ -271,6 +286,11 @@ Permutation permutation_by_expert(const Tensor& topk_idx, int64_t num_experts);
 Tensor expert_ids_in_range(const Tensor& topk_idx, int64_t first, int64_t count);
 // x [T, H] -> [R, H] (R = permuted_rows()), row r = x[source_token[r]]
 Tensor permute_forward(const Tensor& x, const Permutation& p);
+// The same for tokens quantized per 1 x 128 tile (rows mode, x.q [T, H]): the codes' rows
+// and the scales' columns ([ceil(H/128), T] -> [ceil(H/128), R]) follow the rows, so the
+// result is bitwise quantize_fp8(permute_forward(x), kRows) at the cost of a gather of bytes
+// instead of a pass over K times the rows (the FP8 experts' input, DispatchOut::rows_q).
+Fp8Tensor permute_forward_fp8(const Fp8Tensor& x, const Permutation& p);
 // [R, H] -> dx [T, H], dx[t] = sum of the rows that copied token t
 Tensor permute_backward(const Tensor& dxp, const Permutation& p);
 // expert-ordered [R, H] -> (t, k)-ordered [T*K, H]; row t*K+k = yp[slot_row[t*K+k]] (zero
@@ -309,6 +329,7 @@ struct SwigluOut {
   Tensor y;         // [N, H]
   Tensor gate, up;  // [N, I] pre-activations, saved for backward
   Tensor act;       // [N, I] silu(gate) * up as y used it (GPU: from the f32 accumulators)
+  Fp8Tensor act_q;  // grouped_swiglu_forward_fp8: act per 1 x 128 tile, as the down GEMM read it
 };
 SwigluOut grouped_swiglu_forward(const Tensor& x, const Tensor& counts, const Tensor& w_gate,
                                  const Tensor& w_up, const Tensor& w_down);
@@ -398,20 +419,7 @@ LinearCrossEntropyOut linear_cross_entropy(const Tensor& x, const Tensor& w, con
                                            Tensor* dx, Tensor* dw, int64_t chunk_rows = 0,
                                            bool accumulate_dw = true);
 
-// ---- FP8 (e4m3) with block scales: DeepSeek-V3's recipe (issue 30) -------------------
-// x ~= q * scale blockwise. Rows (activations and their gradients): one scale per 1 x 128
-// tile along a row (the reduction dimension), stored [ceil(C/128), R], the rows contiguous
-// (cuBLASLt's VEC128_32F layout). Blocks (weights): one scale per 128 x 128 block, stored
-// [ceil(R/128), round_up(ceil(C/128), 4)], the columns' blocks contiguous and each row
-// padded to a multiple of 4 with 1s (cuBLASLt's BLK128x128_32F layout). A tile's scale is
-// amax / 448 (1 for an all-zero tile) and q = e4m3(x / scale) rounded to nearest even
-// (f8e4m3 in core/dtype.h): the same bits on every backend.
-enum class Fp8Blocks { kRows, kBlocks };
-struct Fp8Tensor {
-  Tensor q;      // f8e4m3 [R, C]
-  Tensor scale;  // f32, laid out as above
-  Fp8Blocks blocks = Fp8Blocks::kRows;
-};
+// ---- FP8 (e4m3) with block scales: the ops (the format: Fp8Tensor, above) ------------
 // x [R, C] (bf16, f32 or f64).
 Fp8Tensor quantize_fp8(const Tensor& x, Fp8Blocks blocks);
 // x^T quantized, [C, R], from x [R, C] in one pass: no transposed copy of x. Rows mode: tiles

@@ -108,6 +108,25 @@ TEST(BackendFp8, LinearMatchesTheCpuAndTheDequantizedProduct) {
   }
 }
 
+// The tokens' codes gathered into the experts' rows (the dispatch's rows_q) on the GPU: the
+// CPU's bits, for a whole permutation and a partial one (rows of other experts dropped).
+TEST(BackendFp8, PermutedTokenCodesMatchTheCpu) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  const int64_t T = 1000, E = 16, K = 4, H = 384;
+  const Tensor idx = ops::router_forward(testing::random_tensor({T, E}, DType::F32, 92), K, false).topk_idx;
+  const Tensor x = random_bf16_values({T, H}, 93, 2.0);
+  ops::Permutation part = ops::permutation_by_expert(ops::expert_ids_in_range(idx, 4, 8), 9);
+  part.rows = T * K - part.expert_counts.to_vector<int64_t>()[8];
+  for (const ops::Permutation& p : {ops::permutation_by_expert(idx, E), part}) {
+    const ops::Fp8Tensor cpu = ops::permute_forward_fp8(ops::quantize_fp8(x, ops::Fp8Blocks::kRows), p);
+    ops::Permutation pg = p;
+    for (Tensor* t : {&pg.expert_counts, &pg.source_token, &pg.slot_row}) *t = t->to(kGpu);
+    expect_same_fp8(ops::permute_forward_fp8(ops::quantize_fp8(on_gpu(x, DType::BF16), ops::Fp8Blocks::kRows), pg),
+                    cpu, fmt::format("permute_forward_fp8 [{} rows]", p.permuted_rows()));
+  }
+}
+
 // The experts' FP8 forward (the wgmma kernels with the promotion every 128 of K) against the
 // f32 products of its dequantized operands: gate and up from x and the gate/up weights, y from
 // the GPU's own act quantized as the kernel quantizes it (bf16 act -> the same codes on both
@@ -144,9 +163,12 @@ TEST(BackendFp8, GroupedSwigluForwardMatchesTheDequantizedProducts) {
     testing::expect_backend_close(got.gate.to(Device::cpu()), ref.gate, 3e-3, tag, "gate");
     testing::expect_backend_close(got.up.to(Device::cpu()), ref.up, 3e-3, tag, "up");
     testing::expect_backend_close(got.act.to(Device::cpu()), ref.act, 3e-3, tag, "act");
+    // act's codes, made in the gate/up kernel's epilogue: the bits the quantizer makes of the
+    // GPU's bf16 act (every row, those of tiles that cross an expert's end included).
+    const ops::Fp8Tensor act_q = ops::quantize_fp8(got.act.to(Device::cpu()), ops::Fp8Blocks::kRows);
+    expect_same_fp8(got.act_q, act_q, tag + " act");
     // y from the GPU's act, quantized per 1 x 128 tile, times each expert's dequantized Wd.
-    const Tensor act = ops::dequantize_fp8(ops::quantize_fp8(got.act.to(Device::cpu()), ops::Fp8Blocks::kRows),
-                                           DType::F64);
+    const Tensor act = ops::dequantize_fp8(act_q, DType::F64);
     const Tensor wdd = ops::dequantize_fp8(dq, DType::F64).view({E, H, I});
     Tensor y_ref = Tensor::zeros({N, H}, DType::F64);
     int64_t r0 = 0;

@@ -131,6 +131,37 @@ TEST(Fp8, TransposedQuantizerIsTheTransposeQuantized) {
   EXPECT_EQ(w.scale.item(2 * 4 + 0), wt.scale.item(0 * 4 + 2));  // row block 2 of x is column block 2 of x^T
 }
 
+// The experts' rows quantized by quantizing each token once and gathering codes and scales
+// (the dispatch's rows_q) are the bits of quantizing the gathered rows, for a whole
+// permutation and for one that keeps only a range of experts' rows (expert parallelism's
+// local part). Widths with a partial last tile (300 = 2 x 128 + 44).
+TEST(Fp8, PermutedTokenCodesAreTheCodesOfThePermutedRows) {
+  const int64_t T = 37, E = 6, K = 3, H = 300;
+  const Tensor idx = ops::router_forward(testing::random_tensor({T, E}, DType::F64, 90), K, false).topk_idx;
+  const Tensor x = testing::random_tensor({T, H}, DType::F32, 91);
+  ops::Permutation part = ops::permutation_by_expert(ops::expert_ids_in_range(idx, 2, 3), 4);
+  part.rows = 0;
+  for (int64_t c : part.expert_counts.to_vector<int64_t>()) part.rows += c;
+  part.rows -= part.expert_counts.to_vector<int64_t>()[3];  // the rows of the other experts dropped
+  ASSERT_GT(part.rows, 0);
+  ASSERT_LT(part.rows, T * K);
+  for (const ops::Permutation& p : {ops::permutation_by_expert(idx, E), part}) {
+    const ops::Fp8Tensor got = ops::permute_forward_fp8(ops::quantize_fp8(x, ops::Fp8Blocks::kRows), p);
+    const ops::Fp8Tensor want = ops::quantize_fp8(ops::permute_forward(x, p), ops::Fp8Blocks::kRows);
+    ASSERT_EQ(got.q.shape(), (Shape{p.permuted_rows(), H}));
+    ASSERT_EQ(got.scale.shape(), want.scale.shape());
+    EXPECT_EQ(0, std::memcmp(got.q.raw(), want.q.raw(), want.q.nbytes()));
+    EXPECT_EQ(got.scale.to_vector<float>(), want.scale.to_vector<float>());
+  }
+  // Weights' blocks are refused, naming what is expected.
+  try {
+    ops::permute_forward_fp8(ops::quantize_fp8(x, ops::Fp8Blocks::kBlocks), ops::permutation_by_expert(idx, E));
+    ADD_FAILURE() << "blocks mode taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rows mode"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Fp8, LinearMatchesTheProductOfTheDequantizedOperands) {
   for (const ops::Fp8Blocks wmode : {ops::Fp8Blocks::kRows, ops::Fp8Blocks::kBlocks}) {
     const int64_t M = 36, N = 140, K = 272;

@@ -22,11 +22,13 @@ void put_rows(Tensor& whole, const Tensor& piece, const RowPart& part, int64_t t
 }
 }  // namespace
 
-Tensor swiglu_mlp_forward(const Projections& proj, const DispatchOut& in, const Tensor& w_gate, const Tensor& w_up,
+Tensor swiglu_mlp_forward(const Projections& proj, DispatchOut& in, const Tensor& w_gate, const Tensor& w_up,
                           const Tensor& w_down, const RowPart& part, ops::SwigluOut& out) {
   StageScope t(Stage::kExpertGemm);
   if (part.whole()) {
-    out = proj.experts_forward(in.rows, in.counts, w_gate, w_up, w_down);
+    out = proj.experts_forward(in.rows, in.counts, w_gate, w_up, w_down, in.rows_q);
+    in.rows_q = {};   // the forward's input only: not kept for the backward
+    out.act_q = {};   // the down GEMM's input only
     return out.y;
   }
   const ops::SwigluOut o = proj.experts_forward(part.of(in.rows), part.counts, w_gate, w_up, w_down);
@@ -291,6 +293,7 @@ bool MoeDecoderModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) {
       if (f.pass.training && recompute_mode(id) == RecomputeMode::kFull) s.recompute_input = f.x;  // all it keeps
       layer.attn_forward(f.x, f.batch.positions, f.b, s);  // 1: attn
       if (layer.is_moe()) {  // 2: dispatch, the part that needs no host wait
+        s.dispatch.fp8_rows = layer.experts_read_fp8();
         d.dispatch_start(s.mlp_in, s.route.topk_idx, s.route.topk_weight, spec_.num_experts, s.dispatch);
       }
       break;
@@ -463,6 +466,7 @@ void MoeDecoderModel::recompute_before_backward(const DecoderLayer& layer, Backw
   LayerState& s = *fresh;
   layer.attn_forward(kept.recompute_input, g.batch.positions, g.b, s);
   if (layer.is_moe()) {
+    s.dispatch.fp8_rows = layer.experts_read_fp8();
     d.dispatch_start(s.mlp_in, s.route.topk_idx, s.route.topk_weight, spec_.num_experts, s.dispatch);
     s.expert_in = d.dispatch_finish(s.dispatch);
     d.wait(s.dispatch);

@@ -87,8 +87,9 @@ Tensor swiglu_expert_reference(const Tensor& x, const Tensor& w_gate, const Tens
 
 // Stage 3 of both families: the SwiGLU MLP over a layer's grouped rows `in` (every row, or a
 // RowPart of them), its forward activations kept in `out` (a part's in its rows of the
-// whole); and its input gradient, dgate and dup kept in `grads` the same way.
-Tensor swiglu_mlp_forward(const Projections& proj, const DispatchOut& in, const Tensor& w_gate, const Tensor& w_up,
+// whole; in.rows_q, read once, is dropped); and its input gradient, dgate and dup kept in
+// `grads` the same way.
+Tensor swiglu_mlp_forward(const Projections& proj, DispatchOut& in, const Tensor& w_gate, const Tensor& w_up,
                           const Tensor& w_down, const RowPart& part, ops::SwigluOut& out);
 Tensor swiglu_mlp_backward_input(const Tensor& d_rows_out, const DispatchOut& in, const ops::SwigluOut& fwd,
                                  const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down, const RowPart& part,

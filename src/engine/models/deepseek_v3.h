@@ -71,6 +71,7 @@ class DeepseekV3DecoderLayer : public DecoderLayer {
   void attn_forward(const Tensor& x, const Tensor& positions, const BatchShape& b, LayerState& s) const override;
   // Stage 3: the routed experts (or the dense MLP) over s.expert_in.
   Tensor mlp_forward(LayerState& s, const RowPart& part = {}) const override;
+  bool experts_read_fp8() const override { return moe_ && proj_->fp8_experts(w_gate_.size(2), w_gate_.size(1)); }
   Tensor mlp_backward_input(const Tensor& d_rows_out, LayerState& s, const RowPart& part = {}) const override;
   // Backward of stage 1 (router, shared experts, ln2, o_proj, attention, RoPE, the MLA
   // projections and norms, ln1); returns d x.

@@ -229,6 +229,9 @@ class DecoderLayer {
   // round: TensorParallel::gather_map_reduce_rows), only those rows of s.expert_in.rows,
   // which hold them by then; what the backward reads is kept for every row.
   virtual Tensor mlp_forward(LayerState& s, const RowPart& part = {}) const = 0;
+  // Whether stage 3 reads the routed experts' rows in FP8, per 1 x 128 tile: a dispatcher
+  // that can then hands them over quantized (DispatchState::fp8_rows).
+  virtual bool experts_read_fp8() const { return false; }
   // Stage 5 is residual + MLP output: for an MoE layer the dispatcher's weighted combine adds
   // into s.residual (ExpertDispatcher::combine_finish), for a dense one the engine adds
   // s.mlp_out; d residual is the layer output's gradient either way. No family code.

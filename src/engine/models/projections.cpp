@@ -44,10 +44,11 @@ bool Projections::fp8_experts(int64_t hidden, int64_t width) const {
 }
 
 ops::SwigluOut Projections::experts_forward(const Tensor& x, const Tensor& counts, const Tensor& w_gate,
-                                            const Tensor& w_up, const Tensor& w_down) const {
+                                            const Tensor& w_up, const Tensor& w_down, const ops::Fp8Tensor& x_q) const {
   if (!fp8_experts(x.size(1), w_gate.size(1))) return ops::grouped_swiglu_forward(x, counts, w_gate, w_up, w_down);
-  return ops::grouped_swiglu_forward_fp8(ops::quantize_fp8(x, ops::Fp8Blocks::kRows), counts, expert_blocks(w_gate),
-                                         expert_blocks(w_up), expert_blocks(w_down), w_gate.size(0));
+  return ops::grouped_swiglu_forward_fp8(x_q.q.defined() ? x_q : ops::quantize_fp8(x, ops::Fp8Blocks::kRows), counts,
+                                         expert_blocks(w_gate), expert_blocks(w_up), expert_blocks(w_down),
+                                         w_gate.size(0));
 }
 
 Projections::Input Projections::rows(const Tensor& x) const {

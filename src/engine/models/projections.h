@@ -51,9 +51,10 @@ class Projections {
   // [E, H, I]; under FP8, when H and I are multiples of 128 (each expert's weights in whole
   // 128 x 128 blocks), from x per 1 x 128 tile and the weights per block (kept like the
   // projections' weights), act quantized for the down GEMM (ops::grouped_swiglu_forward_fp8).
-  // Other widths stay BF16.
+  // Other widths stay BF16. x_q: x already quantized per 1 x 128 tile (the dispatch's
+  // DispatchOut::rows_q), or undefined.
   ops::SwigluOut experts_forward(const Tensor& x, const Tensor& counts, const Tensor& w_gate, const Tensor& w_up,
-                                 const Tensor& w_down) const;
+                                 const Tensor& w_down, const ops::Fp8Tensor& x_q = {}) const;
   // Whether experts_forward runs these widths in FP8.
   bool fp8_experts(int64_t hidden, int64_t width) const;
 

@@ -68,6 +68,7 @@ class Qwen3MoeDecoderLayer : public DecoderLayer {
   void attn_forward(const Tensor& x, const Tensor& positions, const BatchShape& b, LayerState& s) const override;
   // Stage 3: SwiGLU over s.expert_in (grouped by expert), into s.mlp; returns s.mlp.y.
   Tensor mlp_forward(LayerState& s, const RowPart& part = {}) const override;
+  bool experts_read_fp8() const override { return moe_ && proj_->fp8_experts(w_gate_.size(2), w_gate_.size(1)); }
   // Backward of stage 3: d rows -> d expert_in rows.
   Tensor mlp_backward_input(const Tensor& d_rows_out, LayerState& s, const RowPart& part = {}) const override;
   // Backward of stage 1: given d h (residual + aggregate), d mlp_in (from dispatch backward;

@@ -54,7 +54,10 @@ DispatchOut LocalDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx, i
                                       DispatchState& st) {
   StageScope t(Stage::kRouterPermute);
   st.perm = ops::permutation_by_expert(topk_idx, num_experts);
-  return {ops::permute_forward(x, st.perm), st.perm.expert_counts};
+  DispatchOut out{ops::permute_forward(x, st.perm), st.perm.expert_counts, {}};
+  // Each token quantized once rather than each of its top_k copies: the same bits.
+  if (st.fp8_rows) out.rows_q = ops::permute_forward_fp8(ops::quantize_fp8(x, ops::Fp8Blocks::kRows), st.perm);
+  return out;
 }
 
 Tensor LocalDispatcher::combine(const Tensor& expert_rows, DispatchState& st) {

@@ -30,12 +30,18 @@ namespace moetrain {
 struct DispatchOut {
   Tensor rows;    // [N, H] token copies grouped by local expert
   Tensor counts;  // i64 [local experts], rows per expert
+  // rows quantized per 1 x 128 tile, where the state asked for them (DispatchState::fp8_rows)
+  // and the dispatcher makes them (LocalDispatcher: the tokens quantized, then gathered);
+  // undefined otherwise, and the experts quantize rows themselves. Read by the experts'
+  // forward only, which drops them.
+  ops::Fp8Tensor rows_q;
 };
 
 // What a dispatch remembers for its combine and for both backwards.
 struct DispatchState {
   ops::Permutation perm;  // this rank's (token, slot) copies -> rows grouped by global expert
   int64_t layer = -1;     // set by the caller to name the layer in errors; -1: unnamed
+  bool fp8_rows = false;  // set by the caller: the experts read their rows in FP8 (DispatchOut::rows_q)
 
   // Expert parallelism (AllToAllDispatcher).
   std::vector<int64_t> send_rows, recv_rows;  // rows to / from each EP peer

@@ -88,6 +88,18 @@ Tensor permute_forward(const Tensor& x, const Permutation& p) {
   return xp;
 }
 
+Fp8Tensor permute_forward_fp8(const Fp8Tensor& x, const Permutation& p) {
+  const int64_t T = p.num_tokens, R = p.permuted_rows(), L = x.scale.size(0);
+  Fp8Tensor out{cpu::permute_forward(x.q, p), Tensor::empty({L, R}, DType::F32), Fp8Blocks::kRows};
+  const float* s = x.scale.data<float>();
+  const int32_t* src = p.source_token.data<int32_t>();
+  float* o = out.scale.data<float>();
+  for (int64_t l = 0; l < L; ++l) {
+    for (int64_t r = 0; r < R; ++r) o[l * R + r] = s[l * T + src[r]];
+  }
+  return out;
+}
+
 Tensor permute_backward(const Tensor& dxp, const Permutation& p) {
   const int64_t H = dxp.size(1);  // shapes checked in ops/dispatch.cpp
   const int64_t T = p.num_tokens, K = p.top_k, R = p.permuted_rows();

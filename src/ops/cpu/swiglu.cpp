@@ -124,7 +124,8 @@ SwigluOut grouped_swiglu_forward_fp8(const Fp8Tensor& x, const Tensor& counts, c
   const Tensor wd = cpu::dequantize_fp8(w_down, DType::F32).view({experts, H, I});
   SwigluOut out = grouped_swiglu_forward(xd, counts, wg, wu, wd);  // gate, up, act; y from act itself
   const Dims d = check_swiglu("grouped_swiglu_forward_fp8", xd.size(0), H, counts, wg, wu, wd);
-  const Tensor act = cpu::dequantize_fp8(cpu::quantize_fp8(out.act, Fp8Blocks::kRows), DType::F32);
+  out.act_q = cpu::quantize_fp8(out.act, Fp8Blocks::kRows);
+  const Tensor act = cpu::dequantize_fp8(out.act_q, DType::F32);
   const float* A = act.data<float>();
   const float* Wd = wd.data<float>();
   float* Y = out.y.data<float>();

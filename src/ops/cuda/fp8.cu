@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include "ops/cuda/fp8_device.cuh"
 #include "ops/cuda/fp8_launch.h"
 #include "ops/cuda/vec_io.cuh"
 
@@ -15,10 +16,8 @@ constexpr int kBlock = 128;
 __device__ __forceinline__ float load(const void* x, int elem_bytes, int64_t i) {
   return elem_bytes == 2 ? __bfloat162float(static_cast<const __nv_bfloat16*>(x)[i]) : static_cast<const float*>(x)[i];
 }
-__device__ __forceinline__ float tile_scale(float amax) { return amax > 0.f ? amax / 448.f : 1.f; }
-__device__ __forceinline__ uint8_t to_e4m3(float v) {
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
-}
+using fp8::tile_scale;
+using fp8::to_e4m3;
 
 // One warp per (row, 128-column tile): 4 elements a lane, coalesced.
 __global__ void quantize_rows_kernel(const void* __restrict__ x, int elem_bytes, int64_t R, int64_t C,

@@ -65,6 +65,16 @@ Tensor permute_forward(const Tensor& x, const Permutation& p) {
   return xp;
 }
 
+Fp8Tensor permute_forward_fp8(const Fp8Tensor& x, const Permutation& p) {
+  check_cuda_tensors("permute_forward_fp8", {&x.q, &x.scale});
+  const int64_t R = p.permuted_rows(), L = x.scale.size(0);
+  Fp8Tensor out{cuda::permute_forward(x.q, p), Tensor::empty({L, R}, DType::F32, x.q.device()), Fp8Blocks::kRows};
+  launch_gather_columns(x.scale.data<float>(), L, p.num_tokens, p.source_token.data<int32_t>(), R,
+                        out.scale.data<float>(), stream());
+  check_launch("gather_columns_kernel (permute_forward_fp8)");
+  return out;
+}
+
 Tensor permute_backward(const Tensor& dxp, const Permutation& p) {
   const int64_t H = check_rows(p, dxp, "permute_backward");
   MT_CHECK(dxp.dtype() == DType::BF16 || dxp.dtype() == DType::F32, "permute_backward: dxp must be bf16 or f32, got {}",

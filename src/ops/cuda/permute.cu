@@ -214,6 +214,22 @@ void launch_copy_rows(const void* src, void* dst, const int32_t* index, int64_t 
   else go(uint8_t{});
 }
 
+namespace {
+__global__ void gather_columns_kernel(const float* __restrict__ x, int64_t L, int64_t T,
+                                      const int32_t* __restrict__ index, int64_t R, float* __restrict__ out) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= R) return;
+  const int64_t j = index[r];
+  for (int64_t l = 0; l < L; ++l) out[l * R + r] = x[l * T + j];
+}
+}  // namespace
+
+void launch_gather_columns(const float* x, int64_t L, int64_t T, const int32_t* index, int64_t R, float* out,
+                           cudaStream_t stream) {
+  if (R == 0 || L == 0) return;
+  gather_columns_kernel<<<static_cast<unsigned>((R + 255) / 256), 256, 0, stream>>>(x, L, T, index, R, out);
+}
+
 void launch_permute_backward(const void* dxp, const int32_t* slot_row, int64_t T, int K, int64_t R, int64_t H,
                              void* dx, bool is_bf16, cudaStream_t stream) {
   if (T == 0 || H == 0) return;

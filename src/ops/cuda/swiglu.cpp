@@ -109,15 +109,15 @@ SwigluOut grouped_swiglu_forward_fp8(const Fp8Tensor& x, const Tensor& counts, c
   out.gate = Tensor::empty({N, I}, DType::BF16, dev);
   out.up = Tensor::empty({N, I}, DType::BF16, dev);
   out.act = Tensor::empty({N, I}, DType::BF16, dev);
-  Tensor act_q = Tensor::empty({N, I}, DType::F8E4M3, dev);
-  Tensor act_scale = Tensor::empty({I / 128, N}, DType::F32, dev);
+  out.act_q.q = Tensor::empty({N, I}, DType::F8E4M3, dev);
+  out.act_q.scale = Tensor::empty({I / 128, N}, DType::F32, dev);
   Tensor ws = Tensor::empty({swiglu_workspace_words(N, static_cast<int>(experts))}, DType::I32, dev);
   auto codes = [](const Tensor& t) { return static_cast<const uint8_t*>(t.raw()); };
   const bool launched = launch_swiglu_forward_fp8(
       codes(x.q), x.scale.data<float>(), counts.data<int64_t>(), codes(w_gate.q), w_gate.scale.data<float>(),
       codes(w_up.q), w_up.scale.data<float>(), codes(w_down.q), w_down.scale.data<float>(), N, static_cast<int>(H),
       static_cast<int>(I), static_cast<int>(experts), out.gate.raw(), out.up.raw(), out.act.raw(),
-      static_cast<uint8_t*>(act_q.raw()), act_scale.data<float>(), out.y.raw(), ws.data<int32_t>(), stream());
+      static_cast<uint8_t*>(out.act_q.q.raw()), out.act_q.scale.data<float>(), out.y.raw(), ws.data<int32_t>(), stream());
   MT_CHECK(launched, "{}: the FP8 grouped GEMMs need a Hopper GPU (sm_90) whose driver encodes TMA maps of these "
            "tensors (N = {}, H = {}, I = {}); this GPU or driver does not", op, N, H, I);
   check_launch("grouped_swiglu_forward_fp8 kernels");

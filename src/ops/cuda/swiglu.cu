@@ -49,7 +49,10 @@
 // silu(g) * u is computed from the f32 accumulators.
 #include <cuda_bf16.h>
 
+#include <cstdlib>
+
 #include "ops/cuda/elementwise_launch.h"
+#include "ops/cuda/fp8_device.cuh"
 #include "ops/cuda/fp8_launch.h"
 #include "ops/cuda/hopper.cuh"
 #include "ops/cuda/kernels.cuh"
@@ -546,9 +549,9 @@ constexpr int ws_tile_cols(int epi) { return epi == kEpiGateUp ? kWsBN / 2 : kWs
 constexpr int kOutBox = 64 * 64 * 2;
 constexpr int kRowsSmem = smem_bytes(kWsStages, kWsStage) + 1024 + 4 * kOutBox;
 static_assert(kRowsSmem <= 232448 - 64, "shared memory of the rows kernel");
-// The bf16 outputs of a rows launch (box 64 columns x 64 rows): store / gate, up, act.
+// The outputs of a rows launch (bf16: box 64 columns x 64 rows): store / gate, up, act.
 struct OutMaps {
-  CUtensorMap o[3];
+  CUtensorMap o[4];  // the FP8 gate/up kernel's o[3]: act's codes (ActCodes)
 };
 
 #if MT_SM90A
@@ -586,6 +589,17 @@ __device__ __forceinline__ void produce_row_tiles(char* smem, uint64_t* full, ui
 }
 #endif  // MT_SM90A
 
+// The FP8 forward's act codes, quantized in the gate/up epilogue: a gate/up tile's 128 act
+// columns of a row are one 1 x 128 tile (n0 is a multiple of 128, I of 128), so the tile's
+// amax is the four lanes of a quad's; the bf16 act as stored is what is quantized, so the
+// codes and scales are the bits quantize_fp8 (rows mode) makes of it. out.o[3] maps the
+// codes (box 128 x 64 bytes) for the TMA path.
+struct ActCodes {
+  uint8_t* q;    // [N, I] e4m3
+  float* scale;  // [I / 128][N]
+  int n_rows, ld;  // N, I
+};
+
 #if MT_SM90A
 // Where column block j (8 bf16, 16 bytes) of row r lands in a 128-byte-swizzled staging box,
 // plus the lane's pair.
@@ -598,23 +612,22 @@ __device__ __forceinline__ int staging_offset(int r, int j, int lane) {
 // 16 w + lane / 4 + 8 h, column nb * 8 + 2 (lane % 4) + c; gate/up: gate columns nb < 16,
 // up columns nb + 16). When all 64 rows are the expert's, 64 x 64 boxes go through the
 // warpgroup's two staging buffers by TMA stores that drain while the next tile's MMAs run
-// (`boxes` counts them); else the rows of the expert are stored from registers.
-template <bool kGateUp>
-__device__ __forceinline__ void store_rows_tile(const float (&acc)[128], const OutMaps& out, const RowsArgs& args,
-                                                char* staging, int& boxes, int row0, int row_end, int n0, int cw) {
+// (`boxes` counts them); else the rows of the expert are stored from registers. Gate/up:
+// gate and up go out first, then act replaces gate in acc (as the bf16 that is stored) and
+// goes out, then, with kActFp8, its codes and scales (ActCodes).
+template <bool kGateUp, bool kActFp8 = false>
+__device__ __forceinline__ void store_rows_tile(float (&acc)[128], const OutMaps& out, const RowsArgs& args,
+                                                char* staging, int& boxes, int row0, int row_end, int n0, int cw,
+                                                const ActCodes& codes = {}) {
   const int tid = threadIdx.x & 127, lane = tid & 31, w = tid >> 5;
-  // Stores the warpgroup's 64 rows x 64 columns col0.. of output `o` through the next
-  // staging box; value(j, h) is the bf16 pair of column block j (8 columns), row half h.
-  auto store_box = [&](const CUtensorMap* map, int col0, int row, auto value) {
+  // Stores the warpgroup's 64 rows of a 128-byte-wide box at (col0, row) of `map` through the
+  // next staging buffer; fill(buf, r, h) writes row r (row half h) of this thread's part.
+  auto stage_box = [&](const CUtensorMap* map, int col0, int row, auto fill) {
     char* buf = staging + (boxes++ & 1) * kOutBox;
     if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");  // its last copy has read it
     named_barrier(2 + cw, 128);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = 16 * w + (lane >> 2) + 8 * h;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) *reinterpret_cast<uint32_t*>(buf + staging_offset(r, j, lane)) = value(j, h);
-    }
+    for (int h = 0; h < 2; ++h) fill(buf, 16 * w + (lane >> 2) + 8 * h, h);
     fence_proxy_async();  // generic writes -> copy engine reads
     named_barrier(2 + cw, 128);
     if (tid == 0) {
@@ -622,67 +635,132 @@ __device__ __forceinline__ void store_rows_tile(const float (&acc)[128], const O
       asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
     }
   };
+  // 64 rows x 64 bf16 columns; value(j, h) is the bf16 pair of column block j (8 columns).
+  auto store_box = [&](const CUtensorMap* map, int col0, int row, auto value) {
+    stage_box(map, col0, row, [&](char* buf, int r, int h) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) *reinterpret_cast<uint32_t*>(buf + staging_offset(r, j, lane)) = value(j, h);
+    });
+  };
   auto pack = [](float a, float b) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
     return *reinterpret_cast<const uint32_t*>(&v);
   };
-  if (row0 + cw * 64 + 64 <= row_end) {
-    // All 64 of the warpgroup's rows are the expert's: the boxes go out by TMA (columns
-    // past n_extent are clipped by the map) while the next tile's MMAs run.
-    const int r0 = row0 + cw * 64;
-    if constexpr (kGateUp) {
+  const bool whole = row0 + cw * 64 + 64 <= row_end;  // all 64 of the warpgroup's rows are the expert's
+  const int r0 = row0 + cw * 64;
+  if constexpr (kGateUp) {
+    // gate (nb < 16) and up (nb + 16)
+    if (whole) {
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
-        store_box(&out.o[0], n0 + 64 * q, r0, [&](int j, int h) {
-          const int nb = 8 * q + j;
-          return pack(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
-        });
-        store_box(&out.o[1], n0 + 64 * q, r0, [&](int j, int h) {
-          const int nb = 8 * q + j + 16;
-          return pack(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
-        });
-        store_box(&out.o[2], n0 + 64 * q, r0, [&](int j, int h) {
-          const int nb = 8 * q + j;
-          const float g0 = acc[nb * 4 + h * 2], g1 = acc[nb * 4 + h * 2 + 1];
-          const float u0 = acc[(nb + 16) * 4 + h * 2], u1 = acc[(nb + 16) * 4 + h * 2 + 1];
-          return pack(g0 * sigmoidf_(g0) * u0, g1 * sigmoidf_(g1) * u1);
-        });
-      }
-    } else {
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        store_box(&out.o[0], n0 + 64 * q, r0, [&](int j, int h) {
+        for (int o = 0; o < 2; ++o) {
+          store_box(&out.o[o], n0 + 64 * q, r0, [&](int j, int h) {
+            const int nb = 8 * q + j + 16 * o;
+            return pack(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
+          });
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = r0 + w * 16 + (lane >> 2) + h * 8;
+      if (whole || row >= row_end) continue;
+#pragma unroll
+      for (int nb = 0; nb < 16; ++nb) {
+        const int col = n0 + nb * 8 + (lane & 3) * 2;
+        if (col >= args.n_extent) continue;
+        const int64_t o = row * args.ldo + col;
+        *reinterpret_cast<__nv_bfloat162*>(args.out0 + o) =
+            __floats2bfloat162_rn(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
+        *reinterpret_cast<__nv_bfloat162*>(args.out1 + o) =
+            __floats2bfloat162_rn(acc[(nb + 16) * 4 + h * 2], acc[(nb + 16) * 4 + h * 2 + 1]);
+      }
+    }
+    // act = silu(gate) * up, in place of gate, rounded to the bf16 that is stored
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      const float g = acc[i], u = acc[64 + i];
+      acc[i] = __bfloat162float(__float2bfloat16_rn(g * sigmoidf_(g) * u));
+    }
+    if (whole) {
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        store_box(&out.o[2], n0 + 64 * q, r0, [&](int j, int h) {
           const int nb = 8 * q + j;
           return pack(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
         });
       }
     }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = r0 + w * 16 + (lane >> 2) + h * 8;
+      if (whole || row >= row_end) continue;
+#pragma unroll
+      for (int nb = 0; nb < 16; ++nb) {
+        const int col = n0 + nb * 8 + (lane & 3) * 2;
+        if (col >= args.n_extent) continue;
+        *reinterpret_cast<__nv_bfloat162*>(args.out2 + row * args.ldo + col) =
+            __floats2bfloat162_rn(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
+      }
+    }
+    if constexpr (kActFp8) {
+      // Each row's 128 act columns: 32 in this thread, the rest in its quad's other lanes.
+      float inv[2];  // this thread's rows' scales
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float amax = 0.f;
+#pragma unroll
+        for (int nb = 0; nb < 16; ++nb) amax = fmaxf(amax, fmaxf(fabsf(acc[nb * 4 + h * 2]), fabsf(acc[nb * 4 + h * 2 + 1])));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        inv[h] = fp8::tile_scale(amax);
+      }
+      auto code_pair = [&](int nb, int h) {  // columns nb * 8 + 2 (lane % 4) + 0, 1 as two codes
+        return static_cast<uint16_t>(fp8::to_e4m3(acc[nb * 4 + h * 2] / inv[h]) |
+                                     (fp8::to_e4m3(acc[nb * 4 + h * 2 + 1] / inv[h]) << 8));
+      };
+      if (whole) {
+        // 16-code chunk c of row r sits at chunk c ^ (r % 8) of the 128-byte swizzled row.
+        stage_box(&out.o[3], n0, r0, [&](char* buf, int r, int h) {
+#pragma unroll
+          for (int nb = 0; nb < 16; ++nb) {
+            *reinterpret_cast<uint16_t*>(buf + r * 128 + (((nb >> 1) ^ (r & 7)) << 4) + (nb & 1) * 8 + (lane & 3) * 2) =
+                code_pair(nb, h);
+          }
+        });
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t row = r0 + w * 16 + (lane >> 2) + h * 8;
+        if (row >= row_end) continue;
+        if ((lane & 3) == 0) codes.scale[static_cast<int64_t>(n0 / 128) * codes.n_rows + row] = inv[h];
+        if (whole) continue;
+#pragma unroll
+        for (int nb = 0; nb < 16; ++nb) {
+          *reinterpret_cast<uint16_t*>(codes.q + row * codes.ld + n0 + nb * 8 + (lane & 3) * 2) = code_pair(nb, h);
+        }
+      }
+    }
+  } else if (whole) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      store_box(&out.o[0], n0 + 64 * q, r0, [&](int j, int h) {
+        const int nb = 8 * q + j;
+        return pack(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
+      });
+    }
   } else {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int64_t row = row0 + cw * 64 + w * 16 + (lane >> 2) + h * 8;
+      const int64_t row = r0 + w * 16 + (lane >> 2) + h * 8;
       if (row >= row_end) continue;
-      if constexpr (kGateUp) {
 #pragma unroll
-        for (int nb = 0; nb < 16; ++nb) {
-          const int col = n0 + nb * 8 + (lane & 3) * 2;
-          if (col >= args.n_extent) continue;
-          const float g0 = acc[nb * 4 + h * 2], g1 = acc[nb * 4 + h * 2 + 1];
-          const float u0 = acc[(nb + 16) * 4 + h * 2], u1 = acc[(nb + 16) * 4 + h * 2 + 1];
-          const int64_t o = row * args.ldo + col;
-          *reinterpret_cast<__nv_bfloat162*>(args.out0 + o) = __floats2bfloat162_rn(g0, g1);
-          *reinterpret_cast<__nv_bfloat162*>(args.out1 + o) = __floats2bfloat162_rn(u0, u1);
-          *reinterpret_cast<__nv_bfloat162*>(args.out2 + o) =
-              __floats2bfloat162_rn(g0 * sigmoidf_(g0) * u0, g1 * sigmoidf_(g1) * u1);
-        }
-      } else {
-#pragma unroll
-        for (int nb = 0; nb < 32; ++nb) {
-          const int col = n0 + nb * 8 + (lane & 3) * 2;
-          if (col >= args.n_extent) continue;
-          *reinterpret_cast<__nv_bfloat162*>(args.out0 + row * args.ldo + col) =
-              __floats2bfloat162_rn(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
-        }
+      for (int nb = 0; nb < 32; ++nb) {
+        const int col = n0 + nb * 8 + (lane & 3) * 2;
+        if (col >= args.n_extent) continue;
+        *reinterpret_cast<__nv_bfloat162*>(args.out0 + row * args.ldo + col) =
+            __floats2bfloat162_rn(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
       }
     }
   }
@@ -905,10 +983,10 @@ struct Fp8Scales {
   int b_blocks;       // n / 128: the block rows of one expert's weight
 };
 
-template <int kEpi>
+template <int kEpi, bool kPrefetch>
 __global__ void __launch_bounds__(kWsThreads, 1)
     fp8_rows_kernel(const __grid_constant__ Maps maps, const __grid_constant__ OutMaps out, const RowsArgs args,
-                    const Fp8Scales sc, int ktiles, int col_tiles, int max_tiles) {
+                    const Fp8Scales sc, const ActCodes codes, int ktiles, int col_tiles, int max_tiles) {
 #if MT_SM90A
   constexpr bool kGateUp = kEpi == kEpiGateUp;
   constexpr int S = kWsStages;
@@ -961,10 +1039,26 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     float acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    // The scales of k-tile kt + 1 are loaded while k-tile kt's MMAs run: loaded at their
+    // k-tile, their L2 latency came before every k-tile's first promotion whenever the ring
+    // was already full.
+    auto load_scales = [&](int kt, float (&v)[4]) {
+      const float* sa = sc.a + static_cast<int64_t>(kt) * sc.n_rows;
+      v[0] = sa[ra0];
+      v[1] = sa[ra1];
+      v[2] = sb0[kt];
+      v[3] = sb1[kt];
+    };
+    float next[4];
+    load_scales(0, next);
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
       const int s = it % S;
-      const float* sa = sc.a + static_cast<int64_t>(kt) * sc.n_rows;
-      const float a0 = sa[ra0], a1 = sa[ra1], b0 = sb0[kt], b1 = sb1[kt];
+      float cur[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) cur[i] = next[i];
+      if (kPrefetch && kt + 1 < ktiles) load_scales(kt + 1, next);
+      if (!kPrefetch) load_scales(kt, cur);
+      const float a0 = cur[0], a1 = cur[1], b0 = cur[2], b1 = cur[3];
       mbar_wait(&full[s], (it / S) & 1);
       const uint32_t a = smem_u32(smem + s * kWsStage) + cw * 64 * 128, b = smem_u32(smem + s * kWsStage + kTile);
 #pragma unroll
@@ -985,7 +1079,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       }
       if (lane == 0) mbar_arrive(&empty[s]);  // both halves' MMAs are done with the stage
     }
-    store_rows_tile<kGateUp>(acc, out, args, staging, boxes, row0, row_end, n0, cw);
+    store_rows_tile<kGateUp, kGateUp>(acc, out, args, staging, boxes, row0, row_end, n0, cw, codes);
   }
   if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 #endif
@@ -1373,15 +1467,16 @@ void launch_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out, co
 // The FP8 rows kernel over K = 128 ktiles (n_cols as launch_rows_hopper's).
 template <int kEpi>
 void launch_fp8_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out, const RowsArgs& args,
-                            const hopper::Fp8Scales& scales, int ktiles, int n_cols, int max_tiles,
-                            cudaStream_t stream) {
+                            const hopper::Fp8Scales& scales, const hopper::ActCodes& codes, int ktiles, int n_cols,
+                            int max_tiles, cudaStream_t stream) {
   if (n_cols == 0 || max_tiles == 0) return;
-  auto kernel = hopper::fp8_rows_kernel<kEpi>;
+  static const bool no_prefetch = std::getenv("MOETRAIN_FP8_NO_PREFETCH") != nullptr;  // A/B, temporary
+  auto kernel = no_prefetch ? hopper::fp8_rows_kernel<kEpi, false> : hopper::fp8_rows_kernel<kEpi, true>;
   constexpr int smem = hopper::kRowsSmem;
   prepare_hopper(kernel, smem);
   const int col_tiles = (n_cols + hopper::ws_tile_cols(kEpi) - 1) / hopper::ws_tile_cols(kEpi);
   const int grid = persistent_grid(static_cast<int64_t>(col_tiles) * max_tiles);
-  kernel<<<grid, hopper::kWsThreads, smem, stream>>>(maps, out, args, scales, ktiles, col_tiles, max_tiles);
+  kernel<<<grid, hopper::kWsThreads, smem, stream>>>(maps, out, args, scales, codes, ktiles, col_tiles, max_tiles);
 }
 
 static_assert(sizeof(hopper::WgradMaps) + sizeof(WgradArgs) + 3 * sizeof(int) <= 4096,
@@ -1502,7 +1597,8 @@ bool launch_swiglu_forward_fp8(const uint8_t* x_q, const float* x_scale, const i
       !make_tensor_map_bytes(&dn.a[0], act_q, {i, n}, {128, 128}) ||
       !make_tensor_map_bytes(&dn.b[0], wd_q, {i, h, e}, {128, 128, 1}) ||
       !make_map(&gu_out.o[0], gate, {i, n}, {64, 64}) || !make_map(&gu_out.o[1], up, {i, n}, {64, 64}) ||
-      !make_map(&gu_out.o[2], act, {i, n}, {64, 64}) || !make_map(&dn_out.o[0], y, {h, n}, {64, 64})) {
+      !make_map(&gu_out.o[2], act, {i, n}, {64, 64}) || !make_tensor_map_bytes(&gu_out.o[3], act_q, {i, n}, {128, 64}) ||
+      !make_map(&dn_out.o[0], y, {h, n}, {64, 64})) {
     return false;
   }
   const Schedule s = make_schedule(counts, N, E, workspace, true, stream, &sm_l2_halves(stream));
@@ -1510,7 +1606,7 @@ bool launch_swiglu_forward_fp8(const uint8_t* x_q, const float* x_scale, const i
   a.offsets = s.offsets;
   a.tile_expert = s.tile_expert;
   a.tile_row = s.tile_row;
-  // gate | up = x [Wg | Wu]^T, act = silu(gate) * up
+  // gate | up = x [Wg | Wu]^T, act = silu(gate) * up, with act's codes per 1 x 128 tile
   set_queues(a, s, 0);
   a.n_extent = I;
   a.out0 = mb(gate);
@@ -1519,16 +1615,16 @@ bool launch_swiglu_forward_fp8(const uint8_t* x_q, const float* x_scale, const i
   a.ldo = I;
   auto padded_blocks = [](int k) { return (k / 128 + 3) / 4 * 4; };
   const hopper::Fp8Scales gs{x_scale, {wg_scale, wu_scale}, static_cast<int>(N), padded_blocks(H), I / 128};
-  launch_fp8_rows_hopper<kEpiGateUp>(gu, gu_out, a, gs, H / 128, I, s.max_tiles, stream);
-  // act per 1 x 128 tile, then y = act Wd^T
-  launch_quantize_fp8_rows(act, 2, N, I, act_q, act_scale, stream);
+  const hopper::ActCodes codes{act_q, act_scale, static_cast<int>(N), I};
+  launch_fp8_rows_hopper<kEpiGateUp>(gu, gu_out, a, gs, codes, H / 128, I, s.max_tiles, stream);
+  // y = act Wd^T
   set_queues(a, s, 1);
   a.n_extent = H;
   a.out0 = mb(y);
   a.out1 = a.out2 = nullptr;
   a.ldo = H;
   const hopper::Fp8Scales ds{act_scale, {wd_scale, wd_scale}, static_cast<int>(N), padded_blocks(I), H / 128};
-  launch_fp8_rows_hopper<kEpiStore>(dn, dn_out, a, ds, I / 128, H, s.max_tiles, stream);
+  launch_fp8_rows_hopper<kEpiStore>(dn, dn_out, a, ds, hopper::ActCodes{}, I / 128, H, s.max_tiles, stream);
   return true;
 }
 
