@@ -142,10 +142,39 @@ void BM_GroupedSwigluForwardFp8WithX(benchmark::State& state) {
   });
 }
 
+// The input gradient in FP8 from e4m3 operands (each expert's W^T blocks made once outside
+// the loop, as a step's kept weights are): da with the dSwiGLU epilogue, dgate's and dup's
+// quantization and dx. "WithDy" also quantizes dy, as a layer does.
+void BM_GroupedSwigluBackwardInputFp8(benchmark::State& state) {
+  if (!cuda::available()) return time_op(state, [] {});
+  Problem& p = problem();
+  const ops::SwigluOut f = ops::grouped_swiglu_forward(p.x, p.counts, p.wg, p.wu, p.wd);
+  auto wt = [](const Tensor& w) { return ops::transpose_fp8_experts(ops::quantize_fp8_experts(w), kE); };
+  const ops::Fp8Tensor wgt = wt(p.wg), wut = wt(p.wu), wdt = wt(p.wd);
+  const ops::Fp8Tensor dy = ops::quantize_fp8(p.dy, ops::Fp8Blocks::kRows);
+  time_op(state, [&] {
+    ops::SwigluInputGrads g = ops::grouped_swiglu_backward_input_fp8(dy, p.counts, f.gate, f.up, wgt, wut, wdt, kE);
+  });
+}
+
+void BM_GroupedSwigluBackwardInputFp8WithDy(benchmark::State& state) {
+  if (!cuda::available()) return time_op(state, [] {});
+  Problem& p = problem();
+  const ops::SwigluOut f = ops::grouped_swiglu_forward(p.x, p.counts, p.wg, p.wu, p.wd);
+  auto wt = [](const Tensor& w) { return ops::transpose_fp8_experts(ops::quantize_fp8_experts(w), kE); };
+  const ops::Fp8Tensor wgt = wt(p.wg), wut = wt(p.wu), wdt = wt(p.wd);
+  time_op(state, [&] {
+    ops::SwigluInputGrads g = ops::grouped_swiglu_backward_input_fp8(ops::quantize_fp8(p.dy, ops::Fp8Blocks::kRows),
+                                                                     p.counts, f.gate, f.up, wgt, wut, wdt, kE);
+  });
+}
+
 BENCHMARK(BM_GroupedSwigluForward)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
 BENCHMARK(BM_GroupedSwigluForwardFp8)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
 BENCHMARK(BM_GroupedSwigluForwardFp8WithX)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
 BENCHMARK(BM_GroupedSwigluBackwardInput)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
+BENCHMARK(BM_GroupedSwigluBackwardInputFp8)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
+BENCHMARK(BM_GroupedSwigluBackwardInputFp8WithDy)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
 BENCHMARK(BM_GroupedSwigluBackwardWeight)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
 BENCHMARK(BM_GroupedSwigluBackwardWeightOverwrite)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
 

@@ -353,6 +353,48 @@ SwigluOut grouped_swiglu_forward_fp8(const Fp8Tensor& x, const Tensor& counts, c
   return MT_ROUTE(x.q, grouped_swiglu_forward_fp8, x, counts, w_gate, w_up, w_down, experts);
 }
 
+Fp8Tensor transpose_fp8_experts(const Fp8Tensor& w, int64_t experts) {
+  const char* op = "transpose_fp8_experts";
+  check_fp8_tensor(op, w, "w");
+  MT_CHECK(w.blocks == Fp8Blocks::kBlocks, "{}: w must be quantized in blocks (128 x 128) mode", op);
+  MT_CHECK(experts >= 1 && w.q.size(0) % experts == 0, "{}: w {} is not {} experts' [n, k] blocks", op, w.q.str(),
+           experts);
+  const int64_t n = w.q.size(0) / experts, k = w.q.size(1);
+  MT_CHECK(n % kFp8Block == 0 && k % kFp8Block == 0,
+           "{}: each expert's weight is [{}, {}]; both must be multiples of 128 (whole blocks either way)", op, n, k);
+  return MT_ROUTE(w.q, transpose_fp8_experts, w, experts);
+}
+
+SwigluInputGrads grouped_swiglu_backward_input_fp8(const Fp8Tensor& dy, const Tensor& counts, const Tensor& gate,
+                                                   const Tensor& up, const Fp8Tensor& w_gate_t,
+                                                   const Fp8Tensor& w_up_t, const Fp8Tensor& w_down_t,
+                                                   int64_t experts) {
+  const char* op = "grouped_swiglu_backward_input_fp8";
+  check_fp8_tensor(op, dy, "dy");
+  check_fp8_tensor(op, w_gate_t, "w_gate_t");
+  check_fp8_tensor(op, w_up_t, "w_up_t");
+  check_fp8_tensor(op, w_down_t, "w_down_t");
+  MT_CHECK(dy.blocks == Fp8Blocks::kRows, "{}: dy must be quantized in rows (1 x 128) mode", op);
+  MT_CHECK(w_gate_t.blocks == Fp8Blocks::kBlocks && w_up_t.blocks == Fp8Blocks::kBlocks &&
+               w_down_t.blocks == Fp8Blocks::kBlocks,
+           "{}: the weights must be each expert's W^T in blocks (128 x 128) mode (transpose_fp8_experts)", op);
+  const int64_t N = dy.q.size(0), H = dy.q.size(1);
+  MT_CHECK(experts >= 1 && w_down_t.q.size(0) % experts == 0, "{}: w_down_t {} is not {} experts' [I, H] blocks", op,
+           w_down_t.q.str(), experts);
+  const int64_t I = w_down_t.q.size(0) / experts;
+  MT_CHECK(H % kFp8Block == 0 && I % kFp8Block == 0,
+           "{}: the hidden size H = {} and the experts' width I = {} must be multiples of 128", op, H, I);
+  check_shape(w_down_t.q, {experts * I, H}, "grouped_swiglu_backward_input_fp8 w_down_t [E I, H]");
+  check_shape(w_gate_t.q, {experts * H, I}, "grouped_swiglu_backward_input_fp8 w_gate_t [E H, I]");
+  check_shape(w_up_t.q, {experts * H, I}, "grouped_swiglu_backward_input_fp8 w_up_t [E H, I]");
+  check_shape(gate, {N, I}, "grouped_swiglu_backward_input_fp8 gate");
+  check_shape(up, {N, I}, "grouped_swiglu_backward_input_fp8 up");
+  MT_CHECK(gate.dtype() == up.dtype(), "{}: gate is {}, up {}: one dtype", op, gate.str(), up.str());
+  check_shape(counts, {experts}, "grouped_swiglu_backward_input_fp8 counts [E]");
+  check_dtype(counts, DType::I64, "grouped_swiglu_backward_input_fp8 counts");
+  return MT_ROUTE(dy.q, grouped_swiglu_backward_input_fp8, dy, counts, gate, up, w_gate_t, w_up_t, w_down_t, experts);
+}
+
 SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& counts, const Tensor& gate, const Tensor& up, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down) {
   return MT_ROUTE(dy, grouped_swiglu_backward_input, dy, counts, gate, up, w_gate, w_up, w_down);
 }

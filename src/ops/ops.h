@@ -447,6 +447,20 @@ void linear_fp8_into(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& y, bool acc
 // K on the GPU. H and I multiples of 128. Outputs bf16 on CUDA (Hopper only), f32 on the CPU.
 SwigluOut grouped_swiglu_forward_fp8(const Fp8Tensor& x, const Tensor& counts, const Fp8Tensor& w_gate,
                                      const Fp8Tensor& w_up, const Fp8Tensor& w_down, int64_t experts);
+// Each expert's W^T per 128 x 128 block from W's blocks (quantize_fp8_experts of w [E, n, k],
+// k a multiple of 128): [E n, k] -> [E k, n], the same codes and scales moved (a block's amax
+// is its transpose's), bitwise quantize_fp8_transposed(w[e], kBlocks) of each expert, stacked.
+Fp8Tensor transpose_fp8_experts(const Fp8Tensor& w, int64_t experts);
+// The experts' input gradient in FP8 (issue 30): as grouped_swiglu_backward_input, from dy
+// [N, H] per 1 x 128 tile and each expert's W^T per block (transpose_fp8_experts of the
+// forward's blocks: w_gate_t, w_up_t [E H, I], w_down_t [E I, H]). dgate and dup are quantized
+// per 1 x 128 tile for the dx GEMM; the returned ones (for the weight gradients) are not. Sums
+// in f32, promoted every 128 of K on the GPU. H and I multiples of 128. bf16 out on CUDA
+// (Hopper only), f32 on the CPU; gate and up as the forward returned them.
+SwigluInputGrads grouped_swiglu_backward_input_fp8(const Fp8Tensor& dy, const Tensor& counts, const Tensor& gate,
+                                                   const Tensor& up, const Fp8Tensor& w_gate_t,
+                                                   const Fp8Tensor& w_up_t, const Fp8Tensor& w_down_t,
+                                                   int64_t experts);
 
 // ---- MoE auxiliary losses -------------------------------------------------------------
 // Hugging Face Qwen3-MoE load balancing over R router rows (all routed layers of a

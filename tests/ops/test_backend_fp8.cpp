@@ -181,5 +181,68 @@ TEST(BackendFp8, GroupedSwigluForwardMatchesTheDequantizedProducts) {
   }
 }
 
+// The experts' FP8 input gradient on the GPU (da with the dSwiGLU epilogue, dgate and dup
+// quantized, dx over K = 2I from two sources): each expert's W^T blocks bitwise the CPU's;
+// dgate and dup against the CPU reference (f32 products of the same dequantized operands);
+// dx against the f64 products of the GPU's own dgate and dup quantized as the kernels
+// quantize them. Shapes as the forward's test, I = 384 putting the second half of da's last
+// column tile past the weight.
+TEST(BackendFp8, GroupedSwigluBackwardInputMatchesTheDequantizedProducts) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  struct Case {
+    std::vector<int64_t> counts;
+    int64_t H, I;
+  };
+  std::vector<int64_t> big(128);
+  for (int64_t e = 0; e < 128; ++e) big[e] = e % 9 == 4 ? 0 : 20 + (e * 37) % 100;
+  for (const Case& c : {Case{{130, 0, 257, 1}, 256, 256}, Case{{64, 300, 0, 77, 129}, 384, 384},
+                        Case{big, 2048, 768}}) {
+    const int64_t E = static_cast<int64_t>(c.counts.size()), H = c.H, I = c.I;
+    int64_t N = 0;
+    for (int64_t n : c.counts) N += n;
+    const std::string tag = fmt::format("grouped_swiglu_backward_input_fp8[E={},N={},H={},I={}]", E, N, H, I);
+    const Tensor dy = random_bf16_values({N, H}, N + H + 1, 1.0);
+    const Tensor gate = random_bf16_values({N, I}, N + 2, 1.0), up = random_bf16_values({N, I}, N + 3, 1.0);
+    const Tensor wg = random_bf16_values({E, I, H}, 21 + E, 0.05), wu = random_bf16_values({E, I, H}, 22 + E, 0.05);
+    const Tensor wd = random_bf16_values({E, H, I}, 23 + E, 0.05);
+    const Tensor counts = Tensor::from_vector(c.counts, {E});
+    auto t_cpu = [&](const Tensor& w) { return ops::transpose_fp8_experts(ops::quantize_fp8_experts(w), E); };
+    auto t_gpu = [&](const Tensor& w) {
+      return ops::transpose_fp8_experts(ops::quantize_fp8_experts(on_gpu(w, DType::BF16)), E);
+    };
+    const ops::Fp8Tensor gt = t_cpu(wg), ut = t_cpu(wu), dt = t_cpu(wd);
+    const ops::Fp8Tensor ggt = t_gpu(wg), gut = t_gpu(wu), gdt = t_gpu(wd);
+    expect_same_fp8(ggt, gt, tag + " w_gate_t");
+    expect_same_fp8(gdt, dt, tag + " w_down_t");
+    const ops::SwigluInputGrads got = ops::grouped_swiglu_backward_input_fp8(
+        ops::quantize_fp8(on_gpu(dy, DType::BF16), ops::Fp8Blocks::kRows), counts.to(kGpu),
+        on_gpu(gate, DType::BF16), on_gpu(up, DType::BF16), ggt, gut, gdt, E);
+    const ops::SwigluInputGrads ref = ops::grouped_swiglu_backward_input_fp8(
+        ops::quantize_fp8(dy, ops::Fp8Blocks::kRows), counts, gate, up, gt, ut, dt, E);
+    testing::expect_backend_close(got.dgate.to(Device::cpu()), ref.dgate, 3e-3, tag, "dgate");
+    testing::expect_backend_close(got.dup.to(Device::cpu()), ref.dup, 3e-3, tag, "dup");
+    // dx from the GPU's dgate and dup quantized per 1 x 128 tile, times each expert's W^T^T.
+    const Tensor qg = ops::dequantize_fp8(ops::quantize_fp8(got.dgate.to(Device::cpu()), ops::Fp8Blocks::kRows),
+                                          DType::F64);
+    const Tensor qu = ops::dequantize_fp8(ops::quantize_fp8(got.dup.to(Device::cpu()), ops::Fp8Blocks::kRows),
+                                          DType::F64);
+    const Tensor gtd = ops::dequantize_fp8(gt, DType::F64).view({E, H, I});
+    const Tensor utd = ops::dequantize_fp8(ut, DType::F64).view({E, H, I});
+    Tensor dx = Tensor::zeros({N, H}, DType::F64);
+    int64_t r0 = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r1 = r0 + c.counts[e];
+      if (r1 > r0) {
+        Tensor part = ops::linear_forward(qg.slice(r0, r1), gtd.select(e));
+        ops::add_(part, ops::linear_forward(qu.slice(r0, r1), utd.select(e)));
+        dx.slice(r0, r1).copy_from(part);
+      }
+      r0 = r1;
+    }
+    testing::expect_backend_close(got.dx.to(Device::cpu()), dx, 3e-3, tag, "dx");
+  }
+}
+
 }  // namespace
 }  // namespace moetrain

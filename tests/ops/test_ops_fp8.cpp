@@ -12,6 +12,7 @@
 #include "core/rng.h"
 #include "ops/arg_checks.h"
 #include "ops/ops.h"
+#include "backend_compare.h"
 #include "test_util.h"
 
 namespace moetrain {
@@ -160,6 +161,82 @@ TEST(Fp8, PermutedTokenCodesAreTheCodesOfThePermutedRows) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("rows mode"), std::string::npos) << e.what();
   }
+}
+
+// Each expert's W^T blocks moved from W's are the blocks of W^T quantized: codes and scales
+// bit for bit, for experts whose weights are wider than tall and taller than wide.
+TEST(Fp8, TransposedExpertBlocksAreEachExpertsTransposeQuantized) {
+  for (const auto& [E, n, k] : {std::tuple<int64_t, int64_t, int64_t>{3, 256, 384}, {2, 640, 128}}) {
+    const Tensor w = testing::random_tensor({E, n, k}, DType::F32, 95 + n);
+    const ops::Fp8Tensor t = ops::transpose_fp8_experts(ops::quantize_fp8_experts(w), E);
+    ASSERT_EQ(t.q.shape(), (Shape{E * k, n}));
+    const int64_t lt = t.scale.size(1);
+    for (int64_t e = 0; e < E; ++e) {
+      const ops::Fp8Tensor want = ops::quantize_fp8_transposed(w.select(e), ops::Fp8Blocks::kBlocks);
+      EXPECT_EQ(0, std::memcmp(static_cast<const uint8_t*>(t.q.raw()) + e * k * n, want.q.raw(), want.q.nbytes()))
+          << "expert " << e;
+      const std::vector<float> ws = want.scale.to_vector<float>(), ts = t.scale.to_vector<float>();
+      ASSERT_EQ(want.scale.size(1), lt);
+      for (size_t i = 0; i < ws.size(); ++i) EXPECT_EQ(ts[e * (k / 128) * lt + i], ws[i]) << "expert " << e << " scale " << i;
+    }
+  }
+}
+
+// The experts' FP8 input gradient (CPU reference) against the BF16 op in f64 on the same
+// dequantized operands: dgate and dup equal to f32 rounding, dx the product of dgate and dup
+// quantized per 1 x 128 tile (their own quantization error shows against the unquantized
+// dx). The weights come in as transpose_fp8_experts of the forward's blocks, so a transposed
+// read of them errs by O(1).
+Tensor transposed(const Tensor& m) {  // an f64 [R, C] matrix -> [C, R]
+  const int64_t R = m.size(0), C = m.size(1);
+  const std::vector<double> v = m.to_double_vector();
+  std::vector<double> t(v.size());
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t c = 0; c < C; ++c) t[c * R + r] = v[r * C + c];
+  }
+  return Tensor::from_vector(t, {C, R});
+}
+
+TEST(Fp8, ExpertInputGradientIsTheProductOfTheDequantizedOperands) {
+  const int64_t E = 3, H = 256, I = 384;
+  const std::vector<int64_t> c{50, 0, 77};
+  const int64_t N = 127;
+  const Tensor dy = testing::random_tensor({N, H}, DType::F32, 96);
+  const Tensor gate = testing::random_tensor({N, I}, DType::F32, 97), up = testing::random_tensor({N, I}, DType::F32, 98);
+  const Tensor wg = testing::random_tensor({E, I, H}, DType::F32, 99, 0.05);
+  const Tensor wu = testing::random_tensor({E, I, H}, DType::F32, 100, 0.05);
+  const Tensor wd = testing::random_tensor({E, H, I}, DType::F32, 101, 0.05);
+  const Tensor counts = Tensor::from_vector(c, {E});
+  const ops::Fp8Tensor dyq = ops::quantize_fp8(dy, ops::Fp8Blocks::kRows);
+  const ops::Fp8Tensor gq = ops::quantize_fp8_experts(wg), uq = ops::quantize_fp8_experts(wu);
+  const ops::Fp8Tensor dq = ops::quantize_fp8_experts(wd);
+  const ops::SwigluInputGrads got = ops::grouped_swiglu_backward_input_fp8(
+      dyq, counts, gate, up, ops::transpose_fp8_experts(gq, E), ops::transpose_fp8_experts(uq, E),
+      ops::transpose_fp8_experts(dq, E), E);
+  auto deq = [&](const ops::Fp8Tensor& q, const Shape& s) { return ops::dequantize_fp8(q, DType::F64).view(s); };
+  const Tensor wgd = deq(gq, {E, I, H}), wud = deq(uq, {E, I, H}), wdd = deq(dq, {E, H, I});
+  const ops::SwigluInputGrads ref = ops::grouped_swiglu_backward_input(
+      deq(dyq, {N, H}), counts, gate.to(DType::F64), up.to(DType::F64), wgd, wud, wdd);
+  EXPECT_LT(testing::backend_error(got.dgate, ref.dgate), 1e-5);
+  EXPECT_LT(testing::backend_error(got.dup, ref.dup), 1e-5);
+  const double unquantized = testing::backend_error(got.dx, ref.dx);
+  EXPECT_GT(unquantized, 1e-4) << "dx did not see dgate's and dup's quantization";
+  EXPECT_LT(unquantized, 0.1);
+  // dx from the quantized dgate and dup, in f64
+  const Tensor qg = ops::dequantize_fp8(ops::quantize_fp8(got.dgate, ops::Fp8Blocks::kRows), DType::F64);
+  const Tensor qu = ops::dequantize_fp8(ops::quantize_fp8(got.dup, ops::Fp8Blocks::kRows), DType::F64);
+  Tensor dx = Tensor::zeros({N, H}, DType::F64);
+  int64_t r0 = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r1 = r0 + c[e];
+    if (r1 > r0) {  // dgate Wg[e] = linear(dgate, Wg[e]^T)
+      Tensor part = ops::linear_forward(qg.slice(r0, r1), transposed(wgd.select(e)));
+      ops::add_(part, ops::linear_forward(qu.slice(r0, r1), transposed(wud.select(e))));
+      dx.slice(r0, r1).copy_from(part);
+    }
+    r0 = r1;
+  }
+  EXPECT_LT(testing::backend_error(got.dx, dx), 1e-5);
 }
 
 TEST(Fp8, LinearMatchesTheProductOfTheDequantizedOperands) {

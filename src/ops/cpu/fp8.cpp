@@ -57,6 +57,26 @@ Fp8Tensor quantize_fp8_transposed(const Tensor& x, Fp8Blocks blocks) {
   return cpu::quantize_fp8(Tensor::from_vector(t, {C, R}), blocks);
 }
 
+Fp8Tensor transpose_fp8_experts(const Fp8Tensor& w, int64_t experts) {
+  const int64_t n = w.q.size(0) / experts, k = w.q.size(1);
+  Fp8Tensor out{Tensor::empty({experts * k, n}, DType::F8E4M3),
+                Tensor::full(fp8_scale_shape(experts * k, n, Fp8Blocks::kBlocks), 1.0, DType::F32), Fp8Blocks::kBlocks};
+  const uint8_t* q = static_cast<const uint8_t*>(w.q.raw());
+  uint8_t* qt = static_cast<uint8_t*>(out.q.raw());
+  const float* s = w.scale.data<float>();
+  float* st = out.scale.data<float>();
+  const int64_t ls = w.scale.size(1), lt = out.scale.size(1), nb = n / kFp8Block, kb = k / kFp8Block;
+  for (int64_t e = 0; e < experts; ++e) {
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t c = 0; c < k; ++c) qt[(e * k + c) * n + r] = q[(e * n + r) * k + c];
+    }
+    for (int64_t rb = 0; rb < nb; ++rb) {
+      for (int64_t cb = 0; cb < kb; ++cb) st[(e * kb + cb) * lt + rb] = s[(e * nb + rb) * ls + cb];
+    }
+  }
+  return out;
+}
+
 Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype) {
   const int64_t R = t.q.size(0), C = t.q.size(1);
   const uint8_t* q = static_cast<const uint8_t*>(t.q.raw());

@@ -57,6 +57,11 @@ CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const 
 SwigluOut grouped_swiglu_forward(const Tensor& x, const Tensor& counts, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down);
 SwigluOut grouped_swiglu_forward_fp8(const Fp8Tensor& x, const Tensor& counts, const Fp8Tensor& w_gate,
                                      const Fp8Tensor& w_up, const Fp8Tensor& w_down, int64_t experts);
+Fp8Tensor transpose_fp8_experts(const Fp8Tensor& w, int64_t experts);
+SwigluInputGrads grouped_swiglu_backward_input_fp8(const Fp8Tensor& dy, const Tensor& counts, const Tensor& gate,
+                                                   const Tensor& up, const Fp8Tensor& w_gate_t,
+                                                   const Fp8Tensor& w_up_t, const Fp8Tensor& w_down_t,
+                                                   int64_t experts);
 SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& counts, const Tensor& gate, const Tensor& up, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down);
 void grouped_swiglu_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& counts, const Tensor& gate, const Tensor& up, const Tensor& dgate, const Tensor& dup, Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down, bool accumulate, SumSquaresInto squares, const Tensor& act);
 // Hopper's one-pass form of ops::grouped_swiglu_backward_weight_group (in passes of up to 8

@@ -79,6 +79,17 @@ Fp8Tensor quantize_fp8_transposed(const Tensor& x, Fp8Blocks blocks) {
   return out;
 }
 
+Fp8Tensor transpose_fp8_experts(const Fp8Tensor& w, int64_t experts) {
+  check_cuda_tensors("transpose_fp8_experts", {&w.q, &w.scale});
+  const int64_t n = w.q.size(0) / experts, k = w.q.size(1);
+  Fp8Tensor out = empty_fp8(experts * k, n, Fp8Blocks::kBlocks, w.q.device());
+  launch_transpose_fp8_experts(static_cast<const uint8_t*>(w.q.raw()), w.scale.data<float>(), experts, n, k,
+                               w.scale.size(1), out.scale.size(1), static_cast<uint8_t*>(out.q.raw()),
+                               out.scale.data<float>(), stream());
+  check_launch("transpose_fp8_experts");
+  return out;
+}
+
 Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype) {
   check_cuda_tensors("dequantize_fp8", {&t.q, &t.scale});
   const int64_t R = t.q.size(0), C = t.q.size(1);

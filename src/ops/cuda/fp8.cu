@@ -192,6 +192,38 @@ __global__ void __launch_bounds__(256) quantize_transposed_bf16x8_kernel(const _
   if (part == 0) scale[rb * C + c] = s;
 }
 
+// Each expert's W^T blocks from W's: a 256-thread block per 128 x 128 block (rb, cb) of expert
+// e's [n, k], its codes read 16 bytes a thread into shared memory and written as the block
+// (cb, rb) of [k, n] 16 bytes a thread (a column of 16 codes gathered from 16 rows); thread 0
+// moves the scale. n, k multiples of 128.
+__global__ void __launch_bounds__(256) transpose_blocks_kernel(const uint8_t* __restrict__ q,
+                                                              const float* __restrict__ scale, int64_t n, int64_t k,
+                                                              int64_t ls, int64_t lt, uint8_t* __restrict__ qt,
+                                                              float* __restrict__ st) {
+  __shared__ uint8_t tile[kBlock][kBlock + 16];  // +16: a 16-byte step between rows' banks
+  const int64_t nb = n / kBlock, kb = k / kBlock;
+  const int64_t e = blockIdx.z, rb = blockIdx.y, cb = blockIdx.x;
+  const uint8_t* src = q + (e * n + rb * kBlock) * k + cb * kBlock;
+  uint8_t* dst = qt + (e * k + cb * kBlock) * n + rb * kBlock;
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // 128 rows x 8 chunks of 16 bytes
+    const int c = tid + 256 * i, r = c / 8, j = c % 8;
+    *reinterpret_cast<uint4*>(&tile[r][16 * j]) = *reinterpret_cast<const uint4*>(src + r * k + 16 * j);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // output row oc (input column) x chunk j of 16 input rows
+    const int c = tid + 256 * i, oc = c / 8, j = c % 8;
+    uint4 v;
+    uint8_t* b = reinterpret_cast<uint8_t*>(&v);
+#pragma unroll
+    for (int t = 0; t < 16; ++t) b[t] = tile[16 * j + t][oc];
+    *reinterpret_cast<uint4*>(dst + oc * n + 16 * j) = v;
+  }
+  if (tid == 0) st[(e * kb + cb) * lt + rb] = scale[(e * nb + rb) * ls + cb];
+}
+
 __global__ void dequantize_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scale, bool blocks,
                                   int64_t R, int64_t C, int64_t scale_cols, float* __restrict__ y) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -245,6 +277,13 @@ void launch_quantize_fp8_transposed(const void* x, int elem_bytes, int64_t R, in
   }
   const int64_t blocks = ((R + kBlock - 1) / kBlock) * ((C + 31) / 32);
   quantize_transposed_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(x, elem_bytes, R, C, q, scale);
+}
+
+void launch_transpose_fp8_experts(const uint8_t* q, const float* scale, int64_t E, int64_t n, int64_t k, int64_t ls,
+                                  int64_t lt, uint8_t* qt, float* st, cudaStream_t s) {
+  if (E == 0 || n == 0 || k == 0) return;
+  const dim3 grid(static_cast<unsigned>(k / kBlock), static_cast<unsigned>(n / kBlock), static_cast<unsigned>(E));
+  transpose_blocks_kernel<<<grid, 256, 0, s>>>(q, scale, n, k, ls, lt, qt, st);
 }
 
 void launch_dequantize_fp8(const uint8_t* q, const float* scale, bool blocks, int64_t R, int64_t C, int64_t scale_cols,

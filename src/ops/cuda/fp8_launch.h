@@ -22,6 +22,10 @@ void launch_quantize_fp8_transposed(const void* x, int elem_bytes, int64_t R, in
 // codes written transposed; scale[cb * scale_cols + rb].
 void launch_quantize_fp8_transposed_blocks(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q,
                                            float* scale, int64_t scale_cols, cudaStream_t s);
+// Each expert's W^T per 128 x 128 block from W's blocks: q [E n, k] (scale [E n / 128][ls])
+// -> qt [E k, n] (st [E k / 128][lt], its padding left as it is); n, k multiples of 128.
+void launch_transpose_fp8_experts(const uint8_t* q, const float* scale, int64_t E, int64_t n, int64_t k, int64_t ls,
+                                  int64_t lt, uint8_t* qt, float* st, cudaStream_t s);
 // y = q * scale (f32 out), either mode.
 void launch_dequantize_fp8(const uint8_t* q, const float* scale, bool blocks, int64_t R, int64_t C, int64_t scale_cols,
                            float* y, cudaStream_t s);

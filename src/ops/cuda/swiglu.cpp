@@ -124,6 +124,46 @@ SwigluOut grouped_swiglu_forward_fp8(const Fp8Tensor& x, const Tensor& counts, c
   return out;  // scratch freed in stream order
 }
 
+SwigluInputGrads grouped_swiglu_backward_input_fp8(const Fp8Tensor& dy, const Tensor& counts, const Tensor& gate,
+                                                   const Tensor& up, const Fp8Tensor& w_gate_t,
+                                                   const Fp8Tensor& w_up_t, const Fp8Tensor& w_down_t,
+                                                   int64_t experts) {
+  const char* op = "grouped_swiglu_backward_input_fp8";
+  const int64_t N = dy.q.size(0), H = dy.q.size(1), I = w_down_t.q.size(0) / experts;
+  check_cuda_tensors(op, {&dy.q, &dy.scale, &counts, &gate, &up, &w_gate_t.q, &w_gate_t.scale, &w_up_t.q,
+                          &w_up_t.scale, &w_down_t.q, &w_down_t.scale});
+  MT_CHECK(gate.dtype() == DType::BF16, "{}: gate and up must be bf16 on CUDA, got {}", op, gate.str());
+  MT_CHECK(experts <= kSwigluMaxExperts, "{}: {} experts; the CUDA grouped SwiGLU takes 1 to {}", op, experts,
+           kSwigluMaxExperts);
+  MT_CHECK(H <= INT_MAX / 2 && I <= INT_MAX / 2 && N <= INT_MAX, "{}: N = {}, H = {}, I = {} exceed the int range", op,
+           N, H, I);
+  MT_CHECK(swiglu_max_tiles(N, static_cast<int>(experts)) <= kSwigluMaxGridY,
+           "{}: N = {} rows over {} experts need more than {} row tiles of 128", op, N, experts, kSwigluMaxGridY);
+  for (const Tensor* t : {&dy.q, &w_gate_t.q, &w_up_t.q, &w_down_t.q, &gate, &up}) {
+    check_aligned(*t, op, "an operand");
+  }
+  const Device dev = dy.q.device();
+  SwigluInputGrads g;
+  g.dx = Tensor::empty({N, H}, DType::BF16, dev);
+  g.dgate = Tensor::empty({N, I}, DType::BF16, dev);
+  g.dup = Tensor::empty({N, I}, DType::BF16, dev);
+  Tensor dgate_q = Tensor::empty({N, I}, DType::F8E4M3, dev), dup_q = Tensor::empty({N, I}, DType::F8E4M3, dev);
+  Tensor dgate_s = Tensor::empty({I / 128, N}, DType::F32, dev), dup_s = Tensor::empty({I / 128, N}, DType::F32, dev);
+  Tensor ws = Tensor::empty({swiglu_workspace_words(N, static_cast<int>(experts))}, DType::I32, dev);
+  auto codes = [](const Tensor& t) { return static_cast<const uint8_t*>(t.raw()); };
+  auto out_codes = [](Tensor& t) { return static_cast<uint8_t*>(t.raw()); };
+  const bool launched = launch_swiglu_backward_input_fp8(
+      codes(dy.q), dy.scale.data<float>(), counts.data<int64_t>(), gate.raw(), up.raw(), codes(w_gate_t.q),
+      w_gate_t.scale.data<float>(), codes(w_up_t.q), w_up_t.scale.data<float>(), codes(w_down_t.q),
+      w_down_t.scale.data<float>(), N, static_cast<int>(H), static_cast<int>(I), static_cast<int>(experts),
+      g.dgate.raw(), g.dup.raw(), out_codes(dgate_q), dgate_s.data<float>(), out_codes(dup_q), dup_s.data<float>(),
+      g.dx.raw(), ws.data<int32_t>(), stream());
+  MT_CHECK(launched, "{}: the FP8 grouped GEMMs need a Hopper GPU (sm_90) whose driver encodes TMA maps of these "
+           "tensors (N = {}, H = {}, I = {}); this GPU or driver does not", op, N, H, I);
+  check_launch("grouped_swiglu_backward_input_fp8 kernels");
+  return g;  // scratch freed in stream order
+}
+
 SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& counts, const Tensor& gate,
                                                const Tensor& up, const Tensor& w_gate, const Tensor& w_up,
                                                const Tensor& w_down) {

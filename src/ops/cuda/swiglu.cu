@@ -765,6 +765,116 @@ __device__ __forceinline__ void store_rows_tile(float (&acc)[128], const OutMaps
     }
   }
 }
+
+// The dSwiGLU epilogue of a consumer warpgroup's 64 rows x 256 columns of da in acc (layout
+// as store_rows_tile's): dgate = da * u * silu'(g), dup = da * silu(g), g and u read from
+// memory (args.g, args.u), dgate and dup stored (out.o[0], o[1] / args.out0, out1).
+__device__ __forceinline__ void store_dswiglu_tile(const float (&acc)[128], const OutMaps& out, const RowsArgs& args,
+                                                   char* staging, int row0, int row_end, int n0, int cw) {
+  const int tid = threadIdx.x & 127, lane = tid & 31, w = tid >> 5;
+  auto box_offset = [&](int r, int j) { return staging_offset(r, j, lane); };
+  // da -> dgate = da * u * silu'(g), dup = da * silu(g), with g and u read from memory in
+  // eight batches (h, 8 column blocks), the next batch's loads issued before this one's
+  // stores: the compiler may not move the loads above stores that could alias them, and
+  // one batch at a time left the tensor cores idle for a memory round trip per batch
+  // (this kernel ran at 331 TFLOP/s against 430-540 for the other row GEMMs).
+  // A tile whose columns all exist (every one at the bench shapes) takes no branch per
+  // column: each batch's 8 pairs are one block the compiler interleaves.
+  const bool all_cols = n0 + kWsBN <= args.n_extent;
+  if (all_cols && row0 + cw * 64 + 64 <= row_end) {
+    // The warpgroup's 64 rows are the expert's: four boxes of 64 columns, dgate in one
+    // staging buffer and dup in the other, each half of the rows computed in place from
+    // g and u (the next half's loads issued first), then both boxes go out by TMA.
+    const int r0 = row0 + cw * 64;
+    uint32_t gv[2][8], uv[2][8];  // [batch parity][column block]
+    auto load = [&](int b, uint32_t(&g)[8], uint32_t(&u)[8]) {  // batch b: box b / 2, row half b % 2
+      const int64_t o = static_cast<int64_t>(r0 + 16 * w + (lane >> 2) + 8 * (b & 1)) * args.ldo + n0 +
+                        64 * (b >> 1) + (lane & 3) * 2;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        g[j] = *reinterpret_cast<const uint32_t*>(args.g + o + 8 * j);
+        u[j] = *reinterpret_cast<const uint32_t*>(args.u + o + 8 * j);
+      }
+    };
+    load(0, gv[0], uv[0]);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // both buffers read
+      named_barrier(2 + cw, 128);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int b = 2 * q + h;
+        if (b + 1 < 8) load(b + 1, gv[(b + 1) & 1], uv[(b + 1) & 1]);
+        uint32_t(&g)[8] = gv[b & 1];
+        uint32_t(&u)[8] = uv[b & 1];
+        const int r = 16 * w + (lane >> 2) + 8 * h;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int nb = 8 * q + j;
+          dswiglu_pair(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1], *reinterpret_cast<__nv_bfloat162*>(&g[j]),
+                       *reinterpret_cast<__nv_bfloat162*>(&u[j]), g[j], u[j]);
+          const int off = box_offset(r, j);
+          *reinterpret_cast<uint32_t*>(staging + off) = g[j];
+          *reinterpret_cast<uint32_t*>(staging + kOutBox + off) = u[j];
+        }
+      }
+      fence_proxy_async();  // generic writes -> copy engine reads
+      named_barrier(2 + cw, 128);
+      if (tid == 0) {
+        tma_store_2d(&out.o[0], staging, n0 + 64 * q, r0);            // dgate
+        tma_store_2d(&out.o[1], staging + kOutBox, n0 + 64 * q, r0);  // dup
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+      }
+    }
+    return;
+  }
+  __nv_bfloat162 gb[2][8], ub[2][8];
+  auto load = [&](int b, __nv_bfloat162(&g)[8], __nv_bfloat162(&u)[8]) {
+    const int64_t row = row0 + cw * 64 + w * 16 + (lane >> 2) + (b >> 2) * 8;
+    if (row >= row_end) return;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int col = n0 + ((b & 3) * 8 + j) * 8 + (lane & 3) * 2;
+      if (all_cols || col < args.n_extent) {
+        g[j] = *reinterpret_cast<const __nv_bfloat162*>(args.g + row * args.ldo + col);
+        u[j] = *reinterpret_cast<const __nv_bfloat162*>(args.u + row * args.ldo + col);
+      }
+    }
+  };
+  auto finish = [&](int b, const __nv_bfloat162(&g)[8], const __nv_bfloat162(&u)[8]) {
+    const int h = b >> 2;
+    const int64_t row = row0 + cw * 64 + w * 16 + (lane >> 2) + h * 8;
+    if (row >= row_end) return;
+    const int64_t o = row * args.ldo + n0 + (b & 3) * 64 + (lane & 3) * 2;
+    if (all_cols) {
+      uint32_t dg[8], du[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int nb = (b & 3) * 8 + j;
+        dswiglu_pair(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1], g[j], u[j], dg[j], du[j]);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        *reinterpret_cast<uint32_t*>(args.out0 + o + 8 * j) = dg[j];
+        *reinterpret_cast<uint32_t*>(args.out1 + o + 8 * j) = du[j];
+      }
+      return;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int nb = (b & 3) * 8 + j;
+      if (n0 + nb * 8 + (lane & 3) * 2 >= args.n_extent) return;
+      store_dswiglu_pair(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1], g[j], u[j], args.out0 + o + 8 * j, args.out1 + o + 8 * j);
+    }
+  };
+  load(0, gb[0], ub[0]);
+#pragma unroll
+  for (int b = 0; b < 8; ++b) {
+    if (b + 1 < 8) load(b + 1, gb[(b + 1) & 1], ub[(b + 1) & 1]);
+    finish(b, gb[b & 1], ub[b & 1]);
+  }
+}
+
 #endif  // MT_SM90A
 
 template <bool kBKMajor, int kEpi>
@@ -807,7 +917,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int cw = wg - 1, tid = threadIdx.x & 127, lane = tid & 31, w = tid >> 5;
   char* staging = smem + S * kWsStage + 1024 + cw * 2 * kOutBox;  // this warpgroup's two boxes
   int boxes = 0;  // boxes this warpgroup has stored: the next one goes to buffer boxes % 2
-  auto box_offset = [&](int r, int j) { return staging_offset(r, j, lane); };
   int it = 0;
   // Bounded (a block never gets more than every tile): with an endless loop the compiler
   // keeps acc in local memory in the dSwiGLU kernel and serialises its wgmmas.
@@ -852,106 +961,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     // acc[nb * 4 + h * 2 + c]: row 16 w + lane / 4 + 8 h of the warpgroup's 64 rows, column
     // nb * 8 + 2 (lane % 4) + c (gate/up: gate columns nb < 16, up columns nb + 16).
     if constexpr (kEpi == kEpiDSwiglu) {
-      // da -> dgate = da * u * silu'(g), dup = da * silu(g), with g and u read from memory in
-      // eight batches (h, 8 column blocks), the next batch's loads issued before this one's
-      // stores: the compiler may not move the loads above stores that could alias them, and
-      // one batch at a time left the tensor cores idle for a memory round trip per batch
-      // (this kernel ran at 331 TFLOP/s against 430-540 for the other row GEMMs).
-      // A tile whose columns all exist (every one at the bench shapes) takes no branch per
-      // column: each batch's 8 pairs are one block the compiler interleaves.
-      const bool all_cols = n0 + kWsBN <= args.n_extent;
-      if (all_cols && row0 + cw * 64 + 64 <= row_end) {
-        // The warpgroup's 64 rows are the expert's: four boxes of 64 columns, dgate in one
-        // staging buffer and dup in the other, each half of the rows computed in place from
-        // g and u (the next half's loads issued first), then both boxes go out by TMA.
-        const int r0 = row0 + cw * 64;
-        uint32_t gv[2][8], uv[2][8];  // [batch parity][column block]
-        auto load = [&](int b, uint32_t(&g)[8], uint32_t(&u)[8]) {  // batch b: box b / 2, row half b % 2
-          const int64_t o = static_cast<int64_t>(r0 + 16 * w + (lane >> 2) + 8 * (b & 1)) * args.ldo + n0 +
-                            64 * (b >> 1) + (lane & 3) * 2;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            g[j] = *reinterpret_cast<const uint32_t*>(args.g + o + 8 * j);
-            u[j] = *reinterpret_cast<const uint32_t*>(args.u + o + 8 * j);
-          }
-        };
-        load(0, gv[0], uv[0]);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // both buffers read
-          named_barrier(2 + cw, 128);
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int b = 2 * q + h;
-            if (b + 1 < 8) load(b + 1, gv[(b + 1) & 1], uv[(b + 1) & 1]);
-            uint32_t(&g)[8] = gv[b & 1];
-            uint32_t(&u)[8] = uv[b & 1];
-            const int r = 16 * w + (lane >> 2) + 8 * h;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              const int nb = 8 * q + j;
-              dswiglu_pair(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1], *reinterpret_cast<__nv_bfloat162*>(&g[j]),
-                           *reinterpret_cast<__nv_bfloat162*>(&u[j]), g[j], u[j]);
-              const int off = box_offset(r, j);
-              *reinterpret_cast<uint32_t*>(staging + off) = g[j];
-              *reinterpret_cast<uint32_t*>(staging + kOutBox + off) = u[j];
-            }
-          }
-          fence_proxy_async();  // generic writes -> copy engine reads
-          named_barrier(2 + cw, 128);
-          if (tid == 0) {
-            tma_store_2d(&out.o[0], staging, n0 + 64 * q, r0);            // dgate
-            tma_store_2d(&out.o[1], staging + kOutBox, n0 + 64 * q, r0);  // dup
-            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-          }
-        }
-        continue;
-      }
-      __nv_bfloat162 gb[2][8], ub[2][8];
-      auto load = [&](int b, __nv_bfloat162(&g)[8], __nv_bfloat162(&u)[8]) {
-        const int64_t row = row0 + cw * 64 + w * 16 + (lane >> 2) + (b >> 2) * 8;
-        if (row >= row_end) return;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int col = n0 + ((b & 3) * 8 + j) * 8 + (lane & 3) * 2;
-          if (all_cols || col < args.n_extent) {
-            g[j] = *reinterpret_cast<const __nv_bfloat162*>(args.g + row * args.ldo + col);
-            u[j] = *reinterpret_cast<const __nv_bfloat162*>(args.u + row * args.ldo + col);
-          }
-        }
-      };
-      auto finish = [&](int b, const __nv_bfloat162(&g)[8], const __nv_bfloat162(&u)[8]) {
-        const int h = b >> 2;
-        const int64_t row = row0 + cw * 64 + w * 16 + (lane >> 2) + h * 8;
-        if (row >= row_end) return;
-        const int64_t o = row * args.ldo + n0 + (b & 3) * 64 + (lane & 3) * 2;
-        if (all_cols) {
-          uint32_t dg[8], du[8];
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const int nb = (b & 3) * 8 + j;
-            dswiglu_pair(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1], g[j], u[j], dg[j], du[j]);
-          }
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            *reinterpret_cast<uint32_t*>(args.out0 + o + 8 * j) = dg[j];
-            *reinterpret_cast<uint32_t*>(args.out1 + o + 8 * j) = du[j];
-          }
-          return;
-        }
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int nb = (b & 3) * 8 + j;
-          if (n0 + nb * 8 + (lane & 3) * 2 >= args.n_extent) continue;
-          store_dswiglu_pair(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1], g[j], u[j], args.out0 + o + 8 * j, args.out1 + o + 8 * j);
-        }
-      };
-      load(0, gb[0], ub[0]);
-#pragma unroll
-      for (int b = 0; b < 8; ++b) {
-        if (b + 1 < 8) load(b + 1, gb[(b + 1) & 1], ub[(b + 1) & 1]);
-        finish(b, gb[b & 1], ub[b & 1]);
-      }
+      store_dswiglu_tile(acc, out, args, staging, row0, row_end, n0, cw);
     } else {
       store_rows_tile<kGateUp>(acc, out, args, staging, boxes, row0, row_end, n0, cw);
     }
@@ -961,32 +971,37 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 }
 
 // ---- FP8 row-grouped GEMMs (issue 30) ---------------------------------------------------
-// rows_kernel's schedule, ring and epilogue with e4m3 operands (both K-major: the forward's
-// gate/up and down). A 128-byte swizzled row holds 128 codes instead of 64 bf16, so a k-tile
-// is 128 deep with the stages' 48 KB unchanged, and a k-tile is exactly one 1 x 128 tile of
-// the activations' scales and one 128 x 128 block of the weights'. Each k-tile's four k32
-// MMAs go into a fresh sum that is then multiplied by the row's and the block's scales and
-// added to the f32 accumulators: DeepSeek-V3's promotion every 128 of K (Hopper's FP8 MMA
-// keeps ~14 bits in its accumulator). A consumer warpgroup's 64 x 256 is made as two
-// 64 x 128 halves, so that the fresh sum (64 registers a thread) fits beside the 128
-// accumulators; each half is waited for before it is promoted. H200, bench shape: 617 + 336
-// us against bf16's 773 + 424 (gate/up + down), SMs 52% and L2 39% busy (Nsight Compute):
-// latency-bound, the promotion not hidden. Tried and slower: four 64 x 64 quarters into two
-// fresh sums, each quarter promoted under the next one's MMAs (746 + 394 us: the narrower
-// MMAs read A from shared memory four times a k-tile). Rows past N (a tile's last) read a clamped scale: their outputs are never
-// stored.
+// rows_kernel's schedule, ring and epilogues with e4m3 operands, both K-major (Hopper's FP8
+// MMA takes no transposed operand): the forward's gate/up and down, and the input
+// gradient's da (B = each expert's Wd^T, epilogue dSwiGLU) and dx (K = 2I from two sources,
+// dgate with Wg^T then dup with Wu^T). A 128-byte swizzled row holds 128 codes instead of 64
+// bf16, so a k-tile is 128 deep with the stages' 48 KB unchanged, and a k-tile is exactly
+// one 1 x 128 tile of the activations' scales and one 128 x 128 block of the weights'. Each
+// k-tile's four k32 MMAs go into a fresh sum that is then multiplied by the row's and the
+// block's scales and added to the f32 accumulators: DeepSeek-V3's promotion every 128 of K
+// (Hopper's FP8 MMA keeps ~14 bits in its accumulator). A consumer warpgroup's 64 x 256 is
+// made as two 64 x 128 halves, so that the fresh sum (64 registers a thread) fits beside the
+// 128 accumulators; each half is waited for before it is promoted. H200, bench shape: 617 +
+// 336 us against bf16's 773 + 424 (gate/up + down), SMs 52% and L2 39% busy (Nsight
+// Compute): latency-bound. Tried and slower: four 64 x 64 quarters into two fresh sums, each
+// quarter promoted under the next one's MMAs (746 + 394 us: the narrower MMAs read A from
+// shared memory four times a k-tile). Rows past N (a tile's last) read a clamped scale: their
+// outputs are never stored.
 struct Fp8Scales {
-  const float* a;     // the rows' scales [K / 128][N] (quantize_fp8, rows mode)
-  const float* b[2];  // the weights' block scales [E n / 128][ldb] (gate/up: gate, up)
+  const float* a[2];  // the rows' scales [K_src / 128][N] per k source (quantize_fp8, rows mode)
+  const float* b[2];  // the weights' block scales [E n / 128][ldb]: gate/up: gate, up; else per k source
   int n_rows;         // N
-  int ldb;            // round_up(K / 128, 4)
+  int ldb;            // round_up(K_src / 128, 4)
   int b_blocks;       // n / 128: the block rows of one expert's weight
 };
 
+// ktiles_src k-tiles of 128 from each of nsrc k sources (maps.a[src], maps.b[src]; gate/up:
+// one source, maps.b[0] gate and maps.b[1] up).
 template <int kEpi, bool kPrefetch>
 __global__ void __launch_bounds__(kWsThreads, 1)
     fp8_rows_kernel(const __grid_constant__ Maps maps, const __grid_constant__ OutMaps out, const RowsArgs args,
-                    const Fp8Scales sc, const ActCodes codes, int ktiles, int col_tiles, int max_tiles) {
+                    const Fp8Scales sc, const ActCodes codes, int ktiles_src, int nsrc, int col_tiles,
+                    int max_tiles) {
 #if MT_SM90A
   constexpr bool kGateUp = kEpi == kEpiGateUp;
   constexpr int S = kWsStages;
@@ -994,22 +1009,23 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   uint64_t *full, *empty;
   char* smem = setup_smem<S, kWsStage>(smem_raw, full, empty);
   __shared__ int tile_of[S];
-  const int wg = threadIdx.x >> 7;
+  const int wg = threadIdx.x >> 7, ktiles = ktiles_src * nsrc;
 
-  if (wg == 0) {  // producer, as rows_kernel's (one k source, K-major weights, k-tiles of 128)
+  if (wg == 0) {  // producer, as rows_kernel's (K-major weights, k-tiles of 128)
     setmaxnreg_dec<40>();
     if (threadIdx.x != 0) return;
     produce_row_tiles<S, kWsStage>(smem, full, empty, tile_of, args, col_tiles, max_tiles, ktiles, ws_tile_cols(kEpi),
                                    [&](char* st, uint64_t* bar, int kt, int e, int row0, int n0) {
       char* sb = st + kTile;
-      const int k0 = kt * 128;
-      tma_load_2d(st, &maps.a[0], bar, k0, row0);
+      const int src = kt >= ktiles_src ? 1 : 0;
+      const int k0 = (kt - src * ktiles_src) * 128;
+      tma_load_2d(st, &maps.a[src], bar, k0, row0);
       if constexpr (kGateUp) {  // 128 gate rows, then the same 128 rows of up
         tma_load_3d(sb, &maps.b[0], bar, k0, n0, e);
         tma_load_3d(sb + kTile, &maps.b[1], bar, k0, n0, e);
       } else {
-        tma_load_3d(sb, &maps.b[0], bar, k0, n0, e);
-        tma_load_3d(sb + kTile, &maps.b[0], bar, k0, n0 + 128, e);
+        tma_load_3d(sb, &maps.b[src], bar, k0, n0, e);
+        tma_load_3d(sb + kTile, &maps.b[src], bar, k0, n0 + 128, e);
       }
     });
     return;
@@ -1028,27 +1044,30 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     const int rt = t / col_tiles, e = args.tile_expert[rt];
     const int row0 = args.tile_row[rt], row_end = args.offsets[e + 1];
     const int n0 = (t % col_tiles) * ws_tile_cols(kEpi);
-    // This thread's two rows (h = 0, 1) and the two halves' weight block rows (a down tile's
+    // This thread's two rows (h = 0, 1) and the two halves' weight block rows (a tile's
     // second half past the weight's last block is zero-filled by TMA: its scale is clamped).
     const int r_lo = row0 + cw * 64 + 16 * w + (lane >> 2);
     const int ra0 = min(r_lo, sc.n_rows - 1), ra1 = min(r_lo + 8, sc.n_rows - 1);
-    const int brow0 = e * sc.b_blocks + n0 / 128;
-    const float* sb0 = sc.b[0] + static_cast<int64_t>(brow0) * sc.ldb;
-    const float* sb1 = kGateUp ? sc.b[1] + static_cast<int64_t>(brow0) * sc.ldb
-                               : sc.b[0] + static_cast<int64_t>(min(brow0 + 1, (e + 1) * sc.b_blocks - 1)) * sc.ldb;
-    float acc[128];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    const int brow0 = e * sc.b_blocks + n0 / 128, brow1 = min(brow0 + 1, (e + 1) * sc.b_blocks - 1);
     // The scales of k-tile kt + 1 are loaded while k-tile kt's MMAs run: loaded at their
     // k-tile, their L2 latency came before every k-tile's first promotion whenever the ring
     // was already full.
     auto load_scales = [&](int kt, float (&v)[4]) {
-      const float* sa = sc.a + static_cast<int64_t>(kt) * sc.n_rows;
+      const int src = kt >= ktiles_src ? 1 : 0, kk = kt - src * ktiles_src;
+      const float* sa = sc.a[src] + static_cast<int64_t>(kk) * sc.n_rows;
       v[0] = sa[ra0];
       v[1] = sa[ra1];
-      v[2] = sb0[kt];
-      v[3] = sb1[kt];
+      if constexpr (kGateUp) {
+        v[2] = sc.b[0][static_cast<int64_t>(brow0) * sc.ldb + kk];
+        v[3] = sc.b[1][static_cast<int64_t>(brow0) * sc.ldb + kk];
+      } else {
+        v[2] = sc.b[src][static_cast<int64_t>(brow0) * sc.ldb + kk];
+        v[3] = sc.b[src][static_cast<int64_t>(brow1) * sc.ldb + kk];
+      }
     };
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     float next[4];
     load_scales(0, next);
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
@@ -1058,7 +1077,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       for (int i = 0; i < 4; ++i) cur[i] = next[i];
       if (kPrefetch && kt + 1 < ktiles) load_scales(kt + 1, next);
       if (!kPrefetch) load_scales(kt, cur);
-      const float a0 = cur[0], a1 = cur[1], b0 = cur[2], b1 = cur[3];
       mbar_wait(&full[s], (it / S) & 1);
       const uint32_t a = smem_u32(smem + s * kWsStage) + cw * 64 * 128, b = smem_u32(smem + s * kWsStage + kTile);
 #pragma unroll
@@ -1073,13 +1091,17 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         wgmma_commit();
         wgmma_wait<0>();
         pin(part);
-        const float sbh = half == 0 ? b0 : b1, s0 = a0 * sbh, s1 = a1 * sbh;
+        const float sbh = cur[2 + half], s0 = cur[0] * sbh, s1 = cur[1] * sbh;
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[half * 64 + i] += part[i] * ((i & 2) ? s1 : s0);  // part[4j + 2h + c]
       }
       if (lane == 0) mbar_arrive(&empty[s]);  // both halves' MMAs are done with the stage
     }
-    store_rows_tile<kGateUp, kGateUp>(acc, out, args, staging, boxes, row0, row_end, n0, cw, codes);
+    if constexpr (kEpi == kEpiDSwiglu) {
+      store_dswiglu_tile(acc, out, args, staging, row0, row_end, n0, cw);
+    } else {
+      store_rows_tile<kGateUp, kGateUp>(acc, out, args, staging, boxes, row0, row_end, n0, cw, codes);
+    }
   }
   if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 #endif
@@ -1464,11 +1486,12 @@ void launch_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out, co
   kernel<<<grid, hopper::kWsThreads, smem, stream>>>(maps, out, args, ktiles_src, nsrc, col_tiles, max_tiles);
 }
 
-// The FP8 rows kernel over K = 128 ktiles (n_cols as launch_rows_hopper's).
+// The FP8 rows kernel over K = 128 ktiles_src from each of nsrc sources (n_cols as
+// launch_rows_hopper's).
 template <int kEpi>
 void launch_fp8_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out, const RowsArgs& args,
-                            const hopper::Fp8Scales& scales, const hopper::ActCodes& codes, int ktiles, int n_cols,
-                            int max_tiles, cudaStream_t stream) {
+                            const hopper::Fp8Scales& scales, const hopper::ActCodes& codes, int ktiles_src, int nsrc,
+                            int n_cols, int max_tiles, cudaStream_t stream) {
   if (n_cols == 0 || max_tiles == 0) return;
   static const bool no_prefetch = std::getenv("MOETRAIN_FP8_NO_PREFETCH") != nullptr;  // A/B, temporary
   auto kernel = no_prefetch ? hopper::fp8_rows_kernel<kEpi, false> : hopper::fp8_rows_kernel<kEpi, true>;
@@ -1476,7 +1499,8 @@ void launch_fp8_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out
   prepare_hopper(kernel, smem);
   const int col_tiles = (n_cols + hopper::ws_tile_cols(kEpi) - 1) / hopper::ws_tile_cols(kEpi);
   const int grid = persistent_grid(static_cast<int64_t>(col_tiles) * max_tiles);
-  kernel<<<grid, hopper::kWsThreads, smem, stream>>>(maps, out, args, scales, codes, ktiles, col_tiles, max_tiles);
+  kernel<<<grid, hopper::kWsThreads, smem, stream>>>(maps, out, args, scales, codes, ktiles_src, nsrc, col_tiles,
+                                                     max_tiles);
 }
 
 static_assert(sizeof(hopper::WgradMaps) + sizeof(WgradArgs) + 3 * sizeof(int) <= 4096,
@@ -1582,6 +1606,11 @@ void launch_swiglu_forward(const void* x, const int64_t* counts, const void* w_g
   else launch_rows<true, kEpiStore>(a, (H + kBN - 1) / kBN, s.max_tiles, stream);
 }
 
+namespace {
+// The columns of a weight's block scales (ops.h: padded to a multiple of 4) for k columns.
+int padded_blocks(int k) { return (k / 128 + 3) / 4 * 4; }
+}  // namespace
+
 bool launch_swiglu_forward_fp8(const uint8_t* x_q, const float* x_scale, const int64_t* counts, const uint8_t* wg_q,
                                const float* wg_scale, const uint8_t* wu_q, const float* wu_scale, const uint8_t* wd_q,
                                const float* wd_scale, int64_t N, int H, int I, int E, void* gate, void* up, void* act,
@@ -1613,18 +1642,72 @@ bool launch_swiglu_forward_fp8(const uint8_t* x_q, const float* x_scale, const i
   a.out1 = mb(up);
   a.out2 = mb(act);
   a.ldo = I;
-  auto padded_blocks = [](int k) { return (k / 128 + 3) / 4 * 4; };
-  const hopper::Fp8Scales gs{x_scale, {wg_scale, wu_scale}, static_cast<int>(N), padded_blocks(H), I / 128};
+  const hopper::Fp8Scales gs{{x_scale, x_scale}, {wg_scale, wu_scale}, static_cast<int>(N), padded_blocks(H), I / 128};
   const hopper::ActCodes codes{act_q, act_scale, static_cast<int>(N), I};
-  launch_fp8_rows_hopper<kEpiGateUp>(gu, gu_out, a, gs, codes, H / 128, I, s.max_tiles, stream);
+  launch_fp8_rows_hopper<kEpiGateUp>(gu, gu_out, a, gs, codes, H / 128, 1, I, s.max_tiles, stream);
   // y = act Wd^T
   set_queues(a, s, 1);
   a.n_extent = H;
   a.out0 = mb(y);
   a.out1 = a.out2 = nullptr;
   a.ldo = H;
-  const hopper::Fp8Scales ds{act_scale, {wd_scale, wd_scale}, static_cast<int>(N), padded_blocks(I), H / 128};
-  launch_fp8_rows_hopper<kEpiStore>(dn, dn_out, a, ds, hopper::ActCodes{}, I / 128, H, s.max_tiles, stream);
+  const hopper::Fp8Scales ds{{act_scale, act_scale}, {wd_scale, wd_scale}, static_cast<int>(N), padded_blocks(I), H / 128};
+  launch_fp8_rows_hopper<kEpiStore>(dn, dn_out, a, ds, hopper::ActCodes{}, I / 128, 1, H, s.max_tiles, stream);
+  return true;
+}
+
+bool launch_swiglu_backward_input_fp8(const uint8_t* dy_q, const float* dy_scale, const int64_t* counts,
+                                      const void* gate, const void* up, const uint8_t* wgt_q, const float* wgt_scale,
+                                      const uint8_t* wut_q, const float* wut_scale, const uint8_t* wdt_q,
+                                      const float* wdt_scale, int64_t N, int H, int I, int E, void* dgate, void* dup,
+                                      uint8_t* dgate_q, float* dgate_scale, uint8_t* dup_q, float* dup_scale, void* dx,
+                                      int32_t* workspace, cudaStream_t stream) {
+  if (!use_hopper()) return false;
+  if (N == 0) return true;
+  const uint64_t n = N, h = H, i = I, e = E;
+  hopper::Maps da{}, dxm{};
+  hopper::OutMaps da_out{}, dx_out{};
+  if (!make_tensor_map_bytes(&da.a[0], dy_q, {h, n}, {128, 128}) ||
+      !make_tensor_map_bytes(&da.b[0], wdt_q, {h, i, e}, {128, 128, 1}) ||
+      !make_tensor_map_bytes(&dxm.a[0], dgate_q, {i, n}, {128, 128}) ||
+      !make_tensor_map_bytes(&dxm.a[1], dup_q, {i, n}, {128, 128}) ||
+      !make_tensor_map_bytes(&dxm.b[0], wgt_q, {i, h, e}, {128, 128, 1}) ||
+      !make_tensor_map_bytes(&dxm.b[1], wut_q, {i, h, e}, {128, 128, 1}) ||
+      !make_map(&da_out.o[0], dgate, {i, n}, {64, 64}) || !make_map(&da_out.o[1], dup, {i, n}, {64, 64}) ||
+      !make_map(&dx_out.o[0], dx, {h, n}, {64, 64})) {
+    return false;
+  }
+  const Schedule s = make_schedule(counts, N, E, workspace, true, stream, &sm_l2_halves(stream));
+  RowsArgs a{};
+  a.offsets = s.offsets;
+  a.tile_expert = s.tile_expert;
+  a.tile_row = s.tile_row;
+  // da = dy Wd (B = Wd^T [E, I, H], K-major), epilogue -> dgate, dup
+  set_queues(a, s, 0);
+  a.n_extent = I;
+  a.out0 = mb(dgate);
+  a.out1 = mb(dup);
+  a.ldo = I;
+  a.g = cb(gate);
+  a.u = cb(up);
+  da.a[1] = da.a[0];
+  da.b[1] = da.b[0];
+  const hopper::Fp8Scales das{{dy_scale, dy_scale}, {wdt_scale, wdt_scale}, static_cast<int>(N), padded_blocks(H),
+                              I / 128};
+  launch_fp8_rows_hopper<kEpiDSwiglu>(da, da_out, a, das, hopper::ActCodes{}, H / 128, 1, I, s.max_tiles, stream);
+  // dgate, dup per 1 x 128 tile, then dx = [dgate | dup] [Wg ; Wu]: K = 2I, k < I from
+  // (dgate, Wg^T), k >= I from (dup, Wu^T)
+  launch_quantize_fp8_rows(dgate, 2, N, I, dgate_q, dgate_scale, stream);
+  launch_quantize_fp8_rows(dup, 2, N, I, dup_q, dup_scale, stream);
+  set_queues(a, s, 1);
+  a.n_extent = H;
+  a.out0 = mb(dx);
+  a.out1 = a.out2 = nullptr;
+  a.ldo = H;
+  a.g = a.u = nullptr;
+  const hopper::Fp8Scales dxs{{dgate_scale, dup_scale}, {wgt_scale, wut_scale}, static_cast<int>(N), padded_blocks(I),
+                              H / 128};
+  launch_fp8_rows_hopper<kEpiStore>(dxm, dx_out, a, dxs, hopper::ActCodes{}, I / 128, 2, H, s.max_tiles, stream);
   return true;
 }
 

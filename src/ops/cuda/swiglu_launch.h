@@ -32,6 +32,17 @@ bool launch_swiglu_forward_fp8(const uint8_t* x_q, const float* x_scale, const i
                                const float* wg_scale, const uint8_t* wu_q, const float* wu_scale, const uint8_t* wd_q,
                                const float* wd_scale, int64_t N, int H, int I, int E, void* gate, void* up, void* act,
                                uint8_t* act_q, float* act_scale, void* y, int32_t* workspace, cudaStream_t stream);
+// The input gradient in FP8 (issue 30): dy per 1 x 128 tile, each expert's W^T per 128 x 128
+// block (ops::transpose_fp8_experts: wgt, wut [E H, I], wdt [E I, H]); da = dy Wd with dgate
+// and dup (bf16, also kept for the weight gradients) in its epilogue, then both quantized per
+// 1 x 128 tile into dgate_q/dup_q and their scales ([I / 128][N]) and dx = dgate Wg + dup Wu.
+// false where the Hopper kernels cannot run (nothing launched).
+bool launch_swiglu_backward_input_fp8(const uint8_t* dy_q, const float* dy_scale, const int64_t* counts,
+                                      const void* gate, const void* up, const uint8_t* wgt_q, const float* wgt_scale,
+                                      const uint8_t* wut_q, const float* wut_scale, const uint8_t* wdt_q,
+                                      const float* wdt_scale, int64_t N, int H, int I, int E, void* dgate, void* dup,
+                                      uint8_t* dgate_q, float* dgate_scale, uint8_t* dup_q, float* dup_scale, void* dx,
+                                      int32_t* workspace, cudaStream_t stream);
 // da = dy Wd[e] with dgate/dup in its epilogue; dx = dgate Wg[e] + dup Wu[e] (one launch).
 void launch_swiglu_backward_input(const void* dy, const int64_t* counts, const void* gate, const void* up,
                                   const void* w_gate, const void* w_up, const void* w_down, int64_t N, int H, int I,
