@@ -58,6 +58,43 @@ TEST(Projections, Fp8ProductsMatchTheHighPrecisionOnesWithinE4m3Error) {
 // The experts' SwiGLU forward under FP8: from e4m3 operands where both widths are multiples
 // of 128 (within e4m3's error of the plain one, and not equal to it), the plain op otherwise
 // (bitwise); the three weights kept once each.
+// The experts' input gradient follows the forward: FP8 where the widths are whole blocks
+// (each expert's W^T blocks kept beside W's, the same bits as made afresh), the BF16 op bit
+// for bit elsewhere.
+TEST(Projections, ExpertsInputGradientIsFp8WhereTheWidthsAreWholeBlocks) {
+  Projections fp8;
+  fp8.set_fp8(true);
+  const Projections& plain = bf16_projections();
+  const Tensor counts = Tensor::from_vector(std::vector<int64_t>{70, 0, 131}, {3});
+  for (int64_t I : {128, 64}) {
+    SCOPED_TRACE(I);
+    const Tensor dy = testing::random_tensor({201, 128}, DType::F32, 5);
+    const Tensor gate = testing::random_tensor({201, I}, DType::F32, 6), up = testing::random_tensor({201, I}, DType::F32, 7);
+    const Tensor wg = testing::random_tensor({3, I, 128}, DType::F32, 2, 0.1);
+    const Tensor wu = testing::random_tensor({3, I, 128}, DType::F32, 3, 0.1);
+    const Tensor wd = testing::random_tensor({3, 128, I}, DType::F32, 4, 0.1);
+    const ops::SwigluInputGrads fresh = fp8.experts_backward_input(dy, counts, gate, up, wg, wu, wd);
+    fp8.keep_weights(true);
+    const ops::SwigluInputGrads got = fp8.experts_backward_input(dy, counts, gate, up, wg, wu, wd);
+    const ops::SwigluInputGrads again = fp8.experts_backward_input(dy, counts, gate, up, wg, wu, wd);
+    EXPECT_EQ(fp8.kept_weights(), I == 128 ? 3u : 0u);
+    fp8.keep_weights(false);
+    const ops::SwigluInputGrads want = plain.experts_backward_input(dy, counts, gate, up, wg, wu, wd);
+    for (auto [a, b, what] : {std::tuple{&got.dgate, &want.dgate, "dgate"}, {&got.dup, &want.dup, "dup"},
+                              {&got.dx, &want.dx, "dx"}}) {
+      const double e = testing::rel_error(*a, *b);
+      if (I == 128) {
+        EXPECT_LT(e, 0.1) << what;
+        EXPECT_GT(e, 1e-4) << what << ": the FP8 path did not run";
+      } else {
+        EXPECT_EQ(e, 0.0) << what << ": widths of 64 stay BF16";
+      }
+    }
+    EXPECT_EQ(testing::rel_error(got.dx, fresh.dx), 0.0) << "kept W^T blocks differ from fresh ones";
+    EXPECT_EQ(testing::rel_error(again.dx, got.dx), 0.0);
+  }
+}
+
 TEST(Projections, ExpertsForwardIsFp8WhereTheWidthsAreWholeBlocks) {
   Projections fp8;
   fp8.set_fp8(true);

@@ -27,8 +27,7 @@ Tensor swiglu_mlp_forward(const Projections& proj, DispatchOut& in, const Tensor
   StageScope t(Stage::kExpertGemm);
   if (part.whole()) {
     out = proj.experts_forward(in.rows, in.counts, w_gate, w_up, w_down, in.rows_q);
-    in.rows_q = {};   // the forward's input only: not kept for the backward
-    out.act_q = {};   // the down GEMM's input only
+    in.rows_q = {};  // the forward's input only: not kept for the backward
     return out.y;
   }
   const ops::SwigluOut o = proj.experts_forward(part.of(in.rows), part.counts, w_gate, w_up, w_down);
@@ -38,16 +37,16 @@ Tensor swiglu_mlp_forward(const Projections& proj, DispatchOut& in, const Tensor
   return o.y;
 }
 
-Tensor swiglu_mlp_backward_input(const Tensor& d_rows_out, const DispatchOut& in, const ops::SwigluOut& fwd,
-                                 const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down, const RowPart& part,
-                                 ops::SwigluInputGrads& grads) {
+Tensor swiglu_mlp_backward_input(const Projections& proj, const Tensor& d_rows_out, const DispatchOut& in,
+                                 const ops::SwigluOut& fwd, const Tensor& w_gate, const Tensor& w_up,
+                                 const Tensor& w_down, const RowPart& part, ops::SwigluInputGrads& grads) {
   StageScope t(Stage::kExpertGemm);
   if (part.whole()) {
-    grads = ops::grouped_swiglu_backward_input(d_rows_out, in.counts, fwd.gate, fwd.up, w_gate, w_up, w_down);
+    grads = proj.experts_backward_input(d_rows_out, in.counts, fwd.gate, fwd.up, w_gate, w_up, w_down);
     return grads.dx;
   }
-  const ops::SwigluInputGrads g = ops::grouped_swiglu_backward_input(
-      part.of(d_rows_out), part.counts, part.of(fwd.gate), part.of(fwd.up), w_gate, w_up, w_down);
+  const ops::SwigluInputGrads g = proj.experts_backward_input(part.of(d_rows_out), part.counts, part.of(fwd.gate),
+                                                              part.of(fwd.up), w_gate, w_up, w_down);
   put_rows(grads.dgate, g.dgate, part, d_rows_out.size(0));
   put_rows(grads.dup, g.dup, part, d_rows_out.size(0));
   return g.dx;

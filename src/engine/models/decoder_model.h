@@ -91,9 +91,9 @@ Tensor swiglu_expert_reference(const Tensor& x, const Tensor& w_gate, const Tens
 // `grads` the same way.
 Tensor swiglu_mlp_forward(const Projections& proj, DispatchOut& in, const Tensor& w_gate, const Tensor& w_up,
                           const Tensor& w_down, const RowPart& part, ops::SwigluOut& out);
-Tensor swiglu_mlp_backward_input(const Tensor& d_rows_out, const DispatchOut& in, const ops::SwigluOut& fwd,
-                                 const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down, const RowPart& part,
-                                 ops::SwigluInputGrads& grads);
+Tensor swiglu_mlp_backward_input(const Projections& proj, const Tensor& d_rows_out, const DispatchOut& in,
+                                 const ops::SwigluOut& fwd, const Tensor& w_gate, const Tensor& w_up,
+                                 const Tensor& w_down, const RowPart& part, ops::SwigluInputGrads& grads);
 
 // A layer's attention output through o_proj plus the residual x: attn_out Wo^T + x; under
 // tensor parallelism (b.tensor) this rank's heads' part of every row, summed over the tp ranks

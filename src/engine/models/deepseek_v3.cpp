@@ -217,7 +217,7 @@ Tensor DeepseekV3DecoderLayer::mlp_forward(LayerState& state, const RowPart& par
 Tensor DeepseekV3DecoderLayer::mlp_backward_input(const Tensor& d_rows_out, LayerState& state, const RowPart& part) const {
   auto& s = static_cast<DeepseekV3LayerState&>(state);
   s.d_mlp_out = d_rows_out;
-  return swiglu_mlp_backward_input(d_rows_out, s.expert_in, s.mlp, w_gate_, w_up_, w_down_, part, s.d_mlp);
+  return swiglu_mlp_backward_input(*proj_, d_rows_out, s.expert_in, s.mlp, w_gate_, w_up_, w_down_, part, s.d_mlp);
 }
 
 // Backward of stage 1, in reverse: router and shared experts -> ln2 (+ residual) -> o_proj
@@ -238,8 +238,8 @@ Tensor DeepseekV3DecoderLayer::attn_backward_input(const Tensor& dy_residual, Te
   if (has_shared()) {  // the shared experts' output is part of the residual: d shared.y = dy
     StageScope t(Stage::kExpertGemm);
     s.d_layer_out = dy_residual;
-    s.d_shared = ops::grouped_swiglu_backward_input(dy_residual, shared_counts(b.rows()), s.shared.gate,
-                                                    s.shared.up, ws_gate_, ws_up_, ws_down_);
+    s.d_shared = proj_->experts_backward_input(dy_residual, shared_counts(b.rows()), s.shared.gate, s.shared.up,
+                                               ws_gate_, ws_up_, ws_down_);
     ops::add_(s.d_ln2_out, s.d_shared.dx);
   }
   {

@@ -32,11 +32,16 @@ ops::Fp8Tensor Projections::weight_blocks(const Tensor& w, bool transposed) cons
   return blocks;
 }
 
-ops::Fp8Tensor Projections::expert_blocks(const Tensor& w) const {
-  if (!keep_) return ops::quantize_fp8_experts(w);
+ops::Fp8Tensor Projections::expert_blocks(const Tensor& w, bool transposed) const {
+  if (!keep_) {
+    ops::Fp8Tensor blocks = ops::quantize_fp8_experts(w);
+    return transposed ? ops::transpose_fp8_experts(blocks, w.size(0)) : blocks;
+  }
   Kept& k = kept_[{w.raw(), w.size(0) * w.size(1), w.size(2)}];  // the [E n, k] view's place
   if (!k.w.q.defined()) k.w = ops::quantize_fp8_experts(w);
-  return k.w;
+  if (!transposed) return k.w;
+  if (!k.w_t.q.defined()) k.w_t = ops::transpose_fp8_experts(k.w, w.size(0));
+  return k.w_t;
 }
 
 bool Projections::fp8_experts(int64_t hidden, int64_t width) const {
@@ -46,9 +51,22 @@ bool Projections::fp8_experts(int64_t hidden, int64_t width) const {
 ops::SwigluOut Projections::experts_forward(const Tensor& x, const Tensor& counts, const Tensor& w_gate,
                                             const Tensor& w_up, const Tensor& w_down, const ops::Fp8Tensor& x_q) const {
   if (!fp8_experts(x.size(1), w_gate.size(1))) return ops::grouped_swiglu_forward(x, counts, w_gate, w_up, w_down);
-  return ops::grouped_swiglu_forward_fp8(x_q.q.defined() ? x_q : ops::quantize_fp8(x, ops::Fp8Blocks::kRows), counts,
-                                         expert_blocks(w_gate), expert_blocks(w_up), expert_blocks(w_down),
-                                         w_gate.size(0));
+  ops::SwigluOut out =
+      ops::grouped_swiglu_forward_fp8(x_q.q.defined() ? x_q : ops::quantize_fp8(x, ops::Fp8Blocks::kRows), counts,
+                                      expert_blocks(w_gate), expert_blocks(w_up), expert_blocks(w_down), w_gate.size(0));
+  out.act_q = {};  // the down GEMM's input only: not kept for the backward
+  return out;
+}
+
+ops::SwigluInputGrads Projections::experts_backward_input(const Tensor& dy, const Tensor& counts, const Tensor& gate,
+                                                          const Tensor& up, const Tensor& w_gate, const Tensor& w_up,
+                                                          const Tensor& w_down) const {
+  if (!fp8_experts(dy.size(1), w_gate.size(1))) {
+    return ops::grouped_swiglu_backward_input(dy, counts, gate, up, w_gate, w_up, w_down);
+  }
+  return ops::grouped_swiglu_backward_input_fp8(ops::quantize_fp8(dy, ops::Fp8Blocks::kRows), counts, gate, up,
+                                                expert_blocks(w_gate, true), expert_blocks(w_up, true),
+                                                expert_blocks(w_down, true), w_gate.size(0));
 }
 
 Projections::Input Projections::rows(const Tensor& x) const {

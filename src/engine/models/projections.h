@@ -3,9 +3,9 @@
 // block-scaled FP8 (docs/fp8.md): the input and the output gradient quantized per 1 x 128
 // tile, the weight per 128 x 128 block (W^T's blocks for the input gradient), the weight
 // gradient from both operands quantized along the tokens; f32 sums promoted every 128 of K.
-// The experts' (and dense MLPs') SwiGLU forward too, where their widths are multiples of 128
-// (experts_forward); their backward, the router, the head, the norms and the attention core
-// stay BF16.
+// The experts' (and dense MLPs') SwiGLU forward and input gradient too, where their widths are
+// multiples of 128 (experts_forward, experts_backward_input); their weight gradients, the
+// router, the head, the norms and the attention core stay BF16.
 // One per model, shared by its layers; the layers call these instead of ops::linear_*.
 #pragma once
 
@@ -55,7 +55,12 @@ class Projections {
   // DispatchOut::rows_q), or undefined.
   ops::SwigluOut experts_forward(const Tensor& x, const Tensor& counts, const Tensor& w_gate, const Tensor& w_up,
                                  const Tensor& w_down, const ops::Fp8Tensor& x_q = {}) const;
-  // Whether experts_forward runs these widths in FP8.
+  // ops::grouped_swiglu_backward_input, in FP8 where experts_forward is (dy per 1 x 128 tile,
+  // each expert's W^T blocks moved from W's, kept like them: ops::grouped_swiglu_backward_input_fp8).
+  ops::SwigluInputGrads experts_backward_input(const Tensor& dy, const Tensor& counts, const Tensor& gate,
+                                               const Tensor& up, const Tensor& w_gate, const Tensor& w_up,
+                                               const Tensor& w_down) const;
+  // Whether experts_forward and experts_backward_input run these widths in FP8.
   bool fp8_experts(int64_t hidden, int64_t width) const;
 
   // Between keep_weights(true) and keep_weights(false) the caller promises that no weight
@@ -71,8 +76,9 @@ class Projections {
  private:
   // W's blocks, or W^T's (transposed), made now or taken from the kept copies (a handle).
   ops::Fp8Tensor weight_blocks(const Tensor& w, bool transposed) const;
-  // An expert weight [E, n, k]'s blocks (ops::quantize_fp8_experts), made or kept.
-  ops::Fp8Tensor expert_blocks(const Tensor& w) const;
+  // An expert weight [E, n, k]'s blocks (ops::quantize_fp8_experts), or each expert's W^T's
+  // (transposed: ops::transpose_fp8_experts of W's), made or kept.
+  ops::Fp8Tensor expert_blocks(const Tensor& w, bool transposed = false) const;
 
   bool fp8_ = false;
   bool keep_ = false;
