@@ -14,6 +14,8 @@
 // go over NCCL with a communication stream (immediate and deferred waits).
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include <algorithm>
 #include <cmath>
 #include <latch>
@@ -453,6 +455,35 @@ TEST(ExpertParallel, ConservationViolationStopsEveryRankNamingTheNumbers) {
 }
 
 // Told a bound on the tokens, the all-gather refuses a batch beyond it, naming both.
+// FP8 experts (DispatchState::fp8_rows): the dispatchers that quantize each token once and
+// gather the codes into the rows (one process, the all-gather) hand over exactly the codes
+// and scales of the rows they hand over; the all-to-all leaves the rows to the experts.
+TEST(ExpertParallel, Fp8RowsAreTheRowsQuantized) {
+  auto check = [](ExpertDispatcher& d, int64_t T, uint64_t seed, bool makes_codes) {
+    DispatchState st;
+    st.fp8_rows = true;
+    const int64_t E = 8, K = 2, H = 200;  // a partial last tile of 72
+    const Tensor x = testing::random_tensor({T, H}, DType::F32, seed);
+    const Tensor idx = ops::router_forward(testing::random_tensor({T, E}, DType::F32, seed + 1), K, false).topk_idx;
+    const DispatchOut out = d.dispatch(x, idx, E, st);
+    ASSERT_EQ(out.rows_q.q.defined(), makes_codes);
+    if (!makes_codes) return;
+    const ops::Fp8Tensor want = ops::quantize_fp8(out.rows, ops::Fp8Blocks::kRows);
+    ASSERT_EQ(out.rows_q.q.shape(), want.q.shape());
+    EXPECT_EQ(0, std::memcmp(out.rows_q.q.raw(), want.q.raw(), want.q.nbytes()));
+    EXPECT_EQ(out.rows_q.scale.to_vector<float>(), want.scale.to_vector<float>());
+  };
+  LocalDispatcher local;
+  check(local, 37, 60, true);
+  for (Kind kind : kKinds) {
+    SCOPED_TRACE(name(kind));
+    run_ranks(2, [&](Communicator& comm) {
+      std::unique_ptr<ExpertDispatcher> d = make_dispatcher(kind, comm, checked());
+      check(*d, comm.rank() == 0 ? 29 : 41, 70 + comm.rank() * 5, kind != Kind::kAllToAll);
+    });
+  }
+}
+
 TEST(ExpertParallel, AllGatherRefusesMoreTokensThanItsBound) {
   run_ranks(2, [](Communicator& comm) {
     ExchangeOptions o;

@@ -192,14 +192,17 @@ DispatchOut AllGatherDispatcher::dispatch_finish(DispatchState& st) {
   st.perm.rows = N;
   st.perm.expert_counts = st.perm.expert_counts.slice(0, El);
   // The rows continue the start's work on its stream: nothing new from the caller's.
-  Tensor rows = stream_.run(
+  return stream_.run(
       Collective::kDispatch, x.device(), st, {x},
       [&] {
         if (opt_.check_conservation) check_conservation_over_group(st, x.device(), N, K);
-        return ops::permute_forward(gather(padded(x, st.padded_tokens), arena_.get()), st.perm);
+        const Tensor all = gather(padded(x, st.padded_tokens), arena_.get());
+        DispatchOut out{ops::permute_forward(all, st.perm), st.perm.expert_counts, {}};
+        // FP8 experts: each gathered token quantized once, not each of its copies (the same bits)
+        if (st.fp8_rows) out.rows_q = ops::permute_forward_fp8(ops::quantize_fp8(all, ops::Fp8Blocks::kRows), st.perm);
+        return out;
       },
       /*after_compute=*/false);
-  return DispatchOut{rows, st.perm.expert_counts};
 }
 
 void AllGatherDispatcher::check_dispatched(const DispatchState& st, const Tensor& t, int64_t rows,

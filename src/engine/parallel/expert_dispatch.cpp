@@ -137,6 +137,10 @@ void* ExchangeStream::after(DispatchState& st, std::initializer_list<Tensor> inp
 void ExchangeStream::keep(DispatchState& st, const DispatchOut& o) {
   keep(st, o.rows);
   keep(st, o.counts);
+  if (o.rows_q.q.defined()) {
+    keep(st, o.rows_q.q);
+    keep(st, o.rows_q.scale);
+  }
 }
 void ExchangeStream::keep(DispatchState& st, const ExpertDispatcher::CombineGrads& g) {
   keep(st, g.d_rows);

@@ -31,9 +31,9 @@ struct DispatchOut {
   Tensor rows;    // [N, H] token copies grouped by local expert
   Tensor counts;  // i64 [local experts], rows per expert
   // rows quantized per 1 x 128 tile, where the state asked for them (DispatchState::fp8_rows)
-  // and the dispatcher makes them (LocalDispatcher: the tokens quantized, then gathered);
-  // undefined otherwise, and the experts quantize rows themselves. Read by the experts'
-  // forward only, which drops them.
+  // and the dispatcher makes them (LocalDispatcher, AllGatherDispatcher: the tokens quantized,
+  // then gathered into the rows; the same bits as quantizing the rows); undefined otherwise,
+  // and the experts quantize rows themselves. Read by the experts' forward only, which drops them.
   ops::Fp8Tensor rows_q;
 };
 
