@@ -1052,17 +1052,21 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     // The scales of k-tile kt + 1 are loaded while k-tile kt's MMAs run: loaded at their
     // k-tile, their L2 latency came before every k-tile's first promotion whenever the ring
     // was already full.
+    // (The sources are chosen by selects: a parameter array indexed at run time is copied
+    // to local memory.)
     auto load_scales = [&](int kt, float (&v)[4]) {
-      const int src = kt >= ktiles_src ? 1 : 0, kk = kt - src * ktiles_src;
-      const float* sa = sc.a[src] + static_cast<int64_t>(kk) * sc.n_rows;
+      const bool second = kt >= ktiles_src;
+      const int kk = second ? kt - ktiles_src : kt;
+      const float* sa = (second ? sc.a[1] : sc.a[0]) + static_cast<int64_t>(kk) * sc.n_rows;
       v[0] = sa[ra0];
       v[1] = sa[ra1];
       if constexpr (kGateUp) {
         v[2] = sc.b[0][static_cast<int64_t>(brow0) * sc.ldb + kk];
         v[3] = sc.b[1][static_cast<int64_t>(brow0) * sc.ldb + kk];
       } else {
-        v[2] = sc.b[src][static_cast<int64_t>(brow0) * sc.ldb + kk];
-        v[3] = sc.b[src][static_cast<int64_t>(brow1) * sc.ldb + kk];
+        const float* sb = second ? sc.b[1] : sc.b[0];
+        v[2] = sb[static_cast<int64_t>(brow0) * sc.ldb + kk];
+        v[3] = sb[static_cast<int64_t>(brow1) * sc.ldb + kk];
       }
     };
     float acc[128];
