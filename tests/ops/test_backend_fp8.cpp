@@ -214,6 +214,7 @@ TEST(BackendFp8, GroupedSwigluBackwardInputMatchesTheDequantizedProducts) {
     const ops::Fp8Tensor gt = t_cpu(wg), ut = t_cpu(wu), dt = t_cpu(wd);
     const ops::Fp8Tensor ggt = t_gpu(wg), gut = t_gpu(wu), gdt = t_gpu(wd);
     expect_same_fp8(ggt, gt, tag + " w_gate_t");
+    expect_same_fp8(gut, ut, tag + " w_up_t");
     expect_same_fp8(gdt, dt, tag + " w_down_t");
     const ops::SwigluInputGrads got = ops::grouped_swiglu_backward_input_fp8(
         ops::quantize_fp8(on_gpu(dy, DType::BF16), ops::Fp8Blocks::kRows), counts.to(kGpu),

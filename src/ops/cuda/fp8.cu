@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(256) transpose_blocks_kernel(const uint8_t* __
                                                               const float* __restrict__ scale, int64_t n, int64_t k,
                                                               int64_t ls, int64_t lt, uint8_t* __restrict__ qt,
                                                               float* __restrict__ st) {
-  __shared__ uint8_t tile[kBlock][kBlock + 16];  // +16: a 16-byte step between rows' banks
+  __shared__ __align__(16) uint8_t tile[kBlock][kBlock + 16];  // rows 16-byte aligned for the uint4 stores
   const int64_t nb = n / kBlock, kb = k / kBlock;
   const int64_t e = blockIdx.z, rb = blockIdx.y, cb = blockIdx.x;
   const uint8_t* src = q + (e * n + rb * kBlock) * k + cb * kBlock;

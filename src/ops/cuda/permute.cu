@@ -220,6 +220,7 @@ __global__ void gather_columns_kernel(const float* __restrict__ x, int64_t L, in
   const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= R) return;
   const int64_t j = index[r];
+  if (j < 0 || j >= T) return;  // as copy_rows_kernel: a row whose index is outside stays as it is
   for (int64_t l = 0; l < L; ++l) out[l * R + r] = x[l * T + j];
 }
 }  // namespace

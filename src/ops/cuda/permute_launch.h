@@ -24,8 +24,9 @@ void launch_permutation(const int32_t* topk_idx, int64_t NK, int K, int E, int64
 // side's row count (index_rows) and skipped when outside.
 void launch_copy_rows(const void* src, void* dst, const int32_t* index, int64_t rows, int64_t index_rows,
                       int64_t row_bytes, bool scatter, cudaStream_t stream);
-// out [L, R]: out[l][r] = x[l][index[r]] for x [L, T] (index in [0, T)): the columns of a
-// row-major table gathered, e.g. per-tile scales stored [tiles, rows] following their rows.
+// out [L, R]: out[l][r] = x[l][index[r]] for x [L, T]: the columns of a row-major table
+// gathered, e.g. per-tile scales stored [tiles, rows] following their rows; a column whose
+// index is outside [0, T) is left as it is (as launch_copy_rows leaves a row).
 void launch_gather_columns(const float* x, int64_t L, int64_t T, const int32_t* index, int64_t R, float* out,
                            cudaStream_t stream);
 
