@@ -90,18 +90,25 @@ SwigluOut grouped_swiglu_forward(const Tensor& x, const Tensor& counts, const Te
   return out;  // ws is freed in stream order, after the kernels
 }
 
-SwigluOut grouped_swiglu_forward_fp8(const Fp8Tensor& x, const Tensor& counts, const Fp8Tensor& w_gate,
-                                     const Fp8Tensor& w_up, const Fp8Tensor& w_down, int64_t experts) {
-  const char* op = "grouped_swiglu_forward_fp8";
-  const int64_t N = x.q.size(0), H = x.q.size(1), I = w_gate.q.size(0) / experts;
-  check_cuda_tensors(op, {&x.q, &x.scale, &counts, &w_gate.q, &w_gate.scale, &w_up.q, &w_up.scale, &w_down.q,
-                          &w_down.scale});
+namespace {
+// The FP8 launches' limits: experts, the int range of the kernels' sizes, the row tiles.
+void check_fp8_sizes(const char* op, int64_t N, int64_t H, int64_t I, int64_t experts) {
   MT_CHECK(experts <= kSwigluMaxExperts, "{}: {} experts; the CUDA grouped SwiGLU takes 1 to {}", op, experts,
            kSwigluMaxExperts);
   MT_CHECK(H <= INT_MAX / 2 && I <= INT_MAX / 2 && N <= INT_MAX, "{}: N = {}, H = {}, I = {} exceed the int range", op,
            N, H, I);
   MT_CHECK(swiglu_max_tiles(N, static_cast<int>(experts)) <= kSwigluMaxGridY,
            "{}: N = {} rows over {} experts need more than {} row tiles of 128", op, N, experts, kSwigluMaxGridY);
+}
+}  // namespace
+
+SwigluOut grouped_swiglu_forward_fp8(const Fp8Tensor& x, const Tensor& counts, const Fp8Tensor& w_gate,
+                                     const Fp8Tensor& w_up, const Fp8Tensor& w_down, int64_t experts) {
+  const char* op = "grouped_swiglu_forward_fp8";
+  const int64_t N = x.q.size(0), H = x.q.size(1), I = w_gate.q.size(0) / experts;
+  check_cuda_tensors(op, {&x.q, &x.scale, &counts, &w_gate.q, &w_gate.scale, &w_up.q, &w_up.scale, &w_down.q,
+                          &w_down.scale});
+  check_fp8_sizes(op, N, H, I, experts);
   for (const Tensor* t : {&x.q, &w_gate.q, &w_up.q, &w_down.q}) check_aligned(*t, op, "an operand's codes");
   const Device dev = x.q.device();
   SwigluOut out;
@@ -133,12 +140,7 @@ SwigluInputGrads grouped_swiglu_backward_input_fp8(const Fp8Tensor& dy, const Te
   check_cuda_tensors(op, {&dy.q, &dy.scale, &counts, &gate, &up, &w_gate_t.q, &w_gate_t.scale, &w_up_t.q,
                           &w_up_t.scale, &w_down_t.q, &w_down_t.scale});
   MT_CHECK(gate.dtype() == DType::BF16, "{}: gate and up must be bf16 on CUDA, got {}", op, gate.str());
-  MT_CHECK(experts <= kSwigluMaxExperts, "{}: {} experts; the CUDA grouped SwiGLU takes 1 to {}", op, experts,
-           kSwigluMaxExperts);
-  MT_CHECK(H <= INT_MAX / 2 && I <= INT_MAX / 2 && N <= INT_MAX, "{}: N = {}, H = {}, I = {} exceed the int range", op,
-           N, H, I);
-  MT_CHECK(swiglu_max_tiles(N, static_cast<int>(experts)) <= kSwigluMaxGridY,
-           "{}: N = {} rows over {} experts need more than {} row tiles of 128", op, N, experts, kSwigluMaxGridY);
+  check_fp8_sizes(op, N, H, I, experts);
   for (const Tensor* t : {&dy.q, &w_gate_t.q, &w_up_t.q, &w_down_t.q, &gate, &up}) {
     check_aligned(*t, op, "an operand");
   }

@@ -1419,6 +1419,15 @@ Schedule make_schedule(const int64_t* counts, int64_t N, int E, int32_t* workspa
 }
 
 // The queue fields of a rows launch: launch 0 or 1 of the schedule (each its own counters).
+// A rows launch's arguments with the schedule's tiles (the rest is set per launch).
+RowsArgs rows_args(const Schedule& s) {
+  RowsArgs a{};
+  a.offsets = s.offsets;
+  a.tile_expert = s.tile_expert;
+  a.tile_row = s.tile_row;
+  return a;
+}
+
 void set_queues(RowsArgs& a, const Schedule& s, int launch) {
   a.queue = s.queue;
   a.next = s.queue + 2 + 2 * launch;
@@ -1562,10 +1571,7 @@ void launch_swiglu_forward(const void* x, const int64_t* counts, const void* w_g
   if (N == 0) return;
   const bool hopper = use_hopper();  // the Hopper kernels split their tiles by L2 half (probed on first use)
   const Schedule s = make_schedule(counts, N, E, workspace, true, stream, hopper ? &sm_l2_halves(stream) : nullptr);
-  RowsArgs a{};
-  a.offsets = s.offsets;
-  a.tile_expert = s.tile_expert;
-  a.tile_row = s.tile_row;
+  RowsArgs a = rows_args(s);
   set_queues(a, s, 0);
   // gate | up = x [Wg | Wu]^T, act = silu(gate) * up
   a.a0 = a.a1 = cb(x);
@@ -1635,10 +1641,7 @@ bool launch_swiglu_forward_fp8(const uint8_t* x_q, const float* x_scale, const i
     return false;
   }
   const Schedule s = make_schedule(counts, N, E, workspace, true, stream, &sm_l2_halves(stream));
-  RowsArgs a{};
-  a.offsets = s.offsets;
-  a.tile_expert = s.tile_expert;
-  a.tile_row = s.tile_row;
+  RowsArgs a = rows_args(s);
   // gate | up = x [Wg | Wu]^T, act = silu(gate) * up, with act's codes per 1 x 128 tile
   set_queues(a, s, 0);
   a.n_extent = I;
@@ -1682,10 +1685,7 @@ bool launch_swiglu_backward_input_fp8(const uint8_t* dy_q, const float* dy_scale
     return false;
   }
   const Schedule s = make_schedule(counts, N, E, workspace, true, stream, &sm_l2_halves(stream));
-  RowsArgs a{};
-  a.offsets = s.offsets;
-  a.tile_expert = s.tile_expert;
-  a.tile_row = s.tile_row;
+  RowsArgs a = rows_args(s);
   // da = dy Wd (B = Wd^T [E, I, H], K-major), epilogue -> dgate, dup
   set_queues(a, s, 0);
   a.n_extent = I;
@@ -1721,10 +1721,7 @@ void launch_swiglu_backward_input(const void* dy, const int64_t* counts, const v
   if (N == 0) return;
   const bool hopper = use_hopper();  // the Hopper kernels split their tiles by L2 half (probed on first use)
   const Schedule s = make_schedule(counts, N, E, workspace, true, stream, hopper ? &sm_l2_halves(stream) : nullptr);
-  RowsArgs a{};
-  a.offsets = s.offsets;
-  a.tile_expert = s.tile_expert;
-  a.tile_row = s.tile_row;
+  RowsArgs a = rows_args(s);
   set_queues(a, s, 0);
   // da = dy Wd (Wd[e] is [H, I]: B[k = h][n = i]), epilogue -> dgate, dup
   a.a0 = a.a1 = cb(dy);
