@@ -649,61 +649,40 @@ __device__ __forceinline__ void store_rows_tile(float (&acc)[128], const OutMaps
   const bool whole = row0 + cw * 64 + 64 <= row_end;  // all 64 of the warpgroup's rows are the expert's
   const int r0 = row0 + cw * 64;
   if constexpr (kGateUp) {
-    // gate (nb < 16) and up (nb + 16)
-    if (whole) {
+    // Output o from the 16 column blocks nb0.. of acc (gate: 0, up: 16), columns n0..
+    auto store_half = [&](int o, int nb0, bf16* dst) {
+      if (whole) {
 #pragma unroll
-      for (int q = 0; q < 2; ++q) {
-#pragma unroll
-        for (int o = 0; o < 2; ++o) {
+        for (int q = 0; q < 2; ++q) {
           store_box(&out.o[o], n0 + 64 * q, r0, [&](int j, int h) {
-            const int nb = 8 * q + j + 16 * o;
+            const int nb = nb0 + 8 * q + j;
             return pack(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
           });
         }
+        return;
       }
-    }
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t row = r0 + w * 16 + (lane >> 2) + h * 8;
-      if (whole || row >= row_end) continue;
+      for (int h = 0; h < 2; ++h) {
+        const int64_t row = r0 + w * 16 + (lane >> 2) + h * 8;
+        if (row >= row_end) continue;
 #pragma unroll
-      for (int nb = 0; nb < 16; ++nb) {
-        const int col = n0 + nb * 8 + (lane & 3) * 2;
-        if (col >= args.n_extent) continue;
-        const int64_t o = row * args.ldo + col;
-        *reinterpret_cast<__nv_bfloat162*>(args.out0 + o) =
-            __floats2bfloat162_rn(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
-        *reinterpret_cast<__nv_bfloat162*>(args.out1 + o) =
-            __floats2bfloat162_rn(acc[(nb + 16) * 4 + h * 2], acc[(nb + 16) * 4 + h * 2 + 1]);
+        for (int nb = 0; nb < 16; ++nb) {
+          const int col = n0 + nb * 8 + (lane & 3) * 2;
+          if (col >= args.n_extent) continue;
+          *reinterpret_cast<__nv_bfloat162*>(dst + row * args.ldo + col) =
+              __floats2bfloat162_rn(acc[(nb0 + nb) * 4 + h * 2], acc[(nb0 + nb) * 4 + h * 2 + 1]);
+        }
       }
-    }
+    };
+    store_half(0, 0, args.out0);
+    store_half(1, 16, args.out1);
     // act = silu(gate) * up, in place of gate, rounded to the bf16 that is stored
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
       const float g = acc[i], u = acc[64 + i];
       acc[i] = __bfloat162float(__float2bfloat16_rn(g * sigmoidf_(g) * u));
     }
-    if (whole) {
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        store_box(&out.o[2], n0 + 64 * q, r0, [&](int j, int h) {
-          const int nb = 8 * q + j;
-          return pack(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
-        });
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t row = r0 + w * 16 + (lane >> 2) + h * 8;
-      if (whole || row >= row_end) continue;
-#pragma unroll
-      for (int nb = 0; nb < 16; ++nb) {
-        const int col = n0 + nb * 8 + (lane & 3) * 2;
-        if (col >= args.n_extent) continue;
-        *reinterpret_cast<__nv_bfloat162*>(args.out2 + row * args.ldo + col) =
-            __floats2bfloat162_rn(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
-      }
-    }
+    store_half(2, 0, args.out2);
     if constexpr (kActFp8) {
       // Each row's 128 act columns: 32 in this thread, the rest in its quad's other lanes.
       float inv[2];  // this thread's rows' scales
