@@ -127,6 +127,24 @@ TEST(BackendFp8, PermutedTokenCodesMatchTheCpu) {
   }
 }
 
+// The experts' FP8 GEMMs' shapes: ragged counts (an empty expert, one row, rows not a multiple
+// of 128), a width whose second column half of a tile lies past the weight (384), the bench's.
+struct ExpertCase {
+  std::vector<int64_t> counts;
+  int64_t H, I;
+  int64_t experts() const { return static_cast<int64_t>(counts.size()); }
+  int64_t rows() const {
+    int64_t n = 0;
+    for (int64_t c : counts) n += c;
+    return n;
+  }
+};
+std::vector<ExpertCase> expert_cases() {
+  std::vector<int64_t> big(128);
+  for (int64_t e = 0; e < 128; ++e) big[e] = e % 9 == 4 ? 0 : 20 + (e * 37) % 100;
+  return {{{130, 0, 257, 1}, 256, 256}, {{64, 300, 0, 77, 129}, 384, 384}, {big, 2048, 768}};
+}
+
 // The experts' FP8 forward (the wgmma kernels with the promotion every 128 of K) against the
 // f32 products of its dequantized operands: gate and up from x and the gate/up weights, y from
 // the GPU's own act quantized as the kernel quantizes it (bf16 act -> the same codes on both
@@ -136,17 +154,8 @@ TEST(BackendFp8, PermutedTokenCodesMatchTheCpu) {
 TEST(BackendFp8, GroupedSwigluForwardMatchesTheDequantizedProducts) {
   MT_REQUIRE_GPU();
   PoisonScope poison;
-  struct Case {
-    std::vector<int64_t> counts;
-    int64_t H, I;
-  };
-  std::vector<int64_t> big(128);
-  for (int64_t e = 0; e < 128; ++e) big[e] = e % 9 == 4 ? 0 : 20 + (e * 37) % 100;
-  for (const Case& c : {Case{{130, 0, 257, 1}, 256, 256}, Case{{64, 300, 0, 77, 129}, 384, 384},
-                        Case{big, 2048, 768}}) {
-    const int64_t E = static_cast<int64_t>(c.counts.size()), H = c.H, I = c.I;
-    int64_t N = 0;
-    for (int64_t n : c.counts) N += n;
+  for (const ExpertCase& c : expert_cases()) {
+    const int64_t E = c.experts(), H = c.H, I = c.I, N = c.rows();
     const std::string tag = fmt::format("grouped_swiglu_forward_fp8[E={},N={},H={},I={}]", E, N, H, I);
     const Tensor x = random_bf16_values({N, H}, N + H, 1.0);
     const Tensor wg = random_bf16_values({E, I, H}, 11 + E, 0.05), wu = random_bf16_values({E, I, H}, 12 + E, 0.05);
@@ -190,17 +199,8 @@ TEST(BackendFp8, GroupedSwigluForwardMatchesTheDequantizedProducts) {
 TEST(BackendFp8, GroupedSwigluBackwardInputMatchesTheDequantizedProducts) {
   MT_REQUIRE_GPU();
   PoisonScope poison;
-  struct Case {
-    std::vector<int64_t> counts;
-    int64_t H, I;
-  };
-  std::vector<int64_t> big(128);
-  for (int64_t e = 0; e < 128; ++e) big[e] = e % 9 == 4 ? 0 : 20 + (e * 37) % 100;
-  for (const Case& c : {Case{{130, 0, 257, 1}, 256, 256}, Case{{64, 300, 0, 77, 129}, 384, 384},
-                        Case{big, 2048, 768}}) {
-    const int64_t E = static_cast<int64_t>(c.counts.size()), H = c.H, I = c.I;
-    int64_t N = 0;
-    for (int64_t n : c.counts) N += n;
+  for (const ExpertCase& c : expert_cases()) {
+    const int64_t E = c.experts(), H = c.H, I = c.I, N = c.rows();
     const std::string tag = fmt::format("grouped_swiglu_backward_input_fp8[E={},N={},H={},I={}]", E, N, H, I);
     const Tensor dy = random_bf16_values({N, H}, N + H + 1, 1.0);
     const Tensor gate = random_bf16_values({N, I}, N + 2, 1.0), up = random_bf16_values({N, I}, N + 3, 1.0);
