@@ -40,6 +40,17 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha, const
 
 inline double sigmoid(double g) { return 1.0 / (1.0 + std::exp(-g)); }
 
+// n elements of the SwiGLU's backward, in double: da (in dg) -> dg = da u silu'(g), du = da silu(g).
+template <typename F>
+void dswiglu_in_place(const F* g, const F* u, F* dg, F* du, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const double gi = static_cast<double>(g[i]), s = sigmoid(gi), da = static_cast<double>(dg[i]);
+    du[i] = static_cast<F>(da * gi * s);
+    dg[i] = static_cast<F>(da * static_cast<double>(u[i]) * s * (1.0 + gi * (1.0 - s)));
+  }
+}
+
 struct Dims {
   int64_t N, H, I, E;
   std::vector<int64_t> offsets;  // E + 1 row offsets
@@ -160,12 +171,7 @@ SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& c
       if (c == 0) continue;
       gemm(false, false, c, I, H, 1.0, DY + r0 * H, H, Wd + e * H * I, I, 0.0, DG + r0 * I, I);
     }
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < N * I; ++i) {
-      const double gi = static_cast<double>(G[i]), s = sigmoid(gi), da = static_cast<double>(DG[i]);
-      DU[i] = static_cast<F>(da * gi * s);
-      DG[i] = static_cast<F>(da * static_cast<double>(U[i]) * s * (1.0 + gi * (1.0 - s)));
-    }
+    dswiglu_in_place(G, U, DG, DU, N * I);
     for (int64_t e = 0; e < d.E; ++e) {
       const int64_t r0 = d.offsets[e], c = d.offsets[e + 1] - r0;
       if (c == 0) continue;
@@ -200,12 +206,7 @@ SwigluInputGrads grouped_swiglu_backward_input_fp8(const Fp8Tensor& dy, const Te
     if (c[e] > 0) gemm(false, true, c[e], I, H, 1.0, DY + r0 * H, H, WdT + e * I * H, H, 0.0, DG + r0 * I, I);
     r0 += c[e];
   }
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < N * I; ++i) {
-    const double gi = G[i], s = sigmoid(gi), da = DG[i];
-    DU[i] = static_cast<float>(da * gi * s);
-    DG[i] = static_cast<float>(da * static_cast<double>(U[i]) * s * (1.0 + gi * (1.0 - s)));
-  }
+  dswiglu_in_place(G, U, DG, DU, N * I);
   const Tensor dgq = cpu::dequantize_fp8(cpu::quantize_fp8(out.dgate, Fp8Blocks::kRows), DType::F32);
   const Tensor duq = cpu::dequantize_fp8(cpu::quantize_fp8(out.dup, Fp8Blocks::kRows), DType::F32);
   const float *QG = dgq.data<float>(), *QU = duq.data<float>();
