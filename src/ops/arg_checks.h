@@ -13,6 +13,8 @@ namespace moetrain::ops {
 
 constexpr int64_t kFp8Block = 128;
 inline int64_t fp8_blocks_of(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
+// Bytes a row of C columns takes in pack_fp8_rows' form (ops.h): its codes, then its scales.
+inline int64_t packed_fp8_row_bytes(int64_t C) { return C + 4 * fp8_blocks_of(C); }
 // The shape of the scales of an [R, C] tensor quantized in `blocks` mode (ops.h).
 inline Shape fp8_scale_shape(int64_t R, int64_t C, Fp8Blocks blocks) {
   if (blocks == Fp8Blocks::kRows) return {fp8_blocks_of(C), R};

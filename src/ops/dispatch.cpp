@@ -91,6 +91,22 @@ Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype) {
   return MT_ROUTE(t.q, dequantize_fp8, t, dtype);
 }
 
+Tensor pack_fp8_rows(const Fp8Tensor& x) {
+  check_fp8_tensor("pack_fp8_rows", x, "x");
+  MT_CHECK(x.blocks == Fp8Blocks::kRows, "pack_fp8_rows: x must be quantized per 1 x 128 tile (rows mode), got {}",
+           x.q.str());
+  return MT_ROUTE(x.q, pack_fp8_rows, x);
+}
+
+UnpackedFp8Rows unpack_fp8_rows(const Tensor& packed, int64_t cols, DType dtype) {
+  MT_CHECK(packed.defined() && packed.ndim() == 2 && packed.dtype() == DType::F8E4M3 && cols >= 0 &&
+               packed.size(1) == packed_fp8_row_bytes(cols),
+           "unpack_fp8_rows: packed must be f8e4m3 [R, {}] (the codes and scales of {} columns), got {}",
+           packed_fp8_row_bytes(std::max<int64_t>(cols, 0)), cols, packed.defined() ? packed.str() : "undefined");
+  MT_CHECK(is_floating(dtype), "unpack_fp8_rows: dtype must be bf16, f32 or f64, got {}", dtype_name(dtype));
+  return MT_ROUTE(packed, unpack_fp8_rows, packed, cols, dtype);
+}
+
 Tensor linear_fp8(const Fp8Tensor& a, const Fp8Tensor& b, DType out) {
   check_linear_fp8_args("linear_fp8", a, b, out);
   Tensor y = Tensor::empty({a.q.size(0), b.q.size(0)}, out, a.q.device());

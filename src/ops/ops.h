@@ -428,6 +428,18 @@ Fp8Tensor quantize_fp8(const Tensor& x, Fp8Blocks blocks);
 Fp8Tensor quantize_fp8_transposed(const Tensor& x, Fp8Blocks blocks = Fp8Blocks::kRows);
 // q * scale as `dtype`.
 Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype);
+// Rows-mode codes with their scales as one byte tensor, the form in which an expert dispatch
+// moves FP8 rows (a row-wise gather or collective then moves a row's codes and scales
+// together: C + 4 ceil(C/128) bytes a row against 2 C for bf16): x.q [R, C] -> f8e4m3
+// [R, C + 4 ceil(C/128)], row r its C codes, then its tiles' f32 scales (little-endian bytes).
+Tensor pack_fp8_rows(const Fp8Tensor& x);
+// The inverse, bit for bit, with the rows' values (q * scale as `dtype`, dequantize_fp8's)
+// made in the same pass: what a receiver of packed rows hands its experts.
+struct UnpackedFp8Rows {
+  Fp8Tensor q;
+  Tensor values;
+};
+UnpackedFp8Rows unpack_fp8_rows(const Tensor& packed, int64_t cols, DType dtype);
 // An expert weight w [E, n, k] (n a multiple of 128) per 128 x 128 block of each expert:
 // quantize_fp8 of its [E n, k] view in blocks mode (no block spans two experts).
 Fp8Tensor quantize_fp8_experts(const Tensor& w);

@@ -149,15 +149,14 @@ TEST_F(ParallelCli, EveryLayoutMatchesOneProcess) {
 }
 
 // FP8 training ([training].fp8: the tiny model's experts are 128 wide, so their forward and
-// input gradient run in FP8 too) under data and expert parallelism, both dispatchers (the
-// all-gather one hands the experts rows quantized once per gathered token), against one FP8
-// process. Not to rounding, as BF16 layouts are: the projections' weight gradients quantize
+// input gradient run in FP8 too) under data and expert parallelism, both dispatchers (each
+// sends the tokens quantized once, as packed codes and scales), against one FP8 process. Not to rounding, as BF16 layouts are: the projections' weight gradients quantize
 // along the tokens, 128 at a time, so a rank's half of a micro-batch is quantized in other
 // tiles than the whole, and any rounding difference (another BLAS blocking, another
 // summation order) can move a value across an e4m3 rounding boundary, a step of 6-12% of the
 // value. So the training and validation losses are held to 0.3% (measured up to 0.12%; with
 // each row's scales taken from the next row's token, 0.40%). ExpertParallel.Fp8RowsAreThe
-// RowsQuantized checks the dispatchers' codes bit for bit.
+// TokensQuantizedOnce checks the dispatchers' codes and rows bit for bit.
 TEST_F(ParallelCli, Fp8LayoutsMatchOneProcess) {
   Result one = launch(1, train_args("fp8_one", 1, "--training.fp8=true"));
   ASSERT_EQ(one.status, 0) << one.output;

@@ -454,36 +454,62 @@ TEST(ExpertParallel, ConservationViolationStopsEveryRankNamingTheNumbers) {
   }
 }
 
-// Told a bound on the tokens, the all-gather refuses a batch beyond it, naming both.
-// FP8 experts (DispatchState::fp8_rows): the dispatchers that quantize each token once and
-// gather the codes into the rows (one process, the all-gather) hand over exactly the codes
-// and scales of the rows they hand over; the all-to-all leaves the rows to the experts.
-TEST(ExpertParallel, Fp8RowsAreTheRowsQuantized) {
-  auto check = [](ExpertDispatcher& d, int64_t T, uint64_t seed, bool makes_codes) {
-    DispatchState st;
-    st.fp8_rows = true;
-    const int64_t E = 8, K = 2, H = 200;  // a partial last tile of 72
-    const Tensor x = testing::random_tensor({T, H}, DType::F32, seed);
-    const Tensor idx = ops::router_forward(testing::random_tensor({T, E}, DType::F32, seed + 1), K, false).topk_idx;
-    const DispatchOut out = d.dispatch(x, idx, E, st);
-    ASSERT_EQ(out.rows_q.q.defined(), makes_codes);
-    if (!makes_codes) return;
-    const ops::Fp8Tensor want = ops::quantize_fp8(out.rows, ops::Fp8Blocks::kRows);
-    ASSERT_EQ(out.rows_q.q.shape(), want.q.shape());
-    EXPECT_EQ(0, std::memcmp(out.rows_q.q.raw(), want.q.raw(), want.q.nbytes()));
-    EXPECT_EQ(out.rows_q.scale.to_vector<float>(), want.scale.to_vector<float>());
-  };
-  LocalDispatcher local;
-  check(local, 37, 60, true);
-  for (Kind kind : kKinds) {
-    SCOPED_TRACE(name(kind));
-    run_ranks(2, [&](Communicator& comm) {
-      std::unique_ptr<ExpertDispatcher> d = make_dispatcher(kind, comm, checked());
-      check(*d, comm.rank() == 0 ? 29 : 41, 70 + comm.rank() * 5, kind != Kind::kAllToAll);
-    });
+// FP8 experts (DispatchState::fp8_rows): every dispatcher quantizes each token once, on its
+// own rank, and moves its codes and scales in one packed row. Each rank's experts then get the
+// codes and scales that one process gives the same rows of the concatenated batch, bit for bit,
+// and as rows their values (not x: the weight gradient reads what the forward multiplied), so
+// every layout hands over the same rows. The rows' exchange sends H + 4 ceil(H/128) bytes a row
+// (208 here) where f32 rows take 4 H. Two ranks (one regroup-free local expert each: 8 / 2 =
+// 4 here, regrouped) and four (a rank with no tokens); a partial last tile of 72 columns.
+TEST(ExpertParallel, Fp8RowsAreTheTokensQuantizedOnce) {
+  for (const Case& c : {Case{2, 8, 2, 200, {29, 41}}, Case{4, 8, 2, 200, {29, 41, 0, 17}}}) {
+    SCOPED_TRACE("ep " + std::to_string(c.ep));
+    const Layer L = make_layer(c, 9);
+    const int64_t E = c.experts, El = E / c.ep, W = 200 + 4 * 2;
+    LocalDispatcher local;
+    DispatchState ref_st;
+    ref_st.fp8_rows = true;
+    const DispatchOut ref = local.dispatch(L.all_x, L.all_topk, E, ref_st);
+    // One process: the rows' codes are the permuted rows quantized, the rows their values.
+    const ops::Fp8Tensor want = ops::quantize_fp8(ops::permute_forward(L.all_x, ref_st.perm), ops::Fp8Blocks::kRows);
+    ASSERT_TRUE(ref.rows_q.q.defined());
+    ASSERT_EQ(ref.rows_q.q.shape(), want.q.shape());
+    EXPECT_EQ(0, std::memcmp(ref.rows_q.q.raw(), want.q.raw(), want.q.nbytes()));
+    EXPECT_EQ(ref.rows_q.scale.to_vector<float>(), want.scale.to_vector<float>());
+    expect_same(ref.rows, ops::dequantize_fp8(ref.rows_q, DType::F32), "one process: rows");
+    for (Kind kind : kKinds) {
+      SCOPED_TRACE(name(kind));
+      run_ranks(c.ep, [&](Communicator& comm) {
+        const int r = comm.rank();
+        std::unique_ptr<ExpertDispatcher> d = make_dispatcher(kind, comm, {});
+        CollectiveTimer timer(Device::cpu());
+        CollectiveTimer::activate(&timer);
+        DispatchState st;
+        st.fp8_rows = true;
+        const DispatchOut out = d->dispatch(L.x[r], L.topk[r], E, st);
+        CollectiveTimer::activate(nullptr);
+        const int64_t a = L.expert_offset[r * El], b = L.expert_offset[(r + 1) * El];
+        const std::string who = fmt::format("rank {}", r);
+        ASSERT_TRUE(out.rows_q.q.defined()) << who;
+        ASSERT_EQ(out.rows_q.q.shape(), (Shape{b - a, c.hidden})) << who;
+        EXPECT_EQ(0, std::memcmp(out.rows_q.q.raw(), ref.rows_q.q.slice(a, b).raw(), out.rows_q.q.nbytes())) << who;
+        expect_same(out.rows_q.scale, ref.rows_q.scale.columns(a, b), who + ": scales");
+        expect_same(out.rows, ref.rows.slice(a, b), who + ": rows");
+        const double bytes = timer.take()[static_cast<int>(Collective::kDispatch)].bytes;
+        const int64_t T = c.tokens[static_cast<size_t>(r)], Tp = *std::max_element(c.tokens.begin(), c.tokens.end());
+        if (kind == Kind::kAllToAll) {  // the counts (i64 per peer's local expert), then the rows
+          int64_t sent = 0;
+          for (int p = 0; p < c.ep; ++p) sent += p == r ? 0 : st.send_rows[static_cast<size_t>(p)];
+          EXPECT_DOUBLE_EQ(bytes, (c.ep - 1) * El * 8.0 + sent * W) << who;
+        } else {  // the token count, the ids and the packed rows, padded to the largest count
+          EXPECT_DOUBLE_EQ(bytes, (c.ep - 1) * (8.0 + Tp * c.top_k * 4 + Tp * W)) << who << ", " << T << " tokens";
+        }
+      });
+    }
   }
 }
 
+// Told a bound on the tokens, the all-gather refuses a batch beyond it, naming both.
 TEST(ExpertParallel, AllGatherRefusesMoreTokensThanItsBound) {
   run_ranks(2, [](Communicator& comm) {
     ExchangeOptions o;

@@ -59,9 +59,37 @@ TEST(BackendFp8, QuantizersMatchTheCpuBitForBit) {
                       ops::quantize_fp8_transposed(x, ops::Fp8Blocks::kBlocks), "transposed blocks " + tag);
     }
     const ops::Fp8Tensor qg = ops::quantize_fp8(on_gpu(x, DType::BF16), ops::Fp8Blocks::kBlocks);
-    EXPECT_EQ(backend_error(ops::dequantize_fp8(qg, DType::F32).to(Device::cpu()),
-                            ops::dequantize_fp8(ops::quantize_fp8(x, ops::Fp8Blocks::kBlocks), DType::F32)),
-              0.0);
+    for (DType dt : {DType::F32, DType::BF16}) {
+      EXPECT_EQ(backend_error(ops::dequantize_fp8(qg, dt).to(Device::cpu()),
+                              ops::dequantize_fp8(ops::quantize_fp8(x, ops::Fp8Blocks::kBlocks), dt)),
+                0.0)
+          << dtype_name(dt);
+    }
+  }
+}
+
+// The packed rows of an FP8 dispatch: packing on the GPU gives the CPU's bytes, and unpacking
+// the CPU's bytes on the GPU gives its codes, scales and values (bf16 and f32) bit for bit.
+// Widths: a partial tile (the byte-wise kernels), and whole tiles (the 16-byte ones).
+TEST(BackendFp8, PackedRowsMatchTheCpu) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  for (const int64_t C : {300, 2048, 7168}) {
+    const int64_t R = 517;
+    const ops::Fp8Tensor x = ops::quantize_fp8(random_bf16_values({R, C}, 94 + C, 3.0), ops::Fp8Blocks::kRows);
+    const Tensor packed = ops::pack_fp8_rows(x);
+    const ops::Fp8Tensor xg{x.q.to(kGpu), x.scale.to(kGpu), ops::Fp8Blocks::kRows};
+    const Tensor got = ops::pack_fp8_rows(xg).to(Device::cpu());
+    ASSERT_EQ(got.shape(), packed.shape());
+    EXPECT_EQ(0, std::memcmp(got.raw(), packed.raw(), packed.nbytes())) << "pack_fp8_rows [" << R << " x " << C << "]";
+    for (DType dt : {DType::BF16, DType::F32}) {
+      const std::string tag = fmt::format("unpack_fp8_rows [{} x {}, {}]", R, C, dtype_name(dt));
+      const ops::UnpackedFp8Rows u = ops::unpack_fp8_rows(packed.to(kGpu), C, dt);
+      const ops::UnpackedFp8Rows want = ops::unpack_fp8_rows(packed, C, dt);
+      expect_same_fp8(u.q, want.q, tag);
+      ASSERT_EQ(u.values.dtype(), dt) << tag;
+      EXPECT_EQ(backend_error(u.values.to(Device::cpu()), want.values), 0.0) << tag;
+    }
   }
 }
 

@@ -163,6 +163,60 @@ TEST(Fp8, PermutedTokenCodesAreTheCodesOfThePermutedRows) {
   }
 }
 
+// The packed rows an expert dispatch moves: row r is its codes, then its tiles' scales as
+// little-endian f32 bytes (read back here byte by byte, so a transposed or misplaced scale
+// fails); unpacking gives the codes and scales back bit for bit and the values dequantize_fp8
+// makes, in every dtype. Widths: a partial last tile, whole tiles, and no columns.
+TEST(Fp8, PackedRowsHoldEachRowsCodesThenItsScales) {
+  for (const int64_t C : {300, 256, 0}) {
+    SCOPED_TRACE("C = " + std::to_string(C));
+    const int64_t R = 23, L = (C + 127) / 128, W = C + 4 * L;
+    const ops::Fp8Tensor x = ops::quantize_fp8(testing::random_tensor({R, C}, DType::F32, 96 + C), ops::Fp8Blocks::kRows);
+    const Tensor packed = ops::pack_fp8_rows(x);
+    ASSERT_EQ(packed.shape(), (Shape{R, W}));
+    ASSERT_EQ(packed.dtype(), DType::F8E4M3);
+    const uint8_t* p = static_cast<const uint8_t*>(packed.raw());
+    const uint8_t* q = static_cast<const uint8_t*>(x.q.raw());
+    const std::vector<float> s = x.scale.to_vector<float>();
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t c = 0; c < C; ++c) ASSERT_EQ(p[r * W + c], q[r * C + c]) << "code (" << r << ", " << c << ")";
+      for (int64_t l = 0; l < L; ++l) {
+        uint32_t bits = 0;
+        for (int b = 0; b < 4; ++b) bits |= static_cast<uint32_t>(p[r * W + C + 4 * l + b]) << (8 * b);
+        float v;
+        std::memcpy(&v, &bits, 4);
+        ASSERT_EQ(v, s[static_cast<size_t>(l * R + r)]) << "scale of tile " << l << " of row " << r;
+      }
+    }
+    for (DType dt : {DType::F32, DType::BF16, DType::F64}) {
+      const ops::UnpackedFp8Rows u = ops::unpack_fp8_rows(packed, C, dt);
+      ASSERT_EQ(u.q.q.shape(), x.q.shape());
+      EXPECT_EQ(0, std::memcmp(u.q.q.raw(), x.q.raw(), x.q.nbytes()));
+      EXPECT_EQ(u.q.scale.to_vector<float>(), s);
+      EXPECT_EQ(u.q.blocks, ops::Fp8Blocks::kRows);
+      ASSERT_EQ(u.values.dtype(), dt);
+      EXPECT_EQ(u.values.to_double_vector(), ops::dequantize_fp8(x, dt).to_double_vector());
+    }
+  }
+  // A width that does not match the packed rows is refused, naming both.
+  const Tensor packed = ops::pack_fp8_rows(ops::quantize_fp8(testing::random_tensor({4, 256}, DType::F32, 1),
+                                                             ops::Fp8Blocks::kRows));
+  try {
+    ops::unpack_fp8_rows(packed, 200, DType::F32);
+    ADD_FAILURE() << "a width of 200 taken for rows of 256";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("packed must be f8e4m3 [R, 208] (the codes and scales of 200 columns), got"),
+              std::string::npos)
+        << e.what();
+  }
+  try {
+    ops::pack_fp8_rows(ops::quantize_fp8(testing::random_tensor({4, 256}, DType::F32, 1), ops::Fp8Blocks::kBlocks));
+    ADD_FAILURE() << "blocks mode taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rows mode"), std::string::npos) << e.what();
+  }
+}
+
 // Each expert's W^T blocks moved from W's are the blocks of W^T quantized: codes and scales
 // bit for bit, for experts whose weights are wider than tall and taller than wide.
 TEST(Fp8, TransposedExpertBlocksAreEachExpertsTransposeQuantized) {

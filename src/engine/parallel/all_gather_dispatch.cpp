@@ -196,11 +196,13 @@ DispatchOut AllGatherDispatcher::dispatch_finish(DispatchState& st) {
       Collective::kDispatch, x.device(), st, {x},
       [&] {
         if (opt_.check_conservation) check_conservation_over_group(st, x.device(), N, K);
-        const Tensor all = gather(padded(x, st.padded_tokens), arena_.get());
-        DispatchOut out{ops::permute_forward(all, st.perm), st.perm.expert_counts, {}};
-        // FP8 experts: each gathered token quantized once, not each of its copies (the same bits)
-        if (st.fp8_rows) out.rows_q = ops::permute_forward_fp8(ops::quantize_fp8(all, ops::Fp8Blocks::kRows), st.perm);
-        return out;
+        // FP8 experts: each token quantized once, on its own rank, and its codes and scales
+        // gathered in one packed row.
+        const Tensor mine = st.fp8_rows ? ops::pack_fp8_rows(ops::quantize_fp8(x, ops::Fp8Blocks::kRows)) : x;
+        const Tensor rows = ops::permute_forward(gather(padded(mine, st.padded_tokens), arena_.get()), st.perm);
+        if (!st.fp8_rows) return DispatchOut{rows, st.perm.expert_counts, {}};
+        ops::UnpackedFp8Rows u = ops::unpack_fp8_rows(rows, x.size(1), x.dtype());
+        return DispatchOut{std::move(u.values), st.perm.expert_counts, std::move(u.q)};
       },
       /*after_compute=*/false);
 }

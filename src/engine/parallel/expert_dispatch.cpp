@@ -54,10 +54,11 @@ DispatchOut LocalDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx, i
                                       DispatchState& st) {
   StageScope t(Stage::kRouterPermute);
   st.perm = ops::permutation_by_expert(topk_idx, num_experts);
-  DispatchOut out{ops::permute_forward(x, st.perm), st.perm.expert_counts, {}};
+  if (!st.fp8_rows) return {ops::permute_forward(x, st.perm), st.perm.expert_counts, {}};
   // Each token quantized once rather than each of its top_k copies: the same bits.
-  if (st.fp8_rows) out.rows_q = ops::permute_forward_fp8(ops::quantize_fp8(x, ops::Fp8Blocks::kRows), st.perm);
-  return out;
+  ops::Fp8Tensor q = ops::permute_forward_fp8(ops::quantize_fp8(x, ops::Fp8Blocks::kRows), st.perm);
+  Tensor rows = ops::dequantize_fp8(q, x.dtype());
+  return {std::move(rows), st.perm.expert_counts, std::move(q)};
 }
 
 Tensor LocalDispatcher::combine(const Tensor& expert_rows, DispatchState& st) {
@@ -253,7 +254,9 @@ DispatchOut AllToAllDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx
     sent.copy_from(st.perm.expert_counts);
     const std::vector<int64_t> per_peer(P, El);
     all_to_all(sent, per_peer, received, per_peer);
-    Tensor rows = ops::permute_forward(x, st.perm);  // enqueued before the sync below
+    // FP8 experts: each token quantized once, its codes and scales sent in one packed row.
+    const Tensor send = st.fp8_rows ? ops::pack_fp8_rows(ops::quantize_fp8(x, ops::Fp8Blocks::kRows)) : x;
+    Tensor rows = ops::permute_forward(send, st.perm);  // enqueued before the sync below
     // The dispatch's one necessary host sync: the row exchange is sized by these counts.
     const std::vector<int64_t> c = counts.to_vector<int64_t>();
     std::vector<int64_t> got(c.begin() + E, c.end());
@@ -320,7 +323,9 @@ DispatchOut AllToAllDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx
     }
     Tensor arrived = exchange(rows, st.send_rows, st.recv_rows);
     Tensor grouped = st.regroup_identity ? arrived : ops::permute_forward(arrived, st.regroup);  // device gather
-    return DispatchOut{grouped, expert_counts};
+    if (!st.fp8_rows) return DispatchOut{grouped, expert_counts, {}};
+    ops::UnpackedFp8Rows u = ops::unpack_fp8_rows(grouped, x.size(1), x.dtype());
+    return DispatchOut{std::move(u.values), expert_counts, std::move(u.q)};
   });
 }
 

@@ -30,10 +30,13 @@ namespace moetrain {
 struct DispatchOut {
   Tensor rows;    // [N, H] token copies grouped by local expert
   Tensor counts;  // i64 [local experts], rows per expert
-  // rows quantized per 1 x 128 tile, where the state asked for them (DispatchState::fp8_rows)
-  // and the dispatcher makes them (LocalDispatcher, AllGatherDispatcher: the tokens quantized,
-  // then gathered into the rows; the same bits as quantizing the rows); undefined otherwise,
-  // and the experts quantize rows themselves. Read by the experts' forward only, which drops them.
+  // FP8 experts (DispatchState::fp8_rows): each token quantized once per 1 x 128 tile on its
+  // own rank (the same bits as quantizing its copies), the codes and scales moved between
+  // ranks in one packed row (ops::pack_fp8_rows: about half the bytes of bf16) and gathered
+  // into the rows; `rows` is then their values (code * scale, as x's dtype), so that the
+  // experts' weight gradient reads what their forward multiplied and every layout hands the
+  // experts the same rows as one process. Undefined otherwise. Read by the experts' forward
+  // only, which drops it.
   ops::Fp8Tensor rows_q;
 };
 

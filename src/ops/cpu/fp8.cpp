@@ -2,6 +2,7 @@
 // CUDA kernels match (ops.h).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "ops/arg_checks.h"
 #include "ops/cpu/cpu_ops.h"
@@ -89,6 +90,34 @@ Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype) {
     }
   }
   return Tensor::from_vector(out, {R, C}).to(dtype);
+}
+
+// Row r: its C codes, then its L scales' bytes; scale[l * R + r] in rows mode.
+Tensor pack_fp8_rows(const Fp8Tensor& x) {
+  const int64_t R = x.q.size(0), C = x.q.size(1), L = x.scale.size(0), W = packed_fp8_row_bytes(C);
+  Tensor out = Tensor::empty({R, W}, DType::F8E4M3);
+  const uint8_t* q = static_cast<const uint8_t*>(x.q.raw());
+  const float* s = x.scale.data<float>();
+  uint8_t* o = static_cast<uint8_t*>(out.raw());
+  for (int64_t r = 0; r < R; ++r) {
+    std::memcpy(o + r * W, q + r * C, static_cast<size_t>(C));
+    for (int64_t l = 0; l < L; ++l) std::memcpy(o + r * W + C + 4 * l, s + l * R + r, 4);
+  }
+  return out;
+}
+
+UnpackedFp8Rows unpack_fp8_rows(const Tensor& packed, int64_t cols, DType dtype) {
+  const int64_t R = packed.size(0), C = cols, L = fp8_blocks_of(C), W = packed.size(1);
+  Fp8Tensor t{Tensor::empty({R, C}, DType::F8E4M3), Tensor::empty({L, R}, DType::F32), Fp8Blocks::kRows};
+  const uint8_t* p = static_cast<const uint8_t*>(packed.raw());
+  uint8_t* q = static_cast<uint8_t*>(t.q.raw());
+  float* s = t.scale.data<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    std::memcpy(q + r * C, p + r * W, static_cast<size_t>(C));
+    for (int64_t l = 0; l < L; ++l) std::memcpy(s + l * R + r, p + r * W + C + 4 * l, 4);
+  }
+  Tensor values = cpu::dequantize_fp8(t, dtype);
+  return {std::move(t), std::move(values)};
 }
 
 // The f32 product of the dequantized operands (BLAS): the reference the GPU's GEMM is held to.

@@ -12,6 +12,8 @@ Tensor shift_tokens(const Tensor& ids, const Tensor& segment_ids, int64_t batch,
 Fp8Tensor quantize_fp8(const Tensor& x, Fp8Blocks blocks);
 Fp8Tensor quantize_fp8_transposed(const Tensor& x, Fp8Blocks blocks);
 Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype);
+Tensor pack_fp8_rows(const Fp8Tensor& x);
+UnpackedFp8Rows unpack_fp8_rows(const Tensor& packed, int64_t cols, DType dtype);
 void linear_fp8_into(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& y, bool accumulate);
 Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& residual);
 Tensor linear_forward_f32_out(const Tensor& x, const Tensor& w);

@@ -93,11 +93,33 @@ Fp8Tensor transpose_fp8_experts(const Fp8Tensor& w, int64_t experts) {
 Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype) {
   check_cuda_tensors("dequantize_fp8", {&t.q, &t.scale});
   const int64_t R = t.q.size(0), C = t.q.size(1);
-  Tensor y = Tensor::empty({R, C}, DType::F32, t.q.device());
+  Tensor y = Tensor::empty({R, C}, dtype == DType::BF16 ? DType::BF16 : DType::F32, t.q.device());
   launch_dequantize_fp8(static_cast<const uint8_t*>(t.q.raw()), t.scale.data<float>(), t.blocks == Fp8Blocks::kBlocks,
-                        R, C, t.scale.size(1), y.data<float>(), stream());
+                        R, C, t.scale.size(1), y.raw(), dtype == DType::BF16, stream());
   check_launch("dequantize_fp8");
-  return dtype == DType::F32 ? y : y.to(dtype);
+  return y.dtype() == dtype ? y : y.to(dtype);  // f64: through f32
+}
+
+Tensor pack_fp8_rows(const Fp8Tensor& x) {
+  check_cuda_tensors("pack_fp8_rows", {&x.q, &x.scale});
+  const int64_t R = x.q.size(0), C = x.q.size(1);
+  Tensor out = Tensor::empty({R, packed_fp8_row_bytes(C)}, DType::F8E4M3, x.q.device());
+  launch_pack_fp8_rows(static_cast<const uint8_t*>(x.q.raw()), x.scale.data<float>(), R, C,
+                       static_cast<uint8_t*>(out.raw()), stream());
+  check_launch("pack_rows_kernel (pack_fp8_rows)");
+  return out;
+}
+
+UnpackedFp8Rows unpack_fp8_rows(const Tensor& packed, int64_t cols, DType dtype) {
+  check_cuda_tensors("unpack_fp8_rows", {&packed});
+  const int64_t R = packed.size(0), C = cols;
+  UnpackedFp8Rows out{empty_fp8(R, C, Fp8Blocks::kRows, packed.device()),
+                      Tensor::empty({R, C}, dtype == DType::BF16 ? DType::BF16 : DType::F32, packed.device())};
+  launch_unpack_fp8_rows(static_cast<const uint8_t*>(packed.raw()), R, C, static_cast<uint8_t*>(out.q.q.raw()),
+                         out.q.scale.data<float>(), out.values.raw(), dtype == DType::BF16, stream());
+  check_launch("unpack_rows_kernel (unpack_fp8_rows)");
+  if (out.values.dtype() != dtype) out.values = out.values.to(dtype);  // f64: through f32, as dequantize_fp8
+  return out;
 }
 
 // y [M, N] row-major = column-major y^T [N, M] = b [N, K] (cuBLAS A, op T) times a^T (cuBLAS

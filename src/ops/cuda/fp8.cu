@@ -4,6 +4,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
+
 #include "ops/cuda/fp8_device.cuh"
 #include "ops/cuda/fp8_launch.h"
 #include "ops/cuda/vec_io.cuh"
@@ -224,18 +226,130 @@ __global__ void __launch_bounds__(256) transpose_blocks_kernel(const uint8_t* __
   if (tid == 0) st[(e * kb + cb) * lt + rb] = scale[(e * nb + rb) * ls + cb];
 }
 
+__device__ __forceinline__ float e4m3_value(uint8_t code) {
+  __nv_fp8_e4m3 v;
+  v.__x = code;
+  return static_cast<float>(v);
+}
+__device__ __forceinline__ void store_value(float* y, int64_t i, float v) { y[i] = v; }
+__device__ __forceinline__ void store_value(__nv_bfloat16* y, int64_t i, float v) { y[i] = __float2bfloat16_rn(v); }
+
+// y = code * scale: one f32 product, rounded once where y is bf16 (the CPU's order).
+template <typename Out>
 __global__ void dequantize_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scale, bool blocks,
-                                  int64_t R, int64_t C, int64_t scale_cols, float* __restrict__ y) {
+                                  int64_t R, int64_t C, int64_t scale_cols, Out* __restrict__ y) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= R * C) return;
   const int64_t r = i / C, kb = (i % C) / kBlock;
   const float s = blocks ? scale[(r / kBlock) * scale_cols + kb] : scale[kb * R + r];
-  __nv_fp8_e4m3 v;
-  v.__x = q[i];
-  y[i] = static_cast<float>(v) * s;
+  store_value(y, i, e4m3_value(q[i]) * s);
 }
 
+// The packed rows' form (ops::pack_fp8_rows): row r is W = C + 4 L bytes, its C codes then
+// its L scales. One grid-stride pass over two kinds of item: a row's codes in pieces of kVec
+// bytes (16 where every row and its codes start 16-byte aligned, else 1), then each (tile,
+// row) scale, taken in the scales' own order so that their side of the copy is coalesced.
+// Unpacking also writes the rows' values, code * scale (as dequantize_kernel: one f32
+// product, then rounded once to bf16).
+template <int kVec>
+__global__ void pack_rows_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scale, int64_t R, int64_t C,
+                                 int64_t L, uint8_t* __restrict__ out) {
+  const int64_t W = C + 4 * L, pieces = C / kVec, codes = R * pieces, total = codes + L * R;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (i < codes) {
+      const int64_t r = i / pieces, v = i % pieces;
+      if constexpr (kVec == 16) {
+        reinterpret_cast<uint4*>(out + r * W)[v] = reinterpret_cast<const uint4*>(q + r * C)[v];
+      } else {
+        out[r * W + v] = q[r * C + v];
+      }
+    } else {
+      const int64_t j = i - codes, l = j / R, r = j % R;
+      const uint32_t bits = __float_as_uint(scale[j]);
+      uint8_t* at = out + r * W + C + 4 * l;
+      if constexpr (kVec == 16) {
+        *reinterpret_cast<uint32_t*>(at) = bits;
+      } else {
+#pragma unroll
+        for (int b = 0; b < 4; ++b) at[b] = static_cast<uint8_t>(bits >> (8 * b));
+      }
+    }
+  }
+}
+
+template <int kVec, typename Out>
+__global__ void unpack_rows_kernel(const uint8_t* __restrict__ packed, int64_t R, int64_t C, int64_t L,
+                                   uint8_t* __restrict__ q, float* __restrict__ scale, Out* __restrict__ values) {
+  const int64_t W = C + 4 * L, pieces = C / kVec, codes = R * pieces, total = codes + L * R;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (i < codes) {
+      const int64_t r = i / pieces, c0 = (i % pieces) * kVec;
+      const uint8_t* row = packed + r * W;
+      alignas(16) uint8_t b[kVec];
+      if constexpr (kVec == 16) {
+        *reinterpret_cast<uint4*>(b) = reinterpret_cast<const uint4*>(row)[c0 / 16];
+        reinterpret_cast<uint4*>(q + r * C)[c0 / 16] = *reinterpret_cast<const uint4*>(b);
+      } else {
+        b[0] = row[c0];
+        q[r * C + c0] = b[0];
+      }
+      // A piece of 16 never crosses a tile (128 is a multiple of 16).
+      const uint8_t* sb = row + C + 4 * (c0 / kBlock);
+      const float s = __uint_as_float(static_cast<uint32_t>(sb[0]) | static_cast<uint32_t>(sb[1]) << 8 |
+                                      static_cast<uint32_t>(sb[2]) << 16 | static_cast<uint32_t>(sb[3]) << 24);
+      if constexpr (kVec == 16) {  // the piece's values in 16-byte stores
+        alignas(16) Out v[kVec];
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) store_value(v, k, e4m3_value(b[k]) * s);
+        constexpr int kStores = kVec * sizeof(Out) / 16;
+#pragma unroll
+        for (int k = 0; k < kStores; ++k) {
+          reinterpret_cast<uint4*>(values + r * C + c0)[k] = reinterpret_cast<const uint4*>(v)[k];
+        }
+      } else {
+        store_value(values, r * C + c0, e4m3_value(b[0]) * s);
+      }
+    } else {
+      const int64_t j = i - codes, l = j / R, r = j % R;
+      const uint8_t* sb = packed + r * W + C + 4 * l;
+      scale[j] = __uint_as_float(static_cast<uint32_t>(sb[0]) | static_cast<uint32_t>(sb[1]) << 8 |
+                                 static_cast<uint32_t>(sb[2]) << 16 | static_cast<uint32_t>(sb[3]) << 24);
+    }
+  }
+}
+
+// Enough blocks to fill the GPU a few times over; the kernels stride over the rest.
+unsigned stride_blocks(int64_t items) { return static_cast<unsigned>(std::min<int64_t>((items + 255) / 256, 8192)); }
+
 }  // namespace
+
+void launch_pack_fp8_rows(const uint8_t* q, const float* scale, int64_t R, int64_t C, uint8_t* out, cudaStream_t s) {
+  const int64_t L = (C + kBlock - 1) / kBlock;
+  if (R == 0) return;
+  if (C % 16 == 0 && (C + 4 * L) % 16 == 0 && aligned16(q) && aligned16(out)) {
+    pack_rows_kernel<16><<<stride_blocks(R * (C / 16 + L)), 256, 0, s>>>(q, scale, R, C, L, out);
+  } else {
+    pack_rows_kernel<1><<<stride_blocks(R * (C + L)), 256, 0, s>>>(q, scale, R, C, L, out);
+  }
+}
+
+void launch_unpack_fp8_rows(const uint8_t* packed, int64_t R, int64_t C, uint8_t* q, float* scale, void* values,
+                            bool values_bf16, cudaStream_t s) {
+  const int64_t L = (C + kBlock - 1) / kBlock;
+  if (R == 0) return;
+  const bool vec = C % 16 == 0 && (C + 4 * L) % 16 == 0 && aligned16(packed) && aligned16(q) && aligned16(values);
+  auto run = [&](auto* y) {
+    if (vec) {
+      unpack_rows_kernel<16><<<stride_blocks(R * (C / 16 + L)), 256, 0, s>>>(packed, R, C, L, q, scale, y);
+    } else {
+      unpack_rows_kernel<1><<<stride_blocks(R * (C + L)), 256, 0, s>>>(packed, R, C, L, q, scale, y);
+    }
+  };
+  if (values_bf16) run(static_cast<__nv_bfloat16*>(values));
+  else run(static_cast<float*>(values));
+}
 
 void launch_quantize_fp8_rows(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
                               cudaStream_t s) {
@@ -287,10 +401,15 @@ void launch_transpose_fp8_experts(const uint8_t* q, const float* scale, int64_t 
 }
 
 void launch_dequantize_fp8(const uint8_t* q, const float* scale, bool blocks, int64_t R, int64_t C, int64_t scale_cols,
-                           float* y, cudaStream_t s) {
+                           void* y, bool y_bf16, cudaStream_t s) {
   const int64_t n = R * C;
   if (n == 0) return;
-  dequantize_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, s>>>(q, scale, blocks, R, C, scale_cols, y);
+  const unsigned grid = static_cast<unsigned>((n + 255) / 256);
+  if (y_bf16) {
+    dequantize_kernel<<<grid, 256, 0, s>>>(q, scale, blocks, R, C, scale_cols, static_cast<__nv_bfloat16*>(y));
+  } else {
+    dequantize_kernel<<<grid, 256, 0, s>>>(q, scale, blocks, R, C, scale_cols, static_cast<float*>(y));
+  }
 }
 
 }  // namespace moetrain::ops::cuda

@@ -26,8 +26,14 @@ void launch_quantize_fp8_transposed_blocks(const void* x, int elem_bytes, int64_
 // -> qt [E k, n] (st [E k / 128][lt], its padding left as it is); n, k multiples of 128.
 void launch_transpose_fp8_experts(const uint8_t* q, const float* scale, int64_t E, int64_t n, int64_t k, int64_t ls,
                                   int64_t lt, uint8_t* qt, float* st, cudaStream_t s);
-// y = q * scale (f32 out), either mode.
+// y = q * scale (bf16 or f32 out), either mode.
 void launch_dequantize_fp8(const uint8_t* q, const float* scale, bool blocks, int64_t R, int64_t C, int64_t scale_cols,
-                           float* y, cudaStream_t s);
+                           void* y, bool y_bf16, cudaStream_t s);
+
+// ops::pack_fp8_rows: rows-mode codes q [R, C] and scale[kb * R + r] -> out [R, C + 4 ceil(C/128)].
+void launch_pack_fp8_rows(const uint8_t* q, const float* scale, int64_t R, int64_t C, uint8_t* out, cudaStream_t s);
+// ops::unpack_fp8_rows: the inverse, and the values code * scale into `values` (bf16 or f32).
+void launch_unpack_fp8_rows(const uint8_t* packed, int64_t R, int64_t C, uint8_t* q, float* scale, void* values,
+                            bool values_bf16, cudaStream_t s);
 
 }  // namespace moetrain::ops::cuda
