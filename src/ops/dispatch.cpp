@@ -151,6 +151,13 @@ RmsNormOut rmsnorm_forward(const Tensor& x, const Tensor& w, double eps) {
   return MT_ROUTE(x, rmsnorm_forward, x, w, eps);
 }
 
+RmsNormOut rmsnorm_forward_fp8(const Tensor& x, const Tensor& w, double eps) {
+  MT_CHECK(w.defined() && w.numel() % kFp8Block == 0,
+           "rmsnorm_forward_fp8: the row width (w's length) must be a multiple of {} (whole 1 x 128 tiles), got {}",
+           kFp8Block, w.defined() ? w.str() : "undefined");
+  return MT_ROUTE(x, rmsnorm_forward_fp8, x, w, eps);
+}
+
 Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                               const Tensor& residual) {
   if (residual.defined()) {

@@ -100,8 +100,13 @@ void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw, bool 
 struct RmsNormOut {
   Tensor y;
   Tensor rstd;
+  Fp8Tensor y_q;  // rmsnorm_forward_fp8 only
 };
 RmsNormOut rmsnorm_forward(const Tensor& x, const Tensor& w, double eps);
+// The same, and y quantized per 1 x 128 tile (rows mode) in the same pass, bitwise
+// quantize_fp8(y, kRows): the input of FP8 products (the attention projections, the experts'
+// dispatch) without a quantizer's pass over y. D must be a multiple of 128.
+RmsNormOut rmsnorm_forward_fp8(const Tensor& x, const Tensor& w, double eps);
 // dx = rstd * (w*dy - x * rstd^2 * mean(w*dy*x)) (+ residual: a gradient reaching x by
 // another path, added before dx is rounded, so no separate add reads and writes it again)
 Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,

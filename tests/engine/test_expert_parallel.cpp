@@ -20,6 +20,7 @@
 #include <cmath>
 #include <latch>
 #include <set>
+#include <span>
 #include <thread>
 
 #include "comm/comm_test_util.h"
@@ -477,8 +478,17 @@ TEST(ExpertParallel, Fp8RowsAreTheTokensQuantizedOnce) {
     EXPECT_EQ(0, std::memcmp(ref.rows_q.q.raw(), want.q.raw(), want.q.nbytes()));
     EXPECT_EQ(ref.rows_q.scale.to_vector<float>(), want.scale.to_vector<float>());
     expect_same(ref.rows, ops::dequantize_fp8(ref.rows_q, DType::F32), "one process: rows");
+    // Codes the caller gives (its norm's fused pass: DispatchState::tokens_q) are what the
+    // dispatch moves, in place of quantizing x: given those of 2x, the rows are twice the
+    // reference's (the scales double exactly, the codes stay).
+    auto twice = [](const Tensor& t) {
+      Tensor out = t.clone();
+      for (float& v : std::span<float>(out.data<float>(), static_cast<size_t>(out.numel()))) v *= 2;
+      return out;
+    };
+    for (const bool given : {false, true})
     for (Kind kind : kKinds) {
-      SCOPED_TRACE(name(kind));
+      SCOPED_TRACE(fmt::format("{}{}", name(kind), given ? ", codes given" : ""));
       run_ranks(c.ep, [&](Communicator& comm) {
         const int r = comm.rank();
         std::unique_ptr<ExpertDispatcher> d = make_dispatcher(kind, comm, {});
@@ -486,15 +496,18 @@ TEST(ExpertParallel, Fp8RowsAreTheTokensQuantizedOnce) {
         CollectiveTimer::activate(&timer);
         DispatchState st;
         st.fp8_rows = true;
+        if (given) st.tokens_q = ops::quantize_fp8(twice(L.x[r]), ops::Fp8Blocks::kRows);
         const DispatchOut out = d->dispatch(L.x[r], L.topk[r], E, st);
         CollectiveTimer::activate(nullptr);
+        EXPECT_FALSE(st.tokens_q.q.defined()) << "the given codes are taken, not kept";
         const int64_t a = L.expert_offset[r * El], b = L.expert_offset[(r + 1) * El];
         const std::string who = fmt::format("rank {}", r);
         ASSERT_TRUE(out.rows_q.q.defined()) << who;
         ASSERT_EQ(out.rows_q.q.shape(), (Shape{b - a, c.hidden})) << who;
         EXPECT_EQ(0, std::memcmp(out.rows_q.q.raw(), ref.rows_q.q.slice(a, b).raw(), out.rows_q.q.nbytes())) << who;
-        expect_same(out.rows_q.scale, ref.rows_q.scale.columns(a, b), who + ": scales");
-        expect_same(out.rows, ref.rows.slice(a, b), who + ": rows");
+        const Tensor want_scales = ref.rows_q.scale.columns(a, b), want_rows = ref.rows.slice(a, b);
+        expect_same(out.rows_q.scale, given ? twice(want_scales) : want_scales, who + ": scales");
+        expect_same(out.rows, given ? twice(want_rows) : want_rows, who + ": rows");
         const double bytes = timer.take()[static_cast<int>(Collective::kDispatch)].bytes;
         const int64_t T = c.tokens[static_cast<size_t>(r)], Tp = *std::max_element(c.tokens.begin(), c.tokens.end());
         if (kind == Kind::kAllToAll) {  // the counts (i64 per peer's local expert), then the rows

@@ -30,13 +30,16 @@ Batch packed_batch(int32_t vocab, uint64_t seed) {
 }
 
 template <typename M, typename C>
-void expect_same_bits(const C& c, const std::vector<int64_t>& recomputed, RecomputeMode mode, const char* label) {
+void expect_same_bits(const C& c, const std::vector<int64_t>& recomputed, RecomputeMode mode, const char* label,
+                      bool fp8 = false) {
   SCOPED_TRACE(label);
   const bool full = mode == RecomputeMode::kFull;
   const auto vocab = static_cast<int32_t>(c.vocab_size);
   M plain(c, DType::F32), re(c, DType::F32);
   plain.init_weights(7);
   re.init_weights(7);
+  plain.set_fp8(fp8);
+  re.set_fp8(fp8);
   re.set_recompute(recomputed, mode);
   for (M* m : {&plain, &re}) m->set_expert_wgrad_group(2);
   LocalDispatcher d;
@@ -90,6 +93,21 @@ TEST(Recompute, FullAndSelectiveRecomputationGiveTheSameBitsQwen3) {
   for (RecomputeMode mode : {RecomputeMode::kFull, RecomputeMode::kSelective}) {
     expect_same_bits<Qwen3MoeModel>(c, {0, 1, 2}, mode, "every layer");
     expect_same_bits<Qwen3MoeModel>(c, {1}, mode, "the middle layer");
+  }
+}
+
+// FP8 ([training].fp8) with experts of whole 128 x 128 blocks: their rows are the values of
+// the tokens' codes (the norm's fused quantization in the forward), and a recomputed layer
+// makes the same rows again (selective: the dispatch made again in FP8, else the experts'
+// weight gradients would read x itself).
+TEST(Recompute, FullAndSelectiveRecomputationGiveTheSameBitsUnderFp8) {
+  Qwen3MoeConfig c = testing::tiny_moe_config(50, 2);
+  c.hidden_size = 128;
+  c.moe_intermediate_size = 128;
+  c.intermediate_size = 128;
+  c.head_dim = 32;
+  for (RecomputeMode mode : {RecomputeMode::kFull, RecomputeMode::kSelective}) {
+    expect_same_bits<Qwen3MoeModel>(c, {0, 1}, mode, "every layer", /*fp8=*/true);
   }
 }
 

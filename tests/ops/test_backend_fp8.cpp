@@ -68,6 +68,28 @@ TEST(BackendFp8, QuantizersMatchTheCpuBitForBit) {
   }
 }
 
+// RMSNorm with its output quantized in the same pass: y as the plain kernel makes it, and its
+// codes and scales bit for bit what the quantizer makes of that y. Widths for each row shape
+// (16 threads a row at 256, 32 at 384 and 768, where a warp's second half idles in the last
+// pass at 384, 128 at 2048, 256 at 5120); rows not a multiple of a block's.
+TEST(BackendFp8, RmsNormQuantizesItsOutputAsTheQuantizer) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  for (const int64_t D : {256, 384, 768, 2048, 5120}) {
+    const int64_t R = 301;
+    const std::string tag = fmt::format("rmsnorm_forward_fp8 [{} x {}]", R, D);
+    const Tensor x = on_gpu(random_bf16_values({R, D}, 97 + D, 2.0), DType::BF16);
+    const Tensor w = on_gpu(random_bf16_values({D}, 98 + D, 1.0), DType::BF16);
+    const ops::RmsNormOut got = ops::rmsnorm_forward_fp8(x, w, 1e-6);
+    const ops::RmsNormOut plain = ops::rmsnorm_forward(x, w, 1e-6);
+    const Tensor y = got.y.to(Device::cpu());
+    ASSERT_EQ(y.shape(), (Shape{R, D})) << tag;
+    EXPECT_EQ(0, std::memcmp(y.raw(), plain.y.to(Device::cpu()).raw(), y.nbytes())) << tag << ": y";
+    EXPECT_EQ(got.rstd.to(Device::cpu()).to_vector<float>(), plain.rstd.to(Device::cpu()).to_vector<float>()) << tag;
+    expect_same_fp8(got.y_q, ops::quantize_fp8(y, ops::Fp8Blocks::kRows), tag);
+  }
+}
+
 // The packed rows of an FP8 dispatch: packing on the GPU gives the CPU's bytes, and unpacking
 // the CPU's bytes on the GPU gives its codes, scales and values (bf16 and f32) bit for bit.
 // Widths: a partial tile (the byte-wise kernels), and whole tiles (the 16-byte ones).

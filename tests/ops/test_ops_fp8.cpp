@@ -217,6 +217,27 @@ TEST(Fp8, PackedRowsHoldEachRowsCodesThenItsScales) {
   }
 }
 
+// RMSNorm's fused quantization: y as rmsnorm_forward makes it, and its codes and scales
+// quantize_fp8's of that y; a width of partial tiles is refused, naming it.
+TEST(Fp8, RmsNormOutputQuantizedIsTheQuantizersOfItsOutput) {
+  const Tensor x = testing::random_tensor({9, 256}, DType::F32, 70), w = testing::random_tensor({256}, DType::F32, 71);
+  const ops::RmsNormOut got = ops::rmsnorm_forward_fp8(x, w, 1e-6), plain = ops::rmsnorm_forward(x, w, 1e-6);
+  EXPECT_EQ(got.y.to_vector<float>(), plain.y.to_vector<float>());
+  const ops::Fp8Tensor want = ops::quantize_fp8(plain.y, ops::Fp8Blocks::kRows);
+  ASSERT_EQ(got.y_q.q.shape(), want.q.shape());
+  EXPECT_EQ(0, std::memcmp(got.y_q.q.raw(), want.q.raw(), want.q.nbytes()));
+  EXPECT_EQ(got.y_q.scale.to_vector<float>(), want.scale.to_vector<float>());
+  try {
+    ops::rmsnorm_forward_fp8(testing::random_tensor({9, 200}, DType::F32, 72),
+                             testing::random_tensor({200}, DType::F32, 73), 1e-6);
+    ADD_FAILURE() << "a width of 200 taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rmsnorm_forward_fp8: the row width (w's length) must be a multiple of 128"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // Each expert's W^T blocks moved from W's are the blocks of W^T quantized: codes and scales
 // bit for bit, for experts whose weights are wider than tall and taller than wide.
 TEST(Fp8, TransposedExpertBlocksAreEachExpertsTransposeQuantized) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -293,6 +294,7 @@ bool MoeDecoderModel::forward_piece(ForwardCursor& f, ExpertDispatcher& d) {
       layer.attn_forward(f.x, f.batch.positions, f.b, s);  // 1: attn
       if (layer.is_moe()) {  // 2: dispatch, the part that needs no host wait
         s.dispatch.fp8_rows = layer.experts_read_fp8();
+        s.dispatch.tokens_q = std::exchange(s.mlp_in_q, {});
         d.dispatch_start(s.mlp_in, s.route.topk_idx, s.route.topk_weight, spec_.num_experts, s.dispatch);
       }
       break;
@@ -454,6 +456,7 @@ void MoeDecoderModel::recompute_before_backward(const DecoderLayer& layer, Backw
     layer.recompute_dropped(kept, g.batch.positions);
     if (kept.rows_dropped && layer.is_moe()) {
       DispatchState again;
+      again.fp8_rows = layer.experts_read_fp8();  // the rows as the forward's: FP8 codes' values
       kept.expert_in.rows = d.dispatch(kept.mlp_in, kept.route.topk_idx, spec_.num_experts, again).rows;
     } else if (kept.rows_dropped) {
       kept.expert_in.rows = dense_rows(kept.mlp_in);
@@ -466,6 +469,7 @@ void MoeDecoderModel::recompute_before_backward(const DecoderLayer& layer, Backw
   layer.attn_forward(kept.recompute_input, g.batch.positions, g.b, s);
   if (layer.is_moe()) {
     s.dispatch.fp8_rows = layer.experts_read_fp8();
+    s.dispatch.tokens_q = std::exchange(s.mlp_in_q, {});
     d.dispatch_start(s.mlp_in, s.route.topk_idx, s.route.topk_weight, spec_.num_experts, s.dispatch);
     s.expert_in = d.dispatch_finish(s.dispatch);
     d.wait(s.dispatch);

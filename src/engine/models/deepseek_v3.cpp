@@ -1,6 +1,7 @@
 #include "engine/models/deepseek_v3.h"
 
 #include <cmath>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -144,7 +145,8 @@ void DeepseekV3DecoderLayer::attn_forward(const Tensor& x, const Tensor& positio
   s.x = x;
   {
     StageScope t(Stage::kNorms);
-    s.ln1 = ops::rmsnorm_forward(x, ln1_w_, eps);
+    // Under tensor parallelism the rows are gathered first and quantized there.
+    s.ln1 = b.tensor ? ops::rmsnorm_forward(x, ln1_w_, eps) : proj_->norm(x, ln1_w_, eps);
   }
   {
     StageScope t(Stage::kAttention);
@@ -167,7 +169,7 @@ void DeepseekV3DecoderLayer::attn_forward(const Tensor& x, const Tensor& positio
         s.k_pe.slice(r0, r1).copy_from(proj_->forward(in, kv_a_rope(wkv_a_)));
       });
     } else {
-      const Projections::Input in = proj_->rows(s.ln1.y);  // quantized once for the three
+      const Projections::Input in = proj_->rows(s.ln1);  // quantized once for the three (with the norm)
       q_first = proj_->forward(in, w_q_first);
       s.c_kv = proj_->forward(in, kv_a_latent(wkv_a_));
       s.k_pe = proj_->forward(in, kv_a_rope(wkv_a_));
@@ -175,12 +177,12 @@ void DeepseekV3DecoderLayer::attn_forward(const Tensor& x, const Tensor& positio
     Tensor q_raw = q_first;
     if (q_latent) {
       s.q_a = q_first;
-      s.q_a_norm = ops::rmsnorm_forward(s.q_a, q_a_norm_w_, kLatentNormEps);
-      q_raw = proj_->forward(s.q_a_norm.y, wq_b_);  // this rank's heads
+      s.q_a_norm = proj_->norm(s.q_a, q_a_norm_w_, kLatentNormEps);
+      q_raw = proj_->forward(proj_->rows(s.q_a_norm), wq_b_);  // this rank's heads
     }
     s.q = ops::rope_forward(q_raw, positions, q_rope_);
-    s.kv_a_norm = ops::rmsnorm_forward(s.c_kv, kv_a_norm_w_, kLatentNormEps);
-    Tensor kv = proj_->forward(s.kv_a_norm.y, wkv_b_);
+    s.kv_a_norm = proj_->norm(s.c_kv, kv_a_norm_w_, kLatentNormEps);
+    Tensor kv = proj_->forward(proj_->rows(s.kv_a_norm), wkv_b_);
     s.kv = ops::mla_kv_forward(kv, ops::rope_forward(s.k_pe, positions, k_rope_), heads_, cfg_.qk_nope_head_dim,
                                cfg_.v_head_dim);
     s.attn = attend(s.q, s.kv.k, s.kv.v, b, attn_shape(b));
@@ -188,13 +190,15 @@ void DeepseekV3DecoderLayer::attn_forward(const Tensor& x, const Tensor& positio
   }
   {
     StageScope t(Stage::kNorms);
-    s.ln2 = ops::rmsnorm_forward(s.h, ln2_w_, eps);
+    // FP8 experts: the tokens quantized with the norm, for the dispatch and the shared experts.
+    s.ln2 = experts_read_fp8() ? ops::rmsnorm_forward_fp8(s.h, ln2_w_, eps) : ops::rmsnorm_forward(s.h, ln2_w_, eps);
     s.mlp_in = s.ln2.y;
+    s.mlp_in_q = std::exchange(s.ln2.y_q, {});
     s.residual = s.h;
   }
   if (has_shared()) {
     StageScope t(Stage::kExpertGemm);
-    s.shared = proj_->experts_forward(s.ln2.y, shared_counts(b.rows()), ws_gate_, ws_up_, ws_down_);
+    s.shared = proj_->experts_forward(s.ln2.y, shared_counts(b.rows()), ws_gate_, ws_up_, ws_down_, s.mlp_in_q);
     s.residual = s.shared.y.clone();
     ops::add_(s.residual, s.h);
   }

@@ -183,6 +183,9 @@ enum class RecomputeMode { kNone, kSelective, kFull };
 struct LayerState {
   virtual ~LayerState() = default;
   Tensor mlp_in;            // stage 1's output the experts take, [T, H]
+  // FP8 experts (experts_read_fp8): mlp_in per 1 x 128 tile, quantized by its norm in the same
+  // pass; handed to the dispatch (DispatchState::tokens_q), not kept. Undefined otherwise.
+  ops::Fp8Tensor mlp_in_q;
   Tensor residual;          // stage 1's residual stream, which stage 5 adds the MLP's output to
   ops::RouterOut route;     // MoE layers: top-k experts and weights, router probabilities
   Tensor router_logits;

@@ -32,6 +32,12 @@ class Projections {
   };
   Input rows(const Tensor& x) const;
   Input tokens(const Tensor& x) const;
+  // RMSNorm of x for products that read its output along the features: under FP8, where the
+  // width is whole tiles, the norm quantizes its output in the same pass
+  // (ops::rmsnorm_forward_fp8, y_q), which rows(n) then takes instead of a quantizer's pass.
+  ops::RmsNormOut norm(const Tensor& x, const Tensor& w, double eps) const;
+  // rows() of a norm's output: the codes norm() made (moved out of n: read once), else made now.
+  Input rows(ops::RmsNormOut& n) const;
 
   // y = x W^T (+ residual).
   Tensor forward(const Input& x, const Tensor& w, const Tensor& residual = Tensor()) const;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -125,7 +126,8 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
   s.x = x;
   {
     StageScope t(Stage::kNorms);
-    s.ln1 = ops::rmsnorm_forward(x, ln1_w_, eps);
+    // Under tensor parallelism the rows are gathered first and quantized there.
+    s.ln1 = b.tensor ? ops::rmsnorm_forward(x, ln1_w_, eps) : proj_->norm(x, ln1_w_, eps);
   }
   if (b.tensor) {  // every row's q/k/v of this rank's heads, a slice's GEMMs under the next slice's transfer
     StageScope t(Stage::kAttention);
@@ -143,7 +145,7 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
     });
   } else {
     StageScope t(Stage::kAttention);
-    const Projections::Input in = proj_->rows(s.ln1.y);  // quantized once for the three
+    const Projections::Input in = proj_->rows(s.ln1);  // quantized once for the three (with the norm)
     s.q_raw = proj_->forward(in, wq_);
     s.k_raw = proj_->forward(in, wk_);
     s.v = proj_->forward(in, wv_);
@@ -162,8 +164,10 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
   }
   {
     StageScope t(Stage::kNorms);
-    s.ln2 = ops::rmsnorm_forward(s.h, ln2_w_, eps);
+    // FP8 experts: the tokens quantized with the norm, for the dispatch.
+    s.ln2 = experts_read_fp8() ? ops::rmsnorm_forward_fp8(s.h, ln2_w_, eps) : ops::rmsnorm_forward(s.h, ln2_w_, eps);
     s.mlp_in = s.ln2.y;
+    s.mlp_in_q = std::exchange(s.ln2.y_q, {});
     s.residual = s.h;
   }
   if (moe_) {

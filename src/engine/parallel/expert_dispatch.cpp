@@ -5,6 +5,16 @@
 
 namespace moetrain {
 
+ops::Fp8Tensor take_tokens_q(const Tensor& x, DispatchState& st) {
+  if (!st.tokens_q.q.defined()) return ops::quantize_fp8(x, ops::Fp8Blocks::kRows);
+  MT_CHECK(st.tokens_q.q.shape() == x.shape() && st.tokens_q.blocks == ops::Fp8Blocks::kRows,
+           "expert dispatch of layer {}: the tokens' codes {} are not x {} per 1 x 128 tile", st.layer,
+           st.tokens_q.q.str(), x.str());
+  ops::Fp8Tensor q = std::move(st.tokens_q);
+  st.tokens_q = {};
+  return q;
+}
+
 DispatchOut ExpertDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight,
                                        int64_t num_experts, DispatchState& st) {
   st.weight = topk_weight;
@@ -56,7 +66,7 @@ DispatchOut LocalDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx, i
   st.perm = ops::permutation_by_expert(topk_idx, num_experts);
   if (!st.fp8_rows) return {ops::permute_forward(x, st.perm), st.perm.expert_counts, {}};
   // Each token quantized once rather than each of its top_k copies: the same bits.
-  ops::Fp8Tensor q = ops::permute_forward_fp8(ops::quantize_fp8(x, ops::Fp8Blocks::kRows), st.perm);
+  ops::Fp8Tensor q = ops::permute_forward_fp8(take_tokens_q(x, st), st.perm);
   Tensor rows = ops::dequantize_fp8(q, x.dtype());
   return {std::move(rows), st.perm.expert_counts, std::move(q)};
 }
@@ -255,7 +265,7 @@ DispatchOut AllToAllDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx
     const std::vector<int64_t> per_peer(P, El);
     all_to_all(sent, per_peer, received, per_peer);
     // FP8 experts: each token quantized once, its codes and scales sent in one packed row.
-    const Tensor send = st.fp8_rows ? ops::pack_fp8_rows(ops::quantize_fp8(x, ops::Fp8Blocks::kRows)) : x;
+    const Tensor send = st.fp8_rows ? ops::pack_fp8_rows(take_tokens_q(x, st)) : x;
     Tensor rows = ops::permute_forward(send, st.perm);  // enqueued before the sync below
     // The dispatch's one necessary host sync: the row exchange is sized by these counts.
     const std::vector<int64_t> c = counts.to_vector<int64_t>();

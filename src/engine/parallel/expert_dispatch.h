@@ -45,6 +45,9 @@ struct DispatchState {
   ops::Permutation perm;  // this rank's (token, slot) copies -> rows grouped by global expert
   int64_t layer = -1;     // set by the caller to name the layer in errors; -1: unnamed
   bool fp8_rows = false;  // set by the caller: the experts read their rows in FP8 (DispatchOut::rows_q)
+  // With fp8_rows, optionally: x already quantized per 1 x 128 tile (its norm's fused codes,
+  // LayerState::mlp_in_q), taken by the dispatch in place of quantizing x.
+  ops::Fp8Tensor tokens_q;
 
   // Expert parallelism (AllToAllDispatcher).
   std::vector<int64_t> send_rows, recv_rows;  // rows to / from each EP peer
@@ -75,6 +78,10 @@ struct DispatchState {
   Collective kind = Collective::kDispatch;  // of the last exchange on this state (for its wait's timing)
   std::vector<Tensor> in_flight;
 };
+
+// FP8 experts: the tokens x per 1 x 128 tile: st.tokens_q where the caller gave it (taken out
+// of st), else quantized now.
+ops::Fp8Tensor take_tokens_q(const Tensor& x, DispatchState& st);
 
 class ExpertDispatcher {
  public:

@@ -48,6 +48,13 @@ RmsNormOut rmsnorm_forward(const Tensor& x, const Tensor& w, double eps) {
   return o;
 }
 
+// The CPU quantizes y as it is stored (f32 or bf16): the reference's definition.
+RmsNormOut rmsnorm_forward_fp8(const Tensor& x, const Tensor& w, double eps) {
+  RmsNormOut o = cpu::rmsnorm_forward(x, w, eps);
+  o.y_q = cpu::quantize_fp8(o.y, Fp8Blocks::kRows);
+  return o;
+}
+
 Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                               const Tensor& residual) {
   const int64_t R = row_count(x, w, "rmsnorm_backward_input"), D = w.numel();

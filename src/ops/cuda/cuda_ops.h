@@ -21,6 +21,7 @@ Tensor linear_backward_input(const Tensor& dy, const Tensor& w);
 void linear_backward_input_add(const Tensor& dy, const Tensor& w, Tensor& dx);
 void linear_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw, bool accumulate);
 RmsNormOut rmsnorm_forward(const Tensor& x, const Tensor& w, double eps);
+RmsNormOut rmsnorm_forward_fp8(const Tensor& x, const Tensor& w, double eps);
 Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                               const Tensor& residual);
 void rmsnorm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dw);

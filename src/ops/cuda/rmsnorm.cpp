@@ -5,6 +5,7 @@
 // before the weight multiply; the CPU reference does not, and neither do we).
 #include <cstdlib>
 
+#include "ops/arg_checks.h"
 #include "ops/cuda/common.h"
 #include "ops/cuda/cuda_ops.h"
 #include "ops/cuda/rmsnorm_launch.h"
@@ -36,6 +37,26 @@ RmsNormOut rmsnorm_forward(const Tensor& x, const Tensor& w, double eps) {
   RmsNormOut o{Tensor::empty(x.shape(), DType::BF16, x.device()), Tensor::empty({R}, DType::F32, x.device())};
   launch_rmsnorm_forward(bf(x), bf(w), bf_mut(o.y), o.rstd.data<float>(), R, D, static_cast<float>(eps), stream());
   check_launch("rmsnorm_forward");
+  return o;
+}
+
+RmsNormOut rmsnorm_forward_fp8(const Tensor& x, const Tensor& w, double eps) {
+  check_cuda_tensors("rmsnorm_forward_fp8", {&x, &w});
+  const int64_t R = row_count(x, w, "rmsnorm_forward_fp8", "w"), D = w.numel();
+  check_dtype(x, DType::BF16, "rmsnorm_forward_fp8 x");
+  check_dtype(w, DType::BF16, "rmsnorm_forward_fp8 w");
+  RmsNormOut o{Tensor::empty(x.shape(), DType::BF16, x.device()), Tensor::empty({R}, DType::F32, x.device())};
+  o.y_q = Fp8Tensor{Tensor::empty({R, D}, DType::F8E4M3, x.device()),
+                    Tensor::empty(fp8_scale_shape(R, D, Fp8Blocks::kRows), DType::F32, x.device()), Fp8Blocks::kRows};
+  uint8_t* q = static_cast<uint8_t*>(o.y_q.q.raw());
+  if (!rmsnorm_fp8_fusable(bf(x), bf(w), bf(o.y), q, D)) {  // unaligned views: two passes
+    o = cuda::rmsnorm_forward(x, w, eps);
+    o.y_q = cuda::quantize_fp8(o.y, Fp8Blocks::kRows);
+    return o;
+  }
+  launch_rmsnorm_forward(bf(x), bf(w), bf_mut(o.y), o.rstd.data<float>(), R, D, static_cast<float>(eps), stream(), q,
+                         o.y_q.scale.data<float>());
+  check_launch("rmsnorm_forward_fp8");
   return o;
 }
 

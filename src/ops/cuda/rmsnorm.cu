@@ -16,6 +16,7 @@
 //   pass 2: per column, 32 lanes each add every 32nd partial in chunk order (double), then
 //           the lanes in order, into dw.
 // nrb depends only on (R, D) (about 2048 blocks in pass 1, chunks of at least 64 rows).
+#include "ops/cuda/fp8_device.cuh"
 #include "ops/cuda/rmsnorm_launch.h"
 #include "ops/cuda/vec_io.cuh"
 
@@ -45,11 +46,41 @@ __device__ __forceinline__ float row_sum(float v) {
   }
 }
 
-template <int kTPR, bool kVec>
+// y's 8 values f (as stored: rounded to bf16) quantized into their 1 x 128 tile, which the
+// 16 threads of this aligned half-warp hold (D a multiple of 128, so a half-warp is always
+// wholly in or out of the row's loop): the tile's amax by four shuffles within the half, then
+// the quantizer's arithmetic (fp8_device.cuh), 8 codes stored at once and the scale by the
+// half's first thread: the bits quantize_fp8(y) makes.
+__device__ __forceinline__ void quantize_tile_part(float (&f)[8], uint8_t* q, float* scale) {
+  const unsigned lane = (threadIdx.y * blockDim.x + threadIdx.x) & 31u;
+  const unsigned half = 0xffffu << (lane & 16u);
+  float amax = 0.f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    f[k] = __bfloat162float(__float2bfloat16_rn(f[k]));
+    amax = fmaxf(amax, fabsf(f[k]));
+  }
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(half, amax, o));
+  const float s = fp8::tile_scale(amax);
+  uint32_t lo = 0, hi = 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    lo |= static_cast<uint32_t>(fp8::to_e4m3(f[k] / s)) << (8 * k);
+    hi |= static_cast<uint32_t>(fp8::to_e4m3(f[k + 4] / s)) << (8 * k);
+  }
+  *reinterpret_cast<uint2*>(q) = make_uint2(lo, hi);
+  if ((threadIdx.x & 15) == 0) *scale = s;
+}
+
+// kFp8: y also quantized per 1 x 128 tile into q [R, D] and qscale [D / 128, R] (kVec, D a
+// multiple of 128).
+template <int kTPR, bool kVec, bool kFp8 = false>
 __global__ void __launch_bounds__(kBlock) rmsnorm_forward_kernel(const bf16* __restrict__ x,
                                                                  const bf16* __restrict__ w, bf16* __restrict__ y,
                                                                  float* __restrict__ rstd, int64_t R, int64_t D,
-                                                                 float eps) {
+                                                                 float eps, uint8_t* __restrict__ q = nullptr,
+                                                                 float* __restrict__ qscale = nullptr) {
   constexpr int kRPB = kBlock / kTPR;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kRPB + threadIdx.y;
   const bool valid = r < R;
@@ -83,6 +114,7 @@ __global__ void __launch_bounds__(kBlock) rmsnorm_forward_kernel(const bf16* __r
 #pragma unroll
       for (int k = 0; k < 8; ++k) f[k] = f[k] * rs * g[k];
       store8(yr + v * 8, f);
+      if constexpr (kFp8) quantize_tile_part(f, q + r * D + v * 8, qscale + (v / 16) * R + r);
     }
   } else {
     for (int64_t i = threadIdx.x; i < D; i += kTPR) yr[i] = __float2bfloat16(to_float(xr[i]) * rs * to_float(w[i]));
@@ -142,10 +174,16 @@ __global__ void __launch_bounds__(kBlock) rmsnorm_backward_input_kernel(const bf
 
 template <int kTPR, bool kVec>
 void launch_rows_forward(const bf16* x, const bf16* w, bf16* y, float* rstd, int64_t R, int64_t D, float eps,
-                         cudaStream_t s) {
+                         uint8_t* q, float* qscale, cudaStream_t s) {
   constexpr int kRPB = kBlock / kTPR;
   const dim3 block(kTPR, kRPB);
   const auto grid = static_cast<unsigned>((R + kRPB - 1) / kRPB);
+  if constexpr (kVec) {
+    if (q) {
+      rmsnorm_forward_kernel<kTPR, true, true><<<grid, block, 0, s>>>(x, w, y, rstd, R, D, eps, q, qscale);
+      return;
+    }
+  }
   rmsnorm_forward_kernel<kTPR, kVec><<<grid, block, 0, s>>>(x, w, y, rstd, R, D, eps);
 }
 
@@ -451,11 +489,17 @@ void launch_rmsnorm_rope_backward(const float* dy, const bf16* x, const bf16* w,
   rope_backward_passes(dy, x, w, rstd, positions, dx, dw, R, heads, theta, scratch, s);
 }
 
+bool rmsnorm_fp8_fusable(const bf16* x, const bf16* w, const bf16* y, const uint8_t* q, int64_t D) {
+  return D % 128 == 0 && aligned16(x) && aligned16(w) && aligned16(y) && reinterpret_cast<uintptr_t>(q) % 8 == 0;
+}
+
 void launch_rmsnorm_forward(const bf16* x, const bf16* w, bf16* y, float* rstd, int64_t R, int64_t D, float eps,
-                            cudaStream_t s) {
+                            cudaStream_t s, uint8_t* q, float* qscale) {
   if (R == 0) return;
   const bool vec = D % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(y);
-  with_row_shape(D, vec, [&]<int kTPR, bool kVec>() { launch_rows_forward<kTPR, kVec>(x, w, y, rstd, R, D, eps, s); });
+  with_row_shape(D, vec, [&]<int kTPR, bool kVec>() {
+    launch_rows_forward<kTPR, kVec>(x, w, y, rstd, R, D, eps, q, qscale, s);
+  });
 }
 
 void launch_rmsnorm_backward_input(const bf16* dy, const bf16* x, const bf16* w, const float* rstd,

@@ -893,7 +893,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   }
 
   setmaxnreg_inc<232>();
-  const int cw = wg - 1, tid = threadIdx.x & 127, lane = tid & 31, w = tid >> 5;
+  const int cw = wg - 1, tid = threadIdx.x & 127, lane = tid & 31;
   char* staging = smem + S * kWsStage + 1024 + cw * 2 * kOutBox;  // this warpgroup's two boxes
   int boxes = 0;  // boxes this warpgroup has stored: the next one goes to buffer boxes % 2
   int it = 0;
@@ -937,7 +937,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     pin(acc);
     if (lane == 0) mbar_arrive(&empty[(it - 1) % S]);
 
-    // acc[nb * 4 + h * 2 + c]: row 16 w + lane / 4 + 8 h of the warpgroup's 64 rows, column
+    // acc[nb * 4 + h * 2 + c]: row 16 (tid / 32) + lane / 4 + 8 h of the warpgroup's 64 rows, column
     // nb * 8 + 2 (lane % 4) + c (gate/up: gate columns nb < 16, up columns nb + 16).
     if constexpr (kEpi == kEpiDSwiglu) {
       store_dswiglu_tile(acc, out, args, staging, row0, row_end, n0, cw);
