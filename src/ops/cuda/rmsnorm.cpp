@@ -29,35 +29,43 @@ bf16_t* bf_mut(Tensor& t) { return static_cast<bf16_t*>(t.raw()); }
 
 }  // namespace
 
-RmsNormOut rmsnorm_forward(const Tensor& x, const Tensor& w, double eps) {
-  check_cuda_tensors("rmsnorm_forward", {&x, &w});
-  const int64_t R = row_count(x, w, "rmsnorm_forward", "w"), D = w.numel();
-  check_dtype(x, DType::BF16, "rmsnorm_forward x");
-  check_dtype(w, DType::BF16, "rmsnorm_forward w");
+namespace {
+
+// rmsnorm_forward, and with `fp8` its output quantized per 1 x 128 tile in the same pass (two
+// passes where the kernel cannot fuse them: unaligned views).
+RmsNormOut rmsnorm_forward_impl(const char* op, const Tensor& x, const Tensor& w, double eps, bool fp8) {
+  check_cuda_tensors(op, {&x, &w});
+  const int64_t R = row_count(x, w, op, "w"), D = w.numel();
+  check_dtype(x, DType::BF16, fmt::format("{} x", op).c_str());
+  check_dtype(w, DType::BF16, fmt::format("{} w", op).c_str());
   RmsNormOut o{Tensor::empty(x.shape(), DType::BF16, x.device()), Tensor::empty({R}, DType::F32, x.device())};
-  launch_rmsnorm_forward(bf(x), bf(w), bf_mut(o.y), o.rstd.data<float>(), R, D, static_cast<float>(eps), stream());
-  check_launch("rmsnorm_forward");
+  uint8_t* q = nullptr;
+  float* qscale = nullptr;
+  if (fp8) {
+    o.y_q = Fp8Tensor{Tensor::empty({R, D}, DType::F8E4M3, x.device()),
+                      Tensor::empty(fp8_scale_shape(R, D, Fp8Blocks::kRows), DType::F32, x.device()), Fp8Blocks::kRows};
+    q = static_cast<uint8_t*>(o.y_q.q.raw());
+    qscale = o.y_q.scale.data<float>();
+    if (!rmsnorm_fp8_fusable(bf(x), bf(w), bf(o.y), q, D)) {
+      q = nullptr;
+      qscale = nullptr;
+    }
+  }
+  launch_rmsnorm_forward(bf(x), bf(w), bf_mut(o.y), o.rstd.data<float>(), R, D, static_cast<float>(eps), stream(), q,
+                         qscale);
+  check_launch(op);
+  if (fp8 && !q) o.y_q = cuda::quantize_fp8(o.y, Fp8Blocks::kRows);
   return o;
 }
 
+}  // namespace
+
+RmsNormOut rmsnorm_forward(const Tensor& x, const Tensor& w, double eps) {
+  return rmsnorm_forward_impl("rmsnorm_forward", x, w, eps, false);
+}
+
 RmsNormOut rmsnorm_forward_fp8(const Tensor& x, const Tensor& w, double eps) {
-  check_cuda_tensors("rmsnorm_forward_fp8", {&x, &w});
-  const int64_t R = row_count(x, w, "rmsnorm_forward_fp8", "w"), D = w.numel();
-  check_dtype(x, DType::BF16, "rmsnorm_forward_fp8 x");
-  check_dtype(w, DType::BF16, "rmsnorm_forward_fp8 w");
-  RmsNormOut o{Tensor::empty(x.shape(), DType::BF16, x.device()), Tensor::empty({R}, DType::F32, x.device())};
-  o.y_q = Fp8Tensor{Tensor::empty({R, D}, DType::F8E4M3, x.device()),
-                    Tensor::empty(fp8_scale_shape(R, D, Fp8Blocks::kRows), DType::F32, x.device()), Fp8Blocks::kRows};
-  uint8_t* q = static_cast<uint8_t*>(o.y_q.q.raw());
-  if (!rmsnorm_fp8_fusable(bf(x), bf(w), bf(o.y), q, D)) {  // unaligned views: two passes
-    o = cuda::rmsnorm_forward(x, w, eps);
-    o.y_q = cuda::quantize_fp8(o.y, Fp8Blocks::kRows);
-    return o;
-  }
-  launch_rmsnorm_forward(bf(x), bf(w), bf_mut(o.y), o.rstd.data<float>(), R, D, static_cast<float>(eps), stream(), q,
-                         o.y_q.scale.data<float>());
-  check_launch("rmsnorm_forward_fp8");
-  return o;
+  return rmsnorm_forward_impl("rmsnorm_forward_fp8", x, w, eps, true);
 }
 
 Tensor rmsnorm_backward_input(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
