@@ -155,6 +155,9 @@ RmsNormOut rmsnorm_forward_fp8(const Tensor& x, const Tensor& w, double eps) {
   MT_CHECK(w.defined() && w.numel() % kFp8Block == 0,
            "rmsnorm_forward_fp8: the row width (w's length) must be a multiple of {} (whole 1 x 128 tiles), got {}",
            kFp8Block, w.defined() ? w.str() : "undefined");
+  MT_CHECK(x.defined() && x.ndim() == 2 && x.size(1) == w.numel(),
+           "rmsnorm_forward_fp8: x must be rows [R, {}] (its codes are [R, {}]), got {}", w.numel(), w.numel(),
+           x.defined() ? x.str() : "undefined");
   return MT_ROUTE(x, rmsnorm_forward_fp8, x, w, eps);
 }
 

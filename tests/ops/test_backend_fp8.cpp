@@ -92,12 +92,13 @@ TEST(BackendFp8, RmsNormQuantizesItsOutputAsTheQuantizer) {
 
 // The packed rows of an FP8 dispatch: packing on the GPU gives the CPU's bytes, and unpacking
 // the CPU's bytes on the GPU gives its codes, scales and values (bf16 and f32) bit for bit.
-// Widths: a partial tile (the byte-wise kernels), and whole tiles (the 16-byte ones).
+// Widths for each piece the kernels move: a partial tile (bytes), 384 (4 bytes: 3 scales a
+// row), 768 (8), 2048 and 7168 (16); and no rows, and no columns.
 TEST(BackendFp8, PackedRowsMatchTheCpu) {
   MT_REQUIRE_GPU();
   PoisonScope poison;
-  for (const int64_t C : {300, 2048, 7168}) {
-    const int64_t R = 517;
+  for (const auto& [R, C] : std::vector<std::pair<int64_t, int64_t>>{
+           {517, 300}, {517, 384}, {517, 768}, {517, 2048}, {517, 7168}, {0, 2048}, {5, 0}}) {
     const ops::Fp8Tensor x = ops::quantize_fp8(random_bf16_values({R, C}, 94 + C, 3.0), ops::Fp8Blocks::kRows);
     const Tensor packed = ops::pack_fp8_rows(x);
     const ops::Fp8Tensor xg{x.q.to(kGpu), x.scale.to(kGpu), ops::Fp8Blocks::kRows};

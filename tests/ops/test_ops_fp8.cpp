@@ -228,6 +228,12 @@ TEST(Fp8, RmsNormOutputQuantizedIsTheQuantizersOfItsOutput) {
   EXPECT_EQ(0, std::memcmp(got.y_q.q.raw(), want.q.raw(), want.q.nbytes()));
   EXPECT_EQ(got.y_q.scale.to_vector<float>(), want.scale.to_vector<float>());
   try {
+    ops::rmsnorm_forward_fp8(testing::random_tensor({9, 512}, DType::F32, 74), w, 1e-6);
+    ADD_FAILURE() << "rows of 512 taken for a norm of 256";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rmsnorm_forward_fp8: x must be rows [R, 256]"), std::string::npos) << e.what();
+  }
+  try {
     ops::rmsnorm_forward_fp8(testing::random_tensor({9, 200}, DType::F32, 72),
                              testing::random_tensor({200}, DType::F32, 73), 1e-6);
     ADD_FAILURE() << "a width of 200 taken";

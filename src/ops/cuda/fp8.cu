@@ -245,12 +245,43 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ q, const float* __
   store_value(y, i, e4m3_value(q[i]) * s);
 }
 
+// An N-byte word, and N bytes (N a power of two) copied in aligned words of up to 16.
+template <int N> struct Word;
+template <> struct Word<16> { using T = uint4; };
+template <> struct Word<8> { using T = uint2; };
+template <> struct Word<4> { using T = uint32_t; };
+template <> struct Word<2> { using T = uint16_t; };
+template <> struct Word<1> { using T = uint8_t; };
+template <int N>
+__device__ __forceinline__ void copy_words(void* dst, const void* src) {
+  using T = typename Word<(N < 16 ? N : 16)>::T;
+#pragma unroll
+  for (int k = 0; k < N / static_cast<int>(sizeof(T)); ++k) static_cast<T*>(dst)[k] = static_cast<const T*>(src)[k];
+}
+// A scale's four little-endian bytes at `p` (4-byte aligned where kAligned).
+template <bool kAligned>
+__device__ __forceinline__ float load_scale(const uint8_t* p) {
+  if constexpr (kAligned) return *reinterpret_cast<const float*>(p);
+  return __uint_as_float(static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
+                         static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24);
+}
+template <bool kAligned>
+__device__ __forceinline__ void store_scale(uint8_t* p, float s) {
+  if constexpr (kAligned) {
+    *reinterpret_cast<float*>(p) = s;
+  } else {
+    const uint32_t bits = __float_as_uint(s);
+#pragma unroll
+    for (int b = 0; b < 4; ++b) p[b] = static_cast<uint8_t>(bits >> (8 * b));
+  }
+}
+
 // The packed rows' form (ops::pack_fp8_rows): row r is W = C + 4 L bytes, its C codes then
 // its L scales. One grid-stride pass over two kinds of item: a row's codes in pieces of kVec
-// bytes (16 where every row and its codes start 16-byte aligned, else 1), then each (tile,
-// row) scale, taken in the scales' own order so that their side of the copy is coalesced.
-// Unpacking also writes the rows' values, code * scale (as dequantize_kernel: one f32
-// product, then rounded once to bf16).
+// bytes (16, 8 or 4 where every row, piece and scale slot is then aligned to it: see
+// packed_piece_bytes; else 1), then each (tile, row) scale, taken in the scales' own order
+// so that their side of the copy is coalesced. Unpacking also writes the rows' values, code
+// x scale (as dequantize_kernel: one f32 product, then rounded once to bf16).
 template <int kVec>
 __global__ void pack_rows_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scale, int64_t R, int64_t C,
                                  int64_t L, uint8_t* __restrict__ out) {
@@ -258,22 +289,11 @@ __global__ void pack_rows_kernel(const uint8_t* __restrict__ q, const float* __r
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     if (i < codes) {
-      const int64_t r = i / pieces, v = i % pieces;
-      if constexpr (kVec == 16) {
-        reinterpret_cast<uint4*>(out + r * W)[v] = reinterpret_cast<const uint4*>(q + r * C)[v];
-      } else {
-        out[r * W + v] = q[r * C + v];
-      }
+      const int64_t r = i / pieces, c0 = (i % pieces) * kVec;
+      copy_words<kVec>(out + r * W + c0, q + r * C + c0);
     } else {
       const int64_t j = i - codes, l = j / R, r = j % R;
-      const uint32_t bits = __float_as_uint(scale[j]);
-      uint8_t* at = out + r * W + C + 4 * l;
-      if constexpr (kVec == 16) {
-        *reinterpret_cast<uint32_t*>(at) = bits;
-      } else {
-#pragma unroll
-        for (int b = 0; b < 4; ++b) at[b] = static_cast<uint8_t>(bits >> (8 * b));
-      }
+      store_scale<(kVec >= 4)>(out + r * W + C + 4 * l, scale[j]);
     }
   }
 }
@@ -288,34 +308,17 @@ __global__ void unpack_rows_kernel(const uint8_t* __restrict__ packed, int64_t R
       const int64_t r = i / pieces, c0 = (i % pieces) * kVec;
       const uint8_t* row = packed + r * W;
       alignas(16) uint8_t b[kVec];
-      if constexpr (kVec == 16) {
-        *reinterpret_cast<uint4*>(b) = reinterpret_cast<const uint4*>(row)[c0 / 16];
-        reinterpret_cast<uint4*>(q + r * C)[c0 / 16] = *reinterpret_cast<const uint4*>(b);
-      } else {
-        b[0] = row[c0];
-        q[r * C + c0] = b[0];
-      }
-      // A piece of 16 never crosses a tile (128 is a multiple of 16).
-      const uint8_t* sb = row + C + 4 * (c0 / kBlock);
-      const float s = __uint_as_float(static_cast<uint32_t>(sb[0]) | static_cast<uint32_t>(sb[1]) << 8 |
-                                      static_cast<uint32_t>(sb[2]) << 16 | static_cast<uint32_t>(sb[3]) << 24);
-      if constexpr (kVec == 16) {  // the piece's values in 16-byte stores
-        alignas(16) Out v[kVec];
+      copy_words<kVec>(b, row + c0);
+      copy_words<kVec>(q + r * C + c0, b);
+      // A piece never crosses a tile (128 is a multiple of kVec).
+      const float s = load_scale<(kVec >= 4)>(row + C + 4 * (c0 / kBlock));
+      alignas(16) Out v[kVec];
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) store_value(v, k, e4m3_value(b[k]) * s);
-        constexpr int kStores = kVec * sizeof(Out) / 16;
-#pragma unroll
-        for (int k = 0; k < kStores; ++k) {
-          reinterpret_cast<uint4*>(values + r * C + c0)[k] = reinterpret_cast<const uint4*>(v)[k];
-        }
-      } else {
-        store_value(values, r * C + c0, e4m3_value(b[0]) * s);
-      }
+      for (int k = 0; k < kVec; ++k) store_value(v, k, e4m3_value(b[k]) * s);
+      copy_words<kVec * static_cast<int>(sizeof(Out))>(values + r * C + c0, v);
     } else {
       const int64_t j = i - codes, l = j / R, r = j % R;
-      const uint8_t* sb = packed + r * W + C + 4 * l;
-      scale[j] = __uint_as_float(static_cast<uint32_t>(sb[0]) | static_cast<uint32_t>(sb[1]) << 8 |
-                                 static_cast<uint32_t>(sb[2]) << 16 | static_cast<uint32_t>(sb[3]) << 24);
+      scale[j] = load_scale<(kVec >= 4)>(packed + r * W + C + 4 * l);
     }
   }
 }
@@ -323,29 +326,44 @@ __global__ void unpack_rows_kernel(const uint8_t* __restrict__ packed, int64_t R
 // Enough blocks to fill the GPU a few times over; the kernels stride over the rest.
 unsigned stride_blocks(int64_t items) { return static_cast<unsigned>(std::min<int64_t>((items + 255) / 256, 8192)); }
 
+// The widest piece (16, 8, 4 bytes, else 1) that divides C and W = C + 4 L, so that every
+// row, piece and scale slot is aligned to it, given 16-byte aligned base pointers.
+int packed_piece_bytes(int64_t C, int64_t L, bool bases_aligned) {
+  if (!bases_aligned) return 1;
+  for (int v : {16, 8, 4}) {
+    if (C % v == 0 && (4 * L) % v == 0) return v;
+  }
+  return 1;
+}
+
+// Calls f.template operator()<kVec>() for kVec = v.
+template <typename F>
+void with_piece(int v, F&& f) {
+  if (v == 16) f.template operator()<16>();
+  else if (v == 8) f.template operator()<8>();
+  else if (v == 4) f.template operator()<4>();
+  else f.template operator()<1>();
+}
+
 }  // namespace
 
 void launch_pack_fp8_rows(const uint8_t* q, const float* scale, int64_t R, int64_t C, uint8_t* out, cudaStream_t s) {
   const int64_t L = (C + kBlock - 1) / kBlock;
-  if (R == 0) return;
-  if (C % 16 == 0 && (C + 4 * L) % 16 == 0 && aligned16(q) && aligned16(out)) {
-    pack_rows_kernel<16><<<stride_blocks(R * (C / 16 + L)), 256, 0, s>>>(q, scale, R, C, L, out);
-  } else {
-    pack_rows_kernel<1><<<stride_blocks(R * (C + L)), 256, 0, s>>>(q, scale, R, C, L, out);
-  }
+  if (R == 0 || C == 0) return;  // nothing to move (and no block to launch)
+  with_piece(packed_piece_bytes(C, L, aligned16(q) && aligned16(out)), [&]<int kVec>() {
+    pack_rows_kernel<kVec><<<stride_blocks(R * (C / kVec + L)), 256, 0, s>>>(q, scale, R, C, L, out);
+  });
 }
 
 void launch_unpack_fp8_rows(const uint8_t* packed, int64_t R, int64_t C, uint8_t* q, float* scale, void* values,
                             bool values_bf16, cudaStream_t s) {
   const int64_t L = (C + kBlock - 1) / kBlock;
-  if (R == 0) return;
-  const bool vec = C % 16 == 0 && (C + 4 * L) % 16 == 0 && aligned16(packed) && aligned16(q) && aligned16(values);
+  if (R == 0 || C == 0) return;
+  const int v = packed_piece_bytes(C, L, aligned16(packed) && aligned16(q) && aligned16(values));
   auto run = [&](auto* y) {
-    if (vec) {
-      unpack_rows_kernel<16><<<stride_blocks(R * (C / 16 + L)), 256, 0, s>>>(packed, R, C, L, q, scale, y);
-    } else {
-      unpack_rows_kernel<1><<<stride_blocks(R * (C + L)), 256, 0, s>>>(packed, R, C, L, q, scale, y);
-    }
+    with_piece(v, [&]<int kVec>() {
+      unpack_rows_kernel<kVec><<<stride_blocks(R * (C / kVec + L)), 256, 0, s>>>(packed, R, C, L, q, scale, y);
+    });
   };
   if (values_bf16) run(static_cast<__nv_bfloat16*>(values));
   else run(static_cast<float*>(values));

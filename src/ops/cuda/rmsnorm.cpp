@@ -39,22 +39,16 @@ RmsNormOut rmsnorm_forward_impl(const char* op, const Tensor& x, const Tensor& w
   check_dtype(x, DType::BF16, fmt::format("{} x", op).c_str());
   check_dtype(w, DType::BF16, fmt::format("{} w", op).c_str());
   RmsNormOut o{Tensor::empty(x.shape(), DType::BF16, x.device()), Tensor::empty({R}, DType::F32, x.device())};
-  uint8_t* q = nullptr;
-  float* qscale = nullptr;
   if (fp8) {
     o.y_q = Fp8Tensor{Tensor::empty({R, D}, DType::F8E4M3, x.device()),
                       Tensor::empty(fp8_scale_shape(R, D, Fp8Blocks::kRows), DType::F32, x.device()), Fp8Blocks::kRows};
-    q = static_cast<uint8_t*>(o.y_q.q.raw());
-    qscale = o.y_q.scale.data<float>();
-    if (!rmsnorm_fp8_fusable(bf(x), bf(w), bf(o.y), q, D)) {
-      q = nullptr;
-      qscale = nullptr;
-    }
   }
-  launch_rmsnorm_forward(bf(x), bf(w), bf_mut(o.y), o.rstd.data<float>(), R, D, static_cast<float>(eps), stream(), q,
-                         qscale);
+  const bool fused = launch_rmsnorm_forward(bf(x), bf(w), bf_mut(o.y), o.rstd.data<float>(), R, D,
+                                            static_cast<float>(eps), stream(),
+                                            fp8 ? static_cast<uint8_t*>(o.y_q.q.raw()) : nullptr,
+                                            fp8 ? o.y_q.scale.data<float>() : nullptr);
   check_launch(op);
-  if (fp8 && !q) o.y_q = cuda::quantize_fp8(o.y, Fp8Blocks::kRows);
+  if (fp8 && !fused) o.y_q = cuda::quantize_fp8(o.y, Fp8Blocks::kRows);  // unaligned views: a second pass
   return o;
 }
 

@@ -172,6 +172,8 @@ __global__ void __launch_bounds__(kBlock) rmsnorm_backward_input_kernel(const bf
   }
 }
 
+// With q (the caller has checked that the 16-byte path runs and D is whole tiles), y is
+// quantized too.
 template <int kTPR, bool kVec>
 void launch_rows_forward(const bf16* x, const bf16* w, bf16* y, float* rstd, int64_t R, int64_t D, float eps,
                          uint8_t* q, float* qscale, cudaStream_t s) {
@@ -489,17 +491,20 @@ void launch_rmsnorm_rope_backward(const float* dy, const bf16* x, const bf16* w,
   rope_backward_passes(dy, x, w, rstd, positions, dx, dw, R, heads, theta, scratch, s);
 }
 
-bool rmsnorm_fp8_fusable(const bf16* x, const bf16* w, const bf16* y, const uint8_t* q, int64_t D) {
-  return D % 128 == 0 && aligned16(x) && aligned16(w) && aligned16(y) && reinterpret_cast<uintptr_t>(q) % 8 == 0;
-}
-
-void launch_rmsnorm_forward(const bf16* x, const bf16* w, bf16* y, float* rstd, int64_t R, int64_t D, float eps,
+bool launch_rmsnorm_forward(const bf16* x, const bf16* w, bf16* y, float* rstd, int64_t R, int64_t D, float eps,
                             cudaStream_t s, uint8_t* q, float* qscale) {
-  if (R == 0) return;
   const bool vec = D % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(y);
-  with_row_shape(D, vec, [&]<int kTPR, bool kVec>() {
-    launch_rows_forward<kTPR, kVec>(x, w, y, rstd, R, D, eps, q, qscale, s);
-  });
+  // The fused quantization: 16-byte rows of whole 1 x 128 tiles, 8-byte code stores.
+  if (q && !(vec && D % 128 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0)) {
+    q = nullptr;
+    qscale = nullptr;
+  }
+  if (R > 0) {
+    with_row_shape(D, vec, [&]<int kTPR, bool kVec>() {
+      launch_rows_forward<kTPR, kVec>(x, w, y, rstd, R, D, eps, q, qscale, s);
+    });
+  }
+  return q != nullptr;
 }
 
 void launch_rmsnorm_backward_input(const bf16* dy, const bf16* x, const bf16* w, const float* rstd,

@@ -9,14 +9,13 @@
 
 namespace moetrain::ops::cuda {
 
-// rstd[r] = 1 / sqrt(mean(x[r]^2) + eps); y = x * rstd * w. With q (where
-// rmsnorm_fp8_fusable), y also quantized per 1 x 128 tile: codes q [R, D], scales
-// qscale [D / 128, R] (ops.h's rows mode).
-void launch_rmsnorm_forward(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float* rstd,
+// rstd[r] = 1 / sqrt(mean(x[r]^2) + eps); y = x * rstd * w. With q, y also quantized per
+// 1 x 128 tile in the same pass where the kernel can (16-byte rows, D a multiple of 128):
+// codes q [R, D], scales qscale [D / 128, R] (ops.h's rows mode). Returns whether it did (q
+// and qscale untouched otherwise).
+bool launch_rmsnorm_forward(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float* rstd,
                             int64_t R, int64_t D, float eps, cudaStream_t s, uint8_t* q = nullptr,
                             float* qscale = nullptr);
-bool rmsnorm_fp8_fusable(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* y, const uint8_t* q,
-                         int64_t D);
 // dx = rstd * (w*dy - x * rstd^2 * mean(w*dy*x)).
 // residual: nullptr, or [R, D] added to dx before it is rounded.
 void launch_rmsnorm_backward_input(const __nv_bfloat16* dy, const __nv_bfloat16* x, const __nv_bfloat16* w,
