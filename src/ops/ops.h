@@ -55,6 +55,12 @@ struct Fp8Tensor {
   Tensor scale;  // f32, laid out as above
   Fp8Blocks blocks = Fp8Blocks::kRows;
 };
+// Rows-mode codes with their values (q * scale in some dtype), made in one pass where an op
+// hands over both (permute_forward_fp8_values, unpack_fp8_rows).
+struct UnpackedFp8Rows {
+  Fp8Tensor q;
+  Tensor values;
+};
 
 // ---- embedding: y[t] = W[ids[t]] ------------------------------------------------------
 // ids i32 [T], weight [V, H] -> [T, H]. An id outside [0, V) is an error naming it (NaN rows
@@ -296,6 +302,9 @@ Tensor permute_forward(const Tensor& x, const Permutation& p);
 // result is bitwise quantize_fp8(permute_forward(x), kRows) at the cost of a gather of bytes
 // instead of a pass over K times the rows (the FP8 experts' input, DispatchOut::rows_q).
 Fp8Tensor permute_forward_fp8(const Fp8Tensor& x, const Permutation& p);
+// The same and the rows' values (code x scale as `dtype`, dequantize_fp8's) in one pass: the
+// rows an FP8 experts' local dispatch hands over (DispatchOut::rows and rows_q).
+UnpackedFp8Rows permute_forward_fp8_values(const Fp8Tensor& x, const Permutation& p, DType dtype);
 // [R, H] -> dx [T, H], dx[t] = sum of the rows that copied token t
 Tensor permute_backward(const Tensor& dxp, const Permutation& p);
 // expert-ordered [R, H] -> (t, k)-ordered [T*K, H]; row t*K+k = yp[slot_row[t*K+k]] (zero
@@ -439,11 +448,7 @@ Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype);
 // [R, C + 4 ceil(C/128)], row r its C codes, then its tiles' f32 scales (little-endian bytes).
 Tensor pack_fp8_rows(const Fp8Tensor& x);
 // The inverse, bit for bit, with the rows' values (q * scale as `dtype`, dequantize_fp8's)
-// made in the same pass: what a receiver of packed rows hands its experts.
-struct UnpackedFp8Rows {
-  Fp8Tensor q;
-  Tensor values;
-};
+// made in the same pass (UnpackedFp8Rows, above): what a receiver of packed rows hands its experts.
 UnpackedFp8Rows unpack_fp8_rows(const Tensor& packed, int64_t cols, DType dtype);
 // An expert weight w [E, n, k] (n a multiple of 128) per 128 x 128 block of each expert:
 // quantize_fp8 of its [E n, k] view in blocks mode (no block spans two experts).

@@ -173,8 +173,14 @@ TEST(BackendFp8, PermutedTokenCodesMatchTheCpu) {
     const ops::Fp8Tensor cpu = ops::permute_forward_fp8(ops::quantize_fp8(x, ops::Fp8Blocks::kRows), p);
     ops::Permutation pg = p;
     for (Tensor* t : {&pg.expert_counts, &pg.source_token, &pg.slot_row}) *t = t->to(kGpu);
-    expect_same_fp8(ops::permute_forward_fp8(ops::quantize_fp8(on_gpu(x, DType::BF16), ops::Fp8Blocks::kRows), pg),
-                    cpu, fmt::format("permute_forward_fp8 [{} rows]", p.permuted_rows()));
+    const ops::Fp8Tensor xq = ops::quantize_fp8(on_gpu(x, DType::BF16), ops::Fp8Blocks::kRows);
+    expect_same_fp8(ops::permute_forward_fp8(xq, pg), cpu, fmt::format("permute_forward_fp8 [{} rows]", p.permuted_rows()));
+    for (DType dt : {DType::BF16, DType::F32}) {
+      const std::string tag = fmt::format("permute_forward_fp8_values [{} rows, {}]", p.permuted_rows(), dtype_name(dt));
+      const ops::UnpackedFp8Rows v = ops::permute_forward_fp8_values(xq, pg, dt);
+      expect_same_fp8(v.q, cpu, tag);
+      EXPECT_EQ(backend_error(v.values.to(Device::cpu()), ops::dequantize_fp8(cpu, dt)), 0.0) << tag;
+    }
   }
 }
 

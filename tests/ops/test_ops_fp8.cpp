@@ -153,6 +153,12 @@ TEST(Fp8, PermutedTokenCodesAreTheCodesOfThePermutedRows) {
     ASSERT_EQ(got.scale.shape(), want.scale.shape());
     EXPECT_EQ(0, std::memcmp(got.q.raw(), want.q.raw(), want.q.nbytes()));
     EXPECT_EQ(got.scale.to_vector<float>(), want.scale.to_vector<float>());
+    // with the rows' values in the same pass: the same codes, and their dequantized values
+    const ops::UnpackedFp8Rows v = ops::permute_forward_fp8_values(ops::quantize_fp8(x, ops::Fp8Blocks::kRows), p,
+                                                                   DType::BF16);
+    EXPECT_EQ(0, std::memcmp(v.q.q.raw(), want.q.raw(), want.q.nbytes()));
+    EXPECT_EQ(v.q.scale.to_vector<float>(), want.scale.to_vector<float>());
+    EXPECT_EQ(v.values.to_double_vector(), ops::dequantize_fp8(want, DType::BF16).to_double_vector());
   }
   // Weights' blocks are refused, naming what is expected.
   try {

@@ -66,9 +66,8 @@ DispatchOut LocalDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx, i
   st.perm = ops::permutation_by_expert(topk_idx, num_experts);
   if (!st.fp8_rows) return {ops::permute_forward(x, st.perm), st.perm.expert_counts, {}};
   // Each token quantized once rather than each of its top_k copies: the same bits.
-  ops::Fp8Tensor q = ops::permute_forward_fp8(take_tokens_q(x, st), st.perm);
-  Tensor rows = ops::dequantize_fp8(q, x.dtype());
-  return {std::move(rows), st.perm.expert_counts, std::move(q)};
+  ops::UnpackedFp8Rows u = ops::permute_forward_fp8_values(take_tokens_q(x, st), st.perm, x.dtype());
+  return {std::move(u.values), st.perm.expert_counts, std::move(u.q)};
 }
 
 Tensor LocalDispatcher::combine(const Tensor& expert_rows, DispatchState& st) {

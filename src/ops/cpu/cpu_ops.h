@@ -47,6 +47,7 @@ Permutation permutation_by_expert(const Tensor& topk_idx, int64_t num_experts);
 Tensor expert_ids_in_range(const Tensor& topk_idx, int64_t first, int64_t count);
 Tensor permute_forward(const Tensor& x, const Permutation& p);
 Fp8Tensor permute_forward_fp8(const Fp8Tensor& x, const Permutation& p);
+UnpackedFp8Rows permute_forward_fp8_values(const Fp8Tensor& x, const Permutation& p, DType dtype);
 Tensor permute_backward(const Tensor& dxp, const Permutation& p);
 Tensor unpermute_forward(const Tensor& yp, const Permutation& p);
 Tensor take_rows(const Tensor& x, const Tensor& index);

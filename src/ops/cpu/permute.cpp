@@ -100,6 +100,12 @@ Fp8Tensor permute_forward_fp8(const Fp8Tensor& x, const Permutation& p) {
   return out;
 }
 
+UnpackedFp8Rows permute_forward_fp8_values(const Fp8Tensor& x, const Permutation& p, DType dtype) {
+  Fp8Tensor q = cpu::permute_forward_fp8(x, p);
+  Tensor values = cpu::dequantize_fp8(q, dtype);
+  return {std::move(q), std::move(values)};
+}
+
 Tensor permute_backward(const Tensor& dxp, const Permutation& p) {
   const int64_t H = dxp.size(1);  // shapes checked in ops/dispatch.cpp
   const int64_t T = p.num_tokens, K = p.top_k, R = p.permuted_rows();

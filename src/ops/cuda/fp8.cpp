@@ -110,6 +110,19 @@ Tensor pack_fp8_rows(const Fp8Tensor& x) {
   return out;
 }
 
+UnpackedFp8Rows permute_forward_fp8_values(const Fp8Tensor& x, const Permutation& p, DType dtype) {
+  check_cuda_tensors("permute_forward_fp8_values", {&x.q, &x.scale, &p.source_token});
+  const int64_t T = p.num_tokens, C = x.q.size(1), R = p.permuted_rows();
+  UnpackedFp8Rows out{empty_fp8(R, C, Fp8Blocks::kRows, x.q.device()),
+                      Tensor::empty({R, C}, dtype == DType::BF16 ? DType::BF16 : DType::F32, x.q.device())};
+  launch_permute_fp8_values(static_cast<const uint8_t*>(x.q.raw()), x.scale.data<float>(), T, C,
+                            p.source_token.data<int32_t>(), R, static_cast<uint8_t*>(out.q.q.raw()),
+                            out.q.scale.data<float>(), out.values.raw(), dtype == DType::BF16, stream());
+  check_launch("permute_values_kernel (permute_forward_fp8_values)");
+  if (out.values.dtype() != dtype) out.values = out.values.to(dtype);  // f64: through f32
+  return out;
+}
+
 UnpackedFp8Rows unpack_fp8_rows(const Tensor& packed, int64_t cols, DType dtype) {
   check_cuda_tensors("unpack_fp8_rows", {&packed});
   const int64_t R = packed.size(0), C = cols;

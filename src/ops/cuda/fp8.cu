@@ -323,6 +323,32 @@ __global__ void unpack_rows_kernel(const uint8_t* __restrict__ packed, int64_t R
   }
 }
 
+// ops::permute_forward_fp8_values: row r is token source[r]'s codes, scales and values (as
+// unpack_rows_kernel's, from the tokens' codes [T, C] and scales [L, T] instead of packed rows).
+template <int kVec, typename Out>
+__global__ void permute_values_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scale, int64_t T,
+                                      int64_t C, int64_t L, const int32_t* __restrict__ source, int64_t R,
+                                      uint8_t* __restrict__ oq, float* __restrict__ oscale, Out* __restrict__ values) {
+  const int64_t pieces = C / kVec, codes = R * pieces, total = codes + L * R;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (i < codes) {
+      const int64_t r = i / pieces, c0 = (i % pieces) * kVec, src = source[r];
+      alignas(16) uint8_t b[kVec];
+      copy_words<kVec>(b, q + src * C + c0);
+      copy_words<kVec>(oq + r * C + c0, b);
+      const float s = scale[(c0 / kBlock) * T + src];
+      alignas(16) Out v[kVec];
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) store_value(v, k, e4m3_value(b[k]) * s);
+      copy_words<kVec * static_cast<int>(sizeof(Out))>(values + r * C + c0, v);
+    } else {
+      const int64_t j = i - codes, l = j / R, r = j % R;
+      oscale[j] = scale[l * T + source[r]];
+    }
+  }
+}
+
 // Enough blocks to fill the GPU a few times over; the kernels stride over the rest.
 unsigned stride_blocks(int64_t items) { return static_cast<unsigned>(std::min<int64_t>((items + 255) / 256, 8192)); }
 
@@ -363,6 +389,29 @@ void launch_unpack_fp8_rows(const uint8_t* packed, int64_t R, int64_t C, uint8_t
   auto run = [&](auto* y) {
     with_piece(v, [&]<int kVec>() {
       unpack_rows_kernel<kVec><<<stride_blocks(R * (C / kVec + L)), 256, 0, s>>>(packed, R, C, L, q, scale, y);
+    });
+  };
+  if (values_bf16) run(static_cast<__nv_bfloat16*>(values));
+  else run(static_cast<float*>(values));
+}
+
+void launch_permute_fp8_values(const uint8_t* q, const float* scale, int64_t T, int64_t C, const int32_t* source,
+                               int64_t R, uint8_t* oq, float* oscale, void* values, bool values_bf16, cudaStream_t s) {
+  const int64_t L = (C + kBlock - 1) / kBlock;
+  if (R == 0 || C == 0) return;
+  int v = 1;
+  if (aligned16(q) && aligned16(oq) && aligned16(values)) {
+    for (int w : {16, 8, 4}) {
+      if (C % w == 0) {
+        v = w;
+        break;
+      }
+    }
+  }
+  auto run = [&](auto* y) {
+    with_piece(v, [&]<int kVec>() {
+      permute_values_kernel<kVec><<<stride_blocks(R * (C / kVec + L)), 256, 0, s>>>(q, scale, T, C, L, source, R, oq,
+                                                                                   oscale, y);
     });
   };
   if (values_bf16) run(static_cast<__nv_bfloat16*>(values));

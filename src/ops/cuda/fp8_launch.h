@@ -32,6 +32,10 @@ void launch_dequantize_fp8(const uint8_t* q, const float* scale, bool blocks, in
 
 // ops::pack_fp8_rows: rows-mode codes q [R, C] and scale[kb * R + r] -> out [R, C + 4 ceil(C/128)].
 void launch_pack_fp8_rows(const uint8_t* q, const float* scale, int64_t R, int64_t C, uint8_t* out, cudaStream_t s);
+// ops::permute_forward_fp8_values: rows-mode tokens q [T, C], scale[kb * T + t] -> row r of
+// oq [R, C] / oscale[kb * R + r] is token source[r]'s, and values [R, C] its codes x scales.
+void launch_permute_fp8_values(const uint8_t* q, const float* scale, int64_t T, int64_t C, const int32_t* source,
+                               int64_t R, uint8_t* oq, float* oscale, void* values, bool values_bf16, cudaStream_t s);
 // ops::unpack_fp8_rows: the inverse, and the values code * scale into `values` (bf16 or f32).
 void launch_unpack_fp8_rows(const uint8_t* packed, int64_t R, int64_t C, uint8_t* q, float* scale, void* values,
                             bool values_bf16, cudaStream_t s);
