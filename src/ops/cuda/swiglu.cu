@@ -976,7 +976,8 @@ struct Fp8Scales {
 
 // ktiles_src k-tiles of 128 from each of nsrc k sources (maps.a[src], maps.b[src]; gate/up:
 // one source, maps.b[0] gate and maps.b[1] up).
-template <int kEpi, bool kPrefetch>
+// Each k-tile's scales are loaded one k-tile ahead, under the current one's MMAs.
+template <int kEpi>
 __global__ void __launch_bounds__(kWsThreads, 1)
     fp8_rows_kernel(const __grid_constant__ Maps maps, const __grid_constant__ OutMaps out, const RowsArgs args,
                     const Fp8Scales sc, const ActCodes codes, int ktiles_src, int nsrc, int col_tiles,
@@ -1058,8 +1059,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       float cur[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) cur[i] = next[i];
-      if (kPrefetch && kt + 1 < ktiles) load_scales(kt + 1, next);
-      if (!kPrefetch) load_scales(kt, cur);
+      if (kt + 1 < ktiles) load_scales(kt + 1, next);
       mbar_wait(&full[s], (it / S) & 1);
       const uint32_t a = smem_u32(smem + s * kWsStage) + cw * 64 * 128, b = smem_u32(smem + s * kWsStage + kTile);
 #pragma unroll
@@ -1485,8 +1485,7 @@ void launch_fp8_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out
                             const hopper::Fp8Scales& scales, const hopper::ActCodes& codes, int ktiles_src, int nsrc,
                             int n_cols, int max_tiles, cudaStream_t stream) {
   if (n_cols == 0 || max_tiles == 0) return;
-  static const bool no_prefetch = std::getenv("MOETRAIN_FP8_NO_PREFETCH") != nullptr;  // A/B, temporary
-  auto kernel = no_prefetch ? hopper::fp8_rows_kernel<kEpi, false> : hopper::fp8_rows_kernel<kEpi, true>;
+  auto kernel = hopper::fp8_rows_kernel<kEpi>;
   constexpr int smem = hopper::kRowsSmem;
   prepare_hopper(kernel, smem);
   const int col_tiles = (n_cols + hopper::ws_tile_cols(kEpi) - 1) / hopper::ws_tile_cols(kEpi);
