@@ -277,24 +277,27 @@ Tensor permute_forward(const Tensor& x, const Permutation& p) {
   return MT_ROUTE(x, permute_forward, x, p);
 }
 
-Fp8Tensor permute_forward_fp8(const Fp8Tensor& x, const Permutation& p) {
-  const char* op = "permute_forward_fp8";
+namespace {
+
+// Tokens quantized per 1 x 128 tile (rows mode) and a permutation of them, on one device.
+void check_permuted_fp8_tokens(const char* op, const Fp8Tensor& x, const Permutation& p) {
   check_fp8_tensor(op, x, "x");
   MT_CHECK(x.blocks == Fp8Blocks::kRows, "{}: x must be e4m3 codes quantized per 1 x 128 tile (rows mode), got {}",
            op, x.q.str());
   check_permuted(p, x.q, RowsOf::kTokens, op, "x.q");
   MT_CHECK(p.source_token.device() == x.q.device(), "{}: x and the permutation must be on one device", op);
+}
+
+}  // namespace
+
+Fp8Tensor permute_forward_fp8(const Fp8Tensor& x, const Permutation& p) {
+  check_permuted_fp8_tokens("permute_forward_fp8", x, p);
   return MT_ROUTE(x.q, permute_forward_fp8, x, p);
 }
 
 UnpackedFp8Rows permute_forward_fp8_values(const Fp8Tensor& x, const Permutation& p, DType dtype) {
-  const char* op = "permute_forward_fp8_values";
-  check_fp8_tensor(op, x, "x");
-  MT_CHECK(x.blocks == Fp8Blocks::kRows, "{}: x must be e4m3 codes quantized per 1 x 128 tile (rows mode), got {}",
-           op, x.q.str());
-  check_permuted(p, x.q, RowsOf::kTokens, op, "x.q");
-  MT_CHECK(p.source_token.device() == x.q.device(), "{}: x and the permutation must be on one device", op);
-  MT_CHECK(is_floating(dtype), "{}: dtype must be bf16, f32 or f64, got {}", op, dtype_name(dtype));
+  check_permuted_fp8_tokens("permute_forward_fp8_values", x, p);
+  MT_CHECK(is_floating(dtype), "permute_forward_fp8_values: dtype must be bf16, f32 or f64, got {}", dtype_name(dtype));
   return MT_ROUTE(x.q, permute_forward_fp8_values, x, p, dtype);
 }
 

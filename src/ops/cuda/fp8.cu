@@ -298,6 +298,19 @@ __global__ void pack_rows_kernel(const uint8_t* __restrict__ q, const float* __r
   }
 }
 
+// A piece of kVec codes of a row (at `src`) copied to `q`, and their values, code x s (the
+// piece's tile's scale), to `values`.
+template <int kVec, typename Out>
+__device__ __forceinline__ void copy_piece_and_values(const uint8_t* src, float s, uint8_t* q, Out* values) {
+  alignas(16) uint8_t b[kVec];
+  copy_words<kVec>(b, src);
+  copy_words<kVec>(q, b);
+  alignas(16) Out v[kVec];
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) store_value(v, k, e4m3_value(b[k]) * s);
+  copy_words<kVec * static_cast<int>(sizeof(Out))>(values, v);
+}
+
 template <int kVec, typename Out>
 __global__ void unpack_rows_kernel(const uint8_t* __restrict__ packed, int64_t R, int64_t C, int64_t L,
                                    uint8_t* __restrict__ q, float* __restrict__ scale, Out* __restrict__ values) {
@@ -307,15 +320,9 @@ __global__ void unpack_rows_kernel(const uint8_t* __restrict__ packed, int64_t R
     if (i < codes) {
       const int64_t r = i / pieces, c0 = (i % pieces) * kVec;
       const uint8_t* row = packed + r * W;
-      alignas(16) uint8_t b[kVec];
-      copy_words<kVec>(b, row + c0);
-      copy_words<kVec>(q + r * C + c0, b);
       // A piece never crosses a tile (128 is a multiple of kVec).
       const float s = load_scale<(kVec >= 4)>(row + C + 4 * (c0 / kBlock));
-      alignas(16) Out v[kVec];
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) store_value(v, k, e4m3_value(b[k]) * s);
-      copy_words<kVec * static_cast<int>(sizeof(Out))>(values + r * C + c0, v);
+      copy_piece_and_values<kVec>(row + c0, s, q + r * C + c0, values + r * C + c0);
     } else {
       const int64_t j = i - codes, l = j / R, r = j % R;
       scale[j] = load_scale<(kVec >= 4)>(packed + r * W + C + 4 * l);
@@ -334,14 +341,8 @@ __global__ void permute_values_kernel(const uint8_t* __restrict__ q, const float
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     if (i < codes) {
       const int64_t r = i / pieces, c0 = (i % pieces) * kVec, src = source[r];
-      alignas(16) uint8_t b[kVec];
-      copy_words<kVec>(b, q + src * C + c0);
-      copy_words<kVec>(oq + r * C + c0, b);
-      const float s = scale[(c0 / kBlock) * T + src];
-      alignas(16) Out v[kVec];
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) store_value(v, k, e4m3_value(b[k]) * s);
-      copy_words<kVec * static_cast<int>(sizeof(Out))>(values + r * C + c0, v);
+      copy_piece_and_values<kVec>(q + src * C + c0, scale[(c0 / kBlock) * T + src], oq + r * C + c0,
+                                  values + r * C + c0);
     } else {
       const int64_t j = i - codes, l = j / R, r = j % R;
       oscale[j] = scale[l * T + source[r]];
