@@ -478,6 +478,16 @@ TEST(ExpertParallel, Fp8RowsAreTheTokensQuantizedOnce) {
     EXPECT_EQ(0, std::memcmp(ref.rows_q.q.raw(), want.q.raw(), want.q.nbytes()));
     EXPECT_EQ(ref.rows_q.scale.to_vector<float>(), want.scale.to_vector<float>());
     expect_same(ref.rows, ops::dequantize_fp8(ref.rows_q, DType::F32), "one process: rows");
+    {  // bf16 tokens (the GPU's): bf16 rows, the values of the bf16 tokens' codes
+      DispatchState bst;
+      bst.fp8_rows = true;
+      const Tensor xb = L.all_x.to(DType::BF16);
+      const DispatchOut b = local.dispatch(xb, L.all_topk, E, bst);
+      const ops::Fp8Tensor wb = ops::quantize_fp8(ops::permute_forward(xb, bst.perm), ops::Fp8Blocks::kRows);
+      ASSERT_EQ(b.rows.dtype(), DType::BF16);
+      EXPECT_EQ(0, std::memcmp(b.rows_q.q.raw(), wb.q.raw(), wb.q.nbytes()));
+      EXPECT_EQ(b.rows.to_double_vector(), ops::dequantize_fp8(wb, DType::BF16).to_double_vector());
+    }
     // Codes the caller gives (its norm's fused pass: DispatchState::tokens_q) are what the
     // dispatch moves, in place of quantizing x: given those of 2x, the rows are twice the
     // reference's (the scales double exactly, the codes stay).
@@ -573,6 +583,11 @@ bool two_gpus() { return nccl_built() && cuda::available() && cuda::device_count
 void run_case_nccl(const Case& c, bool defer, DType dtype, Kind kind) {
   SCOPED_TRACE(name(kind));
   const Layer L0 = make_layer(c, 4), L1 = make_layer(c, 5);
+  // One process's FP8 dispatch of the same tokens in `dtype` (their codes, scales and values).
+  LocalDispatcher local;
+  DispatchState fp8_st;
+  fp8_st.fp8_rows = true;
+  const DispatchOut fp8_ref = local.dispatch(L0.all_x.to(dtype), L0.all_topk, c.experts, fp8_st);
   auto store = Store::open("memory", 0, std::chrono::seconds(60));
   std::vector<std::string> errors(2);
   std::latch done(2);
@@ -605,6 +620,19 @@ void run_case_nccl(const Case& c, bool defer, DType dtype, Kind kind) {
         d.wait(st);
         expect_same(out.rows.to(Device::cpu()).to(DType::F32),
                     L0.ref_rows.slice(a.first_row(), a.end_row()).to(dtype).to(DType::F32), "bf16 rows");
+        // FP8 experts: the packed codes and scales over NCCL are one process's (of the same bf16
+        // tokens, on the CPU) for this rank's rows, and the rows their values.
+        DispatchState fst;
+        fst.fp8_rows = true;
+        DispatchOut f = d.dispatch(L0.x[r].to(dtype).to(Device::cuda(r)), L0.topk[r].to(Device::cuda(r)), c.experts, fst);
+        d.wait(fst);
+        const int64_t r0 = a.first_row(), r1 = a.end_row();
+        ASSERT_TRUE(f.rows_q.q.defined());
+        const Tensor q = f.rows_q.q.to(Device::cpu());
+        ASSERT_EQ(q.shape(), (Shape{r1 - r0, c.hidden}));
+        EXPECT_EQ(0, std::memcmp(q.raw(), fp8_ref.rows_q.q.slice(r0, r1).raw(), q.nbytes())) << "fp8 codes";
+        expect_same(f.rows_q.scale.to(Device::cpu()), fp8_ref.rows_q.scale.columns(r0, r1), "fp8 scales");
+        expect_same(f.rows.to(Device::cpu()).to(DType::F32), fp8_ref.rows.slice(r0, r1).to(DType::F32), "fp8 rows");
         comm->synchronize(stream);
         cuda::device_synchronize();
       } catch (const std::exception& e) {
