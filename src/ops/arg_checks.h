@@ -42,11 +42,16 @@ inline void check_fp8_tensor(const char* op, const Fp8Tensor& t, const char* nam
            t.blocks == Fp8Blocks::kRows ? "rows (1 x 128)" : "blocks (128 x 128)");
   MT_CHECK(t.q.device() == t.scale.device(), "{}: {}'s q and scale lie on different devices", op, name);
 }
+// check_fp8_tensor, and quantized per 1 x 128 tile (rows mode: activations and their gradients).
+inline void check_fp8_rows(const char* op, const Fp8Tensor& t, const char* name) {
+  check_fp8_tensor(op, t, name);
+  MT_CHECK(t.blocks == Fp8Blocks::kRows, "{}: {} must be quantized per 1 x 128 tile (rows mode), got {}", op, name,
+           t.q.str());
+}
 // linear_fp8's operands: a in rows mode, b in either, the same K; returns {M, N, K}.
 inline std::array<int64_t, 3> check_linear_fp8_args(const char* op, const Fp8Tensor& a, const Fp8Tensor& b, DType out) {
-  check_fp8_tensor(op, a, "a");
+  check_fp8_rows(op, a, "a");
   check_fp8_tensor(op, b, "b");
-  MT_CHECK(a.blocks == Fp8Blocks::kRows, "{}: a must be quantized in rows (1 x 128) mode", op);
   MT_CHECK(a.q.size(1) == b.q.size(1), "{}: a {} and b {} differ in K", op, a.q.str(), b.q.str());
   MT_CHECK(a.q.device() == b.q.device(), "{}: a and b lie on different devices", op);
   MT_CHECK(out == DType::BF16 || out == DType::F32, "{}: the output must be bf16 or f32, got {}", op, dtype_name(out));

@@ -92,9 +92,7 @@ Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype) {
 }
 
 Tensor pack_fp8_rows(const Fp8Tensor& x) {
-  check_fp8_tensor("pack_fp8_rows", x, "x");
-  MT_CHECK(x.blocks == Fp8Blocks::kRows, "pack_fp8_rows: x must be quantized per 1 x 128 tile (rows mode), got {}",
-           x.q.str());
+  check_fp8_rows("pack_fp8_rows", x, "x");
   return MT_ROUTE(x.q, pack_fp8_rows, x);
 }
 
@@ -281,9 +279,7 @@ namespace {
 
 // Tokens quantized per 1 x 128 tile (rows mode) and a permutation of them, on one device.
 void check_permuted_fp8_tokens(const char* op, const Fp8Tensor& x, const Permutation& p) {
-  check_fp8_tensor(op, x, "x");
-  MT_CHECK(x.blocks == Fp8Blocks::kRows, "{}: x must be e4m3 codes quantized per 1 x 128 tile (rows mode), got {}",
-           op, x.q.str());
+  check_fp8_rows(op, x, "x");
   check_permuted(p, x.q, RowsOf::kTokens, op, "x.q");
   MT_CHECK(p.source_token.device() == x.q.device(), "{}: x and the permutation must be on one device", op);
 }
@@ -367,11 +363,10 @@ SwigluOut grouped_swiglu_forward(const Tensor& x, const Tensor& counts, const Te
 SwigluOut grouped_swiglu_forward_fp8(const Fp8Tensor& x, const Tensor& counts, const Fp8Tensor& w_gate,
                                      const Fp8Tensor& w_up, const Fp8Tensor& w_down, int64_t experts) {
   const char* op = "grouped_swiglu_forward_fp8";
-  check_fp8_tensor(op, x, "x");
+  check_fp8_rows(op, x, "x");
   check_fp8_tensor(op, w_gate, "w_gate");
   check_fp8_tensor(op, w_up, "w_up");
   check_fp8_tensor(op, w_down, "w_down");
-  MT_CHECK(x.blocks == Fp8Blocks::kRows, "{}: x must be quantized in rows (1 x 128) mode", op);
   MT_CHECK(w_gate.blocks == Fp8Blocks::kBlocks && w_up.blocks == Fp8Blocks::kBlocks &&
                w_down.blocks == Fp8Blocks::kBlocks,
            "{}: the weights must be quantized in blocks (128 x 128) mode (quantize_fp8_experts)", op);
@@ -408,11 +403,10 @@ SwigluInputGrads grouped_swiglu_backward_input_fp8(const Fp8Tensor& dy, const Te
                                                    const Fp8Tensor& w_up_t, const Fp8Tensor& w_down_t,
                                                    int64_t experts) {
   const char* op = "grouped_swiglu_backward_input_fp8";
-  check_fp8_tensor(op, dy, "dy");
+  check_fp8_rows(op, dy, "dy");
   check_fp8_tensor(op, w_gate_t, "w_gate_t");
   check_fp8_tensor(op, w_up_t, "w_up_t");
   check_fp8_tensor(op, w_down_t, "w_down_t");
-  MT_CHECK(dy.blocks == Fp8Blocks::kRows, "{}: dy must be quantized in rows (1 x 128) mode", op);
   MT_CHECK(w_gate_t.blocks == Fp8Blocks::kBlocks && w_up_t.blocks == Fp8Blocks::kBlocks &&
                w_down_t.blocks == Fp8Blocks::kBlocks,
            "{}: the weights must be each expert's W^T in blocks (128 x 128) mode (transpose_fp8_experts)", op);

@@ -191,7 +191,7 @@ void DeepseekV3DecoderLayer::attn_forward(const Tensor& x, const Tensor& positio
   {
     StageScope t(Stage::kNorms);
     // FP8 experts: the tokens quantized with the norm, for the dispatch and the shared experts.
-    s.ln2 = experts_read_fp8() ? ops::rmsnorm_forward_fp8(s.h, ln2_w_, eps) : ops::rmsnorm_forward(s.h, ln2_w_, eps);
+    s.ln2 = proj_->norm(s.h, ln2_w_, eps, experts_read_fp8());
     s.mlp_in = s.ln2.y;
     s.mlp_in_q = std::exchange(s.ln2.y_q, {});
     s.residual = s.h;

@@ -1,6 +1,7 @@
 #include "engine/models/projections.h"
 
 #include <cstdlib>
+#include <utility>
 
 #include "core/error.h"
 
@@ -79,16 +80,14 @@ Projections::Input Projections::rows(const Tensor& x) const {
   return in;
 }
 
-ops::RmsNormOut Projections::norm(const Tensor& x, const Tensor& w, double eps) const {
-  if (fp8_ && w.numel() % 128 == 0) return ops::rmsnorm_forward_fp8(x, w, eps);
+ops::RmsNormOut Projections::norm(const Tensor& x, const Tensor& w, double eps, bool quantize) const {
+  if (quantize && fp8_ && w.numel() % 128 == 0) return ops::rmsnorm_forward_fp8(x, w, eps);
   return ops::rmsnorm_forward(x, w, eps);
 }
 
 Projections::Input Projections::rows(ops::RmsNormOut& n) const {
   if (!fp8_ || !n.y_q.q.defined()) return rows(n.y);
-  Input in{n.y, std::move(n.y_q), false};
-  n.y_q = {};
-  return in;
+  return Input{n.y, std::exchange(n.y_q, {}), false};
 }
 
 Projections::Input Projections::tokens(const Tensor& x) const {

@@ -32,10 +32,12 @@ class Projections {
   };
   Input rows(const Tensor& x) const;
   Input tokens(const Tensor& x) const;
-  // RMSNorm of x for products that read its output along the features: under FP8, where the
-  // width is whole tiles, the norm quantizes its output in the same pass
-  // (ops::rmsnorm_forward_fp8, y_q), which rows(n) then takes instead of a quantizer's pass.
-  ops::RmsNormOut norm(const Tensor& x, const Tensor& w, double eps) const;
+  // RMSNorm of x for FP8 products that read its output along the features: under FP8, where
+  // the width is whole tiles and `quantize` (the caller's readers are FP8: false for the
+  // experts' input where their widths stay BF16), the norm quantizes its output in the same
+  // pass (ops::rmsnorm_forward_fp8, y_q), which rows(n) or the dispatch then takes instead of
+  // a quantizer's pass.
+  ops::RmsNormOut norm(const Tensor& x, const Tensor& w, double eps, bool quantize = true) const;
   // rows() of a norm's output: the codes norm() made (moved out of n: read once), else made now.
   Input rows(ops::RmsNormOut& n) const;
 

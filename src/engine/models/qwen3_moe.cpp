@@ -165,7 +165,7 @@ void Qwen3MoeDecoderLayer::attn_forward(const Tensor& x, const Tensor& positions
   {
     StageScope t(Stage::kNorms);
     // FP8 experts: the tokens quantized with the norm, for the dispatch.
-    s.ln2 = experts_read_fp8() ? ops::rmsnorm_forward_fp8(s.h, ln2_w_, eps) : ops::rmsnorm_forward(s.h, ln2_w_, eps);
+    s.ln2 = proj_->norm(s.h, ln2_w_, eps, experts_read_fp8());
     s.mlp_in = s.ln2.y;
     s.mlp_in_q = std::exchange(s.ln2.y_q, {});
     s.residual = s.h;

@@ -196,13 +196,10 @@ DispatchOut AllGatherDispatcher::dispatch_finish(DispatchState& st) {
       Collective::kDispatch, x.device(), st, {x},
       [&] {
         if (opt_.check_conservation) check_conservation_over_group(st, x.device(), N, K);
-        // FP8 experts: each token quantized once, on its own rank, and its codes and scales
-        // gathered in one packed row.
-        const Tensor mine = st.fp8_rows ? ops::pack_fp8_rows(take_tokens_q(x, st)) : x;
-        const Tensor rows = ops::permute_forward(gather(padded(mine, st.padded_tokens), arena_.get()), st.perm);
-        if (!st.fp8_rows) return DispatchOut{rows, st.perm.expert_counts, {}};
-        ops::UnpackedFp8Rows u = ops::unpack_fp8_rows(rows, x.size(1), x.dtype());
-        return DispatchOut{std::move(u.values), st.perm.expert_counts, std::move(u.q)};
+        // (FP8 experts: each token quantized once, on its own rank; the padding rows' zero
+        // bytes are never kept.)
+        const Tensor all = gather(padded(tokens_to_send(x, st), st.padded_tokens), arena_.get());
+        return received_rows(ops::permute_forward(all, st.perm), st.perm.expert_counts, x, st);
       },
       /*after_compute=*/false);
 }

@@ -1,18 +1,34 @@
 #include "engine/parallel/expert_dispatch.h"
 
+#include <utility>
+
 #include "engine/parallel/layout.h"
 #include "engine/telemetry/stage_timer.h"
 
 namespace moetrain {
 
+namespace {
+
+// FP8 experts: the tokens x per 1 x 128 tile: st.tokens_q where the caller gave it (taken out
+// of st), else quantized now.
 ops::Fp8Tensor take_tokens_q(const Tensor& x, DispatchState& st) {
   if (!st.tokens_q.q.defined()) return ops::quantize_fp8(x, ops::Fp8Blocks::kRows);
   MT_CHECK(st.tokens_q.q.shape() == x.shape() && st.tokens_q.blocks == ops::Fp8Blocks::kRows,
            "expert dispatch of layer {}: the tokens' codes {} are not x {} per 1 x 128 tile", st.layer,
            st.tokens_q.q.str(), x.str());
-  ops::Fp8Tensor q = std::move(st.tokens_q);
-  st.tokens_q = {};
-  return q;
+  return std::exchange(st.tokens_q, {});
+}
+
+}  // namespace
+
+Tensor tokens_to_send(const Tensor& x, DispatchState& st) {
+  return st.fp8_rows ? ops::pack_fp8_rows(take_tokens_q(x, st)) : x;
+}
+
+DispatchOut received_rows(const Tensor& rows, const Tensor& counts, const Tensor& x, const DispatchState& st) {
+  if (!st.fp8_rows) return DispatchOut{rows, counts, {}};
+  ops::UnpackedFp8Rows u = ops::unpack_fp8_rows(rows, x.size(1), x.dtype());
+  return DispatchOut{std::move(u.values), counts, std::move(u.q)};
 }
 
 DispatchOut ExpertDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weight,
@@ -263,9 +279,7 @@ DispatchOut AllToAllDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx
     sent.copy_from(st.perm.expert_counts);
     const std::vector<int64_t> per_peer(P, El);
     all_to_all(sent, per_peer, received, per_peer);
-    // FP8 experts: each token quantized once, its codes and scales sent in one packed row.
-    const Tensor send = st.fp8_rows ? ops::pack_fp8_rows(take_tokens_q(x, st)) : x;
-    Tensor rows = ops::permute_forward(send, st.perm);  // enqueued before the sync below
+    Tensor rows = ops::permute_forward(tokens_to_send(x, st), st.perm);  // enqueued before the sync below
     // The dispatch's one necessary host sync: the row exchange is sized by these counts.
     const std::vector<int64_t> c = counts.to_vector<int64_t>();
     std::vector<int64_t> got(c.begin() + E, c.end());
@@ -332,9 +346,7 @@ DispatchOut AllToAllDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx
     }
     Tensor arrived = exchange(rows, st.send_rows, st.recv_rows);
     Tensor grouped = st.regroup_identity ? arrived : ops::permute_forward(arrived, st.regroup);  // device gather
-    if (!st.fp8_rows) return DispatchOut{grouped, expert_counts, {}};
-    ops::UnpackedFp8Rows u = ops::unpack_fp8_rows(grouped, x.size(1), x.dtype());
-    return DispatchOut{std::move(u.values), expert_counts, std::move(u.q)};
+    return received_rows(grouped, expert_counts, x, st);
   });
 }
 

@@ -79,9 +79,13 @@ struct DispatchState {
   std::vector<Tensor> in_flight;
 };
 
-// FP8 experts: the tokens x per 1 x 128 tile: st.tokens_q where the caller gave it (taken out
-// of st), else quantized now.
-ops::Fp8Tensor take_tokens_q(const Tensor& x, DispatchState& st);
+// What a multi-rank dispatcher moves for the tokens x [T, H]: x itself or, for FP8 experts
+// (st.fp8_rows), each token quantized once (st.tokens_q where the caller gave it, taken out of
+// st) with its codes and scales packed in one row (ops::pack_fp8_rows).
+Tensor tokens_to_send(const Tensor& x, DispatchState& st);
+// The experts' input from such rows, arrived and grouped by local expert: the rows themselves,
+// or (FP8) the packed rows' codes and scales (rows_q) with their values in x's dtype (rows).
+DispatchOut received_rows(const Tensor& rows, const Tensor& counts, const Tensor& x, const DispatchState& st);
 
 class ExpertDispatcher {
  public:

@@ -44,6 +44,13 @@ Fp8Tensor empty_fp8(int64_t R, int64_t C, Fp8Blocks blocks, Device device) {
   return out;
 }
 
+// Where the kernels write values of `dtype` (bf16 or f32, which they write; f64 through f32),
+// and those values in `dtype`.
+Tensor values_buffer(int64_t R, int64_t C, DType dtype, Device device) {
+  return Tensor::empty({R, C}, dtype == DType::BF16 ? DType::BF16 : DType::F32, device);
+}
+Tensor in_dtype(Tensor values, DType dtype) { return values.dtype() == dtype ? values : values.to(dtype); }
+
 }  // namespace
 
 Fp8Tensor quantize_fp8(const Tensor& x, Fp8Blocks blocks) {
@@ -93,11 +100,11 @@ Fp8Tensor transpose_fp8_experts(const Fp8Tensor& w, int64_t experts) {
 Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype) {
   check_cuda_tensors("dequantize_fp8", {&t.q, &t.scale});
   const int64_t R = t.q.size(0), C = t.q.size(1);
-  Tensor y = Tensor::empty({R, C}, dtype == DType::BF16 ? DType::BF16 : DType::F32, t.q.device());
+  Tensor y = values_buffer(R, C, dtype, t.q.device());
   launch_dequantize_fp8(static_cast<const uint8_t*>(t.q.raw()), t.scale.data<float>(), t.blocks == Fp8Blocks::kBlocks,
                         R, C, t.scale.size(1), y.raw(), dtype == DType::BF16, stream());
   check_launch("dequantize_fp8");
-  return y.dtype() == dtype ? y : y.to(dtype);  // f64: through f32
+  return in_dtype(std::move(y), dtype);
 }
 
 Tensor pack_fp8_rows(const Fp8Tensor& x) {
@@ -113,25 +120,23 @@ Tensor pack_fp8_rows(const Fp8Tensor& x) {
 UnpackedFp8Rows permute_forward_fp8_values(const Fp8Tensor& x, const Permutation& p, DType dtype) {
   check_cuda_tensors("permute_forward_fp8_values", {&x.q, &x.scale, &p.source_token});
   const int64_t T = p.num_tokens, C = x.q.size(1), R = p.permuted_rows();
-  UnpackedFp8Rows out{empty_fp8(R, C, Fp8Blocks::kRows, x.q.device()),
-                      Tensor::empty({R, C}, dtype == DType::BF16 ? DType::BF16 : DType::F32, x.q.device())};
+  UnpackedFp8Rows out{empty_fp8(R, C, Fp8Blocks::kRows, x.q.device()), values_buffer(R, C, dtype, x.q.device())};
   launch_permute_fp8_values(static_cast<const uint8_t*>(x.q.raw()), x.scale.data<float>(), T, C,
                             p.source_token.data<int32_t>(), R, static_cast<uint8_t*>(out.q.q.raw()),
                             out.q.scale.data<float>(), out.values.raw(), dtype == DType::BF16, stream());
   check_launch("permute_values_kernel (permute_forward_fp8_values)");
-  if (out.values.dtype() != dtype) out.values = out.values.to(dtype);  // f64: through f32
+  out.values = in_dtype(std::move(out.values), dtype);
   return out;
 }
 
 UnpackedFp8Rows unpack_fp8_rows(const Tensor& packed, int64_t cols, DType dtype) {
   check_cuda_tensors("unpack_fp8_rows", {&packed});
   const int64_t R = packed.size(0), C = cols;
-  UnpackedFp8Rows out{empty_fp8(R, C, Fp8Blocks::kRows, packed.device()),
-                      Tensor::empty({R, C}, dtype == DType::BF16 ? DType::BF16 : DType::F32, packed.device())};
+  UnpackedFp8Rows out{empty_fp8(R, C, Fp8Blocks::kRows, packed.device()), values_buffer(R, C, dtype, packed.device())};
   launch_unpack_fp8_rows(static_cast<const uint8_t*>(packed.raw()), R, C, static_cast<uint8_t*>(out.q.q.raw()),
                          out.q.scale.data<float>(), out.values.raw(), dtype == DType::BF16, stream());
   check_launch("unpack_rows_kernel (unpack_fp8_rows)");
-  if (out.values.dtype() != dtype) out.values = out.values.to(dtype);  // f64: through f32, as dequantize_fp8
+  out.values = in_dtype(std::move(out.values), dtype);
   return out;
 }
 

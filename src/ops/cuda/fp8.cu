@@ -279,7 +279,7 @@ __device__ __forceinline__ void store_scale(uint8_t* p, float s) {
 // The packed rows' form (ops::pack_fp8_rows): row r is W = C + 4 L bytes, its C codes then
 // its L scales. One grid-stride pass over two kinds of item: a row's codes in pieces of kVec
 // bytes (16, 8 or 4 where every row, piece and scale slot is then aligned to it: see
-// packed_piece_bytes; else 1), then each (tile, row) scale, taken in the scales' own order
+// piece_bytes; else 1), then each (tile, row) scale, taken in the scales' own order
 // so that their side of the copy is coalesced. Unpacking also writes the rows' values, code
 // x scale (as dequantize_kernel: one f32 product, then rounded once to bf16).
 template <int kVec>
@@ -353,12 +353,13 @@ __global__ void permute_values_kernel(const uint8_t* __restrict__ q, const float
 // Enough blocks to fill the GPU a few times over; the kernels stride over the rest.
 unsigned stride_blocks(int64_t items) { return static_cast<unsigned>(std::min<int64_t>((items + 255) / 256, 8192)); }
 
-// The widest piece (16, 8, 4 bytes, else 1) that divides C and W = C + 4 L, so that every
-// row, piece and scale slot is aligned to it, given 16-byte aligned base pointers.
-int packed_piece_bytes(int64_t C, int64_t L, bool bases_aligned) {
+// The widest piece (16, 8, 4 bytes, else 1) that divides `row_bytes` (and the packed rows'
+// 4 L bytes of scales, where given), so that every row, piece and scale slot is aligned to it,
+// given 16-byte aligned base pointers.
+int piece_bytes(int64_t row_bytes, int64_t scale_bytes, bool bases_aligned) {
   if (!bases_aligned) return 1;
   for (int v : {16, 8, 4}) {
-    if (C % v == 0 && (4 * L) % v == 0) return v;
+    if (row_bytes % v == 0 && scale_bytes % v == 0) return v;
   }
   return 1;
 }
@@ -377,7 +378,7 @@ void with_piece(int v, F&& f) {
 void launch_pack_fp8_rows(const uint8_t* q, const float* scale, int64_t R, int64_t C, uint8_t* out, cudaStream_t s) {
   const int64_t L = (C + kBlock - 1) / kBlock;
   if (R == 0 || C == 0) return;  // nothing to move (and no block to launch)
-  with_piece(packed_piece_bytes(C, L, aligned16(q) && aligned16(out)), [&]<int kVec>() {
+  with_piece(piece_bytes(C, 4 * L, aligned16(q) && aligned16(out)), [&]<int kVec>() {
     pack_rows_kernel<kVec><<<stride_blocks(R * (C / kVec + L)), 256, 0, s>>>(q, scale, R, C, L, out);
   });
 }
@@ -386,7 +387,7 @@ void launch_unpack_fp8_rows(const uint8_t* packed, int64_t R, int64_t C, uint8_t
                             bool values_bf16, cudaStream_t s) {
   const int64_t L = (C + kBlock - 1) / kBlock;
   if (R == 0 || C == 0) return;
-  const int v = packed_piece_bytes(C, L, aligned16(packed) && aligned16(q) && aligned16(values));
+  const int v = piece_bytes(C, 4 * L, aligned16(packed) && aligned16(q) && aligned16(values));
   auto run = [&](auto* y) {
     with_piece(v, [&]<int kVec>() {
       unpack_rows_kernel<kVec><<<stride_blocks(R * (C / kVec + L)), 256, 0, s>>>(packed, R, C, L, q, scale, y);
@@ -400,15 +401,7 @@ void launch_permute_fp8_values(const uint8_t* q, const float* scale, int64_t T, 
                                int64_t R, uint8_t* oq, float* oscale, void* values, bool values_bf16, cudaStream_t s) {
   const int64_t L = (C + kBlock - 1) / kBlock;
   if (R == 0 || C == 0) return;
-  int v = 1;
-  if (aligned16(q) && aligned16(oq) && aligned16(values)) {
-    for (int w : {16, 8, 4}) {
-      if (C % w == 0) {
-        v = w;
-        break;
-      }
-    }
-  }
+  const int v = piece_bytes(C, 0, aligned16(q) && aligned16(oq) && aligned16(values));
   auto run = [&](auto* y) {
     with_piece(v, [&]<int kVec>() {
       permute_values_kernel<kVec><<<stride_blocks(R * (C / kVec + L)), 256, 0, s>>>(q, scale, T, C, L, source, R, oq,
