@@ -560,10 +560,12 @@ struct OutMaps {
 // free, publishes the tile in tile_of[stage] with its first k-tile, expects the stage's bytes
 // and calls load(stage, &full[stage], kt, expert, first row, first column), which issues the
 // stage's copies. No tile left: an empty stage marked -1 ends the consumers' loop.
-template <int S, int kStage, typename Load>
+// kFullArrivals: the arrivals each full barrier expects (the producer's one, plus one per
+// asynchronous arrival that load() sets up); stage_tx: the bytes each stage's copies bring.
+template <int S, int kStage, int kFullArrivals = 1, typename Load>
 __device__ __forceinline__ void produce_row_tiles(char* smem, uint64_t* full, uint64_t* empty, int* tile_of,
                                                   const RowsArgs& args, int col_tiles, int max_tiles, int ktiles,
-                                                  int tile_cols, Load load) {
+                                                  int tile_cols, Load load, uint32_t stage_tx = kStage) {
   const int rows = min(args.queue[0], max_tiles), split = min(args.queue[1], rows);
   TileQueues queues{args.next, split * col_tiles, rows * col_tiles, args.sm_half ? args.sm_half[sm_id()] : 0};
   int it = 0;  // k-tiles issued so far over all of this block's tiles: the ring position
@@ -573,7 +575,8 @@ __device__ __forceinline__ void produce_row_tiles(char* smem, uint64_t* full, ui
       const int s = it % S;
       if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
       tile_of[s] = -1;
-      mbar_arrive(&full[s]);
+#pragma unroll
+      for (int i = 0; i < kFullArrivals; ++i) mbar_arrive(&full[s]);
       return;
     }
     const int rt = t / col_tiles, e = args.tile_expert[rt];
@@ -582,7 +585,7 @@ __device__ __forceinline__ void produce_row_tiles(char* smem, uint64_t* full, ui
       const int s = it % S;
       if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);  // k-tile it - S has left it
       if (kt == 0) tile_of[s] = t;                             // published by the arrive below
-      mbar_arrive_expect_tx(&full[s], kStage);  // boxes count in full, zero-filled parts included
+      mbar_arrive_expect_tx(&full[s], stage_tx);  // boxes count in full, zero-filled parts included
       load(smem + s * kStage, &full[s], kt, e, row0, n0);
     }
   }
@@ -974,49 +977,119 @@ struct Fp8Scales {
   int b_blocks;       // n / 128: the block rows of one expert's weight
 };
 
+// The FP8 kernel's shared memory with the scales staged (kSmemScales): the ring, the epilogue's
+// staging, then per stage the A rows' 128 scales (a TMA box), the barriers, per stage the two
+// weight block scales (cp.async) and tile_of. No alignment slack: the block's dynamic shared
+// memory must start 1024-aligned (it does with no static shared memory: checked in the kernel).
+constexpr int kFp8ScaleOff = kWsStages * kWsStage + 4 * kOutBox;
+constexpr int kFp8BarOff = kFp8ScaleOff + kWsStages * 512;
+constexpr int kFp8SmemUsed = kFp8BarOff + 2 * kWsStages * 8 + kWsStages * 8 + kWsStages * 4;
+constexpr int kFp8Smem = 232448;
+static_assert(kFp8SmemUsed <= kFp8Smem, "shared memory of the FP8 rows kernel");
+// The scale maps of the staged variant: the rows' scales of each k source as one run of f32
+// ([K_src / 128][N] flattened, box 128): a k-tile's 128 rows are one box at kk N + row0.
+struct Fp8ScaleMaps {
+  CUtensorMap a[2];
+};
+
 // ktiles_src k-tiles of 128 from each of nsrc k sources (maps.a[src], maps.b[src]; gate/up:
 // one source, maps.b[0] gate and maps.b[1] up).
-// Each k-tile's scales are loaded one k-tile ahead, under the current one's MMAs.
-template <int kEpi>
+// kSmemScales false: each k-tile's scales are loaded by the consumers from global memory one
+// k-tile ahead; true: the producer stages them with the k-tile's operands (A's by TMA, the
+// weights' two by cp.async, arriving on the stage's full barrier) and the consumers read them
+// from shared memory.
+template <int kEpi, bool kSmemScales>
 __global__ void __launch_bounds__(kWsThreads, 1)
-    fp8_rows_kernel(const __grid_constant__ Maps maps, const __grid_constant__ OutMaps out, const RowsArgs args,
-                    const Fp8Scales sc, const ActCodes codes, int ktiles_src, int nsrc, int col_tiles,
-                    int max_tiles) {
+    fp8_rows_kernel(const __grid_constant__ Maps maps, const __grid_constant__ OutMaps out,
+                    const __grid_constant__ Fp8ScaleMaps smaps, const RowsArgs args, const Fp8Scales sc,
+                    const ActCodes codes, int ktiles_src, int nsrc, int col_tiles, int max_tiles, int diag) {
 #if MT_SM90A
   constexpr bool kGateUp = kEpi == kEpiGateUp;
   constexpr int S = kWsStages;
   extern __shared__ char smem_raw[];
   uint64_t *full, *empty;
-  char* smem = setup_smem<S, kWsStage>(smem_raw, full, empty);
-  __shared__ int tile_of[S];
+  char* smem;
+  int* tile_of;
+  float* a_scales = nullptr;  // kSmemScales: [S][128]
+  float* b_scales = nullptr;  // kSmemScales: [S][2]
+  if constexpr (kSmemScales) {
+    smem = smem_raw;
+    if ((smem_u32(smem) & 1023) != 0) {
+      if (threadIdx.x == 0) printf("fp8_rows_kernel: dynamic shared memory at %u is not 1024-aligned\n", smem_u32(smem));
+      __trap();
+    }
+    a_scales = reinterpret_cast<float*>(smem + kFp8ScaleOff);
+    full = reinterpret_cast<uint64_t*>(smem + kFp8BarOff);
+    empty = full + S;
+    b_scales = reinterpret_cast<float*>(empty + S);
+    tile_of = reinterpret_cast<int*>(b_scales + 2 * S);
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < S; ++s) {
+        mbar_init(&full[s], 2);  // the producer's arrive, and its cp.async copies' completion
+        mbar_init(&empty[s], kConsumerThreads / 32);
+      }
+      mbar_fence_init();
+    }
+    __syncthreads();
+  } else {
+    smem = setup_smem<S, kWsStage>(smem_raw, full, empty);
+    __shared__ int tile_of_static[S];
+    tile_of = tile_of_static;
+  }
   const int wg = threadIdx.x >> 7, ktiles = ktiles_src * nsrc;
 
   if (wg == 0) {  // producer, as rows_kernel's (K-major weights, k-tiles of 128)
     setmaxnreg_dec<40>();
     if (threadIdx.x != 0) return;
-    produce_row_tiles<S, kWsStage>(smem, full, empty, tile_of, args, col_tiles, max_tiles, ktiles, ws_tile_cols(kEpi),
-                                   [&](char* st, uint64_t* bar, int kt, int e, int row0, int n0) {
-      char* sb = st + kTile;
-      const int src = kt >= ktiles_src ? 1 : 0;
-      const int k0 = (kt - src * ktiles_src) * 128;
-      tma_load_2d(st, &maps.a[src], bar, k0, row0);
-      if constexpr (kGateUp) {  // 128 gate rows, then the same 128 rows of up
-        tma_load_3d(sb, &maps.b[0], bar, k0, n0, e);
-        tma_load_3d(sb + kTile, &maps.b[1], bar, k0, n0, e);
-      } else {
-        tma_load_3d(sb, &maps.b[src], bar, k0, n0, e);
-        tma_load_3d(sb + kTile, &maps.b[src], bar, k0, n0 + 128, e);
-      }
-    });
+    produce_row_tiles<S, kWsStage, kSmemScales ? 2 : 1>(
+        smem, full, empty, tile_of, args, col_tiles, max_tiles, ktiles, ws_tile_cols(kEpi),
+        [&](char* st, uint64_t* bar, int kt, int e, int row0, int n0) {
+          char* sb = st + kTile;
+          const int src = kt >= ktiles_src ? 1 : 0;
+          const int kk = kt - src * ktiles_src, k0 = kk * 128;
+          tma_load_2d(st, &maps.a[src], bar, k0, row0);
+          if constexpr (kGateUp) {  // 128 gate rows, then the same 128 rows of up
+            tma_load_3d(sb, &maps.b[0], bar, k0, n0, e);
+            tma_load_3d(sb + kTile, &maps.b[1], bar, k0, n0, e);
+          } else {
+            tma_load_3d(sb, &maps.b[src], bar, k0, n0, e);
+            tma_load_3d(sb + kTile, &maps.b[src], bar, k0, n0 + 128, e);
+          }
+          if constexpr (kSmemScales) {
+            const int s = static_cast<int>((st - smem) / kWsStage);
+            tma_load_1d(a_scales + s * 128, &smaps.a[src], bar, kk * sc.n_rows + row0);
+            // the two halves' weight blocks (gate/up: gate's and up's; else n0's and the next,
+            // clamped to the expert's last: a half past the weight is zero-filled by TMA)
+            const int brow0 = e * sc.b_blocks + n0 / 128;
+            const float *b0, *b1;
+            if constexpr (kGateUp) {
+              b0 = sc.b[0] + static_cast<int64_t>(brow0) * sc.ldb + kk;
+              b1 = sc.b[1] + static_cast<int64_t>(brow0) * sc.ldb + kk;
+            } else {
+              const int brow1 = min(brow0 + 1, (e + 1) * sc.b_blocks - 1);
+              const float* bs = src ? sc.b[1] : sc.b[0];
+              b0 = bs + static_cast<int64_t>(brow0) * sc.ldb + kk;
+              b1 = bs + static_cast<int64_t>(brow1) * sc.ldb + kk;
+            }
+            cp_async_4(b_scales + 2 * s, b0);
+            cp_async_4(b_scales + 2 * s + 1, b1);
+            cp_async_arrive_noinc(bar);
+          }
+        },
+        kSmemScales ? kWsStage + 512 : kWsStage);
     return;
   }
 
   setmaxnreg_inc<232>();
   const int cw = wg - 1, tid = threadIdx.x & 127, lane = tid & 31, w = tid >> 5;
-  char* staging = smem + S * kWsStage + 1024 + cw * 2 * kOutBox;
+  char* staging = smem + S * kWsStage + (kSmemScales ? 0 : 1024) + cw * 2 * kOutBox;
   int boxes = 0;
   int it = 0;
   const int last = max_tiles * col_tiles;
+  auto bar_arrive = [](int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); };
+  if ((diag & 64) && cw == 1) bar_arrive(4);
+  if ((diag & 32) && cw == 1) __nanosleep(400);
+  const int my_row = cw * 64 + 16 * w + (lane >> 2);  // this thread's first row in the tile (the second: + 8)
   for (int n = 0; n < last; ++n) {
     mbar_wait(&full[it % S], (it / S) & 1);
     const int t = __shfl_sync(0xffffffffu, lane == 0 ? tile_of[it % S] : 0, 0);
@@ -1026,12 +1099,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     const int n0 = (t % col_tiles) * ws_tile_cols(kEpi);
     // This thread's two rows (h = 0, 1) and the two halves' weight block rows (a tile's
     // second half past the weight's last block is zero-filled by TMA: its scale is clamped).
-    const int r_lo = row0 + cw * 64 + 16 * w + (lane >> 2);
+    const int r_lo = row0 + my_row;
     const int ra0 = min(r_lo, sc.n_rows - 1), ra1 = min(r_lo + 8, sc.n_rows - 1);
     const int brow0 = e * sc.b_blocks + n0 / 128, brow1 = min(brow0 + 1, (e + 1) * sc.b_blocks - 1);
-    // The scales of k-tile kt + 1 are loaded while k-tile kt's MMAs run: loaded at their
-    // k-tile, their L2 latency came before every k-tile's first promotion whenever the ring
-    // was already full.
     // (The sources are chosen by selects: a parameter array indexed at run time is copied
     // to local memory.)
     auto load_scales = [&](int kt, float (&v)[4]) {
@@ -1052,40 +1122,62 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     float acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-    float next[4];
-    load_scales(0, next);
+    float next[4] = {1.f, 1.f, 1.f, 1.f};
+    if (!kSmemScales && !(diag & 8)) load_scales(0, next);
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
       const int s = it % S;
       float cur[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) cur[i] = next[i];
-      if (kt + 1 < ktiles) load_scales(kt + 1, next);
+      if (!kSmemScales && kt + 1 < ktiles && !(diag & 8)) load_scales(kt + 1, next);
       mbar_wait(&full[s], (it / S) & 1);
+      if constexpr (kSmemScales) {
+        if (!(diag & 8)) {
+          cur[0] = a_scales[s * 128 + my_row];
+          cur[1] = a_scales[s * 128 + my_row + 8];
+          cur[2] = b_scales[2 * s];
+          cur[3] = b_scales[2 * s + 1];
+        }
+      }
       const uint32_t a = smem_u32(smem + s * kWsStage) + cw * 64 * 128, b = smem_u32(smem + s * kWsStage + kTile);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float part[64];
-        wgmma_fence();
+        if (diag & 16) {
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          wgmma_m64n128k32_e4m3(part, sw128_desc(a + kk * 32, 16, 1024),
-                                sw128_desc(b + half * kTile + kk * 32, 16, 1024), kk);
+          for (int i = 0; i < 64; ++i) part[i] = 0.f;
+        } else {
+          if (diag & 64) named_barrier(4 + cw, 256);
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) {
+            wgmma_m64n128k32_e4m3(part, sw128_desc(a + kk * 32, 16, 1024),
+                                  sw128_desc(b + half * kTile + kk * 32, 16, 1024), kk);
+          }
+          wgmma_commit();
+          if (diag & 64) bar_arrive(5 - cw);
+          wgmma_wait<0>();
         }
-        wgmma_commit();
-        wgmma_wait<0>();
         pin(part);
         const float sbh = cur[2 + half], s0 = cur[0] * sbh, s1 = cur[1] * sbh;
+        if (diag & 1) {
 #pragma unroll
-        for (int i = 0; i < 64; ++i) acc[half * 64 + i] += part[i] * ((i & 2) ? s1 : s0);  // part[4j + 2h + c]
+          for (int i = 0; i < 64; ++i) acc[half * 64 + i] += part[i];
+        } else {
+#pragma unroll
+          for (int i = 0; i < 64; ++i) acc[half * 64 + i] += part[i] * ((i & 2) ? s1 : s0);  // part[4j + 2h + c]
+        }
       }
       if (lane == 0) mbar_arrive(&empty[s]);  // both halves' MMAs are done with the stage
     }
+    if (diag & 4) continue;
     if constexpr (kEpi == kEpiDSwiglu) {
       store_dswiglu_tile(acc, out, args, staging, row0, row_end, n0, cw);
     } else {
       store_rows_tile<kGateUp, kGateUp>(acc, out, args, staging, boxes, row0, row_end, n0, cw, codes);
     }
   }
+  if ((diag & 64) && !(diag & 16) && cw == 0) named_barrier(4, 256);
   if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 #endif
 }
@@ -1479,19 +1571,35 @@ void launch_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out, co
 }
 
 // The FP8 rows kernel over K = 128 ktiles_src from each of nsrc sources (n_cols as
-// launch_rows_hopper's).
+// launch_rows_hopper's). MOETRAIN_FP8_SCALES_GLOBAL=1: the consumers load the scales from
+// global memory (the variant before the staged scales, for comparison).
 template <int kEpi>
 void launch_fp8_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out, const RowsArgs& args,
                             const hopper::Fp8Scales& scales, const hopper::ActCodes& codes, int ktiles_src, int nsrc,
                             int n_cols, int max_tiles, cudaStream_t stream) {
   if (n_cols == 0 || max_tiles == 0) return;
-  auto kernel = hopper::fp8_rows_kernel<kEpi>;
-  constexpr int smem = hopper::kRowsSmem;
-  prepare_hopper(kernel, smem);
+  static const int diag = std::getenv("MOETRAIN_FP8_DIAG") ? std::atoi(std::getenv("MOETRAIN_FP8_DIAG")) : 0;
+  static const bool global_scales = std::getenv("MOETRAIN_FP8_SCALES_GLOBAL") != nullptr &&
+                                    std::atoi(std::getenv("MOETRAIN_FP8_SCALES_GLOBAL")) != 0;
+  hopper::Fp8ScaleMaps smaps{};
+  bool staged = !global_scales;
+  for (int src = 0; src < nsrc && staged; ++src) {
+    staged = make_tensor_map_f32_plain(&smaps.a[src], scales.a[src],
+                                       {static_cast<uint64_t>(ktiles_src) * scales.n_rows}, {128});
+  }
   const int col_tiles = (n_cols + hopper::ws_tile_cols(kEpi) - 1) / hopper::ws_tile_cols(kEpi);
   const int grid = persistent_grid(static_cast<int64_t>(col_tiles) * max_tiles);
-  kernel<<<grid, hopper::kWsThreads, smem, stream>>>(maps, out, args, scales, codes, ktiles_src, nsrc, col_tiles,
-                                                     max_tiles);
+  if (staged) {
+    auto kernel = hopper::fp8_rows_kernel<kEpi, true>;
+    prepare_hopper(kernel, hopper::kFp8Smem);
+    kernel<<<grid, hopper::kWsThreads, hopper::kFp8Smem, stream>>>(maps, out, smaps, args, scales, codes, ktiles_src,
+                                                                    nsrc, col_tiles, max_tiles, diag);
+  } else {
+    auto kernel = hopper::fp8_rows_kernel<kEpi, false>;
+    prepare_hopper(kernel, hopper::kRowsSmem);
+    kernel<<<grid, hopper::kWsThreads, hopper::kRowsSmem, stream>>>(maps, out, smaps, args, scales, codes, ktiles_src,
+                                                                     nsrc, col_tiles, max_tiles, diag);
+  }
 }
 
 static_assert(sizeof(hopper::WgradMaps) + sizeof(WgradArgs) + 3 * sizeof(int) <= 4096,

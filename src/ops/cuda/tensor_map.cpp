@@ -48,7 +48,8 @@ bool hopper_kernels_usable(const char* opt_out) {
 namespace {
 
 bool encode_map(CUtensorMap* map, const void* base, std::initializer_list<uint64_t> dims,
-                std::initializer_list<uint32_t> box, CUtensorMapDataType type, uint64_t elem_bytes) {
+                std::initializer_list<uint32_t> box, CUtensorMapDataType type, uint64_t elem_bytes,
+                CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
   const EncodeTiledFn encode = encode_tiled();
   if (encode == nullptr) return false;
   cuuint64_t gdim[5], gstride[4];
@@ -63,8 +64,7 @@ bool encode_map(CUtensorMap* map, const void* base, std::initializer_list<uint64
     stride *= gdim[i];
   }
   return encode(map, type, rank,
-                const_cast<void*>(base), gdim, gstride, bdim, estride, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                const_cast<void*>(base), gdim, gstride, bdim, estride, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
@@ -79,6 +79,11 @@ bool make_tensor_map(CUtensorMap* map, const void* base, std::initializer_list<u
 bool make_tensor_map_bytes(CUtensorMap* map, const void* base, std::initializer_list<uint64_t> dims,
                            std::initializer_list<uint32_t> box) {
   return encode_map(map, base, dims, box, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1);
+}
+
+bool make_tensor_map_f32_plain(CUtensorMap* map, const void* base, std::initializer_list<uint64_t> dims,
+                               std::initializer_list<uint32_t> box) {
+  return encode_map(map, base, dims, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
 }  // namespace moetrain::ops::cuda

@@ -23,4 +23,9 @@ bool make_tensor_map(CUtensorMap* map, const void* base, std::initializer_list<u
 bool make_tensor_map_bytes(CUtensorMap* map, const void* base, std::initializer_list<uint64_t> dims,
                            std::initializer_list<uint32_t> box);
 
+// A contiguous f32 tensor with plain (unswizzled) boxes, e.g. a run of block scales; box[0]
+// a multiple of 4 (16 bytes), at most 256.
+bool make_tensor_map_f32_plain(CUtensorMap* map, const void* base, std::initializer_list<uint64_t> dims,
+                               std::initializer_list<uint32_t> box);
+
 }  // namespace moetrain::ops::cuda
