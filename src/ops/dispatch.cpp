@@ -85,6 +85,39 @@ Fp8Tensor quantize_fp8_experts(const Tensor& w) {
   return quantize_fp8(w.view({E * n, k}), Fp8Blocks::kBlocks);
 }
 
+int64_t fp8_expert_tiles(int64_t rows, int64_t experts) { return fp8_blocks_of(rows) + experts; }
+
+Fp8Tensor quantize_fp8_expert_columns(const Tensor& x, const Tensor& counts) {
+  const char* op = "quantize_fp8_expert_columns";
+  check_fp8_input(op, x);
+  MT_CHECK(counts.defined() && counts.ndim() == 1 && counts.dtype() == DType::I64 && counts.device() == x.device(),
+           "{}: counts must be i64 [E] on x's device ({}), got {}", op, x.device().str(),
+           counts.defined() ? counts.str() : std::string("undefined"));
+  return MT_ROUTE(x, quantize_fp8_expert_columns, x, counts);
+}
+
+void grouped_wgrad_fp8(const Fp8Tensor& a_t, const Fp8Tensor& b_t, const Tensor& counts, Tensor& dw,
+                       bool accumulate) {
+  const char* op = "grouped_wgrad_fp8";
+  check_fp8_rows(op, a_t, "a_t");
+  check_fp8_rows(op, b_t, "b_t");
+  const int64_t Ca = a_t.q.size(0), Cb = b_t.q.size(0), P = a_t.q.size(1);
+  MT_CHECK(counts.defined() && counts.ndim() == 1 && counts.dtype() == DType::I64 &&
+               counts.device() == a_t.q.device(),
+           "{}: counts must be i64 [E] on the operands' device ({}), got {}", op, a_t.q.device().str(),
+           counts.defined() ? counts.str() : std::string("undefined"));
+  const int64_t E = counts.size(0);
+  MT_CHECK(b_t.q.size(1) == P && P % kFp8Block == 0 && P / kFp8Block >= E,
+           "{}: a_t {} and b_t {} must both be [C, P] with P a multiple of 128 of at least 128 E = {} columns "
+           "(quantize_fp8_expert_columns)", op, a_t.q.str(), b_t.q.str(), 128 * E);
+  check_shape(dw, {E, Ca, Cb}, "grouped_wgrad_fp8 dw [E, Ca, Cb]");
+  check_dtype(dw, DType::F32, "grouped_wgrad_fp8 dw");
+  MT_CHECK(dw.device() == a_t.q.device() && b_t.q.device() == a_t.q.device(),
+           "{}: a_t, b_t and dw must be on one device, got {}, {} and {}", op, a_t.q.device().str(),
+           b_t.q.device().str(), dw.device().str());
+  MT_ROUTE(dw, grouped_wgrad_fp8, a_t, b_t, counts, dw, accumulate);
+}
+
 Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype) {
   check_fp8_tensor("dequantize_fp8", t, "t");
   MT_CHECK(is_floating(dtype), "dequantize_fp8: dtype must be bf16, f32 or f64, got {}", dtype_name(dtype));

@@ -454,6 +454,26 @@ UnpackedFp8Rows unpack_fp8_rows(const Tensor& packed, int64_t cols, DType dtype)
 // quantize_fp8 of its [E n, k] view in blocks mode (no block spans two experts).
 Fp8Tensor quantize_fp8_experts(const Tensor& w);
 
+// ---- The experts' weight gradient in FP8: operands quantized along the tokens, per expert ----
+// The weight gradient dW_e = A_e^T B_e reduces over expert e's rows (tokens), so its FP8
+// operands are quantized per 1 x 128 tile along the tokens, and no tile may hold two experts'
+// rows. quantize_fp8_expert_columns(x [N, C], counts [E]) writes x^T [C, P] with each expert's
+// rows, in order, filling its own tiles of 128 columns: expert e takes ceil(c_e / 128) tiles
+// after those of the experts before it (the grouped GEMMs' row tiles, in the same order), the
+// columns of a tile past its expert's last row hold zero codes, and the tiles past the last
+// expert's are zero with scale 1. P = 128 fp8_expert_tiles(N, E), the bound for any counts;
+// scale [P / 128, C]: rows mode of [C, P] (dequantize_fp8 of the result is x^T so padded).
+// counts i64 [E] summing to N (the GPU clamps them as the grouped GEMMs do).
+int64_t fp8_expert_tiles(int64_t rows, int64_t experts);
+Fp8Tensor quantize_fp8_expert_columns(const Tensor& x, const Tensor& counts);
+// dw [E, Ca, Cb] f32: dw[e] = (or += with accumulate) sum over the columns of expert e's tiles
+// of a_t[:, j] b_t[:, j]^T, from a_t [Ca, P] and b_t [Cb, P] made by quantize_fp8_expert_columns
+// with the same counts: the f32 product of the dequantized operands (on the GPU promoted every
+// 128 of K, each fresh sum times its row's and its column's scale). An expert without rows
+// gets zeros (or is left as it is, accumulating).
+void grouped_wgrad_fp8(const Fp8Tensor& a_t, const Fp8Tensor& b_t, const Tensor& counts, Tensor& dw,
+                       bool accumulate);
+
 // y [M, N] = a [M, K] b [N, K]^T, a in rows mode, b in either: the product of the dequantized
 // operands with f32 sums (on the GPU, per 128-element block of K the e4m3 products' sum times
 // the two tiles' scales, added over the blocks in f32: DeepSeek's promotion every 128 of K);

@@ -302,5 +302,49 @@ TEST(BackendFp8, GroupedSwigluBackwardInputMatchesTheDequantizedProducts) {
   }
 }
 
+// The experts' weight-gradient operands (quantize_fp8_expert_columns) bit for bit, padding
+// tiles included (poisoned memory: every byte must be written), and the FP8 weight-gradient
+// GEMM (the wgmma kernel, promoted every 128 of K with a scale per row of each operand)
+// against the CPU's f32 product of the same dequantized operands, written and accumulated:
+// the three products of the experts' backward at each case's shape (dW_down = dy^T act,
+// dW_gate = dgate^T x), the bench's among them. The bound as the GEMM's above.
+TEST(BackendFp8, ExpertWeightGradientMatchesTheCpu) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  for (const ExpertCase& c : expert_cases()) {
+    const int64_t E = c.experts(), H = c.H, I = c.I, N = c.rows();
+    const std::string tag = fmt::format("[E={},N={},H={},I={}]", E, N, H, I);
+    const Tensor counts = Tensor::from_vector(c.counts, {E});
+    const Tensor gcounts = counts.to(kGpu);
+    const Tensor dy = random_bf16_values({N, H}, N + 5, 1.0), act = random_bf16_values({N, I}, N + 6, 1.0);
+    auto quantized = [&](const Tensor& v, const std::string& what) {
+      const ops::Fp8Tensor cpu = ops::quantize_fp8_expert_columns(v, counts);
+      const ops::Fp8Tensor gpu = ops::quantize_fp8_expert_columns(on_gpu(v, DType::BF16), gcounts);
+      expect_same_fp8(gpu, cpu, tag + " " + what);
+      return std::pair{gpu, cpu};
+    };
+    const auto [dyg, dyc] = quantized(dy, "dy^T");
+    const auto [actg, actc] = quantized(act, "act^T");
+    for (const bool accumulate : {false, true}) {
+      const std::string what = tag + (accumulate ? " dW_down += dy^T act" : " dW_down = dy^T act");
+      const Tensor start = random_bf16_values({E, H, I}, 77, 1.0).to(DType::F32);
+      Tensor want = start.clone();
+      ops::grouped_wgrad_fp8(dyc, actc, counts, want, accumulate);
+      Tensor got = accumulate ? on_gpu(start, DType::F32) : Tensor::empty({E, H, I}, DType::F32, kGpu);
+      ops::grouped_wgrad_fp8(dyg, actg, gcounts, got, accumulate);
+      testing::expect_backend_close(got.to(Device::cpu()), want, 5e-4, what, "dW");
+    }
+    // the other shape: [I, H] from operands of I and H columns
+    const Tensor dg = random_bf16_values({N, I}, N + 7, 1.0), x = random_bf16_values({N, H}, N + 8, 1.0);
+    const auto [dgg, dgc] = quantized(dg, "dgate^T");
+    const auto [xg, xc] = quantized(x, "x^T");
+    Tensor want = Tensor::zeros({E, I, H}, DType::F32);
+    ops::grouped_wgrad_fp8(dgc, xc, counts, want, false);
+    Tensor got = Tensor::empty({E, I, H}, DType::F32, kGpu);
+    ops::grouped_wgrad_fp8(dgg, xg, gcounts, got, false);
+    testing::expect_backend_close(got.to(Device::cpu()), want, 5e-4, tag + " dW_gate = dgate^T x", "dW");
+  }
+}
+
 }  // namespace
 }  // namespace moetrain

@@ -326,6 +326,112 @@ TEST(Fp8, ExpertInputGradientIsTheProductOfTheDequantizedOperands) {
   EXPECT_LT(testing::backend_error(got.dx, dx), 1e-5);
 }
 
+// The experts' weight-gradient operands: each tile of 128 columns holds rows of one expert
+// only, as quantize_fp8_transposed of those rows (the same codes and scales, bit for bit),
+// zero codes past the expert's rows and whole zero tiles (scale 1) past the last expert's.
+TEST(Fp8, ExpertColumnsHoldEachExpertsRowsInItsOwnTiles) {
+  const std::vector<int64_t> c{129, 0, 128, 5, 1};
+  const int64_t E = 5, N = 263, C = 200;
+  const int64_t T = ops::fp8_expert_tiles(N, E), P = 128 * T;
+  ASSERT_EQ(T, 3 + 5);
+  for (DType dt : {DType::F32, DType::BF16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    const Tensor x = testing::random_tensor({N, C}, dt, 301);
+    const ops::Fp8Tensor q = ops::quantize_fp8_expert_columns(x, Tensor::from_vector(c, {E}));
+    ASSERT_EQ(q.q.shape(), (Shape{C, P}));
+    ASSERT_EQ(q.scale.shape(), (Shape{T, C}));
+    ASSERT_EQ(q.blocks, ops::Fp8Blocks::kRows);
+    const uint8_t* code = static_cast<const uint8_t*>(q.q.raw());
+    const std::vector<float> sc = q.scale.to_vector<float>();
+    int64_t row = 0, tile = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t r0 = row; r0 < row + c[e]; r0 += 128, ++tile) {
+        const int64_t rows = std::min<int64_t>(128, row + c[e] - r0);
+        const ops::Fp8Tensor ref = ops::quantize_fp8_transposed(x.slice(r0, r0 + rows));  // [C, rows]
+        const uint8_t* rq = static_cast<const uint8_t*>(ref.q.raw());
+        const std::vector<float> rs = ref.scale.to_vector<float>();
+        for (int64_t k = 0; k < C; ++k) {
+          for (int64_t i = 0; i < 128; ++i) {
+            ASSERT_EQ(code[k * P + tile * 128 + i], i < rows ? rq[k * rows + i] : 0)
+                << "expert " << e << " tile " << tile << " column " << k << " row " << i;
+          }
+          ASSERT_EQ(sc[tile * C + k], rs[k]) << "scale of tile " << tile << " column " << k;
+        }
+      }
+      row += c[e];
+    }
+    ASSERT_EQ(tile, 2 + 0 + 1 + 1 + 1);
+    for (; tile < T; ++tile) {  // past the last expert's tiles: zeros, scale 1
+      for (int64_t k = 0; k < C; ++k) {
+        for (int64_t i = 0; i < 128; ++i) ASSERT_EQ(code[k * P + tile * 128 + i], 0);
+        ASSERT_EQ(sc[tile * C + k], 1.0f);
+      }
+    }
+  }
+  // Counts that do not cover the rows are refused, naming them.
+  try {
+    ops::quantize_fp8_expert_columns(testing::random_tensor({10, 128}, DType::F32, 1),
+                                     Tensor::from_vector(std::vector<int64_t>{4, 5}, {2}));
+    ADD_FAILURE() << "counts summing to 9 taken for 10 rows";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("quantize_fp8_expert_columns: counts sum to 9 but there are 10 rows"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// dW_e = A_e B_e^T over each expert's tiles, against the float64 sum over the expert's rows
+// of the dequantized operands' products (the padding adds nothing); accumulating adds to dw
+// and leaves an expert without rows as it was, writing gives it zeros.
+TEST(Fp8, GroupedWgradIsTheProductOfTheDequantizedOperands) {
+  const std::vector<int64_t> c{70, 0, 200, 1};
+  const int64_t E = 4, N = 271, Ca = 256, Cb = 384;
+  const Tensor counts = Tensor::from_vector(c, {E});
+  const Tensor a = testing::random_tensor({N, Ca}, DType::F32, 311), b = testing::random_tensor({N, Cb}, DType::F32, 312);
+  const ops::Fp8Tensor at = ops::quantize_fp8_expert_columns(a, counts), bt = ops::quantize_fp8_expert_columns(b, counts);
+  const int64_t P = at.q.size(1);
+  const std::vector<double> ad = ops::dequantize_fp8(at, DType::F64).to_double_vector();
+  const std::vector<double> bd = ops::dequantize_fp8(bt, DType::F64).to_double_vector();
+  std::vector<double> ref(static_cast<size_t>(E * Ca * Cb), 0.0);
+  int64_t tile = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t tiles = (c[e] + 127) / 128;
+    for (int64_t m = 0; m < Ca; ++m) {
+      for (int64_t n = 0; n < Cb; ++n) {
+        double sum = 0;
+        for (int64_t j = tile * 128; j < (tile + tiles) * 128; ++j) sum += ad[m * P + j] * bd[n * P + j];
+        ref[(e * Ca + m) * Cb + n] = sum;
+      }
+    }
+    tile += tiles;
+  }
+  const Tensor want = Tensor::from_vector(ref, {E, Ca, Cb});
+  Tensor dw = Tensor::full({E, Ca, Cb}, 7.0, DType::F32);
+  ops::grouped_wgrad_fp8(at, bt, counts, dw, /*accumulate=*/false);
+  EXPECT_LT(testing::backend_error(dw, want), 1e-6);
+  const std::vector<float> got = dw.to_vector<float>();
+  for (int64_t i = Ca * Cb; i < 2 * Ca * Cb; ++i) ASSERT_EQ(got[static_cast<size_t>(i)], 0.0f) << "expert 1, written";
+  // the product is not the unquantized one
+  double sum0 = 0;
+  const std::vector<double> av = a.to_double_vector(), bv = b.to_double_vector();
+  for (int64_t r = 0; r < c[0]; ++r) sum0 += av[r * Ca] * bv[r * Cb];
+  EXPECT_NE(sum0, ref[0]);
+  EXPECT_LT(std::fabs(sum0 - ref[0]), 0.1 * std::sqrt(static_cast<double>(c[0])));
+  // accumulating: + the same product; expert 1 keeps what it had
+  Tensor acc = Tensor::full({E, Ca, Cb}, 0.5, DType::F32);
+  ops::grouped_wgrad_fp8(at, bt, counts, acc, /*accumulate=*/true);
+  std::vector<double> plus = ref;
+  for (double& v : plus) v += 0.5;
+  EXPECT_LT(testing::backend_error(acc, Tensor::from_vector(plus, {E, Ca, Cb})), 1e-6);
+  const std::vector<float> accv = acc.to_vector<float>();
+  for (int64_t i = Ca * Cb; i < 2 * Ca * Cb; ++i) ASSERT_EQ(accv[static_cast<size_t>(i)], 0.5f) << "expert 1, added";
+  // operands of other layouts are refused, naming the shapes
+  Tensor small = Tensor::zeros({E, Ca, Cb + 1}, DType::F32);
+  EXPECT_THROW(ops::grouped_wgrad_fp8(at, bt, counts, small, false), Error);
+  const ops::Fp8Tensor rows = ops::quantize_fp8(testing::random_tensor({Ca, 128}, DType::F32, 1), ops::Fp8Blocks::kRows);
+  EXPECT_THROW(ops::grouped_wgrad_fp8(rows, bt, counts, dw, false), Error);
+}
+
 TEST(Fp8, LinearMatchesTheProductOfTheDequantizedOperands) {
   for (const ops::Fp8Blocks wmode : {ops::Fp8Blocks::kRows, ops::Fp8Blocks::kBlocks}) {
     const int64_t M = 36, N = 140, K = 272;

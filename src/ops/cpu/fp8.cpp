@@ -1,5 +1,7 @@
 // FP8 (e4m3) block quantization and the block-scaled GEMM on the CPU: the references the
 // CUDA kernels match (ops.h).
+#include <cblas.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -118,6 +120,81 @@ UnpackedFp8Rows unpack_fp8_rows(const Tensor& packed, int64_t cols, DType dtype)
   }
   Tensor values = cpu::dequantize_fp8(t, dtype);
   return {std::move(t), std::move(values)};
+}
+
+namespace {
+
+// The experts' first tiles [E + 1] of quantize_fp8_expert_columns' layout (expert e: tiles
+// [first[e], first[e + 1])) and their first rows [E + 1], from counts summing to `rows`.
+struct ExpertTiles {
+  std::vector<int64_t> first_tile, first_row;
+};
+ExpertTiles expert_tiles(const Tensor& counts, int64_t rows, const char* op) {
+  const int64_t E = counts.size(0);
+  const int64_t* c = counts.data<int64_t>();
+  ExpertTiles t{std::vector<int64_t>(static_cast<size_t>(E + 1), 0), std::vector<int64_t>(static_cast<size_t>(E + 1), 0)};
+  for (int64_t e = 0; e < E; ++e) {
+    MT_CHECK(c[e] >= 0, "{}: counts[{}] = {} is negative", op, e, c[e]);
+    t.first_row[e + 1] = t.first_row[e] + c[e];
+    t.first_tile[e + 1] = t.first_tile[e] + fp8_blocks_of(c[e]);
+  }
+  MT_CHECK(t.first_row[E] == rows, "{}: counts sum to {} but there are {} rows", op, t.first_row[E], rows);
+  return t;
+}
+
+}  // namespace
+
+// Each tile: the amax of every column over the tile's rows (those of its expert), then the
+// codes, written transposed into the tile's 128 columns.
+Fp8Tensor quantize_fp8_expert_columns(const Tensor& x, const Tensor& counts) {
+  const int64_t N = x.size(0), C = x.size(1), E = counts.size(0), T = fp8_expert_tiles(N, E), P = T * kFp8Block;
+  const ExpertTiles et = expert_tiles(counts, N, "quantize_fp8_expert_columns");
+  const std::vector<float> v = as_floats(x);
+  Fp8Tensor out{Tensor::zeros({C, P}, DType::F8E4M3), Tensor::full({T, C}, 1.0, DType::F32), Fp8Blocks::kRows};
+  uint8_t* q = static_cast<uint8_t*>(out.q.raw());
+  float* s = out.scale.data<float>();
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t t = et.first_tile[e]; t < et.first_tile[e + 1]; ++t) {
+      const int64_t r0 = et.first_row[e] + (t - et.first_tile[e]) * kFp8Block;
+      const int64_t r1 = std::min(et.first_row[e + 1], r0 + kFp8Block);
+      for (int64_t c = 0; c < C; ++c) {
+        float amax = 0.0f;
+        for (int64_t r = r0; r < r1; ++r) amax = std::max(amax, std::fabs(v[r * C + c]));
+        const float scale = tile_scale(amax);
+        for (int64_t r = r0; r < r1; ++r) q[c * P + t * kFp8Block + (r - r0)] = float_to_fp8_e4m3(v[r * C + c] / scale);
+        s[t * C + c] = scale;
+      }
+    }
+  }
+  return out;
+}
+
+// Per expert one BLAS product over its tiles' columns of the dequantized operands.
+void grouped_wgrad_fp8(const Fp8Tensor& a_t, const Fp8Tensor& b_t, const Tensor& counts, Tensor& dw,
+                       bool accumulate) {
+  const int64_t Ca = a_t.q.size(0), Cb = b_t.q.size(0), P = a_t.q.size(1), E = counts.size(0);
+  const int64_t* c = counts.data<int64_t>();
+  std::vector<int64_t> first(static_cast<size_t>(E + 1), 0);
+  for (int64_t e = 0; e < E; ++e) {
+    MT_CHECK(c[e] >= 0, "grouped_wgrad_fp8: counts[{}] = {} is negative", e, c[e]);
+    first[e + 1] = first[e] + fp8_blocks_of(c[e]);
+  }
+  MT_CHECK(first[E] * kFp8Block <= P, "grouped_wgrad_fp8: counts need {} tiles of 128 columns, the operands have {}",
+           first[E], P / kFp8Block);
+  const Tensor a = cpu::dequantize_fp8(a_t, DType::F32), b = cpu::dequantize_fp8(b_t, DType::F32);
+  float* d = dw.data<float>();
+  for (int64_t e = 0; e < E; ++e) {
+    float* de = d + e * Ca * Cb;
+    const int64_t K = (first[e + 1] - first[e]) * kFp8Block;
+    if (K == 0) {
+      if (!accumulate) std::fill(de, de + Ca * Cb, 0.0f);
+      continue;
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(Ca), static_cast<int>(Cb),
+                static_cast<int>(K), 1.0f, a.data<float>() + first[e] * kFp8Block, static_cast<int>(P),
+                b.data<float>() + first[e] * kFp8Block, static_cast<int>(P), accumulate ? 1.0f : 0.0f, de,
+                static_cast<int>(Cb));
+  }
 }
 
 // The f32 product of the dequantized operands (BLAS): the reference the GPU's GEMM is held to.

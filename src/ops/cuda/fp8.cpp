@@ -12,6 +12,7 @@
 #include "ops/cuda/common.h"
 #include "ops/cuda/cuda_ops.h"
 #include "ops/cuda/fp8_launch.h"
+#include "ops/cuda/swiglu_launch.h"
 
 namespace moetrain::ops::cuda {
 namespace {
@@ -95,6 +96,49 @@ Fp8Tensor transpose_fp8_experts(const Fp8Tensor& w, int64_t experts) {
                                out.scale.data<float>(), stream());
   check_launch("transpose_fp8_experts");
   return out;
+}
+
+namespace {
+// first_row [E + 1] then first_tile [E + 1] (i32) of counts over `rows` rows (launch_expert_tiles).
+Tensor expert_tiles(const Tensor& counts, int64_t rows) {
+  const int64_t E = counts.size(0);
+  Tensor t = Tensor::empty({2 * (E + 1)}, DType::I32, counts.device());
+  launch_expert_tiles(counts.data<int64_t>(), static_cast<int>(E), rows, t.data<int32_t>(), t.data<int32_t>() + E + 1,
+                      stream());
+  return t;
+}
+}  // namespace
+
+Fp8Tensor quantize_fp8_expert_columns(const Tensor& x, const Tensor& counts) {
+  const char* op = "quantize_fp8_expert_columns";
+  check_input(op, x);
+  check_cuda_tensors(op, {&counts});
+  const int64_t N = x.size(0), C = x.size(1), E = counts.size(0), T = ops::fp8_expert_tiles(N, E);
+  Fp8Tensor out{Tensor::empty({C, T * kFp8Block}, DType::F8E4M3, x.device()),
+                Tensor::empty({T, C}, DType::F32, x.device()), Fp8Blocks::kRows};
+  const Tensor tiles = expert_tiles(counts, N);
+  launch_quantize_fp8_expert_columns(x.raw(), static_cast<int>(dtype_size(x.dtype())), C, static_cast<int>(E), T,
+                                     tiles.data<int32_t>(), tiles.data<int32_t>() + E + 1,
+                                     static_cast<uint8_t*>(out.q.raw()), out.scale.data<float>(), stream());
+  check_launch(op);
+  return out;
+}
+
+void grouped_wgrad_fp8(const Fp8Tensor& a_t, const Fp8Tensor& b_t, const Tensor& counts, Tensor& dw,
+                       bool accumulate) {
+  const char* op = "grouped_wgrad_fp8";
+  check_cuda_tensors(op, {&a_t.q, &a_t.scale, &b_t.q, &b_t.scale, &counts, &dw});
+  const int64_t M = a_t.q.size(0), Nc = b_t.q.size(0), P = a_t.q.size(1), E = counts.size(0);
+  // The tiles as quantize_fp8_expert_columns laid them out (its counts sum to at most P rows).
+  const Tensor tiles = expert_tiles(counts, P);
+  Tensor counters = Tensor::empty({2}, DType::I32, dw.device());
+  MT_CHECK(launch_grouped_wgrad_fp8(static_cast<const uint8_t*>(a_t.q.raw()), a_t.scale.data<float>(),
+                                    static_cast<const uint8_t*>(b_t.q.raw()), b_t.scale.data<float>(), M, Nc, P,
+                                    tiles.data<int32_t>() + E + 1, static_cast<int>(E), dw.data<float>(), accumulate,
+                                    counters.data<int32_t>(), stream()),
+           "{}: the FP8 weight-gradient GEMM needs a Hopper GPU (sm_90) and operands its tensor maps take "
+           "(a_t {}, b_t {})", op, a_t.q.str(), b_t.q.str());
+  check_launch(op);
 }
 
 Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype) {

@@ -441,6 +441,95 @@ void launch_quantize_fp8_transposed_blocks(const void* x, int elem_bytes, int64_
                                                                             scale_cols);
 }
 
+// ---- quantize_fp8_expert_columns ------------------------------------------------------
+namespace {
+
+// counts [E] -> first_row [E + 1] and first_tile [E + 1] (expert e: rows [first_row[e],
+// first_row[e + 1]), tiles [first_tile[e], first_tile[e + 1])), the counts clamped as the
+// grouped GEMMs' schedule clamps them (negative: 0; rows past N dropped). One thread: E is
+// at most a few hundred.
+__global__ void expert_tiles_kernel(const int64_t* __restrict__ counts, int E, int64_t N, int* __restrict__ first_row,
+                                    int* __restrict__ first_tile) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  int64_t row = 0, tile = 0;
+  first_row[0] = first_tile[0] = 0;
+  for (int e = 0; e < E; ++e) {
+    const int64_t c = counts[e] < 0 ? 0 : counts[e];
+    const int64_t end = row + c < N ? row + c : N;
+    tile += (end - row + kBlock - 1) / kBlock;
+    row = end;
+    first_row[e + 1] = static_cast<int>(row);
+    first_tile[e + 1] = static_cast<int>(tile);
+  }
+}
+
+// A block per (tile t of 128 expert columns, 64 columns of x): the tile's rows (those of its
+// expert: at most 128) staged in shared memory as floats, zeros past them; thread t takes
+// column t % 64 and rows 32 (t / 64) .. + 31, the four parts' amax meet in shared memory,
+// and each thread stores its 32 codes as two 16-byte words (P is a multiple of 128). A tile
+// past the last expert's is all zeros: codes 0, scale 1.
+__global__ void __launch_bounds__(256) quantize_expert_columns_kernel(const void* __restrict__ x, int elem_bytes,
+                                                                     int64_t C, int E, int64_t P,
+                                                                     const int* __restrict__ first_row,
+                                                                     const int* __restrict__ first_tile,
+                                                                     uint8_t* __restrict__ q, float* __restrict__ scale) {
+  constexpr int kCols = 64;
+  __shared__ float tile[kBlock][kCols + 1];
+  __shared__ float part_max[4][kCols];
+  const int t = blockIdx.x, tid = threadIdx.x;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kCols;
+  int lo = 0, hi = E;  // the expert whose tiles hold t: first_tile[lo] <= t < first_tile[lo + 1]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (first_tile[mid] <= t) lo = mid; else hi = mid;
+  }
+  int64_t r0 = 0, rows = 0;
+  if (t < first_tile[E]) {
+    r0 = first_row[lo] + static_cast<int64_t>(t - first_tile[lo]) * kBlock;
+    rows = min(static_cast<int64_t>(kBlock), first_row[lo + 1] - r0);
+  }
+  for (int i = tid; i < kBlock * kCols; i += 256) {  // a warp reads half a row's 64 columns
+    const int rr = i / kCols, cc = i % kCols;
+    const int64_t c = c0 + cc;
+    tile[rr][cc] = rr < rows && c < C ? load(x, elem_bytes, (r0 + rr) * C + c) : 0.f;
+  }
+  __syncthreads();
+  const int cc = tid % kCols, part = tid / kCols;
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(tile[32 * part + i][cc]));
+  part_max[part][cc] = amax;
+  __syncthreads();
+  const float s = tile_scale(fmaxf(fmaxf(part_max[0][cc], part_max[1][cc]), fmaxf(part_max[2][cc], part_max[3][cc])));
+  const int64_t c = c0 + cc;
+  if (c >= C) return;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int rr = 32 * part + 16 * h;
+    uint4 out;
+    uint8_t* b = reinterpret_cast<uint8_t*>(&out);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) b[j] = to_e4m3(tile[rr + j][cc] / s);
+    *reinterpret_cast<uint4*>(q + c * P + static_cast<int64_t>(t) * kBlock + rr) = out;
+  }
+  if (part == 0) scale[static_cast<int64_t>(t) * C + c] = s;
+}
+
+}  // namespace
+
+void launch_expert_tiles(const int64_t* counts, int E, int64_t N, int* first_row, int* first_tile, cudaStream_t s) {
+  expert_tiles_kernel<<<1, 32, 0, s>>>(counts, E, N, first_row, first_tile);
+}
+
+void launch_quantize_fp8_expert_columns(const void* x, int elem_bytes, int64_t C, int E, int64_t tiles,
+                                        const int* first_row, const int* first_tile, uint8_t* q, float* scale,
+                                        cudaStream_t s) {
+  if (tiles == 0 || C == 0) return;
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>((C + 63) / 64));
+  quantize_expert_columns_kernel<<<grid, 256, 0, s>>>(x, elem_bytes, C, E, tiles * kBlock, first_row, first_tile, q,
+                                                      scale);
+}
+
 void launch_quantize_fp8_transposed(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
                                     cudaStream_t s) {
   if (R == 0 || C == 0) return;

@@ -1394,6 +1394,187 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #endif
 }
 
+// ---- the experts' weight gradient in FP8 (issue 30) ---------------------------------------
+// dW_e [M, Nc] = (or +=) the sum over expert e's tiles j of A_j B_j^T, A = a_t [M, P] and
+// B = b_t [Nc, P] from quantize_fp8_expert_columns: both K-major along the experts' padded
+// tokens (zero codes past each expert's rows, so no k-tile needs masking), a scale per row
+// of A and per row of B each k-tile. wgrad_ws_kernel's tiles (128 x 256 of one expert's dW,
+// reduced over its k-tiles in order), ring and epilogue, with rows_kernel's FP8 main loop:
+// each k-tile's two 64 x 128 halves a fresh sum, promoted as acc += part s_a[row] s_b[col]
+// (DeepSeek-V3's promotion every 128 of K). A stage brings the k-tile's codes (48 KB) and its
+// scales (A's 128 rows, B's 256 columns: plain f32 TMA boxes) on one barrier; the consumers
+// read the scales from shared memory. One staging buffer per consumer warpgroup (the
+// scales' 6 KB take the second's place).
+struct Fp8WgradMaps {
+  CUtensorMap a, b;    // codes [M, P], [Nc, P]: boxes 128 k x 128 rows
+  CUtensorMap sa, sb;  // scales [T][M], [T][Nc] (plain f32): boxes 128 x 1, 256 x 1
+  CUtensorMap c;       // dW [E, M, Nc] f32: box 32 x 64 x 1
+};
+struct Fp8WgradArgs {
+  const int* first_tile;  // [E + 1]: expert e's k-tiles are [first_tile[e], first_tile[e + 1])
+  int accumulate;         // 0: dW = the sum (an expert without rows gets zeros)
+  int* next;              // the tile queue's two counters, zero before the launch
+};
+constexpr int kF8WgS = 4, kF8WgBufs = 1;
+constexpr int kF8WgStage = 3 * kTile;  // A: 128 rows x 128 codes; B: 256 rows x 128 codes
+constexpr int kF8WgScaleA = kF8WgS * kF8WgStage + 2 * kF8WgBufs * kWgBox;
+constexpr int kF8WgScaleB = kF8WgScaleA + kF8WgS * 128 * 4;
+constexpr int kF8WgBar = kF8WgScaleB + kF8WgS * 256 * 4;
+constexpr int kF8WgSmem = 1024 + kF8WgBar + 2 * kF8WgS * 8 + kF8WgS * 8;
+static_assert(kF8WgSmem <= 232448 - 64, "shared memory of the FP8 weight-gradient kernel");
+
+__global__ void __launch_bounds__(kWsThreads, 1)
+    fp8_wgrad_kernel(const __grid_constant__ Fp8WgradMaps maps, const Fp8WgradArgs args, int gx, int gy, int tiles) {
+#if MT_SM90A
+  constexpr int S = kF8WgS, kBoxes = 256 / 32;
+  extern __shared__ char smem_raw[];
+  char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  float* scale_a = reinterpret_cast<float*>(smem + kF8WgScaleA);  // [S][128]
+  float* scale_b = reinterpret_cast<float*>(smem + kF8WgScaleB);  // [S][256]
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kF8WgBar);
+  uint64_t* empty = full + S;
+  int2* tile_of = reinterpret_cast<int2*>(empty + S);  // {tile, its k-tiles}, at the stage of its first k-tile
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kConsumerThreads / 32);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+  const int wg = threadIdx.x >> 7;
+  // Tile t: column tile t % gx (256 columns of Nc), row tile (t / gx) % gy (128 rows of M),
+  // expert t / (gx gy).
+
+  if (wg == 0) {  // producer
+    setmaxnreg_dec<40>();
+    if (threadIdx.x != 0) return;
+    TileQueues queues{args.next, tiles, tiles, 0};
+    int it = 0;  // stages used so far: the ring position
+    for (;;) {
+      const int t = queues.take();
+      int first = 0, ktiles = 0;
+      if (t >= 0) {
+        const int e = t / (gx * gy);
+        first = args.first_tile[e];
+        ktiles = args.first_tile[e + 1] - first;
+      }
+      if (t >= 0 && ktiles == 0 && args.accumulate) continue;  // nothing to add to this tile
+      if (ktiles == 0) {  // the end (-1), or zeros to store: a stage without data
+        const int s = it % S;
+        if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
+        tile_of[s] = make_int2(t, 0);
+        mbar_arrive(&full[s]);
+        ++it;
+        if (t < 0) break;
+        continue;
+      }
+      const int m0 = ((t / gx) % gy) * 128, n0 = (t % gx) * 256;
+      for (int kt = 0; kt < ktiles; ++kt, ++it) {
+        const int s = it % S, tile = first + kt;
+        if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);  // its previous k-tile has left it
+        char* st = smem + s * kF8WgStage;
+        if (kt == 0) tile_of[s] = make_int2(t, ktiles);  // published by the arrive below
+        mbar_arrive_expect_tx(&full[s], kF8WgStage + (128 + 256) * 4);
+        tma_load_2d(st, &maps.a, &full[s], tile * 128, m0);
+        tma_load_2d(st + kTile, &maps.b, &full[s], tile * 128, n0);
+        tma_load_2d(st + 2 * kTile, &maps.b, &full[s], tile * 128, n0 + 128);
+        tma_load_2d(scale_a + s * 128, &maps.sa, &full[s], m0, tile);
+        tma_load_2d(scale_b + s * 256, &maps.sb, &full[s], n0, tile);
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc<232>();
+  const int cw = wg - 1, tid = threadIdx.x & 127, lane = tid & 31, w = tid >> 5;
+  const int my_row = cw * 64 + 16 * w + (lane >> 2);  // this thread's first row of the tile (the second: + 8)
+  char* staging = smem + S * kF8WgStage + cw * kF8WgBufs * kWgBox;
+  int it = 0, boxes = 0;  // stages consumed; boxes this warpgroup has stored
+  for (int n = 0; n < tiles; ++n) {  // bounded, as in rows_kernel
+    mbar_wait(&full[it % S], (it / S) & 1);
+    const int2 info = lane == 0 ? tile_of[it % S] : int2{0, 0};  // read by the releasing lane (rows_kernel)
+    const int t = __shfl_sync(0xffffffffu, info.x, 0), ktiles = __shfl_sync(0xffffffffu, info.y, 0);
+    if (t < 0) break;
+    const int e = t / (gx * gy), m0 = ((t / gx) % gy) * 128, n0 = (t % gx) * 256;
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    if (ktiles == 0) {
+      if (lane == 0) mbar_arrive(&empty[it % S]);
+      ++it;
+    }
+    for (int kt = 0; kt < ktiles; ++kt, ++it) {
+      const int s = it % S;
+      mbar_wait(&full[s], (it / S) & 1);
+      const float ra0 = scale_a[s * 128 + my_row], ra1 = scale_a[s * 128 + my_row + 8];
+      const uint32_t a = smem_u32(smem + s * kF8WgStage) + cw * 64 * 128, b = smem_u32(smem + s * kF8WgStage + kTile);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float part[64];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          wgmma_m64n128k32_e4m3(part, sw128_desc(a + kk * 32, 16, 1024),
+                                sw128_desc(b + half * kTile + kk * 32, 16, 1024), kk);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin(part);
+        // part[4 nb + 2 h + c]: row my_row + 8 h, column half 128 + 8 nb + 2 (lane % 4) + c
+        const float* cs = scale_b + s * 256 + half * 128 + 2 * (lane & 3);
+#pragma unroll
+        for (int nb = 0; nb < 16; ++nb) {
+          const float2 c = *reinterpret_cast<const float2*>(cs + 8 * nb);
+          float* o = acc + half * 64 + 4 * nb;
+          o[0] += part[4 * nb] * (ra0 * c.x);
+          o[1] += part[4 * nb + 1] * (ra0 * c.y);
+          o[2] += part[4 * nb + 2] * (ra1 * c.x);
+          o[3] += part[4 * nb + 3] * (ra1 * c.y);
+        }
+      }
+      if (lane == 0) mbar_arrive(&empty[s]);  // both halves' MMAs and the scales' reads are done
+    }
+    // acc[nb * 4 + h * 2 + c] (nb 0..31): row my_row + 8 h, column nb * 8 + 2 (lane % 4) + c;
+    // box j holds columns 32 j .. 32 j + 31 (nb = 4 j .. 4 j + 3), as wgrad_ws_kernel's.
+#pragma unroll
+    for (int j = 0; j < kBoxes; ++j, ++boxes) {
+      char* buf = staging + (boxes % kF8WgBufs) * kWgBox;
+      if (tid == 0) asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kF8WgBufs - 1) : "memory");
+      named_barrier(2 + cw, 128);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = w * 16 + (lane >> 2) + h * 8;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int nb = 4 * j + q, c = q * 8 + (lane & 3) * 2;
+          *reinterpret_cast<float2*>(buf + r * 128 + (((c >> 2) ^ (r & 7)) << 4) + (c & 3) * 4) =
+              make_float2(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
+        }
+      }
+      fence_proxy_async();  // generic writes -> copy engine reads
+      named_barrier(2 + cw, 128);
+      if (tid == 0) {
+        if (args.accumulate) {
+          asm volatile(
+              "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                  reinterpret_cast<uint64_t>(&maps.c)),
+              "r"(smem_u32(buf)), "r"(n0 + 32 * j), "r"(m0 + cw * 64), "r"(e)
+              : "memory");
+        } else {
+          asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                           reinterpret_cast<uint64_t>(&maps.c)),
+                       "r"(smem_u32(buf)), "r"(n0 + 32 * j), "r"(m0 + cw * 64), "r"(e)
+                       : "memory");
+        }
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+      }
+    }
+  }
+  if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // shared memory read before exit
+#endif
+}
+
 }  // namespace hopper
 
 // ---- schedule: counts -> offsets [E+1] and the row-tile list -----------------------------
@@ -1798,6 +1979,29 @@ bool launch_swiglu_backward_input_fp8(const uint8_t* dy_q, const float* dy_scale
   const hopper::Fp8Scales dxs{{dgate_scale, dup_scale}, {wgt_scale, wut_scale}, static_cast<int>(N), padded_blocks(I),
                               H / 128};
   launch_fp8_rows_hopper<kEpiStore>(dxm, dx_out, a, dxs, hopper::ActCodes{}, I / 128, 2, H, s.max_tiles, stream);
+  return true;
+}
+
+bool launch_grouped_wgrad_fp8(const uint8_t* a_q, const float* a_scale, const uint8_t* b_q, const float* b_scale,
+                              int64_t M, int64_t Nc, int64_t P, const int* first_tile, int E, float* dw,
+                              bool accumulate, int* counters, cudaStream_t stream) {
+  if (!use_hopper()) return false;
+  if (M == 0 || Nc == 0 || E == 0) return true;
+  const uint64_t m = M, nc = Nc, p = P, t = P / 128, e = E;
+  hopper::Fp8WgradMaps maps{};
+  if (!make_tensor_map_bytes(&maps.a, a_q, {p, m}, {128, 128}) || !make_tensor_map_bytes(&maps.b, b_q, {p, nc}, {128, 128}) ||
+      !make_tensor_map_f32_plain(&maps.sa, a_scale, {m, t}, {128, 1}) ||
+      !make_tensor_map_f32_plain(&maps.sb, b_scale, {nc, t}, {256, 1}) ||
+      !make_map(&maps.c, dw, {nc, m, e}, {32, 64, 1}, true)) {
+    return false;
+  }
+  const int gx = static_cast<int>((Nc + 255) / 256), gy = static_cast<int>((M + 127) / 128);
+  const int tiles = gx * gy * E;
+  cudaMemsetAsync(counters, 0, 2 * sizeof(int), stream);
+  const hopper::Fp8WgradArgs args{first_tile, accumulate ? 1 : 0, counters};
+  auto kernel = hopper::fp8_wgrad_kernel;
+  prepare_hopper(kernel, hopper::kF8WgSmem);
+  kernel<<<persistent_grid(tiles), hopper::kWsThreads, hopper::kF8WgSmem, stream>>>(maps, args, gx, gy, tiles);
   return true;
 }
 
