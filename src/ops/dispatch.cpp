@@ -118,6 +118,17 @@ void grouped_wgrad_fp8(const Fp8Tensor& a_t, const Fp8Tensor& b_t, const Tensor&
   MT_ROUTE(dw, grouped_wgrad_fp8, a_t, b_t, counts, dw, accumulate);
 }
 
+void grouped_swiglu_backward_weight_fp8(const SwigluWgradRows& rows, Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down,
+                                        bool accumulate, SumSquaresInto squares) {
+  MT_CHECK(rows.act.defined(), "grouped_swiglu_backward_weight_fp8: act (the forward's) must be given");
+  auto along_tokens = [&](const Tensor& t) { return quantize_fp8_expert_columns(t, rows.counts); };
+  const Fp8Tensor x = along_tokens(rows.x);
+  grouped_wgrad_fp8(along_tokens(rows.dy), along_tokens(rows.act), rows.counts, dw_down, accumulate);
+  grouped_wgrad_fp8(along_tokens(rows.dgate), x, rows.counts, dw_gate, accumulate);
+  grouped_wgrad_fp8(along_tokens(rows.dup), x, rows.counts, dw_up, accumulate);
+  if (!accumulate && squares.out != nullptr) sum_squares_all_into({dw_gate, dw_up, dw_down}, *squares.out, squares.index);
+}
+
 Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype) {
   check_fp8_tensor("dequantize_fp8", t, "t");
   MT_CHECK(is_floating(dtype), "dequantize_fp8: dtype must be bf16, f32 or f64, got {}", dtype_name(dtype));

@@ -384,6 +384,14 @@ struct SwigluWgradRows {
 void grouped_swiglu_backward_weight_group(const std::vector<SwigluWgradRows>& rows, Tensor& dw_gate, Tensor& dw_up,
                                           Tensor& dw_down, bool accumulate, SumSquaresInto squares = {});
 
+// grouped_swiglu_backward_weight in FP8 (issue 30): rows.dy, act, dgate, dup and x quantized
+// along each expert's tokens (quantize_fp8_expert_columns), dW_down = dy^T act, dW_gate =
+// dgate^T x, dW_up = dup^T x by grouped_wgrad_fp8 (f32 gradients); squares as
+// grouped_swiglu_backward_weight's (here a pass over the written gradients). rows.act must be
+// given (the forward's act); gate and up are not read.
+void grouped_swiglu_backward_weight_fp8(const SwigluWgradRows& rows, Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down,
+                                        bool accumulate, SumSquaresInto squares = {});
+
 // ---- cross-entropy with ignore index -100 ---------------------------------------------
 // logits [T, V], targets i32 [T]. loss_sum [1] = sum over targets != -100 of
 // lse(logits[t]) - logits[t, target]; lse [T] saved. A target outside [0, V) other than

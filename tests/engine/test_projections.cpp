@@ -248,5 +248,75 @@ TEST(Projections, Fp8TrainingStepOfBothFamiliesStaysClose) {
   expect_fp8_step_close<DeepseekV3Model>(v, "deepseek_v3");
 }
 
+// The experts' weight gradients in FP8 (MOETRAIN_FP8_EXPERTS_WGRAD=1: quantized along each
+// expert's tokens, ops::grouped_swiglu_backward_weight_fp8) against the same FP8 model with
+// them in BF16, over two micro-batches whose first defers its expert weight gradients (the
+// kept micro-batch's pass): every SwiGLU weight's gradient (routed, shared and dense) within
+// e4m3's error and not equal to the BF16 one, every other gradient bit for bit the same (the
+// weight gradients feed nothing else).
+template <typename Model, typename Config>
+void expect_fp8_wgrad_close(const Config& c, const char* family) {
+  SCOPED_TRACE(family);
+  Model base(c, DType::F32), fp8(c, DType::F32);
+  base.init_weights(6);
+  fp8.init_weights(6);
+  base.set_fp8(true);
+  fp8.set_fp8(true);
+  LocalDispatcher d;
+  const Batch b1 = testing::random_batch(2, 64, static_cast<int32_t>(c.vocab_size), 18);
+  const Batch b2 = testing::random_batch(2, 64, static_cast<int32_t>(c.vocab_size), 19);
+  const double scale = 1.0 / static_cast<double>(b1.num_targets + b2.num_targets);
+  auto run = [&](Model& m) {
+    m.forward_backward(b1, d, scale, 1.0, /*accumulate_grads=*/false, /*defer_expert_weights=*/true);
+    m.forward_backward(b2, d, scale, 1.0, /*accumulate_grads=*/true, /*defer_expert_weights=*/false);
+  };
+  run(base);
+  ::setenv("MOETRAIN_FP8_EXPERTS_WGRAD", "1", 1);
+  run(fp8);
+  ::unsetenv("MOETRAIN_FP8_EXPERTS_WGRAD");
+  int swiglu = 0;
+  double worst = 0;
+  for (size_t i = 0; i < base.parameters().size(); ++i) {
+    const Parameter& p = base.parameters()[i];
+    const std::string& n = p.name;
+    const bool is_swiglu = n.find("mlp.") != std::string::npos &&
+                           (n.find("gate_proj") != std::string::npos || n.find("up_proj") != std::string::npos ||
+                            n.find("down_proj") != std::string::npos);
+    const Tensor& g = fp8.parameters()[i].grad;
+    if (is_swiglu) {
+      ++swiglu;
+      const double err = testing::rel_error(g, p.grad);
+      worst = std::max(worst, err);
+      EXPECT_LT(err, 0.15) << n;
+      EXPECT_GT(err, 1e-4) << n << ": the FP8 weight gradient changed nothing";
+    } else {
+      EXPECT_EQ(g.to_double_vector(), p.grad.to_double_vector()) << n;
+    }
+  }
+  EXPECT_GT(swiglu, 0);
+  std::printf("FP8 expert weight gradients, %s: %d SwiGLU weights, worst relative error %.3e\n", family, swiglu,
+              worst);
+}
+
+TEST(Projections, ExpertWeightGradientsInFp8StayClose) {
+  Qwen3MoeConfig q = testing::tiny_moe_config(300);
+  q.num_experts_per_tok = q.num_experts;
+  q.hidden_size = 128;
+  q.head_dim = 32;
+  q.moe_intermediate_size = 128;
+  q.intermediate_size = 128;
+  q.initializer_range = 0.05;
+  expect_fp8_wgrad_close<Qwen3MoeModel>(q, "qwen3_moe");
+  DeepseekV3Config v = testing::tiny_dsv3_config(300);
+  v.n_group = 1;
+  v.topk_group = 1;
+  v.num_experts_per_tok = v.n_routed_experts;
+  v.hidden_size = 128;
+  v.moe_intermediate_size = 128;
+  v.intermediate_size = 256;
+  v.initializer_range = 0.05;
+  expect_fp8_wgrad_close<DeepseekV3Model>(v, "deepseek_v3");
+}
+
 }  // namespace
 }  // namespace moetrain

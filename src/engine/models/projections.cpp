@@ -1,6 +1,7 @@
 #include "engine/models/projections.h"
 
 #include <cstdlib>
+#include <string>
 #include <utility>
 
 #include "core/error.h"
@@ -49,6 +50,11 @@ ops::Fp8Tensor Projections::expert_blocks(const Tensor& w, bool transposed) cons
 
 bool Projections::fp8_experts(int64_t hidden, int64_t width) const {
   return fp8_ && hidden % 128 == 0 && width % 128 == 0;
+}
+
+bool Projections::fp8_experts_wgrad(int64_t hidden, int64_t width) const {
+  const char* v = std::getenv("MOETRAIN_FP8_EXPERTS_WGRAD");  // read at each call: tests switch it
+  return fp8_experts(hidden, width) && v != nullptr && std::string(v) == "1";
 }
 
 ops::SwigluOut Projections::experts_forward(const Tensor& x, const Tensor& counts, const Tensor& w_gate,

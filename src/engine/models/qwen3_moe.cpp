@@ -255,7 +255,8 @@ void Qwen3MoeDecoderLayer::backward_weight(LayerState& state, bool accumulate, o
     StageScope t(Stage::kExpertGemm);
     expert_grads_.backward_weight({s.d_mlp_out, s.expert_in.rows, s.expert_in.counts, s.mlp.gate, s.mlp.up,
                                    s.d_mlp.dgate, s.d_mlp.dup, s.mlp.act},
-                                  moe_, accumulate, squares, defer_experts, id_, g_w_gate_, g_w_up_, g_w_down_);
+                                  moe_, accumulate, squares, defer_experts, id_, g_w_gate_, g_w_up_, g_w_down_,
+                                  proj_->fp8_experts_wgrad(w_gate_.size(2), w_gate_.size(1)));
   }
   {
     StageScope t(Stage::kAttention);
