@@ -141,6 +141,31 @@ __global__ void quantize_transposed_kernel(const void* __restrict__ x, int elem_
   if (part == 0) scale[rb * C + c] = s;
 }
 
+// The column pass of the transposed quantizers that stage 128 rows x 64 columns as floats in
+// shared memory: thread tid takes column tid % 64 and rows 32 (tid / 64) .. + 31, the four
+// parts' amax meet in part_max, and each column's scale comes back to its four threads
+// (every thread of the block calls it: it holds a __syncthreads); column_codes packs 16 rows
+// of a column from rr as one 16-byte word of codes.
+constexpr int kStagedCols = 64;
+using StagedTile = float[kBlock][kStagedCols + 1];
+__device__ __forceinline__ float staged_column_scale(const StagedTile& tile, float (&part_max)[4][kStagedCols],
+                                                     int tid) {
+  const int cc = tid % kStagedCols, part = tid / kStagedCols;
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(tile[32 * part + i][cc]));
+  part_max[part][cc] = amax;
+  __syncthreads();
+  return tile_scale(fmaxf(fmaxf(part_max[0][cc], part_max[1][cc]), fmaxf(part_max[2][cc], part_max[3][cc])));
+}
+__device__ __forceinline__ uint4 column_codes(const StagedTile& tile, int rr, int cc, float s) {
+  uint4 out;
+  uint8_t* b = reinterpret_cast<uint8_t*>(&out);
+#pragma unroll
+  for (int j = 0; j < 16; ++j) b[j] = to_e4m3(tile[rr + j][cc] / s);
+  return out;
+}
+
 // The same for bf16 x with C % 8 == 0 and R % 16 == 0 (16-byte loads and stores): a block per
 // 128 rows x 64 columns, loaded 8 elements a thread into shared memory; thread t takes column
 // t % 64 (a warp: 32 consecutive columns, no bank conflicts) and rows 32 (t / 64) .. + 31, so
@@ -150,8 +175,8 @@ __global__ void __launch_bounds__(256) quantize_transposed_bf16x8_kernel(const _
                                                                         int64_t R, int64_t C,
                                                                         uint8_t* __restrict__ q,
                                                                         float* __restrict__ scale) {
-  constexpr int kCols = 64;
-  __shared__ float tile[kBlock][kCols + 1];
+  constexpr int kCols = kStagedCols;
+  __shared__ StagedTile tile;
   __shared__ float part_max[4][kCols];
   const int64_t n_cb = (C + kCols - 1) / kCols;
   const int64_t rb = blockIdx.x / n_cb, cb = blockIdx.x % n_cb;
@@ -173,23 +198,14 @@ __global__ void __launch_bounds__(256) quantize_transposed_bf16x8_kernel(const _
   }
   __syncthreads();
   const int cc = tid % kCols, part = tid / kCols;
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(tile[32 * part + i][cc]));
-  part_max[part][cc] = amax;
-  __syncthreads();
-  const float s = tile_scale(fmaxf(fmaxf(part_max[0][cc], part_max[1][cc]), fmaxf(part_max[2][cc], part_max[3][cc])));
+  const float s = staged_column_scale(tile, part_max, tid);
   const int64_t c = c0 + cc;
   if (c >= C) return;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int rr = 32 * part + 16 * h;
     if (r0 + rr >= R) break;  // R % 16 == 0: 16 rows are all in or all out
-    uint4 out;
-    uint8_t* b = reinterpret_cast<uint8_t*>(&out);
-#pragma unroll
-    for (int j = 0; j < 16; ++j) b[j] = to_e4m3(tile[rr + j][cc] / s);
-    *reinterpret_cast<uint4*>(q + c * R + r0 + rr) = out;
+    *reinterpret_cast<uint4*>(q + c * R + r0 + rr) = column_codes(tile, rr, cc, s);
   }
   if (part == 0) scale[rb * C + c] = s;
 }
@@ -473,8 +489,8 @@ __global__ void __launch_bounds__(256) quantize_expert_columns_kernel(const void
                                                                      const int* __restrict__ first_row,
                                                                      const int* __restrict__ first_tile,
                                                                      uint8_t* __restrict__ q, float* __restrict__ scale) {
-  constexpr int kCols = 64;
-  __shared__ float tile[kBlock][kCols + 1];
+  constexpr int kCols = kStagedCols;
+  __shared__ StagedTile tile;
   __shared__ float part_max[4][kCols];
   const int t = blockIdx.x, tid = threadIdx.x;
   const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kCols;
@@ -495,22 +511,13 @@ __global__ void __launch_bounds__(256) quantize_expert_columns_kernel(const void
   }
   __syncthreads();
   const int cc = tid % kCols, part = tid / kCols;
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(tile[32 * part + i][cc]));
-  part_max[part][cc] = amax;
-  __syncthreads();
-  const float s = tile_scale(fmaxf(fmaxf(part_max[0][cc], part_max[1][cc]), fmaxf(part_max[2][cc], part_max[3][cc])));
+  const float s = staged_column_scale(tile, part_max, tid);
   const int64_t c = c0 + cc;
   if (c >= C) return;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int rr = 32 * part + 16 * h;
-    uint4 out;
-    uint8_t* b = reinterpret_cast<uint8_t*>(&out);
-#pragma unroll
-    for (int j = 0; j < 16; ++j) b[j] = to_e4m3(tile[rr + j][cc] / s);
-    *reinterpret_cast<uint4*>(q + c * P + static_cast<int64_t>(t) * kBlock + rr) = out;
+    *reinterpret_cast<uint4*>(q + c * P + static_cast<int64_t>(t) * kBlock + rr) = column_codes(tile, rr, cc, s);
   }
   if (part == 0) scale[static_cast<int64_t>(t) * C + c] = s;
 }

@@ -1015,13 +1015,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   float* b_scales = nullptr;  // kSmemScales: [S][2]
   if constexpr (kSmemScales) {
     smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-    if ((smem - smem_raw) + kFp8SmemUsed > kFp8Smem) {  // at most 896 bytes of slack fit
-      if (threadIdx.x == 0) {
-        printf("fp8_rows_kernel: dynamic shared memory at %u is too far from 1024-aligned for the staged scales\n",
-               smem_u32(smem_raw));
-      }
-      __trap();
-    }
+    // At most 896 bytes of slack fit. (No printf here: a call in the kernel makes ptxas
+    // serialize every wgmma.)
+    if ((smem - smem_raw) + kFp8SmemUsed > kFp8Smem) __trap();
     a_scales = reinterpret_cast<float*>(smem + kFp8ScaleOff);
     full = reinterpret_cast<uint64_t*>(smem + kFp8BarOff);
     empty = full + S;
@@ -1219,6 +1215,55 @@ constexpr int kWgBufs = 2;                    // staging buffers per consumer wa
 // the 128-byte swizzle), + the alignment slack.
 constexpr int kWgSmem = 1024 + kWgS * kWgStage + 1024 + 2 * kWgBufs * kWgBox;
 
+#if MT_SM90A
+// The weight-gradient kernels' epilogue: a consumer warpgroup's 64 rows x 256 f32 columns (acc
+// in the m64n256 layout: acc[nb * 4 + h * 2 + c] is row 16 w + lane / 4 + 8 h, column nb * 8 +
+// 2 (lane % 4) + c) go to dW [E, M, Nc] (cmap, box 32 x 64 x 1) at rows m0 + 64 cw, columns
+// n0.., 32 columns (8 KB) at a time through kBufs staging buffers, each stored (or
+// reduce-added, with accumulate) by a TMA copy that runs while the next box is written and,
+// for the last ones, while the next tile's main loop runs. `boxes` counts the stores.
+template <int kBufs>
+__device__ __forceinline__ void store_wgrad_tile(const float (&acc)[128], const CUtensorMap* cmap, char* staging,
+                                                 int& boxes, int accumulate, int m0, int n0, int e, int cw) {
+  const int tid = threadIdx.x & 127, lane = tid & 31, w = tid >> 5;
+#pragma unroll
+  for (int j = 0; j < 256 / 32; ++j, ++boxes) {  // box j: columns 32 j .. (nb = 4 j .. 4 j + 3)
+    char* buf = staging + (boxes % kBufs) * kWgBox;
+    if (tid == 0) {  // buf's last store (kBufs copies ago) has read it
+      asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kBufs - 1) : "memory");
+    }
+    named_barrier(2 + cw, 128);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = w * 16 + (lane >> 2) + h * 8;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int nb = 4 * j + q, c = q * 8 + (lane & 3) * 2;
+        *reinterpret_cast<float2*>(buf + r * 128 + (((c >> 2) ^ (r & 7)) << 4) + (c & 3) * 4) =
+            make_float2(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
+      }
+    }
+    fence_proxy_async();  // generic writes -> copy engine reads
+    named_barrier(2 + cw, 128);
+    if (tid == 0) {
+      if (accumulate) {
+        asm volatile(
+            "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                reinterpret_cast<uint64_t>(cmap)),
+            "r"(smem_u32(buf)), "r"(n0 + 32 * j), "r"(m0 + cw * 64), "r"(e)
+            : "memory");
+      } else {
+        asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                         reinterpret_cast<uint64_t>(cmap)),
+                     "r"(smem_u32(buf)), "r"(n0 + 32 * j), "r"(m0 + cw * 64), "r"(e)
+                     : "memory");
+      }
+      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    }
+  }
+}
+#endif  // MT_SM90A
+
 template <int kProblems>
 __global__ void __launch_bounds__(kWsThreads, 1)
     wgrad_ws_kernel(const __grid_constant__ WgradMaps maps, const WgradArgs args, int gx, int gy, int tiles) {
@@ -1355,44 +1400,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             ((warp_sq[cw * 4] + warp_sq[cw * 4 + 1]) + warp_sq[cw * 4 + 2]) + warp_sq[cw * 4 + 3];
       }
     }
-    // acc[nb * 4 + h * 2 + c]: row 16 w + lane / 4 + 8 h of this warpgroup's 64, column
-    // nb * 8 + 2 (lane % 4) + c. Box j holds columns 32 j .. 32 j + 31 (nb = 4 j .. 4 j + 3).
-    const CUtensorMap* cmap = &maps.m.c[prob];
-#pragma unroll
-    for (int j = 0; j < kWgN / 32; ++j, ++boxes) {
-      char* buf = my_staging + (boxes % kBufs) * kWgBox;
-      if (tid == 0) {  // buf's last store (kBufs copies ago) has read it
-        asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kBufs - 1) : "memory");
-      }
-      named_barrier(2 + cw, 128);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = w * 16 + (lane >> 2) + h * 8;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int nb = 4 * j + q, c = q * 8 + (lane & 3) * 2;
-          *reinterpret_cast<float2*>(buf + r * 128 + (((c >> 2) ^ (r & 7)) << 4) + (c & 3) * 4) =
-              make_float2(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
-        }
-      }
-      fence_proxy_async();  // generic writes -> copy engine reads
-      named_barrier(2 + cw, 128);
-      if (tid == 0) {
-        if (args.accumulate) {
-          asm volatile(
-              "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
-                  reinterpret_cast<uint64_t>(cmap)),
-              "r"(smem_u32(buf)), "r"(n0 + 32 * j), "r"(m0 + cw * 64), "r"(e)
-              : "memory");
-        } else {
-          asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
-                           reinterpret_cast<uint64_t>(cmap)),
-                       "r"(smem_u32(buf)), "r"(n0 + 32 * j), "r"(m0 + cw * 64), "r"(e)
-                       : "memory");
-        }
-        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-      }
-    }
+    store_wgrad_tile<kBufs>(acc, &maps.m.c[prob], my_staging, boxes, args.accumulate, m0, n0, e, cw);
   }
   if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // shared memory read before exit
 #endif
@@ -1430,7 +1438,7 @@ static_assert(kF8WgSmem <= 232448 - 64, "shared memory of the FP8 weight-gradien
 __global__ void __launch_bounds__(kWsThreads, 1)
     fp8_wgrad_kernel(const __grid_constant__ Fp8WgradMaps maps, const Fp8WgradArgs args, int gx, int gy, int tiles) {
 #if MT_SM90A
-  constexpr int S = kF8WgS, kBoxes = 256 / 32;
+  constexpr int S = kF8WgS;
   extern __shared__ char smem_raw[];
   char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   float* scale_a = reinterpret_cast<float*>(smem + kF8WgScaleA);  // [S][128]
@@ -1539,41 +1547,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       }
       if (lane == 0) mbar_arrive(&empty[s]);  // both halves' MMAs and the scales' reads are done
     }
-    // acc[nb * 4 + h * 2 + c] (nb 0..31): row my_row + 8 h, column nb * 8 + 2 (lane % 4) + c;
-    // box j holds columns 32 j .. 32 j + 31 (nb = 4 j .. 4 j + 3), as wgrad_ws_kernel's.
-#pragma unroll
-    for (int j = 0; j < kBoxes; ++j, ++boxes) {
-      char* buf = staging + (boxes % kF8WgBufs) * kWgBox;
-      if (tid == 0) asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kF8WgBufs - 1) : "memory");
-      named_barrier(2 + cw, 128);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = w * 16 + (lane >> 2) + h * 8;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int nb = 4 * j + q, c = q * 8 + (lane & 3) * 2;
-          *reinterpret_cast<float2*>(buf + r * 128 + (((c >> 2) ^ (r & 7)) << 4) + (c & 3) * 4) =
-              make_float2(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1]);
-        }
-      }
-      fence_proxy_async();  // generic writes -> copy engine reads
-      named_barrier(2 + cw, 128);
-      if (tid == 0) {
-        if (args.accumulate) {
-          asm volatile(
-              "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
-                  reinterpret_cast<uint64_t>(&maps.c)),
-              "r"(smem_u32(buf)), "r"(n0 + 32 * j), "r"(m0 + cw * 64), "r"(e)
-              : "memory");
-        } else {
-          asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
-                           reinterpret_cast<uint64_t>(&maps.c)),
-                       "r"(smem_u32(buf)), "r"(n0 + 32 * j), "r"(m0 + cw * 64), "r"(e)
-                       : "memory");
-        }
-        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-      }
-    }
+    store_wgrad_tile<kF8WgBufs>(acc, &maps.c, staging, boxes, args.accumulate, m0, n0, e, cw);
   }
   if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // shared memory read before exit
 #endif
