@@ -311,6 +311,15 @@ TEST(BackendFp8, GroupedSwigluBackwardInputMatchesTheDequantizedProducts) {
 TEST(BackendFp8, ExpertWeightGradientMatchesTheCpu) {
   MT_REQUIRE_GPU();
   PoisonScope poison;
+  {  // the quantizer's element-wise loads: f32, and bf16 rows of a width not a multiple of 8
+    const std::vector<int64_t> c{3, 0, 140};
+    const Tensor counts = Tensor::from_vector(c, {3});
+    for (const auto& [C, dt] : {std::pair{int64_t{200}, DType::F32}, std::pair{int64_t{100}, DType::BF16}}) {
+      const Tensor x = random_bf16_values({143, C}, C + 1, 2.0);
+      expect_same_fp8(ops::quantize_fp8_expert_columns(on_gpu(x, dt), counts.to(kGpu)),
+                      ops::quantize_fp8_expert_columns(x, counts), fmt::format("columns of {} ({})", C, dtype_name(dt)));
+    }
+  }
   for (const ExpertCase& c : expert_cases()) {
     const int64_t E = c.experts(), H = c.H, I = c.I, N = c.rows();
     const std::string tag = fmt::format("[E={},N={},H={},I={}]", E, N, H, I);

@@ -484,6 +484,8 @@ __global__ void expert_tiles_kernel(const int64_t* __restrict__ counts, int E, i
 // column t % 64 and rows 32 (t / 64) .. + 31, the four parts' amax meet in shared memory,
 // and each thread stores its 32 codes as two 16-byte words (P is a multiple of 128). A tile
 // past the last expert's is all zeros: codes 0, scale 1.
+// kVec8: bf16 x with C % 8 == 0, 16-byte aligned: 8 elements a load (as the bf16x8 kernel's).
+template <bool kVec8>
 __global__ void __launch_bounds__(256) quantize_expert_columns_kernel(const void* __restrict__ x, int elem_bytes,
                                                                      int64_t C, int E, int64_t P,
                                                                      const int* __restrict__ first_row,
@@ -504,10 +506,27 @@ __global__ void __launch_bounds__(256) quantize_expert_columns_kernel(const void
     r0 = first_row[lo] + static_cast<int64_t>(t - first_tile[lo]) * kBlock;
     rows = min(static_cast<int64_t>(kBlock), first_row[lo + 1] - r0);
   }
-  for (int i = tid; i < kBlock * kCols; i += 256) {  // a warp reads half a row's 64 columns
-    const int rr = i / kCols, cc = i % kCols;
-    const int64_t c = c0 + cc;
-    tile[rr][cc] = rr < rows && c < C ? load(x, elem_bytes, (r0 + rr) * C + c) : 0.f;
+  if constexpr (kVec8) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {  // 128 rows x 8 chunks of 8: a warp reads 4 rows' 128 bytes
+      const int i = tid + 256 * k, rr = i / 8, cc = 8 * (i % 8);
+      const int64_t c = c0 + cc;
+      float v[8];
+      if (rr < rows && c < C) {  // C % 8 == 0: a chunk is all in or all out
+        load8(static_cast<const __nv_bfloat16*>(x) + (r0 + rr) * C + c, v);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = 0.f;
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) tile[rr][cc + j] = v[j];
+    }
+  } else {
+    for (int i = tid; i < kBlock * kCols; i += 256) {  // a warp reads half a row's 64 columns
+      const int rr = i / kCols, cc = i % kCols;
+      const int64_t c = c0 + cc;
+      tile[rr][cc] = rr < rows && c < C ? load(x, elem_bytes, (r0 + rr) * C + c) : 0.f;
+    }
   }
   __syncthreads();
   const int cc = tid % kCols, part = tid / kCols;
@@ -533,8 +552,13 @@ void launch_quantize_fp8_expert_columns(const void* x, int elem_bytes, int64_t C
                                         cudaStream_t s) {
   if (tiles == 0 || C == 0) return;
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>((C + 63) / 64));
-  quantize_expert_columns_kernel<<<grid, 256, 0, s>>>(x, elem_bytes, C, E, tiles * kBlock, first_row, first_tile, q,
-                                                      scale);
+  if (elem_bytes == 2 && C % 8 == 0 && aligned16(x)) {
+    quantize_expert_columns_kernel<true><<<grid, 256, 0, s>>>(x, elem_bytes, C, E, tiles * kBlock, first_row,
+                                                              first_tile, q, scale);
+  } else {
+    quantize_expert_columns_kernel<false><<<grid, 256, 0, s>>>(x, elem_bytes, C, E, tiles * kBlock, first_row,
+                                                               first_tile, q, scale);
+  }
 }
 
 void launch_quantize_fp8_transposed(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
