@@ -71,8 +71,8 @@ class Projections {
   // Whether experts_forward and experts_backward_input run these widths in FP8.
   bool fp8_experts(int64_t hidden, int64_t width) const;
   // Whether the experts' weight gradients run in FP8 too (ops::grouped_swiglu_backward_weight_fp8):
-  // where fp8_experts does and the environment sets MOETRAIN_FP8_EXPERTS_WGRAD=1, off
-  // otherwise until its kernel has been measured on a GPU (a temporary switch, docs/fp8.md).
+  // where fp8_experts does and the environment sets MOETRAIN_FP8_EXPERTS_WGRAD=1; off by
+  // default while its operands' separate quantizations make it slower than BF16 (docs/fp8.md).
   bool fp8_experts_wgrad(int64_t hidden, int64_t width) const;
 
   // Between keep_weights(true) and keep_weights(false) the caller promises that no weight

@@ -977,16 +977,38 @@ struct Fp8Scales {
   int b_blocks;       // n / 128: the block rows of one expert's weight
 };
 
-// The FP8 kernel's shared memory with the scales staged (kSmemScales): the ring, the epilogue's
-// staging, then per stage the A rows' 128 scales (a TMA box), the barriers, per stage the two
-// weight block scales (cp.async) and tile_of, from the first 1024-aligned byte: the 896 bytes
-// left of a block's 227 KB are all the alignment slack there is (a kernel without static
-// shared memory gets its dynamic shared memory aligned; the kernel checks that it fits).
-constexpr int kFp8ScaleOff = kWsStages * kWsStage + 4 * kOutBox;
-constexpr int kFp8BarOff = kFp8ScaleOff + kWsStages * 512;
-constexpr int kFp8SmemUsed = kFp8BarOff + 2 * kWsStages * 8 + kWsStages * 8 + kWsStages * 4;
+// The FP8 kernel's shared memory with the scales staged (kSmemScales): the ring and the
+// epilogue's staging from the first 1024-aligned byte (kFp8Aligned bytes), and around them,
+// in the 3,072 bytes left of a block's 227 KB, each stage's A row scales (512 bytes, a TMA
+// box) after them, and one 128-byte piece of barriers, the weights' block scales (cp.async)
+// and tile_of after them too where it fits, else in the alignment slack before them. The
+// dynamic shared memory does not start 1024-aligned (an H100 on 2026-12-07: a layout that
+// assumed so, 896 bytes of slack, trapped), so this adapts to where it starts: with pad
+// bytes to the aligned start, 3,072 - pad >= 2,049 bytes follow (the four 512-byte pieces
+// always fit), and when the 128-byte piece does not (pad > 896) the slack before holds
+// 128 floor(pad / 128) >= 896 bytes at 128-byte alignment.
+constexpr int kFp8Aligned = kWsStages * kWsStage + 4 * kOutBox;
+constexpr int kFp8Misc = 2 * kWsStages * 8 + kWsStages * 2 * 4 + kWsStages * 4;  // full, empty, b scales, tile_of
 constexpr int kFp8Smem = 232448;
-static_assert(kFp8SmemUsed <= kFp8Smem, "shared memory of the FP8 rows kernel");
+static_assert(kFp8Misc <= 128 && kFp8Aligned + kWsStages * 512 + 128 <= kFp8Smem,
+              "shared memory of the FP8 rows kernel");
+struct Fp8StagedSmem {
+  char* ring;       // the ring, then the staging
+  float* a_scales;  // [kWsStages][128], right after them
+  char* misc;
+};
+#if MT_SM90A
+__device__ __forceinline__ Fp8StagedSmem fp8_staged_smem(char* raw) {
+  const uintptr_t base = reinterpret_cast<uintptr_t>(raw), aligned = (base + 1023) & ~uintptr_t(1023);
+  Fp8StagedSmem l;
+  l.ring = reinterpret_cast<char*>(aligned);
+  l.a_scales = reinterpret_cast<float*>(aligned + kFp8Aligned);
+  const uintptr_t after = aligned + kFp8Aligned + kWsStages * 512;
+  l.misc = reinterpret_cast<char*>(after + 128 <= base + kFp8Smem ? after : (base + 127) & ~uintptr_t(127));
+  return l;
+}
+#endif
+
 // The scale maps of the staged variant: the rows' scales of each k source as one run of f32
 // ([K_src / 128][N] flattened, box 128): a k-tile's 128 rows are one box at kk N + row0.
 struct Fp8ScaleMaps {
@@ -1003,7 +1025,7 @@ template <int kEpi, bool kSmemScales>
 __global__ void __launch_bounds__(kWsThreads, 1)
     fp8_rows_kernel(const __grid_constant__ Maps maps, const __grid_constant__ OutMaps out,
                     const __grid_constant__ Fp8ScaleMaps smaps, const RowsArgs args, const Fp8Scales sc,
-                    const ActCodes codes, int ktiles_src, int nsrc, int col_tiles, int max_tiles, int diag) {
+                    const ActCodes codes, int ktiles_src, int nsrc, int col_tiles, int max_tiles) {
 #if MT_SM90A
   constexpr bool kGateUp = kEpi == kEpiGateUp;
   constexpr int S = kWsStages;
@@ -1014,12 +1036,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   float* a_scales = nullptr;  // kSmemScales: [S][128]
   float* b_scales = nullptr;  // kSmemScales: [S][2]
   if constexpr (kSmemScales) {
-    smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-    // At most 896 bytes of slack fit. (No printf here: a call in the kernel makes ptxas
-    // serialize every wgmma.)
-    if ((smem - smem_raw) + kFp8SmemUsed > kFp8Smem) __trap();
-    a_scales = reinterpret_cast<float*>(smem + kFp8ScaleOff);
-    full = reinterpret_cast<uint64_t*>(smem + kFp8BarOff);
+    const Fp8StagedSmem l = fp8_staged_smem(smem_raw);
+    smem = l.ring;
+    a_scales = l.a_scales;
+    full = reinterpret_cast<uint64_t*>(l.misc);
     empty = full + S;
     b_scales = reinterpret_cast<float*>(empty + S);
     tile_of = reinterpret_cast<int*>(b_scales + 2 * S);
@@ -1086,9 +1106,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   int boxes = 0;
   int it = 0;
   const int last = max_tiles * col_tiles;
-  auto bar_arrive = [](int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); };
-  if ((diag & 64) && cw == 1) bar_arrive(4);
-  if ((diag & 32) && cw == 1) __nanosleep(400);
   const int my_row = cw * 64 + 16 * w + (lane >> 2);  // this thread's first row in the tile (the second: + 8)
   for (int n = 0; n < last; ++n) {
     mbar_wait(&full[it % S], (it / S) & 1);
@@ -1123,61 +1140,45 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     float next[4] = {1.f, 1.f, 1.f, 1.f};
-    if (!kSmemScales && !(diag & 8)) load_scales(0, next);
+    if (!kSmemScales) load_scales(0, next);
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
       const int s = it % S;
       float cur[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) cur[i] = next[i];
-      if (!kSmemScales && kt + 1 < ktiles && !(diag & 8)) load_scales(kt + 1, next);
+      if (!kSmemScales && kt + 1 < ktiles) load_scales(kt + 1, next);
       mbar_wait(&full[s], (it / S) & 1);
       if constexpr (kSmemScales) {
-        if (!(diag & 8)) {
-          cur[0] = a_scales[s * 128 + my_row];
-          cur[1] = a_scales[s * 128 + my_row + 8];
-          cur[2] = b_scales[2 * s];
-          cur[3] = b_scales[2 * s + 1];
-        }
+        cur[0] = a_scales[s * 128 + my_row];
+        cur[1] = a_scales[s * 128 + my_row + 8];
+        cur[2] = b_scales[2 * s];
+        cur[3] = b_scales[2 * s + 1];
       }
       const uint32_t a = smem_u32(smem + s * kWsStage) + cw * 64 * 128, b = smem_u32(smem + s * kWsStage + kTile);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float part[64];
-        if (diag & 16) {
+        wgmma_fence();
 #pragma unroll
-          for (int i = 0; i < 64; ++i) part[i] = 0.f;
-        } else {
-          if (diag & 64) named_barrier(4 + cw, 256);
-          wgmma_fence();
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk) {
-            wgmma_m64n128k32_e4m3(part, sw128_desc(a + kk * 32, 16, 1024),
-                                  sw128_desc(b + half * kTile + kk * 32, 16, 1024), kk);
-          }
-          wgmma_commit();
-          if (diag & 64) bar_arrive(5 - cw);
-          wgmma_wait<0>();
+        for (int kk = 0; kk < 4; ++kk) {
+          wgmma_m64n128k32_e4m3(part, sw128_desc(a + kk * 32, 16, 1024),
+                                sw128_desc(b + half * kTile + kk * 32, 16, 1024), kk);
         }
+        wgmma_commit();
+        wgmma_wait<0>();
         pin(part);
         const float sbh = cur[2 + half], s0 = cur[0] * sbh, s1 = cur[1] * sbh;
-        if (diag & 1) {
 #pragma unroll
-          for (int i = 0; i < 64; ++i) acc[half * 64 + i] += part[i];
-        } else {
-#pragma unroll
-          for (int i = 0; i < 64; ++i) acc[half * 64 + i] += part[i] * ((i & 2) ? s1 : s0);  // part[4j + 2h + c]
-        }
+        for (int i = 0; i < 64; ++i) acc[half * 64 + i] += part[i] * ((i & 2) ? s1 : s0);  // part[4j + 2h + c]
       }
       if (lane == 0) mbar_arrive(&empty[s]);  // both halves' MMAs are done with the stage
     }
-    if (diag & 4) continue;
     if constexpr (kEpi == kEpiDSwiglu) {
       store_dswiglu_tile(acc, out, args, staging, row0, row_end, n0, cw);
     } else {
       store_rows_tile<kGateUp, kGateUp>(acc, out, args, staging, boxes, row0, row_end, n0, cw, codes);
     }
   }
-  if ((diag & 64) && !(diag & 16) && cw == 0) named_barrier(4, 256);
   if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 #endif
 }
@@ -1730,18 +1731,17 @@ void launch_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out, co
 }
 
 // The FP8 rows kernel over K = 128 ktiles_src from each of nsrc sources (n_cols as
-// launch_rows_hopper's). MOETRAIN_FP8_SCALES_GLOBAL=1: the consumers load the scales from
-// global memory (the variant before the staged scales, for comparison).
+// launch_rows_hopper's). MOETRAIN_FP8_SCALES_STAGED=1: the variant with the scales staged in
+// shared memory by the producer (opt-in until it has run on a GPU: its first layout trapped).
 template <int kEpi>
 void launch_fp8_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out, const RowsArgs& args,
                             const hopper::Fp8Scales& scales, const hopper::ActCodes& codes, int ktiles_src, int nsrc,
                             int n_cols, int max_tiles, cudaStream_t stream) {
   if (n_cols == 0 || max_tiles == 0) return;
-  static const int diag = std::getenv("MOETRAIN_FP8_DIAG") ? std::atoi(std::getenv("MOETRAIN_FP8_DIAG")) : 0;
-  static const bool global_scales = std::getenv("MOETRAIN_FP8_SCALES_GLOBAL") != nullptr &&
-                                    std::atoi(std::getenv("MOETRAIN_FP8_SCALES_GLOBAL")) != 0;
+  static const bool staged_scales = std::getenv("MOETRAIN_FP8_SCALES_STAGED") != nullptr &&
+                                    std::atoi(std::getenv("MOETRAIN_FP8_SCALES_STAGED")) != 0;
   hopper::Fp8ScaleMaps smaps{};
-  bool staged = !global_scales;
+  bool staged = staged_scales;
   for (int src = 0; src < nsrc && staged; ++src) {
     staged = make_tensor_map_f32_plain(&smaps.a[src], scales.a[src],
                                        {static_cast<uint64_t>(ktiles_src) * scales.n_rows}, {128});
@@ -1752,12 +1752,12 @@ void launch_fp8_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out
     auto kernel = hopper::fp8_rows_kernel<kEpi, true>;
     prepare_hopper(kernel, hopper::kFp8Smem);
     kernel<<<grid, hopper::kWsThreads, hopper::kFp8Smem, stream>>>(maps, out, smaps, args, scales, codes, ktiles_src,
-                                                                    nsrc, col_tiles, max_tiles, diag);
+                                                                    nsrc, col_tiles, max_tiles);
   } else {
     auto kernel = hopper::fp8_rows_kernel<kEpi, false>;
     prepare_hopper(kernel, hopper::kRowsSmem);
     kernel<<<grid, hopper::kWsThreads, hopper::kRowsSmem, stream>>>(maps, out, smaps, args, scales, codes, ktiles_src,
-                                                                     nsrc, col_tiles, max_tiles, diag);
+                                                                     nsrc, col_tiles, max_tiles);
   }
 }
 
