@@ -1217,6 +1217,21 @@ constexpr int kWgBufs = 2;                    // staging buffers per consumer wa
 constexpr int kWgSmem = 1024 + kWgS * kWgStage + 1024 + 2 * kWgBufs * kWgBox;
 
 #if MT_SM90A
+// The weight-gradient kernels' producers: a stage without data (the end, t = -1, or a tile
+// whose zeros are to be stored) for the consumers: waits until ring position `it` is free,
+// publishes {t, 0 k-tiles} in tile_of and arrives on its full barrier.
+template <int S>
+__device__ __forceinline__ void publish_dataless_stage(uint64_t* full, uint64_t* empty, int2* tile_of, int& it,
+                                                       int t) {
+  const int s = it % S;
+  if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
+  tile_of[s] = make_int2(t, 0);
+  mbar_arrive(&full[s]);
+  ++it;
+}
+#endif  // MT_SM90A
+
+#if MT_SM90A
 // The weight-gradient kernels' epilogue: a consumer warpgroup's 64 rows x 256 f32 columns (acc
 // in the m64n256 layout: acc[nb * 4 + h * 2 + c] is row 16 w + lane / 4 + 8 h, column nb * 8 +
 // 2 (lane % 4) + c) go to dW [E, M, Nc] (cmap, box 32 x 64 x 1) at rows m0 + 64 cw, columns
@@ -1300,12 +1315,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         }
       }
       if (t >= 0 && ktiles == 0 && args.accumulate) continue;  // nothing to add to this tile
-      if (ktiles == 0) {  // the end (-1), or zeros to store: a stage without data
-        const int s = it % S;
-        if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
-        tile_of[s] = make_int2(t, 0);
-        mbar_arrive(&full[s]);
-        ++it;
+      if (ktiles == 0) {  // the end (-1), or zeros to store
+        publish_dataless_stage<S>(full, empty, tile_of, it, t);
         if (t < 0) break;
         continue;
       }
@@ -1473,12 +1484,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         ktiles = args.first_tile[e + 1] - first;
       }
       if (t >= 0 && ktiles == 0 && args.accumulate) continue;  // nothing to add to this tile
-      if (ktiles == 0) {  // the end (-1), or zeros to store: a stage without data
-        const int s = it % S;
-        if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
-        tile_of[s] = make_int2(t, 0);
-        mbar_arrive(&full[s]);
-        ++it;
+      if (ktiles == 0) {  // the end (-1), or zeros to store
+        publish_dataless_stage<S>(full, empty, tile_of, it, t);
         if (t < 0) break;
         continue;
       }
