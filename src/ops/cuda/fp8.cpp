@@ -99,12 +99,14 @@ Fp8Tensor transpose_fp8_experts(const Fp8Tensor& w, int64_t experts) {
 }
 
 namespace {
-// first_row [E + 1] then first_tile [E + 1] (i32) of counts over `rows` rows (launch_expert_tiles).
-Tensor expert_tiles(const Tensor& counts, int64_t rows) {
+// first_row [E + 1], first_tile [E + 1] and, with `tiles` > 0, tile_row [tiles] and
+// tile_rows [tiles] (i32) of counts over `rows` rows, one after the other (launch_expert_tiles).
+Tensor expert_tiles(const Tensor& counts, int64_t rows, int64_t tiles = 0) {
   const int64_t E = counts.size(0);
-  Tensor t = Tensor::empty({2 * (E + 1)}, DType::I32, counts.device());
-  launch_expert_tiles(counts.data<int64_t>(), static_cast<int>(E), rows, t.data<int32_t>(), t.data<int32_t>() + E + 1,
-                      stream());
+  Tensor t = Tensor::empty({2 * (E + 1) + 2 * tiles}, DType::I32, counts.device());
+  int32_t* p = t.data<int32_t>();
+  launch_expert_tiles(counts.data<int64_t>(), static_cast<int>(E), rows, static_cast<int>(tiles), p, p + E + 1,
+                      tiles > 0 ? p + 2 * (E + 1) : nullptr, tiles > 0 ? p + 2 * (E + 1) + tiles : nullptr, stream());
   return t;
 }
 }  // namespace
@@ -116,9 +118,9 @@ Fp8Tensor quantize_fp8_expert_columns(const Tensor& x, const Tensor& counts) {
   const int64_t N = x.size(0), C = x.size(1), E = counts.size(0), T = ops::fp8_expert_tiles(N, E);
   Fp8Tensor out{Tensor::empty({C, T * kFp8Block}, DType::F8E4M3, x.device()),
                 Tensor::empty({T, C}, DType::F32, x.device()), Fp8Blocks::kRows};
-  const Tensor tiles = expert_tiles(counts, N);
-  launch_quantize_fp8_expert_columns(x.raw(), static_cast<int>(dtype_size(x.dtype())), C, static_cast<int>(E), T,
-                                     tiles.data<int32_t>(), tiles.data<int32_t>() + E + 1,
+  const Tensor tiles = expert_tiles(counts, N, T);
+  const int32_t* tile_row = tiles.data<int32_t>() + 2 * (E + 1);
+  launch_quantize_fp8_expert_columns(x.raw(), static_cast<int>(dtype_size(x.dtype())), C, T, tile_row, tile_row + T,
                                      static_cast<uint8_t*>(out.q.raw()), out.scale.data<float>(), stream());
   check_launch(op);
   return out;

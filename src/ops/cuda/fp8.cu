@@ -464,19 +464,34 @@ namespace {
 // first_row[e + 1]), tiles [first_tile[e], first_tile[e + 1])), the counts clamped as the
 // grouped GEMMs' schedule clamps them (negative: 0; rows past N dropped). One thread: E is
 // at most a few hundred.
-__global__ void expert_tiles_kernel(const int64_t* __restrict__ counts, int E, int64_t N, int* __restrict__ first_row,
-                                    int* __restrict__ first_tile) {
-  if (threadIdx.x != 0 || blockIdx.x != 0) return;
-  int64_t row = 0, tile = 0;
-  first_row[0] = first_tile[0] = 0;
-  for (int e = 0; e < E; ++e) {
-    const int64_t c = counts[e] < 0 ? 0 : counts[e];
-    const int64_t end = row + c < N ? row + c : N;
-    tile += (end - row + kBlock - 1) / kBlock;
-    row = end;
-    first_row[e + 1] = static_cast<int>(row);
-    first_tile[e + 1] = static_cast<int>(tile);
+// With tile_row / tile_rows (T each): tile t's first row and its rows (0 past the last
+// expert's tiles), so that a quantizer block reads its tile in two loads rather than by a
+// binary search of dependent loads over first_tile.
+__global__ void expert_tiles_kernel(const int64_t* __restrict__ counts, int E, int64_t N, int T,
+                                    int* __restrict__ first_row, int* __restrict__ first_tile,
+                                    int* __restrict__ tile_row, int* __restrict__ tile_rows) {
+  if (blockIdx.x != 0) return;
+  if (threadIdx.x == 0) {
+    int64_t row = 0, tile = 0;
+    first_row[0] = first_tile[0] = 0;
+    for (int e = 0; e < E; ++e) {
+      const int64_t c = counts[e] < 0 ? 0 : counts[e];
+      const int64_t end = row + c < N ? row + c : N;
+      tile += (end - row + kBlock - 1) / kBlock;
+      row = end;
+      first_row[e + 1] = static_cast<int>(row);
+      first_tile[e + 1] = static_cast<int>(tile);
+    }
   }
+  if (tile_row == nullptr) return;
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    for (int t = first_tile[e], r = first_row[e]; t < first_tile[e + 1]; ++t, r += kBlock) {
+      tile_row[t] = r;
+      tile_rows[t] = min(kBlock, first_row[e + 1] - r);
+    }
+  }
+  for (int t = first_tile[E] + threadIdx.x; t < T; t += blockDim.x) tile_row[t] = tile_rows[t] = 0;
 }
 
 // A block per (tile t of 128 expert columns, 64 columns of x): the tile's rows (those of its
@@ -487,25 +502,17 @@ __global__ void expert_tiles_kernel(const int64_t* __restrict__ counts, int E, i
 // kVec8: bf16 x with C % 8 == 0, 16-byte aligned: 8 elements a load (as the bf16x8 kernel's).
 template <bool kVec8>
 __global__ void __launch_bounds__(256) quantize_expert_columns_kernel(const void* __restrict__ x, int elem_bytes,
-                                                                     int64_t C, int E, int64_t P,
-                                                                     const int* __restrict__ first_row,
-                                                                     const int* __restrict__ first_tile,
+                                                                     int64_t C, int64_t P,
+                                                                     const int* __restrict__ tile_row,
+                                                                     const int* __restrict__ tile_rows,
                                                                      uint8_t* __restrict__ q, float* __restrict__ scale) {
   constexpr int kCols = kStagedCols;
   __shared__ StagedTile tile;
   __shared__ float part_max[4][kCols];
   const int t = blockIdx.x, tid = threadIdx.x;
   const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kCols;
-  int lo = 0, hi = E;  // the expert whose tiles hold t: first_tile[lo] <= t < first_tile[lo + 1]
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (first_tile[mid] <= t) lo = mid; else hi = mid;
-  }
-  int64_t r0 = 0, rows = 0;
-  if (t < first_tile[E]) {
-    r0 = first_row[lo] + static_cast<int64_t>(t - first_tile[lo]) * kBlock;
-    rows = min(static_cast<int64_t>(kBlock), first_row[lo + 1] - r0);
-  }
+  const int64_t r0 = tile_row[t];
+  const int rows = tile_rows[t];
   if constexpr (kVec8) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {  // 128 rows x 8 chunks of 8: a warp reads 4 rows' 128 bytes
@@ -543,21 +550,21 @@ __global__ void __launch_bounds__(256) quantize_expert_columns_kernel(const void
 
 }  // namespace
 
-void launch_expert_tiles(const int64_t* counts, int E, int64_t N, int* first_row, int* first_tile, cudaStream_t s) {
-  expert_tiles_kernel<<<1, 32, 0, s>>>(counts, E, N, first_row, first_tile);
+void launch_expert_tiles(const int64_t* counts, int E, int64_t N, int T, int* first_row, int* first_tile,
+                         int* tile_row, int* tile_rows, cudaStream_t s) {
+  expert_tiles_kernel<<<1, 256, 0, s>>>(counts, E, N, T, first_row, first_tile, tile_row, tile_rows);
 }
 
-void launch_quantize_fp8_expert_columns(const void* x, int elem_bytes, int64_t C, int E, int64_t tiles,
-                                        const int* first_row, const int* first_tile, uint8_t* q, float* scale,
-                                        cudaStream_t s) {
+void launch_quantize_fp8_expert_columns(const void* x, int elem_bytes, int64_t C, int64_t tiles, const int* tile_row,
+                                        const int* tile_rows, uint8_t* q, float* scale, cudaStream_t s) {
   if (tiles == 0 || C == 0) return;
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>((C + 63) / 64));
   if (elem_bytes == 2 && C % 8 == 0 && aligned16(x)) {
-    quantize_expert_columns_kernel<true><<<grid, 256, 0, s>>>(x, elem_bytes, C, E, tiles * kBlock, first_row,
-                                                              first_tile, q, scale);
+    quantize_expert_columns_kernel<true><<<grid, 256, 0, s>>>(x, elem_bytes, C, tiles * kBlock, tile_row, tile_rows, q,
+                                                              scale);
   } else {
-    quantize_expert_columns_kernel<false><<<grid, 256, 0, s>>>(x, elem_bytes, C, E, tiles * kBlock, first_row,
-                                                               first_tile, q, scale);
+    quantize_expert_columns_kernel<false><<<grid, 256, 0, s>>>(x, elem_bytes, C, tiles * kBlock, tile_row, tile_rows,
+                                                               q, scale);
   }
 }
 

@@ -27,12 +27,13 @@ void launch_quantize_fp8_transposed_blocks(const void* x, int elem_bytes, int64_
 void launch_transpose_fp8_experts(const uint8_t* q, const float* scale, int64_t E, int64_t n, int64_t k, int64_t ls,
                                   int64_t lt, uint8_t* qt, float* st, cudaStream_t s);
 // ops::quantize_fp8_expert_columns: first the experts' rows and tiles from counts (E + 1 each,
-// clamped to N rows), then x [N, C] -> q [C, 128 tiles], scale [tiles][C] (rows mode), each
-// expert's rows in its own tiles; tiles = fp8_expert_tiles(N, E).
-void launch_expert_tiles(const int64_t* counts, int E, int64_t N, int* first_row, int* first_tile, cudaStream_t s);
-void launch_quantize_fp8_expert_columns(const void* x, int elem_bytes, int64_t C, int E, int64_t tiles,
-                                        const int* first_row, const int* first_tile, uint8_t* q, float* scale,
-                                        cudaStream_t s);
+// clamped to N rows; with tile_row / tile_rows, also each of the T tiles' first row and row
+// count), then x [N, C] -> q [C, 128 tiles], scale [tiles][C] (rows mode), each expert's rows
+// in its own tiles; tiles = T = fp8_expert_tiles(N, E).
+void launch_expert_tiles(const int64_t* counts, int E, int64_t N, int T, int* first_row, int* first_tile,
+                         int* tile_row, int* tile_rows, cudaStream_t s);
+void launch_quantize_fp8_expert_columns(const void* x, int elem_bytes, int64_t C, int64_t tiles, const int* tile_row,
+                                        const int* tile_rows, uint8_t* q, float* scale, cudaStream_t s);
 // y = q * scale (bf16 or f32 out), either mode.
 void launch_dequantize_fp8(const uint8_t* q, const float* scale, bool blocks, int64_t R, int64_t C, int64_t scale_cols,
                            void* y, bool y_bf16, cudaStream_t s);
