@@ -96,36 +96,54 @@ Fp8Tensor quantize_fp8_expert_columns(const Tensor& x, const Tensor& counts) {
   return MT_ROUTE(x, quantize_fp8_expert_columns, x, counts);
 }
 
-void grouped_wgrad_fp8(const Fp8Tensor& a_t, const Fp8Tensor& b_t, const Tensor& counts, Tensor& dw,
-                       bool accumulate) {
+void grouped_wgrad_fp8(const std::vector<Fp8WgradOperands>& sources, Tensor& dw, bool accumulate) {
   const char* op = "grouped_wgrad_fp8";
-  check_fp8_rows(op, a_t, "a_t");
-  check_fp8_rows(op, b_t, "b_t");
-  const int64_t Ca = a_t.q.size(0), Cb = b_t.q.size(0), P = a_t.q.size(1);
-  MT_CHECK(counts.defined() && counts.ndim() == 1 && counts.dtype() == DType::I64 &&
-               counts.device() == a_t.q.device(),
-           "{}: counts must be i64 [E] on the operands' device ({}), got {}", op, a_t.q.device().str(),
-           counts.defined() ? counts.str() : std::string("undefined"));
-  const int64_t E = counts.size(0);
-  MT_CHECK(b_t.q.size(1) == P && P % kFp8Block == 0 && P / kFp8Block >= E,
-           "{}: a_t {} and b_t {} must both be [C, P] with P a multiple of 128 of at least 128 E = {} columns "
-           "(quantize_fp8_expert_columns)", op, a_t.q.str(), b_t.q.str(), 128 * E);
+  MT_CHECK(!sources.empty(), "{}: no sources", op);
+  const int64_t Ca = sources[0].a_t.q.defined() ? sources[0].a_t.q.size(0) : 0;
+  const int64_t Cb = sources[0].b_t.q.defined() ? sources[0].b_t.q.size(0) : 0;
+  const int64_t E = sources[0].counts.defined() ? sources[0].counts.size(0) : 0;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    const Fp8WgradOperands& src = sources[i];
+    check_fp8_rows(op, src.a_t, "a_t");
+    check_fp8_rows(op, src.b_t, "b_t");
+    const int64_t P = src.a_t.q.size(1);
+    MT_CHECK(src.counts.defined() && src.counts.ndim() == 1 && src.counts.dtype() == DType::I64 &&
+                 src.counts.size(0) == E && src.counts.device() == dw.device(),
+             "{}: source {}'s counts must be i64 [E = {}] on dw's device ({}), got {}", op, i, E, dw.device().str(),
+             src.counts.defined() ? src.counts.str() : std::string("undefined"));
+    MT_CHECK(src.a_t.q.size(0) == Ca && src.b_t.q.size(0) == Cb && src.b_t.q.size(1) == P && P % kFp8Block == 0 &&
+                 P / kFp8Block >= E,
+             "{}: source {}: a_t {} and b_t {} must be [{}, P] and [{}, P] with P a multiple of 128 of at least "
+             "128 E = {} columns (quantize_fp8_expert_columns)", op, i, src.a_t.q.str(), src.b_t.q.str(), Ca, Cb,
+             128 * E);
+    MT_CHECK(src.a_t.q.device() == dw.device() && src.b_t.q.device() == dw.device(),
+             "{}: source {}'s operands and dw must be on one device, got {}, {} and {}", op, i,
+             src.a_t.q.device().str(), src.b_t.q.device().str(), dw.device().str());
+  }
   check_shape(dw, {E, Ca, Cb}, "grouped_wgrad_fp8 dw [E, Ca, Cb]");
   check_dtype(dw, DType::F32, "grouped_wgrad_fp8 dw");
-  MT_CHECK(dw.device() == a_t.q.device() && b_t.q.device() == a_t.q.device(),
-           "{}: a_t, b_t and dw must be on one device, got {}, {} and {}", op, a_t.q.device().str(),
-           b_t.q.device().str(), dw.device().str());
-  MT_ROUTE(dw, grouped_wgrad_fp8, a_t, b_t, counts, dw, accumulate);
+  MT_ROUTE(dw, grouped_wgrad_fp8, sources, dw, accumulate);
 }
 
-void grouped_swiglu_backward_weight_fp8(const SwigluWgradRows& rows, Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down,
-                                        bool accumulate, SumSquaresInto squares) {
-  MT_CHECK(rows.act.defined(), "grouped_swiglu_backward_weight_fp8: act (the forward's) must be given");
-  auto along_tokens = [&](const Tensor& t) { return quantize_fp8_expert_columns(t, rows.counts); };
-  const Fp8Tensor x = along_tokens(rows.x);
-  grouped_wgrad_fp8(along_tokens(rows.dy), along_tokens(rows.act), rows.counts, dw_down, accumulate);
-  grouped_wgrad_fp8(along_tokens(rows.dgate), x, rows.counts, dw_gate, accumulate);
-  grouped_wgrad_fp8(along_tokens(rows.dup), x, rows.counts, dw_up, accumulate);
+void grouped_swiglu_backward_weight_fp8(const std::vector<SwigluWgradRows>& rows, Tensor& dw_gate, Tensor& dw_up,
+                                        Tensor& dw_down, bool accumulate, SumSquaresInto squares) {
+  constexpr size_t kChunk = 4;  // micro-batches whose operands are quantized at a time (the GPU kernel's sources)
+  for (size_t first = 0; first < rows.size(); first += kChunk) {
+    std::vector<Fp8WgradOperands> down, gate, up;
+    for (size_t i = first; i < std::min(rows.size(), first + kChunk); ++i) {
+      const SwigluWgradRows& r = rows[i];
+      MT_CHECK(r.act.defined(), "grouped_swiglu_backward_weight_fp8: act (the forward's) must be given");
+      auto along_tokens = [&](const Tensor& t) { return quantize_fp8_expert_columns(t, r.counts); };
+      const Fp8Tensor x = along_tokens(r.x);
+      down.push_back({along_tokens(r.dy), along_tokens(r.act), r.counts});
+      gate.push_back({along_tokens(r.dgate), x, r.counts});
+      up.push_back({along_tokens(r.dup), x, r.counts});
+    }
+    const bool add = accumulate || first > 0;
+    grouped_wgrad_fp8(down, dw_down, add);
+    grouped_wgrad_fp8(gate, dw_gate, add);
+    grouped_wgrad_fp8(up, dw_up, add);
+  }
   if (!accumulate && squares.out != nullptr) sum_squares_all_into({dw_gate, dw_up, dw_down}, *squares.out, squares.index);
 }
 

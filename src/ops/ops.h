@@ -384,13 +384,14 @@ struct SwigluWgradRows {
 void grouped_swiglu_backward_weight_group(const std::vector<SwigluWgradRows>& rows, Tensor& dw_gate, Tensor& dw_up,
                                           Tensor& dw_down, bool accumulate, SumSquaresInto squares = {});
 
-// grouped_swiglu_backward_weight in FP8 (issue 30): rows.dy, act, dgate, dup and x quantized
-// along each expert's tokens (quantize_fp8_expert_columns), dW_down = dy^T act, dW_gate =
-// dgate^T x, dW_up = dup^T x by grouped_wgrad_fp8 (f32 gradients); squares as
-// grouped_swiglu_backward_weight's (here a pass over the written gradients). rows.act must be
-// given (the forward's act); gate and up are not read.
-void grouped_swiglu_backward_weight_fp8(const SwigluWgradRows& rows, Tensor& dw_gate, Tensor& dw_up, Tensor& dw_down,
-                                        bool accumulate, SumSquaresInto squares = {});
+// grouped_swiglu_backward_weight_group in FP8 (issue 30): each micro-batch's dy, act, dgate,
+// dup and x quantized along each expert's tokens (quantize_fp8_expert_columns), dW_down =
+// sum dy^T act, dW_gate = sum dgate^T x, dW_up = sum dup^T x by grouped_wgrad_fp8 (f32
+// gradients; 4 micro-batches' operands quantized at a time); squares as
+// grouped_swiglu_backward_weight's (here a pass over the written gradients). Each act must be
+// given (the forward's); gate and up are not read.
+void grouped_swiglu_backward_weight_fp8(const std::vector<SwigluWgradRows>& rows, Tensor& dw_gate, Tensor& dw_up,
+                                        Tensor& dw_down, bool accumulate, SumSquaresInto squares = {});
 
 // ---- cross-entropy with ignore index -100 ---------------------------------------------
 // logits [T, V], targets i32 [T]. loss_sum [1] = sum over targets != -100 of
@@ -478,9 +479,18 @@ Fp8Tensor quantize_fp8_expert_columns(const Tensor& x, const Tensor& counts);
 // of a_t[:, j] b_t[:, j]^T, from a_t [Ca, P] and b_t [Cb, P] made by quantize_fp8_expert_columns
 // with the same counts: the f32 product of the dequantized operands (on the GPU promoted every
 // 128 of K, each fresh sum times its row's and its column's scale). An expert without rows
-// gets zeros (or is left as it is, accumulating).
-void grouped_wgrad_fp8(const Fp8Tensor& a_t, const Fp8Tensor& b_t, const Tensor& counts, Tensor& dw,
-                       bool accumulate);
+// gets zeros (or is left as it is, accumulating). Several sources (micro-batches, each its
+// own operands and counts; the same Ca, Cb and E): the sum over all of them, dw written or
+// added to once (on the GPU once per 4 sources).
+struct Fp8WgradOperands {
+  Fp8Tensor a_t, b_t;
+  Tensor counts;
+};
+void grouped_wgrad_fp8(const std::vector<Fp8WgradOperands>& sources, Tensor& dw, bool accumulate);
+inline void grouped_wgrad_fp8(const Fp8Tensor& a_t, const Fp8Tensor& b_t, const Tensor& counts, Tensor& dw,
+                              bool accumulate) {
+  grouped_wgrad_fp8({Fp8WgradOperands{a_t, b_t, counts}}, dw, accumulate);
+}
 
 // y [M, N] = a [M, K] b [N, K]^T, a in rows mode, b in either: the product of the dequantized
 // operands with f32 sums (on the GPU, per 128-element block of K the e4m3 products' sum times

@@ -353,6 +353,29 @@ TEST(BackendFp8, ExpertWeightGradientMatchesTheCpu) {
     ops::grouped_wgrad_fp8(dgg, xg, gcounts, got, false);
     testing::expect_backend_close(got.to(Device::cpu()), want, 5e-4, tag + " dW_gate = dgate^T x", "dW");
   }
+  // five micro-batches of other counts in one call (two launches: four sources, then one added)
+  const int64_t E = 6, H = 256, I = 384;
+  std::vector<ops::Fp8WgradOperands> cpu_src, gpu_src;
+  for (int i = 0; i < 5; ++i) {
+    std::vector<int64_t> c(E);
+    int64_t N = 0;
+    for (int64_t e = 0; e < E; ++e) N += (c[e] = (e * 53 + i * 97) % 230 * ((e + i) % 4 != 0));
+    const Tensor counts = Tensor::from_vector(c, {E}), gcounts = counts.to(kGpu);
+    const Tensor dy = random_bf16_values({N, H}, 900 + i, 1.0), act = random_bf16_values({N, I}, 950 + i, 1.0);
+    cpu_src.push_back({ops::quantize_fp8_expert_columns(dy, counts), ops::quantize_fp8_expert_columns(act, counts),
+                       counts});
+    gpu_src.push_back({ops::quantize_fp8_expert_columns(on_gpu(dy, DType::BF16), gcounts),
+                       ops::quantize_fp8_expert_columns(on_gpu(act, DType::BF16), gcounts), gcounts});
+  }
+  for (const bool accumulate : {false, true}) {
+    const Tensor start = random_bf16_values({E, H, I}, 78, 1.0).to(DType::F32);
+    Tensor want = start.clone();
+    ops::grouped_wgrad_fp8(cpu_src, want, accumulate);
+    Tensor got = on_gpu(start, DType::F32);
+    ops::grouped_wgrad_fp8(gpu_src, got, accumulate);
+    testing::expect_backend_close(got.to(Device::cpu()), want, 5e-4,
+                                  accumulate ? "five sources, added" : "five sources, written", "dW");
+  }
 }
 
 }  // namespace

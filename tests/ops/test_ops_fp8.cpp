@@ -432,6 +432,44 @@ TEST(Fp8, GroupedWgradIsTheProductOfTheDequantizedOperands) {
   EXPECT_THROW(ops::grouped_wgrad_fp8(rows, bt, counts, dw, false), Error);
 }
 
+// Several sources (micro-batches) in one call: the sum of each one's product, written once or
+// added; the same as calling once per source with the later calls accumulating.
+TEST(Fp8, GroupedWgradOfSeveralSourcesIsTheSumOfTheirs) {
+  const int64_t E = 3, Ca = 128, Cb = 256;
+  const std::vector<std::vector<int64_t>> counts{{5, 0, 130}, {0, 0, 0}, {64, 64, 1}};
+  std::vector<ops::Fp8WgradOperands> sources;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    int64_t N = 0;
+    for (int64_t c : counts[i]) N += c;
+    const Tensor cnt = Tensor::from_vector(counts[i], {E});
+    sources.push_back({ops::quantize_fp8_expert_columns(testing::random_tensor({N, Ca}, DType::F32, 400 + i), cnt),
+                       ops::quantize_fp8_expert_columns(testing::random_tensor({N, Cb}, DType::F32, 500 + i), cnt),
+                       cnt});
+  }
+  for (const bool accumulate : {false, true}) {
+    SCOPED_TRACE(accumulate ? "accumulating" : "writing");
+    const Tensor start = testing::random_tensor({E, Ca, Cb}, DType::F32, 9);
+    Tensor want = start.clone();
+    for (size_t i = 0; i < sources.size(); ++i) {
+      ops::grouped_wgrad_fp8(sources[i].a_t, sources[i].b_t, sources[i].counts, want, accumulate || i > 0);
+    }
+    Tensor got = start.clone();
+    ops::grouped_wgrad_fp8(sources, got, accumulate);
+    EXPECT_LT(testing::backend_error(got, want), 1e-6);
+    EXPECT_GT(testing::backend_error(got, start), 0.1);
+  }
+  // sources of other widths or expert counts are refused, naming the source
+  std::vector<ops::Fp8WgradOperands> bad = sources;
+  bad[2].counts = Tensor::from_vector(std::vector<int64_t>{64, 65}, {2});
+  Tensor dw = Tensor::zeros({E, Ca, Cb}, DType::F32);
+  try {
+    ops::grouped_wgrad_fp8(bad, dw, false);
+    ADD_FAILURE() << "a source of 2 experts taken among sources of 3";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("source 2's counts must be i64 [E = 3]"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Fp8, LinearMatchesTheProductOfTheDequantizedOperands) {
   for (const ops::Fp8Blocks wmode : {ops::Fp8Blocks::kRows, ops::Fp8Blocks::kBlocks}) {
     const int64_t M = 36, N = 140, K = 272;

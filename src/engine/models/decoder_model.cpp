@@ -106,19 +106,14 @@ void ExpertWeightGrads::backward_weight(ops::SwigluWgradRows rows, bool moe, boo
   } else if (!pending_.empty()) {
     pending_.push_back(std::move(rows));
     const ops::SumSquaresInto group_squares = pending_accumulate_ ? ops::SumSquaresInto{} : squares;
-    if (fp8) {  // one pass per kept micro-batch (the FP8 kernel reads one's rows)
-      for (size_t i = 0; i < pending_.size(); ++i) {
-        ops::grouped_swiglu_backward_weight_fp8(pending_[i], g_gate, g_up, g_down, i > 0 || pending_accumulate_);
-      }
-      if (group_squares.out != nullptr) {
-        ops::sum_squares_all_into({g_gate, g_up, g_down}, *group_squares.out, group_squares.index);
-      }
+    if (fp8) {
+      ops::grouped_swiglu_backward_weight_fp8(pending_, g_gate, g_up, g_down, pending_accumulate_, group_squares);
     } else {
       ops::grouped_swiglu_backward_weight_group(pending_, g_gate, g_up, g_down, pending_accumulate_, group_squares);
     }
     pending_.clear();
   } else if (fp8 && rows.act.defined()) {
-    ops::grouped_swiglu_backward_weight_fp8(rows, g_gate, g_up, g_down, accumulate,
+    ops::grouped_swiglu_backward_weight_fp8({rows}, g_gate, g_up, g_down, accumulate,
                                             moe && !accumulate ? squares : ops::SumSquaresInto{});
   } else {
     ops::grouped_swiglu_backward_weight(rows.dy, rows.x, rows.counts, rows.gate, rows.up, rows.dgate, rows.dup, g_gate,

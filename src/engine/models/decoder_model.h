@@ -52,8 +52,8 @@ struct DecoderSpec {
 // kept.
 class ExpertWeightGrads {
  public:
-  // fp8: the products in FP8 (ops::grouped_swiglu_backward_weight_fp8), a kept micro-batch's
-  // at a time.
+  // fp8: the products in FP8 (ops::grouped_swiglu_backward_weight_fp8, kept micro-batches
+  // four at a time).
   void backward_weight(ops::SwigluWgradRows rows, bool moe, bool accumulate, ops::SumSquaresInto squares,
                        bool defer, int64_t layer_id, Tensor& g_gate, Tensor& g_up, Tensor& g_down, bool fp8 = false);
   void drop() { pending_.clear(); }

@@ -169,31 +169,36 @@ Fp8Tensor quantize_fp8_expert_columns(const Tensor& x, const Tensor& counts) {
   return out;
 }
 
-// Per expert one BLAS product over its tiles' columns of the dequantized operands.
-void grouped_wgrad_fp8(const Fp8Tensor& a_t, const Fp8Tensor& b_t, const Tensor& counts, Tensor& dw,
-                       bool accumulate) {
-  const int64_t Ca = a_t.q.size(0), Cb = b_t.q.size(0), P = a_t.q.size(1), E = counts.size(0);
-  const int64_t* c = counts.data<int64_t>();
-  std::vector<int64_t> first(static_cast<size_t>(E + 1), 0);
-  for (int64_t e = 0; e < E; ++e) {
-    MT_CHECK(c[e] >= 0, "grouped_wgrad_fp8: counts[{}] = {} is negative", e, c[e]);
-    first[e + 1] = first[e] + fp8_blocks_of(c[e]);
-  }
-  MT_CHECK(first[E] * kFp8Block <= P, "grouped_wgrad_fp8: counts need {} tiles of 128 columns, the operands have {}",
-           first[E], P / kFp8Block);
-  const Tensor a = cpu::dequantize_fp8(a_t, DType::F32), b = cpu::dequantize_fp8(b_t, DType::F32);
+// Per source and expert one BLAS product over its tiles' columns of the dequantized operands.
+void grouped_wgrad_fp8(const std::vector<Fp8WgradOperands>& sources, Tensor& dw, bool accumulate) {
   float* d = dw.data<float>();
-  for (int64_t e = 0; e < E; ++e) {
-    float* de = d + e * Ca * Cb;
-    const int64_t K = (first[e + 1] - first[e]) * kFp8Block;
-    if (K == 0) {
-      if (!accumulate) std::fill(de, de + Ca * Cb, 0.0f);
-      continue;
+  const int64_t E = dw.size(0), Ca = dw.size(1), Cb = dw.size(2);
+  for (size_t i = 0; i < sources.size(); ++i) {
+    const Fp8WgradOperands& src = sources[i];
+    const bool add = accumulate || i > 0;
+    const int64_t P = src.a_t.q.size(1);
+    const int64_t* c = src.counts.data<int64_t>();
+    std::vector<int64_t> first(static_cast<size_t>(E + 1), 0);
+    for (int64_t e = 0; e < E; ++e) {
+      MT_CHECK(c[e] >= 0, "grouped_wgrad_fp8: source {}: counts[{}] = {} is negative", i, e, c[e]);
+      first[e + 1] = first[e] + fp8_blocks_of(c[e]);
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(Ca), static_cast<int>(Cb),
-                static_cast<int>(K), 1.0f, a.data<float>() + first[e] * kFp8Block, static_cast<int>(P),
-                b.data<float>() + first[e] * kFp8Block, static_cast<int>(P), accumulate ? 1.0f : 0.0f, de,
-                static_cast<int>(Cb));
+    MT_CHECK(first[E] * kFp8Block <= P,
+             "grouped_wgrad_fp8: source {}: counts need {} tiles of 128 columns, the operands have {}", i, first[E],
+             P / kFp8Block);
+    const Tensor a = cpu::dequantize_fp8(src.a_t, DType::F32), b = cpu::dequantize_fp8(src.b_t, DType::F32);
+    for (int64_t e = 0; e < E; ++e) {
+      float* de = d + e * Ca * Cb;
+      const int64_t K = (first[e + 1] - first[e]) * kFp8Block;
+      if (K == 0) {
+        if (!add) std::fill(de, de + Ca * Cb, 0.0f);
+        continue;
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(Ca), static_cast<int>(Cb),
+                  static_cast<int>(K), 1.0f, a.data<float>() + first[e] * kFp8Block, static_cast<int>(P),
+                  b.data<float>() + first[e] * kFp8Block, static_cast<int>(P), add ? 1.0f : 0.0f, de,
+                  static_cast<int>(Cb));
+    }
   }
 }
 

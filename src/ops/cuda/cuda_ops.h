@@ -63,8 +63,7 @@ SwigluOut grouped_swiglu_forward_fp8(const Fp8Tensor& x, const Tensor& counts, c
                                      const Fp8Tensor& w_up, const Fp8Tensor& w_down, int64_t experts);
 Fp8Tensor transpose_fp8_experts(const Fp8Tensor& w, int64_t experts);
 Fp8Tensor quantize_fp8_expert_columns(const Tensor& x, const Tensor& counts);
-void grouped_wgrad_fp8(const Fp8Tensor& a_t, const Fp8Tensor& b_t, const Tensor& counts, Tensor& dw,
-                       bool accumulate);
+void grouped_wgrad_fp8(const std::vector<Fp8WgradOperands>& sources, Tensor& dw, bool accumulate);
 SwigluInputGrads grouped_swiglu_backward_input_fp8(const Fp8Tensor& dy, const Tensor& counts, const Tensor& gate,
                                                    const Tensor& up, const Fp8Tensor& w_gate_t,
                                                    const Fp8Tensor& w_up_t, const Fp8Tensor& w_down_t,

@@ -126,21 +126,30 @@ Fp8Tensor quantize_fp8_expert_columns(const Tensor& x, const Tensor& counts) {
   return out;
 }
 
-void grouped_wgrad_fp8(const Fp8Tensor& a_t, const Fp8Tensor& b_t, const Tensor& counts, Tensor& dw,
-                       bool accumulate) {
+void grouped_wgrad_fp8(const std::vector<Fp8WgradOperands>& sources, Tensor& dw, bool accumulate) {
   const char* op = "grouped_wgrad_fp8";
-  check_cuda_tensors(op, {&a_t.q, &a_t.scale, &b_t.q, &b_t.scale, &counts, &dw});
-  const int64_t M = a_t.q.size(0), Nc = b_t.q.size(0), P = a_t.q.size(1), E = counts.size(0);
-  // The tiles as quantize_fp8_expert_columns laid them out (its counts sum to at most P rows).
-  const Tensor tiles = expert_tiles(counts, P);
+  check_cuda_tensors(op, {&dw});
+  const int64_t E = dw.size(0), M = dw.size(1), Nc = dw.size(2);
   Tensor counters = Tensor::empty({2}, DType::I32, dw.device());
-  MT_CHECK(launch_grouped_wgrad_fp8(static_cast<const uint8_t*>(a_t.q.raw()), a_t.scale.data<float>(),
-                                    static_cast<const uint8_t*>(b_t.q.raw()), b_t.scale.data<float>(), M, Nc, P,
-                                    tiles.data<int32_t>() + E + 1, static_cast<int>(E), dw.data<float>(), accumulate,
-                                    counters.data<int32_t>(), stream()),
-           "{}: the FP8 weight-gradient GEMM needs a Hopper GPU (sm_90) and operands its tensor maps take "
-           "(a_t {}, b_t {})", op, a_t.q.str(), b_t.q.str());
-  check_launch(op);
+  for (size_t first = 0; first < sources.size(); first += kFp8WgradMaxSources) {
+    std::vector<Tensor> tiles;  // kept until the launch is queued
+    std::vector<Fp8WgradSource> src;
+    for (size_t i = first; i < std::min(sources.size(), first + kFp8WgradMaxSources); ++i) {
+      const Fp8WgradOperands& s = sources[i];
+      check_cuda_tensors(op, {&s.a_t.q, &s.a_t.scale, &s.b_t.q, &s.b_t.scale, &s.counts});
+      const int64_t P = s.a_t.q.size(1);
+      // The tiles as quantize_fp8_expert_columns laid them out (its counts sum to at most P rows).
+      tiles.push_back(expert_tiles(s.counts, P));
+      src.push_back({static_cast<const uint8_t*>(s.a_t.q.raw()), s.a_t.scale.data<float>(),
+                     static_cast<const uint8_t*>(s.b_t.q.raw()), s.b_t.scale.data<float>(), P,
+                     tiles.back().data<int32_t>() + E + 1});
+    }
+    MT_CHECK(launch_grouped_wgrad_fp8(src.data(), static_cast<int>(src.size()), M, Nc, static_cast<int>(E),
+                                      dw.data<float>(), accumulate || first > 0, counters.data<int32_t>(), stream()),
+             "{}: the FP8 weight-gradient GEMM needs a Hopper GPU (sm_90) and operands its tensor maps take "
+             "(dw {}, the first source's a_t {})", op, dw.str(), sources[first].a_t.q.str());
+    check_launch(op);
+  }
 }
 
 Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype) {

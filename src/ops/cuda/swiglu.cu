@@ -1428,16 +1428,21 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 // (DeepSeek-V3's promotion every 128 of K). A stage brings the k-tile's codes (48 KB) and its
 // scales (A's 128 rows, B's 256 columns: plain f32 TMA boxes) on one barrier; the consumers
 // read the scales from shared memory. One staging buffer per consumer warpgroup (the
-// scales' 6 KB take the second's place).
+// scales' 6 KB take the second's place). Up to kFp8WgradSources micro-batches (sources) a
+// launch: a tile's k loop runs over every source's tiles of its expert in turn, so dW is
+// written or added to once for all of them (gradient accumulation).
+constexpr int kFp8WgradSources = 4;
 struct Fp8WgradMaps {
-  CUtensorMap a, b;    // codes [M, P], [Nc, P]: boxes 128 k x 128 rows
-  CUtensorMap sa, sb;  // scales [T][M], [T][Nc] (plain f32): boxes 128 x 1, 256 x 1
-  CUtensorMap c;       // dW [E, M, Nc] f32: box 32 x 64 x 1
+  CUtensorMap a[kFp8WgradSources], b[kFp8WgradSources];    // codes [M, P], [Nc, P]: boxes 128 k x 128 rows
+  CUtensorMap sa[kFp8WgradSources], sb[kFp8WgradSources];  // scales [T][M], [T][Nc] (plain f32): boxes 128 x 1, 256 x 1
+  CUtensorMap c;                                           // dW [E, M, Nc] f32: box 32 x 64 x 1
 };
 struct Fp8WgradArgs {
-  const int* first_tile;  // [E + 1]: expert e's k-tiles are [first_tile[e], first_tile[e + 1])
-  int accumulate;         // 0: dW = the sum (an expert without rows gets zeros)
-  int* next;              // the tile queue's two counters, zero before the launch
+  // Per source [E + 1]: expert e's k-tiles are [first_tile[e], first_tile[e + 1]).
+  const int* first_tile[kFp8WgradSources];
+  int sources;
+  int accumulate;  // 0: dW = the sum (an expert without rows gets zeros)
+  int* next;       // the tile queue's two counters, zero before the launch
 };
 constexpr int kF8WgS = 4, kF8WgBufs = 1;
 constexpr int kF8WgStage = 3 * kTile;  // A: 128 rows x 128 codes; B: 256 rows x 128 codes
@@ -1477,11 +1482,14 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     int it = 0;  // stages used so far: the ring position
     for (;;) {
       const int t = queues.take();
-      int first = 0, ktiles = 0;
+      int first[kFp8WgradSources], count[kFp8WgradSources], ktiles = 0;  // each source's tiles of the expert
       if (t >= 0) {
         const int e = t / (gx * gy);
-        first = args.first_tile[e];
-        ktiles = args.first_tile[e + 1] - first;
+        for (int src = 0; src < args.sources; ++src) {
+          first[src] = args.first_tile[src][e];
+          count[src] = args.first_tile[src][e + 1] - first[src];
+          ktiles += count[src];
+        }
       }
       if (t >= 0 && ktiles == 0 && args.accumulate) continue;  // nothing to add to this tile
       if (ktiles == 0) {  // the end (-1), or zeros to store
@@ -1490,17 +1498,22 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         continue;
       }
       const int m0 = ((t / gx) % gy) * 128, n0 = (t % gx) * 256;
-      for (int kt = 0; kt < ktiles; ++kt, ++it) {
-        const int s = it % S, tile = first + kt;
+      int src = 0, j = 0;  // the source of k-tile kt and its index among that source's tiles
+      for (int kt = 0; kt < ktiles; ++kt, ++it, ++j) {
+        while (j >= count[src]) {  // (a source without rows of the expert has no k-tile)
+          ++src;
+          j = 0;
+        }
+        const int s = it % S, tile = first[src] + j;
         if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);  // its previous k-tile has left it
         char* st = smem + s * kF8WgStage;
         if (kt == 0) tile_of[s] = make_int2(t, ktiles);  // published by the arrive below
         mbar_arrive_expect_tx(&full[s], kF8WgStage + (128 + 256) * 4);
-        tma_load_2d(st, &maps.a, &full[s], tile * 128, m0);
-        tma_load_2d(st + kTile, &maps.b, &full[s], tile * 128, n0);
-        tma_load_2d(st + 2 * kTile, &maps.b, &full[s], tile * 128, n0 + 128);
-        tma_load_2d(scale_a + s * 128, &maps.sa, &full[s], m0, tile);
-        tma_load_2d(scale_b + s * 256, &maps.sb, &full[s], n0, tile);
+        tma_load_2d(st, &maps.a[src], &full[s], tile * 128, m0);
+        tma_load_2d(st + kTile, &maps.b[src], &full[s], tile * 128, n0);
+        tma_load_2d(st + 2 * kTile, &maps.b[src], &full[s], tile * 128, n0 + 128);
+        tma_load_2d(scale_a + s * 128, &maps.sa[src], &full[s], m0, tile);
+        tma_load_2d(scale_b + s * 256, &maps.sb[src], &full[s], n0, tile);
       }
     }
     return;
@@ -1768,6 +1781,9 @@ void launch_fp8_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out
   }
 }
 
+static_assert(kFp8WgradMaxSources == hopper::kFp8WgradSources, "one number of FP8 weight-gradient sources");
+static_assert(sizeof(hopper::Fp8WgradMaps) + sizeof(hopper::Fp8WgradArgs) + 3 * sizeof(int) <= 4096,
+              "fp8_wgrad_kernel's parameters must fit the 4 KB every driver takes");
 static_assert(sizeof(hopper::WgradMaps) + sizeof(WgradArgs) + 3 * sizeof(int) <= 4096,
               "wgrad_ws_kernel's parameters must fit the 4 KB every driver takes");
 
@@ -1967,23 +1983,30 @@ bool launch_swiglu_backward_input_fp8(const uint8_t* dy_q, const float* dy_scale
   return true;
 }
 
-bool launch_grouped_wgrad_fp8(const uint8_t* a_q, const float* a_scale, const uint8_t* b_q, const float* b_scale,
-                              int64_t M, int64_t Nc, int64_t P, const int* first_tile, int E, float* dw,
+bool launch_grouped_wgrad_fp8(const Fp8WgradSource* src, int n, int64_t M, int64_t Nc, int E, float* dw,
                               bool accumulate, int* counters, cudaStream_t stream) {
-  if (!use_hopper()) return false;
-  if (M == 0 || Nc == 0 || E == 0) return true;
-  const uint64_t m = M, nc = Nc, p = P, t = P / 128, e = E;
+  if (!use_hopper() || n > hopper::kFp8WgradSources) return false;
+  if (M == 0 || Nc == 0 || E == 0 || n == 0) return true;
+  const uint64_t m = M, nc = Nc, e = E;
   hopper::Fp8WgradMaps maps{};
-  if (!make_tensor_map_bytes(&maps.a, a_q, {p, m}, {128, 128}) || !make_tensor_map_bytes(&maps.b, b_q, {p, nc}, {128, 128}) ||
-      !make_tensor_map_f32_plain(&maps.sa, a_scale, {m, t}, {128, 1}) ||
-      !make_tensor_map_f32_plain(&maps.sb, b_scale, {nc, t}, {256, 1}) ||
-      !make_map(&maps.c, dw, {nc, m, e}, {32, 64, 1}, true)) {
-    return false;
+  hopper::Fp8WgradArgs args{};
+  for (int k = 0; k < n; ++k) {
+    const uint64_t p = src[k].P, t = src[k].P / 128;
+    if (!make_tensor_map_bytes(&maps.a[k], src[k].a_q, {p, m}, {128, 128}) ||
+        !make_tensor_map_bytes(&maps.b[k], src[k].b_q, {p, nc}, {128, 128}) ||
+        !make_tensor_map_f32_plain(&maps.sa[k], src[k].a_scale, {m, t}, {128, 1}) ||
+        !make_tensor_map_f32_plain(&maps.sb[k], src[k].b_scale, {nc, t}, {256, 1})) {
+      return false;
+    }
+    args.first_tile[k] = src[k].first_tile;
   }
+  if (!make_map(&maps.c, dw, {nc, m, e}, {32, 64, 1}, true)) return false;
   const int gx = static_cast<int>((Nc + 255) / 256), gy = static_cast<int>((M + 127) / 128);
   const int tiles = gx * gy * E;
   cudaMemsetAsync(counters, 0, 2 * sizeof(int), stream);
-  const hopper::Fp8WgradArgs args{first_tile, accumulate ? 1 : 0, counters};
+  args.sources = n;
+  args.accumulate = accumulate ? 1 : 0;
+  args.next = counters;
   auto kernel = hopper::fp8_wgrad_kernel;
   prepare_hopper(kernel, hopper::kF8WgSmem);
   kernel<<<persistent_grid(tiles), hopper::kWsThreads, hopper::kF8WgSmem, stream>>>(maps, args, gx, gy, tiles);
