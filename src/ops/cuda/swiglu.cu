@@ -952,6 +952,22 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #endif
 }
 
+#if MT_SM90A
+// One k-tile's fresh sum in FP8 of a consumer warpgroup's 64 K-major rows of A (at a) and 128
+// K-major rows of B (at b), both 128 codes deep in 128-byte swizzled rows: four k32 MMAs,
+// waited for, since the promotion (every 128 of K, DeepSeek-V3's) reads it next.
+__device__ __forceinline__ void fp8_fresh_sum(float (&part)[64], uint32_t a, uint32_t b) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    wgmma_m64n128k32_e4m3(part, sw128_desc(a + kk * 32, 16, 1024), sw128_desc(b + kk * 32, 16, 1024), kk);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  pin(part);
+}
+#endif  // MT_SM90A
+
 // ---- FP8 row-grouped GEMMs (issue 30) ---------------------------------------------------
 // rows_kernel's schedule, ring and epilogues with e4m3 operands, both K-major (Hopper's FP8
 // MMA takes no transposed operand): the forward's gate/up and down, and the input
@@ -1158,15 +1174,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float part[64];
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          wgmma_m64n128k32_e4m3(part, sw128_desc(a + kk * 32, 16, 1024),
-                                sw128_desc(b + half * kTile + kk * 32, 16, 1024), kk);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        pin(part);
+        fp8_fresh_sum(part, a, b + half * kTile);
         const float sbh = cur[2 + half], s0 = cur[0] * sbh, s1 = cur[1] * sbh;
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[half * 64 + i] += part[i] * ((i & 2) ? s1 : s0);  // part[4j + 2h + c]
@@ -1545,15 +1553,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float part[64];
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          wgmma_m64n128k32_e4m3(part, sw128_desc(a + kk * 32, 16, 1024),
-                                sw128_desc(b + half * kTile + kk * 32, 16, 1024), kk);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        pin(part);
+        fp8_fresh_sum(part, a, b + half * kTile);
         // part[4 nb + 2 h + c]: row my_row + 8 h, column half 128 + 8 nb + 2 (lane % 4) + c
         const float* cs = scale_b + s * 256 + half * 128 + 2 * (lane & 3);
 #pragma unroll
