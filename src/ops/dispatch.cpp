@@ -127,7 +127,8 @@ void grouped_wgrad_fp8(const std::vector<Fp8WgradOperands>& sources, Tensor& dw,
 
 void grouped_swiglu_backward_weight_fp8(const std::vector<SwigluWgradRows>& rows, Tensor& dw_gate, Tensor& dw_up,
                                         Tensor& dw_down, bool accumulate, SumSquaresInto squares) {
-  constexpr size_t kChunk = 4;  // micro-batches whose operands are quantized at a time (the GPU kernel's sources)
+  // Micro-batches whose operands are quantized at a time: one pass of the GPU kernel.
+  constexpr size_t kChunk = kFp8WgradSourcesPerPass;
   for (size_t first = 0; first < rows.size(); first += kChunk) {
     std::vector<Fp8WgradOperands> down, gate, up;
     for (size_t i = first; i < std::min(rows.size(), first + kChunk); ++i) {

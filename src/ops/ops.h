@@ -481,7 +481,8 @@ Fp8Tensor quantize_fp8_expert_columns(const Tensor& x, const Tensor& counts);
 // 128 of K, each fresh sum times its row's and its column's scale). An expert without rows
 // gets zeros (or is left as it is, accumulating). Several sources (micro-batches, each its
 // own operands and counts; the same Ca, Cb and E): the sum over all of them, dw written or
-// added to once (on the GPU once per 4 sources).
+// added to once (on the GPU once per kFp8WgradSourcesPerPass sources).
+constexpr int kFp8WgradSourcesPerPass = 4;
 struct Fp8WgradOperands {
   Fp8Tensor a_t, b_t;
   Tensor counts;

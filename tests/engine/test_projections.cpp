@@ -229,23 +229,33 @@ void expect_fp8_step_close(const Config& c, const char* family) {
               l2.ce_sum * scale, l1.ce_sum * scale, median, errors.back());
 }
 
-TEST(Projections, Fp8TrainingStepOfBothFamiliesStaysClose) {
+// The tiny configs of both families at FP8 widths (hidden 128: whole tiles), every token
+// taking every expert (above), small weights.
+Qwen3MoeConfig fp8_qwen3_config() {
   Qwen3MoeConfig q = testing::tiny_moe_config(300);
   q.num_experts_per_tok = q.num_experts;
   q.hidden_size = 128;
   q.head_dim = 32;
   q.initializer_range = 0.05;
-  expect_fp8_step_close<Qwen3MoeModel>(q, "qwen3_moe");
-  q.moe_intermediate_size = 128;  // the experts in FP8 too
-  q.intermediate_size = 128;
-  expect_fp8_step_close<Qwen3MoeModel>(q, "qwen3_moe, FP8 experts");
+  return q;
+}
+DeepseekV3Config fp8_dsv3_config() {
   DeepseekV3Config v = testing::tiny_dsv3_config(300);
   v.n_group = 1;
   v.topk_group = 1;
   v.num_experts_per_tok = v.n_routed_experts;
   v.hidden_size = 128;
   v.initializer_range = 0.05;
-  expect_fp8_step_close<DeepseekV3Model>(v, "deepseek_v3");
+  return v;
+}
+
+TEST(Projections, Fp8TrainingStepOfBothFamiliesStaysClose) {
+  Qwen3MoeConfig q = fp8_qwen3_config();
+  expect_fp8_step_close<Qwen3MoeModel>(q, "qwen3_moe");
+  q.moe_intermediate_size = 128;  // the experts in FP8 too
+  q.intermediate_size = 128;
+  expect_fp8_step_close<Qwen3MoeModel>(q, "qwen3_moe, FP8 experts");
+  expect_fp8_step_close<DeepseekV3Model>(fp8_dsv3_config(), "deepseek_v3");
 }
 
 // The experts' weight gradients in FP8 (MOETRAIN_FP8_EXPERTS_WGRAD=1: quantized along each
@@ -299,22 +309,13 @@ void expect_fp8_wgrad_close(const Config& c, const char* family) {
 }
 
 TEST(Projections, ExpertWeightGradientsInFp8StayClose) {
-  Qwen3MoeConfig q = testing::tiny_moe_config(300);
-  q.num_experts_per_tok = q.num_experts;
-  q.hidden_size = 128;
-  q.head_dim = 32;
+  Qwen3MoeConfig q = fp8_qwen3_config();
   q.moe_intermediate_size = 128;
   q.intermediate_size = 128;
-  q.initializer_range = 0.05;
   expect_fp8_wgrad_close<Qwen3MoeModel>(q, "qwen3_moe");
-  DeepseekV3Config v = testing::tiny_dsv3_config(300);
-  v.n_group = 1;
-  v.topk_group = 1;
-  v.num_experts_per_tok = v.n_routed_experts;
-  v.hidden_size = 128;
+  DeepseekV3Config v = fp8_dsv3_config();
   v.moe_intermediate_size = 128;
   v.intermediate_size = 256;
-  v.initializer_range = 0.05;
   expect_fp8_wgrad_close<DeepseekV3Model>(v, "deepseek_v3");
 }
 

@@ -112,13 +112,19 @@ void ExpertWeightGrads::backward_weight(ops::SwigluWgradRows rows, bool moe, boo
       ops::grouped_swiglu_backward_weight_group(pending_, g_gate, g_up, g_down, pending_accumulate_, group_squares);
     }
     pending_.clear();
-  } else if (fp8 && rows.act.defined()) {
-    ops::grouped_swiglu_backward_weight_fp8({rows}, g_gate, g_up, g_down, accumulate,
-                                            moe && !accumulate ? squares : ops::SumSquaresInto{});
+  } else {
+    swiglu_weight_grads(rows, g_gate, g_up, g_down, accumulate, moe && !accumulate ? squares : ops::SumSquaresInto{},
+                        fp8);
+  }
+}
+
+void swiglu_weight_grads(const ops::SwigluWgradRows& rows, Tensor& g_gate, Tensor& g_up, Tensor& g_down,
+                         bool accumulate, ops::SumSquaresInto squares, bool fp8) {
+  if (fp8 && rows.act.defined()) {
+    ops::grouped_swiglu_backward_weight_fp8({rows}, g_gate, g_up, g_down, accumulate, squares);
   } else {
     ops::grouped_swiglu_backward_weight(rows.dy, rows.x, rows.counts, rows.gate, rows.up, rows.dgate, rows.dup, g_gate,
-                                        g_up, g_down, accumulate, moe && !accumulate ? squares : ops::SumSquaresInto{},
-                                        rows.act);
+                                        g_up, g_down, accumulate, squares, rows.act);
   }
 }
 

@@ -44,6 +44,12 @@ struct DecoderSpec {
   double mtp_loss_weight = 0;
 };
 
+// The SwiGLU weight gradients of one micro-batch's rows, written or added (squares as
+// ops::grouped_swiglu_backward_weight's): in FP8 (ops::grouped_swiglu_backward_weight_fp8)
+// where fp8 and the forward's act is kept, else in BF16.
+void swiglu_weight_grads(const ops::SwigluWgradRows& rows, Tensor& g_gate, Tensor& g_up, Tensor& g_down,
+                         bool accumulate, ops::SumSquaresInto squares, bool fp8);
+
 // A layer's SwiGLU experts' weight gradients (the routed experts, or a dense MLP held as one
 // expert), from what its backward saved: made at once or, for an MoE layer that defers them
 // (DecoderLayer::backward_weight's defer_experts), kept and made in one pass with the next

@@ -296,14 +296,10 @@ void DeepseekV3DecoderLayer::backward_weight(LayerState& state, bool accumulate,
                                   moe_, accumulate, squares, defer_experts, id_, g_w_gate_, g_w_up_, g_w_down_,
                                   proj_->fp8_experts_wgrad(w_gate_.size(2), w_gate_.size(1)));
     if (has_shared()) {
-      const ops::SwigluWgradRows rows{s.d_layer_out,   s.ln2.y,          shared_counts(s.ln2.y.size(0)), s.shared.gate,
-                                      s.shared.up,     s.d_shared.dgate, s.d_shared.dup,                 s.shared.act};
-      if (proj_->fp8_experts_wgrad(g_ws_gate_.size(2), g_ws_gate_.size(1)) && rows.act.defined()) {
-        ops::grouped_swiglu_backward_weight_fp8({rows}, g_ws_gate_, g_ws_up_, g_ws_down_, accumulate);
-      } else {
-        ops::grouped_swiglu_backward_weight(rows.dy, rows.x, rows.counts, rows.gate, rows.up, rows.dgate, rows.dup,
-                                            g_ws_gate_, g_ws_up_, g_ws_down_, accumulate, {}, rows.act);
-      }
+      swiglu_weight_grads({s.d_layer_out, s.ln2.y, shared_counts(s.ln2.y.size(0)), s.shared.gate, s.shared.up,
+                           s.d_shared.dgate, s.d_shared.dup, s.shared.act},
+                          g_ws_gate_, g_ws_up_, g_ws_down_, accumulate, {},
+                          proj_->fp8_experts_wgrad(g_ws_gate_.size(2), g_ws_gate_.size(1)));
     }
   }
   {

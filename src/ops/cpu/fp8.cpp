@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "ops/arg_checks.h"
 #include "ops/cpu/cpu_ops.h"
@@ -125,20 +127,20 @@ UnpackedFp8Rows unpack_fp8_rows(const Tensor& packed, int64_t cols, DType dtype)
 namespace {
 
 // The experts' first tiles [E + 1] of quantize_fp8_expert_columns' layout (expert e: tiles
-// [first[e], first[e + 1])) and their first rows [E + 1], from counts summing to `rows`.
+// [first[e], first[e + 1])) and their first rows [E + 1], from counts (`what` names them in
+// the errors).
 struct ExpertTiles {
   std::vector<int64_t> first_tile, first_row;
 };
-ExpertTiles expert_tiles(const Tensor& counts, int64_t rows, const char* op) {
+ExpertTiles expert_tiles(const Tensor& counts, const std::string& what) {
   const int64_t E = counts.size(0);
   const int64_t* c = counts.data<int64_t>();
   ExpertTiles t{std::vector<int64_t>(static_cast<size_t>(E + 1), 0), std::vector<int64_t>(static_cast<size_t>(E + 1), 0)};
   for (int64_t e = 0; e < E; ++e) {
-    MT_CHECK(c[e] >= 0, "{}: counts[{}] = {} is negative", op, e, c[e]);
+    MT_CHECK(c[e] >= 0, "{}[{}] = {} is negative", what, e, c[e]);
     t.first_row[e + 1] = t.first_row[e] + c[e];
     t.first_tile[e + 1] = t.first_tile[e] + fp8_blocks_of(c[e]);
   }
-  MT_CHECK(t.first_row[E] == rows, "{}: counts sum to {} but there are {} rows", op, t.first_row[E], rows);
   return t;
 }
 
@@ -148,7 +150,9 @@ ExpertTiles expert_tiles(const Tensor& counts, int64_t rows, const char* op) {
 // codes, written transposed into the tile's 128 columns.
 Fp8Tensor quantize_fp8_expert_columns(const Tensor& x, const Tensor& counts) {
   const int64_t N = x.size(0), C = x.size(1), E = counts.size(0), T = fp8_expert_tiles(N, E), P = T * kFp8Block;
-  const ExpertTiles et = expert_tiles(counts, N, "quantize_fp8_expert_columns");
+  const ExpertTiles et = expert_tiles(counts, "quantize_fp8_expert_columns: counts");
+  MT_CHECK(et.first_row[E] == N, "quantize_fp8_expert_columns: counts sum to {} but there are {} rows",
+           et.first_row[E], N);
   const std::vector<float> v = as_floats(x);
   Fp8Tensor out{Tensor::zeros({C, P}, DType::F8E4M3), Tensor::full({T, C}, 1.0, DType::F32), Fp8Blocks::kRows};
   uint8_t* q = static_cast<uint8_t*>(out.q.raw());
@@ -177,12 +181,8 @@ void grouped_wgrad_fp8(const std::vector<Fp8WgradOperands>& sources, Tensor& dw,
     const Fp8WgradOperands& src = sources[i];
     const bool add = accumulate || i > 0;
     const int64_t P = src.a_t.q.size(1);
-    const int64_t* c = src.counts.data<int64_t>();
-    std::vector<int64_t> first(static_cast<size_t>(E + 1), 0);
-    for (int64_t e = 0; e < E; ++e) {
-      MT_CHECK(c[e] >= 0, "grouped_wgrad_fp8: source {}: counts[{}] = {} is negative", i, e, c[e]);
-      first[e + 1] = first[e] + fp8_blocks_of(c[e]);
-    }
+    const std::vector<int64_t> first =
+        expert_tiles(src.counts, fmt::format("grouped_wgrad_fp8: source {}: counts", i)).first_tile;
     MT_CHECK(first[E] * kFp8Block <= P,
              "grouped_wgrad_fp8: source {}: counts need {} tiles of 128 columns, the operands have {}", i, first[E],
              P / kFp8Block);

@@ -15,6 +15,9 @@
 #include "ops/cuda/swiglu_launch.h"
 
 namespace moetrain::ops::cuda {
+
+static_assert(kFp8WgradMaxSources == ops::kFp8WgradSourcesPerPass, "one number of FP8 weight-gradient sources a pass");
+
 namespace {
 
 void check_input(const char* op, const Tensor& x) {

@@ -158,6 +158,25 @@ __device__ __forceinline__ float staged_column_scale(const StagedTile& tile, flo
   __syncthreads();
   return tile_scale(fmaxf(fmaxf(part_max[0][cc], part_max[1][cc]), fmaxf(part_max[2][cc], part_max[3][cc])));
 }
+// Stages `rows` (<= 128) bf16 rows of x [., C] from row r0, columns c0 .. c0 + 63 (C % 8 == 0:
+// an 8-column chunk is all in or all out), 16 bytes a load, zeros past them.
+__device__ __forceinline__ void stage_rows_bf16x8(StagedTile& tile, const __nv_bfloat16* __restrict__ x, int64_t r0,
+                                                  int64_t rows, int64_t C, int64_t c0, int tid) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {  // 128 rows x 8 chunks of 8: a warp reads 4 rows' 128 bytes
+    const int i = tid + 256 * k, rr = i / 8, cc = 8 * (i % 8);
+    const int64_t c = c0 + cc;
+    float v[8];
+    if (rr < rows && c < C) {
+      load8(x + (r0 + rr) * C + c, v);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) tile[rr][cc + j] = v[j];
+  }
+}
 __device__ __forceinline__ uint4 column_codes(const StagedTile& tile, int rr, int cc, float s) {
   uint4 out;
   uint8_t* b = reinterpret_cast<uint8_t*>(&out);
@@ -182,20 +201,7 @@ __global__ void __launch_bounds__(256) quantize_transposed_bf16x8_kernel(const _
   const int64_t rb = blockIdx.x / n_cb, cb = blockIdx.x % n_cb;
   const int64_t r0 = rb * kBlock, c0 = cb * kCols;
   const int tid = threadIdx.x;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {  // 128 rows x 8 chunks of 8: a warp reads 4 rows' 128 bytes
-    const int i = tid + 256 * k, rr = i / 8, cc = 8 * (i % 8);
-    const int64_t r = r0 + rr, c = c0 + cc;
-    float v[8];
-    if (r < R && c < C) {  // C % 8 == 0: a chunk is all in or all out
-      load8(x + r * C + c, v);
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) tile[rr][cc + j] = v[j];
-  }
+  stage_rows_bf16x8(tile, x, r0, R - r0, C, c0, tid);
   __syncthreads();
   const int cc = tid % kCols, part = tid / kCols;
   const float s = staged_column_scale(tile, part_max, tid);
@@ -514,20 +520,7 @@ __global__ void __launch_bounds__(256) quantize_expert_columns_kernel(const void
   const int64_t r0 = tile_row[t];
   const int rows = tile_rows[t];
   if constexpr (kVec8) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {  // 128 rows x 8 chunks of 8: a warp reads 4 rows' 128 bytes
-      const int i = tid + 256 * k, rr = i / 8, cc = 8 * (i % 8);
-      const int64_t c = c0 + cc;
-      float v[8];
-      if (rr < rows && c < C) {  // C % 8 == 0: a chunk is all in or all out
-        load8(static_cast<const __nv_bfloat16*>(x) + (r0 + rr) * C + c, v);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = 0.f;
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) tile[rr][cc + j] = v[j];
-    }
+    stage_rows_bf16x8(tile, static_cast<const __nv_bfloat16*>(x), r0, rows, C, c0, tid);
   } else {
     for (int i = tid; i < kBlock * kCols; i += 256) {  // a warp reads half a row's 64 columns
       const int rr = i / kCols, cc = i % kCols;

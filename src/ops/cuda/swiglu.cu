@@ -487,19 +487,26 @@ struct TileQueues {
 // The ring of both kernels (at least smem_bytes(S, kStageBytes) of dynamic shared memory):
 // S stages 1024-byte aligned, then full[S] (one arrival: the thread issuing the copies) and
 // empty[S] (one arrival per consumer warp: the 8 warps of two warpgroups).
-template <int S, int kStageBytes>
-__device__ __forceinline__ char* setup_smem(char* raw, uint64_t*& full, uint64_t*& empty) {
-  char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
-  full = reinterpret_cast<uint64_t*>(smem + S * kStageBytes);
-  empty = full + S;
+// init_ring_barriers sets the counts up, for the kernels that place the barriers themselves
+// (full_arrivals: the producer's arrive plus any asynchronous arrival its copies make); every
+// thread of the block calls it (it holds a __syncthreads).
+template <int S>
+__device__ __forceinline__ void init_ring_barriers(uint64_t* full, uint64_t* empty, int full_arrivals = 1) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
-      mbar_init(&full[s], 1);
+      mbar_init(&full[s], full_arrivals);
       mbar_init(&empty[s], kConsumerThreads / 32);
     }
     mbar_fence_init();
   }
   __syncthreads();
+}
+template <int S, int kStageBytes>
+__device__ __forceinline__ char* setup_smem(char* raw, uint64_t*& full, uint64_t*& empty) {
+  char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+  full = reinterpret_cast<uint64_t*>(smem + S * kStageBytes);
+  empty = full + S;
+  init_ring_barriers<S>(full, empty);
   return smem;
 }
 #endif  // MT_SM90A
@@ -992,6 +999,26 @@ struct Fp8Scales {
   int ldb;            // round_up(K_src / 128, 4)
   int b_blocks;       // n / 128: the block rows of one expert's weight
 };
+#if MT_SM90A
+// The block scales of a tile's two weight halves at k-tile kk of k source `second` (expert e,
+// first column n0): gate/up: gate's and up's block n0 / 128; else blocks n0 / 128 and the next,
+// clamped to the expert's last (a half past the weight is zero-filled by TMA). (The sources
+// are chosen by selects: a parameter array indexed at run time is copied to local memory.)
+template <bool kGateUp>
+__device__ __forceinline__ void weight_scale_ptrs(const Fp8Scales& sc, int e, int n0, int kk, bool second,
+                                                  const float*& b0, const float*& b1) {
+  const int brow0 = e * sc.b_blocks + n0 / 128;
+  if constexpr (kGateUp) {
+    b0 = sc.b[0] + static_cast<int64_t>(brow0) * sc.ldb + kk;
+    b1 = sc.b[1] + static_cast<int64_t>(brow0) * sc.ldb + kk;
+  } else {
+    const int brow1 = min(brow0 + 1, (e + 1) * sc.b_blocks - 1);
+    const float* bs = second ? sc.b[1] : sc.b[0];
+    b0 = bs + static_cast<int64_t>(brow0) * sc.ldb + kk;
+    b1 = bs + static_cast<int64_t>(brow1) * sc.ldb + kk;
+  }
+}
+#endif  // MT_SM90A
 
 // The FP8 kernel's shared memory with the scales staged (kSmemScales): the ring and the
 // epilogue's staging from the first 1024-aligned byte (kFp8Aligned bytes), and around them,
@@ -1059,14 +1086,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     empty = full + S;
     b_scales = reinterpret_cast<float*>(empty + S);
     tile_of = reinterpret_cast<int*>(b_scales + 2 * S);
-    if (threadIdx.x == 0) {
-      for (int s = 0; s < S; ++s) {
-        mbar_init(&full[s], 2);  // the producer's arrive, and its cp.async copies' completion
-        mbar_init(&empty[s], kConsumerThreads / 32);
-      }
-      mbar_fence_init();
-    }
-    __syncthreads();
+    init_ring_barriers<S>(full, empty, 2);  // the producer's arrive, and its cp.async copies' completion
   } else {
     smem = setup_smem<S, kWsStage>(smem_raw, full, empty);
     __shared__ int tile_of_static[S];
@@ -1094,19 +1114,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           if constexpr (kSmemScales) {
             const int s = static_cast<int>((st - smem) / kWsStage);
             tma_load_1d(a_scales + s * 128, &smaps.a[src], bar, kk * sc.n_rows + row0);
-            // the two halves' weight blocks (gate/up: gate's and up's; else n0's and the next,
-            // clamped to the expert's last: a half past the weight is zero-filled by TMA)
-            const int brow0 = e * sc.b_blocks + n0 / 128;
             const float *b0, *b1;
-            if constexpr (kGateUp) {
-              b0 = sc.b[0] + static_cast<int64_t>(brow0) * sc.ldb + kk;
-              b1 = sc.b[1] + static_cast<int64_t>(brow0) * sc.ldb + kk;
-            } else {
-              const int brow1 = min(brow0 + 1, (e + 1) * sc.b_blocks - 1);
-              const float* bs = src ? sc.b[1] : sc.b[0];
-              b0 = bs + static_cast<int64_t>(brow0) * sc.ldb + kk;
-              b1 = bs + static_cast<int64_t>(brow1) * sc.ldb + kk;
-            }
+            weight_scale_ptrs<kGateUp>(sc, e, n0, kk, src != 0, b0, b1);
             cp_async_4(b_scales + 2 * s, b0);
             cp_async_4(b_scales + 2 * s + 1, b1);
             cp_async_arrive_noinc(bar);
@@ -1130,27 +1139,20 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     const int rt = t / col_tiles, e = args.tile_expert[rt];
     const int row0 = args.tile_row[rt], row_end = args.offsets[e + 1];
     const int n0 = (t % col_tiles) * ws_tile_cols(kEpi);
-    // This thread's two rows (h = 0, 1) and the two halves' weight block rows (a tile's
-    // second half past the weight's last block is zero-filled by TMA: its scale is clamped).
+    // This thread's two rows (h = 0, 1; rows past N read a clamped scale: never stored) and
+    // the two halves' weight block scales (weight_scale_ptrs).
     const int r_lo = row0 + my_row;
     const int ra0 = min(r_lo, sc.n_rows - 1), ra1 = min(r_lo + 8, sc.n_rows - 1);
-    const int brow0 = e * sc.b_blocks + n0 / 128, brow1 = min(brow0 + 1, (e + 1) * sc.b_blocks - 1);
-    // (The sources are chosen by selects: a parameter array indexed at run time is copied
-    // to local memory.)
     auto load_scales = [&](int kt, float (&v)[4]) {
       const bool second = kt >= ktiles_src;
       const int kk = second ? kt - ktiles_src : kt;
       const float* sa = (second ? sc.a[1] : sc.a[0]) + static_cast<int64_t>(kk) * sc.n_rows;
       v[0] = sa[ra0];
       v[1] = sa[ra1];
-      if constexpr (kGateUp) {
-        v[2] = sc.b[0][static_cast<int64_t>(brow0) * sc.ldb + kk];
-        v[3] = sc.b[1][static_cast<int64_t>(brow0) * sc.ldb + kk];
-      } else {
-        const float* sb = second ? sc.b[1] : sc.b[0];
-        v[2] = sb[static_cast<int64_t>(brow0) * sc.ldb + kk];
-        v[3] = sb[static_cast<int64_t>(brow1) * sc.ldb + kk];
-      }
+      const float *b0, *b1;
+      weight_scale_ptrs<kGateUp>(sc, e, n0, kk, second, b0, b1);
+      v[2] = *b0;
+      v[3] = *b1;
     };
     float acc[128];
 #pragma unroll
@@ -1439,7 +1441,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 // scales' 6 KB take the second's place). Up to kFp8WgradSources micro-batches (sources) a
 // launch: a tile's k loop runs over every source's tiles of its expert in turn, so dW is
 // written or added to once for all of them (gradient accumulation).
-constexpr int kFp8WgradSources = 4;
+constexpr int kFp8WgradSources = kFp8WgradMaxSources;
 struct Fp8WgradMaps {
   CUtensorMap a[kFp8WgradSources], b[kFp8WgradSources];    // codes [M, P], [Nc, P]: boxes 128 k x 128 rows
   CUtensorMap sa[kFp8WgradSources], sb[kFp8WgradSources];  // scales [T][M], [T][Nc] (plain f32): boxes 128 x 1, 256 x 1
@@ -1471,14 +1473,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kF8WgBar);
   uint64_t* empty = full + S;
   int2* tile_of = reinterpret_cast<int2*>(empty + S);  // {tile, its k-tiles}, at the stage of its first k-tile
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kConsumerThreads / 32);
-    }
-    mbar_fence_init();
-  }
-  __syncthreads();
+  init_ring_barriers<S>(full, empty);
   const int wg = threadIdx.x >> 7;
   // Tile t: column tile t % gx (256 columns of Nc), row tile (t / gx) % gy (128 rows of M),
   // expert t / (gx gy).
@@ -1781,7 +1776,6 @@ void launch_fp8_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out
   }
 }
 
-static_assert(kFp8WgradMaxSources == hopper::kFp8WgradSources, "one number of FP8 weight-gradient sources");
 static_assert(sizeof(hopper::Fp8WgradMaps) + sizeof(hopper::Fp8WgradArgs) + 3 * sizeof(int) <= 4096,
               "fp8_wgrad_kernel's parameters must fit the 4 KB every driver takes");
 static_assert(sizeof(hopper::WgradMaps) + sizeof(WgradArgs) + 3 * sizeof(int) <= 4096,

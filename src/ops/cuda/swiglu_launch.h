@@ -29,7 +29,7 @@ void launch_swiglu_forward(const void* x, const int64_t* counts, const void* w_g
 // and act_scale [I / 128][N]: scratch for act quantized per 1 x 128 tile, the down GEMM's
 // input. Hopper only: returns false, launching nothing, elsewhere.
 // ops::grouped_wgrad_fp8 on Hopper: dw [E, M, Nc] f32 = (or +=) the sum over the n sources
-// (at most 4: kFp8WgradSources) and each expert's tiles [first_tile[e], first_tile[e + 1]) of
+// (at most kFp8WgradMaxSources) and each expert's tiles [first_tile[e], first_tile[e + 1]) of
 // a_t's and b_t's columns (codes [M, P], [Nc, P], scales [P / 128][M], [P / 128][Nc]);
 // counters: 2 ints of scratch. False where the Hopper kernels can't run.
 struct Fp8WgradSource {
@@ -40,7 +40,7 @@ struct Fp8WgradSource {
   int64_t P;
   const int* first_tile;  // [E + 1]
 };
-constexpr int kFp8WgradMaxSources = 4;
+constexpr int kFp8WgradMaxSources = 4;  // ops::kFp8WgradSourcesPerPass
 bool launch_grouped_wgrad_fp8(const Fp8WgradSource* src, int n, int64_t M, int64_t Nc, int E, float* dw,
                               bool accumulate, int* counters, cudaStream_t stream);
 bool launch_swiglu_forward_fp8(const uint8_t* x_q, const float* x_scale, const int64_t* counts, const uint8_t* wg_q,
