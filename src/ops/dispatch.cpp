@@ -414,9 +414,17 @@ Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Ten
   return MT_ROUTE(expert_out, combine_forward, expert_out, weight, residual, order);
 }
 
-CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& weight, const Tensor& order) {
+CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& weight, const Tensor& order,
+                              bool quantize_rows) {
   check_combine_order(order, weight, expert_out, "combine_backward");
-  return MT_ROUTE(dy, combine_backward, dy, expert_out, weight, order);
+#if MOETRAIN_WITH_CUDA
+  CombineGrads g = on_cuda(dy, "combine_backward") ? cuda::combine_backward(dy, expert_out, weight, order, quantize_rows)
+                                                   : cpu::combine_backward(dy, expert_out, weight, order);
+#else
+  CombineGrads g = MT_ROUTE(dy, combine_backward, dy, expert_out, weight, order);
+#endif
+  if (quantize_rows && !g.dexpert_out_q.q.defined()) g.dexpert_out_q = quantize_fp8(g.dexpert_out, Fp8Blocks::kRows);
+  return g;
 }
 
 SwigluOut grouped_swiglu_forward(const Tensor& x, const Tensor& counts, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down) {

@@ -330,10 +330,13 @@ Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Ten
 struct CombineGrads {
   Tensor dexpert_out;  // expert_out's shape, row(t, k) = w[t,k] * dy[t] (expert_out's layout)
   Tensor dweight;      // [T, K]   = <dy[t], e[row(t, k)]>
+  Fp8Tensor dexpert_out_q;  // quantize_rows: quantize_fp8(dexpert_out, kRows), bit for bit
 };
-// d(residual) is dy itself.
+// d(residual) is dy itself. quantize_rows: also dexpert_out's e4m3 codes per 1 x 128 tile,
+// made by the kernel that writes dexpert_out where it can (bf16, H % 128 == 0: the FP8
+// experts' input gradient reads them, with no pass of its own over the rows).
 CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& weight,
-                              const Tensor& order = Tensor());
+                              const Tensor& order = Tensor(), bool quantize_rows = false);
 
 // ---- grouped expert SwiGLU ------------------------------------------------------------
 // x [N, H] holds counts[e] consecutive rows per expert e (counts i64 [E], sum N).

@@ -10,6 +10,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -280,10 +282,18 @@ void expect_fp8_wgrad_close(const Config& c, const char* family) {
     m.forward_backward(b1, d, scale, 1.0, /*accumulate_grads=*/false, /*defer_expert_weights=*/true);
     m.forward_backward(b2, d, scale, 1.0, /*accumulate_grads=*/true, /*defer_expert_weights=*/false);
   };
+  // The switch as the caller left it is restored after (scripts/fp8-check runs this with it on).
+  const char* was = std::getenv("MOETRAIN_FP8_EXPERTS_WGRAD");
+  const std::string saved = was != nullptr ? was : "";
+  ::unsetenv("MOETRAIN_FP8_EXPERTS_WGRAD");
   run(base);
   ::setenv("MOETRAIN_FP8_EXPERTS_WGRAD", "1", 1);
   run(fp8);
-  ::unsetenv("MOETRAIN_FP8_EXPERTS_WGRAD");
+  if (was != nullptr) {
+    ::setenv("MOETRAIN_FP8_EXPERTS_WGRAD", saved.c_str(), 1);
+  } else {
+    ::unsetenv("MOETRAIN_FP8_EXPERTS_WGRAD");
+  }
   int swiglu = 0;
   double worst = 0;
   for (size_t i = 0; i < base.parameters().size(); ++i) {

@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "backend_compare.h"
 #include "ops/arg_checks.h"
@@ -94,6 +96,37 @@ TEST(BackendFp8, RmsNormQuantizesItsOutputAsTheQuantizer) {
 // the CPU's bytes on the GPU gives its codes, scales and values (bf16 and f32) bit for bit.
 // Widths for each piece the kernels move: a partial tile (bytes), 384 (4 bytes: 3 scales a
 // row), 768 (8), 2048 and 7168 (16); and no rows, and no columns.
+// The combine's backward with quantize_rows: the rows' gradient's codes made in its kernel
+// (bf16, H % 128 == 0; H = 384 leaves a half-warp past the row in its last pass) or, where
+// it cannot (H = 20), by the quantizer after it: either way the bits the CPU's quantizer
+// makes of the gradient it wrote, which is the same as without quantize_rows.
+TEST(BackendFp8, CombineBackwardQuantizesItsRowsAsTheQuantizer) {
+  MT_REQUIRE_GPU();
+  struct Case {
+    int64_t T, K, H;
+  };
+  for (Case c : {Case{512, 8, 2048}, Case{96, 4, 384}, Case{37, 3, 20}}) {
+    const std::string tag = "T=" + std::to_string(c.T) + " K=" + std::to_string(c.K) + " H=" + std::to_string(c.H);
+    const Tensor eo = on_gpu(random_bf16_values({c.T * c.K, c.H}, 5 + c.H), DType::BF16);
+    const Tensor w = testing::random_tensor({c.T, c.K}, DType::F32, 6 + c.T).to(kGpu);
+    const Tensor dy = on_gpu(random_bf16_values({c.T, c.H}, 7 + c.K), DType::BF16);
+    std::vector<int32_t> order(static_cast<size_t>(c.T * c.K));
+    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>((i * 7 + 3) % order.size());
+    const Tensor ord = Tensor::from_vector(order, {c.T * c.K}).to(kGpu);
+    for (const Tensor& o : {Tensor(), ord}) {
+      const std::string what = tag + (o.defined() ? " order" : "");
+      PoisonScope poison;
+      const ops::CombineGrads plain = ops::combine_backward(dy, eo, w, o);
+      const ops::CombineGrads g = ops::combine_backward(dy, eo, w, o, /*quantize_rows=*/true);
+      ASSERT_TRUE(g.dexpert_out_q.q.defined()) << what;
+      const Tensor d = g.dexpert_out.to(Device::cpu());
+      EXPECT_EQ(std::memcmp(d.raw(), plain.dexpert_out.to(Device::cpu()).raw(), static_cast<size_t>(d.numel()) * 2), 0)
+          << what << ": the gradient changed";
+      expect_same_fp8(g.dexpert_out_q, ops::quantize_fp8(d, ops::Fp8Blocks::kRows), what);
+    }
+  }
+}
+
 TEST(BackendFp8, PackedRowsMatchTheCpu) {
   MT_REQUIRE_GPU();
   PoisonScope poison;

@@ -38,12 +38,13 @@ Tensor swiglu_mlp_forward(const Projections& proj, DispatchOut& in, const Tensor
   return o.y;
 }
 
-Tensor swiglu_mlp_backward_input(const Projections& proj, const Tensor& d_rows_out, const DispatchOut& in,
-                                 const ops::SwigluOut& fwd, const Tensor& w_gate, const Tensor& w_up,
-                                 const Tensor& w_down, const RowPart& part, ops::SwigluInputGrads& grads) {
+Tensor swiglu_mlp_backward_input(const Projections& proj, const Tensor& d_rows_out, const ops::Fp8Tensor& d_rows_q,
+                                 const DispatchOut& in, const ops::SwigluOut& fwd, const Tensor& w_gate,
+                                 const Tensor& w_up, const Tensor& w_down, const RowPart& part,
+                                 ops::SwigluInputGrads& grads) {
   StageScope t(Stage::kExpertGemm);
   if (part.whole()) {
-    grads = proj.experts_backward_input(d_rows_out, in.counts, fwd.gate, fwd.up, w_gate, w_up, w_down);
+    grads = proj.experts_backward_input(d_rows_out, in.counts, fwd.gate, fwd.up, w_gate, w_up, w_down, d_rows_q);
     return grads.dx;
   }
   const ops::SwigluInputGrads g = proj.experts_backward_input(part.of(d_rows_out), part.counts, part.of(fwd.gate),
@@ -389,6 +390,7 @@ bool MoeDecoderModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
         ExpertDispatcher::CombineGrads cg = d.combine_backward_weighted(g.dx, s.dispatch);
         g.d_rows = std::move(cg.d_rows);
         g.d_topk_weight = std::move(cg.d_weight);
+        s.dispatch.d_rows_q = std::move(cg.d_rows_q);
       } else {
         g.d_rows = g.dx;  // 5: d mlp_out = d residual = dy
       }

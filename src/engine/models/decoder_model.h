@@ -99,9 +99,12 @@ Tensor swiglu_expert_reference(const Tensor& x, const Tensor& w_gate, const Tens
 // `grads` the same way.
 Tensor swiglu_mlp_forward(const Projections& proj, DispatchOut& in, const Tensor& w_gate, const Tensor& w_up,
                           const Tensor& w_down, const RowPart& part, ops::SwigluOut& out);
-Tensor swiglu_mlp_backward_input(const Projections& proj, const Tensor& d_rows_out, const DispatchOut& in,
-                                 const ops::SwigluOut& fwd, const Tensor& w_gate, const Tensor& w_up,
-                                 const Tensor& w_down, const RowPart& part, ops::SwigluInputGrads& grads);
+// d_rows_q: d_rows_out's FP8 codes where the combine's backward made them (DispatchState::
+// d_rows_q), used when the rows are whole, else quantized here as needed.
+Tensor swiglu_mlp_backward_input(const Projections& proj, const Tensor& d_rows_out, const ops::Fp8Tensor& d_rows_q,
+                                 const DispatchOut& in, const ops::SwigluOut& fwd, const Tensor& w_gate,
+                                 const Tensor& w_up, const Tensor& w_down, const RowPart& part,
+                                 ops::SwigluInputGrads& grads);
 
 // A layer's attention output through o_proj plus the residual x: attn_out Wo^T + x; under
 // tensor parallelism (b.tensor) this rank's heads' part of every row, summed over the tp ranks

@@ -69,13 +69,14 @@ ops::SwigluOut Projections::experts_forward(const Tensor& x, const Tensor& count
 
 ops::SwigluInputGrads Projections::experts_backward_input(const Tensor& dy, const Tensor& counts, const Tensor& gate,
                                                           const Tensor& up, const Tensor& w_gate, const Tensor& w_up,
-                                                          const Tensor& w_down) const {
+                                                          const Tensor& w_down, const ops::Fp8Tensor& dy_q) const {
   // A/B switch until the FP8 input gradient is measured against the BF16 one (temporary).
   static const bool bf16_input_grad = std::getenv("MOETRAIN_FP8_EXPERTS_BF16_DGRAD") != nullptr;
   if (!fp8_experts(dy.size(1), w_gate.size(1)) || bf16_input_grad) {
     return ops::grouped_swiglu_backward_input(dy, counts, gate, up, w_gate, w_up, w_down);
   }
-  return ops::grouped_swiglu_backward_input_fp8(ops::quantize_fp8(dy, ops::Fp8Blocks::kRows), counts, gate, up,
+  return ops::grouped_swiglu_backward_input_fp8(dy_q.q.defined() ? dy_q : ops::quantize_fp8(dy, ops::Fp8Blocks::kRows),
+                                                counts, gate, up,
                                                 expert_blocks(w_gate, true), expert_blocks(w_up, true),
                                                 expert_blocks(w_down, true), w_gate.size(0));
 }

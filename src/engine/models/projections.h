@@ -65,9 +65,10 @@ class Projections {
                                  const Tensor& w_down, const ops::Fp8Tensor& x_q = {}) const;
   // ops::grouped_swiglu_backward_input, in FP8 where experts_forward is (dy per 1 x 128 tile,
   // each expert's W^T blocks moved from W's, kept like them: ops::grouped_swiglu_backward_input_fp8).
+  // dy_q: dy's codes where a producer made them (the combine's backward), else dy is quantized.
   ops::SwigluInputGrads experts_backward_input(const Tensor& dy, const Tensor& counts, const Tensor& gate,
                                                const Tensor& up, const Tensor& w_gate, const Tensor& w_up,
-                                               const Tensor& w_down) const;
+                                               const Tensor& w_down, const ops::Fp8Tensor& dy_q = {}) const;
   // Whether experts_forward and experts_backward_input run these widths in FP8.
   bool fp8_experts(int64_t hidden, int64_t width) const;
   // Whether the experts' weight gradients run in FP8 too (ops::grouped_swiglu_backward_weight_fp8):

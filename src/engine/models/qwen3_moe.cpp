@@ -186,7 +186,8 @@ Tensor Qwen3MoeDecoderLayer::mlp_forward(LayerState& state, const RowPart& part)
 Tensor Qwen3MoeDecoderLayer::mlp_backward_input(const Tensor& d_rows_out, LayerState& state, const RowPart& part) const {
   auto& s = static_cast<Qwen3MoeLayerState&>(state);
   s.d_mlp_out = d_rows_out;
-  return swiglu_mlp_backward_input(*proj_, d_rows_out, s.expert_in, s.mlp, w_gate_, w_up_, w_down_, part, s.d_mlp);
+  return swiglu_mlp_backward_input(*proj_, d_rows_out, std::exchange(s.dispatch.d_rows_q, {}), s.expert_in, s.mlp,
+                                   w_gate_, w_up_, w_down_, part, s.d_mlp);
 }
 
 // Backward of stage 1, in reverse: router -> ln2 (+ residual) -> o_proj -> attention ->

@@ -69,11 +69,12 @@ ExpertDispatcher::CombineGrads ExpertDispatcher::combine_backward_weighted(const
   ops::CombineGrads g;
   {
     StageScope t(Stage::kCombine);
-    g = ops::combine_backward(dy, st.placed, st.weight, st.order);
+    const bool codes = st.fp8_rows && st.order.defined() && in_place_backward_is_identity();
+    g = ops::combine_backward(dy, st.placed, st.weight, st.order, /*quantize_rows=*/codes);
   }
   // The gradient is in the placed rows' order already when they came with one.
   Tensor d_rows = st.order.defined() ? combine_in_place_backward(g.dexpert_out, st) : combine_backward(g.dexpert_out, st);
-  return {std::move(d_rows), std::move(g.dweight)};
+  return {std::move(d_rows), std::move(g.dweight), std::move(g.dexpert_out_q)};
 }
 
 DispatchOut LocalDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx, int64_t num_experts,

@@ -42,7 +42,8 @@ Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Ten
   return y;
 }
 
-CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& weight, const Tensor& order) {
+CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& weight, const Tensor& order,
+                              bool quantize_rows) {
   const char* op = "combine_backward";
   const auto [T, K, H, R] = check_combine(op, expert_out, weight);
   check_shape(dy, {T, H}, "combine_backward dy");
@@ -56,10 +57,17 @@ CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const 
     g.dweight.zero_();
     return g;
   }
-  launch_combine_backward(dy.raw(), expert_out.raw(), weight.data<float>(),
-                          order.defined() ? order.data<int32_t>() : nullptr, T, static_cast<int>(K), R, H,
-                          g.dexpert_out.raw(), g.dweight.data<float>(), dy.dtype() == DType::BF16, stream());
+  Fp8Codes codes{};
+  if (quantize_rows && dy.dtype() == DType::BF16 && H % 128 == 0) {
+    g.dexpert_out_q = empty_fp8(R, H, Fp8Blocks::kRows, dy.device());
+    codes = {static_cast<uint8_t*>(g.dexpert_out_q.q.raw()), g.dexpert_out_q.scale.data<float>()};
+  }
+  const bool fused = launch_combine_backward(dy.raw(), expert_out.raw(), weight.data<float>(),
+                                             order.defined() ? order.data<int32_t>() : nullptr, T, static_cast<int>(K),
+                                             R, H, g.dexpert_out.raw(), g.dweight.data<float>(),
+                                             dy.dtype() == DType::BF16, codes, stream());
   check_launch("combine_backward_kernel");
+  if (!fused) g.dexpert_out_q = {};  // the caller quantizes
   return g;
 }
 

@@ -5,6 +5,7 @@
 // rows are read and written where the grouped GEMMs left them (4 KB each), which saves the
 // two unpermute copies of 2 x 268 MB a layer at the bench shape.
 #include "ops/cuda/combine_launch.h"
+#include "ops/cuda/fp8_device.cuh"
 #include "ops/cuda/kernels.cuh"
 #include "ops/cuda/moe_device.cuh"
 
@@ -57,11 +58,14 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-template <typename T, bool kVec8>
+// kCodes (bf16, kVec8, H % 128 == 0): also each written row's e4m3 codes per 1 x 128 tile
+// (fp8::quantize_half_warp_tile: a half-warp's 16 lanes hold one tile, 8 columns each): the
+// bits quantize_fp8 makes of deo.
+template <typename T, bool kVec8, bool kCodes = false>
 __global__ void __launch_bounds__(kWarps * 32)
     combine_backward_kernel(const T* __restrict__ dy, const T* __restrict__ eo, const float* __restrict__ weight,
                             const int32_t* __restrict__ order, int64_t T_, int K, int64_t R, int64_t H,
-                            T* __restrict__ deo, float* __restrict__ dweight) {
+                            T* __restrict__ deo, float* __restrict__ dweight, Fp8Codes codes) {
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (t >= T_) return;
@@ -100,6 +104,10 @@ __global__ void __launch_bounds__(kWarps * 32)
             acc += dv[u][q] * ev[u][q];
           }
           store8(de + h0 + u * 256, o);
+          if constexpr (kCodes) {  // the half-warp's columns are all inside H or all past it
+            const int64_t c = h0 + u * 256;
+            fp8::quantize_half_warp_tile(o, codes.q + at * H + c, codes.scale + (c / 128) * R + at);
+          }
         }
       }
     } else {
@@ -135,25 +143,36 @@ void launch_combine_forward(const void* expert_out, const float* weight, const v
   else go(float{});
 }
 
-void launch_combine_backward(const void* dy, const void* expert_out, const float* weight, const int32_t* order,
+bool launch_combine_backward(const void* dy, const void* expert_out, const float* weight, const int32_t* order,
                              int64_t T, int K, int64_t R, int64_t H, void* dexpert_out, float* dweight,
-                             bool is_bf16, cudaStream_t stream) {
-  if (T == 0 || K == 0) return;
-  const unsigned blocks = static_cast<unsigned>((T + kWarps - 1) / kWarps);
+                             bool is_bf16, Fp8Codes codes, cudaStream_t stream) {
   const bool vec = H % 8 == 0 && is_aligned16(dy) && is_aligned16(expert_out) && is_aligned16(dexpert_out);
+  const bool with_codes = codes.q != nullptr && is_bf16 && vec && H % 128 == 0;
+  if (T == 0 || K == 0) return with_codes;
+  const unsigned blocks = static_cast<unsigned>((T + kWarps - 1) / kWarps);
   auto go = [&](auto tag) {
     using E = decltype(tag);
     auto d = static_cast<const E*>(dy);
     auto eo = static_cast<const E*>(expert_out);
     auto de = static_cast<E*>(dexpert_out);
     if (vec) {
-      combine_backward_kernel<E, true><<<blocks, kWarps * 32, 0, stream>>>(d, eo, weight, order, T, K, R, H, de, dweight);
+      combine_backward_kernel<E, true>
+          <<<blocks, kWarps * 32, 0, stream>>>(d, eo, weight, order, T, K, R, H, de, dweight, codes);
     } else {
-      combine_backward_kernel<E, false><<<blocks, kWarps * 32, 0, stream>>>(d, eo, weight, order, T, K, R, H, de, dweight);
+      combine_backward_kernel<E, false>
+          <<<blocks, kWarps * 32, 0, stream>>>(d, eo, weight, order, T, K, R, H, de, dweight, codes);
     }
   };
-  if (is_bf16) go(__nv_bfloat16{});
-  else go(float{});
+  if (with_codes) {
+    combine_backward_kernel<__nv_bfloat16, true, true><<<blocks, kWarps * 32, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(dy), static_cast<const __nv_bfloat16*>(expert_out), weight, order, T, K, R,
+        H, static_cast<__nv_bfloat16*>(dexpert_out), dweight, codes);
+  } else if (is_bf16) {
+    go(__nv_bfloat16{});
+  } else {
+    go(float{});
+  }
+  return with_codes;
 }
 
 }  // namespace moetrain::ops::cuda

@@ -9,6 +9,9 @@ namespace moetrain::ops::cuda {
 Tensor embedding_forward(const Tensor& ids, const Tensor& weight, const VocabShard& shard);
 void embedding_backward_weight(const Tensor& ids, const Tensor& dy, Tensor& dweight, const VocabShard& shard);
 Tensor shift_tokens(const Tensor& ids, const Tensor& segment_ids, int64_t batch, int64_t k, int32_t fill);
+// An [R, C] FP8 tensor's storage in `blocks` mode on `device`, unwritten (a blocks-mode
+// scale's padding columns set to 1): for the kernels that write codes.
+Fp8Tensor empty_fp8(int64_t R, int64_t C, Fp8Blocks blocks, Device device);
 Fp8Tensor quantize_fp8(const Tensor& x, Fp8Blocks blocks);
 Fp8Tensor quantize_fp8_transposed(const Tensor& x, Fp8Blocks blocks);
 Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype);
@@ -57,7 +60,10 @@ Tensor unpermute_forward(const Tensor& yp, const Permutation& p);
 Tensor take_rows(const Tensor& x, const Tensor& index);
 Tensor unpermute_backward(const Tensor& dy, const Permutation& p);
 Tensor combine_forward(const Tensor& expert_out, const Tensor& weight, const Tensor& residual, const Tensor& order);
-CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& weight, const Tensor& order);
+// quantize_rows: also dexpert_out's codes (CombineGrads::dexpert_out_q) where the kernel can
+// make them (bf16, H % 128 == 0, 16-byte aligned); left undefined otherwise.
+CombineGrads combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& weight, const Tensor& order,
+                              bool quantize_rows);
 SwigluOut grouped_swiglu_forward(const Tensor& x, const Tensor& counts, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down);
 SwigluOut grouped_swiglu_forward_fp8(const Fp8Tensor& x, const Tensor& counts, const Fp8Tensor& w_gate,
                                      const Fp8Tensor& w_up, const Fp8Tensor& w_down, int64_t experts);

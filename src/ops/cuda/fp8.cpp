@@ -39,15 +39,6 @@ struct Fp8PlanKeyHash {
 };
 thread_local std::unordered_map<Fp8PlanKey, std::unique_ptr<LtPlan>, Fp8PlanKeyHash> t_fp8_plans;
 
-// An [R, C] FP8 tensor's storage in `blocks` mode on x's device (a blocks-mode scale's padding
-// columns set to 1).
-Fp8Tensor empty_fp8(int64_t R, int64_t C, Fp8Blocks blocks, Device device) {
-  Fp8Tensor out{Tensor::empty({R, C}, DType::F8E4M3, device),
-                Tensor::empty(fp8_scale_shape(R, C, blocks), DType::F32, device), blocks};
-  if (blocks == Fp8Blocks::kBlocks) out.scale.fill_(1.0);
-  return out;
-}
-
 // Where the kernels write values of `dtype` (bf16 or f32, which they write; f64 through f32),
 // and those values in `dtype`.
 Tensor values_buffer(int64_t R, int64_t C, DType dtype, Device device) {
@@ -56,6 +47,13 @@ Tensor values_buffer(int64_t R, int64_t C, DType dtype, Device device) {
 Tensor in_dtype(Tensor values, DType dtype) { return values.dtype() == dtype ? values : values.to(dtype); }
 
 }  // namespace
+
+Fp8Tensor empty_fp8(int64_t R, int64_t C, Fp8Blocks blocks, Device device) {
+  Fp8Tensor out{Tensor::empty({R, C}, DType::F8E4M3, device),
+                Tensor::empty(fp8_scale_shape(R, C, blocks), DType::F32, device), blocks};
+  if (blocks == Fp8Blocks::kBlocks) out.scale.fill_(1.0);
+  return out;
+}
 
 Fp8Tensor quantize_fp8(const Tensor& x, Fp8Blocks blocks) {
   const char* op = "quantize_fp8";

@@ -4,6 +4,7 @@
 // x / scale, the bits of the CPU reference (ops/cpu/fp8.cpp).
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
 #include <cstdint>
@@ -13,6 +14,35 @@ namespace moetrain::ops::cuda::fp8 {
 __device__ __forceinline__ float tile_scale(float amax) { return amax > 0.f ? amax / 448.f : 1.f; }
 __device__ __forceinline__ uint8_t to_e4m3(float v) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+// One 1 x 128 tile of a bf16 row held by the 16 lanes of an aligned half-warp, 8 columns a
+// lane (f: this lane's values before their bf16 rounding), quantized as quantize_fp8's rows
+// mode quantizes the stored bf16 row: the tile's amax by four shuffles within the half, the
+// 8 codes stored at q at once, the scale at *scale by the half's first lane. The half-warp
+// must be converged here (its 16 lanes all inside the row or all past it: rows a multiple
+// of 128 long); f is left holding the rounded values. For the kernels that write a bf16 row
+// and its codes in one pass (the norm, the combine's backward).
+__device__ __forceinline__ void quantize_half_warp_tile(float (&f)[8], uint8_t* q, float* scale) {
+  const unsigned lane = (threadIdx.z * blockDim.y * blockDim.x + threadIdx.y * blockDim.x + threadIdx.x) & 31u;
+  const unsigned half = 0xffffu << (lane & 16u);
+  float amax = 0.f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    f[k] = __bfloat162float(__float2bfloat16_rn(f[k]));
+    amax = fmaxf(amax, fabsf(f[k]));
+  }
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(half, amax, o));
+  const float s = tile_scale(amax);
+  uint32_t lo = 0, hi = 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    lo |= static_cast<uint32_t>(to_e4m3(f[k] / s)) << (8 * k);
+    hi |= static_cast<uint32_t>(to_e4m3(f[k + 4] / s)) << (8 * k);
+  }
+  *reinterpret_cast<uint2*>(q) = make_uint2(lo, hi);
+  if ((lane & 15u) == 0) *scale = s;
 }
 
 }  // namespace moetrain::ops::cuda::fp8

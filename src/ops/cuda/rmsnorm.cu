@@ -47,32 +47,6 @@ __device__ __forceinline__ float row_sum(float v) {
 }
 
 // y's 8 values f (as stored: rounded to bf16) quantized into their 1 x 128 tile, which the
-// 16 threads of this aligned half-warp hold (D a multiple of 128, so a half-warp is always
-// wholly in or out of the row's loop): the tile's amax by four shuffles within the half, then
-// the quantizer's arithmetic (fp8_device.cuh), 8 codes stored at once and the scale by the
-// half's first thread: the bits quantize_fp8(y) makes.
-__device__ __forceinline__ void quantize_tile_part(float (&f)[8], uint8_t* q, float* scale) {
-  const unsigned lane = (threadIdx.y * blockDim.x + threadIdx.x) & 31u;
-  const unsigned half = 0xffffu << (lane & 16u);
-  float amax = 0.f;
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    f[k] = __bfloat162float(__float2bfloat16_rn(f[k]));
-    amax = fmaxf(amax, fabsf(f[k]));
-  }
-#pragma unroll
-  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(half, amax, o));
-  const float s = fp8::tile_scale(amax);
-  uint32_t lo = 0, hi = 0;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    lo |= static_cast<uint32_t>(fp8::to_e4m3(f[k] / s)) << (8 * k);
-    hi |= static_cast<uint32_t>(fp8::to_e4m3(f[k + 4] / s)) << (8 * k);
-  }
-  *reinterpret_cast<uint2*>(q) = make_uint2(lo, hi);
-  if ((threadIdx.x & 15) == 0) *scale = s;
-}
-
 // kFp8: y also quantized per 1 x 128 tile into q [R, D] and qscale [D / 128, R] (kVec, D a
 // multiple of 128).
 template <int kTPR, bool kVec, bool kFp8 = false>
@@ -114,7 +88,7 @@ __global__ void __launch_bounds__(kBlock) rmsnorm_forward_kernel(const bf16* __r
 #pragma unroll
       for (int k = 0; k < 8; ++k) f[k] = f[k] * rs * g[k];
       store8(yr + v * 8, f);
-      if constexpr (kFp8) quantize_tile_part(f, q + r * D + v * 8, qscale + (v / 16) * R + r);
+      if constexpr (kFp8) fp8::quantize_half_warp_tile(f, q + r * D + v * 8, qscale + (v / 16) * R + r);
     }
   } else {
     for (int64_t i = threadIdx.x; i < D; i += kTPR) yr[i] = __float2bfloat16(to_float(xr[i]) * rs * to_float(w[i]));

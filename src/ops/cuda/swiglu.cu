@@ -487,14 +487,13 @@ struct TileQueues {
 // The ring of both kernels (at least smem_bytes(S, kStageBytes) of dynamic shared memory):
 // S stages 1024-byte aligned, then full[S] (one arrival: the thread issuing the copies) and
 // empty[S] (one arrival per consumer warp: the 8 warps of two warpgroups).
-// init_ring_barriers sets the counts up, for the kernels that place the barriers themselves
-// (full_arrivals: the producer's arrive plus any asynchronous arrival its copies make); every
-// thread of the block calls it (it holds a __syncthreads).
+// init_ring_barriers sets the counts up, for the kernels that place the barriers themselves;
+// every thread of the block calls it (it holds a __syncthreads).
 template <int S>
-__device__ __forceinline__ void init_ring_barriers(uint64_t* full, uint64_t* empty, int full_arrivals = 1) {
+__device__ __forceinline__ void init_ring_barriers(uint64_t* full, uint64_t* empty) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
-      mbar_init(&full[s], full_arrivals);
+      mbar_init(&full[s], 1);
       mbar_init(&empty[s], kConsumerThreads / 32);
     }
     mbar_fence_init();
@@ -567,12 +566,10 @@ struct OutMaps {
 // free, publishes the tile in tile_of[stage] with its first k-tile, expects the stage's bytes
 // and calls load(stage, &full[stage], kt, expert, first row, first column), which issues the
 // stage's copies. No tile left: an empty stage marked -1 ends the consumers' loop.
-// kFullArrivals: the arrivals each full barrier expects (the producer's one, plus one per
-// asynchronous arrival that load() sets up); stage_tx: the bytes each stage's copies bring.
-template <int S, int kStage, int kFullArrivals = 1, typename Load>
+template <int S, int kStage, typename Load>
 __device__ __forceinline__ void produce_row_tiles(char* smem, uint64_t* full, uint64_t* empty, int* tile_of,
                                                   const RowsArgs& args, int col_tiles, int max_tiles, int ktiles,
-                                                  int tile_cols, Load load, uint32_t stage_tx = kStage) {
+                                                  int tile_cols, Load load) {
   const int rows = min(args.queue[0], max_tiles), split = min(args.queue[1], rows);
   TileQueues queues{args.next, split * col_tiles, rows * col_tiles, args.sm_half ? args.sm_half[sm_id()] : 0};
   int it = 0;  // k-tiles issued so far over all of this block's tiles: the ring position
@@ -582,8 +579,7 @@ __device__ __forceinline__ void produce_row_tiles(char* smem, uint64_t* full, ui
       const int s = it % S;
       if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);
       tile_of[s] = -1;
-#pragma unroll
-      for (int i = 0; i < kFullArrivals; ++i) mbar_arrive(&full[s]);
+      mbar_arrive(&full[s]);
       return;
     }
     const int rt = t / col_tiles, e = args.tile_expert[rt];
@@ -592,7 +588,7 @@ __device__ __forceinline__ void produce_row_tiles(char* smem, uint64_t* full, ui
       const int s = it % S;
       if (it >= S) mbar_wait(&empty[s], ((it / S) - 1) & 1);  // k-tile it - S has left it
       if (kt == 0) tile_of[s] = t;                             // published by the arrive below
-      mbar_arrive_expect_tx(&full[s], stage_tx);  // boxes count in full, zero-filled parts included
+      mbar_arrive_expect_tx(&full[s], kStage);  // boxes count in full, zero-filled parts included
       load(smem + s * kStage, &full[s], kt, e, row0, n0);
     }
   }
@@ -1020,84 +1016,33 @@ __device__ __forceinline__ void weight_scale_ptrs(const Fp8Scales& sc, int e, in
 }
 #endif  // MT_SM90A
 
-// The FP8 kernel's shared memory with the scales staged (kSmemScales): the ring and the
-// epilogue's staging from the first 1024-aligned byte (kFp8Aligned bytes), and around them,
-// in the 3,072 bytes left of a block's 227 KB, each stage's A row scales (512 bytes, a TMA
-// box) after them, and one 128-byte piece of barriers, the weights' block scales (cp.async)
-// and tile_of after them too where it fits, else in the alignment slack before them. The
-// dynamic shared memory does not start 1024-aligned (an H100 on 2026-12-07: a layout that
-// assumed so, 896 bytes of slack, trapped), so this adapts to where it starts: with pad
-// bytes to the aligned start, 3,072 - pad >= 2,049 bytes follow (the four 512-byte pieces
-// always fit), and when the 128-byte piece does not (pad > 896) the slack before holds
-// 128 floor(pad / 128) >= 896 bytes at 128-byte alignment.
-constexpr int kFp8Aligned = kWsStages * kWsStage + 4 * kOutBox;
-constexpr int kFp8Misc = 2 * kWsStages * 8 + kWsStages * 2 * 4 + kWsStages * 4;  // full, empty, b scales, tile_of
-constexpr int kFp8Smem = 232448;
-static_assert(kFp8Misc <= 128 && kFp8Aligned + kWsStages * 512 + 128 <= kFp8Smem,
-              "shared memory of the FP8 rows kernel");
-struct Fp8StagedSmem {
-  char* ring;       // the ring, then the staging
-  float* a_scales;  // [kWsStages][128], right after them
-  char* misc;
-};
-#if MT_SM90A
-__device__ __forceinline__ Fp8StagedSmem fp8_staged_smem(char* raw) {
-  const uintptr_t base = reinterpret_cast<uintptr_t>(raw), aligned = (base + 1023) & ~uintptr_t(1023);
-  Fp8StagedSmem l;
-  l.ring = reinterpret_cast<char*>(aligned);
-  l.a_scales = reinterpret_cast<float*>(aligned + kFp8Aligned);
-  const uintptr_t after = aligned + kFp8Aligned + kWsStages * 512;
-  l.misc = reinterpret_cast<char*>(after + 128 <= base + kFp8Smem ? after : (base + 127) & ~uintptr_t(127));
-  return l;
-}
-#endif
-
-// The scale maps of the staged variant: the rows' scales of each k source as one run of f32
-// ([K_src / 128][N] flattened, box 128): a k-tile's 128 rows are one box at kk N + row0.
-struct Fp8ScaleMaps {
-  CUtensorMap a[2];
-};
-
 // ktiles_src k-tiles of 128 from each of nsrc k sources (maps.a[src], maps.b[src]; gate/up:
-// one source, maps.b[0] gate and maps.b[1] up).
-// kSmemScales false: each k-tile's scales are loaded by the consumers from global memory one
-// k-tile ahead; true: the producer stages them with the k-tile's operands (A's by TMA, the
-// weights' two by cp.async, arriving on the stage's full barrier) and the consumers read them
-// from shared memory.
-template <int kEpi, bool kSmemScales>
+// one source, maps.b[0] gate and maps.b[1] up). Each k-tile's scales are loaded by the
+// consumers from global memory one k-tile ahead. Tried on 2026-12-07 and deleted, both
+// (docs/fp8.md, session 32): (1) each consumer warp copying its rows' and the block's scales
+// into shared memory by cp.async one k-tile ahead (no pending register load at the next
+// wgmma.fence): the same time to the microsecond (gate/up 1.01 ms, input gradient 1.11 ms
+// on an H100), so the scales' loads are not where this kernel waits; (2) the producer
+// staging them with the operands (TMA for the rows', cp.async with a noinc arrival for the
+// weights'): it trapped at its UTMALDG of the rows' scales, with a 1-D and with a 2-D map.
+template <int kEpi>
 __global__ void __launch_bounds__(kWsThreads, 1)
-    fp8_rows_kernel(const __grid_constant__ Maps maps, const __grid_constant__ OutMaps out,
-                    const __grid_constant__ Fp8ScaleMaps smaps, const RowsArgs args, const Fp8Scales sc,
-                    const ActCodes codes, int ktiles_src, int nsrc, int col_tiles, int max_tiles) {
+    fp8_rows_kernel(const __grid_constant__ Maps maps, const __grid_constant__ OutMaps out, const RowsArgs args,
+                    const Fp8Scales sc, const ActCodes codes, int ktiles_src, int nsrc, int col_tiles,
+                    int max_tiles) {
 #if MT_SM90A
   constexpr bool kGateUp = kEpi == kEpiGateUp;
   constexpr int S = kWsStages;
   extern __shared__ char smem_raw[];
+  __shared__ int tile_of[S];
   uint64_t *full, *empty;
-  char* smem;
-  int* tile_of;
-  float* a_scales = nullptr;  // kSmemScales: [S][128]
-  float* b_scales = nullptr;  // kSmemScales: [S][2]
-  if constexpr (kSmemScales) {
-    const Fp8StagedSmem l = fp8_staged_smem(smem_raw);
-    smem = l.ring;
-    a_scales = l.a_scales;
-    full = reinterpret_cast<uint64_t*>(l.misc);
-    empty = full + S;
-    b_scales = reinterpret_cast<float*>(empty + S);
-    tile_of = reinterpret_cast<int*>(b_scales + 2 * S);
-    init_ring_barriers<S>(full, empty, 2);  // the producer's arrive, and its cp.async copies' completion
-  } else {
-    smem = setup_smem<S, kWsStage>(smem_raw, full, empty);
-    __shared__ int tile_of_static[S];
-    tile_of = tile_of_static;
-  }
+  char* smem = setup_smem<S, kWsStage>(smem_raw, full, empty);
   const int wg = threadIdx.x >> 7, ktiles = ktiles_src * nsrc;
 
   if (wg == 0) {  // producer, as rows_kernel's (K-major weights, k-tiles of 128)
     setmaxnreg_dec<40>();
     if (threadIdx.x != 0) return;
-    produce_row_tiles<S, kWsStage, kSmemScales ? 2 : 1>(
+    produce_row_tiles<S, kWsStage>(
         smem, full, empty, tile_of, args, col_tiles, max_tiles, ktiles, ws_tile_cols(kEpi),
         [&](char* st, uint64_t* bar, int kt, int e, int row0, int n0) {
           char* sb = st + kTile;
@@ -1111,23 +1056,13 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             tma_load_3d(sb, &maps.b[src], bar, k0, n0, e);
             tma_load_3d(sb + kTile, &maps.b[src], bar, k0, n0 + 128, e);
           }
-          if constexpr (kSmemScales) {
-            const int s = static_cast<int>((st - smem) / kWsStage);
-            tma_load_1d(a_scales + s * 128, &smaps.a[src], bar, kk * sc.n_rows + row0);
-            const float *b0, *b1;
-            weight_scale_ptrs<kGateUp>(sc, e, n0, kk, src != 0, b0, b1);
-            cp_async_4(b_scales + 2 * s, b0);
-            cp_async_4(b_scales + 2 * s + 1, b1);
-            cp_async_arrive_noinc(bar);
-          }
-        },
-        kSmemScales ? kWsStage + 512 : kWsStage);
+        });
     return;
   }
 
   setmaxnreg_inc<232>();
   const int cw = wg - 1, tid = threadIdx.x & 127, lane = tid & 31, w = tid >> 5;
-  char* staging = smem + S * kWsStage + (kSmemScales ? 0 : 1024) + cw * 2 * kOutBox;
+  char* staging = smem + S * kWsStage + 1024 + cw * 2 * kOutBox;
   int boxes = 0;
   int it = 0;
   const int last = max_tiles * col_tiles;
@@ -1158,20 +1093,14 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     float next[4] = {1.f, 1.f, 1.f, 1.f};
-    if (!kSmemScales) load_scales(0, next);
+    load_scales(0, next);
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
       const int s = it % S;
       float cur[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) cur[i] = next[i];
-      if (!kSmemScales && kt + 1 < ktiles) load_scales(kt + 1, next);
+      if (kt + 1 < ktiles) load_scales(kt + 1, next);
       mbar_wait(&full[s], (it / S) & 1);
-      if constexpr (kSmemScales) {
-        cur[0] = a_scales[s * 128 + my_row];
-        cur[1] = a_scales[s * 128 + my_row + 8];
-        cur[2] = b_scales[2 * s];
-        cur[3] = b_scales[2 * s + 1];
-      }
       const uint32_t a = smem_u32(smem + s * kWsStage) + cw * 64 * 128, b = smem_u32(smem + s * kWsStage + kTile);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -1746,34 +1675,18 @@ void launch_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out, co
 }
 
 // The FP8 rows kernel over K = 128 ktiles_src from each of nsrc sources (n_cols as
-// launch_rows_hopper's). MOETRAIN_FP8_SCALES_STAGED=1: the variant with the scales staged in
-// shared memory by the producer (opt-in until it has run on a GPU: its first layout trapped).
+// launch_rows_hopper's).
 template <int kEpi>
 void launch_fp8_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out, const RowsArgs& args,
                             const hopper::Fp8Scales& scales, const hopper::ActCodes& codes, int ktiles_src, int nsrc,
                             int n_cols, int max_tiles, cudaStream_t stream) {
   if (n_cols == 0 || max_tiles == 0) return;
-  static const bool staged_scales = std::getenv("MOETRAIN_FP8_SCALES_STAGED") != nullptr &&
-                                    std::atoi(std::getenv("MOETRAIN_FP8_SCALES_STAGED")) != 0;
-  hopper::Fp8ScaleMaps smaps{};
-  bool staged = staged_scales;
-  for (int src = 0; src < nsrc && staged; ++src) {
-    staged = make_tensor_map_f32_plain(&smaps.a[src], scales.a[src],
-                                       {static_cast<uint64_t>(ktiles_src) * scales.n_rows}, {128});
-  }
+  auto kernel = hopper::fp8_rows_kernel<kEpi>;
+  prepare_hopper(kernel, hopper::kRowsSmem);
   const int col_tiles = (n_cols + hopper::ws_tile_cols(kEpi) - 1) / hopper::ws_tile_cols(kEpi);
   const int grid = persistent_grid(static_cast<int64_t>(col_tiles) * max_tiles);
-  if (staged) {
-    auto kernel = hopper::fp8_rows_kernel<kEpi, true>;
-    prepare_hopper(kernel, hopper::kFp8Smem);
-    kernel<<<grid, hopper::kWsThreads, hopper::kFp8Smem, stream>>>(maps, out, smaps, args, scales, codes, ktiles_src,
-                                                                    nsrc, col_tiles, max_tiles);
-  } else {
-    auto kernel = hopper::fp8_rows_kernel<kEpi, false>;
-    prepare_hopper(kernel, hopper::kRowsSmem);
-    kernel<<<grid, hopper::kWsThreads, hopper::kRowsSmem, stream>>>(maps, out, smaps, args, scales, codes, ktiles_src,
-                                                                     nsrc, col_tiles, max_tiles);
-  }
+  kernel<<<grid, hopper::kWsThreads, hopper::kRowsSmem, stream>>>(maps, out, args, scales, codes, ktiles_src, nsrc,
+                                                                   col_tiles, max_tiles);
 }
 
 static_assert(sizeof(hopper::Fp8WgradMaps) + sizeof(hopper::Fp8WgradArgs) + 3 * sizeof(int) <= 4096,
