@@ -17,16 +17,6 @@ constexpr int kFormatVersion = 1;
 
 
 
-// Writes `text` to `path` and fsyncs it.
-void write_text_synced(const fs::path& path, const std::string& text) {
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  MT_CHECK(f, "{}: cannot create", path.string());
-  const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size() && std::fflush(f) == 0 &&
-                  ::fsync(fileno(f)) == 0;
-  std::fclose(f);
-  MT_CHECK(ok, "{}: write failed", path.string());
-}
-
 Shape full_start(const Shape& start, size_t ndim) { return start.empty() ? Shape(ndim, 0) : start; }
 
 int64_t volume(const Shape& s) { return shape_numel(s); }
@@ -142,6 +132,22 @@ void check_tiling(const std::string& where, const std::string& name, const Check
 
 }  // namespace
 
+void write_text_synced(const std::filesystem::path& path, const std::string& text) {
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  MT_CHECK(f, "{}: cannot create", path.string());
+  const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size() && std::fflush(f) == 0 &&
+                  ::fsync(fileno(f)) == 0;
+  std::fclose(f);
+  MT_CHECK(ok, "{}: write failed", path.string());
+}
+
+void write_text_whole(const std::filesystem::path& path, const std::string& text) {
+  std::filesystem::path part = path;
+  part += ".part";
+  write_text_synced(part, text);
+  std::filesystem::rename(part, path);
+}
+
 std::string rank_file_name(const char* kind, int rank, const char* ext) {
   return fmt::format("{}-r{:05d}.{}", kind, rank, ext);
 }
@@ -208,10 +214,7 @@ void write_rank_files(const std::string& dir, int rank, const std::vector<Tensor
   };
   write_kind("model", model);
   write_kind("optimizer", optimizer);
-  const fs::path manifest_path = fs::path(dir) / rank_file_name("manifest", rank, "json");
-  const fs::path part = manifest_path.string() + ".part";
-  write_text_synced(part, manifest.dump(1));
-  fs::rename(part, manifest_path);
+  write_text_whole(fs::path(dir) / rank_file_name("manifest", rank, "json"), manifest.dump(1));
 }
 
 std::vector<std::pair<Shape, Shape>> element_range_boxes(const Shape& shape, int64_t begin, int64_t end) {

@@ -16,6 +16,7 @@
 // under any other.
 #pragma once
 
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -58,6 +59,12 @@ TensorSlice whole_slice(std::string name, DType dtype, Shape shape, const void* 
 // The name of one of a rank's files: rank_file_name("manifest", 3, "json") is
 // "manifest-r00003.json"; kinds "model" and "optimizer" with "safetensors".
 std::string rank_file_name(const char* kind, int rank, const char* ext);
+
+// Writes `text` to `path` and fsyncs it; throws naming the path.
+void write_text_synced(const std::filesystem::path& path, const std::string& text);
+// The same under `path`.part, then renamed to `path`: a reader polling for the file (another
+// rank) finds it whole or not at all.
+void write_text_whole(const std::filesystem::path& path, const std::string& text);
 
 // Writes rank `rank`'s files into `dir` (which must exist): model and optimizer safetensors
 // (fsynced), then its manifest, atomically (written aside, then renamed): a manifest that

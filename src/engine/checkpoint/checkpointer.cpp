@@ -40,11 +40,13 @@ void crash_point(const char* point, int64_t step) {
 
 // The small text files ranks leave each other in a step's temporary directory (a rank's
 // failed-rNNNNN.txt, rank 0's commit-failed.txt): best effort, since on a full disk these may
-// fail too.
+// fail too. Written under another name and renamed, so that a rank polling for the note
+// never reads it half-written (a reader once saw the file created and still empty: "rank 0
+// says: " with no reason).
 void write_note(const fs::path& path, const std::string& text) {
-  if (std::FILE* f = std::fopen(path.c_str(), "wb")) {
-    std::fputs(text.c_str(), f);
-    std::fclose(f);
+  try {
+    write_text_whole(path, text);
+  } catch (const std::exception&) {  // best effort (above)
   }
 }
 
