@@ -7,8 +7,10 @@
 // H200 at every shape; a misplaced scale or block errs by O(1).
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend_compare.h"
@@ -332,6 +334,53 @@ TEST(BackendFp8, GroupedSwigluBackwardInputMatchesTheDequantizedProducts) {
       r0 = r1;
     }
     testing::expect_backend_close(got.dx.to(Device::cpu()), dx, 3e-3, tag, "dx");
+  }
+}
+
+// The FP8 row GEMMs with the consumers issuing their MMAs in turns (MOETRAIN_FP8_ORDERED_MMAS=1)
+// against the same kernels without: each thread's sums are made in the same order either way,
+// so every output (gate, up, act and act's codes, y; dgate, dup, dx) is the same to the bit.
+TEST(BackendFp8, RowGemmsInTurnsGiveTheSameBits) {
+  MT_REQUIRE_GPU();
+  auto same = [](const Tensor& a, const Tensor& b) {
+    const Tensor x = a.to(Device::cpu()), y = b.to(Device::cpu());
+    return x.shape() == y.shape() && std::memcmp(x.raw(), y.raw(), static_cast<size_t>(x.numel()) * 2) == 0;
+  };
+  for (const ExpertCase& c : expert_cases()) {
+    const int64_t E = c.experts(), H = c.H, I = c.I, N = c.rows();
+    const std::string tag = fmt::format("[E={},N={},H={},I={}]", E, N, H, I);
+    const Tensor counts = Tensor::from_vector(c.counts, {E}).to(kGpu);
+    const ops::Fp8Tensor xq = ops::quantize_fp8(on_gpu(random_bf16_values({N, H}, N + 5, 1.0), DType::BF16),
+                                                ops::Fp8Blocks::kRows);
+    const ops::Fp8Tensor dyq = ops::quantize_fp8(on_gpu(random_bf16_values({N, H}, N + 6, 1.0), DType::BF16),
+                                                 ops::Fp8Blocks::kRows);
+    const Tensor gate = on_gpu(random_bf16_values({N, I}, N + 7, 1.0), DType::BF16);
+    const Tensor up = on_gpu(random_bf16_values({N, I}, N + 8, 1.0), DType::BF16);
+    auto w = [&](int64_t rows, int64_t cols, uint64_t seed) {
+      return ops::quantize_fp8_experts(on_gpu(random_bf16_values({E, rows, cols}, seed, 0.05), DType::BF16));
+    };
+    const ops::Fp8Tensor wg = w(I, H, 31), wu = w(I, H, 32), wd = w(H, I, 33);
+    const ops::Fp8Tensor wgt = ops::transpose_fp8_experts(wg, E), wut = ops::transpose_fp8_experts(wu, E);
+    const ops::Fp8Tensor wdt = ops::transpose_fp8_experts(wd, E);
+    auto run = [&](bool in_turns) {
+      if (in_turns) ::setenv("MOETRAIN_FP8_ORDERED_MMAS", "1", 1);
+      std::pair<ops::SwigluOut, ops::SwigluInputGrads> r{
+          ops::grouped_swiglu_forward_fp8(xq, counts, wg, wu, wd, E),
+          ops::grouped_swiglu_backward_input_fp8(dyq, counts, gate, up, wgt, wut, wdt, E)};
+      ::unsetenv("MOETRAIN_FP8_ORDERED_MMAS");
+      return r;
+    };
+    const auto plain = run(false), turns = run(true);
+    EXPECT_TRUE(same(turns.first.gate, plain.first.gate)) << tag << " gate";
+    EXPECT_TRUE(same(turns.first.up, plain.first.up)) << tag << " up";
+    EXPECT_TRUE(same(turns.first.act, plain.first.act)) << tag << " act";
+    expect_same_fp8(turns.first.act_q, ops::Fp8Tensor{plain.first.act_q.q.to(Device::cpu()),
+                                                      plain.first.act_q.scale.to(Device::cpu())},
+                    tag + " act codes");
+    EXPECT_TRUE(same(turns.first.y, plain.first.y)) << tag << " y";
+    EXPECT_TRUE(same(turns.second.dgate, plain.second.dgate)) << tag << " dgate";
+    EXPECT_TRUE(same(turns.second.dup, plain.second.dup)) << tag << " dup";
+    EXPECT_TRUE(same(turns.second.dx, plain.second.dx)) << tag << " dx";
   }
 }
 
