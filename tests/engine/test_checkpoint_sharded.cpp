@@ -2,6 +2,8 @@
 // items saved by several simulated ranks (threads, each with its own Checkpointer) and read
 // back whole and under another sharding, a missing rank, async saves with pruning.
 #include <gtest/gtest.h>
+#include <sys/inotify.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -12,6 +14,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <string>
 #include <thread>
 
 #include "engine/checkpoint/checkpoint_format.h"
@@ -379,6 +382,35 @@ TEST(CheckpointSharded, BoxItemsAreSavedToo) {
   EXPECT_TRUE(bytes_equal(reader.read_whole("w"), full));
   EXPECT_TRUE(bytes_equal(reader.read_whole("v"), other));
   EXPECT_EQ(reader.info("w").slices.size(), 2u);
+}
+
+// The files ranks poll for (manifests, failure notes) appear whole or not at all: the final
+// name is never created and then written, it only arrives by a rename (inotify sees
+// IN_MOVED_TO for it, never IN_CREATE or IN_MODIFY; written in place, a reader once found a
+// note created and still empty), with the whole text.
+TEST(CheckpointSharded, FilesOtherRanksPollForAppearWhole) {
+  ScratchDir dir;
+  const int fd = inotify_init1(IN_NONBLOCK);
+  ASSERT_GE(fd, 0);
+  ASSERT_GE(inotify_add_watch(fd, dir.path().c_str(), IN_CREATE | IN_MODIFY | IN_CLOSE_WRITE | IN_MOVED_TO), 0);
+  const std::string text(100000, 'n');
+  write_text_whole(dir.path() / "note.txt", text);
+  alignas(struct inotify_event) char buf[64 * 1024];
+  std::vector<std::string> on_final;
+  for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) {
+    for (char* p = buf; p < buf + n;) {
+      const auto* ev = reinterpret_cast<const struct inotify_event*>(p);
+      if (ev->len > 0 && std::string(ev->name) == "note.txt") {
+        on_final.push_back(ev->mask & IN_MOVED_TO ? "moved in" : ev->mask & IN_CREATE ? "created" : "written");
+      }
+      p += sizeof(struct inotify_event) + ev->len;
+    }
+  }
+  close(fd);
+  EXPECT_EQ(on_final, std::vector<std::string>{"moved in"});
+  std::ifstream in(dir.path() / "note.txt", std::ios::binary);
+  EXPECT_EQ(std::string((std::istreambuf_iterator<char>(in)), {}), text);
+  for (const auto& e : fs::directory_iterator(dir.path())) EXPECT_EQ(e.path().filename(), "note.txt");
 }
 
 TEST(CheckpointSharded, AMissingRankFailsTheCommitNamingItAndKeepsTheEarlierCheckpoints) {
