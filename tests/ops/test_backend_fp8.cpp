@@ -337,14 +337,16 @@ TEST(BackendFp8, GroupedSwigluBackwardInputMatchesTheDequantizedProducts) {
   }
 }
 
-// The FP8 row GEMMs with the consumers issuing their MMAs in turns (MOETRAIN_FP8_ORDERED_MMAS=1)
-// against the same kernels without: each thread's sums are made in the same order either way,
-// so every output (gate, up, act and act's codes, y; dgate, dup, dx) is the same to the bit.
-TEST(BackendFp8, RowGemmsInTurnsGiveTheSameBits) {
+// The FP8 expert GEMMs with the consumers issuing their MMAs in turns
+// (MOETRAIN_FP8_ORDERED_MMAS=1) against the same kernels without: each thread's sums are made
+// in the same order either way, so every output (gate, up, act and act's codes, y; dgate, dup,
+// dx; the weight gradient, written and added) is the same to the bit.
+TEST(BackendFp8, MmasInTurnsGiveTheSameBits) {
   MT_REQUIRE_GPU();
   auto same = [](const Tensor& a, const Tensor& b) {
     const Tensor x = a.to(Device::cpu()), y = b.to(Device::cpu());
-    return x.shape() == y.shape() && std::memcmp(x.raw(), y.raw(), static_cast<size_t>(x.numel()) * 2) == 0;
+    return x.shape() == y.shape() && x.dtype() == y.dtype() &&
+           std::memcmp(x.raw(), y.raw(), static_cast<size_t>(x.numel()) * dtype_size(x.dtype())) == 0;
   };
   for (const ExpertCase& c : expert_cases()) {
     const int64_t E = c.experts(), H = c.H, I = c.I, N = c.rows();
@@ -362,25 +364,38 @@ TEST(BackendFp8, RowGemmsInTurnsGiveTheSameBits) {
     const ops::Fp8Tensor wg = w(I, H, 31), wu = w(I, H, 32), wd = w(H, I, 33);
     const ops::Fp8Tensor wgt = ops::transpose_fp8_experts(wg, E), wut = ops::transpose_fp8_experts(wu, E);
     const ops::Fp8Tensor wdt = ops::transpose_fp8_experts(wd, E);
+    const ops::Fp8Tensor dy_t = ops::quantize_fp8_expert_columns(
+        on_gpu(random_bf16_values({N, H}, N + 9, 1.0), DType::BF16), counts);
+    const ops::Fp8Tensor act_t = ops::quantize_fp8_expert_columns(gate, counts);
+    const Tensor dw_start = on_gpu(random_bf16_values({E, H, I}, 77, 1.0), DType::F32);
+    struct Outputs {
+      ops::SwigluOut fwd;
+      ops::SwigluInputGrads dgrad;
+      Tensor dw, dw_added;
+    };
     auto run = [&](bool in_turns) {
       if (in_turns) ::setenv("MOETRAIN_FP8_ORDERED_MMAS", "1", 1);
-      std::pair<ops::SwigluOut, ops::SwigluInputGrads> r{
-          ops::grouped_swiglu_forward_fp8(xq, counts, wg, wu, wd, E),
-          ops::grouped_swiglu_backward_input_fp8(dyq, counts, gate, up, wgt, wut, wdt, E)};
+      Outputs r{ops::grouped_swiglu_forward_fp8(xq, counts, wg, wu, wd, E),
+                ops::grouped_swiglu_backward_input_fp8(dyq, counts, gate, up, wgt, wut, wdt, E),
+                Tensor::empty({E, H, I}, DType::F32, kGpu), dw_start.clone()};
+      ops::grouped_wgrad_fp8(dy_t, act_t, counts, r.dw, /*accumulate=*/false);
+      ops::grouped_wgrad_fp8(dy_t, act_t, counts, r.dw_added, /*accumulate=*/true);
       ::unsetenv("MOETRAIN_FP8_ORDERED_MMAS");
       return r;
     };
     const auto plain = run(false), turns = run(true);
-    EXPECT_TRUE(same(turns.first.gate, plain.first.gate)) << tag << " gate";
-    EXPECT_TRUE(same(turns.first.up, plain.first.up)) << tag << " up";
-    EXPECT_TRUE(same(turns.first.act, plain.first.act)) << tag << " act";
-    expect_same_fp8(turns.first.act_q, ops::Fp8Tensor{plain.first.act_q.q.to(Device::cpu()),
-                                                      plain.first.act_q.scale.to(Device::cpu())},
+    EXPECT_TRUE(same(turns.fwd.gate, plain.fwd.gate)) << tag << " gate";
+    EXPECT_TRUE(same(turns.fwd.up, plain.fwd.up)) << tag << " up";
+    EXPECT_TRUE(same(turns.fwd.act, plain.fwd.act)) << tag << " act";
+    expect_same_fp8(turns.fwd.act_q, ops::Fp8Tensor{plain.fwd.act_q.q.to(Device::cpu()),
+                                                    plain.fwd.act_q.scale.to(Device::cpu())},
                     tag + " act codes");
-    EXPECT_TRUE(same(turns.first.y, plain.first.y)) << tag << " y";
-    EXPECT_TRUE(same(turns.second.dgate, plain.second.dgate)) << tag << " dgate";
-    EXPECT_TRUE(same(turns.second.dup, plain.second.dup)) << tag << " dup";
-    EXPECT_TRUE(same(turns.second.dx, plain.second.dx)) << tag << " dx";
+    EXPECT_TRUE(same(turns.fwd.y, plain.fwd.y)) << tag << " y";
+    EXPECT_TRUE(same(turns.dgrad.dgate, plain.dgrad.dgate)) << tag << " dgate";
+    EXPECT_TRUE(same(turns.dgrad.dup, plain.dgrad.dup)) << tag << " dup";
+    EXPECT_TRUE(same(turns.dgrad.dx, plain.dgrad.dx)) << tag << " dx";
+    EXPECT_TRUE(same(turns.dw, plain.dw)) << tag << " dW";
+    EXPECT_TRUE(same(turns.dw_added, plain.dw_added)) << tag << " dW added";
   }
 }
 

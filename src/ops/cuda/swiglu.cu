@@ -1421,6 +1421,8 @@ constexpr int kF8WgBar = kF8WgScaleB + kF8WgS * 256 * 4;
 constexpr int kF8WgSmem = 1024 + kF8WgBar + 2 * kF8WgS * 8 + kF8WgS * 8;
 static_assert(kF8WgSmem <= 232448 - 64, "shared memory of the FP8 weight-gradient kernel");
 
+// kOrdered: the consumers issue their MMAs in turns (MmaTurns, as fp8_rows_kernel's).
+template <bool kOrdered>
 __global__ void __launch_bounds__(kWsThreads, 1)
     fp8_wgrad_kernel(const __grid_constant__ Fp8WgradMaps maps, const Fp8WgradArgs args, int gx, int gy, int tiles) {
 #if MT_SM90A
@@ -1486,6 +1488,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int my_row = cw * 64 + 16 * w + (lane >> 2);  // this thread's first row of the tile (the second: + 8)
   char* staging = smem + S * kF8WgStage + cw * kF8WgBufs * kWgBox;
   int it = 0, boxes = 0;  // stages consumed; boxes this warpgroup has stored
+  MmaTurns turns;
   for (int n = 0; n < tiles; ++n) {  // bounded, as in rows_kernel
     mbar_wait(&full[it % S], (it / S) & 1);
     const int2 info = lane == 0 ? tile_of[it % S] : int2{0, 0};  // read by the releasing lane (rows_kernel)
@@ -1507,7 +1510,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float part[64];
-        fp8_fresh_sum(part, a, b + half * kTile);
+        fp8_fresh_sum(part, a, b + half * kTile, kOrdered ? &turns : nullptr, cw);
         // part[4 nb + 2 h + c]: row my_row + 8 h, column half 128 + 8 nb + 2 (lane % 4) + c
         const float* cs = scale_b + s * 256 + half * 128 + 2 * (lane & 3);
 #pragma unroll
@@ -1524,6 +1527,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     }
     store_wgrad_tile<kF8WgBufs>(acc, &maps.c, staging, boxes, args.accumulate, m0, n0, e, cw);
   }
+  if constexpr (kOrdered) turns.finish(cw);
   if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // shared memory read before exit
 #endif
 }
@@ -1704,6 +1708,13 @@ void launch_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out, co
   kernel<<<grid, hopper::kWsThreads, smem, stream>>>(maps, out, args, ktiles_src, nsrc, col_tiles, max_tiles);
 }
 
+// Whether the FP8 kernels' consumers issue their MMAs in turns (MmaTurns):
+// MOETRAIN_FP8_ORDERED_MMAS=1, read at each launch (tests switch it). Temporary, until measured.
+bool fp8_mmas_in_turns() {
+  const char* v = std::getenv("MOETRAIN_FP8_ORDERED_MMAS");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
 // The FP8 rows kernel over K = 128 ktiles_src from each of nsrc sources (n_cols as
 // launch_rows_hopper's).
 template <int kEpi>
@@ -1711,9 +1722,7 @@ void launch_fp8_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out
                             const hopper::Fp8Scales& scales, const hopper::ActCodes& codes, int ktiles_src, int nsrc,
                             int n_cols, int max_tiles, cudaStream_t stream) {
   if (n_cols == 0 || max_tiles == 0) return;
-  const char* ordered = std::getenv("MOETRAIN_FP8_ORDERED_MMAS");  // read at each launch: tests switch it
-  auto kernel = ordered != nullptr && std::strcmp(ordered, "1") == 0 ? hopper::fp8_rows_kernel<kEpi, true>
-                                                                      : hopper::fp8_rows_kernel<kEpi, false>;
+  auto kernel = fp8_mmas_in_turns() ? hopper::fp8_rows_kernel<kEpi, true> : hopper::fp8_rows_kernel<kEpi, false>;
   prepare_hopper(kernel, hopper::kRowsSmem);
   const int col_tiles = (n_cols + hopper::ws_tile_cols(kEpi) - 1) / hopper::ws_tile_cols(kEpi);
   const int grid = persistent_grid(static_cast<int64_t>(col_tiles) * max_tiles);
@@ -1946,7 +1955,7 @@ bool launch_grouped_wgrad_fp8(const Fp8WgradSource* src, int n, int64_t M, int64
   args.sources = n;
   args.accumulate = accumulate ? 1 : 0;
   args.next = counters;
-  auto kernel = hopper::fp8_wgrad_kernel;
+  auto kernel = fp8_mmas_in_turns() ? hopper::fp8_wgrad_kernel<true> : hopper::fp8_wgrad_kernel<false>;
   prepare_hopper(kernel, hopper::kF8WgSmem);
   kernel<<<persistent_grid(tiles), hopper::kWsThreads, hopper::kF8WgSmem, stream>>>(maps, args, gx, gy, tiles);
   return true;
