@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <string>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -19,6 +21,16 @@
 
 namespace moetrain {
 namespace {
+
+// The temporary FP8 switches the environment sets (docs/choices.md), named in the settings
+// line so that a bench's figures say which kernels they timed.
+std::string fp8_switches_set() {
+  std::string out;
+  for (const char* name : {"MOETRAIN_FP8_EXPERTS_WGRAD", "MOETRAIN_FP8_EXPERTS_BF16_DGRAD", "MOETRAIN_FP8_ORDERED_MMAS"}) {
+    if (const char* v = std::getenv(name)) out += fmt::format(", {}={}", name, v);
+  }
+  return out;
+}
 
 // Uniform random tokens; targets are the next token of the same random stream. Under context
 // parallelism this rank's zigzag chunks of them (the cp ranks of a place draw the same rows);
@@ -79,7 +91,7 @@ BenchReport run_bench(const RunConfig& cfg, const BenchOptions& opt) {
   r.settings = fmt::format("micro-batch {} x {}, {} a step; {}; {}{}AdamW moments {}{}", tc.micro_batch_size,
                            tc.seq_len, tc.grad_accum_steps,
                            tc.deterministic ? "bitwise repeatable" : "not bitwise repeatable",
-                           tc.fp8 ? "FP8 projections (block-scaled e4m3); " : "",
+                           tc.fp8 ? fmt::format("FP8 projections (block-scaled e4m3{}); ", fp8_switches_set()) : "",
                            tc.recompute == "none"          ? ""
                            : tc.recompute_layers.empty()  ? "full recomputation; "
                                                           : fmt::format("full recomputation of layers [{}]; ",
