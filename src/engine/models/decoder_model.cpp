@@ -390,7 +390,6 @@ bool MoeDecoderModel::backward_piece(BackwardCursor& g, ExpertDispatcher& d) {
         ExpertDispatcher::CombineGrads cg = d.combine_backward_weighted(g.dx, s.dispatch);
         g.d_rows = std::move(cg.d_rows);
         g.d_topk_weight = std::move(cg.d_weight);
-        s.dispatch.d_rows_q = std::move(cg.d_rows_q);
       } else {
         g.d_rows = g.dx;  // 5: d mlp_out = d residual = dy
       }

@@ -74,7 +74,8 @@ ExpertDispatcher::CombineGrads ExpertDispatcher::combine_backward_weighted(const
   }
   // The gradient is in the placed rows' order already when they came with one.
   Tensor d_rows = st.order.defined() ? combine_in_place_backward(g.dexpert_out, st) : combine_backward(g.dexpert_out, st);
-  return {std::move(d_rows), std::move(g.dweight), std::move(g.dexpert_out_q)};
+  st.d_rows_q = std::move(g.dexpert_out_q);
+  return {std::move(d_rows), std::move(g.dweight)};
 }
 
 DispatchOut LocalDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx, int64_t num_experts,

@@ -48,8 +48,10 @@ struct DispatchState {
   // With fp8_rows, optionally: x already quantized per 1 x 128 tile (its norm's fused codes,
   // LayerState::mlp_in_q), taken by the dispatch in place of quantizing x.
   ops::Fp8Tensor tokens_q;
-  // With fp8_rows: the codes of the experts' rows' gradient from the combine's backward
-  // (CombineGrads::d_rows_q; set by the caller), taken by the experts' input gradient.
+  // With fp8_rows, where the rows' gradient stays where the combine's backward wrote it (no
+  // exchange): its e4m3 codes per 1 x 128 tile, made by that kernel (combine_backward_weighted
+  // sets them, undefined otherwise), taken by the experts' input gradient in place of
+  // quantizing the gradient (the same bits).
   ops::Fp8Tensor d_rows_q;
 
   // Expert parallelism (AllToAllDispatcher).
@@ -116,13 +118,10 @@ class ExpertDispatcher {
   // fused into the weighted sum: stage 5 hands its residual stream in).
   virtual Tensor combine_finish(const Tensor& residual, DispatchState& st);
   // Backward of combine_finish and combine_start: d topk_weight [T, K] and the expert rows'
-  // gradient [N, H] started on its way back to the experts (wait(st) before reading it).
-  // With st.fp8_rows, where the gradient's rows stay where the combine's backward wrote them
-  // (no exchange), also their e4m3 codes per 1 x 128 tile, made by that kernel (the FP8
-  // experts' input gradient reads them instead of quantizing d_rows: the same bits).
+  // gradient [N, H] started on its way back to the experts (wait(st) before reading it), and
+  // st.d_rows_q.
   struct CombineGrads {
     Tensor d_rows, d_weight;
-    ops::Fp8Tensor d_rows_q;
   };
   virtual CombineGrads combine_backward_weighted(const Tensor& dy, DispatchState& st);
 
@@ -147,7 +146,7 @@ class ExpertDispatcher {
   // handed over were the expert outputs themselves (LocalDispatcher).
   virtual Tensor combine_in_place_backward(const Tensor& d_placed, DispatchState& st) { return d_placed; }
   // Whether combine_in_place_backward returns its input (no exchange): then the combine's
-  // backward makes the FP8 codes of the rows' gradient too (CombineGrads::d_rows_q).
+  // backward makes the FP8 codes of the rows' gradient too (DispatchState::d_rows_q).
   virtual bool in_place_backward_is_identity() const { return true; }
   // Gradient of combine: d[T*K, H] in (t, k) order -> d rows [N, H].
   virtual Tensor combine_backward(const Tensor& dout, DispatchState& st) = 0;
