@@ -4,7 +4,12 @@
 // BM_LinearForwardFp8: the same shapes with FP8 operands in DeepSeek-V3's block scales
 // (activations 1 x 128, weights 128 x 128; issue 30), the GEMM alone (operands quantized
 // before the timing), dense FP8 peak 1979 TFLOP/s; BM_QuantizeFp8: the activation
-// quantizer's pass (TB/s read and written; H100 HBM3 ~3.35).
+// quantizer's pass (TB/s read and written; H100 HBM3 ~3.35); BM_QuantizeFp8Weight: an
+// expert weight of the bench model ([128, 768, 2048]) in blocks both ways, as a training
+// step quantizes each weight once: /0 as two passes (quantize_fp8_experts, then
+// transpose_fp8_experts of its codes), /1 as one (quantize_fp8_weight); the second argument
+// the weight's bytes an element (2: bf16, 4: f32). TB/s counts the one pass's bytes (the
+// weight read once, both codes written), so /0's figure is what it does of that work.
 #include <benchmark/benchmark.h>
 
 #include "core/cuda_runtime.h"
@@ -62,6 +67,29 @@ void BM_QuantizeFp8(benchmark::State& state) {
   set_rate(state, "TB/s", static_cast<double>(T * in) * 3.0, ms_total);  // 2 bytes read, 1 written
 }
 BENCHMARK(BM_QuantizeFp8)->Args({8192, 2048, 0})->Args({8192, 2048, 1})->UseManualTime();
+
+void BM_QuantizeFp8Weight(benchmark::State& state) {
+  if (!cuda::available()) {
+    state.SkipWithError("needs a CUDA device");
+    return;
+  }
+  const int64_t E = 128, n = 768, k = 2048;
+  const bool one_pass = state.range(0) != 0;
+  const DType dtype = state.range(1) == 2 ? DType::BF16 : DType::F32;
+  Tensor w = Tensor::empty({E, n, k}, DType::F32);
+  fill_normal(w, 4, 0.02);
+  const Tensor wg = w.to(dtype).to(Device::cuda(0));
+  const double ms_total = time_iterations(state, [&] {
+    if (one_pass) {
+      ops::Fp8WeightBlocks both = ops::quantize_fp8_weight(wg);
+    } else {
+      ops::Fp8Tensor blocks = ops::quantize_fp8_experts(wg);
+      ops::Fp8Tensor transposed = ops::transpose_fp8_experts(blocks, E);
+    }
+  });
+  set_rate(state, "TB/s", static_cast<double>(E * n * k) * (static_cast<double>(dtype_size(dtype)) + 2.0), ms_total);
+}
+BENCHMARK(BM_QuantizeFp8Weight)->Args({0, 2})->Args({1, 2})->Args({0, 4})->Args({1, 4})->UseManualTime();
 
 }  // namespace
 }  // namespace moetrain

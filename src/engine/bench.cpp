@@ -26,7 +26,7 @@ namespace {
 // line so that a bench's figures say which kernels they timed.
 std::string fp8_switches_set() {
   std::string out;
-  for (const char* name : {"MOETRAIN_FP8_EXPERTS_WGRAD", "MOETRAIN_FP8_EXPERTS_BF16_DGRAD", "MOETRAIN_FP8_ORDERED_MMAS"}) {
+  for (const char* name : {"MOETRAIN_FP8_EXPERTS_WGRAD", "MOETRAIN_FP8_EXPERTS_BF16_DGRAD"}) {
     if (const char* v = std::getenv(name)) out += fmt::format(", {}={}", name, v);
   }
   return out;

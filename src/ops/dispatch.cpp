@@ -76,6 +76,19 @@ Fp8Tensor quantize_fp8_transposed(const Tensor& x, Fp8Blocks blocks) {
   return MT_ROUTE(x, quantize_fp8_transposed, x, blocks);
 }
 
+Fp8WeightBlocks quantize_fp8_weight(const Tensor& w) {
+  const char* op = "quantize_fp8_weight";
+  MT_CHECK(w.defined() && (w.ndim() == 2 || w.ndim() == 3), "{}: w must be [n, k] or experts' [E, n, k], got {}", op,
+           w.defined() ? w.str() : std::string("undefined"));
+  if (w.ndim() == 3) {
+    MT_CHECK(w.size(1) % kFp8Block == 0 && w.size(2) % kFp8Block == 0,
+             "{}: each expert's weight is [{}, {}]; both must be multiples of 128 (whole blocks either way)", op,
+             w.size(1), w.size(2));
+  }
+  check_fp8_input(op, w.ndim() == 3 ? w.view({w.size(0) * w.size(1), w.size(2)}) : w);
+  return MT_ROUTE(w, quantize_fp8_weight, w);
+}
+
 Fp8Tensor quantize_fp8_experts(const Tensor& w) {
   MT_CHECK(w.defined() && w.ndim() == 3, "quantize_fp8_experts: w must be [E, n, k], got {}",
            w.defined() ? w.str() : std::string("undefined"));

@@ -61,6 +61,11 @@ struct UnpackedFp8Rows {
   Fp8Tensor q;
   Tensor values;
 };
+// A weight's 128 x 128 blocks both ways (quantize_fp8_weight): w_t holds W^T's (each
+// expert's, for experts' weights), the input gradient's operand.
+struct Fp8WeightBlocks {
+  Fp8Tensor w, w_t;
+};
 
 // ---- embedding: y[t] = W[ids[t]] ------------------------------------------------------
 // ids i32 [T], weight [V, H] -> [T, H]. An id outside [0, V) is an error naming it (NaN rows
@@ -465,6 +470,11 @@ UnpackedFp8Rows unpack_fp8_rows(const Tensor& packed, int64_t cols, DType dtype)
 // An expert weight w [E, n, k] (n a multiple of 128) per 128 x 128 block of each expert:
 // quantize_fp8 of its [E n, k] view in blocks mode (no block spans two experts).
 Fp8Tensor quantize_fp8_experts(const Tensor& w);
+// A weight's blocks both ways in one pass over it (a training step's products read W's in
+// the forward and W^T's in the input gradient; the GPU reads w once and writes both): w [n, k]
+// -> {quantize_fp8(w, kBlocks), quantize_fp8_transposed(w, kBlocks)}; w [E, n, k] (n and k
+// multiples of 128) -> {quantize_fp8_experts(w), transpose_fp8_experts of it}. Bit for bit.
+Fp8WeightBlocks quantize_fp8_weight(const Tensor& w);
 
 // ---- The experts' weight gradient in FP8: operands quantized along the tokens, per expert ----
 // The weight gradient dW_e = A_e^T B_e reduces over expert e's rows (tokens), so its FP8

@@ -7,8 +7,10 @@
 // H200 at every shape; a misplaced scale or block errs by O(1).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -61,6 +63,9 @@ TEST(BackendFp8, QuantizersMatchTheCpuBitForBit) {
       expect_same_fp8(ops::quantize_fp8_transposed(xg), ops::quantize_fp8_transposed(x), "transposed " + tag);
       expect_same_fp8(ops::quantize_fp8_transposed(xg, ops::Fp8Blocks::kBlocks),
                       ops::quantize_fp8_transposed(x, ops::Fp8Blocks::kBlocks), "transposed blocks " + tag);
+      const ops::Fp8WeightBlocks both = ops::quantize_fp8_weight(xg);  // one pass where C % 8 == 0, R % 16 == 0
+      expect_same_fp8(both.w, ops::quantize_fp8(x, ops::Fp8Blocks::kBlocks), "weight " + tag);
+      expect_same_fp8(both.w_t, ops::quantize_fp8_transposed(x, ops::Fp8Blocks::kBlocks), "weight^T " + tag);
     }
     const ops::Fp8Tensor qg = ops::quantize_fp8(on_gpu(x, DType::BF16), ops::Fp8Blocks::kBlocks);
     for (DType dt : {DType::F32, DType::BF16}) {
@@ -70,6 +75,83 @@ TEST(BackendFp8, QuantizersMatchTheCpuBitForBit) {
           << dtype_name(dt);
     }
   }
+}
+
+// An expert weight's blocks both ways in one pass (quantize_fp8_weight of [E, n, k]) against the
+// CPU's, which quantizes and then moves the blocks (transpose_fp8_experts); both shapes of
+// the bench model's experts (gate/up [E, I, H], down [E, H, I]) at a small E.
+TEST(BackendFp8, ExpertWeightBlocksBothWaysMatchTheCpu) {
+  MT_REQUIRE_GPU();
+  PoisonScope poison;
+  for (const Shape& shape : {Shape{3, 768, 256}, Shape{2, 256, 768}, Shape{1, 128, 128}}) {
+    const Tensor w = random_bf16_values(shape, shape[1] + shape[2], 0.05);
+    for (DType dt : {DType::BF16, DType::F32}) {
+      const std::string tag = fmt::format("[{}, {}, {}] {}", shape[0], shape[1], shape[2], dtype_name(dt));
+      const ops::Fp8WeightBlocks gpu = ops::quantize_fp8_weight(on_gpu(w, dt));
+      const ops::Fp8WeightBlocks cpu = ops::quantize_fp8_weight(w);
+      expect_same_fp8(gpu.w, cpu.w, "experts' W " + tag);
+      expect_same_fp8(gpu.w_t, cpu.w_t, "experts' W^T " + tag);
+      expect_same_fp8(gpu.w_t, ops::transpose_fp8_experts(ops::quantize_fp8_experts(w), shape[0]),
+                      "experts' W^T as transpose_fp8_experts " + tag);
+    }
+  }
+}
+
+// The quantizers' codes over every bf16 value: for amax over every bf16 exponent (subnormals
+// among them) with three mantissas each, every bf16 value x with |x| <= amax, packed 127 to a
+// 1 x 128 tile whose first element is amax (so that the tile's scale is amax / 448); and
+// f32 tiles of random values whose magnitudes span 2^-140 .. 2^120 tile by tile. Where a
+// kernel's quotient x / scale or its conversion differed from the CPU's at any rounding edge
+// (x times a rounded reciprocal does), some code here would differ.
+TEST(BackendFp8, QuantizerCodesMatchTheCpuOverEveryBf16Value) {
+  MT_REQUIRE_GPU();
+  auto bf16_value = [](uint32_t bits) {
+    const uint32_t w = bits << 16;
+    float f;
+    std::memcpy(&f, &w, 4);
+    return f;
+  };
+  std::vector<uint32_t> amaxes;
+  for (uint32_t exp = 0; exp < 255; ++exp) {
+    for (uint32_t mant : {0x00u, 0x35u, 0x7fu}) {
+      if (exp > 0 || mant > 0) amaxes.push_back(exp << 7 | mant);
+    }
+  }
+  int64_t checked = 0;
+  for (size_t first = 0; first < amaxes.size(); first += 64) {
+    std::vector<float> v;
+    for (size_t i = first; i < std::min(amaxes.size(), first + 64); ++i) {
+      const uint32_t a = amaxes[i];
+      int64_t in_tile = 0;
+      for (uint32_t bits = 0; bits <= a; ++bits) {
+        for (uint32_t sign : {0u, 0x8000u}) {
+          if (in_tile == 0) v.push_back(bf16_value(a));
+          v.push_back(bf16_value(bits | sign));
+          in_tile = (in_tile + 1) % 127;
+        }
+      }
+      while (in_tile != 0) v.push_back(0.f), in_tile = (in_tile + 1) % 127;
+    }
+    const int64_t rows = static_cast<int64_t>(v.size()) / 128;
+    ASSERT_EQ(rows * 128, static_cast<int64_t>(v.size()));
+    const Tensor x = Tensor::from_vector(v, {rows, 128});
+    expect_same_fp8(ops::quantize_fp8(on_gpu(x, DType::BF16), ops::Fp8Blocks::kRows),
+                    ops::quantize_fp8(x, ops::Fp8Blocks::kRows), fmt::format("bf16 amax from {:#06x}", amaxes[first]));
+    checked += static_cast<int64_t>(v.size());
+  }
+  EXPECT_GT(checked, 20'000'000);
+  std::mt19937 rng(31);
+  std::uniform_real_distribution<float> unit(-1.f, 1.f);
+  std::uniform_int_distribution<int> exponent(-140, 120);
+  const int64_t rows = 1 << 14;
+  std::vector<float> v(static_cast<size_t>(rows * 128));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float mag = std::ldexp(1.f, exponent(rng));
+    for (int64_t c = 0; c < 128; ++c) v[static_cast<size_t>(r * 128 + c)] = unit(rng) * mag;
+  }
+  const Tensor x = Tensor::from_vector(v, {rows, 128});
+  expect_same_fp8(ops::quantize_fp8(x.to(kGpu), ops::Fp8Blocks::kRows), ops::quantize_fp8(x, ops::Fp8Blocks::kRows),
+                  "f32 tiles of spread magnitudes");
 }
 
 // RMSNorm with its output quantized in the same pass: y as the plain kernel makes it, and its
@@ -334,68 +416,6 @@ TEST(BackendFp8, GroupedSwigluBackwardInputMatchesTheDequantizedProducts) {
       r0 = r1;
     }
     testing::expect_backend_close(got.dx.to(Device::cpu()), dx, 3e-3, tag, "dx");
-  }
-}
-
-// The FP8 expert GEMMs with the consumers issuing their MMAs in turns
-// (MOETRAIN_FP8_ORDERED_MMAS=1) against the same kernels without: each thread's sums are made
-// in the same order either way, so every output (gate, up, act and act's codes, y; dgate, dup,
-// dx; the weight gradient, written and added) is the same to the bit.
-TEST(BackendFp8, MmasInTurnsGiveTheSameBits) {
-  MT_REQUIRE_GPU();
-  auto same = [](const Tensor& a, const Tensor& b) {
-    const Tensor x = a.to(Device::cpu()), y = b.to(Device::cpu());
-    return x.shape() == y.shape() && x.dtype() == y.dtype() &&
-           std::memcmp(x.raw(), y.raw(), static_cast<size_t>(x.numel()) * dtype_size(x.dtype())) == 0;
-  };
-  for (const ExpertCase& c : expert_cases()) {
-    const int64_t E = c.experts(), H = c.H, I = c.I, N = c.rows();
-    const std::string tag = fmt::format("[E={},N={},H={},I={}]", E, N, H, I);
-    const Tensor counts = Tensor::from_vector(c.counts, {E}).to(kGpu);
-    const ops::Fp8Tensor xq = ops::quantize_fp8(on_gpu(random_bf16_values({N, H}, N + 5, 1.0), DType::BF16),
-                                                ops::Fp8Blocks::kRows);
-    const ops::Fp8Tensor dyq = ops::quantize_fp8(on_gpu(random_bf16_values({N, H}, N + 6, 1.0), DType::BF16),
-                                                 ops::Fp8Blocks::kRows);
-    const Tensor gate = on_gpu(random_bf16_values({N, I}, N + 7, 1.0), DType::BF16);
-    const Tensor up = on_gpu(random_bf16_values({N, I}, N + 8, 1.0), DType::BF16);
-    auto w = [&](int64_t rows, int64_t cols, uint64_t seed) {
-      return ops::quantize_fp8_experts(on_gpu(random_bf16_values({E, rows, cols}, seed, 0.05), DType::BF16));
-    };
-    const ops::Fp8Tensor wg = w(I, H, 31), wu = w(I, H, 32), wd = w(H, I, 33);
-    const ops::Fp8Tensor wgt = ops::transpose_fp8_experts(wg, E), wut = ops::transpose_fp8_experts(wu, E);
-    const ops::Fp8Tensor wdt = ops::transpose_fp8_experts(wd, E);
-    const ops::Fp8Tensor dy_t = ops::quantize_fp8_expert_columns(
-        on_gpu(random_bf16_values({N, H}, N + 9, 1.0), DType::BF16), counts);
-    const ops::Fp8Tensor act_t = ops::quantize_fp8_expert_columns(gate, counts);
-    const Tensor dw_start = on_gpu(random_bf16_values({E, H, I}, 77, 1.0), DType::F32);
-    struct Outputs {
-      ops::SwigluOut fwd;
-      ops::SwigluInputGrads dgrad;
-      Tensor dw, dw_added;
-    };
-    auto run = [&](bool in_turns) {
-      if (in_turns) ::setenv("MOETRAIN_FP8_ORDERED_MMAS", "1", 1);
-      Outputs r{ops::grouped_swiglu_forward_fp8(xq, counts, wg, wu, wd, E),
-                ops::grouped_swiglu_backward_input_fp8(dyq, counts, gate, up, wgt, wut, wdt, E),
-                Tensor::empty({E, H, I}, DType::F32, kGpu), dw_start.clone()};
-      ops::grouped_wgrad_fp8(dy_t, act_t, counts, r.dw, /*accumulate=*/false);
-      ops::grouped_wgrad_fp8(dy_t, act_t, counts, r.dw_added, /*accumulate=*/true);
-      ::unsetenv("MOETRAIN_FP8_ORDERED_MMAS");
-      return r;
-    };
-    const auto plain = run(false), turns = run(true);
-    EXPECT_TRUE(same(turns.fwd.gate, plain.fwd.gate)) << tag << " gate";
-    EXPECT_TRUE(same(turns.fwd.up, plain.fwd.up)) << tag << " up";
-    EXPECT_TRUE(same(turns.fwd.act, plain.fwd.act)) << tag << " act";
-    expect_same_fp8(turns.fwd.act_q, ops::Fp8Tensor{plain.fwd.act_q.q.to(Device::cpu()),
-                                                    plain.fwd.act_q.scale.to(Device::cpu())},
-                    tag + " act codes");
-    EXPECT_TRUE(same(turns.fwd.y, plain.fwd.y)) << tag << " y";
-    EXPECT_TRUE(same(turns.dgrad.dgate, plain.dgrad.dgate)) << tag << " dgate";
-    EXPECT_TRUE(same(turns.dgrad.dup, plain.dgrad.dup)) << tag << " dup";
-    EXPECT_TRUE(same(turns.dgrad.dx, plain.dgrad.dx)) << tag << " dx";
-    EXPECT_TRUE(same(turns.dw, plain.dw)) << tag << " dW";
-    EXPECT_TRUE(same(turns.dw_added, plain.dw_added)) << tag << " dW added";
   }
 }
 

@@ -269,6 +269,31 @@ TEST(Fp8, TransposedExpertBlocksAreEachExpertsTransposeQuantized) {
   }
 }
 
+// A weight's blocks both ways (quantize_fp8_weight): a matrix's are quantize_fp8's and
+// quantize_fp8_transposed's in blocks mode, ragged blocks included; an expert weight's are
+// quantize_fp8_experts' and their transpose_fp8_experts; an expert weight whose experts are
+// not whole blocks either way is refused with the op and the shape named.
+TEST(Fp8, WeightBlocksBothWaysAreTheTwoQuantizers) {
+  auto same = [](const ops::Fp8Tensor& a, const ops::Fp8Tensor& b) {
+    return a.q.shape() == b.q.shape() && std::memcmp(a.q.raw(), b.q.raw(), a.q.nbytes()) == 0 &&
+           a.scale.to_vector<float>() == b.scale.to_vector<float>();
+  };
+  const Tensor m = testing::random_tensor({200, 328}, DType::F32, 97);
+  const ops::Fp8WeightBlocks mb = ops::quantize_fp8_weight(m);
+  EXPECT_TRUE(same(mb.w, ops::quantize_fp8(m, ops::Fp8Blocks::kBlocks)));
+  EXPECT_TRUE(same(mb.w_t, ops::quantize_fp8_transposed(m, ops::Fp8Blocks::kBlocks)));
+  const Tensor w = testing::random_tensor({2, 256, 384}, DType::F32, 98);
+  const ops::Fp8WeightBlocks wb = ops::quantize_fp8_weight(w);
+  const ops::Fp8Tensor blocks = ops::quantize_fp8_experts(w);
+  EXPECT_TRUE(same(wb.w, blocks));
+  EXPECT_TRUE(same(wb.w_t, ops::transpose_fp8_experts(blocks, 2)));
+  EXPECT_FALSE(same(wb.w, wb.w_t));
+  const std::string err = testing::error_of([] { ops::quantize_fp8_weight(Tensor::zeros({2, 200, 128}, DType::F32)); });
+  for (const char* part : {"quantize_fp8_weight", "[200, 128]", "multiples of 128"}) {
+    EXPECT_NE(err.find(part), std::string::npos) << err;
+  }
+}
+
 // The experts' FP8 input gradient (CPU reference) against the BF16 op in f64 on the same
 // dequantized operands: dgate and dup equal to f32 rounding, dx the product of dgate and dup
 // quantized per 1 x 128 tile (their own quantization error shows against the unquantized

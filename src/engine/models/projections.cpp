@@ -31,6 +31,11 @@ ops::Fp8Tensor Projections::weight_blocks(const Tensor& w, bool transposed) cons
   if (!keep_) return quantize();
   MT_CHECK(w.shape().size() == 2, "Projections: weight of shape {} is not a matrix", shape_str(w.shape()));
   Kept& k = kept_[{w.raw(), w.shape()[0], w.shape()[1]}];
+  if (!k.w.q.defined() && !k.w_t.q.defined()) {  // a step's products read both: one pass for both
+    ops::Fp8WeightBlocks both = ops::quantize_fp8_weight(w);
+    k.w = std::move(both.w);
+    k.w_t = std::move(both.w_t);
+  }
   ops::Fp8Tensor& blocks = transposed ? k.w_t : k.w;
   if (!blocks.q.defined()) blocks = quantize();
   return blocks;
@@ -42,10 +47,12 @@ ops::Fp8Tensor Projections::expert_blocks(const Tensor& w, bool transposed) cons
     return transposed ? ops::transpose_fp8_experts(blocks, w.size(0)) : blocks;
   }
   Kept& k = kept_[{w.raw(), w.size(0) * w.size(1), w.size(2)}];  // the [E n, k] view's place
-  if (!k.w.q.defined()) k.w = ops::quantize_fp8_experts(w);
-  if (!transposed) return k.w;
-  if (!k.w_t.q.defined()) k.w_t = ops::transpose_fp8_experts(k.w, w.size(0));
-  return k.w_t;
+  if (!k.w.q.defined()) {  // the forward's and the input gradient's blocks in one pass
+    ops::Fp8WeightBlocks both = ops::quantize_fp8_weight(w);
+    k.w = std::move(both.w);
+    k.w_t = std::move(both.w_t);
+  }
+  return transposed ? k.w_t : k.w;
 }
 
 bool Projections::fp8_experts(int64_t hidden, int64_t width) const {

@@ -148,6 +148,13 @@ ExpertTiles expert_tiles(const Tensor& counts, const std::string& what) {
 
 // Each tile: the amax of every column over the tile's rows (those of its expert), then the
 // codes, written transposed into the tile's 128 columns.
+Fp8WeightBlocks quantize_fp8_weight(const Tensor& w) {
+  if (w.ndim() == 2) return {cpu::quantize_fp8(w, Fp8Blocks::kBlocks), cpu::quantize_fp8_transposed(w, Fp8Blocks::kBlocks)};
+  Fp8Tensor blocks = cpu::quantize_fp8(w.view({w.size(0) * w.size(1), w.size(2)}), Fp8Blocks::kBlocks);
+  Fp8Tensor transposed = cpu::transpose_fp8_experts(blocks, w.size(0));
+  return {std::move(blocks), std::move(transposed)};
+}
+
 Fp8Tensor quantize_fp8_expert_columns(const Tensor& x, const Tensor& counts) {
   const int64_t N = x.size(0), C = x.size(1), E = counts.size(0), T = fp8_expert_tiles(N, E), P = T * kFp8Block;
   const ExpertTiles et = expert_tiles(counts, "quantize_fp8_expert_columns: counts");

@@ -99,6 +99,28 @@ Fp8Tensor transpose_fp8_experts(const Fp8Tensor& w, int64_t experts) {
   return out;
 }
 
+Fp8WeightBlocks quantize_fp8_weight(const Tensor& w) {
+  const char* op = "quantize_fp8_weight";
+  const bool experts = w.ndim() == 3;
+  const int64_t E = experts ? w.size(0) : 1, n = experts ? w.size(1) : w.size(0), k = w.size(-1);
+  const Tensor x = experts ? w.view({E * n, k}) : w;
+  check_input(op, x);
+  if (!fp8_blocks_vec_fits(x.raw(), k) || n % 16 != 0) {  // two passes, as the ops one after the other
+    Fp8Tensor blocks = cuda::quantize_fp8(x, Fp8Blocks::kBlocks);
+    Fp8Tensor transposed =
+        experts ? cuda::transpose_fp8_experts(blocks, E) : cuda::quantize_fp8_transposed(x, Fp8Blocks::kBlocks);
+    return {std::move(blocks), std::move(transposed)};
+  }
+  Fp8WeightBlocks out{empty_fp8(E * n, k, Fp8Blocks::kBlocks, w.device()),
+                      empty_fp8(E * k, n, Fp8Blocks::kBlocks, w.device())};
+  launch_quantize_fp8_weight(x.raw(), static_cast<int>(dtype_size(x.dtype())), E * n, k, n,
+                             static_cast<uint8_t*>(out.w.q.raw()), out.w.scale.data<float>(), out.w.scale.size(1),
+                             static_cast<uint8_t*>(out.w_t.q.raw()), out.w_t.scale.data<float>(),
+                             out.w_t.scale.size(1), stream());
+  check_launch(op);
+  return out;
+}
+
 namespace {
 // first_row [E + 1], first_tile [E + 1] and, with `tiles` > 0, tile_row [tiles] and
 // tile_rows [tiles] (i32) of counts over `rows` rows, one after the other (launch_expert_tiles).

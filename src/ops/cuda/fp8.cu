@@ -109,6 +109,92 @@ __global__ void quantize_blocks_kernel(const void* __restrict__ x, int elem_byte
   if (tid == 0) scale[kTransposed ? kb * scale_cols + rb : rb * scale_cols + kb] = s;
 }
 
+// Blocks mode at HBM's rate (the weights' quantization, once a training step: 2.4 G expert
+// weights in the bench model, which quantize_blocks_kernel above took 11 ms and the
+// transpose of its codes 4.6 ms more to go through). A 256-thread block per 128 x 128 block of
+// x [R, C] (C % 8 == 0, x 16-byte aligned), read once into registers: thread t holds
+// columns 8 (t % 16) .. + 7 of rows 8 (t / 16) .. + 7, loaded 16 bytes at a time (bf16; two
+// loads for f32), so a warp reads two whole 256-byte rows an instruction. kDirect: the codes
+// of each row's 8 columns stored as 8 bytes (a warp: two whole 128-byte rows of codes).
+// kTransposed: the block also (or only) written transposed, as the block (cb, rb) of each
+// expert's W^T: x is E experts' [n, C] stacked (E = R / n; n = R for a plain matrix), and
+// W_e^T [C, n] is row e C + c of qt; the 8 codes of a column in a thread's 8 rows make one
+// 8-byte word, paired by a shuffle with the word of the next 8 rows (lane t ^ 16) into
+// 16-byte stores (n % 16 == 0; a block never spans two experts: n % 128 == 0 where E > 1).
+// Scales: scale[rb * scale_cols + cb], st[(e Lc + cb) * st_cols + rb_e]. Same arithmetic as
+// quantize_blocks_kernel, same bits.
+template <typename T, bool kDirect, bool kTransposed>
+__global__ void __launch_bounds__(256)
+    quantize_blocks_vec_kernel(const T* __restrict__ x, int64_t R, int64_t C, int64_t n, uint8_t* __restrict__ q,
+                               float* __restrict__ scale, int64_t scale_cols, uint8_t* __restrict__ qt,
+                               float* __restrict__ st, int64_t st_cols) {
+  const int64_t Lc = (C + kBlock - 1) / kBlock;
+  const int64_t rb = blockIdx.x / Lc, cb = blockIdx.x % Lc;
+  const int64_t r0 = rb * kBlock + 8 * (threadIdx.x >> 4), c = cb * kBlock + 8 * (threadIdx.x & 15);
+  const bool cols_in = c < C;  // C % 8 == 0: a thread's 8 columns are all in or all out
+  float v[8][8];
+  float amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if (cols_in && r0 + j < R) {
+      load8(x + (r0 + j) * C + c, v[j]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[j][i] = 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[j][i]));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  __shared__ float warp_max[8];
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = amax;
+  __syncthreads();
+  float m = 0.f;
+#pragma unroll
+  for (int w = 0; w < 8; ++w) m = fmaxf(m, warp_max[w]);
+  const float s = tile_scale(m);
+  uint2 row_codes[8], col_codes[8];  // [j]: row r0 + j's 8 columns; [i]: column c + i's 8 rows
+#pragma unroll
+  for (int k = 0; k < 8; ++k) row_codes[k] = col_codes[k] = make_uint2(0, 0);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t b = to_e4m3(v[j][i] / s);
+      (i < 4 ? row_codes[j].x : row_codes[j].y) |= b << (8 * (i & 3));
+      (j < 4 ? col_codes[i].x : col_codes[i].y) |= b << (8 * (j & 3));
+    }
+  }
+  if constexpr (kDirect) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (cols_in && r0 + j < R) *reinterpret_cast<uint2*>(q + (r0 + j) * C + c) = row_codes[j];
+    }
+    if (threadIdx.x == 0) scale[rb * scale_cols + cb] = s;
+  }
+  if constexpr (kTransposed) {
+    // Lanes t < 16 of a warp hold rows 8 g .. + 7 (g even), lanes t + 16 the next 8: the low
+    // lane stores columns c .. c + 3 (its word first), the high lane columns c + 4 .. c + 7.
+    const bool low = (threadIdx.x & 16) == 0;
+    const int64_t e = (rb * kBlock) / n, rb_e = rb - e * (n / kBlock);
+    const int64_t row_in_e = r0 - e * n - (low ? 0 : 8);  // the 16 rows' first, within expert e
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint2 mine = low ? col_codes[i] : col_codes[i + 4], give = low ? col_codes[i + 4] : col_codes[i];
+      uint2 got;
+      got.x = __shfl_xor_sync(0xffffffffu, give.x, 16);
+      got.y = __shfl_xor_sync(0xffffffffu, give.y, 16);
+      const int64_t col = c + (low ? i : i + 4);
+      const uint4 word = low ? make_uint4(mine.x, mine.y, got.x, got.y) : make_uint4(got.x, got.y, mine.x, mine.y);
+      if (cols_in && row_in_e < n && e * n + row_in_e < R) {
+        *reinterpret_cast<uint4*>(qt + (e * C + col) * n + row_in_e) = word;
+      }
+    }
+    if (threadIdx.x == 0) st[(e * Lc + cb) * st_cols + rb_e] = s;
+  }
+}
+
 // x [R, C] -> q^T [C, R]: a block per 128 rows x 32 columns, staged in shared memory; column
 // c's 128 rows are one tile of x^T's row c. Thread t: column t / 8, rows 16 (t % 8) .. + 15.
 __global__ void quantize_transposed_kernel(const void* __restrict__ x, int elem_bytes, int64_t R, int64_t C,
@@ -447,10 +533,32 @@ void launch_quantize_fp8_rows(const void* x, int elem_bytes, int64_t R, int64_t 
   quantize_rows_kernel<<<static_cast<unsigned>((warps + 7) / 8), 256, 0, s>>>(x, elem_bytes, R, C, q, scale);
 }
 
+namespace {
+// quantize_blocks_vec_kernel for x of elem_bytes (2: bf16, 4: f32).
+template <bool kDirect, bool kTransposed>
+void launch_blocks_vec(const void* x, int elem_bytes, int64_t R, int64_t C, int64_t n, uint8_t* q, float* scale,
+                       int64_t scale_cols, uint8_t* qt, float* st, int64_t st_cols, cudaStream_t s) {
+  const auto blocks = static_cast<unsigned>(((R + kBlock - 1) / kBlock) * ((C + kBlock - 1) / kBlock));
+  if (elem_bytes == 2) {
+    quantize_blocks_vec_kernel<__nv_bfloat16, kDirect, kTransposed><<<blocks, 256, 0, s>>>(
+        static_cast<const __nv_bfloat16*>(x), R, C, n, q, scale, scale_cols, qt, st, st_cols);
+  } else {
+    quantize_blocks_vec_kernel<float, kDirect, kTransposed>
+        <<<blocks, 256, 0, s>>>(static_cast<const float*>(x), R, C, n, q, scale, scale_cols, qt, st, st_cols);
+  }
+}
+}  // namespace
+
+bool fp8_blocks_vec_fits(const void* x, int64_t C) { return C % 8 == 0 && aligned16(x); }
+
 void launch_quantize_fp8_blocks(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
                                 int64_t scale_cols, cudaStream_t s) {
   const int64_t blocks = ((R + kBlock - 1) / kBlock) * ((C + kBlock - 1) / kBlock);
   if (blocks == 0) return;
+  if (fp8_blocks_vec_fits(x, C) && aligned16(q)) {
+    launch_blocks_vec<true, false>(x, elem_bytes, R, C, R, q, scale, scale_cols, nullptr, nullptr, 0, s);
+    return;
+  }
   quantize_blocks_kernel<false><<<static_cast<unsigned>(blocks), 256, 0, s>>>(x, elem_bytes, R, C, q, scale,
                                                                              scale_cols);
 }
@@ -459,8 +567,19 @@ void launch_quantize_fp8_transposed_blocks(const void* x, int elem_bytes, int64_
                                            float* scale, int64_t scale_cols, cudaStream_t s) {
   const int64_t blocks = ((R + kBlock - 1) / kBlock) * ((C + kBlock - 1) / kBlock);
   if (blocks == 0) return;
+  if (fp8_blocks_vec_fits(x, C) && R % 16 == 0 && aligned16(q)) {
+    launch_blocks_vec<false, true>(x, elem_bytes, R, C, R, nullptr, nullptr, 0, q, scale, scale_cols, s);
+    return;
+  }
   quantize_blocks_kernel<true><<<static_cast<unsigned>(blocks), 256, 0, s>>>(x, elem_bytes, R, C, q, scale,
                                                                             scale_cols);
+}
+
+void launch_quantize_fp8_weight(const void* x, int elem_bytes, int64_t R, int64_t C, int64_t n, uint8_t* q,
+                                float* scale, int64_t scale_cols, uint8_t* qt, float* st, int64_t st_cols,
+                                cudaStream_t s) {
+  if (R == 0 || C == 0) return;
+  launch_blocks_vec<true, true>(x, elem_bytes, R, C, n, q, scale, scale_cols, qt, st, st_cols, s);
 }
 
 // ---- quantize_fp8_expert_columns ------------------------------------------------------

@@ -22,6 +22,16 @@ void launch_quantize_fp8_transposed(const void* x, int elem_bytes, int64_t R, in
 // codes written transposed; scale[cb * scale_cols + rb].
 void launch_quantize_fp8_transposed_blocks(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q,
                                            float* scale, int64_t scale_cols, cudaStream_t s);
+// Whether x [., C] takes the blocks-mode kernels that read 16 bytes at a time (C % 8 == 0,
+// x 16-byte aligned): launch_quantize_fp8_weight's condition, with the shapes' own.
+bool fp8_blocks_vec_fits(const void* x, int64_t C);
+// A weight's blocks both ways in one pass (ops::quantize_fp8_weight): x [R, C] is E = R / n
+// experts' [n, C] (n = R: a plain matrix); q [R, C] with scale[rb * scale_cols + cb], and each
+// expert's W^T as rows e C .. of qt [E C, n] with st[(e ceil(C/128) + cb) * st_cols + rb_e].
+// Needs fp8_blocks_vec_fits, n % 16 == 0, and n % 128 == 0 where E > 1.
+void launch_quantize_fp8_weight(const void* x, int elem_bytes, int64_t R, int64_t C, int64_t n, uint8_t* q,
+                                float* scale, int64_t scale_cols, uint8_t* qt, float* st, int64_t st_cols,
+                                cudaStream_t s);
 // Each expert's W^T per 128 x 128 block from W's blocks: q [E n, k] (scale [E n / 128][ls])
 // -> qt [E k, n] (st [E k / 128][lt], its padding left as it is); n, k multiples of 128.
 void launch_transpose_fp8_experts(const uint8_t* q, const float* scale, int64_t E, int64_t n, int64_t k, int64_t ls,

@@ -50,7 +50,6 @@
 #include <cuda_bf16.h>
 
 #include <cstdlib>
-#include <cstring>
 
 #include "ops/cuda/elementwise_launch.h"
 #include "ops/cuda/fp8_device.cuh"
@@ -957,41 +956,16 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 }
 
 #if MT_SM90A
-// The two consumer warpgroups taking turns at issuing their MMAs (named barriers 4 and 5:
-// warpgroup cw waits on 4 + cw for its turn and hands it over on 5 - cw once its MMAs are
-// issued; warpgroup 0 starts without waiting, and drains warpgroup 1's last hand-over at the
-// end). Both take the same number of turns. Why: each warpgroup waits for its own MMAs and
-// then promotes them (the register budget leaves no room for a second fresh sum); issued
-// together, the two warpgroups' MMAs finish together and both promote while the tensor
-// pipe idles; in turns, one's MMAs run while the other promotes.
-struct MmaTurns {
-  int taken = 0;
-  __device__ __forceinline__ void wait(int cw) const {
-    if (cw == 1 || taken > 0) named_barrier(4 + cw, 256);
-  }
-  __device__ __forceinline__ void pass(int cw) {
-    named_barrier_arrive(5 - cw, 256);
-    ++taken;
-  }
-  __device__ __forceinline__ void finish(int cw) const {
-    if (cw == 0 && taken > 0) named_barrier(4, 256);
-  }
-};
-
 // One k-tile's fresh sum in FP8 of a consumer warpgroup's 64 K-major rows of A (at a) and 128
 // K-major rows of B (at b), both 128 codes deep in 128-byte swizzled rows: four k32 MMAs,
-// waited for, since the promotion (every 128 of K, DeepSeek-V3's) reads it next. With
-// turns, issued in warpgroup cw's turn (MmaTurns).
-__device__ __forceinline__ void fp8_fresh_sum(float (&part)[64], uint32_t a, uint32_t b, MmaTurns* turns = nullptr,
-                                              int cw = 0) {
-  if (turns != nullptr) turns->wait(cw);
+// waited for, since the promotion (every 128 of K, DeepSeek-V3's) reads it next.
+__device__ __forceinline__ void fp8_fresh_sum(float (&part)[64], uint32_t a, uint32_t b) {
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
     wgmma_m64n128k32_e4m3(part, sw128_desc(a + kk * 32, 16, 1024), sw128_desc(b + kk * 32, 16, 1024), kk);
   }
   wgmma_commit();
-  if (turns != nullptr) turns->pass(cw);
   wgmma_wait<0>();
   pin(part);
 }
@@ -1051,9 +1025,10 @@ __device__ __forceinline__ void weight_scale_ptrs(const Fp8Scales& sc, int e, in
 // on an H100), so the scales' loads are not where this kernel waits; (2) the producer
 // staging them with the operands (TMA for the rows', cp.async with a noinc arrival for the
 // weights'): it trapped at its UTMALDG of the rows' scales, with a 1-D and with a 2-D map.
-// kOrdered: the consumers issue their MMAs in turns (MmaTurns; MOETRAIN_FP8_ORDERED_MMAS=1,
-// not yet measured).
-template <int kEpi, bool kOrdered>
+// Measured on 2026-12-07 and deleted: the two consumer warpgroups issuing their MMAs in turns
+// (named barriers; each promoting under the other's MMAs, the remedy the stall samples
+// pointed to), the same time to the microsecond (docs/fp8.md, session 33).
+template <int kEpi>
 __global__ void __launch_bounds__(kWsThreads, 1)
     fp8_rows_kernel(const __grid_constant__ Maps maps, const __grid_constant__ OutMaps out, const RowsArgs args,
                     const Fp8Scales sc, const ActCodes codes, int ktiles_src, int nsrc, int col_tiles,
@@ -1093,7 +1068,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   char* staging = smem + S * kWsStage + 1024 + cw * 2 * kOutBox;
   int boxes = 0;
   int it = 0;
-  MmaTurns turns;
   const int last = max_tiles * col_tiles;
   const int my_row = cw * 64 + 16 * w + (lane >> 2);  // this thread's first row in the tile (the second: + 8)
   for (int n = 0; n < last; ++n) {
@@ -1134,7 +1108,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float part[64];
-        fp8_fresh_sum(part, a, b + half * kTile, kOrdered ? &turns : nullptr, cw);
+        fp8_fresh_sum(part, a, b + half * kTile);
         const float sbh = cur[2 + half], s0 = cur[0] * sbh, s1 = cur[1] * sbh;
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[half * 64 + i] += part[i] * ((i & 2) ? s1 : s0);  // part[4j + 2h + c]
@@ -1147,7 +1121,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       store_rows_tile<kGateUp, kGateUp>(acc, out, args, staging, boxes, row0, row_end, n0, cw, codes);
     }
   }
-  if constexpr (kOrdered) turns.finish(cw);
   if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 #endif
 }
@@ -1421,8 +1394,6 @@ constexpr int kF8WgBar = kF8WgScaleB + kF8WgS * 256 * 4;
 constexpr int kF8WgSmem = 1024 + kF8WgBar + 2 * kF8WgS * 8 + kF8WgS * 8;
 static_assert(kF8WgSmem <= 232448 - 64, "shared memory of the FP8 weight-gradient kernel");
 
-// kOrdered: the consumers issue their MMAs in turns (MmaTurns, as fp8_rows_kernel's).
-template <bool kOrdered>
 __global__ void __launch_bounds__(kWsThreads, 1)
     fp8_wgrad_kernel(const __grid_constant__ Fp8WgradMaps maps, const Fp8WgradArgs args, int gx, int gy, int tiles) {
 #if MT_SM90A
@@ -1488,7 +1459,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int my_row = cw * 64 + 16 * w + (lane >> 2);  // this thread's first row of the tile (the second: + 8)
   char* staging = smem + S * kF8WgStage + cw * kF8WgBufs * kWgBox;
   int it = 0, boxes = 0;  // stages consumed; boxes this warpgroup has stored
-  MmaTurns turns;
   for (int n = 0; n < tiles; ++n) {  // bounded, as in rows_kernel
     mbar_wait(&full[it % S], (it / S) & 1);
     const int2 info = lane == 0 ? tile_of[it % S] : int2{0, 0};  // read by the releasing lane (rows_kernel)
@@ -1510,7 +1480,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float part[64];
-        fp8_fresh_sum(part, a, b + half * kTile, kOrdered ? &turns : nullptr, cw);
+        fp8_fresh_sum(part, a, b + half * kTile);
         // part[4 nb + 2 h + c]: row my_row + 8 h, column half 128 + 8 nb + 2 (lane % 4) + c
         const float* cs = scale_b + s * 256 + half * 128 + 2 * (lane & 3);
 #pragma unroll
@@ -1527,7 +1497,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     }
     store_wgrad_tile<kF8WgBufs>(acc, &maps.c, staging, boxes, args.accumulate, m0, n0, e, cw);
   }
-  if constexpr (kOrdered) turns.finish(cw);
   if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // shared memory read before exit
 #endif
 }
@@ -1708,13 +1677,6 @@ void launch_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out, co
   kernel<<<grid, hopper::kWsThreads, smem, stream>>>(maps, out, args, ktiles_src, nsrc, col_tiles, max_tiles);
 }
 
-// Whether the FP8 kernels' consumers issue their MMAs in turns (MmaTurns):
-// MOETRAIN_FP8_ORDERED_MMAS=1, read at each launch (tests switch it). Temporary, until measured.
-bool fp8_mmas_in_turns() {
-  const char* v = std::getenv("MOETRAIN_FP8_ORDERED_MMAS");
-  return v != nullptr && std::strcmp(v, "1") == 0;
-}
-
 // The FP8 rows kernel over K = 128 ktiles_src from each of nsrc sources (n_cols as
 // launch_rows_hopper's).
 template <int kEpi>
@@ -1722,7 +1684,7 @@ void launch_fp8_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out
                             const hopper::Fp8Scales& scales, const hopper::ActCodes& codes, int ktiles_src, int nsrc,
                             int n_cols, int max_tiles, cudaStream_t stream) {
   if (n_cols == 0 || max_tiles == 0) return;
-  auto kernel = fp8_mmas_in_turns() ? hopper::fp8_rows_kernel<kEpi, true> : hopper::fp8_rows_kernel<kEpi, false>;
+  auto kernel = hopper::fp8_rows_kernel<kEpi>;
   prepare_hopper(kernel, hopper::kRowsSmem);
   const int col_tiles = (n_cols + hopper::ws_tile_cols(kEpi) - 1) / hopper::ws_tile_cols(kEpi);
   const int grid = persistent_grid(static_cast<int64_t>(col_tiles) * max_tiles);
@@ -1955,7 +1917,7 @@ bool launch_grouped_wgrad_fp8(const Fp8WgradSource* src, int n, int64_t M, int64
   args.sources = n;
   args.accumulate = accumulate ? 1 : 0;
   args.next = counters;
-  auto kernel = fp8_mmas_in_turns() ? hopper::fp8_wgrad_kernel<true> : hopper::fp8_wgrad_kernel<false>;
+  auto kernel = hopper::fp8_wgrad_kernel;
   prepare_hopper(kernel, hopper::kF8WgSmem);
   kernel<<<persistent_grid(tiles), hopper::kWsThreads, hopper::kF8WgSmem, stream>>>(maps, args, gx, gy, tiles);
   return true;
