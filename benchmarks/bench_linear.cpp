@@ -4,7 +4,8 @@
 // BM_LinearForwardFp8: the same shapes with FP8 operands in DeepSeek-V3's block scales
 // (activations 1 x 128, weights 128 x 128; issue 30), the GEMM alone (operands quantized
 // before the timing), dense FP8 peak 1979 TFLOP/s; BM_QuantizeFp8: the activation
-// quantizer's pass (TB/s read and written; H100 HBM3 ~3.35); BM_QuantizeFp8Weight: an
+// quantizer's pass (TB/s read and written; H100 HBM3 ~3.35): /0 rows, /1 transposed, /2 both
+// in one pass (quantize_fp8_both_ways, against /0 + /1); BM_QuantizeFp8Weight: an
 // expert weight of the bench model ([128, 768, 2048]) in blocks both ways, as a training
 // step quantizes each weight once: /0 as two passes (quantize_fp8_experts, then
 // transpose_fp8_experts of its codes), /1 as one (quantize_fp8_weight); the second argument
@@ -60,13 +61,18 @@ void BM_QuantizeFp8(benchmark::State& state) {
   Tensor x = Tensor::empty({T, in}, DType::F32);
   fill_normal(x, 3, 1.0);
   const Tensor xg = x.to(DType::BF16).to(Device::cuda(0));
-  const bool transposed = state.range(2) != 0;
+  const int64_t mode = state.range(2);  // 0: rows, 1: transposed, 2: both ways in one pass
   const double ms_total = time_iterations(state, [&] {
-    ops::Fp8Tensor q = transposed ? ops::quantize_fp8_transposed(xg) : ops::quantize_fp8(xg, ops::Fp8Blocks::kRows);
+    if (mode == 2) {
+      ops::Fp8BothWays both = ops::quantize_fp8_both_ways(xg);
+    } else {
+      ops::Fp8Tensor q = mode == 1 ? ops::quantize_fp8_transposed(xg) : ops::quantize_fp8(xg, ops::Fp8Blocks::kRows);
+    }
   });
-  set_rate(state, "TB/s", static_cast<double>(T * in) * 3.0, ms_total);  // 2 bytes read, 1 written
+  // 2 bytes read, 1 written (both ways: 2)
+  set_rate(state, "TB/s", static_cast<double>(T * in) * (mode == 2 ? 4.0 : 3.0), ms_total);
 }
-BENCHMARK(BM_QuantizeFp8)->Args({8192, 2048, 0})->Args({8192, 2048, 1})->UseManualTime();
+BENCHMARK(BM_QuantizeFp8)->Args({8192, 2048, 0})->Args({8192, 2048, 1})->Args({8192, 2048, 2})->UseManualTime();
 
 void BM_QuantizeFp8Weight(benchmark::State& state) {
   if (!cuda::available()) {

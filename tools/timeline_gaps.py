@@ -10,12 +10,24 @@ import argparse
 import collections
 import json
 import re
+import shutil
+import subprocess
+
+
+def demangled(names):
+    """CUPTI records kernels' mangled names: binutils' c++filt turns them into C++ where it is
+    installed (templates and anonymous namespaces kept apart), else they stay as they are."""
+    names = sorted(set(names))
+    if not shutil.which("c++filt"):
+        return {n: n for n in names}
+    out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True).stdout.split("\n")
+    return {n: (d if d else n) for n, d in zip(names, out)}
 
 
 def short(name):
+    name = name.replace("moetrain::", "").replace("<unnamed>::", "").replace("(anonymous namespace)::", "")
     name = re.sub(r"\(.*", "", name)
     name = re.sub(r"^void ", "", name)
-    name = name.replace("moetrain::", "").replace("<unnamed>::", "").replace("(anonymous namespace)::", "")
     return name[:70]
 
 
@@ -28,12 +40,10 @@ def main():
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", help="also write the window's totals here (for scripts/profile-step)")
     args = ap.parse_args()
-    acts = []
-    for line in open(args.trace):
-        parts = line.rstrip("\n").split("\t")
-        if len(parts) < 5:
-            continue
-        acts.append((int(parts[0]), int(parts[1]), parts[2], parts[3], short(parts[4])))
+    rows = [line.rstrip("\n").split("\t") for line in open(args.trace)]
+    rows = [p for p in rows if len(p) >= 5]
+    names = demangled(p[4] for p in rows)
+    acts = [(int(p[0]), int(p[1]), p[2], p[3], short(names[p[4]])) for p in rows]
     acts.sort()
     t0 = acts[0][0] + args.skip_ms * 1e6
     t1 = t0 + args.window_ms * 1e6 if args.window_ms > 0 else max(a[1] for a in acts)

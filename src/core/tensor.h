@@ -41,6 +41,9 @@ class Tensor {
   static Tensor from_vector(const std::vector<T>& values, const Shape& shape);
 
   bool defined() const { return storage_ != nullptr; }
+  // Whether another tensor (a view, or another handle of this one) holds this storage too:
+  // a cache holding a tensor can tell that nobody else will ask for it.
+  bool storage_shared() const { return storage_ != nullptr && storage_.use_count() > 1; }
   const Shape& shape() const { return shape_; }
   int ndim() const { return static_cast<int>(shape_.size()); }
   int64_t size(int d) const;  // negative d counts from the end

@@ -76,6 +76,11 @@ Fp8Tensor quantize_fp8_transposed(const Tensor& x, Fp8Blocks blocks) {
   return MT_ROUTE(x, quantize_fp8_transposed, x, blocks);
 }
 
+Fp8BothWays quantize_fp8_both_ways(const Tensor& x) {
+  check_fp8_input("quantize_fp8_both_ways", x);
+  return MT_ROUTE(x, quantize_fp8_both_ways, x);
+}
+
 Fp8WeightBlocks quantize_fp8_weight(const Tensor& w) {
   const char* op = "quantize_fp8_weight";
   MT_CHECK(w.defined() && (w.ndim() == 2 || w.ndim() == 3), "{}: w must be [n, k] or experts' [E, n, k], got {}", op,

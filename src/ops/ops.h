@@ -66,6 +66,11 @@ struct UnpackedFp8Rows {
 struct Fp8WeightBlocks {
   Fp8Tensor w, w_t;
 };
+// x per 1 x 128 tile both ways (quantize_fp8_both_ways): along the features (rows, [R, C])
+// and along the tokens (tokens: x^T's rows, [C, R]).
+struct Fp8BothWays {
+  Fp8Tensor rows, tokens;
+};
 
 // ---- embedding: y[t] = W[ids[t]] ------------------------------------------------------
 // ids i32 [T], weight [V, H] -> [T, H]. An id outside [0, V) is an error naming it (NaN rows
@@ -457,6 +462,10 @@ Fp8Tensor quantize_fp8(const Tensor& x, Fp8Blocks blocks);
 // of 128 along R (a weight gradient's operands, whose reduction runs over the tokens); blocks
 // mode: W^T of a weight (the input gradient's operand), the same 128 x 128 blocks as W's.
 Fp8Tensor quantize_fp8_transposed(const Tensor& x, Fp8Blocks blocks = Fp8Blocks::kRows);
+// x per 1 x 128 tile along both dimensions in one pass over it: {quantize_fp8(x, kRows),
+// quantize_fp8_transposed(x)}, bit for bit. An output gradient is read along the features by
+// the input gradient and along the tokens by the weight gradient.
+Fp8BothWays quantize_fp8_both_ways(const Tensor& x);
 // q * scale as `dtype`.
 Tensor dequantize_fp8(const Fp8Tensor& t, DType dtype);
 // Rows-mode codes with their scales as one byte tensor, the form in which an expert dispatch

@@ -168,6 +168,43 @@ TEST(Projections, KeptWeightsAreQuantizedOnceUntilReleased) {
   EXPECT_THROW(fresh.backward_weight(dy, rows, g1, false), Error);
 }
 
+// Under keep_weights, an output gradient's codes along the tokens are made with its codes along
+// the features by the input gradient and taken by the weight gradient of the same dy: a dy
+// changed in place between the two is not seen (the codes are used), a dy not so shared is
+// quantized then; an entry whose dy nobody else holds is dropped, and keep_weights(false)
+// drops them all.
+TEST(Projections, OutputGradientCodesAreMadeOnceForBothProducts) {
+  Projections kept, fresh;
+  kept.set_fp8(true);
+  fresh.set_fp8(true);
+  const Tensor x = testing::random_tensor({48, 256}, DType::F32, 11);
+  const Tensor w = testing::random_tensor({128, 256}, DType::F32, 12, 0.1);
+  Tensor dy = testing::random_tensor({48, 128}, DType::F32, 13);
+  auto same = [](const Tensor& a, const Tensor& b) { return testing::rel_error(a, b) == 0.0; };
+  auto wgrad = [&](const Projections& p, const Tensor& d) {
+    Tensor g = Tensor::zeros({128, 256}, DType::F32);
+    p.backward_weight(d, x, g, /*accumulate=*/false);
+    return g;
+  };
+  kept.keep_weights(true);
+  EXPECT_TRUE(same(kept.backward_input(dy, w), fresh.backward_input(dy, w)));
+  EXPECT_EQ(kept.pending_grads(), 1u);
+  const Tensor before = wgrad(fresh, dy);
+  ops::scale_(dy, 2.0);  // changed after the input gradient: the weight gradient uses the codes made then
+  EXPECT_TRUE(same(wgrad(kept, dy), before));
+  EXPECT_FALSE(same(wgrad(fresh, dy), before));
+  const Tensor other = testing::random_tensor({48, 128}, DType::F32, 14);  // no input gradient first
+  EXPECT_TRUE(same(wgrad(kept, other), wgrad(fresh, other)));
+  dy = Tensor();  // nobody else holds the first dy: its entry goes at the next use
+  Tensor dx = Tensor::zeros({48, 256}, DType::F32);
+  kept.backward_input_add(other, w, dx);
+  EXPECT_EQ(kept.pending_grads(), 1u);  // other's
+  kept.keep_weights(false);
+  EXPECT_EQ(kept.pending_grads(), 0u);
+  kept.backward_input(other, w);
+  EXPECT_EQ(kept.pending_grads(), 0u);  // not kept: nothing waits
+}
+
 // train_step keeps the weights quantized for the step's micro-batches and releases them before
 // the optimizer moves them: three steps of three micro-batches equal, bit for bit, the same
 // steps with every weight quantized at every use (the step written out without train_step).

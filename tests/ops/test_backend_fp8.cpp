@@ -63,6 +63,9 @@ TEST(BackendFp8, QuantizersMatchTheCpuBitForBit) {
       expect_same_fp8(ops::quantize_fp8_transposed(xg), ops::quantize_fp8_transposed(x), "transposed " + tag);
       expect_same_fp8(ops::quantize_fp8_transposed(xg, ops::Fp8Blocks::kBlocks),
                       ops::quantize_fp8_transposed(x, ops::Fp8Blocks::kBlocks), "transposed blocks " + tag);
+      const ops::Fp8BothWays ways = ops::quantize_fp8_both_ways(xg);  // one pass where C % 8 == 0, R % 16 == 0
+      expect_same_fp8(ways.rows, ops::quantize_fp8(x, ops::Fp8Blocks::kRows), "both ways, rows " + tag);
+      expect_same_fp8(ways.tokens, ops::quantize_fp8_transposed(x), "both ways, tokens " + tag);
       const ops::Fp8WeightBlocks both = ops::quantize_fp8_weight(xg);  // one pass where C % 8 == 0, R % 16 == 0
       expect_same_fp8(both.w, ops::quantize_fp8(x, ops::Fp8Blocks::kBlocks), "weight " + tag);
       expect_same_fp8(both.w_t, ops::quantize_fp8_transposed(x, ops::Fp8Blocks::kBlocks), "weight^T " + tag);

@@ -269,11 +269,13 @@ TEST(Fp8, TransposedExpertBlocksAreEachExpertsTransposeQuantized) {
   }
 }
 
-// A weight's blocks both ways (quantize_fp8_weight): a matrix's are quantize_fp8's and
-// quantize_fp8_transposed's in blocks mode, ragged blocks included; an expert weight's are
-// quantize_fp8_experts' and their transpose_fp8_experts; an expert weight whose experts are
-// not whole blocks either way is refused with the op and the shape named.
-TEST(Fp8, WeightBlocksBothWaysAreTheTwoQuantizers) {
+// Both ways in one op: an output gradient's 1 x 128 tiles (quantize_fp8_both_ways) are the
+// rows quantizer's and the transposed one's; a weight's blocks (quantize_fp8_weight): a
+// matrix's are quantize_fp8's and quantize_fp8_transposed's in blocks mode, ragged blocks
+// included; an expert weight's are quantize_fp8_experts' and their transpose_fp8_experts; an
+// expert weight whose experts are not whole blocks either way is refused with the op and the
+// shape named.
+TEST(Fp8, BothWaysAreTheTwoQuantizers) {
   auto same = [](const ops::Fp8Tensor& a, const ops::Fp8Tensor& b) {
     return a.q.shape() == b.q.shape() && std::memcmp(a.q.raw(), b.q.raw(), a.q.nbytes()) == 0 &&
            a.scale.to_vector<float>() == b.scale.to_vector<float>();
@@ -282,6 +284,9 @@ TEST(Fp8, WeightBlocksBothWaysAreTheTwoQuantizers) {
   const ops::Fp8WeightBlocks mb = ops::quantize_fp8_weight(m);
   EXPECT_TRUE(same(mb.w, ops::quantize_fp8(m, ops::Fp8Blocks::kBlocks)));
   EXPECT_TRUE(same(mb.w_t, ops::quantize_fp8_transposed(m, ops::Fp8Blocks::kBlocks)));
+  const ops::Fp8BothWays ways = ops::quantize_fp8_both_ways(m);
+  EXPECT_TRUE(same(ways.rows, ops::quantize_fp8(m, ops::Fp8Blocks::kRows)));
+  EXPECT_TRUE(same(ways.tokens, ops::quantize_fp8_transposed(m)));
   const Tensor w = testing::random_tensor({2, 256, 384}, DType::F32, 98);
   const ops::Fp8WeightBlocks wb = ops::quantize_fp8_weight(w);
   const ops::Fp8Tensor blocks = ops::quantize_fp8_experts(w);

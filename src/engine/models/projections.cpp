@@ -20,7 +20,29 @@ void Projections::set_fp8(bool on) {
 
 void Projections::keep_weights(bool on) {
   keep_ = on;
-  if (!on) kept_.clear();
+  if (!on) {
+    kept_.clear();
+    pending_.clear();
+  }
+}
+
+ops::Fp8Tensor Projections::grad_rows(const Tensor& dy) const {
+  if (!keep_ || dy.ndim() != 2) return ops::quantize_fp8(dy, ops::Fp8Blocks::kRows);
+  prune_pending();
+  ops::Fp8BothWays both = ops::quantize_fp8_both_ways(dy);
+  pending_[{dy.raw(), dy.size(0), dy.size(1)}] = PendingGrad{dy, std::move(both.tokens)};
+  return std::move(both.rows);
+}
+
+ops::Fp8Tensor Projections::grad_tokens(const Tensor& dy) const {
+  const auto it = dy.ndim() == 2 ? pending_.find({dy.raw(), dy.size(0), dy.size(1)}) : pending_.end();
+  ops::Fp8Tensor codes = it != pending_.end() ? it->second.tokens : ops::quantize_fp8_transposed(dy);
+  prune_pending();
+  return codes;
+}
+
+void Projections::prune_pending() const {
+  std::erase_if(pending_, [](const auto& entry) { return !entry.second.dy.storage_shared(); });
 }
 
 ops::Fp8Tensor Projections::weight_blocks(const Tensor& w, bool transposed) const {
@@ -124,14 +146,12 @@ Tensor Projections::forward(const Input& x, const Tensor& w, const Tensor& resid
 
 Tensor Projections::backward_input(const Tensor& dy, const Tensor& w) const {
   if (!fp8_) return ops::linear_backward_input(dy, w);
-  return ops::linear_fp8(ops::quantize_fp8(dy, ops::Fp8Blocks::kRows), weight_blocks(w, /*transposed=*/true),
-                         dy.dtype());
+  return ops::linear_fp8(grad_rows(dy), weight_blocks(w, /*transposed=*/true), dy.dtype());
 }
 
 void Projections::backward_input_add(const Tensor& dy, const Tensor& w, Tensor& dx) const {
   if (!fp8_) return ops::linear_backward_input_add(dy, w, dx);
-  ops::linear_fp8_into(ops::quantize_fp8(dy, ops::Fp8Blocks::kRows), weight_blocks(w, /*transposed=*/true), dx,
-                       /*accumulate=*/true);
+  ops::linear_fp8_into(grad_rows(dy), weight_blocks(w, /*transposed=*/true), dx, /*accumulate=*/true);
 }
 
 void Projections::backward_weight(const Tensor& dy, const Input& x, Tensor& dw, bool accumulate) const {
@@ -139,7 +159,7 @@ void Projections::backward_weight(const Tensor& dy, const Input& x, Tensor& dw, 
                                     "(rows()), a weight gradient reads it along the tokens (tokens())");
   if (!fp8_) return ops::linear_backward_weight(dy, x.x, dw, accumulate);
   MT_CHECK(x.q.q.defined(), "Projections::backward_weight: the input was prepared before FP8 was switched on");
-  ops::linear_fp8_into(ops::quantize_fp8_transposed(dy), x.q, dw, accumulate);
+  ops::linear_fp8_into(grad_tokens(dy), x.q, dw, accumulate);
 }
 
 }  // namespace moetrain

@@ -85,22 +85,43 @@ class Projections {
   void keep_weights(bool on);
   // How many weights are held quantized now (tests).
   size_t kept_weights() const { return kept_.size(); }
+  // How many output gradients' codes along the tokens wait for a weight gradient (tests).
+  size_t pending_grads() const { return pending_.size(); }
 
  private:
-  // W's blocks, or W^T's (transposed), made now or taken from the kept copies (a handle).
+  // dy's codes along the features for an input gradient (quantize_fp8 rows mode). Between
+  // keep_weights(true) and (false) they are made with its codes along the tokens in one pass
+  // (ops::quantize_fp8_both_ways), which wait in pending_ for the weight gradient of the same
+  // dy (grad_tokens): the layers hand the same output gradient to both products.
+  ops::Fp8Tensor grad_rows(const Tensor& dy) const;
+  // dy's codes along the tokens for a weight gradient: pending_'s, else made now.
+  ops::Fp8Tensor grad_tokens(const Tensor& dy) const;
+  // Drops the pending codes of output gradients that no tensor but the entry holds any more:
+  // no weight gradient can ask for them.
+  void prune_pending() const;
+
+  // W's blocks, or W^T's (transposed), made now or taken from the kept copies (a handle). A
+  // weight kept is quantized both ways at its first use, in one pass (ops::quantize_fp8_weight).
   ops::Fp8Tensor weight_blocks(const Tensor& w, bool transposed) const;
   // An expert weight [E, n, k]'s blocks (ops::quantize_fp8_experts), or each expert's W^T's
-  // (transposed: ops::transpose_fp8_experts of W's), made or kept.
+  // (transposed: ops::transpose_fp8_experts of W's), made or kept (as weight_blocks).
   ops::Fp8Tensor expert_blocks(const Tensor& w, bool transposed = false) const;
 
   bool fp8_ = false;
   bool keep_ = false;
   struct Kept {
-    ops::Fp8Tensor w, w_t;  // w_t made at the first backward use
+    ops::Fp8Tensor w, w_t;  // made together at the weight's first use
   };
   // Keyed by where the weight's elements start and its shape: MLA's kv_a weight is read as
   // two row blocks, views of one tensor.
   mutable std::map<std::tuple<const void*, int64_t, int64_t>, Kept> kept_;
+  // An output gradient's codes along the tokens, keyed as kept_ (where dy's elements start
+  // and its shape); dy is held so that its place is not reused while the entry lives.
+  struct PendingGrad {
+    Tensor dy;
+    ops::Fp8Tensor tokens;
+  };
+  mutable std::map<std::tuple<const void*, int64_t, int64_t>, PendingGrad> pending_;
 };
 
 // BF16 projections, for a layer built without a model (tests, reference layers).

@@ -148,6 +148,10 @@ ExpertTiles expert_tiles(const Tensor& counts, const std::string& what) {
 
 // Each tile: the amax of every column over the tile's rows (those of its expert), then the
 // codes, written transposed into the tile's 128 columns.
+Fp8BothWays quantize_fp8_both_ways(const Tensor& x) {
+  return {cpu::quantize_fp8(x, Fp8Blocks::kRows), cpu::quantize_fp8_transposed(x, Fp8Blocks::kRows)};
+}
+
 Fp8WeightBlocks quantize_fp8_weight(const Tensor& w) {
   if (w.ndim() == 2) return {cpu::quantize_fp8(w, Fp8Blocks::kBlocks), cpu::quantize_fp8_transposed(w, Fp8Blocks::kBlocks)};
   Fp8Tensor blocks = cpu::quantize_fp8(w.view({w.size(0) * w.size(1), w.size(2)}), Fp8Blocks::kBlocks);

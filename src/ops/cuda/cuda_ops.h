@@ -69,6 +69,7 @@ SwigluOut grouped_swiglu_forward_fp8(const Fp8Tensor& x, const Tensor& counts, c
                                      const Fp8Tensor& w_up, const Fp8Tensor& w_down, int64_t experts);
 Fp8Tensor transpose_fp8_experts(const Fp8Tensor& w, int64_t experts);
 Fp8WeightBlocks quantize_fp8_weight(const Tensor& w);
+Fp8BothWays quantize_fp8_both_ways(const Tensor& x);
 Fp8Tensor quantize_fp8_expert_columns(const Tensor& x, const Tensor& counts);
 void grouped_wgrad_fp8(const std::vector<Fp8WgradOperands>& sources, Tensor& dw, bool accumulate);
 SwigluInputGrads grouped_swiglu_backward_input_fp8(const Fp8Tensor& dy, const Tensor& counts, const Tensor& gate,

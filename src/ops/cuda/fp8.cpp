@@ -99,6 +99,21 @@ Fp8Tensor transpose_fp8_experts(const Fp8Tensor& w, int64_t experts) {
   return out;
 }
 
+Fp8BothWays quantize_fp8_both_ways(const Tensor& x) {
+  const char* op = "quantize_fp8_both_ways";
+  check_input(op, x);
+  const int64_t R = x.size(0), C = x.size(1);
+  if (!fp8_blocks_vec_fits(x.raw(), C) || R % 16 != 0) {  // two passes, as the ops one after the other
+    return {cuda::quantize_fp8(x, Fp8Blocks::kRows), cuda::quantize_fp8_transposed(x, Fp8Blocks::kRows)};
+  }
+  Fp8BothWays out{empty_fp8(R, C, Fp8Blocks::kRows, x.device()), empty_fp8(C, R, Fp8Blocks::kRows, x.device())};
+  launch_quantize_fp8_both_ways(x.raw(), static_cast<int>(dtype_size(x.dtype())), R, C,
+                                static_cast<uint8_t*>(out.rows.q.raw()), out.rows.scale.data<float>(),
+                                static_cast<uint8_t*>(out.tokens.q.raw()), out.tokens.scale.data<float>(), stream());
+  check_launch(op);
+  return out;
+}
+
 Fp8WeightBlocks quantize_fp8_weight(const Tensor& w) {
   const char* op = "quantize_fp8_weight";
   const bool experts = w.ndim() == 3;

@@ -195,6 +195,102 @@ __global__ void __launch_bounds__(256)
   }
 }
 
+// x [R, C] per 1 x 128 tile both ways in one pass (ops::quantize_fp8_both_ways): an output
+// gradient, which the input gradient reads along the features and the weight gradient along
+// the tokens, read once instead of twice. quantize_blocks_vec_kernel's block and layout (a
+// 256-thread block per 128 x 128 of x, thread t holding columns c = 8 (t % 16) .. + 7 of
+// rows 8 (t / 16) .. + 7; C % 8 == 0, R % 16 == 0, x 16-byte aligned); a row's amax meets
+// over the 16 lanes of a half-warp, a column's over the lane pair t, t ^ 16 and then the 8
+// warps in shared memory. Rows mode: q [R, C], scale[kb * R + r]; along the tokens: qt [C, R]
+// (16-byte stores of a column's 16 rows, as above), st[rb * C + c]. Each element is
+// quantized twice (its row's scale and its column's), so the quotients take ScaleDivisor's
+// three instructions rather than a division's subroutine.
+template <typename T>
+__global__ void __launch_bounds__(256)
+    quantize_both_ways_kernel(const T* __restrict__ x, int64_t R, int64_t C, uint8_t* __restrict__ q,
+                              float* __restrict__ scale, uint8_t* __restrict__ qt, float* __restrict__ st) {
+  const int64_t Lc = (C + kBlock - 1) / kBlock;
+  const int64_t rb = blockIdx.x / Lc, kb = blockIdx.x % Lc;
+  const int tid = threadIdx.x, cc = tid & 15, lane = tid & 31, warp = tid >> 5;
+  const int64_t r0 = rb * kBlock + 8 * (tid >> 4), c = kb * kBlock + 8 * cc;
+  const bool cols_in = c < C;  // C % 8 == 0: a thread's 8 columns are all in or all out
+  float v[8][8];
+  float row_max[8], col_max[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) col_max[i] = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if (cols_in && r0 + j < R) {
+      load8(x + (r0 + j) * C + c, v[j]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[j][i] = 0.f;
+    }
+    row_max[j] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      row_max[j] = fmaxf(row_max[j], fabsf(v[j][i]));
+      col_max[i] = fmaxf(col_max[i], fabsf(v[j][i]));
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) row_max[j] = fmaxf(row_max[j], __shfl_xor_sync(0xffffffffu, row_max[j], o));
+  }
+  __shared__ float warp_col_max[8][kBlock];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    col_max[i] = fmaxf(col_max[i], __shfl_xor_sync(0xffffffffu, col_max[i], 16));
+    if (lane < 16) warp_col_max[warp][8 * cc + i] = col_max[i];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    float m = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) m = fmaxf(m, warp_col_max[w][8 * cc + i]);
+    col_max[i] = m;
+  }
+  // Along the features: row r0 + j's 8 codes at once.
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const fp8::ScaleDivisor d(tile_scale(row_max[j]));
+    uint2 word = make_uint2(0, 0);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) (i < 4 ? word.x : word.y) |= static_cast<uint32_t>(d.code(v[j][i])) << (8 * (i & 3));
+    if (cols_in && r0 + j < R) {
+      *reinterpret_cast<uint2*>(q + (r0 + j) * C + c) = word;
+      if (cc == 0) scale[kb * R + r0 + j] = d.s;
+    }
+  }
+  // Along the tokens: column c + i's 8 codes of this thread's rows as one word, paired with the
+  // next 8 rows' (lane t ^ 16) into 16-byte stores, as quantize_blocks_vec_kernel's.
+  uint2 col_codes[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const fp8::ScaleDivisor d(tile_scale(col_max[i]));
+    col_codes[i] = make_uint2(0, 0);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      (j < 4 ? col_codes[i].x : col_codes[i].y) |= static_cast<uint32_t>(d.code(v[j][i])) << (8 * (j & 3));
+    }
+    if (cols_in && tid < 16) st[rb * C + c + i] = d.s;
+  }
+  const bool low = lane < 16;
+  const int64_t row16 = r0 - (low ? 0 : 8);  // the 16 rows' first
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint2 mine = low ? col_codes[i] : col_codes[i + 4], give = low ? col_codes[i + 4] : col_codes[i];
+    uint2 got;
+    got.x = __shfl_xor_sync(0xffffffffu, give.x, 16);
+    got.y = __shfl_xor_sync(0xffffffffu, give.y, 16);
+    const int64_t col = c + (low ? i : i + 4);
+    const uint4 word = low ? make_uint4(mine.x, mine.y, got.x, got.y) : make_uint4(got.x, got.y, mine.x, mine.y);
+    if (cols_in && row16 < R) *reinterpret_cast<uint4*>(qt + col * R + row16) = word;
+  }
+}
+
 // x [R, C] -> q^T [C, R]: a block per 128 rows x 32 columns, staged in shared memory; column
 // c's 128 rows are one tile of x^T's row c. Thread t: column t / 8, rows 16 (t % 8) .. + 15.
 __global__ void quantize_transposed_kernel(const void* __restrict__ x, int elem_bytes, int64_t R, int64_t C,
@@ -573,6 +669,17 @@ void launch_quantize_fp8_transposed_blocks(const void* x, int elem_bytes, int64_
   }
   quantize_blocks_kernel<true><<<static_cast<unsigned>(blocks), 256, 0, s>>>(x, elem_bytes, R, C, q, scale,
                                                                             scale_cols);
+}
+
+void launch_quantize_fp8_both_ways(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
+                                   uint8_t* qt, float* st, cudaStream_t s) {
+  if (R == 0 || C == 0) return;
+  const auto blocks = static_cast<unsigned>(((R + kBlock - 1) / kBlock) * ((C + kBlock - 1) / kBlock));
+  if (elem_bytes == 2) {
+    quantize_both_ways_kernel<<<blocks, 256, 0, s>>>(static_cast<const __nv_bfloat16*>(x), R, C, q, scale, qt, st);
+  } else {
+    quantize_both_ways_kernel<<<blocks, 256, 0, s>>>(static_cast<const float*>(x), R, C, q, scale, qt, st);
+  }
 }
 
 void launch_quantize_fp8_weight(const void* x, int elem_bytes, int64_t R, int64_t C, int64_t n, uint8_t* q,

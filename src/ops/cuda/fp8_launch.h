@@ -32,6 +32,11 @@ bool fp8_blocks_vec_fits(const void* x, int64_t C);
 void launch_quantize_fp8_weight(const void* x, int elem_bytes, int64_t R, int64_t C, int64_t n, uint8_t* q,
                                 float* scale, int64_t scale_cols, uint8_t* qt, float* st, int64_t st_cols,
                                 cudaStream_t s);
+// x [R, C] per 1 x 128 tile both ways (ops::quantize_fp8_both_ways): q [R, C] with
+// scale[kb * R + r], and x^T's codes qt [C, R] with st[rb * C + c]. Needs
+// fp8_blocks_vec_fits and R % 16 == 0.
+void launch_quantize_fp8_both_ways(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
+                                   uint8_t* qt, float* st, cudaStream_t s);
 // Each expert's W^T per 128 x 128 block from W's blocks: q [E n, k] (scale [E n / 128][ls])
 // -> qt [E k, n] (st [E k / 128][lt], its padding left as it is); n, k multiples of 128.
 void launch_transpose_fp8_experts(const uint8_t* q, const float* scale, int64_t E, int64_t n, int64_t k, int64_t ls,
