@@ -105,7 +105,8 @@ TEST(BackendFp8, ExpertWeightBlocksBothWaysMatchTheCpu) {
 // 1 x 128 tile whose first element is amax (so that the tile's scale is amax / 448); and
 // f32 tiles of random values whose magnitudes span 2^-140 .. 2^120 tile by tile. Where a
 // kernel's quotient x / scale or its conversion differed from the CPU's at any rounding edge
-// (x times a rounded reciprocal does), some code here would differ.
+// (x times a rounded reciprocal does), some code here would differ: the rows quantizer's
+// (IEEE division) and quantize_fp8_both_ways' (fp8::ScaleDivisor), both directions.
 TEST(BackendFp8, QuantizerCodesMatchTheCpuOverEveryBf16Value) {
   MT_REQUIRE_GPU();
   auto bf16_value = [](uint32_t bits) {
@@ -135,11 +136,16 @@ TEST(BackendFp8, QuantizerCodesMatchTheCpuOverEveryBf16Value) {
       }
       while (in_tile != 0) v.push_back(0.f), in_tile = (in_tile + 1) % 127;
     }
+    while (v.size() % (16 * 128) != 0) v.push_back(0.f);  // rows a multiple of 16: the both-ways kernel
     const int64_t rows = static_cast<int64_t>(v.size()) / 128;
-    ASSERT_EQ(rows * 128, static_cast<int64_t>(v.size()));
     const Tensor x = Tensor::from_vector(v, {rows, 128});
-    expect_same_fp8(ops::quantize_fp8(on_gpu(x, DType::BF16), ops::Fp8Blocks::kRows),
-                    ops::quantize_fp8(x, ops::Fp8Blocks::kRows), fmt::format("bf16 amax from {:#06x}", amaxes[first]));
+    const std::string tag = fmt::format("bf16 amax from {:#06x}", amaxes[first]);
+    const ops::Fp8Tensor want = ops::quantize_fp8(x, ops::Fp8Blocks::kRows);
+    const Tensor xg = on_gpu(x, DType::BF16);
+    expect_same_fp8(ops::quantize_fp8(xg, ops::Fp8Blocks::kRows), want, tag);
+    const ops::Fp8BothWays ways = ops::quantize_fp8_both_ways(xg);  // its quotients by ScaleDivisor
+    expect_same_fp8(ways.rows, want, "both ways, rows, " + tag);
+    expect_same_fp8(ways.tokens, ops::quantize_fp8_transposed(x), "both ways, tokens, " + tag);
     checked += static_cast<int64_t>(v.size());
   }
   EXPECT_GT(checked, 20'000'000);
@@ -153,8 +159,11 @@ TEST(BackendFp8, QuantizerCodesMatchTheCpuOverEveryBf16Value) {
     for (int64_t c = 0; c < 128; ++c) v[static_cast<size_t>(r * 128 + c)] = unit(rng) * mag;
   }
   const Tensor x = Tensor::from_vector(v, {rows, 128});
-  expect_same_fp8(ops::quantize_fp8(x.to(kGpu), ops::Fp8Blocks::kRows), ops::quantize_fp8(x, ops::Fp8Blocks::kRows),
-                  "f32 tiles of spread magnitudes");
+  const ops::Fp8Tensor want = ops::quantize_fp8(x, ops::Fp8Blocks::kRows);
+  expect_same_fp8(ops::quantize_fp8(x.to(kGpu), ops::Fp8Blocks::kRows), want, "f32 tiles of spread magnitudes");
+  const ops::Fp8BothWays ways = ops::quantize_fp8_both_ways(x.to(kGpu));
+  expect_same_fp8(ways.rows, want, "both ways, rows, f32 tiles of spread magnitudes");
+  expect_same_fp8(ways.tokens, ops::quantize_fp8_transposed(x), "both ways, tokens, f32 tiles of spread magnitudes");
 }
 
 // RMSNorm with its output quantized in the same pass: y as the plain kernel makes it, and its
