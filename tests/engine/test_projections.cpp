@@ -168,34 +168,39 @@ TEST(Projections, KeptWeightsAreQuantizedOnceUntilReleased) {
   EXPECT_THROW(fresh.backward_weight(dy, rows, g1, false), Error);
 }
 
-// Under keep_weights, an output gradient's codes along the tokens are made with its codes along
-// the features by the input gradient and taken by the weight gradient of the same dy: a dy
-// changed in place between the two is not seen (the codes are used), a dy not so shared is
-// quantized then; an entry whose dy nobody else holds is dropped, and keep_weights(false)
-// drops them all.
-TEST(Projections, OutputGradientCodesAreMadeOnceForBothProducts) {
+// Under keep_weights, the codes along the tokens of a projection's input and of its output
+// gradient are made in the same pass as their codes along the features (by the forward and
+// the input gradient) and taken by the weight gradient that reads the same tensors: a tensor
+// changed in place between the two is not seen (the codes are used), one met first by the
+// weight gradient is quantized then; an entry whose tensor nobody else holds is dropped at
+// the next use, and keep_weights(false) drops them all.
+TEST(Projections, CodesAlongTheTokensAreMadeWithThoseAlongTheFeatures) {
   Projections kept, fresh;
   kept.set_fp8(true);
   fresh.set_fp8(true);
-  const Tensor x = testing::random_tensor({48, 256}, DType::F32, 11);
+  Tensor x = testing::random_tensor({48, 256}, DType::F32, 11);
   const Tensor w = testing::random_tensor({128, 256}, DType::F32, 12, 0.1);
   Tensor dy = testing::random_tensor({48, 128}, DType::F32, 13);
   auto same = [](const Tensor& a, const Tensor& b) { return testing::rel_error(a, b) == 0.0; };
-  auto wgrad = [&](const Projections& p, const Tensor& d) {
+  auto wgrad = [&](const Projections& p, const Tensor& d, const Tensor& in) {
     Tensor g = Tensor::zeros({128, 256}, DType::F32);
-    p.backward_weight(d, x, g, /*accumulate=*/false);
+    p.backward_weight(d, in, g, /*accumulate=*/false);
     return g;
   };
   kept.keep_weights(true);
+  EXPECT_TRUE(same(kept.forward(x, w), fresh.forward(x, w)));
+  EXPECT_EQ(kept.pending_grads(), 1u);  // x's
   EXPECT_TRUE(same(kept.backward_input(dy, w), fresh.backward_input(dy, w)));
-  EXPECT_EQ(kept.pending_grads(), 1u);
-  const Tensor before = wgrad(fresh, dy);
-  ops::scale_(dy, 2.0);  // changed after the input gradient: the weight gradient uses the codes made then
-  EXPECT_TRUE(same(wgrad(kept, dy), before));
-  EXPECT_FALSE(same(wgrad(fresh, dy), before));
+  EXPECT_EQ(kept.pending_grads(), 2u);  // and dy's
+  const Tensor before = wgrad(fresh, dy, x);
+  ops::scale_(dy, 2.0);  // both changed after their codes were made: the weight gradient uses those codes
+  ops::scale_(x, 0.25);
+  EXPECT_TRUE(same(wgrad(kept, dy, x), before));
+  EXPECT_FALSE(same(wgrad(fresh, dy, x), before));
   const Tensor other = testing::random_tensor({48, 128}, DType::F32, 14);  // no input gradient first
-  EXPECT_TRUE(same(wgrad(kept, other), wgrad(fresh, other)));
-  dy = Tensor();  // nobody else holds the first dy: its entry goes at the next use
+  EXPECT_FALSE(same(wgrad(kept, other, x), wgrad(fresh, other, x)));  // kept: the old x's codes
+  dy = Tensor();  // nobody else holds the first dy, nor x: their entries go at the next use
+  x = Tensor();
   Tensor dx = Tensor::zeros({48, 256}, DType::F32);
   kept.backward_input_add(other, w, dx);
   EXPECT_EQ(kept.pending_grads(), 1u);  // other's
@@ -205,41 +210,6 @@ TEST(Projections, OutputGradientCodesAreMadeOnceForBothProducts) {
   EXPECT_EQ(kept.pending_grads(), 0u);  // not kept: nothing waits
 }
 
-// train_step keeps the weights quantized for the step's micro-batches and releases them before
-// the optimizer moves them: three steps of three micro-batches equal, bit for bit, the same
-// steps with every weight quantized at every use (the step written out without train_step).
-// Keeping them past the step would use the old weights' blocks in the next one.
-TEST(Projections, Fp8StepsEqualQuantizingAtEveryUse) {
-  const Qwen3MoeConfig c = testing::tiny_moe_config(100, 2);
-  Qwen3MoeModel stepped(c, DType::F32), plain(c, DType::F32);
-  stepped.init_weights(3);
-  plain.init_weights(3);
-  stepped.set_fp8(true);
-  plain.set_fp8(true);
-  AdamW opt_s(stepped.parameters(), {}), opt_p(plain.parameters(), {});
-  LayerwiseOptimizer lw_s(stepped, opt_s, LayerwiseConfig{.overlap = false});
-  LayerwiseOptimizer lw_p(plain, opt_p, LayerwiseConfig{.overlap = false});
-  LocalDispatcher d;
-  for (int step = 0; step < 3; ++step) {
-    std::vector<Batch> bs;
-    for (int i = 0; i < 3; ++i) bs.push_back(testing::random_batch(2, 16, 100, 100 + 10 * step + i));
-    const StepResult r = train_step(stepped, d, lw_s, bs, 2e-2, 1.0);
-    int64_t targets = 0;
-    for (const Batch& b : bs) targets += b.num_targets;
-    double loss = 0;
-    for (size_t i = 0; i < bs.size(); ++i) {
-      if (i + 1 == bs.size()) lw_p.begin_last_micro_batch();
-      loss += plain.forward_backward(bs[i], d, 1.0 / static_cast<double>(targets), 1.0 / 3.0, i > 0).ce_sum;
-    }
-    const GradNorm g = lw_p.step(2e-2, 1.0);
-    EXPECT_EQ(r.loss, loss / static_cast<double>(targets)) << "step " << step;
-    EXPECT_EQ(r.grad_norm, g.norm) << "step " << step;
-  }
-  for (size_t i = 0; i < plain.parameters().size(); ++i) {
-    EXPECT_EQ(testing::rel_error(stepped.parameters()[i].value, plain.parameters()[i].value), 0.0)
-        << plain.parameters()[i].name;
-  }
-}
 
 template <typename Model, typename Config>
 void expect_fp8_step_close(const Config& c, const char* family) {
@@ -286,6 +256,50 @@ DeepseekV3Config fp8_dsv3_config() {
   v.hidden_size = 128;
   v.initializer_range = 0.05;
   return v;
+}
+
+// train_step keeps the weights quantized for the step's micro-batches and releases them before
+// the optimizer moves them: three steps of three micro-batches equal, bit for bit, the same
+// steps with every weight quantized at every use (the step written out without train_step).
+// Keeping them past the step would use the old weights' blocks in the next one; the output
+// gradients' codes held for the weight gradients (Projections::pending_) must be those of the
+// same tensors, unchanged: both families (DeepSeek-V3's MLA projections among them).
+template <typename Model, typename Config>
+void expect_steps_equal_quantizing_at_every_use(const Config& c, const char* family) {
+  SCOPED_TRACE(family);
+  Model stepped(c, DType::F32), plain(c, DType::F32);
+  stepped.init_weights(3);
+  plain.init_weights(3);
+  stepped.set_fp8(true);
+  plain.set_fp8(true);
+  AdamW opt_s(stepped.parameters(), {}), opt_p(plain.parameters(), {});
+  LayerwiseOptimizer lw_s(stepped, opt_s, LayerwiseConfig{.overlap = false});
+  LayerwiseOptimizer lw_p(plain, opt_p, LayerwiseConfig{.overlap = false});
+  LocalDispatcher d;
+  for (int step = 0; step < 3; ++step) {
+    std::vector<Batch> bs;
+    for (int i = 0; i < 3; ++i) bs.push_back(testing::random_batch(2, 16, static_cast<int32_t>(c.vocab_size), 100 + 10 * step + i));
+    const StepResult r = train_step(stepped, d, lw_s, bs, 2e-2, 1.0);
+    int64_t targets = 0;
+    for (const Batch& b : bs) targets += b.num_targets;
+    double loss = 0;
+    for (size_t i = 0; i < bs.size(); ++i) {
+      if (i + 1 == bs.size()) lw_p.begin_last_micro_batch();
+      loss += plain.forward_backward(bs[i], d, 1.0 / static_cast<double>(targets), 1.0 / 3.0, i > 0).ce_sum;
+    }
+    const GradNorm g = lw_p.step(2e-2, 1.0);
+    EXPECT_EQ(r.loss, loss / static_cast<double>(targets)) << "step " << step;
+    EXPECT_EQ(r.grad_norm, g.norm) << "step " << step;
+  }
+  for (size_t i = 0; i < plain.parameters().size(); ++i) {
+    EXPECT_EQ(testing::rel_error(stepped.parameters()[i].value, plain.parameters()[i].value), 0.0)
+        << plain.parameters()[i].name;
+  }
+}
+
+TEST(Projections, Fp8StepsEqualQuantizingAtEveryUse) {
+  expect_steps_equal_quantizing_at_every_use<Qwen3MoeModel>(testing::tiny_moe_config(100, 2), "qwen3_moe");
+  expect_steps_equal_quantizing_at_every_use<DeepseekV3Model>(fp8_dsv3_config(), "deepseek_v3");
 }
 
 TEST(Projections, Fp8TrainingStepOfBothFamiliesStaysClose) {

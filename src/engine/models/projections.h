@@ -85,19 +85,21 @@ class Projections {
   void keep_weights(bool on);
   // How many weights are held quantized now (tests).
   size_t kept_weights() const { return kept_.size(); }
-  // How many output gradients' codes along the tokens wait for a weight gradient (tests).
+  // How many tensors' codes along the tokens wait for a weight gradient (tests).
   size_t pending_grads() const { return pending_.size(); }
 
  private:
-  // dy's codes along the features for an input gradient (quantize_fp8 rows mode). Between
-  // keep_weights(true) and (false) they are made with its codes along the tokens in one pass
-  // (ops::quantize_fp8_both_ways), which wait in pending_ for the weight gradient of the same
-  // dy (grad_tokens): the layers hand the same output gradient to both products.
-  ops::Fp8Tensor grad_rows(const Tensor& dy) const;
-  // dy's codes along the tokens for a weight gradient: pending_'s, else made now.
-  ops::Fp8Tensor grad_tokens(const Tensor& dy) const;
-  // Drops the pending codes of output gradients that no tensor but the entry holds any more:
-  // no weight gradient can ask for them.
+  // t's codes along the features (quantize_fp8 rows mode): a forward's input, or an input
+  // gradient's output gradient. Between keep_weights(true) and (false) they are made with its
+  // codes along the tokens in one pass (ops::quantize_fp8_both_ways), which wait in pending_
+  // for the weight gradient that reads the same tensor (tokens_codes): the layers hand a
+  // projection's input to its forward and its weight gradient, and an output gradient to its
+  // input and weight gradients.
+  ops::Fp8Tensor rows_codes(const Tensor& t) const;
+  // t's codes along the tokens for a weight gradient: pending_'s, else made now.
+  ops::Fp8Tensor tokens_codes(const Tensor& t) const;
+  // Drops the pending codes of tensors that nothing but the entry holds any more: no weight
+  // gradient can ask for them.
   void prune_pending() const;
 
   // W's blocks, or W^T's (transposed), made now or taken from the kept copies (a handle). A
@@ -115,13 +117,13 @@ class Projections {
   // Keyed by where the weight's elements start and its shape: MLA's kv_a weight is read as
   // two row blocks, views of one tensor.
   mutable std::map<std::tuple<const void*, int64_t, int64_t>, Kept> kept_;
-  // An output gradient's codes along the tokens, keyed as kept_ (where dy's elements start
-  // and its shape); dy is held so that its place is not reused while the entry lives.
-  struct PendingGrad {
-    Tensor dy;
+  // A tensor's codes along the tokens, keyed as kept_ (where its elements start and its
+  // shape); the tensor is held so that its place is not reused while the entry lives.
+  struct Pending {
+    Tensor t;
     ops::Fp8Tensor tokens;
   };
-  mutable std::map<std::tuple<const void*, int64_t, int64_t>, PendingGrad> pending_;
+  mutable std::map<std::tuple<const void*, int64_t, int64_t>, Pending> pending_;
 };
 
 // BF16 projections, for a layer built without a model (tests, reference layers).
