@@ -210,7 +210,6 @@ TEST(Projections, CodesAlongTheTokensAreMadeWithThoseAlongTheFeatures) {
   EXPECT_EQ(kept.pending_grads(), 0u);  // not kept: nothing waits
 }
 
-
 template <typename Model, typename Config>
 void expect_fp8_step_close(const Config& c, const char* family) {
   SCOPED_TRACE(family);
@@ -261,9 +260,10 @@ DeepseekV3Config fp8_dsv3_config() {
 // train_step keeps the weights quantized for the step's micro-batches and releases them before
 // the optimizer moves them: three steps of three micro-batches equal, bit for bit, the same
 // steps with every weight quantized at every use (the step written out without train_step).
-// Keeping them past the step would use the old weights' blocks in the next one; the output
-// gradients' codes held for the weight gradients (Projections::pending_) must be those of the
-// same tensors, unchanged: both families (DeepSeek-V3's MLA projections among them).
+// Keeping them past the step would use the old weights' blocks in the next one; the codes along
+// the tokens held for the weight gradients (Projections::pending_: inputs' and output
+// gradients') must be those of the same tensors, unchanged: both families (DeepSeek-V3's MLA
+// projections among them).
 template <typename Model, typename Config>
 void expect_steps_equal_quantizing_at_every_use(const Config& c, const char* family) {
   SCOPED_TRACE(family);

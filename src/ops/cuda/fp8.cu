@@ -109,6 +109,24 @@ __global__ void quantize_blocks_kernel(const void* __restrict__ x, int elem_byte
   if (tid == 0) scale[kTransposed ? kb * scale_cols + rb : rb * scale_cols + kb] = s;
 }
 
+// A thread's column codes stored 16 bytes at a time: col_codes[i] holds column c + i's codes
+// of the thread's 8 rows, and lanes t < 16 of a warp hold rows 8 g .. + 7 (g even) while
+// lanes t + 16 hold the next 8. A shuffle swaps half the words between the two, so that the
+// low lane holds columns c .. c + 3 and the high lane columns c + 4 .. c + 7, each as its 16
+// rows' codes (the low lane's first); store(i, word) writes column c + i's. Every lane of
+// the warp must call it.
+template <typename Store>
+__device__ __forceinline__ void store_column_pairs(const uint2 (&col_codes)[8], bool low, Store store) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint2 mine = low ? col_codes[i] : col_codes[i + 4], give = low ? col_codes[i + 4] : col_codes[i];
+    uint2 got;
+    got.x = __shfl_xor_sync(0xffffffffu, give.x, 16);
+    got.y = __shfl_xor_sync(0xffffffffu, give.y, 16);
+    store(low ? i : i + 4, low ? make_uint4(mine.x, mine.y, got.x, got.y) : make_uint4(got.x, got.y, mine.x, mine.y));
+  }
+}
+
 // Blocks mode at HBM's rate (the weights' quantization, once a training step: 2.4 G expert
 // weights in the bench model, which quantize_blocks_kernel above took 11 ms and the
 // transpose of its codes 4.6 ms more to go through). A 256-thread block per 128 x 128 block of
@@ -174,23 +192,14 @@ __global__ void __launch_bounds__(256)
     if (threadIdx.x == 0) scale[rb * scale_cols + cb] = s;
   }
   if constexpr (kTransposed) {
-    // Lanes t < 16 of a warp hold rows 8 g .. + 7 (g even), lanes t + 16 the next 8: the low
-    // lane stores columns c .. c + 3 (its word first), the high lane columns c + 4 .. c + 7.
     const bool low = (threadIdx.x & 16) == 0;
     const int64_t e = (rb * kBlock) / n, rb_e = rb - e * (n / kBlock);
     const int64_t row_in_e = r0 - e * n - (low ? 0 : 8);  // the 16 rows' first, within expert e
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint2 mine = low ? col_codes[i] : col_codes[i + 4], give = low ? col_codes[i + 4] : col_codes[i];
-      uint2 got;
-      got.x = __shfl_xor_sync(0xffffffffu, give.x, 16);
-      got.y = __shfl_xor_sync(0xffffffffu, give.y, 16);
-      const int64_t col = c + (low ? i : i + 4);
-      const uint4 word = low ? make_uint4(mine.x, mine.y, got.x, got.y) : make_uint4(got.x, got.y, mine.x, mine.y);
+    store_column_pairs(col_codes, low, [&](int i, const uint4& word) {
       if (cols_in && row_in_e < n && e * n + row_in_e < R) {
-        *reinterpret_cast<uint4*>(qt + (e * C + col) * n + row_in_e) = word;
+        *reinterpret_cast<uint4*>(qt + (e * C + c + i) * n + row_in_e) = word;
       }
-    }
+    });
     if (threadIdx.x == 0) st[(e * Lc + cb) * st_cols + rb_e] = s;
   }
 }
@@ -265,7 +274,7 @@ __global__ void __launch_bounds__(256)
     }
   }
   // Along the tokens: column c + i's 8 codes of this thread's rows as one word, paired with the
-  // next 8 rows' (lane t ^ 16) into 16-byte stores, as quantize_blocks_vec_kernel's.
+  // next 8 rows' (lane t ^ 16) into 16-byte stores (store_column_pairs).
   uint2 col_codes[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -279,16 +288,9 @@ __global__ void __launch_bounds__(256)
   }
   const bool low = lane < 16;
   const int64_t row16 = r0 - (low ? 0 : 8);  // the 16 rows' first
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint2 mine = low ? col_codes[i] : col_codes[i + 4], give = low ? col_codes[i + 4] : col_codes[i];
-    uint2 got;
-    got.x = __shfl_xor_sync(0xffffffffu, give.x, 16);
-    got.y = __shfl_xor_sync(0xffffffffu, give.y, 16);
-    const int64_t col = c + (low ? i : i + 4);
-    const uint4 word = low ? make_uint4(mine.x, mine.y, got.x, got.y) : make_uint4(got.x, got.y, mine.x, mine.y);
-    if (cols_in && row16 < R) *reinterpret_cast<uint4*>(qt + col * R + row16) = word;
-  }
+  store_column_pairs(col_codes, low, [&](int i, const uint4& word) {
+    if (cols_in && row16 < R) *reinterpret_cast<uint4*>(qt + (c + i) * R + row16) = word;
+  });
 }
 
 // x [R, C] -> q^T [C, R]: a block per 128 rows x 32 columns, staged in shared memory; column
