@@ -47,37 +47,6 @@ __global__ void quantize_rows_kernel(const void* __restrict__ x, int elem_bytes,
   if (lane == 0) scale[kb * R + r] = s;
 }
 
-// Rows mode for bf16 rows whose length is a multiple of 8: 16 threads per 1 x 128 tile, each
-// loading 8 elements (16 bytes) and storing 8 codes at once (the scalar kernel above reads
-// 256 bytes a warp: too little in flight to approach HBM's rate). Same arithmetic, same bits.
-__global__ void quantize_rows_bf16x8_kernel(const __nv_bfloat16* __restrict__ x, int64_t R, int64_t C,
-                                            uint8_t* __restrict__ q, float* __restrict__ scale) {
-  const int64_t L = (C + kBlock - 1) / kBlock;
-  const int64_t tile = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 16;
-  const int part = threadIdx.x & 15;
-  const bool live = tile < R * L;
-  const int64_t r = live ? tile / L : 0, kb = live ? tile % L : 0;
-  const int64_t c = kb * kBlock + 8 * part;
-  const bool has = live && c < C;  // C % 8 == 0: a thread's 8 are all in or all out
-  float v[8];
-  float amax = 0.f;
-  if (has) {
-    load8(x + r * C + c, v);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
-  }
-#pragma unroll
-  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if (!has) return;
-  const float s = tile_scale(amax);
-  uint2 out;
-  uint8_t* b = reinterpret_cast<uint8_t*>(&out);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) b[j] = to_e4m3(v[j] / s);
-  *reinterpret_cast<uint2*>(q + r * C + c) = out;
-  if (part == 0) scale[kb * R + r] = s;
-}
-
 // One 256-thread block per 128 x 128 block of x; kTransposed: the codes go to x^T [C, R] and
 // the scale to block (cb, rb) of x^T's grid.
 template <bool kTransposed>
@@ -204,29 +173,28 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// x [R, C] per 1 x 128 tile both ways in one pass (ops::quantize_fp8_both_ways): an output
-// gradient, which the input gradient reads along the features and the weight gradient along
-// the tokens, read once instead of twice. quantize_blocks_vec_kernel's block and layout (a
-// 256-thread block per 128 x 128 of x, thread t holding columns c = 8 (t % 16) .. + 7 of
-// rows 8 (t / 16) .. + 7; C % 8 == 0, R % 16 == 0, x 16-byte aligned); a row's amax meets
-// over the 16 lanes of a half-warp, a column's over the lane pair t, t ^ 16 and then the 8
-// warps in shared memory. Rows mode: q [R, C], scale[kb * R + r]; along the tokens: qt [C, R]
-// (16-byte stores of a column's 16 rows, as above), st[rb * C + c]. Each element is
-// quantized twice (its row's scale and its column's), so the quotients take ScaleDivisor's
-// three instructions rather than a division's subroutine.
-template <typename T>
+// x [R, C] per 1 x 128 tile along the features (kRows: q [R, C], scale[kb * R + r]), along
+// the tokens (kTokens: x^T's codes qt [C, R], st[rb * C + c]), or both in one pass
+// (ops::quantize_fp8_both_ways: an output gradient, which the input gradient reads along the
+// features and the weight gradient along the tokens, read once instead of twice).
+// quantize_blocks_vec_kernel's block and layout (a 256-thread block per 128 x 128 of x,
+// thread t holding columns c = 8 (t % 16) .. + 7 of rows 8 (t / 16) .. + 7, eight 16-byte
+// loads in flight a thread; C % 8 == 0, x 16-byte aligned, and R % 16 == 0 for kTokens); a
+// row's amax meets over the 16 lanes of a half-warp, a column's over the lane pair t, t ^ 16
+// and then the 8 warps in shared memory; a row's codes go as one 8-byte store, a column's as
+// 16-byte stores (store_column_pairs). With both, each element is quantized twice (its row's
+// scale and its column's), so the quotients take ScaleDivisor's three instructions rather
+// than a division's subroutine (the same bits; one path for the three kernels).
+template <typename T, bool kRows, bool kTokens>
 __global__ void __launch_bounds__(256)
-    quantize_both_ways_kernel(const T* __restrict__ x, int64_t R, int64_t C, uint8_t* __restrict__ q,
-                              float* __restrict__ scale, uint8_t* __restrict__ qt, float* __restrict__ st) {
+    quantize_tiles_kernel(const T* __restrict__ x, int64_t R, int64_t C, uint8_t* __restrict__ q,
+                          float* __restrict__ scale, uint8_t* __restrict__ qt, float* __restrict__ st) {
   const int64_t Lc = (C + kBlock - 1) / kBlock;
   const int64_t rb = blockIdx.x / Lc, kb = blockIdx.x % Lc;
   const int tid = threadIdx.x, cc = tid & 15, lane = tid & 31, warp = tid >> 5;
   const int64_t r0 = rb * kBlock + 8 * (tid >> 4), c = kb * kBlock + 8 * cc;
   const bool cols_in = c < C;  // C % 8 == 0: a thread's 8 columns are all in or all out
   float v[8][8];
-  float row_max[8], col_max[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) col_max[i] = 0.f;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     if (cols_in && r0 + j < R) {
@@ -235,62 +203,60 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
       for (int i = 0; i < 8; ++i) v[j][i] = 0.f;
     }
-    row_max[j] = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      row_max[j] = fmaxf(row_max[j], fabsf(v[j][i]));
-      col_max[i] = fmaxf(col_max[i], fabsf(v[j][i]));
-    }
   }
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) row_max[j] = fmaxf(row_max[j], __shfl_xor_sync(0xffffffffu, row_max[j], o));
-  }
-  __shared__ float warp_col_max[8][kBlock];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    col_max[i] = fmaxf(col_max[i], __shfl_xor_sync(0xffffffffu, col_max[i], 16));
-    if (lane < 16) warp_col_max[warp][8 * cc + i] = col_max[i];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    float m = 0.f;
-#pragma unroll
-    for (int w = 0; w < 8; ++w) m = fmaxf(m, warp_col_max[w][8 * cc + i]);
-    col_max[i] = m;
-  }
-  // Along the features: row r0 + j's 8 codes at once.
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const fp8::ScaleDivisor d(tile_scale(row_max[j]));
-    uint2 word = make_uint2(0, 0);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) (i < 4 ? word.x : word.y) |= static_cast<uint32_t>(d.code(v[j][i])) << (8 * (i & 3));
-    if (cols_in && r0 + j < R) {
-      *reinterpret_cast<uint2*>(q + (r0 + j) * C + c) = word;
-      if (cc == 0) scale[kb * R + r0 + j] = d.s;
-    }
-  }
-  // Along the tokens: column c + i's 8 codes of this thread's rows as one word, paired with the
-  // next 8 rows' (lane t ^ 16) into 16-byte stores (store_column_pairs).
-  uint2 col_codes[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const fp8::ScaleDivisor d(tile_scale(col_max[i]));
-    col_codes[i] = make_uint2(0, 0);
+  if constexpr (kRows) {  // row r0 + j's 8 codes at once
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      (j < 4 ? col_codes[i].x : col_codes[i].y) |= static_cast<uint32_t>(d.code(v[j][i])) << (8 * (j & 3));
+      float amax = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[j][i]));
+#pragma unroll
+      for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      const fp8::ScaleDivisor d(tile_scale(amax));
+      uint2 word = make_uint2(0, 0);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) (i < 4 ? word.x : word.y) |= static_cast<uint32_t>(d.code(v[j][i])) << (8 * (i & 3));
+      if (cols_in && r0 + j < R) {
+        *reinterpret_cast<uint2*>(q + (r0 + j) * C + c) = word;
+        if (cc == 0) scale[kb * R + r0 + j] = d.s;
+      }
     }
-    if (cols_in && tid < 16) st[rb * C + c + i] = d.s;
   }
-  const bool low = lane < 16;
-  const int64_t row16 = r0 - (low ? 0 : 8);  // the 16 rows' first
-  store_column_pairs(col_codes, low, [&](int i, const uint4& word) {
-    if (cols_in && row16 < R) *reinterpret_cast<uint4*>(qt + (c + i) * R + row16) = word;
-  });
+  if constexpr (kTokens) {  // column c + i's 8 codes of this thread's rows as one word
+    float col_max[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      col_max[i] = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) col_max[i] = fmaxf(col_max[i], fabsf(v[j][i]));
+    }
+    __shared__ float warp_col_max[8][kBlock];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      col_max[i] = fmaxf(col_max[i], __shfl_xor_sync(0xffffffffu, col_max[i], 16));
+      if (lane < 16) warp_col_max[warp][8 * cc + i] = col_max[i];
+    }
+    __syncthreads();
+    uint2 col_codes[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      float m = 0.f;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) m = fmaxf(m, warp_col_max[w][8 * cc + i]);
+      const fp8::ScaleDivisor d(tile_scale(m));
+      col_codes[i] = make_uint2(0, 0);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        (j < 4 ? col_codes[i].x : col_codes[i].y) |= static_cast<uint32_t>(d.code(v[j][i])) << (8 * (j & 3));
+      }
+      if (cols_in && tid < 16) st[rb * C + c + i] = d.s;
+    }
+    const bool low = lane < 16;
+    const int64_t row16 = r0 - (low ? 0 : 8);  // the 16 rows' first
+    store_column_pairs(col_codes, low, [&](int i, const uint4& word) {
+      if (cols_in && row16 < R) *reinterpret_cast<uint4*>(qt + (c + i) * R + row16) = word;
+    });
+  }
 }
 
 // x [R, C] -> q^T [C, R]: a block per 128 rows x 32 columns, staged in shared memory; column
@@ -325,11 +291,11 @@ __global__ void quantize_transposed_kernel(const void* __restrict__ x, int elem_
   if (part == 0) scale[rb * C + c] = s;
 }
 
-// The column pass of the transposed quantizers that stage 128 rows x 64 columns as floats in
-// shared memory: thread tid takes column tid % 64 and rows 32 (tid / 64) .. + 31, the four
-// parts' amax meet in part_max, and each column's scale comes back to its four threads
-// (every thread of the block calls it: it holds a __syncthreads); column_codes packs 16 rows
-// of a column from rr as one 16-byte word of codes.
+// The column pass of the experts' column quantizer (quantize_expert_columns_kernel), which
+// stages 128 rows x 64 columns as floats in shared memory: thread tid takes column tid % 64
+// and rows 32 (tid / 64) .. + 31, the four parts' amax meet in part_max, and each column's
+// scale comes back to its four threads (every thread of the block calls it: it holds a
+// __syncthreads); column_codes packs 16 rows of a column from rr as one 16-byte word of codes.
 constexpr int kStagedCols = 64;
 using StagedTile = float[kBlock][kStagedCols + 1];
 __device__ __forceinline__ float staged_column_scale(const StagedTile& tile, float (&part_max)[4][kStagedCols],
@@ -367,37 +333,6 @@ __device__ __forceinline__ uint4 column_codes(const StagedTile& tile, int rr, in
 #pragma unroll
   for (int j = 0; j < 16; ++j) b[j] = to_e4m3(tile[rr + j][cc] / s);
   return out;
-}
-
-// The same for bf16 x with C % 8 == 0 and R % 16 == 0 (16-byte loads and stores): a block per
-// 128 rows x 64 columns, loaded 8 elements a thread into shared memory; thread t takes column
-// t % 64 (a warp: 32 consecutive columns, no bank conflicts) and rows 32 (t / 64) .. + 31, so
-// four threads in four warps share a column's tile (their amax meets in shared memory) and
-// each stores its 32 codes as two 16-byte words. Same arithmetic, same bits.
-__global__ void __launch_bounds__(256) quantize_transposed_bf16x8_kernel(const __nv_bfloat16* __restrict__ x,
-                                                                        int64_t R, int64_t C,
-                                                                        uint8_t* __restrict__ q,
-                                                                        float* __restrict__ scale) {
-  constexpr int kCols = kStagedCols;
-  __shared__ StagedTile tile;
-  __shared__ float part_max[4][kCols];
-  const int64_t n_cb = (C + kCols - 1) / kCols;
-  const int64_t rb = blockIdx.x / n_cb, cb = blockIdx.x % n_cb;
-  const int64_t r0 = rb * kBlock, c0 = cb * kCols;
-  const int tid = threadIdx.x;
-  stage_rows_bf16x8(tile, x, r0, R - r0, C, c0, tid);
-  __syncthreads();
-  const int cc = tid % kCols, part = tid / kCols;
-  const float s = staged_column_scale(tile, part_max, tid);
-  const int64_t c = c0 + cc;
-  if (c >= C) return;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int rr = 32 * part + 16 * h;
-    if (r0 + rr >= R) break;  // R % 16 == 0: 16 rows are all in or all out
-    *reinterpret_cast<uint4*>(q + c * R + r0 + rr) = column_codes(tile, rr, cc, s);
-  }
-  if (part == 0) scale[rb * C + c] = s;
 }
 
 // Each expert's W^T blocks from W's: a 256-thread block per 128 x 128 block (rb, cb) of expert
@@ -618,14 +553,29 @@ void launch_permute_fp8_values(const uint8_t* q, const float* scale, int64_t T, 
   else run(static_cast<float*>(values));
 }
 
+namespace {
+// quantize_tiles_kernel for x of elem_bytes (2: bf16, 4: f32).
+template <bool kRows, bool kTokens>
+void launch_tiles(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale, uint8_t* qt,
+                  float* st, cudaStream_t s) {
+  if (R == 0 || C == 0) return;
+  const auto blocks = static_cast<unsigned>(((R + kBlock - 1) / kBlock) * ((C + kBlock - 1) / kBlock));
+  if (elem_bytes == 2) {
+    quantize_tiles_kernel<__nv_bfloat16, kRows, kTokens>
+        <<<blocks, 256, 0, s>>>(static_cast<const __nv_bfloat16*>(x), R, C, q, scale, qt, st);
+  } else {
+    quantize_tiles_kernel<float, kRows, kTokens>
+        <<<blocks, 256, 0, s>>>(static_cast<const float*>(x), R, C, q, scale, qt, st);
+  }
+}
+}  // namespace
+
 void launch_quantize_fp8_rows(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
                               cudaStream_t s) {
   const int64_t warps = R * ((C + kBlock - 1) / kBlock);
   if (warps == 0) return;
-  if (elem_bytes == 2 && C % 8 == 0 && aligned16(x) && reinterpret_cast<uintptr_t>(q) % 8 == 0) {
-    const int64_t tiles = warps;  // one tile per 16 threads
-    quantize_rows_bf16x8_kernel<<<static_cast<unsigned>((tiles + 15) / 16), 256, 0, s>>>(
-        static_cast<const __nv_bfloat16*>(x), R, C, q, scale);
+  if (C % 8 == 0 && aligned16(x) && reinterpret_cast<uintptr_t>(q) % 8 == 0) {
+    launch_tiles<true, false>(x, elem_bytes, R, C, q, scale, nullptr, nullptr, s);
     return;
   }
   quantize_rows_kernel<<<static_cast<unsigned>((warps + 7) / 8), 256, 0, s>>>(x, elem_bytes, R, C, q, scale);
@@ -675,13 +625,7 @@ void launch_quantize_fp8_transposed_blocks(const void* x, int elem_bytes, int64_
 
 void launch_quantize_fp8_both_ways(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
                                    uint8_t* qt, float* st, cudaStream_t s) {
-  if (R == 0 || C == 0) return;
-  const auto blocks = static_cast<unsigned>(((R + kBlock - 1) / kBlock) * ((C + kBlock - 1) / kBlock));
-  if (elem_bytes == 2) {
-    quantize_both_ways_kernel<<<blocks, 256, 0, s>>>(static_cast<const __nv_bfloat16*>(x), R, C, q, scale, qt, st);
-  } else {
-    quantize_both_ways_kernel<<<blocks, 256, 0, s>>>(static_cast<const float*>(x), R, C, q, scale, qt, st);
-  }
+  launch_tiles<true, true>(x, elem_bytes, R, C, q, scale, qt, st, s);
 }
 
 void launch_quantize_fp8_weight(const void* x, int elem_bytes, int64_t R, int64_t C, int64_t n, uint8_t* q,
@@ -733,7 +677,7 @@ __global__ void expert_tiles_kernel(const int64_t* __restrict__ counts, int E, i
 // column t % 64 and rows 32 (t / 64) .. + 31, the four parts' amax meet in shared memory,
 // and each thread stores its 32 codes as two 16-byte words (P is a multiple of 128). A tile
 // past the last expert's is all zeros: codes 0, scale 1.
-// kVec8: bf16 x with C % 8 == 0, 16-byte aligned: 8 elements a load (as the bf16x8 kernel's).
+// kVec8: bf16 x with C % 8 == 0, 16-byte aligned: 8 elements a load (stage_rows_bf16x8).
 template <bool kVec8>
 __global__ void __launch_bounds__(256) quantize_expert_columns_kernel(const void* __restrict__ x, int elem_bytes,
                                                                      int64_t C, int64_t P,
@@ -792,10 +736,8 @@ void launch_quantize_fp8_expert_columns(const void* x, int elem_bytes, int64_t C
 void launch_quantize_fp8_transposed(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
                                     cudaStream_t s) {
   if (R == 0 || C == 0) return;
-  if (elem_bytes == 2 && C % 8 == 0 && R % 16 == 0 && aligned16(x) && aligned16(q)) {
-    const int64_t blocks = ((R + kBlock - 1) / kBlock) * ((C + 63) / 64);
-    quantize_transposed_bf16x8_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(
-        static_cast<const __nv_bfloat16*>(x), R, C, q, scale);
+  if (C % 8 == 0 && R % 16 == 0 && aligned16(x) && aligned16(q)) {
+    launch_tiles<false, true>(x, elem_bytes, R, C, nullptr, nullptr, q, scale, s);
     return;
   }
   const int64_t blocks = ((R + kBlock - 1) / kBlock) * ((C + 31) / 32);

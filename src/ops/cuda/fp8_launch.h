@@ -8,14 +8,15 @@
 
 namespace moetrain::ops::cuda {
 
-// Rows mode: a tile of 1 x 128 per warp; scale[kb * R + r].
+// Rows mode: scale[kb * R + r]. quantize_tiles_kernel where C % 8 == 0 and x is 16-byte
+// aligned (a 256-thread block per 128 x 128), else a tile of 1 x 128 per warp.
 void launch_quantize_fp8_rows(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
                               cudaStream_t s);
 // Blocks mode: a 128 x 128 block per 256-thread block; scale[rb * scale_cols + kb].
 void launch_quantize_fp8_blocks(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
                                 int64_t scale_cols, cudaStream_t s);
-// x [R, C] -> x^T [C, R] in rows mode: a block per 128 rows x 32 columns of x;
-// scale[rb * C + c].
+// x [R, C] -> x^T [C, R] in rows mode: scale[rb * C + c]. quantize_tiles_kernel where C % 8 ==
+// 0, R % 16 == 0 and x, q are 16-byte aligned, else a block per 128 rows x 32 columns of x.
 void launch_quantize_fp8_transposed(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
                                     cudaStream_t s);
 // x [R, C] -> x^T [C, R] in blocks mode: a 256-thread block per 128 x 128 block of x, the
