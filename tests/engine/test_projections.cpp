@@ -168,42 +168,52 @@ TEST(Projections, KeptWeightsAreQuantizedOnceUntilReleased) {
   EXPECT_THROW(fresh.backward_weight(dy, rows, g1, false), Error);
 }
 
-// Under keep_weights, the codes along the tokens of a projection's input and of its output
-// gradient are made in the same pass as their codes along the features (by the forward and
-// the input gradient) and taken by the weight gradient that reads the same tensors: a tensor
-// changed in place between the two is not seen (the codes are used), one met first by the
-// weight gradient is quantized then; an entry whose tensor nobody else holds is dropped at
-// the next use, and keep_weights(false) drops them all.
-TEST(Projections, CodesAlongTheTokensAreMadeWithThoseAlongTheFeatures) {
+// Under keep_weights, an output gradient's codes along the tokens are made in the same pass as
+// its codes along the features (by the input gradient) and taken once by the weight gradient
+// of the same dy: a dy changed in place between the two is not seen (the codes are used),
+// nor by a second weight gradient of it (quantized again, it sees the change); a dy met first
+// by the weight gradient is quantized then; an entry whose dy nobody else holds is dropped at
+// the next input gradient, at most 16 wait (the oldest go), keep_weights(false) drops them
+// all. A projection's input is not held (its forward's codes are along the features only).
+TEST(Projections, OutputGradientCodesAreMadeOnceForBothProducts) {
   Projections kept, fresh;
   kept.set_fp8(true);
   fresh.set_fp8(true);
-  Tensor x = testing::random_tensor({48, 256}, DType::F32, 11);
+  const Tensor x = testing::random_tensor({48, 256}, DType::F32, 11);
   const Tensor w = testing::random_tensor({128, 256}, DType::F32, 12, 0.1);
   Tensor dy = testing::random_tensor({48, 128}, DType::F32, 13);
   auto same = [](const Tensor& a, const Tensor& b) { return testing::rel_error(a, b) == 0.0; };
-  auto wgrad = [&](const Projections& p, const Tensor& d, const Tensor& in) {
+  auto wgrad = [&](const Projections& p, const Tensor& d) {
     Tensor g = Tensor::zeros({128, 256}, DType::F32);
-    p.backward_weight(d, in, g, /*accumulate=*/false);
+    p.backward_weight(d, x, g, /*accumulate=*/false);
     return g;
   };
   kept.keep_weights(true);
   EXPECT_TRUE(same(kept.forward(x, w), fresh.forward(x, w)));
-  EXPECT_EQ(kept.pending_grads(), 1u);  // x's
+  EXPECT_EQ(kept.pending_grads(), 0u);  // inputs are not held
   EXPECT_TRUE(same(kept.backward_input(dy, w), fresh.backward_input(dy, w)));
-  EXPECT_EQ(kept.pending_grads(), 2u);  // and dy's
-  const Tensor before = wgrad(fresh, dy, x);
-  ops::scale_(dy, 2.0);  // both changed after their codes were made: the weight gradient uses those codes
-  ops::scale_(x, 0.25);
-  EXPECT_TRUE(same(wgrad(kept, dy, x), before));
-  EXPECT_FALSE(same(wgrad(fresh, dy, x), before));
+  EXPECT_EQ(kept.pending_grads(), 1u);
+  const Tensor before = wgrad(fresh, dy);
+  ops::scale_(dy, 2.0);  // changed after its codes were made: the weight gradient uses those codes
+  EXPECT_TRUE(same(wgrad(kept, dy), before));
+  EXPECT_EQ(kept.pending_grads(), 0u);  // taken
+  EXPECT_FALSE(same(wgrad(fresh, dy), before));
+  EXPECT_TRUE(same(wgrad(kept, dy), wgrad(fresh, dy)));  // a second weight gradient quantizes again
   const Tensor other = testing::random_tensor({48, 128}, DType::F32, 14);  // no input gradient first
-  EXPECT_FALSE(same(wgrad(kept, other, x), wgrad(fresh, other, x)));  // kept: the old x's codes
-  dy = Tensor();  // nobody else holds the first dy, nor x: their entries go at the next use
-  x = Tensor();
+  EXPECT_TRUE(same(wgrad(kept, other), wgrad(fresh, other)));
   Tensor dx = Tensor::zeros({48, 256}, DType::F32);
+  kept.backward_input_add(dy, w, dx);
+  dy = Tensor();  // nobody else holds it now: its entry goes at the next input gradient
   kept.backward_input_add(other, w, dx);
   EXPECT_EQ(kept.pending_grads(), 1u);  // other's
+  std::vector<Tensor> held;
+  for (int i = 0; i < 20; ++i) {  // never taken, still held: at most 16 wait
+    held.push_back(testing::random_tensor({48, 128}, DType::F32, 20 + i));
+    kept.backward_input_add(held.back(), w, dx);
+  }
+  EXPECT_EQ(kept.pending_grads(), 16u);
+  EXPECT_TRUE(same(wgrad(kept, held.back()), wgrad(fresh, held.back())));  // the newest still waits
+  EXPECT_EQ(kept.pending_grads(), 15u);
   kept.keep_weights(false);
   EXPECT_EQ(kept.pending_grads(), 0u);
   kept.backward_input(other, w);
@@ -260,10 +270,9 @@ DeepseekV3Config fp8_dsv3_config() {
 // train_step keeps the weights quantized for the step's micro-batches and releases them before
 // the optimizer moves them: three steps of three micro-batches equal, bit for bit, the same
 // steps with every weight quantized at every use (the step written out without train_step).
-// Keeping them past the step would use the old weights' blocks in the next one; the codes along
-// the tokens held for the weight gradients (Projections::pending_: inputs' and output
-// gradients') must be those of the same tensors, unchanged: both families (DeepSeek-V3's MLA
-// projections among them).
+// Keeping them past the step would use the old weights' blocks in the next one; the output
+// gradients' codes held for the weight gradients (Projections::pending_) must be those of the
+// same tensors, unchanged: both families (DeepSeek-V3's MLA projections among them).
 template <typename Model, typename Config>
 void expect_steps_equal_quantizing_at_every_use(const Config& c, const char* family) {
   SCOPED_TRACE(family);

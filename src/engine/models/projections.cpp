@@ -1,5 +1,6 @@
 #include "engine/models/projections.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <utility>
@@ -26,23 +27,29 @@ void Projections::keep_weights(bool on) {
   }
 }
 
-ops::Fp8Tensor Projections::rows_codes(const Tensor& t) const {
-  if (!keep_ || t.ndim() != 2) return ops::quantize_fp8(t, ops::Fp8Blocks::kRows);
+ops::Fp8Tensor Projections::grad_rows(const Tensor& dy) const {
+  if (!keep_ || dy.ndim() != 2) return ops::quantize_fp8(dy, ops::Fp8Blocks::kRows);
   prune_pending();
-  ops::Fp8BothWays both = ops::quantize_fp8_both_ways(t);
-  pending_[{t.raw(), t.size(0), t.size(1)}] = Pending{t, std::move(both.tokens)};
+  ops::Fp8BothWays both = ops::quantize_fp8_both_ways(dy);
+  pending_[{dy.raw(), dy.size(0), dy.size(1)}] = Pending{dy, std::move(both.tokens), ++pending_made_};
+  if (pending_.size() > kMaxPending) {  // the oldest: a weight gradient that reads another tensor
+    pending_.erase(std::min_element(pending_.begin(), pending_.end(), [](const auto& a, const auto& b) {
+      return a.second.made < b.second.made;
+    }));
+  }
   return std::move(both.rows);
 }
 
-ops::Fp8Tensor Projections::tokens_codes(const Tensor& t) const {
-  const auto it = t.ndim() == 2 ? pending_.find({t.raw(), t.size(0), t.size(1)}) : pending_.end();
-  ops::Fp8Tensor codes = it != pending_.end() ? it->second.tokens : ops::quantize_fp8_transposed(t);
-  prune_pending();
+ops::Fp8Tensor Projections::grad_tokens(const Tensor& dy) const {
+  const auto it = dy.ndim() == 2 ? pending_.find({dy.raw(), dy.size(0), dy.size(1)}) : pending_.end();
+  if (it == pending_.end()) return ops::quantize_fp8_transposed(dy);
+  ops::Fp8Tensor codes = std::move(it->second.tokens);
+  pending_.erase(it);  // taken once: a second weight gradient of the same dy quantizes it again
   return codes;
 }
 
 void Projections::prune_pending() const {
-  std::erase_if(pending_, [](const auto& entry) { return !entry.second.t.storage_shared(); });
+  std::erase_if(pending_, [](const auto& entry) { return !entry.second.dy.storage_shared(); });
 }
 
 ops::Fp8Tensor Projections::weight_blocks(const Tensor& w, bool transposed) const {
@@ -112,7 +119,7 @@ ops::SwigluInputGrads Projections::experts_backward_input(const Tensor& dy, cons
 
 Projections::Input Projections::rows(const Tensor& x) const {
   Input in{x, {}, false};
-  if (fp8_) in.q = rows_codes(x);
+  if (fp8_) in.q = ops::quantize_fp8(x, ops::Fp8Blocks::kRows);
   return in;
 }
 
@@ -128,7 +135,7 @@ Projections::Input Projections::rows(ops::RmsNormOut& n) const {
 
 Projections::Input Projections::tokens(const Tensor& x) const {
   Input in{x, {}, true};
-  if (fp8_) in.q = tokens_codes(x);
+  if (fp8_) in.q = ops::quantize_fp8_transposed(x);
   return in;
 }
 
@@ -146,12 +153,12 @@ Tensor Projections::forward(const Input& x, const Tensor& w, const Tensor& resid
 
 Tensor Projections::backward_input(const Tensor& dy, const Tensor& w) const {
   if (!fp8_) return ops::linear_backward_input(dy, w);
-  return ops::linear_fp8(rows_codes(dy), weight_blocks(w, /*transposed=*/true), dy.dtype());
+  return ops::linear_fp8(grad_rows(dy), weight_blocks(w, /*transposed=*/true), dy.dtype());
 }
 
 void Projections::backward_input_add(const Tensor& dy, const Tensor& w, Tensor& dx) const {
   if (!fp8_) return ops::linear_backward_input_add(dy, w, dx);
-  ops::linear_fp8_into(rows_codes(dy), weight_blocks(w, /*transposed=*/true), dx, /*accumulate=*/true);
+  ops::linear_fp8_into(grad_rows(dy), weight_blocks(w, /*transposed=*/true), dx, /*accumulate=*/true);
 }
 
 void Projections::backward_weight(const Tensor& dy, const Input& x, Tensor& dw, bool accumulate) const {
@@ -159,7 +166,7 @@ void Projections::backward_weight(const Tensor& dy, const Input& x, Tensor& dw, 
                                     "(rows()), a weight gradient reads it along the tokens (tokens())");
   if (!fp8_) return ops::linear_backward_weight(dy, x.x, dw, accumulate);
   MT_CHECK(x.q.q.defined(), "Projections::backward_weight: the input was prepared before FP8 was switched on");
-  ops::linear_fp8_into(tokens_codes(dy), x.q, dw, accumulate);
+  ops::linear_fp8_into(grad_tokens(dy), x.q, dw, accumulate);
 }
 
 }  // namespace moetrain

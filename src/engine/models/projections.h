@@ -85,20 +85,21 @@ class Projections {
   void keep_weights(bool on);
   // How many weights are held quantized now (tests).
   size_t kept_weights() const { return kept_.size(); }
-  // How many tensors' codes along the tokens wait for a weight gradient (tests).
+  // How many output gradients' codes along the tokens wait for a weight gradient (tests).
   size_t pending_grads() const { return pending_.size(); }
 
  private:
-  // t's codes along the features (quantize_fp8 rows mode): a forward's input, or an input
-  // gradient's output gradient. Between keep_weights(true) and (false) they are made with its
-  // codes along the tokens in one pass (ops::quantize_fp8_both_ways), which wait in pending_
-  // for the weight gradient that reads the same tensor (tokens_codes): the layers hand a
-  // projection's input to its forward and its weight gradient, and an output gradient to its
-  // input and weight gradients.
-  ops::Fp8Tensor rows_codes(const Tensor& t) const;
-  // t's codes along the tokens for a weight gradient: pending_'s, else made now.
-  ops::Fp8Tensor tokens_codes(const Tensor& t) const;
-  // Drops the pending codes of tensors that nothing but the entry holds any more: no weight
+  // dy's codes along the features for an input gradient (quantize_fp8 rows mode). Between
+  // keep_weights(true) and (false) they are made with its codes along the tokens in one pass
+  // (ops::quantize_fp8_both_ways), which wait in pending_ for the weight gradient of the same
+  // dy (grad_tokens): the layers hand an output gradient to both products, the weight
+  // gradient soon after (in the layer's backward, or a few micro-batches later where a
+  // pipeline defers it). A projection's input is not held so: its codes along the tokens would
+  // wait from the forward to the backward, activation memory for one pass saved.
+  ops::Fp8Tensor grad_rows(const Tensor& dy) const;
+  // dy's codes along the tokens for a weight gradient: pending_'s (taken out), else made now.
+  ops::Fp8Tensor grad_tokens(const Tensor& dy) const;
+  // Drops the pending codes of gradients that nothing but the entry holds any more: no weight
   // gradient can ask for them.
   void prune_pending() const;
 
@@ -117,13 +118,19 @@ class Projections {
   // Keyed by where the weight's elements start and its shape: MLA's kv_a weight is read as
   // two row blocks, views of one tensor.
   mutable std::map<std::tuple<const void*, int64_t, int64_t>, Kept> kept_;
-  // A tensor's codes along the tokens, keyed as kept_ (where its elements start and its
-  // shape); the tensor is held so that its place is not reused while the entry lives.
+  // An output gradient's codes along the tokens, keyed as kept_ (where its elements start and
+  // its shape); dy is held so that its place is not reused while the entry lives. At most
+  // kMaxPending wait (the oldest go first): a weight gradient that reads another tensor than
+  // its input gradient did (a slice of it, under tensor parallelism) leaves its entry behind,
+  // and a view of a buffer that lives all step would keep it.
   struct Pending {
-    Tensor t;
+    Tensor dy;
     ops::Fp8Tensor tokens;
+    uint64_t made = 0;
   };
+  static constexpr size_t kMaxPending = 16;
   mutable std::map<std::tuple<const void*, int64_t, int64_t>, Pending> pending_;
+  mutable uint64_t pending_made_ = 0;
 };
 
 // BF16 projections, for a layer built without a model (tests, reference layers).
