@@ -78,6 +78,23 @@ __global__ void quantize_blocks_kernel(const void* __restrict__ x, int elem_byte
   if (tid == 0) scale[kTransposed ? kb * scale_cols + rb : rb * scale_cols + kb] = s;
 }
 
+// The one-pass kernels' loads: rows r0 .. r0 + 7 of x [R, C] at columns c .. c + 7 (16 bytes a
+// row for bf16, all eight issued before any is used), zeros past R or where the columns are
+// past C (cols_in false).
+template <typename T>
+__device__ __forceinline__ void load_rows8(const T* __restrict__ x, int64_t R, int64_t C, int64_t r0, int64_t c,
+                                           bool cols_in, float (&v)[8][8]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if (cols_in && r0 + j < R) {
+      load8(x + (r0 + j) * C + c, v[j]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[j][i] = 0.f;
+    }
+  }
+}
+
 // A thread's column codes stored 16 bytes at a time: col_codes[i] holds column c + i's codes
 // of the thread's 8 rows, and lanes t < 16 of a warp hold rows 8 g .. + 7 (g even) while
 // lanes t + 16 hold the next 8. A shuffle swaps half the words between the two, so that the
@@ -120,15 +137,10 @@ __global__ void __launch_bounds__(256)
   const int64_t r0 = rb * kBlock + 8 * (threadIdx.x >> 4), c = cb * kBlock + 8 * (threadIdx.x & 15);
   const bool cols_in = c < C;  // C % 8 == 0: a thread's 8 columns are all in or all out
   float v[8][8];
+  load_rows8(x, R, C, r0, c, cols_in, v);
   float amax = 0.f;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    if (cols_in && r0 + j < R) {
-      load8(x + (r0 + j) * C + c, v[j]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v[j][i] = 0.f;
-    }
 #pragma unroll
     for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[j][i]));
   }
@@ -195,15 +207,7 @@ __global__ void __launch_bounds__(256)
   const int64_t r0 = rb * kBlock + 8 * (tid >> 4), c = kb * kBlock + 8 * cc;
   const bool cols_in = c < C;  // C % 8 == 0: a thread's 8 columns are all in or all out
   float v[8][8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    if (cols_in && r0 + j < R) {
-      load8(x + (r0 + j) * C + c, v[j]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v[j][i] = 0.f;
-    }
-  }
+  load_rows8(x, R, C, r0, c, cols_in, v);
   if constexpr (kRows) {  // row r0 + j's 8 codes at once
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
