@@ -114,6 +114,7 @@ class Storage {
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
   void* ptr() const { return ptr_; }
+  size_t bytes() const { return bytes_; }
   Device device() const { return device_; }
   bool resident() const { return ptr_ != nullptr || bytes_ == 0; }
   void release() {
@@ -236,6 +237,8 @@ void Tensor::restore_memory() const {
 }
 
 bool Tensor::memory_resident() const { return defined() && storage_->resident(); }
+
+bool Tensor::whole_storage() const { return defined() && offset_ == 0 && nbytes() == storage_->bytes(); }
 
 Device Tensor::device() const { return storage_ ? storage_->device() : Device::cpu(); }
 

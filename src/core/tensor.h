@@ -44,6 +44,8 @@ class Tensor {
   // Whether another tensor (a view, or another handle of this one) holds this storage too:
   // a cache holding a tensor can tell that nobody else will ask for it.
   bool storage_shared() const { return storage_ != nullptr && storage_.use_count() > 1; }
+  // Whether this tensor is all of its storage (not a view of part of a larger buffer).
+  bool whole_storage() const;
   const Shape& shape() const { return shape_; }
   int ndim() const { return static_cast<int>(shape_.size()); }
   int64_t size(int d) const;  // negative d counts from the end

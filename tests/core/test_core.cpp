@@ -34,6 +34,24 @@ TEST(Tensor, ShapesViewsAndSlices) {
   EXPECT_THROW(t.size(2), Error);
 }
 
+// What Projections' codes cache asks of a tensor: whether others hold its storage, and whether
+// it is all of that storage (a slice or a part is not).
+TEST(Tensor, TellsWhetherItIsSharedAndWhole) {
+  Tensor t = Tensor::zeros({4, 6}, DType::F32);
+  EXPECT_TRUE(t.whole_storage());
+  EXPECT_FALSE(t.storage_shared());
+  {
+    const Tensor rows = t.slice(1, 3), first = t.slice(0, 2), all = t.view({6, 4});
+    EXPECT_TRUE(t.storage_shared());
+    EXPECT_FALSE(rows.whole_storage());
+    EXPECT_FALSE(first.whole_storage());  // starts where t does, but is not all of it
+    EXPECT_TRUE(all.whole_storage());
+  }
+  EXPECT_FALSE(t.storage_shared());
+  EXPECT_FALSE(Tensor().whole_storage());
+  EXPECT_FALSE(Tensor().storage_shared());
+}
+
 TEST(Tensor, CopiesConvertDtypes) {
   Tensor a = Tensor::from_vector<double>({1.5, -2.25, 3.0e-3, 65504.0}, {4});
   Tensor f = a.to(DType::F32);

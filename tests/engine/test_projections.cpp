@@ -174,7 +174,8 @@ TEST(Projections, KeptWeightsAreQuantizedOnceUntilReleased) {
 // nor by a second weight gradient of it (quantized again, it sees the change); a dy met first
 // by the weight gradient is quantized then; an entry whose dy nobody else holds is dropped at
 // the next input gradient, at most 16 wait (the oldest go), keep_weights(false) drops them
-// all. A projection's input is not held (its forward's codes are along the features only).
+// all. A projection's input is not held (its forward's codes are along the features only),
+// nor a dy that is a view of part of a buffer.
 TEST(Projections, OutputGradientCodesAreMadeOnceForBothProducts) {
   Projections kept, fresh;
   kept.set_fp8(true);
@@ -191,6 +192,8 @@ TEST(Projections, OutputGradientCodesAreMadeOnceForBothProducts) {
   kept.keep_weights(true);
   EXPECT_TRUE(same(kept.forward(x, w), fresh.forward(x, w)));
   EXPECT_EQ(kept.pending_grads(), 0u);  // inputs are not held
+  kept.backward_input(testing::random_tensor({96, 128}, DType::F32, 15).slice(0, 48), w);
+  EXPECT_EQ(kept.pending_grads(), 0u);  // nor a view of part of a buffer (a slice under tensor parallelism)
   EXPECT_TRUE(same(kept.backward_input(dy, w), fresh.backward_input(dy, w)));
   EXPECT_EQ(kept.pending_grads(), 1u);
   const Tensor before = wgrad(fresh, dy);

@@ -17,6 +17,7 @@ const Projections& bf16_projections() {
 void Projections::set_fp8(bool on) {
   fp8_ = on;
   kept_.clear();
+  pending_.clear();
 }
 
 void Projections::keep_weights(bool on) {
@@ -28,7 +29,10 @@ void Projections::keep_weights(bool on) {
 }
 
 ops::Fp8Tensor Projections::grad_rows(const Tensor& dy) const {
-  if (!keep_ || dy.ndim() != 2) return ops::quantize_fp8(dy, ops::Fp8Blocks::kRows);
+  // A view of part of a buffer (a slice of the gradient under tensor parallelism, a chunk of a
+  // gather's buffer) is not what the weight gradient asks for, and the buffer's other views
+  // would keep its entry: quantized here alone.
+  if (!keep_ || dy.ndim() != 2 || !dy.whole_storage()) return ops::quantize_fp8(dy, ops::Fp8Blocks::kRows);
   prune_pending();
   ops::Fp8BothWays both = ops::quantize_fp8_both_ways(dy);
   pending_[{dy.raw(), dy.size(0), dy.size(1)}] = Pending{dy, std::move(both.tokens), ++pending_made_};

@@ -146,8 +146,6 @@ ExpertTiles expert_tiles(const Tensor& counts, const std::string& what) {
 
 }  // namespace
 
-// Each tile: the amax of every column over the tile's rows (those of its expert), then the
-// codes, written transposed into the tile's 128 columns.
 Fp8BothWays quantize_fp8_both_ways(const Tensor& x) {
   return {cpu::quantize_fp8(x, Fp8Blocks::kRows), cpu::quantize_fp8_transposed(x, Fp8Blocks::kRows)};
 }
@@ -159,6 +157,8 @@ Fp8WeightBlocks quantize_fp8_weight(const Tensor& w) {
   return {std::move(blocks), std::move(transposed)};
 }
 
+// Each tile: the amax of every column over the tile's rows (those of its expert), then the
+// codes, written transposed into the tile's 128 columns.
 Fp8Tensor quantize_fp8_expert_columns(const Tensor& x, const Tensor& counts) {
   const int64_t N = x.size(0), C = x.size(1), E = counts.size(0), T = fp8_expert_tiles(N, E), P = T * kFp8Block;
   const ExpertTiles et = expert_tiles(counts, "quantize_fp8_expert_columns: counts");

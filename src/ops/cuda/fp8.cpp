@@ -120,6 +120,8 @@ Fp8WeightBlocks quantize_fp8_weight(const Tensor& w) {
   const int64_t E = experts ? w.size(0) : 1, n = experts ? w.size(1) : w.size(0), k = w.size(-1);
   const Tensor x = experts ? w.view({E * n, k}) : w;
   check_input(op, x);
+  MT_CHECK(!experts || (n % kFp8Block == 0 && k % kFp8Block == 0),
+           "{}: each expert's weight is [{}, {}]; both must be multiples of 128", op, n, k);
   if (!fp8_blocks_vec_fits(x.raw(), k) || n % 16 != 0) {  // two passes, as the ops one after the other
     Fp8Tensor blocks = cuda::quantize_fp8(x, Fp8Blocks::kBlocks);
     Fp8Tensor transposed =

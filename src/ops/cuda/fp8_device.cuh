@@ -28,9 +28,10 @@ __device__ __forceinline__ uint8_t to_e4m3(float v) {
 // (tiles of subnormals, infinite or NaN amax) divide as IEEE does. The sign is copied from x
 // so that -0 / s stays -0. Measured on an H100 (2026-12-07) over every bf16 value against a
 // spread of scales (BackendFp8.QuantizerCodesMatchTheCpuOverEveryBf16Value, with the rows
-// quantizer built on it): the CPU's codes. In the memory-bound quantizers it saved nothing
-// (the rows quantizer 1.65 TB/s either way, the combine's backward with codes the same), so
-// they divide.
+// quantizer built on it): the CPU's codes. In the memory-bound kernels it was measured in it
+// saved nothing (the rows quantizer of then 1.65 TB/s either way, the combine's backward with
+// codes the same), so those divide; quantize_tiles_kernel (every one-pass mode, the rows
+// quantizer's among them) takes it for one code path.
 struct ScaleDivisor {
   float s, r;
   bool fast;

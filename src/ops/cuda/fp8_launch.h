@@ -8,8 +8,8 @@
 
 namespace moetrain::ops::cuda {
 
-// Rows mode: scale[kb * R + r]. quantize_tiles_kernel where C % 8 == 0 and x is 16-byte
-// aligned (a 256-thread block per 128 x 128), else a tile of 1 x 128 per warp.
+// Rows mode: scale[kb * R + r]. quantize_tiles_kernel where C % 8 == 0, x is 16-byte aligned
+// and q 8-byte aligned (a 256-thread block per 128 x 128), else a tile of 1 x 128 per warp.
 void launch_quantize_fp8_rows(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
                               cudaStream_t s);
 // Blocks mode: a 128 x 128 block per 256-thread block; scale[rb * scale_cols + kb].
