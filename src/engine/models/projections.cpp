@@ -57,21 +57,23 @@ void Projections::prune_pending() const {
 }
 
 ops::Fp8Tensor Projections::weight_blocks(const Tensor& w, bool transposed) const {
-  auto quantize = [&] {
+  if (!keep_) {
     return transposed ? ops::quantize_fp8_transposed(w, ops::Fp8Blocks::kBlocks)
                       : ops::quantize_fp8(w, ops::Fp8Blocks::kBlocks);
-  };
-  if (!keep_) return quantize();
+  }
   MT_CHECK(w.shape().size() == 2, "Projections: weight of shape {} is not a matrix", shape_str(w.shape()));
-  Kept& k = kept_[{w.raw(), w.shape()[0], w.shape()[1]}];
-  if (!k.w.q.defined() && !k.w_t.q.defined()) {  // a step's products read both: one pass for both
+  const Kept& k = kept_both_ways(w, w.shape()[0], w.shape()[1]);
+  return transposed ? k.w_t : k.w;
+}
+
+const Projections::Kept& Projections::kept_both_ways(const Tensor& w, int64_t rows, int64_t cols) const {
+  Kept& k = kept_[{w.raw(), rows, cols}];
+  if (!k.w.q.defined()) {  // a step's products read both: one pass for both
     ops::Fp8WeightBlocks both = ops::quantize_fp8_weight(w);
     k.w = std::move(both.w);
     k.w_t = std::move(both.w_t);
   }
-  ops::Fp8Tensor& blocks = transposed ? k.w_t : k.w;
-  if (!blocks.q.defined()) blocks = quantize();
-  return blocks;
+  return k;
 }
 
 ops::Fp8Tensor Projections::expert_blocks(const Tensor& w, bool transposed) const {
@@ -79,12 +81,7 @@ ops::Fp8Tensor Projections::expert_blocks(const Tensor& w, bool transposed) cons
     ops::Fp8Tensor blocks = ops::quantize_fp8_experts(w);
     return transposed ? ops::transpose_fp8_experts(blocks, w.size(0)) : blocks;
   }
-  Kept& k = kept_[{w.raw(), w.size(0) * w.size(1), w.size(2)}];  // the [E n, k] view's place
-  if (!k.w.q.defined()) {  // the forward's and the input gradient's blocks in one pass
-    ops::Fp8WeightBlocks both = ops::quantize_fp8_weight(w);
-    k.w = std::move(both.w);
-    k.w_t = std::move(both.w_t);
-  }
+  const Kept& k = kept_both_ways(w, w.size(0) * w.size(1), w.size(2));  // the [E n, k] view's place
   return transposed ? k.w_t : k.w;
 }
 

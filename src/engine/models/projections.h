@@ -115,6 +115,9 @@ class Projections {
   struct Kept {
     ops::Fp8Tensor w, w_t;  // made together at the weight's first use
   };
+  // w's kept entry under the key (w's place, rows, cols), made both ways in one pass
+  // (ops::quantize_fp8_weight) at its first use: weight_blocks' and expert_blocks' one store.
+  const Kept& kept_both_ways(const Tensor& w, int64_t rows, int64_t cols) const;
   // Keyed by where the weight's elements start and its shape: MLA's kv_a weight is read as
   // two row blocks, views of one tensor.
   mutable std::map<std::tuple<const void*, int64_t, int64_t>, Kept> kept_;
