@@ -58,9 +58,14 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-// kCodes (bf16, kVec8, H % 128 == 0): also each written row's e4m3 codes per 1 x 128 tile
-// (fp8::quantize_half_warp_tile: a half-warp's 16 lanes hold one tile, 8 columns each): the
-// bits quantize_fp8 makes of deo.
+// kCodes (bf16, kVec8, H % 128 == 0): also each written row's e4m3 codes per 1 x 128 tile (a
+// half-warp's 16 lanes hold one tile, 8 columns each): the bits quantize_fp8 makes of deo.
+// Every slot's row is dy scaled by its weight, so a tile's amax is found once a token: with
+// RN products and RN to bf16 both monotone in |x|, max |bf16(w x)| over the tile is
+// bf16(|w| max |x|). The warp's tiles' amax of dy wait in shared memory (H / 128 floats a
+// warp); a slot's scales then take a product each instead of a half-warp's four dependent
+// shuffles per tile, which sat between each slot's loads and the next's (with the shuffles
+// the codes cost 6.6 ms a bench step, against ~3 for their bytes; docs/fp8.md, session 34).
 template <typename T, bool kVec8, bool kCodes = false>
 __global__ void __launch_bounds__(kWarps * 32)
     combine_backward_kernel(const T* __restrict__ dy, const T* __restrict__ eo, const float* __restrict__ weight,
@@ -70,6 +75,23 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (t >= T_) return;
   const T* d = dy + t * H;
+  float* tile_amax = nullptr;  // kCodes: dy's amax of each tile of the row
+  if constexpr (kCodes) {
+    extern __shared__ float tile_amax_smem[];
+    tile_amax = tile_amax_smem + (threadIdx.x >> 5) * (H / 128);
+    const unsigned half = 0xffffu << (lane & 16);
+    for (int64_t c = static_cast<int64_t>(lane) * 8; c < H; c += 256) {  // a half-warp's lanes all in or all out
+      float v[8];
+      load8(d + c, v);
+      float m = 0.f;
+#pragma unroll
+      for (int q = 0; q < 8; ++q) m = fmaxf(m, fabsf(v[q]));
+#pragma unroll
+      for (int o = 8; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(half, m, o));
+      if ((lane & 15) == 0) tile_amax[c / 128] = m;
+    }
+    __syncwarp();
+  }
   for (int k = 0; k < K; ++k) {
     const int64_t r = t * K + k;
     const int64_t at = order ? order[r] : r;  // the expert-output row (and its gradient's)
@@ -106,7 +128,10 @@ __global__ void __launch_bounds__(kWarps * 32)
           store8(de + h0 + u * 256, o);
           if constexpr (kCodes) {  // the half-warp's columns are all inside H or all past it
             const int64_t c = h0 + u * 256;
-            fp8::quantize_half_warp_tile(o, codes.q + at * H + c, codes.scale + (c / 128) * R + at);
+#pragma unroll
+            for (int q = 0; q < 8; ++q) o[q] = __bfloat162float(__float2bfloat16_rn(o[q]));  // as stored
+            const float amax = __bfloat162float(__float2bfloat16_rn(fabsf(wk) * tile_amax[c / 128]));
+            fp8::store_half_warp_codes(o, fp8::tile_scale(amax), codes.q + at * H + c, codes.scale + (c / 128) * R + at);
           }
         }
       }
@@ -164,7 +189,8 @@ bool launch_combine_backward(const void* dy, const void* expert_out, const float
     }
   };
   if (with_codes) {
-    combine_backward_kernel<__nv_bfloat16, true, true><<<blocks, kWarps * 32, 0, stream>>>(
+    const size_t smem = static_cast<size_t>(kWarps) * (H / 128) * sizeof(float);  // each warp's tiles' amax of dy
+    combine_backward_kernel<__nv_bfloat16, true, true><<<blocks, kWarps * 32, smem, stream>>>(
         static_cast<const __nv_bfloat16*>(dy), static_cast<const __nv_bfloat16*>(expert_out), weight, order, T, K, R,
         H, static_cast<__nv_bfloat16*>(dexpert_out), dweight, codes);
   } else if (is_bf16) {

@@ -53,9 +53,23 @@ struct ScaleDivisor {
 // must be converged here (its 16 lanes all inside the row or all past it: rows a multiple
 // of 128 long); f is left holding the rounded values. For the kernels that write a bf16 row
 // and its codes in one pass (the norm, the combine's backward).
+__device__ __forceinline__ unsigned lane_id() {
+  return (threadIdx.z * blockDim.y * blockDim.x + threadIdx.y * blockDim.x + threadIdx.x) & 31u;
+}
+// This lane's 8 codes of a 1 x 128 tile held by a half-warp (f: the values, already rounded
+// to bf16; s: the tile's scale), stored at q at once; s at *scale by the half's first lane.
+__device__ __forceinline__ void store_half_warp_codes(const float (&f)[8], float s, uint8_t* q, float* scale) {
+  uint32_t lo = 0, hi = 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    lo |= static_cast<uint32_t>(to_e4m3(f[k] / s)) << (8 * k);
+    hi |= static_cast<uint32_t>(to_e4m3(f[k + 4] / s)) << (8 * k);
+  }
+  *reinterpret_cast<uint2*>(q) = make_uint2(lo, hi);
+  if ((lane_id() & 15u) == 0) *scale = s;
+}
 __device__ __forceinline__ void quantize_half_warp_tile(float (&f)[8], uint8_t* q, float* scale) {
-  const unsigned lane = (threadIdx.z * blockDim.y * blockDim.x + threadIdx.y * blockDim.x + threadIdx.x) & 31u;
-  const unsigned half = 0xffffu << (lane & 16u);
+  const unsigned half = 0xffffu << (lane_id() & 16u);
   float amax = 0.f;
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
@@ -64,15 +78,7 @@ __device__ __forceinline__ void quantize_half_warp_tile(float (&f)[8], uint8_t* 
   }
 #pragma unroll
   for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(half, amax, o));
-  const float s = tile_scale(amax);
-  uint32_t lo = 0, hi = 0;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    lo |= static_cast<uint32_t>(to_e4m3(f[k] / s)) << (8 * k);
-    hi |= static_cast<uint32_t>(to_e4m3(f[k + 4] / s)) << (8 * k);
-  }
-  *reinterpret_cast<uint2*>(q) = make_uint2(lo, hi);
-  if ((lane & 15u) == 0) *scale = s;
+  store_half_warp_codes(f, tile_scale(amax), q, scale);
 }
 
 }  // namespace moetrain::ops::cuda::fp8
