@@ -363,9 +363,6 @@ SwigluOut grouped_swiglu_forward(const Tensor& x, const Tensor& counts, const Te
 struct SwigluInputGrads {
   Tensor dx;          // [N, H]
   Tensor dgate, dup;  // [N, I], kept for the weight gradients
-  // grouped_swiglu_backward_input_fp8: dgate and dup per 1 x 128 tile, as the dx GEMM read them
-  // (made in the dSwiGLU epilogue on Hopper); a caller that keeps the gradients drops them.
-  Fp8Tensor dgate_q, dup_q;
 };
 SwigluInputGrads grouped_swiglu_backward_input(const Tensor& dy, const Tensor& counts, const Tensor& gate,
                                                const Tensor& up, const Tensor& w_gate, const Tensor& w_up,

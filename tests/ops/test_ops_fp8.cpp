@@ -342,10 +342,6 @@ TEST(Fp8, ExpertInputGradientIsTheProductOfTheDequantizedOperands) {
   // dx from the quantized dgate and dup, in f64
   const Tensor qg = ops::dequantize_fp8(ops::quantize_fp8(got.dgate, ops::Fp8Blocks::kRows), DType::F64);
   const Tensor qu = ops::dequantize_fp8(ops::quantize_fp8(got.dup, ops::Fp8Blocks::kRows), DType::F64);
-  // the codes the op returns are those
-  ASSERT_TRUE(got.dgate_q.q.defined() && got.dup_q.q.defined());
-  EXPECT_EQ(ops::dequantize_fp8(got.dgate_q, DType::F64).to_double_vector(), qg.to_double_vector());
-  EXPECT_EQ(ops::dequantize_fp8(got.dup_q, DType::F64).to_double_vector(), qu.to_double_vector());
   Tensor dx = Tensor::zeros({N, H}, DType::F64);
   int64_t r0 = 0;
   for (int64_t e = 0; e < E; ++e) {

@@ -112,11 +112,10 @@ ops::SwigluInputGrads Projections::experts_backward_input(const Tensor& dy, cons
   if (!fp8_experts(dy.size(1), w_gate.size(1)) || bf16_input_grad) {
     return ops::grouped_swiglu_backward_input(dy, counts, gate, up, w_gate, w_up, w_down);
   }
-  ops::SwigluInputGrads g = ops::grouped_swiglu_backward_input_fp8(
-      dy_q.q.defined() ? dy_q : ops::quantize_fp8(dy, ops::Fp8Blocks::kRows), counts, gate, up,
-      expert_blocks(w_gate, true), expert_blocks(w_up, true), expert_blocks(w_down, true), w_gate.size(0));
-  g.dgate_q = g.dup_q = {};  // the dx GEMM's operands only: not kept with the gradients
-  return g;
+  return ops::grouped_swiglu_backward_input_fp8(dy_q.q.defined() ? dy_q : ops::quantize_fp8(dy, ops::Fp8Blocks::kRows),
+                                                counts, gate, up,
+                                                expert_blocks(w_gate, true), expert_blocks(w_up, true),
+                                                expert_blocks(w_down, true), w_gate.size(0));
 }
 
 Projections::Input Projections::rows(const Tensor& x) const {

@@ -207,10 +207,8 @@ SwigluInputGrads grouped_swiglu_backward_input_fp8(const Fp8Tensor& dy, const Te
     r0 += c[e];
   }
   dswiglu_in_place(G, U, DG, DU, N * I);
-  out.dgate_q = cpu::quantize_fp8(out.dgate, Fp8Blocks::kRows);
-  out.dup_q = cpu::quantize_fp8(out.dup, Fp8Blocks::kRows);
-  const Tensor dgq = cpu::dequantize_fp8(out.dgate_q, DType::F32);
-  const Tensor duq = cpu::dequantize_fp8(out.dup_q, DType::F32);
+  const Tensor dgq = cpu::dequantize_fp8(cpu::quantize_fp8(out.dgate, Fp8Blocks::kRows), DType::F32);
+  const Tensor duq = cpu::dequantize_fp8(cpu::quantize_fp8(out.dup, Fp8Blocks::kRows), DType::F32);
   const float *QG = dgq.data<float>(), *QU = duq.data<float>();
   float* DX = out.dx.data<float>();
   r0 = 0;

@@ -149,10 +149,8 @@ SwigluInputGrads grouped_swiglu_backward_input_fp8(const Fp8Tensor& dy, const Te
   g.dx = Tensor::empty({N, H}, DType::BF16, dev);
   g.dgate = Tensor::empty({N, I}, DType::BF16, dev);
   g.dup = Tensor::empty({N, I}, DType::BF16, dev);
-  for (ops::Fp8Tensor* c : {&g.dgate_q, &g.dup_q}) {
-    c->q = Tensor::empty({N, I}, DType::F8E4M3, dev);
-    c->scale = Tensor::empty({I / 128, N}, DType::F32, dev);
-  }
+  Tensor dgate_q = Tensor::empty({N, I}, DType::F8E4M3, dev), dup_q = Tensor::empty({N, I}, DType::F8E4M3, dev);
+  Tensor dgate_s = Tensor::empty({I / 128, N}, DType::F32, dev), dup_s = Tensor::empty({I / 128, N}, DType::F32, dev);
   Tensor ws = Tensor::empty({swiglu_workspace_words(N, static_cast<int>(experts))}, DType::I32, dev);
   auto codes = [](const Tensor& t) { return static_cast<const uint8_t*>(t.raw()); };
   auto out_codes = [](Tensor& t) { return static_cast<uint8_t*>(t.raw()); };
@@ -160,8 +158,8 @@ SwigluInputGrads grouped_swiglu_backward_input_fp8(const Fp8Tensor& dy, const Te
       codes(dy.q), dy.scale.data<float>(), counts.data<int64_t>(), gate.raw(), up.raw(), codes(w_gate_t.q),
       w_gate_t.scale.data<float>(), codes(w_up_t.q), w_up_t.scale.data<float>(), codes(w_down_t.q),
       w_down_t.scale.data<float>(), N, static_cast<int>(H), static_cast<int>(I), static_cast<int>(experts),
-      g.dgate.raw(), g.dup.raw(), out_codes(g.dgate_q.q), g.dgate_q.scale.data<float>(), out_codes(g.dup_q.q),
-      g.dup_q.scale.data<float>(), g.dx.raw(), ws.data<int32_t>(), stream());
+      g.dgate.raw(), g.dup.raw(), out_codes(dgate_q), dgate_s.data<float>(), out_codes(dup_q), dup_s.data<float>(),
+      g.dx.raw(), ws.data<int32_t>(), stream());
   MT_CHECK(launched, "{}: the FP8 grouped GEMMs need a Hopper GPU (sm_90) whose driver encodes TMA maps of these "
            "tensors (N = {}, H = {}, I = {}); this GPU or driver does not", op, N, H, I);
   check_launch("grouped_swiglu_backward_input_fp8 kernels");

@@ -557,7 +557,7 @@ constexpr int kRowsSmem = smem_bytes(kWsStages, kWsStage) + 1024 + 4 * kOutBox;
 static_assert(kRowsSmem <= 232448 - 64, "shared memory of the rows kernel");
 // The outputs of a rows launch (bf16: box 64 columns x 64 rows): store / gate, up, act.
 struct OutMaps {
-  CUtensorMap o[4];  // the FP8 gate/up kernel's o[3]: act's codes (RowCodes)
+  CUtensorMap o[4];  // the FP8 gate/up kernel's o[3]: act's codes (ActCodes)
 };
 
 #if MT_SM90A
@@ -595,22 +595,15 @@ __device__ __forceinline__ void produce_row_tiles(char* smem, uint64_t* full, ui
 }
 #endif  // MT_SM90A
 
-// Codes that an FP8 rows kernel's epilogue makes of a bf16 output it stores, per 1 x 128 tile
-// along the columns (n0 is a multiple of 128, the width of 128): the bf16 as stored is what
-// is quantized, so the codes and scales are the bits quantize_fp8 (rows mode) makes of it.
-//   gate/up  c[0]: act's codes; a tile's 128 act columns of a row are the four lanes of a
-//            quad's, so its amax is theirs; out.o[3] maps the codes (box 128 x 64 bytes) for
-//            the TMA path.
-//   dSwiGLU  c[0], c[1]: dgate's and dup's codes (the dx GEMM's operands), from the amax
-//            gathered as the epilogue stores each 64-column box, then a second pass that
-//            recomputes the values (store_dswiglu_codes).
-struct RowCodes {
-  uint8_t* q;    // [N, ld] e4m3
-  float* scale;  // [ld / 128][N]
-  int n_rows, ld;  // N, the width
-};
-struct EpilogueCodes {
-  RowCodes c[2];
+// The FP8 forward's act codes, quantized in the gate/up epilogue: a gate/up tile's 128 act
+// columns of a row are one 1 x 128 tile (n0 is a multiple of 128, I of 128), so the tile's
+// amax is the four lanes of a quad's; the bf16 act as stored is what is quantized, so the
+// codes and scales are the bits quantize_fp8 (rows mode) makes of it. out.o[3] maps the
+// codes (box 128 x 64 bytes) for the TMA path.
+struct ActCodes {
+  uint8_t* q;    // [N, I] e4m3
+  float* scale;  // [I / 128][N]
+  int n_rows, ld;  // N, I
 };
 
 #if MT_SM90A
@@ -627,11 +620,11 @@ __device__ __forceinline__ int staging_offset(int r, int j, int lane) {
 // warpgroup's two staging buffers by TMA stores that drain while the next tile's MMAs run
 // (`boxes` counts them); else the rows of the expert are stored from registers. Gate/up:
 // gate and up go out first, then act replaces gate in acc (as the bf16 that is stored) and
-// goes out, then, with kActFp8, its codes and scales (RowCodes).
+// goes out, then, with kActFp8, its codes and scales (ActCodes).
 template <bool kGateUp, bool kActFp8 = false>
 __device__ __forceinline__ void store_rows_tile(float (&acc)[128], const OutMaps& out, const RowsArgs& args,
                                                 char* staging, int& boxes, int row0, int row_end, int n0, int cw,
-                                                const RowCodes& codes = {}) {
+                                                const ActCodes& codes = {}) {
   const int tid = threadIdx.x & 127, lane = tid & 31, w = tid >> 5;
   // Stores the warpgroup's 64 rows of a 128-byte-wide box at (col0, row) of `map` through the
   // next staging buffer; fill(buf, r, h) writes row r (row half h) of this thread's part.
@@ -758,140 +751,13 @@ __device__ __forceinline__ void store_rows_tile(float (&acc)[128], const OutMaps
   }
 }
 
-// Two e4m3 codes of a bf16 pair (the low element in the low byte), each divided by scale s.
-__device__ __forceinline__ uint16_t e4m3_pair(uint32_t bf16x2, float s) {
-  const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bf16x2));
-  return static_cast<uint16_t>(fp8::to_e4m3(f.x / s) | (fp8::to_e4m3(f.y / s) << 8));
-}
-
-// dgate's and dup's codes (codes.c[0], c[1]) of this thread's two rows of a consumer warpgroup's
-// tile, per 1 x 128 tile (columns n0 + 128 p ..), after store_dswiglu_tile stored the values:
-// acc holds them in place of da (the bf16 pair of dgate where da's column pair was, dup's in
-// the next register), and amax[p][h] this thread's share of each tile's amax of dgate (low)
-// and dup (high), finished here over the quad. Quantized as quantize_fp8's rows mode quantizes
-// the stored dgate and dup. A second pass because a tile spans two of the 64-column boxes
-// that the store stages one at a time.
-__device__ __forceinline__ void store_dswiglu_codes(const float (&acc)[128], const __nv_bfloat162 (&amax)[2][2], int row0,
-                                                    int row_end, int n0, int n_extent, int cw,
-                                                    const EpilogueCodes& codes) {
-  const int lane = threadIdx.x & 31, w = (threadIdx.x & 127) >> 5;
-#pragma unroll
-  for (int p = 0; p < 2; ++p) {
-    const int c0 = n0 + 128 * p;
-    if (c0 >= n_extent) break;  // the width is whole tiles: a tile is all in or all out
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      __nv_bfloat162 m = amax[p][h];
-      m = __hmax2(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      m = __hmax2(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      const float s[2] = {fp8::tile_scale(__low2float(m)), fp8::tile_scale(__high2float(m))};
-      const int64_t row = row0 + cw * 64 + 16 * w + (lane >> 2) + 8 * h;
-      if (row >= row_end) continue;
-      if ((lane & 3) == 0) {
-        const int64_t at = static_cast<int64_t>(c0 / 128) * codes.c[0].n_rows + row;
-        codes.c[0].scale[at] = s[0];
-        codes.c[1].scale[at] = s[1];
-      }
-      const int64_t o = row * codes.c[0].ld + c0 + (lane & 3) * 2;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int nb = 16 * p + j;
-        *reinterpret_cast<uint16_t*>(codes.c[0].q + o + 8 * j) = e4m3_pair(__float_as_uint(acc[nb * 4 + h * 2]), s[0]);
-        *reinterpret_cast<uint16_t*>(codes.c[1].q + o + 8 * j) = e4m3_pair(__float_as_uint(acc[nb * 4 + h * 2 + 1]), s[1]);
-      }
-    }
-  }
-}
-
-// store_dswiglu_tile's rows when some of the warpgroup's 64 are past the expert's (or some
-// columns past the width): each thread stores its rows' pairs from registers, eight batches
-// (row half, box) with the next batch's g and u loads issued first; note(nb, h, dgate, dup)
-// sees each pair stored.
-template <typename Note>
-__device__ __forceinline__ void store_dswiglu_rows(const float (&acc)[128], const RowsArgs& args, int row0,
-                                                   int row_end, int n0, int cw, bool all_cols, Note&& note) {
-  const int lane = threadIdx.x & 31, w = (threadIdx.x & 127) >> 5;
-  __nv_bfloat162 gb[2][8], ub[2][8];
-  auto load = [&](int b, __nv_bfloat162(&g)[8], __nv_bfloat162(&u)[8]) {
-    const int64_t row = row0 + cw * 64 + w * 16 + (lane >> 2) + (b >> 2) * 8;
-    if (row >= row_end) return;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int col = n0 + ((b & 3) * 8 + j) * 8 + (lane & 3) * 2;
-      if (all_cols || col < args.n_extent) {
-        g[j] = *reinterpret_cast<const __nv_bfloat162*>(args.g + row * args.ldo + col);
-        u[j] = *reinterpret_cast<const __nv_bfloat162*>(args.u + row * args.ldo + col);
-      }
-    }
-  };
-  auto finish = [&](int b, const __nv_bfloat162(&g)[8], const __nv_bfloat162(&u)[8]) {
-    const int h = b >> 2;
-    const int64_t row = row0 + cw * 64 + w * 16 + (lane >> 2) + h * 8;
-    if (row >= row_end) return;
-    const int64_t o = row * args.ldo + n0 + (b & 3) * 64 + (lane & 3) * 2;
-    if (all_cols) {
-      uint32_t dg[8], du[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int nb = (b & 3) * 8 + j;
-        dswiglu_pair(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1], g[j], u[j], dg[j], du[j]);
-        note(nb, h, dg[j], du[j]);
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        *reinterpret_cast<uint32_t*>(args.out0 + o + 8 * j) = dg[j];
-        *reinterpret_cast<uint32_t*>(args.out1 + o + 8 * j) = du[j];
-      }
-      return;
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int nb = (b & 3) * 8 + j;
-      if (n0 + nb * 8 + (lane & 3) * 2 >= args.n_extent) return;
-      uint32_t dg, du;
-      dswiglu_pair(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1], g[j], u[j], dg, du);
-      note(nb, h, dg, du);
-      *reinterpret_cast<uint32_t*>(args.out0 + o + 8 * j) = dg;
-      *reinterpret_cast<uint32_t*>(args.out1 + o + 8 * j) = du;
-    }
-  };
-  load(0, gb[0], ub[0]);
-#pragma unroll
-  for (int b = 0; b < 8; ++b) {
-    if (b + 1 < 8) load(b + 1, gb[(b + 1) & 1], ub[(b + 1) & 1]);
-    finish(b, gb[b & 1], ub[b & 1]);
-  }
-}
-
 // The dSwiGLU epilogue of a consumer warpgroup's 64 rows x 256 columns of da in acc (layout
 // as store_rows_tile's): dgate = da * u * silu'(g), dup = da * silu(g), g and u read from
-// memory (args.g, args.u), dgate and dup stored (out.o[0], o[1] / args.out0, out1); with
-// kCodes (the FP8 input gradient), their codes too (store_dswiglu_codes), for which the stored
-// pairs replace da's in acc.
-template <bool kCodes>
-__device__ __forceinline__ void store_dswiglu_tile(float (&acc)[128], const OutMaps& out, const RowsArgs& args,
-                                                   char* staging, int row0, int row_end, int n0, int cw,
-                                                   const EpilogueCodes& codes = {}) {
+// memory (args.g, args.u), dgate and dup stored (out.o[0], o[1] / args.out0, out1).
+__device__ __forceinline__ void store_dswiglu_tile(const float (&acc)[128], const OutMaps& out, const RowsArgs& args,
+                                                   char* staging, int row0, int row_end, int n0, int cw) {
   const int tid = threadIdx.x & 127, lane = tid & 31, w = tid >> 5;
   auto box_offset = [&](int r, int j) { return staging_offset(r, j, lane); };
-  // With kCodes: this thread's share of the amax of each 1 x 128 tile [p][row half h] of dgate
-  // and dup as stored (column block nb is in tile nb / 16), and the stored pairs kept
-  // where da's were (nothing reads da's again).
-  // The amax is kept as a bf16 pair (dgate's low, dup's high): exact, since the values are
-  // bf16, and half the registers; max.bf16x2 passes over a NaN as fmaxf does.
-  __nv_bfloat162 amax[2][2];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) amax[i >> 1][i & 1] = __float2bfloat162_rn(0.f);
-  auto note = [&](int nb, int h, uint32_t dg, uint32_t du) {
-    if constexpr (kCodes) {
-      acc[nb * 4 + h * 2] = __uint_as_float(dg);
-      acc[nb * 4 + h * 2 + 1] = __uint_as_float(du);
-      const uint32_t ag = dg & 0x7fff7fffu, au = du & 0x7fff7fffu;  // |.|
-      const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&ag);
-      const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&au);
-      amax[nb >> 4][h] = __hmax2(amax[nb >> 4][h], __hmax2(__lows2bfloat162(a, b), __highs2bfloat162(a, b)));
-    }
-  };
   // da -> dgate = da * u * silu'(g), dup = da * silu(g), with g and u read from memory in
   // eight batches (h, 8 column blocks), the next batch's loads issued before this one's
   // stores: the compiler may not move the loads above stores that could alias them, and
@@ -932,7 +798,6 @@ __device__ __forceinline__ void store_dswiglu_tile(float (&acc)[128], const OutM
           const int nb = 8 * q + j;
           dswiglu_pair(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1], *reinterpret_cast<__nv_bfloat162*>(&g[j]),
                        *reinterpret_cast<__nv_bfloat162*>(&u[j]), g[j], u[j]);
-          note(nb, h, g[j], u[j]);
           const int off = box_offset(r, j);
           *reinterpret_cast<uint32_t*>(staging + off) = g[j];
           *reinterpret_cast<uint32_t*>(staging + kOutBox + off) = u[j];
@@ -946,10 +811,53 @@ __device__ __forceinline__ void store_dswiglu_tile(float (&acc)[128], const OutM
         asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
       }
     }
-  } else {
-    store_dswiglu_rows(acc, args, row0, row_end, n0, cw, all_cols, note);
+    return;
   }
-  if constexpr (kCodes) store_dswiglu_codes(acc, amax, row0, row_end, n0, args.n_extent, cw, codes);
+  __nv_bfloat162 gb[2][8], ub[2][8];
+  auto load = [&](int b, __nv_bfloat162(&g)[8], __nv_bfloat162(&u)[8]) {
+    const int64_t row = row0 + cw * 64 + w * 16 + (lane >> 2) + (b >> 2) * 8;
+    if (row >= row_end) return;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int col = n0 + ((b & 3) * 8 + j) * 8 + (lane & 3) * 2;
+      if (all_cols || col < args.n_extent) {
+        g[j] = *reinterpret_cast<const __nv_bfloat162*>(args.g + row * args.ldo + col);
+        u[j] = *reinterpret_cast<const __nv_bfloat162*>(args.u + row * args.ldo + col);
+      }
+    }
+  };
+  auto finish = [&](int b, const __nv_bfloat162(&g)[8], const __nv_bfloat162(&u)[8]) {
+    const int h = b >> 2;
+    const int64_t row = row0 + cw * 64 + w * 16 + (lane >> 2) + h * 8;
+    if (row >= row_end) return;
+    const int64_t o = row * args.ldo + n0 + (b & 3) * 64 + (lane & 3) * 2;
+    if (all_cols) {
+      uint32_t dg[8], du[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int nb = (b & 3) * 8 + j;
+        dswiglu_pair(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1], g[j], u[j], dg[j], du[j]);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        *reinterpret_cast<uint32_t*>(args.out0 + o + 8 * j) = dg[j];
+        *reinterpret_cast<uint32_t*>(args.out1 + o + 8 * j) = du[j];
+      }
+      return;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int nb = (b & 3) * 8 + j;
+      if (n0 + nb * 8 + (lane & 3) * 2 >= args.n_extent) return;
+      store_dswiglu_pair(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1], g[j], u[j], args.out0 + o + 8 * j, args.out1 + o + 8 * j);
+    }
+  };
+  load(0, gb[0], ub[0]);
+#pragma unroll
+  for (int b = 0; b < 8; ++b) {
+    if (b + 1 < 8) load(b + 1, gb[(b + 1) & 1], ub[(b + 1) & 1]);
+    finish(b, gb[b & 1], ub[b & 1]);
+  }
 }
 
 #endif  // MT_SM90A
@@ -1038,7 +946,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     // acc[nb * 4 + h * 2 + c]: row 16 (tid / 32) + lane / 4 + 8 h of the warpgroup's 64 rows, column
     // nb * 8 + 2 (lane % 4) + c (gate/up: gate columns nb < 16, up columns nb + 16).
     if constexpr (kEpi == kEpiDSwiglu) {
-      store_dswiglu_tile<false>(acc, out, args, staging, row0, row_end, n0, cw);
+      store_dswiglu_tile(acc, out, args, staging, row0, row_end, n0, cw);
     } else {
       store_rows_tile<kGateUp>(acc, out, args, staging, boxes, row0, row_end, n0, cw);
     }
@@ -1123,7 +1031,7 @@ __device__ __forceinline__ void weight_scale_ptrs(const Fp8Scales& sc, int e, in
 template <int kEpi>
 __global__ void __launch_bounds__(kWsThreads, 1)
     fp8_rows_kernel(const __grid_constant__ Maps maps, const __grid_constant__ OutMaps out, const RowsArgs args,
-                    const Fp8Scales sc, const EpilogueCodes codes, int ktiles_src, int nsrc, int col_tiles,
+                    const Fp8Scales sc, const ActCodes codes, int ktiles_src, int nsrc, int col_tiles,
                     int max_tiles) {
 #if MT_SM90A
   constexpr bool kGateUp = kEpi == kEpiGateUp;
@@ -1208,9 +1116,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       if (lane == 0) mbar_arrive(&empty[s]);  // both halves' MMAs are done with the stage
     }
     if constexpr (kEpi == kEpiDSwiglu) {
-      store_dswiglu_tile<true>(acc, out, args, staging, row0, row_end, n0, cw, codes);
+      store_dswiglu_tile(acc, out, args, staging, row0, row_end, n0, cw);
     } else {
-      store_rows_tile<kGateUp, kGateUp>(acc, out, args, staging, boxes, row0, row_end, n0, cw, codes.c[0]);
+      store_rows_tile<kGateUp, kGateUp>(acc, out, args, staging, boxes, row0, row_end, n0, cw, codes);
     }
   }
   if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
@@ -1773,7 +1681,7 @@ void launch_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out, co
 // launch_rows_hopper's).
 template <int kEpi>
 void launch_fp8_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out, const RowsArgs& args,
-                            const hopper::Fp8Scales& scales, const hopper::EpilogueCodes& codes, int ktiles_src, int nsrc,
+                            const hopper::Fp8Scales& scales, const hopper::ActCodes& codes, int ktiles_src, int nsrc,
                             int n_cols, int max_tiles, cudaStream_t stream) {
   if (n_cols == 0 || max_tiles == 0) return;
   auto kernel = hopper::fp8_rows_kernel<kEpi>;
@@ -1920,7 +1828,7 @@ bool launch_swiglu_forward_fp8(const uint8_t* x_q, const float* x_scale, const i
   a.out2 = mb(act);
   a.ldo = I;
   const hopper::Fp8Scales gs{{x_scale, x_scale}, {wg_scale, wu_scale}, static_cast<int>(N), padded_blocks(H), I / 128};
-  const hopper::EpilogueCodes codes{{{act_q, act_scale, static_cast<int>(N), I}, {}}};
+  const hopper::ActCodes codes{act_q, act_scale, static_cast<int>(N), I};
   launch_fp8_rows_hopper<kEpiGateUp>(gu, gu_out, a, gs, codes, H / 128, 1, I, s.max_tiles, stream);
   // y = act Wd^T
   set_queues(a, s, 1);
@@ -1929,7 +1837,7 @@ bool launch_swiglu_forward_fp8(const uint8_t* x_q, const float* x_scale, const i
   a.out1 = a.out2 = nullptr;
   a.ldo = H;
   const hopper::Fp8Scales ds{{act_scale, act_scale}, {wd_scale, wd_scale}, static_cast<int>(N), padded_blocks(I), H / 128};
-  launch_fp8_rows_hopper<kEpiStore>(dn, dn_out, a, ds, hopper::EpilogueCodes{}, I / 128, 1, H, s.max_tiles, stream);
+  launch_fp8_rows_hopper<kEpiStore>(dn, dn_out, a, ds, hopper::ActCodes{}, I / 128, 1, H, s.max_tiles, stream);
   return true;
 }
 
@@ -1968,12 +1876,11 @@ bool launch_swiglu_backward_input_fp8(const uint8_t* dy_q, const float* dy_scale
   da.b[1] = da.b[0];
   const hopper::Fp8Scales das{{dy_scale, dy_scale}, {wdt_scale, wdt_scale}, static_cast<int>(N), padded_blocks(H),
                               I / 128};
-  // with dgate's and dup's codes per 1 x 128 tile made in the epilogue (no quantizer pass:
-  // docs/fp8.md, session 34)
-  const hopper::EpilogueCodes dcodes{{{dgate_q, dgate_scale, static_cast<int>(N), I},
-                                      {dup_q, dup_scale, static_cast<int>(N), I}}};
-  launch_fp8_rows_hopper<kEpiDSwiglu>(da, da_out, a, das, dcodes, H / 128, 1, I, s.max_tiles, stream);
-  // dx = [dgate | dup] [Wg ; Wu]: K = 2I, k < I from (dgate, Wg^T), k >= I from (dup, Wu^T)
+  launch_fp8_rows_hopper<kEpiDSwiglu>(da, da_out, a, das, hopper::ActCodes{}, H / 128, 1, I, s.max_tiles, stream);
+  // dgate, dup per 1 x 128 tile, then dx = [dgate | dup] [Wg ; Wu]: K = 2I, k < I from
+  // (dgate, Wg^T), k >= I from (dup, Wu^T)
+  launch_quantize_fp8_rows(dgate, 2, N, I, dgate_q, dgate_scale, stream);
+  launch_quantize_fp8_rows(dup, 2, N, I, dup_q, dup_scale, stream);
   set_queues(a, s, 1);
   a.n_extent = H;
   a.out0 = mb(dx);
@@ -1982,7 +1889,7 @@ bool launch_swiglu_backward_input_fp8(const uint8_t* dy_q, const float* dy_scale
   a.g = a.u = nullptr;
   const hopper::Fp8Scales dxs{{dgate_scale, dup_scale}, {wgt_scale, wut_scale}, static_cast<int>(N), padded_blocks(I),
                               H / 128};
-  launch_fp8_rows_hopper<kEpiStore>(dxm, dx_out, a, dxs, hopper::EpilogueCodes{}, I / 128, 2, H, s.max_tiles, stream);
+  launch_fp8_rows_hopper<kEpiStore>(dxm, dx_out, a, dxs, hopper::ActCodes{}, I / 128, 2, H, s.max_tiles, stream);
   return true;
 }
 
