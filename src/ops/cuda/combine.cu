@@ -79,15 +79,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   if constexpr (kCodes) {
     extern __shared__ float tile_amax_smem[];
     tile_amax = tile_amax_smem + (threadIdx.x >> 5) * (H / 128);
-    const unsigned half = 0xffffu << (lane & 16);
     for (int64_t c = static_cast<int64_t>(lane) * 8; c < H; c += 256) {  // a half-warp's lanes all in or all out
       float v[8];
       load8(d + c, v);
-      float m = 0.f;
-#pragma unroll
-      for (int q = 0; q < 8; ++q) m = fmaxf(m, fabsf(v[q]));
-#pragma unroll
-      for (int o = 8; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(half, m, o));
+      const float m = fp8::half_warp_amax(v);
       if ((lane & 15) == 0) tile_amax[c / 128] = m;
     }
     __syncwarp();

@@ -46,15 +46,19 @@ struct ScaleDivisor {
   __device__ __forceinline__ uint8_t code(float x) const { return to_e4m3(quotient(x)); }
 };
 
-// One 1 x 128 tile of a bf16 row held by the 16 lanes of an aligned half-warp, 8 columns a
-// lane (f: this lane's values before their bf16 rounding), quantized as quantize_fp8's rows
-// mode quantizes the stored bf16 row: the tile's amax by four shuffles within the half, the
-// 8 codes stored at q at once, the scale at *scale by the half's first lane. The half-warp
-// must be converged here (its 16 lanes all inside the row or all past it: rows a multiple
-// of 128 long); f is left holding the rounded values. For the kernels that write a bf16 row
-// and its codes in one pass (the norm, the combine's backward).
 __device__ __forceinline__ unsigned lane_id() {
   return (threadIdx.z * blockDim.y * blockDim.x + threadIdx.y * blockDim.x + threadIdx.x) & 31u;
+}
+// The amax of a 1 x 128 tile held by the 16 lanes of an aligned half-warp, 8 values a lane:
+// this lane's, then four shuffles within the half (which must be converged here).
+__device__ __forceinline__ float half_warp_amax(const float (&f)[8]) {
+  const unsigned half = 0xffffu << (lane_id() & 16u);
+  float amax = 0.f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(f[k]));
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(half, amax, o));
+  return amax;
 }
 // This lane's 8 codes of a 1 x 128 tile held by a half-warp (f: the values, already rounded
 // to bf16; s: the tile's scale), stored at q at once; s at *scale by the half's first lane.
@@ -68,17 +72,18 @@ __device__ __forceinline__ void store_half_warp_codes(const float (&f)[8], float
   *reinterpret_cast<uint2*>(q) = make_uint2(lo, hi);
   if ((lane_id() & 15u) == 0) *scale = s;
 }
+
+// One 1 x 128 tile of a bf16 row held by the 16 lanes of an aligned half-warp, 8 columns a
+// lane (f: this lane's values before their bf16 rounding), quantized as quantize_fp8's rows
+// mode quantizes the stored bf16 row: the tile's amax by four shuffles within the half, the
+// 8 codes stored at q at once, the scale at *scale by the half's first lane. The half-warp
+// must be converged here (its 16 lanes all inside the row or all past it: rows a multiple
+// of 128 long); f is left holding the rounded values. For the kernels that write a bf16 row
+// and its codes in one pass (the norm, the combine's backward).
 __device__ __forceinline__ void quantize_half_warp_tile(float (&f)[8], uint8_t* q, float* scale) {
-  const unsigned half = 0xffffu << (lane_id() & 16u);
-  float amax = 0.f;
 #pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    f[k] = __bfloat162float(__float2bfloat16_rn(f[k]));
-    amax = fmaxf(amax, fabsf(f[k]));
-  }
-#pragma unroll
-  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(half, amax, o));
-  store_half_warp_codes(f, tile_scale(amax), q, scale);
+  for (int k = 0; k < 8; ++k) f[k] = __bfloat162float(__float2bfloat16_rn(f[k]));
+  store_half_warp_codes(f, tile_scale(half_warp_amax(f)), q, scale);
 }
 
 }  // namespace moetrain::ops::cuda::fp8
