@@ -47,6 +47,39 @@ __global__ void quantize_rows_kernel(const void* __restrict__ x, int elem_bytes,
   if (lane == 0) scale[kb * R + r] = s;
 }
 
+// Rows mode for bf16 rows whose length is a multiple of 8: 16 threads per 1 x 128 tile, each
+// loading 8 elements (16 bytes) and storing 8 codes at once (the scalar kernel above reads
+// 256 bytes a warp: too little in flight to approach HBM's rate). Same arithmetic, same bits.
+// Faster than quantize_tiles_kernel in rows mode (H100, 8192 x 2048: 30.5 against 38.3 us):
+// a tile needs no more than its 16 threads, so blocks retire sooner and no thread holds 64.
+__global__ void quantize_rows_bf16x8_kernel(const __nv_bfloat16* __restrict__ x, int64_t R, int64_t C,
+                                            uint8_t* __restrict__ q, float* __restrict__ scale) {
+  const int64_t L = (C + kBlock - 1) / kBlock;
+  const int64_t tile = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 16;
+  const int part = threadIdx.x & 15;
+  const bool live = tile < R * L;
+  const int64_t r = live ? tile / L : 0, kb = live ? tile % L : 0;
+  const int64_t c = kb * kBlock + 8 * part;
+  const bool has = live && c < C;  // C % 8 == 0: a thread's 8 are all in or all out
+  float v[8];
+  float amax = 0.f;
+  if (has) {
+    load8(x + r * C + c, v);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
+  }
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (!has) return;
+  const float s = tile_scale(amax);
+  uint2 out;
+  uint8_t* b = reinterpret_cast<uint8_t*>(&out);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) b[j] = to_e4m3(v[j] / s);
+  *reinterpret_cast<uint2*>(q + r * C + c) = out;
+  if (part == 0) scale[kb * R + r] = s;
+}
+
 // One 256-thread block per 128 x 128 block of x; kTransposed: the codes go to x^T [C, R] and
 // the scale to block (cb, rb) of x^T's grid.
 template <bool kTransposed>
@@ -295,11 +328,11 @@ __global__ void quantize_transposed_kernel(const void* __restrict__ x, int elem_
   if (part == 0) scale[rb * C + c] = s;
 }
 
-// The column pass of the experts' column quantizer (quantize_expert_columns_kernel), which
-// stages 128 rows x 64 columns as floats in shared memory: thread tid takes column tid % 64
-// and rows 32 (tid / 64) .. + 31, the four parts' amax meet in part_max, and each column's
-// scale comes back to its four threads (every thread of the block calls it: it holds a
-// __syncthreads); column_codes packs 16 rows of a column from rr as one 16-byte word of codes.
+// The column pass of the quantizers that stage 128 rows x 64 columns as floats in shared
+// memory: thread tid takes column tid % 64 and rows 32 (tid / 64) .. + 31, the four parts'
+// amax meet in part_max, and each column's scale comes back to its four threads (every thread
+// of the block calls it: it holds a __syncthreads); column_codes packs 16 rows of a column
+// from rr as one 16-byte word of codes.
 constexpr int kStagedCols = 64;
 using StagedTile = float[kBlock][kStagedCols + 1];
 __device__ __forceinline__ float staged_column_scale(const StagedTile& tile, float (&part_max)[4][kStagedCols],
@@ -337,6 +370,39 @@ __device__ __forceinline__ uint4 column_codes(const StagedTile& tile, int rr, in
 #pragma unroll
   for (int j = 0; j < 16; ++j) b[j] = to_e4m3(tile[rr + j][cc] / s);
   return out;
+}
+
+// The transposed quantizer for bf16 x with C % 8 == 0 and R % 16 == 0 (16-byte loads and
+// stores): a block per 128 rows x 64 columns, loaded 8 elements a thread into shared memory;
+// thread t takes column t % 64 (a warp: 32 consecutive columns, no bank conflicts) and rows
+// 32 (t / 64) .. + 31, so four threads in four warps share a column's tile (their amax meets
+// in shared memory) and each stores its 32 codes as two 16-byte words. Same arithmetic, same
+// bits; faster than quantize_tiles_kernel along the tokens (H100, 8192 x 2048: 37.4 against
+// 48.8 us).
+__global__ void __launch_bounds__(256) quantize_transposed_bf16x8_kernel(const __nv_bfloat16* __restrict__ x,
+                                                                        int64_t R, int64_t C,
+                                                                        uint8_t* __restrict__ q,
+                                                                        float* __restrict__ scale) {
+  constexpr int kCols = kStagedCols;
+  __shared__ StagedTile tile;
+  __shared__ float part_max[4][kCols];
+  const int64_t n_cb = (C + kCols - 1) / kCols;
+  const int64_t rb = blockIdx.x / n_cb, cb = blockIdx.x % n_cb;
+  const int64_t r0 = rb * kBlock, c0 = cb * kCols;
+  const int tid = threadIdx.x;
+  stage_rows_bf16x8(tile, x, r0, R - r0, C, c0, tid);
+  __syncthreads();
+  const int cc = tid % kCols, part = tid / kCols;
+  const float s = staged_column_scale(tile, part_max, tid);
+  const int64_t c = c0 + cc;
+  if (c >= C) return;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int rr = 32 * part + 16 * h;
+    if (r0 + rr >= R) break;  // R % 16 == 0: 16 rows are all in or all out
+    *reinterpret_cast<uint4*>(q + c * R + r0 + rr) = column_codes(tile, rr, cc, s);
+  }
+  if (part == 0) scale[rb * C + c] = s;
 }
 
 // Each expert's W^T blocks from W's: a 256-thread block per 128 x 128 block (rb, cb) of expert
@@ -579,7 +645,12 @@ void launch_quantize_fp8_rows(const void* x, int elem_bytes, int64_t R, int64_t 
   const int64_t warps = R * ((C + kBlock - 1) / kBlock);
   if (warps == 0) return;
   if (C % 8 == 0 && aligned16(x) && reinterpret_cast<uintptr_t>(q) % 8 == 0) {
-    launch_tiles<true, false>(x, elem_bytes, R, C, q, scale, nullptr, nullptr, s);
+    if (elem_bytes == 2) {
+      quantize_rows_bf16x8_kernel<<<static_cast<unsigned>((warps + 15) / 16), 256, 0, s>>>(
+          static_cast<const __nv_bfloat16*>(x), R, C, q, scale);  // one tile per 16 threads
+    } else {
+      launch_tiles<true, false>(x, elem_bytes, R, C, q, scale, nullptr, nullptr, s);
+    }
     return;
   }
   quantize_rows_kernel<<<static_cast<unsigned>((warps + 7) / 8), 256, 0, s>>>(x, elem_bytes, R, C, q, scale);
@@ -741,7 +812,13 @@ void launch_quantize_fp8_transposed(const void* x, int elem_bytes, int64_t R, in
                                     cudaStream_t s) {
   if (R == 0 || C == 0) return;
   if (C % 8 == 0 && R % 16 == 0 && aligned16(x) && aligned16(q)) {
-    launch_tiles<false, true>(x, elem_bytes, R, C, nullptr, nullptr, q, scale, s);
+    if (elem_bytes == 2) {
+      const int64_t blocks = ((R + kBlock - 1) / kBlock) * ((C + kStagedCols - 1) / kStagedCols);
+      quantize_transposed_bf16x8_kernel<<<static_cast<unsigned>(blocks), 256, 0, s>>>(
+          static_cast<const __nv_bfloat16*>(x), R, C, q, scale);
+    } else {
+      launch_tiles<false, true>(x, elem_bytes, R, C, nullptr, nullptr, q, scale, s);
+    }
     return;
   }
   const int64_t blocks = ((R + kBlock - 1) / kBlock) * ((C + 31) / 32);

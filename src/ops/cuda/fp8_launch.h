@@ -8,15 +8,17 @@
 
 namespace moetrain::ops::cuda {
 
-// Rows mode: scale[kb * R + r]. quantize_tiles_kernel where C % 8 == 0, x is 16-byte aligned
-// and q 8-byte aligned (a 256-thread block per 128 x 128), else a tile of 1 x 128 per warp.
+// Rows mode: scale[kb * R + r]. Where C % 8 == 0, x is 16-byte aligned and q 8-byte aligned:
+// 16 threads per 1 x 128 tile for bf16, quantize_tiles_kernel (a 256-thread block per
+// 128 x 128) for f32; else a tile of 1 x 128 per warp.
 void launch_quantize_fp8_rows(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
                               cudaStream_t s);
 // Blocks mode: a 128 x 128 block per 256-thread block; scale[rb * scale_cols + kb].
 void launch_quantize_fp8_blocks(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
                                 int64_t scale_cols, cudaStream_t s);
-// x [R, C] -> x^T [C, R] in rows mode: scale[rb * C + c]. quantize_tiles_kernel where C % 8 ==
-// 0, R % 16 == 0 and x, q are 16-byte aligned, else a block per 128 rows x 32 columns of x.
+// x [R, C] -> x^T [C, R] in rows mode: scale[rb * C + c]. Where C % 8 == 0, R % 16 == 0 and
+// x, q are 16-byte aligned: a block per 128 rows x 64 columns staged in shared memory for
+// bf16, quantize_tiles_kernel for f32; else a block per 128 rows x 32 columns of x.
 void launch_quantize_fp8_transposed(const void* x, int elem_bytes, int64_t R, int64_t C, uint8_t* q, float* scale,
                                     cudaStream_t s);
 // x [R, C] -> x^T [C, R] in blocks mode: a 256-thread block per 128 x 128 block of x, the
