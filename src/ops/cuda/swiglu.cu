@@ -50,6 +50,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdlib>
+#include <string_view>
 
 #include "ops/cuda/elementwise_launch.h"
 #include "ops/cuda/fp8_device.cuh"
@@ -969,6 +970,15 @@ __device__ __forceinline__ void fp8_fresh_sum(float (&part)[64], uint32_t a, uin
   wgmma_wait<0>();
   pin(part);
 }
+// The same with A's fragments in registers (loaded once a k-tile for both halves).
+__device__ __forceinline__ void fp8_fresh_sum_rs(float (&part)[64], const uint32_t (&af)[4][4], uint32_t b) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3_rs(part, af[kk], sw128_desc(b + kk * 32, 16, 1024), kk);
+  wgmma_commit();
+  wgmma_wait<0>();
+  pin(part);
+}
 #endif  // MT_SM90A
 
 // ---- FP8 row-grouped GEMMs (issue 30) ---------------------------------------------------
@@ -1028,7 +1038,10 @@ __device__ __forceinline__ void weight_scale_ptrs(const Fp8Scales& sc, int e, in
 // Measured on 2026-12-07 and deleted: the two consumer warpgroups issuing their MMAs in turns
 // (named barriers; each promoting under the other's MMAs, the remedy the stall samples
 // pointed to), the same time to the microsecond (docs/fp8.md, session 33).
-template <int kEpi>
+// kARegs (MOETRAIN_FP8_A_REGS=1, an experiment: docs/fp8.md, session 35): A's fragments of
+// a k-tile loaded once into registers (ldmatrix) and the MMAs in the RS form, so that shared
+// memory feeds only B (tools/wgmma_ceiling prices it).
+template <int kEpi, bool kARegs = false>
 __global__ void __launch_bounds__(kWsThreads, 1)
     fp8_rows_kernel(const __grid_constant__ Maps maps, const __grid_constant__ OutMaps out, const RowsArgs args,
                     const Fp8Scales sc, const ActCodes codes, int ktiles_src, int nsrc, int col_tiles,
@@ -1105,10 +1118,19 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       if (kt + 1 < ktiles) load_scales(kt + 1, next);
       mbar_wait(&full[s], (it / S) & 1);
       const uint32_t a = smem_u32(smem + s * kWsStage) + cw * 64 * 128, b = smem_u32(smem + s * kWsStage + kTile);
+      uint32_t af[4][4];
+      if constexpr (kARegs) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) ldmatrix_a_e4m3(af[kk], a, kk);
+      }
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float part[64];
-        fp8_fresh_sum(part, a, b + half * kTile);
+        if constexpr (kARegs) {
+          fp8_fresh_sum_rs(part, af, b + half * kTile);
+        } else {
+          fp8_fresh_sum(part, a, b + half * kTile);
+        }
         const float sbh = cur[2 + half], s0 = cur[0] * sbh, s1 = cur[1] * sbh;
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[half * 64 + i] += part[i] * ((i & 2) ? s1 : s0);  // part[4j + 2h + c]
@@ -1684,7 +1706,11 @@ void launch_fp8_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out
                             const hopper::Fp8Scales& scales, const hopper::ActCodes& codes, int ktiles_src, int nsrc,
                             int n_cols, int max_tiles, cudaStream_t stream) {
   if (n_cols == 0 || max_tiles == 0) return;
-  auto kernel = hopper::fp8_rows_kernel<kEpi>;
+  static const bool a_regs = [] {
+    const char* v = std::getenv("MOETRAIN_FP8_A_REGS");
+    return v != nullptr && std::string_view(v) == "1";
+  }();
+  auto kernel = a_regs ? hopper::fp8_rows_kernel<kEpi, true> : hopper::fp8_rows_kernel<kEpi, false>;
   prepare_hopper(kernel, hopper::kRowsSmem);
   const int col_tiles = (n_cols + hopper::ws_tile_cols(kEpi) - 1) / hopper::ws_tile_cols(kEpi);
   const int grid = persistent_grid(static_cast<int64_t>(col_tiles) * max_tiles);
