@@ -431,52 +431,6 @@ TEST(BackendFp8, GroupedSwigluBackwardInputMatchesTheDequantizedProducts) {
   }
 }
 
-// dgate's and dup's codes made in da's epilogue (MOETRAIN_FP8_DSWIGLU_CODES=1, an experiment:
-// docs/fp8.md, session 35) instead of by two quantizer passes: dx, computed from those codes,
-// bit for bit the same as with the passes (a code or scale that differs anywhere would move
-// the f32 sums of its rows), and dgate and dup unchanged. The cases whose I is a multiple of
-// 256 (where the epilogue makes them): ragged experts (a tile's rows past an expert's end:
-// the copy path) and the bench's shape.
-TEST(BackendFp8, DSwigluEpilogueCodesGiveTheQuantizersBits) {
-  MT_REQUIRE_GPU();
-  PoisonScope poison;
-  auto bits = [](const Tensor& t) {
-    const Tensor c = t.to(Device::cpu());
-    const uint8_t* p = static_cast<const uint8_t*>(c.raw());
-    return std::vector<uint8_t>(p, p + c.numel() * dtype_size(c.dtype()));
-  };
-  int ran = 0;
-  for (const ExpertCase& c : expert_cases()) {
-    const int64_t E = c.experts(), H = c.H, I = c.I, N = c.rows();
-    if (I % 256 != 0) continue;
-    ++ran;
-    const std::string tag = fmt::format("dswiglu codes[E={},N={},H={},I={}]", E, N, H, I);
-    const Tensor dy = on_gpu(random_bf16_values({N, H}, N + H + 5, 1.0), DType::BF16);
-    const Tensor gate = on_gpu(random_bf16_values({N, I}, N + 6, 1.0), DType::BF16);
-    const Tensor up = on_gpu(random_bf16_values({N, I}, N + 7, 1.0), DType::BF16);
-    auto wt = [&](const Shape& shape, uint32_t seed) {
-      return ops::transpose_fp8_experts(
-          ops::quantize_fp8_experts(on_gpu(random_bf16_values(shape, seed, 0.05), DType::BF16)), E);
-    };
-    const ops::Fp8Tensor gt = wt({E, I, H}, 31 + E), ut = wt({E, I, H}, 32 + E), dt = wt({E, H, I}, 33 + E);
-    const ops::Fp8Tensor dyq = ops::quantize_fp8(dy, ops::Fp8Blocks::kRows);
-    const Tensor counts = Tensor::from_vector(c.counts, {E}).to(kGpu);
-    ASSERT_EQ(unsetenv("MOETRAIN_FP8_DSWIGLU_CODES"), 0);
-    const ops::SwigluInputGrads passes = ops::grouped_swiglu_backward_input_fp8(dyq, counts, gate, up, gt, ut, dt, E);
-    ASSERT_EQ(setenv("MOETRAIN_FP8_DSWIGLU_CODES", "1", 1), 0);
-    const ops::SwigluInputGrads fused = ops::grouped_swiglu_backward_input_fp8(dyq, counts, gate, up, gt, ut, dt, E);
-    ASSERT_EQ(unsetenv("MOETRAIN_FP8_DSWIGLU_CODES"), 0);
-    EXPECT_TRUE(bits(fused.dgate) == bits(passes.dgate)) << tag << ": dgate";
-    EXPECT_TRUE(bits(fused.dup) == bits(passes.dup)) << tag << ": dup";
-    const std::vector<uint8_t> a = bits(fused.dx), b = bits(passes.dx);
-    ASSERT_EQ(a.size(), b.size()) << tag;
-    int64_t differ = 0;
-    for (size_t i = 0; i < a.size(); i += 2) differ += a[i] != b[i] || a[i + 1] != b[i + 1];
-    EXPECT_EQ(differ, 0) << tag << ": dx elements that differ";
-  }
-  EXPECT_EQ(ran, 2) << "the cases with I % 256 == 0";
-}
-
 // The experts' weight-gradient operands (quantize_fp8_expert_columns) bit for bit, padding
 // tiles included (poisoned memory: every byte must be written), and the FP8 weight-gradient
 // GEMM (the wgmma kernel, promoted every 128 of K with a scale per row of each operand)

@@ -76,8 +76,7 @@ constexpr int kSmemBytes = kStages * kStageBytes;  // 96 KB
 constexpr int kScheduleThreads = 1024;
 constexpr int kQueueWords = 8;  // rows kernels: [tiles, split, launch 0 counters x 2, launch 1 counters x 2, spare]
 
-// kEpiDSwigluCodes: kEpiDSwiglu that also quantizes dgate and dup (FP8 kernel only).
-enum Epilogue { kEpiGateUp, kEpiStore, kEpiDSwiglu, kEpiDSwigluCodes };
+enum Epilogue { kEpiGateUp, kEpiStore, kEpiDSwiglu };
 
 // Byte offset of 16-byte chunk `chunk` of row r in a tile.
 template <bool kKMajor>
@@ -602,14 +601,10 @@ __device__ __forceinline__ void produce_row_tiles(char* smem, uint64_t* full, ui
 // amax is the four lanes of a quad's; the bf16 act as stored is what is quantized, so the
 // codes and scales are the bits quantize_fp8 (rows mode) makes of it. out.o[3] maps the
 // codes (box 128 x 64 bytes) for the TMA path.
-// The dSwiGLU kernel's codes (kEpiDSwigluCodes): q/scale dgate's, q2/scale2 dup's, their
-// boxes through out.o[2] and o[3].
 struct ActCodes {
   uint8_t* q;    // [N, I] e4m3
   float* scale;  // [I / 128][N]
   int n_rows, ld;  // N, I
-  uint8_t* q2 = nullptr;
-  float* scale2 = nullptr;
 };
 
 #if MT_SM90A
@@ -757,92 +752,11 @@ __device__ __forceinline__ void store_rows_tile(float (&acc)[128], const OutMaps
   }
 }
 
-// dgate's and dup's codes per 1 x 128 tile from the bf16 pairs that store_dswiglu_tile
-// stored and left in acc (acc[nb * 4 + h * 2]: dgate's pair, + 1: dup's), so that the two
-// quantizer passes over them are not needed: the tile's amax over a quad (as the act codes
-// of store_rows_tile), the codes of dgate and dup written into the warpgroup's two staging
-// buffers (a 64 x 128-byte box each, swizzled as TMA reads it), then stored by TMA where all
-// 64 rows are the expert's (whole), else copied 16 bytes a thread for the rows that are (a
-// TMA box would write the next expert's rows). Bits as quantize_fp8 (rows mode) makes them.
-// Every column of the tile exists (the launcher asks for I % 256 == 0).
-__device__ __forceinline__ void store_dswiglu_codes(const float (&acc)[128], const OutMaps& out,
-                                                    const ActCodes& codes, char* staging, int row0, int row_end,
-                                                    int n0, int cw, bool whole) {
-  const int tid = threadIdx.x & 127, lane = tid & 31, w = tid >> 5;
-  const int r0 = row0 + cw * 64;
-  auto lo = [](float pair) { return __uint_as_float(__float_as_uint(pair) << 16); };  // column c = 0
-  auto hi = [](float pair) { return __uint_as_float(__float_as_uint(pair) & 0xffff0000u); };
-#pragma unroll
-  for (int t = 0; t < 2; ++t) {  // the tile's two 128-column tiles
-    float sc[2][2];              // [dgate, dup][row half h]
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int o = 0; o < 2; ++o) {
-        float amax = 0.f;
-#pragma unroll
-        for (int k = 0; k < 16; ++k) {
-          const float p = acc[(16 * t + k) * 4 + h * 2 + o];
-          amax = fmaxf(amax, fmaxf(fabsf(lo(p)), fabsf(hi(p))));
-        }
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        sc[o][h] = fp8::tile_scale(amax);
-      }
-    }
-    if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // both buffers read
-    named_barrier(2 + cw, 128);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = 16 * w + (lane >> 2) + 8 * h;
-#pragma unroll
-      for (int o = 0; o < 2; ++o) {
-        const fp8::ScaleDivisor d(sc[o][h]);
-#pragma unroll
-        for (int k = 0; k < 16; ++k) {
-          const float p = acc[(16 * t + k) * 4 + h * 2 + o];
-          *reinterpret_cast<uint16_t*>(staging + o * kOutBox + r * 128 + (((k >> 1) ^ (r & 7)) << 4) + (k & 1) * 8 +
-                                       (lane & 3) * 2) = static_cast<uint16_t>(d.code(lo(p)) | (d.code(hi(p)) << 8));
-        }
-      }
-      const int row = r0 + r;
-      if ((lane & 3) == 0 && row < row_end) {
-        const int64_t at = static_cast<int64_t>(n0 / 128 + t) * codes.n_rows + row;
-        codes.scale[at] = sc[0][h];
-        codes.scale2[at] = sc[1][h];
-      }
-    }
-    if (whole) {
-      fence_proxy_async();  // generic writes -> copy engine reads
-      named_barrier(2 + cw, 128);
-      if (tid == 0) {
-        tma_store_2d(&out.o[2], staging, n0 + 128 * t, r0);
-        tma_store_2d(&out.o[3], staging + kOutBox, n0 + 128 * t, r0);
-        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-      }
-    } else {
-      named_barrier(2 + cw, 128);
-      for (int i = tid; i < 2 * 64 * 8; i += 128) {  // [dgate, dup] x 64 rows x 8 chunks of 16 codes
-        const int o = i >> 9, rr = (i >> 3) & 63, c = i & 7;
-        if (r0 + rr < row_end) {
-          *reinterpret_cast<uint4*>((o ? codes.q2 : codes.q) + static_cast<int64_t>(r0 + rr) * codes.ld + n0 +
-                                    128 * t + 16 * c) =
-              *reinterpret_cast<const uint4*>(staging + o * kOutBox + rr * 128 + ((c ^ (rr & 7)) << 4));
-        }
-      }
-      named_barrier(2 + cw, 128);  // read before the next tile's codes overwrite it
-    }
-  }
-}
-
 // The dSwiGLU epilogue of a consumer warpgroup's 64 rows x 256 columns of da in acc (layout
 // as store_rows_tile's): dgate = da * u * silu'(g), dup = da * silu(g), g and u read from
-// memory (args.g, args.u), dgate and dup stored (out.o[0], o[1] / args.out0, out1). kCodes:
-// the stored pairs replace da in acc and store_dswiglu_codes quantizes them.
-template <bool kCodes = false>
-__device__ __forceinline__ void store_dswiglu_tile(float (&acc)[128], const OutMaps& out, const RowsArgs& args,
-                                                   char* staging, int row0, int row_end, int n0, int cw,
-                                                   const ActCodes& codes = {}) {
+// memory (args.g, args.u), dgate and dup stored (out.o[0], o[1] / args.out0, out1).
+__device__ __forceinline__ void store_dswiglu_tile(const float (&acc)[128], const OutMaps& out, const RowsArgs& args,
+                                                   char* staging, int row0, int row_end, int n0, int cw) {
   const int tid = threadIdx.x & 127, lane = tid & 31, w = tid >> 5;
   auto box_offset = [&](int r, int j) { return staging_offset(r, j, lane); };
   // da -> dgate = da * u * silu'(g), dup = da * silu(g), with g and u read from memory in
@@ -888,10 +802,6 @@ __device__ __forceinline__ void store_dswiglu_tile(float (&acc)[128], const OutM
           const int off = box_offset(r, j);
           *reinterpret_cast<uint32_t*>(staging + off) = g[j];
           *reinterpret_cast<uint32_t*>(staging + kOutBox + off) = u[j];
-          if constexpr (kCodes) {
-            acc[nb * 4 + h * 2] = __uint_as_float(g[j]);
-            acc[nb * 4 + h * 2 + 1] = __uint_as_float(u[j]);
-          }
         }
       }
       fence_proxy_async();  // generic writes -> copy engine reads
@@ -902,7 +812,6 @@ __device__ __forceinline__ void store_dswiglu_tile(float (&acc)[128], const OutM
         asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
       }
     }
-    if constexpr (kCodes) store_dswiglu_codes(acc, out, codes, staging, row0, row_end, n0, cw, true);
     return;
   }
   __nv_bfloat162 gb[2][8], ub[2][8];
@@ -929,10 +838,6 @@ __device__ __forceinline__ void store_dswiglu_tile(float (&acc)[128], const OutM
       for (int j = 0; j < 8; ++j) {
         const int nb = (b & 3) * 8 + j;
         dswiglu_pair(acc[nb * 4 + h * 2], acc[nb * 4 + h * 2 + 1], g[j], u[j], dg[j], du[j]);
-        if constexpr (kCodes) {
-          acc[nb * 4 + h * 2] = __uint_as_float(dg[j]);
-          acc[nb * 4 + h * 2 + 1] = __uint_as_float(du[j]);
-        }
       }
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -954,7 +859,6 @@ __device__ __forceinline__ void store_dswiglu_tile(float (&acc)[128], const OutM
     if (b + 1 < 8) load(b + 1, gb[(b + 1) & 1], ub[(b + 1) & 1]);
     finish(b, gb[b & 1], ub[b & 1]);
   }
-  if constexpr (kCodes) store_dswiglu_codes(acc, out, codes, staging, row0, row_end, n0, cw, false);
 }
 
 #endif  // MT_SM90A
@@ -1233,8 +1137,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       }
       if (lane == 0) mbar_arrive(&empty[s]);  // both halves' MMAs are done with the stage
     }
-    if constexpr (kEpi == kEpiDSwiglu || kEpi == kEpiDSwigluCodes) {
-      store_dswiglu_tile<kEpi == kEpiDSwigluCodes>(acc, out, args, staging, row0, row_end, n0, cw, codes);
+    if constexpr (kEpi == kEpiDSwiglu) {
+      store_dswiglu_tile(acc, out, args, staging, row0, row_end, n0, cw);
     } else {
       store_rows_tile<kGateUp, kGateUp>(acc, out, args, staging, boxes, row0, row_end, n0, cw, codes);
     }
@@ -1984,12 +1888,6 @@ bool launch_swiglu_backward_input_fp8(const uint8_t* dy_q, const float* dy_scale
       !make_map(&dx_out.o[0], dx, {h, n}, {64, 64})) {
     return false;
   }
-  // dgate's and dup's codes in da's epilogue (an experiment, MOETRAIN_FP8_DSWIGLU_CODES=1, read
-  // at each call; docs/fp8.md, session 35), where every tile's columns exist.
-  const char* epi_codes = std::getenv("MOETRAIN_FP8_DSWIGLU_CODES");
-  const bool fused_codes = epi_codes != nullptr && std::string_view(epi_codes) == "1" && I % 256 == 0 &&
-                           make_tensor_map_bytes(&da_out.o[2], dgate_q, {i, n}, {128, 64}) &&
-                           make_tensor_map_bytes(&da_out.o[3], dup_q, {i, n}, {128, 64});
   const Schedule s = make_schedule(counts, N, E, workspace, true, stream, &sm_l2_halves(stream));
   RowsArgs a = rows_args(s);
   // da = dy Wd (B = Wd^T [E, I, H], K-major), epilogue -> dgate, dup
@@ -2004,16 +1902,11 @@ bool launch_swiglu_backward_input_fp8(const uint8_t* dy_q, const float* dy_scale
   da.b[1] = da.b[0];
   const hopper::Fp8Scales das{{dy_scale, dy_scale}, {wdt_scale, wdt_scale}, static_cast<int>(N), padded_blocks(H),
                               I / 128};
+  launch_fp8_rows_hopper<kEpiDSwiglu>(da, da_out, a, das, hopper::ActCodes{}, H / 128, 1, I, s.max_tiles, stream);
   // dgate, dup per 1 x 128 tile, then dx = [dgate | dup] [Wg ; Wu]: K = 2I, k < I from
   // (dgate, Wg^T), k >= I from (dup, Wu^T)
-  if (fused_codes) {
-    const hopper::ActCodes codes{dgate_q, dgate_scale, static_cast<int>(N), I, dup_q, dup_scale};
-    launch_fp8_rows_hopper<kEpiDSwigluCodes>(da, da_out, a, das, codes, H / 128, 1, I, s.max_tiles, stream);
-  } else {
-    launch_fp8_rows_hopper<kEpiDSwiglu>(da, da_out, a, das, hopper::ActCodes{}, H / 128, 1, I, s.max_tiles, stream);
-    launch_quantize_fp8_rows(dgate, 2, N, I, dgate_q, dgate_scale, stream);
-    launch_quantize_fp8_rows(dup, 2, N, I, dup_q, dup_scale, stream);
-  }
+  launch_quantize_fp8_rows(dgate, 2, N, I, dgate_q, dgate_scale, stream);
+  launch_quantize_fp8_rows(dup, 2, N, I, dup_q, dup_scale, stream);
   set_queues(a, s, 1);
   a.n_extent = H;
   a.out0 = mb(dx);
