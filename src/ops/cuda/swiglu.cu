@@ -1038,17 +1038,19 @@ __device__ __forceinline__ void weight_scale_ptrs(const Fp8Scales& sc, int e, in
 // Measured on 2026-12-07 and deleted: the two consumer warpgroups issuing their MMAs in turns
 // (named barriers; each promoting under the other's MMAs, the remedy the stall samples
 // pointed to), the same time to the microsecond (docs/fp8.md, session 33).
-// kARegs (MOETRAIN_FP8_A_REGS=1, an experiment: docs/fp8.md, session 35): A's fragments of
-// a k-tile loaded once into registers (ldmatrix) and the MMAs in the RS form, so that shared
-// memory feeds only B (tools/wgmma_ceiling prices it).
-template <int kEpi, bool kARegs = false>
+// kARegs (the forward's two launches): A's fragments of a k-tile loaded once into registers
+// (ldmatrix) and the MMAs in the RS form, so that shared memory feeds only B. H100, bench
+// shape: the forward 0.970 -> 0.947 ms (docs/fp8.md, session 35); the input gradient's
+// launches keep A in shared memory (the same time, and the dSwiGLU variant spills more).
+// S, kEpilogue: MOETRAIN_FP8_EXPERIMENT=stages3 / noepi (session 35's measurement of where
+// the main loop waits: a 3-stage ring; no epilogue, outputs not written).
+template <int kEpi, bool kARegs = false, int S = kWsStages, bool kEpilogue = true>
 __global__ void __launch_bounds__(kWsThreads, 1)
     fp8_rows_kernel(const __grid_constant__ Maps maps, const __grid_constant__ OutMaps out, const RowsArgs args,
                     const Fp8Scales sc, const ActCodes codes, int ktiles_src, int nsrc, int col_tiles,
                     int max_tiles) {
 #if MT_SM90A
   constexpr bool kGateUp = kEpi == kEpiGateUp;
-  constexpr int S = kWsStages;
   extern __shared__ char smem_raw[];
   __shared__ int tile_of[S];
   uint64_t *full, *empty;
@@ -1137,7 +1139,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       }
       if (lane == 0) mbar_arrive(&empty[s]);  // both halves' MMAs are done with the stage
     }
-    if constexpr (kEpi == kEpiDSwiglu) {
+    if constexpr (!kEpilogue) {
+      if (acc[0] == 12345.f && acc[127] == -12345.f) args.out0[0] = bf16(0.f);  // keeps the loop alive
+    } else if constexpr (kEpi == kEpiDSwiglu) {
       store_dswiglu_tile(acc, out, args, staging, row0, row_end, n0, cw);
     } else {
       store_rows_tile<kGateUp, kGateUp>(acc, out, args, staging, boxes, row0, row_end, n0, cw, codes);
@@ -1701,16 +1705,18 @@ void launch_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out, co
 
 // The FP8 rows kernel over K = 128 ktiles_src from each of nsrc sources (n_cols as
 // launch_rows_hopper's).
-template <int kEpi>
+template <int kEpi, bool kARegs>
 void launch_fp8_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out, const RowsArgs& args,
                             const hopper::Fp8Scales& scales, const hopper::ActCodes& codes, int ktiles_src, int nsrc,
                             int n_cols, int max_tiles, cudaStream_t stream) {
   if (n_cols == 0 || max_tiles == 0) return;
-  static const bool a_regs = [] {
-    const char* v = std::getenv("MOETRAIN_FP8_A_REGS");
-    return v != nullptr && std::string_view(v) == "1";
-  }();
-  auto kernel = a_regs ? hopper::fp8_rows_kernel<kEpi, true> : hopper::fp8_rows_kernel<kEpi, false>;
+  auto kernel = hopper::fp8_rows_kernel<kEpi, kARegs>;
+  if constexpr (kEpi != kEpiDSwiglu) {
+    const char* x = std::getenv("MOETRAIN_FP8_EXPERIMENT");
+    const std::string_view v = x != nullptr ? x : "";
+    if (v == "stages3") kernel = hopper::fp8_rows_kernel<kEpi, kARegs, 3, true>;
+    if (v == "noepi") kernel = hopper::fp8_rows_kernel<kEpi, kARegs, hopper::kWsStages, false>;
+  }
   prepare_hopper(kernel, hopper::kRowsSmem);
   const int col_tiles = (n_cols + hopper::ws_tile_cols(kEpi) - 1) / hopper::ws_tile_cols(kEpi);
   const int grid = persistent_grid(static_cast<int64_t>(col_tiles) * max_tiles);
@@ -1855,7 +1861,7 @@ bool launch_swiglu_forward_fp8(const uint8_t* x_q, const float* x_scale, const i
   a.ldo = I;
   const hopper::Fp8Scales gs{{x_scale, x_scale}, {wg_scale, wu_scale}, static_cast<int>(N), padded_blocks(H), I / 128};
   const hopper::ActCodes codes{act_q, act_scale, static_cast<int>(N), I};
-  launch_fp8_rows_hopper<kEpiGateUp>(gu, gu_out, a, gs, codes, H / 128, 1, I, s.max_tiles, stream);
+  launch_fp8_rows_hopper<kEpiGateUp, true>(gu, gu_out, a, gs, codes, H / 128, 1, I, s.max_tiles, stream);
   // y = act Wd^T
   set_queues(a, s, 1);
   a.n_extent = H;
@@ -1863,7 +1869,7 @@ bool launch_swiglu_forward_fp8(const uint8_t* x_q, const float* x_scale, const i
   a.out1 = a.out2 = nullptr;
   a.ldo = H;
   const hopper::Fp8Scales ds{{act_scale, act_scale}, {wd_scale, wd_scale}, static_cast<int>(N), padded_blocks(I), H / 128};
-  launch_fp8_rows_hopper<kEpiStore>(dn, dn_out, a, ds, hopper::ActCodes{}, I / 128, 1, H, s.max_tiles, stream);
+  launch_fp8_rows_hopper<kEpiStore, true>(dn, dn_out, a, ds, hopper::ActCodes{}, I / 128, 1, H, s.max_tiles, stream);
   return true;
 }
 
@@ -1902,7 +1908,7 @@ bool launch_swiglu_backward_input_fp8(const uint8_t* dy_q, const float* dy_scale
   da.b[1] = da.b[0];
   const hopper::Fp8Scales das{{dy_scale, dy_scale}, {wdt_scale, wdt_scale}, static_cast<int>(N), padded_blocks(H),
                               I / 128};
-  launch_fp8_rows_hopper<kEpiDSwiglu>(da, da_out, a, das, hopper::ActCodes{}, H / 128, 1, I, s.max_tiles, stream);
+  launch_fp8_rows_hopper<kEpiDSwiglu, false>(da, da_out, a, das, hopper::ActCodes{}, H / 128, 1, I, s.max_tiles, stream);
   // dgate, dup per 1 x 128 tile, then dx = [dgate | dup] [Wg ; Wu]: K = 2I, k < I from
   // (dgate, Wg^T), k >= I from (dup, Wu^T)
   launch_quantize_fp8_rows(dgate, 2, N, I, dgate_q, dgate_scale, stream);
@@ -1915,7 +1921,7 @@ bool launch_swiglu_backward_input_fp8(const uint8_t* dy_q, const float* dy_scale
   a.g = a.u = nullptr;
   const hopper::Fp8Scales dxs{{dgate_scale, dup_scale}, {wgt_scale, wut_scale}, static_cast<int>(N), padded_blocks(I),
                               H / 128};
-  launch_fp8_rows_hopper<kEpiStore>(dxm, dx_out, a, dxs, hopper::ActCodes{}, I / 128, 2, H, s.max_tiles, stream);
+  launch_fp8_rows_hopper<kEpiStore, false>(dxm, dx_out, a, dxs, hopper::ActCodes{}, I / 128, 2, H, s.max_tiles, stream);
   return true;
 }
 
