@@ -371,6 +371,26 @@ __device__ __forceinline__ uint4 column_codes(const StagedTile& tile, int rr, in
   for (int j = 0; j < 16; ++j) b[j] = to_e4m3(tile[rr + j][cc] / s);
   return out;
 }
+// The column pass's outputs once the tile is staged (every thread of the block calls it):
+// column c = c0 + tid % 64's scale and this thread's 32 codes of it (rows 32 (tid / 64) ..),
+// as two 16-byte words at codes_at(c, rr) for the rows below `rows` (a multiple of 16), the
+// scale at scale_at(c) by the column's first part; nothing for a column past C.
+template <typename CodesAt, typename ScaleAt>
+__device__ __forceinline__ void store_staged_columns(const StagedTile& tile, float (&part_max)[4][kStagedCols],
+                                                     int tid, int64_t c0, int64_t C, int64_t rows, CodesAt codes_at,
+                                                     ScaleAt scale_at) {
+  const int cc = tid % kStagedCols, part = tid / kStagedCols;
+  const float s = staged_column_scale(tile, part_max, tid);
+  const int64_t c = c0 + cc;
+  if (c >= C) return;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int rr = 32 * part + 16 * h;
+    if (rr >= rows) break;
+    *reinterpret_cast<uint4*>(codes_at(c, rr)) = column_codes(tile, rr, cc, s);
+  }
+  if (part == 0) *scale_at(c) = s;
+}
 
 // The transposed quantizer for bf16 x with C % 8 == 0 and R % 16 == 0 (16-byte loads and
 // stores): a block per 128 rows x 64 columns, loaded 8 elements a thread into shared memory;
@@ -392,17 +412,9 @@ __global__ void __launch_bounds__(256) quantize_transposed_bf16x8_kernel(const _
   const int tid = threadIdx.x;
   stage_rows_bf16x8(tile, x, r0, R - r0, C, c0, tid);
   __syncthreads();
-  const int cc = tid % kCols, part = tid / kCols;
-  const float s = staged_column_scale(tile, part_max, tid);
-  const int64_t c = c0 + cc;
-  if (c >= C) return;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int rr = 32 * part + 16 * h;
-    if (r0 + rr >= R) break;  // R % 16 == 0: 16 rows are all in or all out
-    *reinterpret_cast<uint4*>(q + c * R + r0 + rr) = column_codes(tile, rr, cc, s);
-  }
-  if (part == 0) scale[rb * C + c] = s;
+  store_staged_columns(  // R % 16 == 0: 16 rows are all in or all out
+      tile, part_max, tid, c0, C, R - r0, [&](int64_t c, int rr) { return q + c * R + r0 + rr; },
+      [&](int64_t c) { return scale + rb * C + c; });
 }
 
 // Each expert's W^T blocks from W's: a 256-thread block per 128 x 128 block (rb, cb) of expert
@@ -776,16 +788,10 @@ __global__ void __launch_bounds__(256) quantize_expert_columns_kernel(const void
     }
   }
   __syncthreads();
-  const int cc = tid % kCols, part = tid / kCols;
-  const float s = staged_column_scale(tile, part_max, tid);
-  const int64_t c = c0 + cc;
-  if (c >= C) return;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int rr = 32 * part + 16 * h;
-    *reinterpret_cast<uint4*>(q + c * P + static_cast<int64_t>(t) * kBlock + rr) = column_codes(tile, rr, cc, s);
-  }
-  if (part == 0) scale[static_cast<int64_t>(t) * C + c] = s;
+  store_staged_columns(  // every row of the tile: zeros past the expert's
+      tile, part_max, tid, c0, C, kBlock,
+      [&](int64_t c, int rr) { return q + c * P + static_cast<int64_t>(t) * kBlock + rr; },
+      [&](int64_t c) { return scale + static_cast<int64_t>(t) * C + c; });
 }
 
 }  // namespace
