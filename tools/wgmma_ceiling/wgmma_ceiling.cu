@@ -11,7 +11,9 @@
 //   fp8_acc    FP8 with no promotion: 8 x m64n128k32 a k-tile into the running sums (the
 //              recipe forbids it: the ceiling of FP8 on this tile)
 //   fp8_halves today's loop: each 128-column half a fresh sum (4 x k32), waited for, then
-//              scaled into the running sums (DeepSeek-V3's promotion every 128 of K)
+//              scaled into the running sums (DeepSeek-V3's promotion every 128 of K); x1wg
+//              one warpgroup alone (what a ping-pong kernel's main loop gets while the other
+//              warpgroup is in its epilogue)
 //   fp8_128    the same with a 64 x 128 tile a warpgroup (fresh 64 + running 64 registers):
 //              x2blk two blocks of two warpgroups an SM (128 registers a thread: ptxas
 //              spills a few), x3wg one block of three (a 192 x 128 tile): more warpgroups to
@@ -228,7 +230,8 @@ void run(int sms, int iters, float* out, double peak_fp8, double peak_bf16) {
   const double tflops = flops / (best * 1e-3) / 1e12;
   const double peak = V == kBf16 ? peak_bf16 : peak_fp8;
   char name[32];
-  std::snprintf(name, sizeof name, "%s%s", kNames[V], V == kFp8Tile128 ? (kWgs == 3 ? "x3wg" : "x2blk") : "");
+  const char* suffix = V == kFp8Tile128 ? (kWgs == 3 ? "x3wg" : "x2blk") : kWgs == 1 ? "x1wg" : "";
+  std::snprintf(name, sizeof name, "%s%s", kNames[V], suffix);
   std::printf("%-14s %8.3f ms  %7.1f TFLOP/s  %5.1f%% of the %s dense peak\n", name, best, tflops,
               100.0 * tflops / peak, V == kBf16 ? "BF16" : "FP8");
 }
@@ -256,6 +259,7 @@ int main(int argc, char** argv) {
   run<kBf16, 1>(sms, iters, out, 2 * peak_bf16, peak_bf16);
   run<kFp8Acc, 1>(sms, iters, out, 2 * peak_bf16, peak_bf16);
   run<kFp8Halves, 1>(sms, iters, out, 2 * peak_bf16, peak_bf16);
+  run<kFp8Halves, 1, 1>(sms, iters, out, 2 * peak_bf16, peak_bf16);
   run<kFp8Tile128, 2>(sms, iters, out, 2 * peak_bf16, peak_bf16);
   run<kFp8Tile128, 1, 3>(sms, iters, out, 2 * peak_bf16, peak_bf16);
   run<kRsHalves, 1>(sms, iters, out, 2 * peak_bf16, peak_bf16);
