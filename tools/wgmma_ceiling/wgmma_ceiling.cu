@@ -40,17 +40,21 @@ constexpr const char* kNames[] = {"bf16", "fp8_acc", "fp8_halves", "fp8_128", "r
 constexpr int kStages = 4;
 
 #if MT_SM90A
-#include "mma_forms.inc"
-
-// The A fragments of a k32 step (rows 16 w + l / 4 (+ 8), the step's 32 bytes) from a
-// 128-byte swizzled K-major tile: four 8 x 16-byte matrices, a0..a3 of the RS forms.
-__device__ __forceinline__ void load_a_frags(uint32_t (&a)[4], uint32_t tile, int kk) {
-  const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3;
-  const int r = 16 * w + (lane & 7) + ((lane >> 3) & 1) * 8, chunk = 2 * kk + (lane >> 4);
-  const uint32_t addr = tile + r * 128 + ((chunk ^ (r & 7)) << 4);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-               : "r"(addr));
+// The e4m3 m64n64k32 forms the quarters need (hopper.cuh has the m64n128k32 ones): A from
+// shared memory (a descriptor) or from registers (ldmatrix_a_e4m3's fragment), B K-major.
+__device__ __forceinline__ void ss_n64(float (&d)[32], uint64_t da, uint64_t db, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
+      : MT_WGMMA_D32(d)
+      : "l"(da), "l"(db), "r"(acc));
+}
+__device__ __forceinline__ void rs_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+      : MT_WGMMA_D32(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
 }
 
 // The promotion: a fresh sum times its row's and block's scales into the running sums
@@ -106,7 +110,8 @@ __global__ void __launch_bounds__(128 * kWgs, kMinBlocks) ceiling_kernel(int ite
       for (int half = 0; half < 2; ++half) {
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
-          ss_n128(acc[half], sw128_desc(a + kk * 32, 16, 1024), sw128_desc(b + half * 16384 + kk * 32, 16, 1024), 1);
+          wgmma_m64n128k32_e4m3(acc[half], sw128_desc(a + kk * 32, 16, 1024),
+                                sw128_desc(b + half * 16384 + kk * 32, 16, 1024), 1);
         }
       }
       wgmma_commit();
@@ -116,40 +121,27 @@ __global__ void __launch_bounds__(128 * kWgs, kMinBlocks) ceiling_kernel(int ite
     } else if constexpr (V == kFp8Halves || V == kRsHalves) {
       if constexpr (V == kRsHalves) {
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) load_a_frags(frags[kk], a, kk);
+        for (int kk = 0; kk < 4; ++kk) ldmatrix_a_e4m3(frags[kk], a, kk);
       }
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        float part[64];
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          const uint64_t db = sw128_desc(b + half * 16384 + kk * 32, 16, 1024);
-          if constexpr (V == kRsHalves) {
-            rs_n128(part, frags[kk], db, kk);
-          } else {
-            ss_n128(part, sw128_desc(a + kk * 32, 16, 1024), db, kk);
-          }
+        float part[64];  // fp8_rows_kernel's k-tile, half by half
+        if constexpr (V == kRsHalves) {
+          fp8_fresh_sum_rs(part, frags, b + half * 16384);
+        } else {
+          fp8_fresh_sum(part, a, b + half * 16384);
         }
-        wgmma_commit();
-        wgmma_wait<0>();
-        pin(part);
         promote(acc[half], part, s0, s1);
       }
     } else if constexpr (V == kFp8Tile128) {
       float part[64];
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) ss_n128(part, sw128_desc(a + kk * 32, 16, 1024), sw128_desc(b + kk * 32, 16, 1024), kk);
-      wgmma_commit();
-      wgmma_wait<0>();
-      pin(part);
+      fp8_fresh_sum(part, a, b);
       promote(acc[0], part, s0, s1);
     } else {  // quarters: q into pa / pb alternately, each promoted under the next one's MMAs
       constexpr bool kRs = V == kRsQuarters;
       if constexpr (kRs) {
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) load_a_frags(frags[kk], a, kk);
+        for (int kk = 0; kk < 4; ++kk) ldmatrix_a_e4m3(frags[kk], a, kk);
       }
       float pa[32], pb[32];
       auto issue = [&](float(&p)[32], int q) {

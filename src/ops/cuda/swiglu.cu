@@ -956,31 +956,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #endif
 }
 
-#if MT_SM90A
-// One k-tile's fresh sum in FP8 of a consumer warpgroup's 64 K-major rows of A (at a) and 128
-// K-major rows of B (at b), both 128 codes deep in 128-byte swizzled rows: four k32 MMAs,
-// waited for, since the promotion (every 128 of K, DeepSeek-V3's) reads it next.
-__device__ __forceinline__ void fp8_fresh_sum(float (&part)[64], uint32_t a, uint32_t b) {
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    wgmma_m64n128k32_e4m3(part, sw128_desc(a + kk * 32, 16, 1024), sw128_desc(b + kk * 32, 16, 1024), kk);
-  }
-  wgmma_commit();
-  wgmma_wait<0>();
-  pin(part);
-}
-// The same with A's fragments in registers (loaded once a k-tile for both halves).
-__device__ __forceinline__ void fp8_fresh_sum_rs(float (&part)[64], const uint32_t (&af)[4][4], uint32_t b) {
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3_rs(part, af[kk], sw128_desc(b + kk * 32, 16, 1024), kk);
-  wgmma_commit();
-  wgmma_wait<0>();
-  pin(part);
-}
-#endif  // MT_SM90A
-
 // ---- FP8 row-grouped GEMMs (issue 30) ---------------------------------------------------
 // rows_kernel's schedule, ring and epilogues with e4m3 operands, both K-major (Hopper's FP8
 // MMA takes no transposed operand): the forward's gate/up and down, and the input
