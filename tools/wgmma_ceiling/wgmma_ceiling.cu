@@ -37,7 +37,7 @@ using namespace moetrain::ops::cuda::sm90;
 
 enum Variant { kBf16, kFp8Acc, kFp8Halves, kFp8Tile128, kRsHalves, kRsQuarters, kSsQuarters };
 constexpr const char* kNames[] = {"bf16", "fp8_acc", "fp8_halves", "fp8_128", "rs_halves", "rs_quarters", "ss_quarters"};
-constexpr int kStages = 4;
+constexpr int kStages = 4;  // the ring's stages (3 where two blocks must share an SM)
 
 #if MT_SM90A
 // The e4m3 m64n64k32 forms the quarters need (hopper.cuh has the m64n128k32 ones): A from
@@ -68,13 +68,14 @@ __device__ __forceinline__ void promote(float* acc, const float (&part)[N], floa
 
 // kWgs consumer warpgroups of 64 rows each (A: 64 kWgs rows, then B at a_bytes).
 template <int V, int kMinBlocks, int kWgs>
-__global__ void __launch_bounds__(128 * kWgs, kMinBlocks) ceiling_kernel(int iters, int stage_bytes, float* out) {
+__global__ void __launch_bounds__(128 * kWgs, kMinBlocks)
+    ceiling_kernel(int iters, int stages, int stage_bytes, float* out) {
 #if MT_SM90A
   extern __shared__ char smem_raw[];
   char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   // Operands: e4m3 bytes (and bf16 pairs) of small magnitude, no NaN (clear bit 7 and bit 3 of
   // the exponent), varied so that the tensor cores' power is that of real data.
-  for (int i = threadIdx.x; i < kStages * stage_bytes / 4; i += blockDim.x) {
+  for (int i = threadIdx.x; i < stages * stage_bytes / 4; i += blockDim.x) {
     uint32_t h = i * 2654435761u + 12345u;
     h ^= h >> 13;
     reinterpret_cast<uint32_t*>(smem)[i] = h & 0x37373737u;
@@ -92,7 +93,7 @@ __global__ void __launch_bounds__(128 * kWgs, kMinBlocks) ceiling_kernel(int ite
   for (int i = 0; i < 64 * kHalves; ++i) acc[i / 64][i % 64] = 0.f;
   uint32_t frags[4][4];
   for (int kt = 0; kt < iters; ++kt) {
-    const uint32_t st = base + (kt % kStages) * stage_bytes;
+    const uint32_t st = base + (kt % stages) * stage_bytes;
     const uint32_t a = st + cw * 64 * 128, b = st + kWgs * 8192;
     const float s0 = 1.f + kt * 1e-9f, s1 = 1.f - kt * 1e-9f;  // the scales of a real k-tile
     if constexpr (V == kBf16) {
@@ -198,11 +199,14 @@ void check(cudaError_t e, const char* what) {
 template <int V, int kMinBlocks, int kWgs = 2>
 void run(int sms, int iters, float* out, double peak_fp8, double peak_bf16) {
   const int stage_bytes = kWgs * 8192 + (V == kFp8Tile128 ? 16384 : 32768);
-  const int smem = kStages * stage_bytes + 1024;
+  const int stages = kMinBlocks > 1 ? 3 : kStages;  // two blocks of 4 x 32 KB would not fit an SM
+  const int smem = stages * stage_bytes + 1024;
   auto kernel = ceiling_kernel<V, kMinBlocks, kWgs>;
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "smem attribute");
+  int resident = 0;  // blocks an SM holds at once: the variant means what it says only at kMinBlocks
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, 128 * kWgs, smem), "occupancy");
   const int blocks = sms * kMinBlocks;
-  kernel<<<blocks, 128 * kWgs, smem>>>(iters, stage_bytes, out);  // warm-up
+  kernel<<<blocks, 128 * kWgs, smem>>>(iters, stages, stage_bytes, out);  // warm-up
   check(cudaGetLastError(), kNames[V]);
   cudaEvent_t t0, t1;
   cudaEventCreate(&t0);
@@ -210,7 +214,7 @@ void run(int sms, int iters, float* out, double peak_fp8, double peak_bf16) {
   float best = 1e30f;
   for (int rep = 0; rep < 5; ++rep) {
     cudaEventRecord(t0);
-    kernel<<<blocks, 128 * kWgs, smem>>>(iters, stage_bytes, out);
+    kernel<<<blocks, 128 * kWgs, smem>>>(iters, stages, stage_bytes, out);
     cudaEventRecord(t1);
     check(cudaEventSynchronize(t1), kNames[V]);
     float ms = 0;
@@ -224,8 +228,8 @@ void run(int sms, int iters, float* out, double peak_fp8, double peak_bf16) {
   char name[32];
   const char* suffix = V == kFp8Tile128 ? (kWgs == 3 ? "x3wg" : "x2blk") : kWgs == 1 ? "x1wg" : "";
   std::snprintf(name, sizeof name, "%s%s", kNames[V], suffix);
-  std::printf("%-14s %8.3f ms  %7.1f TFLOP/s  %5.1f%% of the %s dense peak\n", name, best, tflops,
-              100.0 * tflops / peak, V == kBf16 ? "BF16" : "FP8");
+  std::printf("%-14s %8.3f ms  %7.1f TFLOP/s  %5.1f%% of the %s dense peak  (%d of %d blocks an SM resident)\n",
+              name, best, tflops, 100.0 * tflops / peak, V == kBf16 ? "BF16" : "FP8", resident, kMinBlocks);
 }
 }  // namespace
 
@@ -240,13 +244,14 @@ int main(int argc, char** argv) {
   }
   int clock_khz = 0;
   cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0);
-  // Dense tensor-core rates of an SM a clock: 4096 bf16, 8192 e4m3 FLOPs (H100/H200 SXM: 989 /
-  // 1979 TFLOP/s at 1.83 GHz on 132 SMs).
+  // Dense tensor-core rates of an SM a clock: 4096 bf16, 8192 e4m3 FLOPs, at the clock the
+  // device reports (its boost maximum: 1,980 MHz on an H100 SXM, so 1,071 / 2,141 TFLOP/s;
+  // the data sheet's 989 / 1,979 are the same rates at 1.83 GHz).
   const double peak_bf16 = 4096.0 * prop.multiProcessorCount * clock_khz * 1e3 / 1e12;
   std::printf("%s, %d SMs, %.0f MHz: dense peaks %.0f (BF16) and %.0f (FP8) TFLOP/s; %d k-tiles a block\n",
               prop.name, prop.multiProcessorCount, clock_khz / 1e3, peak_bf16, 2 * peak_bf16, iters);
   float* out = nullptr;
-  check(cudaMalloc(&out, 256 * sizeof(float)), "cudaMalloc");
+  check(cudaMalloc(&out, 512 * sizeof(float)), "cudaMalloc");  // a thread index of any variant
   const int sms = prop.multiProcessorCount;
   run<kBf16, 1>(sms, iters, out, 2 * peak_bf16, peak_bf16);
   run<kFp8Acc, 1>(sms, iters, out, 2 * peak_bf16, peak_bf16);

@@ -112,9 +112,9 @@ __device__ __forceinline__ void pin(float (&d)[N]) {
 
 // The accumulator operands of the wgmma wrappers below: "+f"(d[0]) .. "+f"(d[N - 1]), which
 // their asm names %0 .. %N-1.
-#define MT_WGMMA_D8(d, i)                                                                         \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
-      "+f"(d[i + 6]), "+f"(d[i + 7])
+#define MT_WGMMA_D8(d, i)                                                                      \
+  "+f"(d[(i)]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), "+f"(d[(i) + 4]),        \
+      "+f"(d[(i) + 5]), "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
 #define MT_WGMMA_D32(d) MT_WGMMA_D8(d, 0), MT_WGMMA_D8(d, 8), MT_WGMMA_D8(d, 16), MT_WGMMA_D8(d, 24)
 #define MT_WGMMA_D64(d) \
   MT_WGMMA_D32(d), MT_WGMMA_D8(d, 32), MT_WGMMA_D8(d, 40), MT_WGMMA_D8(d, 48), MT_WGMMA_D8(d, 56)
