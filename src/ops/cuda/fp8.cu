@@ -56,28 +56,14 @@ __global__ void quantize_rows_bf16x8_kernel(const __nv_bfloat16* __restrict__ x,
                                             uint8_t* __restrict__ q, float* __restrict__ scale) {
   const int64_t L = (C + kBlock - 1) / kBlock;
   const int64_t tile = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 16;
-  const int part = threadIdx.x & 15;
   const bool live = tile < R * L;
   const int64_t r = live ? tile / L : 0, kb = live ? tile % L : 0;
-  const int64_t c = kb * kBlock + 8 * part;
+  const int64_t c = kb * kBlock + 8 * (threadIdx.x & 15);
   const bool has = live && c < C;  // C % 8 == 0: a thread's 8 are all in or all out
-  float v[8];
-  float amax = 0.f;
-  if (has) {
-    load8(x + r * C + c, v);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
-  }
-#pragma unroll
-  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if (!has) return;
-  const float s = tile_scale(amax);
-  uint2 out;
-  uint8_t* b = reinterpret_cast<uint8_t*>(&out);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) b[j] = to_e4m3(v[j] / s);
-  *reinterpret_cast<uint2*>(q + r * C + c) = out;
-  if (part == 0) scale[kb * R + r] = s;
+  float v[8] = {};
+  if (has) load8(x + r * C + c, v);
+  const float amax = fp8::half_warp_amax(v);  // a tile is an aligned half-warp, all of it here
+  if (has) fp8::store_half_warp_codes(v, tile_scale(amax), q + r * C + c, scale + kb * R + r);
 }
 
 // One 256-thread block per 128 x 128 block of x; kTransposed: the codes go to x^T [C, R] and

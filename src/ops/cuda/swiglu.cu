@@ -1680,6 +1680,22 @@ void launch_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out, co
   kernel<<<grid, hopper::kWsThreads, smem, stream>>>(maps, out, args, ktiles_src, nsrc, col_tiles, max_tiles);
 }
 
+// MOETRAIN_FP8_EXPERIMENT, read once (an unknown value is named and ignored): 1 stages3, 2
+// noepi, else 0 (launch_fp8_rows_hopper).
+int fp8_rows_experiment() {
+  static const int experiment = [] {
+    const char* x = std::getenv("MOETRAIN_FP8_EXPERIMENT");
+    const std::string_view v = x != nullptr ? x : "";
+    if (v == "stages3") return 1;
+    if (v == "noepi") return 2;
+    if (!v.empty() && v != "none") {
+      std::fprintf(stderr, "moetrain: MOETRAIN_FP8_EXPERIMENT=%s is none of none, stages3, noepi: ignored\n", x);
+    }
+    return 0;
+  }();
+  return experiment;
+}
+
 // The FP8 rows kernel over K = 128 ktiles_src from each of nsrc sources (n_cols as
 // launch_rows_hopper's).
 template <int kEpi, bool kARegs>
@@ -1689,17 +1705,9 @@ void launch_fp8_rows_hopper(const hopper::Maps& maps, const hopper::OutMaps& out
   if (n_cols == 0 || max_tiles == 0) return;
   auto kernel = hopper::fp8_rows_kernel<kEpi, kARegs>;
   if constexpr (kEpi != kEpiDSwiglu) {
-    const char* x = std::getenv("MOETRAIN_FP8_EXPERIMENT");
-    const std::string_view v = x != nullptr ? x : "";
-    if (v == "stages3") kernel = hopper::fp8_rows_kernel<kEpi, kARegs, 3, true>;
-    if (v == "noepi") kernel = hopper::fp8_rows_kernel<kEpi, kARegs, hopper::kWsStages, false>;  // timing only
-    static const bool warned = [&] {
-      if (!v.empty() && v != "none" && v != "stages3" && v != "noepi") {
-        std::fprintf(stderr, "moetrain: MOETRAIN_FP8_EXPERIMENT=%s is none of none, stages3, noepi: ignored\n", x);
-      }
-      return true;
-    }();
-    (void)warned;
+    const int experiment = fp8_rows_experiment();
+    if (experiment == 1) kernel = hopper::fp8_rows_kernel<kEpi, kARegs, 3, true>;
+    if (experiment == 2) kernel = hopper::fp8_rows_kernel<kEpi, kARegs, hopper::kWsStages, false>;  // timing only
   }
   prepare_hopper(kernel, hopper::kRowsSmem);
   const int col_tiles = (n_cols + hopper::ws_tile_cols(kEpi) - 1) / hopper::ws_tile_cols(kEpi);
